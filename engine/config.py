@@ -1,0 +1,146 @@
+"""Model configuration, read from a checkpoint's config.json (transformers 4.x and 5.x styles)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from .errors import ModelLoadError
+
+# Architecture name in config.json -> family. The families differ only in the flags below.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    type: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    family: str
+    vocab_size: int
+    hidden_size: int  # D
+    intermediate_size: int  # F, width of the SwiGLU MLP
+    num_layers: int  # L
+    num_heads: int  # H, query heads
+    num_kv_heads: int  # H_kv, key/value heads (GQA when < H)
+    head_dim: int  # d
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = RopeConfig()
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # bias on q/k/v projections (Qwen2 always; Llama/Qwen3 with attention_bias)
+    o_bias: bool = False  # bias on the output projection (Llama/Qwen3 with attention_bias)
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
+    sliding_window: int | None = None  # attend to at most this many positions back (Mistral)
+    bos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+
+    @property
+    def kv_bytes_per_position(self) -> int:
+        """Bytes per cached position at 1 byte per value; multiply by the dtype's size."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _rope_from(raw: dict) -> RopeConfig:
+    # transformers 5.x: "rope_parameters": {"rope_type": ..., "rope_theta": ..., ...}
+    # transformers 4.x: "rope_theta": ..., "rope_scaling": {"type"|"rope_type": ..., ...} or null
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:  # per-layer-type form
+        params = params["full_attention"]
+    if params is None:
+        params = dict(raw.get("rope_scaling") or {})
+        params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind not in ("default", "linear", "llama3"):
+        raise ModelLoadError(f"rope type {kind!r} is not supported (supported: default, linear, llama3)")
+    return RopeConfig(
+        theta=float(params.get("rope_theta", raw.get("rope_theta", 10000.0))),
+        type=kind,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (int(value),)
+
+
+def config_from_dict(raw: dict, path: Path | None = None) -> ModelConfig:
+    archs = raw.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}", path
+        )
+    family = SUPPORTED_ARCHITECTURES[arch]
+    if raw.get("mlp_bias"):
+        raise ModelLoadError("mlp_bias=true is not supported", path)
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"hidden_act {raw.get('hidden_act')!r} is not supported (only silu)", path)
+    try:
+        hidden = int(raw["hidden_size"])
+        heads = int(raw["num_attention_heads"])
+        window = raw.get("sliding_window")
+        if family == "qwen2" or family == "qwen3":
+            window = window if raw.get("use_sliding_window") else None
+        return ModelConfig(
+            architecture=arch,
+            family=family,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope=_rope_from(raw),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
+            o_bias=family != "qwen2" and bool(raw.get("attention_bias", False)),
+            qk_norm=family == "qwen3",
+            sliding_window=int(window) if window else None,
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_id=_ids(raw.get("eos_token_id")),
+        )
+    except KeyError as e:
+        raise ModelLoadError(f"config.json lacks the field {e.args[0]!r}", path) from None
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(f"config.json has a malformed field: {e}", path) from None
+    except ModelLoadError as e:
+        raise ModelLoadError(str(e), path) from None
+
+
+def load_config(model_dir: Path) -> ModelConfig:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ModelLoadError("missing config.json", path)
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"config.json is not valid JSON: {e}", path) from None
+    if not isinstance(raw, dict):
+        raise ModelLoadError("config.json is not a JSON object", path)
+    return config_from_dict(raw, path)

@@ -1,0 +1,78 @@
+"""The records a generation yields. Small, immutable, plain values: safe to hand to another thread."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class ReuseReport:
+    """What happened to the cache for one request.
+
+    reused: prompt positions whose K/V were kept; computed: prompt positions prefilled;
+    invalidated: cached positions thrown away; first_invalidated_position: where the cache was cut
+    (None when nothing was thrown away), with the cached and the new token there.
+    """
+    reused: int
+    computed: int
+    invalidated: int
+    first_invalidated_position: int | None
+    cached_token: dict | None  # {"id": int, "text": str}
+    new_token: dict | None
+    reason: str | None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillStarted:
+    prompt_tokens: int
+    reuse: ReuseReport
+    prompt_token_ids: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillProgress:
+    done: int  # prompt positions computed so far (of `total`)
+    total: int
+    cache_positions: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillDone:
+    reused: int
+    computed: int
+    seconds: float
+    cache_positions: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Token:
+    index: int  # 1-based: token 1 is the first output token
+    token_id: int
+    text: str  # the text delta; never splits a UTF-8 character
+    time: float  # emission time on trace.now
+    cache_positions: int  # consumed positions when this token was emitted (it is not consumed yet)
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    reason: str  # eos | stop_string | max_new_tokens | capacity | cancelled
+    text: str
+    token_ids: tuple[int, ...]
+    trace: dict
+    cache: dict
+    reuse: ReuseReport
+    tail: str = ""  # text the streamed deltas had not yet shown (a character cut at the end)
+
+
+@dataclasses.dataclass(frozen=True)
+class Failed:
+    error: str
+    kind: str  # the exception's class name: CapacityError, TemplateError, ...
+    trace: dict
+
+
+Event = PrefillStarted | PrefillProgress | PrefillDone | Token | Finished | Failed
+STOP_REASONS = ("eos", "stop_string", "max_new_tokens", "capacity", "cancelled")

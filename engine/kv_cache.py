@@ -1,0 +1,66 @@
+"""A preallocated KV cache with an explicit length: it never grows by concatenation."""
+
+from __future__ import annotations
+
+import torch
+
+
+def payload_bytes(num_layers: int, positions: int, num_kv_heads: int, head_dim: int, bytes_per_value: int) -> int:
+    """Ideal KV payload, 2 · L · T · H_kv · d · b (K and V). For several sequences pass the sum of lengths as T."""
+    return 2 * num_layers * positions * num_kv_heads * head_dim * bytes_per_value
+
+
+class KVCache:
+    """K and V for every layer: [L, B, H_kv, capacity, d] each, plus `length`, the positions consumed.
+
+    A position counts once a forward pass has consumed it: prefill of an 8-position prompt leaves
+    length 8; consuming token 1 makes it 9.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device, batch: int = 1):
+        shape = (num_layers, batch, num_kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, H_kv, C, d]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, H_kv, C, d]
+        self.num_layers, self.batch, self.num_kv_heads, self.capacity, self.head_dim = (
+            num_layers, batch, num_kv_heads, capacity, head_dim)
+        self.length = 0
+
+    @property
+    def positions(self) -> int:
+        return self.length
+
+    @property
+    def bytes_per_value(self) -> int:
+        return self.k.element_size()
+
+    @property
+    def bytes_per_position(self) -> int:
+        return payload_bytes(self.num_layers, 1, self.num_kv_heads, self.head_dim, self.bytes_per_value) * self.batch
+
+    @property
+    def payload_bytes(self) -> int:
+        return payload_bytes(self.num_layers, self.length * self.batch, self.num_kv_heads, self.head_dim,
+                             self.bytes_per_value)
+
+    @property
+    def allocated_bytes(self) -> int:
+        """What the buffers really take: the whole capacity, whatever the length."""
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+    def truncate(self, length: int) -> None:
+        """Forget positions from `length` on; their slots are overwritten by later writes."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
+        self.length = length
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v ([B, H_kv, T, d]) at positions start..start+T-1; return views of positions 0..start+T-1."""
+        end = start + k.shape[2]
+        self.k[layer, :, :, start:end] = k
+        self.v[layer, :, :, start:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def stats(self) -> dict:
+        return {"positions": self.length, "capacity": self.capacity,
+                "payload_bytes": self.payload_bytes, "allocated_bytes": self.allocated_bytes}

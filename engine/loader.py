@@ -1,0 +1,244 @@
+"""Loading a Hugging Face style model folder: config, safetensors weights (never pickle), tokenizer.
+
+Weights go from the memory-mapped safetensors straight into their final dtype; q/k/v and
+gate/up are concatenated into the fused projections the model uses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import struct
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .config import ModelConfig, load_config
+from .errors import ModelLoadError
+from .model import Transformer
+from .tokenizer import Tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEMO_MODEL = Path(__file__).resolve().parent.parent / "resources" / "models" / "kvchat-demo"
+
+
+def resolve_device(name: str | None = None) -> torch.device:
+    """cuda, then mps, then cpu when `name` is None or "auto"."""
+    if name in (None, "", "auto"):
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("device cuda was asked for, but torch sees no CUDA GPU")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ModelLoadError("device mps was asked for, but it is not available")
+    return device
+
+
+def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """bfloat16 on a GPU, float32 on the CPU, unless asked otherwise."""
+    if name in (None, "", "auto"):
+        return torch.bfloat16 if device.type in ("cuda", "mps") else torch.float32
+    if name not in DTYPES:
+        raise ModelLoadError(f"dtype {name!r} is not supported (supported: {', '.join(DTYPES)})")
+    return DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _weight_files(model_dir: Path) -> dict[str, Path]:
+    """tensor name -> file holding it, from model.safetensors or a sharded index."""
+    index = model_dir / "model.safetensors.index.json"
+    single = model_dir / "model.safetensors"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ModelLoadError(f"the shard index is unreadable: {e!r}", index) from None
+        files = {}
+        for name, fname in weight_map.items():
+            path = (model_dir / fname).resolve()
+            if path.parent != model_dir.resolve():
+                raise ModelLoadError(f"the shard index points outside the model folder: {fname!r}", index)
+            files[name] = path
+        for path in set(files.values()):
+            if not path.is_file():
+                raise ModelLoadError("a shard named in model.safetensors.index.json is missing", path)
+        return files
+    if single.is_file():
+        return {name: single for name in _read_names(single)}
+    pickles = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(p.name for p in model_dir.glob("*.pt*"))
+    if pickles:
+        raise ModelLoadError(
+            f"only pickle weights found ({', '.join(pickles)}); kvchat never unpickles model files "
+            "(they can run code). Convert them to model.safetensors first", model_dir)
+    raise ModelLoadError("missing model.safetensors (or model.safetensors.index.json)", model_dir)
+
+
+def _read_names(path: Path) -> list[str]:
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            return list(f.keys())
+    except Exception as e:  # SafetensorError, OSError: a truncated or corrupt file
+        raise ModelLoadError(f"corrupt or truncated safetensors file: {e}", path) from None
+
+
+def _header_digest(paths) -> str:
+    """What identifies the weights cheaply: each file's name, size, mtime and safetensors header."""
+    h = hashlib.sha256()
+    for path in sorted(set(paths)):
+        st = path.stat()
+        h.update(f"{path.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) == 8:
+                n = struct.unpack("<Q", head)[0]
+                h.update(f.read(min(n, 100_000_000)))
+    return h.hexdigest()[:16]
+
+
+def _expected(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the checkpoint must hold, with its shape, under Hugging Face names."""
+    D, F, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    qd, kvd = cfg.num_heads * d, cfg.num_kv_heads * d
+    out = {"model.embed_tokens.weight": (cfg.vocab_size, D), "model.norm.weight": (D,)}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = (cfg.vocab_size, D)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        out.update({p + "self_attn.q_proj.weight": (qd, D), p + "self_attn.k_proj.weight": (kvd, D),
+                    p + "self_attn.v_proj.weight": (kvd, D), p + "self_attn.o_proj.weight": (D, qd),
+                    p + "mlp.gate_proj.weight": (F, D), p + "mlp.up_proj.weight": (F, D),
+                    p + "mlp.down_proj.weight": (D, F), p + "input_layernorm.weight": (D,),
+                    p + "post_attention_layernorm.weight": (D,)})
+        if cfg.qkv_bias:
+            out.update({p + "self_attn.q_proj.bias": (qd,), p + "self_attn.k_proj.bias": (kvd,),
+                        p + "self_attn.v_proj.bias": (kvd,)})
+        if cfg.o_bias:
+            out[p + "self_attn.o_proj.bias"] = (D,)
+        if cfg.qk_norm:
+            out.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
+    return out
+
+
+def _read_tensors(files: dict[str, Path], cfg: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    expected = _expected(cfg)
+    by_file: dict[Path, list[str]] = {}
+    for name in expected:
+        if name not in files:
+            where = next(iter(set(files.values())), None)
+            raise ModelLoadError(f"tensor {name!r} is missing from the checkpoint", where)
+        by_file.setdefault(files[name], []).append(name)
+    tensors = {}
+    for path, names in by_file.items():
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in names:
+                    t = f.get_tensor(name)
+                    if tuple(t.shape) != expected[name]:
+                        raise ModelLoadError(f"tensor {name!r} has shape {tuple(t.shape)}, "
+                                             f"config.json implies {expected[name]}", path)
+                    tensors[name] = t.to(dtype)
+        except ModelLoadError:
+            raise
+        except Exception as e:
+            raise ModelLoadError(f"corrupt or truncated safetensors file: {e}", path) from None
+    return tensors
+
+
+def _to_module_names(t: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    out = {"embed.weight": t["model.embed_tokens.weight"], "norm.weight": t["model.norm.weight"]}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = t["lm_head.weight"]
+    for i in range(cfg.num_layers):
+        p, m = f"model.layers.{i}.", f"layers.{i}."
+        a = p + "self_attn."
+        out[m + "attn.qkv.weight"] = torch.cat([t[a + "q_proj.weight"], t[a + "k_proj.weight"], t[a + "v_proj.weight"]])
+        if cfg.qkv_bias:
+            out[m + "attn.qkv.bias"] = torch.cat([t[a + "q_proj.bias"], t[a + "k_proj.bias"], t[a + "v_proj.bias"]])
+        out[m + "attn.o.weight"] = t[a + "o_proj.weight"]
+        if cfg.o_bias:
+            out[m + "attn.o.bias"] = t[a + "o_proj.bias"]
+        if cfg.qk_norm:
+            out[m + "attn.q_norm.weight"] = t[a + "q_norm.weight"]
+            out[m + "attn.k_norm.weight"] = t[a + "k_norm.weight"]
+        out[m + "mlp.gate_up.weight"] = torch.cat([t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"]])
+        out[m + "mlp.down.weight"] = t[p + "mlp.down_proj.weight"]
+        out[m + "attn_norm.weight"] = t[p + "input_layernorm.weight"]
+        out[m + "mlp_norm.weight"] = t[p + "post_attention_layernorm.weight"]
+    return out
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A model ready to run: the module, its config and tokenizer, and what its K/V depend on."""
+    path: Path
+    config: ModelConfig
+    model: Transformer
+    tokenizer: Tokenizer
+    device: torch.device
+    dtype: torch.dtype
+    fingerprint: dict[str, str]
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def parameter_count(self) -> int:
+        return self.model.parameter_count()
+
+    @property
+    def kv_bytes_per_position(self) -> int:
+        return self.config.kv_bytes_per_position * torch.empty((), dtype=self.dtype).element_size()
+
+    def facts(self) -> dict:
+        c = self.config
+        return {"path": str(self.path), "architecture": c.architecture, "parameters": self.parameter_count,
+                "dtype": dtype_name(self.dtype), "device": str(self.device), "layers": c.num_layers,
+                "heads": c.num_heads, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
+                "hidden_size": c.hidden_size, "vocab_size": c.vocab_size,
+                "max_position_embeddings": c.max_position_embeddings,
+                "bytes_per_value": torch.empty((), dtype=self.dtype).element_size(),
+                "kv_bytes_per_position": self.kv_bytes_per_position}
+
+
+def load_model(model_dir=None, device: str | None = None, dtype: str | None = None) -> LoadedModel:
+    if model_dir is None:
+        if not (DEMO_MODEL / "config.json").is_file():
+            raise ModelLoadError("no --model given and the bundled demo model is not installed", DEMO_MODEL)
+        model_dir = DEMO_MODEL
+    model_dir = Path(model_dir).expanduser()
+    if not model_dir.is_dir():
+        raise ModelLoadError("model folder not found", model_dir)
+    cfg = load_config(model_dir)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    files = _weight_files(model_dir)
+    tokenizer = Tokenizer.from_dir(model_dir, extra_stop_ids=cfg.eos_token_id)
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise ModelLoadError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only "
+                             f"{cfg.vocab_size} embeddings", model_dir / "tokenizer.json")
+    tensors = _to_module_names(_read_tensors(files, cfg, dt), cfg)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.load_state_dict(tensors, strict=True, assign=True)
+    model.to(dev).eval().requires_grad_(False)
+    fingerprint = {
+        "weights": _header_digest(files.values()),
+        "dtype": dtype_name(dt),
+        "quantization": "none",
+        "tokenizer": hashlib.sha256(tokenizer.source.encode()).hexdigest()[:16],
+        "rope": repr(cfg.rope),
+        "attention": f"heads={cfg.num_heads} kv_heads={cfg.num_kv_heads} d={cfg.head_dim} "
+                     f"window={cfg.sliding_window} qk_norm={cfg.qk_norm}",
+        "device": str(dev),
+    }
+    return LoadedModel(model_dir, cfg, model, tokenizer, dev, dt, fingerprint)

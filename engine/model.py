@@ -1,0 +1,175 @@
+"""The decoder: Llama, Mistral, Qwen2 and Qwen3 in one module, written for KV-cached inference.
+
+Shapes: B batch, T new positions, S attended positions (cached + new), D hidden, H query heads,
+H_kv key/value heads, G = H / H_kv, d head width, F MLP width, V vocabulary.
+q/k/v and gate/up are fused into one matmul each; the checkpoint's separate tensors are
+concatenated at load (see loader.py) and split again on save (see `hf_state_dict`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .kv_cache import KVCache
+from .rope import apply_rotary, cos_sin_table
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32, scale in the model dtype (as transformers does, so bf16 matches).
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.h, self.h_kv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, (self.h + 2 * self.h_kv) * self.d, bias=cfg.qkv_bias)  # D -> (H+2H_kv)d
+        self.o = nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.o_bias)  # Hd -> D
+        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int, start: int):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).split([self.h * self.d, self.h_kv * self.d, self.h_kv * self.d], dim=-1)
+        q = q.view(B, T, self.h, self.d).transpose(1, 2)  # [B, H, T, d]
+        k = k.view(B, T, self.h_kv, self.d).transpose(1, 2)  # [B, H_kv, T, d]
+        v = v.view(B, T, self.h_kv, self.d).transpose(1, 2)  # [B, H_kv, T, d]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cache is not None:
+            k, v = cache.write(layer, start, k, v)  # [B, H_kv, S, d]
+        g = self.h // self.h_kv
+        # Group the G query heads that share a KV head into rows: no copy of K/V per query head.
+        q = q.reshape(B, self.h_kv, g * T, self.d)  # [B, H_kv, G·T, d]
+        if mask is not None and g > 1:
+            mask = mask.repeat(g, 1)  # [T, S] -> [G·T, S]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H_kv, G·T, d]
+        y = y.view(B, self.h, T, self.d).transpose(1, 2).reshape(B, T, self.h * self.d)
+        return self.o(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.f = cfg.intermediate_size
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * self.f, bias=False)  # D -> 2F
+        self.down = nn.Linear(self.f, cfg.hidden_size, bias=False)  # F -> D
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).split(self.f, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, mask, cache, layer, start):
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache, layer, start)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+def attention_mask(start: int, t: int, window: int | None, device) -> torch.Tensor | None:
+    """[T, S] bool, True where query start+i may attend key j: causal, within the sliding window.
+
+    None when every new query may see every key (one new position, no window in reach).
+    """
+    s = start + t
+    if t == 1 and (window is None or s <= window):
+        return None
+    q_pos = torch.arange(start, s, device=device)[:, None]
+    k_pos = torch.arange(s, device=device)[None, :]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= (q_pos - k_pos) < window
+    return allowed
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope_length: int | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)  # [V, D]
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope_length = rope_length or cfg.max_position_embeddings
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def head_weight(self) -> torch.Tensor:  # [V, D]
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    def rope_tables(self, length: int):
+        """cos, sin [length, d], built once per dtype/device and grown when a longer context comes."""
+        w = self.embed.weight
+        if self._rope is None or self._rope[0].shape[0] < length or self._rope[0].dtype != w.dtype \
+                or self._rope[0].device != w.device:
+            n = max(length, self.rope_length)
+            self._rope = cos_sin_table(self.cfg.rope, self.cfg.head_dim, n, w.dtype, w.device)
+        return self._rope
+
+    def forward(self, ids: torch.Tensor, cache: KVCache | None = None, last_only: bool = False) -> torch.Tensor:
+        """ids [B, T] -> logits [B, T, V] ([B, 1, V] with last_only). With a cache, the T new positions
+        start at cache.length and are appended to it; without one, they start at 0 (a full recompute)."""
+        B, T = ids.shape
+        start = cache.length if cache is not None else 0
+        if cache is not None and start + T > cache.capacity:
+            raise ValueError(f"{start + T} positions exceed the cache capacity of {cache.capacity}")
+        cos, sin = self.rope_tables(start + T)
+        cos, sin = cos[start:start + T], sin[start:start + T]
+        mask = attention_mask(start, T, self.cfg.sliding_window, ids.device)
+        x = self.embed(ids)  # [B, T, D]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, mask, cache, i, start)
+        if cache is not None:
+            cache.length = start + T
+        if last_only:
+            x = x[:, -1:]
+        return F.linear(self.norm(x), self.head_weight)  # [B, T, V]
+
+    def parameter_count(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Weights under the Hugging Face names, q/k/v and gate/up split apart again."""
+        c = self.cfg
+        out = {"model.embed_tokens.weight": self.embed.weight, "model.norm.weight": self.norm.weight}
+        if self.lm_head is not None:
+            out["lm_head.weight"] = self.lm_head.weight
+        for i, b in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            sizes = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
+            for name, w in zip("qkv", b.attn.qkv.weight.split(sizes)):
+                out[p + f"self_attn.{name}_proj.weight"] = w
+            if b.attn.qkv.bias is not None:
+                for name, w in zip("qkv", b.attn.qkv.bias.split(sizes)):
+                    out[p + f"self_attn.{name}_proj.bias"] = w
+            out[p + "self_attn.o_proj.weight"] = b.attn.o.weight
+            if b.attn.o.bias is not None:
+                out[p + "self_attn.o_proj.bias"] = b.attn.o.bias
+            if b.attn.q_norm is not None:
+                out[p + "self_attn.q_norm.weight"] = b.attn.q_norm.weight
+                out[p + "self_attn.k_norm.weight"] = b.attn.k_norm.weight
+            gate, up = b.mlp.gate_up.weight.split(c.intermediate_size)
+            out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate, up
+            out[p + "mlp.down_proj.weight"] = b.mlp.down.weight
+            out[p + "input_layernorm.weight"] = b.attn_norm.weight
+            out[p + "post_attention_layernorm.weight"] = b.mlp_norm.weight
+        return {k: v.detach().contiguous() for k, v in out.items()}

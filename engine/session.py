@@ -1,0 +1,236 @@
+"""A chat session: one KV cache, the token ids whose K/V it holds, and generation as a stream of events.
+
+For each request the session reuses the longest common prefix of token ids between the cache
+and the new prompt (never the prompt's last position: its logits pick token 1), cuts the cache
+there, prefills the rest in chunks and decodes. Every request reports what it reused and threw
+away. A change of weights, dtype, tokenizer, rotary or attention settings or device empties the
+cache, and the report says why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Iterator
+
+import torch
+
+from . import trace as tracing
+from .errors import CapacityError, EngineError
+from .events import Failed, Finished, PrefillDone, PrefillProgress, PrefillStarted, ReuseReport, Token
+from .kv_cache import KVCache
+from .loader import LoadedModel
+from .sampling import SamplingParams, choose
+
+DEFAULT_CAPACITY = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One generation. `messages` (rendered with the chat template) or `prompt` (raw text)."""
+    messages: tuple[dict, ...] | list[dict] | None = None
+    prompt: str | None = None
+    prompt_ids: tuple[int, ...] | None = None  # already tokenized (e.g. "continue this reply")
+    sampling: SamplingParams = SamplingParams()
+    max_new_tokens: int = 256
+    stop_strings: tuple[str, ...] = ()
+    stop_on_capacity: bool = False  # False: refuse a request that may not fit; True: stop when full
+    arrival: float | None = None  # on trace.now; None = when generate() is called
+    add_generation_prompt: bool = True
+
+
+def common_prefix(a, b) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def fingerprint_change(old: dict | None, new: dict) -> str | None:
+    if old is None or old == new:
+        return None
+    changed = [k for k in new if old.get(k) != new.get(k)]
+    parts = []
+    for k in changed:
+        a, b = old.get(k), new.get(k)
+        parts.append(f"{k} changed" if k in ("weights", "tokenizer") else f"{k} changed ({a} → {b})")
+    return "cache dropped: " + ", ".join(parts)
+
+
+class Session:
+    def __init__(self, loaded: LoadedModel, capacity: int | None = None, prefill_chunk: int = 256):
+        self.prefill_chunk = prefill_chunk
+        self.capacity_setting = capacity
+        self.traces: list[tracing.RequestTrace] = []
+        self.loaded: LoadedModel | None = None
+        self.cache: KVCache | None = None
+        self.ids: list[int] = []  # token ids whose K/V are in the cache; len(ids) == cache.length
+        self._fingerprint: dict | None = None
+        self._dropped: tuple[str, list[int]] | None = None  # (reason, ids) of a cache emptied by a change
+        self.set_model(loaded, capacity)
+
+    # --- model and cache ------------------------------------------------------------
+    def set_model(self, loaded: LoadedModel, capacity: int | None = None) -> None:
+        """Use another model (or dtype/device): the next request reports the cache dropped with the reason."""
+        capacity = capacity or self.capacity_setting or min(loaded.config.max_position_embeddings, DEFAULT_CAPACITY)
+        if capacity < 2:
+            raise EngineError("KV capacity must be at least 2 positions")
+        reason = fingerprint_change(self._fingerprint, loaded.fingerprint)
+        if reason is None and self.cache is not None and capacity != self.cache.capacity:
+            reason = f"cache dropped: capacity changed ({self.cache.capacity} → {capacity})"
+        if reason and self.ids:
+            self._dropped = (reason, list(self.ids))
+        c = loaded.config
+        same = (self.cache is not None and reason is None and self.loaded is loaded)
+        if not same:
+            self.cache = None  # free the old buffers before allocating the new
+            self.cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, loaded.dtype, loaded.device)
+            self.ids = []
+        self.loaded, self._fingerprint, self.capacity_setting = loaded, dict(loaded.fingerprint), capacity
+
+    def reset(self) -> None:
+        """Empty the cache (a person's /reset); the next request prefills from scratch."""
+        self.cache.truncate(0)
+        self.ids = []
+        self._dropped = None
+
+    def cache_stats(self) -> dict:
+        s = self.cache.stats()
+        s["bytes_per_position"] = self.cache.bytes_per_position
+        return s
+
+    # --- tokenizing and planning ------------------------------------------------------
+    def tokenize(self, req: Request) -> list[int]:
+        tok = self.loaded.tokenizer
+        if req.prompt_ids is not None:
+            return list(req.prompt_ids)
+        if req.messages is not None:
+            return tok.apply_chat_template(list(req.messages), add_generation_prompt=req.add_generation_prompt)
+        if req.prompt is not None:
+            return tok.encode(req.prompt, add_special_tokens=True)
+        raise EngineError("a request needs messages or a prompt")
+
+    def plan_reuse(self, prompt: list[int]) -> ReuseReport:
+        """What this prompt may keep of the cache: the common prefix, capped at len(prompt) - 1."""
+        tok = self.loaded.tokenizer
+        if self._dropped is not None:
+            reason, old = self._dropped
+            return ReuseReport(0, len(prompt), len(old), 0,
+                               {"id": old[0], "text": tok.token_text(old[0])},
+                               {"id": prompt[0], "text": tok.token_text(prompt[0])}, reason)
+        cached = self.ids
+        lcp = common_prefix(cached, prompt)
+        reused = min(lcp, len(prompt) - 1)
+        invalidated = len(cached) - reused
+        if invalidated == 0:
+            return ReuseReport(reused, len(prompt) - reused, 0, None, None, None, None)
+        if lcp == reused:
+            reason = f"prompt differs from the cache at position {reused}"
+        else:
+            reason = f"position {reused} is the prompt's last: recomputed for the logits of token 1"
+        return ReuseReport(reused, len(prompt) - reused, invalidated, reused,
+                           {"id": cached[reused], "text": tok.token_text(cached[reused])},
+                           {"id": prompt[reused], "text": tok.token_text(prompt[reused])}, reason)
+
+    def check_capacity(self, prompt_len: int, req: Request) -> None:
+        cap = self.cache.capacity
+        if prompt_len > cap:
+            raise CapacityError(f"the prompt has {prompt_len} tokens but the KV cache holds only {cap} positions; "
+                                "shorten the conversation or raise the capacity")
+        need = prompt_len + req.max_new_tokens - 1  # the last output token is never consumed
+        if need > cap and not req.stop_on_capacity:
+            raise CapacityError(f"the prompt has {prompt_len} tokens; with up to {req.max_new_tokens} new tokens "
+                                f"it needs {need} cache positions but the capacity is {cap}; lower max new "
+                                "tokens, shorten the conversation or raise the capacity")
+
+    # --- generation -------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(self, req: Request, cancel: threading.Event | None = None) -> Iterator:
+        trace = tracing.RequestTrace(arrival=req.arrival if req.arrival is not None else tracing.now())
+        trace.started = tracing.now()
+        self.traces.append(trace)
+        cancel = cancel or threading.Event()
+        try:
+            yield from self._generate(req, cancel, trace)
+        except (EngineError, ValueError, RuntimeError, MemoryError) as e:
+            trace.status, trace.end, trace.error = "failed", tracing.now(), str(e)
+            if isinstance(e, RuntimeError) and "out of memory" in str(e).lower():
+                trace.error = f"out of memory: {e}"
+            yield Failed(trace.error, type(e).__name__, trace.summary())
+
+    def _generate(self, req: Request, cancel: threading.Event, trace: tracing.RequestTrace):
+        loaded, model, tok = self.loaded, self.loaded.model, self.loaded.tokenizer
+        prompt = self.tokenize(req)
+        trace.tokenized = tracing.now()
+        if not prompt:
+            raise EngineError("the prompt is empty")
+        self.check_capacity(len(prompt), req)
+        reuse = self.plan_reuse(prompt)
+        self._dropped = None
+        trace.prompt_tokens, trace.reused, trace.computed = len(prompt), reuse.reused, reuse.computed
+        yield PrefillStarted(len(prompt), reuse, tuple(prompt))
+
+        # Prefill: cut the cache at the reuse point, compute the rest in chunks.
+        trace.prefill_start = tracing.now()
+        self.cache.truncate(reuse.reused)
+        del self.ids[reuse.reused:]
+        device = loaded.device
+        logits = None
+        pos = reuse.reused
+        while pos < len(prompt):
+            chunk = prompt[pos:pos + self.prefill_chunk]
+            logits = model(torch.tensor([chunk], device=device), self.cache, last_only=True)  # [1, 1, V]
+            self.ids.extend(chunk)
+            pos += len(chunk)
+            if pos < len(prompt):
+                yield PrefillProgress(pos - reuse.reused, reuse.computed, self.cache.length)
+                if cancel.is_set():
+                    return (yield from self._finish(trace, "cancelled", [], tok.stream(), reuse))
+        trace.prefill_end = tracing.now()
+        yield PrefillDone(reuse.reused, reuse.computed, trace.prefill_end - trace.prefill_start, self.cache.length)
+
+        # Decode: select token k from the last logits, then consume it to get logits for k+1.
+        gen = None
+        if not req.sampling.greedy:
+            gen = torch.Generator(device="cpu")
+            gen.manual_seed(req.sampling.seed if req.sampling.seed is not None else torch.seed())
+        use_penalty = req.sampling.repetition_penalty != 1.0
+        out: list[int] = []
+        stream = tok.stream()
+        reason = "max_new_tokens"
+        for k in range(1, req.max_new_tokens + 1):
+            row = logits[0, -1].float().cpu() if gen is not None or use_penalty else logits[0, -1]
+            seen = torch.tensor(self.ids, dtype=torch.long, device=row.device) if use_penalty else None
+            token = choose(row, req.sampling, gen, seen)
+            if token in tok.stop_ids:
+                reason = "eos"
+                break
+            t = tracing.now()
+            trace.token_times.append(t)
+            out.append(token)
+            delta = stream.push(token)
+            yield Token(k, token, delta, t, self.cache.length)
+            if req.stop_strings and any(s in stream.text for s in req.stop_strings):
+                reason = "stop_string"
+                break
+            if k == req.max_new_tokens:
+                break
+            if cancel.is_set():
+                reason = "cancelled"
+                break
+            if self.cache.length >= self.cache.capacity:
+                reason = "capacity"
+                break
+            logits = model(torch.tensor([[token]], device=device), self.cache, last_only=True)  # [1, 1, V]
+            self.ids.append(token)
+        yield from self._finish(trace, reason, out, stream, reuse, req.stop_strings)
+
+    def _finish(self, trace, reason, out, stream, reuse, stop_strings=()):
+        tail = stream.finish()
+        text = stream.text
+        if reason == "stop_string":  # the reply ends before the stop string
+            text = text[:min(text.find(s) for s in stop_strings if s in text)]
+        trace.end = tracing.now()
+        trace.status = "cancelled" if reason == "cancelled" else "finished"
+        yield Finished(reason, text, tuple(out), trace.summary(), self.cache_stats(), reuse, tail)

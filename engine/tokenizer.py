@@ -1,0 +1,188 @@
+"""Tokenizing with the `tokenizers` library and chat templates rendered in a jinja2 sandbox.
+
+The template environment follows the Hugging Face conventions (trim_blocks, lstrip_blocks,
+loop controls, `raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII, the
+`{% generation %}` tag) so a published template gives the ids `apply_chat_template` gives.
+Model folders are untrusted: templates run in jinja2's immutable sandbox.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
+
+from .errors import ModelLoadError, TemplateError
+
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class _GenerationTag(Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; it renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+        return nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller):
+        return caller()
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def compile_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise TemplateError(f"chat template does not parse: {e}") from None
+
+
+def _token_text(value) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class Tokenizer:
+    """A model folder's tokenizer: ids, text, chat template and stop tokens."""
+
+    def __init__(self, tok: HFTokenizer, special: dict[str, str], chat_template: str | None,
+                 stop_ids: set[int], source: str = ""):
+        self.tok = tok
+        self.special = special  # bos_token/eos_token/... -> text
+        self.chat_template_source = chat_template
+        self._template = compile_template(chat_template) if chat_template else None
+        self.stop_ids = frozenset(stop_ids)
+        self.source = source  # what the fingerprint hashes: the tokenizer files' contents
+
+    @classmethod
+    def from_dir(cls, model_dir: Path, extra_stop_ids=()) -> "Tokenizer":
+        model_dir = Path(model_dir)
+        tok_path = model_dir / "tokenizer.json"
+        if not tok_path.is_file():
+            raise ModelLoadError("missing tokenizer.json (only the fast-tokenizer format is supported)", tok_path)
+        try:
+            raw_tok = tok_path.read_text(encoding="utf-8")
+            tok = HFTokenizer.from_str(raw_tok)
+        except Exception as e:  # the Rust side raises plain Exception subclasses
+            raise ModelLoadError(f"tokenizer.json cannot be read: {e}", tok_path) from None
+        cfg_path = model_dir / "tokenizer_config.json"
+        cfg = {}
+        if cfg_path.is_file():
+            try:
+                cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ModelLoadError(f"tokenizer_config.json is not valid JSON: {e}", cfg_path) from None
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default") or next(iter(named.values()), None)
+        jinja_path = model_dir / "chat_template.jinja"
+        if template is None and jinja_path.is_file():
+            template = jinja_path.read_text(encoding="utf-8")
+        special = {k: _token_text(cfg.get(k)) for k in SPECIAL_TOKEN_KEYS if _token_text(cfg.get(k)) is not None}
+        stop = set(int(i) for i in extra_stop_ids)
+        gen_path = model_dir / "generation_config.json"
+        if gen_path.is_file():
+            try:
+                gen = json.loads(gen_path.read_text(encoding="utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ModelLoadError(f"generation_config.json is not valid JSON: {e}", gen_path) from None
+            eos = gen.get("eos_token_id")
+            stop.update(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
+        if "eos_token" in special and tok.token_to_id(special["eos_token"]) is not None:
+            stop.add(tok.token_to_id(special["eos_token"]))
+        source = raw_tok + json.dumps(cfg, sort_keys=True) + (template or "")
+        try:
+            return cls(tok, special, template, stop, source)
+        except TemplateError as e:
+            raise ModelLoadError(str(e), cfg_path) from None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token as a person reads it (decoded, special tokens kept)."""
+        return self.tok.decode([token_id], skip_special_tokens=False)
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        if self._template is None:
+            raise TemplateError("this model has no chat template; use a raw prompt")
+        context = {**self.special, **kwargs}
+        try:
+            return self._template.render(messages=[dict(m) for m in messages], tools=kwargs.get("tools"),
+                                         documents=kwargs.get("documents"),
+                                         add_generation_prompt=add_generation_prompt,
+                                         **{k: v for k, v in context.items() if k not in ("tools", "documents")})
+        except jinja2.exceptions.SecurityError as e:
+            raise TemplateError(f"chat template tried something the sandbox forbids: {e}") from None
+        except jinja2.exceptions.TemplateError as e:
+            raise TemplateError(f"chat template refused the conversation: {e}") from None
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
+        """Rendered text, encoded without adding special tokens (the template writes them)."""
+        return self.encode(self.render(messages, add_generation_prompt, **kwargs), add_special_tokens=False)
+
+    def stream(self) -> "TextStream":
+        return TextStream(self)
+
+
+class TextStream:
+    """Turns token ids into text deltas that never split a UTF-8 character.
+
+    The deltas concatenate to exactly `decode(all ids)`: `finish()` returns whatever the
+    incremental decoder still holds (e.g. the bytes of a character the reply stopped inside).
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self._stream = DecodeStream(skip_special_tokens=True)
+        self.ids: list[int] = []
+        self.text = ""
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        piece = self._stream.step(self.tokenizer.tok, token_id) or ""
+        self.text += piece
+        return piece
+
+    def finish(self) -> str:
+        full = self.tokenizer.decode(self.ids)
+        if full.startswith(self.text):
+            rest = full[len(self.text):]
+        else:  # a decoder whose streamed pieces differ from the whole: trust the whole
+            rest = ""
+        self.text += rest
+        return rest

@@ -1,0 +1,112 @@
+"""Request timing on one monotonic clock, and the figures derived from it.
+
+TTFT = t1 - arrival (queue, templating, tokenizing and prefill all inside it), split into its
+parts; TPOT = (tn - t1) / (n - 1), missing (None) below two tokens; tokens/s after the first =
+1000 / TPOT[ms]; the whole-request mean (duration / n) is a separate, separately named figure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+now = time.perf_counter  # the one clock: callers (the GUI's Send button) take arrival from it too
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000.0, 6)
+
+
+@dataclasses.dataclass
+class RequestTrace:
+    arrival: float  # when the person asked (Send pressed), seconds on `now`
+    started: float | None = None  # the engine picked the request up
+    tokenized: float | None = None  # template rendered and tokenized
+    prefill_start: float | None = None
+    prefill_end: float | None = None
+    token_times: list[float] = dataclasses.field(default_factory=list)  # emission time of each output token
+    end: float | None = None
+    status: str = "running"  # running | finished | failed | cancelled
+    prompt_tokens: int = 0
+    reused: int = 0  # prompt positions whose K/V came from the cache
+    computed: int = 0  # prompt positions the prefill computed
+    error: str | None = None
+
+    # --- derived -------------------------------------------------------------------
+    @property
+    def tokens(self) -> int:
+        return len(self.token_times)
+
+    @property
+    def ttft_ms(self) -> float | None:
+        return _ms(self.token_times[0] - self.arrival) if self.token_times else None
+
+    @property
+    def ttft_parts_ms(self) -> dict[str, float | None]:
+        """queue + template/tokenize + prefill + first token = TTFT."""
+        def gap(a, b):
+            return _ms(b - a) if a is not None and b is not None else None
+        t1 = self.token_times[0] if self.token_times else None
+        return {"queue_ms": gap(self.arrival, self.started), "tokenize_ms": gap(self.started, self.tokenized),
+                "prefill_ms": gap(self.tokenized, self.prefill_end), "first_token_ms": gap(self.prefill_end, t1)}
+
+    @property
+    def gaps_ms(self) -> list[float]:
+        t = self.token_times
+        return [_ms(b - a) for a, b in zip(t, t[1:])]
+
+    @property
+    def tpot_ms(self) -> float | None:
+        n = self.tokens
+        if n < 2:
+            return None  # missing, never 0
+        return _ms((self.token_times[-1] - self.token_times[0]) / (n - 1))
+
+    @property
+    def decode_tok_s(self) -> float | None:
+        tpot = self.tpot_ms
+        return None if not tpot else round(1000.0 / tpot, 6)
+
+    @property
+    def e2e_ms(self) -> float | None:
+        end = self.token_times[-1] if self.token_times else self.end
+        return _ms(end - self.arrival) if end is not None else None
+
+    @property
+    def mean_ms_per_token_incl_wait(self) -> float | None:
+        """Request duration / n: includes the first-token wait, so it is not TPOT."""
+        e2e = self.e2e_ms
+        return None if e2e is None or not self.tokens else round(e2e / self.tokens, 6)
+
+    @property
+    def prefill_ms(self) -> float | None:
+        if self.prefill_start is None or self.prefill_end is None:
+            return None
+        return _ms(self.prefill_end - self.prefill_start)
+
+    @property
+    def prefill_tok_s(self) -> float | None:
+        """Positions actually computed per second; reused positions are not counted."""
+        ms = self.prefill_ms
+        return None if not ms or not self.computed else round(self.computed / (ms / 1000.0), 3)
+
+    def summary(self) -> dict:
+        return {"status": self.status, "ttft_ms": self.ttft_ms, **self.ttft_parts_ms, "tpot_ms": self.tpot_ms,
+                "tokens": self.tokens, "decode_tok_s": self.decode_tok_s, "prefill_ms": self.prefill_ms,
+                "prefill_tok_s": self.prefill_tok_s, "e2e_ms": self.e2e_ms,
+                "mean_ms_per_token_incl_wait": self.mean_ms_per_token_incl_wait,
+                "prompt_tokens": self.prompt_tokens, "reused": self.reused, "computed": self.computed,
+                "gaps_ms": self.gaps_ms, "error": self.error}
+
+
+def summarize(traces: list[RequestTrace]) -> dict:
+    """Over a session: every request counted, failed and cancelled ones included, never dropped."""
+    ttfts = [t.ttft_ms for t in traces if t.ttft_ms is not None]
+    tpots = [t.tpot_ms for t in traces if t.tpot_ms is not None]
+    return {"requests": len(traces),
+            "finished": sum(t.status == "finished" for t in traces),
+            "failed": sum(t.status == "failed" for t in traces),
+            "cancelled": sum(t.status == "cancelled" for t in traces),
+            "median_ttft_ms": statistics.median(ttfts) if ttfts else None,
+            "median_tpot_ms": statistics.median(tpots) if tpots else None}

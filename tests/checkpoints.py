@@ -1,0 +1,102 @@
+"""Tiny random-weight checkpoints in the Hugging Face layout, written by transformers (the reference).
+
+transformers is a test dependency only: it writes the checkpoints and computes the reference
+logits; the engine loads them with its own code.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+SPECIAL_TOKENS = ["<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>",
+                  "<|eot_id|>", "<start_of_turn>", "<end_of_turn>", "<|user|>", "<|assistant|>", "<|system|>"]
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>'"
+          " + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+TEXT = [
+    "I am planning a trip to Chengdu. My budget is 600 yuan. Actually, make it 750 yuan.",
+    "The quick brown fox jumps over the lazy dog. Hello world! How are you today?",
+    "Café, naïve, façade, résumé, Zürich, São Paulo, Kraków, Ελληνικά, Русский.",
+    "成都的预算是六百元。我们去北京和上海旅行。日本語のテキストも少し。한국어 문장.",
+    "Emoji: 😀 🎉 👍🏽 🇨🇳 ❤️ 🚄 and numbers 0123456789 with code: def f(x): return x * 2",
+] * 20
+
+_TOKENIZER_CACHE: dict[int, str] = {}
+
+
+def tokenizer_json(vocab_size: int = 384) -> str:
+    """A byte-level BPE trained on a few mixed-script lines, with the special tokens of several chat formats."""
+    if vocab_size not in _TOKENIZER_CACHE:
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tok.train_from_iterator(TEXT, trainer)
+        _TOKENIZER_CACHE[vocab_size] = tok.to_str()
+    return _TOKENIZER_CACHE[vocab_size]
+
+
+FAMILIES = {
+    "llama": "LlamaConfig",
+    "mistral": "MistralConfig",
+    "qwen2": "Qwen2Config",
+    "qwen3": "Qwen3Config",
+}
+
+
+def make_checkpoint(out: Path, family: str = "llama", *, seed: int = 0, tie: bool = False,
+                    config_style: str = "native", chat_template: str = CHATML, shards: bool = False,
+                    generation_eos=None, **overrides) -> Path:
+    """Write a tiny random `family` checkpoint to `out` (transformers' save_pretrained) and return it.
+
+    config_style "v4" rewrites config.json in the transformers 4.x form (rope_theta, rope_scaling).
+    """
+    import torch
+    import transformers
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok_str = tokenizer_json()
+    (out / "tokenizer.json").write_text(tok_str)
+    vocab = Tokenizer.from_str(tok_str).get_vocab_size()
+    kw = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=tie,
+              bos_token_id=0, eos_token_id=1, rms_norm_eps=1e-6)
+    if family == "qwen3":
+        kw["head_dim"] = 32  # Qwen3 sets head_dim apart from hidden / heads
+    rope = overrides.pop("rope", None)  # e.g. {"rope_type": "llama3", "factor": 8.0, ...}
+    kw.update(overrides)
+    cfg = getattr(transformers, FAMILIES[family])(**kw)
+    if rope is not None:
+        params = {"rope_theta": kw.get("rope_theta", 10000.0), **rope}
+        if hasattr(cfg, "rope_parameters"):
+            cfg.rope_parameters = params
+        else:
+            cfg.rope_scaling = rope
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # larger-than-default weights so logits differ visibly between tokens
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+            elif p.dim() == 1:
+                p.uniform_(0.5, 1.5) if p.shape[0] in (kw["hidden_size"], kw.get("head_dim", 16)) else p.normal_(0, 0.1)
+    model.save_pretrained(out, safe_serialization=True, max_shard_size="40KB" if shards else "5GB")
+    raw = json.loads((out / "config.json").read_text())
+    if config_style == "v4":
+        params = raw.pop("rope_parameters", None) or {}
+        raw["rope_theta"] = params.pop("rope_theta", 10000.0)
+        params.pop("rope_type", None) if params.get("rope_type") == "default" else None
+        raw["rope_scaling"] = params or None
+        (out / "config.json").write_text(json.dumps(raw))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "chat_template": chat_template}))
+    if generation_eos is not None:
+        (out / "generation_config.json").write_text(json.dumps({"eos_token_id": generation_eos}))
+    elif (out / "generation_config.json").exists():
+        (out / "generation_config.json").unlink()
+    return out

@@ -1,0 +1,29 @@
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+from checkpoints import make_checkpoint  # noqa: E402
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory):
+    """One tiny Llama checkpoint shared by the tests that only read it."""
+    return make_checkpoint(tmp_path_factory.mktemp("llama"), "llama", generation_eos=[1])
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir():
+    from engine.loader import DEMO_MODEL
+    if not (DEMO_MODEL / "model.safetensors").is_file():
+        pytest.fail(f"the bundled demo model is missing from {DEMO_MODEL}")
+    return DEMO_MODEL
