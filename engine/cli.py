@@ -61,7 +61,8 @@ def run_request(session, req, stream_to=None) -> dict:
             result.update(text=ev.text, token_ids=list(ev.token_ids), stop_reason=ev.reason,
                           trace={k: t[k] for k in ("ttft_ms", "tpot_ms", "tokens", "decode_tok_s", "prefill_ms",
                                                    "prefill_tok_s", "e2e_ms", "mean_ms_per_token_incl_wait",
-                                                   "queue_ms", "tokenize_ms", "first_token_ms")},
+                                                   "ttft_queue_ms", "ttft_tokenize_ms", "ttft_prefill_ms",
+                                                   "ttft_first_token_ms")},
                           reuse=ev.reuse.to_dict(), cache=ev.cache)
         elif isinstance(ev, Failed):
             result.update(error=ev.error, error_kind=ev.kind, stop_reason=None, trace=ev.trace,

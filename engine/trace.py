@@ -48,8 +48,10 @@ class RequestTrace:
         def gap(a, b):
             return _ms(b - a) if a is not None and b is not None else None
         t1 = self.token_times[0] if self.token_times else None
-        return {"queue_ms": gap(self.arrival, self.started), "tokenize_ms": gap(self.started, self.tokenized),
-                "prefill_ms": gap(self.tokenized, self.prefill_end), "first_token_ms": gap(self.prefill_end, t1)}
+        return {"ttft_queue_ms": gap(self.arrival, self.started),
+                "ttft_tokenize_ms": gap(self.started, self.tokenized),
+                "ttft_prefill_ms": gap(self.tokenized, self.prefill_end),
+                "ttft_first_token_ms": gap(self.prefill_end, t1)}
 
     @property
     def gaps_ms(self) -> list[float]:

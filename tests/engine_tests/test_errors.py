@@ -1,0 +1,124 @@
+"""Bad model folders get errors that name the problem and the file; nothing is unpickled."""
+
+import json
+import pickle
+import subprocess
+import sys
+
+import pytest
+
+from checkpoints import make_checkpoint
+from engine.errors import ModelLoadError
+from engine.loader import load_model
+
+
+def test_missing_folder(tmp_path):
+    with pytest.raises(ModelLoadError, match="model folder not found"):
+        load_model(tmp_path / "nope")
+
+
+def test_missing_config(tmp_path):
+    path = make_checkpoint(tmp_path, "llama")
+    (path / "config.json").unlink()
+    with pytest.raises(ModelLoadError, match=r"missing config.json .*config.json"):
+        load_model(path)
+
+
+def test_missing_tokenizer(tmp_path):
+    path = make_checkpoint(tmp_path, "llama")
+    (path / "tokenizer.json").unlink()
+    with pytest.raises(ModelLoadError, match="missing tokenizer.json"):
+        load_model(path)
+
+
+def test_unsupported_architecture_is_named_with_the_supported_ones(tmp_path):
+    path = make_checkpoint(tmp_path, "llama")
+    raw = json.loads((path / "config.json").read_text())
+    raw["architectures"] = ["GPT2LMHeadModel"]
+    (path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ModelLoadError) as e:
+        load_model(path)
+    msg = str(e.value)
+    assert "GPT2LMHeadModel" in msg and "LlamaForCausalLM" in msg and "Qwen3ForCausalLM" in msg
+    assert "config.json" in msg
+
+
+def test_missing_tensor(tmp_path):
+    from safetensors.torch import load_file, save_file
+    path = make_checkpoint(tmp_path, "llama")
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=r"model.layers.1.mlp.up_proj.weight.*missing.*model.safetensors"):
+        load_model(path)
+
+
+def test_wrong_shape(tmp_path):
+    from safetensors.torch import load_file, save_file
+    path = make_checkpoint(tmp_path, "llama")
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.layers.0.self_attn.k_proj.weight"] = tensors["model.layers.0.self_attn.k_proj.weight"][:8]
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=r"k_proj.weight' has shape \(8, 64\), config.json implies \(32, 64\)"):
+        load_model(path)
+
+
+def test_truncated_safetensors(tmp_path):
+    path = make_checkpoint(tmp_path, "llama")
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match=r"corrupt or truncated safetensors file.*model.safetensors"):
+        load_model(path)
+
+
+def test_garbage_safetensors(tmp_path):
+    path = make_checkpoint(tmp_path, "llama")
+    (path / "model.safetensors").write_bytes(b"\x00" * 100)
+    with pytest.raises(ModelLoadError, match="corrupt or truncated"):
+        load_model(path)
+
+
+def test_pickle_only_folder_is_refused_without_unpickling(tmp_path):
+    path = make_checkpoint(tmp_path, "llama")
+    (path / "model.safetensors").unlink()
+    marker = tmp_path / "pwned"
+
+    class Boom:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+    (path / "pytorch_model.bin").write_bytes(pickle.dumps(Boom()))
+    with pytest.raises(ModelLoadError, match=r"only pickle weights found \(pytorch_model.bin\).*never unpickles"):
+        load_model(path)
+    assert not marker.exists()
+
+
+def test_bad_json(tmp_path):
+    path = make_checkpoint(tmp_path, "llama")
+    (path / "config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="not valid JSON"):
+        load_model(path)
+
+
+def test_bad_template_syntax(tmp_path):
+    path = make_checkpoint(tmp_path, "llama", chat_template="{% for %}")
+    with pytest.raises(ModelLoadError, match=r"chat template does not parse.*tokenizer_config.json"):
+        load_model(path)
+
+
+def test_bad_dtype_and_device(tmp_path):
+    path = make_checkpoint(tmp_path, "llama")
+    with pytest.raises(ModelLoadError, match="dtype 'int3' is not supported"):
+        load_model(path, dtype="int3")
+    import torch
+    if not torch.cuda.is_available():
+        with pytest.raises(ModelLoadError, match="no CUDA GPU"):
+            load_model(path, device="cuda")
+
+
+def test_cli_reports_the_error_and_exits_nonzero(tmp_path):
+    path = make_checkpoint(tmp_path, "llama")
+    (path / "model.safetensors").write_bytes(b"junk")
+    r = subprocess.run([sys.executable, "-m", "engine", "info", "--model", str(path)], capture_output=True, text=True)
+    assert r.returncode == 2
+    assert "corrupt or truncated safetensors" in r.stderr and "model.safetensors" in r.stderr
+    assert "Traceback" not in r.stderr
