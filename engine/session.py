@@ -37,6 +37,7 @@ class Request:
     stop_on_capacity: bool = False  # False: refuse a request that may not fit; True: stop when full
     arrival: float | None = None  # on trace.now; None = when generate() is called
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # extend the last (assistant) message instead of starting a new one
 
 
 def common_prefix(a, b) -> int:
@@ -89,6 +90,11 @@ class Session:
             self.ids = []
         self.loaded, self._fingerprint, self.capacity_setting = loaded, dict(loaded.fingerprint), capacity
 
+    @property
+    def pending_drop_reason(self) -> str | None:
+        """Why the cache was emptied by the last model change (reported with the next request)."""
+        return self._dropped[0] if self._dropped else None
+
     def reset(self) -> None:
         """Empty the cache (a person's /reset); the next request prefills from scratch."""
         self.cache.truncate(0)
@@ -106,7 +112,8 @@ class Session:
         if req.prompt_ids is not None:
             return list(req.prompt_ids)
         if req.messages is not None:
-            return tok.apply_chat_template(list(req.messages), add_generation_prompt=req.add_generation_prompt)
+            return tok.apply_chat_template(list(req.messages), add_generation_prompt=req.add_generation_prompt,
+                                           continue_final_message=req.continue_final_message)
         if req.prompt is not None:
             return tok.encode(req.prompt, add_special_tokens=True)
         raise EngineError("a request needs messages or a prompt")

@@ -137,7 +137,17 @@ class Tokenizer:
         """One token as a person reads it (decoded, special tokens kept)."""
         return self.tok.decode([token_id], skip_special_tokens=False)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True,
+               continue_final_message: bool = False, **kwargs) -> str:
+        """The template's text. continue_final_message cuts it right after the last message's content,
+        so generation extends that message (as transformers does)."""
+        if continue_final_message:
+            text = self.render(messages, add_generation_prompt=False, **kwargs)
+            final = messages[-1]["content"]
+            cut = text.rfind(final.strip()) if final.strip() else -1
+            if cut < 0:
+                raise TemplateError("cannot continue the last message: the template does not show it verbatim")
+            return text[:cut + len(final.strip())]
         if self._template is None:
             raise TemplateError("this model has no chat template; use a raw prompt")
         context = {**self.special, **kwargs}
@@ -151,9 +161,11 @@ class Tokenizer:
         except jinja2.exceptions.TemplateError as e:
             raise TemplateError(f"chat template refused the conversation: {e}") from None
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, **kwargs) -> list[int]:
         """Rendered text, encoded without adding special tokens (the template writes them)."""
-        return self.encode(self.render(messages, add_generation_prompt, **kwargs), add_special_tokens=False)
+        text = self.render(messages, add_generation_prompt, continue_final_message, **kwargs)
+        return self.encode(text, add_special_tokens=False)
 
     def stream(self) -> "TextStream":
         return TextStream(self)

@@ -1,0 +1,291 @@
+"""The inference panel: timing, the KV cache in positions and bytes, reuse after an edit, token gaps.
+
+It only shows a plain `ReplyStats` it is handed; the window decides when (throttled, ~20/s).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+
+from PySide6.QtCore import QRectF, Qt, Signal
+from PySide6.QtGui import QColor, QPainter, QPen
+from PySide6.QtWidgets import (QFormLayout, QGroupBox, QLabel, QProgressBar, QPushButton, QScrollArea,
+                               QVBoxLayout, QWidget)
+
+DASH = "—"
+
+
+def fmt_ms(v) -> str:
+    return DASH if v is None else f"{v:,.1f} ms"
+
+
+def fmt_rate(v, unit="tok/s") -> str:
+    return DASH if v is None else f"{v:,.1f} {unit}"
+
+
+def fmt_bytes(n) -> str:
+    if n is None:
+        return DASH
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n:,} B ({n / size:,.1f} {unit})"
+    return f"{n:,} B"
+
+
+def percentile(values, q):
+    if not values:
+        return None
+    s = sorted(values)
+    k = (len(s) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+@dataclasses.dataclass
+class ReplyStats:
+    """Everything the panel shows for one reply, from engine events (live) or a stored trace."""
+    arrival: float | None = None
+    token_times: list = dataclasses.field(default_factory=list)
+    trace: dict | None = None  # the engine's final trace, once finished
+    reuse: dict | None = None
+    cache_positions: int = 0
+    prompt_tokens: int = 0
+    status: str = "idle"  # idle | prefill | decoding | finished | cancelled | failed
+    reason: str | None = None
+    error: str | None = None
+    prefill_done: int = 0
+    prefill_total: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return len(self.token_times) if self.trace is None else self.trace.get("tokens", 0)
+
+    def figure(self, name):
+        if self.trace is not None:
+            return self.trace.get(name)
+        t = self.token_times
+        if name == "ttft_ms":
+            return None if not t or self.arrival is None else (t[0] - self.arrival) * 1000
+        if name == "tpot_ms":
+            return None if len(t) < 2 else (t[-1] - t[0]) / (len(t) - 1) * 1000
+        if name == "decode_tok_s":
+            tpot = self.figure("tpot_ms")
+            return None if not tpot else 1000 / tpot
+        if name == "e2e_ms":
+            return None if not t or self.arrival is None else (t[-1] - self.arrival) * 1000
+        return None
+
+    @property
+    def gaps_ms(self) -> list:
+        if self.trace is not None:
+            return self.trace.get("gaps_ms") or []
+        t = self.token_times
+        return [(b - a) * 1000 for a, b in zip(t, t[1:])]
+
+    def to_json(self) -> dict:
+        return {"status": self.status, "reason": self.reason, "error": self.error, "trace": self.trace,
+                "reuse": self.reuse, "cache_positions": self.cache_positions, "prompt_tokens": self.prompt_tokens}
+
+
+class GapChart(QWidget):
+    """A strip of the gaps between tokens: one bar per gap, the p50 and p95 as lines."""
+
+    def __init__(self):
+        super().__init__()
+        self.setObjectName("gapChart")
+        self.setMinimumHeight(56)
+        self.gaps: list[float] = []
+
+    def set_gaps(self, gaps):
+        self.gaps = list(gaps)[-200:]
+        self.update()
+
+    def paintEvent(self, _):
+        p = QPainter(self)
+        p.fillRect(self.rect(), QColor("#1f2430"))
+        if not self.gaps:
+            p.setPen(QColor("#8a93a6"))
+            p.drawText(self.rect(), Qt.AlignCenter, "gaps between tokens appear here")
+            return
+        top = max(self.gaps) or 1.0
+        w, h = self.width(), self.height() - 4
+        bw = w / max(len(self.gaps), 1)
+        p.setPen(Qt.NoPen)
+        p.setBrush(QColor("#5ab0f0"))
+        for i, g in enumerate(self.gaps):
+            bh = max(1.0, g / top * h)
+            p.drawRect(QRectF(i * bw, h - bh + 2, max(bw - 1, 1), bh))
+        for q, color in ((0.5, "#f0c05a"), (0.95, "#f06a5a")):
+            y = h - percentile(self.gaps, q) / top * h + 2
+            p.setPen(QPen(QColor(color), 1, Qt.DashLine))
+            p.drawLine(0, int(y), w, int(y))
+
+
+class StatsPanel(QScrollArea):
+    exportRequested = Signal()
+
+    def __init__(self):
+        super().__init__()
+        self.setObjectName("statsPanel")
+        self.setWidgetResizable(True)
+        self.setMinimumWidth(330)
+        body = QWidget()
+        self.setWidget(body)
+        lay = QVBoxLayout(body)
+        self.values: dict[str, QLabel] = {}
+
+        self.heading = QLabel("No reply yet")
+        self.heading.setObjectName("panelHeading")
+        self.heading.setWordWrap(True)
+        lay.addWidget(self.heading)
+
+        timing = self._group(lay, "Timing", [
+            ("ttftValue", "TTFT (from Send)"), ("ttftPartsValue", "  queue · template · prefill · 1st"),
+            ("tpotValue", "TPOT (after token 1)"), ("tokensPerSecondValue", "Tokens/s after the first"),
+            ("e2eValue", "End to end"), ("meanInclWaitValue", "Mean per token incl. wait"),
+            ("prefillRateValue", "Prefill rate (computed only)"), ("tokensValue", "Tokens")])
+        del timing
+
+        cache_box = QGroupBox("KV cache")
+        form = QFormLayout(cache_box)
+        self.cacheBar = QProgressBar()
+        self.cacheBar.setObjectName("cacheBar")
+        self.cacheBar.setTextVisible(True)
+        form.addRow(self.cacheBar)
+        for name, label in [("cachePositionsValue", "Cached positions"), ("kvPayloadValue", "Payload"),
+                            ("kvAllocatedValue", "Allocated"), ("kvPerPositionValue", "Per position"),
+                            ("kvFormulaValue", "2·L·T·H_kv·d·b"), ("cachePointValue", "Measured")]:
+            self._row(form, name, label)
+        lay.addWidget(cache_box)
+
+        self._group(lay, "Reuse", [
+            ("firstInvalidatedValue", "First invalidated position"), ("tokenChangeValue", "Cached → new token"),
+            ("reusedValue", "Positions reused"), ("recomputedValue", "Positions recomputed"),
+            ("discardedValue", "Positions discarded"), ("reuseReasonValue", "Reason")])
+
+        gaps_box = QGroupBox("Gaps between tokens")
+        gl = QVBoxLayout(gaps_box)
+        self.gapChart = GapChart()
+        gl.addWidget(self.gapChart)
+        self.gapStats = QLabel(DASH)
+        self.gapStats.setObjectName("gapStatsValue")
+        gl.addWidget(self.gapStats)
+        lay.addWidget(gaps_box)
+
+        self._group(lay, "Model", [("modelNameValue", "Model"), ("architectureValue", "Architecture"),
+                                   ("parametersValue", "Parameters"), ("dtypeValue", "dtype"),
+                                   ("deviceValue", "Device"), ("layersValue", "Layers"),
+                                   ("kvHeadsValue", "KV heads · query heads"), ("headDimValue", "Head width")])
+        self._group(lay, "Session", [("requestsValue", "Requests"), ("failedValue", "Failed · cancelled"),
+                                     ("medianTtftValue", "Median TTFT"), ("medianTpotValue", "Median TPOT")])
+        self.exportButton = QPushButton("Export this reply's trace…")
+        self.exportButton.setObjectName("exportTraceButton")
+        self.exportButton.clicked.connect(self.exportRequested)
+        lay.addWidget(self.exportButton)
+        lay.addStretch(1)
+        self.facts: dict = {}
+
+    def _row(self, form, name, label):
+        v = QLabel(DASH)
+        v.setObjectName(name)
+        v.setTextInteractionFlags(Qt.TextSelectableByMouse)
+        v.setWordWrap(True)
+        form.addRow(label, v)
+        self.values[name] = v
+        setattr(self, name, v)
+
+    def _group(self, lay, title, rows):
+        box = QGroupBox(title)
+        form = QFormLayout(box)
+        for name, label in rows:
+            self._row(form, name, label)
+        lay.addWidget(box)
+        return box
+
+    def set(self, name: str, text: str) -> None:
+        self.values[name].setText(text)
+
+    # --- what is shown -------------------------------------------------------------------
+    def show_model(self, facts: dict) -> None:
+        self.facts = facts
+        self.set("modelNameValue", facts.get("name", DASH))
+        self.set("architectureValue", facts["architecture"])
+        self.set("parametersValue", f"{facts['parameters']:,}")
+        self.set("dtypeValue", facts["dtype"])
+        self.set("deviceValue", facts["device"])
+        self.set("layersValue", str(facts["layers"]))
+        self.set("kvHeadsValue", f"{facts['kv_heads']} · {facts['heads']}")
+        self.set("headDimValue", str(facts["head_dim"]))
+        self.set("kvPerPositionValue", fmt_bytes(facts["kv_bytes_per_position"]))
+        self.show_cache(facts["cache"]["positions"], "after loading")
+
+    def show_cache(self, positions: int, point: str) -> None:
+        f = self.facts
+        if not f:
+            return
+        cap = f["capacity"]
+        per = f["kv_bytes_per_position"]
+        payload = positions * per
+        self.cacheBar.setRange(0, cap)
+        self.cacheBar.setValue(positions)
+        self.cacheBar.setFormat(f"{positions:,} / {cap:,} positions")
+        self.set("cachePositionsValue", f"{positions:,} / {cap:,}")
+        self.set("kvPayloadValue", fmt_bytes(payload))
+        self.set("kvAllocatedValue", fmt_bytes(f["cache"]["allocated_bytes"]))
+        self.set("kvFormulaValue", f"2 · {f['layers']} · {positions} · {f['kv_heads']} · {f['head_dim']} · "
+                                   f"{f['bytes_per_value']} = {payload:,} B")
+        self.set("cachePointValue", point)
+
+    def show_reply(self, s: ReplyStats, title: str = "") -> None:
+        self.heading.setText(title or {"prefill": "Prefill…", "decoding": "Generating…"}.get(s.status, s.status))
+        self.set("ttftValue", fmt_ms(s.figure("ttft_ms")))
+        if s.trace is not None:
+            parts = [s.trace.get(k) for k in ("ttft_queue_ms", "ttft_tokenize_ms", "ttft_prefill_ms",
+                                               "ttft_first_token_ms")]
+            self.set("ttftPartsValue", " · ".join(DASH if p is None else f"{p:,.1f}" for p in parts) + " ms")
+            self.set("meanInclWaitValue", fmt_ms(s.trace.get("mean_ms_per_token_incl_wait")))
+            self.set("prefillRateValue", fmt_rate(s.trace.get("prefill_tok_s"), "pos/s"))
+        else:
+            self.set("ttftPartsValue", DASH)
+            self.set("meanInclWaitValue", DASH)
+            self.set("prefillRateValue", DASH if s.status != "prefill" else
+                     f"computing {s.prefill_done:,} / {s.prefill_total:,}")
+        self.set("tpotValue", fmt_ms(s.figure("tpot_ms")))
+        self.set("tokensPerSecondValue", fmt_rate(s.figure("decode_tok_s")))
+        self.set("e2eValue", fmt_ms(s.figure("e2e_ms")))
+        self.set("tokensValue", str(s.tokens))
+        n = s.tokens
+        point = (f"after prefill of {s.prompt_tokens:,} positions" if n == 0 else
+                 f"after consuming token {n - 1} of {n} (token {n} not yet consumed)" if n > 1 else
+                 "after prefill; token 1 selected, not yet consumed")
+        if s.reason == "eos":
+            point = f"all {n} reply tokens consumed; the stop token was not"
+        self.show_cache(s.cache_positions, point)
+        r = s.reuse
+        if r:
+            first = r.get("first_invalidated_position")
+            self.set("firstInvalidatedValue", DASH if first is None else f"{first:,}")
+            ct, nt = r.get("cached_token"), r.get("new_token")
+            self.set("tokenChangeValue", DASH if not ct else f"{ct['text']!r} (#{ct['id']}) → {nt['text']!r} (#{nt['id']})")
+            self.set("reusedValue", f"{r['reused']:,}")
+            self.set("recomputedValue", f"{r['computed']:,}")
+            self.set("discardedValue", f"{r['invalidated']:,}")
+            self.set("reuseReasonValue", r.get("reason") or "nothing invalidated")
+        gaps = s.gaps_ms
+        self.gapChart.set_gaps(gaps)
+        if gaps:
+            self.gapStats.setText(f"p50 {percentile(gaps, 0.5):,.1f} ms · p95 {percentile(gaps, 0.95):,.1f} ms · "
+                                  f"{len(gaps)} gaps")
+        else:
+            self.gapStats.setText(DASH)
+
+    def show_summary(self, summary: dict) -> None:
+        self.set("requestsValue", str(summary["requests"]))
+        self.set("failedValue", f"{summary['failed']} · {summary['cancelled']}")
+        self.set("medianTtftValue", fmt_ms(summary["median_ttft_ms"]))
+        self.set("medianTpotValue", fmt_ms(summary["median_tpot_ms"]))
+
+
+def median_or_none(values):
+    return statistics.median(values) if values else None

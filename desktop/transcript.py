@@ -1,0 +1,176 @@
+"""The transcript: one widget per message on the current branch, Markdown bodies, edit in place."""
+
+from __future__ import annotations
+
+import html
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QGuiApplication
+from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QScrollArea, QSizePolicy,
+                               QVBoxLayout, QWidget)
+
+ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System"}
+STATUS_NOTES = {"stopped": "stopped", "incomplete": "incomplete (the app closed mid-reply)", "failed": "failed",
+                "length": "stopped at the token limit", "streaming": "generating…"}
+
+
+class MessageView(QFrame):
+    editSubmitted = Signal(int, str)
+    branchRequested = Signal(int, int)  # message id, +1 / -1
+    selected = Signal(int)
+
+    def __init__(self, message, branch_index: int, branch_count: int):
+        super().__init__()
+        self.message = message
+        self.setObjectName(f"message-{message.role}")
+        self.setProperty("role", message.role)
+        self.setFrameShape(QFrame.StyledPanel)
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(10, 6, 10, 8)
+        head = QHBoxLayout()
+        self.roleLabel = QLabel(f"<b>{ROLE_NAMES.get(message.role, message.role)}</b>")
+        head.addWidget(self.roleLabel)
+        self.statusLabel = QLabel()
+        self.statusLabel.setObjectName("messageStatus")
+        head.addWidget(self.statusLabel)
+        head.addStretch(1)
+        self.prevButton = QPushButton("‹")
+        self.prevButton.setObjectName("branchPrev")
+        self.branchLabel = QLabel(f"{branch_index + 1}/{branch_count}")
+        self.branchLabel.setObjectName("branchLabel")
+        self.nextButton = QPushButton("›")
+        self.nextButton.setObjectName("branchNext")
+        for w in (self.prevButton, self.branchLabel, self.nextButton):
+            w.setVisible(branch_count > 1)
+            head.addWidget(w)
+        self.prevButton.setEnabled(branch_index > 0)
+        self.nextButton.setEnabled(branch_index < branch_count - 1)
+        self.prevButton.clicked.connect(lambda: self.branchRequested.emit(self.message.id, -1))
+        self.nextButton.clicked.connect(lambda: self.branchRequested.emit(self.message.id, +1))
+        self.tokensLabel = QLabel()
+        self.tokensLabel.setObjectName("tokenCount")
+        head.addWidget(self.tokensLabel)
+        self.copyButton = QPushButton("Copy")
+        self.copyButton.setObjectName("copyButton")
+        self.copyButton.clicked.connect(lambda: QGuiApplication.clipboard().setText(self.message.content))
+        head.addWidget(self.copyButton)
+        self.editButton = QPushButton("Edit")
+        self.editButton.setObjectName("editButton")
+        self.editButton.clicked.connect(self.begin_edit)
+        head.addWidget(self.editButton)
+        for b in (self.prevButton, self.nextButton, self.copyButton, self.editButton):
+            b.setFlat(True)
+            b.setCursor(Qt.PointingHandCursor)
+        lay.addLayout(head)
+        self.body = QLabel()
+        self.body.setObjectName("messageBody")
+        self.body.setWordWrap(True)
+        self.body.setTextInteractionFlags(Qt.TextSelectableByMouse | Qt.LinksAccessibleByMouse)
+        self.body.setSizePolicy(QSizePolicy.Preferred, QSizePolicy.Minimum)
+        lay.addWidget(self.body)
+        self.editor = QPlainTextEdit()
+        self.editor.setObjectName("messageEditor")
+        self.editor.setVisible(False)
+        lay.addWidget(self.editor)
+        row = QHBoxLayout()
+        self.saveButton = QPushButton("Save && regenerate" if message.role == "user" else "Save as new branch")
+        self.saveButton.setObjectName("saveEditButton")
+        self.cancelButton = QPushButton("Cancel")
+        self.saveButton.clicked.connect(self._submit)
+        self.cancelButton.clicked.connect(self.end_edit)
+        row.addStretch(1)
+        row.addWidget(self.cancelButton)
+        row.addWidget(self.saveButton)
+        self.editRow = QWidget()
+        self.editRow.setLayout(row)
+        self.editRow.setVisible(False)
+        lay.addWidget(self.editRow)
+        self.highlight: tuple[int, int] | None = None
+        self.set_content(message.content, message.status, message.token_count)
+
+    def mousePressEvent(self, e):
+        self.selected.emit(self.message.id)
+        super().mousePressEvent(e)
+
+    def set_content(self, text: str, status: str, tokens: int | None) -> None:
+        self.message.content, self.message.status = text, status
+        if self.highlight is not None:
+            a, b = self.highlight
+            self.body.setTextFormat(Qt.RichText)
+            self.body.setText(html.escape(text[:a]).replace("\n", "<br>")
+                              + f"<span style='background:#f0c05a;color:#111'>{html.escape(text[a:b]) or '&#8203;'}</span>"
+                              + html.escape(text[b:]).replace("\n", "<br>"))
+        else:
+            self.body.setTextFormat(Qt.MarkdownText)
+            self.body.setText(text if text else ("…" if status == "streaming" else ""))
+        self.statusLabel.setText(STATUS_NOTES.get(status, ""))
+        self.tokensLabel.setText("" if tokens is None else f"{tokens} tokens")
+
+    def set_highlight(self, start: int, end: int) -> None:
+        """Mark where invalidation began: the message glows, the changed token is highlighted."""
+        self.highlight = (start, end)
+        self.setProperty("invalidated", True)
+        self.style().unpolish(self)
+        self.style().polish(self)
+        self.set_content(self.message.content, self.message.status, self.message.token_count)
+
+    def begin_edit(self) -> None:
+        self.editor.setPlainText(self.message.content)
+        self.editor.setVisible(True)
+        self.editRow.setVisible(True)
+        self.body.setVisible(False)
+        self.editor.setFocus()
+
+    def end_edit(self) -> None:
+        self.editor.setVisible(False)
+        self.editRow.setVisible(False)
+        self.body.setVisible(True)
+
+    def _submit(self) -> None:
+        text = self.editor.toPlainText().strip()
+        self.end_edit()
+        if text and text != self.message.content:
+            self.editSubmitted.emit(self.message.id, text)
+
+
+class Transcript(QScrollArea):
+    def __init__(self):
+        super().__init__()
+        self.setObjectName("transcript")
+        self.setWidgetResizable(True)
+        self.inner = QWidget()
+        self.inner.setObjectName("transcriptInner")
+        self.lay = QVBoxLayout(self.inner)
+        self.lay.setSpacing(8)
+        self.lay.addStretch(1)
+        self.setWidget(self.inner)
+        self.views: list[MessageView] = []
+        self._follow = True
+        bar = self.verticalScrollBar()
+        bar.valueChanged.connect(self._on_scroll)
+        bar.rangeChanged.connect(self._on_range)
+
+    def _on_scroll(self, value: int) -> None:
+        bar = self.verticalScrollBar()
+        self._follow = value >= bar.maximum() - 4  # scrolled up: stop following
+
+    def _on_range(self, _lo: int, hi: int) -> None:
+        if self._follow:
+            self.verticalScrollBar().setValue(hi)
+
+    def clear(self) -> None:
+        for v in self.views:
+            v.setParent(None)
+            v.deleteLater()
+        self.views = []
+
+    def add(self, view: MessageView) -> None:
+        self.lay.insertWidget(self.lay.count() - 1, view)
+        self.views.append(view)
+
+    def view_for(self, mid: int) -> MessageView | None:
+        return next((v for v in self.views if v.message.id == mid), None)
+
+    @property
+    def following(self) -> bool:
+        return self._follow

@@ -1,0 +1,88 @@
+"""The command line, run as a user runs it: exact names, JSON fields, exit codes."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args, check=True):
+    r = subprocess.run([sys.executable, "-m", "engine", *map(str, args)], capture_output=True, text=True, timeout=600)
+    if check and r.returncode != 0:
+        raise AssertionError(r.stderr)
+    return r
+
+
+def test_info(llama_dir):
+    out = json.loads(run("info", "--model", llama_dir, "--json", "--capacity", 100).stdout)
+    assert out["architecture"] == "LlamaForCausalLM" and out["capacity"] == 100
+    assert out["kv_bytes_per_position"] == 2 * 2 * 2 * 16 * 4  # K+V, 2 layers, 2 KV heads, d=16, float32
+    assert out["kv_allocated_bytes"] == 100 * out["kv_bytes_per_position"]
+
+
+def test_generate_json_fields(llama_dir):
+    out = json.loads(run("generate", "--model", llama_dir, "--prompt", "Hello", "--max-new-tokens", 6,
+                         "--json").stdout)
+    assert set(out) >= {"text", "token_ids", "prompt_token_ids", "stop_reason", "trace", "reuse", "cache"}
+    assert set(out["trace"]) >= {"ttft_ms", "tpot_ms", "tokens", "decode_tok_s", "prefill_ms", "prefill_tok_s",
+                                 "e2e_ms", "mean_ms_per_token_incl_wait"}
+    assert set(out["reuse"]) >= {"reused", "computed", "invalidated", "first_invalidated_position", "cached_token",
+                                 "new_token", "reason"}
+    assert set(out["cache"]) >= {"positions", "capacity", "payload_bytes", "allocated_bytes"}
+    n = len(out["token_ids"])
+    assert out["trace"]["tokens"] == n
+    if out["stop_reason"] == "max_new_tokens":
+        assert out["cache"]["positions"] == len(out["prompt_token_ids"]) + n - 1
+    assert out["cache"]["payload_bytes"] == out["cache"]["positions"] * 512
+
+
+def test_generate_raw_and_sampling_seed_is_reproducible(llama_dir):
+    a = json.loads(run("generate", "--model", llama_dir, "--prompt", "Hi", "--raw", "--temperature", 1.0,
+                       "--top-k", 50, "--top-p", 0.9, "--min-p", 0.01, "--seed", 7, "--max-new-tokens", 8,
+                       "--json").stdout)
+    b = json.loads(run("generate", "--model", llama_dir, "--prompt", "Hi", "--raw", "--temperature", 1.0,
+                       "--top-k", 50, "--top-p", 0.9, "--min-p", 0.01, "--seed", 7, "--max-new-tokens", 8,
+                       "--json").stdout)
+    assert a["token_ids"] == b["token_ids"]
+
+
+def test_generate_over_capacity_is_a_clear_error(llama_dir):
+    r = run("generate", "--model", llama_dir, "--prompt", "Hello there", "--capacity", 30, "--max-new-tokens", 50,
+            check=False)
+    assert r.returncode == 1 and "capacity is 30" in r.stderr and "22 tokens" in r.stderr
+
+
+def test_replay_shows_the_edit(llama_dir, tmp_path):
+    convo = [{"role": "user", "content": "My budget is 600 yuan."}]
+    steps = [{"messages": convo, "max_new_tokens": 5},
+             {"messages": [{"role": "user", "content": "My budget is 750 yuan."}], "max_new_tokens": 5}]
+    script = tmp_path / "s.json"
+    script.write_text(json.dumps(steps))
+    lines = [json.loads(x) for x in run("replay", "--model", llama_dir, "--script", script, "--json").stdout.splitlines()]
+    assert len(lines) == 2
+    r = lines[1]["reuse"]
+    p0, p1 = lines[0]["prompt_token_ids"], lines[1]["prompt_token_ids"]
+    diff = next(i for i, (a, b) in enumerate(zip(p0, p1)) if a != b)
+    assert r["first_invalidated_position"] == diff == r["reused"]
+    assert r["cached_token"]["text"].strip() == "6" or r["cached_token"]["text"].strip().startswith("6")
+
+
+def test_chat_edit_and_stats(llama_dir):
+    r = subprocess.run([sys.executable, "-m", "engine", "chat", "--model", str(llama_dir), "--max-new-tokens", "4"],
+                       input="My budget is 600 yuan.\n/edit 1 My budget is 750 yuan.\n/stats\n/quit\n",
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "invalidated" in r.stdout and "from position" in r.stdout and '"positions"' in r.stdout
+
+
+def test_bench_json(llama_dir):
+    out = json.loads(run("bench", "--model", llama_dir, "--prompt-tokens", 32, "--new-tokens", 8,
+                         "--uncached-tokens", 3, "--json").stdout)
+    engines = {r["engine"]: r for r in out["results"]}
+    assert set(engines) == {"kvchat", "kvchat-uncached", "transformers"}
+    for r in engines.values():
+        assert "error" not in r, r
+        assert r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 and r["peak_mem_bytes"] > 0
+    assert engines["kvchat"]["tokens"] == 8
+    assert out["ratios"]["decode_vs_transformers"] > 0
