@@ -141,6 +141,9 @@ class EngineWorker(QObject):
         last = time.monotonic()
         for ev in self.session.generate(job.request, self._cancel):
             d = event_to_dict(ev)
+            if d["type"] == "prefill_started" and job.request.messages is not None:
+                tok = self.session.loaded.tokenizer  # each message's own token count, for the transcript
+                d["message_tokens"] = [len(tok.encode(m["content"])) for m in job.request.messages]
             if d["type"] in ("finished", "failed"):
                 d["summary"] = summarize(self.session.traces)
                 d["cache"] = d.get("cache") or self.session.cache_stats()

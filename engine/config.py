@@ -133,14 +133,21 @@ def config_from_dict(raw: dict, path: Path | None = None) -> ModelConfig:
         raise ModelLoadError(str(e), path) from None
 
 
-def load_config(model_dir: Path) -> ModelConfig:
-    path = Path(model_dir) / "config.json"
+def read_json(path: Path, default: dict | None = None) -> dict:
+    """A model folder's JSON file as a dict; `default` when it is absent (None: it is required)."""
     if not path.is_file():
-        raise ModelLoadError("missing config.json", path)
+        if default is not None:
+            return default
+        raise ModelLoadError(f"missing {path.name}", path)
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"config.json is not valid JSON: {e}", path) from None
+        raise ModelLoadError(f"{path.name} is not valid JSON: {e}", path) from None
     if not isinstance(raw, dict):
-        raise ModelLoadError("config.json is not a JSON object", path)
-    return config_from_dict(raw, path)
+        raise ModelLoadError(f"{path.name} is not a JSON object", path)
+    return raw
+
+
+def load_config(model_dir: Path) -> ModelConfig:
+    path = Path(model_dir) / "config.json"
+    return config_from_dict(read_json(path), path)

@@ -83,8 +83,8 @@ class Session:
         if reason and self.ids:
             self._dropped = (reason, list(self.ids))
         c = loaded.config
-        same = (self.cache is not None and reason is None and self.loaded is loaded)
-        if not same:
+        # Same weights, dtype, tokenizer, rotary/attention settings, device and capacity: the K/V stay valid.
+        if self.cache is None or reason is not None:
             self.cache = None  # free the old buffers before allocating the new
             self.cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, loaded.dtype, loaded.device)
             self.ids = []

@@ -19,6 +19,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
+from .config import read_json
 from .errors import ModelLoadError, TemplateError
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -88,12 +89,7 @@ class Tokenizer:
         except Exception as e:  # the Rust side raises plain Exception subclasses
             raise ModelLoadError(f"tokenizer.json cannot be read: {e}", tok_path) from None
         cfg_path = model_dir / "tokenizer_config.json"
-        cfg = {}
-        if cfg_path.is_file():
-            try:
-                cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise ModelLoadError(f"tokenizer_config.json is not valid JSON: {e}", cfg_path) from None
+        cfg = read_json(cfg_path, default={})
         template = cfg.get("chat_template")
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
@@ -103,14 +99,8 @@ class Tokenizer:
             template = jinja_path.read_text(encoding="utf-8")
         special = {k: _token_text(cfg.get(k)) for k in SPECIAL_TOKEN_KEYS if _token_text(cfg.get(k)) is not None}
         stop = set(int(i) for i in extra_stop_ids)
-        gen_path = model_dir / "generation_config.json"
-        if gen_path.is_file():
-            try:
-                gen = json.loads(gen_path.read_text(encoding="utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise ModelLoadError(f"generation_config.json is not valid JSON: {e}", gen_path) from None
-            eos = gen.get("eos_token_id")
-            stop.update(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
+        eos = read_json(model_dir / "generation_config.json", default={}).get("eos_token_id")
+        stop.update(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
         if "eos_token" in special and tok.token_to_id(special["eos_token"]) is not None:
             stop.add(tok.token_to_id(special["eos_token"]))
         source = raw_tok + json.dumps(cfg, sort_keys=True) + (template or "")

@@ -1,0 +1,88 @@
+"""The worker seam and the store, without the window."""
+
+import threading
+
+from desktop.store import Store
+from desktop.worker import EngineWorker, event_to_dict
+
+
+def test_thousands_of_signal_emits_from_a_thread(qapp, loop, spin_loop):
+    """Guards the PySide6 pin: 6.12.0 on Python 3.11 aborts after ~1000 emits ("bool_dealloc")."""
+    from desktop.client import EngineClient
+    worker = EngineWorker()
+    client = EngineClient(worker)
+    got = []
+    worker.events.connect(lambda rid, batch: got.extend(batch))
+    n = 5000
+
+    def blast():
+        for i in range(n):
+            worker.events.emit(1, [{"type": "token", "index": i, "text": "x", "flag": bool(i % 2)}])
+    t = threading.Thread(target=blast)
+    t.start()
+    spin_loop(lambda: len(got) == n, 60)
+    t.join()
+    assert [e["index"] for e in got] == list(range(n))
+    assert client is not None
+
+
+def test_async_stream_yields_batches_until_finished(qapp, loop, llama_dir):
+    import asyncio
+    from desktop.client import EngineClient
+    from desktop.worker import WorkerThread
+    from engine.session import Request
+    wt = WorkerThread()
+    try:
+        client = EngineClient(wt.worker)
+        loaded = []
+        wt.worker.modelLoaded.connect(loaded.append)
+        wt.worker.load(str(llama_dir), None, None, 256)
+
+        async def run():
+            while not loaded:
+                await asyncio.sleep(0.01)
+            kinds, tokens = [], 0
+            async for batch in client.stream(Request(prompt_ids=tuple(range(5, 25)), max_new_tokens=40)):
+                kinds += [e["type"] for e in batch]
+                tokens += sum(e["type"] == "token" for e in batch)
+                batches = len(kinds)
+            return kinds, tokens
+        kinds, tokens = loop.run_until_complete(asyncio.wait_for(run(), 60))
+        assert kinds[0] == "prefill_started" and kinds[-1] == "finished" and tokens == 40
+        assert loaded[0]["capacity"] == 256 and loaded[0]["architecture"] == "LlamaForCausalLM"
+    finally:
+        assert wt.close()
+
+
+def test_events_cross_the_thread_as_plain_values(llama_dir):
+    from engine.loader import load_model
+    from engine.session import Request, Session
+    s = Session(load_model(llama_dir), capacity=64)
+    for ev in s.generate(Request(prompt_ids=(5, 6, 7), max_new_tokens=3)):
+        d = event_to_dict(ev)
+
+        def plain(x):
+            if isinstance(x, dict):
+                return all(plain(v) for v in x.values())
+            if isinstance(x, (list, tuple)):
+                return all(plain(v) for v in x)
+            return x is None or isinstance(x, (str, int, float, bool))
+        assert plain(d), d
+
+
+def test_store_tree_branches_and_crash_recovery(tmp_path):
+    st = Store(tmp_path / "k.db")
+    c = st.new_conversation("Trip")
+    u1 = st.add_message(c.id, None, "user", "budget 600")
+    a1 = st.add_message(c.id, u1.id, "assistant", "plan 600")
+    u2 = st.add_message(c.id, None, "user", "budget 750")  # an edit: a sibling of u1
+    a2 = st.add_message(c.id, u2.id, "assistant", "plan 7", status="streaming")
+    assert [m.id for m in st.branch(c.id)] == [u2.id, a2.id]
+    assert [m.id for m in st.siblings(u2)] == [u1.id, u2.id]
+    st.set_leaf(c.id, st.deepest_leaf(u1.id))
+    assert [m.content for m in st.branch(c.id)] == ["budget 600", "plan 600"]
+    assert st.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    st.db.close()  # the app dies mid-reply, without saving anything more
+    st = Store(tmp_path / "k.db")
+    assert st.message(a2.id).status == "incomplete" and st.message(a2.id).content == "plan 7"
+    assert st.message(a1.id).status == "complete"

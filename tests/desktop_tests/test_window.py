@@ -1,0 +1,246 @@
+"""The real window, driven as a person drives it: type, click, wait, read the panel."""
+
+import json
+import sqlite3
+
+import pytest
+from PySide6.QtCore import Qt
+
+from desktop.panel import fmt_bytes, fmt_ms, fmt_rate
+from desktop.store import Store
+
+BUDGET = "I am planning a trip to Chengdu for 3 nights. My budget is 600 yuan."
+
+
+def send(qtbot, w, spin_loop, text, timeout=120):
+    got = []
+    w.replyFinished.connect(got.append)
+    qtbot.keyClicks(w.composer, text)
+    qtbot.mouseClick(w.sendButton, Qt.LeftButton)
+    spin_loop(lambda: got, timeout)
+    w.replyFinished.disconnect(got.append)
+    return got[0]
+
+
+def panel(w, name):
+    return w.statsPanel.values[name].text()
+
+
+def test_send_streams_a_reply_and_the_panel_matches_the_engine(qtbot, make_window, spin_loop, demo_model_dir):
+    w = make_window(demo_model_dir)
+    assert w.facts["architecture"] == "LlamaForCausalLM"
+    final = send(qtbot, w, spin_loop, BUDGET)
+    assert final["type"] == "finished" and final["reason"] == "eos"
+    t, cache = final["trace"], final["cache"]
+    assert panel(w, "ttftValue") == fmt_ms(t["ttft_ms"])
+    assert panel(w, "tpotValue") == fmt_ms(t["tpot_ms"])
+    assert panel(w, "tokensPerSecondValue") == fmt_rate(t["decode_tok_s"])
+    assert panel(w, "cachePositionsValue") == f"{cache['positions']:,} / {cache['capacity']:,}"
+    assert panel(w, "kvPayloadValue") == fmt_bytes(cache["payload_bytes"])
+    assert panel(w, "kvAllocatedValue") == fmt_bytes(cache["allocated_bytes"])
+    assert cache["payload_bytes"] == cache["positions"] * w.facts["kv_bytes_per_position"]
+    assert panel(w, "reusedValue") == "0" and panel(w, "firstInvalidatedValue") == "—"
+    assert panel(w, "recomputedValue") == str(t["prompt_tokens"])
+    # TTFT counts from the Send click: it is longer than the engine's own part of it
+    assert t["ttft_ms"] >= t["ttft_prefill_ms"] + t["ttft_first_token_ms"]
+    views = w.transcript.views
+    assert [v.message.role for v in views] == ["user", "assistant"]
+    assert views[1].message.content == final["text"] and "600 yuan" in final["text"]
+    assert views[1].tokensLabel.text() == f"{t['tokens']} tokens"
+    assert w.sendButton.isVisible() and not w.stopButton.isVisible()
+    assert w.conversationList.count() == 1
+
+
+def test_enter_sends_and_shift_enter_is_a_newline(qtbot, make_window, spin_loop, demo_model_dir):
+    w = make_window(demo_model_dir)
+    qtbot.keyClicks(w.composer, "Hello")
+    qtbot.keyClick(w.composer, Qt.Key_Return, Qt.ShiftModifier)
+    qtbot.keyClicks(w.composer, "there")
+    assert w.composer.toPlainText() == "Hello\nthere"
+    got = []
+    w.replyFinished.connect(got.append)
+    qtbot.keyClick(w.composer, Qt.Key_Return)
+    spin_loop(lambda: got)
+    assert w.transcript.views[0].message.content == "Hello\nthere"
+    assert w.composer.toPlainText() == ""
+
+
+def test_edit_an_earlier_message_branches_and_shows_the_invalidation(qtbot, make_window, spin_loop, demo_model_dir):
+    w = make_window(demo_model_dir)
+    first = send(qtbot, w, spin_loop, BUDGET)
+    assert "600 yuan" in first["text"]
+    user_view = w.transcript.views[0]
+    qtbot.mouseClick(user_view.editButton, Qt.LeftButton)
+    user_view.editor.setPlainText(BUDGET.replace("600", "750"))
+    got = []
+    w.replyFinished.connect(got.append)
+    qtbot.mouseClick(user_view.saveButton, Qt.LeftButton)
+    spin_loop(lambda: got)
+    final = got[0]
+    r = final["reuse"]
+    assert "750 yuan" in final["text"] and "600" not in final["text"]
+    assert r["cached_token"]["text"].strip() == "6" and r["new_token"]["text"].strip() == "7"
+    assert panel(w, "firstInvalidatedValue") == f"{r['first_invalidated_position']:,}"
+    assert panel(w, "reusedValue") == f"{r['reused']:,}" and r["reused"] == r["first_invalidated_position"]
+    assert panel(w, "recomputedValue") == f"{r['computed']:,}"
+    assert int(panel(w, "discardedValue").replace(",", "")) == r["invalidated"] > 0
+    user_view = w.transcript.views[0]
+    assert user_view.branchLabel.text() == "2/2" and user_view.branchLabel.isVisible()
+    assert user_view.property("invalidated") is True and user_view.highlight[0] == BUDGET.index("600")
+    qtbot.mouseClick(user_view.prevButton, Qt.LeftButton)
+    views = w.transcript.views
+    assert views[0].branchLabel.text() == "1/2" and "600 yuan" in views[0].message.content
+    assert views[1].message.content == first["text"]
+
+
+def test_stop_mid_reply_keeps_the_text_and_marks_it_stopped(qtbot, make_window, spin_loop, llama_dir):
+    w = make_window(llama_dir, max_new_tokens=3000, capacity=4000)
+    qtbot.keyClicks(w.composer, "Hello")
+    got = []
+    w.replyFinished.connect(got.append)
+    qtbot.mouseClick(w.sendButton, Qt.LeftButton)
+    spin_loop(lambda: w.stats.tokens >= 5)
+    assert w.stopButton.isVisible() and not w.sendButton.isVisible()
+    qtbot.mouseClick(w.stopButton, Qt.LeftButton)
+    spin_loop(lambda: got)
+    assert got[0]["reason"] == "cancelled"
+    msg = w.transcript.views[-1].message
+    assert msg.status == "stopped" and 5 <= msg.token_count < 3000
+    assert w.statsPanel.values["failedValue"].text() == "0 · 1"
+    assert w.continueButton.isEnabled()
+
+
+def test_model_settings_change_drops_the_cache_with_its_reason(qtbot, make_window, spin_loop, demo_model_dir):
+    w = make_window(demo_model_dir)
+    send(qtbot, w, spin_loop, BUDGET)
+    ready = []
+    w.modelReady.connect(ready.append)
+    from dataclasses import replace
+    w.apply_settings(replace(w.settings, dtype="bfloat16"))
+    spin_loop(lambda: ready, 120)
+    assert w.facts["dtype"] == "bfloat16"
+    assert "dtype changed (float32 → bfloat16)" in panel(w, "reuseReasonValue")
+    final = send(qtbot, w, spin_loop, "What is my budget?")
+    assert final["reuse"]["reused"] == 0 and "dtype changed" in final["reuse"]["reason"]
+    assert panel(w, "dtypeValue") == "bfloat16"
+    assert "dtype changed" in panel(w, "reuseReasonValue")
+
+
+def test_a_corrupt_model_folder_shows_the_error_and_keeps_the_old_model(qtbot, make_window, spin_loop,
+                                                                        demo_model_dir, tmp_path):
+    import shutil
+    w = make_window(demo_model_dir)
+    bad = tmp_path / "bad"
+    shutil.copytree(demo_model_dir, bad)
+    (bad / "model.safetensors").write_bytes(b"\x00" * 64)
+    ready = []
+    w.modelReady.connect(ready.append)
+    from dataclasses import replace
+    w.apply_settings(replace(w.settings, model_dir=str(bad)))
+    spin_loop(lambda: ready, 60)
+    assert "corrupt or truncated safetensors" in w.banner.text() and "previous model" in w.banner.text()
+    assert w.banner.isVisible() and w.facts["name"] == "kvchat-demo"
+    final = send(qtbot, w, spin_loop, BUDGET)
+    assert final["type"] == "finished"
+
+
+def test_over_capacity_prompt_is_explained(qtbot, make_window, spin_loop, demo_model_dir):
+    w = make_window(demo_model_dir, capacity=64, max_new_tokens=32)
+    final = send(qtbot, w, spin_loop, BUDGET + " " + BUDGET)
+    assert final["type"] == "failed" and "capacity is 64" in final["error"]
+    assert "capacity is 64" in w.banner.text() and w.banner.isVisible()
+    assert w.transcript.views[-1].message.status == "failed"
+    assert w.statsPanel.values["failedValue"].text() == "1 · 0"
+    assert w.sendButton.isEnabled()
+
+
+def test_close_mid_generation_then_reopen_restores_everything(qtbot, make_window, spin_loop, llama_dir, tmp_path):
+    data = tmp_path / "data"
+    w = make_window(llama_dir, data=data, max_new_tokens=3000, capacity=4000)
+    qtbot.keyClicks(w.composer, "Hello")
+    qtbot.mouseClick(w.sendButton, Qt.LeftButton)
+    spin_loop(lambda: w.stats.tokens >= 5)
+    w.close()
+    assert not w.worker_thread.thread.isRunning()
+    store = Store(data / "kvchat.db")
+    conv = store.conversations()[0]
+    path = store.branch(conv.id)
+    assert [m.role for m in path] == ["user", "assistant"]
+    assert path[1].status == "stopped" and path[1].token_count >= 5
+    store.close()
+    w2 = make_window(llama_dir, data=data)
+    assert w2.conversationList.count() == 1
+    assert [v.message.role for v in w2.transcript.views] == ["user", "assistant"]
+    assert w2.transcript.views[1].statusLabel.text() == "stopped"
+
+
+def test_conversations_new_rename_search_delete_undo(qtbot, make_window, spin_loop, demo_model_dir, monkeypatch):
+    w = make_window(demo_model_dir)
+    send(qtbot, w, spin_loop, BUDGET)
+    qtbot.mouseClick(w.newButton, Qt.LeftButton)
+    send(qtbot, w, spin_loop, "Hello!")
+    assert w.conversationList.count() == 2
+    from PySide6.QtWidgets import QInputDialog
+    monkeypatch.setattr(QInputDialog, "getText", lambda *a, **k: ("Greeting chat", True))
+    qtbot.mouseClick(w.renameButton, Qt.LeftButton)
+    titles = [w.conversationList.item(i).text() for i in range(2)]
+    assert "Greeting chat" in titles
+    qtbot.keyClicks(w.search, "Greet")
+    assert w.conversationList.count() == 1
+    w.search.clear()
+    qtbot.mouseClick(w.deleteButton, Qt.LeftButton)
+    assert w.conversationList.count() == 1 and w.undoButton.isVisible()
+    qtbot.mouseClick(w.undoButton, Qt.LeftButton)
+    assert w.conversationList.count() == 2
+
+
+def test_copy_and_export_trace(qtbot, make_window, spin_loop, demo_model_dir, tmp_path):
+    from PySide6.QtGui import QGuiApplication
+    w = make_window(demo_model_dir)
+    final = send(qtbot, w, spin_loop, BUDGET)
+    qtbot.mouseClick(w.transcript.views[1].copyButton, Qt.LeftButton)
+    assert QGuiApplication.clipboard().text() == final["text"]
+    out = tmp_path / "trace.json"
+    w.write_trace(out)
+    data = json.loads(out.read_text())
+    assert data["trace"]["ttft_ms"] == final["trace"]["ttft_ms"] and data["model"]["name"] == "kvchat-demo"
+
+
+def test_unreadable_database_is_moved_aside(qtbot, make_window, demo_model_dir, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "kvchat.db").write_bytes(b"this is not a database" * 100)
+    w = make_window(demo_model_dir, data=data)
+    assert "moved aside" in w.banner.text()
+    aside = list(data.glob("kvchat.db.unreadable-*"))
+    assert len(aside) == 1 and aside[0].read_bytes().startswith(b"this is not a database")
+
+
+def test_locked_database_is_explained_and_the_app_keeps_running(qtbot, make_window, spin_loop, demo_model_dir,
+                                                                tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    Store(data / "kvchat.db").close()
+    holder = sqlite3.connect(str(data / "kvchat.db"), isolation_level=None)
+    holder.execute("PRAGMA locking_mode=EXCLUSIVE")
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        w = make_window(demo_model_dir, data=data)
+        assert "locked" in w.banner.text()
+        final = send(qtbot, w, spin_loop, BUDGET)
+        assert final["type"] == "finished"
+    finally:
+        holder.rollback()
+        holder.close()
+
+
+def test_panel_updates_are_throttled(qtbot, make_window, spin_loop, llama_dir, monkeypatch):
+    w = make_window(llama_dir, max_new_tokens=400, capacity=1000)
+    calls = []
+    original = w.statsPanel.show_reply
+    monkeypatch.setattr(w.statsPanel, "show_reply", lambda *a, **k: (calls.append(1), original(*a, **k)))
+    final = send(qtbot, w, spin_loop, "Hello")
+    n = final["trace"]["tokens"]
+    seconds = final["trace"]["e2e_ms"] / 1000
+    assert n >= 100
+    assert len(calls) <= seconds * 20 + 5 and len(calls) < n / 2
