@@ -93,6 +93,8 @@ class MainWindow(QMainWindow):
         ll.addWidget(self.search)
         self.conversationList = QListWidget()
         self.conversationList.setObjectName("conversationList")
+        self.conversationList.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
+        self.conversationList.setTextElideMode(Qt.ElideRight)
         self.conversationList.currentItemChanged.connect(self._on_conversation_picked)
         ll.addWidget(self.conversationList)
         row = QHBoxLayout()
@@ -461,7 +463,8 @@ class MainWindow(QMainWindow):
             for ev in batch:
                 text, final = self._apply_event(ev, text, final)
                 if ev["type"] == "prefill_started" and "message_tokens" in ev:
-                    counts = ev["message_tokens"][-len(upto):] if upto else []
+                    n_sys = 1 if self.settings.system_prompt else 0
+                    counts = ev["message_tokens"][n_sys:n_sys + len(upto)]
                     for m, n in zip(upto, counts):
                         if m in shown:
                             self._guard(self.store.update_message, m.id, token_count=n)

@@ -64,3 +64,66 @@ class KVCache:
     def stats(self) -> dict:
         return {"positions": self.length, "capacity": self.capacity,
                 "payload_bytes": self.payload_bytes, "allocated_bytes": self.allocated_bytes}
+
+
+class QuantKVCache(KVCache):
+    """K and V stored as int8 or int4 codes, one float32 scale per (position, head) vector of d values.
+
+    Writes quantize; reads dequantize positions 0..end to the model dtype. payload_bytes and
+    allocated_bytes count the scales.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device, mode: str, batch: int = 1):
+        from .quant import BITS, check_mode
+        check_mode(mode)
+        self.mode, self.dtype = mode, dtype
+        self.num_layers, self.batch, self.num_kv_heads, self.capacity, self.head_dim = (
+            num_layers, batch, num_kv_heads, capacity, head_dim)
+        width = head_dim // 2 if mode == "int4" else head_dim
+        code_dtype = torch.uint8 if mode == "int4" else torch.int8
+        shape = (num_layers, batch, num_kv_heads, capacity, width)
+        self.k = torch.zeros(shape, dtype=code_dtype, device=device)  # [L, B, H_kv, C, d or d/2] codes
+        self.v = torch.zeros(shape, dtype=code_dtype, device=device)
+        sshape = (num_layers, batch, num_kv_heads, capacity, 1)
+        self.k_scale = torch.ones(sshape, dtype=torch.float32, device=device)  # [L, B, H_kv, C, 1]
+        self.v_scale = torch.ones(sshape, dtype=torch.float32, device=device)
+        self.bits = BITS[mode]
+        self.length = 0
+
+    @property
+    def bytes_per_value(self) -> int:  # not a whole number of bytes for int4: use bytes_per_position
+        return 1
+
+    @property
+    def bytes_per_position(self) -> int:
+        """Per position: K and V codes for every layer and KV head, plus their scales."""
+        per_vector = self.head_dim * self.bits // 8 + 4
+        return 2 * self.num_layers * self.num_kv_heads * per_vector * self.batch
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.length * self.bytes_per_position
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.k_scale, self.v_scale))
+
+    def _store(self, codes_buf, scale_buf, layer, start, x):
+        from .quant import pack_int4, quantize
+        codes, scales = quantize(x, self.mode, self.head_dim)  # [B, H_kv, T, d], [B, H_kv, T, 1]
+        end = start + x.shape[2]
+        codes_buf[layer, :, :, start:end] = pack_int4(codes) if self.mode == "int4" else codes
+        scale_buf[layer, :, :, start:end] = scales
+
+    def _load(self, codes_buf, scale_buf, layer, end):
+        from .quant import dequantize, unpack_int4
+        codes = codes_buf[layer, :, :, :end]
+        codes = unpack_int4(codes) if self.mode == "int4" else codes
+        return dequantize(codes, scale_buf[layer, :, :, :end], self.dtype)  # [B, H_kv, end, d]
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
+        self._store(self.k, self.k_scale, layer, start, k)
+        self._store(self.v, self.v_scale, layer, start, v)
+        end = start + k.shape[2]
+        return self._load(self.k, self.k_scale, layer, end), self._load(self.v, self.v_scale, layer, end)

@@ -196,6 +196,15 @@ class LoadedModel:
         return self.model.parameter_count()
 
     @property
+    def quantization(self) -> str:
+        return self.fingerprint["quantization"]
+
+    @property
+    def weight_bytes(self) -> int:
+        from .quant import weight_bytes
+        return weight_bytes(self.model)
+
+    @property
     def kv_bytes_per_position(self) -> int:
         return self.config.kv_bytes_per_position * torch.empty((), dtype=self.dtype).element_size()
 
@@ -207,10 +216,14 @@ class LoadedModel:
                 "hidden_size": c.hidden_size, "vocab_size": c.vocab_size,
                 "max_position_embeddings": c.max_position_embeddings,
                 "bytes_per_value": torch.empty((), dtype=self.dtype).element_size(),
+                "weights": self.quantization, "weight_bytes": self.weight_bytes,
                 "kv_bytes_per_position": self.kv_bytes_per_position}
 
 
-def load_model(model_dir=None, device: str | None = None, dtype: str | None = None) -> LoadedModel:
+def load_model(model_dir=None, device: str | None = None, dtype: str | None = None,
+               weights: str = "none", group_size: int = 64) -> LoadedModel:
+    """Load a model folder. `weights` = none | int8 | int4 quantizes the block linears (quantize, then
+    swap the module) with one scale per `group_size` inputs (0: one per output channel)."""
     if model_dir is None:
         if not (DEMO_MODEL / "config.json").is_file():
             raise ModelLoadError("no --model given and the bundled demo model is not installed", DEMO_MODEL)
@@ -231,10 +244,19 @@ def load_model(model_dir=None, device: str | None = None, dtype: str | None = No
         model = Transformer(cfg)
     model.load_state_dict(tensors, strict=True, assign=True)
     model.to(dev).eval().requires_grad_(False)
+    quantization = "none"
+    if weights not in (None, "", "none"):
+        from .quant import check_mode, quantize_model
+        try:
+            check_mode(weights)
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from None
+        quantize_model(model, weights, group_size)
+        quantization = f"{weights}/g{group_size}" if group_size > 0 else f"{weights}/per-channel"
     fingerprint = {
         "weights": _header_digest(files.values()),
         "dtype": dtype_name(dt),
-        "quantization": "none",
+        "quantization": quantization,
         "tokenizer": hashlib.sha256(tokenizer.source.encode()).hexdigest()[:16],
         "rope": repr(cfg.rope),
         "attention": f"heads={cfg.num_heads} kv_heads={cfg.num_kv_heads} d={cfg.head_dim} "

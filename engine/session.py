@@ -18,7 +18,7 @@ import torch
 from . import trace as tracing
 from .errors import CapacityError, EngineError
 from .events import Failed, Finished, PrefillDone, PrefillProgress, PrefillStarted, ReuseReport, Token
-from .kv_cache import KVCache
+from .kv_cache import KVCache, QuantKVCache
 from .loader import LoadedModel
 from .sampling import SamplingParams, choose
 
@@ -60,8 +60,10 @@ def fingerprint_change(old: dict | None, new: dict) -> str | None:
 
 
 class Session:
-    def __init__(self, loaded: LoadedModel, capacity: int | None = None, prefill_chunk: int = 256):
+    def __init__(self, loaded: LoadedModel, capacity: int | None = None, prefill_chunk: int = 256,
+                 kv: str = "none"):
         self.prefill_chunk = prefill_chunk
+        self.kv = kv  # KV cache precision: none (the model dtype) | int8 | int4
         self.capacity_setting = capacity
         self.traces: list[tracing.RequestTrace] = []
         self.loaded: LoadedModel | None = None
@@ -72,12 +74,16 @@ class Session:
         self.set_model(loaded, capacity)
 
     # --- model and cache ------------------------------------------------------------
-    def set_model(self, loaded: LoadedModel, capacity: int | None = None) -> None:
-        """Use another model (or dtype/device): the next request reports the cache dropped with the reason."""
+    def set_model(self, loaded: LoadedModel, capacity: int | None = None, kv: str | None = None) -> None:
+        """Use another model (or dtype/device/precision): the next request reports the cache dropped and why."""
         capacity = capacity or self.capacity_setting or min(loaded.config.max_position_embeddings, DEFAULT_CAPACITY)
         if capacity < 2:
             raise EngineError("KV capacity must be at least 2 positions")
-        reason = fingerprint_change(self._fingerprint, loaded.fingerprint)
+        kv = kv or self.kv
+        if kv not in ("none", "int8", "int4"):
+            raise EngineError(f"KV precision {kv!r} is not supported (supported: none, int8, int4)")
+        fingerprint = {**loaded.fingerprint, "kv_cache": kv}
+        reason = fingerprint_change(self._fingerprint, fingerprint)
         if reason is None and self.cache is not None and capacity != self.cache.capacity:
             reason = f"cache dropped: capacity changed ({self.cache.capacity} → {capacity})"
         if reason and self.ids:
@@ -86,9 +92,13 @@ class Session:
         # Same weights, dtype, tokenizer, rotary/attention settings, device and capacity: the K/V stay valid.
         if self.cache is None or reason is not None:
             self.cache = None  # free the old buffers before allocating the new
-            self.cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, loaded.dtype, loaded.device)
+            if kv == "none":
+                self.cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, loaded.dtype, loaded.device)
+            else:
+                self.cache = QuantKVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, loaded.dtype,
+                                          loaded.device, kv)
             self.ids = []
-        self.loaded, self._fingerprint, self.capacity_setting = loaded, dict(loaded.fingerprint), capacity
+        self.loaded, self._fingerprint, self.capacity_setting, self.kv = loaded, fingerprint, capacity, kv
 
     @property
     def pending_drop_reason(self) -> str | None:
