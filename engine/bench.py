@@ -33,6 +33,9 @@ def add_arguments(p) -> None:
     p.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--weights", default="none", choices=["none", "int8", "int4"], help="kvchat's weight precision")
+    p.add_argument("--kv", default="none", choices=["none", "int8", "int4"], help="kvchat's KV cache precision")
+    p.add_argument("--group-size", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--uncached-tokens", type=int, default=8,
@@ -112,7 +115,8 @@ def _measure(engine: str, a: dict) -> dict:
     from .loader import load_model
     from .trace import now
     t0 = now()
-    loaded = load_model(a["model"], device=a["device"], dtype=a["dtype"])
+    quant = dict(weights=a["weights"], group_size=a["group_size"]) if engine == "kvchat" else {}
+    loaded = load_model(a["model"], device=a["device"], dtype=a["dtype"], **quant)
     load_s = now() - t0
     device = loaded.device
     prompt = _prompt(a["prompt_tokens"], loaded.config.vocab_size)
@@ -121,7 +125,8 @@ def _measure(engine: str, a: dict) -> dict:
            "load_s": round(load_s, 3)}
     if engine == "kvchat":
         from .session import Request, Session
-        session = Session(loaded, capacity=len(prompt) + n_new)
+        session = Session(loaded, capacity=len(prompt) + n_new, kv=a["kv"])
+        row.update(weights=loaded.quantization, kv=a["kv"])
         session.loaded.tokenizer.stop_ids = frozenset()  # random weights: never stop early
         for ev in session.generate(Request(prompt_ids=tuple(prompt), max_new_tokens=n_new)):
             last = ev
@@ -192,7 +197,8 @@ def run(ns) -> int:
     with tempfile.TemporaryDirectory(prefix="kvchat-bench-") as tmp:
         model = ns.model or str(write_random_checkpoint(Path(tmp) / ns.shape, ns.shape))
         args = {"model": model, "device": ns.device, "dtype": ns.dtype, "prompt_tokens": ns.prompt_tokens,
-                "new_tokens": ns.new_tokens, "uncached_tokens": ns.uncached_tokens, "threads": threads}
+                "new_tokens": ns.new_tokens, "uncached_tokens": ns.uncached_tokens, "threads": threads,
+                "weights": ns.weights, "kv": ns.kv, "group_size": ns.group_size}
         ctx = mp.get_context("spawn")
         results = []
         for engine in engines:

@@ -17,6 +17,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default=None, help="cpu, cuda, mps (default: the best available)")
     p.add_argument("--capacity", type=int, default=None, help="KV cache positions (default: min(context, 4096))")
+    p.add_argument("--weights", default="none", choices=["none", "int8", "int4"], help="weight precision")
+    p.add_argument("--kv", default="none", choices=["none", "int8", "int4"], help="KV cache precision")
+    p.add_argument("--group-size", type=int, default=64, help="values per quantization scale (0: per channel)")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -40,8 +43,8 @@ def _sampling(ns, overrides: dict | None = None) -> SamplingParams:
 def _open(ns):
     from .loader import load_model
     from .session import Session
-    loaded = load_model(ns.model, device=ns.device, dtype=ns.dtype)
-    return loaded, Session(loaded, capacity=ns.capacity)
+    loaded = load_model(ns.model, device=ns.device, dtype=ns.dtype, weights=ns.weights, group_size=ns.group_size)
+    return loaded, Session(loaded, capacity=ns.capacity, kv=ns.kv)
 
 
 def run_request(session, req, stream_to=None) -> dict:
@@ -79,6 +82,8 @@ def cmd_info(ns) -> int:
     loaded, session = _open(ns)
     facts = loaded.facts()
     facts["capacity"] = session.cache.capacity
+    facts["kv_cache"] = session.kv
+    facts["kv_bytes_per_position"] = session.cache.bytes_per_position
     facts["kv_allocated_bytes"] = session.cache.allocated_bytes
     facts["chat_template"] = loaded.tokenizer.has_chat_template
     facts["stop_token_ids"] = sorted(loaded.tokenizer.stop_ids)
@@ -232,6 +237,9 @@ def main(argv=None) -> int:
     _model_args(p)
     _sampling_args(p)
     p.add_argument("--system", default=None)
+    p = sub.add_parser("quality", help="compare a quantized model with full precision on the same prompts")
+    from .quality import add_arguments as quality_arguments
+    quality_arguments(p)
     p = sub.add_parser("bench", help="prefill/decode speed against references measured in the same run")
     from .bench import add_arguments
     add_arguments(p)
@@ -241,6 +249,9 @@ def main(argv=None) -> int:
         if ns.cmd == "bench":
             from .bench import run
             return run(ns)
+        if ns.cmd == "quality":
+            from .quality import main as quality_main
+            return quality_main(ns)
         return handler[ns.cmd](ns)
     except EngineError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -38,9 +38,9 @@ def _differing_digit(old: int, new: int) -> tuple[str, str]:
 
 
 def evaluate(model=None, n: int = 200, seed: int = 20261129, max_new_tokens: int = 80, device=None,
-             dtype=None, progress=None) -> dict:
-    loaded = load_model(model, device=device, dtype=dtype)
-    session = Session(loaded, capacity=1024)
+             dtype=None, progress=None, weights: str = "none", kv: str = "none", group_size: int = 64) -> dict:
+    loaded = load_model(model, device=device, dtype=dtype, weights=weights, group_size=group_size)
+    session = Session(loaded, capacity=1024, kv=kv)
     rng = random.Random(seed)
     counts = dict(budget_exact=0, budget_with_currency=0, city=0, edit_follows=0, edit_reuse_at_token=0,
                   edit_old_value_gone=0)
@@ -80,7 +80,7 @@ def evaluate(model=None, n: int = 200, seed: int = 20261129, max_new_tokens: int
         if progress:
             progress(i + 1, n)
     pct = {k: round(100.0 * v / n, 1) for k, v in counts.items()}
-    return {"model": str(loaded.path), "cases": n, "seed": seed, "percent": pct, "counts": counts,
+    return {"model": str(loaded.path), "weights": loaded.quantization, "kv": kv, "cases": n, "seed": seed, "percent": pct, "counts": counts,
             "mean_reused_positions": round(reused / n, 1), "mean_recomputed_positions": round(recomputed / n, 1),
             "failures": failures[:10]}
 
@@ -92,18 +92,23 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=20261129)
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None)
+    ap.add_argument("--weights", default="none", choices=["none", "int8", "int4"])
+    ap.add_argument("--kv", default="none", choices=["none", "int8", "int4"])
+    ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--json", action="store_true")
     ns = ap.parse_args(argv)
 
     def progress(i, n):
         if not ns.json and i % 20 == 0:
             print(f"  {i}/{n}", file=sys.stderr)
-    res = evaluate(ns.model, ns.n, ns.seed, device=ns.device, dtype=ns.dtype, progress=progress)
+    res = evaluate(ns.model, ns.n, ns.seed, device=ns.device, dtype=ns.dtype, progress=progress,
+                   weights=ns.weights, kv=ns.kv, group_size=ns.group_size)
     if ns.json:
         print(json.dumps(res, ensure_ascii=False, indent=2))
         return 0
     p = res["percent"]
-    print(f"held-out chats: {res['cases']} (seed {res['seed']}, budgets never seen in training)")
+    print(f"held-out chats: {res['cases']} (seed {res['seed']}, budgets never seen in training) · "
+          f"weights {res['weights']} · KV {res['kv']}")
     print(f"  reply states the budget with its currency   {p['budget_with_currency']:5.1f}%")
     print(f"  reply states the budget's digits            {p['budget_exact']:5.1f}%")
     print(f"  reply states the city                       {p['city']:5.1f}%")

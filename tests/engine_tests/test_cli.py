@@ -86,3 +86,23 @@ def test_bench_json(llama_dir):
         assert r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 and r["peak_mem_bytes"] > 0
     assert engines["kvchat"]["tokens"] == 8
     assert out["ratios"]["decode_vs_transformers"] > 0
+
+
+def test_quality_compares_quantized_with_full_precision(llama_dir):
+    out = json.loads(run("quality", "--model", llama_dir, "--weights", "int4", "--kv", "int8", "--group-size", 16,
+                         "--new-tokens", 8, "--json").stdout)
+    assert out["weights"] == "int4/g16" and out["kv"] == "int8"
+    assert 0 <= out["top1_agreement"] <= 1 and out["positions"] > 0 and out["mean_kl"] >= 0
+    assert out["weight_bytes_quant"] < out["weight_bytes_full"]
+    assert out["kv_bytes_per_position_quant"] == 2 * 2 * 2 * (16 + 4)  # int8 codes + a float32 scale per head
+    assert out["kv_bytes_per_position_full"] == 2 * 2 * 2 * 16 * 4
+    assert out["perplexity_full"] > 1 and out["perplexity_quant"] > 1
+    same = json.loads(run("quality", "--model", llama_dir, "--new-tokens", 8, "--json").stdout)
+    assert same["top1_agreement"] == 1.0 and same["mean_kl"] == 0 and same["prompts_diverged"] == 0
+
+
+def test_generate_with_quantized_weights_and_cache(llama_dir):
+    out = json.loads(run("generate", "--model", llama_dir, "--prompt", "Hello", "--max-new-tokens", 4,
+                         "--weights", "int8", "--kv", "int4", "--json").stdout)
+    per = 2 * 2 * 2 * (16 // 2 + 4)
+    assert out["cache"]["payload_bytes"] == out["cache"]["positions"] * per
