@@ -175,6 +175,7 @@ class StatsPanel(QScrollArea):
 
         self._group(lay, "Model", [("modelNameValue", "Model"), ("architectureValue", "Architecture"),
                                    ("parametersValue", "Parameters"), ("dtypeValue", "dtype"),
+                                   ("precisionValue", "Weights · KV cache"), ("weightBytesValue", "Weight bytes"),
                                    ("deviceValue", "Device"), ("layersValue", "Layers"),
                                    ("kvHeadsValue", "KV heads · query heads"), ("headDimValue", "Head width")])
         self._group(lay, "Session", [("requestsValue", "Requests"), ("failedValue", "Failed · cancelled"),
@@ -213,6 +214,8 @@ class StatsPanel(QScrollArea):
         self.set("architectureValue", facts["architecture"])
         self.set("parametersValue", f"{facts['parameters']:,}")
         self.set("dtypeValue", facts["dtype"])
+        self.set("precisionValue", f"{facts.get('weights', 'none')} · {facts.get('kv_cache', 'none')}")
+        self.set("weightBytesValue", fmt_bytes(facts.get("weight_bytes")))
         self.set("deviceValue", facts["device"])
         self.set("layersValue", str(facts["layers"]))
         self.set("kvHeadsValue", f"{facts['kv_heads']} · {facts['heads']}")
@@ -233,8 +236,13 @@ class StatsPanel(QScrollArea):
         self.set("cachePositionsValue", f"{positions:,} / {cap:,}")
         self.set("kvPayloadValue", fmt_bytes(payload))
         self.set("kvAllocatedValue", fmt_bytes(f["cache"]["allocated_bytes"]))
-        self.set("kvFormulaValue", f"2 · {f['layers']} · {positions} · {f['kv_heads']} · {f['head_dim']} · "
-                                   f"{f['bytes_per_value']} = {payload:,} B")
+        if f.get("kv_cache", "none") == "none":
+            self.set("kvFormulaValue", f"2 · {f['layers']} · {positions} · {f['kv_heads']} · {f['head_dim']} · "
+                                       f"{f['bytes_per_value']} = {payload:,} B")
+        else:  # codes plus one float32 scale per (position, head) vector
+            bits = 8 if f["kv_cache"] == "int8" else 4
+            self.set("kvFormulaValue", f"2 · {f['layers']} · {positions} · {f['kv_heads']} · "
+                                       f"({f['head_dim']}·{bits}/8 + 4) = {payload:,} B ({f['kv_cache']} + scales)")
         self.set("cachePointValue", point)
 
     def show_reply(self, s: ReplyStats, title: str = "") -> None:

@@ -26,6 +26,9 @@ class Settings:
     device: str = "auto"
     dtype: str = "auto"
     capacity: int = 0  # 0: min(model context, 4096)
+    weights: str = "none"  # weight precision: none (the dtype) | int8 | int4
+    kv: str = "none"  # KV cache precision: none (the dtype) | int8 | int4
+    group_size: int = 64  # values per quantization scale (0: one per output channel)
     system_prompt: str = ""
     temperature: float = 0.0
     top_k: int = 0
@@ -35,7 +38,7 @@ class Settings:
     max_new_tokens: int = 256
     seed: int = -1  # -1: random
 
-    MODEL_KEYS = ("model_dir", "device", "dtype", "capacity")
+    MODEL_KEYS = ("model_dir", "device", "dtype", "capacity", "weights", "kv", "group_size")
 
     @classmethod
     def load(cls, qs: QSettings) -> "Settings":
@@ -56,7 +59,8 @@ class Settings:
 
     def model_args(self) -> dict:
         return {"path": self.model_dir or None, "device": None if self.device == "auto" else self.device,
-                "dtype": None if self.dtype == "auto" else self.dtype, "capacity": self.capacity or None}
+                "dtype": None if self.dtype == "auto" else self.dtype, "capacity": self.capacity or None,
+                "weights": self.weights, "kv": self.kv, "group_size": self.group_size}
 
 
 def open_settings(directory: Path) -> QSettings:
@@ -93,6 +97,13 @@ class SettingsDialog(QDialog):
         form.addRow("dtype", self.dtype)
         self.capacity = self._spin(settings.capacity, 0, 1 << 20, "capacitySpin", "model default")
         form.addRow("KV capacity (positions)", self.capacity)
+        self.weights = self._combo(["none", "int8", "int4"], settings.weights, "weightsCombo")
+        form.addRow("Weight precision", self.weights)
+        self.kv = self._combo(["none", "int8", "int4"], settings.kv, "kvCombo")
+        form.addRow("KV cache precision", self.kv)
+        self.group = self._combo(["32", "64", "128", "0"], str(settings.group_size), "groupSizeCombo")
+        self.group.setToolTip("values per scale; 0 = one scale per output channel")
+        form.addRow("Quantization group size", self.group)
         self.system = QPlainTextEdit(settings.system_prompt)
         self.system.setObjectName("systemPromptEdit")
         self.system.setMaximumHeight(70)
@@ -119,6 +130,14 @@ class SettingsDialog(QDialog):
         buttons.accepted.connect(self.accept)
         buttons.rejected.connect(self.reject)
         form.addRow(buttons)
+
+    @staticmethod
+    def _combo(items, value, name):
+        c = QComboBox()
+        c.setObjectName(name)
+        c.addItems(items)
+        c.setCurrentText(value)
+        return c
 
     @staticmethod
     def _spin(value, lo, hi, name, special=None):
@@ -148,6 +167,8 @@ class SettingsDialog(QDialog):
     def result_settings(self) -> Settings:
         return Settings(model_dir=self.modelDir.text().strip(), device=self.device.currentText(),
                         dtype=self.dtype.currentText(), capacity=self.capacity.value(),
+                        weights=self.weights.currentText(), kv=self.kv.currentText(),
+                        group_size=int(self.group.currentText()),
                         system_prompt=self.system.toPlainText().strip(), temperature=self.temperature.value(),
                         top_k=self.top_k.value(), top_p=self.top_p.value(), min_p=self.min_p.value(),
                         repetition_penalty=self.rep.value(), max_new_tokens=self.max_new.value(),

@@ -16,6 +16,7 @@ STATUS_NOTES = {"stopped": "stopped", "incomplete": "incomplete (the app closed 
 
 class MessageView(QFrame):
     editSubmitted = Signal(int, str)
+    compareRequested = Signal(int)
     branchRequested = Signal(int, int)  # message id, +1 / -1
     selected = Signal(int)
 
@@ -54,11 +55,17 @@ class MessageView(QFrame):
         self.copyButton.setObjectName("copyButton")
         self.copyButton.clicked.connect(lambda: QGuiApplication.clipboard().setText(self.message.content))
         head.addWidget(self.copyButton)
+        self.compareButton = QPushButton("Compare")
+        self.compareButton.setObjectName("compareButton")
+        self.compareButton.setToolTip("Rerun this prompt at the other precision and compare, token by token")
+        self.compareButton.clicked.connect(lambda: self.compareRequested.emit(self.message.id))
+        self.compareButton.setVisible(message.role == "assistant")
+        head.addWidget(self.compareButton)
         self.editButton = QPushButton("Edit")
         self.editButton.setObjectName("editButton")
         self.editButton.clicked.connect(self.begin_edit)
         head.addWidget(self.editButton)
-        for b in (self.prevButton, self.nextButton, self.copyButton, self.editButton):
+        for b in (self.prevButton, self.nextButton, self.copyButton, self.compareButton, self.editButton):
             b.setFlat(True)
             b.setCursor(Qt.PointingHandCursor)
         lay.addLayout(head)

@@ -76,6 +76,7 @@ class MainWindow(QMainWindow):
         self.worker.modelLoading.connect(self._on_model_loading)
         self.worker.modelLoaded.connect(self._on_model_loaded)
         self.worker.modelFailed.connect(self._on_model_failed)
+        self.worker.compared.connect(self._on_compared)
         self.timer = QTimer(self)
         self.timer.setInterval(REFRESH_MS)
         self.timer.timeout.connect(self._refresh)
@@ -267,6 +268,7 @@ class MainWindow(QMainWindow):
             view.editSubmitted.connect(self.edit_message)
             view.branchRequested.connect(self.switch_branch)
             view.selected.connect(self.select_message)
+            view.compareRequested.connect(self.compare_reply)
             view.editButton.setEnabled(not self.generating)
             self.transcript.add(view)
         self._update_buttons()
@@ -298,8 +300,7 @@ class MainWindow(QMainWindow):
 
     # --- model -------------------------------------------------------------------------
     def load_model(self) -> None:
-        a = self.settings.model_args()
-        self.worker.load(a["path"], a["device"], a["dtype"], a["capacity"])
+        self.worker.load(**self.settings.model_args())
 
     def _on_model_loading(self, what: str) -> None:
         self.loadProgress.setVisible(True)
@@ -418,6 +419,24 @@ class MainWindow(QMainWindow):
         if self.generating or not views or views[-1].message.role != "assistant":
             return
         self.start_reply(views[-1].message.parent_id, now(), continue_mid=views[-1].message.id)
+
+    def compare_reply(self, mid: int) -> None:
+        """Rerun the prompt of this reply at the other precision (in the worker) and show both."""
+        if self.generating or self.facts is None:
+            return
+        m = self.store.message(mid)
+        path = self.store.branch(self.current_cid)
+        upto = path[:next(i for i, x in enumerate(path) if x.id == m.parent_id) + 1]
+        self._compare_rid = getattr(self, "_compare_rid", 0) + 1
+        self.statusBar().showMessage("Comparing with the other precision…")
+        self.worker.compare(self._compare_rid, self._messages(upto), self.settings.max_new_tokens)
+
+    def _on_compared(self, rid: int, result: dict) -> None:
+        from .compare import CompareDialog
+        self.statusBar().clearMessage()
+        self.last_comparison = result
+        self.compareDialog = CompareDialog(result, self)
+        self.compareDialog.show()
 
     def stop(self) -> None:
         self.client.stop()

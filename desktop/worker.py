@@ -49,6 +49,16 @@ class LoadJob:
     device: str | None
     dtype: str | None
     capacity: int | None
+    weights: str = "none"
+    kv: str = "none"
+    group_size: int = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class CompareJob:
+    rid: int
+    messages: list
+    max_new_tokens: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +71,7 @@ class EngineWorker(QObject):
     modelLoading = Signal(str)
     modelLoaded = Signal(dict)  # model facts + cache stats
     modelFailed = Signal(str)  # a message a person can read; the old model stays
+    compared = Signal(int, dict)  # request id, the full vs quantized comparison
     events = Signal(int, list)  # request id, [event dicts]
     stopped = Signal()
 
@@ -71,10 +82,15 @@ class EngineWorker(QObject):
         self.batch_seconds = batch_seconds
         self.loaded = None
         self.session = None
+        self._load_job: LoadJob | None = None
+        self._other = None  # the other-precision model for comparisons, loaded on first use
 
     # --- called from the GUI thread -----------------------------------------------------
-    def load(self, path, device=None, dtype=None, capacity=None) -> None:
-        self._jobs.put(LoadJob(path, device, dtype, capacity))
+    def load(self, path, device=None, dtype=None, capacity=None, weights="none", kv="none", group_size=64) -> None:
+        self._jobs.put(LoadJob(path, device, dtype, capacity, weights, kv, group_size))
+
+    def compare(self, rid: int, messages: list, max_new_tokens: int) -> None:
+        self._jobs.put(CompareJob(rid, messages, max_new_tokens))
 
     def generate(self, rid: int, request) -> None:
         self._jobs.put(GenerateJob(rid, request))
@@ -96,6 +112,8 @@ class EngineWorker(QObject):
             try:
                 if isinstance(job, LoadJob):
                     self._load(job)
+                elif isinstance(job, CompareJob):
+                    self._compare(job)
                 else:
                     self._generate(job)
             except Exception as e:  # never let the worker die: report and go on
@@ -112,11 +130,13 @@ class EngineWorker(QObject):
         from engine.session import Session
         self.modelLoading.emit(str(job.path or "the bundled demo model"))
         try:
-            loaded = load_model(job.path, device=job.device, dtype=job.dtype)
+            loaded = load_model(job.path, device=job.device, dtype=job.dtype, weights=job.weights,
+                                group_size=job.group_size)
             if self.session is None:
-                self.session = Session(loaded, capacity=job.capacity)
+                self.session = Session(loaded, capacity=job.capacity, kv=job.kv)
             else:
-                self.session.set_model(loaded, capacity=job.capacity)
+                self.session.set_model(loaded, capacity=job.capacity, kv=job.kv)
+            self._load_job, self._other = job, None
         except (EngineError, OSError, RuntimeError, MemoryError) as e:
             self.modelFailed.emit(str(e))
             return
@@ -124,9 +144,30 @@ class EngineWorker(QObject):
         del old
         self.modelLoaded.emit(self.facts())
 
+    def _compare(self, job: CompareJob) -> None:
+        """Rerun the prompt at the other precision: full if this one is quantized, else int8 weights and KV."""
+        from engine.loader import load_model
+        from engine.quality import compare
+        lj = self._load_job
+        quantized = self.loaded.quantization != "none" or self.session.kv != "none"
+        try:
+            if self._other is None:
+                w = "none" if quantized else "int8"
+                self._other = load_model(lj.path, device=lj.device, dtype=lj.dtype, weights=w,
+                                         group_size=lj.group_size)
+            full, quant = (self._other, self.loaded) if quantized else (self.loaded, self._other)
+            kv = self.session.kv if quantized else "int8"
+            result = compare(full, quant, kv, [job.messages], job.max_new_tokens)
+            p = result["per_prompt"][0] if result["per_prompt"] else {}
+            self.compared.emit(job.rid, {**p, "weights": quant.quantization, "kv": kv,
+                                         "current_is_quantized": quantized})
+        except (EngineError, RuntimeError, MemoryError, ValueError) as e:
+            self.compared.emit(job.rid, {"error": str(e)})
+
     def facts(self) -> dict:
         f = self.loaded.facts()
-        f.update(capacity=self.session.cache.capacity, cache=self.session.cache_stats(),
+        f.update(capacity=self.session.cache.capacity, cache=self.session.cache_stats(), kv_cache=self.session.kv,
+                 kv_bytes_per_position=self.session.cache.bytes_per_position,
                  fingerprint=dict(self.loaded.fingerprint), name=self.loaded.name,
                  cache_dropped=self.session.pending_drop_reason)
         return f

@@ -97,7 +97,11 @@ def compare(full, quant, kv: str, prompts, new_tokens: int = 48, near_tie: float
         per_prompt.append({"prompt_tokens": len(ids), "reply_tokens": len(ref), "first_divergence": diverge,
                            "top1_agreement": round(float((top_f == top_q).float().mean()), 4),
                            "mean_kl": round(float(kl.mean()), 6), "near_tie_flips": n_flip,
-                           "full_reply": full.tokenizer.decode(ref), "quant_reply": quant.tokenizer.decode(got)})
+                           "full_reply": full.tokenizer.decode(ref), "quant_reply": quant.tokenizer.decode(got),
+                           "full_tokens": [full.tokenizer.token_text(t) for t in ref],
+                           "quant_tokens": [quant.tokenizer.token_text(t) for t in got],
+                           "agree_per_token": (top_f == top_q).tolist(),
+                           "kl_per_token": [round(v, 6) for v in kl.tolist()]})
     return {"positions": positions, "top1_agreement": round(agree / max(positions, 1), 4),
             "mean_kl": round(sum(kls) / max(len(kls), 1), 6), "near_tie_flips": flips,
             "near_tie_threshold": near_tie,

@@ -244,3 +244,29 @@ def test_panel_updates_are_throttled(qtbot, make_window, spin_loop, llama_dir, m
     seconds = final["trace"]["e2e_ms"] / 1000
     assert n >= 100
     assert len(calls) <= seconds * 20 + 5 and len(calls) < n / 2
+
+
+def test_precision_switch_and_compare_with_full_precision(qtbot, make_window, spin_loop, demo_model_dir):
+    w = make_window(demo_model_dir)
+    full_bytes = w.facts["weight_bytes"]
+    send(qtbot, w, spin_loop, BUDGET)
+    ready = []
+    w.modelReady.connect(ready.append)
+    from dataclasses import replace
+    w.apply_settings(replace(w.settings, weights="int4", kv="int8", group_size=32))
+    spin_loop(lambda: ready, 120)
+    assert panel(w, "precisionValue") == "int4/g32 · int8"
+    assert w.facts["weight_bytes"] < full_bytes / 2
+    reason = panel(w, "reuseReasonValue")
+    assert "quantization changed (none → int4/g32)" in reason and "kv_cache changed (none → int8)" in reason
+    final = send(qtbot, w, spin_loop, "What is my budget?")
+    per = w.facts["kv_bytes_per_position"]
+    assert per == 2 * w.facts["layers"] * w.facts["kv_heads"] * (w.facts["head_dim"] + 4)
+    assert panel(w, "kvPayloadValue") == fmt_bytes(final["cache"]["positions"] * per)
+    assert "int8 + scales" in panel(w, "kvFormulaValue")
+    qtbot.mouseClick(w.transcript.views[-1].compareButton, Qt.LeftButton)
+    spin_loop(lambda: getattr(w, "last_comparison", None) is not None, 120)
+    r = w.last_comparison
+    assert "error" not in r and r["weights"] == "int4/g32" and r["kv"] == "int8" and r["current_is_quantized"]
+    assert 0 <= r["top1_agreement"] <= 1 and len(r["kl_per_token"]) == len(r["full_tokens"])
+    assert w.compareDialog.isVisible() and "agreement" in w.compareDialog.summary.text()
