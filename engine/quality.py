@@ -60,6 +60,8 @@ def _greedy(loaded, kv: str, prompt_ids: list[int], n: int) -> tuple[list[int], 
 
 
 def _prompt_ids(loaded, prompt) -> list[int]:
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return list(prompt)  # already token ids (random-weight shapes have no real tokenizer)
     tok = loaded.tokenizer
     msgs = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
     if tok.has_chat_template:
@@ -111,8 +113,9 @@ def compare(full, quant, kv: str, prompts, new_tokens: int = 48, near_tie: float
             "per_prompt": per_prompt}
 
 
-def perplexity(loaded, kv: str, text: str, max_tokens: int = 1024) -> float:
-    ids = loaded.tokenizer.encode(text, add_special_tokens=True)[:max_tokens]
+def perplexity(loaded, kv: str, text, max_tokens: int = 1024) -> float:
+    """exp(mean NLL) over a held-out text (or a list of token ids)."""
+    ids = (text if isinstance(text, list) else loaded.tokenizer.encode(text, add_special_tokens=True))[:max_tokens]
     logits = _logits(loaded, kv, ids)
     nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:], device=logits.device))
     return round(math.exp(float(nll)), 4)
@@ -123,11 +126,17 @@ def kv_bytes_per_position(loaded, kv: str) -> int:
 
 
 def run(model=None, weights="none", kv="none", group_size=64, prompts=None, new_tokens=48, device=None,
-        dtype=None, near_tie=0.5) -> dict:
+        dtype=None, near_tie=0.5, random_ids=False) -> dict:
     full = load_model(model, device=device, dtype=dtype)
     quant = load_model(model, device=device, dtype=dtype, weights=weights, group_size=group_size)
-    prompts = prompts or DEFAULT_PROMPTS
-    text = _heldout_text()
+    if random_ids:  # a random-weight shape: prompts and text are seeded random token ids
+        g = torch.Generator().manual_seed(0)
+        vocab = full.config.vocab_size
+        prompts = prompts or [torch.randint(10, vocab, (64,), generator=g).tolist() for _ in range(4)]
+        text = torch.randint(10, vocab, (512,), generator=g).tolist()
+    else:
+        prompts = prompts or DEFAULT_PROMPTS
+        text = _heldout_text()
     result = compare(full, quant, kv, prompts, new_tokens, near_tie)
     result.update(model=str(full.path), weights=quant.quantization, kv=kv, dtype=str(full.dtype).removeprefix("torch."),
                   perplexity_full=perplexity(full, "none", text), perplexity_quant=perplexity(quant, kv, text),
@@ -140,6 +149,7 @@ def run(model=None, weights="none", kv="none", group_size=64, prompts=None, new_
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default=None)
+    p.add_argument("--shape", default=None, help="a random-weight shape instead of a model (smollm2-135m, ...)")
     p.add_argument("--weights", default="none", choices=["none", "int8", "int4"])
     p.add_argument("--kv", default="none", choices=["none", "int8", "int4"])
     p.add_argument("--group-size", type=int, default=64, help="values per scale (0: one per output channel)")
@@ -156,7 +166,19 @@ def main(ns) -> int:
     if ns.prompts:
         with open(ns.prompts, encoding="utf-8") as f:
             prompts = json.load(f)
-    r = run(ns.model, ns.weights, ns.kv, ns.group_size, prompts, ns.new_tokens, ns.device, ns.dtype, ns.near_tie)
+    if ns.shape:
+        import tempfile
+        from pathlib import Path
+
+        from .bench import write_random_checkpoint
+        with tempfile.TemporaryDirectory(prefix="kvchat-quality-") as tmp:
+            path = write_random_checkpoint(Path(tmp) / ns.shape, ns.shape)
+            r = run(str(path), ns.weights, ns.kv, ns.group_size, prompts, ns.new_tokens, ns.device, ns.dtype,
+                    ns.near_tie, random_ids=True)
+            r["model"] = f"random {ns.shape}"
+    else:
+        r = run(ns.model, ns.weights, ns.kv, ns.group_size, prompts, ns.new_tokens, ns.device, ns.dtype,
+                ns.near_tie)
     if ns.json:
         print(json.dumps(r, ensure_ascii=False))
         return 0

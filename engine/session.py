@@ -151,6 +151,8 @@ class Session:
                            {"id": prompt[reused], "text": tok.token_text(prompt[reused])}, reason)
 
     def check_capacity(self, prompt_len: int, req: Request) -> None:
+        if req.max_new_tokens < 1:
+            raise EngineError("max_new_tokens must be at least 1")
         cap = self.cache.capacity
         if prompt_len > cap:
             raise CapacityError(f"the prompt has {prompt_len} tokens but the KV cache holds only {cap} positions; "
