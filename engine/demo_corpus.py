@@ -159,11 +159,19 @@ DECLINES = [("Can you book the hotel for me?", "I can't book anything, but I can
             ("Tell me a joke.", "I only help with travel plans. Ask me anything about your trip to {city}.")]
 
 
-def _followup(rng, t: Trip) -> tuple[str, str, Trip]:
+def _followup(rng, t: Trip, currency_questions: bool = True) -> tuple[str, str, Trip]:
     """One follow-up turn: (user text, assistant reply, trip after the turn)."""
-    kind = rng.choices(["budget_q", "city_q", "nights_q", "people_q", "update_budget", "update_nights",
-                        "update_city", "again", "thanks", "decline"],
-                       weights=[3, 2, 2, 1, 5, 2, 2, 2, 2, 2])[0]
+    if currency_questions:
+        kind = rng.choices(["budget_q", "currency_q", "city_q", "nights_q", "people_q", "update_budget",
+                            "update_nights", "update_city", "again", "thanks", "decline"],
+                           weights=[3, 2, 2, 2, 1, 5, 2, 2, 2, 2, 2])[0]
+    else:  # the first training stage's mix
+        kind = rng.choices(["budget_q", "city_q", "nights_q", "people_q", "update_budget", "update_nights",
+                            "update_city", "again", "thanks", "decline"],
+                           weights=[3, 2, 2, 1, 5, 2, 2, 2, 2, 2])[0]
+    if kind == "currency_q":
+        q = rng.choice(["Which currency is my budget in?", "What currency did I say?", "In which currency?"])
+        return q, f"Your budget is in {t.currency}: {t.money}.", t
     if kind == "budget_q":
         q = rng.choice(["What is my budget?", "How much can I spend?", "Remind me of the budget.",
                         "what's our budget again?", "What budget did I give you?"])
@@ -232,11 +240,11 @@ def opening(rng: random.Random, t: Trip) -> list[dict]:
     return msgs
 
 
-def conversation(rng: random.Random, max_followups: int = 3) -> list[dict]:
+def conversation(rng: random.Random, max_followups: int = 3, currency_questions: bool = True) -> list[dict]:
     t = new_trip(rng)
     msgs = opening(rng, t)
     for _ in range(rng.randint(0, max_followups)):
-        q, a, t = _followup(rng, t)
+        q, a, t = _followup(rng, t, currency_questions)
         msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
     return msgs
 

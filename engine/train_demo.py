@@ -98,12 +98,19 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--bf16", action="store_true", help="bfloat16 autocast for the matmuls")
+    ap.add_argument("--init", type=Path, default=None,
+                    help="continue from this checkpoint (its tokenizer and weights) instead of starting fresh")
+    ap.add_argument("--currency-weight", type=float, default=4.0, help="loss weight of currency tokens")
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--no-currency-questions", action="store_true",
+                    help="the first stage's corpus: no 'which currency?' follow-ups")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     t0 = time.time()
 
-    tok = build_tokenizer(args.seed, SHAPE["vocab_size"])
+    tok = (HFTokenizer.from_file(str(args.init / "tokenizer.json")) if args.init
+           else build_tokenizer(args.seed, SHAPE["vocab_size"]))
     raw_cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **SHAPE,
                "head_dim": SHAPE["hidden_size"] // SHAPE["num_attention_heads"], "hidden_act": "silu",
                "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "rope_scaling": None, "tie_word_embeddings": True,
@@ -112,11 +119,18 @@ def main(argv=None) -> int:
                "pad_token_id": tok.token_to_id("<|pad|>"), "torch_dtype": "float32"}
     raw_cfg["vocab_size"] = tok.get_vocab_size()
     cfg = config_from_dict(raw_cfg)
-    model = Transformer(cfg).to(args.device)
-    for name, p in model.named_parameters():
-        if p.dim() == 2:
-            std = 0.02 / math.sqrt(2 * cfg.num_layers) if name.endswith(("o.weight", "down.weight")) else 0.02
-            torch.nn.init.normal_(p, std=std)
+    if args.init:
+        from .loader import load_model
+        model = load_model(args.init, device=args.device, dtype="float32").model.requires_grad_(True).train()
+        seen_before = json.loads((args.init / "training.json").read_text()) if (args.init / "training.json").is_file() \
+            else {"stages": []}
+    else:
+        model = Transformer(cfg).to(args.device)
+        seen_before = {"stages": []}
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                std = 0.02 / math.sqrt(2 * cfg.num_layers) if name.endswith(("o.weight", "down.weight")) else 0.02
+                torch.nn.init.normal_(p, std=std)
     decay = [p for p in model.parameters() if p.dim() == 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
@@ -125,11 +139,12 @@ def main(argv=None) -> int:
     pad = tok.token_to_id("<|pad|>")
     # Copying the facts is what the demo is for: digits and the word after a number weigh 4x.
     digit_ids = torch.tensor([tok.token_to_id(str(i)) for i in range(10)])
+    currency_ids = torch.tensor([tok.encode(" " + c).ids[0] for c in demo_corpus.CURRENCIES])
     seen_tokens, log_t = 0, time.time()
     for step in range(args.steps):
         batch = []
         while len(batch) < args.batch:
-            ids, mask = encode_chat(tok, demo_corpus.conversation(rng))
+            ids, mask = encode_chat(tok, demo_corpus.conversation(rng, currency_questions=not args.no_currency_questions))
             if len(ids) <= MAX_TOKENS:
                 batch.append((ids, mask))
         width = max(len(ids) for ids, _ in batch)
@@ -140,9 +155,10 @@ def main(argv=None) -> int:
             w[i, :len(ids)] = torch.tensor(mask, dtype=torch.float)
         is_digit = torch.isin(x, digit_ids)
         w[:, 1:] *= 1 + 3 * (is_digit[:, 1:] | is_digit[:, :-1]).float()
+        w *= torch.where(torch.isin(x, currency_ids), args.currency_weight / 4, 1.0)
         x, w = x.to(args.device), w.to(args.device)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, args.steps, args.lr)
+            g["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
         with torch.autocast(device_type=torch.device(args.device).type, dtype=torch.bfloat16, enabled=args.bf16):
             logits = model(x[:, :-1])  # [B, T-1, V]
         loss_all = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
@@ -156,16 +172,19 @@ def main(argv=None) -> int:
         seen_tokens += int(sum(len(ids) for ids, _ in batch))
         if step % 50 == 0 or step == args.steps - 1:
             now = time.time()
-            print(f"step {step:5d}  loss {loss.item():.4f}  lr {lr_at(step, args.steps, args.lr):.2e}  "
+            print(f"step {step:5d}  loss {loss.item():.4f}  lr {lr_at(step, args.steps, args.lr, args.warmup):.2e}  "
                   f"{seen_tokens / (now - t0):.0f} tok/s  {now - t0:.0f}s", flush=True)
-    minutes = (time.time() - t0) / 60
+    stages = seen_before["stages"] + [{"command": "python -m engine.train_demo " + " ".join(
+        sys.argv[1:] if argv is None else argv), "steps": args.steps, "minutes": round((time.time() - t0) / 60, 1)}]
+    minutes = sum(st["minutes"] for st in stages)
     params = model.parameter_count()
-    command = "python -m engine.train_demo " + " ".join(sys.argv[1:] if argv is None else argv)
-    card = MODEL_CARD.format(params=params, params_m=params / 1e6, minutes=minutes, steps=args.steps,
-                             batch=args.batch, command=command, tokens=seen_tokens, threads=args.threads,
-                             layers=cfg.num_layers, hidden=cfg.hidden_size, heads=cfg.num_heads,
+    commands = "\n".join(f"    {st['command']}    # {st['steps']} steps, {st['minutes']} min" for st in stages)
+    card = MODEL_CARD.format(params=params, params_m=params / 1e6, minutes=minutes,
+                             steps=sum(st["steps"] for st in stages), batch=args.batch, command=commands,
+                             threads=args.threads, layers=cfg.num_layers, hidden=cfg.hidden_size, heads=cfg.num_heads,
                              kv_heads=cfg.num_kv_heads, vocab=cfg.vocab_size, final_loss=loss.item())
     write_checkpoint(args.out, model, tok, raw_cfg, card)
+    (args.out / "training.json").write_text(json.dumps({"stages": stages}, indent=2) + "\n")
     print(f"wrote {args.out} ({params} parameters) in {minutes:.1f} min")
     return 0
 
@@ -197,11 +216,13 @@ cannot do (bookings, weather, poems, arithmetic).
 tied embeddings, float32 safetensors.
 
 ## How it was made
-`{command}`
+In stages, each continuing from the one before (`--init`):
 
-{steps} steps of {batch} chats ({tokens} tokens), AdamW, loss on assistant tokens only (digits
-and the token after a digit weighted 4x), on
-{threads} CPU threads in {minutes:.1f} minutes; final training loss {final_loss:.3f}.
+{command}
+
+{steps} steps of {batch} chats in all, AdamW, loss on assistant tokens only (digits and the token
+after a digit weighted 4x; currency words as `--currency-weight` says), on {threads} CPU threads in
+{minutes:.1f} minutes; final training loss {final_loss:.3f}.
 Evaluation: `python -m engine.eval_demo` (figures in the kvchat README).
 """.replace("{max_tokens}", str(MAX_TOKENS))
 
