@@ -31,12 +31,6 @@ def _reply(session: Session, messages, max_new_tokens: int):
     return start, fin
 
 
-def _differing_digit(old: int, new: int) -> tuple[str, str]:
-    a, b = str(old), str(new)
-    i = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
-    return (a[i] if i < len(a) else ""), (b[i] if i < len(b) else "")
-
-
 def evaluate(model=None, n: int = 200, seed: int = 20261129, max_new_tokens: int = 80, device=None,
              dtype=None, progress=None, weights: str = "none", kv: str = "none", group_size: int = 64) -> dict:
     loaded = load_model(model, device=device, dtype=dtype, weights=weights, group_size=group_size)
@@ -66,14 +60,20 @@ def evaluate(model=None, n: int = 200, seed: int = 20261129, max_new_tokens: int
         new_prompt = list(start.prompt_token_ids)
         diff = next(k for k, (a, b) in enumerate(zip(old_prompt, new_prompt)) if a != b)
         r = start.reuse
-        want_old, want_new = _differing_digit(trip.budget, new_budget)
+        # The edited token: the first token of the new value that differs (a digit, or the currency word
+        # where one number is a prefix of the other, as in 50 -> 5000).
+        edited_texts = set(str(new_budget)) | set(str(trip.budget)) | {trip.currency}
         at_token = (r.first_invalidated_position == diff and r.reused == diff
-                    and r.cached_token["text"].strip() == want_old and r.new_token["text"].strip() == want_new)
+                    and r.cached_token["id"] == old_prompt[diff] and r.new_token["id"] == new_prompt[diff]
+                    and r.new_token["text"].strip() in edited_texts and r.cached_token["text"].strip() in edited_texts)
         counts["edit_reuse_at_token"] += at_token
         counts["edit_follows"] += new_money in second.text
         counts["edit_old_value_gone"] += trip.money not in second.text
         reused += r.reused
         recomputed += r.computed
+        if not at_token:
+            failures.append({"case": i, "reuse_not_at_edit": r.to_dict(), "edited_at": diff,
+                             "budget": trip.money, "edited_to": new_money})
         if not ok_money or new_money not in second.text:
             failures.append({"case": i, "budget": trip.money, "reply": text, "edited_to": new_money,
                              "edited_reply": second.text})

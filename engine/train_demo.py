@@ -41,7 +41,7 @@ MAX_TOKENS = 512  # longer training chats are skipped
 def build_tokenizer(seed: int, vocab_size: int) -> HFTokenizer:
     """Byte-level BPE over the corpus's message texts; every digit is its own token."""
     rng = random.Random(seed + 1)
-    texts = [m["content"] for _ in range(20000) for m in demo_corpus.conversation(rng)]
+    texts = [m["content"] for _ in range(20000) for m in demo_corpus.conversation(rng, currency_questions=False)]
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False)])
