@@ -149,6 +149,13 @@ class Transcript(QScrollArea):
         self.inner.setObjectName("transcriptInner")
         self.lay = QVBoxLayout(self.inner)
         self.lay.setSpacing(8)
+        self.hint = QLabel("Ask the demo model to plan a trip, for example:<br><i>I am planning a trip to Chengdu "
+                           "for 3 nights. My budget is 600 yuan.</i><br><br>Then edit 600 to 750 and watch the "
+                           "panel: where the cache is cut, what is kept, what is recomputed.")
+        self.hint.setObjectName("transcriptHint")
+        self.hint.setAlignment(Qt.AlignCenter)
+        self.hint.setWordWrap(True)
+        self.lay.addWidget(self.hint)
         self.lay.addStretch(1)
         self.setWidget(self.inner)
         self.views: list[MessageView] = []
@@ -170,10 +177,12 @@ class Transcript(QScrollArea):
             v.setParent(None)
             v.deleteLater()
         self.views = []
+        self.hint.setVisible(True)
 
     def add(self, view: MessageView) -> None:
         self.lay.insertWidget(self.lay.count() - 1, view)
         self.views.append(view)
+        self.hint.setVisible(False)
 
     def view_for(self, mid: int) -> MessageView | None:
         return next((v for v in self.views if v.message.id == mid), None)

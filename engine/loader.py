@@ -243,6 +243,7 @@ def load_model(model_dir=None, device: str | None = None, dtype: str | None = No
     with torch.device("meta"):
         model = Transformer(cfg)
     model.load_state_dict(tensors, strict=True, assign=True)
+    del tensors  # the module holds the only reference now: swaps below free each old weight at once
     model.to(dev).eval().requires_grad_(False)
     quantization = "none"
     if weights not in (None, "", "none"):
@@ -253,6 +254,9 @@ def load_model(model_dir=None, device: str | None = None, dtype: str | None = No
             raise ModelLoadError(str(e)) from None
         quantize_model(model, weights, group_size)
         quantization = f"{weights}/g{group_size}" if group_size > 0 else f"{weights}/per-channel"
+    if dev.type == "cpu" and dt == torch.float32:
+        from .model import use_transposed_linears
+        use_transposed_linears(model)  # faster one-row products on the CPU; same numbers
     fingerprint = {
         "weights": _header_digest(files.values()),
         "dtype": dtype_name(dt),

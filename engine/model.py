@@ -85,6 +85,59 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+class LinearT(nn.Module):
+    """A Linear whose weight is stored transposed, [in, out]: on the CPU a one-row float32 product
+    `x @ w_t` streams the weight about twice as fast as F.linear on the [out, in] layout."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight_t = nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)  # [in, out]
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+
+    @property
+    def weight(self) -> torch.Tensor:  # [out, in], a view: for export and quantization
+        return self.weight_t.t()
+
+    def forward(self, x):
+        y = x @ self.weight_t
+        return y if self.bias is None else y + self.bias
+
+
+class EmbeddingT(nn.Module):
+    """A tied embedding stored once, transposed [D, V]: rows are gathered for the lookup, and the
+    output head is `x @ weight_t`, the fast layout (no second copy of the matrix)."""
+
+    def __init__(self, embedding: nn.Embedding):
+        super().__init__()
+        self.weight_t = nn.Parameter(embedding.weight.detach().t().contiguous(), requires_grad=False)  # [D, V]
+
+    @property
+    def weight(self) -> torch.Tensor:  # [V, D], a view
+        return self.weight_t.t()
+
+    def forward(self, ids):
+        return self.weight[ids]  # [B, T, D]
+
+
+def use_transposed_linears(model: "Transformer") -> int:
+    """Swap the block linears (and an untied head) for LinearT; returns how many were swapped."""
+    n = 0
+    for block in model.layers:
+        for parent in (block.attn, block.mlp):
+            for name, child in list(parent.named_children()):
+                if type(child) is nn.Linear:
+                    setattr(parent, name, LinearT(child))
+                    n += 1
+    if type(model.lm_head) is nn.Linear:
+        model.lm_head = LinearT(model.lm_head)
+        n += 1
+    elif model.lm_head is None and type(model.embed) is nn.Embedding:
+        model.embed = EmbeddingT(model.embed)
+        n += 1
+    return n
+
+
 def attention_mask(start: int, t: int, window: int | None, device) -> torch.Tensor | None:
     """[T, S] bool, True where query start+i may attend key j: causal, within the sliding window.
 
@@ -118,7 +171,7 @@ class Transformer(nn.Module):
 
     def rope_tables(self, length: int):
         """cos, sin [length, d], built once per dtype/device and grown when a longer context comes."""
-        w = self.embed.weight
+        w = self.norm.weight
         if self._rope is None or self._rope[0].shape[0] < length or self._rope[0].dtype != w.dtype \
                 or self._rope[0].device != w.device:
             n = max(length, self.rope_length)
@@ -142,6 +195,10 @@ class Transformer(nn.Module):
             cache.length = start + T
         if last_only:
             x = x[:, -1:]
+        if isinstance(self.lm_head, LinearT):
+            return self.lm_head(self.norm(x))
+        if isinstance(self.embed, EmbeddingT):
+            return self.norm(x) @ self.embed.weight_t  # [B, T, V]
         return F.linear(self.norm(x), self.head_weight)  # [B, T, V]
 
     def parameter_count(self) -> int:
