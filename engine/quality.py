@@ -33,10 +33,15 @@ DEFAULT_PROMPTS = [
 ]
 
 
-def _heldout_text(n_chats: int = 6, seed: int = 777) -> str:
+def _heldout_text(loaded, n_chats: int = 6, seed: int = 777):
+    """Held-out chats (a seed the demo model never trained on): rendered with the model's chat template
+    when it has one (token ids), else their plain text."""
     from . import demo_corpus
     rng = random.Random(seed)
-    return "\n\n".join(m["content"] for _ in range(n_chats) for m in demo_corpus.conversation(rng))
+    chats = [demo_corpus.conversation(rng) for _ in range(n_chats)]
+    if loaded.tokenizer.has_chat_template:
+        return [i for chat in chats for i in loaded.tokenizer.apply_chat_template(chat, add_generation_prompt=False)]
+    return "\n\n".join(m["content"] for chat in chats for m in chat)
 
 
 def _cache_for(loaded, kv: str, capacity: int):
@@ -136,7 +141,7 @@ def run(model=None, weights="none", kv="none", group_size=64, prompts=None, new_
         text = torch.randint(10, vocab, (512,), generator=g).tolist()
     else:
         prompts = prompts or DEFAULT_PROMPTS
-        text = _heldout_text()
+        text = _heldout_text(full)
     result = compare(full, quant, kv, prompts, new_tokens, near_tie)
     result.update(model=str(full.path), weights=quant.quantization, kv=kv, dtype=str(full.dtype).removeprefix("torch."),
                   perplexity_full=perplexity(full, "none", text), perplexity_quant=perplexity(quant, kv, text),
