@@ -41,10 +41,12 @@ def make_window(qtbot, loop, tmp_path, monkeypatch):
         s = Settings(model_dir=str(model_dir or ""), **settings)
         s.save(open_settings(data))
         w = MainWindow(data)
+        ready = []
+        w.modelReady.connect(ready.append)  # the load was queued in __init__; its signal comes later
         qtbot.addWidget(w)
         w.show()
         made.append(w)
-        spin(loop, lambda: w.facts is not None or w.banner.isVisible(), 120)
+        spin(loop, lambda: ready, 120)
         return w
     yield make
     for w in made:
