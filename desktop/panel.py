@@ -6,7 +6,6 @@ It only shows a plain `ReplyStats` it is handed; the window decides when (thrott
 from __future__ import annotations
 
 import dataclasses
-import statistics
 
 from PySide6.QtCore import QRectF, Qt, Signal
 from PySide6.QtGui import QColor, QPainter, QPen
@@ -293,7 +292,3 @@ class StatsPanel(QScrollArea):
         self.set("failedValue", f"{summary['failed']} · {summary['cancelled']}")
         self.set("medianTtftValue", fmt_ms(summary["median_ttft_ms"]))
         self.set("medianTpotValue", fmt_ms(summary["median_tpot_ms"]))
-
-
-def median_or_none(values):
-    return statistics.median(values) if values else None

@@ -7,13 +7,12 @@ a temporary folder and loaded through the normal path, so load time is measured 
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import math
 import multiprocessing as mp
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 SHAPES = {
@@ -188,12 +187,9 @@ def _ratio(a, b):
 def run(ns) -> int:
     threads = ns.threads or max(1, (os.cpu_count() or 2) // 2 if _smt() else (os.cpu_count() or 1))
     engines = [e.strip() for e in ns.engines.split(",") if e.strip()]
-    if "transformers" in engines:
-        try:
-            import transformers  # noqa: F401
-        except ImportError:
-            print("transformers is not installed: skipping that reference", file=sys.stderr)
-            engines.remove("transformers")
+    if "transformers" in engines and importlib.util.find_spec("transformers") is None:
+        print("transformers is not installed: skipping that reference", file=sys.stderr)
+        engines.remove("transformers")
     with tempfile.TemporaryDirectory(prefix="kvchat-bench-") as tmp:
         model = ns.model or str(write_random_checkpoint(Path(tmp) / ns.shape, ns.shape))
         args = {"model": model, "device": ns.device, "dtype": ns.dtype, "prompt_tokens": ns.prompt_tokens,

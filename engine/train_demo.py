@@ -140,7 +140,7 @@ def main(argv=None) -> int:
     # Copying the facts is what the demo is for: digits and the word after a number weigh 4x.
     digit_ids = torch.tensor([tok.token_to_id(str(i)) for i in range(10)])
     currency_ids = torch.tensor([tok.encode(" " + c).ids[0] for c in demo_corpus.CURRENCIES])
-    seen_tokens, log_t = 0, time.time()
+    seen_tokens = 0
     for step in range(args.steps):
         batch = []
         while len(batch) < args.batch:

@@ -45,7 +45,6 @@ def test_async_stream_yields_batches_until_finished(qapp, loop, llama_dir):
             async for batch in client.stream(Request(prompt_ids=tuple(range(5, 25)), max_new_tokens=40)):
                 kinds += [e["type"] for e in batch]
                 tokens += sum(e["type"] == "token" for e in batch)
-                batches = len(kinds)
             return kinds, tokens
         kinds, tokens = loop.run_until_complete(asyncio.wait_for(run(), 60))
         assert kinds[0] == "prefill_started" and kinds[-1] == "finished" and tokens == 40

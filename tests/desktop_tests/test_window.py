@@ -3,7 +3,6 @@
 import json
 import sqlite3
 
-import pytest
 from PySide6.QtCore import Qt
 
 from desktop.panel import fmt_bytes, fmt_ms, fmt_rate

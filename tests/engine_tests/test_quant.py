@@ -5,7 +5,7 @@ import torch
 
 from engine.kv_cache import KVCache, QuantKVCache
 from engine.loader import load_model
-from engine.quant import (QuantLinear, dequantize, pack_int4, quantize, quantize_model, quantize_with_scale,
+from engine.quant import (QuantLinear, dequantize, pack_int4, quantize, quantize_with_scale,
                           storage_bytes, unpack_int4, weight_bytes)
 from engine.sampling import SamplingParams, choose
 from engine.session import Request, Session
