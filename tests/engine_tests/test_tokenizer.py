@@ -124,3 +124,28 @@ def test_stream_deltas_concatenate_to_the_decoded_text(tmp_path, text):
     cut = ids[:-1] if len(tok.decode(ids[:-1])) != len(tok.decode(ids[:-1]).rstrip("\ufffd")) else ids
     parts = [stream.push(i) for i in cut] + [stream.finish()]
     assert "".join(parts) == tok.decode(cut)
+
+
+def test_template_from_a_named_list_or_a_jinja_file(tmp_path):
+    path = make_checkpoint(tmp_path, "llama")
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = [{"name": "tool_use", "template": "TOOLS"}, {"name": "default", "template": TEMPLATES["llama3"]}]
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    ref = transformers.AutoTokenizer.from_pretrained(path)
+    want = ref.apply_chat_template(USER_ASSISTANT, tokenize=True, add_generation_prompt=True, return_dict=True)
+    assert Tokenizer.from_dir(path).apply_chat_template(USER_ASSISTANT) == want["input_ids"]
+    del cfg["chat_template"]
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (path / "chat_template.jinja").write_text(TEMPLATES["zephyr"])
+    ref = transformers.AutoTokenizer.from_pretrained(path)
+    want = ref.apply_chat_template(USER_ASSISTANT, tokenize=True, add_generation_prompt=True, return_dict=True)
+    assert Tokenizer.from_dir(path).apply_chat_template(USER_ASSISTANT) == want["input_ids"]
+
+
+def test_continue_final_message_matches_transformers(tmp_path):
+    path = make_checkpoint(tmp_path, "llama", chat_template=TEMPLATES["qwen2.5"])
+    ref = transformers.AutoTokenizer.from_pretrained(path)
+    msgs = USER_ASSISTANT[:2]
+    want = ref.apply_chat_template(msgs, tokenize=True, continue_final_message=True, return_dict=True)["input_ids"]
+    assert Tokenizer.from_dir(path).apply_chat_template(msgs, add_generation_prompt=False,
+                                                        continue_final_message=True) == want
