@@ -477,15 +477,15 @@ class MainWindow(QMainWindow):
         self.selected_mid = assistant.id
         text, last_save, final = prefix, now(), None
         self._stream_text = text
-        shown = [m for m in upto if m.token_count is None]
+        uncounted = {m.id for m in upto if m.token_count is None}
         async for batch in self.client.stream(req):
             for ev in batch:
                 text, final = self._apply_event(ev, text, final)
-                if ev["type"] == "prefill_started" and "message_tokens" in ev:
+                if "message_tokens" in ev:
                     n_sys = 1 if self.settings.system_prompt else 0
                     counts = ev["message_tokens"][n_sys:n_sys + len(upto)]
                     for m, n in zip(upto, counts):
-                        if m in shown:
+                        if m.id in uncounted:
                             self._guard(self.store.update_message, m.id, token_count=n)
             self._stream_text = text
             if final is None and now() - last_save >= SAVE_EVERY_S:

@@ -182,10 +182,10 @@ class EngineWorker(QObject):
         last = time.monotonic()
         for ev in self.session.generate(job.request, self._cancel):
             d = event_to_dict(ev)
-            if d["type"] == "prefill_started" and job.request.messages is not None:
-                tok = self.session.loaded.tokenizer  # each message's own token count, for the transcript
-                d["message_tokens"] = [len(tok.encode(m["content"])) for m in job.request.messages]
             if d["type"] in ("finished", "failed"):
+                if job.request.messages is not None:  # each message's token count, for the transcript;
+                    tok = self.session.loaded.tokenizer  # counted after the reply, so TTFT never pays for it
+                    d["message_tokens"] = [len(tok.encode(m["content"])) for m in job.request.messages]
                 d["summary"] = summarize(self.session.traces)
                 d["cache"] = d.get("cache") or self.session.cache_stats()
             batch.append(d)

@@ -127,3 +127,10 @@ class QuantKVCache(KVCache):
         self._store(self.v, self.v_scale, layer, start, v)
         end = start + k.shape[2]
         return self._load(self.k, self.k_scale, layer, end), self._load(self.v, self.v_scale, layer, end)
+
+
+def make_cache(config, capacity: int, dtype: torch.dtype, device, kv: str = "none") -> KVCache:
+    """The cache for a model config at a precision: the model dtype ("none"), or int8/int4 codes + scales."""
+    if kv == "none":
+        return KVCache(config.num_layers, config.num_kv_heads, config.head_dim, capacity, dtype, device)
+    return QuantKVCache(config.num_layers, config.num_kv_heads, config.head_dim, capacity, dtype, device, kv)

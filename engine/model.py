@@ -120,15 +120,21 @@ class EmbeddingT(nn.Module):
         return self.weight[ids]  # [B, T, D]
 
 
-def use_transposed_linears(model: "Transformer") -> int:
-    """Swap the block linears (and an untied head) for LinearT; returns how many were swapped."""
-    n = 0
+def block_linears(model: "Transformer"):
+    """(parent, name, nn.Linear) for every plain Linear inside the blocks: what a module swap replaces."""
     for block in model.layers:
         for parent in (block.attn, block.mlp):
             for name, child in list(parent.named_children()):
                 if type(child) is nn.Linear:
-                    setattr(parent, name, LinearT(child))
-                    n += 1
+                    yield parent, name, child
+
+
+def use_transposed_linears(model: "Transformer") -> int:
+    """Swap the block linears (and an untied head) for LinearT; returns how many were swapped."""
+    n = 0
+    for parent, name, child in list(block_linears(model)):
+        setattr(parent, name, LinearT(child))
+        n += 1
     if type(model.lm_head) is nn.Linear:
         model.lm_head = LinearT(model.lm_head)
         n += 1

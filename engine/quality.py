@@ -17,7 +17,7 @@ import random
 
 import torch
 
-from .kv_cache import KVCache, QuantKVCache
+from .kv_cache import make_cache
 from .loader import load_model
 from .session import Request, Session
 
@@ -45,10 +45,7 @@ def _heldout_text(loaded, n_chats: int = 6, seed: int = 777):
 
 
 def _cache_for(loaded, kv: str, capacity: int):
-    c = loaded.config
-    if kv == "none":
-        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, loaded.dtype, loaded.device)
-    return QuantKVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, loaded.dtype, loaded.device, kv)
+    return make_cache(loaded.config, capacity, loaded.dtype, loaded.device, kv)
 
 
 @torch.inference_mode()

@@ -111,15 +111,13 @@ class QuantLinear(nn.Module):
 def quantize_model(model: nn.Module, mode: str, group_size: int) -> int:
     """Quantize, then swap: every Linear inside the blocks becomes a QuantLinear. Embeddings and the
     output head stay in the model dtype. Returns how many modules were swapped."""
+    from .model import block_linears
     check_mode(mode)
     swapped = 0
-    for block in model.layers:
-        for parent in (block.attn, block.mlp):
-            for name, child in list(parent.named_children()):
-                if isinstance(child, nn.Linear):
-                    g = group_size if group_size > 0 and child.in_features % group_size == 0 else child.in_features
-                    setattr(parent, name, QuantLinear(child.weight, child.bias, mode, g))
-                    swapped += 1
+    for parent, name, child in list(block_linears(model)):
+        g = group_size if group_size > 0 and child.in_features % group_size == 0 else child.in_features
+        setattr(parent, name, QuantLinear(child.weight, child.bias, mode, g))
+        swapped += 1
     return swapped
 
 

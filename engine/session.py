@@ -18,7 +18,7 @@ import torch
 from . import trace as tracing
 from .errors import CapacityError, EngineError
 from .events import Failed, Finished, PrefillDone, PrefillProgress, PrefillStarted, ReuseReport, Token
-from .kv_cache import KVCache, QuantKVCache
+from .kv_cache import KVCache, make_cache
 from .loader import LoadedModel
 from .sampling import SamplingParams, choose
 
@@ -88,15 +88,10 @@ class Session:
             reason = f"cache dropped: capacity changed ({self.cache.capacity} → {capacity})"
         if reason and self.ids:
             self._dropped = (reason, list(self.ids))
-        c = loaded.config
         # Same weights, dtype, tokenizer, rotary/attention settings, device and capacity: the K/V stay valid.
         if self.cache is None or reason is not None:
             self.cache = None  # free the old buffers before allocating the new
-            if kv == "none":
-                self.cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, loaded.dtype, loaded.device)
-            else:
-                self.cache = QuantKVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, loaded.dtype,
-                                          loaded.device, kv)
+            self.cache = make_cache(loaded.config, capacity, loaded.dtype, loaded.device, kv)
             self.ids = []
         self.loaded, self._fingerprint, self.capacity_setting, self.kv = loaded, fingerprint, capacity, kv
 

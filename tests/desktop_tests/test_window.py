@@ -46,6 +46,9 @@ def test_send_streams_a_reply_and_the_panel_matches_the_engine(qtbot, make_windo
     assert [v.message.role for v in views] == ["user", "assistant"]
     assert views[1].message.content == final["text"] and "600 yuan" in final["text"]
     assert views[1].tokensLabel.text() == f"{t['tokens']} tokens"
+    from engine.tokenizer import Tokenizer
+    n_user = len(Tokenizer.from_dir(demo_model_dir).encode(BUDGET))
+    assert views[0].tokensLabel.text() == f"{n_user} tokens"
     assert w.sendButton.isVisible() and not w.stopButton.isVisible()
     assert w.conversationList.count() == 1
 
