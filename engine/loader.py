@@ -1,7 +1,7 @@
 """Loading a Hugging Face style model folder: config, safetensors weights (never pickle), tokenizer.
 
-Weights go from the memory-mapped safetensors straight into their final dtype; q/k/v and
-gate/up are concatenated into the fused projections the model uses.
+Weights stream block by block from the safetensors files straight into their final dtype, device
+and layout (fused q/k/v and gate/up; transposed, quantized): no whole-model intermediate copy.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from .config import ModelConfig, load_config
 from .errors import ModelLoadError
@@ -128,52 +129,122 @@ def _expected(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _read_tensors(files: dict[str, Path], cfg: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    expected = _expected(cfg)
-    by_file: dict[Path, list[str]] = {}
-    for name in expected:
-        if name not in files:
-            where = next(iter(set(files.values())), None)
-            raise ModelLoadError(f"tensor {name!r} is missing from the checkpoint", where)
-        by_file.setdefault(files[name], []).append(name)
-    tensors = {}
-    for path, names in by_file.items():
+class _Reader:
+    """Reads named tensors (checking their shapes) group by group. Each group opens the file(s) anew,
+    so only that group's pages are mapped at a time: the process never holds the whole file next
+    to the weights built from it."""
+
+    ROWS_PER_CHUNK = 4096
+
+    def __init__(self, files: dict[str, Path], expected: dict[str, tuple[int, ...]]):
+        self.files, self.expected = files, expected
+        for name in expected:
+            if name not in files:
+                where = next(iter(set(files.values())), None)
+                raise ModelLoadError(f"tensor {name!r} is missing from the checkpoint", where)
+
+    def _open(self, name: str):
+        path = self.files[name]
         try:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                for name in names:
+            return path, safe_open(str(path), framework="pt", device="cpu")
+        except Exception as e:
+            raise ModelLoadError(f"corrupt or truncated safetensors file: {e}", path) from None
+
+    def _checked(self, path: Path, name: str, shape) -> None:
+        if tuple(shape) != self.expected[name]:
+            raise ModelLoadError(f"tensor {name!r} has shape {tuple(shape)}, "
+                                 f"config.json implies {self.expected[name]}", path)
+
+    def read(self, names: list[str], dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+        """name -> tensor in `dtype` on `device` (one temporary per tensor)."""
+        out = {}
+        for name in names:
+            path, handle = self._open(name)
+            try:
+                with handle as f:
                     t = f.get_tensor(name)
-                    if tuple(t.shape) != expected[name]:
-                        raise ModelLoadError(f"tensor {name!r} has shape {tuple(t.shape)}, "
-                                             f"config.json implies {expected[name]}", path)
-                    tensors[name] = t.to(dtype)
+                    self._checked(path, name, t.shape)
+                    out[name] = t.to(device=device, dtype=dtype)
+            except ModelLoadError:
+                raise
+            except Exception as e:
+                raise ModelLoadError(f"corrupt or truncated safetensors file: {e}", path) from None
+        return out
+
+    def read_transposed(self, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A [R, C] tensor straight into a [C, R] buffer, a few thousand rows at a time."""
+        path, handle = self._open(name)
+        try:
+            with handle as f:
+                sl = f.get_slice(name)
+                self._checked(path, name, sl.get_shape())
+                rows, cols = sl.get_shape()
+                dst = torch.empty((cols, rows), dtype=dtype, device=device)  # [C, R]
+                for a in range(0, rows, self.ROWS_PER_CHUNK):
+                    b = min(rows, a + self.ROWS_PER_CHUNK)
+                    dst[:, a:b].copy_(sl[a:b].t())
+                return dst
         except ModelLoadError:
             raise
         except Exception as e:
             raise ModelLoadError(f"corrupt or truncated safetensors file: {e}", path) from None
-    return tensors
 
 
-def _to_module_names(t: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    out = {"embed.weight": t["model.embed_tokens.weight"], "norm.weight": t["model.norm.weight"]}
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = t["lm_head.weight"]
-    for i in range(cfg.num_layers):
-        p, m = f"model.layers.{i}.", f"layers.{i}."
-        a = p + "self_attn."
-        out[m + "attn.qkv.weight"] = torch.cat([t[a + "q_proj.weight"], t[a + "k_proj.weight"], t[a + "v_proj.weight"]])
-        if cfg.qkv_bias:
-            out[m + "attn.qkv.bias"] = torch.cat([t[a + "q_proj.bias"], t[a + "k_proj.bias"], t[a + "v_proj.bias"]])
-        out[m + "attn.o.weight"] = t[a + "o_proj.weight"]
-        if cfg.o_bias:
-            out[m + "attn.o.bias"] = t[a + "o_proj.bias"]
-        if cfg.qk_norm:
-            out[m + "attn.q_norm.weight"] = t[a + "q_norm.weight"]
-            out[m + "attn.k_norm.weight"] = t[a + "k_norm.weight"]
-        out[m + "mlp.gate_up.weight"] = torch.cat([t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"]])
-        out[m + "mlp.down.weight"] = t[p + "mlp.down_proj.weight"]
-        out[m + "attn_norm.weight"] = t[p + "input_layernorm.weight"]
-        out[m + "mlp_norm.weight"] = t[p + "post_attention_layernorm.weight"]
+def _block_state(t: dict[str, torch.Tensor], cfg: ModelConfig, i: int) -> dict[str, torch.Tensor]:
+    """One block's tensors under the module's names, q/k/v and gate/up fused."""
+    p = f"model.layers.{i}."
+    a = p + "self_attn."
+    out = {"attn.qkv.weight": torch.cat([t[a + "q_proj.weight"], t[a + "k_proj.weight"], t[a + "v_proj.weight"]]),
+           "attn.o.weight": t[a + "o_proj.weight"],
+           "mlp.gate_up.weight": torch.cat([t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"]]),
+           "mlp.down.weight": t[p + "mlp.down_proj.weight"],
+           "attn_norm.weight": t[p + "input_layernorm.weight"],
+           "mlp_norm.weight": t[p + "post_attention_layernorm.weight"]}
+    if cfg.qkv_bias:
+        out["attn.qkv.bias"] = torch.cat([t[a + "q_proj.bias"], t[a + "k_proj.bias"], t[a + "v_proj.bias"]])
+    if cfg.o_bias:
+        out["attn.o.bias"] = t[a + "o_proj.bias"]
+    if cfg.qk_norm:
+        out["attn.q_norm.weight"] = t[a + "q_norm.weight"]
+        out["attn.k_norm.weight"] = t[a + "k_norm.weight"]
     return out
+
+
+def _build_model(files: dict[str, Path], cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 weights: str, group_size: int) -> Transformer:
+    """The model, streamed block by block from the files into its final form: each block is read,
+    fused, cast, put on the device and then quantized or transposed before the next one is read, so
+    peak memory is the final weights plus about one block (no whole-model float32 detour)."""
+    from .model import EmbeddingT, LinearT, transpose_linears
+    from .quant import quantize_model
+    expected = _expected(cfg)
+    reader = _Reader(files, expected)
+    transposed = device.type == "cpu" and dtype == torch.float32  # the fast one-row layout there
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    if transposed and cfg.tie_word_embeddings:
+        model.embed = EmbeddingT(reader.read_transposed("model.embed_tokens.weight", dtype, device))
+    else:
+        model.embed.weight = nn.Parameter(
+            reader.read(["model.embed_tokens.weight"], dtype, device)["model.embed_tokens.weight"], requires_grad=False)
+    if not cfg.tie_word_embeddings:
+        if transposed:
+            model.lm_head = LinearT(reader.read_transposed("lm_head.weight", dtype, device))
+        else:
+            model.lm_head.weight = nn.Parameter(
+                reader.read(["lm_head.weight"], dtype, device)["lm_head.weight"], requires_grad=False)
+    model.norm.weight = nn.Parameter(reader.read(["model.norm.weight"], dtype, device)["model.norm.weight"],
+                                     requires_grad=False)
+    for i, block in enumerate(model.layers):
+        names = [n for n in expected if n.startswith(f"model.layers.{i}.")]
+        state = _block_state(reader.read(names, dtype, device), cfg, i)
+        block.load_state_dict(state, strict=True, assign=True)
+        del state
+        if weights != "none":
+            quantize_model(block, weights, group_size)
+        elif transposed:
+            transpose_linears([block])
+    return model.eval().requires_grad_(False)
 
 
 @dataclasses.dataclass
@@ -239,24 +310,17 @@ def load_model(model_dir=None, device: str | None = None, dtype: str | None = No
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ModelLoadError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only "
                              f"{cfg.vocab_size} embeddings", model_dir / "tokenizer.json")
-    tensors = _to_module_names(_read_tensors(files, cfg, dt), cfg)
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    model.load_state_dict(tensors, strict=True, assign=True)
-    del tensors  # the module holds the only reference now: swaps below free each old weight at once
-    model.to(dev).eval().requires_grad_(False)
     quantization = "none"
     if weights not in (None, "", "none"):
-        from .quant import check_mode, quantize_model
+        from .quant import check_mode
         try:
             check_mode(weights)
         except ValueError as e:
             raise ModelLoadError(str(e)) from None
-        quantize_model(model, weights, group_size)
         quantization = f"{weights}/g{group_size}" if group_size > 0 else f"{weights}/per-channel"
-    if dev.type == "cpu" and dt == torch.float32:
-        from .model import use_transposed_linears
-        use_transposed_linears(model)  # faster one-row products on the CPU; same numbers
+    else:
+        weights = "none"
+    model = _build_model(files, cfg, dt, dev, weights, group_size)
     fingerprint = {
         "weights": _header_digest(files.values()),
         "dtype": dtype_name(dt),

@@ -87,13 +87,18 @@ class Block(nn.Module):
 
 class LinearT(nn.Module):
     """A Linear whose weight is stored transposed, [in, out]: on the CPU a one-row float32 product
-    `x @ w_t` streams the weight about twice as fast as F.linear on the [out, in] layout."""
+    `x @ w_t` streams the weight faster than F.linear on the [out, in] layout (see README, Performance)."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, weight_t: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight_t = nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)  # [in, out]
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self.in_features, self.out_features = weight_t.shape
+        self.weight_t = nn.Parameter(weight_t, requires_grad=False)  # [in, out]
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "LinearT":
+        bias = None if linear.bias is None else linear.bias.detach()
+        return cls(linear.weight.detach().t().contiguous(), bias)
 
     @property
     def weight(self) -> torch.Tensor:  # [out, in], a view: for export and quantization
@@ -108,9 +113,9 @@ class EmbeddingT(nn.Module):
     """A tied embedding stored once, transposed [D, V]: rows are gathered for the lookup, and the
     output head is `x @ weight_t`, the fast layout (no second copy of the matrix)."""
 
-    def __init__(self, embedding: nn.Embedding):
+    def __init__(self, weight_t: torch.Tensor):
         super().__init__()
-        self.weight_t = nn.Parameter(embedding.weight.detach().t().contiguous(), requires_grad=False)  # [D, V]
+        self.weight_t = nn.Parameter(weight_t, requires_grad=False)  # [D, V]
 
     @property
     def weight(self) -> torch.Tensor:  # [V, D], a view
@@ -120,26 +125,32 @@ class EmbeddingT(nn.Module):
         return self.weight[ids]  # [B, T, D]
 
 
-def block_linears(model: "Transformer"):
-    """(parent, name, nn.Linear) for every plain Linear inside the blocks: what a module swap replaces."""
-    for block in model.layers:
+def block_linears(blocks):
+    """(parent, name, nn.Linear) for every plain Linear inside the given blocks: what a module swap replaces."""
+    for block in blocks:
         for parent in (block.attn, block.mlp):
             for name, child in list(parent.named_children()):
                 if type(child) is nn.Linear:
                     yield parent, name, child
 
 
+def transpose_linears(blocks) -> int:
+    """Swap the plain block linears for LinearT, one at a time (one extra matrix alive at most)."""
+    n = 0
+    for parent, name, child in list(block_linears(blocks)):
+        setattr(parent, name, LinearT.from_linear(child))
+        n += 1
+    return n
+
+
 def use_transposed_linears(model: "Transformer") -> int:
     """Swap the block linears (and an untied head) for LinearT; returns how many were swapped."""
-    n = 0
-    for parent, name, child in list(block_linears(model)):
-        setattr(parent, name, LinearT(child))
-        n += 1
+    n = transpose_linears(model.layers)
     if type(model.lm_head) is nn.Linear:
-        model.lm_head = LinearT(model.lm_head)
+        model.lm_head = LinearT.from_linear(model.lm_head)
         n += 1
     elif model.lm_head is None and type(model.embed) is nn.Embedding:
-        model.embed = EmbeddingT(model.embed)
+        model.embed = EmbeddingT(model.embed.weight.detach().t().contiguous())
         n += 1
     return n
 

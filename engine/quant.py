@@ -109,12 +109,13 @@ class QuantLinear(nn.Module):
 
 
 def quantize_model(model: nn.Module, mode: str, group_size: int) -> int:
-    """Quantize, then swap: every Linear inside the blocks becomes a QuantLinear. Embeddings and the
-    output head stay in the model dtype. Returns how many modules were swapped."""
+    """Quantize, then swap: every Linear inside the blocks (of a model, or of one block as the loader
+    streams them) becomes a QuantLinear. Embeddings and the output head stay in the model dtype.
+    Returns how many modules were swapped."""
     from .model import block_linears
     check_mode(mode)
     swapped = 0
-    for parent, name, child in list(block_linears(model)):
+    for parent, name, child in list(block_linears(getattr(model, "layers", [model]))):
         g = group_size if group_size > 0 and child.in_features % group_size == 0 else child.in_features
         setattr(parent, name, QuantLinear(child.weight, child.bias, mode, g))
         swapped += 1
