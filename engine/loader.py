@@ -215,7 +215,7 @@ def _build_model(files: dict[str, Path], cfg: ModelConfig, dtype: torch.dtype, d
     """The model, streamed block by block from the files into its final form: each block is read,
     fused, cast, put on the device and then quantized or transposed before the next one is read, so
     peak memory is the final weights plus about one block (no whole-model float32 detour)."""
-    from .model import EmbeddingT, LinearT, transpose_linears
+    from .model import EmbeddingT, LinearT, fast_cpu_linears
     from .quant import quantize_model
     expected = _expected(cfg)
     reader = _Reader(files, expected)
@@ -242,8 +242,8 @@ def _build_model(files: dict[str, Path], cfg: ModelConfig, dtype: torch.dtype, d
         del state
         if weights != "none":
             quantize_model(block, weights, group_size)
-        elif transposed:
-            transpose_linears([block])
+        elif device.type == "cpu":
+            fast_cpu_linears([block], dtype)
     return model.eval().requires_grad_(False)
 
 

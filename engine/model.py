@@ -134,23 +134,61 @@ def block_linears(blocks):
                     yield parent, name, child
 
 
-def transpose_linears(blocks) -> int:
-    """Swap the plain block linears for LinearT, one at a time (one extra matrix alive at most)."""
+class PackedLinear(nn.Module):
+    """A Linear whose weight oneDNN has reordered into its blocked layout, for float32 and bfloat16 on
+    the CPU: one-row products stream it faster than either plain layout, and prefill uses the same
+    kernel (bfloat16 there runs on the CPU's bf16 units). The plain weight is not kept: `weight`
+    unpacks it on demand (export, quantization)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        w = linear.weight.detach()
+        self.packed = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w, 1), requires_grad=False)  # [out, in] blocked
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+
+    @property
+    def weight(self) -> torch.Tensor:  # [out, in], unpacked (a copy)
+        return self.packed.to_dense()
+
+    def forward(self, x):
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+_PACKING: dict[torch.dtype, bool] = {}
+
+
+def packing_works(dtype: torch.dtype) -> bool:
+    """Whether this torch build and CPU can pack weights of `dtype` with oneDNN and get F.linear's numbers."""
+    if dtype not in _PACKING:
+        ok = False
+        if dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available():
+            try:
+                g = torch.Generator().manual_seed(0)
+                lin = nn.Linear(64, 48, dtype=dtype)
+                x = torch.randn(3, 64, generator=g).to(dtype)
+                want = F.linear(x, lin.weight, lin.bias).float()
+                got = PackedLinear(lin)(x).float()
+                ok = bool(torch.allclose(got, want, rtol=2e-2, atol=2e-2))
+            except (RuntimeError, AttributeError):
+                ok = False
+        _PACKING[dtype] = ok
+    return _PACKING[dtype]
+
+
+def fast_cpu_linears(blocks, dtype: torch.dtype) -> int:
+    """Swap the plain block linears for the fastest CPU layout for `dtype`, one at a time (one extra
+    matrix alive at most): oneDNN-packed where it works, else transposed for float32. Float16 keeps
+    nn.Linear, whose one-row kernel is already the fastest of the three (see README, Performance)."""
+    if packing_works(dtype):
+        make = PackedLinear
+    elif dtype == torch.float32:
+        make = LinearT.from_linear
+    else:
+        return 0
     n = 0
     for parent, name, child in list(block_linears(blocks)):
-        setattr(parent, name, LinearT.from_linear(child))
-        n += 1
-    return n
-
-
-def use_transposed_linears(model: "Transformer") -> int:
-    """Swap the block linears (and an untied head) for LinearT; returns how many were swapped."""
-    n = transpose_linears(model.layers)
-    if type(model.lm_head) is nn.Linear:
-        model.lm_head = LinearT.from_linear(model.lm_head)
-        n += 1
-    elif model.lm_head is None and type(model.embed) is nn.Embedding:
-        model.embed = EmbeddingT(model.embed.weight.detach().t().contiguous())
+        setattr(parent, name, make(child))
         n += 1
     return n
 

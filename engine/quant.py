@@ -71,11 +71,26 @@ def storage_bytes(num_values: int, mode: str, num_scales: int, scale_bytes: int 
     return math.ceil(num_values * BITS[mode] / 8) + num_scales * scale_bytes
 
 
-class QuantLinear(nn.Module):
-    """A Linear whose weight is stored as group-wise int8/int4 codes and float32 scales.
+KERNEL_DTYPE = torch.bfloat16  # activations and kernel scales of torch's packed CPU kernels
 
-    CPU: int8 with one group per row runs torch's packed int8 kernel (`_weight_int8pack_mm`);
-    otherwise the weight is dequantized on the fly for each call (correct, not fast).
+
+def _int4pack(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes [N, K] in [-7, 7] -> the layout of torch's CPU int4 kernel (unsigned, offset 8)."""
+    return torch._convert_weight_to_int4pack_for_cpu((codes.to(torch.int32) + 8).contiguous(), 2)
+
+
+def _int4pack_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor):
+    return torch._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros)
+
+
+class QuantLinear(nn.Module):
+    """A Linear whose weight is stored as group-wise int8/int4 codes and their scales.
+
+    On the CPU two layouts run torch's packed kernels, with bfloat16 activations (their fast path):
+    int8 with one scale per output channel (`_weight_int8pack_mm`), and int4 group-wise
+    (`_weight_int4pack_mm_for_cpu`, whose layout replaces our nibble packing and whose scales are
+    bfloat16: a scale is rounded to 8 significant bits, ≤ 0.4% of s). Every other case dequantizes
+    the weight on the fly for each call: correct, not fast.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mode: str, group_size: int):
@@ -85,25 +100,68 @@ class QuantLinear(nn.Module):
         self.group_size = group_size if group_size > 0 else weight.shape[1]  # <= 0: per output channel
         self.compute_dtype = weight.dtype
         codes, scales = quantize(weight.detach(), mode, self.group_size)  # [N, K], [N, K/g]
-        self.register_buffer("codes", pack_int4(codes) if mode == "int4" else codes)
-        self.register_buffer("scales", scales)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.kernel = self._choose_kernel(weight.device, codes, scales)
+        if self.kernel == "int4pack":
+            self.register_buffer("codes", _int4pack(codes))  # kernel layout, K/2 bytes a row
+            sz = torch.zeros(scales.shape[1], scales.shape[0], 2, dtype=KERNEL_DTYPE, device=weight.device)
+            sz[..., 0] = scales.t().to(KERNEL_DTYPE)  # [K/g, N, (scale, zero = 0)]
+            self.register_buffer("scales_and_zeros", sz)
+        else:
+            self.register_buffer("codes", pack_int4(codes) if mode == "int4" else codes)
+            self.register_buffer("scales", scales)
+            if self.kernel == "int8pack":
+                self.register_buffer("kernel_scales", scales.view(-1).to(KERNEL_DTYPE))  # [N]
+
+    def _choose_kernel(self, device, codes, scales) -> str | None:
+        if device.type != "cpu":
+            return None
+        if self.mode == "int8" and self.group_size == self.in_features:
+            return "int8pack"
+        if self.mode == "int4" and self.group_size % 32 == 0 and self.in_features % self.group_size == 0:
+            try:  # check the kernel on this build and shape against the definition
+                x = torch.randn(2, self.in_features).to(KERNEL_DTYPE)
+                sz = torch.stack([scales.t(), torch.zeros_like(scales.t())], -1).to(KERNEL_DTYPE)
+                got = _int4pack_mm(x, _int4pack(codes), self.group_size, sz).float()
+                want = F.linear(x.float(), dequantize(codes, sz[..., 0].t().float(), torch.float32))
+                if torch.allclose(got, want, rtol=3e-2, atol=3e-2 * float(want.abs().max())):
+                    return "int4pack"
+            except (RuntimeError, AttributeError):
+                pass
+        return None
+
+    def scale_values(self) -> torch.Tensor:
+        """[N, K/g] float32, the scales the layer computes with."""
+        if self.kernel == "int4pack":
+            return self.scales_and_zeros[..., 0].t().float()
+        return self.scales
 
     @property
     def storage_bytes(self) -> int:
-        return storage_bytes(self.out_features * self.in_features, self.mode, self.scales.numel())
+        groups = self.out_features * self.in_features // self.group_size
+        return storage_bytes(self.out_features * self.in_features, self.mode, groups)
 
     def weight_codes(self) -> torch.Tensor:
+        """[N, K] int8 codes."""
+        if self.kernel == "int4pack":  # read the kernel's layout back through the kernel: x = I, s = 1
+            eye = torch.eye(self.in_features, dtype=KERNEL_DTYPE, device=self.codes.device)
+            ones = torch.zeros_like(self.scales_and_zeros)
+            ones[..., 0] = 1
+            return _int4pack_mm(eye, self.codes, self.group_size, ones).t().round().to(torch.int8)
         return unpack_int4(self.codes) if self.mode == "int4" else self.codes
 
     def dequantized_weight(self, dtype=None) -> torch.Tensor:
-        return dequantize(self.weight_codes(), self.scales, dtype or self.compute_dtype)  # [N, K]
+        return dequantize(self.weight_codes(), self.scale_values(), dtype or self.compute_dtype)  # [N, K]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.mode == "int8" and self.group_size == self.in_features and x.device.type == "cpu":
+        if self.kernel is not None:
             shape = x.shape
-            y = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]), self.codes, self.scales.view(-1).to(x.dtype))
-            y = y.reshape(*shape[:-1], self.out_features)
+            xk = x.reshape(-1, shape[-1]).to(KERNEL_DTYPE)  # [B·T, K]
+            if self.kernel == "int8pack":
+                y = torch._weight_int8pack_mm(xk, self.codes, self.kernel_scales)
+            else:
+                y = _int4pack_mm(xk, self.codes, self.group_size, self.scales_and_zeros)
+            y = y.reshape(*shape[:-1], self.out_features).to(x.dtype)
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
 

@@ -72,15 +72,24 @@ def test_pack_unpack_round_trip():
     assert torch.equal(unpack_int4(packed), codes)
 
 
-@pytest.mark.parametrize("mode,group", [("int8", 16), ("int8", 0), ("int4", 16), ("int4", 64)])
+@pytest.mark.parametrize("mode,group", [("int8", 16), ("int8", 0), ("int4", 16), ("int4", 32), ("int4", 64)])
 def test_quant_linear(mode, group):
     torch.manual_seed(0)
     lin = torch.nn.Linear(64, 48, bias=True)
     ql = QuantLinear(lin.weight, lin.bias, mode, group)
+    expected_kernel = {("int8", 0): "int8pack", ("int4", 32): "int4pack", ("int4", 64): "int4pack"}.get((mode, group))
+    if expected_kernel == "int4pack" and not hasattr(torch, "_weight_int4pack_mm_for_cpu"):
+        expected_kernel = None
+    assert ql.kernel == expected_kernel
+    g = group or 64
+    codes, scales = quantize(lin.weight.detach(), mode, g)
+    assert torch.equal(ql.weight_codes(), codes)  # the kernel's layout reads back to the same codes
+    # an int4 kernel keeps bf16 scales: within 8 significant bits of the float32 definition
+    torch.testing.assert_close(ql.scale_values(), scales, rtol=2 ** -8, atol=0)
     x = torch.randn(3, 5, 64)
     want = torch.nn.functional.linear(x, ql.dequantized_weight(), lin.bias)
-    torch.testing.assert_close(ql(x), want, rtol=1e-4, atol=1e-4)
-    g = group or 64
+    tol = 1e-4 if ql.kernel is None else 2e-2  # the packed kernels take bfloat16 activations
+    torch.testing.assert_close(ql(x), want, rtol=tol, atol=tol)
     assert ql.storage_bytes == 48 * 64 * (8 if mode == "int8" else 4) // 8 + 48 * (64 // g) * 4
     rel = (ql.dequantized_weight() - lin.weight).norm() / lin.weight.norm()
     assert rel < (0.01 if mode == "int8" else 0.15)
