@@ -25,15 +25,16 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32, scale in the model dtype (as transformers does, so bf16 matches).
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused kernel
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.h, self.h_kv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.g = self.h // self.h_kv
         self.qkv = nn.Linear(cfg.hidden_size, (self.h + 2 * self.h_kv) * self.d, bias=cfg.qkv_bias)  # D -> (H+2H_kv)d
         self.o = nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.o_bias)  # Hd -> D
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -41,22 +42,26 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int, start: int):
         B, T, _ = x.shape
-        q, k, v = self.qkv(x).split([self.h * self.d, self.h_kv * self.d, self.h_kv * self.d], dim=-1)
-        q = q.view(B, T, self.h, self.d).transpose(1, 2)  # [B, H, T, d]
-        k = k.view(B, T, self.h_kv, self.d).transpose(1, 2)  # [B, H_kv, T, d]
-        v = v.view(B, T, self.h_kv, self.d).transpose(1, 2)  # [B, H_kv, T, d]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        h, h_kv = self.h, self.h_kv
+        qkv = self.qkv(x).view(B, T, h + 2 * h_kv, self.d)  # [B, T, H + 2H_kv, d]
+        if self.q_norm is None:  # rotate q and k together: one pass over H + H_kv heads
+            qk = apply_rotary(qkv[:, :, :h + h_kv], cos, sin)
+            q, k = qk[:, :, :h], qk[:, :, h:]
+        else:
+            q = apply_rotary(self.q_norm(qkv[:, :, :h]), cos, sin)
+            k = apply_rotary(self.k_norm(qkv[:, :, h:h + h_kv]), cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), qkv[:, :, h + h_kv:].transpose(1, 2)  # [B, heads, T, d]
         if cache is not None:
             k, v = cache.write(layer, start, k, v)  # [B, H_kv, S, d]
-        g = self.h // self.h_kv
         # Group the G query heads that share a KV head into rows: no copy of K/V per query head.
-        q = q.reshape(B, self.h_kv, g * T, self.d)  # [B, H_kv, G·T, d]
-        if mask is not None and g > 1:
-            mask = mask.repeat(g, 1)  # [T, S] -> [G·T, S]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H_kv, G·T, d]
-        y = y.view(B, self.h, T, self.d).transpose(1, 2).reshape(B, T, self.h * self.d)
+        q = q.reshape(B, h_kv, self.g * T, self.d)  # [B, H_kv, G·T, d]
+        if mask is not None and self.g > 1:
+            mask = mask.repeat(self.g, 1)  # [T, S] -> [G·T, S]
+        if q.dtype == torch.float16 and q.device.type == "cpu":  # the CPU's fp16 attention kernel is slow
+            y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask).to(q.dtype)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H_kv, G·T, d]
+        y = y.view(B, h, T, self.d).transpose(1, 2).reshape(B, T, h * self.d)
         return self.o(y)
 
 
@@ -241,7 +246,7 @@ class Transformer(nn.Module):
         if cache is not None and start + T > cache.capacity:
             raise ValueError(f"{start + T} positions exceed the cache capacity of {cache.capacity}")
         cos, sin = self.rope_tables(start + T)
-        cos, sin = cos[start:start + T], sin[start:start + T]
+        cos, sin = cos[start:start + T, None], sin[start:start + T, None]  # [T, 1, d]
         mask = attention_mask(start, T, self.cfg.sliding_window, ids.device)
         x = self.embed(ids)  # [B, T, D]
         for i, layer in enumerate(self.layers):

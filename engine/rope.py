@@ -28,15 +28,24 @@ def inv_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 
 
 def cos_sin_table(rope: RopeConfig, head_dim: int, length: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [length, d] in `dtype`, computed in float32 then cast (as transformers does)."""
+    """cos, signed sin: [length, d] in `dtype`, computed in float32 then cast (as transformers does).
+
+    The sin table carries the sign of the rotation, [-sin | +sin], so that with the two halves of x
+    swapped (`swap_halves`) the rotation is x·cos + swap(x)·sin_signed: the same products as
+    transformers' x·cos + rotate_half(x)·sin, in fewer kernels.
+    """
     inv = inv_frequencies(rope, head_dim)
     freqs = torch.arange(length, dtype=torch.float32)[:, None] * inv[None, :]  # [T, d/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [T, d]
-    return emb.cos().to(device=device, dtype=dtype), emb.sin().to(device=device, dtype=dtype)
+    sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
+    return emb.cos().to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, H, T, d]; cos/sin: [T, d]. Half-split rotation (the Hugging Face layout)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def swap_halves(x: torch.Tensor) -> torch.Tensor:
+    """[..., d] -> [x2 | x1]: one kernel."""
+    return x.unflatten(-1, (2, x.shape[-1] // 2)).flip(-2).flatten(-2)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x: [B, T, heads, d]; cos/sin_signed: [T, 1, d]. Half-split rotation (the Hugging Face layout)."""
+    return x * cos + swap_halves(x) * sin_signed

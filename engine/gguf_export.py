@@ -1,0 +1,122 @@
+"""Write a model folder as GGUF, so llama.cpp runs the very same weights in the benchmark.
+
+Needs the `gguf` package (the `bench` extra). Tensor names and the q/k row permutation follow
+llama.cpp's own converter: its "llama" architecture rotates adjacent pairs, Hugging Face rotates
+halves, so q and k rows are interleaved; "qwen2"/"qwen3" rotate halves and are written as they are.
+Quantized files (F16, Q8_0, Q4_0) come from llama.cpp's own quantizer (`quantize_gguf`).
+The vocabulary is written as opaque tokens: the benchmark feeds token ids, never text.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .config import load_config
+from .errors import EngineError
+
+ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+FTYPES = ("F16", "BF16", "Q8_0", "Q4_0")  # what quantize_gguf accepts
+
+
+def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Half-split rotary rows -> interleaved pairs, per head (llama.cpp's converter does the same)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(model_dir, out: Path) -> Path:
+    """The checkpoint in model_dir as an F32 GGUF at `out`."""
+    import gguf
+
+    from .loader import _weight_files
+    model_dir = Path(model_dir)
+    cfg = load_config(model_dir)
+    if cfg.family not in ARCHES:
+        raise EngineError(f"no GGUF mapping for the {cfg.family!r} family")
+    arch = ARCHES[cfg.family]
+    if cfg.rope.type != "default":
+        raise EngineError(f"GGUF export handles default rotary scaling only, not {cfg.rope.type!r}")
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_name(model_dir.name)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope.theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([f"<t{i}>" for i in range(cfg.vocab_size)])
+    w.add_token_types([gguf.TokenType.NORMAL] * cfg.vocab_size)
+    w.add_token_merges(["<t 0>"])  # llama.cpp wants merges for a "gpt2" vocabulary; never used
+    w.add_add_bos_token(False)
+
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    per_layer = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+                 "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+                 "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+                 "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+                 "self_attn.v_proj.bias": "attn_v.bias", "self_attn.q_norm.weight": "attn_q_norm.weight",
+                 "self_attn.k_norm.weight": "attn_k_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+                 "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+    from safetensors import safe_open
+    files = _weight_files(model_dir)
+    for name in sorted(files, key=_order):
+        if name.startswith("model.layers."):
+            i, rest = name[len("model.layers."):].split(".", 1)
+            if rest not in per_layer:
+                continue
+            gname = f"blk.{i}.{per_layer[rest]}"
+        elif name in names:
+            if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue
+            gname = names[name]
+        else:
+            continue
+        with safe_open(str(files[name]), framework="pt", device="cpu") as f:
+            t = f.get_tensor(name).float()
+        if arch == "llama" and rest_of(name) in ("self_attn.q_proj.weight", "self_attn.q_proj.bias"):
+            t = _permute(t, cfg.num_heads)
+        elif arch == "llama" and rest_of(name) in ("self_attn.k_proj.weight", "self_attn.k_proj.bias"):
+            t = _permute(t, cfg.num_kv_heads)
+        w.add_tensor(gname, np.ascontiguousarray(t.numpy()))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def rest_of(name: str) -> str:
+    return name.split(".", 3)[3] if name.startswith("model.layers.") else name
+
+
+def _order(name: str):
+    if name.startswith("model.layers."):
+        i, rest = name[len("model.layers."):].split(".", 1)
+        return (1, int(i), rest)
+    return (0 if "embed" in name else 2, 0, name)
+
+
+def quantize_gguf(src: Path, dst: Path, ftype: str, threads: int) -> Path:
+    """llama.cpp's own quantizer (its default choices for every tensor), through llama-cpp-python."""
+    import llama_cpp
+    if ftype not in FTYPES:
+        raise EngineError(f"GGUF type {ftype!r} is not one of {', '.join(FTYPES)}")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    params.nthread = threads
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
+    if rc != 0:
+        raise EngineError(f"llama.cpp could not quantize {src.name} to {ftype} (code {rc})")
+    return dst
