@@ -27,21 +27,45 @@ SHAPES = {
 }
 
 
+ENGINES = ("kvchat", "kvchat-uncached", "transformers", "transformers-static", "llama.cpp")
+# (engine, precision) per device: kvchat and transformers by torch dtype (kvchat's quantized rows by
+# weight mode, activations float32), llama.cpp by GGUF type (F16 is its 16-bit, Q8_0/Q4_0 its 8/4-bit).
+CPU_RUNS = [("kvchat", "float32"), ("kvchat", "bfloat16"), ("kvchat", "float16"), ("kvchat", "int8"),
+            ("kvchat", "int4"), ("kvchat-uncached", "float32"),
+            ("transformers", "float32"), ("transformers", "bfloat16"),
+            ("transformers-static", "float32"), ("transformers-static", "bfloat16"),
+            ("llama.cpp", "F32"), ("llama.cpp", "F16"), ("llama.cpp", "Q8_0"), ("llama.cpp", "Q4_0")]
+CUDA_RUNS = [("kvchat", "bfloat16"), ("kvchat", "float16"), ("kvchat-uncached", "bfloat16"),
+             ("transformers", "bfloat16"), ("transformers-static", "bfloat16")]
+QUANT = {"int8": ("int8", 0), "int4": ("int4", 32)}  # kvchat weight mode -> (mode, group size): the kernels' layouts
+# Which rows are compared: kvchat precision -> (reference engine, its precision)
+PAIRS = [("float32", "transformers", "float32"), ("bfloat16", "transformers", "bfloat16"),
+         ("float32", "transformers-static", "float32"), ("bfloat16", "transformers-static", "bfloat16"),
+         ("float32", "llama.cpp", "F32"), ("float16", "llama.cpp", "F16"), ("bfloat16", "llama.cpp", "F16"),
+         ("int8", "llama.cpp", "Q8_0"), ("int4", "llama.cpp", "Q4_0"), ("float32", "kvchat-uncached", "float32"),
+         ("bfloat16", "kvchat-uncached", "bfloat16")]
+PLOT_CONTEXTS = (512, 1024, 2048, 4096)
+# the embedding's storage per value in each row's precision (kvchat keeps it in the activation dtype)
+EMBED_BYTES_PER_VALUE = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 4, "int4": 4,
+                         "F32": 4, "F16": 2, "Q8_0": 34 / 32, "Q4_0": 18 / 32}
+
+
 def add_arguments(p) -> None:
     p.add_argument("--model", default=None, help="a real checkpoint instead of a random-weight shape")
     p.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--weights", default="none", choices=["none", "int8", "int4"], help="kvchat's weight precision")
-    p.add_argument("--kv", default="none", choices=["none", "int8", "int4"], help="kvchat's KV cache precision")
-    p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: the best available)")
+    p.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated subset of {', '.join(ENGINES)}")
+    p.add_argument("--precisions", default=None,
+                   help="comma-separated subset of precisions to run (float32, bfloat16, float16, int8, int4, F32, "
+                        "F16, Q8_0, Q4_0); default: all for the device")
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--uncached-tokens", type=int, default=8,
                    help="tokens for the no-cache baseline (each one recomputes the whole prefix)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: physical cores)")
-    p.add_argument("--engines", default="kvchat,kvchat-uncached,transformers",
-                   help="comma-separated subset of kvchat, kvchat-uncached, transformers")
+    p.add_argument("--threads", type=int, default=None, help="threads for every engine (default: physical cores)")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="also measure decode tok/s at contexts 512..4096 and draw it (needs matplotlib)")
+    p.add_argument("--plot-tokens", type=int, default=16, help="tokens decoded at each context for --plot")
     p.add_argument("--json", action="store_true")
 
 
@@ -71,6 +95,16 @@ def write_random_checkpoint(out: Path, shape: str, seed: int = 0) -> Path:
     return out
 
 
+def _rss_now() -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def _peak_rss() -> int:
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
@@ -95,141 +129,343 @@ def _prompt(n: int, vocab: int) -> list[int]:
     return torch.randint(10, vocab, (n,), generator=g).tolist()
 
 
-def _child(engine: str, args: dict, queue) -> None:
-    try:
-        queue.put(_measure(engine, args))
-    except Exception as e:  # report, don't hang the parent
-        queue.put({"engine": engine, "error": f"{type(e).__name__}: {e}"})
-
-
 def _sync(device) -> None:
     import torch
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _measure(engine: str, a: dict) -> dict:
+def measure_bandwidth(device=None, megabytes: int = 512, repeats: int = 5) -> float:
+    """Bytes per second a large copy moves (read + write), best of `repeats`: the memory roofline."""
     import torch
-    torch.set_num_threads(a["threads"])
-    from .loader import load_model
+    from .trace import now
+    device = torch.device(device or "cpu")
+    n = megabytes * 2**20
+    src = torch.ones(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        t0 = now()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, now() - t0)
+    return 2 * n / best
+
+
+def file_read_seconds(model_dir) -> float:
+    """Time to read the weight files into fresh memory, once: what a load is compared with."""
     from .trace import now
     t0 = now()
-    quant = dict(weights=a["weights"], group_size=a["group_size"]) if engine == "kvchat" else {}
-    loaded = load_model(a["model"], device=a["device"], dtype=a["dtype"], **quant)
-    load_s = now() - t0
-    device = loaded.device
-    prompt = _prompt(a["prompt_tokens"], loaded.config.vocab_size)
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        buf = bytearray(path.stat().st_size)
+        with open(path, "rb", buffering=0) as f:
+            f.readinto(buf)
+        del buf
+    return now() - t0
+
+
+def bytes_per_token(weight_bytes: int, embed_bytes: int, tied: bool, kv_bytes_per_position: int, context: float) -> float:
+    """Bytes one batch-1 decode step must read: every weight once (an untied embedding only gives one
+    row, so it is not counted), plus the cached K/V of `context` positions."""
+    return weight_bytes - (0 if tied else embed_bytes) + kv_bytes_per_position * context
+
+
+def roofline_tok_s(bandwidth: float, per_token: float) -> float:
+    return bandwidth / per_token
+
+
+def _timing(prompt_len: int, start: float, times: list[float]) -> dict:
+    ttft = times[0] - start
+    decode = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else None
+    return {"tokens": len(times), "prefill_tok_s": round(prompt_len / ttft, 3), "ttft_ms": round(ttft * 1000, 3),
+            "decode_tok_s": None if decode is None else round(decode, 3)}
+
+
+def _child(engine: str, precision: str, args: dict, queue) -> None:
+    try:
+        queue.put(_measure(engine, precision, args))
+    except Exception as e:  # report, don't hang the parent
+        queue.put({"engine": engine, "precision": precision, "error": f"{type(e).__name__}: {e}"})
+
+
+def _kvchat_decode(loaded, prompt, n_new) -> tuple[dict, list[int]]:
+    from .session import Request, Session
+    session = Session(loaded, capacity=len(prompt) + n_new)
+    loaded.tokenizer.stop_ids = frozenset()  # random weights: never stop early
+    for ev in session.generate(Request(prompt_ids=tuple(prompt), max_new_tokens=n_new)):
+        last = ev
+    t = last.trace
+    return {"tokens": t["tokens"], "prefill_tok_s": t["prefill_tok_s"], "ttft_ms": t["ttft_ms"],
+            "decode_tok_s": t["decode_tok_s"]}, list(last.token_ids)
+
+
+def _measure(engine: str, precision: str, a: dict) -> dict:
+    import torch
+    torch.set_num_threads(a["threads"])
+    from .loader import load_model, resolve_device
+    from .trace import now
+    device = resolve_device(a["device"])
+    row = {"engine": engine, "precision": precision, "device": str(device)}
+    baseline = _rss_now()
     n_new = a["new_tokens"]
-    row = {"engine": engine, "dtype": str(loaded.dtype).removeprefix("torch."), "device": str(device),
-           "load_s": round(load_s, 3)}
-    if engine == "kvchat":
-        from .session import Request, Session
-        session = Session(loaded, capacity=len(prompt) + n_new, kv=a["kv"])
-        row.update(weights=loaded.quantization, kv=a["kv"])
-        session.loaded.tokenizer.stop_ids = frozenset()  # random weights: never stop early
-        for ev in session.generate(Request(prompt_ids=tuple(prompt), max_new_tokens=n_new)):
-            last = ev
-        t = last.trace
-        row.update(tokens=t["tokens"], prefill_tok_s=t["prefill_tok_s"], ttft_ms=t["ttft_ms"],
-                   decode_tok_s=t["decode_tok_s"])
-    elif engine == "kvchat-uncached":
-        n_new = a["uncached_tokens"]
-        ids = torch.tensor([prompt], device=device)
-        times = []
-        start = now()
-        with torch.inference_mode():
-            for _ in range(n_new):
-                logits = loaded.model(ids, last_only=True)  # the whole prefix, every step
-                nxt = logits[0, -1].argmax()
-                _sync(device)
-                times.append(now())
-                ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
-        ttft = times[0] - start
-        row.update(tokens=n_new, prefill_tok_s=round(len(prompt) / ttft, 3), ttft_ms=round(ttft * 1000, 3),
-                   decode_tok_s=round((n_new - 1) / (times[-1] - times[0]), 3))
+    contexts = a["plot_contexts"]
+    if engine.startswith("kvchat"):
+        mode, group = QUANT.get(precision, ("none", 0))
+        dtype = "float32" if precision in QUANT else precision
+        t0 = now()
+        loaded = load_model(a["model"], device=str(device), dtype=dtype, weights=mode, group_size=group)
+        row["load_s"] = round(now() - t0, 3)
+        prompt = _prompt(a["prompt_tokens"], loaded.config.vocab_size)
+        row.update(weight_bytes=loaded.weight_bytes, kv_bytes_per_position=loaded.kv_bytes_per_position,
+                   weights=loaded.quantization)
+        if engine == "kvchat":
+            timing, row["token_ids"] = _kvchat_decode(loaded, prompt, n_new)
+            row.update(timing, peak_mem_bytes=_peak_mem(device))
+            row["kv_allocated_bytes"] = (len(prompt) + n_new) * loaded.kv_bytes_per_position
+            row["by_context"] = {c: _kvchat_decode(loaded, _prompt(c, loaded.config.vocab_size),
+                                                   a["plot_tokens"])[0]["decode_tok_s"] for c in contexts}
+        else:
+            n_new = a["uncached_tokens"]
+            ids = torch.tensor([prompt], device=device)
+            times = []
+            start = now()
+            with torch.inference_mode():
+                for _ in range(n_new):
+                    nxt = loaded.model(ids, last_only=True)[0, -1].argmax()  # the whole prefix, every step
+                    _sync(device)
+                    times.append(now())
+                    ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
+            row.update(_timing(len(prompt), start, times))
     elif engine.startswith("transformers"):
-        del loaded
         from transformers import AutoModelForCausalLM
         from transformers.generation.streamers import BaseStreamer
+        dtype = getattr(torch, precision)
         t0 = now()
-        hf = AutoModelForCausalLM.from_pretrained(a["model"], dtype=getattr(torch, row["dtype"])).to(device).eval()
+        hf = AutoModelForCausalLM.from_pretrained(a["model"], dtype=dtype).to(device).eval()
         row["load_s"] = round(now() - t0, 3)
+        row["weight_bytes"] = sum(p.numel() * p.element_size() for p in hf.parameters())
+        cfg = hf.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        row["kv_bytes_per_position"] = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * dtype.itemsize
+        prompt = _prompt(a["prompt_tokens"], cfg.vocab_size)
 
         class Clock(BaseStreamer):
             def __init__(self):
-                self.times = []
+                self.times, self.ids = [], []
 
             def put(self, value):
                 _sync(device)
                 self.times.append(now())
+                self.ids.append(int(value.view(-1)[-1]))
 
             def end(self):
                 pass
 
-        clock = Clock()
-        ids = torch.tensor([prompt], device=device)
-        start = now()
-        with torch.inference_mode():
-            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new, min_new_tokens=n_new,
-                        do_sample=False, streamer=clock, pad_token_id=0)
-        times = clock.times[1:]  # the first put() is the prompt
-        ttft = times[0] - start
-        row.update(tokens=len(times), prefill_tok_s=round(len(prompt) / ttft, 3), ttft_ms=round(ttft * 1000, 3),
-                   decode_tok_s=round((len(times) - 1) / (times[-1] - times[0]), 3))
-    row["peak_mem_bytes"] = _peak_mem(device)
+        def hf_run(prompt, n):
+            clock = Clock()
+            ids = torch.tensor([prompt], device=device)
+            extra = {"cache_implementation": "static"} if engine == "transformers-static" else {}
+            start = now()
+            with torch.inference_mode():
+                hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                            do_sample=False, streamer=clock, pad_token_id=0, **extra)
+            return _timing(len(prompt), start, clock.times[1:]), clock.ids[1:]  # the first put() is the prompt
+
+        timing, row["token_ids"] = hf_run(prompt, n_new)
+        row.update(timing, peak_mem_bytes=_peak_mem(device))
+        row["by_context"] = {c: hf_run(_prompt(c, cfg.vocab_size), a["plot_tokens"])[0]["decode_tok_s"]
+                             for c in contexts}
+    elif engine == "llama.cpp":
+        from .config import load_config
+        from .llamacpp import LlamaCpp
+        cfg = load_config(Path(a["model"]))
+        path = Path(a["gguf"][precision])
+        t0 = now()
+        lc = LlamaCpp(path, n_ctx=max([a["prompt_tokens"] + n_new, *contexts]) + a["plot_tokens"] + 8,
+                      threads=a["threads"])
+        row["load_s"] = round(now() - t0, 3)
+        row["weight_bytes"] = _gguf_tensor_bytes(path)
+        row["kv_bytes_per_position"] = cfg.kv_bytes_per_position * 2  # its default F16 cache
+        prompt = _prompt(a["prompt_tokens"], cfg.vocab_size)
+
+        def lc_run(prompt, n):
+            lc.L.llama_memory_clear(lc.L.llama_get_memory(lc.ctx), True)
+            ids, start, times = lc.generate(prompt, n)
+            return _timing(len(prompt), start, times), ids
+
+        timing, row["token_ids"] = lc_run(prompt, n_new)
+        row.update(timing, peak_mem_bytes=_peak_mem(device))
+        row["by_context"] = {c: lc_run(_prompt(c, cfg.vocab_size), a["plot_tokens"])[0]["decode_tok_s"]
+                             for c in contexts}
+    else:
+        raise ValueError(f"unknown engine {engine!r}")
+    row.setdefault("peak_mem_bytes", _peak_mem(device))  # before the --plot contexts, where those run
+    row["baseline_mem_bytes"] = baseline if device.type == "cpu" else 0
     return row
+
+
+def _gguf_tensor_bytes(path: Path) -> int:
+    import gguf
+    return sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
 
 
 def _ratio(a, b):
     return None if not a or not b else round(a / b, 3)
 
 
+def _row(results, engine, precision):
+    return next((r for r in results if r["engine"] == engine and r["precision"] == precision and "error" not in r), {})
+
+
+def ratios(results) -> dict:
+    """kvchat against each reference at the matching precision: decode and prefill."""
+    out = {}
+    for mine, engine, theirs in PAIRS:
+        k, ref = _row(results, "kvchat", mine), _row(results, engine, theirs)
+        if k and ref:
+            key = f"kvchat {mine} / {engine} {theirs}"
+            out[key] = {"decode": _ratio(k.get("decode_tok_s"), ref.get("decode_tok_s")),
+                        "prefill": _ratio(k.get("prefill_tok_s"), ref.get("prefill_tok_s"))}
+    return out
+
+
+def _runs(ns, device_type: str, have_llama: bool, have_hf: bool) -> list[tuple[str, str]]:
+    runs = CUDA_RUNS if device_type == "cuda" else CPU_RUNS
+    engines = {e.strip() for e in ns.engines.split(",") if e.strip()}
+    unknown = engines - set(ENGINES)
+    if unknown:
+        raise SystemExit(f"error: unknown engine(s) {', '.join(sorted(unknown))}; choose from {', '.join(ENGINES)}")
+    if not have_hf and engines & {"transformers", "transformers-static"}:
+        print("transformers is not installed: skipping its rows (pip install -e '.[bench]')", file=sys.stderr)
+        engines -= {"transformers", "transformers-static"}
+    if not have_llama and "llama.cpp" in engines:
+        print("llama-cpp-python or gguf is not installed: skipping llama.cpp (pip install -e '.[bench]')",
+              file=sys.stderr)
+        engines.discard("llama.cpp")
+    precisions = {p.strip() for p in ns.precisions.split(",")} if ns.precisions else None
+    return [(e, p) for e, p in runs if e in engines and (precisions is None or p in precisions)]
+
+
+def _default_threads() -> int:
+    n = os.cpu_count() or 1
+    return max(1, n // 2) if _smt() else n
+
+
 def run(ns) -> int:
-    threads = ns.threads or max(1, (os.cpu_count() or 2) // 2 if _smt() else (os.cpu_count() or 1))
-    engines = [e.strip() for e in ns.engines.split(",") if e.strip()]
-    if "transformers" in engines and importlib.util.find_spec("transformers") is None:
-        print("transformers is not installed: skipping that reference", file=sys.stderr)
-        engines.remove("transformers")
+    import torch
+
+    from .loader import resolve_device
+    threads = ns.threads or _default_threads()
+    torch.set_num_threads(threads)
+    device = resolve_device(ns.device)
+    have = {m: importlib.util.find_spec(m) is not None for m in ("transformers", "llama_cpp", "gguf", "matplotlib")}
+    if ns.plot and not have["matplotlib"]:
+        print("error: --plot needs matplotlib (pip install -e '.[bench]')", file=sys.stderr)
+        return 2
+    runs = _runs(ns, device.type, have["llama_cpp"] and have["gguf"] and device.type == "cpu", have["transformers"])
+    contexts = [c for c in PLOT_CONTEXTS] if ns.plot else []
     with tempfile.TemporaryDirectory(prefix="kvchat-bench-") as tmp:
         model = ns.model or str(write_random_checkpoint(Path(tmp) / ns.shape, ns.shape))
-        args = {"model": model, "device": ns.device, "dtype": ns.dtype, "prompt_tokens": ns.prompt_tokens,
+        bandwidth = measure_bandwidth(device)
+        read_s = file_read_seconds(model)
+        gguf_files = {}
+        if any(e == "llama.cpp" for e, _ in runs):
+            from .gguf_export import quantize_gguf, write_gguf
+            f32 = write_gguf(model, Path(tmp) / "model-F32.gguf")
+            gguf_files["F32"] = str(f32)
+            for ftype in sorted({p for e, p in runs if e == "llama.cpp"} - {"F32"}):
+                gguf_files[ftype] = str(quantize_gguf(f32, Path(tmp) / f"model-{ftype}.gguf", ftype, threads))
+        args = {"model": model, "device": str(device), "prompt_tokens": ns.prompt_tokens,
                 "new_tokens": ns.new_tokens, "uncached_tokens": ns.uncached_tokens, "threads": threads,
-                "weights": ns.weights, "kv": ns.kv, "group_size": ns.group_size}
+                "gguf": gguf_files, "plot_contexts": contexts, "plot_tokens": ns.plot_tokens}
         ctx = mp.get_context("spawn")
         results = []
-        for engine in engines:
+        for engine, precision in runs:
             q = ctx.Queue()
-            p = ctx.Process(target=_child, args=(engine, args, q))
+            p = ctx.Process(target=_child, args=(engine, precision, args, q))
             p.start()
             row = q.get()
             p.join()
             results.append(row)
             if not ns.json:
-                print(f"  measured {engine}", file=sys.stderr)
-    by = {r["engine"]: r for r in results}
-    k = by.get("kvchat", {})
-    ratios = {
-        "decode_vs_uncached": _ratio(k.get("decode_tok_s"), by.get("kvchat-uncached", {}).get("decode_tok_s")),
-        "decode_vs_transformers": _ratio(k.get("decode_tok_s"), by.get("transformers", {}).get("decode_tok_s")),
-        "prefill_vs_transformers": _ratio(k.get("prefill_tok_s"), by.get("transformers", {}).get("prefill_tok_s")),
-    }
-    report = {"model": ns.model or ns.shape, "prompt_tokens": ns.prompt_tokens, "new_tokens": ns.new_tokens,
-              "threads": threads, "results": results, "ratios": ratios}
+                print(f"  measured {engine} {precision}", file=sys.stderr)
+        from .config import load_config
+        cfg = load_config(Path(model))
+    embed_values = cfg.vocab_size * cfg.hidden_size
+    context = ns.prompt_tokens + ns.new_tokens / 2  # mean context while decoding
+    reference_ids = _row(results, "kvchat", "float32").get("token_ids") or _row(results, "kvchat", "bfloat16").get("token_ids")
+    for r in results:
+        if "error" in r:
+            continue
+        eb = embed_values * EMBED_BYTES_PER_VALUE[r["precision"]]
+        per_token = bytes_per_token(r["weight_bytes"], eb, cfg.tie_word_embeddings, r["kv_bytes_per_position"], context)
+        r["bytes_per_token"] = int(per_token)
+        r["roofline_tok_s"] = round(roofline_tok_s(bandwidth, per_token), 2)
+        r["roofline_pct"] = None if not r.get("decode_tok_s") else round(100 * r["decode_tok_s"] / r["roofline_tok_s"], 1)
+        if reference_ids and r.get("token_ids"):
+            n = min(len(reference_ids), len(r["token_ids"]))
+            r["same_tokens_as_kvchat"] = sum(a == b for a, b in zip(reference_ids[:n], r["token_ids"][:n]))
+        if r["engine"] == "kvchat":
+            r["load_vs_file_read"] = round(r["load_s"] / read_s, 2) if read_s > 0 else None
+            if r.get("peak_mem_bytes") and device.type == "cpu":
+                above = r["peak_mem_bytes"] - r["baseline_mem_bytes"]
+                r["peak_above_baseline_vs_weights_kv"] = round(above / (r["weight_bytes"] + r["kv_allocated_bytes"]), 3)
+        r.pop("token_ids", None)
+    report = {"model": ns.model or ns.shape, "device": str(device), "prompt_tokens": ns.prompt_tokens,
+              "new_tokens": ns.new_tokens, "threads": threads, "bandwidth_gb_s": round(bandwidth / 1e9, 2),
+              "file_read_s": round(read_s, 3), "results": results, "ratios": ratios(results)}
+    if ns.plot:
+        plot(results, ns.plot, report)
+        report["plot"] = ns.plot
     if ns.json:
         print(json.dumps(report))
         return 0
-    print(f"model {report['model']} · prompt {ns.prompt_tokens} · new {ns.new_tokens} · threads {threads}")
-    print(f"{'engine':18s} {'dtype':9s} {'prefill tok/s':>13s} {'TTFT ms':>9s} {'decode tok/s':>12s} "
-          f"{'peak MiB':>9s} {'load s':>7s}")
-    for r in results:
-        if "error" in r:
-            print(f"{r['engine']:18s} error: {r['error']}")
-            continue
-        print(f"{r['engine']:18s} {r['dtype']:9s} {r['prefill_tok_s']:13.1f} {r['ttft_ms']:9.1f} "
-              f"{r['decode_tok_s']:12.2f} {r['peak_mem_bytes'] / 2**20:9.0f} {r['load_s']:7.2f}")
-    for name, v in ratios.items():
-        print(f"{name:26s} {'—' if v is None else f'{v:.2f}x'}")
+    print_report(report)
     return 0
+
+
+def print_report(report: dict) -> None:
+    print(f"model {report['model']} · {report['device']} · prompt {report['prompt_tokens']} · "
+          f"new {report['new_tokens']} · threads {report['threads']} · copy bandwidth {report['bandwidth_gb_s']} GB/s "
+          f"· file read {report['file_read_s']:.2f} s")
+    print(f"{'engine':20s} {'precision':9s} {'prefill tok/s':>13s} {'TTFT ms':>9s} {'decode tok/s':>12s} "
+          f"{'% roofline':>10s} {'peak MiB':>9s} {'load s':>7s}")
+    for r in report["results"]:
+        if "error" in r:
+            print(f"{r['engine']:20s} {r['precision']:9s} error: {r['error']}")
+            continue
+        pct = "—" if r.get("roofline_pct") is None else f"{r['roofline_pct']:.0f}%"
+        print(f"{r['engine']:20s} {r['precision']:9s} {r['prefill_tok_s']:13.1f} {r['ttft_ms']:9.1f} "
+              f"{r['decode_tok_s'] or 0:12.2f} {pct:>10s} {r['peak_mem_bytes'] / 2**20:9.0f} {r['load_s']:7.2f}")
+    for name, v in report["ratios"].items():
+        print(f"{name:45s} decode {_x(v['decode'])}  prefill {_x(v['prefill'])}")
+
+
+def _x(v) -> str:
+    return "—" if v is None else f"{v:.2f}x"
+
+
+def plot(results: list[dict], path: str, report: dict) -> None:
+    """Decode tok/s against context length, one line per engine and precision."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
+    for r in results:
+        points = sorted((int(c), v) for c, v in (r.get("by_context") or {}).items() if v)
+        if points:
+            ax.plot([c for c, _ in points], [v for _, v in points], marker="o", label=f"{r['engine']} {r['precision']}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(PLOT_CONTEXTS), [str(c) for c in PLOT_CONTEXTS])
+    ax.set_xlabel("context (positions in the KV cache)")
+    ax.set_ylabel("decode tokens/s (batch 1)")
+    ax.set_title(f"{report['model']} · {report['device']} · {report['threads']} threads")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
 
 def _smt() -> bool:

@@ -111,6 +111,9 @@ def _order(name: str):
 def quantize_gguf(src: Path, dst: Path, ftype: str, threads: int) -> Path:
     """llama.cpp's own quantizer (its default choices for every tensor), through llama-cpp-python."""
     import llama_cpp
+
+    from .llamacpp import quiet
+    quiet()
     if ftype not in FTYPES:
         raise EngineError(f"GGUF type {ftype!r} is not one of {', '.join(FTYPES)}")
     params = llama_cpp.llama_model_quantize_default_params()

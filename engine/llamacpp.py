@@ -15,10 +15,23 @@ from .errors import EngineError
 from .trace import now
 
 
+_QUIET = None
+
+
+def quiet() -> None:
+    """Silence llama.cpp's own logging (it prints every tensor while loading and quantizing)."""
+    global _QUIET
+    import llama_cpp as L
+    if _QUIET is None:
+        _QUIET = L.llama_log_callback(lambda level, text, user_data: None)  # kept alive here
+        L.llama_log_set(_QUIET, ctypes.c_void_p())
+
+
 class LlamaCpp:
     def __init__(self, gguf_path: Path, n_ctx: int, threads: int, n_batch: int = 512):
         import llama_cpp as L
         self.L = L
+        quiet()
         L.llama_backend_init()
         mp = L.llama_model_default_params()
         mp.n_gpu_layers = 0

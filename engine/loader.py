@@ -156,15 +156,19 @@ class _Reader:
                                  f"config.json implies {self.expected[name]}", path)
 
     def read(self, names: list[str], dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-        """name -> tensor in `dtype` on `device` (one temporary per tensor)."""
-        out = {}
+        """name -> tensor in `dtype` on `device` (one temporary per tensor); each file opened once."""
+        by_file: dict[Path, list[str]] = {}
         for name in names:
-            path, handle = self._open(name)
+            by_file.setdefault(self.files[name], []).append(name)
+        out = {}
+        for path, group in by_file.items():
+            _, handle = self._open(group[0])
             try:
                 with handle as f:
-                    t = f.get_tensor(name)
-                    self._checked(path, name, t.shape)
-                    out[name] = t.to(device=device, dtype=dtype)
+                    for name in group:
+                        t = f.get_tensor(name)
+                        self._checked(path, name, t.shape)
+                        out[name] = t.to(device=device, dtype=dtype)
             except ModelLoadError:
                 raise
             except Exception as e:

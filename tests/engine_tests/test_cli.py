@@ -77,14 +77,30 @@ def test_chat_edit_and_stats(llama_dir):
 
 def test_bench_json(llama_dir):
     out = json.loads(run("bench", "--model", llama_dir, "--prompt-tokens", 32, "--new-tokens", 8,
-                         "--uncached-tokens", 3, "--json").stdout)
-    engines = {r["engine"]: r for r in out["results"]}
-    assert set(engines) == {"kvchat", "kvchat-uncached", "transformers"}
-    for r in engines.values():
+                         "--uncached-tokens", 3, "--engines", "kvchat,kvchat-uncached,transformers-static",
+                         "--precisions", "float32,int8", "--json").stdout)
+    rows = {(r["engine"], r["precision"]): r for r in out["results"]}
+    assert set(rows) == {("kvchat", "float32"), ("kvchat", "int8"), ("kvchat-uncached", "float32"),
+                         ("transformers-static", "float32")}
+    for r in rows.values():
         assert "error" not in r, r
         assert r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 and r["peak_mem_bytes"] > 0
-    assert engines["kvchat"]["tokens"] == 8
-    assert out["ratios"]["decode_vs_transformers"] > 0
+        roof = out["bandwidth_gb_s"] * 1e9 / r["bytes_per_token"]  # copy bandwidth / bytes read per token
+        assert abs(r["roofline_tok_s"] - roof) < 0.01 * roof and r["roofline_pct"] > 0
+    k = rows[("kvchat", "float32")]
+    assert k["tokens"] == 8 and k["weights"] == "none" and rows[("kvchat", "int8")]["weights"] == "int8/per-channel"
+    assert k["same_tokens_as_kvchat"] == 8
+    assert k["load_vs_file_read"] > 0 and k["peak_above_baseline_vs_weights_kv"] > 0
+    assert out["ratios"]["kvchat float32 / transformers-static float32"]["decode"] > 0
+    assert out["ratios"]["kvchat float32 / kvchat-uncached float32"]["decode"] > 0
+
+
+def test_bench_roofline_arithmetic():
+    from engine.bench import bytes_per_token, roofline_tok_s
+    # the figure: 20 GB/s over 0.54 GB of float32 weights caps decode near 37 tok/s
+    assert round(roofline_tok_s(20e9, bytes_per_token(540_000_000, 113_246_208, True, 0, 0))) == 37
+    # an untied embedding gives one row per token: not counted; the K/V of the context are
+    assert bytes_per_token(1000, 200, False, 10, 50) == 1000 - 200 + 500
 
 
 def test_quality_compares_quantized_with_full_precision(llama_dir):

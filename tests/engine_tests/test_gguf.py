@@ -1,0 +1,58 @@
+"""GGUF export for the llama.cpp comparison: names, shapes, the q/k permutation, and (where
+llama-cpp-python is installed) the same greedy tokens as kvchat on the demo model."""
+
+import importlib.util
+
+import pytest
+import torch
+from safetensors import safe_open
+
+gguf = pytest.importorskip("gguf")
+
+from engine.gguf_export import _permute, write_gguf  # noqa: E402
+
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def test_permute_interleaves_rotary_halves():
+    # one head of width 4: rows (x0, x1 | x2, x3) rotate as pairs (x0, x2), (x1, x3) in the HF layout
+    w = torch.arange(4.0)[:, None]
+    assert _permute(w, 1).view(-1).tolist() == [0.0, 2.0, 1.0, 3.0]
+    x = torch.randn(12, 5)
+    assert torch.equal(_unpermute(_permute(x, 3), 3), x)
+
+
+def test_gguf_holds_every_tensor(llama_dir, tmp_path):
+    out = write_gguf(llama_dir, tmp_path / "m.gguf")
+    reader = gguf.GGUFReader(str(out))
+    tensors = {t.name: t for t in reader.tensors}
+    with safe_open(str(llama_dir / "model.safetensors"), framework="pt") as f:
+        q = f.get_tensor("model.layers.0.self_attn.q_proj.weight")
+        down = f.get_tensor("model.layers.1.mlp.down_proj.weight")
+        n_layers = 1 + max(int(k.split(".")[2]) for k in f.keys() if k.startswith("model.layers."))
+    assert "token_embd.weight" in tensors and "output_norm.weight" in tensors
+    assert sum(name.startswith("blk.") for name in tensors) == 9 * n_layers
+    got_down = torch.from_numpy(tensors["blk.1.ffn_down.weight"].data.copy()).view(down.shape)
+    assert torch.equal(got_down, down.float())
+    from engine.config import load_config
+    n_heads = load_config(llama_dir).num_heads
+    got_q = torch.from_numpy(tensors["blk.0.attn_q.weight"].data.copy()).view(q.shape)
+    assert torch.equal(_unpermute(got_q, n_heads), q.float())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python (the bench extra)")
+def test_llama_cpp_runs_the_same_weights(demo_model_dir, tmp_path):
+    from engine.llamacpp import LlamaCpp
+    from engine.loader import load_model
+    from engine.session import Request, Session
+    loaded = load_model(demo_model_dir)
+    session = Session(loaded, capacity=256)
+    messages = ({"role": "user", "content": "My budget is 600 yuan for 3 nights in Kyoto. How much per night?"},)
+    last = list(session.generate(Request(messages=messages, max_new_tokens=20)))[-1]
+    prompt = loaded.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+    lc = LlamaCpp(write_gguf(demo_model_dir, tmp_path / "demo.gguf"), n_ctx=256, threads=1)
+    ids, _, _ = lc.generate(prompt, len(last.token_ids))
+    lc.close()
+    assert ids == list(last.token_ids)
