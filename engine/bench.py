@@ -69,29 +69,35 @@ def add_arguments(p) -> None:
     p.add_argument("--json", action="store_true")
 
 
-def write_random_checkpoint(out: Path, shape: str, seed: int = 0) -> Path:
-    """A checkpoint of `shape` with random weights and a word-level tokenizer covering its vocabulary."""
+def write_random_checkpoint(out: Path, shape, seed: int = 0, std: float = 0.02) -> Path:
+    """A checkpoint of `shape` (a name in SHAPES, or a config dict) with random weights and a
+    word-level tokenizer covering its vocabulary."""
     import torch
     from safetensors.torch import save_file
-    from tokenizers import Tokenizer, models
+    from tokenizers import Tokenizer, models, pre_tokenizers
 
     from .config import config_from_dict
     from .model import Transformer
-    raw = dict(SHAPES[shape], hidden_act="silu", torch_dtype="float32")
+    raw = dict(SHAPES[shape] if isinstance(shape, str) else shape, hidden_act="silu", torch_dtype="float32")
     cfg = config_from_dict(raw)
     torch.manual_seed(seed)
     with torch.device("cpu"):
         model = Transformer(cfg)
     for p in model.parameters():
         if p.dim() == 2:
-            torch.nn.init.normal_(p, std=0.02)
+            torch.nn.init.normal_(p, std=std)
     out.mkdir(parents=True, exist_ok=True)
     tensors = model.hf_state_dict()
     tensors.pop("lm_head.weight", None) if cfg.tie_word_embeddings else None
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(raw))
     vocab = {f"t{i}": i for i in range(cfg.vocab_size)}
-    Tokenizer(models.WordLevel(vocab, unk_token="t0")).save(str(out / "tokenizer.json"))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # "t5 t9" -> ids 5, 9
+    tok.save(str(out / "tokenizer.json"))
+    # a chat template, so the app can drive it too (python -m desktop.seam_bench)
+    template = "{% for m in messages %}t1 {{ m['content'] }} t2 {% endfor %}{% if add_generation_prompt %}t3{% endif %}"
+    (out / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
     return out
 
 
@@ -207,6 +213,8 @@ def _measure(engine: str, precision: str, a: dict) -> dict:
     from .trace import now
     device = resolve_device(a["device"])
     row = {"engine": engine, "precision": precision, "device": str(device)}
+    with torch.device("meta"):  # torch's one-time import of its meta kernels (~70 MB), before the baseline
+        torch.nn.Embedding(2, 2)
     baseline = _rss_now()
     n_new = a["new_tokens"]
     contexts = a["plot_contexts"]
@@ -353,16 +361,27 @@ def _default_threads() -> int:
 
 
 def run(ns) -> int:
+    if ns.plot and importlib.util.find_spec("matplotlib") is None:
+        print("error: --plot needs matplotlib (pip install -e '.[bench]')", file=sys.stderr)
+        return 2
+    report = collect(ns)
+    if ns.json:
+        print(json.dumps(report))
+    else:
+        print_report(report)
+    return 0
+
+
+def collect(ns, progress: bool | None = None) -> dict:
+    """Measure every run in its own process; the report `--json` prints."""
     import torch
 
     from .loader import resolve_device
+    progress = (not ns.json) if progress is None else progress
     threads = ns.threads or _default_threads()
     torch.set_num_threads(threads)
     device = resolve_device(ns.device)
-    have = {m: importlib.util.find_spec(m) is not None for m in ("transformers", "llama_cpp", "gguf", "matplotlib")}
-    if ns.plot and not have["matplotlib"]:
-        print("error: --plot needs matplotlib (pip install -e '.[bench]')", file=sys.stderr)
-        return 2
+    have = {m: importlib.util.find_spec(m) is not None for m in ("transformers", "llama_cpp", "gguf")}
     runs = _runs(ns, device.type, have["llama_cpp"] and have["gguf"] and device.type == "cpu", have["transformers"])
     contexts = [c for c in PLOT_CONTEXTS] if ns.plot else []
     with tempfile.TemporaryDirectory(prefix="kvchat-bench-") as tmp:
@@ -388,7 +407,7 @@ def run(ns) -> int:
             row = q.get()
             p.join()
             results.append(row)
-            if not ns.json:
+            if progress:
                 print(f"  measured {engine} {precision}", file=sys.stderr)
         from .config import load_config
         cfg = load_config(Path(model))
@@ -418,11 +437,7 @@ def run(ns) -> int:
     if ns.plot:
         plot(results, ns.plot, report)
         report["plot"] = ns.plot
-    if ns.json:
-        print(json.dumps(report))
-        return 0
-    print_report(report)
-    return 0
+    return report
 
 
 def print_report(report: dict) -> None:

@@ -1,4 +1,4 @@
-"""`python -m engine info|generate|replay|chat|bench`: the engine's command line."""
+"""`python -m engine info|generate|replay|chat|quality|bench|selftest`: the engine's command line."""
 
 from __future__ import annotations
 
@@ -242,6 +242,13 @@ def main(argv=None) -> int:
     p = sub.add_parser("bench", help="prefill/decode speed against references measured in the same run")
     from .bench import add_arguments
     add_arguments(p)
+    sub.add_parser("selftest", help="cached == uncached, parity and the benchmark on this machine's GPU "
+                                    "(python -m engine selftest --device cuda --json)", add_help=False)
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv and argv[0] == "selftest":
+        from .selftest import main as selftest_main
+        return selftest_main(argv[1:])
     ns = ap.parse_args(argv)
     handler = {"info": cmd_info, "generate": cmd_generate, "replay": cmd_replay, "chat": cmd_chat}
     try:

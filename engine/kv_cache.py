@@ -61,6 +61,13 @@ class KVCache:
         self.v[layer, :, :, start:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
+    def write_at(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Static-shape write of one position given as a device tensor [1] (CUDA graphs): returns the
+        whole buffers [B, H_kv, C, d]; the caller masks what lies beyond the position."""
+        self.k[layer].index_copy_(2, pos, k)
+        self.v[layer].index_copy_(2, pos, v)
+        return self.k[layer], self.v[layer]
+
     def stats(self) -> dict:
         return {"positions": self.length, "capacity": self.capacity,
                 "payload_bytes": self.payload_bytes, "allocated_bytes": self.allocated_bytes}

@@ -168,12 +168,33 @@ class _Reader:
                     for name in group:
                         t = f.get_tensor(name)
                         self._checked(path, name, t.shape)
-                        out[name] = t.to(device=device, dtype=dtype)
+                        # always a copy: a tensor safetensors hands out may view the mapped file,
+                        # and keeping one would keep the whole mapping (and its pages) alive
+                        out[name] = t.to(device=device, dtype=dtype, copy=True)
             except ModelLoadError:
                 raise
             except Exception as e:
                 raise ModelLoadError(f"corrupt or truncated safetensors file: {e}", path) from None
         return out
+
+    def read_cat(self, names: list[str], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Tensors stacked along rows (fused q/k/v, gate/up), each copied once into its slice."""
+        shapes = [self.expected[n] for n in names]
+        dst = torch.empty((sum(sh[0] for sh in shapes), *shapes[0][1:]), dtype=dtype, device=device)
+        row = 0
+        for name, shape in zip(names, shapes):
+            path, handle = self._open(name)
+            try:
+                with handle as f:
+                    t = f.get_tensor(name)
+                    self._checked(path, name, t.shape)
+                    dst[row:row + shape[0]].copy_(t)
+            except ModelLoadError:
+                raise
+            except Exception as e:
+                raise ModelLoadError(f"corrupt or truncated safetensors file: {e}", path) from None
+            row += shape[0]
+        return dst
 
     def read_transposed(self, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A [R, C] tensor straight into a [C, R] buffer, a few thousand rows at a time."""
@@ -194,23 +215,48 @@ class _Reader:
             raise ModelLoadError(f"corrupt or truncated safetensors file: {e}", path) from None
 
 
-def _block_state(t: dict[str, torch.Tensor], cfg: ModelConfig, i: int) -> dict[str, torch.Tensor]:
-    """One block's tensors under the module's names, q/k/v and gate/up fused."""
+class _ReturnFreedMemory:
+    """While loading, glibc is told to serve large blocks with mmap, so the per-block temporaries go
+    back to the system when freed instead of fragmenting the heap (they otherwise add ~25% to the
+    peak); afterwards the threshold is set to where glibc's own adjustment would have taken it
+    and the heap is trimmed. A no-op where the C library is not glibc."""
+
+    M_MMAP_THRESHOLD = -3
+
+    def __enter__(self):
+        try:
+            import ctypes
+            self.libc = ctypes.CDLL("libc.so.6")
+            self.libc.mallopt(self.M_MMAP_THRESHOLD, 1 << 20)
+        except (OSError, AttributeError):
+            self.libc = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.libc is not None:
+            self.libc.mallopt(self.M_MMAP_THRESHOLD, 32 << 20)
+            self.libc.malloc_trim(0)
+        return False
+
+
+def _block_state(reader: _Reader, cfg: ModelConfig, i: int, dtype, device) -> dict[str, torch.Tensor]:
+    """One block's tensors under the module's names, q/k/v and gate/up read straight into their fused buffers."""
     p = f"model.layers.{i}."
     a = p + "self_attn."
-    out = {"attn.qkv.weight": torch.cat([t[a + "q_proj.weight"], t[a + "k_proj.weight"], t[a + "v_proj.weight"]]),
-           "attn.o.weight": t[a + "o_proj.weight"],
-           "mlp.gate_up.weight": torch.cat([t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"]]),
-           "mlp.down.weight": t[p + "mlp.down_proj.weight"],
-           "attn_norm.weight": t[p + "input_layernorm.weight"],
-           "mlp_norm.weight": t[p + "post_attention_layernorm.weight"]}
-    if cfg.qkv_bias:
-        out["attn.qkv.bias"] = torch.cat([t[a + "q_proj.bias"], t[a + "k_proj.bias"], t[a + "v_proj.bias"]])
+    plain = {"attn.o.weight": a + "o_proj.weight", "mlp.down.weight": p + "mlp.down_proj.weight",
+             "attn_norm.weight": p + "input_layernorm.weight", "mlp_norm.weight": p + "post_attention_layernorm.weight"}
     if cfg.o_bias:
-        out["attn.o.bias"] = t[a + "o_proj.bias"]
+        plain["attn.o.bias"] = a + "o_proj.bias"
     if cfg.qk_norm:
-        out["attn.q_norm.weight"] = t[a + "q_norm.weight"]
-        out["attn.k_norm.weight"] = t[a + "k_norm.weight"]
+        plain["attn.q_norm.weight"] = a + "q_norm.weight"
+        plain["attn.k_norm.weight"] = a + "k_norm.weight"
+    got = reader.read(list(plain.values()), dtype, device)
+    out = {mine: got[theirs] for mine, theirs in plain.items()}
+    out["attn.qkv.weight"] = reader.read_cat([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
+                                             dtype, device)
+    if cfg.qkv_bias:
+        out["attn.qkv.bias"] = reader.read_cat([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"], dtype, device)
+    out["mlp.gate_up.weight"] = reader.read_cat([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], dtype, device)
     return out
 
 
@@ -240,14 +286,16 @@ def _build_model(files: dict[str, Path], cfg: ModelConfig, dtype: torch.dtype, d
     model.norm.weight = nn.Parameter(reader.read(["model.norm.weight"], dtype, device)["model.norm.weight"],
                                      requires_grad=False)
     for i, block in enumerate(model.layers):
-        names = [n for n in expected if n.startswith(f"model.layers.{i}.")]
-        state = _block_state(reader.read(names, dtype, device), cfg, i)
+        state = _block_state(reader, cfg, i, dtype, device)
         block.load_state_dict(state, strict=True, assign=True)
         del state
         if weights != "none":
             quantize_model(block, weights, group_size)
         elif device.type == "cpu":
             fast_cpu_linears([block], dtype)
+    if device.type == "cuda":
+        for block in model.layers:
+            block.attn.flash_prefill = True
     return model.eval().requires_grad_(False)
 
 
@@ -324,7 +372,8 @@ def load_model(model_dir=None, device: str | None = None, dtype: str | None = No
         quantization = f"{weights}/g{group_size}" if group_size > 0 else f"{weights}/per-channel"
     else:
         weights = "none"
-    model = _build_model(files, cfg, dt, dev, weights, group_size)
+    with _ReturnFreedMemory():
+        model = _build_model(files, cfg, dt, dev, weights, group_size)
     fingerprint = {
         "weights": _header_digest(files.values()),
         "dtype": dtype_name(dt),

@@ -39,8 +39,10 @@ class Attention(nn.Module):
         self.o = nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.o_bias)  # Hd -> D
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.flash_prefill = False  # set on CUDA by the loader: prefill through SDPA's native GQA / flash path
+        self.causal_only = cfg.sliding_window is None
 
-    def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int, start: int):
+    def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int, start):
         B, T, _ = x.shape
         h, h_kv = self.h, self.h_kv
         qkv = self.qkv(x).view(B, T, h + 2 * h_kv, self.d)  # [B, T, H + 2H_kv, d]
@@ -51,8 +53,15 @@ class Attention(nn.Module):
             q = apply_rotary(self.q_norm(qkv[:, :, :h]), cos, sin)
             k = apply_rotary(self.k_norm(qkv[:, :, h:h + h_kv]), cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), qkv[:, :, h + h_kv:].transpose(1, 2)  # [B, heads, T, d]
-        if cache is not None:
+        if cache is not None and isinstance(start, torch.Tensor):  # static shapes (CUDA graphs)
+            k, v = cache.write_at(layer, start, k, v)  # [B, H_kv, C, d], masked beyond the position
+        elif cache is not None:
             k, v = cache.write(layer, start, k, v)  # [B, H_kv, S, d]
+        if T > 1 and self.flash_prefill:  # native GQA: SDPA may pick its flash kernel
+            causal = mask is None or (isinstance(start, int) and start == 0 and mask.shape[-1] == T and self.causal_only)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=None if causal else mask, is_causal=causal,
+                                               enable_gqa=self.g > 1)  # [B, H, T, d]
+            return self.o(y.transpose(1, 2).reshape(B, T, h * self.d))
         # Group the G query heads that share a KV head into rows: no copy of K/V per query head.
         q = q.reshape(B, h_kv, self.g * T, self.d)  # [B, H_kv, G·T, d]
         if mask is not None and self.g > 1:
@@ -255,6 +264,25 @@ class Transformer(nn.Module):
             cache.length = start + T
         if last_only:
             x = x[:, -1:]
+        return self._head(x)
+
+    def forward_static(self, ids: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One decode step with static shapes, for CUDA graphs: ids [B, 1], pos [1] (a device tensor, the
+        position being written) -> logits [B, 1, V]. Attention runs over the whole capacity with a mask,
+        so no shape depends on the position. The caller advances cache.length."""
+        cos, sin = self.rope_tables(cache.capacity)
+        cos, sin = cos.index_select(0, pos)[:, None], sin.index_select(0, pos)[:, None]  # [1, 1, d]
+        k_pos = torch.arange(cache.capacity, device=ids.device)[None, :]  # [1, C]
+        mask = k_pos <= pos[:, None]
+        if self.cfg.sliding_window is not None:
+            mask &= (pos[:, None] - k_pos) < self.cfg.sliding_window
+        x = self.embed(ids)  # [B, 1, D]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, mask, cache, i, pos)
+        return self._head(x)
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and the output projection: [B, T, D] -> [B, T, V]."""
         if isinstance(self.lm_head, LinearT):
             return self.lm_head(self.norm(x))
         if isinstance(self.embed, EmbeddingT):

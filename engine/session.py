@@ -18,6 +18,7 @@ import torch
 from . import trace as tracing
 from .errors import CapacityError, EngineError
 from .events import Failed, Finished, PrefillDone, PrefillProgress, PrefillStarted, ReuseReport, Token
+from .cuda_graph import GraphDecoder, graphs_wanted
 from .kv_cache import KVCache, make_cache
 from .loader import LoadedModel
 from .sampling import SamplingParams, choose
@@ -71,6 +72,8 @@ class Session:
         self.ids: list[int] = []  # token ids whose K/V are in the cache; len(ids) == cache.length
         self._fingerprint: dict | None = None
         self._dropped: tuple[str, list[int]] | None = None  # (reason, ids) of a cache emptied by a change
+        self._graph: GraphDecoder | None = None  # the captured decode step for this cache (CUDA)
+        self.graph_error: str | None = None  # why decode stays eager on CUDA, if it does
         self.set_model(loaded, capacity)
 
     # --- model and cache ------------------------------------------------------------
@@ -90,7 +93,7 @@ class Session:
             self._dropped = (reason, list(self.ids))
         # Same weights, dtype, tokenizer, rotary/attention settings, device and capacity: the K/V stay valid.
         if self.cache is None or reason is not None:
-            self.cache = None  # free the old buffers before allocating the new
+            self.cache, self._graph, self.graph_error = None, None, None  # free the old buffers first
             self.cache = make_cache(loaded.config, capacity, loaded.dtype, loaded.device, kv)
             self.ids = []
         self.loaded, self._fingerprint, self.capacity_setting, self.kv = loaded, fingerprint, capacity, kv
@@ -236,9 +239,28 @@ class Session:
             if self.cache.length >= self.cache.capacity:
                 reason = "capacity"
                 break
-            logits = model(torch.tensor([[token]], device=device), self.cache, last_only=True)  # [1, 1, V]
+            logits = self._decode_step(token)  # [1, 1, V]
             self.ids.append(token)
         yield from self._finish(trace, reason, out, stream, reuse, req.stop_strings)
+
+    def _decode_step(self, token: int) -> torch.Tensor:
+        """Consume one token: through a CUDA graph where one works, else the eager forward."""
+        loaded = self.loaded
+        if self._graph is None and self.graph_error is None and graphs_wanted(loaded.device, self.cache):
+            try:
+                self._graph = GraphDecoder(loaded.model, self.cache)
+            except Exception as e:  # capture unsupported here: stay eager, keep the reason
+                self.graph_error = f"{type(e).__name__}: {e}"
+        if self._graph is not None:
+            try:
+                return self._graph.step(token)
+            except RuntimeError as e:
+                self._graph, self.graph_error = None, str(e)
+        return loaded.model(torch.tensor([[token]], device=loaded.device), self.cache, last_only=True)
+
+    @property
+    def decode_path(self) -> str:
+        return "cuda-graph" if self._graph is not None else "eager"
 
     def _finish(self, trace, reason, out, stream, reuse, stop_strings=()):
         tail = stream.finish()

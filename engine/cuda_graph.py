@@ -1,0 +1,52 @@
+"""Decode steps replayed from a CUDA graph: one launch per token instead of hundreds of kernels.
+
+At batch 1 a small model's decode step on a GPU is bound by kernel launches, not by memory: the
+step is captured once (static shapes: `Transformer.forward_static`, the token and its position in
+device tensors) and replayed for every token. The first replay is checked against the same step
+run eagerly; any failure or mismatch leaves the session on the eager path, with the reason kept.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .kv_cache import KVCache
+
+
+def graphs_wanted(device: torch.device, cache) -> bool:
+    return (device.type == "cuda" and type(cache) is KVCache and os.environ.get("KVCHAT_CUDA_GRAPHS", "1") != "0")
+
+
+class GraphDecoder:
+    def __init__(self, model, cache: KVCache):
+        dev = cache.k.device
+        self.model, self.cache = model, cache
+        self.ids = torch.zeros((1, 1), dtype=torch.long, device=dev)  # [B, 1], the token being consumed
+        self.pos = torch.full((1,), cache.length, dtype=torch.long, device=dev)  # its position
+        model.rope_tables(cache.capacity)  # built before capture: no allocation inside the graph
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up writes the slot at `length`, which the first real step overwrites
+                model.forward_static(self.ids, self.pos, cache)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = model.forward_static(self.ids, self.pos, cache)  # [1, 1, V], rewritten by each replay
+        self.checked = False
+
+    def step(self, token: int) -> torch.Tensor:
+        """Consume `token` at position cache.length; returns the logits for the next one."""
+        cache = self.cache
+        self.ids.fill_(token)
+        self.pos.fill_(cache.length)
+        self.graph.replay()
+        if not self.checked:  # the first replay against the eager step (same inputs, same slot)
+            eager = self.model.forward_static(self.ids, self.pos, cache)
+            if not torch.allclose(self.logits.float(), eager.float(), rtol=1e-2, atol=1e-2):
+                raise RuntimeError("CUDA graph replay differs from the eager step")
+            self.checked = True
+        cache.length += 1
+        return self.logits

@@ -1,0 +1,73 @@
+"""The GPU paths, checked where they can be: the static-shape decode step behind CUDA graphs and
+native-GQA prefill give the eager path's logits on the CPU; on a CUDA machine the session decodes
+through a captured graph and still equals the uncached recompute."""
+
+import pytest
+import torch
+
+from checkpoints import make_checkpoint
+from conftest import DEVICES
+from engine.kv_cache import KVCache
+from engine.loader import load_model
+from engine.session import Request, Session
+
+CASES = {"llama": dict(family="llama"), "qwen3": dict(family="qwen3"),
+         "mistral-sliding-window": dict(family="mistral", sliding_window=8), "qwen2": dict(family="qwen2", tie=True)}
+
+
+def _cache(cfg, capacity=48, device="cpu"):
+    return KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity, torch.float32, device)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_static_decode_step_equals_the_eager_step(tmp_path, name):
+    opts = dict(CASES[name])
+    loaded = load_model(make_checkpoint(tmp_path, opts.pop("family"), **opts), device="cpu", dtype="float32")
+    model, cfg = loaded.model, loaded.config
+    prompt = torch.randint(5, cfg.vocab_size, (1, 10), generator=torch.Generator().manual_seed(0))
+    a, b = _cache(cfg), _cache(cfg)
+    with torch.inference_mode():
+        model(prompt, a)
+        model(prompt, b)
+        token = torch.tensor([[7]])
+        for _ in range(20):  # past the sliding window of 8
+            want = model(token, a)  # [1, 1, V]
+            got = model.forward_static(token, torch.tensor([b.length]), b)
+            b.length += 1
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            token = want[:, -1].argmax(-1, keepdim=True)
+    torch.testing.assert_close(a.k[:, :, :, :a.length], b.k[:, :, :, :b.length], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_native_gqa_prefill_equals_grouped_rows(tmp_path, name):
+    opts = dict(CASES[name])
+    loaded = load_model(make_checkpoint(tmp_path, opts.pop("family"), **opts), device="cpu", dtype="float32")
+    model, cfg = loaded.model, loaded.config
+    prompt = torch.randint(5, cfg.vocab_size, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        want_one, c1 = model(prompt, _cache(cfg)), None
+        c = _cache(cfg)
+        want_chunks = torch.cat([model(prompt[:, :12], c), model(prompt[:, 12:], c)], dim=1)
+        for block in model.layers:
+            block.attn.flash_prefill = True
+        c1 = _cache(cfg)
+        got_one = model(prompt, c1)
+        c2 = _cache(cfg)
+        got_chunks = torch.cat([model(prompt[:, :12], c2), model(prompt[:, 12:], c2)], dim=1)
+    torch.testing.assert_close(got_one, want_one, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_chunks, want_chunks, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_session_decode_path(llama_dir, device):
+    loaded = load_model(llama_dir, device=device, dtype="float32")
+    session = Session(loaded, capacity=64)
+    last = list(session.generate(Request(prompt_ids=tuple(range(5, 25)), max_new_tokens=12)))[-1]
+    assert session.decode_path == ("cuda-graph" if device == "cuda" else "eager"), session.graph_error
+    # the graph's tokens equal a full recompute at every step
+    ids = torch.tensor([list(range(5, 25))], device=device)
+    with torch.inference_mode():
+        for tok in last.token_ids:
+            assert int(loaded.model(ids, last_only=True)[0, -1].argmax()) == tok
+            ids = torch.cat([ids, torch.tensor([[tok]], device=device)], dim=1)
