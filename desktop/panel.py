@@ -204,7 +204,9 @@ class StatsPanel(QScrollArea):
         return box
 
     def set(self, name: str, text: str) -> None:
-        self.values[name].setText(text)
+        label = self.values[name]
+        if label.text() != text:  # an unchanged label costs no relayout (the GUI shares the CPU with the engine)
+            label.setText(text)
 
     # --- what is shown -------------------------------------------------------------------
     def show_model(self, facts: dict) -> None:

@@ -107,9 +107,12 @@ class MessageView(QFrame):
             self.body.setText(html.escape(text[:a]).replace("\n", "<br>")
                               + f"<span style='background:#f0c05a;color:#111'>{html.escape(text[a:b]) or '&#8203;'}</span>"
                               + html.escape(text[b:]).replace("\n", "<br>"))
+        elif status == "streaming":  # plain while it grows (a Markdown re-layout per redraw costs the
+            self.body.setTextFormat(Qt.PlainText)  # engine CPU); Markdown once the reply is done
+            self.body.setText(text or "…")
         else:
             self.body.setTextFormat(Qt.MarkdownText)
-            self.body.setText(text if text else ("…" if status == "streaming" else ""))
+            self.body.setText(text)
         self.statusLabel.setText(STATUS_NOTES.get(status, ""))
         self.tokensLabel.setText("" if tokens is None else f"{tokens} tokens")
 

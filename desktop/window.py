@@ -7,6 +7,7 @@ refreshed by a 50 ms timer (about 20 updates a second) from plain state, never p
 from __future__ import annotations
 
 import asyncio
+import time
 import json
 from pathlib import Path
 
@@ -27,7 +28,13 @@ from .store import Store, StoreError
 from .transcript import MessageView, Transcript
 from .worker import WorkerThread
 
-REFRESH_MS = 50  # ~20 panel updates per second
+REFRESH_MS = 50  # the fastest the streaming text redraws (20 times a second)
+SLOWEST_REFRESH_MS = 400
+GUI_CPU_BUDGET = 0.04  # share of one core the redraws may take while a reply streams
+PANEL_EVERY_S = 0.25  # the panel's figures ~4 times a second while a reply streams (and once at its end)
+# Repainting the styled window costs CPU that the engine's threads share (on a 2-core machine,
+# ~10% of a core at 10 redraws a second slowed decoding ~10%: python -m desktop.seam_bench), so
+# the redraw interval adapts to keep the GUI thread within its budget.
 SAVE_EVERY_S = 0.25  # partial replies reach the database this often while streaming
 
 
@@ -70,6 +77,7 @@ class MainWindow(QMainWindow):
         self._task: asyncio.Task | None = None
         self._closing = False
         self._stream_text = ""
+        self._panel_at = 0.0
         self._edit_highlight = None
         self._build()
         self._open_store()
@@ -80,6 +88,7 @@ class MainWindow(QMainWindow):
         self.timer = QTimer(self)
         self.timer.setInterval(REFRESH_MS)
         self.timer.timeout.connect(self._refresh)
+        self._cpu_mark = (now(), time.thread_time())
         self.timer.start()
         self.load_model()
 
@@ -543,8 +552,28 @@ class MainWindow(QMainWindow):
                 s.cache_positions = ev["cache"]["positions"]
         return text, final
 
+    def _adapt_refresh(self) -> None:
+        """Stretch the redraw interval while the GUI thread uses more than its CPU budget, shrink it back
+        when it uses less (measured with the thread's own CPU clock, paint time included)."""
+        wall, cpu = now(), time.thread_time()
+        span = wall - self._cpu_mark[0]
+        if span < 0.5:
+            return
+        busy = (cpu - self._cpu_mark[1]) / span
+        self._cpu_mark = (wall, cpu)
+        interval = self.timer.interval()
+        if not self.generating:
+            interval = REFRESH_MS
+        elif busy > GUI_CPU_BUDGET:
+            interval = min(SLOWEST_REFRESH_MS, int(interval * 1.5))
+        elif busy < GUI_CPU_BUDGET / 2:
+            interval = max(REFRESH_MS, int(interval / 1.5))
+        if interval != self.timer.interval():
+            self.timer.setInterval(interval)
+
     def _refresh(self) -> None:
-        """The throttled redraw: the streaming message's text and the panel, at most every REFRESH_MS."""
+        """The throttled redraw: the streaming message's text and the panel, at most every timer tick."""
+        self._adapt_refresh()
         if not self._dirty:
             return
         self._dirty = False
@@ -554,6 +583,9 @@ class MainWindow(QMainWindow):
                 view.set_content(self._stream_text, "streaming", self.stats.tokens)
         title = {"finished": f"Reply · {self.stats.reason}", "cancelled": "Reply · stopped",
                  "failed": f"Reply · failed: {self.stats.error}"}.get(self.stats.status, "")
+        if self.generating and now() - self._panel_at < PANEL_EVERY_S:
+            return
+        self._panel_at = now()
         self.statsPanel.show_reply(self.stats, title)
         self._update_buttons()
 

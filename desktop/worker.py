@@ -105,6 +105,10 @@ class EngineWorker(QObject):
     # --- the worker thread ----------------------------------------------------------------
     @Slot()
     def run(self) -> None:
+        import torch
+
+        from engine.loader import default_threads
+        torch.set_num_threads(default_threads())  # per thread under OpenMP: set here, where the kernels run
         while True:
             job = self._jobs.get()
             if job is None:

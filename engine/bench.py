@@ -16,6 +16,10 @@ import tempfile
 from pathlib import Path
 
 SHAPES = {
+    "tiny": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+             "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 1024,
+             "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True},  # for tests
     "smollm2-135m": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
                      "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
                      "num_key_value_heads": 3, "vocab_size": 49152, "max_position_embeddings": 8192,
@@ -246,8 +250,10 @@ def _measure(engine: str, precision: str, a: dict) -> dict:
                     ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
             row.update(_timing(len(prompt), start, times))
     elif engine.startswith("transformers"):
+        import transformers
         from transformers import AutoModelForCausalLM
         from transformers.generation.streamers import BaseStreamer
+        transformers.utils.logging.disable_progress_bar()
         dtype = getattr(torch, precision)
         t0 = now()
         hf = AutoModelForCausalLM.from_pretrained(a["model"], dtype=dtype).to(device).eval()
@@ -355,11 +361,6 @@ def _runs(ns, device_type: str, have_llama: bool, have_hf: bool) -> list[tuple[s
     return [(e, p) for e, p in runs if e in engines and (precisions is None or p in precisions)]
 
 
-def _default_threads() -> int:
-    n = os.cpu_count() or 1
-    return max(1, n // 2) if _smt() else n
-
-
 def run(ns) -> int:
     if ns.plot and importlib.util.find_spec("matplotlib") is None:
         print("error: --plot needs matplotlib (pip install -e '.[bench]')", file=sys.stderr)
@@ -376,9 +377,9 @@ def collect(ns, progress: bool | None = None) -> dict:
     """Measure every run in its own process; the report `--json` prints."""
     import torch
 
-    from .loader import resolve_device
+    from .loader import default_threads, resolve_device
     progress = (not ns.json) if progress is None else progress
-    threads = ns.threads or _default_threads()
+    threads = ns.threads or default_threads()
     torch.set_num_threads(threads)
     device = resolve_device(ns.device)
     have = {m: importlib.util.find_spec(m) is not None for m in ("transformers", "llama_cpp", "gguf")}
@@ -481,13 +482,6 @@ def plot(results: list[dict], path: str, report: dict) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
-
-
-def _smt() -> bool:
-    try:
-        return int(Path("/sys/devices/system/cpu/smt/active").read_text().strip()) == 1
-    except (OSError, ValueError):
-        return False
 
 
 if __name__ == "__main__":

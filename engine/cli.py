@@ -246,6 +246,10 @@ def main(argv=None) -> int:
                                     "(python -m engine selftest --device cuda --json)", add_help=False)
     if argv is None:
         argv = sys.argv[1:]
+    import torch
+
+    from .loader import default_threads
+    torch.set_num_threads(default_threads())
     if argv and argv[0] == "selftest":
         from .selftest import main as selftest_main
         return selftest_main(argv[1:])

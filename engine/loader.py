@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -39,6 +40,20 @@ def resolve_device(name: str | None = None) -> torch.device:
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise ModelLoadError("device mps was asked for, but it is not available")
     return device
+
+
+def default_threads() -> int:
+    """Threads for torch's kernels: KVCHAT_THREADS, else one per physical core (hyperthreads share a
+    core's memory bandwidth and only add contention to a memory-bound decode)."""
+    env = os.environ.get("KVCHAT_THREADS")
+    if env and env.isdigit() and int(env) > 0:
+        return int(env)
+    n = os.cpu_count() or 1
+    try:
+        smt = Path("/sys/devices/system/cpu/smt/active").read_text().strip() == "1"
+    except OSError:
+        smt = False
+    return max(1, n // 2) if smt else n
 
 
 def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:

@@ -50,6 +50,7 @@ def cached_vs_uncached(model_dir: Path, device: str, dtype: str, steps: int = 24
 
 def parity_with_transformers(model_dir: Path, device: str, steps: int = 8) -> dict:
     import transformers
+    transformers.utils.logging.disable_progress_bar()
 
     from .kv_cache import KVCache
     from .loader import load_model

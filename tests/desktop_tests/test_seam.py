@@ -85,3 +85,41 @@ def test_store_tree_branches_and_crash_recovery(tmp_path):
     st = Store(tmp_path / "k.db")
     assert st.message(a2.id).status == "incomplete" and st.message(a2.id).content == "plan 7"
     assert st.message(a1.id).status == "complete"
+
+
+def test_seam_bench_reports_gui_rate_and_event_loop_lag():
+    """The app-vs-engine measurement runs end to end (its ratio is a benchmark figure, not asserted)."""
+    import json
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "desktop.seam_bench", "--shape", "tiny", "--prompt-tokens", "40",
+                        "--new-tokens", "60", "--repeats", "2", "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["tokens_received"] == 60 and out["repeats"] == 2 and len(out["runs"]) == 2
+    assert out["engine_alone_decode_tok_s"] > 0 and out["gui_received_decode_tok_s"] > 0
+    assert out["gui_vs_engine_alone"] == round(out["gui_received_decode_tok_s"] / out["engine_alone_decode_tok_s"], 3)
+    assert out["timer_ticks"] > 0 and out["event_loop_max_lag_ms"] >= 0 and 0 < out["gui_thread_busy"] < 1
+
+
+def test_redraw_interval_adapts_to_the_gui_cpu_budget(qtbot, make_window, llama_dir):
+    import time
+    from desktop import window as win
+    from engine.trace import now
+    w = make_window(llama_dir)
+    assert w.timer.interval() == win.REFRESH_MS
+    w.generating = True
+    w._cpu_mark = (now() - 1.0, time.thread_time() - 0.5)  # half a core over the last second
+    w._adapt_refresh()
+    assert w.timer.interval() == int(win.REFRESH_MS * 1.5)
+    for _ in range(20):
+        w._cpu_mark = (now() - 1.0, time.thread_time() - 0.5)
+        w._adapt_refresh()
+    assert w.timer.interval() == win.SLOWEST_REFRESH_MS
+    w._cpu_mark = (now() - 1.0, time.thread_time())  # idle: back toward the fastest
+    w._adapt_refresh()
+    assert w.timer.interval() < win.SLOWEST_REFRESH_MS
+    w.generating = False
+    w._cpu_mark = (now() - 1.0, time.thread_time())
+    w._adapt_refresh()
+    assert w.timer.interval() == win.REFRESH_MS

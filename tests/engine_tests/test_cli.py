@@ -121,3 +121,13 @@ def test_generate_with_quantized_weights_and_cache(llama_dir):
                          "--weights", "int8", "--kv", "int4", "--json").stdout)
     per = 2 * 2 * 2 * (16 // 2 + 4)
     assert out["cache"]["payload_bytes"] == out["cache"]["positions"] * per
+
+
+def test_selftest_checks_on_this_machine():
+    out = json.loads(run("selftest", "--no-bench", "--json").stdout)
+    assert out["pass"] and out["device"] in ("cpu", "cuda")
+    cached = [c for c in out["checks"] if "agree" in c]
+    assert {c["dtype"] for c in cached} >= {"float32", "bfloat16"}
+    assert all(c["agree"] == c["tokens"] for c in cached if c["dtype"] == "float32")
+    parity = [c for c in out["checks"] if "max_abs_logit_diff" in c]
+    assert parity and all(c["max_abs_logit_diff"] < 1e-3 for c in parity)
