@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import multiprocessing as mp
-import os
 import sys
 import tempfile
 from pathlib import Path

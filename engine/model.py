@@ -169,6 +169,22 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
+class HalfLinear(nn.Linear):
+    """float16 on the CPU: torch's one-row float16 kernel streams the weight fastest of all layouts, but
+    its many-row product is slow, so prefill computes in float32 (exact for float16 inputs) instead."""
+
+    def forward(self, x):
+        if x.numel() == x.shape[-1]:  # one row: decode
+            return F.linear(x, self.weight, self.bias)
+        bias = None if self.bias is None else self.bias.float()
+        return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "HalfLinear":
+        linear.__class__ = cls  # same parameters, another forward
+        return linear
+
+
 _PACKING: dict[torch.dtype, bool] = {}
 
 
@@ -192,12 +208,14 @@ def packing_works(dtype: torch.dtype) -> bool:
 
 def fast_cpu_linears(blocks, dtype: torch.dtype) -> int:
     """Swap the plain block linears for the fastest CPU layout for `dtype`, one at a time (one extra
-    matrix alive at most): oneDNN-packed where it works, else transposed for float32. Float16 keeps
-    nn.Linear, whose one-row kernel is already the fastest of the three (see README, Performance)."""
+    matrix alive at most): oneDNN-packed where it works, else transposed for float32; float16 keeps
+    its [out, in] weight (HalfLinear), whose one-row kernel is already the fastest (README, Performance)."""
     if packing_works(dtype):
         make = PackedLinear
     elif dtype == torch.float32:
         make = LinearT.from_linear
+    elif dtype == torch.float16:
+        make = HalfLinear.from_linear
     else:
         return 0
     n = 0

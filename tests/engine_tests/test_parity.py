@@ -55,13 +55,18 @@ def test_prefill_and_20_decode_steps_match_transformers(tmp_path, name):
     assert cache.length == 32
 
 
-def test_bfloat16_close_to_transformers(tmp_path):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_16_bit_close_to_transformers(tmp_path, dtype):
     path = make_checkpoint(tmp_path, "qwen2")
-    ours = load_model(path, device="cpu", dtype="bfloat16")
-    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    ours = load_model(path, device="cpu", dtype=dtype)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
     ids = torch.arange(3, 19).view(1, -1)
+    cfg = ours.config
+    cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 32, getattr(torch, dtype), "cpu")
     with torch.no_grad():
-        a, b = ours.model(ids).float(), ref(ids).logits.float()
-    assert ours.model.embed.weight.dtype == torch.bfloat16
+        a, b = ours.model(ids[:, :-1], cache).float(), ref(ids).logits.float()  # prefill: many rows
+        last = ours.model(ids[:, -1:], cache).float()  # decode: one row (another kernel)
+    assert ours.model.embed.weight.dtype == getattr(torch, dtype)
+    a = torch.cat([a, last], dim=1)
     assert (a - b).abs().max() < 0.1
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
