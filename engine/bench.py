@@ -70,6 +70,7 @@ def add_arguments(p) -> None:
                    help="also measure decode tok/s at contexts 512..4096 and draw it (needs matplotlib)")
     p.add_argument("--plot-tokens", type=int, default=16, help="tokens decoded at each context for --plot")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--markdown", action="store_true", help="print the tables as Markdown (for README.md)")
 
 
 def write_random_checkpoint(out: Path, shape, seed: int = 0, std: float = 0.02) -> Path:
@@ -112,6 +113,14 @@ def _rss_now() -> int:
     except OSError:
         pass
     return 0
+
+
+def _reset_peak_rss() -> None:
+    """Start VmHWM again from the current resident size (Linux: clear_refs 5)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
 
 
 def _peak_rss() -> int:
@@ -218,6 +227,9 @@ def _measure(engine: str, precision: str, a: dict) -> dict:
     row = {"engine": engine, "precision": precision, "device": str(device)}
     with torch.device("meta"):  # torch's one-time import of its meta kernels (~70 MB), before the baseline
         torch.nn.Embedding(2, 2)
+    if engine == "kvchat":  # the file read kvchat's load is compared with, in the same page-cache state
+        row["file_read_s"] = round(file_read_seconds(a["model"]), 3)
+    _reset_peak_rss()  # that read's buffer is not the model's memory
     baseline = _rss_now()
     n_new = a["new_tokens"]
     contexts = a["plot_contexts"]
@@ -367,6 +379,8 @@ def run(ns) -> int:
     report = collect(ns)
     if ns.json:
         print(json.dumps(report))
+    elif getattr(ns, "markdown", False):
+        print(markdown(report))
     else:
         print_report(report)
     return 0
@@ -426,7 +440,7 @@ def collect(ns, progress: bool | None = None) -> dict:
             n = min(len(reference_ids), len(r["token_ids"]))
             r["same_tokens_as_kvchat"] = sum(a == b for a, b in zip(reference_ids[:n], r["token_ids"][:n]))
         if r["engine"] == "kvchat":
-            r["load_vs_file_read"] = round(r["load_s"] / read_s, 2) if read_s > 0 else None
+            r["load_vs_file_read"] = round(r["load_s"] / r["file_read_s"], 2) if r.get("file_read_s") else None
             if r.get("peak_mem_bytes") and device.type == "cpu":
                 above = r["peak_mem_bytes"] - r["baseline_mem_bytes"]
                 r["peak_above_baseline_vs_weights_kv"] = round(above / (r["weight_bytes"] + r["kv_allocated_bytes"]), 3)
@@ -445,16 +459,33 @@ def print_report(report: dict) -> None:
           f"new {report['new_tokens']} · threads {report['threads']} · copy bandwidth {report['bandwidth_gb_s']} GB/s "
           f"· file read {report['file_read_s']:.2f} s")
     print(f"{'engine':20s} {'precision':9s} {'prefill tok/s':>13s} {'TTFT ms':>9s} {'decode tok/s':>12s} "
-          f"{'% roofline':>10s} {'peak MiB':>9s} {'load s':>7s}")
+          f"{'% roofline':>10s} {'peak MiB':>9s} {'load s':>7s} {'load/read':>9s} {'peak/(W+KV)':>11s}")
     for r in report["results"]:
         if "error" in r:
             print(f"{r['engine']:20s} {r['precision']:9s} error: {r['error']}")
             continue
         pct = "—" if r.get("roofline_pct") is None else f"{r['roofline_pct']:.0f}%"
         print(f"{r['engine']:20s} {r['precision']:9s} {r['prefill_tok_s']:13.1f} {r['ttft_ms']:9.1f} "
-              f"{r['decode_tok_s'] or 0:12.2f} {pct:>10s} {r['peak_mem_bytes'] / 2**20:9.0f} {r['load_s']:7.2f}")
+              f"{r['decode_tok_s'] or 0:12.2f} {pct:>10s} {r['peak_mem_bytes'] / 2**20:9.0f} {r['load_s']:7.2f} "
+              f"{_x(r.get('load_vs_file_read')):>9s} {_x(r.get('peak_above_baseline_vs_weights_kv')):>11s}")
     for name, v in report["ratios"].items():
         print(f"{name:45s} decode {_x(v['decode'])}  prefill {_x(v['prefill'])}")
+
+
+def markdown(report: dict) -> str:
+    """The report as the Markdown tables README.md keeps."""
+    rows = ["| engine | precision | prefill tok/s | TTFT ms | decode tok/s | % of roofline | peak MiB | load s |",
+            "|---|---|---|---|---|---|---|---|"]
+    for r in report["results"]:
+        if "error" in r:
+            rows.append(f"| {r['engine']} | {r['precision']} | error: {r['error']} | | | | | |")
+            continue
+        pct = "—" if r.get("roofline_pct") is None else f"{r['roofline_pct']:.0f}%"
+        rows.append(f"| {r['engine']} | {r['precision']} | {r['prefill_tok_s']:.1f} | {r['ttft_ms']:.0f} | "
+                    f"{r['decode_tok_s']:.2f} | {pct} | {r['peak_mem_bytes'] / 2**20:,.0f} | {r['load_s']:.2f} |")
+    rows += ["", "| ratio (same run) | decode | prefill |", "|---|---|---|"]
+    rows += [f"| {k} | {_x(v['decode'])} | {_x(v['prefill'])} |" for k, v in report["ratios"].items()]
+    return "\n".join(rows)
 
 
 def _x(v) -> str:
@@ -466,18 +497,23 @@ def plot(results: list[dict], path: str, report: dict) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
+    colors = {"kvchat": "#1f77b4", "transformers": "#ff7f0e", "transformers-static": "#2ca02c", "llama.cpp": "#d62728"}
+    styles = {"float32": ("-", "o"), "F32": ("-", "o"), "bfloat16": ("--", "s"), "float16": ("--", "D"),
+              "F16": ("--", "D"), "int8": (":", "^"), "Q8_0": (":", "^"), "int4": ("-.", "v"), "Q4_0": ("-.", "v")}
+    fig, ax = plt.subplots(figsize=(9, 5), dpi=120)
     for r in results:
         points = sorted((int(c), v) for c, v in (r.get("by_context") or {}).items() if v)
         if points:
-            ax.plot([c for c, _ in points], [v for _, v in points], marker="o", label=f"{r['engine']} {r['precision']}")
+            line, marker = styles.get(r["precision"], ("-", "o"))
+            ax.plot([c for c, _ in points], [v for _, v in points], linestyle=line, marker=marker,
+                    color=colors.get(r["engine"], "gray"), label=f"{r['engine']} {r['precision']}")
     ax.set_xscale("log", base=2)
     ax.set_xticks(list(PLOT_CONTEXTS), [str(c) for c in PLOT_CONTEXTS])
     ax.set_xlabel("context (positions in the KV cache)")
     ax.set_ylabel("decode tokens/s (batch 1)")
     ax.set_title(f"{report['model']} · {report['device']} · {report['threads']} threads")
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -72,6 +72,7 @@ def storage_bytes(num_values: int, mode: str, num_scales: int, scale_bytes: int 
 
 
 KERNEL_DTYPE = torch.bfloat16  # activations and kernel scales of torch's packed CPU kernels
+_INT4_CHECKED: dict[tuple[int, int, int], bool] = {}  # (N, K, group) -> the int4 kernel agrees here
 
 
 def _int4pack(codes: torch.Tensor) -> torch.Tensor:
@@ -119,16 +120,22 @@ class QuantLinear(nn.Module):
         if self.mode == "int8" and self.group_size == self.in_features:
             return "int8pack"
         if self.mode == "int4" and self.group_size % 32 == 0 and self.in_features % self.group_size == 0:
-            try:  # check the kernel on this build and shape against the definition
-                x = torch.randn(2, self.in_features).to(KERNEL_DTYPE)
-                sz = torch.stack([scales.t(), torch.zeros_like(scales.t())], -1).to(KERNEL_DTYPE)
-                got = _int4pack_mm(x, _int4pack(codes), self.group_size, sz).float()
-                want = F.linear(x.float(), dequantize(codes, sz[..., 0].t().float(), torch.float32))
-                if torch.allclose(got, want, rtol=3e-2, atol=3e-2 * float(want.abs().max())):
-                    return "int4pack"
-            except (RuntimeError, AttributeError):
-                pass
+            key = (self.out_features, self.in_features, self.group_size)
+            if key not in _INT4_CHECKED:
+                _INT4_CHECKED[key] = self._int4_kernel_agrees(codes, scales)
+            return "int4pack" if _INT4_CHECKED[key] else None
         return None
+
+    def _int4_kernel_agrees(self, codes, scales) -> bool:
+        """The kernel on this build and shape against the definition (once per shape and group size)."""
+        try:
+            x = torch.randn(2, self.in_features).to(KERNEL_DTYPE)
+            sz = torch.stack([scales.t(), torch.zeros_like(scales.t())], -1).to(KERNEL_DTYPE)
+            got = _int4pack_mm(x, _int4pack(codes), self.group_size, sz).float()
+            want = F.linear(x.float(), dequantize(codes, sz[..., 0].t().float(), torch.float32))
+            return bool(torch.allclose(got, want, rtol=3e-2, atol=3e-2 * float(want.abs().max())))
+        except (RuntimeError, AttributeError):
+            return False
 
     def scale_values(self) -> torch.Tensor:
         """[N, K/g] float32, the scales the layer computes with."""
