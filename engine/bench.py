@@ -105,14 +105,19 @@ def write_random_checkpoint(out: Path, shape, seed: int = 0, std: float = 0.02) 
     return out
 
 
-def _rss_now() -> int:
+def _status_bytes(key: str) -> int | None:
+    """A size line of /proc/self/status (VmRSS, VmHWM) in bytes; None where there is no such file."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 0
+    return None
+
+
+def _rss_now() -> int:
+    return _status_bytes("VmRSS") or 0
 
 
 def _reset_peak_rss() -> None:
@@ -124,12 +129,9 @@ def _reset_peak_rss() -> None:
 
 
 def _peak_rss() -> int:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    peak = _status_bytes("VmHWM")
+    if peak is not None:
+        return peak
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 

@@ -15,15 +15,19 @@ CASES = {"llama": dict(family="llama"), "qwen3": dict(family="qwen3"),
          "mistral-sliding-window": dict(family="mistral", sliding_window=8), "qwen2": dict(family="qwen2", tie=True)}
 
 
+def _model(tmp_path, name):
+    opts = dict(CASES[name])
+    loaded = load_model(make_checkpoint(tmp_path, opts.pop("family"), **opts), device="cpu", dtype="float32")
+    return loaded.model, loaded.config
+
+
 def _cache(cfg, capacity=48, device="cpu"):
     return KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity, torch.float32, device)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_static_decode_step_equals_the_eager_step(tmp_path, name):
-    opts = dict(CASES[name])
-    loaded = load_model(make_checkpoint(tmp_path, opts.pop("family"), **opts), device="cpu", dtype="float32")
-    model, cfg = loaded.model, loaded.config
+    model, cfg = _model(tmp_path, name)
     prompt = torch.randint(5, cfg.vocab_size, (1, 10), generator=torch.Generator().manual_seed(0))
     a, b = _cache(cfg), _cache(cfg)
     with torch.inference_mode():
@@ -41,12 +45,10 @@ def test_static_decode_step_equals_the_eager_step(tmp_path, name):
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_native_gqa_prefill_equals_grouped_rows(tmp_path, name):
-    opts = dict(CASES[name])
-    loaded = load_model(make_checkpoint(tmp_path, opts.pop("family"), **opts), device="cpu", dtype="float32")
-    model, cfg = loaded.model, loaded.config
+    model, cfg = _model(tmp_path, name)
     prompt = torch.randint(5, cfg.vocab_size, (1, 20), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
-        want_one, c1 = model(prompt, _cache(cfg)), None
+        want_one = model(prompt, _cache(cfg))
         c = _cache(cfg)
         want_chunks = torch.cat([model(prompt[:, :12], c), model(prompt[:, 12:], c)], dim=1)
         for block in model.layers:
