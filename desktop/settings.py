@@ -102,7 +102,9 @@ class SettingsDialog(QDialog):
         self.kv = self._combo(["none", "int8", "int4"], settings.kv, "kvCombo")
         form.addRow("KV cache precision", self.kv)
         self.group = self._combo(["32", "64", "128", "0"], str(settings.group_size), "groupSizeCombo")
-        self.group.setToolTip("values per scale; 0 = one scale per output channel")
+        self.group.setToolTip("values per scale; 0 = one scale per output channel. On the CPU, int8 with 0 and "
+                              "int4 with 32, 64 or 128 run packed kernels; int8 in groups dequantizes on the fly "
+                              "(smaller, not faster)")
         form.addRow("Quantization group size", self.group)
         self.system = QPlainTextEdit(settings.system_prompt)
         self.system.setObjectName("systemPromptEdit")
