@@ -56,3 +56,22 @@ def test_llama_cpp_runs_the_same_weights(demo_model_dir, tmp_path):
     ids, _, _ = lc.generate(prompt, len(last.token_ids))
     lc.close()
     assert ids == list(last.token_ids)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python (the bench extra)")
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_llama_cpp_greedy_tokens_equal_kvchat_per_family(tmp_path, family):
+    from engine.bench import write_random_checkpoint
+    from engine.llamacpp import LlamaCpp
+    from engine.loader import load_model
+    from engine.selftest import TINY
+    from engine.session import Request, Session
+    path = write_random_checkpoint(tmp_path / family, TINY[family], std=0.2)  # peaked logits: no near-ties
+    loaded = load_model(path)
+    loaded.tokenizer.stop_ids = frozenset()
+    prompt = list(range(5, 45))
+    last = list(Session(loaded, capacity=128).generate(Request(prompt_ids=tuple(prompt), max_new_tokens=24)))[-1]
+    lc = LlamaCpp(write_gguf(path, tmp_path / f"{family}.gguf"), n_ctx=128, threads=1)
+    ids, _, _ = lc.generate(prompt, 24)
+    lc.close()
+    assert ids == list(last.token_ids)
