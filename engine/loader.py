@@ -6,8 +6,10 @@ and layout (fused q/k/v and gate/up; transposed, quantized): no whole-model inte
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
 import struct
@@ -158,76 +160,70 @@ class _Reader:
                 where = next(iter(set(files.values())), None)
                 raise ModelLoadError(f"tensor {name!r} is missing from the checkpoint", where)
 
-    def _open(self, name: str):
-        path = self.files[name]
+    @contextlib.contextmanager
+    def _opened(self, path: Path):
+        """The file's safetensors handle; any failure inside becomes a ModelLoadError naming the file."""
         try:
-            return path, safe_open(str(path), framework="pt", device="cpu")
-        except Exception as e:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                yield f
+        except ModelLoadError:
+            raise
+        except Exception as e:  # SafetensorError, OSError: a truncated or corrupt file
             raise ModelLoadError(f"corrupt or truncated safetensors file: {e}", path) from None
 
-    def _checked(self, path: Path, name: str, shape) -> None:
+    def _by_file(self, names: list[str]) -> dict[Path, list[str]]:
+        by_file: dict[Path, list[str]] = {}
+        for name in names:
+            by_file.setdefault(self.files[name], []).append(name)
+        return by_file
+
+    def _check(self, path: Path, name: str, shape) -> None:
         if tuple(shape) != self.expected[name]:
             raise ModelLoadError(f"tensor {name!r} has shape {tuple(shape)}, "
                                  f"config.json implies {self.expected[name]}", path)
 
+    def _get(self, f, path: Path, name: str) -> torch.Tensor:
+        t = f.get_tensor(name)
+        self._check(path, name, t.shape)
+        return t
+
     def read(self, names: list[str], dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-        """name -> tensor in `dtype` on `device` (one temporary per tensor); each file opened once."""
-        by_file: dict[Path, list[str]] = {}
-        for name in names:
-            by_file.setdefault(self.files[name], []).append(name)
+        """name -> tensor in `dtype` on `device` (one temporary per tensor); each file opened once.
+        Always a copy: a tensor safetensors hands out may view the mapped file, and keeping one
+        would keep the whole mapping (and its pages) alive."""
         out = {}
-        for path, group in by_file.items():
-            _, handle = self._open(group[0])
-            try:
-                with handle as f:
-                    for name in group:
-                        t = f.get_tensor(name)
-                        self._checked(path, name, t.shape)
-                        # always a copy: a tensor safetensors hands out may view the mapped file,
-                        # and keeping one would keep the whole mapping (and its pages) alive
-                        out[name] = t.to(device=device, dtype=dtype, copy=True)
-            except ModelLoadError:
-                raise
-            except Exception as e:
-                raise ModelLoadError(f"corrupt or truncated safetensors file: {e}", path) from None
+        for path, group in self._by_file(names).items():
+            with self._opened(path) as f:
+                for name in group:
+                    out[name] = self._get(f, path, name).to(device=device, dtype=dtype, copy=True)
         return out
+
+    def read_one(self, name: str, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+        return nn.Parameter(self.read([name], dtype, device)[name], requires_grad=False)
 
     def read_cat(self, names: list[str], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Tensors stacked along rows (fused q/k/v, gate/up), each copied once into its slice."""
-        shapes = [self.expected[n] for n in names]
-        dst = torch.empty((sum(sh[0] for sh in shapes), *shapes[0][1:]), dtype=dtype, device=device)
-        row = 0
-        for name, shape in zip(names, shapes):
-            path, handle = self._open(name)
-            try:
-                with handle as f:
-                    t = f.get_tensor(name)
-                    self._checked(path, name, t.shape)
-                    dst[row:row + shape[0]].copy_(t)
-            except ModelLoadError:
-                raise
-            except Exception as e:
-                raise ModelLoadError(f"corrupt or truncated safetensors file: {e}", path) from None
-            row += shape[0]
+        rows = {n: self.expected[n][0] for n in names}
+        offset = dict(zip(names, itertools.accumulate([0] + list(rows.values()))))
+        dst = torch.empty((sum(rows.values()), *self.expected[names[0]][1:]), dtype=dtype, device=device)
+        for path, group in self._by_file(names).items():
+            with self._opened(path) as f:
+                for name in group:
+                    dst[offset[name]:offset[name] + rows[name]].copy_(self._get(f, path, name))
         return dst
 
     def read_transposed(self, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A [R, C] tensor straight into a [C, R] buffer, a few thousand rows at a time."""
-        path, handle = self._open(name)
-        try:
-            with handle as f:
-                sl = f.get_slice(name)
-                self._checked(path, name, sl.get_shape())
-                rows, cols = sl.get_shape()
-                dst = torch.empty((cols, rows), dtype=dtype, device=device)  # [C, R]
-                for a in range(0, rows, self.ROWS_PER_CHUNK):
-                    b = min(rows, a + self.ROWS_PER_CHUNK)
-                    dst[:, a:b].copy_(sl[a:b].t())
-                return dst
-        except ModelLoadError:
-            raise
-        except Exception as e:
-            raise ModelLoadError(f"corrupt or truncated safetensors file: {e}", path) from None
+        path = self.files[name]
+        with self._opened(path) as f:
+            sl = f.get_slice(name)
+            self._check(path, name, sl.get_shape())
+            rows, cols = sl.get_shape()
+            dst = torch.empty((cols, rows), dtype=dtype, device=device)  # [C, R]
+            for a in range(0, rows, self.ROWS_PER_CHUNK):
+                b = min(rows, a + self.ROWS_PER_CHUNK)
+                dst[:, a:b].copy_(sl[a:b].t())
+            return dst
 
 
 class _ReturnFreedMemory:
@@ -290,16 +286,13 @@ def _build_model(files: dict[str, Path], cfg: ModelConfig, dtype: torch.dtype, d
     if transposed and cfg.tie_word_embeddings:
         model.embed = EmbeddingT(reader.read_transposed("model.embed_tokens.weight", dtype, device))
     else:
-        model.embed.weight = nn.Parameter(
-            reader.read(["model.embed_tokens.weight"], dtype, device)["model.embed_tokens.weight"], requires_grad=False)
+        model.embed.weight = reader.read_one("model.embed_tokens.weight", dtype, device)
     if not cfg.tie_word_embeddings:
         if transposed:
             model.lm_head = LinearT(reader.read_transposed("lm_head.weight", dtype, device))
         else:
-            model.lm_head.weight = nn.Parameter(
-                reader.read(["lm_head.weight"], dtype, device)["lm_head.weight"], requires_grad=False)
-    model.norm.weight = nn.Parameter(reader.read(["model.norm.weight"], dtype, device)["model.norm.weight"],
-                                     requires_grad=False)
+            model.lm_head.weight = reader.read_one("lm_head.weight", dtype, device)
+    model.norm.weight = reader.read_one("model.norm.weight", dtype, device)
     for i, block in enumerate(model.layers):
         state = _block_state(reader, cfg, i, dtype, device)
         block.load_state_dict(state, strict=True, assign=True)
