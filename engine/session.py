@@ -92,8 +92,9 @@ class Session:
         if reason and self.ids:
             self._dropped = (reason, list(self.ids))
         # Same weights, dtype, tokenizer, rotary/attention settings, device and capacity: the K/V stay valid.
+        self._graph, self.graph_error = None, None  # a captured step belongs to one model object and one cache
         if self.cache is None or reason is not None:
-            self.cache, self._graph, self.graph_error = None, None, None  # free the old buffers first
+            self.cache = None  # free the old buffers before allocating the new
             self.cache = make_cache(loaded.config, capacity, loaded.dtype, loaded.device, kv)
             self.ids = []
         self.loaded, self._fingerprint, self.capacity_setting, self.kv = loaded, fingerprint, capacity, kv
