@@ -58,7 +58,7 @@ class Attention(nn.Module):
         elif cache is not None:
             k, v = cache.write(layer, start, k, v)  # [B, H_kv, S, d]
         if T > 1 and self.flash_prefill:  # native GQA: SDPA may pick its flash kernel
-            causal = mask is None or (isinstance(start, int) and start == 0 and mask.shape[-1] == T and self.causal_only)
+            causal = start == 0 and self.causal_only  # a fresh prompt: the plain causal mask, no tensor needed
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=None if causal else mask, is_causal=causal,
                                                enable_gqa=self.g > 1)  # [B, H, T, d]
             return self.o(y.transpose(1, 2).reshape(B, T, h * self.d))
@@ -201,7 +201,7 @@ def packing_works(dtype: torch.dtype) -> bool:
                 got = PackedLinear(lin)(x).float()
                 ok = bool(torch.allclose(got, want, rtol=2e-2, atol=2e-2))
             except (RuntimeError, AttributeError):
-                ok = False
+                pass  # no oneDNN packing on this build or CPU
         _PACKING[dtype] = ok
     return _PACKING[dtype]
 
@@ -233,8 +233,14 @@ def attention_mask(start: int, t: int, window: int | None, device) -> torch.Tens
     s = start + t
     if t == 1 and (window is None or s <= window):
         return None
-    q_pos = torch.arange(start, s, device=device)[:, None]
-    k_pos = torch.arange(s, device=device)[None, :]
+    return visible(torch.arange(start, s, device=device), s, window)
+
+
+def visible(q_pos: torch.Tensor, keys: int, window: int | None) -> torch.Tensor:
+    """[T, keys] bool for queries at positions q_pos [T] (a tensor, so a CUDA graph can move them):
+    key j is visible when it is not ahead of the query and within the sliding window."""
+    q_pos = q_pos[:, None]
+    k_pos = torch.arange(keys, device=q_pos.device)[None, :]
     allowed = k_pos <= q_pos
     if window is not None:
         allowed &= (q_pos - k_pos) < window
@@ -290,10 +296,7 @@ class Transformer(nn.Module):
         so no shape depends on the position. The caller advances cache.length."""
         cos, sin = self.rope_tables(cache.capacity)
         cos, sin = cos.index_select(0, pos)[:, None], sin.index_select(0, pos)[:, None]  # [1, 1, d]
-        k_pos = torch.arange(cache.capacity, device=ids.device)[None, :]  # [1, C]
-        mask = k_pos <= pos[:, None]
-        if self.cfg.sliding_window is not None:
-            mask &= (pos[:, None] - k_pos) < self.cfg.sliding_window
+        mask = visible(pos, cache.capacity, self.cfg.sliding_window)  # [1, C]
         x = self.embed(ids)  # [B, 1, D]
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, mask, cache, i, pos)
