@@ -230,7 +230,7 @@ def _measure(engine: str, precision: str, a: dict) -> dict:
     with torch.device("meta"):  # torch's one-time import of its meta kernels (~70 MB), before the baseline
         torch.nn.Embedding(2, 2)
     if engine == "kvchat":  # the file read kvchat's load is compared with, in the same page-cache state
-        row["file_read_s"] = round(file_read_seconds(a["model"]), 3)
+        row["file_read_s"] = round(file_read_seconds(a["model"]), 6)  # small files read in well under 1 ms
     _reset_peak_rss()  # that read's buffer is not the model's memory
     baseline = _rss_now()
     n_new = a["new_tokens"]
@@ -241,15 +241,15 @@ def _measure(engine: str, precision: str, a: dict) -> dict:
         t0 = now()
         loaded = load_model(a["model"], device=str(device), dtype=dtype, weights=mode, group_size=group)
         row["load_s"] = round(now() - t0, 3)
-        prompt = _prompt(a["prompt_tokens"], loaded.config.vocab_size)
+        vocab = loaded.config.vocab_size
+        prompt = _prompt(a["prompt_tokens"], vocab)
         row.update(weight_bytes=loaded.weight_bytes, kv_bytes_per_position=loaded.kv_bytes_per_position,
                    weights=loaded.quantization)
         if engine == "kvchat":
-            timing, row["token_ids"] = _kvchat_decode(loaded, prompt, n_new)
-            row.update(timing, peak_mem_bytes=_peak_mem(device))
             row["kv_allocated_bytes"] = (len(prompt) + n_new) * loaded.kv_bytes_per_position
-            row["by_context"] = {c: _kvchat_decode(loaded, _prompt(c, loaded.config.vocab_size),
-                                                   a["plot_tokens"])[0]["decode_tok_s"] for c in contexts}
+
+            def decode(prompt, n):
+                return _kvchat_decode(loaded, prompt, n)
         else:
             n_new = a["uncached_tokens"]
             ids = torch.tensor([prompt], device=device)
@@ -262,6 +262,7 @@ def _measure(engine: str, precision: str, a: dict) -> dict:
                     times.append(now())
                     ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
             row.update(_timing(len(prompt), start, times))
+            decode = None  # one measurement only: each token costs a whole prefill
     elif engine.startswith("transformers"):
         import transformers
         from transformers import AutoModelForCausalLM
@@ -275,7 +276,7 @@ def _measure(engine: str, precision: str, a: dict) -> dict:
         cfg = hf.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         row["kv_bytes_per_position"] = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * dtype.itemsize
-        prompt = _prompt(a["prompt_tokens"], cfg.vocab_size)
+        vocab = cfg.vocab_size
 
         class Clock(BaseStreamer):
             def __init__(self):
@@ -289,7 +290,7 @@ def _measure(engine: str, precision: str, a: dict) -> dict:
             def end(self):
                 pass
 
-        def hf_run(prompt, n):
+        def decode(prompt, n):
             clock = Clock()
             ids = torch.tensor([prompt], device=device)
             extra = {"cache_implementation": "static"} if engine == "transformers-static" else {}
@@ -298,11 +299,6 @@ def _measure(engine: str, precision: str, a: dict) -> dict:
                 hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                             do_sample=False, streamer=clock, pad_token_id=0, **extra)
             return _timing(len(prompt), start, clock.times[1:]), clock.ids[1:]  # the first put() is the prompt
-
-        timing, row["token_ids"] = hf_run(prompt, n_new)
-        row.update(timing, peak_mem_bytes=_peak_mem(device))
-        row["by_context"] = {c: hf_run(_prompt(c, cfg.vocab_size), a["plot_tokens"])[0]["decode_tok_s"]
-                             for c in contexts}
     elif engine == "llama.cpp":
         from .config import load_config
         from .llamacpp import LlamaCpp
@@ -314,20 +310,19 @@ def _measure(engine: str, precision: str, a: dict) -> dict:
         row["load_s"] = round(now() - t0, 3)
         row["weight_bytes"] = _gguf_tensor_bytes(path)
         row["kv_bytes_per_position"] = cfg.kv_bytes_per_position * 2  # its default F16 cache
-        prompt = _prompt(a["prompt_tokens"], cfg.vocab_size)
+        vocab = cfg.vocab_size
 
-        def lc_run(prompt, n):
+        def decode(prompt, n):
             lc.L.llama_memory_clear(lc.L.llama_get_memory(lc.ctx), True)
             ids, start, times = lc.generate(prompt, n)
             return _timing(len(prompt), start, times), ids
-
-        timing, row["token_ids"] = lc_run(prompt, n_new)
-        row.update(timing, peak_mem_bytes=_peak_mem(device))
-        row["by_context"] = {c: lc_run(_prompt(c, cfg.vocab_size), a["plot_tokens"])[0]["decode_tok_s"]
-                             for c in contexts}
     else:
         raise ValueError(f"unknown engine {engine!r}")
-    row.setdefault("peak_mem_bytes", _peak_mem(device))  # before the --plot contexts, where those run
+    if decode is not None:  # the same measurement for every engine: the prompt, then each --plot context
+        timing, row["token_ids"] = decode(_prompt(a["prompt_tokens"], vocab), n_new)
+        row.update(timing, peak_mem_bytes=_peak_mem(device))  # before the --plot contexts
+        row["by_context"] = {c: decode(_prompt(c, vocab), a["plot_tokens"])[0]["decode_tok_s"] for c in contexts}
+    row.setdefault("peak_mem_bytes", _peak_mem(device))
     row["baseline_mem_bytes"] = baseline if device.type == "cpu" else 0
     return row
 
@@ -399,11 +394,10 @@ def collect(ns, progress: bool | None = None) -> dict:
     device = resolve_device(ns.device)
     have = {m: importlib.util.find_spec(m) is not None for m in ("transformers", "llama_cpp", "gguf")}
     runs = _runs(ns, device.type, have["llama_cpp"] and have["gguf"] and device.type == "cpu", have["transformers"])
-    contexts = [c for c in PLOT_CONTEXTS] if ns.plot else []
+    contexts = list(PLOT_CONTEXTS) if ns.plot else []
     with tempfile.TemporaryDirectory(prefix="kvchat-bench-") as tmp:
         model = ns.model or str(write_random_checkpoint(Path(tmp) / ns.shape, ns.shape))
         bandwidth = measure_bandwidth(device)
-        read_s = file_read_seconds(model)
         gguf_files = {}
         if any(e == "llama.cpp" for e, _ in runs):
             from .gguf_export import quantize_gguf, write_gguf
@@ -449,7 +443,7 @@ def collect(ns, progress: bool | None = None) -> dict:
         r.pop("token_ids", None)
     report = {"model": ns.model or ns.shape, "device": str(device), "prompt_tokens": ns.prompt_tokens,
               "new_tokens": ns.new_tokens, "threads": threads, "bandwidth_gb_s": round(bandwidth / 1e9, 2),
-              "file_read_s": round(read_s, 3), "results": results, "ratios": ratios(results)}
+              "results": results, "ratios": ratios(results)}
     if ns.plot:
         plot(results, ns.plot, report)
         report["plot"] = ns.plot
@@ -458,8 +452,7 @@ def collect(ns, progress: bool | None = None) -> dict:
 
 def print_report(report: dict) -> None:
     print(f"model {report['model']} · {report['device']} · prompt {report['prompt_tokens']} · "
-          f"new {report['new_tokens']} · threads {report['threads']} · copy bandwidth {report['bandwidth_gb_s']} GB/s "
-          f"· file read {report['file_read_s']:.2f} s")
+          f"new {report['new_tokens']} · threads {report['threads']} · copy bandwidth {report['bandwidth_gb_s']} GB/s")
     print(f"{'engine':20s} {'precision':9s} {'prefill tok/s':>13s} {'TTFT ms':>9s} {'decode tok/s':>12s} "
           f"{'% roofline':>10s} {'peak MiB':>9s} {'load s':>7s} {'load/read':>9s} {'peak/(W+KV)':>11s}")
     for r in report["results"]:
