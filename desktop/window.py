@@ -7,8 +7,8 @@ refreshed by a 50 ms timer (about 20 updates a second) from plain state, never p
 from __future__ import annotations
 
 import asyncio
-import time
 import json
+import time
 from pathlib import Path
 
 from PySide6.QtCore import Qt, QTimer, Signal
@@ -108,20 +108,12 @@ class MainWindow(QMainWindow):
         self.conversationList.currentItemChanged.connect(self._on_conversation_picked)
         ll.addWidget(self.conversationList)
         row = QHBoxLayout()
-        for name, text, slot in (("newButton", "New", self.new_conversation),
-                                 ("renameButton", "Rename", self.rename_conversation),
-                                 ("deleteButton", "Delete", self.delete_conversation)):
-            b = QPushButton(text)
-            b.setObjectName(name)
-            b.clicked.connect(slot)
-            row.addWidget(b)
-            setattr(self, name, b)
+        self.newButton = _button("New", "newButton", self.new_conversation, row)
+        self.renameButton = _button("Rename", "renameButton", self.rename_conversation, row)
+        self.deleteButton = _button("Delete", "deleteButton", self.delete_conversation, row)
         ll.addLayout(row)
-        self.undoButton = QPushButton("Undo delete")
-        self.undoButton.setObjectName("undoDeleteButton")
+        self.undoButton = _button("Undo delete", "undoDeleteButton", self.undo_delete, ll)
         self.undoButton.setVisible(False)
-        self.undoButton.clicked.connect(self.undo_delete)
-        ll.addWidget(self.undoButton)
 
         center = QWidget()
         cl = QVBoxLayout(center)
@@ -133,14 +125,8 @@ class MainWindow(QMainWindow):
         self.transcript = Transcript()
         cl.addWidget(self.transcript, 1)
         actions = QHBoxLayout()
-        self.regenerateButton = QPushButton("Regenerate")
-        self.regenerateButton.setObjectName("regenerateButton")
-        self.regenerateButton.clicked.connect(self.regenerate)
-        self.continueButton = QPushButton("Continue")
-        self.continueButton.setObjectName("continueButton")
-        self.continueButton.clicked.connect(self.continue_reply)
-        actions.addWidget(self.regenerateButton)
-        actions.addWidget(self.continueButton)
+        self.regenerateButton = _button("Regenerate", "regenerateButton", self.regenerate, actions)
+        self.continueButton = _button("Continue", "continueButton", self.continue_reply, actions)
         actions.addStretch(1)
         cl.addLayout(actions)
         comp = QHBoxLayout()
@@ -150,15 +136,9 @@ class MainWindow(QMainWindow):
         self.composer.setMaximumHeight(110)
         self.composer.submitted.connect(self.send)
         comp.addWidget(self.composer, 1)
-        self.sendButton = QPushButton("Send")
-        self.sendButton.setObjectName("sendButton")
-        self.sendButton.clicked.connect(self.send)
-        self.stopButton = QPushButton("Stop")
-        self.stopButton.setObjectName("stopButton")
-        self.stopButton.clicked.connect(self.stop)
+        self.sendButton = _button("Send", "sendButton", self.send, comp)
+        self.stopButton = _button("Stop", "stopButton", self.stop, comp)
         self.stopButton.setVisible(False)
-        comp.addWidget(self.sendButton)
-        comp.addWidget(self.stopButton)
         cl.addLayout(comp)
 
         self.statsPanel = StatsPanel()
@@ -615,6 +595,15 @@ class MainWindow(QMainWindow):
             self._task.cancel()
         self.store.close()
         e.accept()
+
+
+def _button(text: str, name: str, slot, layout) -> QPushButton:
+    """A push button with its object name (what tests and the style sheet find it by), wired and placed."""
+    b = QPushButton(text)
+    b.setObjectName(name)
+    b.clicked.connect(slot)
+    layout.addWidget(b)
+    return b
 
 
 def _first_difference(a: str, b: str) -> int:
