@@ -72,8 +72,8 @@ def write_gguf(model_dir, out: Path) -> Path:
     from safetensors import safe_open
     files = _weight_files(model_dir)
     for name in sorted(files, key=_order):
-        if name.startswith("model.layers."):
-            i, rest = name[len("model.layers."):].split(".", 1)
+        i, rest = _split(name)
+        if i is not None:
             if rest not in per_layer:
                 continue
             gname = f"blk.{i}.{per_layer[rest]}"
@@ -85,9 +85,9 @@ def write_gguf(model_dir, out: Path) -> Path:
             continue
         with safe_open(str(files[name]), framework="pt", device="cpu") as f:
             t = f.get_tensor(name).float()
-        if arch == "llama" and rest_of(name) in ("self_attn.q_proj.weight", "self_attn.q_proj.bias"):
+        if arch == "llama" and gname.endswith(("attn_q.weight", "attn_q.bias")):
             t = _permute(t, cfg.num_heads)
-        elif arch == "llama" and rest_of(name) in ("self_attn.k_proj.weight", "self_attn.k_proj.bias"):
+        elif arch == "llama" and gname.endswith(("attn_k.weight", "attn_k.bias")):
             t = _permute(t, cfg.num_kv_heads)
         w.add_tensor(gname, np.ascontiguousarray(t.numpy()))
     w.write_header_to_file()
@@ -97,15 +97,18 @@ def write_gguf(model_dir, out: Path) -> Path:
     return out
 
 
-def rest_of(name: str) -> str:
-    return name.split(".", 3)[3] if name.startswith("model.layers.") else name
+def _split(name: str) -> tuple[int | None, str]:
+    """"model.layers.3.mlp.up_proj.weight" -> (3, "mlp.up_proj.weight"); other names -> (None, name)."""
+    if name.startswith("model.layers."):
+        i, rest = name[len("model.layers."):].split(".", 1)
+        return int(i), rest
+    return None, name
 
 
 def _order(name: str):
-    if name.startswith("model.layers."):
-        i, rest = name[len("model.layers."):].split(".", 1)
-        return (1, int(i), rest)
-    return (0 if "embed" in name else 2, 0, name)
+    """Embedding first, then the blocks in order, then the rest (as llama.cpp's converter writes them)."""
+    i, rest = _split(name)
+    return (1, i, rest) if i is not None else (0 if "embed" in name else 2, 0, name)
 
 
 def quantize_gguf(src: Path, dst: Path, ftype: str, threads: int) -> Path:
