@@ -276,11 +276,13 @@ def _build_model(files: dict[str, Path], cfg: ModelConfig, dtype: torch.dtype, d
     """The model, streamed block by block from the files into its final form: each block is read,
     fused, cast, put on the device and then quantized or transposed before the next one is read, so
     peak memory is the final weights plus about one block (no whole-model float32 detour)."""
+    from . import kernels
     from .model import EmbeddingT, LinearT, fast_cpu_linears
     from .quant import quantize_model
     expected = _expected(cfg)
     reader = _Reader(files, expected)
-    transposed = device.type == "cpu" and dtype == torch.float32  # the fast one-row layout there
+    head_kernels = kernels.for_dtype(dtype) if device.type == "cpu" else None  # the checkpoint's layout
+    transposed = head_kernels is None and device.type == "cpu" and dtype == torch.float32  # torch's fast one-row layout
     with torch.device("meta"):
         model = Transformer(cfg)
     if transposed and cfg.tie_word_embeddings:
@@ -293,6 +295,7 @@ def _build_model(files: dict[str, Path], cfg: ModelConfig, dtype: torch.dtype, d
         else:
             model.lm_head.weight = reader.read_one("lm_head.weight", dtype, device)
     model.norm.weight = reader.read_one("model.norm.weight", dtype, device)
+    model.head_kernels = head_kernels
     for i, block in enumerate(model.layers):
         state = _block_state(reader, cfg, i, dtype, device)
         block.load_state_dict(state, strict=True, assign=True)

@@ -169,6 +169,34 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
+class KernelLinear(nn.Linear):
+    """A Linear on the CPU whose one-row products (decode) run kvchat's kernel (kernels.py) on the
+    checkpoint's [out, in] layout, at memory speed; many rows (prefill) run torch's matmul, float16
+    in float32 (torch's many-row float16 product is slow, and float32 is exact for float16 inputs)."""
+
+    kernels = None  # the loaded kernels.Kernels, set by from_linear
+
+    def forward(self, x):
+        if x.numel() == self.in_features:  # one row: decode
+            return kernel_linear(self.kernels, x, self.weight, self.bias)
+        if self.weight.dtype == torch.float16:
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+        return F.linear(x, self.weight, self.bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, kernels) -> "KernelLinear":
+        linear.__class__ = cls  # same parameters, another forward
+        linear.kernels = kernels
+        return linear
+
+
+def kernel_linear(kernels, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for one row x [..., in] through the kernels: -> [..., out]."""
+    y = kernels.matvec(weight, x.reshape(-1)).view(*x.shape[:-1], weight.shape[0])
+    return y if bias is None else y + bias
+
+
 class HalfLinear(nn.Linear):
     """float16 on the CPU: torch's one-row float16 kernel streams the weight fastest of all layouts, but
     its many-row product is slow, so prefill computes in float32 (exact for float16 inputs) instead."""
@@ -208,9 +236,15 @@ def packing_works(dtype: torch.dtype) -> bool:
 
 def fast_cpu_linears(blocks, dtype: torch.dtype) -> int:
     """Swap the plain block linears for the fastest CPU layout for `dtype`, one at a time (one extra
-    matrix alive at most): oneDNN-packed where it works, else transposed for float32; float16 keeps
-    its [out, in] weight (HalfLinear), whose one-row kernel is already the fastest (README, Performance)."""
-    if packing_works(dtype):
+    matrix alive at most): kvchat's kernels on the [out, in] layout where they build (kernels.py);
+    else oneDNN-packed where it works, transposed for float32, and for float16 the [out, in] weight
+    (HalfLinear), whose one-row torch kernel is the fastest there (README, Performance)."""
+    from . import kernels
+    k = kernels.for_dtype(dtype)
+    if k is not None:
+        def make(linear):
+            return KernelLinear.from_linear(linear, k)
+    elif packing_works(dtype):
         make = PackedLinear
     elif dtype == torch.float32:
         make = LinearT.from_linear
@@ -256,6 +290,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope_length = rope_length or cfg.max_position_embeddings
+        self.head_kernels = None  # kernels.Kernels for a one-row output head on the CPU (set by the loader)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
@@ -304,6 +339,8 @@ class Transformer(nn.Module):
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and the output projection: [B, T, D] -> [B, T, V]."""
+        if self.head_kernels is not None and x.shape[0] * x.shape[1] == 1:  # decode on the CPU
+            return kernel_linear(self.head_kernels, self.norm(x), self.head_weight)
         if isinstance(self.lm_head, LinearT):
             return self.lm_head(self.norm(x))
         if isinstance(self.embed, EmbeddingT):

@@ -1,0 +1,202 @@
+/* One-row products for decode on the CPU: y = W x with W in its checkpoint layout [out, in].
+ *
+ * Batch-1 decode reads every weight once per token, so its speed is the speed at which these loops
+ * stream W from memory. Each output row is one contiguous dot product (the access pattern memory
+ * prefetchers like best), rows are split across the threads torch uses (OpenMP: the process's one
+ * libgomp, which torch has already loaded), and accumulation is in float32 whatever W's type.
+ * Built by engine/kernels.py with the system compiler for this CPU (-O3 -march=native), loaded with
+ * ctypes; every function is checked against torch before the engine uses it.
+ *
+ * Layouts: float32, bfloat16 and float16 rows; int8 codes [out, in] and int4 codes two a byte, low
+ * nibble first [out, in/2], with one float32 scale per group of g inputs [out, in/g] (engine/quant.py).
+ */
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define KV_LANES 16
+typedef __m512 vf;
+typedef __m512i vi;
+#define vzero() _mm512_setzero_ps()
+#define vset1(s) _mm512_set1_ps(s)
+#define vload(p) _mm512_loadu_ps(p)
+#define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define vadd(a, b) _mm512_add_ps(a, b)
+#define vsum(v) _mm512_reduce_add_ps(v)
+#define vload_f16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define vload_bf16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#define vload_i8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#define vload_u8_i32(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+#define vi_and(a, m) _mm512_and_si512(a, _mm512_set1_epi32(m))
+#define vi_shr4(a) _mm512_srli_epi32(a, 4)
+#define vi_sext4(a) _mm512_sub_epi32(_mm512_xor_si512(a, _mm512_set1_epi32(8)), _mm512_set1_epi32(8))
+#define vi_float(a) _mm512_cvtepi32_ps(a)
+#define KV_ISA "avx512"
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define KV_LANES 8
+typedef __m256 vf;
+typedef __m256i vi;
+static inline float kv_hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#define vzero() _mm256_setzero_ps()
+#define vset1(s) _mm256_set1_ps(s)
+#define vload(p) _mm256_loadu_ps(p)
+#define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define vadd(a, b) _mm256_add_ps(a, b)
+#define vsum(v) kv_hsum256(v)
+#define vload_f16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define vload_bf16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define vload_i8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define vload_u8_i32(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+#define vi_and(a, m) _mm256_and_si256(a, _mm256_set1_epi32(m))
+#define vi_shr4(a) _mm256_srli_epi32(a, 4)
+#define vi_sext4(a) _mm256_sub_epi32(_mm256_xor_si256(a, _mm256_set1_epi32(8)), _mm256_set1_epi32(8))
+#define vi_float(a) _mm256_cvtepi32_ps(a)
+#define KV_ISA "avx2"
+#else
+#define KV_LANES 0
+#define KV_ISA "generic"
+#endif
+
+const char *kv_isa(void) { return KV_ISA; }
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* Row dot products. Two vector accumulators hide the FMA latency; the tail runs scalar. */
+#define ROW_DOT(NAME, WT, LOADW, SCALARW)                                          \
+    static inline float NAME(const WT *restrict r, const float *restrict x, int64_t in) { \
+        int64_t i = 0;                                                             \
+        float a = 0;                                                               \
+        ROW_DOT_SIMD(LOADW)                                                        \
+        for (; i < in; i++) a += SCALARW(r[i]) * x[i];                             \
+        return a;                                                                  \
+    }
+
+#if KV_LANES
+#define ROW_DOT_SIMD(LOADW)                                                        \
+    vf a0 = vzero(), a1 = vzero();                                                 \
+    for (; i + 2 * KV_LANES <= in; i += 2 * KV_LANES) {                            \
+        a0 = vfma(LOADW(r + i), vload(x + i), a0);                                 \
+        a1 = vfma(LOADW(r + i + KV_LANES), vload(x + i + KV_LANES), a1);           \
+    }                                                                              \
+    a = vsum(vadd(a0, a1));
+#else
+#define ROW_DOT_SIMD(LOADW)
+#endif
+
+#define AS_FLOAT(v) ((float)(v))
+ROW_DOT(dot_f32, float, vload, AS_FLOAT)
+ROW_DOT(dot_bf16, uint16_t, vload_bf16, bf16_to_f32)
+ROW_DOT(dot_i8, int8_t, vload_i8, AS_FLOAT)
+#ifdef __FLT16_MAX__ /* compilers without _Float16 build the others */
+ROW_DOT(dot_f16, _Float16, vload_f16, AS_FLOAT)
+#endif
+
+/* y [out] = W [out, in] x [in]; x and y in W's type (x is widened to float32 once). */
+void kv_matvec_f32(const float *w, const float *x, float *y, int64_t out, int64_t in, int nt) {
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t o = 0; o < out; o++) y[o] = dot_f32(w + o * in, x, in);
+}
+
+void kv_matvec_bf16(const uint16_t *w, const uint16_t *xh, uint16_t *y, int64_t out, int64_t in, int nt) {
+    float x[in];
+    for (int64_t i = 0; i < in; i++) x[i] = bf16_to_f32(xh[i]);
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t o = 0; o < out; o++) y[o] = f32_to_bf16(dot_bf16(w + o * in, x, in));
+}
+
+#ifdef __FLT16_MAX__
+void kv_matvec_f16(const _Float16 *w, const _Float16 *xh, _Float16 *y, int64_t out, int64_t in, int nt) {
+    float x[in];
+    for (int64_t i = 0; i < in; i++) x[i] = (float)xh[i];
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t o = 0; o < out; o++) y[o] = (_Float16)dot_f16(w + o * in, x, in);
+}
+#endif
+
+/* int8 codes q [out, in], scales s [out, in/g]: y[o] = sum_j s[o, j] * (q[o, group j] . x[group j]). */
+void kv_matvec_q8(const int8_t *q, const float *s, const float *x, float *y, int64_t out, int64_t in, int64_t g, int nt) {
+    int64_t groups = in / g;
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t o = 0; o < out; o++) {
+        const int8_t *r = q + o * in;
+        const float *so = s + o * groups;
+        float a = 0;
+#if KV_LANES
+        if (g % KV_LANES == 0) {
+            vf acc = vzero();
+            for (int64_t j = 0; j < groups; j++) {
+                vf p = vzero();
+                for (int64_t i = j * g; i < (j + 1) * g; i += KV_LANES) p = vfma(vload_i8(r + i), vload(x + i), p);
+                acc = vfma(vset1(so[j]), p, acc);
+            }
+            y[o] = vsum(acc);
+            continue;
+        }
+#endif
+        for (int64_t j = 0; j < groups; j++) a += so[j] * dot_i8(r + j * g, x + j * g, g);
+        y[o] = a;
+    }
+}
+
+/* int4 codes two a byte [out, in/2] (value 2k in the low nibble, 2k+1 in the high one, 4-bit two's
+ * complement), scales as for int8. x is split into its even and odd entries once, so that a byte's two
+ * nibbles meet their inputs lane by lane. */
+void kv_matvec_q4(const uint8_t *q, const float *s, const float *x, float *y, int64_t out, int64_t in, int64_t g, int nt) {
+    int64_t groups = in / g, half = in / 2, hg = g / 2;
+    float xe[half], xo[half];
+    for (int64_t i = 0; i < half; i++) {
+        xe[i] = x[2 * i];
+        xo[i] = x[2 * i + 1];
+    }
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t o = 0; o < out; o++) {
+        const uint8_t *r = q + o * half;
+        const float *so = s + o * groups;
+        float a = 0;
+#if KV_LANES
+        if (hg % KV_LANES == 0) {
+            vf acc = vzero();
+            for (int64_t j = 0; j < groups; j++) {
+                vf p = vzero();
+                for (int64_t i = j * hg; i < (j + 1) * hg; i += KV_LANES) {
+                    vi b = vload_u8_i32(r + i);
+                    p = vfma(vi_float(vi_sext4(vi_and(b, 15))), vload(xe + i), p);
+                    p = vfma(vi_float(vi_sext4(vi_shr4(b))), vload(xo + i), p);
+                }
+                acc = vfma(vset1(so[j]), p, acc);
+            }
+            y[o] = vsum(acc);
+            continue;
+        }
+#endif
+        for (int64_t j = 0; j < groups; j++) {
+            float p = 0;
+            for (int64_t i = j * hg; i < (j + 1) * hg; i++) {
+                int lo = (int)((r[i] & 15) ^ 8) - 8, hi = (int)((r[i] >> 4) ^ 8) - 8;
+                p += (float)lo * xe[i] + (float)hi * xo[i];
+            }
+            a += so[j] * p;
+        }
+        y[o] = a;
+    }
+}
