@@ -23,6 +23,8 @@ typedef __m512i vi;
 #define vload(p) _mm512_loadu_ps(p)
 #define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define vadd(a, b) _mm512_add_ps(a, b)
+#define vmul(a, b) _mm512_mul_ps(a, b)
+#define _mm_storeu_acc(p, v) _mm512_storeu_ps(p, v)
 #define vsum(v) _mm512_reduce_add_ps(v)
 #define vload_f16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
 #define vload_bf16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
@@ -49,6 +51,8 @@ static inline float kv_hsum256(__m256 v) {
 #define vload(p) _mm256_loadu_ps(p)
 #define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define vadd(a, b) _mm256_add_ps(a, b)
+#define vmul(a, b) _mm256_mul_ps(a, b)
+#define _mm_storeu_acc(p, v) _mm256_storeu_ps(p, v)
 #define vsum(v) kv_hsum256(v)
 #define vload_f16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #define vload_bf16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
@@ -103,12 +107,30 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
 #define ROW_DOT_SIMD(LOADW)
 #endif
 
+/* acc = acc * c + p * v over d entries: the running sum of an online softmax. */
+#define ROW_AXPY(NAME, WT, LOADW, SCALARW)                                          \
+    static inline void NAME(float *restrict acc, float c, float p, const WT *restrict v, int64_t d) { \
+        int64_t i = 0;                                                              \
+        ROW_AXPY_SIMD(LOADW)                                                        \
+        for (; i < d; i++) acc[i] = acc[i] * c + p * SCALARW(v[i]);                 \
+    }
+#if KV_LANES
+#define ROW_AXPY_SIMD(LOADW)                                                        \
+    for (; i + KV_LANES <= d; i += KV_LANES)                                        \
+        _mm_storeu_acc(acc + i, vfma(vset1(p), LOADW(v + i), vmul(vload(acc + i), vset1(c))));
+#else
+#define ROW_AXPY_SIMD(LOADW)
+#endif
+
 #define AS_FLOAT(v) ((float)(v))
 ROW_DOT(dot_f32, float, vload, AS_FLOAT)
 ROW_DOT(dot_bf16, uint16_t, vload_bf16, bf16_to_f32)
 ROW_DOT(dot_i8, int8_t, vload_i8, AS_FLOAT)
+ROW_AXPY(axpy_f32, float, vload, AS_FLOAT)
+ROW_AXPY(axpy_bf16, uint16_t, vload_bf16, bf16_to_f32)
 #ifdef __FLT16_MAX__ /* compilers without _Float16 build the others */
 ROW_DOT(dot_f16, _Float16, vload_f16, AS_FLOAT)
+ROW_AXPY(axpy_f16, _Float16, vload_f16, AS_FLOAT)
 #endif
 
 /* y [out] = W [out, in] x [in]; x and y in W's type (x is widened to float32 once). */
@@ -200,3 +222,93 @@ void kv_matvec_q4(const uint8_t *q, const float *s, const float *x, float *y, in
         y[o] = a;
     }
 }
+
+/* ---- The rest of a decode step: RMSNorm and attention for one position (B = 1) ----
+ * Each exists for float32, bfloat16 and float16 storage, computes in float32 and rounds where torch's
+ * eager code rounds (after the norm, after the rotation), so decode matches prefill's torch path. */
+#include <math.h>
+
+static inline float f32_id(float f) { return f; }
+#define F32_TO(f) (f)
+#define BF16_TO(f) f32_to_bf16(f)
+#define F16_TO(f) ((_Float16)(f))
+
+/* y = w * (x / rms(x)): float32 as F.rms_norm; 16-bit types as transformers: normalise in float32,
+ * round, then scale. */
+#define RMSNORM(NAME, T, TO_F32, FROM_F32, ROUND)                                                  \
+    void NAME(const T *x, const T *w, T *y, int64_t n, float eps) {                                 \
+        float ss = 0;                                                                               \
+        for (int64_t i = 0; i < n; i++) ss += TO_F32(x[i]) * TO_F32(x[i]);                          \
+        float r = 1.0f / sqrtf(ss / (float)n + eps);                                                \
+        for (int64_t i = 0; i < n; i++) y[i] = FROM_F32(TO_F32(w[i]) * ROUND(TO_F32(x[i]) * r));    \
+    }
+
+/* The rotation of one head in place, [x1 | x2] -> x·cos + [x2 | x1]·sin_signed, after its optional
+ * RMSNorm (Qwen3's q/k norms; nw = NULL without). Computed in float32, rounded to T. */
+#define ROTATE(NAME, T, TO_F32, FROM_F32, ROUND)                                                   \
+    static void NAME(const T *x, const T *nw, float eps, const T *cs, const T *sn, float *out, int64_t d) { \
+        float v[d];                                                                                 \
+        for (int64_t i = 0; i < d; i++) v[i] = TO_F32(x[i]);                                        \
+        if (nw) {                                                                                   \
+            float ss = 0;                                                                           \
+            for (int64_t i = 0; i < d; i++) ss += v[i] * v[i];                                      \
+            float r = 1.0f / sqrtf(ss / (float)d + eps);                                            \
+            for (int64_t i = 0; i < d; i++) v[i] = ROUND(TO_F32(nw[i]) * ROUND(v[i] * r));          \
+        }                                                                                           \
+        int64_t h = d / 2;                                                                          \
+        for (int64_t i = 0; i < d; i++) {                                                           \
+            float sw = i < h ? v[i + h] : v[i - h];                                                 \
+            out[i] = ROUND(ROUND(v[i] * TO_F32(cs[i])) + ROUND(sw * TO_F32(sn[i])));                \
+        }                                                                                           \
+    }
+
+/* Attention of the new position `pos`: q, k, v come packed in one row qkv [(H + 2 Hkv) d]; k (rotated)
+ * and v are stored into the layer's cache kc, vc [Hkv, cap, d]; each query head attends to keys lo..pos
+ * of its group's KV head with a one-pass (online) softmax; y [H d]. */
+#define ATTEND(NAME, ROT, DOT, AXPY, T, TO_F32, FROM_F32, ROUND)                                              \
+    void NAME(const T *qkv, const T *cs, const T *sn, const T *qn, const T *kn, float eps, T *kc, T *vc, \
+              int64_t cap, int64_t pos, int64_t lo, int64_t H, int64_t Hkv, int64_t d, float scale, T *y, int nt) { \
+        for (int64_t h = 0; h < Hkv; h++) {                                                         \
+            float k[d];                                                                             \
+            ROT(qkv + (H + h) * d, kn, eps, cs, sn, k, d);                                          \
+            T *kd = kc + (h * cap + pos) * d, *vd = vc + (h * cap + pos) * d;                       \
+            const T *v = qkv + (H + Hkv + h) * d;                                                   \
+            for (int64_t i = 0; i < d; i++) { kd[i] = FROM_F32(k[i]); vd[i] = v[i]; }               \
+        }                                                                                           \
+        int64_t G = H / Hkv;                                                                        \
+        _Pragma("omp parallel for num_threads(nt) schedule(static)")                                \
+        for (int64_t h = 0; h < H; h++) {                                                           \
+            float q[d], acc[d];                                                                     \
+            ROT(qkv + h * d, qn, eps, cs, sn, q, d);                                                \
+            const T *K = kc + (h / G) * cap * d, *V = vc + (h / G) * cap * d;                       \
+            float m = -INFINITY, l = 0;                                                             \
+            for (int64_t i = 0; i < d; i++) acc[i] = 0;                                             \
+            for (int64_t j = lo; j <= pos; j++) {                                                   \
+                float s = DOT(K + j * d, q, d) * scale, c = 1;                                      \
+                if (s > m) { /* a new maximum: rescale what was summed so far */                    \
+                    c = expf(m - s);                                                                \
+                    l *= c;                                                                         \
+                    m = s;                                                                          \
+                }                                                                                   \
+                float p = expf(s - m);                                                              \
+                l += p;                                                                             \
+                AXPY(acc, c, p, V + j * d, d);                                                      \
+            }                                                                                       \
+            for (int64_t i = 0; i < d; i++) y[h * d + i] = FROM_F32(acc[i] / l);                    \
+        }                                                                                           \
+    }
+
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+RMSNORM(kv_rmsnorm_f32, float, f32_id, F32_TO, f32_id)
+RMSNORM(kv_rmsnorm_bf16, uint16_t, bf16_to_f32, BF16_TO, round_bf16)
+ROTATE(rotate_f32, float, f32_id, F32_TO, f32_id)
+ROTATE(rotate_bf16, uint16_t, bf16_to_f32, BF16_TO, round_bf16)
+ATTEND(kv_attend_f32, rotate_f32, dot_f32, axpy_f32, float, f32_id, F32_TO, f32_id)
+ATTEND(kv_attend_bf16, rotate_bf16, dot_bf16, axpy_bf16, uint16_t, bf16_to_f32, BF16_TO, round_bf16)
+#ifdef __FLT16_MAX__
+static inline float f16_to_f32(_Float16 h) { return (float)h; }
+static inline float round_f16(float f) { return (float)(_Float16)f; }
+RMSNORM(kv_rmsnorm_f16, _Float16, f16_to_f32, F16_TO, round_f16)
+ROTATE(rotate_f16, _Float16, f16_to_f32, F16_TO, round_f16)
+ATTEND(kv_attend_f16, rotate_f16, dot_f16, axpy_f16, _Float16, f16_to_f32, F16_TO, round_f16)
+#endif

@@ -22,11 +22,12 @@ import threading
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 QUANT_FUNCS = {"int8": "kv_matvec_q8", "int4": "kv_matvec_q4"}
-FLOAT_FUNCS = {torch.float32: "kv_matvec_f32", torch.bfloat16: "kv_matvec_bf16", torch.float16: "kv_matvec_f16"}
+SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
 
 def cache_dir() -> Path:
@@ -92,20 +93,23 @@ class Kernels:
         self.lib = ctypes.CDLL(str(path))
         self.lib.kv_isa.restype = ctypes.c_char_p
         self.isa = self.lib.kv_isa().decode()
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._float = {}
-        for dtype, name in FLOAT_FUNCS.items():
-            fn = getattr(self.lib, name, None)
-            if fn is not None:  # float16 needs the compiler's _Float16
-                fn.argtypes, fn.restype = [p, p, p, i64, i64, ctypes.c_int], None
-                self._float[dtype] = fn
-        self._quant = {}
-        for mode, name in QUANT_FUNCS.items():
-            fn = getattr(self.lib, name)
-            fn.argtypes, fn.restype = [p, p, p, p, i64, i64, i64, ctypes.c_int], None
-            self._quant[mode] = fn
-        self.dtypes = frozenset(d for d in self._float if self._agrees(d))
-        self.modes = frozenset(m for m in self._quant if self._quant_agrees(m))
+        p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+        self._float, self._norm, self._attend = {}, {}, {}
+        for dtype, suffix in SUFFIX.items():
+            if not hasattr(self.lib, "kv_matvec_" + suffix):  # float16 needs the compiler's _Float16
+                continue
+            self._float[dtype] = self._declare("kv_matvec_" + suffix, [p, p, p, i64, i64, i32])
+            self._norm[dtype] = self._declare("kv_rmsnorm_" + suffix, [p, p, p, i64, f32])
+            self._attend[dtype] = self._declare("kv_attend_" + suffix, [p] * 5 + [f32, p, p] + [i64] * 6 + [f32, p, i32])
+        self._quant = {mode: self._declare(name, [p, p, p, p, i64, i64, i64, i32]) for mode, name in QUANT_FUNCS.items()}
+        with torch.inference_mode():
+            self.dtypes = frozenset(d for d in self._float if self._agrees(d))
+            self.modes = frozenset(m for m in self._quant if self._quant_agrees(m))
+
+    def _declare(self, name: str, argtypes):
+        fn = getattr(self.lib, name)
+        fn.argtypes, fn.restype = argtypes, None
+        return fn
 
     def matvec(self, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """weight [out, in] (contiguous, CPU), x [in] of its dtype -> y [out] of its dtype."""
@@ -125,15 +129,68 @@ class Kernels:
                           torch.get_num_threads())
         return y
 
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """One row x [..., n] -> RMSNorm(x) · weight, rounded as engine.model.RMSNorm rounds."""
+        x = x.contiguous()
+        y = torch.empty_like(x)
+        self._norm[x.dtype](x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel(), eps)
+        return y
+
+    def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm, k_norm, eps: float,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, pos: int, window: int | None, heads: int) -> torch.Tensor:
+        """Attention of one new position, batch 1: qkv [(H + 2 H_kv) d] packed q|k|v; cos, sin [d] (the
+        signed-sin table's row for `pos`); q_norm/k_norm [d] weights or None; k_cache, v_cache
+        [H_kv, C, d] (contiguous), into which the rotated k and v are written at `pos` -> y [H d]."""
+        h_kv, cap, d = k_cache.shape
+        lo = 0 if window is None else max(0, pos - window + 1)
+        y = torch.empty(heads * d, dtype=qkv.dtype)
+        ptr = (lambda t: None if t is None else t.data_ptr())
+        self._attend[qkv.dtype](qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), ptr(q_norm), ptr(k_norm), eps,
+                                k_cache.data_ptr(), v_cache.data_ptr(), cap, pos, lo, heads, h_kv, d, d ** -0.5,
+                                y.data_ptr(), torch.get_num_threads())
+        return y
+
     def _agrees(self, dtype: torch.dtype) -> bool:
-        """The kernel against F.linear on awkward sizes (a vector tail, one thread and two)."""
+        """Each kernel of `dtype` against torch on awkward sizes (vector tails, GQA, a window, q/k norms)."""
+        from .model import RMSNorm
+        from .rope import swap_halves
         g = torch.Generator().manual_seed(0)
+
+        def close(got, want, tol):
+            return torch.allclose(got.float(), want.float(), rtol=tol, atol=tol * float(want.float().abs().max()))
+
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
         for out, n in ((7, 64), (33, 131), (96, 576)):
             w = torch.randn(out, n, generator=g).to(dtype)
             x = torch.randn(n, generator=g).to(dtype)
-            want = (w.float() @ x.float())
-            got = self.matvec(w, x).float()
-            if not torch.allclose(got, want, rtol=1e-2, atol=1e-2 * float(want.abs().max())):
+            if not close(self.matvec(w, x), w.float() @ x.float(), tol):
+                return False
+            norm = RMSNorm(n, 1e-6).to(dtype)
+            norm.weight.data = torch.rand(n, generator=g).to(dtype) + 0.5
+            if not close(self.rms_norm(x, norm.weight, 1e-6), norm(x), tol):
+                return False
+        for heads, h_kv, d, pos, window, qk_norm in ((4, 2, 64, 9, None, False), (6, 3, 40, 20, 8, True)):
+            qkv = torch.randn((heads + 2 * h_kv) * d, generator=g).to(dtype)
+            cos, sin = torch.rand(d, generator=g).to(dtype), torch.rand(d, generator=g).to(dtype)
+            qn = kn = None
+            if qk_norm:
+                qn, kn = torch.rand(d, generator=g).to(dtype) + 0.5, torch.rand(d, generator=g).to(dtype) + 0.5
+            kc, vc = torch.randn(2, h_kv, pos + 3, d, generator=g).to(dtype)
+            got = self.attend(qkv, cos, sin, qn, kn, 1e-6, kc, vc, pos, window, heads)
+
+            def rotate(x, w):  # x [heads, d] -> [heads, d]
+                if w is not None:
+                    x = w * F.rms_norm(x.float(), (d,), None, 1e-6).to(dtype)
+                return x * cos + swap_halves(x) * sin
+            q = rotate(qkv[:heads * d].view(heads, d), qn)
+            k = rotate(qkv[heads * d:(heads + h_kv) * d].view(h_kv, d), kn)
+            if not (close(kc[:, pos], k, tol) and torch.equal(vc[:, pos], qkv[(heads + h_kv) * d:].view(h_kv, d))):
+                return False
+            lo = 0 if window is None else max(0, pos - window + 1)
+            keys = kc[:, lo:pos + 1].float().repeat_interleave(heads // h_kv, 0)  # [H, S, d]
+            values = vc[:, lo:pos + 1].float().repeat_interleave(heads // h_kv, 0)
+            want = F.scaled_dot_product_attention(q.float()[:, None], keys, values)  # [H, 1, d]
+            if not close(got, want.reshape(-1), tol):
                 return False
         return True
 

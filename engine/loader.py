@@ -277,12 +277,12 @@ def _build_model(files: dict[str, Path], cfg: ModelConfig, dtype: torch.dtype, d
     fused, cast, put on the device and then quantized or transposed before the next one is read, so
     peak memory is the final weights plus about one block (no whole-model float32 detour)."""
     from . import kernels
-    from .model import EmbeddingT, LinearT, fast_cpu_linears
+    from .model import EmbeddingT, LinearT, fast_cpu_linears, use_kernels
     from .quant import quantize_model
     expected = _expected(cfg)
     reader = _Reader(files, expected)
-    head_kernels = kernels.for_dtype(dtype) if device.type == "cpu" else None  # the checkpoint's layout
-    transposed = head_kernels is None and device.type == "cpu" and dtype == torch.float32  # torch's fast one-row layout
+    kern = kernels.for_dtype(dtype) if device.type == "cpu" else None  # decode kernels, on the checkpoint's layout
+    transposed = kern is None and device.type == "cpu" and dtype == torch.float32  # torch's fast one-row layout
     with torch.device("meta"):
         model = Transformer(cfg)
     if transposed and cfg.tie_word_embeddings:
@@ -295,7 +295,6 @@ def _build_model(files: dict[str, Path], cfg: ModelConfig, dtype: torch.dtype, d
         else:
             model.lm_head.weight = reader.read_one("lm_head.weight", dtype, device)
     model.norm.weight = reader.read_one("model.norm.weight", dtype, device)
-    model.head_kernels = head_kernels
     for i, block in enumerate(model.layers):
         state = _block_state(reader, cfg, i, dtype, device)
         block.load_state_dict(state, strict=True, assign=True)
@@ -304,6 +303,8 @@ def _build_model(files: dict[str, Path], cfg: ModelConfig, dtype: torch.dtype, d
             quantize_model(block, weights, group_size)
         elif device.type == "cpu":
             fast_cpu_linears([block], dtype)
+    if kern is not None:
+        use_kernels(model, kern)
     if device.type == "cuda":
         for block in model.layers:
             block.attn.flash_prefill = True

@@ -22,8 +22,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernels = None  # kernels.Kernels: one row (decode) on the CPU in one call (see use_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and x.numel() == x.shape[-1]:
+            return self.kernels.rms_norm(x, self.weight, self.eps)
         # Normalise in float32, scale in the model dtype (as transformers does, so bf16 matches).
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused kernel
@@ -41,11 +44,20 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.flash_prefill = False  # set on CUDA by the loader: prefill through SDPA's native GQA / flash path
         self.causal_only = cfg.sliding_window is None
+        self.window = cfg.sliding_window
+        self.kernels = None  # kernels.Kernels: a decode position's rotation, cache write and attention in one call
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int, start):
         B, T, _ = x.shape
         h, h_kv = self.h, self.h_kv
-        qkv = self.qkv(x).view(B, T, h + 2 * h_kv, self.d)  # [B, T, H + 2H_kv, d]
+        qkv = self.qkv(x)  # [B, T, (H + 2H_kv)d]
+        if self.kernels is not None and B * T == 1 and type(cache) is KVCache and isinstance(start, int) \
+                and cache.k.dtype == qkv.dtype:  # decode on the CPU
+            qn, kn = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+            y = self.kernels.attend(qkv.view(-1), cos.view(-1), sin.view(-1), qn, kn, getattr(self.q_norm, "eps", 0.0),
+                                    cache.k[layer, 0], cache.v[layer, 0], start, self.window, h)  # [H d]
+            return self.o(y.view(B, T, h * self.d))
+        qkv = qkv.view(B, T, h + 2 * h_kv, self.d)  # [B, T, H + 2H_kv, d]
         if self.q_norm is None:  # rotate q and k together: one pass over H + H_kv heads
             qk = apply_rotary(qkv[:, :, :h + h_kv], cos, sin)
             q, k = qk[:, :, :h], qk[:, :, h:]
@@ -189,6 +201,14 @@ class KernelLinear(nn.Linear):
         linear.__class__ = cls  # same parameters, another forward
         linear.kernels = kernels
         return linear
+
+
+def use_kernels(model: "Transformer", kernels) -> None:
+    """Route the CPU decode step's norms, attention and output head through kvchat's kernels."""
+    model.head_kernels = kernels
+    for m in model.modules():
+        if isinstance(m, (RMSNorm, Attention)):
+            m.kernels = kernels
 
 
 def kernel_linear(kernels, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

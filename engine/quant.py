@@ -87,11 +87,13 @@ def _int4pack_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales_
 class QuantLinear(nn.Module):
     """A Linear whose weight is stored as group-wise int8/int4 codes and their scales.
 
-    On the CPU two layouts run torch's packed kernels, with bfloat16 activations (their fast path):
-    int8 with one scale per output channel (`_weight_int8pack_mm`), and int4 group-wise
+    On the CPU one-row products (decode) run kvchat's kernels (kernels.py) straight on the codes
+    and float32 scales, any group size, activations in float32. Where those kernels are not built,
+    two layouts run torch's packed kernels with bfloat16 activations (their fast path): int8 with one
+    scale per output channel (`_weight_int8pack_mm`), and int4 group-wise
     (`_weight_int4pack_mm_for_cpu`, whose layout replaces our nibble packing and whose scales are
-    bfloat16: a scale is rounded to 8 significant bits, ≤ 0.4% of s). Every other case dequantizes
-    the weight on the fly for each call: correct, not fast.
+    bfloat16: a scale is rounded to 8 significant bits, ≤ 0.4% of s). Many-row products (prefill)
+    use int8pack where it applies; every other case dequantizes the weight for each call.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mode: str, group_size: int):
@@ -102,6 +104,8 @@ class QuantLinear(nn.Module):
         self.compute_dtype = weight.dtype
         codes, scales = quantize(weight.detach(), mode, self.group_size)  # [N, K], [N, K/g]
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        from . import kernels
+        self.decoder = kernels.for_mode(mode) if weight.device.type == "cpu" else None  # one-row products
         self.kernel = self._choose_kernel(weight.device, codes, scales)
         if self.kernel == "int4pack":
             self.register_buffer("codes", _int4pack(codes))  # kernel layout, K/2 bytes a row
@@ -119,7 +123,8 @@ class QuantLinear(nn.Module):
             return None
         if self.mode == "int8" and self.group_size == self.in_features:
             return "int8pack"
-        if self.mode == "int4" and self.group_size % 32 == 0 and self.in_features % self.group_size == 0:
+        if self.mode == "int4" and self.decoder is None and self.group_size % 32 == 0 \
+                and self.in_features % self.group_size == 0:
             key = (self.out_features, self.in_features, self.group_size)
             if key not in _INT4_CHECKED:
                 _INT4_CHECKED[key] = self._int4_kernel_agrees(codes, scales)
@@ -161,6 +166,10 @@ class QuantLinear(nn.Module):
         return dequantize(self.weight_codes(), self.scale_values(), dtype or self.compute_dtype)  # [N, K]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.decoder is not None and x.numel() == self.in_features:  # one row: decode
+            y = self.decoder.qmatvec(self.mode, self.codes, self.scales, x.reshape(-1).float(), self.group_size)
+            y = y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+            return y if self.bias is None else y + self.bias
         if self.kernel is not None:
             shape = x.shape
             xk = x.reshape(-1, shape[-1]).to(KERNEL_DTYPE)  # [B·T, K]

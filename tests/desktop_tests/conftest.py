@@ -7,13 +7,22 @@ import pytest
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 
-@pytest.fixture
-def loop(qapp):
+@pytest.fixture(scope="session")
+def _session_loop(qapp):
+    """One qasync loop for the whole run, as the app has one for its life. A loop per test left closed
+    loops (QObjects with live timers) to Python's garbage collector, which may run on an engine worker
+    thread: a QObject destroyed there cannot stop its timers, and a later timer event on the GUI thread
+    then hits freed memory (a segfault inside QTimerInfoList::activateTimers)."""
     import qasync
     lp = qasync.QEventLoop(qapp, already_running=False)
-    asyncio.set_event_loop(lp)
     yield lp
-    lp.close() if not lp.is_closed() else None
+    lp.close()
+
+
+@pytest.fixture
+def loop(_session_loop):
+    asyncio.set_event_loop(_session_loop)
+    yield _session_loop
     asyncio.set_event_loop(None)
 
 

@@ -1,0 +1,191 @@
+"""kvchat's CPU decode kernels (engine/cpu_kernels.c): built here, checked against torch at model
+shapes for every type and every instruction-set variant this CPU can run, and a model decoding
+through them gives the logits and tokens of the same model on torch's kernels."""
+
+import os
+import platform
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from checkpoints import make_checkpoint
+from engine import kernels
+from engine.kv_cache import KVCache
+from engine.loader import load_model
+from engine.model import Attention, KernelLinear, PackedLinear, RMSNorm
+from engine.quant import QuantLinear, dequantize, pack_int4, quantize
+
+K = kernels.load()
+needs_kernels = pytest.mark.skipif(K is None, reason=f"no kernels here: {kernels.status()}")
+X86 = platform.machine() in ("x86_64", "AMD64")
+
+
+@pytest.fixture
+def no_kernels(monkeypatch):
+    """The engine as it runs where the kernels cannot be built: torch's kernels only."""
+    monkeypatch.setattr(kernels, "load", lambda: None)
+
+
+def close(got, want, tol):
+    got, want = got.detach().float(), want.detach().float()
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * float(want.abs().max()))
+
+
+@needs_kernels
+def test_kernels_build_and_serve_every_type():
+    assert K.dtypes == {torch.float32, torch.bfloat16, torch.float16} and K.modes == {"int8", "int4"}
+    assert kernels.status().startswith("kvchat kernels (")
+    assert len(kernels._openmp_runtimes()) == 1  # torch's OpenMP pool, shared
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("out,n", [(960, 576), (576, 1536), (49152, 576), (5, 3)])
+def test_matvec_equals_torch_at_model_shapes(dtype, out, n):
+    g = torch.Generator().manual_seed(out + n)
+    w, x = torch.randn(out, n, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
+    got = K.matvec(w, x)
+    assert got.dtype == dtype and got.shape == (out,)
+    close(got, F.linear(x.float(), w.float()), 1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("group", [16, 32, 64, 576])
+def test_quantized_matvec_equals_the_dequantized_product(mode, group):
+    g = torch.Generator().manual_seed(group)
+    codes, scales = quantize(torch.randn(300, 576, generator=g), mode, group)
+    x = torch.randn(576, generator=g)
+    got = K.qmatvec(mode, pack_int4(codes) if mode == "int4" else codes, scales, x, group)
+    close(got, dequantize(codes, scales) @ x, 1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rms_norm_rounds_as_the_module_does(dtype):
+    norm = RMSNorm(576, 1e-5).to(dtype)
+    norm.weight.data = (torch.rand(576) + 0.5).to(dtype)
+    x = torch.randn(1, 1, 576).to(dtype) * 3
+    want = norm(x)
+    norm.kernels = K
+    got = norm(x)
+    assert got.shape == x.shape and got.dtype == dtype
+    close(got, want, 1e-6 if dtype == torch.float32 else 1e-2)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family,extra", [("llama", {}), ("qwen3", {}), ("mistral", {"sliding_window": 8})])
+def test_attention_step_equals_the_torch_step(tmp_path, dtype, family, extra):
+    """Rotation (with Qwen3's q/k norms), the cache write and attention over the cache (and only the
+    window) in one call give the torch path's output and cache."""
+    cfg = load_model(make_checkpoint(tmp_path, family, **extra), dtype="float32").config
+    attn = Attention(cfg).to(dtype)
+    cos_t, sin_t = torch.rand(2, 40, 1, cfg.head_dim).to(dtype)
+    caches = [KVCache(1, cfg.num_kv_heads, cfg.head_dim, 40, dtype, "cpu") for _ in range(2)]
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        prompt = torch.randn(1, 20, cfg.hidden_size, generator=g).to(dtype)
+        for c in caches:
+            attn(prompt, cos_t[:20], sin_t[:20], None, c, 0, 0)
+            c.length = 20
+        for pos in range(20, 30):  # past the window of 8
+            x = torch.randn(1, 1, cfg.hidden_size, generator=g).to(dtype)
+            mask = None if cfg.sliding_window is None else \
+                torch.arange(pos + 1)[None] > pos - cfg.sliding_window
+            attn.kernels = None
+            want = attn(x, cos_t[pos:pos + 1], sin_t[pos:pos + 1], mask, caches[0], 0, pos)
+            attn.kernels = K
+            got = attn(x, cos_t[pos:pos + 1], sin_t[pos:pos + 1], mask, caches[1], 0, pos)
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            close(got, want, tol)
+            close(caches[1].k[:, :, :, :pos + 1], caches[0].k[:, :, :, :pos + 1], tol)
+            assert torch.equal(caches[1].v[:, :, :, :pos + 1], caches[0].v[:, :, :, :pos + 1])
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("family,extra", [("llama", {}), ("qwen2", {"tie": True}), ("qwen3", {}),
+                                          ("mistral", {"sliding_window": 8})])
+def test_decoding_through_the_kernels_matches_torchs_kernels(tmp_path, monkeypatch, dtype, family, extra):
+    path = make_checkpoint(tmp_path, family, **extra)
+    fast = load_model(path, dtype=dtype)
+    assert isinstance(fast.model.layers[0].attn.qkv, KernelLinear) and fast.model.layers[0].attn.kernels is K
+    monkeypatch.setattr(kernels, "load", lambda: None)
+    plain = load_model(path, dtype=dtype)
+    assert plain.model.layers[0].attn.kernels is None and fast.model.head_kernels is K
+    prompt = torch.randint(5, fast.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(2))
+    cfg = fast.config
+    caches = [KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 64, fast.dtype, "cpu") for _ in range(2)]
+    tol = 1e-4 if dtype == "float32" else 3e-2
+    with torch.inference_mode():
+        token = prompt
+        for _ in range(24):
+            want = plain.model(token, caches[0], last_only=True)
+            got = fast.model(token, caches[1], last_only=True)
+            close(got, want, tol)
+            token = want[:, -1].argmax(-1, keepdim=True)
+
+
+@needs_kernels
+@pytest.mark.parametrize("weights,group", [("int8", 0), ("int8", 64), ("int4", 32)])
+def test_quantized_layers_decode_through_the_kernels(llama_dir, weights, group):
+    loaded = load_model(llama_dir, weights=weights, group_size=group)
+    ql = loaded.model.layers[0].mlp.gate_up
+    assert isinstance(ql, QuantLinear) and ql.decoder is K
+    x = torch.randn(1, 1, ql.in_features)
+    close(ql(x), F.linear(x, ql.dequantized_weight()), 1e-5)
+
+
+def test_without_kernels_the_engine_runs_torchs(no_kernels, llama_dir):
+    loaded = load_model(llama_dir, dtype="float32")
+    layer = loaded.model.layers[0]
+    assert not isinstance(layer.attn.qkv, KernelLinear) and layer.attn.kernels is None
+    assert isinstance(layer.attn.qkv, PackedLinear) or not torch.backends.mkldnn.is_available()
+    ql = load_model(llama_dir, weights="int8", group_size=0).model.layers[0].attn.qkv
+    assert ql.decoder is None and ql.kernel == "int8pack"
+
+
+def test_a_kernel_that_disagrees_with_torch_is_not_used(monkeypatch):
+    if K is None:
+        pytest.skip(kernels.status())
+    real = kernels.Kernels.matvec
+    monkeypatch.setattr(kernels.Kernels, "matvec", lambda self, w, x: real(self, w, x) * 1.05)
+    assert kernels.Kernels(K.path).dtypes == frozenset()
+
+
+def _run(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **env})
+
+
+STATUS = "import torch; from engine import kernels; print(kernels.status())"
+
+
+@pytest.mark.parametrize("env,says", [({"KVCHAT_KERNELS": "0"}, "turned off by KVCHAT_KERNELS"),
+                                      ({"CC": "/bin/false"}, "/bin/false failed")])
+def test_no_kernels_is_said_and_the_model_still_runs(tmp_path, llama_dir, env, says):
+    code = STATUS + f"; from engine.loader import load_model; print(load_model({str(llama_dir)!r}).model.layers[0].attn.kernels)"
+    r = _run(code, KVCHAT_CACHE_DIR=str(tmp_path), **env)
+    assert r.returncode == 0, r.stderr
+    assert says in r.stdout and r.stdout.splitlines()[-1] == "None"
+
+
+@pytest.mark.skipif(not (X86 and shutil.which("gcc")), reason="instruction-set variants are built with gcc on x86")
+@pytest.mark.parametrize("flags,isa", [((), None), (("-mno-avx512f",), "avx2"),
+                                       (("-mno-avx512f", "-mno-avx2", "-mno-fma"), "generic")])
+def test_each_instruction_set_variant_agrees_with_torch(tmp_path, flags, isa):
+    """The AVX-512, AVX2 and plain-C paths all pass the self-check (each that this CPU can run)."""
+    path = kernels.build("gcc", flags, tmp_path)
+    assert kernels.build("gcc", flags, tmp_path) == path and len(list(tmp_path.iterdir())) == 1  # cached
+    k = kernels.Kernels(path)
+    cpu = set(" ".join(ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")).split())
+    if isa == "avx2" and not {"avx2", "fma", "f16c"} <= cpu:
+        isa = "generic"
+    if isa is not None:
+        assert k.isa == isa
+    assert k.dtypes == {torch.float32, torch.bfloat16, torch.float16} and k.modes == {"int8", "int4"}
