@@ -175,7 +175,8 @@ class StatsPanel(QScrollArea):
         self._group(lay, "Model", [("modelNameValue", "Model"), ("architectureValue", "Architecture"),
                                    ("parametersValue", "Parameters"), ("dtypeValue", "dtype"),
                                    ("precisionValue", "Weights · KV cache"), ("weightBytesValue", "Weight bytes"),
-                                   ("deviceValue", "Device"), ("layersValue", "Layers"),
+                                   ("deviceValue", "Device"), ("kernelsValue", "Decode kernels"),
+                                   ("layersValue", "Layers"),
                                    ("kvHeadsValue", "KV heads · query heads"), ("headDimValue", "Head width")])
         self._group(lay, "Session", [("requestsValue", "Requests"), ("failedValue", "Failed · cancelled"),
                                      ("medianTtftValue", "Median TTFT"), ("medianTpotValue", "Median TPOT")])
@@ -218,6 +219,7 @@ class StatsPanel(QScrollArea):
         self.set("precisionValue", f"{facts.get('weights', 'none')} · {facts.get('kv_cache', 'none')}")
         self.set("weightBytesValue", fmt_bytes(facts.get("weight_bytes")))
         self.set("deviceValue", facts["device"])
+        self.set("kernelsValue", facts.get("decode_kernels", DASH))
         self.set("layersValue", str(facts["layers"]))
         self.set("kvHeadsValue", f"{facts['kv_heads']} · {facts['heads']}")
         self.set("headDimValue", str(facts["head_dim"]))

@@ -10,6 +10,7 @@
  * Layouts: float32, bfloat16 and float16 rows; int8 codes [out, in] and int4 codes two a byte, low
  * nibble first [out, in/2], with one float32 scale per group of g inputs [out, in/g] (engine/quant.py).
  */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -226,7 +227,6 @@ void kv_matvec_q4(const uint8_t *q, const float *s, const float *x, float *y, in
 /* ---- The rest of a decode step: RMSNorm and attention for one position (B = 1) ----
  * Each exists for float32, bfloat16 and float16 storage, computes in float32 and rounds where torch's
  * eager code rounds (after the norm, after the rotation), so decode matches prefill's torch path. */
-#include <math.h>
 
 static inline float f32_id(float f) { return f; }
 #define F32_TO(f) (f)
@@ -312,3 +312,58 @@ RMSNORM(kv_rmsnorm_f16, _Float16, f16_to_f32, F16_TO, round_f16)
 ROTATE(rotate_f16, _Float16, f16_to_f32, F16_TO, round_f16)
 ATTEND(kv_attend_f16, rotate_f16, dot_f16, axpy_f16, _Float16, f16_to_f32, F16_TO, round_f16)
 #endif
+
+/* ---- Dequantization for many-row products (prefill): x̂ = s · q, float32 [out, in], one pass ---- */
+void kv_dequant_q8(const int8_t *q, const float *s, float *w, int64_t out, int64_t in, int64_t g, int nt) {
+    int64_t groups = in / g;
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t o = 0; o < out; o++)
+        for (int64_t j = 0; j < groups; j++) {
+            float sc = s[o * groups + j];
+            const int8_t *r = q + o * in + j * g;
+            float *d = w + o * in + j * g;
+            for (int64_t i = 0; i < g; i++) d[i] = sc * (float)r[i];
+        }
+}
+
+void kv_dequant_q4(const uint8_t *q, const float *s, float *w, int64_t out, int64_t in, int64_t g, int nt) {
+    int64_t groups = in / g, half = in / 2;
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t o = 0; o < out; o++)
+        for (int64_t j = 0; j < groups; j++) {
+            float sc = s[o * groups + j];
+            const uint8_t *r = q + o * half + j * g / 2;
+            float *d = w + o * in + j * g;
+            for (int64_t i = 0; i < g / 2; i++) {
+                d[2 * i] = sc * (float)((int)((r[i] & 15) ^ 8) - 8);
+                d[2 * i + 1] = sc * (float)((int)((r[i] >> 4) ^ 8) - 8);
+            }
+        }
+}
+
+/* ---- Quantization at load: s = max|x| / Q per group (1 for an all-zero group), q = clip(round_half_even(x / s)),
+ * the arithmetic of engine/quant.py in one pass. int4 codes are stored two a byte, low nibble first. ---- */
+void kv_quantize(const float *w, int8_t *codes, uint8_t *packed, float *s, int64_t out, int64_t in, int64_t g,
+                 int qmax, int nt) {
+    int64_t groups = in / g;
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t o = 0; o < out; o++)
+        for (int64_t j = 0; j < groups; j++) {
+            const float *x = w + o * in + j * g;
+            float m = 0;
+            for (int64_t i = 0; i < g; i++) m = fmaxf(m, fabsf(x[i]));
+            float sc = m / (float)qmax;
+            if (sc == 0) sc = 1;
+            s[o * groups + j] = sc;
+            for (int64_t i = 0; i < g; i++) {
+                float c = nearbyintf(x[i] / sc); /* the default rounding mode: half to even, as torch.round */
+                c = c > qmax ? qmax : (c < -qmax ? -qmax : c);
+                if (codes) codes[o * in + j * g + i] = (int8_t)c;
+                else {
+                    uint8_t nib = (uint8_t)((int8_t)c) & 15;
+                    int64_t at = (o * in + j * g + i) / 2;
+                    packed[at] = (i & 1) ? (uint8_t)(packed[at] | (nib << 4)) : nib;
+                }
+            }
+        }
+}

@@ -102,6 +102,9 @@ class Kernels:
             self._norm[dtype] = self._declare("kv_rmsnorm_" + suffix, [p, p, p, i64, f32])
             self._attend[dtype] = self._declare("kv_attend_" + suffix, [p] * 5 + [f32, p, p] + [i64] * 6 + [f32, p, i32])
         self._quant = {mode: self._declare(name, [p, p, p, p, i64, i64, i64, i32]) for mode, name in QUANT_FUNCS.items()}
+        self._quantize = self._declare("kv_quantize", [p, p, p, p, i64, i64, i64, i32, i32])
+        self._dequant = {mode: self._declare(name.replace("matvec", "dequant"), [p, p, p, i64, i64, i64, i32])
+                         for mode, name in QUANT_FUNCS.items()}
         with torch.inference_mode():
             self.dtypes = frozenset(d for d in self._float if self._agrees(d))
             self.modes = frozenset(m for m in self._quant if self._quant_agrees(m))
@@ -128,6 +131,26 @@ class Kernels:
         self._quant[mode](codes.data_ptr(), scales.data_ptr(), x.data_ptr(), y.data_ptr(), out, n, group,
                           torch.get_num_threads())
         return y
+
+    def quantize(self, mode: str, weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """engine.quant.quantize in one pass: weight [out, in] -> codes as stored (int8 [out, in], or int4
+        two a byte [out, in/2] uint8) and scales [out, in/g] float32."""
+        from .quant import QMAX
+        w = weight.detach().float().contiguous()
+        out, n = w.shape
+        scales = torch.empty(out, n // group, dtype=torch.float32)
+        codes = torch.empty(out, n, dtype=torch.int8) if mode == "int8" else torch.empty(out, n // 2, dtype=torch.uint8)
+        args = (codes.data_ptr(), None) if mode == "int8" else (None, codes.data_ptr())
+        self._quantize(w.data_ptr(), *args, scales.data_ptr(), out, n, group, QMAX[mode], torch.get_num_threads())
+        return codes, scales
+
+    def dequantize(self, mode: str, codes: torch.Tensor, scales: torch.Tensor, in_features: int, group: int) -> torch.Tensor:
+        """The float32 weight [out, in] = s · q of int8 codes or int4 codes two a byte, in one pass."""
+        out = scales.shape[0]
+        w = torch.empty(out, in_features, dtype=torch.float32)
+        self._dequant[mode](codes.data_ptr(), scales.data_ptr(), w.data_ptr(), out, in_features, group,
+                            torch.get_num_threads())
+        return w
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """One row x [..., n] -> RMSNorm(x) · weight, rounded as engine.model.RMSNorm rounds."""
@@ -195,14 +218,23 @@ class Kernels:
         return True
 
     def _quant_agrees(self, mode: str) -> bool:
-        from .quant import dequantize, pack_int4, quantize
+        from .quant import QMAX, dequantize, pack_int4, quantize
         g = torch.Generator().manual_seed(0)
         for out, n, group in ((5, 64, 64), (19, 192, 32), (40, 576, 64), (8, 96, 48)):
-            codes, scales = quantize(torch.randn(out, n, generator=g), mode, group)
+            w = torch.randn(out, n, generator=g)
+            w[0, :group] = 0  # an all-zero group
+            w[1, :8] = torch.tensor([QMAX[mode], 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5])  # s = 1: exact halves, to even
+            codes, scales = quantize(w, mode, group)
             x = torch.randn(n, generator=g)
             want = dequantize(codes, scales) @ x
-            got = self.qmatvec(mode, pack_int4(codes) if mode == "int4" else codes, scales, x, group)
+            stored = pack_int4(codes) if mode == "int4" else codes
+            mine = self.quantize(mode, w, group)
+            if not (torch.equal(mine[0], stored) and torch.equal(mine[1], scales)):
+                return False
+            got = self.qmatvec(mode, stored, scales, x, group)
             if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
+                return False
+            if not torch.equal(self.dequantize(mode, stored, scales, n, group), dequantize(codes, scales)):
                 return False
         return True
 

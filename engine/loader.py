@@ -343,6 +343,17 @@ class LoadedModel:
     def kv_bytes_per_position(self) -> int:
         return self.config.kv_bytes_per_position * torch.empty((), dtype=self.dtype).element_size()
 
+    @property
+    def decode_kernels(self) -> str:
+        """What runs the one-row products of decode: kvchat's CPU kernels, or torch (and why)."""
+        k = self.model.head_kernels
+        if k is not None:
+            return f"kvchat ({k.isa})"
+        if self.device.type != "cpu":
+            return f"torch ({self.device.type})"
+        from . import kernels
+        return kernels.status()
+
     def facts(self) -> dict:
         c = self.config
         return {"path": str(self.path), "architecture": c.architecture, "parameters": self.parameter_count,
@@ -351,7 +362,7 @@ class LoadedModel:
                 "hidden_size": c.hidden_size, "vocab_size": c.vocab_size,
                 "max_position_embeddings": c.max_position_embeddings,
                 "bytes_per_value": torch.empty((), dtype=self.dtype).element_size(),
-                "weights": self.quantization, "weight_bytes": self.weight_bytes,
+                "weights": self.quantization, "weight_bytes": self.weight_bytes, "decode_kernels": self.decode_kernels,
                 "kv_bytes_per_position": self.kv_bytes_per_position}
 
 

@@ -102,18 +102,23 @@ class QuantLinear(nn.Module):
         self.mode, self.out_features, self.in_features = mode, weight.shape[0], weight.shape[1]
         self.group_size = group_size if group_size > 0 else weight.shape[1]  # <= 0: per output channel
         self.compute_dtype = weight.dtype
-        codes, scales = quantize(weight.detach(), mode, self.group_size)  # [N, K], [N, K/g]
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         from . import kernels
         self.decoder = kernels.for_mode(mode) if weight.device.type == "cpu" else None  # one-row products
-        self.kernel = self._choose_kernel(weight.device, codes, scales)
+        if self.decoder is not None:  # quantized in one pass, straight into the layout the kernels read
+            stored, scales = self.decoder.quantize(mode, weight, self.group_size)  # [N, K] | [N, K/2] uint8, [N, K/g]
+            self.kernel = "int8pack" if mode == "int8" and self.group_size == self.in_features else None
+        else:
+            codes, scales = quantize(weight.detach(), mode, self.group_size)  # [N, K], [N, K/g]
+            self.kernel = self._choose_kernel(weight.device, codes, scales)
+            stored = pack_int4(codes) if mode == "int4" else codes
         if self.kernel == "int4pack":
             self.register_buffer("codes", _int4pack(codes))  # kernel layout, K/2 bytes a row
             sz = torch.zeros(scales.shape[1], scales.shape[0], 2, dtype=KERNEL_DTYPE, device=weight.device)
             sz[..., 0] = scales.t().to(KERNEL_DTYPE)  # [K/g, N, (scale, zero = 0)]
             self.register_buffer("scales_and_zeros", sz)
         else:
-            self.register_buffer("codes", pack_int4(codes) if mode == "int4" else codes)
+            self.register_buffer("codes", stored)
             self.register_buffer("scales", scales)
             if self.kernel == "int8pack":
                 self.register_buffer("kernel_scales", scales.view(-1).to(KERNEL_DTYPE))  # [N]
@@ -123,8 +128,7 @@ class QuantLinear(nn.Module):
             return None
         if self.mode == "int8" and self.group_size == self.in_features:
             return "int8pack"
-        if self.mode == "int4" and self.decoder is None and self.group_size % 32 == 0 \
-                and self.in_features % self.group_size == 0:
+        if self.mode == "int4" and self.group_size % 32 == 0 and self.in_features % self.group_size == 0:
             key = (self.out_features, self.in_features, self.group_size)
             if key not in _INT4_CHECKED:
                 _INT4_CHECKED[key] = self._int4_kernel_agrees(codes, scales)
@@ -163,7 +167,11 @@ class QuantLinear(nn.Module):
         return unpack_int4(self.codes) if self.mode == "int4" else self.codes
 
     def dequantized_weight(self, dtype=None) -> torch.Tensor:
-        return dequantize(self.weight_codes(), self.scale_values(), dtype or self.compute_dtype)  # [N, K]
+        dtype = dtype or self.compute_dtype
+        if self.decoder is not None:  # one pass in C: what prefill multiplies by
+            w = self.decoder.dequantize(self.mode, self.codes, self.scales, self.in_features, self.group_size)
+            return w.to(dtype)
+        return dequantize(self.weight_codes(), self.scale_values(), dtype)  # [N, K]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.decoder is not None and x.numel() == self.in_features:  # one row: decode
@@ -179,7 +187,8 @@ class QuantLinear(nn.Module):
                 y = _int4pack_mm(xk, self.codes, self.group_size, self.scales_and_zeros)
             y = y.reshape(*shape[:-1], self.out_features).to(x.dtype)
             return y if self.bias is None else y + self.bias
-        return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
+        from .model import many_rows_linear
+        return many_rows_linear(x, self.dequantized_weight(x.dtype), self.bias)
 
 
 def quantize_model(model: nn.Module, mode: str, group_size: int) -> int:

@@ -84,9 +84,12 @@ def main(argv=None) -> int:
     device = str(resolve_device(ns.device))
     t0 = time.perf_counter()
     report: dict = {"device": device, "torch": torch.__version__}
+    if device == "cpu":
+        from . import kernels
+        report["decode_kernels"] = kernels.status()
     if device.startswith("cuda"):
         report["gpu"] = torch.cuda.get_device_name(0)
-    dtypes = ["float32", "bfloat16", "float16"] if device != "cpu" else ["float32", "bfloat16"]
+    dtypes = ["float32", "bfloat16", "float16"]
     with tempfile.TemporaryDirectory(prefix="kvchat-selftest-") as tmp:
         checks = []
         for name, shape in TINY.items():

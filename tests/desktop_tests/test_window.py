@@ -126,6 +126,9 @@ def test_model_settings_change_drops_the_cache_with_its_reason(qtbot, make_windo
     assert final["reuse"]["reused"] == 0 and "dtype changed" in final["reuse"]["reason"]
     assert panel(w, "dtypeValue") == "bfloat16"
     assert "dtype changed" in panel(w, "reuseReasonValue")
+    from engine import kernels
+    k = kernels.load()  # what decodes is said: kvchat's kernels where they build, else torch and why
+    assert panel(w, "kernelsValue") == (f"kvchat ({k.isa})" if k else kernels.status()) == w.facts["decode_kernels"]
 
 
 def test_a_corrupt_model_folder_shows_the_error_and_keeps_the_old_model(qtbot, make_window, spin_loop,
