@@ -65,6 +65,8 @@ def add_arguments(p) -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--uncached-tokens", type=int, default=8,
                    help="tokens for the no-cache baseline (each one recomputes the whole prefix)")
+    p.add_argument("--prefill-runs", type=int, default=3,
+                   help="prefill is measured this many times (fresh cache each) and the median kept")
     p.add_argument("--threads", type=int, default=None, help="threads for every engine (default: physical cores)")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="also measure decode tok/s at contexts 512..4096 and draw it (needs matplotlib)")
@@ -319,7 +321,12 @@ def _measure(engine: str, precision: str, a: dict) -> dict:
     else:
         raise ValueError(f"unknown engine {engine!r}")
     if decode is not None:  # the same measurement for every engine: the prompt, then each --plot context
-        timing, row["token_ids"] = decode(_prompt(a["prompt_tokens"], vocab), n_new)
+        prompt = _prompt(a["prompt_tokens"], vocab)
+        timing, row["token_ids"] = decode(prompt, n_new)
+        # Prefill is one short measurement: repeat it (a fresh cache each time) and keep the median run.
+        runs = [timing] + [decode(prompt, 1)[0] for _ in range(a["prefill_runs"] - 1)]
+        median = sorted(runs, key=lambda t: t["ttft_ms"])[len(runs) // 2]
+        timing.update(prefill_tok_s=median["prefill_tok_s"], ttft_ms=median["ttft_ms"])
         row.update(timing, peak_mem_bytes=_peak_mem(device))  # before the --plot contexts
         row["by_context"] = {c: decode(_prompt(c, vocab), a["plot_tokens"])[0]["decode_tok_s"] for c in contexts}
     row.setdefault("peak_mem_bytes", _peak_mem(device))
@@ -407,7 +414,8 @@ def collect(ns, progress: bool | None = None) -> dict:
                 gguf_files[ftype] = str(quantize_gguf(f32, Path(tmp) / f"model-{ftype}.gguf", ftype, threads))
         args = {"model": model, "device": str(device), "prompt_tokens": ns.prompt_tokens,
                 "new_tokens": ns.new_tokens, "uncached_tokens": ns.uncached_tokens, "threads": threads,
-                "gguf": gguf_files, "plot_contexts": contexts, "plot_tokens": ns.plot_tokens}
+                "gguf": gguf_files, "plot_contexts": contexts, "plot_tokens": ns.plot_tokens,
+                "prefill_runs": max(1, getattr(ns, "prefill_runs", 3))}
         ctx = mp.get_context("spawn")
         results = []
         for engine, precision in runs:

@@ -109,6 +109,14 @@ class Kernels:
             self.dtypes = frozenset(d for d in self._float if self._agrees(d))
             self.modes = frozenset(m for m in self._quant if self._quant_agrees(m))
 
+    @staticmethod
+    def _memory(*tensors: torch.Tensor | None) -> list[int | None]:
+        """Raw addresses for C, after the checks that keep it in bounds: CPU memory, dense rows."""
+        for t in tensors:
+            if t is not None and not (t.is_cpu and t.is_contiguous()):
+                raise ValueError("kvchat's kernels take contiguous CPU tensors")
+        return [None if t is None else t.data_ptr() for t in tensors]
+
     def _declare(self, name: str, argtypes):
         fn = getattr(self.lib, name)
         fn.argtypes, fn.restype = argtypes, None
@@ -117,19 +125,16 @@ class Kernels:
     def matvec(self, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """weight [out, in] (contiguous, CPU), x [in] of its dtype -> y [out] of its dtype."""
         out, n = weight.shape
-        x = x.contiguous()
         y = torch.empty(out, dtype=weight.dtype)
-        self._float[weight.dtype](weight.data_ptr(), x.data_ptr(), y.data_ptr(), out, n, torch.get_num_threads())
+        self._float[weight.dtype](*self._memory(weight, x.contiguous(), y), out, n, torch.get_num_threads())
         return y
 
     def qmatvec(self, mode: str, codes: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, group: int) -> torch.Tensor:
         """codes [out, in] int8 or [out, in/2] uint8 (int4, two a byte), scales [out, in/g] float32, x [in]
         float32 -> y [out] float32."""
         out, n = scales.shape[0], x.numel()
-        x = x.contiguous()
         y = torch.empty(out, dtype=torch.float32)
-        self._quant[mode](codes.data_ptr(), scales.data_ptr(), x.data_ptr(), y.data_ptr(), out, n, group,
-                          torch.get_num_threads())
+        self._quant[mode](*self._memory(codes, scales, x.contiguous(), y), out, n, group, torch.get_num_threads())
         return y
 
     def quantize(self, mode: str, weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,23 +145,25 @@ class Kernels:
         out, n = w.shape
         scales = torch.empty(out, n // group, dtype=torch.float32)
         codes = torch.empty(out, n, dtype=torch.int8) if mode == "int8" else torch.empty(out, n // 2, dtype=torch.uint8)
-        args = (codes.data_ptr(), None) if mode == "int8" else (None, codes.data_ptr())
-        self._quantize(w.data_ptr(), *args, scales.data_ptr(), out, n, group, QMAX[mode], torch.get_num_threads())
+        if n % group or (mode == "int4" and group % 2):
+            raise ValueError(f"group size {group} must be even and divide the row length {n}")
+        w_, codes_, scales_ = self._memory(w, codes, scales)
+        args = (codes_, None) if mode == "int8" else (None, codes_)
+        self._quantize(w_, *args, scales_, out, n, group, QMAX[mode], torch.get_num_threads())
         return codes, scales
 
     def dequantize(self, mode: str, codes: torch.Tensor, scales: torch.Tensor, in_features: int, group: int) -> torch.Tensor:
         """The float32 weight [out, in] = s · q of int8 codes or int4 codes two a byte, in one pass."""
         out = scales.shape[0]
         w = torch.empty(out, in_features, dtype=torch.float32)
-        self._dequant[mode](codes.data_ptr(), scales.data_ptr(), w.data_ptr(), out, in_features, group,
-                            torch.get_num_threads())
+        self._dequant[mode](*self._memory(codes, scales, w), out, in_features, group, torch.get_num_threads())
         return w
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """One row x [..., n] -> RMSNorm(x) · weight, rounded as engine.model.RMSNorm rounds."""
         x = x.contiguous()
         y = torch.empty_like(x)
-        self._norm[x.dtype](x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel(), eps)
+        self._norm[x.dtype](*self._memory(x, weight, y), x.numel(), eps)
         return y
 
     def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm, k_norm, eps: float,
@@ -166,11 +173,12 @@ class Kernels:
         [H_kv, C, d] (contiguous), into which the rotated k and v are written at `pos` -> y [H d]."""
         h_kv, cap, d = k_cache.shape
         lo = 0 if window is None else max(0, pos - window + 1)
+        if not 0 <= pos < cap:
+            raise ValueError(f"position {pos} is outside the cache's {cap}")
         y = torch.empty(heads * d, dtype=qkv.dtype)
-        ptr = (lambda t: None if t is None else t.data_ptr())
-        self._attend[qkv.dtype](qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), ptr(q_norm), ptr(k_norm), eps,
-                                k_cache.data_ptr(), v_cache.data_ptr(), cap, pos, lo, heads, h_kv, d, d ** -0.5,
-                                y.data_ptr(), torch.get_num_threads())
+        qkv, cos, sin, qn, kn, kc, vc, out = self._memory(qkv, cos, sin, q_norm, k_norm, k_cache, v_cache, y)
+        self._attend[y.dtype](qkv, cos, sin, qn, kn, eps, kc, vc, cap, pos, lo, heads, h_kv, d, d ** -0.5, out,
+                              torch.get_num_threads())
         return y
 
     def _agrees(self, dtype: torch.dtype) -> bool:
