@@ -367,3 +367,66 @@ void kv_quantize(const float *w, int8_t *codes, uint8_t *packed, float *s, int64
             }
         }
 }
+
+/* ---- A whole decode step's layers in one call (batch 1, one position) ----
+ * The same kernels as above, in the order engine/model.py's Block runs them, with the same roundings
+ * (each op's output is rounded to the model's type, as the eager torch ops round): nothing crosses
+ * into Python between layers. */
+typedef struct {
+    const void *w;        /* float weight [out, in] of the model's type, or int8 codes / int4 codes two a byte */
+    const float *scales;  /* [out, in/group] for codes, NULL for float weights */
+    const void *bias;     /* [out] of the model's type, or NULL */
+    int64_t out, in, group;
+    int64_t mode;         /* 0 float, 8 int8, 4 int4 */
+} kv_linear;
+
+typedef struct {
+    const void *attn_norm, *mlp_norm, *q_norm, *k_norm; /* q_norm, k_norm NULL without (Qwen3 has them) */
+    kv_linear qkv, o, gate_up, down;
+    void *k_cache, *v_cache; /* this layer's [H_kv, cap, d] */
+} kv_layer;
+
+#define DECODE(SUF, T, TO_F32, FROM_F32)                                                                   \
+    static void linear_##SUF(const kv_linear *l, const T *x, T *y, float *fx, float *fy, int nt) {          \
+        if (l->mode == 0) {                                                                                 \
+            kv_matvec_##SUF((const void *)l->w, (const void *)x, (void *)y, l->out, l->in, nt);            \
+        } else {                                                                                            \
+            for (int64_t i = 0; i < l->in; i++) fx[i] = TO_F32(x[i]);                                       \
+            if (l->mode == 8) kv_matvec_q8(l->w, l->scales, fx, fy, l->out, l->in, l->group, nt);          \
+            else kv_matvec_q4(l->w, l->scales, fx, fy, l->out, l->in, l->group, nt);                       \
+            for (int64_t i = 0; i < l->out; i++) y[i] = FROM_F32(fy[i]);                                    \
+        }                                                                                                   \
+        if (l->bias) {                                                                                      \
+            const T *b = l->bias;                                                                           \
+            for (int64_t i = 0; i < l->out; i++) y[i] = FROM_F32(TO_F32(y[i]) + TO_F32(b[i]));              \
+        }                                                                                                   \
+    }                                                                                                       \
+    void kv_decode_layers_##SUF(const kv_layer *layers, int64_t n_layers, T *x, const T *cs, const T *sn,   \
+                                float eps, float qk_eps, int64_t cap, int64_t pos, int64_t lo, int64_t H,   \
+                                int64_t Hkv, int64_t d, int64_t D, int64_t F, T *h, T *qkv, T *att, T *t,   \
+                                T *gu, float *fx, float *fy, int nt) {                                      \
+        for (int64_t n = 0; n < n_layers; n++) {                                                            \
+            const kv_layer *L = layers + n;                                                                 \
+            kv_rmsnorm_##SUF(x, L->attn_norm, h, D, eps);                                                   \
+            linear_##SUF(&L->qkv, h, qkv, fx, fy, nt);                                                      \
+            kv_attend_##SUF(qkv, cs, sn, L->q_norm, L->k_norm, qk_eps, L->k_cache, L->v_cache, cap, pos, lo, \
+                            H, Hkv, d, 1.0f / sqrtf((float)d), att, nt);                                    \
+            linear_##SUF(&L->o, att, t, fx, fy, nt);                                                        \
+            for (int64_t i = 0; i < D; i++) x[i] = FROM_F32(TO_F32(x[i]) + TO_F32(t[i]));                   \
+            kv_rmsnorm_##SUF(x, L->mlp_norm, h, D, eps);                                                    \
+            linear_##SUF(&L->gate_up, h, gu, fx, fy, nt);                                                   \
+            for (int64_t i = 0; i < F; i++) { /* silu(gate) * up, each rounded as torch rounds */           \
+                float g = TO_F32(gu[i]);                                                                    \
+                float s = TO_F32(FROM_F32(g / (1.0f + expf(-g))));                                          \
+                gu[i] = FROM_F32(s * TO_F32(gu[F + i]));                                                    \
+            }                                                                                               \
+            linear_##SUF(&L->down, gu, t, fx, fy, nt);                                                      \
+            for (int64_t i = 0; i < D; i++) x[i] = FROM_F32(TO_F32(x[i]) + TO_F32(t[i]));                   \
+        }                                                                                                   \
+    }
+
+DECODE(f32, float, f32_id, F32_TO)
+DECODE(bf16, uint16_t, bf16_to_f32, BF16_TO)
+#ifdef __FLT16_MAX__
+DECODE(f16, _Float16, f16_to_f32, F16_TO)
+#endif

@@ -101,6 +101,9 @@ class Kernels:
             self._float[dtype] = self._declare("kv_matvec_" + suffix, [p, p, p, i64, i64, i32])
             self._norm[dtype] = self._declare("kv_rmsnorm_" + suffix, [p, p, p, i64, f32])
             self._attend[dtype] = self._declare("kv_attend_" + suffix, [p] * 5 + [f32, p, p] + [i64] * 6 + [f32, p, i32])
+        self._decode = {dtype: self._declare("kv_decode_layers_" + SUFFIX[dtype],
+                                             [p, i64, p, p, p, f32, f32] + [i64] * 8 + [p] * 7 + [i32])
+                        for dtype in self._float}
         self._quant = {mode: self._declare(name, [p, p, p, p, i64, i64, i64, i32]) for mode, name in QUANT_FUNCS.items()}
         self._quantize = self._declare("kv_quantize", [p, p, p, p, i64, i64, i64, i32, i32])
         self._dequant = {mode: self._declare(name.replace("matvec", "dequant"), [p, p, p, i64, i64, i64, i32])
@@ -298,3 +301,88 @@ def status() -> str:
         return f"torch (no kvchat kernels: {_reason})"
     types = ", ".join(sorted(str(d).removeprefix("torch.") for d in k.dtypes) + sorted(k.modes))
     return f"kvchat kernels ({k.isa}; {types})"
+
+
+class _Linear(ctypes.Structure):  # kv_linear in cpu_kernels.c
+    _fields_ = [("w", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("out", ctypes.c_int64), ("in_", ctypes.c_int64), ("group", ctypes.c_int64), ("mode", ctypes.c_int64)]
+
+
+class _Layer(ctypes.Structure):  # kv_layer in cpu_kernels.c
+    _fields_ = [("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
+                ("k_norm", ctypes.c_void_p), ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear),
+                ("down", _Linear), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+
+
+class DecodeLayers:
+    """A model's blocks as kv_decode_layers reads them, so that a decode step's layers run in one call
+    with nothing crossing into Python between them. Built once the model is final (the loader does);
+    it holds the tensors it points at, so a module swapped later cannot leave it reading freed memory."""
+
+    def __init__(self, kernels: Kernels, model):
+        from .model import KernelLinear
+        from .quant import QuantLinear
+        cfg = model.cfg
+        self.dtype = model.norm.weight.dtype
+        self.fn = kernels._decode[self.dtype]
+        self.kept: list[torch.Tensor] = []
+        self.layers = (_Layer * len(model.layers))()
+        self.cache_at: tuple | None = None  # the cache (addresses and shape) the layers point into
+
+        def addr(t):
+            if t is None:
+                return None
+            if not (t.is_cpu and t.is_contiguous()):
+                raise ValueError("a weight is not a contiguous CPU tensor")
+            self.kept.append(t)
+            return t.data_ptr()
+
+        def linear(m) -> _Linear:
+            bias = addr(m.bias)
+            if type(m) is KernelLinear and m.weight.dtype == self.dtype:
+                return _Linear(addr(m.weight), None, bias, m.out_features, m.in_features, m.in_features, 0)
+            if isinstance(m, QuantLinear) and m.decoder is kernels:
+                return _Linear(addr(m.codes), addr(m.scales), bias, m.out_features, m.in_features, m.group_size,
+                               8 if m.mode == "int8" else 4)
+            raise ValueError(f"{type(m).__name__} has no kernel layout")
+
+        for layer, block in zip(self.layers, model.layers):
+            a = block.attn
+            layer.attn_norm, layer.mlp_norm = addr(block.attn_norm.weight), addr(block.mlp_norm.weight)
+            layer.q_norm = addr(None if a.q_norm is None else a.q_norm.weight)
+            layer.k_norm = addr(None if a.k_norm is None else a.k_norm.weight)
+            layer.qkv, layer.o = linear(a.qkv), linear(a.o)
+            layer.gate_up, layer.down = linear(block.mlp.gate_up), linear(block.mlp.down)
+        self.qk_eps = cfg.rms_norm_eps if cfg.qk_norm else 0.0
+        self.eps, self.window = cfg.rms_norm_eps, cfg.sliding_window
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.hidden, self.mlp = cfg.hidden_size, cfg.intermediate_size
+        width = (self.heads + 2 * self.kv_heads) * self.head_dim
+        linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        new = lambda n, dt=self.dtype: torch.empty(n, dtype=dt)  # noqa: E731
+        self.scratch = [new(self.hidden), new(width), new(self.heads * self.head_dim), new(self.hidden),
+                        new(2 * self.mlp), new(max(lin.in_ for lin in linears), torch.float32),
+                        new(max(lin.out for lin in linears), torch.float32)]  # h, qkv, att, t, gu, fx, fy
+        self.scratch_at = [t.data_ptr() for t in self.scratch]
+        self.kernels = kernels
+
+    def usable(self, cache) -> bool:
+        """Whether this step can run on `cache`: a plain one of the model's type, batch 1, on the CPU."""
+        from .kv_cache import KVCache
+        return type(cache) is KVCache and cache.batch == 1 and cache.k.dtype == self.dtype and cache.k.is_cpu
+
+    def run(self, x: torch.Tensor, cache, pos: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """x [D] (the embedded token, updated in place to the last block's output); writes the position's
+        K/V into `cache`; cos, sin [d] the rope tables' row for `pos`."""
+        if not 0 <= pos < cache.capacity:
+            raise ValueError(f"position {pos} is outside the cache's {cache.capacity}")
+        at = (cache.k.data_ptr(), cache.v.data_ptr(), tuple(cache.k.shape))
+        if at != self.cache_at:  # another cache (or another one at the same address): point every layer at it
+            for i, layer in enumerate(self.layers):
+                layer.k_cache, layer.v_cache = cache.k[i, 0].data_ptr(), cache.v[i, 0].data_ptr()
+            self.cache_at = at
+        lo = 0 if self.window is None else max(0, pos - self.window + 1)
+        x_, cos_, sin_ = self.kernels._memory(x, cos, sin)
+        self.fn(self.layers, len(self.layers), x_, cos_, sin_, self.eps, self.qk_eps, cache.capacity, pos, lo,
+                self.heads, self.kv_heads, self.head_dim, self.hidden, self.mlp, *self.scratch_at,
+                torch.get_num_threads())

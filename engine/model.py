@@ -200,11 +200,17 @@ class KernelLinear(nn.Linear):
 
 
 def use_kernels(model: "Transformer", kernels) -> None:
-    """Route the CPU decode step's norms, attention and output head through kvchat's kernels."""
+    """Route the CPU decode step through kvchat's kernels: all the blocks in one call where every linear
+    has a kernel layout (kernels.DecodeLayers), and the norms, attention and output head module by module."""
+    from .kernels import DecodeLayers
     model.head_kernels = kernels
     for m in model.modules():
         if isinstance(m, (RMSNorm, Attention)):
             m.kernels = kernels
+    try:
+        model.decode_layers = DecodeLayers(kernels, model)
+    except ValueError:  # a layer the C step cannot read: the module path serves it
+        model.decode_layers = None
 
 
 def kernel_linear(kernels, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -324,6 +330,7 @@ class Transformer(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope_length = rope_length or cfg.max_position_embeddings
         self.head_kernels = None  # kernels.Kernels for a one-row output head on the CPU (set by the loader)
+        self.decode_layers = None  # kernels.DecodeLayers: a CPU decode step's blocks in one call (use_kernels)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
@@ -348,8 +355,13 @@ class Transformer(nn.Module):
             raise ValueError(f"{start + T} positions exceed the cache capacity of {cache.capacity}")
         cos, sin = self.rope_tables(start + T)
         cos, sin = cos[start:start + T, None], sin[start:start + T, None]  # [T, 1, d]
-        mask = attention_mask(start, T, self.cfg.sliding_window, ids.device)
         x = self.embed(ids)  # [B, T, D]
+        if B * T == 1 and self.decode_layers is not None and self.decode_layers.usable(cache):  # CPU decode
+            x = x.reshape(-1)  # [D], a fresh row: the blocks update it in place
+            self.decode_layers.run(x, cache, start, cos.reshape(-1), sin.reshape(-1))
+            cache.length = start + 1
+            return self._head(x.view(B, T, -1))
+        mask = attention_mask(start, T, self.cfg.sliding_window, ids.device)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, mask, cache, i, start)
         if cache is not None:

@@ -115,6 +115,7 @@ def test_decoding_through_the_kernels_matches_torchs_kernels(tmp_path, monkeypat
     path = make_checkpoint(tmp_path, family, **extra)
     fast = load_model(path, dtype=dtype)
     assert isinstance(fast.model.layers[0].attn.qkv, KernelLinear) and fast.model.layers[0].attn.kernels is K
+    assert fast.model.decode_layers is not None  # the blocks of a decode step run in one C call
     monkeypatch.setattr(kernels, "load", lambda: None)
     plain = load_model(path, dtype=dtype)
     assert plain.model.layers[0].attn.kernels is None and fast.model.head_kernels is K
@@ -131,14 +132,51 @@ def test_decoding_through_the_kernels_matches_torchs_kernels(tmp_path, monkeypat
             token = want[:, -1].argmax(-1, keepdim=True)
 
 
+def _decode(model, cache, prompt, steps):
+    """Greedy logits of a prompt and `steps` decode steps: [steps + 1, V]."""
+    out, token = [], prompt
+    with torch.inference_mode():
+        for _ in range(steps + 1):
+            out.append(model(token, cache, last_only=True)[0, -1])
+            token = out[-1].argmax().view(1, 1)
+    return torch.stack(out)
+
+
 @needs_kernels
-@pytest.mark.parametrize("weights,group", [("int8", 0), ("int8", 64), ("int4", 32)])
-def test_quantized_layers_decode_through_the_kernels(llama_dir, weights, group):
-    loaded = load_model(llama_dir, weights=weights, group_size=group)
+@pytest.mark.parametrize("weights,group,dtype", [("int8", 0, "float32"), ("int8", 64, "float32"),
+                                                 ("int4", 32, "float32"), ("int4", 32, "bfloat16")])
+def test_quantized_layers_decode_through_the_kernels(llama_dir, weights, group, dtype):
+    loaded = load_model(llama_dir, weights=weights, group_size=group, dtype=dtype)
     ql = loaded.model.layers[0].mlp.gate_up
     assert isinstance(ql, QuantLinear) and ql.decoder is K
-    x = torch.randn(1, 1, ql.in_features)
-    close(ql(x), F.linear(x, ql.dequantized_weight()), 1e-5)
+    x = torch.randn(1, 1, ql.in_features).to(loaded.dtype)
+    close(ql(x), F.linear(x.float(), ql.dequantized_weight(torch.float32)), 1e-5 if dtype == "float32" else 1e-2)
+    cfg, model = loaded.config, loaded.model
+    prompt = torch.arange(5, 17)[None]
+    caches = [KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 40, loaded.dtype, "cpu") for _ in range(2)]
+    assert model.decode_layers is not None
+    fast = _decode(model, caches[0], prompt, 12)  # every block of a step in one C call
+    model.decode_layers = None
+    modules = _decode(model, caches[1], prompt, 12)  # module by module
+    close(fast, modules, 1e-5 if dtype == "float32" else 2e-2)
+
+
+@needs_kernels
+def test_the_one_call_step_follows_the_cache_it_is_given(llama_dir):
+    """A new cache (another capacity, maybe at the same address) is written where it lies."""
+    loaded = load_model(llama_dir)
+    cfg, model = loaded.config, loaded.model
+    prompt = torch.arange(5, 15)[None]
+    for capacity in (64, 24, 64, 33):
+        cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity, torch.float32, "cpu")
+        fast = _decode(model, cache, prompt, 8)
+        model.decode_layers, keep = None, model.decode_layers
+        want_cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity, torch.float32, "cpu")
+        want = _decode(model, want_cache, prompt, 8)
+        model.decode_layers = keep
+        close(fast, want, 1e-5)
+        close(cache.k[:, :, :, :cache.length], want_cache.k[:, :, :, :cache.length], 1e-5)
+        del cache
 
 
 def test_without_kernels_the_engine_runs_torchs(no_kernels, llama_dir):
