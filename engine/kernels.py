@@ -155,10 +155,12 @@ class Kernels:
         self._quantize(w_, *args, scales_, out, n, group, QMAX[mode], torch.get_num_threads())
         return codes, scales
 
-    def dequantize(self, mode: str, codes: torch.Tensor, scales: torch.Tensor, in_features: int, group: int) -> torch.Tensor:
-        """The float32 weight [out, in] = s · q of int8 codes or int4 codes two a byte, in one pass."""
+    def dequantize(self, mode: str, codes: torch.Tensor, scales: torch.Tensor, in_features: int, group: int,
+                   into: torch.Tensor | None = None) -> torch.Tensor:
+        """The float32 weight [out, in] = s · q of int8 codes or int4 codes two a byte, in one pass (into
+        `into` when given: a float32 [out, in] buffer)."""
         out = scales.shape[0]
-        w = torch.empty(out, in_features, dtype=torch.float32)
+        w = torch.empty(out, in_features, dtype=torch.float32) if into is None else into
         self._dequant[mode](*self._memory(codes, scales, w), out, in_features, group, torch.get_num_threads())
         return w
 

@@ -88,12 +88,13 @@ class QuantLinear(nn.Module):
     """A Linear whose weight is stored as group-wise int8/int4 codes and their scales.
 
     On the CPU one-row products (decode) run kvchat's kernels (kernels.py) straight on the codes
-    and float32 scales, any group size, activations in float32. Where those kernels are not built,
+    and float32 scales, any group size, activations in float32; many rows (prefill) dequantize into a
+    reused buffer in one pass and multiply in float32. Where those kernels are not built,
     two layouts run torch's packed kernels with bfloat16 activations (their fast path): int8 with one
     scale per output channel (`_weight_int8pack_mm`), and int4 group-wise
     (`_weight_int4pack_mm_for_cpu`, whose layout replaces our nibble packing and whose scales are
-    bfloat16: a scale is rounded to 8 significant bits, ≤ 0.4% of s). Many-row products (prefill)
-    use int8pack where it applies; every other case dequantizes the weight for each call.
+    bfloat16: a scale is rounded to 8 significant bits, ≤ 0.4% of s); every other case dequantizes
+    the weight for each call.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mode: str, group_size: int):
@@ -107,7 +108,7 @@ class QuantLinear(nn.Module):
         self.decoder = kernels.for_mode(mode) if weight.device.type == "cpu" else None  # one-row products
         if self.decoder is not None:  # quantized in one pass, straight into the layout the kernels read
             stored, scales = self.decoder.quantize(mode, weight, self.group_size)  # [N, K] | [N, K/2] uint8, [N, K/g]
-            self.kernel = "int8pack" if mode == "int8" and self.group_size == self.in_features else None
+            self.kernel = None  # prefill: dequantized into a reused buffer, then float32 (faster than int8pack here)
         else:
             codes, scales = quantize(weight.detach(), mode, self.group_size)  # [N, K], [N, K/g]
             self.kernel = self._choose_kernel(weight.device, codes, scales)
@@ -187,7 +188,11 @@ class QuantLinear(nn.Module):
                 y = _int4pack_mm(xk, self.codes, self.group_size, self.scales_and_zeros)
             y = y.reshape(*shape[:-1], self.out_features).to(x.dtype)
             return y if self.bias is None else y + self.bias
-        from .model import many_rows_linear
+        from .model import many_rows_linear, weight_scratch
+        if self.decoder is not None:  # dequantized into a reused buffer (prefill)
+            w = self.decoder.dequantize(self.mode, self.codes, self.scales, self.in_features, self.group_size,
+                                        weight_scratch((self.out_features, self.in_features)))
+            return many_rows_linear(x, w if x.dtype == torch.float32 else w.to(x.dtype), self.bias)
         return many_rows_linear(x, self.dequantized_weight(x.dtype), self.bias)
 
 

@@ -227,3 +227,13 @@ def test_each_instruction_set_variant_agrees_with_torch(tmp_path, flags, isa):
     if isa is not None:
         assert k.isa == isa
     assert k.dtypes == {torch.float32, torch.bfloat16, torch.float16} and k.modes == {"int8", "int4"}
+
+
+def test_the_prefill_weight_buffer_is_reused_in_and_out_of_inference_mode():
+    from engine.model import weight_scratch
+    with torch.inference_mode():
+        a = weight_scratch((4, 8))
+        a.fill_(2)
+    b = weight_scratch((2, 8))  # outside inference mode: still writable (a normal tensor)
+    b.copy_(torch.ones(2, 8))
+    assert b.data_ptr() == a.data_ptr() and weight_scratch((64, 64)).numel() == 4096
