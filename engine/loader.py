@@ -213,7 +213,7 @@ class _Reader:
                     self._copy_large(path, name, out[name])
         return out
 
-    LARGE = 32 * 2**20  # values: an embedding or output head
+    LARGE = 4 * 2**20  # values (16 MiB in float32): embeddings, output heads, the largest projections
 
     def _copy_large(self, path: Path, name: str, dst: torch.Tensor) -> None:
         """A large tensor, each chunk of rows through a fresh mapping of the file: the pages read stay
