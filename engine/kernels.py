@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .kv_cache import KVCache
+
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 QUANT_FUNCS = {"int8": "kv_matvec_q8", "int4": "kv_matvec_q4"}
@@ -370,7 +372,6 @@ class DecodeLayers:
 
     def usable(self, cache) -> bool:
         """Whether this step can run on `cache`: a plain one of the model's type, batch 1, on the CPU."""
-        from .kv_cache import KVCache
         return type(cache) is KVCache and cache.batch == 1 and cache.k.dtype == self.dtype and cache.k.is_cpu
 
     def run(self, x: torch.Tensor, cache, pos: int, cos: torch.Tensor, sin: torch.Tensor) -> None:

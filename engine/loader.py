@@ -183,49 +183,37 @@ class _Reader:
             raise ModelLoadError(f"tensor {name!r} has shape {tuple(shape)}, "
                                  f"config.json implies {self.expected[name]}", path)
 
-    def _copy_into(self, f, path: Path, name: str, dst: torch.Tensor) -> None:
-        """Copy a tensor into `dst` (any dtype/device) a few thousand rows at a time: never a whole
-        second copy in memory (reading the 545 MB float32 embedding of Qwen2.5-0.5B whole, then
-        casting it, had held it twice: the load's peak for quantized models)."""
-        sl = f.get_slice(name)
-        shape = sl.get_shape()
-        self._check(path, name, shape)
-        if len(shape) <= 1:
-            dst.copy_(sl[:])
-            return
-        for a in range(0, shape[0], self.ROWS_PER_CHUNK):
-            b = min(shape[0], a + self.ROWS_PER_CHUNK)
-            dst[a:b].copy_(sl[a:b])
-
-    def read(self, names: list[str], dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-        """name -> tensor in `dtype` on `device`; each file opened once. Always a copy: a tensor
-        safetensors hands out may view the mapped file, and keeping one would keep the whole
-        mapping (and its pages) alive."""
-        out = {}
-        for path, group in self._by_file(names).items():
-            with self._opened(path) as f:
-                for name in group:
-                    out[name] = torch.empty(self.expected[name], dtype=dtype, device=device)
-                    if math.prod(self.expected[name]) < self.LARGE:
-                        self._copy_into(f, path, name, out[name])
-            for name in group:
-                if math.prod(self.expected[name]) >= self.LARGE:
-                    self._copy_large(path, name, out[name])
-        return out
-
     LARGE = 4 * 2**20  # values (16 MiB in float32): embeddings, output heads, the largest projections
 
-    def _copy_large(self, path: Path, name: str, dst: torch.Tensor) -> None:
-        """A large tensor, each chunk of rows through a fresh mapping of the file: the pages read stay
-        mapped (and counted in the process's memory) only while their chunk is copied, where one
-        mapping for the whole tensor held it twice (545 MB on Qwen2.5-0.5B: the peak of a quantized load)."""
-        rows = self.expected[name][0]
-        for a in range(0, rows, self.ROWS_PER_CHUNK):
-            b = min(rows, a + self.ROWS_PER_CHUNK)
-            with self._opened(path) as f:
-                sl = f.get_slice(name)
+    def _copy_into(self, path: Path, name: str, dst: torch.Tensor, f=None) -> None:
+        """Copy a tensor into `dst` (any dtype/device) a few thousand rows at a time, never a whole
+        second copy in memory. With `f`, through that open file; without, each chunk through a fresh
+        mapping of the file, so the pages read stay mapped (and counted in the process's memory) only
+        while their chunk is copied: one mapping for the whole 545 MB float32 embedding of
+        Qwen2.5-0.5B held it twice, the peak of a quantized load."""
+        shape = self.expected[name]
+        spans = [(0, shape[0])] if len(shape) <= 1 else \
+            [(a, min(shape[0], a + self.ROWS_PER_CHUNK)) for a in range(0, shape[0], self.ROWS_PER_CHUNK)]
+        for a, b in spans:
+            with contextlib.nullcontext(f) if f is not None else self._opened(path) as g:
+                sl = g.get_slice(name)
                 self._check(path, name, sl.get_shape())
                 dst[a:b].copy_(sl[a:b])
+
+    def read(self, names: list[str], dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+        """name -> tensor in `dtype` on `device`; each file opened once for its small tensors, large ones
+        a chunk per mapping. Always a copy: a tensor safetensors hands out may view the mapped file,
+        and keeping one would keep the whole mapping (and its pages) alive."""
+        out = {name: torch.empty(self.expected[name], dtype=dtype, device=device) for name in names}
+        for path, group in self._by_file(names).items():
+            large = [n for n in group if math.prod(self.expected[n]) >= self.LARGE]
+            with self._opened(path) as f:
+                for name in group:
+                    if name not in large:
+                        self._copy_into(path, name, out[name], f)
+            for name in large:
+                self._copy_into(path, name, out[name])
+        return out
 
     def read_one(self, name: str, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
         return nn.Parameter(self.read([name], dtype, device)[name], requires_grad=False)
@@ -238,7 +226,7 @@ class _Reader:
         for path, group in self._by_file(names).items():
             with self._opened(path) as f:
                 for name in group:
-                    self._copy_into(f, path, name, dst[offset[name]:offset[name] + rows[name]])
+                    self._copy_into(path, name, dst[offset[name]:offset[name] + rows[name]], f)
         return dst
 
     def read_transposed(self, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -167,11 +167,14 @@ class QuantLinear(nn.Module):
             return _int4pack_mm(eye, self.codes, self.group_size, ones).t().round().to(torch.int8)
         return unpack_int4(self.codes) if self.mode == "int4" else self.codes
 
+    def _kernel_weight(self, into: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, K] float32 = s · q in one pass in C (into `into` when given): what prefill multiplies by."""
+        return self.decoder.dequantize(self.mode, self.codes, self.scales, self.in_features, self.group_size, into)
+
     def dequantized_weight(self, dtype=None) -> torch.Tensor:
         dtype = dtype or self.compute_dtype
-        if self.decoder is not None:  # one pass in C: what prefill multiplies by
-            w = self.decoder.dequantize(self.mode, self.codes, self.scales, self.in_features, self.group_size)
-            return w.to(dtype)
+        if self.decoder is not None:
+            return self._kernel_weight().to(dtype)
         return dequantize(self.weight_codes(), self.scale_values(), dtype)  # [N, K]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -190,8 +193,7 @@ class QuantLinear(nn.Module):
             return y if self.bias is None else y + self.bias
         from .model import many_rows_linear, weight_scratch
         if self.decoder is not None:  # dequantized into a reused buffer (prefill)
-            w = self.decoder.dequantize(self.mode, self.codes, self.scales, self.in_features, self.group_size,
-                                        weight_scratch((self.out_features, self.in_features)))
+            w = self._kernel_weight(weight_scratch((self.out_features, self.in_features)))
             return many_rows_linear(x, w if x.dtype == torch.float32 else w.to(x.dtype), self.bias)
         return many_rows_linear(x, self.dequantized_weight(x.dtype), self.bias)
 
