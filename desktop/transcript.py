@@ -3,15 +3,89 @@
 from __future__ import annotations
 
 import html
+import math
 
-from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QGuiApplication
+from PySide6.QtCore import QSize, Qt, Signal
+from PySide6.QtGui import QGuiApplication, QTextCursor
 from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QScrollArea, QSizePolicy,
-                               QVBoxLayout, QWidget)
+                               QTextEdit, QVBoxLayout, QWidget)
 
 ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System"}
 STATUS_NOTES = {"stopped": "stopped", "incomplete": "incomplete (the app closed mid-reply)", "failed": "failed",
                 "length": "stopped at the token limit", "streaming": "generating…"}
+
+
+class WrapLabel(QLabel):
+    """A word-wrapped QLabel that remembers its height per width until its text changes.
+
+    QLabel lays its whole text out again on every heightForWidth call, and the transcript's layout asks
+    every message whenever one grows: while a reply streams, each update re-laid out every message
+    above it (a long prompt cost the engine ~10% of a 2-core machine). Heights of unchanged text are
+    answered from here.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._heights: dict[int, int] = {}
+        self.setWordWrap(True)
+
+    def setText(self, text: str) -> None:
+        if text != self.text():
+            self._heights.clear()
+            super().setText(text)
+
+    def setTextFormat(self, fmt) -> None:
+        if fmt != self.textFormat():
+            self._heights.clear()
+            super().setTextFormat(fmt)
+
+    def heightForWidth(self, w: int) -> int:
+        h = self._heights.get(w)
+        if h is None:
+            h = self._heights[w] = super().heightForWidth(w)
+        return h
+
+    def minimumSizeHint(self) -> QSize:  # QLabel's lays the text out at width 0: a line per word
+        fm = self.fontMetrics()
+        return QSize(fm.averageCharWidth() * 12, fm.lineSpacing())
+
+    def sizeHint(self) -> QSize:  # the height at the width it has (one cached layout), not at a guessed one
+        w = self.width() if self.width() > 0 else self.fontMetrics().averageCharWidth() * 80
+        return QSize(w, self.heightForWidth(w))
+
+
+class StreamView(QTextEdit):
+    """The text of a reply while it streams: new text is appended to the document, so Qt lays out and
+    paints only the last paragraph, where a label lays out and paints the whole reply on every update
+    (7-16 ms per redraw at a few thousand characters; the engine's cores pay for it). Its height follows
+    the document; the transcript scrolls, not this view."""
+
+    def __init__(self):
+        super().__init__()
+        self.setReadOnly(True)
+        self.setFrameShape(QFrame.NoFrame)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
+        self.setVerticalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
+        self.setSizePolicy(QSizePolicy.Preferred, QSizePolicy.Fixed)
+        self.setTextInteractionFlags(Qt.TextSelectableByMouse)
+        self.document().setDocumentMargin(0)
+        self.document().documentLayout().documentSizeChanged.connect(self._fit)
+        self.shown = ""  # the text in the document
+        self._fit()
+
+    def show_text(self, text: str) -> None:
+        if text.startswith(self.shown) and self.shown:
+            cursor = QTextCursor(self.document())
+            cursor.movePosition(QTextCursor.End)
+            cursor.insertText(text[len(self.shown):])
+        else:
+            self.setPlainText(text)
+        self.shown = text
+
+    def _fit(self, *_) -> None:
+        h = max(self.fontMetrics().lineSpacing(), math.ceil(self.document().size().height()))
+        if h != self.height():
+            self.setFixedHeight(h)
 
 
 class MessageView(QFrame):
@@ -69,12 +143,12 @@ class MessageView(QFrame):
             b.setFlat(True)
             b.setCursor(Qt.PointingHandCursor)
         lay.addLayout(head)
-        self.body = QLabel()
+        self.body = WrapLabel()
         self.body.setObjectName("messageBody")
-        self.body.setWordWrap(True)
         self.body.setTextInteractionFlags(Qt.TextSelectableByMouse | Qt.LinksAccessibleByMouse)
         self.body.setSizePolicy(QSizePolicy.Preferred, QSizePolicy.Minimum)
         lay.addWidget(self.body)
+        self.stream: StreamView | None = None  # made when a reply streams into this view
         self.editor = QPlainTextEdit()
         self.editor.setObjectName("messageEditor")
         self.editor.setVisible(False)
@@ -107,12 +181,26 @@ class MessageView(QFrame):
             self.body.setText(html.escape(text[:a]).replace("\n", "<br>")
                               + f"<span style='background:#f0c05a;color:#111'>{html.escape(text[a:b]) or '&#8203;'}</span>"
                               + html.escape(text[b:]).replace("\n", "<br>"))
-        elif status == "streaming":  # plain while it grows (a Markdown re-layout per redraw costs the
-            self.body.setTextFormat(Qt.PlainText)  # engine CPU); Markdown once the reply is done
-            self.body.setText(text or "…")
+        elif status == "streaming":  # plain text appended while it grows; Markdown once the reply is done
+            if self.stream is None:
+                self.stream = StreamView()
+                self.stream.setObjectName("messageStream")
+                self.layout().insertWidget(self.layout().indexOf(self.body), self.stream)
+                self.body.setVisible(False)
+            self.stream.show_text(text or "…")
+            self._set_status(status, tokens)
+            return
         else:
             self.body.setTextFormat(Qt.MarkdownText)
             self.body.setText(text)
+        if self.stream is not None:
+            self.stream.setParent(None)
+            self.stream.deleteLater()
+            self.stream = None
+            self.body.setVisible(not self.editor.isVisible())
+        self._set_status(status, tokens)
+
+    def _set_status(self, status: str, tokens: int | None) -> None:
         self.statusLabel.setText(STATUS_NOTES.get(status, ""))
         self.tokensLabel.setText("" if tokens is None else f"{tokens} tokens")
 
