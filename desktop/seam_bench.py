@@ -50,25 +50,18 @@ def engine_alone(model: str, dtype: str, messages: list, new_tokens: int, thread
     return last.trace
 
 
-def _arrival_probe_class():
+def _arrival_probe(arrivals: list, now):
+    """A QObject whose slot records (time, tokens, GUI thread CPU time) as each batch of events reaches
+    the GUI thread (Qt is imported here, not at the top: the engine-alone child process imports this
+    module too)."""
     from PySide6.QtCore import QObject, Slot
 
     class ArrivalProbe(QObject):
-        """Records (time, tokens, GUI thread CPU time) as each batch of events reaches the GUI thread."""
-
-        def __init__(self, arrivals: list, now):
-            super().__init__()
-            self.arrivals, self.now = arrivals, now
-
         @Slot(int, list)
         def on_events(self, _rid: int, batch: list) -> None:
-            self.arrivals.append((self.now(), sum(e["type"] == "token" for e in batch), time.thread_time()))
+            arrivals.append((now(), sum(e["type"] == "token" for e in batch), time.thread_time()))
 
-    return ArrivalProbe
-
-
-def _ArrivalProbe(arrivals: list, now):
-    return _arrival_probe_class()(arrivals, now)
+    return ArrivalProbe()
 
 
 class App:
@@ -100,7 +93,7 @@ class App:
         self.window.replyFinished.connect(lambda final: (self.finished.append(final), self.wake.set()))
         # A QObject's slot, so that it runs on the GUI thread: a plain lambda connected to the worker's
         # signal would run on the worker thread, at emission, and time nothing of the GUI.
-        self.probe = _ArrivalProbe(self.arrivals, now)
+        self.probe = _arrival_probe(self.arrivals, now)
         self.window.worker.events.connect(self.probe.on_events)
         self.timer = QTimer()
         self.timer.setInterval(tick_ms)
