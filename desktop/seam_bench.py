@@ -68,7 +68,8 @@ class App:
     """The real window, styled as the app styles it, on the qasync loop, offscreen, with a lag probe: a
     timer on the GUI thread."""
 
-    def __init__(self, model: str, dtype: str, new_tokens: int, data: Path, tick_ms: int):
+    def __init__(self, model: str, dtype: str, new_tokens: int, data: Path, tick_ms: int,
+                 batch_seconds: float | None = None):
         from PySide6.QtCore import QTimer
         from PySide6.QtWidgets import QApplication
         import qasync
@@ -85,7 +86,8 @@ class App:
         self.app.setStyleSheet(STYLE)  # as the app runs: the style sheet is a good part of painting's cost
         self.loop = qasync.QEventLoop(self.app, already_running=False)
         asyncio.set_event_loop(self.loop)
-        self.window = MainWindow(data)
+        from .worker import BATCH_SECONDS, EngineWorker, WorkerThread
+        self.window = MainWindow(data, WorkerThread(EngineWorker(batch_seconds or BATCH_SECONDS)))
         self.window.show()
         self.ready, self.finished, self.arrivals, self.ticks = [], [], [], []
         self.wake = asyncio.Event()
@@ -131,6 +133,9 @@ class App:
         if final["type"] != "finished":
             raise RuntimeError(final.get("error", "the reply failed"))
         token_batches = [(t, n, c) for t, n, c in self.arrivals if n]
+        if len(token_batches) < 2:
+            raise RuntimeError("the whole reply reached the GUI in one batch: no rate to measure "
+                               "(ask for more --new-tokens or a shorter --batch-ms)")
         first_t, first_n, first_cpu = token_batches[0]
         last_t, _, last_cpu = token_batches[-1]
         total = sum(n for _, n, _ in token_batches)
@@ -157,6 +162,8 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--tick-ms", type=int, default=TICK_MS, help="the lag probe's timer interval")
+    ap.add_argument("--batch-ms", type=float, default=None, help="the worker's signal batching interval "
+                    "(default: the app's)")
     ap.add_argument("--repeats", type=int, default=3, help="alternating runs, alone and through the app")
     ap.add_argument("--json", action="store_true")
     ns = ap.parse_args(argv)
@@ -177,7 +184,8 @@ def main(argv=None) -> int:
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
             pool.submit(write_random_checkpoint, Path(model), ns.shape).result()
             os.environ["KVCHAT_THREADS"] = str(threads)
-            app = App(model, ns.dtype, ns.new_tokens, Path(tmp) / "data", ns.tick_ms)
+            app = App(model, ns.dtype, ns.new_tokens, Path(tmp) / "data", ns.tick_ms,
+                      ns.batch_ms / 1000 if ns.batch_ms else None)
             try:
                 for _ in range(ns.repeats):
                     alone.append(pool.submit(engine_alone, model, ns.dtype, [{"role": "user", "content": text}],

@@ -1,7 +1,7 @@
 """The main window: conversations, transcript and composer, the inference panel; and the chat logic.
 
 Replies are consumed as an async stream of engine events on the qasync loop. Widgets are
-refreshed by a 50 ms timer (about 20 updates a second) from plain state, never per token.
+refreshed by a timer (at most 10 updates a second, fewer when redraws cost too much) from plain state, never per token.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from .store import Store, StoreError
 from .transcript import MessageView, Transcript
 from .worker import WorkerThread
 
-REFRESH_MS = 50  # the fastest the streaming text redraws (20 times a second)
+REFRESH_MS = 100  # the fastest the streaming text redraws (10 times a second)
 SLOWEST_REFRESH_MS = 400
 GUI_CPU_BUDGET = 0.04  # share of one core the redraws may take while a reply streams
-PANEL_EVERY_S = 0.25  # the panel's figures ~4 times a second while a reply streams (and once at its end)
+PANEL_EVERY_S = 0.5  # the panel's figures twice a second while a reply streams (and once at its end)
 # Repainting the styled window costs CPU that the engine's threads share (on a 2-core machine,
 # ~10% of a core at 10 redraws a second slowed decoding ~10%: python -m desktop.seam_bench), so
 # the redraw interval adapts to keep the GUI thread within its budget.

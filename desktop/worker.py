@@ -2,7 +2,7 @@
 
 Requests go in through a queue; engine events come out as Qt signals carrying plain Python
 values (no tensors cross the thread boundary). Token events are batched: one signal per
-~50 ms (the fastest the window redraws), not one per token. Stop sets a threading.Event the engine checks between tokens and
+~100 ms (the fastest the window redraws), not one per token. Stop sets a threading.Event the engine checks between tokens and
 between prefill chunks.
 """
 
@@ -20,7 +20,7 @@ from engine.errors import EngineError
 from engine.events import Failed, Finished, PrefillDone, PrefillProgress, PrefillStarted, Token
 from engine.trace import summarize
 
-BATCH_SECONDS = 0.05
+BATCH_SECONDS = 0.1
 
 
 def event_to_dict(ev) -> dict:

@@ -93,13 +93,14 @@ def test_seam_bench_reports_gui_rate_and_event_loop_lag():
     import subprocess
     import sys
     r = subprocess.run([sys.executable, "-m", "desktop.seam_bench", "--shape", "tiny", "--prompt-tokens", "40",
-                        "--new-tokens", "400", "--repeats", "2", "--json"], capture_output=True, text=True, timeout=300)
+                        "--new-tokens", "400", "--repeats", "2", "--batch-ms", "5", "--json"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["tokens_received"] == 400 and out["repeats"] == 2 and len(out["runs"]) == 2
     assert out["engine_alone_decode_tok_s"] > 0 and out["gui_received_decode_tok_s"] > 0
     assert out["gui_vs_engine_alone"] == round(out["gui_received_decode_tok_s"] / out["engine_alone_decode_tok_s"], 3)
     assert out["timer_ticks"] > 0 and out["event_loop_max_lag_ms"] >= 0 and 0 < out["gui_thread_busy"] < 1
+    assert 0 < out["gui_thread_busy_decoding"] < 1
 
 
 def test_redraw_interval_adapts_to_the_gui_cpu_budget(qtbot, make_window, llama_dir):
