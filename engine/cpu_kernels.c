@@ -191,12 +191,29 @@ void kv_matvec_q4(const uint8_t *q, const float *s, const float *x, float *y, in
         xe[i] = x[2 * i];
         xo[i] = x[2 * i + 1];
     }
+#if KV_LANES == 16
+    const vf values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1); /* nibble -> q */
+#endif
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t o = 0; o < out; o++) {
         const uint8_t *r = q + o * half;
         const float *so = s + o * groups;
         float a = 0;
-#if KV_LANES
+#if KV_LANES == 16
+        if (hg % KV_LANES == 0) { /* a nibble becomes its dequantized weight s·q by a 16-entry table */
+            vf a0 = vzero(), a1 = vzero();
+            for (int64_t j = 0; j < groups; j++) {
+                vf table = vmul(vset1(so[j]), values);
+                for (int64_t i = j * hg; i < (j + 1) * hg; i += KV_LANES) {
+                    vi b = vload_u8_i32(r + i);
+                    a0 = vfma(_mm512_permutexvar_ps(vi_and(b, 15), table), vload(xe + i), a0);
+                    a1 = vfma(_mm512_permutexvar_ps(vi_shr4(b), table), vload(xo + i), a1);
+                }
+            }
+            y[o] = vsum(vadd(a0, a1));
+            continue;
+        }
+#elif KV_LANES
         if (hg % KV_LANES == 0) {
             vf acc = vzero();
             for (int64_t j = 0; j < groups; j++) {
