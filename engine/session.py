@@ -60,8 +60,10 @@ def fingerprint_change(old: dict | None, new: dict) -> str | None:
     return "cache dropped: " + ", ".join(parts)
 
 
-PREFILL_CHUNK = 512  # positions per prefill step: progress and Stop between steps; 256 was 2-12% slower
-# here (SmolLM2 shape, 2 cores: a second step re-reads the weights and attends through a mask)
+PREFILL_CHUNK = 256  # positions per prefill step: progress and Stop act between steps. 512 prefilled 2-12%
+# faster in a direct measurement on the SmolLM2 shape (fewer weight passes, no mask), a gain lost in the
+# benchmark's noise, and its activations raised small quantized models' peak memory by 13 MB (SmolLM2
+# int4: 1.29x -> 1.37x of weights + KV; `python -m engine bench --engines kvchat`)
 
 
 class Session:
