@@ -9,10 +9,22 @@ from desktop.worker import EngineWorker, event_to_dict
 def test_thousands_of_signal_emits_from_a_thread(qapp, loop, spin_loop):
     """Guards the PySide6 pin: 6.12.0 on Python 3.11 aborts after ~1000 emits ("bool_dealloc")."""
     from desktop.client import EngineClient
+    from PySide6.QtCore import QObject, Slot
+
+    class Receiver(QObject):  # a QObject's slot runs on the GUI thread (a lambda would run on the emitter's)
+        def __init__(self):
+            super().__init__()
+            self.got, self.threads = [], set()
+
+        @Slot(int, list)
+        def on_events(self, _rid, batch):
+            self.got.extend(batch)
+            self.threads.add(threading.current_thread())
     worker = EngineWorker()
     client = EngineClient(worker)
-    got = []
-    worker.events.connect(lambda rid, batch: got.extend(batch))
+    receiver = Receiver()
+    got = receiver.got
+    worker.events.connect(receiver.on_events)
     n = 5000
 
     def blast():
@@ -23,6 +35,7 @@ def test_thousands_of_signal_emits_from_a_thread(qapp, loop, spin_loop):
     spin_loop(lambda: len(got) == n, 60)
     t.join()
     assert [e["index"] for e in got] == list(range(n))
+    assert receiver.threads == {threading.main_thread()}  # every batch crossed to the GUI thread
     assert client is not None
 
 
