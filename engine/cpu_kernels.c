@@ -168,9 +168,14 @@ void kv_matvec_q8(const int8_t *q, const float *s, const float *x, float *y, int
         if (g % KV_LANES == 0) {
             vf acc = vzero();
             for (int64_t j = 0; j < groups; j++) {
-                vf p = vzero();
-                for (int64_t i = j * g; i < (j + 1) * g; i += KV_LANES) p = vfma(vload_i8(r + i), vload(x + i), p);
-                acc = vfma(vset1(so[j]), p, acc);
+                vf p = vzero(), p1 = vzero();
+                int64_t i = j * g;
+                for (; i + 2 * KV_LANES <= (j + 1) * g; i += 2 * KV_LANES) {
+                    p = vfma(vload_i8(r + i), vload(x + i), p);
+                    p1 = vfma(vload_i8(r + i + KV_LANES), vload(x + i + KV_LANES), p1);
+                }
+                for (; i < (j + 1) * g; i += KV_LANES) p = vfma(vload_i8(r + i), vload(x + i), p);
+                acc = vfma(vset1(so[j]), vadd(p, p1), acc);
             }
             y[o] = vsum(acc);
             continue;
