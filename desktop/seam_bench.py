@@ -79,6 +79,7 @@ class App:
         from .settings import Settings, open_settings
         from .style import STYLE
         from .window import MainWindow
+        from .worker import BATCH_SECONDS, EngineWorker, WorkerThread
         self.now, self.tick_ms = now, tick_ms
         os.environ["KVCHAT_DATA_DIR"] = str(data)
         Settings(model_dir=model, dtype=dtype, max_new_tokens=new_tokens, temperature=0.0).save(open_settings(data))
@@ -86,7 +87,6 @@ class App:
         self.app.setStyleSheet(STYLE)  # as the app runs: the style sheet is a good part of painting's cost
         self.loop = qasync.QEventLoop(self.app, already_running=False)
         asyncio.set_event_loop(self.loop)
-        from .worker import BATCH_SECONDS, EngineWorker, WorkerThread
         self.window = MainWindow(data, WorkerThread(EngineWorker(batch_seconds or BATCH_SECONDS)))
         self.window.show()
         self.ready, self.finished, self.arrivals, self.ticks = [], [], [], []

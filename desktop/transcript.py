@@ -188,19 +188,14 @@ class MessageView(QFrame):
                 self.layout().insertWidget(self.layout().indexOf(self.body), self.stream)
                 self.body.setVisible(False)
             self.stream.show_text(text or "…")
-            self._set_status(status, tokens)
-            return
         else:
             self.body.setTextFormat(Qt.MarkdownText)
             self.body.setText(text)
-        if self.stream is not None:
+        if self.stream is not None and (self.highlight is not None or status != "streaming"):  # back to the label
             self.stream.setParent(None)
             self.stream.deleteLater()
             self.stream = None
             self.body.setVisible(not self.editor.isVisible())
-        self._set_status(status, tokens)
-
-    def _set_status(self, status: str, tokens: int | None) -> None:
         self.statusLabel.setText(STATUS_NOTES.get(status, ""))
         self.tokensLabel.setText("" if tokens is None else f"{tokens} tokens")
 

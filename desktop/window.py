@@ -1,7 +1,8 @@
 """The main window: conversations, transcript and composer, the inference panel; and the chat logic.
 
 Replies are consumed as an async stream of engine events on the qasync loop. Widgets are
-refreshed by a timer (at most 10 updates a second, fewer when redraws cost too much) from plain state, never per token.
+refreshed by a timer (at most 10 updates a second, fewer when redraws cost too much) from plain
+state, never per token.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Requests go in through a queue; engine events come out as Qt signals carrying plain Python
 values (no tensors cross the thread boundary). Token events are batched: one signal per
-~100 ms (the fastest the window redraws), not one per token. Stop sets a threading.Event the engine checks between tokens and
-between prefill chunks.
+~100 ms (the fastest the window redraws), not one per token. Stop sets a threading.Event the
+engine checks between tokens and between prefill chunks.
 """
 
 from __future__ import annotations
