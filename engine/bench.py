@@ -48,9 +48,8 @@ PAIRS = [("float32", "transformers", "float32"), ("bfloat16", "transformers", "b
          ("int8", "llama.cpp", "Q8_0"), ("int4", "llama.cpp", "Q4_0"), ("float32", "kvchat-uncached", "float32"),
          ("bfloat16", "kvchat-uncached", "bfloat16")]
 PLOT_CONTEXTS = (512, 1024, 2048, 4096)
-# the embedding's storage per value in each row's precision (kvchat keeps it in the activation dtype)
-EMBED_BYTES_PER_VALUE = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 4, "int4": 4,
-                         "F32": 4, "F16": 2, "Q8_0": 34 / 32, "Q4_0": 18 / 32}
+# the embedding's storage per value in each row's precision (kvchat's rows report their own: embed_bytes)
+EMBED_BYTES_PER_VALUE = {"float32": 4, "bfloat16": 2, "float16": 2, "F32": 4, "F16": 2, "Q8_0": 34 / 32, "Q4_0": 18 / 32}
 
 
 def add_arguments(p) -> None:
@@ -245,8 +244,9 @@ def _measure(engine: str, precision: str, a: dict) -> dict:
         row["load_s"] = round(now() - t0, 3)
         vocab = loaded.config.vocab_size
         prompt = _prompt(a["prompt_tokens"], vocab)
+        from .quant import weight_bytes
         row.update(weight_bytes=loaded.weight_bytes, kv_bytes_per_position=loaded.kv_bytes_per_position,
-                   weights=loaded.quantization)
+                   weights=loaded.quantization, embed_bytes=weight_bytes(loaded.model.embed))
         if engine == "kvchat":
             row["kv_allocated_bytes"] = (len(prompt) + n_new) * loaded.kv_bytes_per_position
 
@@ -435,7 +435,7 @@ def collect(ns, progress: bool | None = None) -> dict:
     for r in results:
         if "error" in r:
             continue
-        eb = embed_values * EMBED_BYTES_PER_VALUE[r["precision"]]
+        eb = r.get("embed_bytes") or embed_values * EMBED_BYTES_PER_VALUE[r["precision"]]
         per_token = bytes_per_token(r["weight_bytes"], eb, cfg.tie_word_embeddings, r["kv_bytes_per_position"], context)
         r["bytes_per_token"] = int(per_token)
         r["roofline_tok_s"] = round(roofline_tok_s(bandwidth, per_token), 2)

@@ -229,6 +229,10 @@ class _Reader:
                     self._copy_into(path, name, dst[offset[name]:offset[name] + rows[name]], f)
         return dst
 
+    def rows(self, name: str, dtype: torch.dtype, device: torch.device) -> "_Rows":
+        """A 2-D tensor as a row source: read a chunk at a time by whoever consumes it (quantization)."""
+        return _Rows(self, name, dtype, device)
+
     def read_transposed(self, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A [R, C] tensor straight into a [C, R] buffer, a few thousand rows at a time."""
         path = self.files[name]
@@ -241,6 +245,32 @@ class _Reader:
                 b = min(rows, a + self.ROWS_PER_CHUNK)
                 dst[:, a:b].copy_(sl[a:b].t())
             return dst
+
+
+@dataclasses.dataclass
+class _Rows:
+    """A checkpoint matrix that is read ROWS_PER_CHUNK rows at a time, each chunk in `dtype` on `device`
+    (engine.quant.QuantLinear takes one): its whole float copy never exists."""
+    reader: _Reader
+    name: str
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.reader.expected[self.name]
+
+    def row_chunks(self):
+        """(first row, [n, K] rows) for consecutive chunks."""
+        path, rows, step = self.reader.files[self.name], self.shape[0], self.reader.ROWS_PER_CHUNK
+        with self.reader._opened(path) as f:
+            sl = f.get_slice(self.name)
+            self.reader._check(path, self.name, sl.get_shape())
+        for a in range(0, rows, step):
+            chunk = torch.empty((min(rows, a + step) - a, *self.shape[1:]), dtype=self.dtype, device=self.device)
+            with self.reader._opened(path) as f:  # a fresh mapping per chunk, as _copy_into reads large tensors
+                chunk.copy_(f.get_slice(self.name)[a:a + len(chunk)])
+            yield a, chunk
 
 
 class _ReturnFreedMemory:
@@ -295,18 +325,21 @@ def _build_model(files: dict[str, Path], cfg: ModelConfig, dtype: torch.dtype, d
     peak memory is the final weights plus about one block (no whole-model float32 detour)."""
     from . import kernels
     from .model import EmbeddingT, LinearT, fast_cpu_linears, use_kernels
-    from .quant import quantize_model
+    from .quant import quantize_head, quantize_model
     expected = _expected(cfg)
     reader = _Reader(files, expected)
     kern = kernels.for_dtype(dtype) if device.type == "cpu" else None  # decode kernels, on the checkpoint's layout
     transposed = kern is None and device.type == "cpu" and dtype == torch.float32  # torch's fast one-row layout
     with torch.device("meta"):
         model = Transformer(cfg)
-    if transposed and cfg.tie_word_embeddings:
+    if weights != "none":  # quantized as they are read, a few thousand rows at a time
+        untied = None if cfg.tie_word_embeddings else reader.rows("lm_head.weight", dtype, device)
+        quantize_head(model, group_size, reader.rows("model.embed_tokens.weight", dtype, device), untied)
+    elif transposed and cfg.tie_word_embeddings:
         model.embed = EmbeddingT(reader.read_transposed("model.embed_tokens.weight", dtype, device))
     else:
         model.embed.weight = reader.read_one("model.embed_tokens.weight", dtype, device)
-    if not cfg.tie_word_embeddings:
+    if not cfg.tie_word_embeddings and weights == "none":
         if transposed:
             model.lm_head = LinearT(reader.read_transposed("lm_head.weight", dtype, device))
         else:

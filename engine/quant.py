@@ -71,6 +71,8 @@ def storage_bytes(num_values: int, mode: str, num_scales: int, scale_bytes: int 
     return math.ceil(num_values * BITS[mode] / 8) + num_scales * scale_bytes
 
 
+SCRATCH_VALUES = 4 * 2**20  # weight values a many-row product dequantizes at once (16 MiB in float32)
+HEAD_MODE = "int8"  # the output head and embedding under either weight mode (see quantize_head)
 KERNEL_DTYPE = torch.bfloat16  # activations and kernel scales of torch's packed CPU kernels
 _INT4_CHECKED: dict[tuple[int, int, int], bool] = {}  # (N, K, group) -> the int4 kernel agrees here
 
@@ -98,6 +100,9 @@ class QuantLinear(nn.Module):
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mode: str, group_size: int):
+        """weight [N, K]; or a row source with `shape`, `dtype`, `device` and `row_chunks()` yielding
+        (first row, [n, K] rows), for a matrix quantized a few thousand rows at a time as it is read
+        (an embedding or output head: its float copy never exists whole)."""
         super().__init__()
         check_mode(mode)
         self.mode, self.out_features, self.in_features = mode, weight.shape[0], weight.shape[1]
@@ -106,11 +111,11 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         from . import kernels
         self.decoder = kernels.for_mode(mode) if weight.device.type == "cpu" else None  # one-row products
-        if self.decoder is not None:  # quantized in one pass, straight into the layout the kernels read
-            stored, scales = self.decoder.quantize(mode, weight, self.group_size)  # [N, K] | [N, K/2] uint8, [N, K/g]
+        codes, scales = self._quantize_rows(weight.row_chunks() if hasattr(weight, "row_chunks") else [(0, weight)])
+        if self.decoder is not None:  # quantized straight into the layout the kernels read
+            stored = codes  # [N, K] int8 | [N, K/2] uint8
             self.kernel = None  # prefill: dequantized into a reused buffer, then float32 (faster than int8pack here)
         else:
-            codes, scales = quantize(weight.detach(), mode, self.group_size)  # [N, K], [N, K/g]
             self.kernel = self._choose_kernel(weight.device, codes, scales)
             stored = pack_int4(codes) if mode == "int4" else codes
         if self.kernel == "int4pack":
@@ -123,6 +128,23 @@ class QuantLinear(nn.Module):
             self.register_buffer("scales", scales)
             if self.kernel == "int8pack":
                 self.register_buffer("kernel_scales", scales.view(-1).to(KERNEL_DTYPE))  # [N]
+
+    def _quantize_rows(self, chunks) -> tuple[torch.Tensor, torch.Tensor]:
+        """(first row, [n, K] weight rows) chunks -> codes [N, K] int8 (the kernels' layout where they
+        serve: int4 two a byte, [N, K/2] uint8) and scales [N, K/g] float32."""
+        codes = scales = None
+        for a, w in chunks:
+            if self.decoder is not None:  # in one pass in C
+                c, s = self.decoder.quantize(self.mode, w, self.group_size)
+            else:
+                c, s = quantize(w.detach(), self.mode, self.group_size)
+            if a == 0 and len(c) == self.out_features:  # the whole matrix at once
+                return c, s
+            if codes is None:
+                codes = c.new_empty((self.out_features, *c.shape[1:]))
+                scales = s.new_empty((self.out_features, *s.shape[1:]))
+            codes[a:a + len(c)], scales[a:a + len(s)] = c, s
+        return codes, scales
 
     def _choose_kernel(self, device, codes, scales) -> str | None:
         if device.type != "cpu":
@@ -167,9 +189,11 @@ class QuantLinear(nn.Module):
             return _int4pack_mm(eye, self.codes, self.group_size, ones).t().round().to(torch.int8)
         return unpack_int4(self.codes) if self.mode == "int4" else self.codes
 
-    def _kernel_weight(self, into: torch.Tensor | None = None) -> torch.Tensor:
-        """[N, K] float32 = s · q in one pass in C (into `into` when given): what prefill multiplies by."""
-        return self.decoder.dequantize(self.mode, self.codes, self.scales, self.in_features, self.group_size, into)
+    def _kernel_weight(self, into: torch.Tensor | None = None, a: int = 0, b: int | None = None) -> torch.Tensor:
+        """Rows a:b (all by default) as float32 s · q, [b - a, K], in one pass in C (into `into` when
+        given): what prefill multiplies by."""
+        codes, scales = self.codes[a:b], self.scales[a:b]
+        return self.decoder.dequantize(self.mode, codes, scales, self.in_features, self.group_size, into)
 
     def dequantized_weight(self, dtype=None) -> torch.Tensor:
         dtype = dtype or self.compute_dtype
@@ -191,17 +215,50 @@ class QuantLinear(nn.Module):
                 y = _int4pack_mm(xk, self.codes, self.group_size, self.scales_and_zeros)
             y = y.reshape(*shape[:-1], self.out_features).to(x.dtype)
             return y if self.bias is None else y + self.bias
-        from .model import many_rows_linear, weight_scratch
-        if self.decoder is not None:  # dequantized into a reused buffer (prefill)
-            w = self._kernel_weight(weight_scratch((self.out_features, self.in_features)))
-            return many_rows_linear(x, w if x.dtype == torch.float32 else w.to(x.dtype), self.bias)
-        return many_rows_linear(x, self.dequantized_weight(x.dtype), self.bias)
+        from .model import many_rows_linear
+        rows = max(1, SCRATCH_VALUES // self.in_features)  # weight rows dequantized at a time
+        if rows >= self.out_features:
+            return many_rows_linear(x, self._float_rows(0, self.out_features, x.dtype), self.bias)
+        y = x.new_empty(*x.shape[:-1], self.out_features)  # [..., N], filled a slice of outputs at a time
+        for a in range(0, self.out_features, rows):
+            b = min(a + rows, self.out_features)
+            y[..., a:b] = many_rows_linear(x, self._float_rows(a, b, x.dtype), None if self.bias is None else self.bias[a:b])
+        return y
+
+    def _float_rows(self, a: int, b: int, dtype) -> torch.Tensor:
+        """Weight rows a:b as s · q in dtype, [b - a, K]: with the kernels, dequantized in one pass into
+        a reused buffer (float32, cast if the activations are not)."""
+        from .model import weight_scratch
+        if self.decoder is not None:
+            w = self._kernel_weight(weight_scratch((b - a, self.in_features)), a, b)
+            return w if dtype == torch.float32 else w.to(dtype)
+        codes = unpack_int4(self.codes[a:b]) if self.mode == "int4" else self.codes[a:b]
+        return dequantize(codes, self.scales[a:b], dtype)
+
+class QuantEmbedding(nn.Module):
+    """An embedding stored as a QuantLinear's codes and scales (`table`, [V, D]): a lookup dequantizes
+    only the rows it gathers, and a tied output head is the same table, so the matrix exists once."""
+
+    def __init__(self, table: QuantLinear):
+        super().__init__()
+        self.table = table
+
+    @property
+    def weight(self) -> torch.Tensor:  # [V, D] = s · q, dequantized whole (export, inspection)
+        return self.table.dequantized_weight()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [...] -> [..., D] = s · q of the gathered rows, in the model's dtype."""
+        t = self.table
+        codes, scales = t.weight_codes()[ids], t.scale_values()[ids]  # [..., D] int8, [..., D/g]
+        rows = codes.view(*ids.shape, scales.shape[-1], -1).float() * scales.unsqueeze(-1)  # [..., D/g, g]
+        return rows.view(*ids.shape, t.in_features).to(t.compute_dtype)
 
 
 def quantize_model(model: nn.Module, mode: str, group_size: int) -> int:
     """Quantize, then swap: every Linear inside the blocks (of a model, or of one block as the loader
-    streams them) becomes a QuantLinear. Embeddings and the output head stay in the model dtype.
-    Returns how many modules were swapped."""
+    streams them) becomes a QuantLinear; a whole model's embedding and output head too (quantize_head).
+    Returns how many block linears were swapped."""
     from .model import block_linears
     check_mode(mode)
     swapped = 0
@@ -209,7 +266,22 @@ def quantize_model(model: nn.Module, mode: str, group_size: int) -> int:
         g = group_size if group_size > 0 and child.in_features % group_size == 0 else child.in_features
         setattr(parent, name, QuantLinear(child.weight, child.bias, mode, g))
         swapped += 1
+    if hasattr(model, "embed"):
+        quantize_head(model, group_size)
     return swapped
+
+
+def quantize_head(model: nn.Module, group_size: int, embed=None, lm_head=None) -> None:
+    """The embedding and the output head (one matrix when tied) as HEAD_MODE codes, whichever mode the
+    blocks take: the head is read whole for every token, the largest matrix of a small model
+    (Qwen2.5-0.5B: 136M of 494M values), and it decides every token, so it keeps 8 bits, as
+    llama.cpp's quantizer keeps these shapes' output at Q8_0 in a Q4_0 file. `embed` and `lm_head`
+    are the weights (or the loader's row sources); the model's own by default."""
+    d = model.cfg.hidden_size
+    g = group_size if group_size > 0 and d % group_size == 0 else d
+    model.embed = QuantEmbedding(QuantLinear(model.embed.weight if embed is None else embed, None, HEAD_MODE, g))
+    if model.lm_head is not None:  # untied: a matrix of its own
+        model.lm_head = QuantLinear(model.lm_head.weight if lm_head is None else lm_head, None, HEAD_MODE, g)
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -99,16 +99,67 @@ def test_quant_linear(mode, group):
     assert rel < (0.01 if mode == "int8" else 0.15)
 
 
-def test_quantize_model_swaps_block_linears_and_counts_bytes(llama_dir):
+def test_quantize_model_swaps_block_linears_and_the_head_and_counts_bytes(llama_dir):
     loaded = load_model(llama_dir, weights="int4", group_size=16)
-    ql = [m for m in loaded.model.modules() if isinstance(m, QuantLinear)]
-    assert len(ql) == 4 * loaded.config.num_layers  # qkv, o, gate_up, down per block
+    m, cfg = loaded.model, loaded.config
+    blocks = [q for q in m.layers.modules() if isinstance(q, QuantLinear)]
+    assert len(blocks) == 4 * cfg.num_layers and {q.mode for q in blocks} == {"int4"}  # qkv, o, gate_up, down
+    heads = [m.embed.table, m.lm_head]  # untied: the embedding and the output head, each int8
+    assert all(isinstance(h, QuantLinear) and (h.mode, h.group_size) == ("int8", 16) for h in heads)
     full = load_model(llama_dir)
     assert weight_bytes(full.model) == sum(p.numel() * 4 for p in full.model.parameters())
-    linear_fp32 = sum(m.out_features * m.in_features * 4 for m in ql)
-    packed = sum(m.out_features * m.in_features // 2 + m.out_features * m.in_features // 16 * 4 for m in ql)
-    assert weight_bytes(loaded.model) == weight_bytes(full.model) - linear_fp32 + packed
+    vd = cfg.vocab_size * cfg.hidden_size
+    fp32 = sum(q.out_features * q.in_features * 4 for q in blocks) + 2 * vd * 4
+    packed = sum(q.out_features * q.in_features // 2 + q.out_features * q.in_features // 16 * 4 for q in blocks)
+    packed += 2 * (vd + vd // 16 * 4)  # int8 codes + a float32 scale per 16
+    assert weight_bytes(loaded.model) == weight_bytes(full.model) - fp32 + packed
     assert loaded.fingerprint["quantization"] == "int4/g16" and full.fingerprint["quantization"] == "none"
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_quantized_embedding_and_head_follow_the_definition(tmp_path, monkeypatch, tie):
+    """Read a few rows at a time (the loader's row source), the codes are the definition's codes of the
+    whole matrix; a lookup is s · q of its rows; the head's logits are x · (s · q)ᵀ; a tied matrix is
+    stored once."""
+    from checkpoints import make_checkpoint
+    from engine.loader import _Reader
+    monkeypatch.setattr(_Reader, "ROWS_PER_CHUNK", 100)  # 384 rows: four chunks, the last one short
+    d = make_checkpoint(tmp_path, "llama", tie=tie)
+    full, q = load_model(d), load_model(d, weights="int8", group_size=32)
+    table = q.model.embed.table
+    codes, scales = quantize(full.model.embed.weight, "int8", 32)
+    assert torch.equal(table.weight_codes(), codes) and torch.equal(table.scale_values(), scales)
+    ids = torch.tensor([[3, 0, 383, 3]])
+    torch.testing.assert_close(q.model.embed(ids), dequantize(codes, scales)[ids], rtol=0, atol=0)
+    head = table if tie else q.model.lm_head
+    assert (q.model.lm_head is None) == tie and head.mode == "int8"
+    w = dequantize(*quantize(full.model.head_weight, "int8", 32))  # [V, D]
+    x = torch.randn(1, 1, 64)
+    torch.testing.assert_close(q.model._head(x), torch.nn.functional.linear(q.model.norm(x), w), rtol=1e-5, atol=1e-5)
+    vd = full.config.vocab_size * 64
+    heads_fp32, heads_int8 = (1 if tie else 2) * vd * 4, (1 if tie else 2) * (vd + vd // 32 * 4)
+    blocks = [m for m in q.model.layers.modules() if isinstance(m, QuantLinear)]
+    blocks_fp32 = sum(m.out_features * m.in_features * 4 for m in blocks)
+    assert weight_bytes(q.model) == weight_bytes(full.model) - blocks_fp32 - heads_fp32 + \
+        sum(m.storage_bytes for m in blocks) + heads_int8
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_many_rows_dequantize_a_slice_of_the_weight_at_a_time(monkeypatch, mode):
+    """Prefill through a large matrix (an output head) never dequantizes it whole: the outputs are
+    filled a slice at a time, and equal the whole product."""
+    import engine.quant as quant
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 200, bias=True)
+    ql = QuantLinear(lin.weight, lin.bias, mode, 16)
+    x = torch.randn(2, 7, 64)
+    want = ql(x)
+    monkeypatch.setattr(quant, "SCRATCH_VALUES", 64 * 30)  # 30 rows at a time: seven slices
+    spans, rows = [], QuantLinear._float_rows
+    monkeypatch.setattr(QuantLinear, "_float_rows", lambda self, a, b, dt: spans.append((a, b)) or rows(self, a, b, dt))
+    torch.testing.assert_close(ql(x), want, rtol=1e-6, atol=1e-6)
+    assert spans == [(a, min(a + 30, 200)) for a in range(0, 200, 30)]
+    torch.testing.assert_close(want, torch.nn.functional.linear(x, ql.dequantized_weight(), lin.bias), rtol=1e-4, atol=1e-4)
 
 
 def test_quantized_kv_cache_bytes_count_the_scales():
