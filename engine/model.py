@@ -346,7 +346,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rope_length = rope_length or cfg.max_position_embeddings
+        self.rope_length = rope_length or 0  # positions the rotary tables cover at least
         self.head_kernels = None  # kernels.Kernels for a one-row output head on the CPU (set by the loader)
         self.decode_layers = None  # kernels.DecodeLayers: a CPU decode step's blocks in one call (use_kernels)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -356,11 +356,13 @@ class Transformer(nn.Module):
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
     def rope_tables(self, length: int):
-        """cos, sin [length, d], built once per dtype/device and grown when a longer context comes."""
+        """cos, sin [≥ length, d], built once per dtype/device and doubled when a longer context comes:
+        sized by the context in use, not by max_position_embeddings (32,768 positions of Qwen2.5 take
+        16 MiB of tables and twice that while they are built)."""
         w = self.norm.weight
         if self._rope is None or self._rope[0].shape[0] < length or self._rope[0].dtype != w.dtype \
                 or self._rope[0].device != w.device:
-            n = max(length, self.rope_length)
+            n = max(self.rope_length, 1 << max(10, (length - 1).bit_length()))  # a power of two, ≥ 1024
             self._rope = cos_sin_table(self.cfg.rope, self.cfg.head_dim, n, w.dtype, w.device)
         return self._rope
 
