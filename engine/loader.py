@@ -229,9 +229,9 @@ class _Reader:
                     self._copy_into(path, name, dst[offset[name]:offset[name] + rows[name]], f)
         return dst
 
-    def rows(self, name: str, dtype: torch.dtype, device: torch.device) -> "_Rows":
-        """A 2-D tensor as a row source: read a chunk at a time by whoever consumes it (quantization)."""
-        return _Rows(self, name, dtype, device)
+    def rows(self, names: list[str], dtype: torch.dtype, device: torch.device) -> "_Rows":
+        """2-D tensors stacked along rows as a row source, read a chunk at a time by whoever consumes it."""
+        return _Rows(self, names, dtype, device)
 
     def read_transposed(self, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A [R, C] tensor straight into a [C, R] buffer, a few thousand rows at a time."""
@@ -249,28 +249,35 @@ class _Reader:
 
 @dataclasses.dataclass
 class _Rows:
-    """A checkpoint matrix that is read ROWS_PER_CHUNK rows at a time, each chunk in `dtype` on `device`
-    (engine.quant.QuantLinear takes one): its whole float copy never exists."""
+    """Checkpoint matrices stacked along rows (one, or fused q/k/v and gate/up), read a chunk of rows
+    at a time (at most ROWS_PER_CHUNK rows and LARGE values), each chunk in `dtype` on `device`, through
+    a fresh mapping of the file: engine.quant.QuantLinear quantizes them chunk by chunk, so their
+    float copy never exists whole."""
     reader: _Reader
-    name: str
+    names: list[str]
     dtype: torch.dtype
     device: torch.device
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.reader.expected[self.name]
+        first = self.reader.expected[self.names[0]]
+        return (sum(self.reader.expected[n][0] for n in self.names), *first[1:])
 
     def row_chunks(self):
         """(first row, [n, K] rows) for consecutive chunks."""
-        path, rows, step = self.reader.files[self.name], self.shape[0], self.reader.ROWS_PER_CHUNK
-        with self.reader._opened(path) as f:
-            sl = f.get_slice(self.name)
-            self.reader._check(path, self.name, sl.get_shape())
-        for a in range(0, rows, step):
-            chunk = torch.empty((min(rows, a + step) - a, *self.shape[1:]), dtype=self.dtype, device=self.device)
-            with self.reader._opened(path) as f:  # a fresh mapping per chunk, as _copy_into reads large tensors
-                chunk.copy_(f.get_slice(self.name)[a:a + len(chunk)])
-            yield a, chunk
+        r = self.reader
+        step = max(1, min(r.ROWS_PER_CHUNK, r.LARGE // math.prod(self.shape[1:])))
+        offset = 0
+        for name in self.names:
+            path, rows = r.files[name], r.expected[name][0]
+            for a in range(0, rows, step):
+                chunk = torch.empty((min(rows, a + step) - a, *self.shape[1:]), dtype=self.dtype, device=self.device)
+                with r._opened(path) as f:
+                    sl = f.get_slice(name)
+                    r._check(path, name, sl.get_shape())
+                    chunk.copy_(sl[a:a + len(chunk)])
+                yield offset + a, chunk
+            offset += rows
 
 
 class _ReturnFreedMemory:
@@ -297,35 +304,66 @@ class _ReturnFreedMemory:
         return False
 
 
-def _block_state(reader: _Reader, cfg: ModelConfig, i: int, dtype, device) -> dict[str, torch.Tensor]:
-    """One block's tensors under the module's names, q/k/v and gate/up read straight into their fused buffers."""
+LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # a block's linears, by module path
+
+
+def _block_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
+    """One block's tensors under the module's names -> the checkpoint tensors each is read from
+    (several: stacked along rows, as q/k/v and gate/up are fused)."""
     p = f"model.layers.{i}."
     a = p + "self_attn."
-    plain = {"attn.o.weight": a + "o_proj.weight", "mlp.down.weight": p + "mlp.down_proj.weight",
-             "attn_norm.weight": p + "input_layernorm.weight", "mlp_norm.weight": p + "post_attention_layernorm.weight"}
-    if cfg.o_bias:
-        plain["attn.o.bias"] = a + "o_proj.bias"
-    if cfg.qk_norm:
-        plain["attn.q_norm.weight"] = a + "q_norm.weight"
-        plain["attn.k_norm.weight"] = a + "k_norm.weight"
-    got = reader.read(list(plain.values()), dtype, device)
-    out = {mine: got[theirs] for mine, theirs in plain.items()}
-    out["attn.qkv.weight"] = reader.read_cat([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
-                                             dtype, device)
+    out = {"attn.qkv.weight": [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
+           "attn.o.weight": [a + "o_proj.weight"],
+           "mlp.gate_up.weight": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+           "mlp.down.weight": [p + "mlp.down_proj.weight"],
+           "attn_norm.weight": [p + "input_layernorm.weight"], "mlp_norm.weight": [p + "post_attention_layernorm.weight"]}
     if cfg.qkv_bias:
-        out["attn.qkv.bias"] = reader.read_cat([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"], dtype, device)
-    out["mlp.gate_up.weight"] = reader.read_cat([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], dtype, device)
+        out["attn.qkv.bias"] = [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]
+    if cfg.o_bias:
+        out["attn.o.bias"] = [a + "o_proj.bias"]
+    if cfg.qk_norm:
+        out["attn.q_norm.weight"], out["attn.k_norm.weight"] = [a + "q_norm.weight"], [a + "k_norm.weight"]
     return out
+
+
+def _block_state(reader: _Reader, sources: dict[str, list[str]], dtype, device) -> dict[str, torch.Tensor]:
+    """Tensors by module name, fused ones read straight into their stacked buffers."""
+    single = {mine: theirs[0] for mine, theirs in sources.items() if len(theirs) == 1}
+    got = reader.read(list(single.values()), dtype, device)
+    out = {mine: got[theirs] for mine, theirs in single.items()}
+    out.update({mine: reader.read_cat(theirs, dtype, device) for mine, theirs in sources.items() if len(theirs) > 1})
+    return out
+
+
+def _load_block(reader: _Reader, cfg: ModelConfig, i: int, block: nn.Module, dtype, device, weights: str,
+                group_size: int) -> None:
+    """Block i's weights into `block` (on the meta device until now). Quantized, each linear is built
+    from its rows a chunk at a time, so no float copy of the block exists (Qwen2.5-0.5B: 59 MB)."""
+    from .quant import QuantLinear, group_for
+    sources = _block_sources(cfg, i)
+    if weights == "none":
+        block.load_state_dict(_block_state(reader, sources, dtype, device), strict=True, assign=True)
+        return
+    linear_weights = {path + ".weight" for path in LINEARS}
+    state = _block_state(reader, {k: v for k, v in sources.items() if k not in linear_weights}, dtype, device)
+    for path in LINEARS:
+        parent, name = path.split(".")
+        rows = reader.rows(sources[path + ".weight"], dtype, device)
+        setattr(getattr(block, parent), name, QuantLinear(rows, state.pop(path + ".bias", None), weights,
+                                                          group_for(rows.shape[1], group_size)))
+    block.load_state_dict(state, strict=False, assign=True)
 
 
 def _build_model(files: dict[str, Path], cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                  weights: str, group_size: int) -> Transformer:
     """The model, streamed block by block from the files into its final form: each block is read,
-    fused, cast, put on the device and then quantized or transposed before the next one is read, so
-    peak memory is the final weights plus about one block (no whole-model float32 detour)."""
+    fused, cast, put on the device and transposed or packed before the next one is read, so peak
+    memory is the final weights plus about one block (no whole-model float32 detour); quantized
+    weights, the embedding and head included, are quantized a chunk of rows at a time as they are
+    read (peak: the final weights plus one chunk, at most 16 MiB)."""
     from . import kernels
     from .model import EmbeddingT, LinearT, fast_cpu_linears, use_kernels
-    from .quant import quantize_head, quantize_model
+    from .quant import quantize_head
     expected = _expected(cfg)
     reader = _Reader(files, expected)
     kern = kernels.for_dtype(dtype) if device.type == "cpu" else None  # decode kernels, on the checkpoint's layout
@@ -333,8 +371,8 @@ def _build_model(files: dict[str, Path], cfg: ModelConfig, dtype: torch.dtype, d
     with torch.device("meta"):
         model = Transformer(cfg)
     if weights != "none":  # quantized as they are read, a few thousand rows at a time
-        untied = None if cfg.tie_word_embeddings else reader.rows("lm_head.weight", dtype, device)
-        quantize_head(model, group_size, reader.rows("model.embed_tokens.weight", dtype, device), untied)
+        untied = None if cfg.tie_word_embeddings else reader.rows(["lm_head.weight"], dtype, device)
+        quantize_head(model, group_size, reader.rows(["model.embed_tokens.weight"], dtype, device), untied)
     elif transposed and cfg.tie_word_embeddings:
         model.embed = EmbeddingT(reader.read_transposed("model.embed_tokens.weight", dtype, device))
     else:
@@ -346,12 +384,8 @@ def _build_model(files: dict[str, Path], cfg: ModelConfig, dtype: torch.dtype, d
             model.lm_head.weight = reader.read_one("lm_head.weight", dtype, device)
     model.norm.weight = reader.read_one("model.norm.weight", dtype, device)
     for i, block in enumerate(model.layers):
-        state = _block_state(reader, cfg, i, dtype, device)
-        block.load_state_dict(state, strict=True, assign=True)
-        del state
-        if weights != "none":
-            quantize_model(block, weights, group_size)
-        elif device.type == "cpu":
+        _load_block(reader, cfg, i, block, dtype, device, weights, group_size)
+        if weights == "none" and device.type == "cpu":
             fast_cpu_linears([block], dtype)
     if kern is not None:
         use_kernels(model, kern)

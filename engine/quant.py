@@ -255,6 +255,12 @@ class QuantEmbedding(nn.Module):
         return rows.view(*ids.shape, t.in_features).to(t.compute_dtype)
 
 
+def group_for(in_features: int, group_size: int) -> int:
+    """The group size a matrix with rows of `in_features` takes: `group_size` where it divides the
+    row, else one scale per output channel (the whole row)."""
+    return group_size if 0 < group_size and in_features % group_size == 0 else in_features
+
+
 def quantize_model(model: nn.Module, mode: str, group_size: int) -> int:
     """Quantize, then swap: every Linear inside the blocks (of a model, or of one block as the loader
     streams them) becomes a QuantLinear; a whole model's embedding and output head too (quantize_head).
@@ -263,8 +269,7 @@ def quantize_model(model: nn.Module, mode: str, group_size: int) -> int:
     check_mode(mode)
     swapped = 0
     for parent, name, child in list(block_linears(getattr(model, "layers", [model]))):
-        g = group_size if group_size > 0 and child.in_features % group_size == 0 else child.in_features
-        setattr(parent, name, QuantLinear(child.weight, child.bias, mode, g))
+        setattr(parent, name, QuantLinear(child.weight, child.bias, mode, group_for(child.in_features, group_size)))
         swapped += 1
     if hasattr(model, "embed"):
         quantize_head(model, group_size)
@@ -277,8 +282,7 @@ def quantize_head(model: nn.Module, group_size: int, embed=None, lm_head=None) -
     (Qwen2.5-0.5B: 136M of 494M values), and it decides every token, so it keeps 8 bits, as
     llama.cpp's quantizer keeps these shapes' output at Q8_0 in a Q4_0 file. `embed` and `lm_head`
     are the weights (or the loader's row sources); the model's own by default."""
-    d = model.cfg.hidden_size
-    g = group_size if group_size > 0 and d % group_size == 0 else d
+    g = group_for(model.cfg.hidden_size, group_size)
     model.embed = QuantEmbedding(QuantLinear(model.embed.weight if embed is None else embed, None, HEAD_MODE, g))
     if model.lm_head is not None:  # untied: a matrix of its own
         model.lm_head = QuantLinear(model.lm_head.weight if lm_head is None else lm_head, None, HEAD_MODE, g)
