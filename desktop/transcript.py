@@ -97,6 +97,7 @@ class MessageView(QFrame):
     def __init__(self, message, branch_index: int, branch_count: int):
         super().__init__()
         self.message = message
+        self.branch = (branch_index, branch_count)
         self.setObjectName(f"message-{message.role}")
         self.setProperty("role", message.role)
         self.setFrameShape(QFrame.StyledPanel)
@@ -198,6 +199,19 @@ class MessageView(QFrame):
             self.body.setVisible(not self.editor.isVisible())
         self.statusLabel.setText(STATUS_NOTES.get(status, ""))
         self.tokensLabel.setText("" if tokens is None else f"{tokens} tokens")
+        self.shown = (text, status, tokens)
+
+    def can_show(self, message, branch_index: int, branch_count: int) -> bool:
+        """Whether this view can show `message` at that branch position by updating its text alone (no
+        highlight, no open editor): a redraw of the transcript keeps such views instead of rebuilding them."""
+        return (self.message.id, self.branch) == (message.id, (branch_index, branch_count)) \
+            and self.highlight is None and not self.editor.isVisible()
+
+    def show_message(self, message) -> None:
+        """The stored state of the message this view shows (its text, status and token count)."""
+        self.message = message
+        if self.shown != (message.content, message.status, message.token_count):
+            self.set_content(message.content, message.status, message.token_count)
 
     def set_highlight(self, start: int, end: int) -> None:
         """Mark where invalidation began: the message glows, the changed token is highlighted."""
@@ -259,11 +273,15 @@ class Transcript(QScrollArea):
             self.verticalScrollBar().setValue(hi)
 
     def clear(self) -> None:
-        for v in self.views:
+        self.truncate(0)
+
+    def truncate(self, keep: int) -> None:
+        """Remove the views after the first `keep`."""
+        for v in self.views[keep:]:
             v.setParent(None)
             v.deleteLater()
-        self.views = []
-        self.hint.setVisible(True)
+        del self.views[keep:]
+        self.hint.setVisible(not self.views)
 
     def add(self, view: MessageView) -> None:
         self.lay.insertWidget(self.lay.count() - 1, view)

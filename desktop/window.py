@@ -247,20 +247,28 @@ class MainWindow(QMainWindow):
 
     # --- transcript --------------------------------------------------------------------
     def render_transcript(self) -> None:
-        self.transcript.clear()
-        if self.current_cid is None:
-            self._update_buttons()
-            return
-        for m in self.store.branch(self.current_cid):
+        """Show the current branch. Views that still show the same message at the same branch position
+        are kept (their text updated if it changed), so sending, finishing or editing lays out only
+        the messages that changed, not a long conversation from the top."""
+        rows = []
+        for m in self.store.branch(self.current_cid) if self.current_cid is not None else []:
             sibs = self.store.siblings(m)
-            idx = next(i for i, s in enumerate(sibs) if s.id == m.id)
-            view = MessageView(m, idx, len(sibs))
+            rows.append((m, next(i for i, s in enumerate(sibs) if s.id == m.id), len(sibs)))
+        views = self.transcript.views
+        keep = 0
+        while keep < min(len(views), len(rows)) and views[keep].can_show(*rows[keep]):
+            views[keep].show_message(rows[keep][0])
+            keep += 1
+        self.transcript.truncate(keep)
+        for m, idx, count in rows[keep:]:
+            view = MessageView(m, idx, count)
             view.editSubmitted.connect(self.edit_message)
             view.branchRequested.connect(self.switch_branch)
             view.selected.connect(self.select_message)
             view.compareRequested.connect(self.compare_reply)
-            view.editButton.setEnabled(not self.generating)
             self.transcript.add(view)
+        for view in self.transcript.views:
+            view.editButton.setEnabled(not self.generating)
         self._update_buttons()
 
     def select_message(self, mid: int) -> None:

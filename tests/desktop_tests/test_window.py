@@ -95,6 +95,31 @@ def test_edit_an_earlier_message_branches_and_shows_the_invalidation(qtbot, make
     assert views[1].message.content == first["text"]
 
 
+def test_a_new_exchange_keeps_the_views_above_it_and_an_edit_rebuilds_from_the_edit(qtbot, make_window, spin_loop,
+                                                                                      demo_model_dir):
+    """Sending lays out only the new messages: a long conversation is not rebuilt from the top for each
+    reply (it would block the GUI thread while the engine prefills)."""
+    w = make_window(demo_model_dir)
+    first = send(qtbot, w, spin_loop, BUDGET)
+    kept = list(w.transcript.views)
+    second = send(qtbot, w, spin_loop, "What should I see first?")
+    views = w.transcript.views
+    assert views[:2] == kept and len(views) == 4  # the same view objects, two new ones below
+    assert views[1].body.text() == first["text"] and views[1].stream is None  # the finished reply, as Markdown
+    assert views[3].message.content == second["text"] and views[3].stream is None
+    assert views[3].tokensLabel.text() == f"{second['trace']['tokens']} tokens"
+    assert views[2].tokensLabel.text().endswith(" tokens")  # the count the engine reported for the prompt
+    qtbot.mouseClick(views[2].editButton, Qt.LeftButton)
+    views[2].editor.setPlainText("What should I eat first?")
+    got = []
+    w.replyFinished.connect(got.append)
+    qtbot.mouseClick(views[2].saveButton, Qt.LeftButton)
+    spin_loop(lambda: got)
+    views = w.transcript.views
+    assert views[:2] == kept and views[2] is not kept[0] and views[2].branchLabel.text() == "2/2"
+    assert views[2].message.content == "What should I eat first?" and views[3].message.content == got[0]["text"]
+
+
 def test_stop_mid_reply_keeps_the_text_and_marks_it_stopped(qtbot, make_window, spin_loop, llama_dir):
     w = make_window(llama_dir, max_new_tokens=3000, capacity=4000)
     qtbot.keyClicks(w.composer, "Hello")
