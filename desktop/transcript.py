@@ -82,8 +82,11 @@ class StreamView(QTextEdit):
             self.setPlainText(text)
         self.shown = text
 
+    GROW_LINES = 1
+
     def _fit(self, *_) -> None:
-        h = max(self.fontMetrics().lineSpacing(), math.ceil(self.document().size().height()))
+        step = self.fontMetrics().lineSpacing() * self.GROW_LINES
+        h = max(step, math.ceil(math.ceil(self.document().size().height()) / step) * step)
         if h != self.height():
             self.setFixedHeight(h)
 

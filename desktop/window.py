@@ -90,7 +90,6 @@ class MainWindow(QMainWindow):
         self.timer.setInterval(REFRESH_MS)
         self.timer.timeout.connect(self._refresh)
         self._cpu_mark = (now(), time.thread_time())
-        self.timer.start()
         self.load_model()
 
     # --- layout ------------------------------------------------------------------------
@@ -284,7 +283,7 @@ class MainWindow(QMainWindow):
                 self.stats_by_message[mid] = st
         if st is not None:
             self.stats = st
-            self._dirty = True
+            self._mark_dirty()
 
     def switch_branch(self, mid: int, delta: int) -> None:
         if self.generating:
@@ -490,7 +489,7 @@ class MainWindow(QMainWindow):
                 self._guard(self.store.update_message, assistant.id, content=text,
                             token_count=old_tokens + self.stats.tokens)
                 last_save = now()
-            self._dirty = True
+            self._mark_dirty()
         status = {"eos": "complete", "stop_string": "complete", "max_new_tokens": "length", "capacity": "length",
                   "cancelled": "stopped"}.get(final.get("reason"), "failed")
         if final["type"] == "finished":
@@ -512,7 +511,7 @@ class MainWindow(QMainWindow):
                 a = highlight[1]
                 width = len((self.stats.reuse.get("new_token") or {}).get("text", "").strip()) or 1
                 view.set_highlight(a, a + width)
-        self._dirty = True
+        self._mark_dirty()
         self._refresh()
         self.replyFinished.emit(final)
 
@@ -560,10 +559,19 @@ class MainWindow(QMainWindow):
         if interval != self.timer.interval():
             self.timer.setInterval(interval)
 
+    def _mark_dirty(self) -> None:
+        """Something the redraw shows changed: redraw at the next tick (the timer runs only while there
+        is something to redraw: an idle timer costs the GUI thread ~1% of a core under qasync)."""
+        self._dirty = True
+        if not self.timer.isActive() and not self._closing:
+            self.timer.start()
+
     def _refresh(self) -> None:
         """The throttled redraw: the streaming message's text and the panel, at most every timer tick."""
         self._adapt_refresh()
         if not self._dirty:
+            if not self.generating:
+                self.timer.stop()
             return
         self._dirty = False
         if self.streaming_mid is not None:
