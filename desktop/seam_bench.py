@@ -8,7 +8,10 @@ GUI thread records how late each tick fires while the reply streams (targets: GU
 engine alone, lag ≤ 50 ms). The lag probe is an instrument with a cost of its own (a 10 ms timer
 under qasync takes ~2% of a core, more than the app's redraws), so the app's rate is measured
 in replies without it, the lag in replies with it, and the rate with the probe running is reported
-too.
+too. Each repeat runs the engine alone and then the app, back to back, and the headline ratio is
+the median of those paired ratios: a shared machine's speed drifts between levels for seconds at
+a time (this one's memory bandwidth between ~32 and ~47 GB/s), and the two runs of a pair share
+the level far more often than two medians over the whole run do.
 """
 
 from __future__ import annotations
@@ -169,7 +172,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tick-ms", type=int, default=TICK_MS, help="the lag probe's timer interval")
     ap.add_argument("--batch-ms", type=float, default=None, help="the worker's signal batching interval "
                     "(default: the app's)")
-    ap.add_argument("--repeats", type=int, default=3, help="alternating runs, alone and through the app")
+    ap.add_argument("--repeats", type=int, default=7, help="alternating runs, alone and through the app")
     ap.add_argument("--json", action="store_true")
     ns = ap.parse_args(argv)
     from engine.bench import SHAPES, write_random_checkpoint
@@ -207,9 +210,11 @@ def main(argv=None) -> int:
               "engine_alone_decode_tok_s": round(engine_tok_s, 3),
               "engine_in_app_decode_tok_s": round(med(r["trace"]["decode_tok_s"] for r in inside), 3),
               "gui_received_decode_tok_s": round(gui_tok_s, 3),
-              "gui_vs_engine_alone": round(gui_tok_s / engine_tok_s, 3),
+              "gui_vs_engine_alone": round(med(r["gui_decode_tok_s"] / a["decode_tok_s"] for a, r in zip(alone, inside)), 3),
+              "gui_vs_engine_alone_of_medians": round(gui_tok_s / engine_tok_s, 3),
               "gui_received_with_lag_probe_decode_tok_s": round(med(r["gui_decode_tok_s"] for r in probed), 3),
-              "gui_with_lag_probe_vs_engine_alone": round(med(r["gui_decode_tok_s"] for r in probed) / engine_tok_s, 3),
+              "gui_with_lag_probe_vs_engine_alone": round(med(p["gui_decode_tok_s"] / a["decode_tok_s"]
+                                                              for a, p in zip(alone, probed)), 3),
               "runs": [{"alone": a["decode_tok_s"], "gui": round(r["gui_decode_tok_s"], 3),
                         "gui_with_lag_probe": round(p["gui_decode_tok_s"], 3)} for a, r, p in zip(alone, inside, probed)],
               "tokens_received": inside[0]["tokens_received"], "signal_batches": inside[0]["batches"],
@@ -227,8 +232,9 @@ def main(argv=None) -> int:
     print(f"engine alone           {engine_tok_s:8.2f} tok/s")
     print(f"engine inside the app  {report['engine_in_app_decode_tok_s']:8.2f} tok/s")
     print(f"received by the GUI    {report['gui_received_decode_tok_s']:8.2f} tok/s "
-          f"({100 * report['gui_vs_engine_alone']:.1f}% of the engine alone; target ≥ 95%) "
           f"in {report['signal_batches']} signal batches")
+    print(f"GUI / engine alone     {100 * report['gui_vs_engine_alone']:.1f}% (median of the paired runs; target ≥ 95%), "
+          f"{100 * report['gui_vs_engine_alone_of_medians']:.1f}% as a ratio of the medians")
     print(f"  with the lag probe   {report['gui_received_with_lag_probe_decode_tok_s']:8.2f} tok/s "
           f"({100 * report['gui_with_lag_probe_vs_engine_alone']:.1f}%)")
     print(f"GUI event-loop lag     max {report['event_loop_max_lag_ms']} ms, p95 {report['event_loop_p95_lag_ms']} ms "

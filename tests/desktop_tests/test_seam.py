@@ -111,13 +111,15 @@ def test_seam_bench_reports_gui_rate_and_event_loop_lag():
     out = json.loads(r.stdout)
     assert out["tokens_received"] == 400 and out["repeats"] == 2 and len(out["runs"]) == 2
     assert out["engine_alone_decode_tok_s"] > 0 and out["gui_received_decode_tok_s"] > 0
-    assert out["gui_vs_engine_alone"] == round(out["gui_received_decode_tok_s"] / out["engine_alone_decode_tok_s"], 3)
+    paired = sorted(r["gui"] / r["alone"] for r in out["runs"])  # the headline: the median of the paired runs
+    assert abs(out["gui_vs_engine_alone"] - (paired[0] + paired[1]) / 2) < 2e-3
+    assert out["gui_vs_engine_alone_of_medians"] == round(out["gui_received_decode_tok_s"] / out["engine_alone_decode_tok_s"], 3)
     assert out["timer_ticks"] > 0 and out["event_loop_max_lag_ms"] >= 0 and 0 < out["gui_thread_busy"] < 1
     assert 0 < out["gui_thread_busy_decoding"] < 1 and 0 < out["gui_thread_busy_decoding_with_lag_probe"] < 1
     # the rate without the lag probe and with it: separate replies, each run reports both
     assert all(r["gui"] > 0 and r["gui_with_lag_probe"] > 0 for r in out["runs"])
-    assert out["gui_with_lag_probe_vs_engine_alone"] == round(
-        out["gui_received_with_lag_probe_decode_tok_s"] / out["engine_alone_decode_tok_s"], 3)
+    paired = sorted(r["gui_with_lag_probe"] / r["alone"] for r in out["runs"])
+    assert abs(out["gui_with_lag_probe_vs_engine_alone"] - (paired[0] + paired[1]) / 2) < 2e-3
 
 
 def test_redraw_interval_adapts_to_the_gui_cpu_budget(qtbot, make_window, llama_dir):
