@@ -31,11 +31,12 @@ from .worker import WorkerThread
 
 REFRESH_MS = 100  # the fastest the streaming text redraws (10 times a second)
 SLOWEST_REFRESH_MS = 400
-GUI_CPU_BUDGET = 0.04  # share of one core the redraws may take while a reply streams
+GUI_CPU_BUDGET = 0.02  # share of one core the GUI thread may take while a reply streams
 PANEL_EVERY_S = 0.5  # the panel's figures twice a second while a reply streams (and once at its end)
-# Repainting the styled window costs CPU that the engine's threads share (on a 2-core machine,
-# ~10% of a core at 10 redraws a second slowed decoding ~10%: python -m desktop.seam_bench), so
-# the redraw interval adapts to keep the GUI thread within its budget.
+# The GUI thread's CPU time costs the engine about as much wall time, whatever the core count: a
+# burst of painting preempts one of the engine's OpenMP threads (or the one spinning between its
+# parallel regions), and the others wait for it at the region's end. So the redraw interval adapts
+# to keep the GUI thread within 2% of a core while tokens stream (python -m desktop.seam_bench).
 SAVE_EVERY_S = 0.25  # partial replies reach the database this often while streaming
 
 
