@@ -142,14 +142,17 @@ class Kernels:
         self._quant[mode](*self._memory(codes, scales, x.contiguous(), y), out, n, group, torch.get_num_threads())
         return y
 
-    def quantize(self, mode: str, weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def quantize(self, mode: str, weight: torch.Tensor, group: int, codes: torch.Tensor | None = None,
+                 scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """engine.quant.quantize in one pass: weight [out, in] -> codes as stored (int8 [out, in], or int4
-        two a byte [out, in/2] uint8) and scales [out, in/g] float32."""
+        two a byte [out, in/2] uint8) and scales [out, in/g] float32 (into `codes` and `scales` when
+        given: rows of a larger matrix's buffers, filled a chunk at a time)."""
         from .quant import QMAX
         w = weight.detach().float().contiguous()
         out, n = w.shape
-        scales = torch.empty(out, n // group, dtype=torch.float32)
-        codes = torch.empty(out, n, dtype=torch.int8) if mode == "int8" else torch.empty(out, n // 2, dtype=torch.uint8)
+        scales = torch.empty(out, n // group, dtype=torch.float32) if scales is None else scales
+        if codes is None:
+            codes = torch.empty(out, n, dtype=torch.int8) if mode == "int8" else torch.empty(out, n // 2, dtype=torch.uint8)
         if n % group or (mode == "int4" and group % 2):
             raise ValueError(f"group size {group} must be even and divide the row length {n}")
         w_, codes_, scales_ = self._memory(w, codes, scales)

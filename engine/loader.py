@@ -270,13 +270,16 @@ class _Rows:
         offset = 0
         for name in self.names:
             path, rows = r.files[name], r.expected[name][0]
-            for a in range(0, rows, step):
-                chunk = torch.empty((min(rows, a + step) - a, *self.shape[1:]), dtype=self.dtype, device=self.device)
-                with r._opened(path) as f:
-                    sl = f.get_slice(name)
-                    r._check(path, name, sl.get_shape())
-                    chunk.copy_(sl[a:a + len(chunk)])
-                yield offset + a, chunk
+            large = math.prod(r.expected[name]) >= r.LARGE  # a fresh mapping per chunk, as _copy_into reads
+            with contextlib.nullcontext() if large else r._opened(path) as f:
+                for a in range(0, rows, step):
+                    chunk = torch.empty((min(rows, a + step) - a, *self.shape[1:]), dtype=self.dtype,
+                                        device=self.device)
+                    with contextlib.nullcontext(f) if not large else r._opened(path) as g:
+                        sl = g.get_slice(name)
+                        r._check(path, name, sl.get_shape())
+                        chunk.copy_(sl[a:a + len(chunk)])
+                    yield offset + a, chunk
             offset += rows
 
 

@@ -132,17 +132,22 @@ class QuantLinear(nn.Module):
     def _quantize_rows(self, chunks) -> tuple[torch.Tensor, torch.Tensor]:
         """(first row, [n, K] weight rows) chunks -> codes [N, K] int8 (the kernels' layout where they
         serve: int4 two a byte, [N, K/2] uint8) and scales [N, K/g] float32."""
+        n, k, g = self.out_features, self.in_features, self.group_size
         codes = scales = None
         for a, w in chunks:
-            if self.decoder is not None:  # in one pass in C
-                c, s = self.decoder.quantize(self.mode, w, self.group_size)
-            else:
-                c, s = quantize(w.detach(), self.mode, self.group_size)
-            if a == 0 and len(c) == self.out_features:  # the whole matrix at once
+            if self.decoder is not None:  # in one pass in C, straight into the rows of the final buffers
+                if codes is None:
+                    codes = torch.empty(n, k if self.mode == "int8" else k // 2,
+                                        dtype=torch.int8 if self.mode == "int8" else torch.uint8)
+                    scales = torch.empty(n, k // g, dtype=torch.float32)
+                b = a + len(w)
+                self.decoder.quantize(self.mode, w, g, codes[a:b], scales[a:b])
+                continue
+            c, s = quantize(w.detach(), self.mode, g)
+            if a == 0 and len(c) == n:  # the whole matrix at once
                 return c, s
             if codes is None:
-                codes = c.new_empty((self.out_features, *c.shape[1:]))
-                scales = s.new_empty((self.out_features, *s.shape[1:]))
+                codes, scales = c.new_empty((n, *c.shape[1:])), s.new_empty((n, *s.shape[1:]))
             codes[a:a + len(c)], scales[a:a + len(s)] = c, s
         return codes, scales
 
