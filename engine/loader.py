@@ -250,9 +250,9 @@ class _Reader:
 @dataclasses.dataclass
 class _Rows:
     """Checkpoint matrices stacked along rows (one, or fused q/k/v and gate/up), read a chunk of rows
-    at a time (at most ROWS_PER_CHUNK rows and LARGE values), each chunk in `dtype` on `device`, through
-    a fresh mapping of the file: engine.quant.QuantLinear quantizes them chunk by chunk, so their
-    float copy never exists whole."""
+    at a time (at most ROWS_PER_CHUNK rows and LARGE values), each chunk in `dtype` on `device` (a
+    large tensor's chunks each through a fresh mapping of the file, as _copy_into reads them):
+    engine.quant.QuantLinear quantizes them chunk by chunk, so their float copy never exists whole."""
     reader: _Reader
     names: list[str]
     dtype: torch.dtype
@@ -270,7 +270,7 @@ class _Rows:
         offset = 0
         for name in self.names:
             path, rows = r.files[name], r.expected[name][0]
-            large = math.prod(r.expected[name]) >= r.LARGE  # a fresh mapping per chunk, as _copy_into reads
+            large = math.prod(r.expected[name]) >= r.LARGE
             with contextlib.nullcontext() if large else r._opened(path) as f:
                 for a in range(0, rows, step):
                     chunk = torch.empty((min(rows, a + step) - a, *self.shape[1:]), dtype=self.dtype,

@@ -406,7 +406,7 @@ class Transformer(nn.Module):
         """Final norm and the output projection: [B, T, D] -> [B, T, V]."""
         if self.lm_head is None and hasattr(self.embed, "table"):  # tied and quantized: the embedding's table
             return self.embed.table(self.norm(x))
-        if self.lm_head is not None and not type(self.lm_head) is nn.Linear:  # transposed or quantized
+        if self.lm_head is not None and type(self.lm_head) is not nn.Linear:  # transposed or quantized
             return self.lm_head(self.norm(x))
         if self.head_kernels is not None and x.shape[0] * x.shape[1] == 1:  # decode on the CPU
             return kernel_linear(self.head_kernels, self.norm(x), self.head_weight)
