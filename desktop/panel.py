@@ -216,7 +216,10 @@ class StatsPanel(QScrollArea):
         self.set("architectureValue", facts["architecture"])
         self.set("parametersValue", f"{facts['parameters']:,}")
         self.set("dtypeValue", facts["dtype"])
-        self.set("precisionValue", f"{facts.get('weights', 'none')} · {facts.get('kv_cache', 'none')}")
+        weights = facts.get("weights", "none")
+        if weights != "none" and facts.get("head_weights", "none") != "none":
+            weights += f", head {facts['head_weights']}"  # which tensors take which precision
+        self.set("precisionValue", f"{weights} · {facts.get('kv_cache', 'none')}")
         self.set("weightBytesValue", fmt_bytes(facts.get("weight_bytes")))
         self.set("deviceValue", facts["device"])
         self.set("kernelsValue", facts.get("decode_kernels", DASH))

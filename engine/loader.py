@@ -449,14 +449,24 @@ class LoadedModel:
                 "hidden_size": c.hidden_size, "vocab_size": c.vocab_size,
                 "max_position_embeddings": c.max_position_embeddings,
                 "bytes_per_value": torch.empty((), dtype=self.dtype).element_size(),
-                "weights": self.quantization, "weight_bytes": self.weight_bytes, "decode_kernels": self.decode_kernels,
-                "kv_bytes_per_position": self.kv_bytes_per_position}
+                "weights": self.quantization, "head_weights": self.head_quantization, "weight_bytes": self.weight_bytes,
+                "decode_kernels": self.decode_kernels, "kv_bytes_per_position": self.kv_bytes_per_position}
+
+    @property
+    def head_quantization(self) -> str:
+        """How the output head (and embedding) is stored: "none" (the model dtype) or e.g. "int8/g32"."""
+        table = getattr(self.model.embed, "table", None)
+        if table is None:
+            return "none"
+        g = "per-channel" if table.group_size == table.in_features else f"g{table.group_size}"
+        return f"{table.mode}/{g}"
 
 
 def load_model(model_dir=None, device: str | None = None, dtype: str | None = None,
                weights: str = "none", group_size: int = 64) -> LoadedModel:
     """Load a model folder. `weights` = none | int8 | int4 quantizes the block linears (quantize, then
-    swap the module) with one scale per `group_size` inputs (0: one per output channel)."""
+    swap the module) with one scale per `group_size` inputs (0: one per output channel), and the
+    embedding and output head in int8 with the same grouping (engine.quant.quantize_head)."""
     if model_dir is None:
         if not (DEMO_MODEL / "config.json").is_file():
             raise ModelLoadError("no --model given and the bundled demo model is not installed", DEMO_MODEL)

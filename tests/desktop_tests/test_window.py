@@ -293,7 +293,7 @@ def test_precision_switch_and_compare_with_full_precision(qtbot, make_window, sp
     from dataclasses import replace
     w.apply_settings(replace(w.settings, weights="int4", kv="int8", group_size=32))
     spin_loop(lambda: ready, 120)
-    assert panel(w, "precisionValue") == "int4/g32 · int8"
+    assert panel(w, "precisionValue") == "int4/g32, head int8/g32 · int8"
     assert w.facts["weight_bytes"] < full_bytes / 2
     reason = panel(w, "reuseReasonValue")
     assert "quantization changed (none → int4/g32)" in reason and "kv_cache changed (none → int8)" in reason
