@@ -97,8 +97,8 @@ class MLP(nn.Module):
         self.down = nn.Linear(self.f, cfg.hidden_size, bias=False)  # F -> D
 
     def forward(self, x):
-        gate, up = self.gate_up(x).split(self.f, dim=-1)
-        return self.down(F.silu(gate) * up)
+        gate, up = self.gate_up(x).split(self.f, dim=-1)  # [B, T, F] each
+        return self.down(F.silu(gate).mul_(up))  # the product into silu's fresh buffer: one [B, T, F] less
 
 
 class Block(nn.Module):
