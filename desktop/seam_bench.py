@@ -185,7 +185,7 @@ def main(argv=None) -> int:
         # The checkpoint and the engine-alone runs happen in a child process: this process's main
         # thread must not run torch, as in the app (an OpenMP pool left on the main thread slows
         # the worker thread's kernels on a small machine). Runs alternate, alone then app, so that
-        # the machine's drift hits both; medians are reported.
+        # the machine's drift hits both; the headline is the median of the paired ratios.
         model = str(Path(tmp) / ns.shape)
         text = _prompt_text(ns.prompt_tokens, SHAPES[ns.shape]["vocab_size"])
         alone, inside, probed = [], [], []  # engine alone; the app; the app with the lag probe

@@ -150,15 +150,21 @@ class Kernels:
         from .quant import QMAX
         w = weight.detach().float().contiguous()
         out, n = w.shape
-        scales = torch.empty(out, n // group, dtype=torch.float32) if scales is None else scales
         if codes is None:
-            codes = torch.empty(out, n, dtype=torch.int8) if mode == "int8" else torch.empty(out, n // 2, dtype=torch.uint8)
+            codes, scales = self.code_buffers(mode, out, n, group)
         if n % group or (mode == "int4" and group % 2):
             raise ValueError(f"group size {group} must be even and divide the row length {n}")
         w_, codes_, scales_ = self._memory(w, codes, scales)
         args = (codes_, None) if mode == "int8" else (None, codes_)
         self._quantize(w_, *args, scales_, out, n, group, QMAX[mode], torch.get_num_threads())
         return codes, scales
+
+    @staticmethod
+    def code_buffers(mode: str, out: int, n: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Empty codes in the layout the kernels read (int8 [out, n], or int4 two a byte [out, n/2] uint8)
+        and float32 scales [out, n/g]."""
+        codes = torch.empty(out, n, dtype=torch.int8) if mode == "int8" else torch.empty(out, n // 2, dtype=torch.uint8)
+        return codes, torch.empty(out, n // group, dtype=torch.float32)
 
     def dequantize(self, mode: str, codes: torch.Tensor, scales: torch.Tensor, in_features: int, group: int,
                    into: torch.Tensor | None = None) -> torch.Tensor:

@@ -185,20 +185,22 @@ class _Reader:
 
     LARGE = 4 * 2**20  # values (16 MiB in float32): embeddings, output heads, the largest projections
 
-    def _copy_into(self, path: Path, name: str, dst: torch.Tensor, f=None) -> None:
-        """Copy a tensor into `dst` (any dtype/device) a few thousand rows at a time, never a whole
-        second copy in memory. With `f`, through that open file; without, each chunk through a fresh
-        mapping of the file, so the pages read stay mapped (and counted in the process's memory) only
-        while their chunk is copied: one mapping for the whole 545 MB float32 embedding of
-        Qwen2.5-0.5B held it twice, the peak of a quantized load."""
+    def _copy_into(self, path: Path, name: str, dst: torch.Tensor, f=None, first: int = 0) -> None:
+        """Copy a tensor (or its rows from `first` on, as many as `dst` holds) into `dst` (any
+        dtype/device) a few thousand rows at a time, never a whole second copy in memory. With `f`,
+        through that open file; without, each chunk through a fresh mapping of the file, so the pages
+        read stay mapped (and counted in the process's memory) only while their chunk is copied: one
+        mapping for the whole 545 MB float32 embedding of Qwen2.5-0.5B held it twice, the peak of a
+        quantized load."""
         shape = self.expected[name]
+        stop = first + dst.shape[0]
         spans = [(0, shape[0])] if len(shape) <= 1 else \
-            [(a, min(shape[0], a + self.ROWS_PER_CHUNK)) for a in range(0, shape[0], self.ROWS_PER_CHUNK)]
+            [(a, min(stop, a + self.ROWS_PER_CHUNK)) for a in range(first, stop, self.ROWS_PER_CHUNK)]
         for a, b in spans:
             with contextlib.nullcontext(f) if f is not None else self._opened(path) as g:
                 sl = g.get_slice(name)
                 self._check(path, name, sl.get_shape())
-                dst[a:b].copy_(sl[a:b])
+                dst[a - first:b - first].copy_(sl[a:b])
 
     def read(self, names: list[str], dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
         """name -> tensor in `dtype` on `device`; each file opened once for its small tensors, large ones
@@ -250,9 +252,9 @@ class _Reader:
 @dataclasses.dataclass
 class _Rows:
     """Checkpoint matrices stacked along rows (one, or fused q/k/v and gate/up), read a chunk of rows
-    at a time (at most ROWS_PER_CHUNK rows and LARGE values), each chunk in `dtype` on `device` (a
-    large tensor's chunks each through a fresh mapping of the file, as _copy_into reads them):
-    engine.quant.QuantLinear quantizes them chunk by chunk, so their float copy never exists whole."""
+    at a time (at most ROWS_PER_CHUNK rows and LARGE values), each chunk in `dtype` on `device` through
+    _Reader._copy_into: engine.quant.QuantLinear quantizes them chunk by chunk, so their float copy
+    never exists whole."""
     reader: _Reader
     names: list[str]
     dtype: torch.dtype
@@ -270,15 +272,12 @@ class _Rows:
         offset = 0
         for name in self.names:
             path, rows = r.files[name], r.expected[name][0]
-            large = math.prod(r.expected[name]) >= r.LARGE
+            large = math.prod(r.expected[name]) >= r.LARGE  # as read(): one mapping per chunk
             with contextlib.nullcontext() if large else r._opened(path) as f:
                 for a in range(0, rows, step):
                     chunk = torch.empty((min(rows, a + step) - a, *self.shape[1:]), dtype=self.dtype,
                                         device=self.device)
-                    with contextlib.nullcontext(f) if not large else r._opened(path) as g:
-                        sl = g.get_slice(name)
-                        r._check(path, name, sl.get_shape())
-                        chunk.copy_(sl[a:a + len(chunk)])
+                    r._copy_into(path, name, chunk, f, first=a)
                     yield offset + a, chunk
             offset += rows
 

@@ -137,9 +137,7 @@ class QuantLinear(nn.Module):
         for a, w in chunks:
             if self.decoder is not None:  # in one pass in C, straight into the rows of the final buffers
                 if codes is None:
-                    codes = torch.empty(n, k if self.mode == "int8" else k // 2,
-                                        dtype=torch.int8 if self.mode == "int8" else torch.uint8)
-                    scales = torch.empty(n, k // g, dtype=torch.float32)
+                    codes, scales = self.decoder.code_buffers(self.mode, n, k, g)
                 b = a + len(w)
                 self.decoder.quantize(self.mode, w, g, codes[a:b], scales[a:b])
                 continue
@@ -239,6 +237,7 @@ class QuantLinear(nn.Module):
             return w if dtype == torch.float32 else w.to(dtype)
         codes = unpack_int4(self.codes[a:b]) if self.mode == "int4" else self.codes[a:b]
         return dequantize(codes, self.scales[a:b], dtype)
+
 
 class QuantEmbedding(nn.Module):
     """An embedding stored as a QuantLinear's codes and scales (`table`, [V, D]): a lookup dequantizes
