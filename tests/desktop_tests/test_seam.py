@@ -120,6 +120,14 @@ def test_seam_bench_reports_gui_rate_and_event_loop_lag():
     assert all(r["gui"] > 0 and r["gui_with_lag_probe"] > 0 for r in out["runs"])
     paired = sorted(r["gui_with_lag_probe"] / r["alone"] for r in out["runs"])
     assert abs(out["gui_with_lag_probe_vs_engine_alone"] - (paired[0] + paired[1]) / 2) < 2e-3
+    # the engine alone is measured twice: on the app's own model and thread (the headline's reference),
+    # and in a process of its own; both are reported, and the ratios between them
+    assert all(r["own_process"] > 0 and r["alone"] > 0 for r in out["runs"])
+    assert out["signal_batches_alone"] == 1  # alone: no token reached the GUI before the reply ended
+    paired = sorted(r["gui"] / r["own_process"] for r in out["runs"])
+    assert abs(out["gui_vs_engine_own_process"] - (paired[0] + paired[1]) / 2) < 2e-3
+    paired = sorted(r["alone"] / r["own_process"] for r in out["runs"])
+    assert abs(out["engine_alone_vs_own_process"] - (paired[0] + paired[1]) / 2) < 2e-3
 
 
 def test_redraw_interval_adapts_to_the_gui_cpu_budget(qtbot, make_window, llama_dir):
