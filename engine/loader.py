@@ -497,7 +497,7 @@ def load_model(model_dir=None, device: str | None = None, dtype: str | None = No
         "weights": _header_digest(files.values()),
         "dtype": dtype_name(dt),
         "quantization": quantization,
-        "tokenizer": hashlib.sha256(tokenizer.source.encode()).hexdigest()[:16],
+        "tokenizer": tokenizer.digest[:16],
         "rope": repr(cfg.rope),
         "attention": f"heads={cfg.num_heads} kv_heads={cfg.num_kv_heads} d={cfg.head_dim} "
                      f"window={cfg.sliding_window} qk_norm={cfg.qk_norm}",

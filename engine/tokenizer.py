@@ -8,6 +8,7 @@ Model folders are untrusted: templates run in jinja2's immutable sandbox.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from datetime import datetime
 from pathlib import Path
@@ -69,13 +70,14 @@ class Tokenizer:
     """A model folder's tokenizer: ids, text, chat template and stop tokens."""
 
     def __init__(self, tok: HFTokenizer, special: dict[str, str], chat_template: str | None,
-                 stop_ids: set[int], source: str = ""):
+                 stop_ids: set[int], digest: str = ""):
         self.tok = tok
         self.special = special  # bos_token/eos_token/... -> text
         self.chat_template_source = chat_template
         self._template = compile_template(chat_template) if chat_template else None
         self.stop_ids = frozenset(stop_ids)
-        self.source = source  # what the fingerprint hashes: the tokenizer files' contents
+        self.digest = digest  # sha256 of the tokenizer files' contents, for the fingerprint (not the text:
+        # tokenizer.json is 1-7 MB that would stay resident for a hash)
 
     @classmethod
     def from_dir(cls, model_dir: Path, extra_stop_ids=()) -> "Tokenizer":
@@ -103,9 +105,12 @@ class Tokenizer:
         stop.update(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
         if "eos_token" in special and tok.token_to_id(special["eos_token"]) is not None:
             stop.add(tok.token_to_id(special["eos_token"]))
-        source = raw_tok + json.dumps(cfg, sort_keys=True) + (template or "")
+        digest = hashlib.sha256()
+        for part in (raw_tok, json.dumps(cfg, sort_keys=True), template or ""):
+            digest.update(part.encode())
+        del raw_tok
         try:
-            return cls(tok, special, template, stop, source)
+            return cls(tok, special, template, stop, digest.hexdigest())
         except TemplateError as e:
             raise ModelLoadError(str(e), cfg_path) from None
 
