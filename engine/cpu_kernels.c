@@ -211,7 +211,7 @@ void kv_matvec_q4(const uint8_t *q, const float *s, const float *x, float *y, in
                 vf table = vmul(vset1(so[j]), values);
                 for (int64_t i = j * hg; i < (j + 1) * hg; i += KV_LANES) {
                     vi b = vload_u8_i32(r + i);
-                    a0 = vfma(_mm512_permutexvar_ps(vi_and(b, 15), table), vload(xe + i), a0);
+                    a0 = vfma(_mm512_permutexvar_ps(b, table), vload(xe + i), a0); /* it reads index bits 0-3 */
                     a1 = vfma(_mm512_permutexvar_ps(vi_shr4(b), table), vload(xo + i), a1);
                 }
             }
