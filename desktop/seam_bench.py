@@ -12,8 +12,8 @@ reaches the GUI while it decodes): the only difference from the app's run is the
 The engine is also run in a process of its own, and that ratio is reported too: on this machine
 two processes doing the same work differ by a few percent either way (their weights sit in
 different memory; measured by loading one model twice in one process: the two copies decoded
-4-8% apart, the one loaded first the slower, in either order), which is noise about the seam, not
-(as far as measured) a cost of it.
+1-10% apart, the one loaded first the slower in each of three checks), which is noise about the
+seam, not (as far as measured) a cost of it.
 
 The lag probe is an instrument with a cost of its own (a 10 ms timer under qasync takes ~2% of a
 core, more than the app's redraws), so the app's rate is measured in replies without it, the lag
