@@ -27,6 +27,11 @@ SHAPES = {
                      "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
                      "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 32768,
                      "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True},
+    # a size people run: fixed costs (tokenizer, code, prefill buffers) are a small share of its memory
+    "qwen2.5-1.5b": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 1536,
+                     "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
+                     "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 32768,
+                     "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True},
 }
 
 
