@@ -185,6 +185,10 @@ class _Reader:
 
     LARGE = 4 * 2**20  # values (16 MiB in float32): embeddings, output heads, the largest projections
 
+    def _large(self, name: str) -> bool:
+        """Read a chunk per mapping of the file (_copy_into without `f`), not through a shared open file."""
+        return math.prod(self.expected[name]) >= self.LARGE
+
     def _copy_into(self, path: Path, name: str, dst: torch.Tensor, f=None, first: int = 0) -> None:
         """Copy a tensor (or its rows from `first` on, as many as `dst` holds) into `dst` (any
         dtype/device) a few thousand rows at a time, never a whole second copy in memory. With `f`,
@@ -208,7 +212,7 @@ class _Reader:
         and keeping one would keep the whole mapping (and its pages) alive."""
         out = {name: torch.empty(self.expected[name], dtype=dtype, device=device) for name in names}
         for path, group in self._by_file(names).items():
-            large = [n for n in group if math.prod(self.expected[n]) >= self.LARGE]
+            large = [n for n in group if self._large(n)]
             with self._opened(path) as f:
                 for name in group:
                     if name not in large:
@@ -272,8 +276,7 @@ class _Rows:
         offset = 0
         for name in self.names:
             path, rows = r.files[name], r.expected[name][0]
-            large = math.prod(r.expected[name]) >= r.LARGE  # as read(): one mapping per chunk
-            with contextlib.nullcontext() if large else r._opened(path) as f:
+            with contextlib.nullcontext() if r._large(name) else r._opened(path) as f:
                 for a in range(0, rows, step):
                     chunk = torch.empty((min(rows, a + step) - a, *self.shape[1:]), dtype=self.dtype,
                                         device=self.device)
