@@ -2,7 +2,7 @@
 
 Requests go in through a queue; engine events come out as Qt signals carrying plain Python
 values (no tensors cross the thread boundary). Token events are batched: one signal per
-~100 ms (the fastest the window redraws), not one per token. Stop sets a threading.Event the
+~100 ms (a little more often than the window's fastest redraw, 150 ms), not one per token. Stop sets a threading.Event the
 engine checks between tokens and between prefill chunks.
 """
 
