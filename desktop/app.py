@@ -2,22 +2,30 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import json
 import sys
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(prog="kvchat", description="A local chat app that shows inference as it happens.")
+    ap.add_argument("--check", action="store_true",
+                    help="start, load the model, print what loaded (or why not) as JSON, and quit")
+    ns, qt_args = ap.parse_known_args(argv)
+
     from PySide6.QtGui import QIcon
     from PySide6.QtWidgets import QApplication
     import qasync
 
     from .settings import data_dir
-    from .style import STYLE, icon_path
+    from .style import icon_path, style_sheet
     from .window import MainWindow
 
-    app = QApplication.instance() or QApplication(sys.argv if argv is None else argv)
+    app = QApplication.instance() or QApplication(["kvchat", *qt_args])
     app.setApplicationName("kvchat")
-    app.setStyleSheet(STYLE)
+    app.setStyleSheet(style_sheet())
     app.setWindowIcon(QIcon(str(icon_path())))
     loop = qasync.QEventLoop(app)
     asyncio.set_event_loop(loop)
@@ -25,8 +33,19 @@ def main(argv=None) -> int:
     app.aboutToQuit.connect(closed.set)
     window = MainWindow(data_dir())
     window.show()
+    outcome: dict = {}
+    if ns.check:
+        def checked(facts: dict) -> None:
+            outcome.update(facts)
+            window.close()
+            app.quit()
+        window.modelReady.connect(checked)
     with loop:
         loop.run_until_complete(closed.wait())
+    if ns.check:
+        keys = ("error", "name", "architecture", "device", "dtype", "parameters", "capacity", "decode_kernels")
+        print(json.dumps({k: outcome[k] for k in keys if k in outcome}))
+        return 1 if "error" in outcome or not outcome else 0
     return 0
 
 

@@ -1,8 +1,5 @@
-"""The engine as an async stream of events on the qasync loop: `async for event in client.stream(request)`.
-
-The same interface a remote backend could serve later; the controller does not know a thread
-is behind it.
-"""
+"""The engine as an async stream of event batches on the qasync loop: `async for batch in
+client.stream(request)`. The chat controller does not know a thread is behind it."""
 
 from __future__ import annotations
 
@@ -12,7 +9,9 @@ from collections.abc import AsyncIterator
 
 from PySide6.QtCore import QObject, Slot
 
-from .worker import EngineWorker
+from engine.events import Failed, Finished
+
+from .worker import EngineWorker, EventBatch
 
 
 class EngineClient(QObject):
@@ -23,23 +22,23 @@ class EngineClient(QObject):
         self._streams: dict[int, asyncio.Queue] = {}
         worker.events.connect(self._on_events)
 
-    @Slot(int, list)
-    def _on_events(self, rid: int, batch: list) -> None:
-        q = self._streams.get(rid)
+    @Slot(object)
+    def _on_events(self, batch: EventBatch) -> None:
+        q = self._streams.get(batch.rid)
         if q is not None:
-            q.put_nowait(batch)
+            q.put_nowait(batch.events)
 
-    async def stream(self, request) -> AsyncIterator[list[dict]]:
-        """Yields batches of event dicts until the request finishes or fails."""
+    async def stream(self, request) -> AsyncIterator[tuple]:
+        """Yields tuples of engine events until the request finishes or fails."""
         rid = next(self._ids)
         q: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = q
         self.worker.generate(rid, request)
         try:
             while True:
-                batch = await q.get()
-                yield batch
-                if any(e["type"] in ("finished", "failed") for e in batch):
+                events = await q.get()
+                yield events
+                if any(isinstance(e, (Finished, Failed)) for e in events):
                     return
         finally:
             self._streams.pop(rid, None)

@@ -1,11 +1,9 @@
 """The inference panel: timing, the KV cache in positions and bytes, reuse after an edit, token gaps.
 
-It only shows a plain `ReplyStats` it is handed; the window decides when (throttled, ~20/s).
+It only shows a plain `ReplyStats` (chat.py) it is handed; the window decides when.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 from PySide6.QtCore import QRectF, Qt, Signal
 from PySide6.QtGui import QColor, QPainter, QPen
@@ -39,52 +37,6 @@ def percentile(values, q):
     k = (len(s) - 1) * q
     lo, hi = int(k), min(int(k) + 1, len(s) - 1)
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
-@dataclasses.dataclass
-class ReplyStats:
-    """Everything the panel shows for one reply, from engine events (live) or a stored trace."""
-    arrival: float | None = None
-    token_times: list = dataclasses.field(default_factory=list)
-    trace: dict | None = None  # the engine's final trace, once finished
-    reuse: dict | None = None
-    cache_positions: int = 0
-    prompt_tokens: int = 0
-    status: str = "idle"  # idle | prefill | decoding | finished | cancelled | failed
-    reason: str | None = None
-    error: str | None = None
-    prefill_done: int = 0
-    prefill_total: int = 0
-
-    @property
-    def tokens(self) -> int:
-        return len(self.token_times) if self.trace is None else self.trace.get("tokens", 0)
-
-    def figure(self, name):
-        if self.trace is not None:
-            return self.trace.get(name)
-        t = self.token_times
-        if name == "ttft_ms":
-            return None if not t or self.arrival is None else (t[0] - self.arrival) * 1000
-        if name == "tpot_ms":
-            return None if len(t) < 2 else (t[-1] - t[0]) / (len(t) - 1) * 1000
-        if name == "decode_tok_s":
-            tpot = self.figure("tpot_ms")
-            return None if not tpot else 1000 / tpot
-        if name == "e2e_ms":
-            return None if not t or self.arrival is None else (t[-1] - self.arrival) * 1000
-        return None
-
-    @property
-    def gaps_ms(self) -> list:
-        if self.trace is not None:
-            return self.trace.get("gaps_ms") or []
-        t = self.token_times
-        return [(b - a) * 1000 for a, b in zip(t, t[1:])]
-
-    def to_json(self) -> dict:
-        return {"status": self.status, "reason": self.reason, "error": self.error, "trace": self.trace,
-                "reuse": self.reuse, "cache_positions": self.cache_positions, "prompt_tokens": self.prompt_tokens}
 
 
 class GapChart(QWidget):
@@ -251,8 +203,8 @@ class StatsPanel(QScrollArea):
                                        f"({f['head_dim']}·{bits}/8 + 4) = {payload:,} B ({f['kv_cache']} + scales)")
         self.set("cachePointValue", point)
 
-    def show_reply(self, s: ReplyStats, title: str = "") -> None:
-        self.heading.setText(title or {"prefill": "Prefill…", "decoding": "Generating…"}.get(s.status, s.status))
+    def show_reply(self, s, title: str = "") -> None:
+        self.heading.setText(title or s.title)
         self.set("ttftValue", fmt_ms(s.figure("ttft_ms")))
         if s.trace is not None:
             parts = [s.trace.get(k) for k in ("ttft_queue_ms", "ttft_tokenize_ms", "ttft_prefill_ms",

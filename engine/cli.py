@@ -1,4 +1,5 @@
-"""`python -m engine info|generate|replay|chat|quality|bench|selftest`: the engine's command line."""
+"""`python -m engine info|generate|replay|chat`: the engine's command line (its tools add bench,
+quality and selftest: see engine/__main__.py)."""
 
 from __future__ import annotations
 
@@ -8,17 +9,14 @@ import sys
 
 from .errors import EngineError
 from .events import Failed, Finished, PrefillStarted, Token
+from .loader import default_threads
 from .sampling import SamplingParams
+from .session import Request
+from .spec import LoadSpec
 
-
-def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="model folder (default: the bundled demo model)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default=None, help="cpu, cuda, mps (default: the best available)")
-    p.add_argument("--capacity", type=int, default=None, help="KV cache positions (default: min(context, 4096))")
-    p.add_argument("--weights", default="none", choices=["none", "int8", "int4"], help="weight precision")
-    p.add_argument("--kv", default="none", choices=["none", "int8", "int4"], help="KV cache precision")
-    p.add_argument("--group-size", type=int, default=64, help="values per quantization scale (0: per channel)")
+TRACE_FIELDS = ("ttft_ms", "tpot_ms", "tokens", "decode_tok_s", "prefill_ms", "prefill_tok_s", "e2e_ms",
+                "mean_ms_per_token_incl_wait", "ttft_queue_ms", "ttft_tokenize_ms", "ttft_prefill_ms",
+                "ttft_first_token_ms")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -40,10 +38,7 @@ def _sampling(ns, overrides: dict | None = None) -> SamplingParams:
 
 
 def _open(ns):
-    from .loader import load_model
-    from .session import Session
-    loaded = load_model(ns.model, device=ns.device, dtype=ns.dtype, weights=ns.weights, group_size=ns.group_size)
-    return loaded, Session(loaded, capacity=ns.capacity, kv=ns.kv)
+    return LoadSpec.from_args(ns).open()
 
 
 def run_request(session, req, stream_to=None) -> dict:
@@ -59,16 +54,10 @@ def run_request(session, req, stream_to=None) -> dict:
         elif isinstance(ev, Finished):
             if stream_to is not None:
                 stream_to.write(ev.tail + "\n")
-            t = ev.trace
             result.update(text=ev.text, token_ids=list(ev.token_ids), stop_reason=ev.reason,
-                          trace={k: t[k] for k in ("ttft_ms", "tpot_ms", "tokens", "decode_tok_s", "prefill_ms",
-                                                   "prefill_tok_s", "e2e_ms", "mean_ms_per_token_incl_wait",
-                                                   "ttft_queue_ms", "ttft_tokenize_ms", "ttft_prefill_ms",
-                                                   "ttft_first_token_ms")},
-                          reuse=ev.reuse.to_dict(), cache=ev.cache)
+                          trace={k: ev.trace[k] for k in TRACE_FIELDS}, reuse=ev.reuse.to_dict(), cache=ev.cache)
         elif isinstance(ev, Failed):
-            result.update(error=ev.error, error_kind=ev.kind, stop_reason=None, trace=ev.trace,
-                          cache=session.cache_stats())
+            result.update(error=ev.error, error_kind=ev.kind, stop_reason=None, trace=ev.trace, cache=ev.cache)
     return result
 
 
@@ -79,11 +68,8 @@ def _messages(system, user_text):
 
 def cmd_info(ns) -> int:
     loaded, session = _open(ns)
-    facts = loaded.facts()
-    facts["capacity"] = session.cache.capacity
-    facts["kv_cache"] = session.kv
-    facts["kv_bytes_per_position"] = session.cache.bytes_per_position
-    facts["kv_allocated_bytes"] = session.cache.allocated_bytes
+    facts = session.facts()
+    del facts["cache"], facts["cache_dropped"]
     facts["chat_template"] = loaded.tokenizer.has_chat_template
     facts["stop_token_ids"] = sorted(loaded.tokenizer.stop_ids)
     if ns.json:
@@ -95,7 +81,6 @@ def cmd_info(ns) -> int:
 
 
 def cmd_generate(ns) -> int:
-    from .session import Request
     loaded, session = _open(ns)
     if ns.raw:
         req = Request(prompt=ns.prompt, sampling=_sampling(ns), max_new_tokens=ns.max_new_tokens)
@@ -117,7 +102,6 @@ def cmd_generate(ns) -> int:
 
 
 def cmd_replay(ns) -> int:
-    from .session import Request
     try:
         with open(ns.script, encoding="utf-8") as f:
             steps = json.load(f)
@@ -156,7 +140,6 @@ CHAT_HELP = "/edit N text · /regen · /stats · /reset · /quit"
 
 
 def cmd_chat(ns) -> int:
-    from .session import Request
     loaded, session = _open(ns)
     msgs = [{"role": "system", "content": ns.system}] if ns.system else []
     print(f"kvchat · {loaded.name} on {loaded.device} ({CHAT_HELP})")
@@ -214,59 +197,41 @@ def cmd_chat(ns) -> int:
         reply()
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m engine", description="kvchat's inference engine")
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m engine", description="kvchat's inference engine",
+                                 epilog="tools: python -m engine bench|quality|selftest --help")
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("info", help="model facts: architecture, parameters, KV bytes per position")
-    _model_args(p)
+    LoadSpec.add_arguments(p)
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("generate", help="generate one reply")
-    _model_args(p)
+    LoadSpec.add_arguments(p)
     _sampling_args(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--raw", action="store_true", help="skip the chat template")
     p.add_argument("--system", default=None)
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("replay", help="run a JSON list of steps in one session (one cache)")
-    _model_args(p)
+    LoadSpec.add_arguments(p)
     _sampling_args(p)
     p.add_argument("--script", required=True)
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("chat", help="interactive terminal chat")
-    _model_args(p)
+    LoadSpec.add_arguments(p)
     _sampling_args(p)
     p.add_argument("--system", default=None)
-    p = sub.add_parser("quality", help="compare a quantized model with full precision on the same prompts")
-    from .quality import add_arguments as quality_arguments
-    quality_arguments(p)
-    p = sub.add_parser("bench", help="prefill/decode speed against references measured in the same run")
-    from .bench import add_arguments
-    add_arguments(p)
-    sub.add_parser("selftest", help="cached == uncached, parity and the benchmark on this machine's GPU "
-                                    "(python -m engine selftest --device cuda --json)", add_help=False)
-    if argv is None:
-        argv = sys.argv[1:]
-    import torch
+    return ap
 
-    from .loader import default_threads
+
+COMMANDS = {"info": cmd_info, "generate": cmd_generate, "replay": cmd_replay, "chat": cmd_chat}
+
+
+def main(argv=None) -> int:
+    ns = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    import torch
     torch.set_num_threads(default_threads())
-    if argv and argv[0] == "selftest":
-        from .selftest import main as selftest_main
-        return selftest_main(argv[1:])
-    ns = ap.parse_args(argv)
-    handler = {"info": cmd_info, "generate": cmd_generate, "replay": cmd_replay, "chat": cmd_chat}
     try:
-        if ns.cmd == "bench":
-            from .bench import run
-            return run(ns)
-        if ns.cmd == "quality":
-            from .quality import main as quality_main
-            return quality_main(ns)
-        return handler[ns.cmd](ns)
+        return COMMANDS[ns.cmd](ns)
     except EngineError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

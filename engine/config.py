@@ -49,11 +49,6 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
 
-    @property
-    def kv_bytes_per_position(self) -> int:
-        """Bytes per cached position at 1 byte per value; multiply by the dtype's size."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
-
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 

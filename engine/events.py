@@ -72,6 +72,7 @@ class Failed:
     error: str
     kind: str  # the exception's class name: CapacityError, TemplateError, ...
     trace: dict
+    cache: dict | None = None  # the cache after the failure (what it still holds)
 
 
 Event = PrefillStarted | PrefillProgress | PrefillDone | Token | Finished | Failed

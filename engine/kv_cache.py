@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .quant import BITS, check_mode, dequantize, pack_int4, quantize, unpack_int4
+
 
 def payload_bytes(num_layers: int, positions: int, num_kv_heads: int, head_dim: int, bytes_per_value: int) -> int:
     """Ideal KV payload, 2 · L · T · H_kv · d · b (K and V). For several sequences pass the sum of lengths as T."""
@@ -16,6 +18,8 @@ class KVCache:
     A position counts once a forward pass has consumed it: prefill of an 8-position prompt leaves
     length 8; consuming token 1 makes it 9.
     """
+
+    quantized = False  # K/V held in the model dtype, as the attention kernels read them
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, device, batch: int = 1):
@@ -47,6 +51,10 @@ class KVCache:
     def allocated_bytes(self) -> int:
         """What the buffers really take: the whole capacity, whatever the length."""
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+    def readable_by_kernels(self, dtype: torch.dtype) -> bool:
+        """Whether a CPU kernel can attend over this cache in place: one sequence, K/V of `dtype` in memory."""
+        return not self.quantized and self.batch == 1 and self.k.dtype == dtype and self.k.is_cpu
 
     def truncate(self, length: int) -> None:
         """Forget positions from `length` on; their slots are overwritten by later writes."""
@@ -80,9 +88,10 @@ class QuantKVCache(KVCache):
     allocated_bytes count the scales.
     """
 
+    quantized = True
+
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, device, mode: str, batch: int = 1):
-        from .quant import BITS, check_mode
         check_mode(mode)
         self.mode, self.dtype = mode, dtype
         self.num_layers, self.batch, self.num_kv_heads, self.capacity, self.head_dim = (
@@ -105,8 +114,7 @@ class QuantKVCache(KVCache):
     @property
     def bytes_per_position(self) -> int:
         """Per position: K and V codes for every layer and KV head, plus their scales."""
-        per_vector = self.head_dim * self.bits // 8 + 4
-        return 2 * self.num_layers * self.num_kv_heads * per_vector * self.batch
+        return quantized_bytes_per_position(self.num_layers, self.num_kv_heads, self.head_dim, self.mode) * self.batch
 
     @property
     def payload_bytes(self) -> int:
@@ -117,14 +125,12 @@ class QuantKVCache(KVCache):
         return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.k_scale, self.v_scale))
 
     def _store(self, codes_buf, scale_buf, layer, start, x):
-        from .quant import pack_int4, quantize
         codes, scales = quantize(x, self.mode, self.head_dim)  # [B, H_kv, T, d], [B, H_kv, T, 1]
         end = start + x.shape[2]
         codes_buf[layer, :, :, start:end] = pack_int4(codes) if self.mode == "int4" else codes
         scale_buf[layer, :, :, start:end] = scales
 
     def _load(self, codes_buf, scale_buf, layer, end):
-        from .quant import dequantize, unpack_int4
         codes = codes_buf[layer, :, :, :end]
         codes = unpack_int4(codes) if self.mode == "int4" else codes
         return dequantize(codes, scale_buf[layer, :, :, :end], self.dtype)  # [B, H_kv, end, d]
@@ -134,6 +140,20 @@ class QuantKVCache(KVCache):
         self._store(self.v, self.v_scale, layer, start, v)
         end = start + k.shape[2]
         return self._load(self.k, self.k_scale, layer, end), self._load(self.v, self.v_scale, layer, end)
+
+
+def quantized_bytes_per_position(num_layers: int, num_kv_heads: int, head_dim: int, mode: str) -> int:
+    """2 · L · H_kv · (d · bits/8 + 4): codes for K and V of every layer and KV head, one float32 scale each."""
+    return 2 * num_layers * num_kv_heads * (head_dim * BITS[mode] // 8 + 4)
+
+
+def bytes_per_position(config, dtype: torch.dtype, kv: str = "none") -> int:
+    """What one cached position takes for a model config, in the model dtype ("none") or int8/int4 codes."""
+    if kv == "none":
+        size = torch.empty((), dtype=dtype).element_size()
+        return payload_bytes(config.num_layers, 1, config.num_kv_heads, config.head_dim, size)
+    check_mode(kv)
+    return quantized_bytes_per_position(config.num_layers, config.num_kv_heads, config.head_dim, kv)
 
 
 def make_cache(config, capacity: int, dtype: torch.dtype, device, kv: str = "none") -> KVCache:

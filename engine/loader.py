@@ -20,13 +20,19 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from .backends import kernels as kernel_library
+from .backends.cpu_layouts import LinearT, fast_cpu_linears, transposed_embedding
+from .backends.decode_step import use_kernels
+from .backends.quantized import QuantLinear, quantize_head, weight_bytes
+from .bundled import DEMO_MODEL
 from .config import ModelConfig, load_config
 from .errors import ModelLoadError
+from .kv_cache import bytes_per_position
 from .model import Transformer
+from .quant import DEFAULT_GROUP_SIZE, check_mode, describe, group_for
 from .tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEMO_MODEL = Path(__file__).resolve().parent.parent / "resources" / "models" / "kvchat-demo"
 
 
 def resolve_device(name: str | None = None) -> torch.device:
@@ -343,8 +349,7 @@ def _block_state(reader: _Reader, sources: dict[str, list[str]], dtype, device) 
 def _load_block(reader: _Reader, cfg: ModelConfig, i: int, block: nn.Module, dtype, device, weights: str,
                 group_size: int) -> None:
     """Block i's weights into `block` (on the meta device until now). Quantized, each linear is built
-    from its rows a chunk at a time, so no float copy of the block exists (Qwen2.5-0.5B: 59 MB)."""
-    from .quant import QuantLinear, group_for
+    from its rows a chunk at a time, so no float copy of the block exists."""
     sources = _block_sources(cfg, i)
     if weights == "none":
         block.load_state_dict(_block_state(reader, sources, dtype, device), strict=True, assign=True)
@@ -360,18 +365,12 @@ def _load_block(reader: _Reader, cfg: ModelConfig, i: int, block: nn.Module, dty
 
 
 def _build_model(files: dict[str, Path], cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 weights: str, group_size: int) -> Transformer:
+                 weights: str, group_size: int, kern) -> Transformer:
     """The model, streamed block by block from the files into its final form: each block is read,
-    fused, cast, put on the device and transposed or packed before the next one is read, so peak
-    memory is the final weights plus about one block (no whole-model float32 detour); quantized
-    weights, the embedding and head included, are quantized a chunk of rows at a time as they are
-    read (peak: the final weights plus one chunk, at most 16 MiB)."""
-    from . import kernels
-    from .model import EmbeddingT, LinearT, fast_cpu_linears, use_kernels
-    from .quant import quantize_head
-    expected = _expected(cfg)
-    reader = _Reader(files, expected)
-    kern = kernels.for_dtype(dtype) if device.type == "cpu" else None  # decode kernels, on the checkpoint's layout
+    fused, cast, put on the device and given its layout before the next one is read, so the peak is
+    the final weights plus about one block; quantized weights, the embedding and head included, are
+    quantized a chunk of rows at a time as they are read. `kern`: kvchat's CPU kernels, or None."""
+    reader = _Reader(files, _expected(cfg))
     transposed = kern is None and device.type == "cpu" and dtype == torch.float32  # torch's fast one-row layout
     with torch.device("meta"):
         model = Transformer(cfg)
@@ -379,11 +378,12 @@ def _build_model(files: dict[str, Path], cfg: ModelConfig, dtype: torch.dtype, d
         untied = None if cfg.tie_word_embeddings else reader.rows(["lm_head.weight"], dtype, device)
         quantize_head(model, group_size, reader.rows(["model.embed_tokens.weight"], dtype, device), untied)
     elif transposed and cfg.tie_word_embeddings:
-        model.embed = EmbeddingT(reader.read_transposed("model.embed_tokens.weight", dtype, device))
+        transposed_embedding(model, reader.read_transposed("model.embed_tokens.weight", dtype, device))
     else:
         model.embed.weight = reader.read_one("model.embed_tokens.weight", dtype, device)
-    if not cfg.tie_word_embeddings and weights == "none":
-        if transposed:
+        if cfg.tie_word_embeddings:
+            model.tie()
+        elif transposed:
             model.lm_head = LinearT(reader.read_transposed("lm_head.weight", dtype, device))
         else:
             model.lm_head.weight = reader.read_one("lm_head.weight", dtype, device)
@@ -410,6 +410,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     fingerprint: dict[str, str]
+    kernels: kernel_library.Kernels | None = None  # kvchat's CPU kernels, when decode runs on them
 
     @property
     def name(self) -> str:
@@ -425,50 +426,49 @@ class LoadedModel:
 
     @property
     def weight_bytes(self) -> int:
-        from .quant import weight_bytes
         return weight_bytes(self.model)
 
-    @property
-    def kv_bytes_per_position(self) -> int:
-        return self.config.kv_bytes_per_position * torch.empty((), dtype=self.dtype).element_size()
+    def kv_bytes_per_position(self, kv: str = "none") -> int:
+        """Bytes one cached position takes at KV precision `kv` (none: the model dtype)."""
+        return bytes_per_position(self.config, self.dtype, kv)
 
     @property
     def decode_kernels(self) -> str:
         """What runs the one-row products of decode: kvchat's CPU kernels, or torch (and why)."""
-        k = self.model.head_kernels
-        if k is not None:
-            return f"kvchat ({k.isa})"
+        if self.kernels is not None:
+            return f"kvchat ({self.kernels.isa})"
         if self.device.type != "cpu":
             return f"torch ({self.device.type})"
-        from . import kernels
-        return kernels.status()
-
-    def facts(self) -> dict:
-        c = self.config
-        return {"path": str(self.path), "architecture": c.architecture, "parameters": self.parameter_count,
-                "dtype": dtype_name(self.dtype), "device": str(self.device), "layers": c.num_layers,
-                "heads": c.num_heads, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
-                "hidden_size": c.hidden_size, "vocab_size": c.vocab_size,
-                "max_position_embeddings": c.max_position_embeddings,
-                "bytes_per_value": torch.empty((), dtype=self.dtype).element_size(),
-                "weights": self.quantization, "head_weights": self.head_quantization, "weight_bytes": self.weight_bytes,
-                "decode_kernels": self.decode_kernels, "kv_bytes_per_position": self.kv_bytes_per_position}
+        return kernel_library.status()
 
     @property
     def head_quantization(self) -> str:
         """How the output head (and embedding) is stored: "none" (the model dtype) or e.g. "int8/g32"."""
-        table = getattr(self.model.embed, "table", None)
-        if table is None:
+        head = self.model.lm_head
+        if not isinstance(head, QuantLinear):
             return "none"
-        g = "per-channel" if table.group_size == table.in_features else f"g{table.group_size}"
-        return f"{table.mode}/{g}"
+        return describe(head.mode, head.group_size, head.in_features)
+
+    def facts(self, kv: str = "none") -> dict:
+        """What the CLI's `info`, the panel and the benchmark show about the model, at KV precision `kv`."""
+        c = self.config
+        return {"path": str(self.path), "name": self.name, "architecture": c.architecture,
+                "parameters": self.parameter_count, "dtype": dtype_name(self.dtype), "device": str(self.device),
+                "layers": c.num_layers, "heads": c.num_heads, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
+                "hidden_size": c.hidden_size, "vocab_size": c.vocab_size,
+                "max_position_embeddings": c.max_position_embeddings,
+                "bytes_per_value": torch.empty((), dtype=self.dtype).element_size(),
+                "weights": self.quantization, "head_weights": self.head_quantization, "weight_bytes": self.weight_bytes,
+                "decode_kernels": self.decode_kernels, "kv_cache": kv,
+                "kv_bytes_per_position": self.kv_bytes_per_position(kv)}
 
 
 def load_model(model_dir=None, device: str | None = None, dtype: str | None = None,
-               weights: str = "none", group_size: int = 64) -> LoadedModel:
-    """Load a model folder. `weights` = none | int8 | int4 quantizes the block linears (quantize, then
-    swap the module) with one scale per `group_size` inputs (0: one per output channel), and the
-    embedding and output head in int8 with the same grouping (engine.quant.quantize_head)."""
+               weights: str = "none", group_size: int = DEFAULT_GROUP_SIZE) -> LoadedModel:
+    """Load a model folder (the bundled demo model when None). `weights` = none | int8 | int4
+    quantizes the block linears (quantize, then swap the module) with one scale per `group_size`
+    inputs (0: one per output channel), and the embedding and output head in int8 with the same
+    grouping (engine.backends.quantized.quantize_head)."""
     if model_dir is None:
         if not (DEMO_MODEL / "config.json").is_file():
             raise ModelLoadError("no --model given and the bundled demo model is not installed", DEMO_MODEL)
@@ -484,18 +484,17 @@ def load_model(model_dir=None, device: str | None = None, dtype: str | None = No
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ModelLoadError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only "
                              f"{cfg.vocab_size} embeddings", model_dir / "tokenizer.json")
+    weights = weights or "none"
     quantization = "none"
-    if weights not in (None, "", "none"):
-        from .quant import check_mode
+    if weights != "none":
         try:
             check_mode(weights)
         except ValueError as e:
             raise ModelLoadError(str(e)) from None
-        quantization = f"{weights}/g{group_size}" if group_size > 0 else f"{weights}/per-channel"
-    else:
-        weights = "none"
+        quantization = describe(weights, group_size)
+    kern = kernel_library.for_dtype(dt) if dev.type == "cpu" else None  # decode kernels for this dtype
     with _ReturnFreedMemory():
-        model = _build_model(files, cfg, dt, dev, weights, group_size)
+        model = _build_model(files, cfg, dt, dev, weights, group_size, kern)
     fingerprint = {
         "weights": _header_digest(files.values()),
         "dtype": dtype_name(dt),
@@ -506,4 +505,4 @@ def load_model(model_dir=None, device: str | None = None, dtype: str | None = No
                      f"window={cfg.sliding_window} qk_norm={cfg.qk_norm}",
         "device": str(dev),
     }
-    return LoadedModel(model_dir, cfg, model, tokenizer, dev, dt, fingerprint)
+    return LoadedModel(model_dir, cfg, model, tokenizer, dev, dt, fingerprint, kern)

@@ -16,14 +16,15 @@ from collections.abc import Iterator
 import torch
 
 from . import trace as tracing
+from .backends.cuda_graph import GraphDecoder, graphs_wanted
 from .errors import CapacityError, EngineError
 from .events import Failed, Finished, PrefillDone, PrefillProgress, PrefillStarted, ReuseReport, Token
-from .cuda_graph import GraphDecoder, graphs_wanted
 from .kv_cache import KVCache, make_cache
 from .loader import LoadedModel
+from .quant import PRECISIONS
 from .sampling import SamplingParams, choose
 
-DEFAULT_CAPACITY = 4096
+DEFAULT_CAPACITY = 4096  # KV positions when neither the person nor the model's context says fewer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,10 +61,7 @@ def fingerprint_change(old: dict | None, new: dict) -> str | None:
     return "cache dropped: " + ", ".join(parts)
 
 
-PREFILL_CHUNK = 256  # positions per prefill step: progress and Stop act between steps. 512 prefilled 2-12%
-# faster in a direct measurement on the SmolLM2 shape (fewer weight passes, no mask), a gain lost in the
-# benchmark's noise, and its activations raised small quantized models' peak memory by 13 MB (SmolLM2
-# int4: 1.29x -> 1.37x of weights + KV; `python -m engine bench --engines kvchat`)
+PREFILL_CHUNK = 256  # positions per prefill step: progress and Stop act between steps (README: why 256)
 
 
 class Session:
@@ -89,8 +87,8 @@ class Session:
         if capacity < 2:
             raise EngineError("KV capacity must be at least 2 positions")
         kv = kv or self.kv
-        if kv not in ("none", "int8", "int4"):
-            raise EngineError(f"KV precision {kv!r} is not supported (supported: none, int8, int4)")
+        if kv not in PRECISIONS:
+            raise EngineError(f"KV precision {kv!r} is not supported (supported: {', '.join(PRECISIONS)})")
         fingerprint = {**loaded.fingerprint, "kv_cache": kv}
         reason = fingerprint_change(self._fingerprint, fingerprint)
         if reason is None and self.cache is not None and capacity != self.cache.capacity:
@@ -120,6 +118,13 @@ class Session:
         s = self.cache.stats()
         s["bytes_per_position"] = self.cache.bytes_per_position
         return s
+
+    def facts(self) -> dict:
+        """The model's facts with this session's cache: capacity, precision, bytes per position, stats."""
+        c = self.cache
+        return {**self.loaded.facts(self.kv), "capacity": c.capacity, "kv_bytes_per_position": c.bytes_per_position,
+                "kv_allocated_bytes": c.allocated_bytes, "cache": self.cache_stats(),
+                "fingerprint": dict(self.loaded.fingerprint), "cache_dropped": self.pending_drop_reason}
 
     # --- tokenizing and planning ------------------------------------------------------
     def tokenize(self, req: Request) -> list[int]:
@@ -181,7 +186,7 @@ class Session:
             trace.status, trace.end, trace.error = "failed", tracing.now(), str(e)
             if isinstance(e, RuntimeError) and "out of memory" in str(e).lower():
                 trace.error = f"out of memory: {e}"
-            yield Failed(trace.error, type(e).__name__, trace.summary())
+            yield Failed(trace.error, type(e).__name__, trace.summary(), self.cache_stats())
 
     def _generate(self, req: Request, cancel: threading.Event, trace: tracing.RequestTrace):
         loaded, model, tok = self.loaded, self.loaded.model, self.loaded.tokenizer

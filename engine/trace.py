@@ -18,6 +18,34 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000.0, 6)
 
 
+# Each figure is computed here and only here: the finished trace, the live panel and the CLI call these.
+def ttft_ms(arrival: float | None, token_times: list[float]) -> float | None:
+    """t1 - arrival; missing before token 1."""
+    return _ms(token_times[0] - arrival) if token_times and arrival is not None else None
+
+
+def tpot_ms(token_times: list[float]) -> float | None:
+    """(tn - t1) / (n - 1); missing (None, never 0) below two tokens."""
+    n = len(token_times)
+    return None if n < 2 else _ms((token_times[-1] - token_times[0]) / (n - 1))
+
+
+def decode_tok_s(tpot: float | None) -> float | None:
+    """Tokens per second after the first: 1000 / TPOT[ms]."""
+    return None if not tpot else round(1000.0 / tpot, 6)
+
+
+def e2e_ms(arrival: float | None, token_times: list[float], end: float | None = None) -> float | None:
+    """From arrival to the last token (or to the end of a request that produced none)."""
+    last = token_times[-1] if token_times else end
+    return _ms(last - arrival) if last is not None and arrival is not None else None
+
+
+def gaps_ms(token_times: list[float]) -> list[float]:
+    """The gaps between consecutive tokens."""
+    return [_ms(b - a) for a, b in zip(token_times, token_times[1:])]
+
+
 @dataclasses.dataclass
 class RequestTrace:
     arrival: float  # when the person asked (Send pressed), seconds on `now`
@@ -40,7 +68,7 @@ class RequestTrace:
 
     @property
     def ttft_ms(self) -> float | None:
-        return _ms(self.token_times[0] - self.arrival) if self.token_times else None
+        return ttft_ms(self.arrival, self.token_times)
 
     @property
     def ttft_parts_ms(self) -> dict[str, float | None]:
@@ -55,25 +83,19 @@ class RequestTrace:
 
     @property
     def gaps_ms(self) -> list[float]:
-        t = self.token_times
-        return [_ms(b - a) for a, b in zip(t, t[1:])]
+        return gaps_ms(self.token_times)
 
     @property
     def tpot_ms(self) -> float | None:
-        n = self.tokens
-        if n < 2:
-            return None  # missing, never 0
-        return _ms((self.token_times[-1] - self.token_times[0]) / (n - 1))
+        return tpot_ms(self.token_times)
 
     @property
     def decode_tok_s(self) -> float | None:
-        tpot = self.tpot_ms
-        return None if not tpot else round(1000.0 / tpot, 6)
+        return decode_tok_s(self.tpot_ms)
 
     @property
     def e2e_ms(self) -> float | None:
-        end = self.token_times[-1] if self.token_times else self.end
-        return _ms(end - self.arrival) if end is not None else None
+        return e2e_ms(self.arrival, self.token_times, self.end)
 
     @property
     def mean_ms_per_token_incl_wait(self) -> float | None:

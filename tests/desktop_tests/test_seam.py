@@ -3,7 +3,8 @@
 import threading
 
 from desktop.store import Store
-from desktop.worker import EngineWorker, event_to_dict
+from desktop.worker import EngineWorker, EventBatch
+from engine.events import Finished, PrefillStarted, Token
 
 
 def test_thousands_of_signal_emits_from_a_thread(qapp, loop, spin_loop):
@@ -16,9 +17,9 @@ def test_thousands_of_signal_emits_from_a_thread(qapp, loop, spin_loop):
             super().__init__()
             self.got, self.threads = [], set()
 
-        @Slot(int, list)
-        def on_events(self, _rid, batch):
-            self.got.extend(batch)
+        @Slot(object)
+        def on_events(self, batch):
+            self.got.extend(batch.events)
             self.threads.add(threading.current_thread())
     worker = EngineWorker()
     client = EngineClient(worker)
@@ -29,12 +30,12 @@ def test_thousands_of_signal_emits_from_a_thread(qapp, loop, spin_loop):
 
     def blast():
         for i in range(n):
-            worker.events.emit(1, [{"type": "token", "index": i, "text": "x", "flag": bool(i % 2)}])
+            worker.events.emit(EventBatch(1, (Token(i, 7, "x", float(i), i % 2),)))
     t = threading.Thread(target=blast)
     t.start()
     spin_loop(lambda: len(got) == n, 60)
     t.join()
-    assert [e["index"] for e in got] == list(range(n))
+    assert [e.index for e in got] == list(range(n))
     assert receiver.threads == {threading.main_thread()}  # every batch crossed to the GUI thread
     assert client is not None
 
@@ -42,44 +43,61 @@ def test_thousands_of_signal_emits_from_a_thread(qapp, loop, spin_loop):
 def test_async_stream_yields_batches_until_finished(qapp, loop, llama_dir):
     import asyncio
     from desktop.client import EngineClient
+    from desktop.chat import Accounting
     from desktop.worker import WorkerThread
     from engine.session import Request
+    from engine.spec import LoadSpec
     wt = WorkerThread()
     try:
         client = EngineClient(wt.worker)
         loaded = []
         wt.worker.modelLoaded.connect(loaded.append)
-        wt.worker.load(str(llama_dir), None, None, 256)
+        wt.worker.load(LoadSpec(str(llama_dir), capacity=256))
 
         async def run():
             while not loaded:
                 await asyncio.sleep(0.01)
             kinds, tokens = [], 0
             async for batch in client.stream(Request(prompt_ids=tuple(range(5, 25)), max_new_tokens=40)):
-                kinds += [e["type"] for e in batch]
-                tokens += sum(e["type"] == "token" for e in batch)
+                kinds += [type(e) for e in batch]
+                tokens += sum(isinstance(e, Token) for e in batch)
             return kinds, tokens
         kinds, tokens = loop.run_until_complete(asyncio.wait_for(run(), 60))
-        assert kinds[0] == "prefill_started" and kinds[-1] == "finished" and tokens == 40
+        assert kinds[0] is PrefillStarted and kinds[-2] is Finished and kinds[-1] is Accounting and tokens == 40
         assert loaded[0]["capacity"] == 256 and loaded[0]["architecture"] == "LlamaForCausalLM"
     finally:
         assert wt.close()
 
 
-def test_events_cross_the_thread_as_plain_values(llama_dir):
+def test_events_cross_the_thread_as_frozen_records(llama_dir):
+    """What the worker sends to the GUI thread are the engine's own immutable records: no tensor, and
+    nothing either thread can change under the other."""
+    import dataclasses
+
+    import torch
     from engine.loader import load_model
     from engine.session import Request, Session
     s = Session(load_model(llama_dir), capacity=64)
-    for ev in s.generate(Request(prompt_ids=(5, 6, 7), max_new_tokens=3)):
-        d = event_to_dict(ev)
 
-        def plain(x):
-            if isinstance(x, dict):
-                return all(plain(v) for v in x.values())
-            if isinstance(x, (list, tuple)):
-                return all(plain(v) for v in x)
-            return x is None or isinstance(x, (str, int, float, bool))
-        assert plain(d), d
+    def plain(x):
+        if dataclasses.is_dataclass(x):
+            return plain(dataclasses.asdict(x))
+        if isinstance(x, dict):
+            return all(plain(v) for v in x.values())
+        if isinstance(x, (list, tuple)):
+            return all(plain(v) for v in x)
+        return x is None or isinstance(x, (str, int, float, bool)) and not isinstance(x, torch.Tensor)
+    events = list(s.generate(Request(prompt_ids=(5, 6, 7), max_new_tokens=3)))
+    for ev in events:
+        assert dataclasses.is_dataclass(ev) and type(ev).__dataclass_params__.frozen, ev
+        assert plain(ev), ev
+    first = events[0]
+    try:
+        first.prompt_tokens = 0
+    except dataclasses.FrozenInstanceError:
+        pass
+    else:
+        raise AssertionError("an event could be changed after it was sent")
 
 
 def test_store_tree_branches_and_crash_recovery(tmp_path):
@@ -105,7 +123,7 @@ def test_seam_bench_reports_gui_rate_and_event_loop_lag():
     import json
     import subprocess
     import sys
-    r = subprocess.run([sys.executable, "-m", "desktop.seam_bench", "--shape", "tiny", "--prompt-tokens", "40",
+    r = subprocess.run([sys.executable, "-m", "desktop.tools.seam_bench", "--shape", "tiny", "--prompt-tokens", "40",
                         "--new-tokens", "400", "--repeats", "2", "--batch-ms", "5", "--json"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
@@ -136,7 +154,7 @@ def test_redraw_interval_adapts_to_the_gui_cpu_budget(qtbot, make_window, llama_
     from engine.trace import now
     w = make_window(llama_dir)
     assert w.timer.interval() == win.REFRESH_MS
-    w.generating = True
+    w.chat.generating = True
     w._cpu_mark = (now() - 1.0, time.thread_time() - 0.5)  # half a core over the last second
     w._adapt_refresh()
     assert w.timer.interval() == int(win.REFRESH_MS * 1.5)
@@ -147,7 +165,7 @@ def test_redraw_interval_adapts_to_the_gui_cpu_budget(qtbot, make_window, llama_
     w._cpu_mark = (now() - 1.0, time.thread_time())  # idle: back toward the fastest
     w._adapt_refresh()
     assert w.timer.interval() < win.SLOWEST_REFRESH_MS
-    w.generating = False
+    w.chat.generating = False
     w._cpu_mark = (now() - 1.0, time.thread_time())
     w._adapt_refresh()
     assert w.timer.interval() == win.REFRESH_MS

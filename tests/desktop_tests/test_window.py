@@ -6,6 +6,7 @@ import sqlite3
 from PySide6.QtCore import Qt
 
 from desktop.panel import fmt_bytes, fmt_ms, fmt_rate
+from engine.events import Failed, Finished
 from desktop.store import Store
 
 BUDGET = "I am planning a trip to Chengdu for 3 nights. My budget is 600 yuan."
@@ -29,8 +30,8 @@ def test_send_streams_a_reply_and_the_panel_matches_the_engine(qtbot, make_windo
     w = make_window(demo_model_dir)
     assert w.facts["architecture"] == "LlamaForCausalLM"
     final = send(qtbot, w, spin_loop, BUDGET)
-    assert final["type"] == "finished" and final["reason"] == "eos"
-    t, cache = final["trace"], final["cache"]
+    assert isinstance(final, Finished) and final.reason == "eos"
+    t, cache = final.trace, final.cache
     assert panel(w, "ttftValue") == fmt_ms(t["ttft_ms"])
     assert panel(w, "tpotValue") == fmt_ms(t["tpot_ms"])
     assert panel(w, "tokensPerSecondValue") == fmt_rate(t["decode_tok_s"])
@@ -44,7 +45,7 @@ def test_send_streams_a_reply_and_the_panel_matches_the_engine(qtbot, make_windo
     assert t["ttft_ms"] >= t["ttft_prefill_ms"] + t["ttft_first_token_ms"]
     views = w.transcript.views
     assert [v.message.role for v in views] == ["user", "assistant"]
-    assert views[1].message.content == final["text"] and "600 yuan" in final["text"]
+    assert views[1].message.content == final.text and "600 yuan" in final.text
     assert views[1].tokensLabel.text() == f"{t['tokens']} tokens"
     from engine.tokenizer import Tokenizer
     n_user = len(Tokenizer.from_dir(demo_model_dir).encode(BUDGET))
@@ -70,7 +71,7 @@ def test_enter_sends_and_shift_enter_is_a_newline(qtbot, make_window, spin_loop,
 def test_edit_an_earlier_message_branches_and_shows_the_invalidation(qtbot, make_window, spin_loop, demo_model_dir):
     w = make_window(demo_model_dir)
     first = send(qtbot, w, spin_loop, BUDGET)
-    assert "600 yuan" in first["text"]
+    assert "600 yuan" in first.text
     user_view = w.transcript.views[0]
     qtbot.mouseClick(user_view.editButton, Qt.LeftButton)
     user_view.editor.setPlainText(BUDGET.replace("600", "750"))
@@ -79,8 +80,8 @@ def test_edit_an_earlier_message_branches_and_shows_the_invalidation(qtbot, make
     qtbot.mouseClick(user_view.saveButton, Qt.LeftButton)
     spin_loop(lambda: got)
     final = got[0]
-    r = final["reuse"]
-    assert "750 yuan" in final["text"] and "600" not in final["text"]
+    r = final.reuse.to_dict()
+    assert "750 yuan" in final.text and "600" not in final.text
     assert r["cached_token"]["text"].strip() == "6" and r["new_token"]["text"].strip() == "7"
     assert panel(w, "firstInvalidatedValue") == f"{r['first_invalidated_position']:,}"
     assert panel(w, "reusedValue") == f"{r['reused']:,}" and r["reused"] == r["first_invalidated_position"]
@@ -92,7 +93,7 @@ def test_edit_an_earlier_message_branches_and_shows_the_invalidation(qtbot, make
     qtbot.mouseClick(user_view.prevButton, Qt.LeftButton)
     views = w.transcript.views
     assert views[0].branchLabel.text() == "1/2" and "600 yuan" in views[0].message.content
-    assert views[1].message.content == first["text"]
+    assert views[1].message.content == first.text
 
 
 def test_a_new_exchange_keeps_the_views_above_it_and_an_edit_rebuilds_from_the_edit(qtbot, make_window, spin_loop,
@@ -105,9 +106,9 @@ def test_a_new_exchange_keeps_the_views_above_it_and_an_edit_rebuilds_from_the_e
     second = send(qtbot, w, spin_loop, "What should I see first?")
     views = w.transcript.views
     assert views[:2] == kept and len(views) == 4  # the same view objects, two new ones below
-    assert views[1].body.text() == first["text"] and views[1].stream is None  # the finished reply, as Markdown
-    assert views[3].message.content == second["text"] and views[3].stream is None
-    assert views[3].tokensLabel.text() == f"{second['trace']['tokens']} tokens"
+    assert views[1].body.text() == first.text and views[1].stream is None  # the finished reply, as Markdown
+    assert views[3].message.content == second.text and views[3].stream is None
+    assert views[3].tokensLabel.text() == f"{second.trace['tokens']} tokens"
     assert views[2].tokensLabel.text().endswith(" tokens")  # the count the engine reported for the prompt
     qtbot.mouseClick(views[2].editButton, Qt.LeftButton)
     views[2].editor.setPlainText("What should I eat first?")
@@ -117,7 +118,7 @@ def test_a_new_exchange_keeps_the_views_above_it_and_an_edit_rebuilds_from_the_e
     spin_loop(lambda: got)
     views = w.transcript.views
     assert views[:2] == kept and views[2] is not kept[0] and views[2].branchLabel.text() == "2/2"
-    assert views[2].message.content == "What should I eat first?" and views[3].message.content == got[0]["text"]
+    assert views[2].message.content == "What should I eat first?" and views[3].message.content == got[0].text
 
 
 def test_stop_mid_reply_keeps_the_text_and_marks_it_stopped(qtbot, make_window, spin_loop, llama_dir):
@@ -130,7 +131,7 @@ def test_stop_mid_reply_keeps_the_text_and_marks_it_stopped(qtbot, make_window, 
     assert w.stopButton.isVisible() and not w.sendButton.isVisible()
     qtbot.mouseClick(w.stopButton, Qt.LeftButton)
     spin_loop(lambda: got)
-    assert got[0]["reason"] == "cancelled"
+    assert got[0].reason == "cancelled"
     msg = w.transcript.views[-1].message
     assert msg.status == "stopped" and 5 <= msg.token_count < 3000
     assert w.statsPanel.values["failedValue"].text() == "0 · 1"
@@ -148,10 +149,10 @@ def test_model_settings_change_drops_the_cache_with_its_reason(qtbot, make_windo
     assert w.facts["dtype"] == "bfloat16"
     assert "dtype changed (float32 → bfloat16)" in panel(w, "reuseReasonValue")
     final = send(qtbot, w, spin_loop, "What is my budget?")
-    assert final["reuse"]["reused"] == 0 and "dtype changed" in final["reuse"]["reason"]
+    assert final.reuse.reused == 0 and "dtype changed" in final.reuse.reason
     assert panel(w, "dtypeValue") == "bfloat16"
     assert "dtype changed" in panel(w, "reuseReasonValue")
-    from engine import kernels
+    from engine.backends import kernels
     k = kernels.load()  # what decodes is said: kvchat's kernels where they build, else torch and why
     assert panel(w, "kernelsValue") == (f"kvchat ({k.isa})" if k else kernels.status()) == w.facts["decode_kernels"]
 
@@ -171,13 +172,13 @@ def test_a_corrupt_model_folder_shows_the_error_and_keeps_the_old_model(qtbot, m
     assert "corrupt or truncated safetensors" in w.banner.text() and "previous model" in w.banner.text()
     assert w.banner.isVisible() and w.facts["name"] == "kvchat-demo"
     final = send(qtbot, w, spin_loop, BUDGET)
-    assert final["type"] == "finished"
+    assert isinstance(final, Finished)
 
 
 def test_over_capacity_prompt_is_explained(qtbot, make_window, spin_loop, demo_model_dir):
     w = make_window(demo_model_dir, capacity=64, max_new_tokens=32)
     final = send(qtbot, w, spin_loop, BUDGET + " " + BUDGET)
-    assert final["type"] == "failed" and "capacity is 64" in final["error"]
+    assert isinstance(final, Failed) and "capacity is 64" in final.error
     assert "capacity is 64" in w.banner.text() and w.banner.isVisible()
     assert w.transcript.views[-1].message.status == "failed"
     assert w.statsPanel.values["failedValue"].text() == "1 · 0"
@@ -229,11 +230,11 @@ def test_copy_and_export_trace(qtbot, make_window, spin_loop, demo_model_dir, tm
     w = make_window(demo_model_dir)
     final = send(qtbot, w, spin_loop, BUDGET)
     qtbot.mouseClick(w.transcript.views[1].copyButton, Qt.LeftButton)
-    assert QGuiApplication.clipboard().text() == final["text"]
+    assert QGuiApplication.clipboard().text() == final.text
     out = tmp_path / "trace.json"
     w.write_trace(out)
     data = json.loads(out.read_text())
-    assert data["trace"]["ttft_ms"] == final["trace"]["ttft_ms"] and data["model"]["name"] == "kvchat-demo"
+    assert data["trace"]["ttft_ms"] == final.trace["ttft_ms"] and data["model"]["name"] == "kvchat-demo"
 
 
 def test_unreadable_database_is_moved_aside(qtbot, make_window, demo_model_dir, tmp_path):
@@ -258,7 +259,7 @@ def test_locked_database_is_explained_and_the_app_keeps_running(qtbot, make_wind
         w = make_window(demo_model_dir, data=data)
         assert "locked" in w.banner.text()
         final = send(qtbot, w, spin_loop, BUDGET)
-        assert final["type"] == "finished"
+        assert isinstance(final, Finished)
     finally:
         holder.rollback()
         holder.close()
@@ -270,8 +271,8 @@ def test_panel_updates_are_throttled(qtbot, make_window, spin_loop, llama_dir, m
     original = w.statsPanel.show_reply
     monkeypatch.setattr(w.statsPanel, "show_reply", lambda *a, **k: (calls.append(1), original(*a, **k)))
     final = send(qtbot, w, spin_loop, "Hello")
-    n = final["trace"]["tokens"]
-    seconds = final["trace"]["e2e_ms"] / 1000
+    n = final.trace["tokens"]
+    seconds = final.trace["e2e_ms"] / 1000
     assert n >= 100
     assert len(calls) <= seconds * 20 + 5 and len(calls) < n / 2
     # with nothing left to redraw the timer stops (an idle timer costs the GUI thread under qasync);
@@ -300,7 +301,7 @@ def test_precision_switch_and_compare_with_full_precision(qtbot, make_window, sp
     final = send(qtbot, w, spin_loop, "What is my budget?")
     per = w.facts["kv_bytes_per_position"]
     assert per == 2 * w.facts["layers"] * w.facts["kv_heads"] * (w.facts["head_dim"] + 4)
-    assert panel(w, "kvPayloadValue") == fmt_bytes(final["cache"]["positions"] * per)
+    assert panel(w, "kvPayloadValue") == fmt_bytes(final.cache["positions"] * per)
     assert "int8 + scales" in panel(w, "kvFormulaValue")
     qtbot.mouseClick(w.transcript.views[-1].compareButton, Qt.LeftButton)
     spin_loop(lambda: getattr(w, "last_comparison", None) is not None, 120)

@@ -96,7 +96,7 @@ def test_bench_json(llama_dir):
 
 
 def test_bench_roofline_arithmetic():
-    from engine.bench import bytes_per_token, roofline_tok_s
+    from engine.tools.bench import bytes_per_token, roofline_tok_s
     # the figure: 20 GB/s over 0.54 GB of float32 weights caps decode near 37 tok/s
     assert round(roofline_tok_s(20e9, bytes_per_token(540_000_000, 113_246_208, True, 0, 0))) == 37
     # an untied embedding gives one row per token: not counted; the K/V of the context are

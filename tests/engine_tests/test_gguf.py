@@ -9,7 +9,7 @@ from safetensors import safe_open
 
 gguf = pytest.importorskip("gguf")
 
-from engine.gguf_export import _permute, write_gguf  # noqa: E402
+from engine.tools.gguf_export import _permute, write_gguf  # noqa: E402
 
 
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -44,7 +44,7 @@ def test_gguf_holds_every_tensor(llama_dir, tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python (the bench extra)")
 def test_llama_cpp_runs_the_same_weights(demo_model_dir, tmp_path):
-    from engine.llamacpp import LlamaCpp
+    from engine.tools.llamacpp import LlamaCpp
     from engine.loader import load_model
     from engine.session import Request, Session
     loaded = load_model(demo_model_dir)
@@ -61,10 +61,10 @@ def test_llama_cpp_runs_the_same_weights(demo_model_dir, tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python (the bench extra)")
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_llama_cpp_greedy_tokens_equal_kvchat_per_family(tmp_path, family):
-    from engine.bench import write_random_checkpoint
-    from engine.llamacpp import LlamaCpp
+    from engine.tools.bench import write_random_checkpoint
+    from engine.tools.llamacpp import LlamaCpp
     from engine.loader import load_model
-    from engine.selftest import TINY
+    from engine.tools.selftest import TINY
     from engine.session import Request, Session
     path = write_random_checkpoint(tmp_path / family, TINY[family], std=0.2)  # peaked logits: no near-ties
     loaded = load_model(path)

@@ -13,11 +13,14 @@ import torch
 import torch.nn.functional as F
 
 from checkpoints import make_checkpoint
-from engine import kernels
+from engine.backends import kernels
+from engine.backends.cpu_layouts import KernelHead, KernelLinear, PackedLinear
+from engine.backends.decode_step import KernelAttention, KernelRMSNorm
+from engine.backends.quantized import QuantLinear
 from engine.kv_cache import KVCache
 from engine.loader import load_model
-from engine.model import Attention, KernelLinear, PackedLinear, RMSNorm
-from engine.quant import QuantLinear, dequantize, pack_int4, quantize
+from engine.model import Attention, RMSNorm
+from engine.quant import dequantize, pack_int4, quantize
 
 K = kernels.load()
 needs_kernels = pytest.mark.skipif(K is None, reason=f"no kernels here: {kernels.status()}")
@@ -71,7 +74,7 @@ def test_rms_norm_rounds_as_the_module_does(dtype):
     norm.weight.data = (torch.rand(576) + 0.5).to(dtype)
     x = torch.randn(1, 1, 576).to(dtype) * 3
     want = norm(x)
-    norm.kernels = K
+    norm.__class__, norm.kernels = KernelRMSNorm, K
     got = norm(x)
     assert got.shape == x.shape and got.dtype == dtype
     close(got, want, 1e-6 if dtype == torch.float32 else 1e-2)
@@ -97,9 +100,9 @@ def test_attention_step_equals_the_torch_step(tmp_path, dtype, family, extra):
             x = torch.randn(1, 1, cfg.hidden_size, generator=g).to(dtype)
             mask = None if cfg.sliding_window is None else \
                 torch.arange(pos + 1)[None] > pos - cfg.sliding_window
-            attn.kernels = None
+            attn.__class__ = Attention
             want = attn(x, cos_t[pos:pos + 1], sin_t[pos:pos + 1], mask, caches[0], 0, pos)
-            attn.kernels = K
+            attn.__class__, attn.kernels = KernelAttention, K
             got = attn(x, cos_t[pos:pos + 1], sin_t[pos:pos + 1], mask, caches[1], 0, pos)
             tol = 1e-5 if dtype == torch.float32 else 2e-2
             close(got, want, tol)
@@ -115,10 +118,13 @@ def test_decoding_through_the_kernels_matches_torchs_kernels(tmp_path, monkeypat
     path = make_checkpoint(tmp_path, family, **extra)
     fast = load_model(path, dtype=dtype)
     assert isinstance(fast.model.layers[0].attn.qkv, KernelLinear) and fast.model.layers[0].attn.kernels is K
-    assert fast.model.decode_layers is not None  # the blocks of a decode step run in one C call
+    assert fast.model.decode_step is not None  # the blocks of a decode step run in one C call
     monkeypatch.setattr(kernels, "load", lambda: None)
     plain = load_model(path, dtype=dtype)
-    assert plain.model.layers[0].attn.kernels is None and fast.model.head_kernels is K
+    assert type(plain.model.layers[0].attn) is Attention and plain.kernels is None
+    assert isinstance(fast.model.lm_head, KernelHead) and fast.model.lm_head.kernels is K and fast.kernels is K
+    if fast.config.tie_word_embeddings:  # the head multiplies by the embedding's own matrix, not a copy
+        assert fast.model.lm_head.weight is fast.model.embed.weight
     prompt = torch.randint(5, fast.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(2))
     cfg = fast.config
     caches = [KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 64, fast.dtype, "cpu") for _ in range(2)]
@@ -154,9 +160,9 @@ def test_quantized_layers_decode_through_the_kernels(llama_dir, weights, group, 
     cfg, model = loaded.config, loaded.model
     prompt = torch.arange(5, 17)[None]
     caches = [KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 40, loaded.dtype, "cpu") for _ in range(2)]
-    assert model.decode_layers is not None
+    assert model.decode_step is not None
     fast = _decode(model, caches[0], prompt, 12)  # every block of a step in one C call
-    model.decode_layers = None
+    model.decode_step = None
     modules = _decode(model, caches[1], prompt, 12)  # module by module
     close(fast, modules, 1e-5 if dtype == "float32" else 2e-2)
 
@@ -170,10 +176,10 @@ def test_the_one_call_step_follows_the_cache_it_is_given(llama_dir):
     for capacity in (64, 24, 64, 33):
         cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity, torch.float32, "cpu")
         fast = _decode(model, cache, prompt, 8)
-        model.decode_layers, keep = None, model.decode_layers
+        model.decode_step, keep = None, model.decode_step
         want_cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity, torch.float32, "cpu")
         want = _decode(model, want_cache, prompt, 8)
-        model.decode_layers = keep
+        model.decode_step = keep
         close(fast, want, 1e-5)
         close(cache.k[:, :, :, :cache.length], want_cache.k[:, :, :, :cache.length], 1e-5)
         del cache
@@ -182,7 +188,7 @@ def test_the_one_call_step_follows_the_cache_it_is_given(llama_dir):
 def test_without_kernels_the_engine_runs_torchs(no_kernels, llama_dir):
     loaded = load_model(llama_dir, dtype="float32")
     layer = loaded.model.layers[0]
-    assert not isinstance(layer.attn.qkv, KernelLinear) and layer.attn.kernels is None
+    assert not isinstance(layer.attn.qkv, KernelLinear) and type(layer.attn) is Attention
     assert isinstance(layer.attn.qkv, PackedLinear) or not torch.backends.mkldnn.is_available()
     ql = load_model(llama_dir, weights="int8", group_size=0).model.layers[0].attn.qkv
     assert ql.decoder is None and ql.kernel == "int8pack"
@@ -201,13 +207,13 @@ def _run(code: str, **env) -> subprocess.CompletedProcess:
                           env={**os.environ, **env})
 
 
-STATUS = "import torch; from engine import kernels; print(kernels.status())"
+STATUS = "import torch; from engine.backends import kernels; print(kernels.status())"
 
 
 @pytest.mark.parametrize("env,says", [({"KVCHAT_KERNELS": "0"}, "turned off by KVCHAT_KERNELS"),
                                       ({"CC": "/bin/false"}, "/bin/false failed")])
 def test_no_kernels_is_said_and_the_model_still_runs(tmp_path, llama_dir, env, says):
-    code = STATUS + f"; from engine.loader import load_model; print(load_model({str(llama_dir)!r}).model.layers[0].attn.kernels)"
+    code = STATUS + f"; from engine.loader import load_model; print(load_model({str(llama_dir)!r}).kernels)"
     r = _run(code, KVCHAT_CACHE_DIR=str(tmp_path), **env)
     assert r.returncode == 0, r.stderr
     assert says in r.stdout and r.stdout.splitlines()[-1] == "None"
@@ -230,7 +236,7 @@ def test_each_instruction_set_variant_agrees_with_torch(tmp_path, flags, isa):
 
 
 def test_the_prefill_weight_buffer_is_reused_in_and_out_of_inference_mode():
-    from engine.model import weight_scratch
+    from engine.backends.cpu_layouts import weight_scratch
     with torch.inference_mode():
         a = weight_scratch((4, 8))
         a.fill_(2)

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from engine import kernels
+from engine.backends import kernels
 from engine.kv_cache import KVCache, QuantKVCache
 from engine.loader import load_model
-from engine.quant import (QuantLinear, dequantize, pack_int4, quantize, quantize_with_scale,
-                          storage_bytes, unpack_int4, weight_bytes)
+from engine.backends.quantized import QuantLinear, weight_bytes
+from engine.quant import dequantize, pack_int4, quantize, quantize_with_scale, storage_bytes, unpack_int4
 from engine.sampling import SamplingParams, choose
 from engine.session import Request, Session
 
@@ -133,11 +133,11 @@ def test_quantized_embedding_and_head_follow_the_definition(tmp_path, monkeypatc
     assert torch.equal(table.weight_codes(), codes) and torch.equal(table.scale_values(), scales)
     ids = torch.tensor([[3, 0, 383, 3]])
     torch.testing.assert_close(q.model.embed(ids), dequantize(codes, scales)[ids], rtol=0, atol=0)
-    head = table if tie else q.model.lm_head
-    assert (q.model.lm_head is None) == tie and head.mode == "int8"
-    w = dequantize(*quantize(full.model.head_weight, "int8", 32))  # [V, D]
+    head = q.model.lm_head  # always a module: the embedding's own table when tied
+    assert (head is table) == tie and head.mode == "int8"
+    w = dequantize(*quantize(full.model.lm_head.weight, "int8", 32))  # [V, D]
     x = torch.randn(1, 1, 64)
-    torch.testing.assert_close(q.model._head(x), torch.nn.functional.linear(q.model.norm(x), w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(q.model.lm_head(q.model.norm(x)), torch.nn.functional.linear(q.model.norm(x), w), rtol=1e-5, atol=1e-5)
     vd = full.config.vocab_size * 64
     heads_fp32, heads_int8 = (1 if tie else 2) * vd * 4, (1 if tie else 2) * (vd + vd // 32 * 4)
     blocks = [m for m in q.model.layers.modules() if isinstance(m, QuantLinear)]
@@ -150,7 +150,7 @@ def test_quantized_embedding_and_head_follow_the_definition(tmp_path, monkeypatc
 def test_many_rows_dequantize_a_slice_of_the_weight_at_a_time(monkeypatch, mode):
     """Prefill through a large matrix (an output head) never dequantizes it whole: the outputs are
     filled a slice at a time, and equal the whole product."""
-    import engine.quant as quant
+    import engine.backends.quantized as quant
     torch.manual_seed(0)
     lin = torch.nn.Linear(64, 200, bias=True)
     ql = QuantLinear(lin.weight, lin.bias, mode, 16)

@@ -1,26 +1,9 @@
-"""`python -m desktop.seam_bench`: does the app slow the engine down?
+"""`python -m desktop.tools.seam_bench`: does the app slow the engine down?
 
-The same chat request runs through the real window (worker thread, batched signals, the throttled
-transcript and panel refresh, offscreen) and on the engine alone, and the report compares decode
-tokens/s as the GUI thread received them with the engine alone's, plus the GUI event loop's lag: a
-10 ms timer on the GUI thread records how late each tick fires while the reply streams (targets:
-GUI ≥ 95% of the engine alone, lag ≤ 50 ms).
-
-"The engine alone" is measured twice. The headline's reference is the app's own loaded model on
-its own worker thread, with the worker holding every token back until the reply ends (nothing
-reaches the GUI while it decodes): the only difference from the app's run is the seam itself.
-The engine is also run in a process of its own, and that ratio is reported too: on this machine
-two processes doing the same work differ by a few percent either way (their weights sit in
-different memory; measured by loading one model twice in one process: the two copies decoded
-1-10% apart, the one loaded first the slower in each of three checks), which is noise about the
-seam, not (as far as measured) a cost of it.
-
-The lag probe is an instrument with a cost of its own (a 10 ms timer under qasync takes ~2% of a
-core, more than the app's redraws), so the app's rate is measured in replies without it, the lag
-in replies with it, and the rate with the probe running is reported too. Each repeat runs the
-four back to back, and the ratios are medians of those paired ratios: a shared machine's speed
-drifts between levels for seconds at a time (this one's memory bandwidth between ~32 and ~47 GB/s),
-and runs done back to back share the level far more often than two medians over the whole run do.
+The same chat request runs through the real window (offscreen, styled as the app is) and on the
+engine alone, and the report compares the decode rate the GUI thread received with the engine
+alone's, plus the GUI event loop's lag (a timer on the GUI thread). README's "The app and the
+engine" says how the runs are paired and why.
 """
 
 from __future__ import annotations
@@ -71,10 +54,12 @@ def _arrival_probe(arrivals: list, now):
     module too)."""
     from PySide6.QtCore import QObject, Slot
 
+    from engine.events import Token
+
     class ArrivalProbe(QObject):
-        @Slot(int, list)
-        def on_events(self, _rid: int, batch: list) -> None:
-            arrivals.append((now(), sum(e["type"] == "token" for e in batch), time.thread_time()))
+        @Slot(object)
+        def on_events(self, batch) -> None:
+            arrivals.append((now(), sum(isinstance(e, Token) for e in batch.events), time.thread_time()))
 
     return ArrivalProbe()
 
@@ -91,15 +76,16 @@ class App:
 
         from engine.trace import now
 
-        from .settings import Settings, open_settings
-        from .style import STYLE
-        from .window import MainWindow
-        from .worker import BATCH_SECONDS, EngineWorker, WorkerThread
+        from ..settings import Settings
+        from ..settings_dialog import open_settings
+        from ..style import style_sheet
+        from ..window import MainWindow
+        from ..worker import BATCH_SECONDS, EngineWorker, WorkerThread
         self.now, self.tick_ms = now, tick_ms
         os.environ["KVCHAT_DATA_DIR"] = str(data)
         Settings(model_dir=model, dtype=dtype, max_new_tokens=new_tokens, temperature=0.0).save(open_settings(data))
         self.app = QApplication.instance() or QApplication([])
-        self.app.setStyleSheet(STYLE)  # as the app runs: the style sheet is a good part of painting's cost
+        self.app.setStyleSheet(style_sheet())  # as the app runs: the style sheet is a good part of painting's cost
         self.loop = qasync.QEventLoop(self.app, already_running=False)
         asyncio.set_event_loop(self.loop)
         self.window = MainWindow(data, WorkerThread(EngineWorker(batch_seconds or BATCH_SECONDS)))
@@ -135,11 +121,11 @@ class App:
         timer running, or not). `quiet`: the engine alone inside the app — the worker holds the tokens
         back until the reply ends, so nothing reaches the GUI while it decodes."""
         worker = self.window.worker
-        batch_seconds, worker.batch_seconds = worker.batch_seconds, (float("inf") if quiet else worker.batch_seconds)
+        worker.hold_tokens = quiet  # read by the worker between tokens; no reply is running now
         try:
             return self._reply(text, probe, quiet)
         finally:
-            worker.batch_seconds = batch_seconds  # read by the worker between tokens; no reply is running now
+            worker.hold_tokens = False
 
     def _reply(self, text: str, probe: bool, quiet: bool) -> dict:
         now = self.now
@@ -156,11 +142,11 @@ class App:
         t_done, cpu_done = now(), time.thread_time()
         self.timer.stop()
         final = self.finished[0]
-        if final["type"] != "finished":
-            raise RuntimeError(final.get("error", "the reply failed"))
+        if not hasattr(final, "text"):  # engine.events.Failed
+            raise RuntimeError(final.error)
         token_batches = [(t, n, c) for t, n, c in self.arrivals if n]
         if quiet:
-            return {"trace": final["trace"], "batches": len(token_batches)}
+            return {"trace": final.trace, "batches": len(token_batches)}
         if len(token_batches) < 2:
             raise RuntimeError("the whole reply reached the GUI in one batch: no rate to measure "
                                "(ask for more --new-tokens or a shorter --batch-ms)")
@@ -169,7 +155,7 @@ class App:
         total = sum(n for _, n, _ in token_batches)
         gaps = [b - a for a, b in zip(self.ticks, self.ticks[1:]) if a >= t_send]
         lag_ms = sorted(max(0.0, g * 1000 - self.tick_ms) for g in gaps)
-        return {"trace": final["trace"], "tokens_received": total, "batches": len(token_batches),
+        return {"trace": final.trace, "tokens_received": total, "batches": len(token_batches),
                 "gui_decode_tok_s": (total - first_n) / (last_t - first_t) if last_t > first_t else None,
                 "max_lag_ms": lag_ms[-1] if lag_ms else None,
                 "p95_lag_ms": lag_ms[int(0.95 * (len(lag_ms) - 1))] if lag_ms else None,
@@ -217,7 +203,7 @@ def _report(ns, threads: int, own: list, alone: list, inside: list, probed: list
 
 def main(argv=None) -> int:
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
-    ap = argparse.ArgumentParser(prog="python -m desktop.seam_bench", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m desktop.tools.seam_bench", description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="smollm2-135m", help="a random-weight shape from `python -m engine bench`")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--prompt-tokens", type=int, default=512)
@@ -229,7 +215,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=7, help="alternating runs, alone and through the app")
     ap.add_argument("--json", action="store_true")
     ns = ap.parse_args(argv)
-    from engine.bench import SHAPES, write_random_checkpoint
+    from engine.tools.bench import SHAPES, write_random_checkpoint
     from engine.loader import default_threads
     if ns.shape not in SHAPES:
         print(f"error: unknown shape {ns.shape!r} (choose from {', '.join(SHAPES)})", file=sys.stderr)

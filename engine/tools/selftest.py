@@ -30,8 +30,8 @@ TINY = {
 
 
 def cached_vs_uncached(model_dir: Path, device: str, dtype: str, steps: int = 24) -> dict:
-    from .loader import load_model
-    from .session import Request, Session
+    from ..loader import load_model
+    from ..session import Request, Session
     loaded = load_model(model_dir, device=device, dtype=dtype)
     loaded.tokenizer.stop_ids = frozenset()
     session = Session(loaded, capacity=256, prefill_chunk=16)
@@ -52,8 +52,8 @@ def parity_with_transformers(model_dir: Path, device: str, steps: int = 8) -> di
     import transformers
     transformers.utils.logging.disable_progress_bar()
 
-    from .kv_cache import KVCache
-    from .loader import load_model
+    from ..kv_cache import KVCache
+    from ..loader import load_model
     ours = load_model(model_dir, device=device, dtype="float32")
     ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     cfg = ours.config
@@ -80,12 +80,12 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     ns = ap.parse_args(argv)
     from .bench import collect, write_random_checkpoint
-    from .loader import resolve_device
+    from ..loader import resolve_device
     device = str(resolve_device(ns.device))
     t0 = time.perf_counter()
     report: dict = {"device": device, "torch": torch.__version__}
     if device == "cpu":
-        from . import kernels
+        from ..backends import kernels
         report["decode_kernels"] = kernels.status()
     if device.startswith("cuda"):
         report["gpu"] = torch.cuda.get_device_name(0)

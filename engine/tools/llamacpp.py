@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import EngineError
-from .trace import now
+from ..errors import EngineError
+from ..trace import now
 
 
 _QUIET = None

@@ -1,12 +1,11 @@
-"""The hand-written CPU kernels for decode (cpu_kernels.c): built once for this CPU, loaded with ctypes.
+"""Builds kvchat's CPU kernels (cpu_kernels.c) for this CPU and wraps them for torch tensors.
 
-Batch-1 decode streams every weight once per token; torch's one-row CPU products stream them at
-roughly half of what the memory system gives (README, Performance) and each costs tens of
-microseconds of fixed work. The kernels here are plain row dot products that reach the memory's
-speed. They are compiled on first use with the system's C compiler (`cc -O3 -march=native
--fopenmp`) into the user cache directory, keyed by source, compiler, flags and CPU, and each is
-checked against torch before use. Where anything is missing (no compiler, no OpenMP, another CPU
-kind, KVCHAT_KERNELS=0) the engine runs torch's kernels instead; `status()` says which and why.
+Batch-1 decode streams every weight once per token, so it runs at the speed of a memory stream;
+these plain row dot products reach it where torch's one-row products do not (README, Performance).
+The library is compiled on first use with the system's C compiler into the user cache directory,
+keyed by source, compiler, flags and CPU, and every function is checked against torch before use.
+Where anything is missing (no compiler, no OpenMP, KVCHAT_KERNELS=0) the engine runs torch's
+kernels instead; `status()` says which and why.
 """
 
 from __future__ import annotations
@@ -24,7 +23,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .kv_cache import KVCache
+from ..model import RMSNorm, swap_halves
+from ..quant import QMAX, dequantize, pack_int4, quantize
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
@@ -147,7 +147,6 @@ class Kernels:
         """engine.quant.quantize in one pass: weight [out, in] -> codes as stored (int8 [out, in], or int4
         two a byte [out, in/2] uint8) and scales [out, in/g] float32 (into `codes` and `scales` when
         given: rows of a larger matrix's buffers, filled a chunk at a time)."""
-        from .quant import QMAX
         w = weight.detach().float().contiguous()
         out, n = w.shape
         if codes is None:
@@ -199,8 +198,6 @@ class Kernels:
 
     def _agrees(self, dtype: torch.dtype) -> bool:
         """Each kernel of `dtype` against torch on awkward sizes (vector tails, GQA, a window, q/k norms)."""
-        from .model import RMSNorm
-        from .rope import swap_halves
         g = torch.Generator().manual_seed(0)
 
         def close(got, want, tol):
@@ -242,7 +239,6 @@ class Kernels:
         return True
 
     def _quant_agrees(self, mode: str) -> bool:
-        from .quant import QMAX, dequantize, pack_int4, quantize
         g = torch.Generator().manual_seed(0)
         for out, n, group in ((5, 64, 64), (19, 192, 32), (40, 576, 64), (8, 96, 48)):
             w = torch.randn(out, n, generator=g)
@@ -314,87 +310,3 @@ def status() -> str:
         return f"torch (no kvchat kernels: {_reason})"
     types = ", ".join(sorted(str(d).removeprefix("torch.") for d in k.dtypes) + sorted(k.modes))
     return f"kvchat kernels ({k.isa}; {types})"
-
-
-class _Linear(ctypes.Structure):  # kv_linear in cpu_kernels.c
-    _fields_ = [("w", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-                ("out", ctypes.c_int64), ("in_", ctypes.c_int64), ("group", ctypes.c_int64), ("mode", ctypes.c_int64)]
-
-
-class _Layer(ctypes.Structure):  # kv_layer in cpu_kernels.c
-    _fields_ = [("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
-                ("k_norm", ctypes.c_void_p), ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear),
-                ("down", _Linear), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
-
-
-class DecodeLayers:
-    """A model's blocks as kv_decode_layers reads them, so that a decode step's layers run in one call
-    with nothing crossing into Python between them. Built once the model is final (the loader does);
-    it holds the tensors it points at, so a module swapped later cannot leave it reading freed memory."""
-
-    def __init__(self, kernels: Kernels, model):
-        from .model import KernelLinear
-        from .quant import QuantLinear
-        cfg = model.cfg
-        self.dtype = model.norm.weight.dtype
-        self.fn = kernels._decode[self.dtype]
-        self.kept: list[torch.Tensor] = []
-        self.layers = (_Layer * len(model.layers))()
-        self.cache_at: tuple | None = None  # the cache (addresses and shape) the layers point into
-
-        def addr(t):
-            if t is None:
-                return None
-            if not (t.is_cpu and t.is_contiguous()):
-                raise ValueError("a weight is not a contiguous CPU tensor")
-            self.kept.append(t)
-            return t.data_ptr()
-
-        def linear(m) -> _Linear:
-            bias = addr(m.bias)
-            if type(m) is KernelLinear and m.weight.dtype == self.dtype:
-                return _Linear(addr(m.weight), None, bias, m.out_features, m.in_features, m.in_features, 0)
-            if isinstance(m, QuantLinear) and m.decoder is kernels:
-                return _Linear(addr(m.codes), addr(m.scales), bias, m.out_features, m.in_features, m.group_size,
-                               8 if m.mode == "int8" else 4)
-            raise ValueError(f"{type(m).__name__} has no kernel layout")
-
-        for layer, block in zip(self.layers, model.layers):
-            a = block.attn
-            layer.attn_norm, layer.mlp_norm = addr(block.attn_norm.weight), addr(block.mlp_norm.weight)
-            layer.q_norm = addr(None if a.q_norm is None else a.q_norm.weight)
-            layer.k_norm = addr(None if a.k_norm is None else a.k_norm.weight)
-            layer.qkv, layer.o = linear(a.qkv), linear(a.o)
-            layer.gate_up, layer.down = linear(block.mlp.gate_up), linear(block.mlp.down)
-        self.qk_eps = cfg.rms_norm_eps if cfg.qk_norm else 0.0
-        self.eps, self.window = cfg.rms_norm_eps, cfg.sliding_window
-        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.hidden, self.mlp = cfg.hidden_size, cfg.intermediate_size
-        width = (self.heads + 2 * self.kv_heads) * self.head_dim
-        linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        new = lambda n, dt=self.dtype: torch.empty(n, dtype=dt)  # noqa: E731
-        self.scratch = [new(self.hidden), new(width), new(self.heads * self.head_dim), new(self.hidden),
-                        new(2 * self.mlp), new(max(lin.in_ for lin in linears), torch.float32),
-                        new(max(lin.out for lin in linears), torch.float32)]  # h, qkv, att, t, gu, fx, fy
-        self.scratch_at = [t.data_ptr() for t in self.scratch]
-        self.kernels = kernels
-
-    def usable(self, cache) -> bool:
-        """Whether this step can run on `cache`: a plain one of the model's type, batch 1, on the CPU."""
-        return type(cache) is KVCache and cache.batch == 1 and cache.k.dtype == self.dtype and cache.k.is_cpu
-
-    def run(self, x: torch.Tensor, cache, pos: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """x [D] (the embedded token, updated in place to the last block's output); writes the position's
-        K/V into `cache`; cos, sin [d] the rope tables' row for `pos`."""
-        if not 0 <= pos < cache.capacity:
-            raise ValueError(f"position {pos} is outside the cache's {cache.capacity}")
-        at = (cache.k.data_ptr(), cache.v.data_ptr(), tuple(cache.k.shape))
-        if at != self.cache_at:  # another cache (or another one at the same address): point every layer at it
-            for i, layer in enumerate(self.layers):
-                layer.k_cache, layer.v_cache = cache.k[i, 0].data_ptr(), cache.v[i, 0].data_ptr()
-            self.cache_at = at
-        lo = 0 if self.window is None else max(0, pos - self.window + 1)
-        x_, cos_, sin_ = self.kernels._memory(x, cos, sin)
-        self.fn(self.layers, len(self.layers), x_, cos_, sin_, self.eps, self.qk_eps, cache.capacity, pos, lo,
-                self.heads, self.kv_heads, self.head_dim, self.hidden, self.mlp, *self.scratch_at,
-                torch.get_num_threads())

@@ -86,8 +86,8 @@ def write_random_checkpoint(out: Path, shape, seed: int = 0, std: float = 0.02) 
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from .config import config_from_dict
-    from .model import Transformer
+    from ..config import config_from_dict
+    from ..model import Transformer
     raw = dict(SHAPES[shape] if isinstance(shape, str) else shape, hidden_act="silu", torch_dtype="float32")
     cfg = config_from_dict(raw)
     torch.manual_seed(seed)
@@ -164,7 +164,7 @@ def _sync(device) -> None:
 def measure_bandwidth(device=None, megabytes: int = 512, repeats: int = 5) -> float:
     """Bytes per second a large copy moves (read + write), best of `repeats`: the memory roofline."""
     import torch
-    from .trace import now
+    from ..trace import now
     device = torch.device(device or "cpu")
     n = megabytes * 2**20
     src = torch.ones(n, dtype=torch.uint8, device=device)
@@ -181,7 +181,7 @@ def measure_bandwidth(device=None, megabytes: int = 512, repeats: int = 5) -> fl
 
 def file_read_seconds(model_dir) -> float:
     """Time to read the weight files into fresh memory, once: what a load is compared with."""
-    from .trace import now
+    from ..trace import now
     t0 = now()
     for path in sorted(Path(model_dir).glob("*.safetensors")):
         buf = bytearray(path.stat().st_size)
@@ -216,7 +216,7 @@ def _child(engine: str, precision: str, args: dict, queue) -> None:
 
 
 def _kvchat_decode(loaded, prompt, n_new) -> tuple[dict, list[int]]:
-    from .session import Request, Session
+    from ..session import Request, Session
     session = Session(loaded, capacity=len(prompt) + n_new)
     loaded.tokenizer.stop_ids = frozenset()  # random weights: never stop early
     for ev in session.generate(Request(prompt_ids=tuple(prompt), max_new_tokens=n_new)):
@@ -229,8 +229,8 @@ def _kvchat_decode(loaded, prompt, n_new) -> tuple[dict, list[int]]:
 def _measure(engine: str, precision: str, a: dict) -> dict:
     import torch
     torch.set_num_threads(a["threads"])
-    from .loader import load_model, resolve_device
-    from .trace import now
+    from ..loader import load_model, resolve_device
+    from ..trace import now
     device = resolve_device(a["device"])
     row = {"engine": engine, "precision": precision, "device": str(device)}
     with torch.device("meta"):  # torch's one-time import of its meta kernels (~70 MB), before the baseline
@@ -249,11 +249,11 @@ def _measure(engine: str, precision: str, a: dict) -> dict:
         row["load_s"] = round(now() - t0, 3)
         vocab = loaded.config.vocab_size
         prompt = _prompt(a["prompt_tokens"], vocab)
-        from .quant import weight_bytes
-        row.update(weight_bytes=loaded.weight_bytes, kv_bytes_per_position=loaded.kv_bytes_per_position,
+        from ..backends.quantized import weight_bytes
+        row.update(weight_bytes=loaded.weight_bytes, kv_bytes_per_position=loaded.kv_bytes_per_position(),
                    weights=loaded.quantization, embed_bytes=weight_bytes(loaded.model.embed))
         if engine == "kvchat":
-            row["kv_allocated_bytes"] = (len(prompt) + n_new) * loaded.kv_bytes_per_position
+            row["kv_allocated_bytes"] = (len(prompt) + n_new) * loaded.kv_bytes_per_position()
 
             def decode(prompt, n):
                 return _kvchat_decode(loaded, prompt, n)
@@ -307,7 +307,8 @@ def _measure(engine: str, precision: str, a: dict) -> dict:
                             do_sample=False, streamer=clock, pad_token_id=0, **extra)
             return _timing(len(prompt), start, clock.times[1:]), clock.ids[1:]  # the first put() is the prompt
     elif engine == "llama.cpp":
-        from .config import load_config
+        from ..config import load_config
+        from ..kv_cache import bytes_per_position
         from .llamacpp import LlamaCpp
         cfg = load_config(Path(a["model"]))
         path = Path(a["gguf"][precision])
@@ -316,7 +317,7 @@ def _measure(engine: str, precision: str, a: dict) -> dict:
                       threads=a["threads"])
         row["load_s"] = round(now() - t0, 3)
         row["weight_bytes"] = _gguf_tensor_bytes(path)
-        row["kv_bytes_per_position"] = cfg.kv_bytes_per_position * 2  # its default F16 cache
+        row["kv_bytes_per_position"] = bytes_per_position(cfg, torch.float16)  # its default F16 cache
         vocab = cfg.vocab_size
 
         def decode(prompt, n):
@@ -399,7 +400,7 @@ def collect(ns, progress: bool | None = None) -> dict:
     """Measure every run in its own process; the report `--json` prints."""
     import torch
 
-    from .loader import default_threads, resolve_device
+    from ..loader import default_threads, resolve_device
     progress = (not ns.json) if progress is None else progress
     threads = ns.threads or default_threads()
     torch.set_num_threads(threads)
@@ -432,7 +433,7 @@ def collect(ns, progress: bool | None = None) -> dict:
             results.append(row)
             if progress:
                 print(f"  measured {engine} {precision}", file=sys.stderr)
-        from .config import load_config
+        from ..config import load_config
         cfg = load_config(Path(model))
     embed_values = cfg.vocab_size * cfg.hidden_size
     context = ns.prompt_tokens + ns.new_tokens / 2  # mean context while decoding

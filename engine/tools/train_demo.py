@@ -21,8 +21,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from . import demo_corpus
-from .config import config_from_dict
-from .model import Transformer
+from ..config import config_from_dict
+from ..model import Transformer
 
 SPECIALS = ["<|bos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 CHAT_TEMPLATE = (
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     raw_cfg["vocab_size"] = tok.get_vocab_size()
     cfg = config_from_dict(raw_cfg)
     if args.init:
-        from .loader import load_model
+        from ..loader import load_model
         model = load_model(args.init, device=args.device, dtype="float32").model.requires_grad_(True).train()
         seen_before = json.loads((args.init / "training.json").read_text()) if (args.init / "training.json").is_file() \
             else {"stages": []}

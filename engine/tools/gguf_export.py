@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import load_config
-from .errors import EngineError
+from ..config import load_config
+from ..errors import EngineError
 
 ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 FTYPES = ("F16", "BF16", "Q8_0", "Q4_0")  # what quantize_gguf accepts
@@ -30,7 +30,7 @@ def write_gguf(model_dir, out: Path) -> Path:
     """The checkpoint in model_dir as an F32 GGUF at `out`."""
     import gguf
 
-    from .loader import _weight_files
+    from ..loader import _weight_files
     model_dir = Path(model_dir)
     cfg = load_config(model_dir)
     if cfg.family not in ARCHES:

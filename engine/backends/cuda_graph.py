@@ -1,8 +1,8 @@
 """Decode steps replayed from a CUDA graph: one launch per token instead of hundreds of kernels.
 
-At batch 1 a small model's decode step on a GPU is bound by kernel launches, not by memory: the
-step is captured once (static shapes: `Transformer.forward_static`, the token and its position in
-device tensors) and replayed for every token. The first replay is checked against the same step
+At batch 1 a small model's decode step on a GPU is bound by kernel launches: the step is captured
+once (static shapes: `Transformer.forward_static`, the token and its position in device tensors)
+and replayed for every token. The first replay is checked against the same step
 run eagerly; any failure or mismatch leaves the session on the eager path, with the reason kept.
 """
 
@@ -12,15 +12,14 @@ import os
 
 import torch
 
-from .kv_cache import KVCache
-
 
 def graphs_wanted(device: torch.device, cache) -> bool:
-    return (device.type == "cuda" and type(cache) is KVCache and os.environ.get("KVCHAT_CUDA_GRAPHS", "1") != "0")
+    """On CUDA, over a cache in the model dtype, unless KVCHAT_CUDA_GRAPHS=0."""
+    return device.type == "cuda" and not cache.quantized and os.environ.get("KVCHAT_CUDA_GRAPHS", "1") != "0"
 
 
 class GraphDecoder:
-    def __init__(self, model, cache: KVCache):
+    def __init__(self, model, cache):
         dev = cache.k.device
         self.model, self.cache = model, cache
         self.ids = torch.zeros((1, 1), dtype=torch.long, device=dev)  # [B, 1], the token being consumed

@@ -14,9 +14,9 @@ import re
 import sys
 
 from . import demo_corpus
-from .events import Finished, PrefillStarted
-from .loader import load_model
-from .session import Request, Session
+from ..events import Finished, PrefillStarted
+from ..loader import load_model
+from ..session import Request, Session
 
 
 def _reply(session: Session, messages, max_new_tokens: int):

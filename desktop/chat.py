@@ -1,0 +1,351 @@
+"""The chat logic without Qt: send, edit, regenerate, continue and branch switching over the
+conversation store, the request each builds, and what each engine event does to the reply.
+
+The window drives a ChatController and shows what it holds; tests drive it with a fake client.
+The controller talks back through a listener (the window) with four calls: the transcript
+changed, the reply progressed, the reply finished, an error to show.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from engine import trace as figures
+from engine.events import Failed, Finished, PrefillDone, PrefillProgress, PrefillStarted, Token
+from engine.session import Request
+
+from .settings import Settings
+from .store import Message, Store, StoreError
+
+SAVE_EVERY_S = 0.25  # partial replies reach the database this often while streaming
+STATUS_BY_REASON = {"eos": "complete", "stop_string": "complete", "max_new_tokens": "length", "capacity": "length",
+                    "cancelled": "stopped"}  # a message's status from the engine's stop reason (else "failed")
+CONTINUABLE = ("length", "stopped", "incomplete")  # statuses a reply can be continued from
+
+
+@dataclasses.dataclass(frozen=True)
+class Accounting:
+    """What the worker adds after a reply's last event: each request message's token count (counted
+    after the reply, so TTFT never pays for it) and the session's summary over every request."""
+    message_tokens: tuple[int, ...]
+    summary: dict
+
+
+class Client(Protocol):
+    """Where replies come from: the worker thread (desktop.client) or, in tests, a fake."""
+
+    def stream(self, request: Request) -> AsyncIterator[tuple]: ...
+
+    def stop(self) -> None: ...
+
+
+class Listener(Protocol):
+    def transcript_changed(self) -> None: ...
+
+    def reply_progressed(self) -> None: ...
+
+    def reply_finished(self, final, highlight: tuple[int, int, int] | None) -> None: ...
+
+    def show_error(self, text: str) -> None: ...
+
+
+@dataclasses.dataclass
+class ReplyStats:
+    """Everything the panel shows for one reply, from engine events (live) or a stored trace. Figures
+    come from engine.trace, the one place that computes them."""
+    arrival: float | None = None
+    token_times: list = dataclasses.field(default_factory=list)
+    trace: dict | None = None  # the engine's final trace, once finished
+    reuse: dict | None = None
+    cache_positions: int = 0
+    prompt_tokens: int = 0
+    status: str = "idle"  # idle | prefill | decoding | finished | cancelled | failed
+    reason: str | None = None
+    error: str | None = None
+    prefill_done: int = 0
+    prefill_total: int = 0
+
+    @classmethod
+    def from_record(cls, record: dict, status: str) -> ReplyStats:
+        """A stored reply's stats (what `record()` saved)."""
+        trace = record.get("trace")
+        return cls(trace=trace, reuse=record.get("reuse"), cache_positions=(record.get("cache") or {}).get("positions", 0),
+                   prompt_tokens=(trace or {}).get("prompt_tokens", 0), status=record.get("status", status),
+                   reason=record.get("reason"))
+
+    @property
+    def tokens(self) -> int:
+        return len(self.token_times) if self.trace is None else self.trace.get("tokens", 0)
+
+    def figure(self, name: str):
+        """ttft_ms, tpot_ms, decode_tok_s or e2e_ms: the engine's once finished, computed live before."""
+        if self.trace is not None:
+            return self.trace.get(name)
+        live = {"ttft_ms": lambda: figures.ttft_ms(self.arrival, self.token_times),
+                "tpot_ms": lambda: figures.tpot_ms(self.token_times),
+                "decode_tok_s": lambda: figures.decode_tok_s(figures.tpot_ms(self.token_times)),
+                "e2e_ms": lambda: figures.e2e_ms(self.arrival, self.token_times)}
+        return live[name]() if name in live else None
+
+    @property
+    def gaps_ms(self) -> list:
+        if self.trace is not None:
+            return self.trace.get("gaps_ms") or []
+        return figures.gaps_ms(self.token_times)
+
+    def apply(self, ev) -> str:
+        """Take one engine event into the stats; returns the text it adds to the reply."""
+        if isinstance(ev, PrefillStarted):
+            self.reuse, self.prompt_tokens, self.prefill_total = ev.reuse.to_dict(), ev.prompt_tokens, ev.reuse.computed
+        elif isinstance(ev, PrefillProgress):
+            self.prefill_done, self.cache_positions = ev.done, ev.cache_positions
+        elif isinstance(ev, PrefillDone):
+            self.status, self.cache_positions, self.prefill_done = "decoding", ev.cache_positions, ev.computed
+        elif isinstance(ev, Token):
+            self.token_times.append(ev.time)
+            self.cache_positions = ev.cache_positions
+            return ev.text
+        elif isinstance(ev, Finished):
+            self.trace, self.reuse, self.reason = ev.trace, ev.reuse.to_dict(), ev.reason
+            self.cache_positions = ev.cache["positions"]
+            self.status = "cancelled" if ev.reason == "cancelled" else "finished"
+            return ev.tail
+        elif isinstance(ev, Failed):
+            self.status, self.error = "failed", ev.error
+            if ev.cache:
+                self.cache_positions = ev.cache["positions"]
+        return ""
+
+    @property
+    def title(self) -> str:
+        """The panel's heading for this reply."""
+        return {"finished": f"Reply · {self.reason}", "cancelled": "Reply · stopped", "prefill": "Prefill…",
+                "decoding": "Generating…", "failed": f"Reply · failed: {self.error}"}.get(self.status, self.status)
+
+    def to_json(self) -> dict:
+        return {"status": self.status, "reason": self.reason, "error": self.error, "trace": self.trace,
+                "reuse": self.reuse, "cache_positions": self.cache_positions, "prompt_tokens": self.prompt_tokens}
+
+
+def title_from(text: str) -> str:
+    """A conversation's title from its first message."""
+    return text[:48] + ("…" if len(text) > 48 else "")
+
+
+def first_difference(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+class ChatController:
+    """One conversation at a time over the store; at most one reply streaming."""
+
+    def __init__(self, store: Store, client: Client, settings: Settings, listener: Listener, clock):
+        self.store, self.client, self.settings, self.listener, self.clock = store, client, settings, listener, clock
+        self.current_cid: int | None = None
+        self.generating = False
+        self.streaming_mid: int | None = None
+        self.stream_text = ""  # the streaming reply's text so far
+        self.stats = ReplyStats()  # the reply the panel shows
+        self.stats_by_message: dict[int, ReplyStats] = {}
+        self.selected_mid: int | None = None
+        self.summary: dict | None = None  # the session's figures after the last reply
+        self._edit: tuple[int, int] | None = None  # (new message id, first changed character) of an edit
+
+    # --- the store, guarded --------------------------------------------------------------------
+    def guard(self, fn, *args, **kw):
+        """Run a store call; a locked or failing database becomes a message, not a crash."""
+        try:
+            return fn(*args, **kw)
+        except StoreError as e:
+            self.listener.show_error(str(e))
+            return None
+
+    def branch(self) -> list[Message]:
+        return self.store.branch(self.current_cid) if self.current_cid is not None else []
+
+    def rows(self) -> list[tuple[Message, int, int]]:
+        """The current branch as (message, its index among its siblings, how many siblings)."""
+        out = []
+        for m in self.branch():
+            sibs = self.store.siblings(m)
+            out.append((m, next(i for i, s in enumerate(sibs) if s.id == m.id), len(sibs)))
+        return out
+
+    def last_message(self) -> Message | None:
+        path = self.branch()
+        return path[-1] if path else None
+
+    def can_regenerate(self) -> bool:
+        last = self.last_message()
+        return not self.generating and last is not None and last.role == "assistant"
+
+    def can_continue(self) -> bool:
+        return self.can_regenerate() and self.last_message().status in CONTINUABLE
+
+    # --- conversations -------------------------------------------------------------------------
+    def new_conversation(self) -> bool:
+        if self.generating:
+            return False
+        conv = self.guard(self.store.new_conversation)
+        if conv is None:
+            return False
+        self.current_cid = conv.id
+        return True
+
+    def switch_branch(self, mid: int, delta: int) -> bool:
+        """Show the sibling `delta` away from message `mid` (‹ ›), down to that branch's newest leaf."""
+        if self.generating:
+            return False
+        sibs = self.store.siblings(self.store.message(mid))
+        i = next(k for k, s in enumerate(sibs) if s.id == mid) + delta
+        if not 0 <= i < len(sibs):
+            return False
+        self.guard(self.store.set_leaf, self.current_cid, self.store.deepest_leaf(sibs[i].id))
+        return True
+
+    def select_message(self, mid: int) -> ReplyStats | None:
+        """The stats of a reply (live, or from its stored trace) become the panel's."""
+        self.selected_mid = mid
+        st = self.stats_by_message.get(mid)
+        if st is None:
+            m = self.store.message(mid)
+            if m.trace:
+                st = self.stats_by_message[mid] = ReplyStats.from_record(m.trace, m.status)
+        if st is not None:
+            self.stats = st
+        return st
+
+    # --- requests ------------------------------------------------------------------------------
+    def messages(self, upto: list[Message]) -> list[dict]:
+        """What the model sees: the system prompt, then the messages of the branch up to here."""
+        system = [{"role": "system", "content": self.settings.system_prompt}] if self.settings.system_prompt else []
+        return system + [{"role": m.role, "content": m.content} for m in upto]
+
+    def request(self, messages: list[dict], arrival: float, **kw) -> Request:
+        s = self.settings
+        return Request(messages=messages, sampling=s.sampling(), max_new_tokens=s.max_new_tokens, arrival=arrival, **kw)
+
+    def messages_until(self, mid: int) -> list[Message]:
+        """The current branch from the root to message `mid`, included."""
+        path = self.branch()
+        return path[:next(i for i, m in enumerate(path) if m.id == mid) + 1]
+
+    # --- what a person does --------------------------------------------------------------------
+    def send(self, text: str, arrival: float) -> int | None:
+        """A new user message on the current branch (a new conversation if none); returns its id, whose
+        reply the caller then runs (`reply`)."""
+        text = text.strip()
+        if not text or self.generating:
+            return None
+        if self.current_cid is None:
+            conv = self.guard(self.store.new_conversation, title_from(text))
+            if conv is None:
+                return None
+            self.current_cid = conv.id
+        else:
+            conv = self.store.conversation(self.current_cid)
+            if conv.title == "New chat":
+                self.guard(self.store.rename, conv.id, title_from(text))
+        user = self.guard(self.store.add_message, self.current_cid, conv.leaf_id, "user", text)
+        return None if user is None else user.id
+
+    def edit(self, mid: int, text: str) -> int | None:
+        """An edit makes a sibling branch. Returns the new user message's id when its reply must be
+        regenerated (through prefix reuse), else None."""
+        if self.generating:
+            return None
+        old = self.store.message(mid)
+        new = self.guard(self.store.add_message, self.current_cid, old.parent_id, old.role, text)
+        if new is None:
+            return None
+        self._edit = (new.id, first_difference(old.content, text))
+        return new.id if old.role == "user" else None
+
+    def regenerate_target(self) -> int | None:
+        """The user message whose reply Regenerate runs again."""
+        return self.last_message().parent_id if self.can_regenerate() else None
+
+    def stop(self) -> None:
+        self.client.stop()
+
+    async def reply(self, parent_id: int, arrival: float, continue_mid: int | None = None) -> None:
+        """Stream a reply to message `parent_id` (or extend reply `continue_mid`) into a new assistant
+        message, saving it as it grows; the listener hears of every step."""
+        self.generating = True
+        try:
+            await self._reply(parent_id, arrival, continue_mid)
+        finally:
+            self.generating = False
+            self.streaming_mid = None
+
+    async def _reply(self, parent_id: int, arrival: float, continue_mid: int | None) -> None:
+        upto = self.messages_until(parent_id)
+        if continue_mid is not None:
+            base = self.store.message(continue_mid)
+            prefix, old_tokens = base.content, base.token_count or 0
+            req = self.request(self.messages(upto) + [{"role": "assistant", "content": prefix}], arrival,
+                               continue_final_message=True, add_generation_prompt=False)
+        else:
+            prefix, old_tokens = "", 0
+            req = self.request(self.messages(upto), arrival)
+        assistant = self.store.add_message(self.current_cid, parent_id, "assistant", prefix, status="streaming")
+        self.streaming_mid = assistant.id
+        self.stream_text = prefix
+        self.stats = self.stats_by_message[assistant.id] = ReplyStats(arrival=arrival, status="prefill")
+        self.selected_mid = assistant.id
+        self.listener.transcript_changed()
+        highlight, self._edit = self._edit, None
+        text, last_save, final = prefix, self.clock(), None
+        async for batch in self.client.stream(req):
+            for ev in batch:
+                if isinstance(ev, Accounting):
+                    self._count_tokens(upto, ev)
+                    continue
+                text += self.stats.apply(ev)
+                if isinstance(ev, (Finished, Failed)):
+                    final = ev
+            self.stream_text = text
+            if final is None and self.clock() - last_save >= SAVE_EVERY_S:
+                self.guard(self.store.update_message, assistant.id, content=text,
+                           token_count=old_tokens + self.stats.tokens)
+                last_save = self.clock()
+            self.listener.reply_progressed()
+        if final is None:  # the stream ended without a last event: the worker went away
+            final = Failed("the engine stopped before the reply ended", "EngineError", {})
+            self.stats.apply(final)
+        status = STATUS_BY_REASON.get(final.reason, "failed") if isinstance(final, Finished) else "failed"
+        if isinstance(final, Finished):
+            text = prefix + final.text
+        record = {"status": status, "reason": getattr(final, "reason", None), "trace": final.trace,
+                  "reuse": self.stats.reuse, "cache": final.cache, "error": getattr(final, "error", None)}
+        self.guard(self.store.update_message, assistant.id, content=text, status=status,
+                   token_count=old_tokens + self.stats.tokens, trace=record)
+        if isinstance(final, Failed):
+            self.listener.show_error(f"The reply failed: {final.error}")
+        self.stream_text = text
+        self.generating, self.streaming_mid = False, None
+        self.listener.transcript_changed()
+        mark = None
+        reuse = self.stats.reuse or {}
+        if highlight and reuse.get("first_invalidated_position") is not None:
+            width = len((reuse.get("new_token") or {}).get("text", "").strip()) or 1
+            mark = (highlight[0], highlight[1], highlight[1] + width)  # (message, first, end character)
+        self.listener.reply_finished(final, mark)
+
+    def _count_tokens(self, upto: list[Message], acc: Accounting) -> None:
+        """Each message's token count, for the transcript (only those not counted yet)."""
+        self.summary = acc.summary
+        n_sys = 1 if self.settings.system_prompt else 0
+        for m, n in zip(upto, acc.message_tokens[n_sys:n_sys + len(upto)]):
+            if m.token_count is None:
+                self.guard(self.store.update_message, m.id, token_count=n)
+
+    def save_partial(self) -> None:
+        """On close mid-reply: what streamed so far is kept, marked stopped."""
+        if self.generating and self.streaming_mid is not None:
+            self.client.stop()
+            self.guard(self.store.update_message, self.streaming_mid, content=self.stream_text, status="stopped",
+                       token_count=self.stats.tokens)

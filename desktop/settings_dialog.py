@@ -1,0 +1,126 @@
+"""The settings dialog, and the QSettings file (settings.ini in the data directory) settings live in."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from PySide6.QtCore import QSettings
+from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox, QFileDialog, QFormLayout,
+                               QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit, QPushButton, QSpinBox, QWidget)
+
+from engine.loader import DTYPES
+from engine.quant import PRECISIONS
+
+from .settings import Settings
+
+
+def open_settings(directory: Path) -> QSettings:
+    directory.mkdir(parents=True, exist_ok=True)
+    return QSettings(str(directory / "settings.ini"), QSettings.IniFormat)
+
+
+class SettingsDialog(QDialog):
+    def __init__(self, settings: Settings, db_path: Path, parent=None):
+        super().__init__(parent)
+        self.setWindowTitle("kvchat settings")
+        self.setObjectName("settingsDialog")
+        form = QFormLayout(self)
+        self.modelDir = QLineEdit(settings.model_dir)
+        self.modelDir.setObjectName("modelDirEdit")
+        self.modelDir.setPlaceholderText("bundled demo model")
+        browse = QPushButton("Choose…")
+        browse.clicked.connect(self._browse)
+        row = QWidget()
+        h = QHBoxLayout(row)
+        h.setContentsMargins(0, 0, 0, 0)
+        h.addWidget(self.modelDir)
+        h.addWidget(browse)
+        form.addRow("Model folder", row)
+        self.device = QComboBox()
+        self.device.setObjectName("deviceCombo")
+        self.device.addItems(["auto", "cpu", "cuda", "mps"])
+        self.device.setCurrentText(settings.device)
+        form.addRow("Device", self.device)
+        self.dtype = QComboBox()
+        self.dtype.setObjectName("dtypeCombo")
+        self.dtype.addItems(["auto", *DTYPES])
+        self.dtype.setCurrentText(settings.dtype)
+        form.addRow("dtype", self.dtype)
+        self.capacity = self._spin(settings.capacity, 0, 1 << 20, "capacitySpin", "model default")
+        form.addRow("KV capacity (positions)", self.capacity)
+        self.weights = self._combo(list(PRECISIONS), settings.weights, "weightsCombo")
+        form.addRow("Weight precision", self.weights)
+        self.kv = self._combo(list(PRECISIONS), settings.kv, "kvCombo")
+        form.addRow("KV cache precision", self.kv)
+        self.group = self._combo(["32", "64", "128", "0"], str(settings.group_size), "groupSizeCombo")
+        self.group.setToolTip("values per quantization scale; 0 = one scale per output channel")
+        form.addRow("Quantization group size", self.group)
+        self.system = QPlainTextEdit(settings.system_prompt)
+        self.system.setObjectName("systemPromptEdit")
+        self.system.setMaximumHeight(70)
+        form.addRow("System prompt", self.system)
+        self.temperature = self._dspin(settings.temperature, 0, 5, 0.05, "temperatureSpin")
+        form.addRow("Temperature (0 = greedy)", self.temperature)
+        self.top_k = self._spin(settings.top_k, 0, 100000, "topKSpin", "off")
+        form.addRow("Top-k", self.top_k)
+        self.top_p = self._dspin(settings.top_p, 0.01, 1, 0.01, "topPSpin")
+        form.addRow("Top-p", self.top_p)
+        self.min_p = self._dspin(settings.min_p, 0, 1, 0.01, "minPSpin")
+        form.addRow("Min-p", self.min_p)
+        self.rep = self._dspin(settings.repetition_penalty, 0.5, 3, 0.05, "repetitionPenaltySpin")
+        form.addRow("Repetition penalty", self.rep)
+        self.max_new = self._spin(settings.max_new_tokens, 1, 1 << 16, "maxNewTokensSpin")
+        form.addRow("Max new tokens", self.max_new)
+        self.seed = self._spin(settings.seed, -1, 2**31 - 1, "seedSpin", "random")
+        form.addRow("Seed", self.seed)
+        where = QLabel(f"Conversations: {db_path}<br>Settings: {db_path.parent / 'settings.ini'}")
+        where.setObjectName("dataPathLabel")
+        where.setWordWrap(True)
+        form.addRow("Data", where)
+        buttons = QDialogButtonBox(QDialogButtonBox.Ok | QDialogButtonBox.Cancel)
+        buttons.accepted.connect(self.accept)
+        buttons.rejected.connect(self.reject)
+        form.addRow(buttons)
+
+    @staticmethod
+    def _combo(items, value, name):
+        c = QComboBox()
+        c.setObjectName(name)
+        c.addItems(items)
+        c.setCurrentText(value)
+        return c
+
+    @staticmethod
+    def _spin(value, lo, hi, name, special=None):
+        s = QSpinBox()
+        s.setObjectName(name)
+        s.setRange(lo, hi)
+        if special:
+            s.setSpecialValueText(special)
+        s.setValue(value)
+        return s
+
+    @staticmethod
+    def _dspin(value, lo, hi, step, name):
+        s = QDoubleSpinBox()
+        s.setObjectName(name)
+        s.setRange(lo, hi)
+        s.setSingleStep(step)
+        s.setDecimals(2)
+        s.setValue(value)
+        return s
+
+    def _browse(self):
+        d = QFileDialog.getExistingDirectory(self, "Choose a Hugging Face model folder", self.modelDir.text())
+        if d:
+            self.modelDir.setText(d)
+
+    def result_settings(self) -> Settings:
+        return Settings(model_dir=self.modelDir.text().strip(), device=self.device.currentText(),
+                        dtype=self.dtype.currentText(), capacity=self.capacity.value(),
+                        weights=self.weights.currentText(), kv=self.kv.currentText(),
+                        group_size=int(self.group.currentText()),
+                        system_prompt=self.system.toPlainText().strip(), temperature=self.temperature.value(),
+                        top_k=self.top_k.value(), top_p=self.top_p.value(), min_p=self.min_p.value(),
+                        repetition_penalty=self.rep.value(), max_new_tokens=self.max_new.value(),
+                        seed=self.seed.value())

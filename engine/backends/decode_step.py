@@ -1,0 +1,145 @@
+"""The CPU decode step on kvchat's kernels: norms, attention and a whole step's blocks in C.
+
+Swapped in by `use_kernels` once a model is loaded: RMSNorm and Attention become their kernel
+variants for one row (same parameters, another forward), and where every block linear has a
+kernel layout, a decode step's blocks run in one C call (`DecodeLayers`) with nothing crossing
+into Python between layers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from ..model import Attention, RMSNorm
+from .cpu_layouts import kernel_head
+
+
+class KernelRMSNorm(RMSNorm):
+    """RMSNorm whose one-row case (decode) runs the kernel, rounded as RMSNorm rounds."""
+
+    kernels = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == x.shape[-1]:
+            return self.kernels.rms_norm(x, self.weight, self.eps)
+        return super().forward(x)
+
+
+class KernelAttention(Attention):
+    """Attention whose decode position (batch 1, a cache in the model dtype) is rotated, written into
+    the cache and attended in one kernel call."""
+
+    kernels = None
+
+    def forward(self, x, cos, sin, mask, cache, layer: int, start):
+        B, T, _ = x.shape
+        if B * T == 1 and isinstance(start, int) and cache is not None and cache.readable_by_kernels(x.dtype):
+            qkv = self.qkv(x)  # [1, 1, (H + 2H_kv)d]
+            qn, kn = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+            y = self.kernels.attend(qkv.view(-1), cos.view(-1), sin.view(-1), qn, kn, getattr(self.q_norm, "eps", 0.0),
+                                    cache.k[layer, 0], cache.v[layer, 0], start, self.window, self.h)  # [H d]
+            return self.o(y.view(B, T, self.h * self.d))
+        return super().forward(x, cos, sin, mask, cache, layer, start)
+
+
+def _swap(module, cls, kernels):
+    module.__class__ = cls  # same parameters, another forward
+    module.kernels = kernels
+    return module
+
+
+def use_kernels(model, kernels) -> None:
+    """Route the CPU decode step through kvchat's kernels: all the blocks in one call where every linear
+    has a kernel layout (DecodeLayers), and the norms, attention and output head module by module."""
+    for m in list(model.modules()):
+        if type(m) is RMSNorm:
+            _swap(m, KernelRMSNorm, kernels)
+        elif type(m) is Attention:
+            _swap(m, KernelAttention, kernels)
+    kernel_head(model, kernels)
+    try:
+        model.decode_step = DecodeLayers(kernels, model)
+    except ValueError:  # a layer the C step cannot read: the module path serves it
+        model.decode_step = None
+
+
+class _Linear(ctypes.Structure):  # kv_linear in cpu_kernels.c
+    _fields_ = [("w", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("out", ctypes.c_int64), ("in_", ctypes.c_int64), ("group", ctypes.c_int64), ("mode", ctypes.c_int64)]
+
+
+class _Layer(ctypes.Structure):  # kv_layer in cpu_kernels.c
+    _fields_ = [("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
+                ("k_norm", ctypes.c_void_p), ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear),
+                ("down", _Linear), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+
+
+class DecodeLayers:
+    """A model's blocks as kv_decode_layers reads them, so that a decode step's layers run in one call
+    with nothing crossing into Python between them. Built once the model is final (the loader does);
+    it holds the tensors it points at, so a module swapped later cannot leave it reading freed memory."""
+
+    def __init__(self, kernels, model):
+        cfg = model.cfg
+        self.dtype = model.norm.weight.dtype
+        self.fn = kernels._decode[self.dtype]
+        self.kept: list[torch.Tensor] = []
+        self.layers = (_Layer * len(model.layers))()
+        self.cache_at: tuple | None = None  # the cache (addresses and shape) the layers point into
+
+        def addr(t):
+            if t is None:
+                return None
+            if not (t.is_cpu and t.is_contiguous()):
+                raise ValueError("a weight is not a contiguous CPU tensor")
+            self.kept.append(t)
+            return t.data_ptr()
+
+        def linear(m) -> _Linear:
+            operands = getattr(m, "kernel_operands", lambda _: None)(kernels)
+            if operands is None or (operands[4] == 0 and operands[0].dtype != self.dtype):
+                raise ValueError(f"{type(m).__name__} has no kernel layout")
+            w, scales, bias, group, bits = operands
+            return _Linear(addr(w), addr(scales), addr(bias), m.out_features, m.in_features, group, bits)
+
+        for layer, block in zip(self.layers, model.layers):
+            a = block.attn
+            layer.attn_norm, layer.mlp_norm = addr(block.attn_norm.weight), addr(block.mlp_norm.weight)
+            layer.q_norm = addr(None if a.q_norm is None else a.q_norm.weight)
+            layer.k_norm = addr(None if a.k_norm is None else a.k_norm.weight)
+            layer.qkv, layer.o = linear(a.qkv), linear(a.o)
+            layer.gate_up, layer.down = linear(block.mlp.gate_up), linear(block.mlp.down)
+        self.qk_eps = cfg.rms_norm_eps if cfg.qk_norm else 0.0
+        self.eps, self.window = cfg.rms_norm_eps, cfg.sliding_window
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.hidden, self.mlp = cfg.hidden_size, cfg.intermediate_size
+        width = (self.heads + 2 * self.kv_heads) * self.head_dim
+        linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        new = lambda n, dt=self.dtype: torch.empty(n, dtype=dt)  # noqa: E731
+        self.scratch = [new(self.hidden), new(width), new(self.heads * self.head_dim), new(self.hidden),
+                        new(2 * self.mlp), new(max(lin.in_ for lin in linears), torch.float32),
+                        new(max(lin.out for lin in linears), torch.float32)]  # h, qkv, att, t, gu, fx, fy
+        self.scratch_at = [t.data_ptr() for t in self.scratch]
+        self.kernels = kernels
+
+    def usable(self, cache) -> bool:
+        """Whether this step can run on `cache`: batch 1, K/V in the model's dtype on the CPU."""
+        return cache is not None and cache.readable_by_kernels(self.dtype)
+
+    def run(self, x: torch.Tensor, cache, pos: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """x [D] (the embedded token, updated in place to the last block's output); writes the position's
+        K/V into `cache`; cos, sin [d] the rope tables' row for `pos`."""
+        if not 0 <= pos < cache.capacity:
+            raise ValueError(f"position {pos} is outside the cache's {cache.capacity}")
+        at = (cache.k.data_ptr(), cache.v.data_ptr(), tuple(cache.k.shape))
+        if at != self.cache_at:  # another cache (or another one at the same address): point every layer at it
+            for i, layer in enumerate(self.layers):
+                layer.k_cache, layer.v_cache = cache.k[i, 0].data_ptr(), cache.v[i, 0].data_ptr()
+            self.cache_at = at
+        lo = 0 if self.window is None else max(0, pos - self.window + 1)
+        x_, cos_, sin_ = self.kernels._memory(x, cos, sin)
+        self.fn(self.layers, len(self.layers), x_, cos_, sin_, self.eps, self.qk_eps, cache.capacity, pos, lo,
+                self.heads, self.kv_heads, self.head_dim, self.hidden, self.mlp, *self.scratch_at,
+                torch.get_num_threads())

@@ -1,0 +1,246 @@
+"""Weights stored as group-wise int8/int4 codes and their scales (engine.quant defines the codes).
+
+"Quantize, then swap the module": QuantLinear replaces a Linear and QuantEmbedding an embedding.
+On the CPU, one-row products (decode) run kvchat's kernels straight on the codes and float32
+scales with float32 activations, the quantization's own definition; prefill dequantizes into a
+reused buffer and multiplies in float32. Where the kernels are missing, torch's packed kernels
+serve the layouts they support, and anything else dequantizes on the fly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import kernels as kernel_library
+from ..model import block_linears
+from ..quant import BITS, QMAX, check_mode, dequantize, group_for, pack_int4, quantize, storage_bytes, unpack_int4
+from .cpu_layouts import many_rows_linear, weight_scratch
+
+SCRATCH_VALUES = 4 * 2**20  # weight values a many-row product dequantizes at once (16 MiB in float32)
+HEAD_MODE = "int8"  # the output head and embedding under either weight mode (see quantize_head)
+KERNEL_DTYPE = torch.bfloat16  # activations and kernel scales of torch's packed CPU kernels
+_INT4_CHECKED: dict[tuple[int, int, int], bool] = {}  # (N, K, group) -> the int4 kernel agrees here
+
+
+def _int4pack(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes [N, K] in [-7, 7] -> the layout of torch's CPU int4 kernel (unsigned, offset 8)."""
+    return torch._convert_weight_to_int4pack_for_cpu((codes.to(torch.int32) + 8).contiguous(), 2)
+
+
+def _int4pack_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor):
+    return torch._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros)
+
+
+class QuantLinear(nn.Module):
+    """A Linear whose weight is stored as group-wise int8/int4 codes and their scales.
+
+    Without kvchat's kernels, two layouts run torch's packed kernels with bfloat16 activations: int8
+    with one scale per output channel (`_weight_int8pack_mm`), and int4 group-wise
+    (`_weight_int4pack_mm_for_cpu`, its own nibble layout and bfloat16 scales: a scale is rounded to
+    8 significant bits, ≤ 0.4% of s); every other case dequantizes the weight for each call.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mode: str, group_size: int):
+        """weight [N, K]; or a row source with `shape`, `dtype`, `device` and `row_chunks()` yielding
+        (first row, [n, K] rows), for a matrix quantized a few thousand rows at a time as it is read
+        (an embedding or output head: its float copy never exists whole)."""
+        super().__init__()
+        check_mode(mode)
+        self.mode, self.out_features, self.in_features = mode, weight.shape[0], weight.shape[1]
+        self.group_size = group_size if group_size > 0 else weight.shape[1]  # <= 0: per output channel
+        self.compute_dtype = weight.dtype
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.decoder = kernel_library.for_mode(mode) if weight.device.type == "cpu" else None  # one-row products
+        codes, scales = self._quantize_rows(weight.row_chunks() if hasattr(weight, "row_chunks") else [(0, weight)])
+        if self.decoder is not None:  # quantized straight into the layout the kernels read
+            stored = codes  # [N, K] int8 | [N, K/2] uint8
+            self.kernel = None  # prefill: dequantized into a reused buffer, then float32 (faster than int8pack here)
+        else:
+            self.kernel = self._choose_kernel(weight.device, codes, scales)
+            stored = pack_int4(codes) if mode == "int4" else codes
+        if self.kernel == "int4pack":
+            self.register_buffer("codes", _int4pack(codes))  # kernel layout, K/2 bytes a row
+            sz = torch.zeros(scales.shape[1], scales.shape[0], 2, dtype=KERNEL_DTYPE, device=weight.device)
+            sz[..., 0] = scales.t().to(KERNEL_DTYPE)  # [K/g, N, (scale, zero = 0)]
+            self.register_buffer("scales_and_zeros", sz)
+        else:
+            self.register_buffer("codes", stored)
+            self.register_buffer("scales", scales)
+            if self.kernel == "int8pack":
+                self.register_buffer("kernel_scales", scales.view(-1).to(KERNEL_DTYPE))  # [N]
+
+    def _quantize_rows(self, chunks) -> tuple[torch.Tensor, torch.Tensor]:
+        """(first row, [n, K] weight rows) chunks -> codes [N, K] int8 (the kernels' layout where they
+        serve: int4 two a byte, [N, K/2] uint8) and scales [N, K/g] float32."""
+        n, k, g = self.out_features, self.in_features, self.group_size
+        codes = scales = None
+        for a, w in chunks:
+            if self.decoder is not None:  # in one pass in C, straight into the rows of the final buffers
+                if codes is None:
+                    codes, scales = self.decoder.code_buffers(self.mode, n, k, g)
+                b = a + len(w)
+                self.decoder.quantize(self.mode, w, g, codes[a:b], scales[a:b])
+                continue
+            c, s = quantize(w.detach(), self.mode, g)
+            if a == 0 and len(c) == n:  # the whole matrix at once
+                return c, s
+            if codes is None:
+                codes, scales = c.new_empty((n, *c.shape[1:])), s.new_empty((n, *s.shape[1:]))
+            codes[a:a + len(c)], scales[a:a + len(s)] = c, s
+        return codes, scales
+
+    def _choose_kernel(self, device, codes, scales) -> str | None:
+        if device.type != "cpu":
+            return None
+        if self.mode == "int8" and self.group_size == self.in_features:
+            return "int8pack"
+        if self.mode == "int4" and self.group_size % 32 == 0 and self.in_features % self.group_size == 0:
+            key = (self.out_features, self.in_features, self.group_size)
+            if key not in _INT4_CHECKED:
+                _INT4_CHECKED[key] = self._int4_kernel_agrees(codes, scales)
+            return "int4pack" if _INT4_CHECKED[key] else None
+        return None
+
+    def _int4_kernel_agrees(self, codes, scales) -> bool:
+        """The kernel on this build and shape against the definition (once per shape and group size)."""
+        try:
+            x = torch.randn(2, self.in_features).to(KERNEL_DTYPE)
+            sz = torch.stack([scales.t(), torch.zeros_like(scales.t())], -1).to(KERNEL_DTYPE)
+            got = _int4pack_mm(x, _int4pack(codes), self.group_size, sz).float()
+            want = F.linear(x.float(), dequantize(codes, sz[..., 0].t().float(), torch.float32))
+            return bool(torch.allclose(got, want, rtol=3e-2, atol=3e-2 * float(want.abs().max())))
+        except (RuntimeError, AttributeError):
+            return False
+
+    def kernel_operands(self, kernels):
+        """(codes, scales, bias, group, bits) as the one-call decode step reads them, when it can."""
+        if kernels is not self.decoder:
+            return None
+        return self.codes, self.scales, self.bias, self.group_size, BITS[self.mode]
+
+    def scale_values(self) -> torch.Tensor:
+        """[N, K/g] float32, the scales the layer computes with."""
+        if self.kernel == "int4pack":
+            return self.scales_and_zeros[..., 0].t().float()
+        return self.scales
+
+    @property
+    def storage_bytes(self) -> int:
+        groups = self.out_features * self.in_features // self.group_size
+        return storage_bytes(self.out_features * self.in_features, self.mode, groups)
+
+    def weight_codes(self) -> torch.Tensor:
+        """[N, K] int8 codes."""
+        if self.kernel == "int4pack":  # read the kernel's layout back through the kernel: x = I, s = 1
+            eye = torch.eye(self.in_features, dtype=KERNEL_DTYPE, device=self.codes.device)
+            ones = torch.zeros_like(self.scales_and_zeros)
+            ones[..., 0] = 1
+            return _int4pack_mm(eye, self.codes, self.group_size, ones).t().round().to(torch.int8)
+        return unpack_int4(self.codes) if self.mode == "int4" else self.codes
+
+    def _kernel_weight(self, into: torch.Tensor | None = None, a: int = 0, b: int | None = None) -> torch.Tensor:
+        """Rows a:b (all by default) as float32 s · q, [b - a, K], in one pass in C (into `into` when
+        given): what prefill multiplies by."""
+        codes, scales = self.codes[a:b], self.scales[a:b]
+        return self.decoder.dequantize(self.mode, codes, scales, self.in_features, self.group_size, into)
+
+    def dequantized_weight(self, dtype=None) -> torch.Tensor:
+        dtype = dtype or self.compute_dtype
+        if self.decoder is not None:
+            return self._kernel_weight().to(dtype)
+        return dequantize(self.weight_codes(), self.scale_values(), dtype)  # [N, K]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.decoder is not None and x.numel() == self.in_features:  # one row: decode
+            y = self.decoder.qmatvec(self.mode, self.codes, self.scales, x.reshape(-1).float(), self.group_size)
+            y = y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+            return y if self.bias is None else y + self.bias
+        if self.kernel is not None:
+            shape = x.shape
+            xk = x.reshape(-1, shape[-1]).to(KERNEL_DTYPE)  # [B·T, K]
+            if self.kernel == "int8pack":
+                y = torch._weight_int8pack_mm(xk, self.codes, self.kernel_scales)
+            else:
+                y = _int4pack_mm(xk, self.codes, self.group_size, self.scales_and_zeros)
+            y = y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+            return y if self.bias is None else y + self.bias
+        rows = max(1, SCRATCH_VALUES // self.in_features)  # weight rows dequantized at a time
+        if rows >= self.out_features:
+            return many_rows_linear(x, self._float_rows(0, self.out_features, x.dtype), self.bias)
+        y = x.new_empty(*x.shape[:-1], self.out_features)  # [..., N], filled a slice of outputs at a time
+        for a in range(0, self.out_features, rows):
+            b = min(a + rows, self.out_features)
+            y[..., a:b] = many_rows_linear(x, self._float_rows(a, b, x.dtype), None if self.bias is None else self.bias[a:b])
+        return y
+
+    def _float_rows(self, a: int, b: int, dtype) -> torch.Tensor:
+        """Weight rows a:b as s · q in dtype, [b - a, K]: with the kernels, dequantized in one pass into
+        a reused buffer (float32, cast if the activations are not)."""
+        if self.decoder is not None:
+            w = self._kernel_weight(weight_scratch((b - a, self.in_features)), a, b)
+            return w if dtype == torch.float32 else w.to(dtype)
+        codes = unpack_int4(self.codes[a:b]) if self.mode == "int4" else self.codes[a:b]
+        return dequantize(codes, self.scales[a:b], dtype)
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding stored as a QuantLinear's codes and scales (`table`, [V, D]): a lookup dequantizes
+    only the rows it gathers, and a tied output head is the same table, so the matrix exists once."""
+
+    def __init__(self, table: QuantLinear):
+        super().__init__()
+        self.table = table
+
+    @property
+    def weight(self) -> torch.Tensor:  # [V, D] = s · q, dequantized whole (export, inspection)
+        return self.table.dequantized_weight()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [...] -> [..., D] = s · q of the gathered rows, in the model's dtype."""
+        t = self.table
+        codes, scales = t.weight_codes()[ids], t.scale_values()[ids]  # [..., D] int8, [..., D/g]
+        rows = codes.view(*ids.shape, scales.shape[-1], -1).float() * scales.unsqueeze(-1)  # [..., D/g, g]
+        return rows.view(*ids.shape, t.in_features).to(t.compute_dtype)
+
+
+def quantize_model(model: nn.Module, mode: str, group_size: int) -> int:
+    """Quantize, then swap: every Linear inside the blocks (of a model, or of one block as the loader
+    streams them) becomes a QuantLinear; a whole model's embedding and output head too (quantize_head).
+    Returns how many block linears were swapped."""
+    check_mode(mode)
+    swapped = 0
+    for parent, name, child in list(block_linears(getattr(model, "layers", [model]))):
+        setattr(parent, name, QuantLinear(child.weight, child.bias, mode, group_for(child.in_features, group_size)))
+        swapped += 1
+    if hasattr(model, "embed"):
+        quantize_head(model, group_size)
+    return swapped
+
+
+def quantize_head(model: nn.Module, group_size: int, embed=None, lm_head=None) -> None:
+    """The embedding and the output head (one matrix when tied) as HEAD_MODE codes, whichever mode the
+    blocks take: the head is read whole for every token and decides every token, so it keeps 8 bits
+    (as llama.cpp's own quantizer keeps it at Q8_0 in a Q4_0 file). `embed` and `lm_head` are the
+    weights (or the loader's row sources); the model's own by default."""
+    g = group_for(model.cfg.hidden_size, group_size)
+    model.embed = QuantEmbedding(QuantLinear(model.embed.weight if embed is None else embed, None, HEAD_MODE, g))
+    if model.cfg.tie_word_embeddings:  # one matrix: the head multiplies by the embedding's table
+        model.lm_head = model.embed.table
+    else:
+        model.lm_head = QuantLinear(model.lm_head.weight if lm_head is None else lm_head, None, HEAD_MODE, g)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """What the model's weights take: quantized layers by their packed storage, the rest by their tensors."""
+    total, seen = 0, set()
+    for m in model.modules():  # each module once, each tensor once (a tied head shares the embedding's)
+        if isinstance(m, QuantLinear):
+            total += m.storage_bytes
+        tensors = [m.bias] if isinstance(m, QuantLinear) else list(m.parameters(recurse=False))
+        for p in tensors:
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel() * p.element_size()
+    return total

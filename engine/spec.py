@@ -1,0 +1,54 @@
+"""What to load and how: one record shared by the app's settings, its worker, the command line and
+the loader, so that a load option is declared once."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from .loader import DTYPES, LoadedModel, load_model
+from .quant import DEFAULT_GROUP_SIZE, PRECISIONS
+from .session import Session
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadSpec:
+    path: str | None = None  # a model folder; None: the bundled demo model
+    device: str | None = None  # cpu | cuda | mps; None: the best available
+    dtype: str | None = None  # float32 | bfloat16 | float16; None: bfloat16 on a GPU, float32 on the CPU
+    capacity: int | None = None  # KV cache positions; None: min(the model's context, 4096)
+    weights: str = "none"  # weight precision: none (the dtype) | int8 | int4
+    kv: str = "none"  # KV cache precision: none (the dtype) | int8 | int4
+    group_size: int = DEFAULT_GROUP_SIZE  # values per quantization scale; 0: one per output channel
+
+    def load(self) -> LoadedModel:
+        return load_model(self.path, device=self.device, dtype=self.dtype, weights=self.weights,
+                          group_size=self.group_size)
+
+    def open(self) -> tuple[LoadedModel, Session]:
+        """The model and a session over it with this spec's cache."""
+        loaded = self.load()
+        return loaded, Session(loaded, capacity=self.capacity, kv=self.kv)
+
+    def describe(self) -> str:
+        """A person's name for what is loaded: the folder, or the bundled demo model."""
+        return self.path or "the bundled demo model"
+
+    @staticmethod
+    def add_arguments(p: argparse.ArgumentParser, cache: bool = True) -> None:
+        """The load options of every `python -m engine` command (`cache`: with --capacity and --kv)."""
+        p.add_argument("--model", default=None, help="model folder (default: the bundled demo model)")
+        p.add_argument("--dtype", default=None, choices=list(DTYPES))
+        p.add_argument("--device", default=None, help="cpu, cuda, mps (default: the best available)")
+        p.add_argument("--weights", default="none", choices=PRECISIONS, help="weight precision")
+        p.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE,
+                       help="values per quantization scale (0: one per output channel)")
+        if cache:
+            p.add_argument("--capacity", type=int, default=None,
+                           help="KV cache positions (default: min(context, 4096))")
+            p.add_argument("--kv", default="none", choices=PRECISIONS, help="KV cache precision")
+
+    @classmethod
+    def from_args(cls, ns: argparse.Namespace) -> LoadSpec:
+        return cls(path=ns.model, device=ns.device, dtype=ns.dtype, capacity=getattr(ns, "capacity", None),
+                   weights=ns.weights, kv=getattr(ns, "kv", "none"), group_size=ns.group_size)
