@@ -1,0 +1,245 @@
+"""The chat controller without Qt or a model: a fake client plays the engine's events, the way the
+anchors test their engines with a mock model. Send, edit, regenerate, continue, stop reasons,
+partial saves, token counts and failures, each read back from the store and the listener."""
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from desktop.chat import Accounting, ChatController, ReplyStats
+from desktop.settings import Settings
+from desktop.store import Store
+from engine.events import Failed, Finished, PrefillDone, PrefillStarted, ReuseReport, Token
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+class FakeClient:
+    """Replies with `words`, one Token event per word, 10 ms apart on the fake clock; the last event is
+    Finished with `reason` (or Failed with `error`)."""
+
+    def __init__(self, clock, words=("Hello", " there"), reason="eos", error=None, batches=1):
+        self.clock, self.words, self.reason, self.error, self.batches = clock, list(words), reason, error, batches
+        self.requests, self.stopped = [], 0
+
+    async def stream(self, request):
+        self.requests.append(request)
+        n_prompt = len(request.messages)
+        reuse = ReuseReport(2, n_prompt, 0, None, None, None, None)
+        events = [PrefillStarted(n_prompt + 2, reuse, tuple(range(n_prompt + 2))),
+                  PrefillDone(2, n_prompt, 0.01, n_prompt + 2)]
+        times = [self.clock.t + 0.01 * (i + 1) for i in range(len(self.words))]  # the clock reaches each as it is sent
+        for i, (w, t) in enumerate(zip(self.words, times)):
+            events.append(Token(i + 1, 100 + i, w, t, n_prompt + 2 + i))
+        if self.error:
+            events.append(Failed(self.error, "CapacityError", {"status": "failed"}, {"positions": 3}))
+        else:
+            trace = {"tokens": len(times), "ttft_ms": round((times[0] - request.arrival) * 1000, 6)}
+            events.append(Finished(self.reason, "".join(self.words), tuple(range(len(times))), trace,
+                                   {"positions": n_prompt + 1 + len(times)}, reuse))
+        events.append(Accounting(tuple(7 + i for i in range(len(request.messages))), {"requests": len(self.requests)}))
+        step = max(1, len(events) // self.batches)
+        for i in range(0, len(events), step):
+            batch = tuple(events[i:i + step])
+            self.clock.t = max([self.clock.t] + [e.time for e in batch if isinstance(e, Token)])
+            await asyncio.sleep(0)
+            yield batch
+
+    def stop(self):
+        self.stopped += 1
+
+
+class Listener:
+    def __init__(self):
+        self.calls, self.errors, self.finals = [], [], []
+
+    def transcript_changed(self):
+        self.calls.append("transcript")
+
+    def reply_progressed(self):
+        self.calls.append("progress")
+
+    def reply_finished(self, final, highlight):
+        self.calls.append("finished")
+        self.finals.append((final, highlight))
+
+    def show_error(self, text):
+        self.errors.append(text)
+
+
+@pytest.fixture
+def chat(tmp_path):
+    clock = Clock()
+    store = Store(tmp_path / "chat.db")
+    ctl = ChatController(store, FakeClient(clock), Settings(system_prompt="Be brief."), Listener(), clock)
+    yield ctl
+    store.close()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def say(chat, text):
+    mid = chat.send(text, chat.clock())
+    run(chat.reply(mid, chat.clock() - 0.05))
+    return mid
+
+
+def test_send_stores_both_messages_and_builds_the_request(chat):
+    mid = say(chat, "  Plan a trip  ")
+    user, reply = chat.branch()
+    assert (user.id, user.role, user.content) == (mid, "user", "Plan a trip")
+    assert (reply.role, reply.content, reply.status, reply.parent_id) == ("assistant", "Hello there", "complete", mid)
+    assert chat.store.conversation(chat.current_cid).title == "Plan a trip"
+    req = chat.client.requests[0]
+    assert req.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Plan a trip"}]
+    assert req.max_new_tokens == chat.settings.max_new_tokens and req.sampling.temperature == 0.0
+    assert chat.listener.calls[0] == "transcript" and chat.listener.calls[-2:] == ["transcript", "finished"]
+    assert "progress" in chat.listener.calls and not chat.generating and chat.streaming_mid is None
+    assert reply.trace["status"] == "complete" and reply.trace["reason"] == "eos"
+    assert chat.stats.tokens == 2 and chat.stats.title == "Reply · eos"
+
+
+def test_figures_while_streaming_come_from_the_one_place(chat):
+    """Live, before the engine's final trace, the panel's figures are engine.trace's own."""
+    s = ReplyStats(arrival=10.0, token_times=[10.5, 10.6, 10.8])
+    assert s.figure("ttft_ms") == 500.0 and s.figure("tpot_ms") == pytest.approx(150.0)
+    assert s.figure("decode_tok_s") == pytest.approx(1000 / 150) and s.figure("e2e_ms") == pytest.approx(800.0)
+    assert ReplyStats(arrival=10.0, token_times=[10.5]).figure("tpot_ms") is None  # missing, never 0
+    s.trace = {"ttft_ms": 1.0, "tokens": 9}
+    assert s.figure("ttft_ms") == 1.0 and s.tokens == 9
+
+
+def test_stop_reasons_become_statuses_and_continue_extends_the_reply(chat):
+    chat.client.reason = "max_new_tokens"
+    say(chat, "Tell me more")
+    reply = chat.last_message()
+    assert reply.status == "length" and chat.can_continue() and chat.can_regenerate()
+    chat.client.words, chat.client.reason = [" and more"], "eos"
+    run(chat.reply(reply.parent_id, chat.clock(), continue_mid=reply.id))
+    req = chat.client.requests[-1]
+    assert req.continue_final_message and not req.add_generation_prompt
+    assert req.messages[-1] == {"role": "assistant", "content": "Hello there"}
+    last = chat.last_message()
+    assert last.content == "Hello there and more" and last.status == "complete" and last.id != reply.id
+    assert [m.id for m in chat.store.siblings(last)] == [reply.id, last.id]  # the old reply stays a branch
+
+
+@pytest.mark.parametrize("reason,status", [("cancelled", "stopped"), ("capacity", "length"),
+                                           ("stop_string", "complete")])
+def test_each_stop_reason_has_its_status(chat, reason, status):
+    chat.client.reason = reason
+    say(chat, "Hi")
+    assert chat.last_message().status == status
+
+
+def test_an_edit_branches_regenerates_and_marks_the_changed_character(chat):
+    first = say(chat, "My budget is 600 yuan.")
+    new = chat.edit(first, "My budget is 750 yuan.")
+    assert new is not None and new != first
+    user = chat.store.message(new)
+    assert user.parent_id is None and [m.id for m in chat.store.siblings(user)] == [first, new]
+    reuse = ReuseReport(13, 5, 7, 13, {"id": 1, "text": "6"}, {"id": 2, "text": "7"}, "differs")
+
+    async def stream(request, orig=chat.client.stream):  # the engine's report of an edit at position 13
+        async for batch in orig(request):
+            yield tuple(dataclasses.replace(e, reuse=reuse) if isinstance(e, (PrefillStarted, Finished)) else e
+                        for e in batch)
+    chat.client.stream = stream
+    run(chat.reply(new, chat.clock()))
+    assert chat.client.requests[-1].messages[-1]["content"] == "My budget is 750 yuan."
+    final, highlight = chat.listener.finals[-1]
+    assert highlight == (new, 13, 14)  # the message, its first changed character, the end of the new token
+    assert chat.stats.reuse["first_invalidated_position"] == 13
+
+
+def test_editing_a_reply_only_branches(chat):
+    say(chat, "Hi")
+    reply = chat.last_message()
+    assert chat.edit(reply.id, "A better answer") is None
+    assert chat.last_message().content == "A better answer" and len(chat.client.requests) == 1
+
+
+def test_regenerate_and_branch_switching(chat):
+    say(chat, "Hi")
+    first_reply = chat.last_message()
+    chat.client.words = ["Other"]
+    run(chat.reply(chat.regenerate_target(), chat.clock()))
+    second = chat.last_message()
+    assert second.content == "Other" and second.parent_id == first_reply.parent_id
+    assert chat.switch_branch(second.id, -1) and chat.last_message().id == first_reply.id
+    assert not chat.switch_branch(first_reply.id, -1)  # nothing before the first
+
+
+def test_partial_replies_are_saved_while_streaming(chat):
+    saved = []
+    update = chat.store.update_message
+
+    def spy(mid, **kw):
+        saved.append((mid, kw.get("content"), kw.get("status")))
+        return update(mid, **kw)
+    chat.store.update_message = spy
+    chat.client.words = [f"w{i} " for i in range(60)]  # 0.6 s of tokens on the fake clock
+    chat.client.batches = 30
+    say(chat, "Long one")
+    partial = [c for _, c, st in saved if st is None and c]
+    assert partial and all(c.startswith("w0 ") for c in partial) and partial[0] != partial[-1]
+
+
+def test_token_counts_and_the_session_summary_arrive_after_the_reply(chat):
+    say(chat, "Count me")
+    user = chat.branch()[0]
+    assert user.token_count == 8  # the second message of the request (the system prompt is the first)
+    assert chat.summary == {"requests": 1}
+
+
+def test_a_failed_reply_keeps_its_text_and_says_why(chat):
+    chat.client.error = "the prompt has 99 tokens but the KV cache holds only 64 positions"
+    say(chat, "Too long")
+    reply = chat.last_message()
+    assert reply.status == "failed" and reply.content == "Hello there"
+    assert chat.listener.errors == [f"The reply failed: {chat.client.error}"]
+    assert isinstance(chat.listener.finals[-1][0], Failed) and chat.stats.status == "failed"
+
+
+def test_a_stream_that_ends_without_a_last_event_fails_cleanly(chat):
+    async def cut(request):
+        yield (PrefillStarted(3, ReuseReport(0, 3, 0, None, None, None, None), (1, 2, 3)),)
+    chat.client.stream = cut
+    say(chat, "Hi")
+    assert chat.last_message().status == "failed" and "stopped before the reply ended" in chat.listener.errors[0]
+    assert not chat.generating
+
+
+def test_a_locked_database_is_a_message_not_a_crash(chat):
+    from desktop.store import StoreError
+
+    def locked(*a, **k):
+        raise StoreError("the conversation database is locked by another program; your last change was not saved")
+    chat.store.add_message = locked
+    assert chat.send("Hi", chat.clock()) is None
+    assert "locked" in chat.listener.errors[0]
+
+
+def test_closing_mid_reply_keeps_what_streamed(chat):
+    mid = chat.send("Hi", chat.clock())
+    chat.client.batches = 4
+
+    async def close_midway():
+        task = asyncio.ensure_future(chat.reply(mid, chat.clock()))
+        while not chat.stream_text:
+            await asyncio.sleep(0)
+        chat.save_partial()
+        task.cancel()
+        return chat.streaming_mid
+    streaming = run(close_midway())
+    m = chat.store.message(streaming)
+    assert m.status == "stopped" and m.content == chat.stream_text and chat.client.stopped == 1
