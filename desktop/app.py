@@ -15,9 +15,9 @@ def main(argv=None) -> int:
                     help="start, load the model, print what loaded (or why not) as JSON, and quit")
     ns, qt_args = ap.parse_known_args(argv)
 
+    import qasync
     from PySide6.QtGui import QIcon
     from PySide6.QtWidgets import QApplication
-    import qasync
 
     from .settings import data_dir
     from .style import icon_path, style_sheet

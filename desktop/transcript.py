@@ -7,8 +7,18 @@ import math
 
 from PySide6.QtCore import QSize, Qt, Signal
 from PySide6.QtGui import QGuiApplication, QTextCursor
-from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QScrollArea, QSizePolicy,
-                               QTextEdit, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QPlainTextEdit,
+    QPushButton,
+    QScrollArea,
+    QSizePolicy,
+    QTextEdit,
+    QVBoxLayout,
+    QWidget,
+)
 
 ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System"}
 STATUS_NOTES = {"stopped": "stopped", "incomplete": "incomplete (the app closed mid-reply)", "failed": "failed",

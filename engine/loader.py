@@ -241,7 +241,7 @@ class _Reader:
                     self._copy_into(path, name, dst[offset[name]:offset[name] + rows[name]], f)
         return dst
 
-    def rows(self, names: list[str], dtype: torch.dtype, device: torch.device) -> "_Rows":
+    def rows(self, names: list[str], dtype: torch.dtype, device: torch.device) -> _Rows:
         """2-D tensors stacked along rows as a row source, read a chunk at a time by whoever consumes it."""
         return _Rows(self, names, dtype, device)
 

@@ -80,7 +80,7 @@ class Tokenizer:
         # tokenizer.json is 1-7 MB that would stay resident for a hash)
 
     @classmethod
-    def from_dir(cls, model_dir: Path, extra_stop_ids=()) -> "Tokenizer":
+    def from_dir(cls, model_dir: Path, extra_stop_ids=()) -> Tokenizer:
         model_dir = Path(model_dir)
         tok_path = model_dir / "tokenizer.json"
         if not tok_path.is_file():
@@ -162,7 +162,7 @@ class Tokenizer:
         text = self.render(messages, add_generation_prompt, continue_final_message, **kwargs)
         return self.encode(text, add_special_tokens=False)
 
-    def stream(self) -> "TextStream":
+    def stream(self) -> TextStream:
         return TextStream(self)
 
 

@@ -5,8 +5,8 @@ from pathlib import Path
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 

@@ -70,9 +70,9 @@ class App:
 
     def __init__(self, model: str, dtype: str, new_tokens: int, data: Path, tick_ms: int,
                  batch_seconds: float | None = None):
+        import qasync
         from PySide6.QtCore import QTimer
         from PySide6.QtWidgets import QApplication
-        import qasync
 
         from engine.trace import now
 
@@ -215,8 +215,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=7, help="alternating runs, alone and through the app")
     ap.add_argument("--json", action="store_true")
     ns = ap.parse_args(argv)
-    from engine.tools.bench import SHAPES, write_random_checkpoint
     from engine.loader import default_threads
+    from engine.tools.bench import SHAPES, write_random_checkpoint
     if ns.shape not in SHAPES:
         print(f"error: unknown shape {ns.shape!r} (choose from {', '.join(SHAPES)})", file=sys.stderr)
         return 2

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import kernels as kernel_library
 from ..model import block_linears
+from . import kernels as kernel_library
 
 
 class LinearT(nn.Module):

@@ -117,7 +117,7 @@ class DecodeLayers:
         self.hidden, self.mlp = cfg.hidden_size, cfg.intermediate_size
         width = (self.heads + 2 * self.kv_heads) * self.head_dim
         linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        new = lambda n, dt=self.dtype: torch.empty(n, dtype=dt)  # noqa: E731
+        new = lambda n, dt=self.dtype: torch.empty(n, dtype=dt)
         self.scratch = [new(self.hidden), new(width), new(self.heads * self.head_dim), new(self.hidden),
                         new(2 * self.mlp), new(max(lin.in_ for lin in linears), torch.float32),
                         new(max(lin.out for lin in linears), torch.float32)]  # h, qkv, att, t, gu, fx, fy

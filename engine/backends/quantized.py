@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import kernels as kernel_library
 from ..model import block_linears
-from ..quant import BITS, QMAX, check_mode, dequantize, group_for, pack_int4, quantize, storage_bytes, unpack_int4
+from ..quant import BITS, check_mode, dequantize, group_for, pack_int4, quantize, storage_bytes, unpack_int4
+from . import kernels as kernel_library
 from .cpu_layouts import many_rows_linear, weight_scratch
 
 SCRATCH_VALUES = 4 * 2**20  # weight values a many-row product dequantizes at once (16 MiB in float32)

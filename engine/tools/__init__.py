@@ -21,7 +21,8 @@ def run_tool(name: str, argv: list[str]) -> int:
         from .selftest import main
         return main(argv)
     if name == "bench":
-        from .bench import add_arguments, run as main
+        from .bench import add_arguments
+        from .bench import run as main
         help_text = "prefill/decode speed against references measured in the same run"
     else:
         from .quality import add_arguments, main

@@ -164,6 +164,7 @@ def _sync(device) -> None:
 def measure_bandwidth(device=None, megabytes: int = 512, repeats: int = 5) -> float:
     """Bytes per second a large copy moves (read + write), best of `repeats`: the memory roofline."""
     import torch
+
     from ..trace import now
     device = torch.device(device or "cpu")
     n = megabytes * 2**20

@@ -13,10 +13,10 @@ import random
 import re
 import sys
 
-from . import demo_corpus
 from ..events import Finished, PrefillStarted
 from ..loader import load_model
 from ..session import Request, Session
+from . import demo_corpus
 
 
 def _reply(session: Session, messages, max_new_tokens: int):

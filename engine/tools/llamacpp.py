@@ -14,7 +14,6 @@ import numpy as np
 from ..errors import EngineError
 from ..trace import now
 
-
 _QUIET = None
 
 

@@ -79,8 +79,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-bench", action="store_true", help="checks only")
     ap.add_argument("--json", action="store_true")
     ns = ap.parse_args(argv)
-    from .bench import collect, write_random_checkpoint
     from ..loader import resolve_device
+    from .bench import collect, write_random_checkpoint
     device = str(resolve_device(ns.device))
     t0 = time.perf_counter()
     report: dict = {"device": device, "torch": torch.__version__}

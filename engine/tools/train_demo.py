@@ -20,9 +20,9 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from . import demo_corpus
 from ..config import config_from_dict
 from ..model import Transformer
+from . import demo_corpus
 
 SPECIALS = ["<|bos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 CHAT_TEMPLATE = (

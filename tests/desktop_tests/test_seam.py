@@ -9,8 +9,9 @@ from engine.events import Finished, PrefillStarted, Token
 
 def test_thousands_of_signal_emits_from_a_thread(qapp, loop, spin_loop):
     """Guards the PySide6 pin: 6.12.0 on Python 3.11 aborts after ~1000 emits ("bool_dealloc")."""
-    from desktop.client import EngineClient
     from PySide6.QtCore import QObject, Slot
+
+    from desktop.client import EngineClient
 
     class Receiver(QObject):  # a QObject's slot runs on the GUI thread (a lambda would run on the emitter's)
         def __init__(self):
@@ -42,8 +43,9 @@ def test_thousands_of_signal_emits_from_a_thread(qapp, loop, spin_loop):
 
 def test_async_stream_yields_batches_until_finished(qapp, loop, llama_dir):
     import asyncio
-    from desktop.client import EngineClient
+
     from desktop.chat import Accounting
+    from desktop.client import EngineClient
     from desktop.worker import WorkerThread
     from engine.session import Request
     from engine.spec import LoadSpec
@@ -75,6 +77,7 @@ def test_events_cross_the_thread_as_frozen_records(llama_dir):
     import dataclasses
 
     import torch
+
     from engine.loader import load_model
     from engine.session import Request, Session
     s = Session(load_model(llama_dir), capacity=64)
@@ -150,6 +153,7 @@ def test_seam_bench_reports_gui_rate_and_event_loop_lag():
 
 def test_redraw_interval_adapts_to_the_gui_cpu_budget(qtbot, make_window, llama_dir):
     import time
+
     from desktop import window as win
     from engine.trace import now
     w = make_window(llama_dir)

@@ -6,8 +6,8 @@ import sqlite3
 from PySide6.QtCore import Qt
 
 from desktop.panel import fmt_bytes, fmt_ms, fmt_rate
-from engine.events import Failed, Finished
 from desktop.store import Store
+from engine.events import Failed, Finished
 
 BUDGET = "I am planning a trip to Chengdu for 3 nights. My budget is 600 yuan."
 

@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 
-
 def run(*args, check=True):
     r = subprocess.run([sys.executable, "-m", "engine", *map(str, args)], capture_output=True, text=True, timeout=600)
     if check and r.returncode != 0:

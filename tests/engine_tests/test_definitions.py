@@ -3,10 +3,10 @@
 import pytest
 import torch
 
+from engine.events import Finished, PrefillDone, Token
 from engine.kv_cache import KVCache, payload_bytes
 from engine.loader import load_model
 from engine.session import Request, Session
-from engine.events import Finished, Token, PrefillDone
 from engine.trace import RequestTrace, summarize
 
 

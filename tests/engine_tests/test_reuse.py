@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from conftest import DEVICES
+
 from engine.events import Finished, PrefillStarted
 from engine.kv_cache import KVCache
 from engine.loader import load_model

@@ -1,8 +1,7 @@
 import pytest
 import torch
 
-from engine.sampling import (SamplingParams, apply_repetition_penalty, choose, filter_min_p, filter_top_k,
-                             filter_top_p)
+from engine.sampling import SamplingParams, apply_repetition_penalty, choose, filter_min_p, filter_top_k, filter_top_p
 
 
 def test_greedy_lowest_index_wins_a_tie():

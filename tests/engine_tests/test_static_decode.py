@@ -4,9 +4,9 @@ through a captured graph and still equals the uncached recompute."""
 
 import pytest
 import torch
+from conftest import DEVICES
 
 from checkpoints import make_checkpoint
-from conftest import DEVICES
 from engine.kv_cache import KVCache
 from engine.loader import load_model
 from engine.session import Request, Session
