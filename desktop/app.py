@@ -11,8 +11,9 @@ import sys
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog="kvchat", description="A local chat app that shows inference as it happens.")
-    ap.add_argument("--check", action="store_true",
-                    help="start, load the model, print what loaded (or why not) as JSON, and quit")
+    ap.add_argument(
+        "--check", action="store_true", help="start, load the model, print what loaded (or why not) as JSON, and quit"
+    )
     ns, qt_args = ap.parse_known_args(argv)
 
     import qasync
@@ -35,10 +36,12 @@ def main(argv=None) -> int:
     window.show()
     outcome: dict = {}
     if ns.check:
+
         def checked(facts: dict) -> None:
             outcome.update(facts)
             window.close()
             app.quit()
+
         window.modelReady.connect(checked)
     with loop:
         loop.run_until_complete(closed.wait())

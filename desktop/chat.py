@@ -20,8 +20,13 @@ from .settings import Settings
 from .store import Message, Store, StoreError
 
 SAVE_EVERY_S = 0.25  # partial replies reach the database this often while streaming
-STATUS_BY_REASON = {"eos": "complete", "stop_string": "complete", "max_new_tokens": "length", "capacity": "length",
-                    "cancelled": "stopped"}  # a message's status from the engine's stop reason (else "failed")
+STATUS_BY_REASON = {
+    "eos": "complete",
+    "stop_string": "complete",
+    "max_new_tokens": "length",
+    "capacity": "length",
+    "cancelled": "stopped",
+}  # a message's status from the engine's stop reason (else "failed")
 CONTINUABLE = ("length", "stopped", "incomplete")  # statuses a reply can be continued from
 
 
@@ -29,6 +34,7 @@ CONTINUABLE = ("length", "stopped", "incomplete")  # statuses a reply can be con
 class Accounting:
     """What the worker adds after a reply's last event: each request message's token count (counted
     after the reply, so TTFT never pays for it) and the session's summary over every request."""
+
     message_tokens: tuple[int, ...]
     summary: dict
 
@@ -55,6 +61,7 @@ class Listener(Protocol):
 class ReplyStats:
     """Everything the panel shows for one reply, from engine events (live) or a stored trace. Figures
     come from engine.trace, the one place that computes them."""
+
     arrival: float | None = None
     token_times: list = dataclasses.field(default_factory=list)
     trace: dict | None = None  # the engine's final trace, once finished
@@ -71,9 +78,14 @@ class ReplyStats:
     def from_record(cls, record: dict, status: str) -> ReplyStats:
         """A stored reply's stats (what `record()` saved)."""
         trace = record.get("trace")
-        return cls(trace=trace, reuse=record.get("reuse"), cache_positions=(record.get("cache") or {}).get("positions", 0),
-                   prompt_tokens=(trace or {}).get("prompt_tokens", 0), status=record.get("status", status),
-                   reason=record.get("reason"))
+        return cls(
+            trace=trace,
+            reuse=record.get("reuse"),
+            cache_positions=(record.get("cache") or {}).get("positions", 0),
+            prompt_tokens=(trace or {}).get("prompt_tokens", 0),
+            status=record.get("status", status),
+            reason=record.get("reason"),
+        )
 
     @property
     def tokens(self) -> int:
@@ -83,10 +95,12 @@ class ReplyStats:
         """ttft_ms, tpot_ms, decode_tok_s or e2e_ms: the engine's once finished, computed live before."""
         if self.trace is not None:
             return self.trace.get(name)
-        live = {"ttft_ms": lambda: figures.ttft_ms(self.arrival, self.token_times),
-                "tpot_ms": lambda: figures.tpot_ms(self.token_times),
-                "decode_tok_s": lambda: figures.decode_tok_s(figures.tpot_ms(self.token_times)),
-                "e2e_ms": lambda: figures.e2e_ms(self.arrival, self.token_times)}
+        live = {
+            "ttft_ms": lambda: figures.ttft_ms(self.arrival, self.token_times),
+            "tpot_ms": lambda: figures.tpot_ms(self.token_times),
+            "decode_tok_s": lambda: figures.decode_tok_s(figures.tpot_ms(self.token_times)),
+            "e2e_ms": lambda: figures.e2e_ms(self.arrival, self.token_times),
+        }
         return live[name]() if name in live else None
 
     @property
@@ -121,12 +135,24 @@ class ReplyStats:
     @property
     def title(self) -> str:
         """The panel's heading for this reply."""
-        return {"finished": f"Reply · {self.reason}", "cancelled": "Reply · stopped", "prefill": "Prefill…",
-                "decoding": "Generating…", "failed": f"Reply · failed: {self.error}"}.get(self.status, self.status)
+        return {
+            "finished": f"Reply · {self.reason}",
+            "cancelled": "Reply · stopped",
+            "prefill": "Prefill…",
+            "decoding": "Generating…",
+            "failed": f"Reply · failed: {self.error}",
+        }.get(self.status, self.status)
 
     def to_json(self) -> dict:
-        return {"status": self.status, "reason": self.reason, "error": self.error, "trace": self.trace,
-                "reuse": self.reuse, "cache_positions": self.cache_positions, "prompt_tokens": self.prompt_tokens}
+        return {
+            "status": self.status,
+            "reason": self.reason,
+            "error": self.error,
+            "trace": self.trace,
+            "reuse": self.reuse,
+            "cache_positions": self.cache_positions,
+            "prompt_tokens": self.prompt_tokens,
+        }
 
 
 def title_from(text: str) -> str:
@@ -231,7 +257,7 @@ class ChatController:
     def messages_until(self, mid: int) -> list[Message]:
         """The current branch from the root to message `mid`, included."""
         path = self.branch()
-        return path[:next(i for i, m in enumerate(path) if m.id == mid) + 1]
+        return path[: next(i for i, m in enumerate(path) if m.id == mid) + 1]
 
     # --- what a person does --------------------------------------------------------------------
     def send(self, text: str, arrival: float) -> int | None:
@@ -286,8 +312,12 @@ class ChatController:
         if continue_mid is not None:
             base = self.store.message(continue_mid)
             prefix, old_tokens = base.content, base.token_count or 0
-            req = self.request(self.messages(upto) + [{"role": "assistant", "content": prefix}], arrival,
-                               continue_final_message=True, add_generation_prompt=False)
+            req = self.request(
+                self.messages(upto) + [{"role": "assistant", "content": prefix}],
+                arrival,
+                continue_final_message=True,
+                add_generation_prompt=False,
+            )
         else:
             prefix, old_tokens = "", 0
             req = self.request(self.messages(upto), arrival)
@@ -309,8 +339,9 @@ class ChatController:
                     final = ev
             self.stream_text = text
             if final is None and self.clock() - last_save >= SAVE_EVERY_S:
-                self.guard(self.store.update_message, assistant.id, content=text,
-                           token_count=old_tokens + self.stats.tokens)
+                self.guard(
+                    self.store.update_message, assistant.id, content=text, token_count=old_tokens + self.stats.tokens
+                )
                 last_save = self.clock()
             self.listener.reply_progressed()
         if final is None:  # the stream ended without a last event: the worker went away
@@ -319,10 +350,22 @@ class ChatController:
         status = STATUS_BY_REASON.get(final.reason, "failed") if isinstance(final, Finished) else "failed"
         if isinstance(final, Finished):
             text = prefix + final.text
-        record = {"status": status, "reason": getattr(final, "reason", None), "trace": final.trace,
-                  "reuse": self.stats.reuse, "cache": final.cache, "error": getattr(final, "error", None)}
-        self.guard(self.store.update_message, assistant.id, content=text, status=status,
-                   token_count=old_tokens + self.stats.tokens, trace=record)
+        record = {
+            "status": status,
+            "reason": getattr(final, "reason", None),
+            "trace": final.trace,
+            "reuse": self.stats.reuse,
+            "cache": final.cache,
+            "error": getattr(final, "error", None),
+        }
+        self.guard(
+            self.store.update_message,
+            assistant.id,
+            content=text,
+            status=status,
+            token_count=old_tokens + self.stats.tokens,
+            trace=record,
+        )
         if isinstance(final, Failed):
             self.listener.show_error(f"The reply failed: {final.error}")
         self.stream_text = text
@@ -339,7 +382,7 @@ class ChatController:
         """Each message's token count, for the transcript (only those not counted yet)."""
         self.summary = acc.summary
         n_sys = 1 if self.settings.system_prompt else 0
-        for m, n in zip(upto, acc.message_tokens[n_sys:n_sys + len(upto)]):
+        for m, n in zip(upto, acc.message_tokens[n_sys : n_sys + len(upto)]):
             if m.token_count is None:
                 self.guard(self.store.update_message, m.id, token_count=n)
 
@@ -347,5 +390,10 @@ class ChatController:
         """On close mid-reply: what streamed so far is kept, marked stopped."""
         if self.generating and self.streaming_mid is not None:
             self.client.stop()
-            self.guard(self.store.update_message, self.streaming_mid, content=self.stream_text, status="stopped",
-                       token_count=self.stats.tokens)
+            self.guard(
+                self.store.update_message,
+                self.streaming_mid,
+                content=self.stream_text,
+                status="stopped",
+                token_count=self.stats.tokens,
+            )

@@ -50,11 +50,15 @@ class CompareDialog(QDialog):
         else:
             a = result["full_tokens"][d] if d < len(result["full_tokens"]) else "(end)"
             b = result["quant_tokens"][d] if d < len(result["quant_tokens"]) else "(end)"
-            first = (f"First differing token: reply position {d}, {a!r} vs {b!r}; every later token is computed "
-                     f"from different inputs.")
-        self.summary = QLabel(f"{first}<br>Teacher-forced on the full-precision reply: top-1 agreement "
-                              f"{100 * result['top1_agreement']:.1f}%, mean KL {result['mean_kl']:.5f} nats, "
-                              f"near-tie flips {result['near_tie_flips']}.")
+            first = (
+                f"First differing token: reply position {d}, {a!r} vs {b!r}; every later token is computed "
+                f"from different inputs."
+            )
+        self.summary = QLabel(
+            f"{first}<br>Teacher-forced on the full-precision reply: top-1 agreement "
+            f"{100 * result['top1_agreement']:.1f}%, mean KL {result['mean_kl']:.5f} nats, "
+            f"near-tie flips {result['near_tie_flips']}."
+        )
         self.summary.setObjectName("compareSummary")
         self.summary.setWordWrap(True)
         lay.addWidget(self.summary)

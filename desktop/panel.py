@@ -99,11 +99,20 @@ class StatsPanel(QScrollArea):
         self.heading.setWordWrap(True)
         lay.addWidget(self.heading)
 
-        timing = self._group(lay, "Timing", [
-            ("ttftValue", "TTFT (from Send)"), ("ttftPartsValue", "  queue · template · prefill · 1st"),
-            ("tpotValue", "TPOT (after token 1)"), ("tokensPerSecondValue", "Tokens/s after the first"),
-            ("e2eValue", "End to end"), ("meanInclWaitValue", "Mean per token incl. wait"),
-            ("prefillRateValue", "Prefill rate (computed only)"), ("tokensValue", "Tokens")])
+        timing = self._group(
+            lay,
+            "Timing",
+            [
+                ("ttftValue", "TTFT (from Send)"),
+                ("ttftPartsValue", "  queue · template · prefill · 1st"),
+                ("tpotValue", "TPOT (after token 1)"),
+                ("tokensPerSecondValue", "Tokens/s after the first"),
+                ("e2eValue", "End to end"),
+                ("meanInclWaitValue", "Mean per token incl. wait"),
+                ("prefillRateValue", "Prefill rate (computed only)"),
+                ("tokensValue", "Tokens"),
+            ],
+        )
         del timing
 
         cache_box = QGroupBox("KV cache")
@@ -112,16 +121,29 @@ class StatsPanel(QScrollArea):
         self.cacheBar.setObjectName("cacheBar")
         self.cacheBar.setTextVisible(True)
         form.addRow(self.cacheBar)
-        for name, label in [("cachePositionsValue", "Cached positions"), ("kvPayloadValue", "Payload"),
-                            ("kvAllocatedValue", "Allocated"), ("kvPerPositionValue", "Per position"),
-                            ("kvFormulaValue", "2·L·T·H_kv·d·b"), ("cachePointValue", "Measured")]:
+        for name, label in [
+            ("cachePositionsValue", "Cached positions"),
+            ("kvPayloadValue", "Payload"),
+            ("kvAllocatedValue", "Allocated"),
+            ("kvPerPositionValue", "Per position"),
+            ("kvFormulaValue", "2·L·T·H_kv·d·b"),
+            ("cachePointValue", "Measured"),
+        ]:
             self._row(form, name, label)
         lay.addWidget(cache_box)
 
-        self._group(lay, "Reuse", [
-            ("firstInvalidatedValue", "First invalidated position"), ("tokenChangeValue", "Cached → new token"),
-            ("reusedValue", "Positions reused"), ("recomputedValue", "Positions recomputed"),
-            ("discardedValue", "Positions discarded"), ("reuseReasonValue", "Reason")])
+        self._group(
+            lay,
+            "Reuse",
+            [
+                ("firstInvalidatedValue", "First invalidated position"),
+                ("tokenChangeValue", "Cached → new token"),
+                ("reusedValue", "Positions reused"),
+                ("recomputedValue", "Positions recomputed"),
+                ("discardedValue", "Positions discarded"),
+                ("reuseReasonValue", "Reason"),
+            ],
+        )
 
         gaps_box = QGroupBox("Gaps between tokens")
         gl = QVBoxLayout(gaps_box)
@@ -132,14 +154,33 @@ class StatsPanel(QScrollArea):
         gl.addWidget(self.gapStats)
         lay.addWidget(gaps_box)
 
-        self._group(lay, "Model", [("modelNameValue", "Model"), ("architectureValue", "Architecture"),
-                                   ("parametersValue", "Parameters"), ("dtypeValue", "dtype"),
-                                   ("precisionValue", "Weights · KV cache"), ("weightBytesValue", "Weight bytes"),
-                                   ("deviceValue", "Device"), ("kernelsValue", "Decode kernels"),
-                                   ("layersValue", "Layers"),
-                                   ("kvHeadsValue", "KV heads · query heads"), ("headDimValue", "Head width")])
-        self._group(lay, "Session", [("requestsValue", "Requests"), ("failedValue", "Failed · cancelled"),
-                                     ("medianTtftValue", "Median TTFT"), ("medianTpotValue", "Median TPOT")])
+        self._group(
+            lay,
+            "Model",
+            [
+                ("modelNameValue", "Model"),
+                ("architectureValue", "Architecture"),
+                ("parametersValue", "Parameters"),
+                ("dtypeValue", "dtype"),
+                ("precisionValue", "Weights · KV cache"),
+                ("weightBytesValue", "Weight bytes"),
+                ("deviceValue", "Device"),
+                ("kernelsValue", "Decode kernels"),
+                ("layersValue", "Layers"),
+                ("kvHeadsValue", "KV heads · query heads"),
+                ("headDimValue", "Head width"),
+            ],
+        )
+        self._group(
+            lay,
+            "Session",
+            [
+                ("requestsValue", "Requests"),
+                ("failedValue", "Failed · cancelled"),
+                ("medianTtftValue", "Median TTFT"),
+                ("medianTpotValue", "Median TPOT"),
+            ],
+        )
         self.exportButton = QPushButton("Export this reply's trace…")
         self.exportButton.setObjectName("exportTraceButton")
         self.exportButton.clicked.connect(self.exportRequested)
@@ -203,36 +244,49 @@ class StatsPanel(QScrollArea):
         self.set("kvPayloadValue", fmt_bytes(payload))
         self.set("kvAllocatedValue", fmt_bytes(f["cache"]["allocated_bytes"]))
         if f.get("kv_cache", "none") == "none":
-            self.set("kvFormulaValue", f"2 · {f['layers']} · {positions} · {f['kv_heads']} · {f['head_dim']} · "
-                                       f"{f['bytes_per_value']} = {payload:,} B")
+            self.set(
+                "kvFormulaValue",
+                f"2 · {f['layers']} · {positions} · {f['kv_heads']} · {f['head_dim']} · "
+                f"{f['bytes_per_value']} = {payload:,} B",
+            )
         else:  # codes plus one float32 scale per (position, head) vector
             bits = 8 if f["kv_cache"] == "int8" else 4
-            self.set("kvFormulaValue", f"2 · {f['layers']} · {positions} · {f['kv_heads']} · "
-                                       f"({f['head_dim']}·{bits}/8 + 4) = {payload:,} B ({f['kv_cache']} + scales)")
+            self.set(
+                "kvFormulaValue",
+                f"2 · {f['layers']} · {positions} · {f['kv_heads']} · "
+                f"({f['head_dim']}·{bits}/8 + 4) = {payload:,} B ({f['kv_cache']} + scales)",
+            )
         self.set("cachePointValue", point)
 
     def show_reply(self, s, title: str = "") -> None:
         self.heading.setText(title or s.title)
         self.set("ttftValue", fmt_ms(s.figure("ttft_ms")))
         if s.trace is not None:
-            parts = [s.trace.get(k) for k in ("ttft_queue_ms", "ttft_tokenize_ms", "ttft_prefill_ms",
-                                               "ttft_first_token_ms")]
+            parts = [
+                s.trace.get(k) for k in ("ttft_queue_ms", "ttft_tokenize_ms", "ttft_prefill_ms", "ttft_first_token_ms")
+            ]
             self.set("ttftPartsValue", " · ".join(DASH if p is None else f"{p:,.1f}" for p in parts) + " ms")
             self.set("meanInclWaitValue", fmt_ms(s.trace.get("mean_ms_per_token_incl_wait")))
             self.set("prefillRateValue", fmt_rate(s.trace.get("prefill_tok_s"), "pos/s"))
         else:
             self.set("ttftPartsValue", DASH)
             self.set("meanInclWaitValue", DASH)
-            self.set("prefillRateValue", DASH if s.status != "prefill" else
-                     f"computing {s.prefill_done:,} / {s.prefill_total:,}")
+            self.set(
+                "prefillRateValue",
+                DASH if s.status != "prefill" else f"computing {s.prefill_done:,} / {s.prefill_total:,}",
+            )
         self.set("tpotValue", fmt_ms(s.figure("tpot_ms")))
         self.set("tokensPerSecondValue", fmt_rate(s.figure("decode_tok_s")))
         self.set("e2eValue", fmt_ms(s.figure("e2e_ms")))
         self.set("tokensValue", str(s.tokens))
         n = s.tokens
-        point = (f"after prefill of {s.prompt_tokens:,} positions" if n == 0 else
-                 f"after consuming token {n - 1} of {n} (token {n} not yet consumed)" if n > 1 else
-                 "after prefill; token 1 selected, not yet consumed")
+        point = (
+            f"after prefill of {s.prompt_tokens:,} positions"
+            if n == 0
+            else f"after consuming token {n - 1} of {n} (token {n} not yet consumed)"
+            if n > 1
+            else "after prefill; token 1 selected, not yet consumed"
+        )
         if s.reason == "eos":
             point = f"all {n} reply tokens consumed; the stop token was not"
         self.show_cache(s.cache_positions, point)
@@ -241,7 +295,9 @@ class StatsPanel(QScrollArea):
             first = r.get("first_invalidated_position")
             self.set("firstInvalidatedValue", DASH if first is None else f"{first:,}")
             ct, nt = r.get("cached_token"), r.get("new_token")
-            self.set("tokenChangeValue", DASH if not ct else f"{ct['text']!r} (#{ct['id']}) → {nt['text']!r} (#{nt['id']})")
+            self.set(
+                "tokenChangeValue", DASH if not ct else f"{ct['text']!r} (#{ct['id']}) → {nt['text']!r} (#{nt['id']})"
+            )
             self.set("reusedValue", f"{r['reused']:,}")
             self.set("recomputedValue", f"{r['computed']:,}")
             self.set("discardedValue", f"{r['invalidated']:,}")
@@ -249,8 +305,9 @@ class StatsPanel(QScrollArea):
         gaps = s.gaps_ms
         self.gapChart.set_gaps(gaps)
         if gaps:
-            self.gapStats.setText(f"p50 {percentile(gaps, 0.5):,.1f} ms · p95 {percentile(gaps, 0.95):,.1f} ms · "
-                                  f"{len(gaps)} gaps")
+            self.gapStats.setText(
+                f"p50 {percentile(gaps, 0.5):,.1f} ms · p95 {percentile(gaps, 0.95):,.1f} ms · {len(gaps)} gaps"
+            )
         else:
             self.gapStats.setText(DASH)
 

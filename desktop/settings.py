@@ -18,6 +18,7 @@ def data_dir() -> Path:
     if env:
         return Path(env).expanduser()
     import platformdirs
+
     return Path(platformdirs.user_data_dir("kvchat", appauthor=False))
 
 
@@ -59,10 +60,22 @@ class Settings:
 
     def load_spec(self) -> LoadSpec:
         """What the worker loads: "auto" and 0 mean the engine's own defaults."""
-        return LoadSpec(path=self.model_dir or None, device=None if self.device == "auto" else self.device,
-                        dtype=None if self.dtype == "auto" else self.dtype, capacity=self.capacity or None,
-                        weights=self.weights, kv=self.kv, group_size=self.group_size)
+        return LoadSpec(
+            path=self.model_dir or None,
+            device=None if self.device == "auto" else self.device,
+            dtype=None if self.dtype == "auto" else self.dtype,
+            capacity=self.capacity or None,
+            weights=self.weights,
+            kv=self.kv,
+            group_size=self.group_size,
+        )
 
     def sampling(self) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
-                              repetition_penalty=self.repetition_penalty, seed=None if self.seed < 0 else self.seed)
+        return SamplingParams(
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            seed=None if self.seed < 0 else self.seed,
+        )

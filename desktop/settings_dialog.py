@@ -129,11 +129,20 @@ class SettingsDialog(QDialog):
             self.modelDir.setText(d)
 
     def result_settings(self) -> Settings:
-        return Settings(model_dir=self.modelDir.text().strip(), device=self.device.currentText(),
-                        dtype=self.dtype.currentText(), capacity=self.capacity.value(),
-                        weights=self.weights.currentText(), kv=self.kv.currentText(),
-                        group_size=int(self.group.currentText()),
-                        system_prompt=self.system.toPlainText().strip(), temperature=self.temperature.value(),
-                        top_k=self.top_k.value(), top_p=self.top_p.value(), min_p=self.min_p.value(),
-                        repetition_penalty=self.rep.value(), max_new_tokens=self.max_new.value(),
-                        seed=self.seed.value())
+        return Settings(
+            model_dir=self.modelDir.text().strip(),
+            device=self.device.currentText(),
+            dtype=self.dtype.currentText(),
+            capacity=self.capacity.value(),
+            weights=self.weights.currentText(),
+            kv=self.kv.currentText(),
+            group_size=int(self.group.currentText()),
+            system_prompt=self.system.toPlainText().strip(),
+            temperature=self.temperature.value(),
+            top_k=self.top_k.value(),
+            top_p=self.top_p.value(),
+            min_p=self.min_p.value(),
+            repetition_penalty=self.rep.value(),
+            max_new_tokens=self.max_new.value(),
+            seed=self.seed.value(),
+        )

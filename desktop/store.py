@@ -74,8 +74,10 @@ class Store:
             self.db = self._open()
         except sqlite3.DatabaseError as e:
             if "locked" in str(e).lower():
-                raise StoreError(f"the conversation database {self.path} is locked by another program; "
-                                 "close it (or another kvchat) and try again") from None
+                raise StoreError(
+                    f"the conversation database {self.path} is locked by another program; "
+                    "close it (or another kvchat) and try again"
+                ) from None
             # Unreadable: move it aside, never overwrite it, and start a new one.
             stamp = time.strftime("%Y%m%d-%H%M%S")
             self.moved_aside = self.path.with_name(f"{self.path.name}.unreadable-{stamp}")
@@ -105,8 +107,9 @@ class Store:
             return self.db.execute(sql, args)
         except sqlite3.OperationalError as e:
             if "locked" in str(e).lower() or "busy" in str(e).lower():
-                raise StoreError("the conversation database is locked by another program; "
-                                 "your last change was not saved") from None
+                raise StoreError(
+                    "the conversation database is locked by another program; your last change was not saved"
+                ) from None
             raise StoreError(f"the conversation database failed: {e}") from None
 
     def close(self) -> None:
@@ -114,8 +117,9 @@ class Store:
 
     # --- conversations ------------------------------------------------------------------
     def conversations(self, search: str = "") -> list[Conversation]:
-        rows = self.db.execute("SELECT * FROM conversations WHERE deleted=0 AND title LIKE ? ORDER BY updated DESC",
-                               (f"%{search}%",)).fetchall()
+        rows = self.db.execute(
+            "SELECT * FROM conversations WHERE deleted=0 AND title LIKE ? ORDER BY updated DESC", (f"%{search}%",)
+        ).fetchall()
         return [Conversation(r["id"], r["title"], r["created"], r["updated"], r["leaf_id"]) for r in rows]
 
     def conversation(self, cid: int) -> Conversation:
@@ -142,22 +146,47 @@ class Store:
 
     # --- messages -----------------------------------------------------------------------
     def _message(self, r) -> Message:
-        return Message(r["id"], r["conversation_id"], r["parent_id"], r["role"], r["content"], r["status"],
-                       r["token_count"], r["created"], json.loads(r["trace"]) if r["trace"] else None)
+        return Message(
+            r["id"],
+            r["conversation_id"],
+            r["parent_id"],
+            r["role"],
+            r["content"],
+            r["status"],
+            r["token_count"],
+            r["created"],
+            json.loads(r["trace"]) if r["trace"] else None,
+        )
 
     def message(self, mid: int) -> Message:
         return self._message(self.db.execute("SELECT * FROM messages WHERE id=?", (mid,)).fetchone())
 
-    def add_message(self, cid: int, parent_id: int | None, role: str, content: str, status: str = "complete",
-                    token_count: int | None = None) -> Message:
-        cur = self._write("INSERT INTO messages(conversation_id, parent_id, role, content, status, token_count,"
-                          " created) VALUES (?,?,?,?,?,?,?)",
-                          (cid, parent_id, role, content, status, token_count, time.time()))
+    def add_message(
+        self,
+        cid: int,
+        parent_id: int | None,
+        role: str,
+        content: str,
+        status: str = "complete",
+        token_count: int | None = None,
+    ) -> Message:
+        cur = self._write(
+            "INSERT INTO messages(conversation_id, parent_id, role, content, status, token_count,"
+            " created) VALUES (?,?,?,?,?,?,?)",
+            (cid, parent_id, role, content, status, token_count, time.time()),
+        )
         self.set_leaf(cid, cur.lastrowid)
         return self.message(cur.lastrowid)
 
-    def update_message(self, mid: int, *, content: str | None = None, status: str | None = None,
-                       token_count: int | None = None, trace: dict | None = None) -> None:
+    def update_message(
+        self,
+        mid: int,
+        *,
+        content: str | None = None,
+        status: str | None = None,
+        token_count: int | None = None,
+        trace: dict | None = None,
+    ) -> None:
         sets, args = [], []
         for col, val in (("content", content), ("status", status), ("token_count", token_count)):
             if val is not None:
@@ -182,11 +211,14 @@ class Store:
     def siblings(self, m: Message) -> list[Message]:
         """Versions of this message (same parent, same role), oldest first."""
         if m.parent_id is None:
-            rows = self.db.execute("SELECT * FROM messages WHERE conversation_id=? AND parent_id IS NULL AND role=?"
-                                   " ORDER BY id", (m.conversation_id, m.role)).fetchall()
+            rows = self.db.execute(
+                "SELECT * FROM messages WHERE conversation_id=? AND parent_id IS NULL AND role=? ORDER BY id",
+                (m.conversation_id, m.role),
+            ).fetchall()
         else:
-            rows = self.db.execute("SELECT * FROM messages WHERE parent_id=? AND role=? ORDER BY id",
-                                   (m.parent_id, m.role)).fetchall()
+            rows = self.db.execute(
+                "SELECT * FROM messages WHERE parent_id=? AND role=? ORDER BY id", (m.parent_id, m.role)
+            ).fetchall()
         return [self._message(r) for r in rows]
 
     def deepest_leaf(self, mid: int) -> int:

@@ -21,17 +21,21 @@ from PySide6.QtWidgets import (
 )
 
 ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System"}
-STATUS_NOTES = {"stopped": "stopped", "incomplete": "incomplete (the app closed mid-reply)", "failed": "failed",
-                "length": "stopped at the token limit", "streaming": "generating…"}
+STATUS_NOTES = {
+    "stopped": "stopped",
+    "incomplete": "incomplete (the app closed mid-reply)",
+    "failed": "failed",
+    "length": "stopped at the token limit",
+    "streaming": "generating…",
+}
 
 
 class WrapLabel(QLabel):
     """A word-wrapped QLabel that remembers its height per width until its text changes.
 
     QLabel lays its whole text out again on every heightForWidth call, and the transcript's layout asks
-    every message whenever one grows: while a reply streams, each update re-laid out every message
-    above it (a long prompt cost the engine ~10% of a 2-core machine). Heights of unchanged text are
-    answered from here.
+    every message whenever one grows: while a reply streams, each update would lay out every message
+    above it again. Heights of unchanged text are answered from here.
     """
 
     def __init__(self):
@@ -67,8 +71,8 @@ class WrapLabel(QLabel):
 class StreamView(QTextEdit):
     """The text of a reply while it streams: new text is appended to the document, so Qt lays out and
     paints only the last paragraph, where a label lays out and paints the whole reply on every update
-    (7-16 ms per redraw at a few thousand characters; the engine's cores pay for it). Its height follows
-    the document, a few lines at a time; the transcript scrolls, not this view."""
+    (README: the seam). Its height follows the document, a few lines at a time; the transcript
+    scrolls, not this view."""
 
     def __init__(self):
         super().__init__()
@@ -87,16 +91,12 @@ class StreamView(QTextEdit):
         if text.startswith(self.shown) and self.shown:
             cursor = QTextCursor(self.document())
             cursor.movePosition(QTextCursor.End)
-            cursor.insertText(text[len(self.shown):])
+            cursor.insertText(text[len(self.shown) :])
         else:
             self.setPlainText(text)
         self.shown = text
 
-    # The view grows GROW_LINES lines at a time, a little room below the text: each growth moves the
-    # transcript (it follows the bottom), and Qt repaints all that is visible; growing a line at a
-    # time was half of a redraw's cost (3.0 -> 1.6 ms per redraw at 4 lines, measured offscreen with
-    # a 512-word prompt above the reply).
-    GROW_LINES = 4
+    GROW_LINES = 4  # lines the view grows by at a time: each growth scrolls and repaints the transcript
 
     def _fit(self, *_) -> None:
         step = self.fontMetrics().lineSpacing() * self.GROW_LINES
@@ -196,9 +196,11 @@ class MessageView(QFrame):
         if self.highlight is not None:
             a, b = self.highlight
             self.body.setTextFormat(Qt.RichText)
-            self.body.setText(html.escape(text[:a]).replace("\n", "<br>")
-                              + f"<span style='background:#f0c05a;color:#111'>{html.escape(text[a:b]) or '&#8203;'}</span>"
-                              + html.escape(text[b:]).replace("\n", "<br>"))
+            self.body.setText(
+                html.escape(text[:a]).replace("\n", "<br>")
+                + f"<span style='background:#f0c05a;color:#111'>{html.escape(text[a:b]) or '&#8203;'}</span>"
+                + html.escape(text[b:]).replace("\n", "<br>")
+            )
         elif status == "streaming":  # plain text appended while it grows; Markdown once the reply is done
             if self.stream is None:
                 self.stream = StreamView()
@@ -221,8 +223,11 @@ class MessageView(QFrame):
     def can_show(self, message, branch_index: int, branch_count: int) -> bool:
         """Whether this view can show `message` at that branch position by updating its text alone (no
         highlight, no open editor): a redraw of the transcript keeps such views instead of rebuilding them."""
-        return (self.message.id, self.branch) == (message.id, (branch_index, branch_count)) \
-            and self.highlight is None and not self.editor.isVisible()
+        return (
+            (self.message.id, self.branch) == (message.id, (branch_index, branch_count))
+            and self.highlight is None
+            and not self.editor.isVisible()
+        )
 
     def show_message(self, message) -> None:
         """The stored state of the message this view shows (its text, status and token count)."""
@@ -266,9 +271,11 @@ class Transcript(QScrollArea):
         self.inner.setObjectName("transcriptInner")
         self.lay = QVBoxLayout(self.inner)
         self.lay.setSpacing(8)
-        self.hint = QLabel("Ask the demo model to plan a trip, for example:<br><i>I am planning a trip to Chengdu "
-                           "for 3 nights. My budget is 600 yuan.</i><br><br>Then edit 600 to 750 and watch the "
-                           "panel: where the cache is cut, what is kept, what is recomputed.")
+        self.hint = QLabel(
+            "Ask the demo model to plan a trip, for example:<br><i>I am planning a trip to Chengdu "
+            "for 3 nights. My budget is 600 yuan.</i><br><br>Then edit 600 to 750 and watch the "
+            "panel: where the cache is cut, what is kept, what is recomputed."
+        )
         self.hint.setObjectName("transcriptHint")
         self.hint.setAlignment(Qt.AlignCenter)
         self.hint.setWordWrap(True)

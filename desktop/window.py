@@ -51,6 +51,7 @@ PANEL_EVERY_S = 0.5  # the panel's figures twice a second while a reply streams 
 
 class Composer(QPlainTextEdit):
     """Enter sends; Shift+Enter is a new line."""
+
     submitted = Signal()
 
     def keyPressEvent(self, e):
@@ -174,8 +175,11 @@ class MainWindow(QMainWindow):
         self.loadProgress.setVisible(False)
         self.statusBar().addPermanentWidget(self.loadProgress)
         menu = self.menuBar().addMenu("&kvchat")
-        for text, slot, key in (("Settings…", self.open_settings_dialog, "Ctrl+,"),
-                                ("About", self.show_about, None), ("Quit", self.close, "Ctrl+Q")):
+        for text, slot, key in (
+            ("Settings…", self.open_settings_dialog, "Ctrl+,"),
+            ("About", self.show_about, None),
+            ("Quit", self.close, "Ctrl+Q"),
+        ):
             act = QAction(text, self)
             act.triggered.connect(slot)
             if key:
@@ -190,8 +194,10 @@ class MainWindow(QMainWindow):
             self.show_error(str(e))
             return Store(":memory:")  # usable, but nothing is saved until the database is free again
         if store.moved_aside is not None:
-            self.show_error(f"The conversation database could not be read, so it was moved aside to "
-                            f"{store.moved_aside} (nothing was overwritten) and a new one was started.")
+            self.show_error(
+                f"The conversation database could not be read, so it was moved aside to "
+                f"{store.moved_aside} (nothing was overwritten) and a new one was started."
+            )
         return store
 
     def _show_first_conversation(self) -> None:
@@ -339,9 +345,12 @@ class MainWindow(QMainWindow):
             self.load_model()
 
     def show_about(self) -> None:
-        QMessageBox.about(self, "About kvchat",
-                          f"<b>kvchat</b> — a local chat that shows inference as it happens.<br><br>"
-                          f"Conversations: {self.db_path}<br>Settings: {self.data_directory / 'settings.ini'}")
+        QMessageBox.about(
+            self,
+            "About kvchat",
+            f"<b>kvchat</b> — a local chat that shows inference as it happens.<br><br>"
+            f"Conversations: {self.db_path}<br>Settings: {self.data_directory / 'settings.ini'}",
+        )
 
     def show_error(self, text: str) -> None:
         self.banner.setText(text)
@@ -398,6 +407,7 @@ class MainWindow(QMainWindow):
 
     def _on_compared(self, rid: int, result: dict) -> None:
         from .compare import CompareDialog
+
         self.statusBar().clearMessage()
         self.last_comparison = result
         self.compareDialog = CompareDialog(result, self)

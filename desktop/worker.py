@@ -29,6 +29,7 @@ BATCH_SECONDS = 0.1  # tokens are sent to the GUI thread at most this often
 @dataclasses.dataclass(frozen=True)
 class EventBatch:
     """Engine events of one request, in order, as they cross to the GUI thread."""
+
     rid: int
     events: tuple
 
@@ -88,6 +89,7 @@ class EngineWorker(QObject):
         import torch
 
         from engine.loader import default_threads
+
         torch.set_num_threads(default_threads())  # per thread under OpenMP: set here, where the kernels run
         while True:
             job = self._jobs.get()
@@ -110,6 +112,7 @@ class EngineWorker(QObject):
 
     def _load(self, spec: LoadSpec) -> None:
         from engine.session import Session
+
         self.modelLoading.emit(spec.describe())
         try:
             loaded = spec.load()
@@ -128,6 +131,7 @@ class EngineWorker(QObject):
     def _compare(self, job: CompareJob) -> None:
         """Rerun the prompt at the other precision: full if this one is quantized, else int8 weights and KV."""
         from engine.compare import compare
+
         quantized = self.loaded.quantization != "none" or self.session.kv != "none"
         try:
             if self._other is None:
@@ -137,8 +141,9 @@ class EngineWorker(QObject):
             kv = self.session.kv if quantized else "int8"
             result = compare(full, quant, kv, [job.messages], job.max_new_tokens)
             p = result["per_prompt"][0] if result["per_prompt"] else {}
-            self.compared.emit(job.rid, {**p, "weights": quant.quantization, "kv": kv,
-                                         "current_is_quantized": quantized})
+            self.compared.emit(
+                job.rid, {**p, "weights": quant.quantization, "kv": kv, "current_is_quantized": quantized}
+            )
         except (EngineError, RuntimeError, MemoryError, ValueError) as e:
             self.compared.emit(job.rid, {"error": str(e)})
 

@@ -9,10 +9,13 @@ import sys
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     from .tools import TOOLS
+
     if argv and argv[0] in TOOLS:
         from .tools import run_tool
+
         return run_tool(argv[0], argv[1:])
     from .cli import main as cli_main
+
     return cli_main(argv)
 
 

@@ -14,9 +14,20 @@ from .sampling import SamplingParams
 from .session import Request
 from .spec import LoadSpec
 
-TRACE_FIELDS = ("ttft_ms", "tpot_ms", "tokens", "decode_tok_s", "prefill_ms", "prefill_tok_s", "e2e_ms",
-                "mean_ms_per_token_incl_wait", "ttft_queue_ms", "ttft_tokenize_ms", "ttft_prefill_ms",
-                "ttft_first_token_ms")
+TRACE_FIELDS = (
+    "ttft_ms",
+    "tpot_ms",
+    "tokens",
+    "decode_tok_s",
+    "prefill_ms",
+    "prefill_tok_s",
+    "e2e_ms",
+    "mean_ms_per_token_incl_wait",
+    "ttft_queue_ms",
+    "ttft_tokenize_ms",
+    "ttft_prefill_ms",
+    "ttft_first_token_ms",
+)
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -31,10 +42,14 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 def _sampling(ns, overrides: dict | None = None) -> SamplingParams:
     o = overrides or {}
-    return SamplingParams(temperature=o.get("temperature", ns.temperature), top_k=o.get("top_k", ns.top_k),
-                          top_p=o.get("top_p", ns.top_p), min_p=o.get("min_p", ns.min_p),
-                          repetition_penalty=o.get("repetition_penalty", ns.repetition_penalty),
-                          seed=o.get("seed", ns.seed))
+    return SamplingParams(
+        temperature=o.get("temperature", ns.temperature),
+        top_k=o.get("top_k", ns.top_k),
+        top_p=o.get("top_p", ns.top_p),
+        min_p=o.get("min_p", ns.min_p),
+        repetition_penalty=o.get("repetition_penalty", ns.repetition_penalty),
+        seed=o.get("seed", ns.seed),
+    )
 
 
 def _open(ns):
@@ -54,8 +69,14 @@ def run_request(session, req, stream_to=None) -> dict:
         elif isinstance(ev, Finished):
             if stream_to is not None:
                 stream_to.write(ev.tail + "\n")
-            result.update(text=ev.text, token_ids=list(ev.token_ids), stop_reason=ev.reason,
-                          trace={k: ev.trace[k] for k in TRACE_FIELDS}, reuse=ev.reuse.to_dict(), cache=ev.cache)
+            result.update(
+                text=ev.text,
+                token_ids=list(ev.token_ids),
+                stop_reason=ev.reason,
+                trace={k: ev.trace[k] for k in TRACE_FIELDS},
+                reuse=ev.reuse.to_dict(),
+                cache=ev.cache,
+            )
         elif isinstance(ev, Failed):
             result.update(error=ev.error, error_kind=ev.kind, stop_reason=None, trace=ev.trace, cache=ev.cache)
     return result
@@ -85,16 +106,20 @@ def cmd_generate(ns) -> int:
     if ns.raw:
         req = Request(prompt=ns.prompt, sampling=_sampling(ns), max_new_tokens=ns.max_new_tokens)
     else:
-        req = Request(messages=_messages(ns.system, ns.prompt), sampling=_sampling(ns),
-                      max_new_tokens=ns.max_new_tokens)
+        req = Request(
+            messages=_messages(ns.system, ns.prompt), sampling=_sampling(ns), max_new_tokens=ns.max_new_tokens
+        )
     result = run_request(session, req, stream_to=None if ns.json else sys.stdout)
     if ns.json:
         print(json.dumps(result, ensure_ascii=False))
     elif "error" not in result:
         t = result["trace"]
         tpot = "—" if t["tpot_ms"] is None else f"{t['tpot_ms']:.1f} ms"
-        print(f"[{result['stop_reason']}] {t['tokens']} tokens · TTFT {t['ttft_ms']:.1f} ms · TPOT {tpot} · "
-              f"cache {result['cache']['positions']}/{result['cache']['capacity']}", file=sys.stderr)
+        print(
+            f"[{result['stop_reason']}] {t['tokens']} tokens · TTFT {t['ttft_ms']:.1f} ms · TPOT {tpot} · "
+            f"cache {result['cache']['positions']}/{result['cache']['capacity']}",
+            file=sys.stderr,
+        )
     if "error" in result:
         print(f"error: {result['error']}", file=sys.stderr)
         return 1
@@ -114,8 +139,9 @@ def cmd_replay(ns) -> int:
     loaded, session = _open(ns)
     failed = 0
     for i, step in enumerate(steps):
-        overrides = {k: step[k] for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
-                     if k in step}
+        overrides = {
+            k: step[k] for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed") if k in step
+        }
         common = dict(sampling=_sampling(ns, overrides), max_new_tokens=step.get("max_new_tokens", ns.max_new_tokens))
         if "messages" in step:
             req = Request(messages=step["messages"], **common)
@@ -130,8 +156,10 @@ def cmd_replay(ns) -> int:
             print(json.dumps(result, ensure_ascii=False))
         else:
             r = result.get("reuse") or {}
-            print(f"step {i}: reused {r.get('reused')} computed {r.get('computed')} invalidated "
-                  f"{r.get('invalidated')} first invalidated {r.get('first_invalidated_position')}")
+            print(
+                f"step {i}: reused {r.get('reused')} computed {r.get('computed')} invalidated "
+                f"{r.get('invalidated')} first invalidated {r.get('first_invalidated_position')}"
+            )
             print(result.get("text") or f"error: {result.get('error')}")
     return 1 if failed else 0
 
@@ -155,9 +183,14 @@ def cmd_chat(ns) -> int:
             return
         msgs.append({"role": "assistant", "content": last["text"]})
         r = last["reuse"]
-        print(f"  · reused {r['reused']}, computed {r['computed']}, invalidated {r['invalidated']}"
-              + (f" from position {r['first_invalidated_position']}" if r["first_invalidated_position"] is not None
-                 else ""))
+        print(
+            f"  · reused {r['reused']}, computed {r['computed']}, invalidated {r['invalidated']}"
+            + (
+                f" from position {r['first_invalidated_position']}"
+                if r["first_invalidated_position"] is not None
+                else ""
+            )
+        )
 
     while True:
         try:
@@ -187,7 +220,7 @@ def cmd_chat(ns) -> int:
                 if not 1 <= n <= len(users):
                     print(f"(there are {len(users)} user messages)")
                     continue
-                del msgs[users[n - 1]:]
+                del msgs[users[n - 1] :]
                 msgs.append({"role": "user", "content": rest[1]})
                 reply()
             else:
@@ -198,8 +231,11 @@ def cmd_chat(ns) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m engine", description="kvchat's inference engine",
-                                 epilog="tools: python -m engine bench|quality|selftest --help")
+    ap = argparse.ArgumentParser(
+        prog="python -m engine",
+        description="kvchat's inference engine",
+        epilog="tools: python -m engine bench|quality|selftest --help",
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("info", help="model facts: architecture, parameters, KV bytes per position")
     LoadSpec.add_arguments(p)
@@ -229,6 +265,7 @@ COMMANDS = {"info": cmd_info, "generate": cmd_generate, "replay": cmd_replay, "c
 def main(argv=None) -> int:
     ns = parser().parse_args(sys.argv[1:] if argv is None else argv)
     import torch
+
     torch.set_num_threads(default_threads())
     try:
         return COMMANDS[ns.cmd](ns)

@@ -52,16 +52,19 @@ def compare(full, quant, kv: str, prompts, new_tokens: int = 48, near_tie: float
         got, tq = _greedy(quant, kv, ids, new_tokens)
         speed_full += [tf] if tf else []
         speed_quant += [tq] if tq else []
-        diverge = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b),
-                       None if len(ref) == len(got) else min(len(ref), len(got)))
+        diverge = next(
+            (i for i, (a, b) in enumerate(zip(ref, got)) if a != b),
+            None if len(ref) == len(got) else min(len(ref), len(got)),
+        )
         if not ref:
             continue
         seq = ids + ref
-        lf = logits(full, "none", seq)[len(ids) - 1:len(seq) - 1]  # [n, V]: predicting each reply token
-        lq = logits(quant, kv, seq)[len(ids) - 1:len(seq) - 1]
+        lf = logits(full, "none", seq)[len(ids) - 1 : len(seq) - 1]  # [n, V]: predicting each reply token
+        lq = logits(quant, kv, seq)[len(ids) - 1 : len(seq) - 1]
         top_f, top_q = lf.argmax(-1), lq.argmax(-1)
-        kl = torch.nn.functional.kl_div(lq.log_softmax(-1), lf.log_softmax(-1), log_target=True,
-                                        reduction="none").sum(-1)  # KL(full || quant) per position
+        kl = torch.nn.functional.kl_div(lq.log_softmax(-1), lf.log_softmax(-1), log_target=True, reduction="none").sum(
+            -1
+        )  # KL(full || quant) per position
         two = lf.topk(2, dim=-1).values
         close = (two[:, 0] - two[:, 1]) < near_tie
         n_flip = int((close & (top_f != top_q)).sum())
@@ -69,18 +72,30 @@ def compare(full, quant, kv: str, prompts, new_tokens: int = 48, near_tie: float
         positions += len(ref)
         kls += kl.tolist()
         flips += n_flip
-        per_prompt.append({"prompt_tokens": len(ids), "reply_tokens": len(ref), "first_divergence": diverge,
-                           "top1_agreement": round(float((top_f == top_q).float().mean()), 4),
-                           "mean_kl": round(float(kl.mean()), 6), "near_tie_flips": n_flip,
-                           "full_reply": full.tokenizer.decode(ref), "quant_reply": quant.tokenizer.decode(got),
-                           "full_tokens": [full.tokenizer.token_text(t) for t in ref],
-                           "quant_tokens": [quant.tokenizer.token_text(t) for t in got],
-                           "agree_per_token": (top_f == top_q).tolist(),
-                           "kl_per_token": [round(v, 6) for v in kl.tolist()]})
-    return {"positions": positions, "top1_agreement": round(agree / max(positions, 1), 4),
-            "mean_kl": round(sum(kls) / max(len(kls), 1), 6), "near_tie_flips": flips,
-            "near_tie_threshold": near_tie,
-            "prompts_diverged": sum(p["first_divergence"] is not None for p in per_prompt),
-            "decode_tok_s_full": round(sum(speed_full) / len(speed_full), 2) if speed_full else None,
-            "decode_tok_s_quant": round(sum(speed_quant) / len(speed_quant), 2) if speed_quant else None,
-            "per_prompt": per_prompt}
+        per_prompt.append(
+            {
+                "prompt_tokens": len(ids),
+                "reply_tokens": len(ref),
+                "first_divergence": diverge,
+                "top1_agreement": round(float((top_f == top_q).float().mean()), 4),
+                "mean_kl": round(float(kl.mean()), 6),
+                "near_tie_flips": n_flip,
+                "full_reply": full.tokenizer.decode(ref),
+                "quant_reply": quant.tokenizer.decode(got),
+                "full_tokens": [full.tokenizer.token_text(t) for t in ref],
+                "quant_tokens": [quant.tokenizer.token_text(t) for t in got],
+                "agree_per_token": (top_f == top_q).tolist(),
+                "kl_per_token": [round(v, 6) for v in kl.tolist()],
+            }
+        )
+    return {
+        "positions": positions,
+        "top1_agreement": round(agree / max(positions, 1), 4),
+        "mean_kl": round(sum(kls) / max(len(kls), 1), 6),
+        "near_tie_flips": flips,
+        "near_tie_threshold": near_tie,
+        "prompts_diverged": sum(p["first_divergence"] is not None for p in per_prompt),
+        "decode_tok_s_full": round(sum(speed_full) / len(speed_full), 2) if speed_full else None,
+        "decode_tok_s_quant": round(sum(speed_quant) / len(speed_quant), 2) if speed_quant else None,
+        "per_prompt": per_prompt,
+    }

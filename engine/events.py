@@ -13,6 +13,7 @@ class ReuseReport:
     invalidated: cached positions thrown away; first_invalidated_position: where the cache was cut
     (None when nothing was thrown away), with the cached and the new token there.
     """
+
     reused: int
     computed: int
     invalidated: int

@@ -21,13 +21,26 @@ class KVCache:
 
     quantized = False  # K/V held in the model dtype, as the attention kernels read them
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype, device, batch: int = 1):
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        dtype: torch.dtype,
+        device,
+        batch: int = 1,
+    ):
         shape = (num_layers, batch, num_kv_heads, capacity, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, H_kv, C, d]
         self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, H_kv, C, d]
         self.num_layers, self.batch, self.num_kv_heads, self.capacity, self.head_dim = (
-            num_layers, batch, num_kv_heads, capacity, head_dim)
+            num_layers,
+            batch,
+            num_kv_heads,
+            capacity,
+            head_dim,
+        )
         self.length = 0
 
     @property
@@ -44,8 +57,9 @@ class KVCache:
 
     @property
     def payload_bytes(self) -> int:
-        return payload_bytes(self.num_layers, self.length * self.batch, self.num_kv_heads, self.head_dim,
-                             self.bytes_per_value)
+        return payload_bytes(
+            self.num_layers, self.length * self.batch, self.num_kv_heads, self.head_dim, self.bytes_per_value
+        )
 
     @property
     def allocated_bytes(self) -> int:
@@ -77,8 +91,12 @@ class KVCache:
         return self.k[layer], self.v[layer]
 
     def stats(self) -> dict:
-        return {"positions": self.length, "capacity": self.capacity,
-                "payload_bytes": self.payload_bytes, "allocated_bytes": self.allocated_bytes}
+        return {
+            "positions": self.length,
+            "capacity": self.capacity,
+            "payload_bytes": self.payload_bytes,
+            "allocated_bytes": self.allocated_bytes,
+        }
 
 
 class QuantKVCache(KVCache):
@@ -90,12 +108,26 @@ class QuantKVCache(KVCache):
 
     quantized = True
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype, device, mode: str, batch: int = 1):
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        dtype: torch.dtype,
+        device,
+        mode: str,
+        batch: int = 1,
+    ):
         check_mode(mode)
         self.mode, self.dtype = mode, dtype
         self.num_layers, self.batch, self.num_kv_heads, self.capacity, self.head_dim = (
-            num_layers, batch, num_kv_heads, capacity, head_dim)
+            num_layers,
+            batch,
+            num_kv_heads,
+            capacity,
+            head_dim,
+        )
         width = head_dim // 2 if mode == "int4" else head_dim
         code_dtype = torch.uint8 if mode == "int4" else torch.int8
         shape = (num_layers, batch, num_kv_heads, capacity, width)

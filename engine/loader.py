@@ -103,7 +103,9 @@ def _weight_files(model_dir: Path) -> dict[str, Path]:
     if pickles:
         raise ModelLoadError(
             f"only pickle weights found ({', '.join(pickles)}); kvchat never unpickles model files "
-            "(they can run code). Convert them to model.safetensors first", model_dir)
+            "(they can run code). Convert them to model.safetensors first",
+            model_dir,
+        )
     raise ModelLoadError("missing model.safetensors (or model.safetensors.index.json)", model_dir)
 
 
@@ -138,14 +140,27 @@ def _expected(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         out["lm_head.weight"] = (cfg.vocab_size, D)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        out.update({p + "self_attn.q_proj.weight": (qd, D), p + "self_attn.k_proj.weight": (kvd, D),
-                    p + "self_attn.v_proj.weight": (kvd, D), p + "self_attn.o_proj.weight": (D, qd),
-                    p + "mlp.gate_proj.weight": (F, D), p + "mlp.up_proj.weight": (F, D),
-                    p + "mlp.down_proj.weight": (D, F), p + "input_layernorm.weight": (D,),
-                    p + "post_attention_layernorm.weight": (D,)})
+        out.update(
+            {
+                p + "self_attn.q_proj.weight": (qd, D),
+                p + "self_attn.k_proj.weight": (kvd, D),
+                p + "self_attn.v_proj.weight": (kvd, D),
+                p + "self_attn.o_proj.weight": (D, qd),
+                p + "mlp.gate_proj.weight": (F, D),
+                p + "mlp.up_proj.weight": (F, D),
+                p + "mlp.down_proj.weight": (D, F),
+                p + "input_layernorm.weight": (D,),
+                p + "post_attention_layernorm.weight": (D,),
+            }
+        )
         if cfg.qkv_bias:
-            out.update({p + "self_attn.q_proj.bias": (qd,), p + "self_attn.k_proj.bias": (kvd,),
-                        p + "self_attn.v_proj.bias": (kvd,)})
+            out.update(
+                {
+                    p + "self_attn.q_proj.bias": (qd,),
+                    p + "self_attn.k_proj.bias": (kvd,),
+                    p + "self_attn.v_proj.bias": (kvd,),
+                }
+            )
         if cfg.o_bias:
             out[p + "self_attn.o_proj.bias"] = (D,)
         if cfg.qk_norm:
@@ -186,8 +201,9 @@ class _Reader:
 
     def _check(self, path: Path, name: str, shape) -> None:
         if tuple(shape) != self.expected[name]:
-            raise ModelLoadError(f"tensor {name!r} has shape {tuple(shape)}, "
-                                 f"config.json implies {self.expected[name]}", path)
+            raise ModelLoadError(
+                f"tensor {name!r} has shape {tuple(shape)}, config.json implies {self.expected[name]}", path
+            )
 
     LARGE = 4 * 2**20  # values (16 MiB in float32): embeddings, output heads, the largest projections
 
@@ -200,17 +216,19 @@ class _Reader:
         dtype/device) a few thousand rows at a time, never a whole second copy in memory. With `f`,
         through that open file; without, each chunk through a fresh mapping of the file, so the pages
         read stay mapped (and counted in the process's memory) only while their chunk is copied: one
-        mapping for the whole 545 MB float32 embedding of Qwen2.5-0.5B held it twice, the peak of a
-        quantized load."""
+        mapping for a whole large embedding would hold it twice."""
         shape = self.expected[name]
         stop = first + dst.shape[0]
-        spans = [(0, shape[0])] if len(shape) <= 1 else \
-            [(a, min(stop, a + self.ROWS_PER_CHUNK)) for a in range(first, stop, self.ROWS_PER_CHUNK)]
+        spans = (
+            [(0, shape[0])]
+            if len(shape) <= 1
+            else [(a, min(stop, a + self.ROWS_PER_CHUNK)) for a in range(first, stop, self.ROWS_PER_CHUNK)]
+        )
         for a, b in spans:
             with contextlib.nullcontext(f) if f is not None else self._opened(path) as g:
                 sl = g.get_slice(name)
                 self._check(path, name, sl.get_shape())
-                dst[a - first:b - first].copy_(sl[a:b])
+                dst[a - first : b - first].copy_(sl[a:b])
 
     def read(self, names: list[str], dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
         """name -> tensor in `dtype` on `device`; each file opened once for its small tensors, large ones
@@ -238,7 +256,7 @@ class _Reader:
         for path, group in self._by_file(names).items():
             with self._opened(path) as f:
                 for name in group:
-                    self._copy_into(path, name, dst[offset[name]:offset[name] + rows[name]], f)
+                    self._copy_into(path, name, dst[offset[name] : offset[name] + rows[name]], f)
         return dst
 
     def rows(self, names: list[str], dtype: torch.dtype, device: torch.device) -> _Rows:
@@ -265,6 +283,7 @@ class _Rows:
     at a time (at most ROWS_PER_CHUNK rows and LARGE values), each chunk in `dtype` on `device` through
     _Reader._copy_into: engine.quant.QuantLinear quantizes them chunk by chunk, so their float copy
     never exists whole."""
+
     reader: _Reader
     names: list[str]
     dtype: torch.dtype
@@ -284,8 +303,9 @@ class _Rows:
             path, rows = r.files[name], r.expected[name][0]
             with contextlib.nullcontext() if r._large(name) else r._opened(path) as f:
                 for a in range(0, rows, step):
-                    chunk = torch.empty((min(rows, a + step) - a, *self.shape[1:]), dtype=self.dtype,
-                                        device=self.device)
+                    chunk = torch.empty(
+                        (min(rows, a + step) - a, *self.shape[1:]), dtype=self.dtype, device=self.device
+                    )
                     r._copy_into(path, name, chunk, f, first=a)
                     yield offset + a, chunk
             offset += rows
@@ -293,8 +313,8 @@ class _Rows:
 
 class _ReturnFreedMemory:
     """While loading, glibc is told to serve large blocks with mmap, so the per-block temporaries go
-    back to the system when freed instead of fragmenting the heap (they otherwise add ~25% to the
-    peak); afterwards the threshold is set to where glibc's own adjustment would have taken it
+    back to the system when freed instead of fragmenting the heap and raising the peak; afterwards
+    the threshold is set to where glibc's own adjustment would have taken it
     and the heap is trimmed. A no-op where the C library is not glibc."""
 
     M_MMAP_THRESHOLD = -3
@@ -302,6 +322,7 @@ class _ReturnFreedMemory:
     def __enter__(self):
         try:
             import ctypes
+
             self.libc = ctypes.CDLL("libc.so.6")
             self.libc.mallopt(self.M_MMAP_THRESHOLD, 1 << 20)
         except (OSError, AttributeError):
@@ -323,11 +344,14 @@ def _block_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
     (several: stacked along rows, as q/k/v and gate/up are fused)."""
     p = f"model.layers.{i}."
     a = p + "self_attn."
-    out = {"attn.qkv.weight": [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
-           "attn.o.weight": [a + "o_proj.weight"],
-           "mlp.gate_up.weight": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
-           "mlp.down.weight": [p + "mlp.down_proj.weight"],
-           "attn_norm.weight": [p + "input_layernorm.weight"], "mlp_norm.weight": [p + "post_attention_layernorm.weight"]}
+    out = {
+        "attn.qkv.weight": [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
+        "attn.o.weight": [a + "o_proj.weight"],
+        "mlp.gate_up.weight": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+        "mlp.down.weight": [p + "mlp.down_proj.weight"],
+        "attn_norm.weight": [p + "input_layernorm.weight"],
+        "mlp_norm.weight": [p + "post_attention_layernorm.weight"],
+    }
     if cfg.qkv_bias:
         out["attn.qkv.bias"] = [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]
     if cfg.o_bias:
@@ -346,8 +370,9 @@ def _block_state(reader: _Reader, sources: dict[str, list[str]], dtype, device) 
     return out
 
 
-def _load_block(reader: _Reader, cfg: ModelConfig, i: int, block: nn.Module, dtype, device, weights: str,
-                group_size: int) -> None:
+def _load_block(
+    reader: _Reader, cfg: ModelConfig, i: int, block: nn.Module, dtype, device, weights: str, group_size: int
+) -> None:
     """Block i's weights into `block` (on the meta device until now). Quantized, each linear is built
     from its rows a chunk at a time, so no float copy of the block exists."""
     sources = _block_sources(cfg, i)
@@ -359,13 +384,23 @@ def _load_block(reader: _Reader, cfg: ModelConfig, i: int, block: nn.Module, dty
     for path in LINEARS:
         parent, name = path.split(".")
         rows = reader.rows(sources[path + ".weight"], dtype, device)
-        setattr(getattr(block, parent), name, QuantLinear(rows, state.pop(path + ".bias", None), weights,
-                                                          group_for(rows.shape[1], group_size)))
+        setattr(
+            getattr(block, parent),
+            name,
+            QuantLinear(rows, state.pop(path + ".bias", None), weights, group_for(rows.shape[1], group_size)),
+        )
     block.load_state_dict(state, strict=False, assign=True)
 
 
-def _build_model(files: dict[str, Path], cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 weights: str, group_size: int, kern) -> Transformer:
+def _build_model(
+    files: dict[str, Path],
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    weights: str,
+    group_size: int,
+    kern,
+) -> Transformer:
     """The model, streamed block by block from the files into its final form: each block is read,
     fused, cast, put on the device and given its layout before the next one is read, so the peak is
     the final weights plus about one block; quantized weights, the embedding and head included, are
@@ -403,6 +438,7 @@ def _build_model(files: dict[str, Path], cfg: ModelConfig, dtype: torch.dtype, d
 @dataclasses.dataclass
 class LoadedModel:
     """A model ready to run: the module, its config and tokenizer, and what its K/V depend on."""
+
     path: Path
     config: ModelConfig
     model: Transformer
@@ -452,19 +488,37 @@ class LoadedModel:
     def facts(self, kv: str = "none") -> dict:
         """What the CLI's `info`, the panel and the benchmark show about the model, at KV precision `kv`."""
         c = self.config
-        return {"path": str(self.path), "name": self.name, "architecture": c.architecture,
-                "parameters": self.parameter_count, "dtype": dtype_name(self.dtype), "device": str(self.device),
-                "layers": c.num_layers, "heads": c.num_heads, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
-                "hidden_size": c.hidden_size, "vocab_size": c.vocab_size,
-                "max_position_embeddings": c.max_position_embeddings,
-                "bytes_per_value": torch.empty((), dtype=self.dtype).element_size(),
-                "weights": self.quantization, "head_weights": self.head_quantization, "weight_bytes": self.weight_bytes,
-                "decode_kernels": self.decode_kernels, "kv_cache": kv,
-                "kv_bytes_per_position": self.kv_bytes_per_position(kv)}
+        return {
+            "path": str(self.path),
+            "name": self.name,
+            "architecture": c.architecture,
+            "parameters": self.parameter_count,
+            "dtype": dtype_name(self.dtype),
+            "device": str(self.device),
+            "layers": c.num_layers,
+            "heads": c.num_heads,
+            "kv_heads": c.num_kv_heads,
+            "head_dim": c.head_dim,
+            "hidden_size": c.hidden_size,
+            "vocab_size": c.vocab_size,
+            "max_position_embeddings": c.max_position_embeddings,
+            "bytes_per_value": torch.empty((), dtype=self.dtype).element_size(),
+            "weights": self.quantization,
+            "head_weights": self.head_quantization,
+            "weight_bytes": self.weight_bytes,
+            "decode_kernels": self.decode_kernels,
+            "kv_cache": kv,
+            "kv_bytes_per_position": self.kv_bytes_per_position(kv),
+        }
 
 
-def load_model(model_dir=None, device: str | None = None, dtype: str | None = None,
-               weights: str = "none", group_size: int = DEFAULT_GROUP_SIZE) -> LoadedModel:
+def load_model(
+    model_dir=None,
+    device: str | None = None,
+    dtype: str | None = None,
+    weights: str = "none",
+    group_size: int = DEFAULT_GROUP_SIZE,
+) -> LoadedModel:
     """Load a model folder (the bundled demo model when None). `weights` = none | int8 | int4
     quantizes the block linears (quantize, then swap the module) with one scale per `group_size`
     inputs (0: one per output channel), and the embedding and output head in int8 with the same
@@ -482,8 +536,10 @@ def load_model(model_dir=None, device: str | None = None, dtype: str | None = No
     files = _weight_files(model_dir)
     tokenizer = Tokenizer.from_dir(model_dir, extra_stop_ids=cfg.eos_token_id)
     if tokenizer.vocab_size > cfg.vocab_size:
-        raise ModelLoadError(f"tokenizer has {tokenizer.vocab_size} tokens but the model only "
-                             f"{cfg.vocab_size} embeddings", model_dir / "tokenizer.json")
+        raise ModelLoadError(
+            f"tokenizer has {tokenizer.vocab_size} tokens but the model only {cfg.vocab_size} embeddings",
+            model_dir / "tokenizer.json",
+        )
     weights = weights or "none"
     quantization = "none"
     if weights != "none":
@@ -502,7 +558,7 @@ def load_model(model_dir=None, device: str | None = None, dtype: str | None = No
         "tokenizer": tokenizer.digest[:16],
         "rope": repr(cfg.rope),
         "attention": f"heads={cfg.num_heads} kv_heads={cfg.num_kv_heads} d={cfg.head_dim} "
-                     f"window={cfg.sliding_window} qk_norm={cfg.qk_norm}",
+        f"window={cfg.sliding_window} qk_norm={cfg.qk_norm}",
         "device": str(dev),
     }
     return LoadedModel(model_dir, cfg, model, tokenizer, dev, dt, fingerprint, kern)

@@ -123,20 +123,21 @@ class Attention(nn.Module):
         h, h_kv = self.h, self.h_kv
         qkv = self.qkv(x).view(B, T, h + 2 * h_kv, self.d)  # [B, T, H + 2H_kv, d]
         if self.q_norm is None:  # rotate q and k together: one pass over H + H_kv heads
-            qk = apply_rotary(qkv[:, :, :h + h_kv], cos, sin)
+            qk = apply_rotary(qkv[:, :, : h + h_kv], cos, sin)
             q, k = qk[:, :, :h], qk[:, :, h:]
         else:
             q = apply_rotary(self.q_norm(qkv[:, :, :h]), cos, sin)
-            k = apply_rotary(self.k_norm(qkv[:, :, h:h + h_kv]), cos, sin)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), qkv[:, :, h + h_kv:].transpose(1, 2)  # [B, heads, T, d]
+            k = apply_rotary(self.k_norm(qkv[:, :, h : h + h_kv]), cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), qkv[:, :, h + h_kv :].transpose(1, 2)  # [B, heads, T, d]
         if cache is not None and isinstance(start, torch.Tensor):  # static shapes (CUDA graphs)
             k, v = cache.write_at(layer, start, k, v)  # [B, H_kv, C, d], masked beyond the position
         elif cache is not None:
             k, v = cache.write(layer, start, k, v)  # [B, H_kv, S, d]
         if T > 1 and self.flash_prefill:  # native GQA: SDPA may pick its flash kernel
             causal = start == 0 and self.causal_only  # a fresh prompt: the plain causal mask, no tensor needed
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=None if causal else mask, is_causal=causal,
-                                               enable_gqa=self.g > 1)  # [B, H, T, d]
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=None if causal else mask, is_causal=causal, enable_gqa=self.g > 1
+            )  # [B, H, T, d]
             return self.o(y.transpose(1, 2).reshape(B, T, h * self.d))
         # Group the G query heads that share a KV head into rows: no copy of K/V per query head.
         q = q.reshape(B, h_kv, self.g * T, self.d)  # [B, H_kv, G·T, d]
@@ -206,8 +207,12 @@ class Transformer(nn.Module):
         """cos, sin [≥ length, d], built once per dtype/device and doubled when a longer context comes:
         sized by the context in use, not by max_position_embeddings."""
         w = self.norm.weight
-        if self._rope is None or self._rope[0].shape[0] < length or self._rope[0].dtype != w.dtype \
-                or self._rope[0].device != w.device:
+        if (
+            self._rope is None
+            or self._rope[0].shape[0] < length
+            or self._rope[0].dtype != w.dtype
+            or self._rope[0].device != w.device
+        ):
             n = max(self.rope_length, 1 << max(10, (length - 1).bit_length()))  # a power of two, ≥ 1024
             self._rope = cos_sin_table(self.cfg.rope, self.cfg.head_dim, n, w.dtype, w.device)
         return self._rope
@@ -220,7 +225,7 @@ class Transformer(nn.Module):
         if cache is not None and start + T > cache.capacity:
             raise ValueError(f"{start + T} positions exceed the cache capacity of {cache.capacity}")
         cos, sin = self.rope_tables(start + T)
-        cos, sin = cos[start:start + T, None], sin[start:start + T, None]  # [T, 1, d]
+        cos, sin = cos[start : start + T, None], sin[start : start + T, None]  # [T, 1, d]
         x = self.embed(ids)  # [B, T, D]
         if B * T == 1 and self.decode_step is not None and self.decode_step.usable(cache):
             x = x.reshape(-1)  # [D], a fresh row: the blocks update it in place

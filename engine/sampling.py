@@ -69,8 +69,12 @@ def filter_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
     return logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
 
 
-def choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
-           seen: torch.Tensor | None = None) -> int:
+def choose(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    seen: torch.Tensor | None = None,
+) -> int:
     """logits [V] -> one token id."""
     logits = logits.float()
     if seen is not None:

@@ -30,6 +30,7 @@ DEFAULT_CAPACITY = 4096  # KV positions when neither the person nor the model's 
 @dataclasses.dataclass(frozen=True)
 class Request:
     """One generation. `messages` (rendered with the chat template) or `prompt` (raw text)."""
+
     messages: tuple[dict, ...] | list[dict] | None = None
     prompt: str | None = None
     prompt_ids: tuple[int, ...] | None = None  # already tokenized (e.g. "continue this reply")
@@ -65,8 +66,9 @@ PREFILL_CHUNK = 256  # positions per prefill step: progress and Stop act between
 
 
 class Session:
-    def __init__(self, loaded: LoadedModel, capacity: int | None = None, prefill_chunk: int = PREFILL_CHUNK,
-                 kv: str = "none"):
+    def __init__(
+        self, loaded: LoadedModel, capacity: int | None = None, prefill_chunk: int = PREFILL_CHUNK, kv: str = "none"
+    ):
         self.prefill_chunk = prefill_chunk
         self.kv = kv  # KV cache precision: none (the model dtype) | int8 | int4
         self.capacity_setting = capacity
@@ -122,9 +124,15 @@ class Session:
     def facts(self) -> dict:
         """The model's facts with this session's cache: capacity, precision, bytes per position, stats."""
         c = self.cache
-        return {**self.loaded.facts(self.kv), "capacity": c.capacity, "kv_bytes_per_position": c.bytes_per_position,
-                "kv_allocated_bytes": c.allocated_bytes, "cache": self.cache_stats(),
-                "fingerprint": dict(self.loaded.fingerprint), "cache_dropped": self.pending_drop_reason}
+        return {
+            **self.loaded.facts(self.kv),
+            "capacity": c.capacity,
+            "kv_bytes_per_position": c.bytes_per_position,
+            "kv_allocated_bytes": c.allocated_bytes,
+            "cache": self.cache_stats(),
+            "fingerprint": dict(self.loaded.fingerprint),
+            "cache_dropped": self.pending_drop_reason,
+        }
 
     # --- tokenizing and planning ------------------------------------------------------
     def tokenize(self, req: Request) -> list[int]:
@@ -132,8 +140,11 @@ class Session:
         if req.prompt_ids is not None:
             return list(req.prompt_ids)
         if req.messages is not None:
-            return tok.apply_chat_template(list(req.messages), add_generation_prompt=req.add_generation_prompt,
-                                           continue_final_message=req.continue_final_message)
+            return tok.apply_chat_template(
+                list(req.messages),
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+            )
         if req.prompt is not None:
             return tok.encode(req.prompt, add_special_tokens=True)
         raise EngineError("a request needs messages or a prompt")
@@ -143,9 +154,15 @@ class Session:
         tok = self.loaded.tokenizer
         if self._dropped is not None:
             reason, old = self._dropped
-            return ReuseReport(0, len(prompt), len(old), 0,
-                               {"id": old[0], "text": tok.token_text(old[0])},
-                               {"id": prompt[0], "text": tok.token_text(prompt[0])}, reason)
+            return ReuseReport(
+                0,
+                len(prompt),
+                len(old),
+                0,
+                {"id": old[0], "text": tok.token_text(old[0])},
+                {"id": prompt[0], "text": tok.token_text(prompt[0])},
+                reason,
+            )
         cached = self.ids
         lcp = common_prefix(cached, prompt)
         reused = min(lcp, len(prompt) - 1)
@@ -156,22 +173,32 @@ class Session:
             reason = f"prompt differs from the cache at position {reused}"
         else:
             reason = f"position {reused} is the prompt's last: recomputed for the logits of token 1"
-        return ReuseReport(reused, len(prompt) - reused, invalidated, reused,
-                           {"id": cached[reused], "text": tok.token_text(cached[reused])},
-                           {"id": prompt[reused], "text": tok.token_text(prompt[reused])}, reason)
+        return ReuseReport(
+            reused,
+            len(prompt) - reused,
+            invalidated,
+            reused,
+            {"id": cached[reused], "text": tok.token_text(cached[reused])},
+            {"id": prompt[reused], "text": tok.token_text(prompt[reused])},
+            reason,
+        )
 
     def check_capacity(self, prompt_len: int, req: Request) -> None:
         if req.max_new_tokens < 1:
             raise EngineError("max_new_tokens must be at least 1")
         cap = self.cache.capacity
         if prompt_len > cap:
-            raise CapacityError(f"the prompt has {prompt_len} tokens but the KV cache holds only {cap} positions; "
-                                "shorten the conversation or raise the capacity")
+            raise CapacityError(
+                f"the prompt has {prompt_len} tokens but the KV cache holds only {cap} positions; "
+                "shorten the conversation or raise the capacity"
+            )
         need = prompt_len + req.max_new_tokens - 1  # the last output token is never consumed
         if need > cap and not req.stop_on_capacity:
-            raise CapacityError(f"the prompt has {prompt_len} tokens; with up to {req.max_new_tokens} new tokens "
-                                f"it needs {need} cache positions but the capacity is {cap}; lower max new "
-                                "tokens, shorten the conversation or raise the capacity")
+            raise CapacityError(
+                f"the prompt has {prompt_len} tokens; with up to {req.max_new_tokens} new tokens "
+                f"it needs {need} cache positions but the capacity is {cap}; lower max new "
+                "tokens, shorten the conversation or raise the capacity"
+            )
 
     # --- generation -------------------------------------------------------------------
     @torch.inference_mode()
@@ -203,12 +230,12 @@ class Session:
         # Prefill: cut the cache at the reuse point, compute the rest in chunks.
         trace.prefill_start = tracing.now()
         self.cache.truncate(reuse.reused)
-        del self.ids[reuse.reused:]
+        del self.ids[reuse.reused :]
         device = loaded.device
         logits = None
         pos = reuse.reused
         while pos < len(prompt):
-            chunk = prompt[pos:pos + self.prefill_chunk]
+            chunk = prompt[pos : pos + self.prefill_chunk]
             logits = model(torch.tensor([chunk], device=device), self.cache, last_only=True)  # [1, 1, V]
             self.ids.extend(chunk)
             pos += len(chunk)
@@ -278,7 +305,7 @@ class Session:
         tail = stream.finish()
         text = stream.text
         if reason == "stop_string":  # the reply ends before the stop string
-            text = text[:min(text.find(s) for s in stop_strings if s in text)]
+            text = text[: min(text.find(s) for s in stop_strings if s in text)]
         trace.end = tracing.now()
         trace.status = "cancelled" if reason == "cancelled" else "finished"
         yield Finished(reason, text, tuple(out), trace.summary(), self.cache_stats(), reuse, tail)

@@ -22,8 +22,9 @@ class LoadSpec:
     group_size: int = DEFAULT_GROUP_SIZE  # values per quantization scale; 0: one per output channel
 
     def load(self) -> LoadedModel:
-        return load_model(self.path, device=self.device, dtype=self.dtype, weights=self.weights,
-                          group_size=self.group_size)
+        return load_model(
+            self.path, device=self.device, dtype=self.dtype, weights=self.weights, group_size=self.group_size
+        )
 
     def open(self) -> tuple[LoadedModel, Session]:
         """The model and a session over it with this spec's cache."""
@@ -41,14 +42,26 @@ class LoadSpec:
         p.add_argument("--dtype", default=None, choices=list(DTYPES))
         p.add_argument("--device", default=None, help="cpu, cuda, mps (default: the best available)")
         p.add_argument("--weights", default="none", choices=PRECISIONS, help="weight precision")
-        p.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE,
-                       help="values per quantization scale (0: one per output channel)")
+        p.add_argument(
+            "--group-size",
+            type=int,
+            default=DEFAULT_GROUP_SIZE,
+            help="values per quantization scale (0: one per output channel)",
+        )
         if cache:
-            p.add_argument("--capacity", type=int, default=None,
-                           help="KV cache positions (default: min(context, 4096))")
+            p.add_argument(
+                "--capacity", type=int, default=None, help="KV cache positions (default: min(context, 4096))"
+            )
             p.add_argument("--kv", default="none", choices=PRECISIONS, help="KV cache precision")
 
     @classmethod
     def from_args(cls, ns: argparse.Namespace) -> LoadSpec:
-        return cls(path=ns.model, device=ns.device, dtype=ns.dtype, capacity=getattr(ns, "capacity", None),
-                   weights=ns.weights, kv=getattr(ns, "kv", "none"), group_size=ns.group_size)
+        return cls(
+            path=ns.model,
+            device=ns.device,
+            dtype=ns.dtype,
+            capacity=getattr(ns, "capacity", None),
+            weights=ns.weights,
+            kv=getattr(ns, "kv", "none"),
+            group_size=ns.group_size,
+        )

@@ -49,8 +49,9 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
 
 
 def compile_template(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -69,15 +70,15 @@ def _token_text(value) -> str | None:
 class Tokenizer:
     """A model folder's tokenizer: ids, text, chat template and stop tokens."""
 
-    def __init__(self, tok: HFTokenizer, special: dict[str, str], chat_template: str | None,
-                 stop_ids: set[int], digest: str = ""):
+    def __init__(
+        self, tok: HFTokenizer, special: dict[str, str], chat_template: str | None, stop_ids: set[int], digest: str = ""
+    ):
         self.tok = tok
         self.special = special  # bos_token/eos_token/... -> text
         self.chat_template_source = chat_template
         self._template = compile_template(chat_template) if chat_template else None
         self.stop_ids = frozenset(stop_ids)
-        self.digest = digest  # sha256 of the tokenizer files' contents, for the fingerprint (not the text:
-        # tokenizer.json is 1-7 MB that would stay resident for a hash)
+        self.digest = digest  # sha256 of the tokenizer files' contents, for the fingerprint (the text is not kept)
 
     @classmethod
     def from_dir(cls, model_dir: Path, extra_stop_ids=()) -> Tokenizer:
@@ -132,8 +133,9 @@ class Tokenizer:
         """One token as a person reads it (decoded, special tokens kept)."""
         return self.tok.decode([token_id], skip_special_tokens=False)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True,
-               continue_final_message: bool = False, **kwargs) -> str:
+    def render(
+        self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False, **kwargs
+    ) -> str:
         """The template's text. continue_final_message cuts it right after the last message's content,
         so generation extends that message (as transformers does)."""
         if continue_final_message:
@@ -142,22 +144,26 @@ class Tokenizer:
             cut = text.rfind(final.strip()) if final.strip() else -1
             if cut < 0:
                 raise TemplateError("cannot continue the last message: the template does not show it verbatim")
-            return text[:cut + len(final.strip())]
+            return text[: cut + len(final.strip())]
         if self._template is None:
             raise TemplateError("this model has no chat template; use a raw prompt")
         context = {**self.special, **kwargs}
         try:
-            return self._template.render(messages=[dict(m) for m in messages], tools=kwargs.get("tools"),
-                                         documents=kwargs.get("documents"),
-                                         add_generation_prompt=add_generation_prompt,
-                                         **{k: v for k, v in context.items() if k not in ("tools", "documents")})
+            return self._template.render(
+                messages=[dict(m) for m in messages],
+                tools=kwargs.get("tools"),
+                documents=kwargs.get("documents"),
+                add_generation_prompt=add_generation_prompt,
+                **{k: v for k, v in context.items() if k not in ("tools", "documents")},
+            )
         except jinja2.exceptions.SecurityError as e:
             raise TemplateError(f"chat template tried something the sandbox forbids: {e}") from None
         except jinja2.exceptions.TemplateError as e:
             raise TemplateError(f"chat template refused the conversation: {e}") from None
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            continue_final_message: bool = False, **kwargs) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False, **kwargs
+    ) -> list[int]:
         """Rendered text, encoded without adding special tokens (the template writes them)."""
         text = self.render(messages, add_generation_prompt, continue_final_message, **kwargs)
         return self.encode(text, add_special_tokens=False)
@@ -188,7 +194,7 @@ class TextStream:
     def finish(self) -> str:
         full = self.tokenizer.decode(self.ids)
         if full.startswith(self.text):
-            rest = full[len(self.text):]
+            rest = full[len(self.text) :]
         else:  # a decoder whose streamed pieces differ from the whole: trust the whole
             rest = ""
         self.text += rest

@@ -73,13 +73,17 @@ class RequestTrace:
     @property
     def ttft_parts_ms(self) -> dict[str, float | None]:
         """queue + template/tokenize + prefill + first token = TTFT."""
+
         def gap(a, b):
             return _ms(b - a) if a is not None and b is not None else None
+
         t1 = self.token_times[0] if self.token_times else None
-        return {"ttft_queue_ms": gap(self.arrival, self.started),
-                "ttft_tokenize_ms": gap(self.started, self.tokenized),
-                "ttft_prefill_ms": gap(self.tokenized, self.prefill_end),
-                "ttft_first_token_ms": gap(self.prefill_end, t1)}
+        return {
+            "ttft_queue_ms": gap(self.arrival, self.started),
+            "ttft_tokenize_ms": gap(self.started, self.tokenized),
+            "ttft_prefill_ms": gap(self.tokenized, self.prefill_end),
+            "ttft_first_token_ms": gap(self.prefill_end, t1),
+        }
 
     @property
     def gaps_ms(self) -> list[float]:
@@ -116,21 +120,34 @@ class RequestTrace:
         return None if not ms or not self.computed else round(self.computed / (ms / 1000.0), 3)
 
     def summary(self) -> dict:
-        return {"status": self.status, "ttft_ms": self.ttft_ms, **self.ttft_parts_ms, "tpot_ms": self.tpot_ms,
-                "tokens": self.tokens, "decode_tok_s": self.decode_tok_s, "prefill_ms": self.prefill_ms,
-                "prefill_tok_s": self.prefill_tok_s, "e2e_ms": self.e2e_ms,
-                "mean_ms_per_token_incl_wait": self.mean_ms_per_token_incl_wait,
-                "prompt_tokens": self.prompt_tokens, "reused": self.reused, "computed": self.computed,
-                "gaps_ms": self.gaps_ms, "error": self.error}
+        return {
+            "status": self.status,
+            "ttft_ms": self.ttft_ms,
+            **self.ttft_parts_ms,
+            "tpot_ms": self.tpot_ms,
+            "tokens": self.tokens,
+            "decode_tok_s": self.decode_tok_s,
+            "prefill_ms": self.prefill_ms,
+            "prefill_tok_s": self.prefill_tok_s,
+            "e2e_ms": self.e2e_ms,
+            "mean_ms_per_token_incl_wait": self.mean_ms_per_token_incl_wait,
+            "prompt_tokens": self.prompt_tokens,
+            "reused": self.reused,
+            "computed": self.computed,
+            "gaps_ms": self.gaps_ms,
+            "error": self.error,
+        }
 
 
 def summarize(traces: list[RequestTrace]) -> dict:
     """Over a session: every request counted, failed and cancelled ones included, never dropped."""
     ttfts = [t.ttft_ms for t in traces if t.ttft_ms is not None]
     tpots = [t.tpot_ms for t in traces if t.tpot_ms is not None]
-    return {"requests": len(traces),
-            "finished": sum(t.status == "finished" for t in traces),
-            "failed": sum(t.status == "failed" for t in traces),
-            "cancelled": sum(t.status == "cancelled" for t in traces),
-            "median_ttft_ms": statistics.median(ttfts) if ttfts else None,
-            "median_tpot_ms": statistics.median(tpots) if tpots else None}
+    return {
+        "requests": len(traces),
+        "finished": sum(t.status == "finished" for t in traces),
+        "failed": sum(t.status == "failed" for t in traces),
+        "cancelled": sum(t.status == "cancelled" for t in traces),
+        "median_ttft_ms": statistics.median(ttfts) if ttfts else None,
+        "median_tpot_ms": statistics.median(tpots) if tpots else None,
+    }

@@ -11,10 +11,25 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-SPECIAL_TOKENS = ["<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>",
-                  "<|eot_id|>", "<start_of_turn>", "<end_of_turn>", "<|user|>", "<|assistant|>", "<|system|>"]
-CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>'"
-          " + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+SPECIAL_TOKENS = [
+    "<s>",
+    "</s>",
+    "<unk>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|system|>",
+]
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>'"
+    " + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 TEXT = [
     "I am planning a trip to Chengdu. My budget is 600 yuan. Actually, make it 750 yuan.",
     "The quick brown fox jumps over the lazy dog. Hello world! How are you today?",
@@ -32,8 +47,12 @@ def tokenizer_json(vocab_size: int = 384) -> str:
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=SPECIAL_TOKENS,
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        )
         tok.train_from_iterator(TEXT, trainer)
         _TOKENIZER_CACHE[vocab_size] = tok.to_str()
     return _TOKENIZER_CACHE[vocab_size]
@@ -47,9 +66,18 @@ FAMILIES = {
 }
 
 
-def make_checkpoint(out: Path, family: str = "llama", *, seed: int = 0, tie: bool = False,
-                    config_style: str = "native", chat_template: str = CHATML, shards: bool = False,
-                    generation_eos=None, **overrides) -> Path:
+def make_checkpoint(
+    out: Path,
+    family: str = "llama",
+    *,
+    seed: int = 0,
+    tie: bool = False,
+    config_style: str = "native",
+    chat_template: str = CHATML,
+    shards: bool = False,
+    generation_eos=None,
+    **overrides,
+) -> Path:
     """Write a tiny random `family` checkpoint to `out` (transformers' save_pretrained) and return it.
 
     config_style "v4" rewrites config.json in the transformers 4.x form (rope_theta, rope_scaling).
@@ -62,9 +90,19 @@ def make_checkpoint(out: Path, family: str = "llama", *, seed: int = 0, tie: boo
     tok_str = tokenizer_json()
     (out / "tokenizer.json").write_text(tok_str)
     vocab = Tokenizer.from_str(tok_str).get_vocab_size()
-    kw = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=tie,
-              bos_token_id=0, eos_token_id=1, rms_norm_eps=1e-6)
+    kw = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie,
+        bos_token_id=0,
+        eos_token_id=1,
+        rms_norm_eps=1e-6,
+    )
     if family == "qwen3":
         kw["head_dim"] = 32  # Qwen3 sets head_dim apart from hidden / heads
     rope = overrides.pop("rope", None)  # e.g. {"rope_type": "llama3", "factor": 8.0, ...}
@@ -92,9 +130,17 @@ def make_checkpoint(out: Path, family: str = "llama", *, seed: int = 0, tie: boo
         params.pop("rope_type", None) if params.get("rope_type") == "default" else None
         raw["rope_scaling"] = params or None
         (out / "config.json").write_text(json.dumps(raw))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-        "chat_template": chat_template}))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "chat_template": chat_template,
+            }
+        )
+    )
     if generation_eos is not None:
         (out / "generation_config.json").write_text(json.dumps({"eos_token_id": generation_eos}))
     elif (out / "generation_config.json").exists():

@@ -41,13 +41,14 @@ def imports_of(source: str, name: str, is_package: bool, known: set[str]) -> set
                 base = node.module or ""
                 if node.level:
                     anchor = package.split(".")
-                    anchor = anchor[:len(anchor) - (node.level - 1)]
+                    anchor = anchor[: len(anchor) - (node.level - 1)]
                     base = ".".join(anchor + ([base] if base else []))
                 for a in node.names:
                     sub = f"{base}.{a.name}"
                     out.add(sub if sub in known else base)
         for child in ast.iter_child_nodes(node):
             visit(child, parents + [node])
+
     visit(tree, [])
     return out
 
@@ -56,9 +57,15 @@ def graph() -> dict[str, set[str]]:
     """Module -> the engine/desktop modules it imports."""
     files = {module_name(p): p for top in ("engine", "desktop") for p in (ROOT / top).rglob("*.py")}
     known = set(files)
-    return {name: {m for m in imports_of(p.read_text(), name, p.name == "__init__.py", known)
-                   if m.split(".")[0] in ("engine", "desktop")} | set()
-            for name, p in files.items()}
+    return {
+        name: {
+            m
+            for m in imports_of(p.read_text(), name, p.name == "__init__.py", known)
+            if m.split(".")[0] in ("engine", "desktop")
+        }
+        | set()
+        for name, p in files.items()
+    }
 
 
 def all_imports() -> dict[str, set[str]]:
@@ -113,8 +120,11 @@ def test_the_checker_sees_function_level_imports_and_cycles():
     src_a = "from . import b\n"
     src_b = "def f():\n    from .c import g\n    return g\n"
     src_c = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.b import x\ndef g():\n    import pkg.a\n"
-    g = {"pkg.a": imports_of(src_a, "pkg.a", False, known), "pkg.b": imports_of(src_b, "pkg.b", False, known),
-         "pkg.c": imports_of(src_c, "pkg.c", False, known)}
+    g = {
+        "pkg.a": imports_of(src_a, "pkg.a", False, known),
+        "pkg.b": imports_of(src_b, "pkg.b", False, known),
+        "pkg.c": imports_of(src_c, "pkg.c", False, known),
+    }
     assert g == {"pkg.a": {"pkg.b"}, "pkg.b": {"pkg.c"}, "pkg.c": {"typing", "pkg.a"}}
     assert cycles(g) == [["pkg.a", "pkg.b", "pkg.c"]]
     g["pkg.c"].discard("pkg.a")
@@ -126,8 +136,13 @@ def test_no_import_cycles_among_engine_and_desktop_modules():
 
 
 def test_engine_sources_import_no_qt_or_desktop():
-    bad = [f"{m}: {i}" for m, imps in all_imports().items() if m.startswith("engine")
-           for i in imps if i.split(".")[0] in (*QT, "desktop")]
+    bad = [
+        f"{m}: {i}"
+        for m, imps in all_imports().items()
+        if m.startswith("engine")
+        for i in imps
+        if i.split(".")[0] in (*QT, "desktop")
+    ]
     assert bad == []
 
 
@@ -158,8 +173,10 @@ def test_the_chat_controller_and_the_settings_are_qt_free():
 
 
 def test_importing_engine_loads_no_qt():
-    code = ("import sys, engine, engine.session, engine.cli, engine.spec, engine.loader, desktop.chat;"
-            "print([m for m in sys.modules if m.split('.')[0] in ('PySide6','qasync','shiboken6')]);"
-            "print([m for m in sys.modules if m.startswith(('engine.tools', 'desktop.tools'))])")
+    code = (
+        "import sys, engine, engine.session, engine.cli, engine.spec, engine.loader, desktop.chat;"
+        "print([m for m in sys.modules if m.split('.')[0] in ('PySide6','qasync','shiboken6')]);"
+        "print([m for m in sys.modules if m.startswith(('engine.tools', 'desktop.tools'))])"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
     assert out.split() == ["[]", "[]"]

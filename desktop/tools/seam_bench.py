@@ -26,6 +26,7 @@ TICK_MS = 10
 def _prompt_text(n_words: int, vocab: int) -> str:
     """Words of the random checkpoint's word-level vocabulary ("t123"): one token each."""
     import random
+
     rnd = random.Random(1234)
     return " ".join(f"t{rnd.randrange(10, vocab)}" for _ in range(n_words))
 
@@ -36,9 +37,11 @@ _ALONE: dict = {}
 def engine_alone(model: str, dtype: str, messages: list, new_tokens: int, threads: int) -> dict:
     """One request on the engine alone (in a child process, which keeps the model between calls)."""
     import torch
+
     torch.set_num_threads(threads)
     from engine.loader import load_model
     from engine.session import Request, Session
+
     if (model, dtype) not in _ALONE:
         _ALONE[(model, dtype)] = load_model(model, dtype=dtype)
     session = Session(_ALONE[(model, dtype)])
@@ -68,8 +71,9 @@ class App:
     """The real window, styled as the app styles it, on the qasync loop, offscreen, with a lag probe: a
     timer on the GUI thread."""
 
-    def __init__(self, model: str, dtype: str, new_tokens: int, data: Path, tick_ms: int,
-                 batch_seconds: float | None = None):
+    def __init__(
+        self, model: str, dtype: str, new_tokens: int, data: Path, tick_ms: int, batch_seconds: float | None = None
+    ):
         import qasync
         from PySide6.QtCore import QTimer
         from PySide6.QtWidgets import QApplication
@@ -81,6 +85,7 @@ class App:
         from ..style import style_sheet
         from ..window import MainWindow
         from ..worker import BATCH_SECONDS, EngineWorker, WorkerThread
+
         self.now, self.tick_ms = now, tick_ms
         os.environ["KVCHAT_DATA_DIR"] = str(data)
         Settings(model_dir=model, dtype=dtype, max_new_tokens=new_tokens, temperature=0.0).save(open_settings(data))
@@ -114,6 +119,7 @@ class App:
                     await asyncio.wait_for(self.wake.wait(), max(0.001, end - self.now()))
                 except asyncio.TimeoutError:
                     raise TimeoutError("the app did not answer in time") from None
+
         self.loop.run_until_complete(wait())
 
     def reply(self, text: str, probe: bool = True, quiet: bool = False) -> dict:
@@ -148,19 +154,26 @@ class App:
         if quiet:
             return {"trace": final.trace, "batches": len(token_batches)}
         if len(token_batches) < 2:
-            raise RuntimeError("the whole reply reached the GUI in one batch: no rate to measure "
-                               "(ask for more --new-tokens or a shorter --batch-ms)")
+            raise RuntimeError(
+                "the whole reply reached the GUI in one batch: no rate to measure "
+                "(ask for more --new-tokens or a shorter --batch-ms)"
+            )
         first_t, first_n, first_cpu = token_batches[0]
         last_t, _, last_cpu = token_batches[-1]
         total = sum(n for _, n, _ in token_batches)
         gaps = [b - a for a, b in zip(self.ticks, self.ticks[1:]) if a >= t_send]
         lag_ms = sorted(max(0.0, g * 1000 - self.tick_ms) for g in gaps)
-        return {"trace": final.trace, "tokens_received": total, "batches": len(token_batches),
-                "gui_decode_tok_s": (total - first_n) / (last_t - first_t) if last_t > first_t else None,
-                "max_lag_ms": lag_ms[-1] if lag_ms else None,
-                "p95_lag_ms": lag_ms[int(0.95 * (len(lag_ms) - 1))] if lag_ms else None,
-                "ticks": len(gaps), "gui_thread_busy": (cpu_done - cpu_send) / (t_done - t_send),
-                "gui_thread_busy_decoding": (last_cpu - first_cpu) / (last_t - first_t) if last_t > first_t else None}
+        return {
+            "trace": final.trace,
+            "tokens_received": total,
+            "batches": len(token_batches),
+            "gui_decode_tok_s": (total - first_n) / (last_t - first_t) if last_t > first_t else None,
+            "max_lag_ms": lag_ms[-1] if lag_ms else None,
+            "p95_lag_ms": lag_ms[int(0.95 * (len(lag_ms) - 1))] if lag_ms else None,
+            "ticks": len(gaps),
+            "gui_thread_busy": (cpu_done - cpu_send) / (t_done - t_send),
+            "gui_thread_busy_decoding": (last_cpu - first_cpu) / (last_t - first_t) if last_t > first_t else None,
+        }
 
     def close(self) -> None:
         self.window.close()
@@ -177,28 +190,37 @@ def _report(ns, threads: int, own: list, alone: list, inside: list, probed: list
     alone_r = [r["trace"]["decode_tok_s"] for r in alone]
     gui_r = [r["gui_decode_tok_s"] for r in inside]
     probe_r = [r["gui_decode_tok_s"] for r in probed]
-    return {"shape": ns.shape, "dtype": ns.dtype, "threads": threads, "prompt_tokens": own[0]["prompt_tokens"],
-            "new_tokens": ns.new_tokens, "repeats": ns.repeats,
-            "engine_alone_decode_tok_s": round(med(alone_r), 3),
-            "engine_in_app_decode_tok_s": round(med(r["trace"]["decode_tok_s"] for r in inside), 3),
-            "gui_received_decode_tok_s": round(med(gui_r), 3),
-            "gui_vs_engine_alone": paired(gui_r, alone_r),
-            "gui_vs_engine_alone_of_medians": round(med(gui_r) / med(alone_r), 3),
-            "gui_received_with_lag_probe_decode_tok_s": round(med(probe_r), 3),
-            "gui_with_lag_probe_vs_engine_alone": paired(probe_r, alone_r),
-            "engine_own_process_decode_tok_s": round(med(own_r), 3),
-            "gui_vs_engine_own_process": paired(gui_r, own_r),
-            "engine_alone_vs_own_process": paired(alone_r, own_r),
-            "runs": [{"own_process": o, "alone": a, "gui": round(g, 3), "gui_with_lag_probe": round(p, 3)}
-                     for o, a, g, p in zip(own_r, alone_r, gui_r, probe_r)],
-            "tokens_received": inside[0]["tokens_received"], "signal_batches": inside[0]["batches"],
-            "signal_batches_alone": max(r["batches"] for r in alone),  # 1: every token at the end
-            "event_loop_max_lag_ms": round(max(r["max_lag_ms"] for r in probed), 2),
-            "event_loop_p95_lag_ms": round(med(r["p95_lag_ms"] for r in probed), 2),
-            "timer_ticks": sum(r["ticks"] for r in probed),
-            "gui_thread_busy": round(med(r["gui_thread_busy"] for r in inside), 3),
-            "gui_thread_busy_decoding": round(med(r["gui_thread_busy_decoding"] for r in inside), 3),
-            "gui_thread_busy_decoding_with_lag_probe": round(med(r["gui_thread_busy_decoding"] for r in probed), 3)}
+    return {
+        "shape": ns.shape,
+        "dtype": ns.dtype,
+        "threads": threads,
+        "prompt_tokens": own[0]["prompt_tokens"],
+        "new_tokens": ns.new_tokens,
+        "repeats": ns.repeats,
+        "engine_alone_decode_tok_s": round(med(alone_r), 3),
+        "engine_in_app_decode_tok_s": round(med(r["trace"]["decode_tok_s"] for r in inside), 3),
+        "gui_received_decode_tok_s": round(med(gui_r), 3),
+        "gui_vs_engine_alone": paired(gui_r, alone_r),
+        "gui_vs_engine_alone_of_medians": round(med(gui_r) / med(alone_r), 3),
+        "gui_received_with_lag_probe_decode_tok_s": round(med(probe_r), 3),
+        "gui_with_lag_probe_vs_engine_alone": paired(probe_r, alone_r),
+        "engine_own_process_decode_tok_s": round(med(own_r), 3),
+        "gui_vs_engine_own_process": paired(gui_r, own_r),
+        "engine_alone_vs_own_process": paired(alone_r, own_r),
+        "runs": [
+            {"own_process": o, "alone": a, "gui": round(g, 3), "gui_with_lag_probe": round(p, 3)}
+            for o, a, g, p in zip(own_r, alone_r, gui_r, probe_r)
+        ],
+        "tokens_received": inside[0]["tokens_received"],
+        "signal_batches": inside[0]["batches"],
+        "signal_batches_alone": max(r["batches"] for r in alone),  # 1: every token at the end
+        "event_loop_max_lag_ms": round(max(r["max_lag_ms"] for r in probed), 2),
+        "event_loop_p95_lag_ms": round(med(r["p95_lag_ms"] for r in probed), 2),
+        "timer_ticks": sum(r["ticks"] for r in probed),
+        "gui_thread_busy": round(med(r["gui_thread_busy"] for r in inside), 3),
+        "gui_thread_busy_decoding": round(med(r["gui_thread_busy_decoding"] for r in inside), 3),
+        "gui_thread_busy_decoding_with_lag_probe": round(med(r["gui_thread_busy_decoding"] for r in probed), 3),
+    }
 
 
 def main(argv=None) -> int:
@@ -210,13 +232,15 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--tick-ms", type=int, default=TICK_MS, help="the lag probe's timer interval")
-    ap.add_argument("--batch-ms", type=float, default=None, help="the worker's signal batching interval "
-                    "(default: the app's)")
+    ap.add_argument(
+        "--batch-ms", type=float, default=None, help="the worker's signal batching interval (default: the app's)"
+    )
     ap.add_argument("--repeats", type=int, default=7, help="alternating runs, alone and through the app")
     ap.add_argument("--json", action="store_true")
     ns = ap.parse_args(argv)
     from engine.loader import default_threads
     from engine.tools.bench import SHAPES, write_random_checkpoint
+
     if ns.shape not in SHAPES:
         print(f"error: unknown shape {ns.shape!r} (choose from {', '.join(SHAPES)})", file=sys.stderr)
         return 2
@@ -235,12 +259,21 @@ def main(argv=None) -> int:
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
             pool.submit(write_random_checkpoint, Path(model), ns.shape).result()
             os.environ["KVCHAT_THREADS"] = str(threads)
-            app = App(model, ns.dtype, ns.new_tokens, Path(tmp) / "data", ns.tick_ms,
-                      ns.batch_ms / 1000 if ns.batch_ms else None)
+            app = App(
+                model,
+                ns.dtype,
+                ns.new_tokens,
+                Path(tmp) / "data",
+                ns.tick_ms,
+                ns.batch_ms / 1000 if ns.batch_ms else None,
+            )
             try:
                 for _ in range(ns.repeats):
-                    own.append(pool.submit(engine_alone, model, ns.dtype, [{"role": "user", "content": text}],
-                                           ns.new_tokens, threads).result())
+                    own.append(
+                        pool.submit(
+                            engine_alone, model, ns.dtype, [{"role": "user", "content": text}], ns.new_tokens, threads
+                        ).result()
+                    )
                     alone.append(app.reply(text, probe=False, quiet=True))
                     inside.append(app.reply(text, probe=False))
                     probed.append(app.reply(text, probe=True))
@@ -250,28 +283,48 @@ def main(argv=None) -> int:
     if ns.json:
         print(json.dumps(report))
         return 0
-    print(f"{ns.shape} · {ns.dtype} · {threads} threads · prompt {report['prompt_tokens']} · new {ns.new_tokens} · "
-          f"medians of {ns.repeats} alternating runs")
-    print(f"engine alone           {report['engine_alone_decode_tok_s']:8.2f} tok/s "
-          "(the app's model and worker thread, nothing sent to the GUI until the end)")
+    print(
+        f"{ns.shape} · {ns.dtype} · {threads} threads · prompt {report['prompt_tokens']} · new {ns.new_tokens} · "
+        f"medians of {ns.repeats} alternating runs"
+    )
+    print(
+        f"engine alone           {report['engine_alone_decode_tok_s']:8.2f} tok/s "
+        "(the app's model and worker thread, nothing sent to the GUI until the end)"
+    )
     print(f"engine inside the app  {report['engine_in_app_decode_tok_s']:8.2f} tok/s")
-    print(f"received by the GUI    {report['gui_received_decode_tok_s']:8.2f} tok/s "
-          f"in {report['signal_batches']} signal batches")
-    print(f"GUI / engine alone     {100 * report['gui_vs_engine_alone']:.1f}% (median of the paired runs; target ≥ 95%), "
-          f"{100 * report['gui_vs_engine_alone_of_medians']:.1f}% as a ratio of the medians")
-    print(f"  with the lag probe   {report['gui_received_with_lag_probe_decode_tok_s']:8.2f} tok/s "
-          f"({100 * report['gui_with_lag_probe_vs_engine_alone']:.1f}%)")
-    print(f"engine in its own process {report['engine_own_process_decode_tok_s']:5.2f} tok/s: GUI / it "
-          f"{100 * report['gui_vs_engine_own_process']:.1f}%, the engine alone in the app / it "
-          f"{100 * report['engine_alone_vs_own_process']:.1f}% (a second process: other memory, same work)")
-    print(f"GUI event-loop lag     max {report['event_loop_max_lag_ms']} ms, p95 {report['event_loop_p95_lag_ms']} ms "
-          f"over {report['timer_ticks']} ticks of {ns.tick_ms} ms (target ≤ 50 ms)")
-    print("runs (own process, alone, GUI, GUI with the probe tok/s): "
-          + ", ".join(f"{r['own_process']:.1f}/{r['alone']:.1f}/{r['gui']:.1f}/{r['gui_with_lag_probe']:.1f}"
-                      for r in report["runs"]))
-    print(f"GUI thread busy        {100 * report['gui_thread_busy']:.1f}% of one core from send to the last token, "
-          f"{100 * report['gui_thread_busy_decoding']:.1f}% while tokens streamed "
-          f"({100 * report['gui_thread_busy_decoding_with_lag_probe']:.1f}% with the lag probe)")
+    print(
+        f"received by the GUI    {report['gui_received_decode_tok_s']:8.2f} tok/s "
+        f"in {report['signal_batches']} signal batches"
+    )
+    print(
+        f"GUI / engine alone     {100 * report['gui_vs_engine_alone']:.1f}% (median of the paired runs; target ≥ 95%), "
+        f"{100 * report['gui_vs_engine_alone_of_medians']:.1f}% as a ratio of the medians"
+    )
+    print(
+        f"  with the lag probe   {report['gui_received_with_lag_probe_decode_tok_s']:8.2f} tok/s "
+        f"({100 * report['gui_with_lag_probe_vs_engine_alone']:.1f}%)"
+    )
+    print(
+        f"engine in its own process {report['engine_own_process_decode_tok_s']:5.2f} tok/s: GUI / it "
+        f"{100 * report['gui_vs_engine_own_process']:.1f}%, the engine alone in the app / it "
+        f"{100 * report['engine_alone_vs_own_process']:.1f}% (a second process: other memory, same work)"
+    )
+    print(
+        f"GUI event-loop lag     max {report['event_loop_max_lag_ms']} ms, p95 {report['event_loop_p95_lag_ms']} ms "
+        f"over {report['timer_ticks']} ticks of {ns.tick_ms} ms (target ≤ 50 ms)"
+    )
+    print(
+        "runs (own process, alone, GUI, GUI with the probe tok/s): "
+        + ", ".join(
+            f"{r['own_process']:.1f}/{r['alone']:.1f}/{r['gui']:.1f}/{r['gui_with_lag_probe']:.1f}"
+            for r in report["runs"]
+        )
+    )
+    print(
+        f"GUI thread busy        {100 * report['gui_thread_busy']:.1f}% of one core from send to the last token, "
+        f"{100 * report['gui_thread_busy_decoding']:.1f}% while tokens streamed "
+        f"({100 * report['gui_thread_busy_decoding_with_lag_probe']:.1f}% with the lag probe)"
+    )
     return 0
 
 

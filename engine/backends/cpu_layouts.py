@@ -68,7 +68,9 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         w = linear.weight.detach()
-        self.packed = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w, 1), requires_grad=False)  # [out, in] blocked
+        self.packed = nn.Parameter(
+            torch.ops.mkldnn._reorder_linear_weight(w, 1), requires_grad=False
+        )  # [out, in] blocked
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
 
     @property

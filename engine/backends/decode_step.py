@@ -38,8 +38,19 @@ class KernelAttention(Attention):
         if B * T == 1 and isinstance(start, int) and cache is not None and cache.readable_by_kernels(x.dtype):
             qkv = self.qkv(x)  # [1, 1, (H + 2H_kv)d]
             qn, kn = (None, None) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
-            y = self.kernels.attend(qkv.view(-1), cos.view(-1), sin.view(-1), qn, kn, getattr(self.q_norm, "eps", 0.0),
-                                    cache.k[layer, 0], cache.v[layer, 0], start, self.window, self.h)  # [H d]
+            y = self.kernels.attend(
+                qkv.view(-1),
+                cos.view(-1),
+                sin.view(-1),
+                qn,
+                kn,
+                getattr(self.q_norm, "eps", 0.0),
+                cache.k[layer, 0],
+                cache.v[layer, 0],
+                start,
+                self.window,
+                self.h,
+            )  # [H d]
             return self.o(y.view(B, T, self.h * self.d))
         return super().forward(x, cos, sin, mask, cache, layer, start)
 
@@ -66,14 +77,30 @@ def use_kernels(model, kernels) -> None:
 
 
 class _Linear(ctypes.Structure):  # kv_linear in cpu_kernels.c
-    _fields_ = [("w", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-                ("out", ctypes.c_int64), ("in_", ctypes.c_int64), ("group", ctypes.c_int64), ("mode", ctypes.c_int64)]
+    _fields_ = [
+        ("w", ctypes.c_void_p),
+        ("scales", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        ("out", ctypes.c_int64),
+        ("in_", ctypes.c_int64),
+        ("group", ctypes.c_int64),
+        ("mode", ctypes.c_int64),
+    ]
 
 
 class _Layer(ctypes.Structure):  # kv_layer in cpu_kernels.c
-    _fields_ = [("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
-                ("k_norm", ctypes.c_void_p), ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear),
-                ("down", _Linear), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+    _fields_ = [
+        ("attn_norm", ctypes.c_void_p),
+        ("mlp_norm", ctypes.c_void_p),
+        ("q_norm", ctypes.c_void_p),
+        ("k_norm", ctypes.c_void_p),
+        ("qkv", _Linear),
+        ("o", _Linear),
+        ("gate_up", _Linear),
+        ("down", _Linear),
+        ("k_cache", ctypes.c_void_p),
+        ("v_cache", ctypes.c_void_p),
+    ]
 
 
 class DecodeLayers:
@@ -118,9 +145,15 @@ class DecodeLayers:
         width = (self.heads + 2 * self.kv_heads) * self.head_dim
         linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         new = lambda n, dt=self.dtype: torch.empty(n, dtype=dt)
-        self.scratch = [new(self.hidden), new(width), new(self.heads * self.head_dim), new(self.hidden),
-                        new(2 * self.mlp), new(max(lin.in_ for lin in linears), torch.float32),
-                        new(max(lin.out for lin in linears), torch.float32)]  # h, qkv, att, t, gu, fx, fy
+        self.scratch = [
+            new(self.hidden),
+            new(width),
+            new(self.heads * self.head_dim),
+            new(self.hidden),
+            new(2 * self.mlp),
+            new(max(lin.in_ for lin in linears), torch.float32),
+            new(max(lin.out for lin in linears), torch.float32),
+        ]  # h, qkv, att, t, gu, fx, fy
         self.scratch_at = [t.data_ptr() for t in self.scratch]
         self.kernels = kernels
 
@@ -140,6 +173,22 @@ class DecodeLayers:
             self.cache_at = at
         lo = 0 if self.window is None else max(0, pos - self.window + 1)
         x_, cos_, sin_ = self.kernels._memory(x, cos, sin)
-        self.fn(self.layers, len(self.layers), x_, cos_, sin_, self.eps, self.qk_eps, cache.capacity, pos, lo,
-                self.heads, self.kv_heads, self.head_dim, self.hidden, self.mlp, *self.scratch_at,
-                torch.get_num_threads())
+        self.fn(
+            self.layers,
+            len(self.layers),
+            x_,
+            cos_,
+            sin_,
+            self.eps,
+            self.qk_eps,
+            cache.capacity,
+            pos,
+            lo,
+            self.heads,
+            self.kv_heads,
+            self.head_dim,
+            self.hidden,
+            self.mlp,
+            *self.scratch_at,
+            torch.get_num_threads(),
+        )

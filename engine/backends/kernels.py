@@ -38,6 +38,7 @@ def cache_dir() -> Path:
     if env:
         return Path(env).expanduser() / "kernels"
     import platformdirs
+
     return Path(platformdirs.user_cache_dir("kvchat", appauthor=False)) / "kernels"
 
 
@@ -70,8 +71,9 @@ def build(cc: str | None = None, extra_flags: tuple[str, ...] = (), out_dir: Pat
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:  # build aside, then rename: atomic for other processes
         partial = Path(tmp) / target.name
-        done = subprocess.run([cc, *flags, str(SOURCE), "-o", str(partial)], capture_output=True, text=True,
-                              timeout=300)
+        done = subprocess.run(
+            [cc, *flags, str(SOURCE), "-o", str(partial)], capture_output=True, text=True, timeout=300
+        )
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-600:]}")
         os.replace(partial, target)
@@ -102,14 +104,23 @@ class Kernels:
                 continue
             self._float[dtype] = self._declare("kv_matvec_" + suffix, [p, p, p, i64, i64, i32])
             self._norm[dtype] = self._declare("kv_rmsnorm_" + suffix, [p, p, p, i64, f32])
-            self._attend[dtype] = self._declare("kv_attend_" + suffix, [p] * 5 + [f32, p, p] + [i64] * 6 + [f32, p, i32])
-        self._decode = {dtype: self._declare("kv_decode_layers_" + SUFFIX[dtype],
-                                             [p, i64, p, p, p, f32, f32] + [i64] * 8 + [p] * 7 + [i32])
-                        for dtype in self._float}
-        self._quant = {mode: self._declare(name, [p, p, p, p, i64, i64, i64, i32]) for mode, name in QUANT_FUNCS.items()}
+            self._attend[dtype] = self._declare(
+                "kv_attend_" + suffix, [p] * 5 + [f32, p, p] + [i64] * 6 + [f32, p, i32]
+            )
+        self._decode = {
+            dtype: self._declare(
+                "kv_decode_layers_" + SUFFIX[dtype], [p, i64, p, p, p, f32, f32] + [i64] * 8 + [p] * 7 + [i32]
+            )
+            for dtype in self._float
+        }
+        self._quant = {
+            mode: self._declare(name, [p, p, p, p, i64, i64, i64, i32]) for mode, name in QUANT_FUNCS.items()
+        }
         self._quantize = self._declare("kv_quantize", [p, p, p, p, i64, i64, i64, i32, i32])
-        self._dequant = {mode: self._declare(name.replace("matvec", "dequant"), [p, p, p, i64, i64, i64, i32])
-                         for mode, name in QUANT_FUNCS.items()}
+        self._dequant = {
+            mode: self._declare(name.replace("matvec", "dequant"), [p, p, p, i64, i64, i64, i32])
+            for mode, name in QUANT_FUNCS.items()
+        }
         with torch.inference_mode():
             self.dtypes = frozenset(d for d in self._float if self._agrees(d))
             self.modes = frozenset(m for m in self._quant if self._quant_agrees(m))
@@ -134,7 +145,9 @@ class Kernels:
         self._float[weight.dtype](*self._memory(weight, x.contiguous(), y), out, n, torch.get_num_threads())
         return y
 
-    def qmatvec(self, mode: str, codes: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, group: int) -> torch.Tensor:
+    def qmatvec(
+        self, mode: str, codes: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, group: int
+    ) -> torch.Tensor:
         """codes [out, in] int8 or [out, in/2] uint8 (int4, two a byte), scales [out, in/g] float32, x [in]
         float32 -> y [out] float32."""
         out, n = scales.shape[0], x.numel()
@@ -142,8 +155,14 @@ class Kernels:
         self._quant[mode](*self._memory(codes, scales, x.contiguous(), y), out, n, group, torch.get_num_threads())
         return y
 
-    def quantize(self, mode: str, weight: torch.Tensor, group: int, codes: torch.Tensor | None = None,
-                 scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def quantize(
+        self,
+        mode: str,
+        weight: torch.Tensor,
+        group: int,
+        codes: torch.Tensor | None = None,
+        scales: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """engine.quant.quantize in one pass: weight [out, in] -> codes as stored (int8 [out, in], or int4
         two a byte [out, in/2] uint8) and scales [out, in/g] float32 (into `codes` and `scales` when
         given: rows of a larger matrix's buffers, filled a chunk at a time)."""
@@ -165,8 +184,15 @@ class Kernels:
         codes = torch.empty(out, n, dtype=torch.int8) if mode == "int8" else torch.empty(out, n // 2, dtype=torch.uint8)
         return codes, torch.empty(out, n // group, dtype=torch.float32)
 
-    def dequantize(self, mode: str, codes: torch.Tensor, scales: torch.Tensor, in_features: int, group: int,
-                   into: torch.Tensor | None = None) -> torch.Tensor:
+    def dequantize(
+        self,
+        mode: str,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        in_features: int,
+        group: int,
+        into: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The float32 weight [out, in] = s · q of int8 codes or int4 codes two a byte, in one pass (into
         `into` when given: a float32 [out, in] buffer)."""
         out = scales.shape[0]
@@ -181,8 +207,20 @@ class Kernels:
         self._norm[x.dtype](*self._memory(x, weight, y), x.numel(), eps)
         return y
 
-    def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm, k_norm, eps: float,
-               k_cache: torch.Tensor, v_cache: torch.Tensor, pos: int, window: int | None, heads: int) -> torch.Tensor:
+    def attend(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        q_norm,
+        k_norm,
+        eps: float,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        pos: int,
+        window: int | None,
+        heads: int,
+    ) -> torch.Tensor:
         """Attention of one new position, batch 1: qkv [(H + 2 H_kv) d] packed q|k|v; cos, sin [d] (the
         signed-sin table's row for `pos`); q_norm/k_norm [d] weights or None; k_cache, v_cache
         [H_kv, C, d] (contiguous), into which the rotated k and v are written at `pos` -> y [H d]."""
@@ -192,8 +230,9 @@ class Kernels:
             raise ValueError(f"position {pos} is outside the cache's {cap}")
         y = torch.empty(heads * d, dtype=qkv.dtype)
         qkv, cos, sin, qn, kn, kc, vc, out = self._memory(qkv, cos, sin, q_norm, k_norm, k_cache, v_cache, y)
-        self._attend[y.dtype](qkv, cos, sin, qn, kn, eps, kc, vc, cap, pos, lo, heads, h_kv, d, d ** -0.5, out,
-                              torch.get_num_threads())
+        self._attend[y.dtype](
+            qkv, cos, sin, qn, kn, eps, kc, vc, cap, pos, lo, heads, h_kv, d, d**-0.5, out, torch.get_num_threads()
+        )
         return y
 
     def _agrees(self, dtype: torch.dtype) -> bool:
@@ -222,17 +261,18 @@ class Kernels:
             kc, vc = torch.randn(2, h_kv, pos + 3, d, generator=g).to(dtype)
             got = self.attend(qkv, cos, sin, qn, kn, 1e-6, kc, vc, pos, window, heads)
 
-            def rotate(x, w):  # x [heads, d] -> [heads, d]
+            def rotate(x, w, d=d, cos=cos, sin=sin):  # x [heads, d] -> [heads, d]
                 if w is not None:
                     x = w * F.rms_norm(x.float(), (d,), None, 1e-6).to(dtype)
                 return x * cos + swap_halves(x) * sin
-            q = rotate(qkv[:heads * d].view(heads, d), qn)
-            k = rotate(qkv[heads * d:(heads + h_kv) * d].view(h_kv, d), kn)
-            if not (close(kc[:, pos], k, tol) and torch.equal(vc[:, pos], qkv[(heads + h_kv) * d:].view(h_kv, d))):
+
+            q = rotate(qkv[: heads * d].view(heads, d), qn)
+            k = rotate(qkv[heads * d : (heads + h_kv) * d].view(h_kv, d), kn)
+            if not (close(kc[:, pos], k, tol) and torch.equal(vc[:, pos], qkv[(heads + h_kv) * d :].view(h_kv, d))):
                 return False
             lo = 0 if window is None else max(0, pos - window + 1)
-            keys = kc[:, lo:pos + 1].float().repeat_interleave(heads // h_kv, 0)  # [H, S, d]
-            values = vc[:, lo:pos + 1].float().repeat_interleave(heads // h_kv, 0)
+            keys = kc[:, lo : pos + 1].float().repeat_interleave(heads // h_kv, 0)  # [H, S, d]
+            values = vc[:, lo : pos + 1].float().repeat_interleave(heads // h_kv, 0)
             want = F.scaled_dot_product_attention(q.float()[:, None], keys, values)  # [H, 1, d]
             if not close(got, want.reshape(-1), tol):
                 return False

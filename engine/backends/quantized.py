@@ -56,7 +56,7 @@ class QuantLinear(nn.Module):
         codes, scales = self._quantize_rows(weight.row_chunks() if hasattr(weight, "row_chunks") else [(0, weight)])
         if self.decoder is not None:  # quantized straight into the layout the kernels read
             stored = codes  # [N, K] int8 | [N, K/2] uint8
-            self.kernel = None  # prefill: dequantized into a reused buffer, then float32 (faster than int8pack here)
+            self.kernel = None  # prefill: dequantized into a reused buffer, then float32
         else:
             self.kernel = self._choose_kernel(weight.device, codes, scales)
             stored = pack_int4(codes) if mode == "int4" else codes
@@ -88,7 +88,7 @@ class QuantLinear(nn.Module):
                 return c, s
             if codes is None:
                 codes, scales = c.new_empty((n, *c.shape[1:])), s.new_empty((n, *s.shape[1:]))
-            codes[a:a + len(c)], scales[a:a + len(s)] = c, s
+            codes[a : a + len(c)], scales[a : a + len(s)] = c, s
         return codes, scales
 
     def _choose_kernel(self, device, codes, scales) -> str | None:
@@ -172,7 +172,9 @@ class QuantLinear(nn.Module):
         y = x.new_empty(*x.shape[:-1], self.out_features)  # [..., N], filled a slice of outputs at a time
         for a in range(0, self.out_features, rows):
             b = min(a + rows, self.out_features)
-            y[..., a:b] = many_rows_linear(x, self._float_rows(a, b, x.dtype), None if self.bias is None else self.bias[a:b])
+            y[..., a:b] = many_rows_linear(
+                x, self._float_rows(a, b, x.dtype), None if self.bias is None else self.bias[a:b]
+            )
         return y
 
     def _float_rows(self, a: int, b: int, dtype) -> torch.Tensor:

@@ -16,16 +16,20 @@ def run_tool(name: str, argv: list[str]) -> int:
 
     from ..errors import EngineError
     from ..loader import default_threads
+
     torch.set_num_threads(default_threads())
     if name == "selftest":
         from .selftest import main
+
         return main(argv)
     if name == "bench":
         from .bench import add_arguments
         from .bench import run as main
+
         help_text = "prefill/decode speed against references measured in the same run"
     else:
         from .quality import add_arguments, main
+
         help_text = "compare a quantized model with full precision on the same prompts"
     p = argparse.ArgumentParser(prog=f"python -m engine {name}", description=help_text)
     add_arguments(p)

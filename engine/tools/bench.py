@@ -15,46 +15,118 @@ import tempfile
 from pathlib import Path
 
 SHAPES = {
-    "tiny": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-             "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-             "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 1024,
-             "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True},  # for tests
-    "smollm2-135m": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
-                     "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
-                     "num_key_value_heads": 3, "vocab_size": 49152, "max_position_embeddings": 8192,
-                     "rope_theta": 100000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True},
-    "qwen2.5-0.5b": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896,
-                     "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
-                     "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 32768,
-                     "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True},
+    "tiny": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 512,
+        "max_position_embeddings": 1024,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": True,
+    },  # for tests
+    "smollm2-135m": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "vocab_size": 49152,
+        "max_position_embeddings": 8192,
+        "rope_theta": 100000.0,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": True,
+    },
+    "qwen2.5-0.5b": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+    },
     # a size people run: fixed costs (tokenizer, code, prefill buffers) are a small share of its memory
-    "qwen2.5-1.5b": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 1536,
-                     "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
-                     "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 32768,
-                     "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True},
+    "qwen2.5-1.5b": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+    },
 }
 
 
 ENGINES = ("kvchat", "kvchat-uncached", "transformers", "transformers-static", "llama.cpp")
 # (engine, precision) per device: kvchat and transformers by torch dtype (kvchat's quantized rows by
 # weight mode, activations float32), llama.cpp by GGUF type (F16 is its 16-bit, Q8_0/Q4_0 its 8/4-bit).
-CPU_RUNS = [("kvchat", "float32"), ("kvchat", "bfloat16"), ("kvchat", "float16"), ("kvchat", "int8"),
-            ("kvchat", "int4"), ("kvchat-uncached", "float32"),
-            ("transformers", "float32"), ("transformers", "bfloat16"),
-            ("transformers-static", "float32"), ("transformers-static", "bfloat16"),
-            ("llama.cpp", "F32"), ("llama.cpp", "F16"), ("llama.cpp", "Q8_0"), ("llama.cpp", "Q4_0")]
-CUDA_RUNS = [("kvchat", "bfloat16"), ("kvchat", "float16"), ("kvchat-uncached", "bfloat16"),
-             ("transformers", "bfloat16"), ("transformers-static", "bfloat16")]
+CPU_RUNS = [
+    ("kvchat", "float32"),
+    ("kvchat", "bfloat16"),
+    ("kvchat", "float16"),
+    ("kvchat", "int8"),
+    ("kvchat", "int4"),
+    ("kvchat-uncached", "float32"),
+    ("transformers", "float32"),
+    ("transformers", "bfloat16"),
+    ("transformers-static", "float32"),
+    ("transformers-static", "bfloat16"),
+    ("llama.cpp", "F32"),
+    ("llama.cpp", "F16"),
+    ("llama.cpp", "Q8_0"),
+    ("llama.cpp", "Q4_0"),
+]
+CUDA_RUNS = [
+    ("kvchat", "bfloat16"),
+    ("kvchat", "float16"),
+    ("kvchat-uncached", "bfloat16"),
+    ("transformers", "bfloat16"),
+    ("transformers-static", "bfloat16"),
+]
 QUANT = {"int8": ("int8", 0), "int4": ("int4", 32)}  # kvchat weight mode -> (mode, group size): the kernels' layouts
 # Which rows are compared: kvchat precision -> (reference engine, its precision)
-PAIRS = [("float32", "transformers", "float32"), ("bfloat16", "transformers", "bfloat16"),
-         ("float32", "transformers-static", "float32"), ("bfloat16", "transformers-static", "bfloat16"),
-         ("float32", "llama.cpp", "F32"), ("float16", "llama.cpp", "F16"), ("bfloat16", "llama.cpp", "F16"),
-         ("int8", "llama.cpp", "Q8_0"), ("int4", "llama.cpp", "Q4_0"), ("float32", "kvchat-uncached", "float32"),
-         ("bfloat16", "kvchat-uncached", "bfloat16")]
+PAIRS = [
+    ("float32", "transformers", "float32"),
+    ("bfloat16", "transformers", "bfloat16"),
+    ("float32", "transformers-static", "float32"),
+    ("bfloat16", "transformers-static", "bfloat16"),
+    ("float32", "llama.cpp", "F32"),
+    ("float16", "llama.cpp", "F16"),
+    ("bfloat16", "llama.cpp", "F16"),
+    ("int8", "llama.cpp", "Q8_0"),
+    ("int4", "llama.cpp", "Q4_0"),
+    ("float32", "kvchat-uncached", "float32"),
+    ("bfloat16", "kvchat-uncached", "bfloat16"),
+]
 PLOT_CONTEXTS = (512, 1024, 2048, 4096)
 # the embedding's storage per value in each row's precision (kvchat's rows report their own: embed_bytes)
-EMBED_BYTES_PER_VALUE = {"float32": 4, "bfloat16": 2, "float16": 2, "F32": 4, "F16": 2, "Q8_0": 34 / 32, "Q4_0": 18 / 32}
+EMBED_BYTES_PER_VALUE = {
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "F32": 4,
+    "F16": 2,
+    "Q8_0": 34 / 32,
+    "Q4_0": 18 / 32,
+}
 
 
 def add_arguments(p) -> None:
@@ -62,18 +134,33 @@ def add_arguments(p) -> None:
     p.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
     p.add_argument("--device", default=None, help="cpu or cuda (default: the best available)")
     p.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated subset of {', '.join(ENGINES)}")
-    p.add_argument("--precisions", default=None,
-                   help="comma-separated subset of precisions to run (float32, bfloat16, float16, int8, int4, F32, "
-                        "F16, Q8_0, Q4_0); default: all for the device")
+    p.add_argument(
+        "--precisions",
+        default=None,
+        help="comma-separated subset of precisions to run (float32, bfloat16, float16, int8, int4, F32, "
+        "F16, Q8_0, Q4_0); default: all for the device",
+    )
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--uncached-tokens", type=int, default=8,
-                   help="tokens for the no-cache baseline (each one recomputes the whole prefix)")
-    p.add_argument("--prefill-runs", type=int, default=3,
-                   help="prefill is measured this many times (fresh cache each) and the median kept")
+    p.add_argument(
+        "--uncached-tokens",
+        type=int,
+        default=8,
+        help="tokens for the no-cache baseline (each one recomputes the whole prefix)",
+    )
+    p.add_argument(
+        "--prefill-runs",
+        type=int,
+        default=3,
+        help="prefill is measured this many times (fresh cache each) and the median kept",
+    )
     p.add_argument("--threads", type=int, default=None, help="threads for every engine (default: physical cores)")
-    p.add_argument("--plot", default=None, metavar="FILE.png",
-                   help="also measure decode tok/s at contexts 512..4096 and draw it (needs matplotlib)")
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE.png",
+        help="also measure decode tok/s at contexts 512..4096 and draw it (needs matplotlib)",
+    )
     p.add_argument("--plot-tokens", type=int, default=16, help="tokens decoded at each context for --plot")
     p.add_argument("--json", action="store_true")
     p.add_argument("--markdown", action="store_true", help="print the tables as Markdown (for README.md)")
@@ -88,6 +175,7 @@ def write_random_checkpoint(out: Path, shape, seed: int = 0, std: float = 0.02) 
 
     from ..config import config_from_dict
     from ..model import Transformer
+
     raw = dict(SHAPES[shape] if isinstance(shape, str) else shape, hidden_act="silu", torch_dtype="float32")
     cfg = config_from_dict(raw)
     torch.manual_seed(seed)
@@ -105,7 +193,7 @@ def write_random_checkpoint(out: Path, shape, seed: int = 0, std: float = 0.02) 
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # "t5 t9" -> ids 5, 9
     tok.save(str(out / "tokenizer.json"))
-    # a chat template, so the app can drive it too (python -m desktop.seam_bench)
+    # a chat template, so the app can drive it too (python -m desktop.tools.seam_bench)
     template = "{% for m in messages %}t1 {{ m['content'] }} t2 {% endfor %}{% if add_generation_prompt %}t3{% endif %}"
     (out / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
     return out
@@ -139,11 +227,13 @@ def _peak_rss() -> int:
     if peak is not None:
         return peak
     import resource
+
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _peak_mem(device) -> int:
     import torch
+
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return _peak_rss()
@@ -151,12 +241,14 @@ def _peak_mem(device) -> int:
 
 def _prompt(n: int, vocab: int) -> list[int]:
     import torch
+
     g = torch.Generator().manual_seed(1234)
     return torch.randint(10, vocab, (n,), generator=g).tolist()
 
 
 def _sync(device) -> None:
     import torch
+
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -166,6 +258,7 @@ def measure_bandwidth(device=None, megabytes: int = 512, repeats: int = 5) -> fl
     import torch
 
     from ..trace import now
+
     device = torch.device(device or "cpu")
     n = megabytes * 2**20
     src = torch.ones(n, dtype=torch.uint8, device=device)
@@ -183,6 +276,7 @@ def measure_bandwidth(device=None, megabytes: int = 512, repeats: int = 5) -> fl
 def file_read_seconds(model_dir) -> float:
     """Time to read the weight files into fresh memory, once: what a load is compared with."""
     from ..trace import now
+
     t0 = now()
     for path in sorted(Path(model_dir).glob("*.safetensors")):
         buf = bytearray(path.stat().st_size)
@@ -192,7 +286,9 @@ def file_read_seconds(model_dir) -> float:
     return now() - t0
 
 
-def bytes_per_token(weight_bytes: int, embed_bytes: int, tied: bool, kv_bytes_per_position: int, context: float) -> float:
+def bytes_per_token(
+    weight_bytes: int, embed_bytes: int, tied: bool, kv_bytes_per_position: int, context: float
+) -> float:
     """Bytes one batch-1 decode step must read: every weight once (an untied embedding only gives one
     row, so it is not counted), plus the cached K/V of `context` positions."""
     return weight_bytes - (0 if tied else embed_bytes) + kv_bytes_per_position * context
@@ -205,8 +301,12 @@ def roofline_tok_s(bandwidth: float, per_token: float) -> float:
 def _timing(prompt_len: int, start: float, times: list[float]) -> dict:
     ttft = times[0] - start
     decode = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else None
-    return {"tokens": len(times), "prefill_tok_s": round(prompt_len / ttft, 3), "ttft_ms": round(ttft * 1000, 3),
-            "decode_tok_s": None if decode is None else round(decode, 3)}
+    return {
+        "tokens": len(times),
+        "prefill_tok_s": round(prompt_len / ttft, 3),
+        "ttft_ms": round(ttft * 1000, 3),
+        "decode_tok_s": None if decode is None else round(decode, 3),
+    }
 
 
 def _child(engine: str, precision: str, args: dict, queue) -> None:
@@ -218,20 +318,27 @@ def _child(engine: str, precision: str, args: dict, queue) -> None:
 
 def _kvchat_decode(loaded, prompt, n_new) -> tuple[dict, list[int]]:
     from ..session import Request, Session
+
     session = Session(loaded, capacity=len(prompt) + n_new)
     loaded.tokenizer.stop_ids = frozenset()  # random weights: never stop early
     for ev in session.generate(Request(prompt_ids=tuple(prompt), max_new_tokens=n_new)):
         last = ev
     t = last.trace
-    return {"tokens": t["tokens"], "prefill_tok_s": t["prefill_tok_s"], "ttft_ms": t["ttft_ms"],
-            "decode_tok_s": t["decode_tok_s"]}, list(last.token_ids)
+    return {
+        "tokens": t["tokens"],
+        "prefill_tok_s": t["prefill_tok_s"],
+        "ttft_ms": t["ttft_ms"],
+        "decode_tok_s": t["decode_tok_s"],
+    }, list(last.token_ids)
 
 
 def _measure(engine: str, precision: str, a: dict) -> dict:
     import torch
+
     torch.set_num_threads(a["threads"])
     from ..loader import load_model, resolve_device
     from ..trace import now
+
     device = resolve_device(a["device"])
     row = {"engine": engine, "precision": precision, "device": str(device)}
     with torch.device("meta"):  # torch's one-time import of its meta kernels (~70 MB), before the baseline
@@ -251,8 +358,13 @@ def _measure(engine: str, precision: str, a: dict) -> dict:
         vocab = loaded.config.vocab_size
         prompt = _prompt(a["prompt_tokens"], vocab)
         from ..backends.quantized import weight_bytes
-        row.update(weight_bytes=loaded.weight_bytes, kv_bytes_per_position=loaded.kv_bytes_per_position(),
-                   weights=loaded.quantization, embed_bytes=weight_bytes(loaded.model.embed))
+
+        row.update(
+            weight_bytes=loaded.weight_bytes,
+            kv_bytes_per_position=loaded.kv_bytes_per_position(),
+            weights=loaded.quantization,
+            embed_bytes=weight_bytes(loaded.model.embed),
+        )
         if engine == "kvchat":
             row["kv_allocated_bytes"] = (len(prompt) + n_new) * loaded.kv_bytes_per_position()
 
@@ -275,6 +387,7 @@ def _measure(engine: str, precision: str, a: dict) -> dict:
         import transformers
         from transformers import AutoModelForCausalLM
         from transformers.generation.streamers import BaseStreamer
+
         transformers.utils.logging.disable_progress_bar()
         dtype = getattr(torch, precision)
         t0 = now()
@@ -304,18 +417,28 @@ def _measure(engine: str, precision: str, a: dict) -> dict:
             extra = {"cache_implementation": "static"} if engine == "transformers-static" else {}
             start = now()
             with torch.inference_mode():
-                hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                            do_sample=False, streamer=clock, pad_token_id=0, **extra)
+                hf.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=n,
+                    min_new_tokens=n,
+                    do_sample=False,
+                    streamer=clock,
+                    pad_token_id=0,
+                    **extra,
+                )
             return _timing(len(prompt), start, clock.times[1:]), clock.ids[1:]  # the first put() is the prompt
     elif engine == "llama.cpp":
         from ..config import load_config
         from ..kv_cache import bytes_per_position
         from .llamacpp import LlamaCpp
+
         cfg = load_config(Path(a["model"]))
         path = Path(a["gguf"][precision])
         t0 = now()
-        lc = LlamaCpp(path, n_ctx=max([a["prompt_tokens"] + n_new, *contexts]) + a["plot_tokens"] + 8,
-                      threads=a["threads"])
+        lc = LlamaCpp(
+            path, n_ctx=max([a["prompt_tokens"] + n_new, *contexts]) + a["plot_tokens"] + 8, threads=a["threads"]
+        )
         row["load_s"] = round(now() - t0, 3)
         row["weight_bytes"] = _gguf_tensor_bytes(path)
         row["kv_bytes_per_position"] = bytes_per_position(cfg, torch.float16)  # its default F16 cache
@@ -343,6 +466,7 @@ def _measure(engine: str, precision: str, a: dict) -> dict:
 
 def _gguf_tensor_bytes(path: Path) -> int:
     import gguf
+
     return sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
 
 
@@ -361,8 +485,10 @@ def ratios(results) -> dict:
         k, ref = _row(results, "kvchat", mine), _row(results, engine, theirs)
         if k and ref:
             key = f"kvchat {mine} / {engine} {theirs}"
-            out[key] = {"decode": _ratio(k.get("decode_tok_s"), ref.get("decode_tok_s")),
-                        "prefill": _ratio(k.get("prefill_tok_s"), ref.get("prefill_tok_s"))}
+            out[key] = {
+                "decode": _ratio(k.get("decode_tok_s"), ref.get("decode_tok_s")),
+                "prefill": _ratio(k.get("prefill_tok_s"), ref.get("prefill_tok_s")),
+            }
     return out
 
 
@@ -376,8 +502,9 @@ def _runs(ns, device_type: str, have_llama: bool, have_hf: bool) -> list[tuple[s
         print("transformers is not installed: skipping its rows (pip install -e '.[bench]')", file=sys.stderr)
         engines -= {"transformers", "transformers-static"}
     if not have_llama and "llama.cpp" in engines:
-        print("llama-cpp-python or gguf is not installed: skipping llama.cpp (pip install -e '.[bench]')",
-              file=sys.stderr)
+        print(
+            "llama-cpp-python or gguf is not installed: skipping llama.cpp (pip install -e '.[bench]')", file=sys.stderr
+        )
         engines.discard("llama.cpp")
     precisions = {p.strip() for p in ns.precisions.split(",")} if ns.precisions else None
     return [(e, p) for e, p in runs if e in engines and (precisions is None or p in precisions)]
@@ -402,6 +529,7 @@ def collect(ns, progress: bool | None = None) -> dict:
     import torch
 
     from ..loader import default_threads, resolve_device
+
     progress = (not ns.json) if progress is None else progress
     threads = ns.threads or default_threads()
     torch.set_num_threads(threads)
@@ -415,14 +543,23 @@ def collect(ns, progress: bool | None = None) -> dict:
         gguf_files = {}
         if any(e == "llama.cpp" for e, _ in runs):
             from .gguf_export import quantize_gguf, write_gguf
+
             f32 = write_gguf(model, Path(tmp) / "model-F32.gguf")
             gguf_files["F32"] = str(f32)
             for ftype in sorted({p for e, p in runs if e == "llama.cpp"} - {"F32"}):
                 gguf_files[ftype] = str(quantize_gguf(f32, Path(tmp) / f"model-{ftype}.gguf", ftype, threads))
-        args = {"model": model, "device": str(device), "prompt_tokens": ns.prompt_tokens,
-                "new_tokens": ns.new_tokens, "uncached_tokens": ns.uncached_tokens, "threads": threads,
-                "gguf": gguf_files, "plot_contexts": contexts, "plot_tokens": ns.plot_tokens,
-                "prefill_runs": max(1, getattr(ns, "prefill_runs", 3))}
+        args = {
+            "model": model,
+            "device": str(device),
+            "prompt_tokens": ns.prompt_tokens,
+            "new_tokens": ns.new_tokens,
+            "uncached_tokens": ns.uncached_tokens,
+            "threads": threads,
+            "gguf": gguf_files,
+            "plot_contexts": contexts,
+            "plot_tokens": ns.plot_tokens,
+            "prefill_runs": max(1, getattr(ns, "prefill_runs", 3)),
+        }
         ctx = mp.get_context("spawn")
         results = []
         for engine, precision in runs:
@@ -435,10 +572,13 @@ def collect(ns, progress: bool | None = None) -> dict:
             if progress:
                 print(f"  measured {engine} {precision}", file=sys.stderr)
         from ..config import load_config
+
         cfg = load_config(Path(model))
     embed_values = cfg.vocab_size * cfg.hidden_size
     context = ns.prompt_tokens + ns.new_tokens / 2  # mean context while decoding
-    reference_ids = _row(results, "kvchat", "float32").get("token_ids") or _row(results, "kvchat", "bfloat16").get("token_ids")
+    reference_ids = _row(results, "kvchat", "float32").get("token_ids") or _row(results, "kvchat", "bfloat16").get(
+        "token_ids"
+    )
     for r in results:
         if "error" in r:
             continue
@@ -446,7 +586,9 @@ def collect(ns, progress: bool | None = None) -> dict:
         per_token = bytes_per_token(r["weight_bytes"], eb, cfg.tie_word_embeddings, r["kv_bytes_per_position"], context)
         r["bytes_per_token"] = int(per_token)
         r["roofline_tok_s"] = round(roofline_tok_s(bandwidth, per_token), 2)
-        r["roofline_pct"] = None if not r.get("decode_tok_s") else round(100 * r["decode_tok_s"] / r["roofline_tok_s"], 1)
+        r["roofline_pct"] = (
+            None if not r.get("decode_tok_s") else round(100 * r["decode_tok_s"] / r["roofline_tok_s"], 1)
+        )
         if reference_ids and r.get("token_ids"):
             n = min(len(reference_ids), len(r["token_ids"]))
             r["same_tokens_as_kvchat"] = sum(a == b for a, b in zip(reference_ids[:n], r["token_ids"][:n]))
@@ -456,9 +598,16 @@ def collect(ns, progress: bool | None = None) -> dict:
                 above = r["peak_mem_bytes"] - r["baseline_mem_bytes"]
                 r["peak_above_baseline_vs_weights_kv"] = round(above / (r["weight_bytes"] + r["kv_allocated_bytes"]), 3)
         r.pop("token_ids", None)
-    report = {"model": ns.model or ns.shape, "device": str(device), "prompt_tokens": ns.prompt_tokens,
-              "new_tokens": ns.new_tokens, "threads": threads, "bandwidth_gb_s": round(bandwidth / 1e9, 2),
-              "results": results, "ratios": ratios(results)}
+    report = {
+        "model": ns.model or ns.shape,
+        "device": str(device),
+        "prompt_tokens": ns.prompt_tokens,
+        "new_tokens": ns.new_tokens,
+        "threads": threads,
+        "bandwidth_gb_s": round(bandwidth / 1e9, 2),
+        "results": results,
+        "ratios": ratios(results),
+    }
     if ns.plot:
         plot(results, ns.plot, report)
         report["plot"] = ns.plot
@@ -466,33 +615,43 @@ def collect(ns, progress: bool | None = None) -> dict:
 
 
 def print_report(report: dict) -> None:
-    print(f"model {report['model']} · {report['device']} · prompt {report['prompt_tokens']} · "
-          f"new {report['new_tokens']} · threads {report['threads']} · copy bandwidth {report['bandwidth_gb_s']} GB/s")
-    print(f"{'engine':20s} {'precision':9s} {'prefill tok/s':>13s} {'TTFT ms':>9s} {'decode tok/s':>12s} "
-          f"{'% roofline':>10s} {'peak MiB':>9s} {'load s':>7s} {'load/read':>9s} {'peak/(W+KV)':>11s}")
+    print(
+        f"model {report['model']} · {report['device']} · prompt {report['prompt_tokens']} · "
+        f"new {report['new_tokens']} · threads {report['threads']} · copy bandwidth {report['bandwidth_gb_s']} GB/s"
+    )
+    print(
+        f"{'engine':20s} {'precision':9s} {'prefill tok/s':>13s} {'TTFT ms':>9s} {'decode tok/s':>12s} "
+        f"{'% roofline':>10s} {'peak MiB':>9s} {'load s':>7s} {'load/read':>9s} {'peak/(W+KV)':>11s}"
+    )
     for r in report["results"]:
         if "error" in r:
             print(f"{r['engine']:20s} {r['precision']:9s} error: {r['error']}")
             continue
         pct = "—" if r.get("roofline_pct") is None else f"{r['roofline_pct']:.0f}%"
-        print(f"{r['engine']:20s} {r['precision']:9s} {r['prefill_tok_s']:13.1f} {r['ttft_ms']:9.1f} "
-              f"{r['decode_tok_s'] or 0:12.2f} {pct:>10s} {r['peak_mem_bytes'] / 2**20:9.0f} {r['load_s']:7.2f} "
-              f"{_x(r.get('load_vs_file_read')):>9s} {_x(r.get('peak_above_baseline_vs_weights_kv')):>11s}")
+        print(
+            f"{r['engine']:20s} {r['precision']:9s} {r['prefill_tok_s']:13.1f} {r['ttft_ms']:9.1f} "
+            f"{r['decode_tok_s'] or 0:12.2f} {pct:>10s} {r['peak_mem_bytes'] / 2**20:9.0f} {r['load_s']:7.2f} "
+            f"{_x(r.get('load_vs_file_read')):>9s} {_x(r.get('peak_above_baseline_vs_weights_kv')):>11s}"
+        )
     for name, v in report["ratios"].items():
         print(f"{name:45s} decode {_x(v['decode'])}  prefill {_x(v['prefill'])}")
 
 
 def markdown(report: dict) -> str:
     """The report as the Markdown tables README.md keeps."""
-    rows = ["| engine | precision | prefill tok/s | TTFT ms | decode tok/s | % of roofline | peak MiB | load s |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| engine | precision | prefill tok/s | TTFT ms | decode tok/s | % of roofline | peak MiB | load s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in report["results"]:
         if "error" in r:
             rows.append(f"| {r['engine']} | {r['precision']} | error: {r['error']} | | | | | |")
             continue
         pct = "—" if r.get("roofline_pct") is None else f"{r['roofline_pct']:.0f}%"
-        rows.append(f"| {r['engine']} | {r['precision']} | {r['prefill_tok_s']:.1f} | {r['ttft_ms']:.0f} | "
-                    f"{r['decode_tok_s']:.2f} | {pct} | {r['peak_mem_bytes'] / 2**20:,.0f} | {r['load_s']:.2f} |")
+        rows.append(
+            f"| {r['engine']} | {r['precision']} | {r['prefill_tok_s']:.1f} | {r['ttft_ms']:.0f} | "
+            f"{r['decode_tok_s']:.2f} | {pct} | {r['peak_mem_bytes'] / 2**20:,.0f} | {r['load_s']:.2f} |"
+        )
     rows += ["", "| ratio (same run) | decode | prefill |", "|---|---|---|"]
     rows += [f"| {k} | {_x(v['decode'])} | {_x(v['prefill'])} |" for k, v in report["ratios"].items()]
     return "\n".join(rows)
@@ -505,18 +664,35 @@ def _x(v) -> str:
 def plot(results: list[dict], path: str, report: dict) -> None:
     """Decode tok/s against context length, one line per engine and precision."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     colors = {"kvchat": "#1f77b4", "transformers": "#ff7f0e", "transformers-static": "#2ca02c", "llama.cpp": "#d62728"}
-    styles = {"float32": ("-", "o"), "F32": ("-", "o"), "bfloat16": ("--", "s"), "float16": ("--", "D"),
-              "F16": ("--", "D"), "int8": (":", "^"), "Q8_0": (":", "^"), "int4": ("-.", "v"), "Q4_0": ("-.", "v")}
+    styles = {
+        "float32": ("-", "o"),
+        "F32": ("-", "o"),
+        "bfloat16": ("--", "s"),
+        "float16": ("--", "D"),
+        "F16": ("--", "D"),
+        "int8": (":", "^"),
+        "Q8_0": (":", "^"),
+        "int4": ("-.", "v"),
+        "Q4_0": ("-.", "v"),
+    }
     fig, ax = plt.subplots(figsize=(9, 5), dpi=120)
     for r in results:
         points = sorted((int(c), v) for c, v in (r.get("by_context") or {}).items() if v)
         if points:
             line, marker = styles.get(r["precision"], ("-", "o"))
-            ax.plot([c for c, _ in points], [v for _, v in points], linestyle=line, marker=marker,
-                    color=colors.get(r["engine"], "gray"), label=f"{r['engine']} {r['precision']}")
+            ax.plot(
+                [c for c, _ in points],
+                [v for _, v in points],
+                linestyle=line,
+                marker=marker,
+                color=colors.get(r["engine"], "gray"),
+                label=f"{r['engine']} {r['precision']}",
+            )
     ax.set_xscale("log", base=2)
     ax.set_xticks(list(PLOT_CONTEXTS), [str(c) for c in PLOT_CONTEXTS])
     ax.set_xlabel("context (positions in the KV cache)")
@@ -531,6 +707,7 @@ def plot(results: list[dict], path: str, report: dict) -> None:
 
 if __name__ == "__main__":
     import argparse
+
     ap = argparse.ArgumentParser()
     add_arguments(ap)
     raise SystemExit(run(ap.parse_args()))

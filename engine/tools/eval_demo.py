@@ -1,4 +1,4 @@
-"""`python -m engine.eval_demo`: the demo model's acceptance figures on held-out chats.
+"""`python -m engine.tools.eval_demo`: the demo model's acceptance figures on held-out chats.
 
 For each held-out chat (a seed and budgets never used in training) the model replies greedily;
 then the budget in the earlier user message is edited and the reply regenerated through the
@@ -31,13 +31,24 @@ def _reply(session: Session, messages, max_new_tokens: int):
     return start, fin
 
 
-def evaluate(model=None, n: int = 200, seed: int = 20261129, max_new_tokens: int = 80, device=None,
-             dtype=None, progress=None, weights: str = "none", kv: str = "none", group_size: int = 64) -> dict:
+def evaluate(
+    model=None,
+    n: int = 200,
+    seed: int = 20261129,
+    max_new_tokens: int = 80,
+    device=None,
+    dtype=None,
+    progress=None,
+    weights: str = "none",
+    kv: str = "none",
+    group_size: int = 64,
+) -> dict:
     loaded = load_model(model, device=device, dtype=dtype, weights=weights, group_size=group_size)
     session = Session(loaded, capacity=1024, kv=kv)
     rng = random.Random(seed)
-    counts = dict(budget_exact=0, budget_with_currency=0, city=0, edit_follows=0, edit_reuse_at_token=0,
-                  edit_old_value_gone=0)
+    counts = dict(
+        budget_exact=0, budget_with_currency=0, city=0, edit_follows=0, edit_reuse_at_token=0, edit_old_value_gone=0
+    )
     reused = recomputed = 0
     failures = []
     for i in range(n):
@@ -63,30 +74,52 @@ def evaluate(model=None, n: int = 200, seed: int = 20261129, max_new_tokens: int
         # The edited token: the first token of the new value that differs (a digit, or the currency word
         # where one number is a prefix of the other, as in 50 -> 5000).
         edited_texts = set(str(new_budget)) | set(str(trip.budget)) | {trip.currency}
-        at_token = (r.first_invalidated_position == diff and r.reused == diff
-                    and r.cached_token["id"] == old_prompt[diff] and r.new_token["id"] == new_prompt[diff]
-                    and r.new_token["text"].strip() in edited_texts and r.cached_token["text"].strip() in edited_texts)
+        at_token = (
+            r.first_invalidated_position == diff
+            and r.reused == diff
+            and r.cached_token["id"] == old_prompt[diff]
+            and r.new_token["id"] == new_prompt[diff]
+            and r.new_token["text"].strip() in edited_texts
+            and r.cached_token["text"].strip() in edited_texts
+        )
         counts["edit_reuse_at_token"] += at_token
         counts["edit_follows"] += new_money in second.text
         counts["edit_old_value_gone"] += trip.money not in second.text
         reused += r.reused
         recomputed += r.computed
         if not at_token:
-            failures.append({"case": i, "reuse_not_at_edit": r.to_dict(), "edited_at": diff,
-                             "budget": trip.money, "edited_to": new_money})
+            failures.append(
+                {
+                    "case": i,
+                    "reuse_not_at_edit": r.to_dict(),
+                    "edited_at": diff,
+                    "budget": trip.money,
+                    "edited_to": new_money,
+                }
+            )
         if not ok_money or new_money not in second.text:
-            failures.append({"case": i, "budget": trip.money, "reply": text, "edited_to": new_money,
-                             "edited_reply": second.text})
+            failures.append(
+                {"case": i, "budget": trip.money, "reply": text, "edited_to": new_money, "edited_reply": second.text}
+            )
         if progress:
             progress(i + 1, n)
     pct = {k: round(100.0 * v / n, 1) for k, v in counts.items()}
-    return {"model": str(loaded.path), "weights": loaded.quantization, "kv": kv, "cases": n, "seed": seed, "percent": pct, "counts": counts,
-            "mean_reused_positions": round(reused / n, 1), "mean_recomputed_positions": round(recomputed / n, 1),
-            "failures": failures[:10]}
+    return {
+        "model": str(loaded.path),
+        "weights": loaded.quantization,
+        "kv": kv,
+        "cases": n,
+        "seed": seed,
+        "percent": pct,
+        "counts": counts,
+        "mean_reused_positions": round(reused / n, 1),
+        "mean_recomputed_positions": round(recomputed / n, 1),
+        "failures": failures[:10],
+    }
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m engine.eval_demo", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m engine.tools.eval_demo", description=__doc__)
     ap.add_argument("--model", default=None, help="default: the bundled demo model")
     ap.add_argument("--n", type=int, default=200)
     ap.add_argument("--seed", type=int, default=20261129)
@@ -101,22 +134,36 @@ def main(argv=None) -> int:
     def progress(i, n):
         if not ns.json and i % 20 == 0:
             print(f"  {i}/{n}", file=sys.stderr)
-    res = evaluate(ns.model, ns.n, ns.seed, device=ns.device, dtype=ns.dtype, progress=progress,
-                   weights=ns.weights, kv=ns.kv, group_size=ns.group_size)
+
+    res = evaluate(
+        ns.model,
+        ns.n,
+        ns.seed,
+        device=ns.device,
+        dtype=ns.dtype,
+        progress=progress,
+        weights=ns.weights,
+        kv=ns.kv,
+        group_size=ns.group_size,
+    )
     if ns.json:
         print(json.dumps(res, ensure_ascii=False, indent=2))
         return 0
     p = res["percent"]
-    print(f"held-out chats: {res['cases']} (seed {res['seed']}, budgets never seen in training) · "
-          f"weights {res['weights']} · KV {res['kv']}")
+    print(
+        f"held-out chats: {res['cases']} (seed {res['seed']}, budgets never seen in training) · "
+        f"weights {res['weights']} · KV {res['kv']}"
+    )
     print(f"  reply states the budget with its currency   {p['budget_with_currency']:5.1f}%")
     print(f"  reply states the budget's digits            {p['budget_exact']:5.1f}%")
     print(f"  reply states the city                       {p['city']:5.1f}%")
     print(f"  after the edit, reply uses the new budget   {p['edit_follows']:5.1f}%")
     print(f"  after the edit, the old budget is gone      {p['edit_old_value_gone']:5.1f}%")
     print(f"  reuse stopped exactly at the edited token   {p['edit_reuse_at_token']:5.1f}%")
-    print(f"  mean positions reused / recomputed on edit  {res['mean_reused_positions']} / "
-          f"{res['mean_recomputed_positions']}")
+    print(
+        f"  mean positions reused / recomputed on edit  {res['mean_reused_positions']} / "
+        f"{res['mean_recomputed_positions']}"
+    )
     return 0
 
 

@@ -31,6 +31,7 @@ def write_gguf(model_dir, out: Path) -> Path:
     import gguf
 
     from ..loader import _weight_files
+
     model_dir = Path(model_dir)
     cfg = load_config(model_dir)
     if cfg.family not in ARCHES:
@@ -60,16 +61,29 @@ def write_gguf(model_dir, out: Path) -> Path:
     w.add_token_merges(["<t 0>"])  # llama.cpp wants merges for a "gpt2" vocabulary; never used
     w.add_add_bos_token(False)
 
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    per_layer = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-                 "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-                 "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-                 "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
-                 "self_attn.v_proj.bias": "attn_v.bias", "self_attn.q_norm.weight": "attn_q_norm.weight",
-                 "self_attn.k_norm.weight": "attn_k_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
-                 "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    per_layer = {
+        "input_layernorm.weight": "attn_norm.weight",
+        "post_attention_layernorm.weight": "ffn_norm.weight",
+        "self_attn.q_proj.weight": "attn_q.weight",
+        "self_attn.k_proj.weight": "attn_k.weight",
+        "self_attn.v_proj.weight": "attn_v.weight",
+        "self_attn.o_proj.weight": "attn_output.weight",
+        "self_attn.q_proj.bias": "attn_q.bias",
+        "self_attn.k_proj.bias": "attn_k.bias",
+        "self_attn.v_proj.bias": "attn_v.bias",
+        "self_attn.q_norm.weight": "attn_q_norm.weight",
+        "self_attn.k_norm.weight": "attn_k_norm.weight",
+        "mlp.gate_proj.weight": "ffn_gate.weight",
+        "mlp.up_proj.weight": "ffn_up.weight",
+        "mlp.down_proj.weight": "ffn_down.weight",
+    }
     from safetensors import safe_open
+
     files = _weight_files(model_dir)
     for name in sorted(files, key=_order):
         i, rest = _split(name)
@@ -98,9 +112,9 @@ def write_gguf(model_dir, out: Path) -> Path:
 
 
 def _split(name: str) -> tuple[int | None, str]:
-    """"model.layers.3.mlp.up_proj.weight" -> (3, "mlp.up_proj.weight"); other names -> (None, name)."""
+    """ "model.layers.3.mlp.up_proj.weight" -> (3, "mlp.up_proj.weight"); other names -> (None, name)."""
     if name.startswith("model.layers."):
-        i, rest = name[len("model.layers."):].split(".", 1)
+        i, rest = name[len("model.layers.") :].split(".", 1)
         return int(i), rest
     return None, name
 
@@ -116,6 +130,7 @@ def quantize_gguf(src: Path, dst: Path, ftype: str, threads: int) -> Path:
     import llama_cpp
 
     from .llamacpp import quiet
+
     quiet()
     if ftype not in FTYPES:
         raise EngineError(f"GGUF type {ftype!r} is not one of {', '.join(FTYPES)}")

@@ -21,6 +21,7 @@ def quiet() -> None:
     """Silence llama.cpp's own logging (it prints every tensor while loading and quantizing)."""
     global _QUIET
     import llama_cpp as L
+
     if _QUIET is None:
         _QUIET = L.llama_log_callback(lambda level, text, user_data: None)  # kept alive here
         L.llama_log_set(_QUIET, ctypes.c_void_p())
@@ -29,6 +30,7 @@ def quiet() -> None:
 class LlamaCpp:
     def __init__(self, gguf_path: Path, n_ctx: int, threads: int, n_batch: int = 512):
         import llama_cpp as L
+
         self.L = L
         quiet()
         L.llama_backend_init()
@@ -50,7 +52,7 @@ class LlamaCpp:
         """Consume ids (in batches); return the greedy next id from the last position's logits."""
         L = self.L
         for a in range(0, len(ids), self.n_batch):
-            part = ids[a:a + self.n_batch]
+            part = ids[a : a + self.n_batch]
             arr = (L.llama_token * len(part))(*part)
             rc = L.llama_decode(self.ctx, L.llama_batch_get_one(arr, len(part)))
             if rc != 0:

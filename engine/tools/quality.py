@@ -37,6 +37,7 @@ def _heldout_text(loaded, n_chats: int = 6, seed: int = 777):
     """Held-out chats (a seed the demo model never trained on): rendered with the model's chat template
     when it has one (token ids), else their plain text."""
     from . import demo_corpus
+
     rng = random.Random(seed)
     chats = [demo_corpus.conversation(rng) for _ in range(n_chats)]
     if loaded.tokenizer.has_chat_template:
@@ -52,8 +53,18 @@ def perplexity(loaded, kv: str, text, max_tokens: int = 1024) -> float:
     return round(math.exp(float(nll)), 4)
 
 
-def run(model=None, weights="none", kv="none", group_size=DEFAULT_GROUP_SIZE, prompts=None, new_tokens=48, device=None,
-        dtype=None, near_tie=0.5, random_ids=False) -> dict:
+def run(
+    model=None,
+    weights="none",
+    kv="none",
+    group_size=DEFAULT_GROUP_SIZE,
+    prompts=None,
+    new_tokens=48,
+    device=None,
+    dtype=None,
+    near_tie=0.5,
+    random_ids=False,
+) -> dict:
     full = load_model(model, device=device, dtype=dtype)
     quant = load_model(model, device=device, dtype=dtype, weights=weights, group_size=group_size)
     if random_ids:  # a random-weight shape: prompts and text are seeded random token ids
@@ -65,12 +76,19 @@ def run(model=None, weights="none", kv="none", group_size=DEFAULT_GROUP_SIZE, pr
         prompts = prompts or DEFAULT_PROMPTS
         text = _heldout_text(full)
     result = compare(full, quant, kv, prompts, new_tokens, near_tie)
-    result.update(model=str(full.path), weights=quant.quantization, kv=kv, dtype=str(full.dtype).removeprefix("torch."),
-                  perplexity_full=perplexity(full, "none", text), perplexity_quant=perplexity(quant, kv, text),
-                  weight_bytes_full=full.weight_bytes, weight_bytes_quant=quant.weight_bytes,
-                  kv_bytes_per_position_full=full.kv_bytes_per_position("none"),
-                  kv_bytes_per_position_quant=quant.kv_bytes_per_position(kv),
-                  calibration="none (scales from each group's max |x|)")
+    result.update(
+        model=str(full.path),
+        weights=quant.quantization,
+        kv=kv,
+        dtype=str(full.dtype).removeprefix("torch."),
+        perplexity_full=perplexity(full, "none", text),
+        perplexity_quant=perplexity(quant, kv, text),
+        weight_bytes_full=full.weight_bytes,
+        weight_bytes_quant=quant.weight_bytes,
+        kv_bytes_per_position_full=full.kv_bytes_per_position("none"),
+        kv_bytes_per_position_quant=quant.kv_bytes_per_position(kv),
+        calibration="none (scales from each group's max |x|)",
+    )
     return result
 
 
@@ -79,7 +97,9 @@ def add_arguments(p) -> None:
     p.add_argument("--shape", default=None, help="a random-weight shape instead of a model (smollm2-135m, ...)")
     p.add_argument("--weights", default="none", choices=["none", "int8", "int4"])
     p.add_argument("--kv", default="none", choices=["none", "int8", "int4"])
-    p.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE, help="values per scale (0: one per output channel)")
+    p.add_argument(
+        "--group-size", type=int, default=DEFAULT_GROUP_SIZE, help="values per scale (0: one per output channel)"
+    )
     p.add_argument("--prompts", default=None, help="a JSON list of prompts (strings or message lists)")
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--near-tie", type=float, default=0.5, help="top-2 logit margin that counts as a near tie")
@@ -98,28 +118,44 @@ def main(ns) -> int:
         from pathlib import Path
 
         from .bench import write_random_checkpoint
+
         with tempfile.TemporaryDirectory(prefix="kvchat-quality-") as tmp:
             path = write_random_checkpoint(Path(tmp) / ns.shape, ns.shape)
-            r = run(str(path), ns.weights, ns.kv, ns.group_size, prompts, ns.new_tokens, ns.device, ns.dtype,
-                    ns.near_tie, random_ids=True)
+            r = run(
+                str(path),
+                ns.weights,
+                ns.kv,
+                ns.group_size,
+                prompts,
+                ns.new_tokens,
+                ns.device,
+                ns.dtype,
+                ns.near_tie,
+                random_ids=True,
+            )
             r["model"] = f"random {ns.shape}"
     else:
-        r = run(ns.model, ns.weights, ns.kv, ns.group_size, prompts, ns.new_tokens, ns.device, ns.dtype,
-                ns.near_tie)
+        r = run(ns.model, ns.weights, ns.kv, ns.group_size, prompts, ns.new_tokens, ns.device, ns.dtype, ns.near_tie)
     if ns.json:
         print(json.dumps(r, ensure_ascii=False))
         return 0
-    print(f"model {r['model']} · {r['dtype']} · weights {r['weights']} · KV {r['kv']} · calibration: {r['calibration']}")
-    rows = [("weights bytes", r["weight_bytes_full"], r["weight_bytes_quant"]),
-            ("KV bytes per position", r["kv_bytes_per_position_full"], r["kv_bytes_per_position_quant"]),
-            ("perplexity (held-out text)", r["perplexity_full"], r["perplexity_quant"]),
-            ("decode tok/s", r["decode_tok_s_full"], r["decode_tok_s_quant"])]
+    print(
+        f"model {r['model']} · {r['dtype']} · weights {r['weights']} · KV {r['kv']} · calibration: {r['calibration']}"
+    )
+    rows = [
+        ("weights bytes", r["weight_bytes_full"], r["weight_bytes_quant"]),
+        ("KV bytes per position", r["kv_bytes_per_position_full"], r["kv_bytes_per_position_quant"]),
+        ("perplexity (held-out text)", r["perplexity_full"], r["perplexity_quant"]),
+        ("decode tok/s", r["decode_tok_s_full"], r["decode_tok_s_quant"]),
+    ]
     print(f"{'':28s} {'full':>14s} {'quantized':>14s}")
     for name, a, b in rows:
         print(f"{name:28s} {a!s:>14s} {b!s:>14s}")
     print(f"top-1 agreement over {r['positions']} teacher-forced positions: {100 * r['top1_agreement']:.1f}%")
     print(f"mean KL(full || quantized): {r['mean_kl']:.5f} nats")
     print(f"near-tie flips (top-2 margin < {r['near_tie_threshold']}): {r['near_tie_flips']}")
-    print(f"greedy replies that diverge: {r['prompts_diverged']} of {len(r['per_prompt'])}; first divergence at "
-          f"{[p['first_divergence'] for p in r['per_prompt']]}")
+    print(
+        f"greedy replies that diverge: {r['prompts_diverged']} of {len(r['per_prompt'])}; first divergence at "
+        f"{[p['first_divergence'] for p in r['per_prompt']]}"
+    )
     return 0

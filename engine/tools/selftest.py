@@ -18,20 +18,41 @@ from pathlib import Path
 import torch
 
 TINY = {
-    "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
-              "intermediate_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "vocab_size": 512, "max_position_embeddings": 512, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
-              "tie_word_embeddings": False},
-    "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 128,
-              "intermediate_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "vocab_size": 512, "max_position_embeddings": 512, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
-              "tie_word_embeddings": True},
+    "llama": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 512,
+        "max_position_embeddings": 512,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+    },
+    "qwen2": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 512,
+        "max_position_embeddings": 512,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+    },
 }
 
 
 def cached_vs_uncached(model_dir: Path, device: str, dtype: str, steps: int = 24) -> dict:
     from ..loader import load_model
     from ..session import Request, Session
+
     loaded = load_model(model_dir, device=device, dtype=dtype)
     loaded.tokenizer.stop_ids = frozenset()
     session = Session(loaded, capacity=256, prefill_chunk=16)
@@ -44,16 +65,24 @@ def cached_vs_uncached(model_dir: Path, device: str, dtype: str, steps: int = 24
             ids = torch.cat([ids, torch.tensor([[tok]], device=loaded.device)], dim=1)
     n = len(last.token_ids)
     need = n if dtype == "float32" else int(0.9 * n)
-    return {"dtype": dtype, "tokens": n, "agree": agree, "pass": agree >= need, "decode_path": session.decode_path,
-            "graph_error": session.graph_error}
+    return {
+        "dtype": dtype,
+        "tokens": n,
+        "agree": agree,
+        "pass": agree >= need,
+        "decode_path": session.decode_path,
+        "graph_error": session.graph_error,
+    }
 
 
 def parity_with_transformers(model_dir: Path, device: str, steps: int = 8) -> dict:
     import transformers
+
     transformers.utils.logging.disable_progress_bar()
 
     from ..kv_cache import KVCache
     from ..loader import load_model
+
     ours = load_model(model_dir, device=device, dtype="float32")
     ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     cfg = ours.config
@@ -81,11 +110,13 @@ def main(argv=None) -> int:
     ns = ap.parse_args(argv)
     from ..loader import resolve_device
     from .bench import collect, write_random_checkpoint
+
     device = str(resolve_device(ns.device))
     t0 = time.perf_counter()
     report: dict = {"device": device, "torch": torch.__version__}
     if device == "cpu":
         from ..backends import kernels
+
         report["decode_kernels"] = kernels.status()
     if device.startswith("cuda"):
         report["gpu"] = torch.cuda.get_device_name(0)
@@ -97,14 +128,29 @@ def main(argv=None) -> int:
             for dt in dtypes:
                 checks.append({"model": name, **cached_vs_uncached(path, device, dt)})
             if importlib.util.find_spec("transformers") is not None:
-                checks.append({"model": name, "check": "parity with transformers (float32)",
-                               **parity_with_transformers(path, device)})
+                checks.append(
+                    {
+                        "model": name,
+                        "check": "parity with transformers (float32)",
+                        **parity_with_transformers(path, device),
+                    }
+                )
         report["checks"] = checks
     if not ns.no_bench:
-        bench_ns = argparse.Namespace(model=None, shape=ns.shape, device=device, threads=None,
-                                      engines="kvchat,kvchat-uncached,transformers,transformers-static",
-                                      precisions="bfloat16", prompt_tokens=512, new_tokens=ns.new_tokens,
-                                      uncached_tokens=8, plot=None, plot_tokens=16, json=True)
+        bench_ns = argparse.Namespace(
+            model=None,
+            shape=ns.shape,
+            device=device,
+            threads=None,
+            engines="kvchat,kvchat-uncached,transformers,transformers-static",
+            precisions="bfloat16",
+            prompt_tokens=512,
+            new_tokens=ns.new_tokens,
+            uncached_tokens=8,
+            plot=None,
+            plot_tokens=16,
+            json=True,
+        )
         report["bench"] = collect(bench_ns, progress=False)
     report["pass"] = all(c["pass"] for c in report["checks"])
     report["seconds"] = round(time.perf_counter() - t0, 1)
@@ -115,6 +161,7 @@ def main(argv=None) -> int:
             print(("ok   " if c["pass"] else "FAIL ") + json.dumps(c))
         if "bench" in report:
             from .bench import print_report
+
             print_report(report["bench"])
         print(f"{'passed' if report['pass'] else 'FAILED'} in {report['seconds']} s")
     return 0 if report["pass"] else 1

@@ -14,6 +14,7 @@ def _session_loop(qapp):
     thread: a QObject destroyed there cannot stop its timers, and a later timer event on the GUI thread
     then hits freed memory (a segfault inside QTimerInfoList::activateTimers)."""
     import qasync
+
     lp = qasync.QEventLoop(qapp, already_running=False)
     yield lp
     lp.close()
@@ -28,12 +29,14 @@ def loop(_session_loop):
 
 def spin(loop, predicate, timeout=60.0):
     """Run the qasync loop (Qt events, signals, asyncio tasks) until predicate() holds."""
+
     async def wait():
         end = time.monotonic() + timeout
         while not predicate():
             if time.monotonic() > end:
                 raise TimeoutError("condition not met in time")
             await asyncio.sleep(0.01)
+
     loop.run_until_complete(wait())
 
 
@@ -43,6 +46,7 @@ def make_window(qtbot, loop, tmp_path, monkeypatch):
     from desktop.settings import Settings
     from desktop.settings_dialog import open_settings
     from desktop.window import MainWindow
+
     made = []
 
     def make(model_dir=None, data=None, **settings):
@@ -58,6 +62,7 @@ def make_window(qtbot, loop, tmp_path, monkeypatch):
         made.append(w)
         spin(loop, lambda: ready, 120)
         return w
+
     yield make
     for w in made:
         if not w._closing:

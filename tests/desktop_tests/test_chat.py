@@ -33,8 +33,10 @@ class FakeClient:
         self.requests.append(request)
         n_prompt = len(request.messages)
         reuse = ReuseReport(2, n_prompt, 0, None, None, None, None)
-        events = [PrefillStarted(n_prompt + 2, reuse, tuple(range(n_prompt + 2))),
-                  PrefillDone(2, n_prompt, 0.01, n_prompt + 2)]
+        events = [
+            PrefillStarted(n_prompt + 2, reuse, tuple(range(n_prompt + 2))),
+            PrefillDone(2, n_prompt, 0.01, n_prompt + 2),
+        ]
         times = [self.clock.t + 0.01 * (i + 1) for i in range(len(self.words))]  # the clock reaches each as it is sent
         for i, (w, t) in enumerate(zip(self.words, times)):
             events.append(Token(i + 1, 100 + i, w, t, n_prompt + 2 + i))
@@ -42,12 +44,20 @@ class FakeClient:
             events.append(Failed(self.error, "CapacityError", {"status": "failed"}, {"positions": 3}))
         else:
             trace = {"tokens": len(times), "ttft_ms": round((times[0] - request.arrival) * 1000, 6)}
-            events.append(Finished(self.reason, "".join(self.words), tuple(range(len(times))), trace,
-                                   {"positions": n_prompt + 1 + len(times)}, reuse))
+            events.append(
+                Finished(
+                    self.reason,
+                    "".join(self.words),
+                    tuple(range(len(times))),
+                    trace,
+                    {"positions": n_prompt + 1 + len(times)},
+                    reuse,
+                )
+            )
         events.append(Accounting(tuple(7 + i for i in range(len(request.messages))), {"requests": len(self.requests)}))
         step = max(1, len(events) // self.batches)
         for i in range(0, len(events), step):
-            batch = tuple(events[i:i + step])
+            batch = tuple(events[i : i + step])
             self.clock.t = max([self.clock.t] + [e.time for e in batch if isinstance(e, Token)])
             await asyncio.sleep(0)
             yield batch
@@ -133,8 +143,9 @@ def test_stop_reasons_become_statuses_and_continue_extends_the_reply(chat):
     assert [m.id for m in chat.store.siblings(last)] == [reply.id, last.id]  # the old reply stays a branch
 
 
-@pytest.mark.parametrize("reason,status", [("cancelled", "stopped"), ("capacity", "length"),
-                                           ("stop_string", "complete")])
+@pytest.mark.parametrize(
+    "reason,status", [("cancelled", "stopped"), ("capacity", "length"), ("stop_string", "complete")]
+)
 def test_each_stop_reason_has_its_status(chat, reason, status):
     chat.client.reason = reason
     say(chat, "Hi")
@@ -151,8 +162,10 @@ def test_an_edit_branches_regenerates_and_marks_the_changed_character(chat):
 
     async def stream(request, orig=chat.client.stream):  # the engine's report of an edit at position 13
         async for batch in orig(request):
-            yield tuple(dataclasses.replace(e, reuse=reuse) if isinstance(e, (PrefillStarted, Finished)) else e
-                        for e in batch)
+            yield tuple(
+                dataclasses.replace(e, reuse=reuse) if isinstance(e, (PrefillStarted, Finished)) else e for e in batch
+            )
+
     chat.client.stream = stream
     run(chat.reply(new, chat.clock()))
     assert chat.client.requests[-1].messages[-1]["content"] == "My budget is 750 yuan."
@@ -186,6 +199,7 @@ def test_partial_replies_are_saved_while_streaming(chat):
     def spy(mid, **kw):
         saved.append((mid, kw.get("content"), kw.get("status")))
         return update(mid, **kw)
+
     chat.store.update_message = spy
     chat.client.words = [f"w{i} " for i in range(60)]  # 0.6 s of tokens on the fake clock
     chat.client.batches = 30
@@ -213,6 +227,7 @@ def test_a_failed_reply_keeps_its_text_and_says_why(chat):
 def test_a_stream_that_ends_without_a_last_event_fails_cleanly(chat):
     async def cut(request):
         yield (PrefillStarted(3, ReuseReport(0, 3, 0, None, None, None, None), (1, 2, 3)),)
+
     chat.client.stream = cut
     say(chat, "Hi")
     assert chat.last_message().status == "failed" and "stopped before the reply ended" in chat.listener.errors[0]
@@ -224,6 +239,7 @@ def test_a_locked_database_is_a_message_not_a_crash(chat):
 
     def locked(*a, **k):
         raise StoreError("the conversation database is locked by another program; your last change was not saved")
+
     chat.store.add_message = locked
     assert chat.send("Hi", chat.clock()) is None
     assert "locked" in chat.listener.errors[0]
@@ -240,6 +256,7 @@ def test_closing_mid_reply_keeps_what_streamed(chat):
         chat.save_partial()
         task.cancel()
         return chat.streaming_mid
+
     streaming = run(close_midway())
     m = chat.store.message(streaming)
     assert m.status == "stopped" and m.content == chat.stream_text and chat.client.stopped == 1

@@ -22,6 +22,7 @@ def test_thousands_of_signal_emits_from_a_thread(qapp, loop, spin_loop):
         def on_events(self, batch):
             self.got.extend(batch.events)
             self.threads.add(threading.current_thread())
+
     worker = EngineWorker()
     client = EngineClient(worker)
     receiver = Receiver()
@@ -32,6 +33,7 @@ def test_thousands_of_signal_emits_from_a_thread(qapp, loop, spin_loop):
     def blast():
         for i in range(n):
             worker.events.emit(EventBatch(1, (Token(i, 7, "x", float(i), i % 2),)))
+
     t = threading.Thread(target=blast)
     t.start()
     spin_loop(lambda: len(got) == n, 60)
@@ -49,6 +51,7 @@ def test_async_stream_yields_batches_until_finished(qapp, loop, llama_dir):
     from desktop.worker import WorkerThread
     from engine.session import Request
     from engine.spec import LoadSpec
+
     wt = WorkerThread()
     try:
         client = EngineClient(wt.worker)
@@ -64,6 +67,7 @@ def test_async_stream_yields_batches_until_finished(qapp, loop, llama_dir):
                 kinds += [type(e) for e in batch]
                 tokens += sum(isinstance(e, Token) for e in batch)
             return kinds, tokens
+
         kinds, tokens = loop.run_until_complete(asyncio.wait_for(run(), 60))
         assert kinds[0] is PrefillStarted and kinds[-2] is Finished and kinds[-1] is Accounting and tokens == 40
         assert loaded[0]["capacity"] == 256 and loaded[0]["architecture"] == "LlamaForCausalLM"
@@ -80,6 +84,7 @@ def test_events_cross_the_thread_as_frozen_records(llama_dir):
 
     from engine.loader import load_model
     from engine.session import Request, Session
+
     s = Session(load_model(llama_dir), capacity=64)
 
     def plain(x):
@@ -90,6 +95,7 @@ def test_events_cross_the_thread_as_frozen_records(llama_dir):
         if isinstance(x, (list, tuple)):
             return all(plain(v) for v in x)
         return x is None or isinstance(x, (str, int, float, bool)) and not isinstance(x, torch.Tensor)
+
     events = list(s.generate(Request(prompt_ids=(5, 6, 7), max_new_tokens=3)))
     for ev in events:
         assert dataclasses.is_dataclass(ev) and type(ev).__dataclass_params__.frozen, ev
@@ -126,15 +132,37 @@ def test_seam_bench_reports_gui_rate_and_event_loop_lag():
     import json
     import subprocess
     import sys
-    r = subprocess.run([sys.executable, "-m", "desktop.tools.seam_bench", "--shape", "tiny", "--prompt-tokens", "40",
-                        "--new-tokens", "400", "--repeats", "2", "--batch-ms", "5", "--json"], capture_output=True, text=True, timeout=300)
+
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "desktop.tools.seam_bench",
+            "--shape",
+            "tiny",
+            "--prompt-tokens",
+            "40",
+            "--new-tokens",
+            "400",
+            "--repeats",
+            "2",
+            "--batch-ms",
+            "5",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["tokens_received"] == 400 and out["repeats"] == 2 and len(out["runs"]) == 2
     assert out["engine_alone_decode_tok_s"] > 0 and out["gui_received_decode_tok_s"] > 0
     paired = sorted(r["gui"] / r["alone"] for r in out["runs"])  # the headline: the median of the paired runs
     assert abs(out["gui_vs_engine_alone"] - (paired[0] + paired[1]) / 2) < 2e-3
-    assert out["gui_vs_engine_alone_of_medians"] == round(out["gui_received_decode_tok_s"] / out["engine_alone_decode_tok_s"], 3)
+    assert out["gui_vs_engine_alone_of_medians"] == round(
+        out["gui_received_decode_tok_s"] / out["engine_alone_decode_tok_s"], 3
+    )
     assert out["timer_ticks"] > 0 and out["event_loop_max_lag_ms"] >= 0 and 0 < out["gui_thread_busy"] < 1
     assert 0 < out["gui_thread_busy_decoding"] < 1 and 0 < out["gui_thread_busy_decoding_with_lag_probe"] < 1
     # the rate without the lag probe and with it: separate replies, each run reports both
@@ -156,6 +184,7 @@ def test_redraw_interval_adapts_to_the_gui_cpu_budget(qtbot, make_window, llama_
 
     from desktop import window as win
     from engine.trace import now
+
     w = make_window(llama_dir)
     assert w.timer.interval() == win.REFRESH_MS
     w.chat.generating = True

@@ -48,6 +48,7 @@ def test_send_streams_a_reply_and_the_panel_matches_the_engine(qtbot, make_windo
     assert views[1].message.content == final.text and "600 yuan" in final.text
     assert views[1].tokensLabel.text() == f"{t['tokens']} tokens"
     from engine.tokenizer import Tokenizer
+
     n_user = len(Tokenizer.from_dir(demo_model_dir).encode(BUDGET))
     assert views[0].tokensLabel.text() == f"{n_user} tokens"
     assert w.sendButton.isVisible() and not w.stopButton.isVisible()
@@ -96,8 +97,9 @@ def test_edit_an_earlier_message_branches_and_shows_the_invalidation(qtbot, make
     assert views[1].message.content == first.text
 
 
-def test_a_new_exchange_keeps_the_views_above_it_and_an_edit_rebuilds_from_the_edit(qtbot, make_window, spin_loop,
-                                                                                      demo_model_dir):
+def test_a_new_exchange_keeps_the_views_above_it_and_an_edit_rebuilds_from_the_edit(
+    qtbot, make_window, spin_loop, demo_model_dir
+):
     """Sending lays out only the new messages: a long conversation is not rebuilt from the top for each
     reply (it would block the GUI thread while the engine prefills)."""
     w = make_window(demo_model_dir)
@@ -144,6 +146,7 @@ def test_model_settings_change_drops_the_cache_with_its_reason(qtbot, make_windo
     ready = []
     w.modelReady.connect(ready.append)
     from dataclasses import replace
+
     w.apply_settings(replace(w.settings, dtype="bfloat16"))
     spin_loop(lambda: ready, 120)
     assert w.facts["dtype"] == "bfloat16"
@@ -153,13 +156,16 @@ def test_model_settings_change_drops_the_cache_with_its_reason(qtbot, make_windo
     assert panel(w, "dtypeValue") == "bfloat16"
     assert "dtype changed" in panel(w, "reuseReasonValue")
     from engine.backends import kernels
+
     k = kernels.load()  # what decodes is said: kvchat's kernels where they build, else torch and why
     assert panel(w, "kernelsValue") == (f"kvchat ({k.isa})" if k else kernels.status()) == w.facts["decode_kernels"]
 
 
-def test_a_corrupt_model_folder_shows_the_error_and_keeps_the_old_model(qtbot, make_window, spin_loop,
-                                                                        demo_model_dir, tmp_path):
+def test_a_corrupt_model_folder_shows_the_error_and_keeps_the_old_model(
+    qtbot, make_window, spin_loop, demo_model_dir, tmp_path
+):
     import shutil
+
     w = make_window(demo_model_dir)
     bad = tmp_path / "bad"
     shutil.copytree(demo_model_dir, bad)
@@ -167,6 +173,7 @@ def test_a_corrupt_model_folder_shows_the_error_and_keeps_the_old_model(qtbot, m
     ready = []
     w.modelReady.connect(ready.append)
     from dataclasses import replace
+
     w.apply_settings(replace(w.settings, model_dir=str(bad)))
     spin_loop(lambda: ready, 60)
     assert "corrupt or truncated safetensors" in w.banner.text() and "previous model" in w.banner.text()
@@ -212,6 +219,7 @@ def test_conversations_new_rename_search_delete_undo(qtbot, make_window, spin_lo
     send(qtbot, w, spin_loop, "Hello!")
     assert w.conversationList.count() == 2
     from PySide6.QtWidgets import QInputDialog
+
     monkeypatch.setattr(QInputDialog, "getText", lambda *a, **k: ("Greeting chat", True))
     qtbot.mouseClick(w.renameButton, Qt.LeftButton)
     titles = [w.conversationList.item(i).text() for i in range(2)]
@@ -227,6 +235,7 @@ def test_conversations_new_rename_search_delete_undo(qtbot, make_window, spin_lo
 
 def test_copy_and_export_trace(qtbot, make_window, spin_loop, demo_model_dir, tmp_path):
     from PySide6.QtGui import QGuiApplication
+
     w = make_window(demo_model_dir)
     final = send(qtbot, w, spin_loop, BUDGET)
     qtbot.mouseClick(w.transcript.views[1].copyButton, Qt.LeftButton)
@@ -247,8 +256,9 @@ def test_unreadable_database_is_moved_aside(qtbot, make_window, demo_model_dir, 
     assert len(aside) == 1 and aside[0].read_bytes().startswith(b"this is not a database")
 
 
-def test_locked_database_is_explained_and_the_app_keeps_running(qtbot, make_window, spin_loop, demo_model_dir,
-                                                                tmp_path):
+def test_locked_database_is_explained_and_the_app_keeps_running(
+    qtbot, make_window, spin_loop, demo_model_dir, tmp_path
+):
     data = tmp_path / "data"
     data.mkdir()
     Store(data / "kvchat.db").close()
@@ -292,6 +302,7 @@ def test_precision_switch_and_compare_with_full_precision(qtbot, make_window, sp
     ready = []
     w.modelReady.connect(ready.append)
     from dataclasses import replace
+
     w.apply_settings(replace(w.settings, weights="int4", kv="int8", group_size=32))
     spin_loop(lambda: ready, 120)
     assert panel(w, "precisionValue") == "int4/g32, head int8/g32 · int8"

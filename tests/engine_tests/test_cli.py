@@ -20,13 +20,27 @@ def test_info(llama_dir):
 
 
 def test_generate_json_fields(llama_dir):
-    out = json.loads(run("generate", "--model", llama_dir, "--prompt", "Hello", "--max-new-tokens", 6,
-                         "--json").stdout)
+    out = json.loads(run("generate", "--model", llama_dir, "--prompt", "Hello", "--max-new-tokens", 6, "--json").stdout)
     assert set(out) >= {"text", "token_ids", "prompt_token_ids", "stop_reason", "trace", "reuse", "cache"}
-    assert set(out["trace"]) >= {"ttft_ms", "tpot_ms", "tokens", "decode_tok_s", "prefill_ms", "prefill_tok_s",
-                                 "e2e_ms", "mean_ms_per_token_incl_wait"}
-    assert set(out["reuse"]) >= {"reused", "computed", "invalidated", "first_invalidated_position", "cached_token",
-                                 "new_token", "reason"}
+    assert set(out["trace"]) >= {
+        "ttft_ms",
+        "tpot_ms",
+        "tokens",
+        "decode_tok_s",
+        "prefill_ms",
+        "prefill_tok_s",
+        "e2e_ms",
+        "mean_ms_per_token_incl_wait",
+    }
+    assert set(out["reuse"]) >= {
+        "reused",
+        "computed",
+        "invalidated",
+        "first_invalidated_position",
+        "cached_token",
+        "new_token",
+        "reason",
+    }
     assert set(out["cache"]) >= {"positions", "capacity", "payload_bytes", "allocated_bytes"}
     n = len(out["token_ids"])
     assert out["trace"]["tokens"] == n
@@ -36,28 +50,82 @@ def test_generate_json_fields(llama_dir):
 
 
 def test_generate_raw_and_sampling_seed_is_reproducible(llama_dir):
-    a = json.loads(run("generate", "--model", llama_dir, "--prompt", "Hi", "--raw", "--temperature", 1.0,
-                       "--top-k", 50, "--top-p", 0.9, "--min-p", 0.01, "--seed", 7, "--max-new-tokens", 8,
-                       "--json").stdout)
-    b = json.loads(run("generate", "--model", llama_dir, "--prompt", "Hi", "--raw", "--temperature", 1.0,
-                       "--top-k", 50, "--top-p", 0.9, "--min-p", 0.01, "--seed", 7, "--max-new-tokens", 8,
-                       "--json").stdout)
+    a = json.loads(
+        run(
+            "generate",
+            "--model",
+            llama_dir,
+            "--prompt",
+            "Hi",
+            "--raw",
+            "--temperature",
+            1.0,
+            "--top-k",
+            50,
+            "--top-p",
+            0.9,
+            "--min-p",
+            0.01,
+            "--seed",
+            7,
+            "--max-new-tokens",
+            8,
+            "--json",
+        ).stdout
+    )
+    b = json.loads(
+        run(
+            "generate",
+            "--model",
+            llama_dir,
+            "--prompt",
+            "Hi",
+            "--raw",
+            "--temperature",
+            1.0,
+            "--top-k",
+            50,
+            "--top-p",
+            0.9,
+            "--min-p",
+            0.01,
+            "--seed",
+            7,
+            "--max-new-tokens",
+            8,
+            "--json",
+        ).stdout
+    )
     assert a["token_ids"] == b["token_ids"]
 
 
 def test_generate_over_capacity_is_a_clear_error(llama_dir):
-    r = run("generate", "--model", llama_dir, "--prompt", "Hello there", "--capacity", 30, "--max-new-tokens", 50,
-            check=False)
+    r = run(
+        "generate",
+        "--model",
+        llama_dir,
+        "--prompt",
+        "Hello there",
+        "--capacity",
+        30,
+        "--max-new-tokens",
+        50,
+        check=False,
+    )
     assert r.returncode == 1 and "capacity is 30" in r.stderr and "22 tokens" in r.stderr
 
 
 def test_replay_shows_the_edit(llama_dir, tmp_path):
     convo = [{"role": "user", "content": "My budget is 600 yuan."}]
-    steps = [{"messages": convo, "max_new_tokens": 5},
-             {"messages": [{"role": "user", "content": "My budget is 750 yuan."}], "max_new_tokens": 5}]
+    steps = [
+        {"messages": convo, "max_new_tokens": 5},
+        {"messages": [{"role": "user", "content": "My budget is 750 yuan."}], "max_new_tokens": 5},
+    ]
     script = tmp_path / "s.json"
     script.write_text(json.dumps(steps))
-    lines = [json.loads(x) for x in run("replay", "--model", llama_dir, "--script", script, "--json").stdout.splitlines()]
+    lines = [
+        json.loads(x) for x in run("replay", "--model", llama_dir, "--script", script, "--json").stdout.splitlines()
+    ]
     assert len(lines) == 2
     r = lines[1]["reuse"]
     p0, p1 = lines[0]["prompt_token_ids"], lines[1]["prompt_token_ids"]
@@ -67,20 +135,43 @@ def test_replay_shows_the_edit(llama_dir, tmp_path):
 
 
 def test_chat_edit_and_stats(llama_dir):
-    r = subprocess.run([sys.executable, "-m", "engine", "chat", "--model", str(llama_dir), "--max-new-tokens", "4"],
-                       input="My budget is 600 yuan.\n/edit 1 My budget is 750 yuan.\n/stats\n/quit\n",
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "engine", "chat", "--model", str(llama_dir), "--max-new-tokens", "4"],
+        input="My budget is 600 yuan.\n/edit 1 My budget is 750 yuan.\n/stats\n/quit\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert "invalidated" in r.stdout and "from position" in r.stdout and '"positions"' in r.stdout
 
 
 def test_bench_json(llama_dir):
-    out = json.loads(run("bench", "--model", llama_dir, "--prompt-tokens", 32, "--new-tokens", 8,
-                         "--uncached-tokens", 3, "--engines", "kvchat,kvchat-uncached,transformers-static",
-                         "--precisions", "float32,int8", "--json").stdout)
+    out = json.loads(
+        run(
+            "bench",
+            "--model",
+            llama_dir,
+            "--prompt-tokens",
+            32,
+            "--new-tokens",
+            8,
+            "--uncached-tokens",
+            3,
+            "--engines",
+            "kvchat,kvchat-uncached,transformers-static",
+            "--precisions",
+            "float32,int8",
+            "--json",
+        ).stdout
+    )
     rows = {(r["engine"], r["precision"]): r for r in out["results"]}
-    assert set(rows) == {("kvchat", "float32"), ("kvchat", "int8"), ("kvchat-uncached", "float32"),
-                         ("transformers-static", "float32")}
+    assert set(rows) == {
+        ("kvchat", "float32"),
+        ("kvchat", "int8"),
+        ("kvchat-uncached", "float32"),
+        ("transformers-static", "float32"),
+    }
     for r in rows.values():
         assert "error" not in r, r
         assert r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 and r["peak_mem_bytes"] > 0
@@ -96,6 +187,7 @@ def test_bench_json(llama_dir):
 
 def test_bench_roofline_arithmetic():
     from engine.tools.bench import bytes_per_token, roofline_tok_s
+
     # the figure: 20 GB/s over 0.54 GB of float32 weights caps decode near 37 tok/s
     assert round(roofline_tok_s(20e9, bytes_per_token(540_000_000, 113_246_208, True, 0, 0))) == 37
     # an untied embedding gives one row per token: not counted; the K/V of the context are
@@ -103,8 +195,22 @@ def test_bench_roofline_arithmetic():
 
 
 def test_quality_compares_quantized_with_full_precision(llama_dir):
-    out = json.loads(run("quality", "--model", llama_dir, "--weights", "int4", "--kv", "int8", "--group-size", 16,
-                         "--new-tokens", 8, "--json").stdout)
+    out = json.loads(
+        run(
+            "quality",
+            "--model",
+            llama_dir,
+            "--weights",
+            "int4",
+            "--kv",
+            "int8",
+            "--group-size",
+            16,
+            "--new-tokens",
+            8,
+            "--json",
+        ).stdout
+    )
     assert out["weights"] == "int4/g16" and out["kv"] == "int8"
     assert 0 <= out["top1_agreement"] <= 1 and out["positions"] > 0 and out["mean_kl"] >= 0
     assert out["weight_bytes_quant"] < out["weight_bytes_full"]
@@ -116,8 +222,22 @@ def test_quality_compares_quantized_with_full_precision(llama_dir):
 
 
 def test_generate_with_quantized_weights_and_cache(llama_dir):
-    out = json.loads(run("generate", "--model", llama_dir, "--prompt", "Hello", "--max-new-tokens", 4,
-                         "--weights", "int8", "--kv", "int4", "--json").stdout)
+    out = json.loads(
+        run(
+            "generate",
+            "--model",
+            llama_dir,
+            "--prompt",
+            "Hello",
+            "--max-new-tokens",
+            4,
+            "--weights",
+            "int8",
+            "--kv",
+            "int4",
+            "--json",
+        ).stdout
+    )
     per = 2 * 2 * 2 * (16 // 2 + 4)
     assert out["cache"]["payload_bytes"] == out["cache"]["positions"] * per
 

@@ -14,7 +14,7 @@ def test_table_30_1_bytes_for_8_9_10_positions():
     cache = KVCache(num_layers=2, num_kv_heads=2, head_dim=4, capacity=16, dtype=torch.float16, device="cpu")
     k = torch.zeros(1, 2, 8, 4, dtype=torch.float16)
     got = []
-    for step, t in enumerate([8, 1, 1]):
+    for t in [8, 1, 1]:
         for layer in range(2):
             cache.write(layer, cache.length, k[:, :, :t], k[:, :, :t])
         cache.length += t
@@ -60,8 +60,13 @@ def test_exercise_2_ten_positions(llama_dir):
 
 
 def _trace(arrival, prefill_start, times):
-    t = RequestTrace(arrival=arrival / 1000, started=arrival / 1000, tokenized=prefill_start / 1000,
-                     prefill_start=prefill_start / 1000, prefill_end=prefill_start / 1000)
+    t = RequestTrace(
+        arrival=arrival / 1000,
+        started=arrival / 1000,
+        tokenized=prefill_start / 1000,
+        prefill_start=prefill_start / 1000,
+        prefill_end=prefill_start / 1000,
+    )
     t.token_times = [x / 1000 for x in times]
     t.end = times[-1] / 1000 if times else None
     return t
@@ -105,13 +110,20 @@ def test_failed_request_is_counted_not_dropped(llama_dir):
 
 def test_real_request_trace_parts_add_up(llama_dir):
     from engine.trace import now
+
     loaded = load_model(llama_dir, device="cpu", dtype="float32")
     session = Session(loaded, capacity=64)
     arrival = now()
     events = _run(session, Request(prompt="Hello world", max_new_tokens=5, arrival=arrival))
     tr = session.traces[-1]
     t = events[-1].trace
-    assert t["ttft_ms"] == pytest.approx(sum(v for k, v in t.items() if k in
-                                             ("ttft_queue_ms", "ttft_tokenize_ms", "ttft_prefill_ms", "ttft_first_token_ms")), abs=1e-3)
+    assert t["ttft_ms"] == pytest.approx(
+        sum(
+            v
+            for k, v in t.items()
+            if k in ("ttft_queue_ms", "ttft_tokenize_ms", "ttft_prefill_ms", "ttft_first_token_ms")
+        ),
+        abs=1e-3,
+    )
     assert tr.token_times[0] - arrival == pytest.approx(t["ttft_ms"] / 1000)
     assert t["prefill_tok_s"] == pytest.approx(tr.computed / (t["prefill_ms"] / 1000), rel=1e-3)

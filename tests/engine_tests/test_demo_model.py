@@ -54,8 +54,13 @@ def test_greedy_tokens_match_transformers(demo_model_dir):
     ref_tok = transformers.AutoTokenizer.from_pretrained(demo_model_dir)
     ids = ref_tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=True)["input_ids"]
     assert ids == loaded.tokenizer.apply_chat_template(msgs)
-    out = hf.generate(torch.tensor([ids]), max_new_tokens=60, do_sample=False,
-                      eos_token_id=sorted(loaded.tokenizer.stop_ids), pad_token_id=0)[0, len(ids):].tolist()
+    out = hf.generate(
+        torch.tensor([ids]),
+        max_new_tokens=60,
+        do_sample=False,
+        eos_token_id=sorted(loaded.tokenizer.stop_ids),
+        pad_token_id=0,
+    )[0, len(ids) :].tolist()
     out = [t for t in out if t not in loaded.tokenizer.stop_ids]
     _, fin = reply(Session(loaded), msgs, max_new_tokens=60)
     assert list(fin.token_ids) == out
@@ -69,6 +74,7 @@ def test_stop_string_ends_the_reply_before_it(demo_model_dir):
 
 def test_sampling_with_a_seed_is_reproducible(demo_model_dir):
     from engine.sampling import SamplingParams
+
     session = Session(load_model(demo_model_dir))
     p = SamplingParams(temperature=1.2, top_k=20, top_p=0.95, seed=11)
     a = reply(session, [{"role": "user", "content": BUDGET}], sampling=p)[1]

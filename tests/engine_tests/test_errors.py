@@ -45,6 +45,7 @@ def test_unsupported_architecture_is_named_with_the_supported_ones(tmp_path):
 
 def test_missing_tensor(tmp_path):
     from safetensors.torch import load_file, save_file
+
     path = make_checkpoint(tmp_path, "llama")
     tensors = load_file(path / "model.safetensors")
     del tensors["model.layers.1.mlp.up_proj.weight"]
@@ -55,6 +56,7 @@ def test_missing_tensor(tmp_path):
 
 def test_wrong_shape(tmp_path):
     from safetensors.torch import load_file, save_file
+
     path = make_checkpoint(tmp_path, "llama")
     tensors = load_file(path / "model.safetensors")
     tensors["model.layers.0.self_attn.k_proj.weight"] = tensors["model.layers.0.self_attn.k_proj.weight"][:8]
@@ -86,6 +88,7 @@ def test_pickle_only_folder_is_refused_without_unpickling(tmp_path):
     class Boom:
         def __reduce__(self):
             return (open, (str(marker), "w"))
+
     (path / "pytorch_model.bin").write_bytes(pickle.dumps(Boom()))
     with pytest.raises(ModelLoadError, match=r"only pickle weights found \(pytorch_model.bin\).*never unpickles"):
         load_model(path)
@@ -110,6 +113,7 @@ def test_bad_dtype_and_device(tmp_path):
     with pytest.raises(ModelLoadError, match="dtype 'int3' is not supported"):
         load_model(path, dtype="int3")
     import torch
+
     if not torch.cuda.is_available():
         with pytest.raises(ModelLoadError, match="no CUDA GPU"):
             load_model(path, device="cuda")

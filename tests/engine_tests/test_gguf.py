@@ -37,6 +37,7 @@ def test_gguf_holds_every_tensor(llama_dir, tmp_path):
     got_down = torch.from_numpy(tensors["blk.1.ffn_down.weight"].data.copy()).view(down.shape)
     assert torch.equal(got_down, down.float())
     from engine.config import load_config
+
     n_heads = load_config(llama_dir).num_heads
     got_q = torch.from_numpy(tensors["blk.0.attn_q.weight"].data.copy()).view(q.shape)
     assert torch.equal(_unpermute(got_q, n_heads), q.float())
@@ -47,6 +48,7 @@ def test_llama_cpp_runs_the_same_weights(demo_model_dir, tmp_path):
     from engine.loader import load_model
     from engine.session import Request, Session
     from engine.tools.llamacpp import LlamaCpp
+
     loaded = load_model(demo_model_dir)
     session = Session(loaded, capacity=256)
     messages = ({"role": "user", "content": "My budget is 600 yuan for 3 nights in Kyoto. How much per night?"},)
@@ -66,6 +68,7 @@ def test_llama_cpp_greedy_tokens_equal_kvchat_per_family(tmp_path, family):
     from engine.tools.bench import write_random_checkpoint
     from engine.tools.llamacpp import LlamaCpp
     from engine.tools.selftest import TINY
+
     path = write_random_checkpoint(tmp_path / family, TINY[family], std=0.2)  # peaked logits: no near-ties
     loaded = load_model(path)
     loaded.tokenizer.stop_ids = frozenset()

@@ -98,22 +98,22 @@ def test_attention_step_equals_the_torch_step(tmp_path, dtype, family, extra):
             c.length = 20
         for pos in range(20, 30):  # past the window of 8
             x = torch.randn(1, 1, cfg.hidden_size, generator=g).to(dtype)
-            mask = None if cfg.sliding_window is None else \
-                torch.arange(pos + 1)[None] > pos - cfg.sliding_window
+            mask = None if cfg.sliding_window is None else torch.arange(pos + 1)[None] > pos - cfg.sliding_window
             attn.__class__ = Attention
-            want = attn(x, cos_t[pos:pos + 1], sin_t[pos:pos + 1], mask, caches[0], 0, pos)
+            want = attn(x, cos_t[pos : pos + 1], sin_t[pos : pos + 1], mask, caches[0], 0, pos)
             attn.__class__, attn.kernels = KernelAttention, K
-            got = attn(x, cos_t[pos:pos + 1], sin_t[pos:pos + 1], mask, caches[1], 0, pos)
+            got = attn(x, cos_t[pos : pos + 1], sin_t[pos : pos + 1], mask, caches[1], 0, pos)
             tol = 1e-5 if dtype == torch.float32 else 2e-2
             close(got, want, tol)
-            close(caches[1].k[:, :, :, :pos + 1], caches[0].k[:, :, :, :pos + 1], tol)
-            assert torch.equal(caches[1].v[:, :, :, :pos + 1], caches[0].v[:, :, :, :pos + 1])
+            close(caches[1].k[:, :, :, : pos + 1], caches[0].k[:, :, :, : pos + 1], tol)
+            assert torch.equal(caches[1].v[:, :, :, : pos + 1], caches[0].v[:, :, :, : pos + 1])
 
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-@pytest.mark.parametrize("family,extra", [("llama", {}), ("qwen2", {"tie": True}), ("qwen3", {}),
-                                          ("mistral", {"sliding_window": 8})])
+@pytest.mark.parametrize(
+    "family,extra", [("llama", {}), ("qwen2", {"tie": True}), ("qwen3", {}), ("mistral", {"sliding_window": 8})]
+)
 def test_decoding_through_the_kernels_matches_torchs_kernels(tmp_path, monkeypatch, dtype, family, extra):
     path = make_checkpoint(tmp_path, family, **extra)
     fast = load_model(path, dtype=dtype)
@@ -149,8 +149,10 @@ def _decode(model, cache, prompt, steps):
 
 
 @needs_kernels
-@pytest.mark.parametrize("weights,group,dtype", [("int8", 0, "float32"), ("int8", 64, "float32"),
-                                                 ("int4", 32, "float32"), ("int4", 32, "bfloat16")])
+@pytest.mark.parametrize(
+    "weights,group,dtype",
+    [("int8", 0, "float32"), ("int8", 64, "float32"), ("int4", 32, "float32"), ("int4", 32, "bfloat16")],
+)
 def test_quantized_layers_decode_through_the_kernels(llama_dir, weights, group, dtype):
     loaded = load_model(llama_dir, weights=weights, group_size=group, dtype=dtype)
     ql = loaded.model.layers[0].mlp.gate_up
@@ -181,7 +183,7 @@ def test_the_one_call_step_follows_the_cache_it_is_given(llama_dir):
         want = _decode(model, want_cache, prompt, 8)
         model.decode_step = keep
         close(fast, want, 1e-5)
-        close(cache.k[:, :, :, :cache.length], want_cache.k[:, :, :, :cache.length], 1e-5)
+        close(cache.k[:, :, :, : cache.length], want_cache.k[:, :, :, : cache.length], 1e-5)
         del cache
 
 
@@ -203,15 +205,17 @@ def test_a_kernel_that_disagrees_with_torch_is_not_used(monkeypatch):
 
 
 def _run(code: str, **env) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **env})
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env={**os.environ, **env}
+    )
 
 
 STATUS = "import torch; from engine.backends import kernels; print(kernels.status())"
 
 
-@pytest.mark.parametrize("env,says", [({"KVCHAT_KERNELS": "0"}, "turned off by KVCHAT_KERNELS"),
-                                      ({"CC": "/bin/false"}, "/bin/false failed")])
+@pytest.mark.parametrize(
+    "env,says", [({"KVCHAT_KERNELS": "0"}, "turned off by KVCHAT_KERNELS"), ({"CC": "/bin/false"}, "/bin/false failed")]
+)
 def test_no_kernels_is_said_and_the_model_still_runs(tmp_path, llama_dir, env, says):
     code = STATUS + f"; from engine.loader import load_model; print(load_model({str(llama_dir)!r}).kernels)"
     r = _run(code, KVCHAT_CACHE_DIR=str(tmp_path), **env)
@@ -220,8 +224,9 @@ def test_no_kernels_is_said_and_the_model_still_runs(tmp_path, llama_dir, env, s
 
 
 @pytest.mark.skipif(not (X86 and shutil.which("gcc")), reason="instruction-set variants are built with gcc on x86")
-@pytest.mark.parametrize("flags,isa", [((), None), (("-mno-avx512f",), "avx2"),
-                                       (("-mno-avx512f", "-mno-avx2", "-mno-fma"), "generic")])
+@pytest.mark.parametrize(
+    "flags,isa", [((), None), (("-mno-avx512f",), "avx2"), (("-mno-avx512f", "-mno-avx2", "-mno-fma"), "generic")]
+)
 def test_each_instruction_set_variant_agrees_with_torch(tmp_path, flags, isa):
     """The AVX-512, AVX2 and plain-C paths all pass the self-check (each that this CPU can run)."""
     path = kernels.build("gcc", flags, tmp_path)
@@ -237,6 +242,7 @@ def test_each_instruction_set_variant_agrees_with_torch(tmp_path, flags, isa):
 
 def test_the_prefill_weight_buffer_is_reused_in_and_out_of_inference_mode():
     from engine.backends.cpu_layouts import weight_scratch
+
     with torch.inference_mode():
         a = weight_scratch((4, 8))
         a.fill_(2)

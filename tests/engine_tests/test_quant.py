@@ -56,7 +56,7 @@ def test_paris_lyon_near_tie_flips_to_the_lower_index():
 def test_error_is_at_most_half_a_step_inside_the_range_and_not_outside(mode):
     g = torch.Generator().manual_seed(0)
     qmax = {"int4": 7, "int8": 127}[mode]
-    for trial in range(200):
+    for _ in range(200):
         s = float(torch.rand(1, generator=g)) * 2 + 0.01
         inside = (torch.rand(64, generator=g) * 2 - 1) * qmax * s
         err = (dequantize(quantize_with_scale(inside, s, qmax), torch.tensor([s])) - inside).abs()
@@ -86,7 +86,7 @@ def test_quant_linear(mode, group):
     codes, scales = quantize(lin.weight.detach(), mode, g)
     assert torch.equal(ql.weight_codes(), codes)  # the kernel's layout reads back to the same codes
     # an int4 kernel keeps bf16 scales: within 8 significant bits of the float32 definition
-    torch.testing.assert_close(ql.scale_values(), scales, rtol=2 ** -8, atol=0)
+    torch.testing.assert_close(ql.scale_values(), scales, rtol=2**-8, atol=0)
     x = torch.randn(3, 5, 64)
     want = torch.nn.functional.linear(x, ql.dequantized_weight(), lin.bias)
     tol = 1e-4 if ql.kernel is None else 2e-2  # the packed kernels take bfloat16 activations
@@ -125,6 +125,7 @@ def test_quantized_embedding_and_head_follow_the_definition(tmp_path, monkeypatc
     stored once."""
     from checkpoints import make_checkpoint
     from engine.loader import _Reader
+
     monkeypatch.setattr(_Reader, "ROWS_PER_CHUNK", 100)  # 384 rows: four chunks, the last one short
     d = make_checkpoint(tmp_path, "llama", tie=tie)
     full, q = load_model(d), load_model(d, weights="int8", group_size=32)
@@ -137,13 +138,17 @@ def test_quantized_embedding_and_head_follow_the_definition(tmp_path, monkeypatc
     assert (head is table) == tie and head.mode == "int8"
     w = dequantize(*quantize(full.model.lm_head.weight, "int8", 32))  # [V, D]
     x = torch.randn(1, 1, 64)
-    torch.testing.assert_close(q.model.lm_head(q.model.norm(x)), torch.nn.functional.linear(q.model.norm(x), w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        q.model.lm_head(q.model.norm(x)), torch.nn.functional.linear(q.model.norm(x), w), rtol=1e-5, atol=1e-5
+    )
     vd = full.config.vocab_size * 64
     heads_fp32, heads_int8 = (1 if tie else 2) * vd * 4, (1 if tie else 2) * (vd + vd // 32 * 4)
     blocks = [m for m in q.model.layers.modules() if isinstance(m, QuantLinear)]
     blocks_fp32 = sum(m.out_features * m.in_features * 4 for m in blocks)
-    assert weight_bytes(q.model) == weight_bytes(full.model) - blocks_fp32 - heads_fp32 + \
-        sum(m.storage_bytes for m in blocks) + heads_int8
+    assert (
+        weight_bytes(q.model)
+        == weight_bytes(full.model) - blocks_fp32 - heads_fp32 + sum(m.storage_bytes for m in blocks) + heads_int8
+    )
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
@@ -151,6 +156,7 @@ def test_many_rows_dequantize_a_slice_of_the_weight_at_a_time(monkeypatch, mode)
     """Prefill through a large matrix (an output head) never dequantizes it whole: the outputs are
     filled a slice at a time, and equal the whole product."""
     import engine.backends.quantized as quant
+
     torch.manual_seed(0)
     lin = torch.nn.Linear(64, 200, bias=True)
     ql = QuantLinear(lin.weight, lin.bias, mode, 16)
@@ -161,7 +167,9 @@ def test_many_rows_dequantize_a_slice_of_the_weight_at_a_time(monkeypatch, mode)
     monkeypatch.setattr(QuantLinear, "_float_rows", lambda self, a, b, dt: spans.append((a, b)) or rows(self, a, b, dt))
     torch.testing.assert_close(ql(x), want, rtol=1e-6, atol=1e-6)
     assert spans == [(a, min(a + 30, 200)) for a in range(0, 200, 30)]
-    torch.testing.assert_close(want, torch.nn.functional.linear(x, ql.dequantized_weight(), lin.bias), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        want, torch.nn.functional.linear(x, ql.dequantized_weight(), lin.bias), rtol=1e-4, atol=1e-4
+    )
 
 
 def test_quantized_kv_cache_bytes_count_the_scales():
@@ -184,10 +192,12 @@ def test_quantized_kv_cache_bytes_count_the_scales():
 def test_quantized_cache_chunked_equals_token_by_token(llama_dir, kv):
     loaded = load_model(llama_dir)
     prompt = tuple(range(5, 40))
-    a = list(Session(loaded, capacity=128, prefill_chunk=5, kv=kv).generate(Request(prompt_ids=prompt,
-                                                                                      max_new_tokens=10)))[-1]
-    b = list(Session(loaded, capacity=128, prefill_chunk=1, kv=kv).generate(Request(prompt_ids=prompt,
-                                                                                      max_new_tokens=10)))[-1]
+    a = list(
+        Session(loaded, capacity=128, prefill_chunk=5, kv=kv).generate(Request(prompt_ids=prompt, max_new_tokens=10))
+    )[-1]
+    b = list(
+        Session(loaded, capacity=128, prefill_chunk=1, kv=kv).generate(Request(prompt_ids=prompt, max_new_tokens=10))
+    )[-1]
     assert a.token_ids == b.token_ids and a.cache["positions"] == len(prompt) + 9
     cfg = loaded.config
     per = 2 * cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim * (8 if kv == "int8" else 4) // 8 + 4)
@@ -199,8 +209,9 @@ def test_int8_kv_stays_close_to_full_precision(llama_dir):
     cfg = loaded.config
     ids = torch.arange(5, 30).view(1, -1)
     full = loaded.model(ids, KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 64, torch.float32, "cpu"))
-    q = loaded.model(ids, QuantKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 64, torch.float32, "cpu",
-                                       "int8"))
+    q = loaded.model(
+        ids, QuantKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 64, torch.float32, "cpu", "int8")
+    )
     assert (full - q).abs().max() < 0.05 * full.abs().max()
 
 

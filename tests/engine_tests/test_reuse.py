@@ -163,6 +163,7 @@ def test_dtype_change_drops_the_cache_with_its_reason(llama_dir):
 
 def test_other_weights_drop_the_cache(llama_dir, tmp_path):
     from checkpoints import make_checkpoint
+
     other = make_checkpoint(tmp_path / "other", "llama", seed=1)
     session = Session(load_model(llama_dir, device="cpu", dtype="float32"), capacity=256)
     reply(session, messages=CHAT)
@@ -177,8 +178,7 @@ def test_capacity_refused_before_compute(llama_dir):
     assert [type(e).__name__ for e in events] == ["Failed"]
     assert "capacity is 32" in events[0].error and events[0].kind == "CapacityError"
     assert session.cache.length == 0  # nothing computed
-    events = list(session.generate(Request(prompt_ids=tuple(range(5, 25)), max_new_tokens=20,
-                                           stop_on_capacity=True)))
+    events = list(session.generate(Request(prompt_ids=tuple(range(5, 25)), max_new_tokens=20, stop_on_capacity=True)))
     fin = events[-1]
     assert fin.reason == "capacity" and fin.cache["positions"] == 32 and len(fin.token_ids) == 13
 
@@ -191,6 +191,7 @@ def test_exact_fit_is_allowed(llama_dir):
 
 def test_cancel_between_tokens_and_in_prefill(llama_dir):
     import threading
+
     session = Session(load_model(llama_dir, device="cpu", dtype="float32"), capacity=256, prefill_chunk=4)
     cancel = threading.Event()
     got = []

@@ -18,6 +18,7 @@ def test_seed_fixes_the_output():
     def draw():
         g = torch.Generator().manual_seed(3)
         return [choose(logits, p, g) for _ in range(20)]
+
     a, b = draw(), draw()
     assert a == b and len(set(a)) > 1
 

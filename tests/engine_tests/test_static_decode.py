@@ -11,8 +11,12 @@ from engine.kv_cache import KVCache
 from engine.loader import load_model
 from engine.session import Request, Session
 
-CASES = {"llama": dict(family="llama"), "qwen3": dict(family="qwen3"),
-         "mistral-sliding-window": dict(family="mistral", sliding_window=8), "qwen2": dict(family="qwen2", tie=True)}
+CASES = {
+    "llama": dict(family="llama"),
+    "qwen3": dict(family="qwen3"),
+    "mistral-sliding-window": dict(family="mistral", sliding_window=8),
+    "qwen2": dict(family="qwen2", tie=True),
+}
 
 
 def _model(tmp_path, name):
@@ -40,7 +44,7 @@ def test_static_decode_step_equals_the_eager_step(tmp_path, name):
             b.length += 1
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
             token = want[:, -1].argmax(-1, keepdim=True)
-    torch.testing.assert_close(a.k[:, :, :, :a.length], b.k[:, :, :, :b.length], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a.k[:, :, :, : a.length], b.k[:, :, :, : b.length], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

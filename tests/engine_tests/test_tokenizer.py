@@ -16,52 +16,62 @@ TEMPLATES = {
         "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
         "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
         "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
-        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"),
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    ),
     "qwen2.5": (
         "{%- if tools %}\n    {{- '<|im_start|>system\\n' }}\n    {{- '# Tools' }}\n    {%- for tool in tools %}\n"
         "        {{- \"\\n\" }}\n        {{- tool | tojson }}\n    {%- endfor %}\n    {{- '<|im_end|>\\n' }}\n"
         "{%- else %}\n    {%- if messages[0]['role'] == 'system' %}\n"
         "        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n    {%- else %}\n"
-        "        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}\n"
+        "        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. "
+        "You are a helpful assistant.<|im_end|>\\n' }}\n"
         "    {%- endif %}\n{%- endif %}\n{%- for message in messages %}\n"
-        "    {%- if (message.role == \"user\") or (message.role == \"system\" and not loop.first) or "
-        "(message.role == \"assistant\") %}\n"
+        '    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or '
+        '(message.role == "assistant") %}\n'
         "        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}\n"
         "    {%- endif %}\n{%- endfor %}\n{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n' }}\n"
-        "{%- endif %}\n"),
+        "{%- endif %}\n"
+    ),
     "llama3": (
         "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
         "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}"
         "{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
-        "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"),
+        "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+    ),
     "mistral": (
         "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
         "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
         "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
         "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token}}"
-        "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"),
+        "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"
+    ),
     "zephyr": (
         "{% for message in messages %}\n{% if message['role'] == 'user' %}\n{{ '<|user|>\n' + message['content'] + "
         "eos_token }}\n{% elif message['role'] == 'system' %}\n{{ '<|system|>\n' + message['content'] + eos_token }}\n"
         "{% elif message['role'] == 'assistant' %}\n{{ '<|assistant|>\n'  + message['content'] + eos_token }}\n"
-        "{% endif %}\n{% if loop.last and add_generation_prompt %}\n{{ '<|assistant|>' }}\n{% endif %}\n{% endfor %}"),
+        "{% endif %}\n{% if loop.last and add_generation_prompt %}\n{{ '<|assistant|>' }}\n{% endif %}\n{% endfor %}"
+    ),
     "gemma": (
         "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
         "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
         "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
         "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
         "{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
-        "{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}"),
+        "{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}"
+    ),
     "namespace-tojson": (
         "{%- set ns = namespace(system='') -%}{%- for m in messages -%}{%- if m.role == 'system' -%}"
         "{%- set ns.system = m.content -%}{%- endif -%}{%- endfor -%}{{ bos_token }}{{ ns.system | tojson }}"
         "{%- for m in messages if m.role != 'system' -%}{%- if loop.index > 5 -%}{%- break -%}{%- endif -%}"
         "<|im_start|>{{ m.role }} {{ m.content | tojson }}<|im_end|>{%- endfor -%}"
-        "{%- if add_generation_prompt -%}<|im_start|>assistant{%- endif -%}"),
+        "{%- if add_generation_prompt -%}<|im_start|>assistant{%- endif -%}"
+    ),
 }
-USER_ASSISTANT = [{"role": "user", "content": "  I am planning a trip to Chengdu. My budget is 600 yuan.  "},
-                  {"role": "assistant", "content": "Chengdu is lovely! 成都 😀"},
-                  {"role": "user", "content": "Café for 750 yuan?"}]
+USER_ASSISTANT = [
+    {"role": "user", "content": "  I am planning a trip to Chengdu. My budget is 600 yuan.  "},
+    {"role": "assistant", "content": "Chengdu is lovely! 成都 😀"},
+    {"role": "user", "content": "Café for 750 yuan?"},
+]
 WITH_SYSTEM = [{"role": "system", "content": "You plan trips."}] + USER_ASSISTANT
 
 
@@ -73,10 +83,13 @@ def test_template_ids_match_apply_chat_template(tmp_path, name, gen):
     ref = transformers.AutoTokenizer.from_pretrained(path)
     convos = [USER_ASSISTANT] + ([] if name in ("mistral", "gemma") else [WITH_SYSTEM])
     for messages in convos:
-        want = ref.apply_chat_template(messages, tokenize=True, add_generation_prompt=gen, return_dict=True)["input_ids"]
+        want = ref.apply_chat_template(messages, tokenize=True, add_generation_prompt=gen, return_dict=True)[
+            "input_ids"
+        ]
         assert ours.apply_chat_template(messages, add_generation_prompt=gen) == want
         assert ours.render(messages, add_generation_prompt=gen) == ref.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=gen)
+            messages, tokenize=False, add_generation_prompt=gen
+        )
 
 
 def test_template_raise_exception_is_a_clear_error(tmp_path):
@@ -104,11 +117,14 @@ def test_stop_ids_from_generation_config_and_tokenizer(tmp_path):
     assert 11 in Tokenizer.from_dir(path).stop_ids
 
 
-@pytest.mark.parametrize("text", [
-    "Emoji: 😀 🎉 👍🏽 🇨🇳 ❤️ 🚄 done",
-    "成都的预算是六百元。日本語のテキスト。한국어 문장",
-    "Café, naïve, façade, résumé, Zürich, São Paulo, Kraków, Ελληνικά, Русский",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Emoji: 😀 🎉 👍🏽 🇨🇳 ❤️ 🚄 done",
+        "成都的预算是六百元。日本語のテキスト。한국어 문장",
+        "Café, naïve, façade, résumé, Zürich, São Paulo, Kraków, Ελληνικά, Русский",
+    ],
+)
 def test_stream_deltas_concatenate_to_the_decoded_text(tmp_path, text):
     path = make_checkpoint(tmp_path, "llama")
     tok = Tokenizer.from_dir(path)
@@ -129,7 +145,10 @@ def test_stream_deltas_concatenate_to_the_decoded_text(tmp_path, text):
 def test_template_from_a_named_list_or_a_jinja_file(tmp_path):
     path = make_checkpoint(tmp_path, "llama")
     cfg = json.loads((path / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = [{"name": "tool_use", "template": "TOOLS"}, {"name": "default", "template": TEMPLATES["llama3"]}]
+    cfg["chat_template"] = [
+        {"name": "tool_use", "template": "TOOLS"},
+        {"name": "default", "template": TEMPLATES["llama3"]},
+    ]
     (path / "tokenizer_config.json").write_text(json.dumps(cfg))
     ref = transformers.AutoTokenizer.from_pretrained(path)
     want = ref.apply_chat_template(USER_ASSISTANT, tokenize=True, add_generation_prompt=True, return_dict=True)
@@ -147,5 +166,7 @@ def test_continue_final_message_matches_transformers(tmp_path):
     ref = transformers.AutoTokenizer.from_pretrained(path)
     msgs = USER_ASSISTANT[:2]
     want = ref.apply_chat_template(msgs, tokenize=True, continue_final_message=True, return_dict=True)["input_ids"]
-    assert Tokenizer.from_dir(path).apply_chat_template(msgs, add_generation_prompt=False,
-                                                        continue_final_message=True) == want
+    assert (
+        Tokenizer.from_dir(path).apply_chat_template(msgs, add_generation_prompt=False, continue_final_message=True)
+        == want
+    )
