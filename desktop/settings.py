@@ -7,7 +7,6 @@ import dataclasses
 import os
 from pathlib import Path
 
-from engine.quant import DEFAULT_GROUP_SIZE
 from engine.sampling import SamplingParams
 from engine.spec import LoadSpec
 
@@ -22,15 +21,15 @@ def data_dir() -> Path:
     return Path(platformdirs.user_data_dir("kvchat", appauthor=False))
 
 
+# How a LoadSpec field is kept in the settings file: its key there, and the stored value that means None
+# (the engine's own default). The keys are the ones kvchat has always written.
+SPEC_KEYS = {"path": "model_dir"}
+SPEC_DEFAULTS = {"path": "", "device": "auto", "dtype": "auto", "capacity": 0}
+
+
 @dataclasses.dataclass
 class Settings:
-    model_dir: str = ""  # empty: the bundled demo model
-    device: str = "auto"
-    dtype: str = "auto"
-    capacity: int = 0  # 0: min(model context, 4096)
-    weights: str = "none"  # weight precision: none (the dtype) | int8 | int4
-    kv: str = "none"  # KV cache precision: none (the dtype) | int8 | int4
-    group_size: int = DEFAULT_GROUP_SIZE  # values per quantization scale (0: one per output channel)
+    model: LoadSpec = LoadSpec()  # what to load: the record the worker, the CLI and the loader share
     system_prompt: str = ""
     temperature: float = 0.0
     top_k: int = 0
@@ -43,32 +42,33 @@ class Settings:
     @classmethod
     def load(cls, qs) -> Settings:
         """From a QSettings (or anything with contains/value); a bad stored value keeps the default."""
-        s = cls()
-        for f in dataclasses.fields(cls):
-            if qs.contains(f.name):
-                raw = qs.value(f.name)
+        s, spec = cls(), {}
+        for f in dataclasses.fields(LoadSpec):
+            key = SPEC_KEYS.get(f.name, f.name)
+            if qs.contains(key):
+                default = SPEC_DEFAULTS.get(f.name, getattr(LoadSpec, f.name))
                 try:
-                    setattr(s, f.name, type(getattr(s, f.name))(raw))
+                    value = type(default)(qs.value(key))
                 except (TypeError, ValueError):
-                    pass  # a bad stored value keeps the default
+                    continue  # a bad stored value keeps the default
+                spec[f.name] = None if f.name in SPEC_DEFAULTS and value == default else value
+        s.model = LoadSpec(**spec)
+        for f in dataclasses.fields(cls):
+            if f.name != "model" and qs.contains(f.name):
+                try:
+                    setattr(s, f.name, type(getattr(s, f.name))(qs.value(f.name)))
+                except (TypeError, ValueError):
+                    pass
         return s
 
     def save(self, qs) -> None:
+        for f in dataclasses.fields(LoadSpec):
+            value = getattr(self.model, f.name)
+            qs.setValue(SPEC_KEYS.get(f.name, f.name), SPEC_DEFAULTS.get(f.name) if value is None else value)
         for f in dataclasses.fields(self):
-            qs.setValue(f.name, getattr(self, f.name))
+            if f.name != "model":
+                qs.setValue(f.name, getattr(self, f.name))
         qs.sync()
-
-    def load_spec(self) -> LoadSpec:
-        """What the worker loads: "auto" and 0 mean the engine's own defaults."""
-        return LoadSpec(
-            path=self.model_dir or None,
-            device=None if self.device == "auto" else self.device,
-            dtype=None if self.dtype == "auto" else self.dtype,
-            capacity=self.capacity or None,
-            weights=self.weights,
-            kv=self.kv,
-            group_size=self.group_size,
-        )
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(

@@ -23,6 +23,7 @@ from PySide6.QtWidgets import (
 
 from engine.loader import DTYPES
 from engine.quant import PRECISIONS
+from engine.spec import LoadSpec
 
 from .settings import Settings
 
@@ -38,7 +39,8 @@ class SettingsDialog(QDialog):
         self.setWindowTitle("kvchat settings")
         self.setObjectName("settingsDialog")
         form = QFormLayout(self)
-        self.modelDir = QLineEdit(settings.model_dir)
+        spec = settings.model
+        self.modelDir = QLineEdit(spec.path or "")
         self.modelDir.setObjectName("modelDirEdit")
         self.modelDir.setPlaceholderText("bundled demo model")
         browse = QPushButton("Choose…")
@@ -52,20 +54,20 @@ class SettingsDialog(QDialog):
         self.device = QComboBox()
         self.device.setObjectName("deviceCombo")
         self.device.addItems(["auto", "cpu", "cuda", "mps"])
-        self.device.setCurrentText(settings.device)
+        self.device.setCurrentText(spec.device or "auto")
         form.addRow("Device", self.device)
         self.dtype = QComboBox()
         self.dtype.setObjectName("dtypeCombo")
         self.dtype.addItems(["auto", *DTYPES])
-        self.dtype.setCurrentText(settings.dtype)
+        self.dtype.setCurrentText(spec.dtype or "auto")
         form.addRow("dtype", self.dtype)
-        self.capacity = self._spin(settings.capacity, 0, 1 << 20, "capacitySpin", "model default")
+        self.capacity = self._spin(spec.capacity or 0, 0, 1 << 20, "capacitySpin", "model default")
         form.addRow("KV capacity (positions)", self.capacity)
-        self.weights = self._combo(list(PRECISIONS), settings.weights, "weightsCombo")
+        self.weights = self._combo(list(PRECISIONS), spec.weights, "weightsCombo")
         form.addRow("Weight precision", self.weights)
-        self.kv = self._combo(list(PRECISIONS), settings.kv, "kvCombo")
+        self.kv = self._combo(list(PRECISIONS), spec.kv, "kvCombo")
         form.addRow("KV cache precision", self.kv)
-        self.group = self._combo(["32", "64", "128", "0"], str(settings.group_size), "groupSizeCombo")
+        self.group = self._combo(["32", "64", "128", "0"], str(spec.group_size), "groupSizeCombo")
         self.group.setToolTip("values per quantization scale; 0 = one scale per output channel")
         form.addRow("Quantization group size", self.group)
         self.system = QPlainTextEdit(settings.system_prompt)
@@ -129,14 +131,20 @@ class SettingsDialog(QDialog):
             self.modelDir.setText(d)
 
     def result_settings(self) -> Settings:
-        return Settings(
-            model_dir=self.modelDir.text().strip(),
-            device=self.device.currentText(),
-            dtype=self.dtype.currentText(),
-            capacity=self.capacity.value(),
+        def auto(value):  # "auto", 0 and "" leave the choice to the engine
+            return None if value in ("auto", "", 0) else value
+
+        spec = LoadSpec(
+            path=auto(self.modelDir.text().strip()),
+            device=auto(self.device.currentText()),
+            dtype=auto(self.dtype.currentText()),
+            capacity=auto(self.capacity.value()),
             weights=self.weights.currentText(),
             kv=self.kv.currentText(),
             group_size=int(self.group.currentText()),
+        )
+        return Settings(
+            model=spec,
             system_prompt=self.system.toPlainText().strip(),
             temperature=self.temperature.value(),
             top_k=self.top_k.value(),

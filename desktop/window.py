@@ -306,7 +306,7 @@ class MainWindow(QMainWindow):
 
     # --- model -------------------------------------------------------------------------
     def load_model(self) -> None:
-        self.worker.load(self.settings.load_spec())
+        self.worker.load(self.settings.model)
 
     def _on_model_loading(self, what: str) -> None:
         self.loadProgress.setVisible(True)
@@ -338,7 +338,7 @@ class MainWindow(QMainWindow):
             self.apply_settings(dlg.result_settings())
 
     def apply_settings(self, new: Settings) -> None:
-        reload = new.load_spec() != self.settings.load_spec()
+        reload = new.model != self.settings.model
         self.settings = self.chat.settings = new
         new.save(self.qsettings)
         if reload:

@@ -78,6 +78,7 @@ class App:
         from PySide6.QtCore import QTimer
         from PySide6.QtWidgets import QApplication
 
+        from engine.spec import LoadSpec
         from engine.trace import now
 
         from ..settings import Settings
@@ -88,7 +89,9 @@ class App:
 
         self.now, self.tick_ms = now, tick_ms
         os.environ["KVCHAT_DATA_DIR"] = str(data)
-        Settings(model_dir=model, dtype=dtype, max_new_tokens=new_tokens, temperature=0.0).save(open_settings(data))
+        Settings(model=LoadSpec(path=model, dtype=dtype), max_new_tokens=new_tokens, temperature=0.0).save(
+            open_settings(data)
+        )
         self.app = QApplication.instance() or QApplication([])
         self.app.setStyleSheet(style_sheet())  # as the app runs: the style sheet is a good part of painting's cost
         self.loop = qasync.QEventLoop(self.app, already_running=False)

@@ -210,10 +210,9 @@ def fast_cpu_linears(blocks, dtype: torch.dtype) -> int:
     if make is None:
         return 0
     n = 0
-    for parent, name, child in list(block_linears(blocks)):
-        if type(child) is nn.Linear:  # a plain one, as loaded: not already swapped or quantized
-            setattr(parent, name, make(child))
-            n += 1
+    for parent, name, child in list(block_linears(blocks)):  # plain nn.Linear, as loaded
+        setattr(parent, name, make(child))
+        n += 1
     return n
 
 
@@ -226,5 +225,5 @@ def transposed_embedding(model, weight_t: torch.Tensor) -> None:
 
 def kernel_head(model, kernels) -> None:
     """The output head (a plain Linear, tied or not) on the kernels for decode."""
-    if type(model.lm_head) is nn.Linear:
+    if isinstance(model.lm_head, nn.Linear):  # not quantized
         model.lm_head = KernelHead.from_linear(model.lm_head, kernels)

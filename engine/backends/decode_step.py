@@ -65,9 +65,9 @@ def use_kernels(model, kernels) -> None:
     """Route the CPU decode step through kvchat's kernels: all the blocks in one call where every linear
     has a kernel layout (DecodeLayers), and the norms, attention and output head module by module."""
     for m in list(model.modules()):
-        if type(m) is RMSNorm:
+        if isinstance(m, RMSNorm):
             _swap(m, KernelRMSNorm, kernels)
-        elif type(m) is Attention:
+        elif isinstance(m, Attention):
             _swap(m, KernelAttention, kernels)
     kernel_head(model, kernels)
     try:

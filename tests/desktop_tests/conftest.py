@@ -46,13 +46,15 @@ def make_window(qtbot, loop, tmp_path, monkeypatch):
     from desktop.settings import Settings
     from desktop.settings_dialog import open_settings
     from desktop.window import MainWindow
+    from engine.spec import LoadSpec
 
     made = []
 
     def make(model_dir=None, data=None, **settings):
         data = data or tmp_path / "data"
         monkeypatch.setenv("KVCHAT_DATA_DIR", str(data))
-        s = Settings(model_dir=str(model_dir or ""), **settings)
+        spec = {k: settings.pop(k) for k in list(settings) if k in LoadSpec.__dataclass_fields__}
+        s = Settings(model=LoadSpec(path=str(model_dir) if model_dir else None, **spec), **settings)
         s.save(open_settings(data))
         w = MainWindow(data)
         ready = []

@@ -260,3 +260,44 @@ def test_closing_mid_reply_keeps_what_streamed(chat):
     streaming = run(close_midway())
     m = chat.store.message(streaming)
     assert m.status == "stopped" and m.content == chat.stream_text and chat.client.stopped == 1
+
+
+class FakeQSettings(dict):
+    def contains(self, key):
+        return key in self
+
+    def value(self, key):
+        return self[key]
+
+    def setValue(self, key, value):
+        self[key] = str(value)  # an ini file keeps text
+
+    def sync(self):
+        pass
+
+
+def test_settings_keep_one_load_spec_and_read_the_files_kvchat_always_wrote():
+    from engine.spec import LoadSpec
+
+    qs = FakeQSettings()
+    s = Settings(
+        model=LoadSpec(path="/m", dtype="bfloat16", capacity=512, weights="int4", group_size=32),
+        temperature=0.7,
+        seed=3,
+    )
+    s.save(qs)
+    assert qs["model_dir"] == "/m" and qs["device"] == "auto" and qs["capacity"] == "512"
+    assert Settings.load(qs) == s
+    legacy = FakeQSettings(
+        model_dir="",
+        device="auto",
+        dtype="float16",
+        capacity="0",
+        weights="none",
+        kv="int8",
+        group_size="64",
+        temperature="x",
+    )  # a bad value keeps the default
+    got = Settings.load(legacy)
+    assert got.model == LoadSpec(path=None, device=None, dtype="float16", capacity=None, kv="int8")
+    assert got.temperature == 0.0

@@ -147,7 +147,7 @@ def test_model_settings_change_drops_the_cache_with_its_reason(qtbot, make_windo
     w.modelReady.connect(ready.append)
     from dataclasses import replace
 
-    w.apply_settings(replace(w.settings, dtype="bfloat16"))
+    w.apply_settings(replace(w.settings, model=replace(w.settings.model, dtype="bfloat16")))
     spin_loop(lambda: ready, 120)
     assert w.facts["dtype"] == "bfloat16"
     assert "dtype changed (float32 → bfloat16)" in panel(w, "reuseReasonValue")
@@ -174,7 +174,7 @@ def test_a_corrupt_model_folder_shows_the_error_and_keeps_the_old_model(
     w.modelReady.connect(ready.append)
     from dataclasses import replace
 
-    w.apply_settings(replace(w.settings, model_dir=str(bad)))
+    w.apply_settings(replace(w.settings, model=replace(w.settings.model, path=str(bad))))
     spin_loop(lambda: ready, 60)
     assert "corrupt or truncated safetensors" in w.banner.text() and "previous model" in w.banner.text()
     assert w.banner.isVisible() and w.facts["name"] == "kvchat-demo"
@@ -303,7 +303,7 @@ def test_precision_switch_and_compare_with_full_precision(qtbot, make_window, sp
     w.modelReady.connect(ready.append)
     from dataclasses import replace
 
-    w.apply_settings(replace(w.settings, weights="int4", kv="int8", group_size=32))
+    w.apply_settings(replace(w.settings, model=replace(w.settings.model, weights="int4", kv="int8", group_size=32)))
     spin_loop(lambda: ready, 120)
     assert panel(w, "precisionValue") == "int4/g32, head int8/g32 · int8"
     assert w.facts["weight_bytes"] < full_bytes / 2
