@@ -1,8 +1,10 @@
 """`python -m engine bench`: prefill and decode speed of this engine against references in the same run.
 
 Each engine runs in its own child process (same thread count), so the peak memory it reports
-(VmHWM) is its own. Without --model, a random-weight checkpoint of a known shape is written to
-a temporary folder and loaded through the normal path, so load time is measured too.
+(VmHWM) is its own, and a reference that crashes or hangs becomes a row with its error: the run
+goes on. Without --model, a random-weight checkpoint of a known shape is written to a temporary
+folder and loaded through the normal path, so load time is measured too. The report names the CPU
+and the instruction sets the kernels use.
 """
 
 from __future__ import annotations
@@ -10,9 +12,32 @@ from __future__ import annotations
 import importlib.util
 import json
 import multiprocessing as mp
+import platform
+import queue as queues
+import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
+
+ROW_TIMEOUT_S = 1800  # a row that has not reported by then is stopped and reported as timed out
+CPU_FLAGS = (
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512_bf16",
+    "avx512_fp16",
+    "avx512_vnni",
+    "avx_vnni",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+    "asimd",
+    "sve",
+    "neon",
+)
 
 SHAPES = {
     "tiny": {
@@ -162,6 +187,12 @@ def add_arguments(p) -> None:
         help="also measure decode tok/s at contexts 512..4096 and draw it (needs matplotlib)",
     )
     p.add_argument("--plot-tokens", type=int, default=16, help="tokens decoded at each context for --plot")
+    p.add_argument(
+        "--row-timeout",
+        type=float,
+        default=ROW_TIMEOUT_S,
+        help="seconds a row may take before it is stopped and reported as timed out",
+    )
     p.add_argument("--json", action="store_true")
     p.add_argument("--markdown", action="store_true", help="print the tables as Markdown (for README.md)")
 
@@ -309,11 +340,76 @@ def _timing(prompt_len: int, start: float, times: list[float]) -> dict:
     }
 
 
-def _child(engine: str, precision: str, args: dict, queue) -> None:
+def _isolated(target, args: tuple, queue) -> None:
     try:
-        queue.put(_measure(engine, precision, args))
-    except Exception as e:  # report, don't hang the parent
-        queue.put({"engine": engine, "precision": precision, "error": f"{type(e).__name__}: {e}"})
+        queue.put(("ok", target(*args)))
+    except BaseException as e:  # report, don't leave the parent waiting
+        queue.put(("error", f"{type(e).__name__}: {e}"))
+
+
+def run_isolated(target, args: tuple = (), timeout: float = ROW_TIMEOUT_S):
+    """target(*args) in a fresh child process: its value, or {"error": ...} when it raised, died (a
+    crash in native code: the exit code or signal is named) or ran past `timeout` seconds (stopped)."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_isolated, args=(target, args, q), daemon=True)
+    p.start()
+    end = time.monotonic() + timeout
+    outcome = None
+    try:
+        while outcome is None:
+            try:
+                outcome = q.get(timeout=0.5)
+            except queues.Empty:
+                if not p.is_alive():  # it may have reported just before it ended
+                    try:
+                        outcome = q.get(timeout=1.0)
+                    except queues.Empty:
+                        outcome = ("error", f"the child process died ({_exit_reason(p.exitcode)})")
+                elif time.monotonic() > end:
+                    outcome = ("error", f"timed out after {timeout:g} s: stopped")
+    finally:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    kind, value = outcome
+    return value if kind == "ok" else {"error": value}
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is None:
+        return "no exit code"
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+def cpu_info() -> dict:
+    """The CPU the run measured: its model name, the instruction sets that matter to the kernels, and
+    what kvchat's kernels were built for."""
+    from ..backends import kernels
+
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and value.strip():
+                name = value.strip()
+            elif key.strip() in ("flags", "Features"):
+                flags |= set(value.split())
+    except OSError:
+        pass
+    return {"model": name, "instruction_sets": [f for f in CPU_FLAGS if f in flags], "kernels": kernels.status()}
+
+
+def _measure_row(engine: str, precision: str, args: dict, timeout: float) -> dict:
+    """One engine at one precision, measured in a child process of its own."""
+    got = run_isolated(_measure, (engine, precision, args), timeout)
+    return got if "engine" in got else {"engine": engine, "precision": precision, **got}
 
 
 def _kvchat_decode(loaded, prompt, n_new) -> tuple[dict, list[int]]:
@@ -532,6 +628,7 @@ def collect(ns, progress: bool | None = None) -> dict:
 
     progress = (not ns.json) if progress is None else progress
     threads = ns.threads or default_threads()
+    timeout = getattr(ns, "row_timeout", None) or ROW_TIMEOUT_S
     torch.set_num_threads(threads)
     device = resolve_device(ns.device)
     have = {m: importlib.util.find_spec(m) is not None for m in ("transformers", "llama_cpp", "gguf")}
@@ -547,7 +644,8 @@ def collect(ns, progress: bool | None = None) -> dict:
             f32 = write_gguf(model, Path(tmp) / "model-F32.gguf")
             gguf_files["F32"] = str(f32)
             for ftype in sorted({p for e, p in runs if e == "llama.cpp"} - {"F32"}):
-                gguf_files[ftype] = str(quantize_gguf(f32, Path(tmp) / f"model-{ftype}.gguf", ftype, threads))
+                got = run_isolated(quantize_gguf, (f32, Path(tmp) / f"model-{ftype}.gguf", ftype, threads), timeout)
+                gguf_files[ftype] = got if isinstance(got, dict) else str(got)  # {"error": ...} when it failed
         args = {
             "model": model,
             "device": str(device),
@@ -560,17 +658,19 @@ def collect(ns, progress: bool | None = None) -> dict:
             "plot_tokens": ns.plot_tokens,
             "prefill_runs": max(1, getattr(ns, "prefill_runs", 3)),
         }
-        ctx = mp.get_context("spawn")
         results = []
         for engine, precision in runs:
-            q = ctx.Queue()
-            p = ctx.Process(target=_child, args=(engine, precision, args, q))
-            p.start()
-            row = q.get()
-            p.join()
+            gguf = gguf_files.get(precision) if engine == "llama.cpp" else None
+            if isinstance(gguf, dict):  # its file could not be made: the row says why
+                row = {"engine": engine, "precision": precision, "error": f"quantizing: {gguf['error']}"}
+            else:
+                row = _measure_row(engine, precision, args, timeout)
             results.append(row)
             if progress:
-                print(f"  measured {engine} {precision}", file=sys.stderr)
+                print(
+                    f"  measured {engine} {precision}" + (f": {row['error']}" if "error" in row else ""),
+                    file=sys.stderr,
+                )
         from ..config import load_config
 
         cfg = load_config(Path(model))
@@ -605,6 +705,7 @@ def collect(ns, progress: bool | None = None) -> dict:
         "new_tokens": ns.new_tokens,
         "threads": threads,
         "bandwidth_gb_s": round(bandwidth / 1e9, 2),
+        "cpu": cpu_info(),
         "results": results,
         "ratios": ratios(results),
     }
@@ -619,6 +720,10 @@ def print_report(report: dict) -> None:
         f"model {report['model']} · {report['device']} · prompt {report['prompt_tokens']} · "
         f"new {report['new_tokens']} · threads {report['threads']} · copy bandwidth {report['bandwidth_gb_s']} GB/s"
     )
+    cpu = report.get("cpu") or {}
+    if cpu:
+        sets = " ".join(cpu["instruction_sets"]) or "no vector extensions listed"
+        print(f"cpu {cpu['model']} · {sets} · {cpu['kernels']}")
     print(
         f"{'engine':20s} {'precision':9s} {'prefill tok/s':>13s} {'TTFT ms':>9s} {'decode tok/s':>12s} "
         f"{'% roofline':>10s} {'peak MiB':>9s} {'load s':>7s} {'load/read':>9s} {'peak/(W+KV)':>11s}"
@@ -639,7 +744,9 @@ def print_report(report: dict) -> None:
 
 def markdown(report: dict) -> str:
     """The report as the Markdown tables README.md keeps."""
-    rows = [
+    cpu = report.get("cpu") or {}
+    head = [f"CPU: {cpu['model']} ({', '.join(cpu['instruction_sets'])}); {cpu['kernels']}", ""] if cpu else []
+    rows = head + [
         "| engine | precision | prefill tok/s | TTFT ms | decode tok/s | % of roofline | peak MiB | load s |",
         "|---|---|---|---|---|---|---|---|",
     ]

@@ -183,6 +183,7 @@ def test_bench_json(llama_dir):
     assert k["load_vs_file_read"] > 0 and k["peak_above_baseline_vs_weights_kv"] > 0
     assert out["ratios"]["kvchat float32 / transformers-static float32"]["decode"] > 0
     assert out["ratios"]["kvchat float32 / kvchat-uncached float32"]["decode"] > 0
+    assert out["cpu"]["model"] and "kvchat kernels" in out["cpu"]["kernels"] or "torch" in out["cpu"]["kernels"]
 
 
 def test_bench_roofline_arithmetic():
@@ -250,3 +251,34 @@ def test_selftest_checks_on_this_machine():
     assert all(c["agree"] == c["tokens"] for c in cached if c["dtype"] == "float32")
     parity = [c for c in out["checks"] if "max_abs_logit_diff" in c]
     assert parity and all(c["max_abs_logit_diff"] < 1e-3 for c in parity)
+
+
+def test_a_bench_row_that_crashes_or_hangs_is_a_row_with_its_error():
+    """A reference engine that dies in native code (llama.cpp's general protection fault on one CPU) or
+    never returns must not hang the benchmark: its row says what happened and the run goes on."""
+    import operator
+    import os
+    import time
+
+    from engine.tools.bench import run_isolated
+
+    assert run_isolated(operator.add, (2, 3), timeout=60) == 5
+    crashed = run_isolated(os.abort, (), timeout=60)
+    assert crashed == {"error": "the child process died (signal SIGABRT)"}
+    t0 = time.monotonic()
+    hung = run_isolated(time.sleep, (600,), timeout=2)
+    assert hung == {"error": "timed out after 2 s: stopped"} and time.monotonic() - t0 < 30
+    raised = run_isolated(operator.truediv, (1, 0), timeout=60)
+    assert raised == {"error": "ZeroDivisionError: division by zero"}
+
+
+def test_bench_says_which_cpu_it_ran_on():
+    from engine.backends import kernels
+    from engine.tools.bench import cpu_info, markdown
+
+    cpu = cpu_info()
+    assert cpu["model"] and cpu["kernels"] == kernels.status()
+    flags = open("/proc/cpuinfo").read()
+    assert ("avx2" in cpu["instruction_sets"]) == (" avx2" in flags)
+    report = {"cpu": cpu, "results": [], "ratios": {}}
+    assert markdown(report).startswith(f"CPU: {cpu['model']}")
