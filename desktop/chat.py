@@ -205,11 +205,14 @@ class ChatController:
         return path[-1] if path else None
 
     def can_regenerate(self) -> bool:
+        """A reply can be run again, or run at all for a user message left without one (a crash right
+        after Send)."""
         last = self.last_message()
-        return not self.generating and last is not None and last.role == "assistant"
+        return not self.generating and last is not None and last.role in ("assistant", "user")
 
     def can_continue(self) -> bool:
-        return self.can_regenerate() and self.last_message().status in CONTINUABLE
+        last = self.last_message()
+        return self.can_regenerate() and last.role == "assistant" and last.status in CONTINUABLE
 
     # --- conversations -------------------------------------------------------------------------
     def new_conversation(self) -> bool:
@@ -291,24 +294,47 @@ class ChatController:
         return new.id if old.role == "user" else None
 
     def regenerate_target(self) -> int | None:
-        """The user message whose reply Regenerate runs again."""
-        return self.last_message().parent_id if self.can_regenerate() else None
+        """The user message whose reply Regenerate runs (again)."""
+        if not self.can_regenerate():
+            return None
+        last = self.last_message()
+        return last.id if last.role == "user" else last.parent_id
+
+    def continue_target(self) -> tuple[int, int | None] | None:
+        """(the user message, the reply to extend) for Continue; a reply that stopped before its first
+        token has nothing to extend, so it is answered afresh."""
+        if not self.can_continue():
+            return None
+        last = self.last_message()
+        return last.parent_id, (last.id if last.content else None)
 
     def stop(self) -> None:
         self.client.stop()
 
-    async def reply(self, parent_id: int, arrival: float, continue_mid: int | None = None) -> None:
-        """Stream a reply to message `parent_id` (or extend reply `continue_mid`) into a new assistant
-        message, saving it as it grows; the listener hears of every step."""
+    def start(self, parent_id: int, arrival: float, continue_mid: int | None = None):
+        """Claim the one reply slot at once and return the coroutine that streams the reply to message
+        `parent_id` (or extends reply `continue_mid`); None when a reply is already running, so that
+        two clicks in one event-loop turn start one reply. The reply stays in this conversation
+        whatever the person opens while it streams."""
+        if self.generating:
+            return None
         self.generating = True
+        return self._run(self.current_cid, self.messages_until(parent_id), parent_id, arrival, continue_mid)
+
+    async def reply(self, parent_id: int, arrival: float, continue_mid: int | None = None) -> None:
+        """start() and wait for the reply to end."""
+        run = self.start(parent_id, arrival, continue_mid)
+        if run is not None:
+            await run
+
+    async def _run(self, cid, upto, parent_id, arrival, continue_mid) -> None:
         try:
-            await self._reply(parent_id, arrival, continue_mid)
+            await self._reply(cid, upto, parent_id, arrival, continue_mid)
         finally:
             self.generating = False
             self.streaming_mid = None
 
-    async def _reply(self, parent_id: int, arrival: float, continue_mid: int | None) -> None:
-        upto = self.messages_until(parent_id)
+    async def _reply(self, cid: int, upto: list[Message], parent_id: int, arrival: float, continue_mid) -> None:
         if continue_mid is not None:
             base = self.store.message(continue_mid)
             prefix, old_tokens = base.content, base.token_count or 0
@@ -321,14 +347,14 @@ class ChatController:
         else:
             prefix, old_tokens = "", 0
             req = self.request(self.messages(upto), arrival)
-        assistant = self.store.add_message(self.current_cid, parent_id, "assistant", prefix, status="streaming")
+        assistant = self.store.add_message(cid, parent_id, "assistant", prefix, status="streaming")
         self.streaming_mid = assistant.id
         self.stream_text = prefix
         self.stats = self.stats_by_message[assistant.id] = ReplyStats(arrival=arrival, status="prefill")
         self.selected_mid = assistant.id
         self.listener.transcript_changed()
         highlight, self._edit = self._edit, None
-        text, last_save, final = prefix, self.clock(), None
+        text, saved, last_save, final = prefix, prefix, self.clock(), None
         async for batch in self.client.stream(req):
             for ev in batch:
                 if isinstance(ev, Accounting):
@@ -338,7 +364,9 @@ class ChatController:
                 if isinstance(ev, (Finished, Failed)):
                     final = ev
             self.stream_text = text
-            if final is None and self.clock() - last_save >= SAVE_EVERY_S:
+            # The first text at once (a crash in the first interval must not lose it), then every interval.
+            if final is None and text != saved and (saved == prefix or self.clock() - last_save >= SAVE_EVERY_S):
+                saved = text
                 self.guard(
                     self.store.update_message, assistant.id, content=text, token_count=old_tokens + self.stats.tokens
                 )

@@ -222,12 +222,9 @@ class MessageView(QFrame):
 
     def can_show(self, message, branch_index: int, branch_count: int) -> bool:
         """Whether this view can show `message` at that branch position by updating its text alone (no
-        highlight, no open editor): a redraw of the transcript keeps such views instead of rebuilding them."""
-        return (
-            (self.message.id, self.branch) == (message.id, (branch_index, branch_count))
-            and self.highlight is None
-            and not self.editor.isVisible()
-        )
+        highlight): a redraw of the transcript keeps such views instead of rebuilding them, an open
+        editor and its unsaved text included."""
+        return (self.message.id, self.branch) == (message.id, (branch_index, branch_count)) and self.highlight is None
 
     def show_message(self, message) -> None:
         """The stored state of the message this view shows (its text, status and token count)."""

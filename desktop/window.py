@@ -216,7 +216,8 @@ class MainWindow(QMainWindow):
         self.conversationList.blockSignals(False)
 
     def _on_conversation_picked(self, item, _prev=None):
-        if item is not None and not self.generating:
+        """Open another conversation, also while a reply streams (it goes on into its own)."""
+        if item is not None:
             self.select_conversation(item.data(Qt.UserRole))
 
     def select_conversation(self, cid: int | None) -> None:
@@ -392,9 +393,9 @@ class MainWindow(QMainWindow):
             self.start_reply(target, now())
 
     def continue_reply(self) -> None:
-        if self.chat.can_continue():
-            last = self.chat.last_message()
-            self.start_reply(last.parent_id, now(), continue_mid=last.id)
+        target = self.chat.continue_target()
+        if target is not None:
+            self.start_reply(target[0], now(), continue_mid=target[1])
 
     def compare_reply(self, mid: int) -> None:
         """Rerun the prompt of this reply at the other precision (in the worker) and show both."""
@@ -417,8 +418,11 @@ class MainWindow(QMainWindow):
         self.chat.stop()
 
     def start_reply(self, parent_id: int, arrival: float, continue_mid: int | None = None) -> None:
+        run = self.chat.start(parent_id, arrival, continue_mid)  # None: a reply is already running
+        if run is None:
+            return
         self.banner.setVisible(False)
-        self._task = self.loop.create_task(self.chat.reply(parent_id, arrival, continue_mid))
+        self._task = self.loop.create_task(run)
         self._task.add_done_callback(self._reply_done)
         self._update_buttons()
 

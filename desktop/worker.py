@@ -45,6 +45,7 @@ class CompareJob:
 class GenerateJob:
     rid: int
     request: object  # engine.session.Request
+    cancel: threading.Event  # set by Stop, also while the job still waits in the queue
 
 
 class EngineWorker(QObject):
@@ -58,7 +59,7 @@ class EngineWorker(QObject):
     def __init__(self, batch_seconds: float = BATCH_SECONDS):
         super().__init__()
         self._jobs: queue.Queue = queue.Queue()
-        self._cancel = threading.Event()
+        self._waiting: dict[int, threading.Event] = {}  # cancel flags of the generate jobs not yet ended
         self.batch_seconds = batch_seconds
         self.hold_tokens = False  # keep every token until the reply ends (the seam benchmark's engine alone)
         self.loaded = None
@@ -74,13 +75,17 @@ class EngineWorker(QObject):
         self._jobs.put(CompareJob(rid, messages, max_new_tokens))
 
     def generate(self, rid: int, request) -> None:
-        self._jobs.put(GenerateJob(rid, request))
+        job = GenerateJob(rid, request, threading.Event())
+        self._waiting[rid] = job.cancel
+        self._jobs.put(job)
 
     def stop_generation(self) -> None:
-        self._cancel.set()
+        """Stop the running reply at its next token, and any reply still waiting behind a load."""
+        for cancel in list(self._waiting.values()):
+            cancel.set()
 
     def shutdown(self) -> None:
-        self._cancel.set()
+        self.stop_generation()
         self._jobs.put(None)
 
     # --- the worker thread ----------------------------------------------------------------
@@ -102,12 +107,18 @@ class EngineWorker(QObject):
                     self._compare(job)
                 else:
                     self._generate(job)
-            except Exception as e:  # never let the worker die: report and go on
+            except BaseException as e:  # never let the worker die, whatever native code raises: report, go on
                 traceback.print_exc()
+                error = f"internal error: {type(e).__name__}: {e}"
                 if isinstance(job, GenerateJob):
-                    self.events.emit(EventBatch(job.rid, (Failed(f"internal error: {e}", type(e).__name__, {}),)))
+                    self.events.emit(EventBatch(job.rid, (Failed(error, type(e).__name__, {}),)))
+                elif isinstance(job, CompareJob):
+                    self.compared.emit(job.rid, {"error": error})
                 else:
-                    self.modelFailed.emit(f"internal error while loading: {e}")
+                    self.modelFailed.emit(error)
+            finally:
+                if isinstance(job, GenerateJob):
+                    self._waiting.pop(job.rid, None)
         self.stopped.emit()
 
     def _load(self, spec: LoadSpec) -> None:
@@ -151,10 +162,9 @@ class EngineWorker(QObject):
         if self.session is None:
             self.events.emit(EventBatch(job.rid, (Failed("no model is loaded", "EngineError", {}),)))
             return
-        self._cancel.clear()
         batch: list = []
         last = time.monotonic()
-        for ev in self.session.generate(job.request, self._cancel):
+        for ev in self.session.generate(job.request, job.cancel):
             batch.append(ev)
             if isinstance(ev, (Finished, Failed)):
                 batch.append(self._accounting(job.request))

@@ -301,3 +301,54 @@ def test_settings_keep_one_load_spec_and_read_the_files_kvchat_always_wrote():
     got = Settings.load(legacy)
     assert got.model == LoadSpec(path=None, device=None, dtype="float16", capacity=None, kv="int8")
     assert got.temperature == 0.0
+
+
+def test_two_clicks_in_one_turn_start_one_reply(chat):
+    mid = chat.send("Hi", chat.clock())
+    first, second = chat.start(mid, chat.clock()), chat.start(mid, chat.clock())
+    assert first is not None and second is None and chat.generating
+    run(first)
+    assert len(chat.client.requests) == 1 and not chat.generating
+    assert len(chat.store.siblings(chat.last_message())) == 1
+
+
+def test_a_reply_stays_in_its_conversation_while_another_is_opened(chat):
+    say(chat, "In A")
+    a = chat.current_cid
+    chat.client.batches = 6
+    mid = chat.send("Second in A", chat.clock())
+
+    async def switch_midway():
+        task = asyncio.ensure_future(chat.start(mid, chat.clock()))  # as the window starts it: at once
+        while chat.streaming_mid is None or not chat.stream_text:
+            await asyncio.sleep(0)
+        b = chat.store.new_conversation("B")
+        chat.current_cid = b.id  # the person opens B while A's reply streams
+        await task
+        return b.id
+
+    b = run(switch_midway())
+    assert [m.content for m in chat.store.branch(a)][-2:] == ["Second in A", "Hello there"]
+    assert chat.store.branch(b) == [] and chat.current_cid == b
+    say(chat, "In B")  # the next message goes where the person is
+    assert [m.content for m in chat.store.branch(b)] == ["In B", "Hello there"]
+
+
+def test_the_first_text_is_saved_at_once(chat):
+    saved = []
+    update = chat.store.update_message
+    chat.store.update_message = lambda mid, **kw: (saved.append(kw.get("content")), update(mid, **kw))[1]
+    chat.client.words = ["first", " second", " third"]
+    chat.client.batches = 6  # one token a batch, all within one save interval on the fake clock
+    say(chat, "Hi")
+    assert saved[0] == "first"  # a crash after the first token loses nothing shown
+
+
+def test_every_state_a_crash_leaves_can_be_resumed(chat):
+    orphan = chat.send("Hi", chat.clock())  # the app died right after Send: no reply at all
+    assert chat.can_regenerate() and chat.regenerate_target() == orphan
+    run(chat.reply(chat.regenerate_target(), chat.clock()))
+    assert chat.last_message().parent_id == orphan
+    empty = chat.store.add_message(chat.current_cid, orphan, "assistant", "", status="incomplete")
+    assert chat.last_message().id == empty.id and chat.can_continue()
+    assert chat.continue_target() == (orphan, None)  # nothing to extend: answered afresh

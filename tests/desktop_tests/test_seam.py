@@ -202,3 +202,56 @@ def test_redraw_interval_adapts_to_the_gui_cpu_budget(qtbot, make_window, llama_
     w._cpu_mark = (now() - 1.0, time.thread_time())
     w._adapt_refresh()
     assert w.timer.interval() == win.REFRESH_MS
+
+
+def test_stop_reaches_a_reply_still_waiting_in_the_queue(qapp, llama_dir):
+    """Stop pressed while the request waits behind another job (a model reload) stops it at its first
+    token: each request has its own cancel flag, not one the worker clears when it starts a job."""
+    from engine.events import Finished
+    from engine.loader import load_model
+    from engine.session import Request, Session
+
+    w = EngineWorker()
+    w.session = Session(load_model(llama_dir), capacity=64)
+    got = []
+    w.events.connect(lambda batch: got.extend(batch.events))
+    w.generate(1, Request(prompt_ids=(5, 6, 7), max_new_tokens=50))
+    w.stop_generation()  # the job has not started
+    w._generate(w._jobs.get())
+    final = next(e for e in got if isinstance(e, Finished))
+    assert final.reason == "cancelled" and len(final.token_ids) == 1
+
+
+def test_the_worker_survives_what_native_code_raises(qapp, llama_dir):
+    """A BaseException from native code (tokenizers' pyo3 PanicException is one) fails that request
+    and the worker takes the next one."""
+    from engine.events import Failed, Finished
+    from engine.loader import load_model
+    from engine.session import Request, Session
+
+    class PanicException(BaseException):
+        pass
+
+    w = EngineWorker()
+    w.session = Session(load_model(llama_dir), capacity=64)
+    real = w.session.generate
+    calls = []
+
+    def generate(request, cancel):
+        calls.append(request)
+        if len(calls) == 1:
+            raise PanicException("tokenizer panicked")
+        return real(request, cancel)
+
+    w.session.generate = generate
+    got, stopped = [], []
+    w.events.connect(lambda batch: got.append(batch))
+    w.stopped.connect(lambda: stopped.append(True))
+    for rid in (1, 2):
+        w.generate(rid, Request(prompt_ids=(5, 6, 7), max_new_tokens=3))
+    w.shutdown()
+    w.run()  # here, on this thread: both jobs, then the shutdown
+    first = [e for b in got if b.rid == 1 for e in b.events]
+    second = [e for b in got if b.rid == 2 for e in b.events]
+    assert isinstance(first[0], Failed) and "PanicException: tokenizer panicked" in first[0].error
+    assert any(isinstance(e, Finished) for e in second) and stopped == [True]

@@ -320,3 +320,24 @@ def test_precision_switch_and_compare_with_full_precision(qtbot, make_window, sp
     assert "error" not in r and r["weights"] == "int4/g32" and r["kv"] == "int8" and r["current_is_quantized"]
     assert 0 <= r["top1_agreement"] <= 1 and len(r["kl_per_token"]) == len(r["full_tokens"])
     assert w.compareDialog.isVisible() and "agreement" in w.compareDialog.summary.text()
+
+
+def test_two_regenerate_clicks_start_one_reply_and_an_open_editor_keeps_its_text(
+    qtbot, make_window, spin_loop, demo_model_dir
+):
+    w = make_window(demo_model_dir)
+    send(qtbot, w, spin_loop, BUDGET)
+    user_view = w.transcript.views[0]
+    qtbot.mouseClick(user_view.editButton, Qt.LeftButton)
+    user_view.editor.setPlainText("half-typed edit")  # not saved yet
+    got = []
+    w.replyFinished.connect(got.append)
+    qtbot.mouseClick(w.regenerateButton, Qt.LeftButton)
+    w.regenerate()  # a second click in the same event-loop turn
+    spin_loop(lambda: got)
+    spin_loop(lambda: not w.generating)
+    assert len(got) == 1
+    reply = w.transcript.views[1].message
+    assert reply.status == "complete" and len(w.store.siblings(reply)) == 2  # one new reply, not two
+    assert w.transcript.views[0] is user_view and user_view.editor.isVisible()
+    assert user_view.editor.toPlainText() == "half-typed edit"
