@@ -81,6 +81,22 @@ def _ids(value) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, list) else (int(value),)
 
 
+REQUIRED_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+SIZES = (*REQUIRED_SIZES, "num_key_value_heads", "head_dim", "max_position_embeddings")
+MAX_SIZE = 1 << 24  # no field of a real model comes near (checked again against the weights' headers)
+
+
+def _check_size(raw: dict, key: str) -> None:
+    """A size must be a whole number from 1 to MAX_SIZE: named in the error when it is not."""
+    value = raw[key]
+    if value is None and key not in REQUIRED_SIZES:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise ModelLoadError(f"config.json's {key} is {value!r}, not a whole number")
+    if not 1 <= int(value) <= MAX_SIZE:
+        raise ModelLoadError(f"config.json's {key} is {int(value):,}: out of range (1 to {MAX_SIZE:,})")
+
+
 def config_from_dict(raw: dict, path: Path | None = None) -> ModelConfig:
     archs = raw.get("architectures") or []
     arch = archs[0] if archs else None
@@ -94,8 +110,21 @@ def config_from_dict(raw: dict, path: Path | None = None) -> ModelConfig:
     if raw.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"hidden_act {raw.get('hidden_act')!r} is not supported (only silu)", path)
     try:
+        for key in SIZES:
+            if key in raw or key in REQUIRED_SIZES:
+                _check_size(raw, key)
         hidden = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
+        kv_heads = int(raw.get("num_key_value_heads") or heads)
+        if heads % kv_heads:
+            raise ModelLoadError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+        if not raw.get("head_dim") and hidden % heads:
+            raise ModelLoadError(f"hidden_size={hidden} is not a multiple of num_attention_heads={heads}")
+        if int(raw.get("head_dim") or hidden // heads) % 2:
+            raise ModelLoadError("the head width must be even (rotary embeddings rotate pairs)")
+        eps = float(raw.get("rms_norm_eps", 1e-6))
+        if not 0 < eps < 1:
+            raise ModelLoadError(f"rms_norm_eps={eps} is out of range")
         window = raw.get("sliding_window")
         if family == "qwen2" or family == "qwen3":
             window = window if raw.get("use_sliding_window") else None
@@ -107,10 +136,10 @@ def config_from_dict(raw: dict, path: Path | None = None) -> ModelConfig:
             intermediate_size=int(raw["intermediate_size"]),
             num_layers=int(raw["num_hidden_layers"]),
             num_heads=heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            num_kv_heads=kv_heads,
             head_dim=int(raw.get("head_dim") or hidden // heads),
             max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=eps,
             rope=_rope_from(raw),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),

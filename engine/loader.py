@@ -117,6 +117,32 @@ def _read_names(path: Path) -> list[str]:
         raise ModelLoadError(f"corrupt or truncated safetensors file: {e}", path) from None
 
 
+def _check_against_headers(cfg: ModelConfig, files: dict[str, Path]) -> None:
+    """The config's sizes against the weights' own headers, before anything is allocated: the layer count
+    and the embedding's shape (every other tensor is checked against the config as it is read)."""
+    shapes = {}
+    for path in set(files.values()):
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                shapes.update({n: tuple(f.get_slice(n).get_shape()) for n in f.keys() if files.get(n) == path})
+        except Exception as e:  # SafetensorError, OSError: a truncated or corrupt file
+            raise ModelLoadError(f"corrupt or truncated safetensors file: {e}", path) from None
+    layers = {n.split(".")[2] for n in shapes if n.startswith("model.layers.") and n.count(".") > 2}
+    if len(layers) != cfg.num_layers:
+        raise ModelLoadError(
+            f"config.json says num_hidden_layers={cfg.num_layers:,} but the weights hold {len(layers):,} layers"
+        )
+    embed = shapes.get("model.embed_tokens.weight")
+    if embed is None:
+        where = next(iter(set(files.values())), None)
+        raise ModelLoadError("tensor 'model.embed_tokens.weight' is missing from the checkpoint", where)
+    if embed != (cfg.vocab_size, cfg.hidden_size):
+        raise ModelLoadError(
+            f"config.json says vocab_size={cfg.vocab_size:,}, hidden_size={cfg.hidden_size:,} but "
+            f"model.embed_tokens.weight is {list(embed)}"
+        )
+
+
 def _header_digest(paths) -> str:
     """What identifies the weights cheaply: each file's name, size, mtime and safetensors header."""
     h = hashlib.sha256()
@@ -534,6 +560,7 @@ def load_model(
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     files = _weight_files(model_dir)
+    _check_against_headers(cfg, files)
     tokenizer = Tokenizer.from_dir(model_dir, extra_stop_ids=cfg.eos_token_id)
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ModelLoadError(

@@ -3,13 +3,18 @@
 The template environment follows the Hugging Face conventions (trim_blocks, lstrip_blocks,
 loop controls, `raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII, the
 `{% generation %}` tag) so a published template gives the ids `apply_chat_template` gives.
-Model folders are untrusted: templates run in jinja2's immutable sandbox.
+Model files are untrusted: templates run in jinja2's immutable sandbox, with a bound on what one
+operation may build and on how long and how much a render may take, so a hostile template is an
+error naming the limit, never a hang or a process grown to the machine's memory.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import operator
+import sys
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -21,9 +26,11 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
 from .config import read_json
-from .errors import ModelLoadError, TemplateError
+from .errors import EngineError, ModelLoadError, TemplateError
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+TEMPLATE_SECONDS = 2.0  # a render may take this long (a real template takes well under a millisecond)
+TEMPLATE_CHARS = 4_000_000  # a render, or one value it builds, may be this long (far past any context)
 
 
 class _GenerationTag(Extension):
@@ -48,10 +55,56 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox where `*` and `**` cannot build a value past the limits: a string or list
+    repeated, or an integer raised, beyond TEMPLATE_CHARS is refused before it is built."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context, op, left, right):
+        if op == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > TEMPLATE_CHARS:
+                    raise TemplateError(
+                        f"the chat template tried to build a value of {len(seq) * n:,} items "
+                        f"(the limit is {TEMPLATE_CHARS:,})"
+                    )
+            return operator.mul(left, right)
+        if isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0:
+            if right * abs(left).bit_length() > 8 * TEMPLATE_CHARS:
+                raise TemplateError(f"the chat template tried to compute {left} ** {right}: too large")
+        return operator.pow(left, right)
+
+
+def _render_bounded(template: jinja2.Template, **context) -> str:
+    """template.render(**context) under TEMPLATE_SECONDS and TEMPLATE_CHARS: the template's own lines are
+    traced and stopped past the deadline (a loop that writes nothing cannot hang the engine)."""
+    deadline = time.monotonic() + TEMPLATE_SECONDS
+
+    def on_line(frame, event, arg):
+        if time.monotonic() > deadline:
+            raise TemplateError(f"the chat template ran past its limit of {TEMPLATE_SECONDS:g} s")
+        return on_line
+
+    def on_call(frame, event, arg):  # only the template's own code is traced
+        return on_line if frame.f_code.co_filename == "<template>" else None
+
+    previous = sys.gettrace()
+    sys.settrace(on_call)
+    try:
+        out, size = [], 0
+        for chunk in template.generate(**context):
+            size += len(chunk)
+            if size > TEMPLATE_CHARS:
+                raise TemplateError(f"the chat template wrote more than {TEMPLATE_CHARS:,} characters")
+            out.append(chunk)
+        return "".join(out)
+    finally:
+        sys.settrace(previous)
+
+
 def compile_template(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
+    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -59,6 +112,11 @@ def compile_template(source: str) -> jinja2.Template:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as e:
         raise TemplateError(f"chat template does not parse: {e}") from None
+
+
+def _said(e: BaseException) -> str:
+    """An exception as a person reads it: its message, or its kind when it has none."""
+    return str(e) or type(e).__name__
 
 
 def _token_text(value) -> str | None:
@@ -124,7 +182,17 @@ class Tokenizer:
         return self._template is not None
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            if isinstance(text, str):
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as e:  # a lone surrogate: no UTF-8 text, so no tokens
+                    raise EngineError(
+                        f"the text holds {text[e.start]!r}, which is not valid Unicode; nothing was sent to the model"
+                    ) from None
+            raise
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -149,17 +217,22 @@ class Tokenizer:
             raise TemplateError("this model has no chat template; use a raw prompt")
         context = {**self.special, **kwargs}
         try:
-            return self._template.render(
+            return _render_bounded(
+                self._template,
                 messages=[dict(m) for m in messages],
                 tools=kwargs.get("tools"),
                 documents=kwargs.get("documents"),
                 add_generation_prompt=add_generation_prompt,
                 **{k: v for k, v in context.items() if k not in ("tools", "documents")},
             )
+        except TemplateError:
+            raise
         except jinja2.exceptions.SecurityError as e:
             raise TemplateError(f"chat template tried something the sandbox forbids: {e}") from None
         except jinja2.exceptions.TemplateError as e:
-            raise TemplateError(f"chat template refused the conversation: {e}") from None
+            raise TemplateError(f"chat template refused the conversation: {_said(e)}") from None
+        except (ArithmeticError, LookupError, TypeError, ValueError, AttributeError, RecursionError) as e:
+            raise TemplateError(f"chat template failed: {_said(e)}") from None
 
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False, **kwargs

@@ -134,6 +134,21 @@ def test_replay_shows_the_edit(llama_dir, tmp_path):
     assert r["cached_token"]["text"].strip() == "6" or r["cached_token"]["text"].strip().startswith("6")
 
 
+def test_a_step_that_is_not_valid_unicode_fails_alone(llama_dir, tmp_path):
+    """A lone surrogate (JSON allows "\\ud800") is a clear error for that step; the other steps run."""
+    steps = [
+        {"messages": [{"role": "user", "content": "fine"}], "max_new_tokens": 3},
+        {"messages": [{"role": "user", "content": "bad \ud800 text"}], "max_new_tokens": 3},
+        {"prompt": "also fine", "max_new_tokens": 3},
+    ]
+    script = tmp_path / "s.json"
+    script.write_text(json.dumps(steps))  # json writes the surrogate as the escape \ud800
+    r = run("replay", "--model", llama_dir, "--script", script, "--json", check=False)
+    lines = [json.loads(x) for x in r.stdout.splitlines()]
+    assert [("error" in x) for x in lines] == [False, True, False] and r.returncode == 1
+    assert "'\\ud800', which is not valid Unicode" in lines[1]["error"] and "Traceback" not in r.stderr
+
+
 def test_chat_edit_and_stats(llama_dir):
     r = subprocess.run(
         [sys.executable, "-m", "engine", "chat", "--model", str(llama_dir), "--max-new-tokens", "4"],

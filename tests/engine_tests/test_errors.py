@@ -65,6 +65,37 @@ def test_wrong_shape(tmp_path):
         load_model(path)
 
 
+@pytest.mark.parametrize(
+    "field,value,says",
+    [
+        ("num_hidden_layers", 10**7, "num_hidden_layers=10,000,000 but the weights hold 2 layers"),
+        ("num_hidden_layers", 3, "num_hidden_layers=3 but the weights hold 2 layers"),
+        ("hidden_size", 10**9, "hidden_size is 1,000,000,000: out of range"),
+        ("vocab_size", 512, "vocab_size=512, hidden_size=64 but model.embed_tokens.weight is [384, 64]"),
+        ("intermediate_size", -5, "intermediate_size is -5: out of range"),
+        ("num_attention_heads", 0, "num_attention_heads is 0: out of range"),
+        ("num_key_value_heads", 3, "not a multiple of num_key_value_heads=3"),
+        ("head_dim", 15.5, "head_dim is 15.5, not a whole number"),
+        ("hidden_size", "64", "hidden_size is '64', not a whole number"),
+        ("rms_norm_eps", -1, "rms_norm_eps=-1.0 is out of range"),
+    ],
+)
+def test_config_sizes_are_checked_before_anything_is_allocated(tmp_path, field, value, says):
+    """A config.json is untrusted too: a size that would allocate gigabytes, a negative or zero size, a
+    head count that does not divide, each an error naming the field, before any memory is taken."""
+    import resource
+
+    path = make_checkpoint(tmp_path, "llama")
+    raw = json.loads((path / "config.json").read_text())
+    raw[field] = value
+    (path / "config.json").write_text(json.dumps(raw))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(ModelLoadError) as e:
+        load_model(path)
+    assert says in str(e.value) and "config.json" in str(e.value)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100 * 1024  # KiB
+
+
 def test_truncated_safetensors(tmp_path):
     path = make_checkpoint(tmp_path, "llama")
     data = (path / "model.safetensors").read_bytes()

@@ -109,6 +109,40 @@ def test_template_runs_in_a_sandbox(tmp_path):
         Tokenizer.from_dir(path).apply_chat_template(USER_ASSISTANT)
 
 
+@pytest.mark.parametrize(
+    "template,says",
+    [
+        ("{{ 'x' * 10**8 }}", "build a value of 100,000,000 items"),
+        ("{% set s = 'ab' %}{{ s * 50000000 }}", "build a value of 100,000,000 items"),
+        ("{{ [1] * 10**9 }}", "build a value"),
+        ("{{ 2 ** 100000000 }}", "too large"),
+        ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "limit of"),
+        ("{% for i in range(100000) %}{% for j in range(100000) %}{{ 'y' * 1000 }}{% endfor %}{% endfor %}", ""),
+        ("{{ range(10**9) | list }}", "Range too big"),
+        ("{{ 1 / 0 }}", "division by zero"),
+        ("{{ raise_exception('') }}", "TemplateError"),
+    ],
+)
+def test_a_hostile_template_is_an_error_naming_the_limit(tmp_path, monkeypatch, template, says):
+    """Untrusted templates: a huge value, a loop that writes nothing, an overflow, an empty error; each a
+    TemplateError that says what happened, quickly, without the memory a render would have grown to."""
+    import resource
+    import time
+
+    import engine.tokenizer as tokenizer_module
+
+    monkeypatch.setattr(tokenizer_module, "TEMPLATE_SECONDS", 0.5)
+    path = make_checkpoint(tmp_path, "llama", chat_template=template)
+    tok = Tokenizer.from_dir(path)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.monotonic()
+    with pytest.raises(TemplateError) as err:
+        tok.apply_chat_template(USER_ASSISTANT)
+    assert says in str(err.value) and not str(err.value).rstrip().endswith(":")  # never a bare "error: "
+    assert time.monotonic() - t0 < 10
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200 * 1024  # KiB: under 200 MB grown
+
+
 def test_stop_ids_from_generation_config_and_tokenizer(tmp_path):
     path = make_checkpoint(tmp_path / "a", "llama", generation_eos=[7, 9])
     tok = Tokenizer.from_dir(path)
