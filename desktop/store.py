@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
+import os
 import sqlite3
 import time
 from pathlib import Path
 
-SCHEMA = """
+TABLES = """
 CREATE TABLE IF NOT EXISTS conversations (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     title TEXT NOT NULL,
@@ -35,8 +35,9 @@ CREATE TABLE IF NOT EXISTS messages (
     created REAL NOT NULL,
     trace TEXT
 );
-CREATE INDEX IF NOT EXISTS messages_by_parent ON messages(conversation_id, parent_id);
 """
+INDEXES = "CREATE INDEX IF NOT EXISTS messages_by_parent ON messages(conversation_id, parent_id);"
+SCHEMA = TABLES + INDEXES
 
 
 class StoreError(Exception):
@@ -65,37 +66,150 @@ class Conversation:
     leaf_id: int | None
 
 
+SCHEMA_VERSION = 1  # PRAGMA user_version of the schema above; 0: a kvchat database from before versions
+COLUMNS = {  # what each table must have; a kvchat database missing a later column is migrated, not moved
+    "conversations": {"id", "title", "created", "updated", "leaf_id", "deleted"},
+    "messages": {"id", "conversation_id", "parent_id", "role", "content", "status", "token_count", "created", "trace"},
+}
+MIGRATIONS = {  # column -> how an older kvchat database gains it, keeping every row
+    ("conversations", "leaf_id"): "ALTER TABLE conversations ADD COLUMN leaf_id INTEGER",
+    ("conversations", "deleted"): "ALTER TABLE conversations ADD COLUMN deleted INTEGER NOT NULL DEFAULT 0",
+    ("messages", "status"): "ALTER TABLE messages ADD COLUMN status TEXT NOT NULL DEFAULT 'complete'",
+    ("messages", "token_count"): "ALTER TABLE messages ADD COLUMN token_count INTEGER",
+    ("messages", "trace"): "ALTER TABLE messages ADD COLUMN trace TEXT",
+}
+
+
+class _Unusable(Exception):
+    """The file is not a usable kvchat database: corrupt, or another program's."""
+
+
 class Store:
+    """The conversation database, opened defensively: a file is inspected read-only before anything is
+    written to it; kvchat's own older schemas are migrated; a corrupt or foreign file is moved aside
+    untouched (never overwritten); a file or folder that cannot be written is opened read-only, or a
+    temporary database is used, and `notice` says which, for the window to show."""
+
     def __init__(self, path: Path | str):
         self.path = Path(path)
         self.moved_aside: Path | None = None
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.read_only = False
+        self.notice: str | None = None  # what the person must know about this database, if anything
+        if str(path) == ":memory:":
+            self.db = self._open_writable()
+            return
         try:
-            self.db = self._open()
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            self._temporary(f"its folder cannot be made ({e.strerror})")
+            return
+        try:
+            if self.path.exists() and self.path.stat().st_size > 0:
+                self._inspect()
+            self.db = self._open_writable()
+            self._recover_streaming()
+        except _Unusable as e:
+            self._move_aside(str(e))
         except sqlite3.DatabaseError as e:
-            if "locked" in str(e).lower():
+            if "locked" in str(e).lower() or "busy" in str(e).lower():
                 raise StoreError(
                     f"the conversation database {self.path} is locked by another program; "
                     "close it (or another kvchat) and try again"
                 ) from None
-            # Unreadable: move it aside, never overwrite it, and start a new one.
-            stamp = time.strftime("%Y%m%d-%H%M%S")
-            self.moved_aside = self.path.with_name(f"{self.path.name}.unreadable-{stamp}")
-            shutil.move(str(self.path), str(self.moved_aside))
-            for suffix in ("-wal", "-shm"):
-                side = Path(str(self.path) + suffix)
-                if side.exists():
-                    shutil.move(str(side), str(self.moved_aside) + suffix)
-            self.db = self._open()
-        self._recover_streaming()
+            self._read_only_or_temporary(str(e))
 
-    def _open(self) -> sqlite3.Connection:
+    # --- opening -------------------------------------------------------------------------------
+    def _inspect(self) -> None:
+        """Look at an existing file without changing a byte: integrity, then whose schema it is."""
+        try:
+            ro = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, timeout=2.0)
+        except sqlite3.DatabaseError as e:
+            raise _Unusable(f"it cannot be opened ({e})") from None
+        try:
+            check = ro.execute("PRAGMA quick_check").fetchone()[0]
+            if check != "ok":
+                raise _Unusable(f"it is damaged ({check})")
+            tables = {r[0] for r in ro.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+            if not set(COLUMNS) & tables and tables - {"sqlite_sequence"}:
+                raise _Unusable(f"it is another program's database (tables: {', '.join(sorted(tables))})")
+            for table in set(COLUMNS) & tables:
+                have = {r[1] for r in ro.execute(f"PRAGMA table_info({table})")}
+                missing = COLUMNS[table] - have - {c for (t, c) in MIGRATIONS if t == table}
+                if missing:
+                    raise _Unusable(f"its {table} table lacks {', '.join(sorted(missing))}")
+        except sqlite3.DatabaseError as e:
+            if "locked" in str(e).lower() or "busy" in str(e).lower():
+                raise
+            raise _Unusable(f"it is damaged or not a database ({e})") from None
+        finally:
+            ro.close()
+
+    def _open_writable(self) -> sqlite3.Connection:
         db = sqlite3.connect(str(self.path), timeout=2.0, isolation_level=None)
         db.row_factory = sqlite3.Row
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")
-        db.executescript(SCHEMA)
+        db.executescript(TABLES)  # if new
+        for (table, column), sql in MIGRATIONS.items():  # kvchat's older schemas: add what they lack
+            if column not in {r[1] for r in db.execute(f"PRAGMA table_info({table})")}:
+                db.execute(sql)
+        db.executescript(INDEXES)
+        db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         db.execute("SELECT count(*) FROM conversations").fetchone()
+        return db
+
+    def _move_aside(self, why: str) -> None:
+        """A file that is not a usable kvchat database is renamed, untouched, and a new one started."""
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        aside = self.path.with_name(f"{self.path.name}.unreadable-{stamp}")
+        try:
+            os.replace(self.path, aside)
+            for suffix in ("-wal", "-shm"):
+                side = Path(str(self.path) + suffix)
+                if side.exists():
+                    os.replace(side, str(aside) + suffix)
+        except OSError as e:
+            self._temporary(f"{why}, and it cannot be moved aside ({e.strerror}); it was left as it is")
+            return
+        self.moved_aside = aside
+        try:
+            self.db = self._open_writable()
+        except sqlite3.DatabaseError as e:
+            self._temporary(f"{why}; it was moved aside to {aside}, but a new one cannot be made there ({e})")
+            return
+        self.notice = (
+            f"The conversation database could not be used ({why}), so it was moved aside to {aside} "
+            "(nothing was overwritten) and a new one was started."
+        )
+
+    def _read_only_or_temporary(self, why: str) -> None:
+        """A database that cannot be written (a read-only folder or file): its conversations are shown,
+        read-only; with nothing to read, a temporary database."""
+        try:
+            db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, timeout=2.0, isolation_level=None)
+            db.row_factory = sqlite3.Row
+            db.execute("SELECT count(*) FROM conversations").fetchone()
+        except sqlite3.DatabaseError:
+            self._temporary(f"it cannot be written ({why})")
+            return
+        self.db, self.read_only = db, True
+        self.notice = (
+            f"The conversation database {self.path} cannot be written ({why}): your conversations "
+            "are shown read-only, and what you send now is not saved."
+        )
+
+    def _temporary(self, why: str) -> None:
+        self.db = self._open_writable_memory()
+        self.notice = (
+            f"The conversation database {self.path} cannot be used: {why}. kvchat runs on a temporary "
+            "database: what you send now is not saved."
+        )
+
+    @staticmethod
+    def _open_writable_memory() -> sqlite3.Connection:
+        db = sqlite3.connect(":memory:", isolation_level=None)
+        db.row_factory = sqlite3.Row
+        db.executescript(SCHEMA)
         return db
 
     def _recover_streaming(self) -> None:
@@ -103,6 +217,8 @@ class Store:
         self._write("UPDATE messages SET status='incomplete' WHERE status='streaming'")
 
     def _write(self, sql: str, args=()) -> sqlite3.Cursor:
+        if self.read_only:
+            raise StoreError("the conversation database is read-only here: your last change was not saved")
         try:
             return self.db.execute(sql, args)
         except sqlite3.OperationalError as e:

@@ -190,14 +190,11 @@ class MainWindow(QMainWindow):
     def _open_store(self) -> Store:
         try:
             store = Store(self.db_path)
-        except StoreError as e:
-            self.show_error(str(e))
-            return Store(":memory:")  # usable, but nothing is saved until the database is free again
-        if store.moved_aside is not None:
-            self.show_error(
-                f"The conversation database could not be read, so it was moved aside to "
-                f"{store.moved_aside} (nothing was overwritten) and a new one was started."
-            )
+        except StoreError as e:  # locked by another program
+            self.show_error(f"{e}. kvchat runs on a temporary database: what you send now is not saved.")
+            return Store(":memory:")
+        if store.notice:
+            self.show_error(store.notice)
         return store
 
     def _show_first_conversation(self) -> None:

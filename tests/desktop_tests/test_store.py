@@ -1,0 +1,118 @@
+"""The conversation database opened as a person's disk leaves it: damaged, from an older kvchat,
+another program's, in a folder that cannot be written. Start-up never aborts, nothing is
+overwritten, and the notice says what was done."""
+
+import hashlib
+import sqlite3
+
+import pytest
+
+from desktop.store import SCHEMA_VERSION, Store, StoreError
+
+
+def digest(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def filled(path, n=300):
+    """A kvchat database with enough rows to span many pages."""
+    st = Store(path)
+    c = st.new_conversation("Trip")
+    parent = None
+    for i in range(n):
+        parent = st.add_message(c.id, parent and parent.id, "user" if i % 2 == 0 else "assistant", f"message {i} " * 20)
+    st.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    st.close()
+    return c.id
+
+
+def test_corrupt_pages_in_the_middle_are_moved_aside_untouched(tmp_path):
+    path = tmp_path / "kvchat.db"
+    filled(path)
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 8192] = b"\xde\xad\xbe\xef" * 2048  # garbage over two pages in the middle
+    path.write_bytes(bytes(data))
+    before = digest(path)
+    st = Store(path)
+    assert st.moved_aside is not None and digest(st.moved_aside) == before
+    assert "damaged" in st.notice and str(st.moved_aside) in st.notice and "nothing was overwritten" in st.notice
+    assert st.conversations() == [] and st.new_conversation("fresh").title == "fresh"
+
+
+def test_an_older_kvchat_schema_is_migrated_keeping_every_row(tmp_path):
+    path = tmp_path / "kvchat.db"
+    db = sqlite3.connect(path)
+    db.executescript(
+        """
+        CREATE TABLE conversations (id INTEGER PRIMARY KEY AUTOINCREMENT, title TEXT NOT NULL,
+                                    created REAL NOT NULL, updated REAL NOT NULL);
+        CREATE TABLE messages (id INTEGER PRIMARY KEY AUTOINCREMENT, conversation_id INTEGER NOT NULL,
+                               parent_id INTEGER, role TEXT NOT NULL, content TEXT NOT NULL, created REAL NOT NULL);
+        INSERT INTO conversations(title, created, updated) VALUES ('Old trip', 1, 2);
+        INSERT INTO messages(conversation_id, parent_id, role, content, created) VALUES (1, NULL, 'user', 'hi', 1);
+        """
+    )
+    db.commit()
+    db.close()
+    st = Store(path)
+    assert st.moved_aside is None and st.notice is None
+    [conv] = st.conversations()
+    assert conv.title == "Old trip" and conv.leaf_id is None
+    assert st.message(1).content == "hi" and st.message(1).status == "complete"
+    assert st.db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    st.set_leaf(conv.id, 1)
+    assert [m.content for m in st.branch(conv.id)] == ["hi"]
+
+
+def test_another_programs_database_is_moved_aside_byte_for_byte(tmp_path):
+    path = tmp_path / "kvchat.db"
+    db = sqlite3.connect(path)
+    db.executescript("CREATE TABLE notes (id INTEGER PRIMARY KEY, body TEXT); INSERT INTO notes VALUES (1, 'mine');")
+    db.commit()
+    db.close()
+    before = digest(path)
+    st = Store(path)
+    assert st.moved_aside is not None and digest(st.moved_aside) == before  # not switched to WAL first
+    assert "another program's database (tables: notes)" in st.notice
+
+
+def test_a_database_that_cannot_be_written_is_shown_read_only(tmp_path, monkeypatch):
+    """A read-only folder (simulated: the tests run as root, whom file modes do not stop)."""
+    path = tmp_path / "kvchat.db"
+    cid = filled(path, 4)
+    real = Store._open_writable
+
+    def readonly(self):
+        if str(self.path) != ":memory:":
+            raise sqlite3.OperationalError("attempt to write a readonly database")
+        return real(self)
+
+    monkeypatch.setattr(Store, "_open_writable", readonly)
+    st = Store(path)
+    assert st.read_only and "read-only" in st.notice and st.moved_aside is None
+    assert [c.id for c in st.conversations()] == [cid] and len(st.branch(cid)) == 4  # every message readable
+    with pytest.raises(StoreError, match="read-only"):
+        st.add_message(cid, None, "user", "new")
+
+
+def test_a_broken_file_that_cannot_be_moved_is_left_alone(tmp_path, monkeypatch):
+    path = tmp_path / "kvchat.db"
+    path.write_bytes(b"not a database at all" * 100)
+    before = digest(path)
+
+    def refuse(*_):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr("desktop.store.os.replace", refuse)
+    st = Store(path)
+    assert digest(path) == before and st.moved_aside is None
+    assert "cannot be moved aside (Permission denied); it was left as it is" in st.notice
+    assert "temporary database" in st.notice and st.new_conversation("x").title == "x"
+
+
+def test_a_folder_that_cannot_be_made_gives_a_temporary_database(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    st = Store(blocker / "sub" / "kvchat.db")  # its parent is a file: the folder cannot be made
+    assert "its folder cannot be made" in st.notice and st.new_conversation("x").title == "x"
