@@ -14,7 +14,7 @@ import json
 import math
 import os
 import struct
-from pathlib import Path
+from pathlib import Path, PurePath
 
 import torch
 from safetensors import safe_open
@@ -89,10 +89,11 @@ def _weight_files(model_dir: Path) -> dict[str, Path]:
             raise ModelLoadError(f"the shard index is unreadable: {e!r}", index) from None
         files = {}
         for name, fname in weight_map.items():
-            path = (model_dir / fname).resolve()
-            if path.parent != model_dir.resolve():
+            # A shard is named by a plain file name in this folder; the file itself may be a symlink
+            # (the Hugging Face cache links every snapshot file into its blobs/ folder).
+            if not isinstance(fname, str) or fname in ("", ".", "..") or PurePath(fname).name != fname or "\\" in fname:
                 raise ModelLoadError(f"the shard index points outside the model folder: {fname!r}", index)
-            files[name] = path
+            files[name] = model_dir / fname
         for path in set(files.values()):
             if not path.is_file():
                 raise ModelLoadError("a shard named in model.safetensors.index.json is missing", path)

@@ -157,3 +157,46 @@ def test_cli_reports_the_error_and_exits_nonzero(tmp_path):
     assert r.returncode == 2
     assert "corrupt or truncated safetensors" in r.stderr and "model.safetensors" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def hub_cache_layout(src, root):
+    """A model as the Hugging Face tools keep it: models--ORG--NAME/snapshots/REV/ whose every file is a
+    symlink into ../../blobs/ (content-addressed)."""
+    import hashlib
+    import os
+
+    repo = root / "models--org--tiny"
+    blobs, snap = repo / "blobs", repo / "snapshots" / "0123abcd"
+    blobs.mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for f in src.iterdir():
+        blob = blobs / hashlib.sha256(f.read_bytes()).hexdigest()
+        blob.write_bytes(f.read_bytes())
+        os.symlink(os.path.relpath(blob, snap), snap / f.name)
+    return snap
+
+
+def test_a_sharded_model_in_the_hub_cache_opens(tmp_path):
+    """Shards that are symlinks the cache made open; the same logits as the folder they came from."""
+    import torch
+
+    src = make_checkpoint(tmp_path / "src", "llama", shards=True)
+    assert (src / "model.safetensors.index.json").is_file()
+    snap = hub_cache_layout(src, tmp_path / "hub")
+    assert all(p.is_symlink() for p in snap.iterdir())
+    ids = torch.arange(5, 17)[None]
+    with torch.inference_mode():
+        want = load_model(src).model(ids)
+        got = load_model(snap).model(ids)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["../outside.safetensors", "/etc/passwd", "sub/../../x.safetensors", ".."])
+def test_a_shard_index_naming_a_file_outside_the_folder_is_refused(tmp_path, name):
+    path = make_checkpoint(tmp_path, "llama", shards=True)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    first = next(iter(index["weight_map"]))
+    index["weight_map"][first] = name
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ModelLoadError, match="points outside the model folder"):
+        load_model(path)
