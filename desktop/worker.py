@@ -178,7 +178,7 @@ class EngineWorker(QObject):
     def _accounting(self, request) -> Accounting:
         """Each message's token count and the session's summary, after the reply's last event."""
         tok = self.session.loaded.tokenizer
-        counts = tuple(len(tok.encode(m["content"])) for m in request.messages or ())
+        counts = tuple(len(tok.encode_text(m["content"])) for m in request.messages or ())
         return Accounting(counts, summarize(self.session.traces))
 
 

@@ -137,6 +137,8 @@ class Tokenizer:
         self._template = compile_template(chat_template) if chat_template else None
         self.stop_ids = frozenset(stop_ids)
         self.digest = digest  # sha256 of the tokenizer files' contents, for the fingerprint (the text is not kept)
+        self.control_ids = frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
+        self._as_text: HFTokenizer | None = None  # a copy that reads special-token strings as plain text
 
     @classmethod
     def from_dir(cls, model_dir: Path, extra_stop_ids=()) -> Tokenizer:
@@ -234,12 +236,42 @@ class Tokenizer:
         except (ArithmeticError, LookupError, TypeError, ValueError, AttributeError, RecursionError) as e:
             raise TemplateError(f"chat template failed: {_said(e)}") from None
 
+    def encode_text(self, text: str) -> list[int]:
+        """What a person typed, as text: a special token's string in it (`<|end|>`) is encoded as its
+        characters, never as the control token, so typing one cannot forge a turn."""
+        if self._as_text is None:
+            self._as_text = HFTokenizer.from_str(self.tok.to_str())
+            self._as_text.encode_special_tokens = True
+        self.encode(text)  # the same check of the text (valid Unicode) as every encode
+        return self._as_text.encode(text, add_special_tokens=False).ids
+
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False, **kwargs
     ) -> list[int]:
-        """Rendered text, encoded without adding special tokens (the template writes them)."""
+        """Rendered text, encoded without adding special tokens (the template writes them). Control
+        tokens count only where the template wrote them: one that falls inside a message's own text is
+        encoded as that text (the rest of the ids are exactly the rendered text's)."""
         text = self.render(messages, add_generation_prompt, continue_final_message, **kwargs)
-        return self.encode(text, add_special_tokens=False)
+        ids = self.encode(text, add_special_tokens=False)
+        if not self.control_ids.intersection(ids):
+            return ids
+        spans, pos = [], 0
+        for m in messages:
+            content = m.get("content")
+            if not isinstance(content, str) or not content.strip():
+                continue
+            for c in (content, content.strip()):  # templates may trim
+                at = text.find(c, pos)
+                if at >= 0:
+                    spans.append((at, at + len(c)))
+                    pos = at + len(c)
+                    break
+        enc = self.tok.encode(text, add_special_tokens=False)
+        out = []
+        for i, (a, b) in zip(enc.ids, enc.offsets):
+            typed = i in self.control_ids and any(s <= a and b <= e for s, e in spans)
+            out += self.encode_text(text[a:b]) if typed else [i]
+        return out
 
     def stream(self) -> TextStream:
         return TextStream(self)
