@@ -137,7 +137,8 @@ class Tokenizer:
         self._template = compile_template(chat_template) if chat_template else None
         self.stop_ids = frozenset(stop_ids)
         self.digest = digest  # sha256 of the tokenizer files' contents, for the fingerprint (the text is not kept)
-        self.control_ids = frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
+        controls = {i: t.content for i, t in tok.get_added_tokens_decoder().items() if t.special}
+        self.control_ids, self._control_strings = frozenset(controls), tuple(set(controls.values()))
         self._as_text: HFTokenizer | None = None  # a copy that reads special-token strings as plain text
 
     @classmethod
@@ -252,13 +253,12 @@ class Tokenizer:
         tokens count only where the template wrote them: one that falls inside a message's own text is
         encoded as that text (the rest of the ids are exactly the rendered text's)."""
         text = self.render(messages, add_generation_prompt, continue_final_message, **kwargs)
-        ids = self.encode(text, add_special_tokens=False)
-        if not self.control_ids.intersection(ids):
-            return ids
+        contents = [m.get("content") for m in messages if isinstance(m.get("content"), str)]
+        if not any(s in c for c in contents for s in self._control_strings):  # the usual case: nothing typed
+            return self.encode(text, add_special_tokens=False)
         spans, pos = [], 0
-        for m in messages:
-            content = m.get("content")
-            if not isinstance(content, str) or not content.strip():
+        for content in contents:
+            if not content.strip():
                 continue
             for c in (content, content.strip()):  # templates may trim
                 at = text.find(c, pos)
@@ -266,6 +266,7 @@ class Tokenizer:
                     spans.append((at, at + len(c)))
                     pos = at + len(c)
                     break
+        self.encode(text)  # the text's own check (valid Unicode), as on the usual path
         enc = self.tok.encode(text, add_special_tokens=False)
         out = []
         for i, (a, b) in zip(enc.ids, enc.offsets):
