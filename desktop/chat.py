@@ -52,6 +52,8 @@ class Listener(Protocol):
 
     def reply_progressed(self) -> None: ...
 
+    def first_token(self) -> None: ...
+
     def reply_finished(self, final, highlight: tuple[int, int, int] | None) -> None: ...
 
     def show_error(self, text: str) -> None: ...
@@ -73,12 +75,15 @@ class ReplyStats:
     error: str | None = None
     prefill_done: int = 0
     prefill_total: int = 0
+    first_paint: float | None = None  # when token 1 was painted on screen (the window's paint, on trace.now)
+    stored_on_screen_ms: float | None = None  # from a stored reply
 
     @classmethod
     def from_record(cls, record: dict, status: str) -> ReplyStats:
         """A stored reply's stats (what `record()` saved)."""
         trace = record.get("trace")
         return cls(
+            stored_on_screen_ms=record.get("on_screen_ms"),
             trace=trace,
             reuse=record.get("reuse"),
             cache_positions=(record.get("cache") or {}).get("positions", 0),
@@ -90,6 +95,14 @@ class ReplyStats:
     @property
     def tokens(self) -> int:
         return len(self.token_times) if self.trace is None else self.trace.get("tokens", 0)
+
+    @property
+    def on_screen_ms(self) -> float | None:
+        """Send to token 1 painted: TTFT's formula on the paint's time; the difference from TTFT is the
+        seam's own latency."""
+        if self.first_paint is not None:
+            return figures.ttft_ms(self.arrival, [self.first_paint])
+        return self.stored_on_screen_ms
 
     def figure(self, name: str):
         """ttft_ms, tpot_ms, decode_tok_s or e2e_ms: the engine's once finished, computed live before."""
@@ -356,11 +369,13 @@ class ChatController:
         highlight, self._edit = self._edit, None
         text, saved, last_save, final = prefix, prefix, self.clock(), None
         async for batch in self.client.stream(req):
+            first = False
             for ev in batch:
                 if isinstance(ev, Accounting):
                     self._count_tokens(upto, ev)
                     continue
                 text += self.stats.apply(ev)
+                first = first or (isinstance(ev, Token) and ev.index == 1)
                 if isinstance(ev, (Finished, Failed)):
                     final = ev
             self.stream_text = text
@@ -371,6 +386,8 @@ class ChatController:
                     self.store.update_message, assistant.id, content=text, token_count=old_tokens + self.stats.tokens
                 )
                 last_save = self.clock()
+            if first:
+                self.listener.first_token()  # drawn at once, not at the next refresh tick
             self.listener.reply_progressed()
         if final is None:  # the stream ended without a last event: the worker went away
             final = Failed("the engine stopped before the reply ended", "EngineError", {})
@@ -379,6 +396,7 @@ class ChatController:
         if isinstance(final, Finished):
             text = prefix + final.text
         record = {
+            "on_screen_ms": self.stats.on_screen_ms,
             "status": status,
             "reason": getattr(final, "reason", None),
             "trace": final.trace,

@@ -105,6 +105,7 @@ class StatsPanel(QScrollArea):
             [
                 ("ttftValue", "TTFT (from Send)"),
                 ("ttftPartsValue", "  queue · template · prefill · 1st"),
+                ("onScreenValue", "On screen (token 1 painted)"),
                 ("tpotValue", "TPOT (after token 1)"),
                 ("tokensPerSecondValue", "Tokens/s after the first"),
                 ("e2eValue", "End to end"),
@@ -261,6 +262,11 @@ class StatsPanel(QScrollArea):
     def show_reply(self, s, title: str = "") -> None:
         self.heading.setText(title or s.title)
         self.set("ttftValue", fmt_ms(s.figure("ttft_ms")))
+        shown, ttft = s.on_screen_ms, s.figure("ttft_ms")
+        self.set(
+            "onScreenValue",
+            DASH if shown is None else fmt_ms(shown) + ("" if ttft is None else f" · seam {shown - ttft:,.1f} ms"),
+        )
         if s.trace is not None:
             parts = [
                 s.trace.get(k) for k in ("ttft_queue_ms", "ttft_tokenize_ms", "ttft_prefill_ms", "ttft_first_token_ms")

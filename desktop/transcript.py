@@ -20,6 +20,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from engine.trace import now
+
 ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System"}
 STATUS_NOTES = {
     "stopped": "stopped",
@@ -72,10 +74,14 @@ class StreamView(QTextEdit):
     """The text of a reply while it streams: new text is appended to the document, so Qt lays out and
     paints only the last paragraph, where a label lays out and paints the whole reply on every update
     (README: the seam). Its height follows the document, a few lines at a time; the transcript
-    scrolls, not this view."""
+    scrolls, not this view. It reports when its first real text is painted (`firstPainted`, on
+    engine.trace.now): the moment token 1 is on screen."""
+
+    firstPainted = Signal(float)
 
     def __init__(self):
         super().__init__()
+        self.waiting_for_paint = False  # text is shown but not yet painted
         self.setReadOnly(True)
         self.setFrameShape(QFrame.NoFrame)
         self.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
@@ -94,7 +100,15 @@ class StreamView(QTextEdit):
             cursor.insertText(text[len(self.shown) :])
         else:
             self.setPlainText(text)
+        if text and not self.shown.strip("…") and text != "…":
+            self.waiting_for_paint = True
         self.shown = text
+
+    def paintEvent(self, e) -> None:
+        super().paintEvent(e)
+        if self.waiting_for_paint:
+            self.waiting_for_paint = False
+            self.firstPainted.emit(now())
 
     GROW_LINES = 4  # lines the view grows by at a time: each growth scrolls and repaints the transcript
 
@@ -110,6 +124,7 @@ class MessageView(QFrame):
     compareRequested = Signal(int)
     branchRequested = Signal(int, int)  # message id, +1 / -1
     selected = Signal(int)
+    firstTextPainted = Signal(float)  # the streaming reply's first text reached the screen (trace.now)
 
     def __init__(self, message, branch_index: int, branch_count: int):
         super().__init__()
@@ -205,6 +220,7 @@ class MessageView(QFrame):
             if self.stream is None:
                 self.stream = StreamView()
                 self.stream.setObjectName("messageStream")
+                self.stream.firstPainted.connect(self.firstTextPainted)
                 self.layout().insertWidget(self.layout().indexOf(self.body), self.stream)
                 self.body.setVisible(False)
             self.stream.show_text(text or "…")

@@ -271,6 +271,7 @@ class MainWindow(QMainWindow):
             view.branchRequested.connect(self.switch_branch)
             view.selected.connect(self.select_message)
             view.compareRequested.connect(self.compare_reply)
+            view.firstTextPainted.connect(self._on_first_paint)
             self.transcript.add(view)
         for view in self.transcript.views:
             view.editButton.setEnabled(not self.generating)
@@ -290,6 +291,18 @@ class MainWindow(QMainWindow):
 
     def reply_progressed(self) -> None:
         self._mark_dirty()
+
+    def first_token(self) -> None:
+        """Token 1 is drawn at once, text and panel, not at the next tick of the throttled redraw."""
+        self._dirty = True
+        self._refresh(panel=True)
+
+    def _on_first_paint(self, t: float) -> None:
+        stats = self.chat.stats
+        if self.generating and stats.first_paint is None:
+            stats.first_paint = t
+            self._panel_at = 0.0  # the panel says so at the next redraw
+            self._mark_dirty()
 
     def reply_finished(self, final, highlight) -> None:
         if self.chat.summary:
@@ -456,8 +469,9 @@ class MainWindow(QMainWindow):
         if not self.timer.isActive() and not self._closing:
             self.timer.start()
 
-    def _refresh(self) -> None:
-        """The throttled redraw: the streaming message's text and the panel, at most every timer tick."""
+    def _refresh(self, panel: bool = False) -> None:
+        """The throttled redraw: the streaming message's text and the panel, at most every timer tick
+        (`panel`: the panel too, now)."""
         self._adapt_refresh()
         if not self._dirty:
             if not self.generating:
@@ -469,7 +483,7 @@ class MainWindow(QMainWindow):
             view = self.transcript.view_for(chat.streaming_mid)
             if view is not None:
                 view.set_content(chat.stream_text, "streaming", chat.stats.tokens)
-        if self.generating and now() - self._panel_at < PANEL_EVERY_S:
+        if self.generating and now() - self._panel_at < PANEL_EVERY_S and not panel:
             return
         self._panel_at = now()
         self.statsPanel.show_reply(chat.stats, chat.stats.title)

@@ -169,7 +169,9 @@ class EngineWorker(QObject):
             if isinstance(ev, (Finished, Failed)):
                 batch.append(self._accounting(job.request))
             now = time.monotonic()
-            if not isinstance(ev, Token) or (not self.hold_tokens and now - last >= self.batch_seconds):
+            # Token 1 goes at once (the person waits for it); later tokens at most every batch_seconds.
+            due = isinstance(ev, Token) and not self.hold_tokens and (ev.index == 1 or now - last >= self.batch_seconds)
+            if not isinstance(ev, Token) or due:
                 self.events.emit(EventBatch(job.rid, tuple(batch)))
                 batch, last = [], now
         if batch:

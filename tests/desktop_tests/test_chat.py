@@ -76,6 +76,9 @@ class Listener:
     def reply_progressed(self):
         self.calls.append("progress")
 
+    def first_token(self):
+        self.calls.append("first")
+
     def reply_finished(self, final, highlight):
         self.calls.append("finished")
         self.finals.append((final, highlight))
@@ -114,6 +117,7 @@ def test_send_stores_both_messages_and_builds_the_request(chat):
     assert req.max_new_tokens == chat.settings.max_new_tokens and req.sampling.temperature == 0.0
     assert chat.listener.calls[0] == "transcript" and chat.listener.calls[-2:] == ["transcript", "finished"]
     assert "progress" in chat.listener.calls and not chat.generating and chat.streaming_mid is None
+    assert chat.listener.calls.count("first") == 1  # token 1 is drawn at once, once
     assert reply.trace["status"] == "complete" and reply.trace["reason"] == "eos"
     assert chat.stats.tokens == 2 and chat.stats.title == "Reply · eos"
 

@@ -255,3 +255,21 @@ def test_the_worker_survives_what_native_code_raises(qapp, llama_dir):
     second = [e for b in got if b.rid == 2 for e in b.events]
     assert isinstance(first[0], Failed) and "PanicException: tokenizer panicked" in first[0].error
     assert any(isinstance(e, Finished) for e in second) and stopped == [True]
+
+
+def test_token_1_crosses_at_once(qapp, llama_dir):
+    """Token 1 leaves the worker the moment it exists, in a batch of its own, whatever the batch interval;
+    later tokens wait for their batch."""
+    from engine.events import Finished, Token
+    from engine.loader import load_model
+    from engine.session import Request, Session
+
+    w = EngineWorker(batch_seconds=60)
+    w.session = Session(load_model(llama_dir), capacity=64)
+    batches = []
+    w.events.connect(lambda batch: batches.append(batch.events))
+    w.generate(1, Request(prompt_ids=(5, 6, 7), max_new_tokens=12))
+    w._generate(w._jobs.get())
+    with_tokens = [b for b in batches if any(isinstance(e, Token) for e in b)]
+    assert [e.index for e in with_tokens[0]] == [1]
+    assert len(with_tokens) == 2 and isinstance(with_tokens[1][-2], Finished)  # the rest, with the end

@@ -341,3 +341,12 @@ def test_two_regenerate_clicks_start_one_reply_and_an_open_editor_keeps_its_text
     assert reply.status == "complete" and len(w.store.siblings(reply)) == 2  # one new reply, not two
     assert w.transcript.views[0] is user_view and user_view.editor.isVisible()
     assert user_view.editor.toPlainText() == "half-typed edit"
+
+
+def test_the_panel_says_when_token_1_reached_the_screen(qtbot, make_window, spin_loop, demo_model_dir):
+    """On screen: Send to token 1 painted, on TTFT's clock, with the seam's latency beside it."""
+    w = make_window(demo_model_dir)
+    final = send(qtbot, w, spin_loop, BUDGET)
+    shown = w.stats.on_screen_ms
+    assert shown is not None and shown >= final.trace["ttft_ms"]
+    assert panel(w, "onScreenValue") == f"{fmt_ms(shown)} · seam {shown - final.trace['ttft_ms']:,.1f} ms"
