@@ -42,23 +42,22 @@ class Settings:
     @classmethod
     def load(cls, qs) -> Settings:
         """From a QSettings (or anything with contains/value); a bad stored value keeps the default."""
-        s, spec = cls(), {}
+
+        def stored(key, default):  # the stored value as the default's type; the default if absent or bad
+            try:
+                return type(default)(qs.value(key)) if qs.contains(key) else default
+            except (TypeError, ValueError):
+                return default
+
+        spec = {}
         for f in dataclasses.fields(LoadSpec):
-            key = SPEC_KEYS.get(f.name, f.name)
-            if qs.contains(key):
-                default = SPEC_DEFAULTS.get(f.name, getattr(LoadSpec, f.name))
-                try:
-                    value = type(default)(qs.value(key))
-                except (TypeError, ValueError):
-                    continue  # a bad stored value keeps the default
-                spec[f.name] = None if f.name in SPEC_DEFAULTS and value == default else value
-        s.model = LoadSpec(**spec)
+            default = SPEC_DEFAULTS.get(f.name, getattr(LoadSpec, f.name))
+            value = stored(SPEC_KEYS.get(f.name, f.name), default)
+            spec[f.name] = None if f.name in SPEC_DEFAULTS and value == default else value
+        s = cls(model=LoadSpec(**spec))
         for f in dataclasses.fields(cls):
-            if f.name != "model" and qs.contains(f.name):
-                try:
-                    setattr(s, f.name, type(getattr(s, f.name))(qs.value(f.name)))
-                except (TypeError, ValueError):
-                    pass
+            if f.name != "model":
+                setattr(s, f.name, stored(f.name, getattr(s, f.name)))
         return s
 
     def save(self, qs) -> None:

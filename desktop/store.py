@@ -96,7 +96,7 @@ class Store:
         self.read_only = False
         self.notice: str | None = None  # what the person must know about this database, if anything
         if str(path) == ":memory:":
-            self.db = self._open_writable()
+            self.db = self._open_writable(":memory:")
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -122,7 +122,7 @@ class Store:
     def _inspect(self) -> None:
         """Look at an existing file without changing a byte: integrity, then whose schema it is."""
         try:
-            ro = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, timeout=2.0)
+            ro = self._open_read_only()
         except sqlite3.DatabaseError as e:
             raise _Unusable(f"it cannot be opened ({e})") from None
         try:
@@ -144,8 +144,15 @@ class Store:
         finally:
             ro.close()
 
-    def _open_writable(self) -> sqlite3.Connection:
-        db = sqlite3.connect(str(self.path), timeout=2.0, isolation_level=None)
+    def _open_read_only(self) -> sqlite3.Connection:
+        """The file as it is: sqlite changes nothing in it (no journal mode, no schema)."""
+        db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, timeout=2.0, isolation_level=None)
+        db.row_factory = sqlite3.Row
+        return db
+
+    def _open_writable(self, where: str | None = None) -> sqlite3.Connection:
+        """This store's file (or `where`: ":memory:" for a temporary database), with kvchat's schema."""
+        db = sqlite3.connect(where or str(self.path), timeout=2.0, isolation_level=None)
         db.row_factory = sqlite3.Row
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")
@@ -186,8 +193,7 @@ class Store:
         """A database that cannot be written (a read-only folder or file): its conversations are shown,
         read-only; with nothing to read, a temporary database."""
         try:
-            db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, timeout=2.0, isolation_level=None)
-            db.row_factory = sqlite3.Row
+            db = self._open_read_only()
             db.execute("SELECT count(*) FROM conversations").fetchone()
         except sqlite3.DatabaseError:
             self._temporary(f"it cannot be written ({why})")
@@ -199,18 +205,11 @@ class Store:
         )
 
     def _temporary(self, why: str) -> None:
-        self.db = self._open_writable_memory()
+        self.db = self._open_writable(":memory:")
         self.notice = (
             f"The conversation database {self.path} cannot be used: {why}. kvchat runs on a temporary "
             "database: what you send now is not saved."
         )
-
-    @staticmethod
-    def _open_writable_memory() -> sqlite3.Connection:
-        db = sqlite3.connect(":memory:", isolation_level=None)
-        db.row_factory = sqlite3.Row
-        db.executescript(SCHEMA)
-        return db
 
     def _recover_streaming(self) -> None:
         """Replies that were streaming when the app died are kept, marked incomplete."""

@@ -110,12 +110,21 @@ def _weight_files(model_dir: Path) -> dict[str, Path]:
     raise ModelLoadError("missing model.safetensors (or model.safetensors.index.json)", model_dir)
 
 
-def _read_names(path: Path) -> list[str]:
+@contextlib.contextmanager
+def _opened(path: Path):
+    """A safetensors file's handle; any failure inside becomes a ModelLoadError naming the file."""
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            return list(f.keys())
+            yield f
+    except ModelLoadError:
+        raise
     except Exception as e:  # SafetensorError, OSError: a truncated or corrupt file
         raise ModelLoadError(f"corrupt or truncated safetensors file: {e}", path) from None
+
+
+def _read_names(path: Path) -> list[str]:
+    with _opened(path) as f:
+        return list(f.keys())
 
 
 def _check_against_headers(cfg: ModelConfig, files: dict[str, Path]) -> None:
@@ -123,11 +132,8 @@ def _check_against_headers(cfg: ModelConfig, files: dict[str, Path]) -> None:
     and the embedding's shape (every other tensor is checked against the config as it is read)."""
     shapes = {}
     for path in set(files.values()):
-        try:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                shapes.update({n: tuple(f.get_slice(n).get_shape()) for n in f.keys() if files.get(n) == path})
-        except Exception as e:  # SafetensorError, OSError: a truncated or corrupt file
-            raise ModelLoadError(f"corrupt or truncated safetensors file: {e}", path) from None
+        with _opened(path) as f:
+            shapes.update({n: tuple(f.get_slice(n).get_shape()) for n in f.keys() if files.get(n) == path})
     layers = {n.split(".")[2] for n in shapes if n.startswith("model.layers.") and n.count(".") > 2}
     if len(layers) != cfg.num_layers:
         raise ModelLoadError(
@@ -209,16 +215,7 @@ class _Reader:
                 where = next(iter(set(files.values())), None)
                 raise ModelLoadError(f"tensor {name!r} is missing from the checkpoint", where)
 
-    @contextlib.contextmanager
-    def _opened(self, path: Path):
-        """The file's safetensors handle; any failure inside becomes a ModelLoadError naming the file."""
-        try:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                yield f
-        except ModelLoadError:
-            raise
-        except Exception as e:  # SafetensorError, OSError: a truncated or corrupt file
-            raise ModelLoadError(f"corrupt or truncated safetensors file: {e}", path) from None
+    _opened = staticmethod(_opened)
 
     def _by_file(self, names: list[str]) -> dict[Path, list[str]]:
         by_file: dict[Path, list[str]] = {}

@@ -185,8 +185,12 @@ class Tokenizer:
         return self._template is not None
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self._encoding(text, add_special_tokens).ids
+
+    def _encoding(self, text: str, add_special_tokens: bool = False, tok: HFTokenizer | None = None):
+        """(tok or self.tok).encode(text), with text that is not valid Unicode as a clear error."""
         try:
-            return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+            return (tok or self.tok).encode(text, add_special_tokens=add_special_tokens)
         except TypeError:
             if isinstance(text, str):
                 try:
@@ -243,8 +247,7 @@ class Tokenizer:
         if self._as_text is None:
             self._as_text = HFTokenizer.from_str(self.tok.to_str())
             self._as_text.encode_special_tokens = True
-        self.encode(text)  # the same check of the text (valid Unicode) as every encode
-        return self._as_text.encode(text, add_special_tokens=False).ids
+        return self._encoding(text, tok=self._as_text).ids
 
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False, **kwargs
@@ -266,8 +269,7 @@ class Tokenizer:
                     spans.append((at, at + len(c)))
                     pos = at + len(c)
                     break
-        self.encode(text)  # the text's own check (valid Unicode), as on the usual path
-        enc = self.tok.encode(text, add_special_tokens=False)
+        enc = self._encoding(text)
         out = []
         for i, (a, b) in zip(enc.ids, enc.offsets):
             typed = i in self.control_ids and any(s <= a and b <= e for s, e in spans)
