@@ -157,7 +157,7 @@ def cmd_replay(ns) -> int:
         else:
             r = result.get("reuse") or {}
             print(
-                f"step {i}: reused {r.get('reused')} computed {r.get('computed')} invalidated "
+                f"step {i}: reused {r.get('reused')} ({r.get('source')}) computed {r.get('computed')} invalidated "
                 f"{r.get('invalidated')} first invalidated {r.get('first_invalidated_position')}"
             )
             print(result.get("text") or f"error: {result.get('error')}")
@@ -184,7 +184,7 @@ def cmd_chat(ns) -> int:
         msgs.append({"role": "assistant", "content": last["text"]})
         r = last["reuse"]
         print(
-            f"  · reused {r['reused']}, computed {r['computed']}, invalidated {r['invalidated']}"
+            f"  · reused {r['reused']} ({r['source']}), computed {r['computed']}, invalidated {r['invalidated']}"
             + (
                 f" from position {r['first_invalidated_position']}"
                 if r["first_invalidated_position"] is not None
@@ -234,7 +234,7 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m engine",
         description="kvchat's inference engine",
-        epilog="tools: python -m engine bench|quality|selftest --help",
+        epilog="tools: python -m engine bench|store-bench|quality|selftest --help",
     )
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("info", help="model facts: architecture, parameters, KV bytes per position")

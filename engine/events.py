@@ -10,8 +10,12 @@ class ReuseReport:
     """What happened to the cache for one request.
 
     reused: prompt positions whose K/V were kept; computed: prompt positions prefilled;
-    invalidated: cached positions thrown away; first_invalidated_position: where the cache was cut
-    (None when nothing was thrown away), with the cached and the new token there.
+    invalidated: positions of the working cache thrown away; first_invalidated_position: where the
+    working cache was cut (None when nothing was thrown away), with the cached and the new token there.
+    source: where the reused positions came from (working: the working cache; store: the prefix
+    store, copied in; none); stored_prefix: the prompt positions the store held; copied_bytes and
+    copy_ms: the copy from the store; stashed_bytes and stash_ms: what the store took of the
+    working cache before it was cut (kept, not lost), and the time that took.
     """
 
     reused: int
@@ -21,6 +25,12 @@ class ReuseReport:
     cached_token: dict | None  # {"id": int, "text": str}
     new_token: dict | None
     reason: str | None
+    source: str = "none"
+    stored_prefix: int = 0
+    copied_bytes: int = 0
+    copy_ms: float | None = None
+    stashed_bytes: int = 0
+    stash_ms: float | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

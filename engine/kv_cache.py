@@ -66,6 +66,10 @@ class KVCache:
         """What the buffers really take: the whole capacity, whatever the length."""
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor that holds a position, each [L, B, H_kv, C, w] (the prefix store copies these)."""
+        return self.k, self.v
+
     def readable_by_kernels(self, dtype: torch.dtype) -> bool:
         """Whether a CPU kernel can attend over this cache in place: one sequence, K/V of `dtype` in memory."""
         return not self.quantized and self.batch == 1 and self.k.dtype == dtype and self.k.is_cpu
@@ -138,6 +142,9 @@ class QuantKVCache(KVCache):
         self.v_scale = torch.ones(sshape, dtype=torch.float32, device=device)
         self.bits = BITS[mode]
         self.length = 0
+
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        return self.k, self.v, self.k_scale, self.v_scale
 
     @property
     def bytes_per_value(self) -> int:  # not a whole number of bytes for int4: use bytes_per_position

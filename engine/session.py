@@ -1,10 +1,12 @@
 """A chat session: one KV cache, the token ids whose K/V it holds, and generation as a stream of events.
 
-For each request the session reuses the longest common prefix of token ids between the cache
-and the new prompt (never the prompt's last position: its logits pick token 1), cuts the cache
-there, prefills the rest in chunks and decodes. Every request reports what it reused and threw
-away. A change of weights, dtype, tokenizer, rotary or attention settings or device empties the
-cache, and the report says why.
+For each request the session reuses the longest prefix of the prompt whose K/V it holds (never
+the prompt's last position: its logits pick token 1) — in the working cache, or in the prefix
+store, which keeps what earlier requests' working cache held and is copied back in — cuts the
+working cache there, prefills the rest in chunks and decodes. Before positions of the working cache
+are thrown away the store takes them. Every request reports what it reused, from where, and what it
+threw away. A change of weights, dtype, tokenizer, rotary or attention settings, KV precision or
+device empties the cache and the store, and the report says why.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from .errors import CapacityError, EngineError
 from .events import Failed, Finished, PrefillDone, PrefillProgress, PrefillStarted, ReuseReport, Token
 from .kv_cache import KVCache, make_cache
 from .loader import LoadedModel
+from .prefix_store import PrefixStore, default_budget
 from .quant import PRECISIONS
 from .sampling import SamplingParams, choose
 
@@ -41,6 +44,7 @@ class Request:
     arrival: float | None = None  # on trace.now; None = when generate() is called
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # extend the last (assistant) message instead of starting a new one
+    label: str | None = None  # a name for the prompt in the prefix store's picture (a conversation's title)
 
 
 def common_prefix(a, b) -> int:
@@ -67,9 +71,18 @@ PREFILL_CHUNK = 256  # positions per prefill step: progress and Stop act between
 
 class Session:
     def __init__(
-        self, loaded: LoadedModel, capacity: int | None = None, prefill_chunk: int = PREFILL_CHUNK, kv: str = "none"
+        self,
+        loaded: LoadedModel,
+        capacity: int | None = None,
+        prefill_chunk: int = PREFILL_CHUNK,
+        kv: str = "none",
+        cache_budget: int | None = None,
     ):
         self.prefill_chunk = prefill_chunk
+        # The prefix store's bytes; None: a share of the memory free now; 0: no store.
+        self.store = PrefixStore(default_budget(loaded.device) if cache_budget is None else cache_budget)
+        self.label: str | None = None  # the label of the request whose prompt the working cache holds
+        self._last_match = None  # what the last request took from the store (for the picture)
         self.kv = kv  # KV cache precision: none (the model dtype) | int8 | int4
         self.capacity_setting = capacity
         self.traces: list[tracing.RequestTrace] = []
@@ -93,10 +106,17 @@ class Session:
             raise EngineError(f"KV precision {kv!r} is not supported (supported: {', '.join(PRECISIONS)})")
         fingerprint = {**loaded.fingerprint, "kv_cache": kv}
         reason = fingerprint_change(self._fingerprint, fingerprint)
-        if reason is None and self.cache is not None and capacity != self.cache.capacity:
+        if reason is not None:
+            store_dropped = self.store.clear(reason)  # stored K/V no longer match either
+            self._last_match = None
+            if self.ids or store_dropped:
+                self._dropped = (f"{reason}; {store_dropped} too" if store_dropped else reason, list(self.ids))
+        elif self.cache is not None and capacity != self.cache.capacity:
             reason = f"cache dropped: capacity changed ({self.cache.capacity} → {capacity})"
-        if reason and self.ids:
-            self._dropped = (reason, list(self.ids))
+            if self.ids and self.store.budget:  # the same K/V in a cache of another size: the store keeps them
+                self.store.insert(self.ids, self.cache, self.label)
+            elif self.ids:
+                self._dropped = (reason, list(self.ids))
         # Same weights, dtype, tokenizer, rotary/attention settings, device and capacity: the K/V stay valid.
         self._graph, self.graph_error = None, None  # a captured step belongs to one model object and one cache
         if self.cache is None or reason is not None:
@@ -111,15 +131,36 @@ class Session:
         return self._dropped[0] if self._dropped else None
 
     def reset(self) -> None:
-        """Empty the cache (a person's /reset); the next request prefills from scratch."""
+        """Empty the cache and the prefix store (a person's /reset); the next request prefills from scratch."""
         self.cache.truncate(0)
         self.ids = []
         self._dropped = None
+        self.store.clear()
+        self._last_match = None
+
+    def set_cache_budget(self, budget: int | None) -> None:
+        """The prefix store's budget in bytes (None: the default share of free memory); evicts to fit."""
+        self.store.set_budget(default_budget(self.loaded.device) if budget is None else budget)
 
     def cache_stats(self) -> dict:
         s = self.cache.stats()
         s["bytes_per_position"] = self.cache.bytes_per_position
+        s["store"] = {
+            **self.store.stats(),
+            "tree": self.store.tree(self._last_match, (self.ids, self.label)),
+            "working_label": self.label,
+        }
         return s
+
+    def cached_positions(self, req: Request) -> dict:
+        """How much of a request's prompt is cached now, without running it: `positions` of the prompt,
+        `cached` (the longest prefix held), `source` (working | store | none). For a conversation
+        shown again before anything is sent."""
+        prompt = self.tokenize(req)
+        w = common_prefix(self.ids, prompt)
+        m = self.store.match(prompt, touch=False).length
+        source = "none" if max(w, m) == 0 else "working" if w >= m else "store"
+        return {"positions": len(prompt), "cached": max(w, m), "source": source}
 
     def facts(self) -> dict:
         """The model's facts with this session's cache: capacity, precision, bytes per position, stats."""
@@ -150,7 +191,28 @@ class Session:
         raise EngineError("a request needs messages or a prompt")
 
     def plan_reuse(self, prompt: list[int]) -> ReuseReport:
-        """What this prompt may keep of the cache: the common prefix, capped at len(prompt) - 1."""
+        """What this prompt may keep of the working cache (the common prefix, capped at len(prompt) - 1)
+        and, where the store holds more, how much more it supplies (`source` "store")."""
+        report = self._plan_working(prompt)
+        if self._dropped is not None:
+            return report
+        match = self.store.match(prompt, touch=False)
+        held = min(match.length, len(prompt) - 1)
+        if held > report.reused:
+            note = f"positions {report.reused}–{held - 1} copied from the prefix store"
+            return dataclasses.replace(
+                report,
+                reused=held,
+                computed=len(prompt) - held,
+                reason=f"{report.reason}; {note}" if report.reason else note,
+                source="store",
+                stored_prefix=match.length,
+            )
+        return dataclasses.replace(
+            report, source="none" if report.reused == 0 else "working", stored_prefix=match.length
+        )
+
+    def _plan_working(self, prompt: list[int]) -> ReuseReport:
         tok = self.loaded.tokenizer
         if self._dropped is not None:
             reason, old = self._dropped
@@ -159,7 +221,7 @@ class Session:
                 len(prompt),
                 len(old),
                 0,
-                {"id": old[0], "text": tok.token_text(old[0])},
+                {"id": old[0], "text": tok.token_text(old[0])} if old else None,
                 {"id": prompt[0], "text": tok.token_text(prompt[0])},
                 reason,
             )
@@ -222,15 +284,18 @@ class Session:
         if not prompt:
             raise EngineError("the prompt is empty")
         self.check_capacity(len(prompt), req)
-        reuse = self.plan_reuse(prompt)
+        t0 = tracing.now()
+        stashed = self._stash(prompt)
+        stash_ms = round((tracing.now() - t0) * 1000.0, 3) if stashed else None
+        reuse = dataclasses.replace(self.plan_reuse(prompt), stashed_bytes=stashed, stash_ms=stash_ms)
         self._dropped = None
         trace.prompt_tokens, trace.reused, trace.computed = len(prompt), reuse.reused, reuse.computed
+        reuse = self._bring_in(prompt, reuse)
+        self.label = req.label
         yield PrefillStarted(len(prompt), reuse, tuple(prompt))
 
-        # Prefill: cut the cache at the reuse point, compute the rest in chunks.
+        # Prefill: the rest of the prompt, in chunks.
         trace.prefill_start = tracing.now()
-        self.cache.truncate(reuse.reused)
-        del self.ids[reuse.reused :]
         device = loaded.device
         logits = None
         pos = reuse.reused
@@ -281,6 +346,35 @@ class Session:
             logits = self._decode_step(token)  # [1, 1, V]
             self.ids.append(token)
         yield from self._finish(trace, reason, out, stream, reuse, req.stop_strings)
+
+    def _stash(self, prompt: list[int]) -> int:
+        """Before the working cache loses a block or more of positions to this prompt, the store takes
+        its whole content (only the blocks it lacks are copied); returns the bytes it added."""
+        keep = min(common_prefix(self.ids, prompt), len(prompt) - 1)
+        if len(self.ids) - keep < self.store.block:
+            return 0  # a few positions (the end of the last reply): recomputing them costs less than keeping
+        wanted = self.store.match(prompt)  # this prompt's stored prefix outlives the eviction the insert may need
+        return self.store.insert(self.ids, self.cache, self.label, pinned=wanted.path)
+
+    def _bring_in(self, prompt: list[int], reuse: ReuseReport) -> ReuseReport:
+        """Cut the working cache where it stops matching the prompt and, when the store holds more of
+        the prompt, copy those positions in; the report gains the copy's bytes and time."""
+        keep = min(common_prefix(self.ids, prompt), len(prompt) - 1)
+        self.cache.truncate(keep)
+        del self.ids[keep:]
+        self._last_match = None
+        if reuse.source != "store":
+            self.store.evict()  # the budget, with nothing pinned now
+            return reuse
+        t0 = tracing.now()
+        match = self.store.match(prompt)
+        copied = self.store.copy_into(self.cache, match, keep, reuse.reused)
+        self.cache.length = reuse.reused  # positions keep..reused-1 now hold the stored K/V
+        self.ids.extend(prompt[keep : reuse.reused])
+        self._last_match = match
+        self.store.evict()  # the budget again, now that the prefix is copied out
+        copy_ms = round((tracing.now() - t0) * 1000.0, 3)
+        return dataclasses.replace(reuse, copied_bytes=copied, copy_ms=copy_ms)
 
     def _decode_step(self, token: int) -> torch.Tensor:
         """Consume one token: through a CUDA graph where one works, else the eager forward."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 
 from .loader import DTYPES, LoadedModel, load_model
 from .quant import DEFAULT_GROUP_SIZE, PRECISIONS
@@ -20,6 +21,7 @@ class LoadSpec:
     weights: str = "none"  # weight precision: none (the dtype) | int8 | int4
     kv: str = "none"  # KV cache precision: none (the dtype) | int8 | int4
     group_size: int = DEFAULT_GROUP_SIZE  # values per quantization scale; 0: one per output channel
+    cache_budget: int | None = None  # the prefix store's bytes; None: a share of free memory; 0: no store
 
     def load(self) -> LoadedModel:
         return load_model(
@@ -29,7 +31,7 @@ class LoadSpec:
     def open(self) -> tuple[LoadedModel, Session]:
         """The model and a session over it with this spec's cache."""
         loaded = self.load()
-        return loaded, Session(loaded, capacity=self.capacity, kv=self.kv)
+        return loaded, Session(loaded, capacity=self.capacity, kv=self.kv, cache_budget=self.cache_budget)
 
     def describe(self) -> str:
         """A person's name for what is loaded: the folder, or the bundled demo model."""
@@ -53,6 +55,13 @@ class LoadSpec:
                 "--capacity", type=int, default=None, help="KV cache positions (default: min(context, 4096))"
             )
             p.add_argument("--kv", default="none", choices=PRECISIONS, help="KV cache precision")
+            p.add_argument(
+                "--cache-budget",
+                type=parse_bytes,
+                default=None,
+                metavar="BYTES",
+                help="the prefix store's memory, e.g. 512M or 2G (default: a quarter of free memory; 0: none)",
+            )
 
     @classmethod
     def from_args(cls, ns: argparse.Namespace) -> LoadSpec:
@@ -64,4 +73,16 @@ class LoadSpec:
             weights=ns.weights,
             kv=getattr(ns, "kv", "none"),
             group_size=ns.group_size,
+            cache_budget=getattr(ns, "cache_budget", None),
         )
+
+
+UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """A byte count as people write it: 1048576, 512M, 512MiB, 2G, 1.5GB (binary units)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (write e.g. 512M or 2G)")
+    return int(float(m.group(1)) * UNITS[m.group(2).lower()])

@@ -134,6 +134,32 @@ def test_replay_shows_the_edit(llama_dir, tmp_path):
     assert r["cached_token"]["text"].strip() == "6" or r["cached_token"]["text"].strip().startswith("6")
 
 
+def test_replay_mixes_conversations_and_reuse_follows_the_tokens(llama_dir, tmp_path):
+    """Steps from two conversations, interleaved: the return to the first comes from the prefix store;
+    with --cache-budget 0 it is computed again, and the replies are the same."""
+    a = [{"role": "user", "content": "Plan three days in Chengdu on 600 yuan, with food and museums."}]
+    b = [{"role": "user", "content": "Write a short poem about the sea at night, in four lines."}]
+    steps = [{"messages": a}, {"messages": b}, {"messages": a + [{"role": "assistant", "content": "x"}]}]
+    for s in steps:
+        s["max_new_tokens"] = 4
+    script = tmp_path / "s.json"
+    script.write_text(json.dumps(steps))
+
+    def replay(*extra):
+        out = run("replay", "--model", llama_dir, "--script", script, "--json", *extra).stdout.splitlines()
+        return [json.loads(x) for x in out]
+
+    stored, cold = replay(), replay("--cache-budget", "0")
+    assert [x["reuse"]["source"] for x in stored] == ["none", "working", "store"]  # b shares the template's start
+    assert stored[2]["reuse"]["reused"] > len(stored[0]["prompt_token_ids"]) - 2
+    assert stored[2]["reuse"]["copied_bytes"] > 0 and stored[2]["cache"]["store"]["prefixes"] == 2
+    assert [x["reuse"]["source"] for x in cold] == ["none", "working", "working"]
+    assert cold[2]["reuse"]["reused"] == stored[1]["reuse"]["reused"]  # only the template's start
+    assert [x["token_ids"] for x in stored] == [x["token_ids"] for x in cold]
+    r = run("replay", "--model", llama_dir, "--script", script, "--cache-budget", "lots", check=False)
+    assert r.returncode == 2 and "not a size" in r.stderr
+
+
 def test_a_step_that_is_not_valid_unicode_fails_alone(llama_dir, tmp_path):
     """A lone surrogate (JSON allows "\\ud800") is a clear error for that step; the other steps run."""
     steps = [

@@ -1,0 +1,274 @@
+"""The prefix store: K/V of earlier prompts kept in a tree over blocks of token ids, shared across
+conversations and branches, bounded by a byte budget with least-recently-used eviction of leaves.
+
+K/V at a position depend only on the token ids up to it (causal attention), so a path of blocks
+from the root is valid for any prompt that starts with those ids, whichever conversation it came
+from: reuse is by tokens, never by a conversation id. A common prefix (a system prompt) is one
+path, stored once. Any node's first j positions may be reused, so a match is exact to the token.
+The store keeps what the working cache would otherwise throw away (session.py decides when) and
+copies it back into the working cache, where the decode kernels read contiguous memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import os
+
+import torch
+
+BLOCK = 16  # positions per stored block (vLLM's default block size)
+BUDGET_SHARE = 0.25  # the default budget: this share of the memory free when the session starts
+
+
+@dataclasses.dataclass(eq=False)
+class Node:
+    """`tokens` (BLOCK ids, fewer only in a leaf) and their K/V: one tensor per cache buffer, each
+    [L, B, H_kv, len(tokens), w] (w: d, d/2 packed int4 codes, or 1 for a scale)."""
+
+    tokens: tuple[int, ...]
+    tensors: tuple[torch.Tensor, ...]
+    parent: Node | None
+    start: int  # the position of tokens[0]
+    nbytes: int
+    children: dict = dataclasses.field(default_factory=dict)  # tokens -> Node
+    last_used: int = 0
+    label: str | None = None  # who put it here last (a conversation's title): display only
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class Match:
+    """The longest stored prefix of a prompt: `length` positions along `path` (the last node possibly
+    only in part)."""
+
+    length: int
+    path: tuple[Node, ...]
+
+
+def default_budget(device) -> int:
+    """BUDGET_SHARE of the memory free now: the GPU's on CUDA, the machine's available RAM elsewhere."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * BUDGET_SHARE)
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not every system names available pages
+        free = 4 * 2**30
+    return int(free * BUDGET_SHARE)
+
+
+def _common(a, b) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+class PrefixStore:
+    """Blocks of K/V in a tree keyed by token ids. The working cache's buffers define the layout:
+    `cache.buffers()` are tensors [L, B, H_kv, C, w] with positions on dimension 3."""
+
+    def __init__(self, budget: int, block: int = BLOCK):
+        if budget < 0:
+            raise ValueError("the prefix store's budget cannot be negative")
+        self.budget, self.block = budget, block
+        self.root = Node((), (), None, 0, 0)
+        self.bytes = 0
+        self.nodes = 0
+        self.evictions = 0  # nodes evicted to stay within the budget
+        self.evicted_positions = 0
+        self.dropped: str | None = None  # why everything was dropped last (a change of weights, dtype, ...)
+        self._clock = itertools.count(1)
+
+    # --- reading -------------------------------------------------------------------------------
+    def match(self, ids, touch: bool = True) -> Match:
+        """The longest prefix of `ids` whose K/V are stored; `touch` marks its nodes as just used."""
+        node, pos, path = self.root, 0, []
+        while pos < len(ids):
+            piece = tuple(ids[pos : pos + self.block])
+            child = node.children.get(piece)
+            if child is not None and len(child.tokens) == len(piece):
+                path.append(child)
+                node, pos = child, pos + len(piece)
+                continue
+            best, n = None, 0  # no whole block: the child that shares most of this piece
+            for c in node.children.values():
+                k = _common(c.tokens, piece)
+                if k > n:
+                    best, n = c, k
+            if best is not None:
+                path.append(best)
+                pos += n
+            break
+        if touch:
+            stamp = next(self._clock)
+            for n_ in path:
+                n_.last_used = stamp
+        return Match(pos, tuple(path))
+
+    def copy_into(self, cache, match: Match, start: int, end: int) -> int:
+        """Write the stored K/V of positions start..end-1 (within `match`) into the working cache;
+        returns the bytes copied."""
+        copied = 0
+        bufs = cache.buffers()
+        for node in match.path:
+            lo, hi = max(start, node.start), min(end, node.end)
+            if lo >= hi:
+                continue
+            for buf, t in zip(bufs, node.tensors):
+                piece = t[:, :, :, lo - node.start : hi - node.start]
+                buf[:, :, :, lo:hi].copy_(piece)
+                copied += piece.numel() * piece.element_size()
+        return copied
+
+    # --- writing -------------------------------------------------------------------------------
+    def insert(self, ids, cache, label: str | None = None, pinned: tuple[Node, ...] = ()) -> int:
+        """Keep the K/V of `ids` (the working cache's positions 0..len(ids)-1), copying only the
+        blocks not stored yet; then evict to the budget, sparing `pinned` (a prefix about to be
+        copied out). Returns the bytes added."""
+        if self.budget == 0 or not ids:
+            return 0
+        bufs = cache.buffers()
+        stamp = next(self._clock)
+        node, pos, added = self.root, 0, 0
+        while pos < len(ids):
+            piece = tuple(ids[pos : pos + self.block])
+            child = node.children.get(piece)
+            covered = any(c.tokens[: len(piece)] == piece for c in node.children.values())
+            if child is None and len(piece) < self.block and covered:
+                break  # a partial tail already held by a longer stored block
+            if child is None:
+                for other in [c for c in node.children.values() if len(c.tokens) < len(piece)]:
+                    if piece[: len(other.tokens)] == other.tokens and not other.children:
+                        self._remove(other)  # a shorter tail this block supersedes
+                end = pos + len(piece)
+                tensors = tuple(b[:, :, :, pos:end].clone() for b in bufs)
+                nbytes = sum(t.numel() * t.element_size() for t in tensors)
+                child = Node(piece, tensors, node, pos, nbytes)
+                node.children[piece] = child
+                self.bytes += nbytes
+                self.nodes += 1
+                added += nbytes
+            child.last_used = stamp
+            node, pos = child, pos + len(piece)
+        if node is not self.root:
+            node.label = label if label is not None else node.label
+        self.evict(pinned)
+        return added
+
+    def _remove(self, node: Node) -> None:
+        del node.parent.children[node.tokens]
+        self.bytes -= node.nbytes
+        self.nodes -= 1
+
+    def evict(self, pinned: tuple[Node, ...] = ()) -> None:
+        """Drop least-recently-used leaves until the store fits its budget (a parent left without
+        children becomes a leaf in its turn); `pinned` nodes stay, even over the budget."""
+        if self.bytes <= self.budget:
+            return
+        spared = {id(n) for n in pinned}
+        heap = [(n.last_used, id(n), n) for n in self._leaves() if id(n) not in spared]
+        heapq.heapify(heap)
+        while self.bytes > self.budget and heap:
+            _, _, leaf = heapq.heappop(heap)
+            self._remove(leaf)
+            self.evictions += 1
+            self.evicted_positions += len(leaf.tokens)
+            parent = leaf.parent
+            if parent is not self.root and not parent.children and id(parent) not in spared:
+                heapq.heappush(heap, (parent.last_used, id(parent), parent))
+
+    def clear(self, reason: str | None = None) -> str | None:
+        """Drop everything (a change of weights, dtype, tokenizer, rotary or KV precision, or a reset);
+        returns and keeps what was dropped and why (None when the store was empty)."""
+        what = None
+        if self.nodes:
+            what = f"{self.prefixes} stored prefixes ({self.bytes:,} B) dropped"
+            self.dropped = f"{what}: {reason}" if reason else what
+        self.root.children.clear()
+        self.bytes = self.nodes = 0
+        return what
+
+    def set_budget(self, budget: int) -> None:
+        self.budget = budget
+        self.evict()
+
+    # --- what the panel shows ----------------------------------------------------------------
+    def _walk(self):
+        stack = list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(n.children.values())
+
+    def _leaves(self):
+        return [n for n in self._walk() if not n.children]
+
+    @property
+    def prefixes(self) -> int:
+        """How many distinct prefixes are stored: the tree's leaves."""
+        return len(self._leaves())
+
+    def tree(self, reused: Match | None = None, working: tuple[list[int], str | None] | None = None) -> list[dict]:
+        """The tree as nested segments (chains of single children merged): each with `label`, `start`,
+        `end` (positions), `bytes`, `reused` (positions of it the last request took from the store),
+        `working` (held only by the working cache) and `children`. `working` = (ids, label) adds the
+        working cache's positions past what the store holds."""
+        used = {id(n): min(n.end, reused.length) - n.start for n in reused.path} if reused else {}
+
+        segments: dict[int, dict] = {}
+
+        def seg(n: Node) -> dict:
+            s = {"label": n.label, "start": n.start, "end": n.end, "bytes": n.nbytes, "reused": used.get(id(n), 0)}
+            s["working"], s["children"] = False, [seg(c) for c in n.children.values()]
+            segments[id(n)] = s
+            return s
+
+        top = [seg(c) for c in self.root.children.values()]
+        if working and working[0]:
+            ids, label = working
+            m = self.match(ids, touch=False)
+            level = top
+            for n in m.path:  # find the segment list under the last node the working cache shares whole
+                if m.length < n.end:
+                    break
+                level = segments[id(n)]["children"]
+            if m.length < len(ids):
+                level.append(
+                    {"label": label, "start": m.length, "end": len(ids), "bytes": None, "reused": 0, "working": True}
+                    | {"children": []}
+                )
+        return [_merge(s) for s in top]
+
+    def stats(self) -> dict:
+        return {
+            "bytes": self.bytes,
+            "budget": self.budget,
+            "prefixes": self.prefixes,
+            "nodes": self.nodes,
+            "block": self.block,
+            "evictions": self.evictions,
+            "evicted_positions": self.evicted_positions,
+            "dropped": self.dropped,
+        }
+
+
+def _merge(s: dict) -> dict:
+    """Merge a segment with its only child (same kind), so a conversation is one row, not one per block."""
+    while len(s["children"]) == 1 and s["children"][0]["working"] == s["working"]:
+        c = s["children"][0]
+        s = {
+            "label": c["label"] or s["label"],
+            "start": s["start"],
+            "end": c["end"],
+            "bytes": None if s["bytes"] is None else s["bytes"] + (c["bytes"] or 0),
+            "reused": s["reused"] + c["reused"],
+            "working": s["working"],
+            "children": c["children"],
+        }
+    s["children"] = [_merge(c) for c in s["children"]]
+    return s
