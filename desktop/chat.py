@@ -191,6 +191,7 @@ class ChatController:
         self.stats_by_message: dict[int, ReplyStats] = {}
         self.selected_mid: int | None = None
         self.summary: dict | None = None  # the session's figures after the last reply
+        self.store_state: dict | None = None  # the prefix store after the last reply or probe
         self._edit: tuple[int, int] | None = None  # (new message id, first changed character) of an edit
 
     # --- the store, guarded --------------------------------------------------------------------
@@ -269,6 +270,17 @@ class ChatController:
     def request(self, messages: list[dict], arrival: float, **kw) -> Request:
         s = self.settings
         return Request(messages=messages, sampling=s.sampling(), max_new_tokens=s.max_new_tokens, arrival=arrival, **kw)
+
+    def label(self, cid: int, upto: list[Message]) -> str:
+        """A name for a prompt in the prefix store's picture: the conversation's title, and the branch
+        (‹2/3›) of the deepest edited message on the way, if any."""
+        title = self.store.conversation(cid).title
+        for m in reversed(upto):
+            sibs = self.store.siblings(m)
+            if len(sibs) > 1:
+                i = next(k for k, x in enumerate(sibs) if x.id == m.id)
+                return f"{title} ‹{i + 1}/{len(sibs)}›"
+        return title
 
     def messages_until(self, mid: int) -> list[Message]:
         """The current branch from the root to message `mid`, included."""
@@ -356,10 +368,11 @@ class ChatController:
                 arrival,
                 continue_final_message=True,
                 add_generation_prompt=False,
+                label=self.label(cid, upto),
             )
         else:
             prefix, old_tokens = "", 0
-            req = self.request(self.messages(upto), arrival)
+            req = self.request(self.messages(upto), arrival, label=self.label(cid, upto))
         assistant = self.store.add_message(cid, parent_id, "assistant", prefix, status="streaming")
         self.streaming_mid = assistant.id
         self.stream_text = prefix
@@ -378,6 +391,7 @@ class ChatController:
                 first = first or (isinstance(ev, Token) and ev.index == 1)
                 if isinstance(ev, (Finished, Failed)):
                     final = ev
+                    self.store_state = (ev.cache or {}).get("store", self.store_state)
             self.stream_text = text
             # The first text at once (a crash in the first interval must not lose it), then every interval.
             if final is None and text != saved and (saved == prefix or self.clock() - last_save >= SAVE_EVERY_S):
@@ -401,7 +415,7 @@ class ChatController:
             "reason": getattr(final, "reason", None),
             "trace": final.trace,
             "reuse": self.stats.reuse,
-            "cache": final.cache,
+            "cache": {k: v for k, v in (final.cache or {}).items() if k != "store"},  # the store's picture is now's
             "error": getattr(final, "error", None),
         }
         self.guard(

@@ -6,14 +6,17 @@ It only shows a plain `ReplyStats` (chat.py) it is handed; the window decides wh
 from __future__ import annotations
 
 from PySide6.QtCore import QRectF, Qt, Signal
-from PySide6.QtGui import QColor, QPainter, QPen
+from PySide6.QtGui import QBrush, QColor, QFont, QPainter, QPen
 from PySide6.QtWidgets import (
     QFormLayout,
     QGroupBox,
+    QHeaderView,
     QLabel,
     QProgressBar,
     QPushButton,
     QScrollArea,
+    QTreeWidget,
+    QTreeWidgetItem,
     QVBoxLayout,
     QWidget,
 )
@@ -38,6 +41,16 @@ def fmt_bytes(n) -> str:
     return f"{n:,} B"
 
 
+def fmt_size(n) -> str:
+    """A short size: 88.2 MiB."""
+    if n is None:
+        return DASH
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{n:,} B"
+
+
 def percentile(values, q):
     if not values:
         return None
@@ -45,6 +58,17 @@ def percentile(values, q):
     k = (len(s) - 1) * q
     lo, hi = int(k), min(int(k) + 1, len(s) - 1)
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def reuse_source(r: dict) -> str:
+    """Where a request's reused positions came from, with the copy's cost when the store gave them."""
+    source = r.get("source", "none")
+    if source == "store":
+        return (
+            f"prefix store · {r.get('copied_positions', 0):,} positions copied "
+            f"({fmt_size(r.get('copied_bytes'))} in {r.get('copy_ms') or 0:,.1f} ms)"
+        )
+    return {"working": "working cache", "none": "nothing (all computed)"}.get(source, source)
 
 
 class GapChart(QWidget):
@@ -137,14 +161,44 @@ class StatsPanel(QScrollArea):
             lay,
             "Reuse",
             [
+                ("reuseSourceValue", "Reused from"),
                 ("firstInvalidatedValue", "First invalidated position"),
                 ("tokenChangeValue", "Cached → new token"),
                 ("reusedValue", "Positions reused"),
                 ("recomputedValue", "Positions recomputed"),
-                ("discardedValue", "Positions discarded"),
+                ("discardedValue", "Discarded from the working cache"),
                 ("reuseReasonValue", "Reason"),
             ],
         )
+
+        store_box = QGroupBox("Prefix store")
+        sf = QFormLayout(store_box)
+        self.storeBar = QProgressBar()
+        self.storeBar.setObjectName("storeBar")
+        self.storeBar.setTextVisible(True)
+        self.storeBar.setFormat("empty")
+        sf.addRow(self.storeBar)
+        for name, label in [
+            ("storeBytesValue", "Held · budget"),
+            ("storePrefixesValue", "Prefixes"),
+            ("storeEvictionsValue", "Evicted"),
+            ("conversationCachedValue", "This conversation"),
+        ]:
+            self._row(sf, name, label)
+        self.storeTree = QTreeWidget()
+        self.storeTree.setObjectName("storeTree")
+        self.storeTree.setHeaderLabels(["Prefix", "Positions", "Size"])
+        self.storeTree.setRootIsDecorated(True)
+        self.storeTree.setIndentation(12)
+        self.storeTree.setMinimumHeight(120)
+        self.storeTree.setUniformRowHeights(True)
+        header = self.storeTree.header()
+        header.setSectionResizeMode(0, QHeaderView.Stretch)
+        header.setSectionResizeMode(1, QHeaderView.ResizeToContents)
+        header.setSectionResizeMode(2, QHeaderView.ResizeToContents)
+        header.setStretchLastSection(False)
+        sf.addRow(self.storeTree)
+        lay.addWidget(store_box)
 
         gaps_box = QGroupBox("Gaps between tokens")
         gl = QVBoxLayout(gaps_box)
@@ -304,6 +358,7 @@ class StatsPanel(QScrollArea):
             self.set(
                 "tokenChangeValue", DASH if not ct else f"{ct['text']!r} (#{ct['id']}) → {nt['text']!r} (#{nt['id']})"
             )
+            self.set("reuseSourceValue", reuse_source(r))
             self.set("reusedValue", f"{r['reused']:,}")
             self.set("recomputedValue", f"{r['computed']:,}")
             self.set("discardedValue", f"{r['invalidated']:,}")
@@ -316,6 +371,62 @@ class StatsPanel(QScrollArea):
             )
         else:
             self.gapStats.setText(DASH)
+
+    def show_store(self, store: dict | None) -> None:
+        """The prefix store: bytes against the budget, prefixes, evictions, and its tree (the part the
+        last request took from it in bold, the working cache's own positions in italics)."""
+        if not store:
+            return
+        held, budget = store["bytes"], store["budget"]
+        self.storeBar.setRange(0, max(budget // 1024, 1))  # KiB: a QProgressBar counts in int
+        self.storeBar.setValue(min(held // 1024, max(budget // 1024, 1)))
+        self.storeBar.setFormat(f"{fmt_size(held)} of {fmt_size(budget)}" if budget else "off (budget 0)")
+        self.set("storeBytesValue", f"{fmt_bytes(held)} · {fmt_size(budget)}")
+        self.set(
+            "storePrefixesValue", f"{store['prefixes']:,} in {store['nodes']:,} blocks of {store['block']} positions"
+        )
+        self.set("storeEvictionsValue", f"{store['evictions']:,} blocks ({store['evicted_positions']:,} positions)")
+        if store.get("dropped"):
+            self.storeTree.setToolTip(store["dropped"])
+        per = self.facts.get("kv_bytes_per_position", 0)
+        self.storeTree.clear()
+
+        def add(parent, seg):
+            n = seg["end"] - seg["start"]
+            kids = len(seg["children"])
+            name = seg["label"] or (f"shared by {kids} prefixes" if kids > 1 else "(a prompt without a title)")
+            if seg["working"]:
+                name += "  · working cache"
+            size = seg["bytes"] if seg["bytes"] is not None else n * per
+            item = QTreeWidgetItem([name, f"{seg['start']:,}–{seg['end'] - 1:,}", fmt_size(size)])
+            reused = f", {seg['reused']:,} reused by the last request" if seg["reused"] else ""
+            item.setToolTip(0, f"{name}\n{n:,} positions{reused}")
+            if seg["reused"] or seg["working"]:
+                font = QFont(item.font(0))
+                font.setBold(bool(seg["reused"]))
+                font.setItalic(seg["working"])
+                for col in range(3):
+                    item.setFont(col, font)
+                if seg["reused"]:
+                    for col in range(3):
+                        item.setForeground(col, QBrush(QColor("#7fd08a")))
+            parent.addChild(item) if isinstance(parent, QTreeWidgetItem) else parent.addTopLevelItem(item)
+            for c in seg["children"]:
+                add(item, c)
+
+        for seg in store.get("tree", []):
+            add(self.storeTree, seg)
+        self.storeTree.expandAll()
+
+    def show_conversation_cached(self, seen: dict | None) -> None:
+        """How much of the conversation on screen is cached, asked when it was opened."""
+        if not seen:
+            self.set("conversationCachedValue", DASH)
+        elif "error" in seen:
+            self.set("conversationCachedValue", seen["error"])
+        else:
+            where = {"working": "working cache", "store": "prefix store", "none": "nothing cached"}[seen["source"]]
+            self.set("conversationCachedValue", f"{seen['cached']:,} of {seen['positions']:,} positions ({where})")
 
     def show_summary(self, summary: dict) -> None:
         self.set("requestsValue", str(summary["requests"]))

@@ -24,7 +24,7 @@ def data_dir() -> Path:
 # How a LoadSpec field is kept in the settings file: its key there, and the stored value that means None
 # (the engine's own default). The keys are the ones kvchat has always written.
 SPEC_KEYS = {"path": "model_dir"}
-SPEC_DEFAULTS = {"path": "", "device": "auto", "dtype": "auto", "capacity": 0}
+SPEC_DEFAULTS = {"path": "", "device": "auto", "dtype": "auto", "capacity": 0, "cache_budget": -1}
 
 
 @dataclasses.dataclass

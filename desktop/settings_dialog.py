@@ -67,6 +67,13 @@ class SettingsDialog(QDialog):
         form.addRow("Weight precision", self.weights)
         self.kv = self._combo(list(PRECISIONS), spec.kv, "kvCombo")
         form.addRow("KV cache precision", self.kv)
+        budget = -1 if spec.cache_budget is None else spec.cache_budget // 2**20
+        self.cacheBudget = self._spin(budget, -1, 1 << 24, "cacheBudgetSpin", "automatic (¼ of free memory)")
+        self.cacheBudget.setSuffix(" MiB")
+        self.cacheBudget.setToolTip(
+            "memory for the K/V of conversations you switched away from, shared by token prefixes; 0 keeps none"
+        )
+        form.addRow("Prefix store budget", self.cacheBudget)
         self.group = self._combo(["32", "64", "128", "0"], str(spec.group_size), "groupSizeCombo")
         self.group.setToolTip("values per quantization scale; 0 = one scale per output channel")
         form.addRow("Quantization group size", self.group)
@@ -142,6 +149,7 @@ class SettingsDialog(QDialog):
             weights=self.weights.currentText(),
             kv=self.kv.currentText(),
             group_size=int(self.group.currentText()),
+            cache_budget=None if self.cacheBudget.value() < 0 else self.cacheBudget.value() * 2**20,
         )
         return Settings(
             model=spec,

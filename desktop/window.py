@@ -64,6 +64,7 @@ class Composer(QPlainTextEdit):
 class MainWindow(QMainWindow):
     replyFinished = Signal(object)  # the last event of each reply, Finished or Failed (tests and tools wait on it)
     modelReady = Signal(dict)
+    conversationProbed = Signal(dict)  # how much of the conversation on screen is cached (tests wait on it)
 
     def __init__(self, data_directory: Path, worker_thread: WorkerThread | None = None):
         super().__init__()
@@ -91,6 +92,7 @@ class MainWindow(QMainWindow):
         self.worker.modelLoaded.connect(self._on_model_loaded)
         self.worker.modelFailed.connect(self._on_model_failed)
         self.worker.compared.connect(self._on_compared)
+        self.worker.probed.connect(self._on_probed)
         self.timer = QTimer(self)
         self.timer.setInterval(REFRESH_MS)
         self.timer.timeout.connect(self._refresh)
@@ -221,6 +223,24 @@ class MainWindow(QMainWindow):
         self.chat.current_cid = cid
         self._fill_conversations()
         self.render_transcript()
+        self.probe_conversation()
+
+    def probe_conversation(self) -> None:
+        """Ask the engine how much of the conversation on screen is still cached (shown before anything
+        is sent); the answer arrives as `probed`."""
+        cid = self.chat.current_cid
+        path = self.chat.branch()
+        if self.facts is None or cid is None or not path:
+            self.statsPanel.show_conversation_cached(None)
+            return
+        self.worker.probe(cid, self.chat.messages(path))
+
+    def _on_probed(self, cid: int, seen: dict) -> None:
+        self.statsPanel.show_store(seen.get("store"))
+        if cid != self.chat.current_cid:
+            return
+        self.statsPanel.show_conversation_cached(seen)
+        self.conversationProbed.emit(seen)
 
     def new_conversation(self) -> None:
         if self.chat.new_conversation():
@@ -307,6 +327,8 @@ class MainWindow(QMainWindow):
     def reply_finished(self, final, highlight) -> None:
         if self.chat.summary:
             self.statsPanel.show_summary(self.chat.summary)
+        self.statsPanel.show_store(self.chat.store_state)
+        self.probe_conversation()
         if highlight is not None:
             view = self.transcript.view_for(highlight[0])
             if view is not None:
@@ -328,6 +350,8 @@ class MainWindow(QMainWindow):
         self.facts = facts
         self.loadProgress.setVisible(False)
         self.statsPanel.show_model(facts)
+        self.statsPanel.show_store(facts["cache"].get("store"))
+        self.probe_conversation()
         note = f"Model {facts['name']} ready on {facts['device']} ({facts['dtype']})."
         if facts.get("cache_dropped"):
             note += f" {facts['cache_dropped']}."

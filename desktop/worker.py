@@ -42,6 +42,12 @@ class CompareJob:
 
 
 @dataclasses.dataclass(frozen=True)
+class ProbeJob:
+    cid: int
+    messages: list
+
+
+@dataclasses.dataclass(frozen=True)
 class GenerateJob:
     rid: int
     request: object  # engine.session.Request
@@ -53,6 +59,7 @@ class EngineWorker(QObject):
     modelLoaded = Signal(dict)  # the session's facts: model, cache, precision
     modelFailed = Signal(str)  # a message a person can read; the old model stays
     compared = Signal(int, dict)  # request id, the full vs quantized comparison
+    probed = Signal(int, dict)  # conversation id, how much of it is cached (and the prefix store's state)
     events = Signal(object)  # an EventBatch
     stopped = Signal()
 
@@ -73,6 +80,10 @@ class EngineWorker(QObject):
 
     def compare(self, rid: int, messages: list, max_new_tokens: int) -> None:
         self._jobs.put(CompareJob(rid, messages, max_new_tokens))
+
+    def probe(self, cid: int, messages: list) -> None:
+        """Ask how many positions of a conversation are cached, before anything is sent."""
+        self._jobs.put(ProbeJob(cid, messages))
 
     def generate(self, rid: int, request) -> None:
         job = GenerateJob(rid, request, threading.Event())
@@ -105,6 +116,8 @@ class EngineWorker(QObject):
                     self._load(job)
                 elif isinstance(job, CompareJob):
                     self._compare(job)
+                elif isinstance(job, ProbeJob):
+                    self._probe(job)
                 else:
                     self._generate(job)
             except BaseException as e:  # never let the worker die, whatever native code raises: report, go on
@@ -114,6 +127,8 @@ class EngineWorker(QObject):
                     self.events.emit(EventBatch(job.rid, (Failed(error, type(e).__name__, {}),)))
                 elif isinstance(job, CompareJob):
                     self.compared.emit(job.rid, {"error": error})
+                elif isinstance(job, ProbeJob):
+                    self.probed.emit(job.cid, {"error": error})
                 else:
                     self.modelFailed.emit(error)
             finally:
@@ -122,22 +137,42 @@ class EngineWorker(QObject):
         self.stopped.emit()
 
     def _load(self, spec: LoadSpec) -> None:
+        """Load what `spec` names; when only the cache's settings changed (capacity, KV precision, the
+        prefix store's budget) the weights already loaded are kept."""
         from engine.session import Session
 
         self.modelLoading.emit(spec.describe())
+        cache_only = ("capacity", "kv", "cache_budget")
+        same_weights = self._spec is not None and all(
+            getattr(spec, f.name) == getattr(self._spec, f.name)
+            for f in dataclasses.fields(spec)
+            if f.name not in cache_only
+        )
         try:
-            loaded = spec.load()
+            loaded = self.loaded if same_weights else spec.load()
             if self.session is None:
-                self.session = Session(loaded, capacity=spec.capacity, kv=spec.kv)
+                self.session = Session(loaded, capacity=spec.capacity, kv=spec.kv, cache_budget=spec.cache_budget)
             else:
                 self.session.set_model(loaded, capacity=spec.capacity, kv=spec.kv)
-            self._spec, self._other = spec, None
+                self.session.set_cache_budget(spec.cache_budget)
+            self._spec, self._other = spec, (self._other if same_weights else None)
         except (EngineError, OSError, RuntimeError, MemoryError) as e:
             self.modelFailed.emit(str(e))
             return
         old, self.loaded = self.loaded, loaded
         del old
         self.modelLoaded.emit(self.session.facts())
+
+    def _probe(self, job: ProbeJob) -> None:
+        from engine.session import Request
+
+        if self.session is None:
+            return
+        try:
+            seen = self.session.cached_positions(Request(messages=job.messages, add_generation_prompt=False))
+        except (EngineError, ValueError) as e:
+            seen = {"error": str(e)}
+        self.probed.emit(job.cid, {**seen, "store": self.session.cache_stats()["store"]})
 
     def _compare(self, job: CompareJob) -> None:
         """Rerun the prompt at the other precision: full if this one is quantized, else int8 weights and KV."""

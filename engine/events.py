@@ -27,6 +27,7 @@ class ReuseReport:
     reason: str | None
     source: str = "none"
     stored_prefix: int = 0
+    copied_positions: int = 0
     copied_bytes: int = 0
     copy_ms: float | None = None
     stashed_bytes: int = 0

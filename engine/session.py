@@ -374,7 +374,7 @@ class Session:
         self._last_match = match
         self.store.evict()  # the budget again, now that the prefix is copied out
         copy_ms = round((tracing.now() - t0) * 1000.0, 3)
-        return dataclasses.replace(reuse, copied_bytes=copied, copy_ms=copy_ms)
+        return dataclasses.replace(reuse, copied_positions=reuse.reused - keep, copied_bytes=copied, copy_ms=copy_ms)
 
     def _decode_step(self, token: int) -> torch.Tensor:
         """Consume one token: through a CUDA graph where one works, else the eager forward."""

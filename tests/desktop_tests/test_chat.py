@@ -356,3 +356,28 @@ def test_every_state_a_crash_leaves_can_be_resumed(chat):
     empty = chat.store.add_message(chat.current_cid, orphan, "assistant", "", status="incomplete")
     assert chat.last_message().id == empty.id and chat.can_continue()
     assert chat.continue_target() == (orphan, None)  # nothing to extend: answered afresh
+
+
+def test_each_request_is_labelled_with_its_conversation_and_branch(chat):
+    """The prefix store's picture names prompts by conversation and branch (reuse itself is by tokens);
+    the reply's saved record keeps its cache figures but not the store's picture, which is the session's."""
+    first = say(chat, "My budget is 600 yuan.")
+    assert chat.client.requests[-1].label == "My budget is 600 yuan."
+    new = chat.edit(first, "My budget is 750 yuan.")
+    run(chat.reply(new, chat.clock()))
+    assert chat.client.requests[-1].label == "My budget is 600 yuan. ‹2/2›"
+    store = {"bytes": 10, "budget": 100, "tree": [{"label": "x"}]}
+
+    async def stream(request, orig=chat.client.stream):  # the engine's cache figures carry the store
+        async for batch in orig(request):
+            yield tuple(
+                dataclasses.replace(e, cache={**e.cache, "store": store}) if isinstance(e, Finished) else e
+                for e in batch
+            )
+
+    chat.client.stream = stream
+    chat.new_conversation()
+    say(chat, "Another trip")
+    assert chat.client.requests[-1].label == "Another trip"
+    assert chat.store_state == store  # the panel shows the session's store...
+    assert chat.last_message().trace["cache"] == {"positions": 5}  # ...and the saved reply keeps its own figures

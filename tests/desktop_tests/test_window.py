@@ -5,7 +5,8 @@ import sqlite3
 
 from PySide6.QtCore import Qt
 
-from desktop.panel import fmt_bytes, fmt_ms, fmt_rate
+from desktop.chat import title_from
+from desktop.panel import fmt_bytes, fmt_ms, fmt_rate, fmt_size
 from desktop.store import Store
 from engine.events import Failed, Finished
 
@@ -350,3 +351,80 @@ def test_the_panel_says_when_token_1_reached_the_screen(qtbot, make_window, spin
     shown = w.stats.on_screen_ms
     assert shown is not None and shown >= final.trace["ttft_ms"]
     assert panel(w, "onScreenValue") == f"{fmt_ms(shown)} · seam {shown - final.trace['ttft_ms']:,.1f} ms"
+
+
+def test_switching_conversations_reuses_the_prefix_store_and_the_panel_shows_it(
+    qtbot, make_window, spin_loop, demo_model_dir
+):
+    """Three conversations; going back to the first shows, before anything is sent, that it is cached,
+    and its next reply comes from the prefix store — the panel's tree names all three."""
+    w = make_window(demo_model_dir, max_new_tokens=24)
+    texts = [BUDGET, "Tell me about the pandas in Chengdu.", "What should I eat in Chengdu on a budget?"]
+    for i, text in enumerate(texts):
+        if i:
+            qtbot.mouseClick(w.newButton, Qt.LeftButton)
+        send(qtbot, w, spin_loop, text)
+    titles = [title_from(t) for t in texts]
+    first = next(c for c in w.store.conversations() if c.title == titles[0])
+    seen = []
+    w.conversationProbed.connect(seen.append)
+    w.select_conversation(first.id)
+    spin_loop(lambda: seen)
+    n, cached = seen[0]["positions"], seen[0]["cached"]
+    assert seen[0]["source"] == "store" and cached >= n - 2  # all of it but the reply's last token or two
+    assert panel(w, "conversationCachedValue") == f"{cached:,} of {n:,} positions (prefix store)"
+    final = send(qtbot, w, spin_loop, "And for 750 yuan?")
+    r = final.reuse
+    assert r.source == "store" and r.reused >= cached - 1 and r.copied_bytes > 0
+    assert panel(w, "reuseSourceValue").startswith(f"prefix store · {r.copied_positions:,} positions copied")
+    store = final.cache["store"]
+    assert store["prefixes"] >= 2 and store["bytes"] > 0
+    assert w.statsPanel.storeBar.format() == f"{fmt_size(store['bytes'])} of {fmt_size(store['budget'])}"
+    assert panel(w, "storePrefixesValue") == f"{store['prefixes']:,} in {store['nodes']:,} blocks of 16 positions"
+    tree = w.statsPanel.storeTree
+    names = []
+
+    def walk(item):
+        names.append(item.text(0))
+        for k in range(item.childCount()):
+            walk(item.child(k))
+
+    for k in range(tree.topLevelItemCount()):
+        walk(tree.topLevelItem(k))
+    for title in titles:
+        assert any(name.startswith(title) for name in names), (title, names)
+    assert any(name.endswith("· working cache") for name in names)
+    bold = [n for n in names if tree.findItems(n, Qt.MatchExactly | Qt.MatchRecursive)[0].font(0).bold()]
+    assert any(n.startswith(titles[0]) for n in bold), (bold, names)  # what this request took from the store
+
+
+def test_the_prefix_store_budget_is_a_setting_that_keeps_the_weights(qtbot, make_window, spin_loop, demo_model_dir):
+    """The budget set in the settings dialog reaches the store without reloading the model; a budget too
+    small for a conversation evicts it, and the panel counts the evictions."""
+    from dataclasses import replace
+
+    from desktop.settings_dialog import SettingsDialog
+
+    w = make_window(demo_model_dir)
+    send(qtbot, w, spin_loop, BUDGET)
+    weights = w.worker.loaded
+    dialog = SettingsDialog(w.settings, w.db_path, w)
+    assert dialog.cacheBudget.text() == "automatic (¼ of free memory)"
+    dialog.cacheBudget.setValue(1)  # MiB
+    new = dialog.result_settings()
+    assert new.model.cache_budget == 2**20
+    ready = []
+    w.modelReady.connect(ready.append)
+    w.apply_settings(new)
+    spin_loop(lambda: ready, 120)
+    assert w.worker.loaded is weights  # only the cache's settings changed: no reload
+    assert w.statsPanel.storeBar.format().endswith("of 1.0 MiB")
+    w.apply_settings(replace(new, model=replace(new.model, cache_budget=4096)))  # less than one conversation
+    spin_loop(lambda: len(ready) == 2, 120)
+    qtbot.mouseClick(w.newButton, Qt.LeftButton)
+    final = send(qtbot, w, spin_loop, "Tell me about the pandas in Chengdu.")
+    store = final.cache["store"]
+    assert store["budget"] == 4096 and store["bytes"] <= 4096 and store["evictions"] > 0
+    assert (
+        panel(w, "storeEvictionsValue") == f"{store['evictions']:,} blocks ({store['evicted_positions']:,} positions)"
+    )

@@ -60,9 +60,8 @@ def test_alternating_conversations_come_back_from_the_store(loaded):
         # each return finds its whole history: everything but the new message (and the last reply token)
         assert reuse.source == "store", (name, r, reuse)
         assert reuse.reused >= n - 9 - 1 - 1 and reuse.computed <= 11
-        assert (
-            reuse.copied_bytes == (reuse.reused - reuse.first_invalidated_position) * session.cache.bytes_per_position
-        )
+        assert reuse.copied_positions == reuse.reused - reuse.first_invalidated_position
+        assert reuse.copied_bytes == reuse.copied_positions * session.cache.bytes_per_position
         assert reuse.copy_ms is not None and reuse.stored_prefix >= reuse.reused
     assert session.store.stats()["prefixes"] >= 1 and session.store.evictions == 0
 
