@@ -32,15 +32,6 @@ def fmt_rate(v, unit="tok/s") -> str:
     return DASH if v is None else f"{v:,.1f} {unit}"
 
 
-def fmt_bytes(n) -> str:
-    if n is None:
-        return DASH
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n:,} B ({n / size:,.1f} {unit})"
-    return f"{n:,} B"
-
-
 def fmt_size(n) -> str:
     """A short size: 88.2 MiB."""
     if n is None:
@@ -49,6 +40,12 @@ def fmt_size(n) -> str:
         if n >= size:
             return f"{n / size:,.1f} {unit}"
     return f"{n:,} B"
+
+
+def fmt_bytes(n) -> str:
+    """The exact count and the short size: 92,471,296 B (88.2 MiB)."""
+    short = fmt_size(n)
+    return short if n is None or n < 2**10 else f"{n:,} B ({short})"
 
 
 def percentile(values, q):
