@@ -25,6 +25,7 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    factors: tuple[float, ...] = ()  # per-frequency divisors a GGUF file carries (rope_freqs.weight)
 
 
 @dataclasses.dataclass(frozen=True)

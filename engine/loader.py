@@ -23,13 +23,14 @@ from torch import nn
 from .backends import kernels as kernel_library
 from .backends.cpu_layouts import LinearT, fast_cpu_linears, transposed_embedding
 from .backends.decode_step import use_kernels
-from .backends.quantized import QuantLinear, quantize_head, weight_bytes
+from .backends.quantized import HEAD_MODE, QuantEmbedding, QuantLinear, quantize_head, weight_bytes
 from .bundled import DEMO_MODEL
-from .config import ModelConfig, load_config
+from .config import ModelConfig, config_from_dict, load_config
 from .errors import ModelLoadError
+from .gguf_file import GGUFModel, is_gguf
 from .kv_cache import bytes_per_position
 from .model import Transformer
-from .quant import DEFAULT_GROUP_SIZE, check_mode, describe, group_for
+from .quant import DEFAULT_GROUP_SIZE, PreQuantized, check_mode, describe, group_for
 from .tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -272,6 +273,10 @@ class _Reader:
     def read_one(self, name: str, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
         return nn.Parameter(self.read([name], dtype, device)[name], requires_grad=False)
 
+    def native(self, names: list[str], dtype: torch.dtype, device: torch.device) -> PreQuantized | None:
+        """The tensors' own codes, where the file holds codes kvchat computes with (safetensors: never)."""
+        return None
+
     def read_cat(self, names: list[str], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Tensors stacked along rows (fused q/k/v, gate/up), each copied once into its slice."""
         rows = {n: self.expected[n][0] for n in names}
@@ -332,6 +337,64 @@ class _Rows:
                     )
                     r._copy_into(path, name, chunk, f, first=a)
                     yield offset + a, chunk
+            offset += rows
+
+
+class _GGUFReader(_Reader):
+    """The _Reader interface over a GGUF file: tensors by Hugging Face name, dequantized where they must
+    be, or as their own codes (`native`) where kvchat computes with them."""
+
+    def __init__(self, model: GGUFModel, cfg: ModelConfig):
+        self.model, self.cfg = model, cfg
+        self.expected = _expected(cfg)
+        have = model.names()
+        for name, shape in self.expected.items():
+            if name not in have:
+                raise ModelLoadError(f"tensor {model.gguf_name(name)!r} is missing from the GGUF file", model.path)
+            got = model.shape(model.tensors[have[name]])
+            if got != shape:
+                raise ModelLoadError(
+                    f"tensor {have[name]!r} has shape {list(got)}, the metadata implies {list(shape)}", model.path
+                )
+
+    def read(self, names, dtype, device):
+        return {n: self.model.read_float(n, self.cfg, dtype, device) for n in names}
+
+    def read_cat(self, names, dtype, device):
+        return torch.cat([self.model.read_float(n, self.cfg, dtype, device) for n in names])
+
+    def read_transposed(self, name, dtype, device):
+        return self.model.read_float(name, self.cfg, dtype, device).t().contiguous()
+
+    def rows(self, names, dtype, device):
+        return _GGUFRows(self, names, dtype, device)
+
+    def native(self, names, dtype, device):
+        return self.model.read_codes(names, self.cfg, dtype, device)
+
+
+@dataclasses.dataclass
+class _GGUFRows:
+    """GGUF matrices stacked along rows, dequantized a chunk of rows at a time (for quantizing as read)."""
+
+    reader: _GGUFReader
+    names: list[str]
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        first = self.reader.expected[self.names[0]]
+        return (sum(self.reader.expected[n][0] for n in self.names), *first[1:])
+
+    def row_chunks(self):
+        step = max(1, _Reader.LARGE // math.prod(self.shape[1:]))
+        offset = 0
+        for name in self.names:
+            rows = self.reader.expected[name][0]
+            for a in range(0, rows, step):
+                b = min(rows, a + step)
+                yield offset + a, self.reader.model.read_float(name, self.reader.cfg, self.dtype, self.device, a, b)
             offset += rows
 
 
@@ -397,27 +460,28 @@ def _block_state(reader: _Reader, sources: dict[str, list[str]], dtype, device) 
 def _load_block(
     reader: _Reader, cfg: ModelConfig, i: int, block: nn.Module, dtype, device, weights: str, group_size: int
 ) -> None:
-    """Block i's weights into `block` (on the meta device until now). Quantized, each linear is built
-    from its rows a chunk at a time, so no float copy of the block exists."""
+    """Block i's weights into `block` (on the meta device until now). A linear whose codes the file holds
+    (a GGUF's Q8_0 / Q4_0) keeps them; quantized (`weights`), each other linear is built from its rows a
+    chunk at a time, so no float copy of the block exists."""
     sources = _block_sources(cfg, i)
-    if weights == "none":
-        block.load_state_dict(_block_state(reader, sources, dtype, device), strict=True, assign=True)
-        return
-    linear_weights = {path + ".weight" for path in LINEARS}
-    state = _block_state(reader, {k: v for k, v in sources.items() if k not in linear_weights}, dtype, device)
-    for path in LINEARS:
+    native = {path: reader.native(sources[path + ".weight"], dtype, device) for path in LINEARS}
+    swapped = [path for path in LINEARS if native[path] is not None or weights != "none"]
+    skip = {path + ".weight" for path in swapped}
+    state = _block_state(reader, {k: v for k, v in sources.items() if k not in skip}, dtype, device)
+    for path in swapped:
         parent, name = path.split(".")
-        rows = reader.rows(sources[path + ".weight"], dtype, device)
-        setattr(
-            getattr(block, parent),
-            name,
-            QuantLinear(rows, state.pop(path + ".bias", None), weights, group_for(rows.shape[1], group_size)),
-        )
-    block.load_state_dict(state, strict=False, assign=True)
+        bias = state.pop(path + ".bias", None)
+        if native[path] is not None:
+            layer = QuantLinear(native[path], bias, native[path].mode, native[path].group_size)
+        else:
+            rows = reader.rows(sources[path + ".weight"], dtype, device)
+            layer = QuantLinear(rows, bias, weights, group_for(rows.shape[1], group_size))
+        setattr(getattr(block, parent), name, layer)
+    block.load_state_dict(state, strict=not swapped, assign=True)
 
 
 def _build_model(
-    files: dict[str, Path],
+    reader: _Reader,
     cfg: ModelConfig,
     dtype: torch.dtype,
     device: torch.device,
@@ -429,11 +493,14 @@ def _build_model(
     fused, cast, put on the device and given its layout before the next one is read, so the peak is
     the final weights plus about one block; quantized weights, the embedding and head included, are
     quantized a chunk of rows at a time as they are read. `kern`: kvchat's CPU kernels, or None."""
-    reader = _Reader(files, _expected(cfg))
     transposed = kern is None and device.type == "cpu" and dtype == torch.float32  # torch's fast one-row layout
     with torch.device("meta"):
         model = Transformer(cfg)
-    if weights != "none":  # quantized as they are read, a few thousand rows at a time
+    embed_codes = reader.native(["model.embed_tokens.weight"], dtype, device)
+    head_codes = None if cfg.tie_word_embeddings else reader.native(["lm_head.weight"], dtype, device)
+    if embed_codes is not None or head_codes is not None:  # a GGUF's own codes, kept
+        _file_head(model, reader, cfg, embed_codes, head_codes, dtype, device, weights, group_size)
+    elif weights != "none":  # quantized as they are read, a few thousand rows at a time
         untied = None if cfg.tie_word_embeddings else reader.rows(["lm_head.weight"], dtype, device)
         quantize_head(model, group_size, reader.rows(["model.embed_tokens.weight"], dtype, device), untied)
     elif transposed and cfg.tie_word_embeddings:
@@ -459,6 +526,31 @@ def _build_model(
     return model.eval().requires_grad_(False)
 
 
+def _file_head(model, reader, cfg, embed_codes, head_codes, dtype, device, weights: str, group_size: int) -> None:
+    """Embedding and output head where the file holds codes for one of them: those keep their codes;
+    the other is float, or quantized to HEAD_MODE when `weights` asks for quantization."""
+    g = group_for(cfg.hidden_size, group_size)
+    if embed_codes is not None:
+        model.embed = QuantEmbedding(QuantLinear(embed_codes, None, embed_codes.mode, embed_codes.group_size))
+    elif weights != "none":
+        model.embed = QuantEmbedding(
+            QuantLinear(reader.rows(["model.embed_tokens.weight"], dtype, device), None, HEAD_MODE, g)
+        )
+    else:
+        model.embed.weight = reader.read_one("model.embed_tokens.weight", dtype, device)
+    if cfg.tie_word_embeddings:
+        if isinstance(model.embed, QuantEmbedding):
+            model.lm_head = model.embed.table
+        else:
+            model.tie()
+    elif head_codes is not None:
+        model.lm_head = QuantLinear(head_codes, None, head_codes.mode, head_codes.group_size)
+    elif weights != "none":
+        model.lm_head = QuantLinear(reader.rows(["lm_head.weight"], dtype, device), None, HEAD_MODE, g)
+    else:
+        model.lm_head.weight = reader.read_one("lm_head.weight", dtype, device)
+
+
 @dataclasses.dataclass
 class LoadedModel:
     """A model ready to run: the module, its config and tokenizer, and what its K/V depend on."""
@@ -471,6 +563,7 @@ class LoadedModel:
     dtype: torch.dtype
     fingerprint: dict[str, str]
     kernels: kernel_library.Kernels | None = None  # kvchat's CPU kernels, when decode runs on them
+    file_tensors: dict | None = None  # a GGUF's tensors by file type: how many, bytes in the file, held as, bytes held
 
     @property
     def name(self) -> str:
@@ -533,6 +626,8 @@ class LoadedModel:
             "decode_kernels": self.decode_kernels,
             "kv_cache": kv,
             "kv_bytes_per_position": self.kv_bytes_per_position(kv),
+            "format": "gguf" if self.file_tensors is not None else "safetensors",
+            "file_tensors": self.file_tensors,
         }
 
 
@@ -552,8 +647,20 @@ def load_model(
             raise ModelLoadError("no --model given and the bundled demo model is not installed", DEMO_MODEL)
         model_dir = DEMO_MODEL
     model_dir = Path(model_dir).expanduser()
+    if model_dir.is_dir() and not (model_dir / "config.json").exists():
+        ggufs = sorted(p for p in model_dir.glob("*.gguf") if is_gguf(p))
+        if len(ggufs) == 1:  # a folder holding one GGUF file (LM Studio keeps them so)
+            model_dir = ggufs[0]
+        elif ggufs:
+            raise ModelLoadError(f"the folder holds {len(ggufs)} GGUF files: open one of them", model_dir)
+    if model_dir.is_file():
+        if not is_gguf(model_dir):
+            raise ModelLoadError(
+                "not a model: a model is a folder (config.json, safetensors) or a GGUF file", model_dir
+            )
+        return _load_gguf(model_dir, device, dtype, weights, group_size)
     if not model_dir.is_dir():
-        raise ModelLoadError("model folder not found", model_dir)
+        raise ModelLoadError("model folder or file not found", model_dir)
     cfg = load_config(model_dir)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
@@ -565,19 +672,30 @@ def load_model(
             f"tokenizer has {tokenizer.vocab_size} tokens but the model only {cfg.vocab_size} embeddings",
             model_dir / "tokenizer.json",
         )
-    weights = weights or "none"
-    quantization = "none"
-    if weights != "none":
-        try:
-            check_mode(weights)
-        except ValueError as e:
-            raise ModelLoadError(str(e)) from None
-        quantization = describe(weights, group_size)
+    weights, quantization = _weight_mode(weights, group_size)
     kern = kernel_library.for_dtype(dt) if dev.type == "cpu" else None  # decode kernels for this dtype
     with _ReturnFreedMemory():
-        model = _build_model(files, cfg, dt, dev, weights, group_size, kern)
-    fingerprint = {
-        "weights": _header_digest(files.values()),
+        model = _build_model(_Reader(files, _expected(cfg)), cfg, dt, dev, weights, group_size, kern)
+    fingerprint = _fingerprint(_header_digest(files.values()), cfg, dt, dev, quantization, tokenizer)
+    return LoadedModel(model_dir, cfg, model, tokenizer, dev, dt, fingerprint, kern)
+
+
+def _weight_mode(weights: str | None, group_size: int) -> tuple[str, str]:
+    """(the weight precision asked for, its name in the facts): none, or int8/int4 checked."""
+    weights = weights or "none"
+    if weights == "none":
+        return weights, "none"
+    try:
+        check_mode(weights)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from None
+    return weights, describe(weights, group_size)
+
+
+def _fingerprint(weights_digest: str, cfg: ModelConfig, dt, dev, quantization: str, tokenizer: Tokenizer) -> dict:
+    """What cached K/V depend on: weights, dtype, quantization, tokenizer, rotary and attention settings, device."""
+    return {
+        "weights": weights_digest,
         "dtype": dtype_name(dt),
         "quantization": quantization,
         "tokenizer": tokenizer.digest[:16],
@@ -586,4 +704,30 @@ def load_model(
         f"window={cfg.sliding_window} qk_norm={cfg.qk_norm}",
         "device": str(dev),
     }
-    return LoadedModel(model_dir, cfg, model, tokenizer, dev, dt, fingerprint, kern)
+
+
+def _load_gguf(path: Path, device, dtype, weights, group_size) -> LoadedModel:
+    """A GGUF file: config and tokenizer from its metadata, weights from its tensors (Q8_0 and Q4_0 as their
+    own codes; other types dequantized into `dtype`; float ones quantized when `weights` asks)."""
+    gm = GGUFModel(path)
+    cfg = config_from_dict(gm.config_dict(), path)
+    factors = gm.rope_factors()
+    if factors:
+        if len(factors) != cfg.head_dim // 2:
+            raise ModelLoadError(f"rope_freqs.weight has {len(factors)} values, not head_dim / 2", path)
+        cfg = dataclasses.replace(cfg, rope=dataclasses.replace(cfg.rope, factors=factors))
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    tokenizer = gm.tokenizer(stop_extra=cfg.eos_token_id)
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise ModelLoadError(
+            f"the vocabulary has {tokenizer.vocab_size} tokens but the model only {cfg.vocab_size} embeddings", path
+        )
+    weights, quantization = _weight_mode(weights, group_size)
+    kern = kernel_library.for_dtype(dt) if dev.type == "cpu" else None
+    with _ReturnFreedMemory():
+        model = _build_model(_GGUFReader(gm, cfg), cfg, dt, dev, weights, group_size, kern)
+    file_quant = f"gguf {gm.quantization()}"
+    quantization = file_quant if quantization == "none" else f"{file_quant}, rest {quantization}"
+    fingerprint = _fingerprint(gm.digest(), cfg, dt, dev, quantization, tokenizer)
+    return LoadedModel(path, cfg, model, tokenizer, dev, dt, fingerprint, kern, gm.summary())

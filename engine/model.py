@@ -39,6 +39,8 @@ def inv_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         inv = torch.where(medium, smoothed, scaled)
+    if rope.factors:  # a GGUF's rope_freqs: each frequency divided by its factor (llama.cpp's rule)
+        inv = inv / torch.tensor(rope.factors, dtype=torch.float32)
     return inv
 
 

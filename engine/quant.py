@@ -10,6 +10,7 @@ the group is clipped, but an explicit smaller scale (as in the reference's outli
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -81,3 +82,23 @@ def describe(mode: str, group_size: int, in_features: int | None = None) -> str:
     """How a precision is named in the facts, the panel and the fingerprint: "int8/g64", "int4/per-channel"."""
     per_channel = group_size <= 0 or (in_features is not None and group_size == in_features)
     return f"{mode}/per-channel" if per_channel else f"{mode}/g{group_size}"
+
+
+@dataclasses.dataclass(frozen=True)
+class PreQuantized:
+    """Codes a model file already holds, as a quantized layer stores them: codes [N, K] int8 (int4 values
+    in −8..7, unpacked), scales [N, K/g] float32; `dtype` is the activations' (the model's)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mode: str
+    group_size: int
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device

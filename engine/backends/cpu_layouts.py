@@ -210,9 +210,10 @@ def fast_cpu_linears(blocks, dtype: torch.dtype) -> int:
     if make is None:
         return 0
     n = 0
-    for parent, name, child in list(block_linears(blocks)):  # plain nn.Linear, as loaded
-        setattr(parent, name, make(child))
-        n += 1
+    for parent, name, child in list(block_linears(blocks)):
+        if type(child) is nn.Linear:  # plain, as loaded (a file's own codes stay quantized)
+            setattr(parent, name, make(child))
+            n += 1
     return n
 
 

@@ -14,7 +14,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..model import block_linears
-from ..quant import BITS, check_mode, dequantize, group_for, pack_int4, quantize, storage_bytes, unpack_int4
+from ..quant import (
+    BITS,
+    PreQuantized,
+    check_mode,
+    dequantize,
+    group_for,
+    pack_int4,
+    quantize,
+    storage_bytes,
+    unpack_int4,
+)
 from . import kernels as kernel_library
 from .cpu_layouts import many_rows_linear, weight_scratch
 
@@ -45,7 +55,8 @@ class QuantLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mode: str, group_size: int):
         """weight [N, K]; or a row source with `shape`, `dtype`, `device` and `row_chunks()` yielding
         (first row, [n, K] rows), for a matrix quantized a few thousand rows at a time as it is read
-        (an embedding or output head: its float copy never exists whole)."""
+        (an embedding or output head: its float copy never exists whole); or the codes a file holds
+        (PreQuantized: a GGUF's Q8_0 / Q4_0 blocks), kept as they are."""
         super().__init__()
         check_mode(mode)
         self.mode, self.out_features, self.in_features = mode, weight.shape[0], weight.shape[1]
@@ -53,7 +64,13 @@ class QuantLinear(nn.Module):
         self.compute_dtype = weight.dtype
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.decoder = kernel_library.for_mode(mode) if weight.device.type == "cpu" else None  # one-row products
-        codes, scales = self._quantize_rows(weight.row_chunks() if hasattr(weight, "row_chunks") else [(0, weight)])
+        if isinstance(weight, PreQuantized):
+            codes, scales = weight.codes, weight.scales.float().contiguous()
+            if self.decoder is not None and mode == "int4":
+                codes = pack_int4(codes)  # the kernels' layout: two a byte
+        else:
+            chunks = weight.row_chunks() if hasattr(weight, "row_chunks") else [(0, weight)]
+            codes, scales = self._quantize_rows(chunks)
         if self.decoder is not None:  # quantized straight into the layout the kernels read
             stored = codes  # [N, K] int8 | [N, K/2] uint8
             self.kernel = None  # prefill: dequantized into a reused buffer, then float32

@@ -26,8 +26,12 @@ def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(model_dir, out: Path) -> Path:
-    """The checkpoint in model_dir as an F32 GGUF at `out`."""
+def write_gguf(model_dir, out: Path, matrices: str = "F32", tokenizer: bool = False, types: dict | None = None) -> Path:
+    """The checkpoint in model_dir as a GGUF at `out`: float32, or its 2-D matrices as `matrices`
+    (F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: gguf.quants' own quantizer; `types` overrides it per
+    GGUF tensor name, raw bytes allowed as (type, bytes)). With `tokenizer`, the folder's byte-level
+    BPE vocabulary, merges, special tokens and chat template are written too (what a real file has);
+    without, opaque tokens."""
     import gguf
 
     from ..loader import _weight_files
@@ -54,12 +58,15 @@ def write_gguf(model_dir, out: Path) -> Path:
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list([f"<t{i}>" for i in range(cfg.vocab_size)])
-    w.add_token_types([gguf.TokenType.NORMAL] * cfg.vocab_size)
-    w.add_token_merges(["<t 0>"])  # llama.cpp wants merges for a "gpt2" vocabulary; never used
-    w.add_add_bos_token(False)
+    if tokenizer:
+        _write_tokenizer(w, model_dir, cfg.vocab_size)
+    else:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("default")
+        w.add_token_list([f"<t{i}>" for i in range(cfg.vocab_size)])
+        w.add_token_types([gguf.TokenType.NORMAL] * cfg.vocab_size)
+        w.add_token_merges(["<t 0>"])  # llama.cpp wants merges for a "gpt2" vocabulary; never used
+        w.add_add_bos_token(False)
 
     names = {
         "model.embed_tokens.weight": "token_embd.weight",
@@ -103,12 +110,49 @@ def write_gguf(model_dir, out: Path) -> Path:
             t = _permute(t, cfg.num_heads)
         elif arch == "llama" and gname.endswith(("attn_k.weight", "attn_k.bias")):
             t = _permute(t, cfg.num_kv_heads)
-        w.add_tensor(gname, np.ascontiguousarray(t.numpy()))
+        data = np.ascontiguousarray(t.numpy())
+        kind = (types or {}).get(gname, matrices if data.ndim == 2 else "F32")
+        if isinstance(kind, tuple):  # raw blocks of a type gguf cannot quantize (K-quants), made by the caller
+            kind, raw = kind
+            w.add_tensor(gname, raw, raw_dtype=gguf.GGMLQuantizationType[kind])
+        elif kind == "F32":
+            w.add_tensor(gname, data)
+        else:
+            qtype = gguf.GGMLQuantizationType[kind]
+            w.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def _write_tokenizer(w, model_dir: Path, vocab_size: int) -> None:
+    """A byte-level BPE tokenizer.json as llama.cpp's converter writes it: tokens by id (control tokens
+    marked), merges, BOS/EOS from tokenizer_config.json and its chat template."""
+    import json
+
+    import gguf
+
+    tj = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    tc = json.loads((model_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+    vocab = dict(tj["model"]["vocab"])
+    special = {a["content"] for a in tj.get("added_tokens", []) if a.get("special")}
+    vocab.update({a["content"]: a["id"] for a in tj.get("added_tokens", [])})
+    tokens = [f"[PAD{i}]" for i in range(vocab_size)]
+    for t, i in vocab.items():
+        tokens[i] = t
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]])
+    for key, add in (("bos_token", w.add_bos_token_id), ("eos_token", w.add_eos_token_id)):
+        if tc.get(key) in vocab:
+            add(vocab[tc[key]])
+    w.add_add_bos_token(False)
+    if tc.get("chat_template"):
+        w.add_chat_template(tc["chat_template"])
 
 
 def _split(name: str) -> tuple[int | None, str]:

@@ -1,0 +1,439 @@
+"""GGUF model files — what llama.cpp, LM Studio, Ollama, Jan and GPT4All run — read with the `gguf`
+package's reader: the config from the metadata, the tokenizer from `tokenizer.ggml.*` built as a
+`tokenizers` tokenizer, and the weights from their own codes.
+
+Q8_0 and Q4_0 blocks are exactly kvchat's int8 / int4 with one scale per 32 values (Q4_0's codes run
+−8..7, and −8 is kept), so those tensors keep their codes and run on the quantized kernels. Every
+other type is dequantized at load into the model dtype with `gguf.quants.dequantize` (llama.cpp's
+definitions), and `summary()` says which tensors and what that costs. The file is untrusted: every
+tensor's extent is checked against the file's size, shapes against the metadata, and the chat
+template runs in the tokenizer's sandbox.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .errors import ModelLoadError
+from .quant import PreQuantized
+
+MAGIC = b"GGUF"
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+NATIVE = {"Q8_0": "int8", "Q4_0": "int4"}  # computed from their own codes, groups of 32
+BLOCK = 32  # values per Q8_0 / Q4_0 block
+PERMUTED = ("llama",)  # llama.cpp's converter interleaves q/k rows for these (rotate pairs, not halves)
+TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
+
+# Hugging Face tensor names -> GGUF names ("{i}": the block)
+GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+BLOCK_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.bias": "attn_output.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+# How text is split before byte-level BPE, by tokenizer.ggml.pre (llama.cpp's pre-tokenizer types)
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+SPLITS = {
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+DIGITS_FIRST = ("smollm", "starcoder", "refact", "codeshell")  # each digit its own piece, then GPT-2's split
+
+
+def is_gguf(path) -> bool:
+    """A file that starts with the GGUF magic."""
+    p = Path(path)
+    try:
+        with open(p, "rb") as f:
+            return p.is_file() and f.read(4) == MAGIC
+    except OSError:
+        return False
+
+
+def _q8_0(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q8_0 blocks [N, nb·34] -> codes int8 [N, nb·32], scales float32 [N, nb]: x = d · q."""
+    n = raw.shape[0]
+    b = raw.reshape(n, -1, 2 + BLOCK)
+    scales = b[..., :2].copy().view(np.float16).reshape(n, -1).astype(np.float32)
+    return b[..., 2:].copy().view(np.int8).reshape(n, -1), scales
+
+
+def _q4_0(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_0 blocks [N, nb·18] -> codes int8 [N, nb·32] in −8..7, scales float32 [N, nb]: x = d · (nibble − 8),
+    values 0..15 of a block in the low nibbles, 16..31 in the high ones."""
+    n = raw.shape[0]
+    b = raw.reshape(n, -1, 2 + BLOCK // 2)
+    scales = b[..., :2].copy().view(np.float16).reshape(n, -1).astype(np.float32)
+    qs = b[..., 2:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int8) - 8  # [N, nb, 32]
+    return codes.reshape(n, -1), scales
+
+
+CODES = {"Q8_0": _q8_0, "Q4_0": _q4_0}
+
+
+class GGUFModel:
+    """One GGUF file: its metadata, its tensors by Hugging Face name, and what each is held as."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        try:
+            from gguf import GGUFReader
+
+            self.reader = GGUFReader(str(self.path), "r")
+        except ImportError:
+            raise ModelLoadError("reading GGUF files needs the gguf package (pip install gguf)", self.path) from None
+        except Exception as e:  # the reader raises ValueError, struct errors, numpy errors on a bad file
+            raise ModelLoadError(f"not a readable GGUF file: {type(e).__name__}: {e}", self.path) from None
+        size = self.path.stat().st_size
+        self.tensors = {}
+        for t in self.reader.tensors:
+            if t.data_offset + int(t.n_bytes) > size:
+                raise ModelLoadError(f"tensor {t.name!r} runs past the end of the file (truncated?)", self.path)
+            self.tensors[t.name] = t
+        self.arch = self.meta("general.architecture")
+        if self.arch not in ARCHITECTURES:
+            raise ModelLoadError(
+                f"GGUF architecture {self.arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})", self.path
+            )
+        self.held: dict[
+            str, tuple[str, str, int, int]
+        ] = {}  # gguf name -> (file type, held as, file bytes, held bytes)
+
+    # --- metadata --------------------------------------------------------------------------------
+    def meta(self, key: str, default=None):
+        field = self.reader.fields.get(key)
+        if field is None:
+            return default
+        try:
+            return field.contents()
+        except Exception as e:
+            raise ModelLoadError(f"GGUF metadata {key!r} is unreadable: {e}", self.path) from None
+
+    def _arch(self, key: str, default=None):
+        return self.meta(f"{self.arch}.{key}", default)
+
+    def config_dict(self) -> dict:
+        """The model's config in config.json's terms, from the metadata (sizes checked by engine.config)."""
+        heads = self._arch("attention.head_count")
+        hidden = self._arch("embedding_length")
+        tokens = self.reader.fields.get("tokenizer.ggml.tokens")
+        vocab = self._arch("vocab_size") or (len(tokens.data) if tokens is not None else None)
+        head_dim = self._arch("attention.key_length") or (hidden // heads if hidden and heads else None)
+        raw = {
+            "architectures": [ARCHITECTURES[self.arch]],
+            "model_type": self.arch,
+            "vocab_size": vocab,
+            "hidden_size": hidden,
+            "intermediate_size": self._arch("feed_forward_length"),
+            "num_hidden_layers": self._arch("block_count"),
+            "num_attention_heads": heads,
+            "num_key_value_heads": self._arch("attention.head_count_kv", heads),
+            "head_dim": head_dim,
+            "max_position_embeddings": self._arch("context_length", 4096),
+            "rms_norm_eps": self._arch("attention.layer_norm_rms_epsilon", 1e-6),
+            "rope_theta": self._arch("rope.freq_base", 10000.0),
+            "tie_word_embeddings": "output.weight" not in self.tensors,
+            "attention_bias": "blk.0.attn_q.bias" in self.tensors and self.arch != "qwen2",
+            "bos_token_id": self.meta("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": self.meta("tokenizer.ggml.eos_token_id"),
+            "hidden_act": "silu",
+        }
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            if raw[key] is None:
+                raise ModelLoadError(f"the GGUF metadata lacks {key} ({self.arch}.*)", self.path)
+        scaling = self._arch("rope.scaling.type")
+        if scaling == "linear":
+            raw["rope_scaling"] = {"type": "linear", "factor": self._arch("rope.scaling.factor", 1.0)}
+        elif scaling not in (None, "none"):
+            raise ModelLoadError(f"rope scaling {scaling!r} is not supported (supported: none, linear)", self.path)
+        rope_dims = self._arch("rope.dimension_count")
+        if rope_dims is not None and rope_dims != head_dim:
+            raise ModelLoadError(f"partial rotary embeddings ({rope_dims} of {head_dim}) are not supported", self.path)
+        return raw
+
+    def rope_factors(self) -> tuple[float, ...]:
+        """Per-frequency divisors from `rope_freqs.weight` (how Llama 3.1+ files carry their rope scaling)."""
+        t = self.tensors.get("rope_freqs.weight")
+        if t is None:
+            return ()
+        return tuple(float(v) for v in self._float_rows(t, 0, 1 if t.data.ndim > 1 else None).reshape(-1))
+
+    # --- the tokenizer -----------------------------------------------------------------------------
+    def tokenizer(self, stop_extra=()):
+        """A Tokenizer from tokenizer.ggml.*: byte-level BPE (model "gpt2") or SentencePiece-style BPE with
+        scores (model "llama"), control tokens as special tokens, the file's chat template and stop ids."""
+        from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+        from tokenizers import Tokenizer as HFTokenizer
+
+        from .tokenizer import Tokenizer
+
+        kind = self.meta("tokenizer.ggml.model")
+        tokens = self.meta("tokenizer.ggml.tokens")
+        if not tokens:
+            raise ModelLoadError("the GGUF file has no vocabulary (tokenizer.ggml.tokens)", self.path)
+        types = self.meta("tokenizer.ggml.token_type") or [1] * len(tokens)
+        if kind == "gpt2":
+            spelling = _bytes_to_unicode()
+            alphabet = set(spelling.values())
+            vocab = {}
+            for i, t in enumerate(tokens):
+                vocab[t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))] = i
+            merges = [tuple(m.split(" ", 1)) for m in self.meta("tokenizer.ggml.merges") or []]
+            tok = HFTokenizer(models.BPE(vocab, merges, fuse_unk=False))
+            pre = self.meta("tokenizer.ggml.pre", "default")
+            if pre in SPLITS:
+                tok.pre_tokenizer = pre_tokenizers.Sequence(
+                    [
+                        pre_tokenizers.Split(Regex(SPLITS[pre]), behavior="isolated"),
+                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                    ]
+                )
+            elif pre in DIGITS_FIRST:
+                tok.pre_tokenizer = pre_tokenizers.Sequence(
+                    [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+                )
+            else:
+                tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+            tok.decoder = decoders.ByteLevel()
+            special_ok = lambda t: set(t) <= alphabet
+        elif kind == "llama":
+            scores = self.meta("tokenizer.ggml.scores") or [0.0] * len(tokens)
+            vocab = {t: i for i, t in enumerate(tokens)}
+            merges = self.meta("tokenizer.ggml.merges")
+            merges = [tuple(m.split(" ", 1)) for m in merges] if merges else _merges_from_scores(vocab, scores)
+            unk = self.meta("tokenizer.ggml.unknown_token_id", 0)
+            tok = HFTokenizer(models.BPE(vocab, merges, unk_token=tokens[unk], fuse_unk=True, byte_fallback=True))
+            parts = [normalizers.Replace(" ", "\u2581")]
+            if self.meta("tokenizer.ggml.add_space_prefix", True):
+                parts.insert(0, normalizers.Prepend("\u2581"))
+            tok.normalizer = normalizers.Sequence(parts)
+            strip = [decoders.Strip(" ", 1, 0)] if self.meta("tokenizer.ggml.add_space_prefix", True) else []
+            tok.decoder = decoders.Sequence(
+                [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), *strip]
+            )
+            special_ok = lambda t: True
+        else:
+            raise ModelLoadError(f"GGUF tokenizer model {kind!r} is not supported (supported: gpt2, llama)", self.path)
+        control = [t for t, ty in zip(tokens, types) if ty == TOKEN_CONTROL and special_ok(t)]
+        tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
+        user = [t for t, ty in zip(tokens, types) if ty == TOKEN_USER_DEFINED and t in vocab]
+        if user:
+            tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
+
+        def token(key):
+            i = self.meta(f"tokenizer.ggml.{key}")
+            return (i, tokens[i]) if isinstance(i, int) and 0 <= i < len(tokens) else (None, None)
+
+        bos_id, bos = token("bos_token_id")
+        add_bos = self.meta("tokenizer.ggml.add_bos_token", kind == "llama")
+        if add_bos and bos is not None:
+            tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, bos_id)])
+        special = {}
+        for name, key in (
+            ("bos_token", "bos_token_id"),
+            ("eos_token", "eos_token_id"),
+            ("unk_token", "unknown_token_id"),
+        ):
+            _, text = token(key)
+            if text is not None:
+                special[name] = text
+        stop = {int(i) for i in stop_extra}
+        for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+            i, _ = token(key)
+            if i is not None:
+                stop.add(i)
+        template = self.meta("tokenizer.chat_template")
+        digest = hashlib.sha256()
+        for part in (kind or "", self.meta("tokenizer.ggml.pre", "") or "", template or "", str(len(tokens))):
+            digest.update(part.encode())
+        digest.update(tok.to_str().encode())
+        return Tokenizer(tok, special, template, stop, digest.hexdigest())
+
+    # --- tensors -----------------------------------------------------------------------------------
+    def gguf_name(self, hf: str) -> str | None:
+        if hf in GLOBAL_NAMES:
+            return GLOBAL_NAMES[hf]
+        if hf.startswith("model.layers."):
+            i, rest = hf[len("model.layers.") :].split(".", 1)
+            if rest in BLOCK_NAMES:
+                return f"blk.{i}.{BLOCK_NAMES[rest]}"
+        return None
+
+    def names(self) -> dict[str, str]:
+        """Every Hugging Face name this file holds -> its GGUF name."""
+        out = {}
+        for gname in self.tensors:
+            if gname.startswith("blk."):
+                _, i, rest = gname.split(".", 2)
+                hf = next((f"model.layers.{i}.{k}" for k, v in BLOCK_NAMES.items() if v == rest), None)
+            else:
+                hf = next((k for k, v in GLOBAL_NAMES.items() if v == gname), None)
+            if hf is not None:
+                out[hf] = gname
+        return out
+
+    @staticmethod
+    def shape(t) -> tuple[int, ...]:
+        """A tensor's shape, outer dimension first (GGUF lists the innermost first)."""
+        return tuple(int(n) for n in reversed(t.shape.tolist()))
+
+    def file_type(self, gname: str) -> str:
+        return self.tensors[gname].tensor_type.name
+
+    def _float_rows(self, t, a: int, b: int | None) -> np.ndarray:
+        """Rows a:b of a tensor as float32 values (1-D tensors whole), through llama.cpp's definitions."""
+        from gguf import GGMLQuantizationType, quants
+
+        data = t.data if b is None else t.data[a:b]
+        if t.tensor_type == GGMLQuantizationType.F32:
+            return np.asarray(data, dtype=np.float32)
+        if t.tensor_type == GGMLQuantizationType.F16:
+            return np.asarray(data).astype(np.float32)
+        try:
+            return quants.dequantize(np.asarray(data), t.tensor_type)
+        except NotImplementedError:
+            raise ModelLoadError(
+                f"tensor {t.name!r} is stored as {t.tensor_type.name}, which kvchat cannot read yet", self.path
+            ) from None
+
+    def permutation(self, hf: str, cfg) -> np.ndarray | None:
+        """The row order that undoes llama.cpp's q/k interleaving (None when the rows are as Hugging Face has them)."""
+        if self.arch not in PERMUTED:
+            return None
+        if hf.endswith(("q_proj.weight", "q_proj.bias")):
+            heads = cfg.num_heads
+        elif hf.endswith(("k_proj.weight", "k_proj.bias")):
+            heads = cfg.num_kv_heads
+        else:
+            return None
+        rows = heads * cfg.head_dim
+        gguf_holds = np.arange(rows).reshape(heads, 2, rows // heads // 2).swapaxes(1, 2).reshape(-1)
+        return np.argsort(gguf_holds)  # hf[r] = gguf[order[r]]
+
+    def read_float(self, hf: str, cfg, dtype, device, a: int = 0, b: int | None = None) -> torch.Tensor:
+        """A tensor (rows a:b of it) in `dtype` on `device`, dequantized where the file holds codes."""
+        gname = self.gguf_name(hf)
+        t = self.tensors[gname]
+        order = self.permutation(hf, cfg)
+        if order is not None:  # small (q and k): whole, then reordered
+            rows = self._float_rows(t, 0, None if t.data.ndim == 1 else t.data.shape[0])[order]
+            rows = rows if b is None and a == 0 else rows[a:b]
+        else:
+            rows = self._float_rows(t, a, None if t.data.ndim == 1 else (t.data.shape[0] if b is None else b))
+        self._note(gname, dtype)
+        rows = np.ascontiguousarray(rows)
+        if not rows.flags.writeable:  # a view of the mapped file (F32): copied, never kept
+            rows = rows.copy()
+        return torch.from_numpy(rows).to(device=device, dtype=dtype)
+
+    def read_codes(self, hfs: list[str], cfg, dtype, device) -> PreQuantized | None:
+        """Tensors stacked along rows as their own codes, when all are one native type (Q8_0, Q4_0)."""
+        types = {self.file_type(self.gguf_name(h)) for h in hfs}
+        if len(types) != 1 or next(iter(types)) not in NATIVE:
+            return None
+        ftype = next(iter(types))
+        codes, scales = [], []
+        for hf in hfs:
+            gname = self.gguf_name(hf)
+            c, s = CODES[ftype](np.asarray(self.tensors[gname].data))
+            order = self.permutation(hf, cfg)
+            if order is not None:
+                c, s = c[order], s[order]
+            codes.append(torch.from_numpy(np.ascontiguousarray(c)))
+            scales.append(torch.from_numpy(np.ascontiguousarray(s)))
+            mode = NATIVE[ftype]
+            held = c.size * (1 if mode == "int8" else 0.5) + s.size * 4
+            self.held[gname] = (ftype, f"{mode}/g{BLOCK}", int(self.tensors[gname].n_bytes), int(held))
+        c, s = torch.cat(codes).to(device), torch.cat(scales).to(device)
+        return PreQuantized(c, s, NATIVE[ftype], BLOCK, dtype)
+
+    def _note(self, gname: str, dtype) -> None:
+        t = self.tensors[gname]
+        size = torch.empty((), dtype=dtype).element_size()
+        ftype = t.tensor_type.name
+        held = str(dtype).removeprefix("torch.") + ("" if ftype in ("F32", "F16", "BF16") else " (dequantized)")
+        self.held[gname] = (ftype, held, int(t.n_bytes), int(t.n_elements) * size)
+
+    def summary(self) -> dict:
+        """By file type: how many tensors, their bytes in the file, what they are held as and their bytes held."""
+        out: dict[str, dict] = {}
+        for ftype, held, file_bytes, held_bytes in self.held.values():
+            row = out.setdefault(f"{ftype} → {held}", {"tensors": 0, "file_bytes": 0, "held_bytes": 0})
+            row["tensors"] += 1
+            row["file_bytes"] += file_bytes
+            row["held_bytes"] += held_bytes
+        return out
+
+    def quantization(self) -> str:
+        """The file's quantization as people name it (its most common tensor type among the matrices)."""
+        counts: dict[str, int] = {}
+        for t in self.tensors.values():
+            if len(t.shape) > 1:
+                counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + int(t.n_elements)
+        return max(counts, key=counts.get) if counts else "F32"
+
+    def digest(self) -> str:
+        """What identifies the weights cheaply: the file's name, size and mtime and its tensor table."""
+        st = self.path.stat()
+        h = hashlib.sha256(f"{self.path.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+        for t in self.tensors.values():
+            h.update(f"{t.name}:{t.tensor_type.name}:{t.shape.tolist()}:{t.data_offset}".encode())
+        return h.hexdigest()[:16]
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's map from bytes to printable characters (how byte-level vocabularies spell every byte)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def _merges_from_scores(vocab: dict[str, int], scores) -> list[tuple[str, str]]:
+    """BPE merges a SentencePiece vocabulary implies: every split of a token into two tokens of the
+    vocabulary, best-scored token first (as transformers derives them)."""
+    merges = []
+    for token, score in zip(vocab, scores):
+        local = [
+            (token[:k], token[k:], score) for k in range(1, len(token)) if token[:k] in vocab and token[k:] in vocab
+        ]
+        merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(a, b) for a, b, _ in merges]
