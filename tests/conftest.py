@@ -28,3 +28,18 @@ def demo_model_dir():
     if not (DEMO_MODEL / "model.safetensors").is_file():
         pytest.fail(f"the bundled demo model is missing from {DEMO_MODEL}")
     return DEMO_MODEL
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """The real SmolLM2-135M-Instruct Q4_1 GGUF that tests/fetch_models.py put in the cache (skipped
+    without it; under CI=true its absence is a failure: CI fetches it first)."""
+    from fetch_models import SIZE, smollm2_path
+
+    path = smollm2_path()
+    if not (path.is_file() and path.stat().st_size == SIZE):
+        message = f"{path} is missing: run python tests/fetch_models.py"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    return path

