@@ -1,4 +1,4 @@
-"""`python -m engine info|generate|replay|chat`: the engine's command line (its tools add bench,
+"""`python -m engine info|generate|replay|chat|models`: the engine's command line (its tools add bench,
 quality and selftest: see engine/__main__.py)."""
 
 from __future__ import annotations
@@ -164,6 +164,27 @@ def cmd_replay(ns) -> int:
     return 1 if failed else 0
 
 
+def cmd_models(ns) -> int:
+    from .catalog import default_cache, scan
+
+    rows = [r.to_dict() for r in scan(ns.folder, cache=None if ns.no_cache else default_cache())]
+    if ns.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        print("no models found (looked in the Hugging Face cache, LM Studio and Ollama; add folders with --folder)")
+        return 0
+    for r in rows:
+        n = r["parameters"]
+        params = "—" if n is None else f"{n / 1e9:,.1f}B" if n >= 1e9 else f"{n / 1e6:,.0f}M" if n >= 1e6 else f"{n:,}"
+        state = "ok" if r["openable"] else f"cannot open: {r['reason']}"
+        print(
+            f"{r['name']}  [{r['source']}, {r['format']}, {r['architecture'] or '?'}, {params} params, "
+            f"{r['quantization'] or '?'}, {r['size_bytes'] / 2**20:,.1f} MiB]  {state}\n    {r['path']}"
+        )
+    return 0
+
+
 CHAT_HELP = "/edit N text · /regen · /stats · /reset · /quit"
 
 
@@ -252,6 +273,10 @@ def parser() -> argparse.ArgumentParser:
     _sampling_args(p)
     p.add_argument("--script", required=True)
     p.add_argument("--json", action="store_true")
+    p = sub.add_parser("models", help="the models on this machine: Hugging Face cache, LM Studio, Ollama, folders")
+    p.add_argument("--folder", action="append", default=[], help="also look in this folder (repeatable)")
+    p.add_argument("--no-cache", action="store_true", help="read every file's header again")
+    p.add_argument("--json", action="store_true")
     p = sub.add_parser("chat", help="interactive terminal chat")
     LoadSpec.add_arguments(p)
     _sampling_args(p)
@@ -259,7 +284,7 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-COMMANDS = {"info": cmd_info, "generate": cmd_generate, "replay": cmd_replay, "chat": cmd_chat}
+COMMANDS = {"info": cmd_info, "generate": cmd_generate, "replay": cmd_replay, "chat": cmd_chat, "models": cmd_models}
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,238 @@
+"""The models already on this machine: the Hugging Face hub cache, LM Studio's and Ollama's folders,
+and folders a person added — one row each, with what it is and whether kvchat can open it.
+
+Only headers are read (config.json and safetensors headers, GGUF metadata), never weights. GGUF
+metadata is slow to read for a large vocabulary, so rows are kept in a small JSON cache keyed by
+each file's path, size and modification time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import struct
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from .config import config_from_dict, read_json
+from .errors import ModelLoadError
+from .gguf_file import GGUFModel, is_gguf
+
+SOURCES = ("hf-cache", "lm-studio", "ollama", "folder")
+CACHE_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class FoundModel:
+    name: str
+    path: str  # what `--model` takes: a model folder or a GGUF file
+    source: str  # hf-cache | lm-studio | ollama | folder
+    format: str  # safetensors | gguf
+    architecture: str | None
+    parameters: int | None
+    quantization: str | None  # the weights' type as stored: bf16, F16, Q4_K, ...
+    size_bytes: int
+    openable: bool
+    reason: str | None = None  # why not, when it cannot be opened
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def roots(env=None, home: Path | None = None) -> dict[str, list[Path]]:
+    """Where each source keeps its models, as the tools themselves decide it."""
+    env = os.environ if env is None else env
+    home = Path.home() if home is None else Path(home)
+    hub = env.get("HF_HUB_CACHE") or (str(Path(env["HF_HOME"]) / "hub") if env.get("HF_HOME") else None)
+    return {
+        "hf-cache": [Path(hub) if hub else home / ".cache" / "huggingface" / "hub"],
+        "lm-studio": [home / ".lmstudio" / "models", home / ".cache" / "lm-studio" / "models"],
+        "ollama": [Path(env["OLLAMA_MODELS"]) if env.get("OLLAMA_MODELS") else home / ".ollama" / "models"],
+    }
+
+
+# --- reading one candidate ------------------------------------------------------------------------
+def _safetensors_header(path: Path) -> dict:
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError("too short for a safetensors file")
+        n = struct.unpack("<Q", head)[0]
+        if n > min(100_000_000, path.stat().st_size - 8):
+            raise ValueError("its header size runs past the end of the file")
+        return json.loads(f.read(n))
+
+
+def _folder_row(folder: Path, name: str, source: str) -> FoundModel:
+    """A Hugging Face style folder: config.json, safetensors (one file or shards), tokenizer.json."""
+    files = sorted(folder.glob("*.safetensors"))
+    size = sum(p.stat().st_size for p in files if p.exists())
+    arch = params = quant = None
+    reason = None
+    try:
+        raw = read_json(folder / "config.json")
+        arch = (raw.get("architectures") or [None])[0]
+        config_from_dict(raw, folder / "config.json")
+        if not files:
+            raise ModelLoadError("no safetensors weights (pickle .bin files are never opened)")
+        counts: dict[str, int] = {}
+        for p in files:
+            for key, t in _safetensors_header(p).items():
+                if key != "__metadata__":
+                    counts[t["dtype"]] = counts.get(t["dtype"], 0) + math.prod(t["shape"])
+        params = sum(counts.values())
+        quant = max(counts, key=counts.get).lower() if counts else None
+        if not (folder / "tokenizer.json").is_file():
+            raise ModelLoadError("no tokenizer.json")
+    except (ModelLoadError, OSError, ValueError, KeyError, TypeError) as e:
+        reason = str(e).split(" (", 1)[0] if isinstance(e, ModelLoadError) else f"{type(e).__name__}: {e}"
+    return FoundModel(name, str(folder), source, "safetensors", arch, params, quant, size, reason is None, reason)
+
+
+def _gguf_row(path: Path, name: str, source: str) -> FoundModel:
+    size = path.stat().st_size
+    try:
+        gm = GGUFModel(path)
+        params = sum(int(t.n_elements) for t in gm.tensors.values())
+        kind = gm.meta("tokenizer.ggml.model")
+        reason = None if kind in ("gpt2", "llama") else f"tokenizer model {kind!r} is not supported"
+        return FoundModel(
+            name, str(path), source, "gguf", gm.arch, params, gm.quantization(), size, reason is None, reason
+        )
+    except ModelLoadError as e:
+        arch = None
+        text = str(e)
+        if "architecture" in text:
+            arch = text.split("'")[1] if "'" in text else None
+        return FoundModel(name, str(path), source, "gguf", arch, None, None, size, False, text.split(" (supported")[0])
+
+
+class _RowCache:
+    """Rows by (path, size, mtime) in a JSON file, so a second scan reads no GGUF metadata again."""
+
+    def __init__(self, path: Path | None):
+        self.path, self.rows, self.dirty = path, {}, False
+        if path is not None and path.is_file():
+            try:
+                data = json.loads(path.read_text(encoding="utf-8"))
+                if data.get("version") == CACHE_VERSION:
+                    self.rows = data["rows"]
+            except (OSError, ValueError, KeyError, TypeError):
+                self.rows = {}
+
+    @staticmethod
+    def key(path: Path) -> str:
+        st = path.stat()
+        return f"{path}|{st.st_size}|{st.st_mtime_ns}"
+
+    def row(self, path: Path, make: Callable[[], FoundModel], name: str, source: str) -> FoundModel:
+        key = self.key(path)
+        got = self.rows.get(key)
+        if got is not None:
+            return FoundModel(**{**got, "name": name, "source": source})
+        row = make()
+        self.rows[key] = row.to_dict()
+        self.dirty = True
+        return row
+
+    def save(self) -> None:
+        if self.path is None or not self.dirty:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"version": CACHE_VERSION, "rows": self.rows}), encoding="utf-8")
+            tmp.replace(self.path)
+        except OSError:
+            pass  # a cache that cannot be written only makes the next scan slower
+
+
+# --- the sources ------------------------------------------------------------------------------------
+def _candidates_in(folder: Path, depth: int = 3) -> Iterator[tuple[Path, str]]:
+    """(model folder or GGUF file, its kind) below `folder`, at most `depth` levels down."""
+    try:
+        entries = sorted(folder.iterdir())
+    except OSError:
+        return
+    if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
+        yield folder, "safetensors"
+    for p in entries:
+        if p.is_file() and p.suffix.lower() == ".gguf" and is_gguf(p):
+            yield p, "gguf"
+        elif p.is_dir() and depth > 0 and not p.name.startswith("."):
+            yield from _candidates_in(p, depth - 1)
+
+
+def _hf_cache(root: Path) -> Iterator[tuple[Path, str, str]]:
+    """models--ORG--NAME/snapshots/REV: the revision refs/main names, else the newest snapshot."""
+    for repo in sorted(root.glob("models--*")):
+        name = repo.name[len("models--") :].replace("--", "/")
+        snaps = repo / "snapshots"
+        ref = repo / "refs" / "main"
+        snap = None
+        if ref.is_file():
+            rev = ref.read_text(encoding="utf-8").strip()
+            snap = snaps / rev if (snaps / rev).is_dir() else None
+        if snap is None:
+            dirs = [d for d in snaps.glob("*") if d.is_dir()] if snaps.is_dir() else []
+            snap = max(dirs, key=lambda d: d.stat().st_mtime) if dirs else None
+        if snap is None:
+            continue
+        for path, kind in _candidates_in(snap, depth=1):
+            yield path, kind, name if kind == "safetensors" else f"{name}/{path.name}"
+
+
+def _ollama(root: Path) -> Iterator[tuple[Path, str, str]]:
+    """manifests/HOST/NAMESPACE/MODEL/TAG (JSON) name a GGUF blob in blobs/ by its digest."""
+    manifests = root / "manifests"
+    for manifest in sorted(p for p in manifests.glob("*/*/*/*") if p.is_file()):
+        host, namespace, model, tag = manifest.relative_to(manifests).parts
+        try:
+            layers = json.loads(manifest.read_text(encoding="utf-8")).get("layers", [])
+        except (OSError, ValueError):
+            continue
+        digest = next((la.get("digest") for la in layers if la.get("mediaType", "").endswith(".model")), None)
+        if not digest:
+            continue
+        blob = root / "blobs" / digest.replace(":", "-")
+        name = (model if namespace == "library" else f"{namespace}/{model}") + f":{tag}"
+        if host != "registry.ollama.ai":
+            name = f"{host}/{name}"
+        if blob.is_file():
+            yield blob, "gguf", name
+
+
+def scan(folders=(), env=None, home: Path | None = None, cache: Path | None = None) -> Iterator[FoundModel]:
+    """Every model found, source by source (rows as they are read: a caller may show them as they come)."""
+    where = roots(env, home)
+    rows = _RowCache(cache)
+
+    def make(path: Path, kind: str, name: str, source: str) -> FoundModel:
+        reader = _gguf_row if kind == "gguf" else _folder_row
+        target = path if kind == "gguf" else path / "config.json"
+        return rows.row(target, lambda: reader(path, name, source), name, source)
+
+    try:
+        for root in where["hf-cache"]:
+            for path, kind, name in _hf_cache(root):
+                yield make(path, kind, name, "hf-cache")
+        for root in where["lm-studio"]:
+            for path, kind in _candidates_in(root):
+                yield make(path, kind, str(path.relative_to(root)), "lm-studio")
+        for root in where["ollama"]:
+            for path, kind, name in _ollama(root):
+                yield make(path, kind, name, "ollama")
+        for folder in folders:
+            folder = Path(folder).expanduser()
+            for path, kind in _candidates_in(folder):
+                yield make(path, kind, path.name, "folder")
+    finally:
+        rows.save()
+
+
+def default_cache() -> Path:
+    """Where the row cache lives: the user cache directory."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvchat" / "models.json"

@@ -1,0 +1,86 @@
+"""`python -m engine models`: the models on this machine, from all four sources, with their facts."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from model_layouts import build
+
+from engine.catalog import scan
+from engine.loader import load_model
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    home = tmp_path_factory.mktemp("home")
+    return home, build(home, tmp_path_factory.mktemp("work"))
+
+
+def test_models_lists_every_source_with_its_facts(home):
+    home, where = home
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "OLLAMA"))}
+    env.update(HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"))
+    cmd = [sys.executable, "-m", "engine", "models", "--json", "--folder", str(home / "models")]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rows = {row["name"]: row for row in json.loads(r.stdout)}
+    assert set(rows) == {
+        "kvchat/tiny-llama",
+        "kvchat/tiny-qwen2-GGUF/tiny-qwen2.Q8_0.gguf",
+        "kvchat/tiny-llama-GGUF/tiny-llama.Q4_0.gguf",
+        "tiny-qwen2:q8_0",
+        "tiny-qwen2",
+        "tiny-gemma",
+    }
+    hf = rows["kvchat/tiny-llama"]
+    assert (hf["source"], hf["format"], hf["architecture"], hf["quantization"]) == (
+        "hf-cache",
+        "safetensors",
+        "LlamaForCausalLM",
+        "f32",
+    )
+    from safetensors import safe_open
+
+    with safe_open(str(where["hf"] / "model.safetensors"), framework="pt") as f:
+        numel = sum(f.get_tensor(k).numel() for k in f.keys())
+    assert hf["openable"] and hf["parameters"] == numel
+    assert hf["size_bytes"] == (where["hf"] / "model.safetensors").stat().st_size  # the blob's, through the link
+    lms = rows["kvchat/tiny-llama-GGUF/tiny-llama.Q4_0.gguf"]
+    assert (lms["source"], lms["format"], lms["architecture"], lms["quantization"]) == (
+        "lm-studio",
+        "gguf",
+        "llama",
+        "Q4_0",
+    )
+    oll = rows["tiny-qwen2:q8_0"]
+    assert (oll["source"], oll["format"], oll["architecture"], oll["quantization"], oll["openable"]) == (
+        "ollama",
+        "gguf",
+        "qwen2",
+        "Q8_0",
+        True,
+    )
+    assert oll["path"] == str(where["ollama"]) and oll["size_bytes"] == where["ollama"].stat().st_size
+    assert rows["tiny-qwen2"]["source"] == "folder" and rows["tiny-qwen2"]["openable"]
+    bad = rows["tiny-gemma"]
+    assert not bad["openable"] and "unsupported architecture 'GemmaForCausalLM'" in bad["reason"]
+    for name, row in rows.items():  # every openable row opens, by the path the list gives
+        if row["openable"]:
+            assert load_model(row["path"]).config.vocab_size > 0, name
+    assert (home / ".cache" / "kvchat" / "models.json").is_file()  # the second scan reads no GGUF again
+
+
+def test_the_row_cache_is_used_and_follows_changes(home, tmp_path):
+    home, where = home
+    env = {"HOME": str(home)}
+    cache = tmp_path / "models.json"
+    first = list(scan([home / "models"], env=env, home=home, cache=cache))
+    data = json.loads(cache.read_text())
+    assert len(data["rows"]) == len(first)
+    again = list(scan([home / "models"], env=env, home=home, cache=cache))
+    assert again == first
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert list(scan([], env={"HF_HUB_CACHE": str(empty), "OLLAMA_MODELS": str(empty)}, home=empty)) == []
