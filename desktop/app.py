@@ -14,6 +14,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--check", action="store_true", help="start, load the model, print what loaded (or why not) as JSON, and quit"
     )
+    ap.add_argument("--model", default=None, help="start on this model folder or GGUF file")
     ns, qt_args = ap.parse_known_args(argv)
 
     import qasync
@@ -32,7 +33,7 @@ def main(argv=None) -> int:
     asyncio.set_event_loop(loop)
     closed = asyncio.Event()
     app.aboutToQuit.connect(closed.set)
-    window = MainWindow(data_dir())
+    window = MainWindow(data_dir(), model=ns.model)
     window.show()
     outcome: dict = {}
     if ns.check:
@@ -46,7 +47,17 @@ def main(argv=None) -> int:
     with loop:
         loop.run_until_complete(closed.wait())
     if ns.check:
-        keys = ("error", "name", "architecture", "device", "dtype", "parameters", "capacity", "decode_kernels")
+        keys = (
+            "error",
+            "name",
+            "architecture",
+            "device",
+            "dtype",
+            "parameters",
+            "capacity",
+            "decode_kernels",
+            "format",
+        )
         print(json.dumps({k: outcome[k] for k in keys if k in outcome}))
         return 1 if "error" in outcome or not outcome else 0
     return 0

@@ -38,6 +38,11 @@ class Settings:
     repetition_penalty: float = 1.0
     max_new_tokens: int = 256
     seed: int = -1  # -1: random
+    model_folders: str = ""  # folders the Models dialog also looks in, separated by os.pathsep
+
+    @property
+    def folders(self) -> list[str]:
+        return [f for f in self.model_folders.split(os.pathsep) if f]
 
     @classmethod
     def load(cls, qs) -> Settings:

@@ -43,14 +43,18 @@ class SettingsDialog(QDialog):
         self.modelDir = QLineEdit(spec.path or "")
         self.modelDir.setObjectName("modelDirEdit")
         self.modelDir.setPlaceholderText("bundled demo model")
-        browse = QPushButton("Choose…")
+        self._folders = settings.model_folders
+        browse = QPushButton("Folder…")
         browse.clicked.connect(self._browse)
+        browse_file = QPushButton("GGUF file…")
+        browse_file.clicked.connect(self._browse_file)
         row = QWidget()
         h = QHBoxLayout(row)
         h.setContentsMargins(0, 0, 0, 0)
         h.addWidget(self.modelDir)
         h.addWidget(browse)
-        form.addRow("Model folder", row)
+        h.addWidget(browse_file)
+        form.addRow("Model (folder or GGUF file)", row)
         self.device = QComboBox()
         self.device.setObjectName("deviceCombo")
         self.device.addItems(["auto", "cpu", "cuda", "mps"])
@@ -137,6 +141,11 @@ class SettingsDialog(QDialog):
         if d:
             self.modelDir.setText(d)
 
+    def _browse_file(self):
+        path, _ = QFileDialog.getOpenFileName(self, "Choose a GGUF model file", self.modelDir.text(), "GGUF (*.gguf)")
+        if path:
+            self.modelDir.setText(path)
+
     def result_settings(self) -> Settings:
         def auto(value):  # "auto", 0 and "" leave the choice to the engine
             return None if value in ("auto", "", 0) else value
@@ -161,4 +170,5 @@ class SettingsDialog(QDialog):
             repetition_penalty=self.rep.value(),
             max_new_tokens=self.max_new.value(),
             seed=self.seed.value(),
+            model_folders=self._folders,
         )

@@ -8,13 +8,16 @@ and adapts its interval so the GUI thread stays within a small CPU budget (READM
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import (
+    QDialog,
     QFileDialog,
     QHBoxLayout,
     QInputDialog,
@@ -36,6 +39,7 @@ from engine.trace import now
 
 from .chat import ChatController
 from .client import EngineClient
+from .models_dialog import ModelsDialog
 from .panel import StatsPanel
 from .settings import Settings
 from .settings_dialog import SettingsDialog, open_settings
@@ -66,13 +70,16 @@ class MainWindow(QMainWindow):
     modelReady = Signal(dict)
     conversationProbed = Signal(dict)  # how much of the conversation on screen is cached (tests wait on it)
 
-    def __init__(self, data_directory: Path, worker_thread: WorkerThread | None = None):
+    def __init__(self, data_directory: Path, worker_thread: WorkerThread | None = None, model: str | None = None):
+        """`model`: a model folder or GGUF file to start on (`kvchat --model PATH`), instead of the settings'."""
         super().__init__()
         self.setWindowTitle("kvchat")
         self.resize(1380, 860)
         self.data_directory = Path(data_directory)
         self.qsettings = open_settings(self.data_directory)
         self.settings = Settings.load(self.qsettings)
+        if model is not None:
+            self.settings.model = dataclasses.replace(self.settings.model, path=str(Path(model).expanduser()))
         self.db_path = self.data_directory / "kvchat.db"
         self.loop = asyncio.get_event_loop()
         self.worker_thread = worker_thread or WorkerThread()
@@ -89,6 +96,7 @@ class MainWindow(QMainWindow):
         self._show_first_conversation()
         self._update_buttons()
         self.worker.modelLoading.connect(self._on_model_loading)
+        self.worker.modelLoadProgress.connect(self._on_load_progress)
         self.worker.modelLoaded.connect(self._on_model_loaded)
         self.worker.modelFailed.connect(self._on_model_failed)
         self.worker.compared.connect(self._on_compared)
@@ -178,6 +186,7 @@ class MainWindow(QMainWindow):
         self.statusBar().addPermanentWidget(self.loadProgress)
         menu = self.menuBar().addMenu("&kvchat")
         for text, slot, key in (
+            ("Models…", self.open_models_dialog, "Ctrl+O"),
             ("Settings…", self.open_settings_dialog, "Ctrl+,"),
             ("About", self.show_about, None),
             ("Quit", self.close, "Ctrl+Q"),
@@ -342,9 +351,32 @@ class MainWindow(QMainWindow):
         self.worker.load(self.settings.model)
 
     def _on_model_loading(self, what: str) -> None:
+        self.loadProgress.setRange(0, 0)  # busy until the first figure arrives
         self.loadProgress.setVisible(True)
         self.statusBar().showMessage(f"Loading {what}…")
         self._update_buttons()
+
+    def _on_load_progress(self, fraction: float, what: str) -> None:
+        """The weights being read: a percentage, with the file's name."""
+        pct = int(round(fraction * 100))
+        self.loadProgress.setRange(0, 100)
+        self.loadProgress.setValue(pct)
+        self.loadProgress.setFormat(f"{pct}%")
+        self.loadProgress.setTextVisible(True)
+        self.statusBar().showMessage(f"Loading {what}: {pct}%")
+
+    def open_models_dialog(self) -> ModelsDialog:
+        """The models on this computer; the one picked is loaded (and kept in the settings)."""
+        dlg = ModelsDialog(self.settings.folders, self.settings.model.path, self)
+        dlg.finished.connect(lambda result: self._models_chosen(dlg, result))
+        dlg.open()
+        return dlg
+
+    def _models_chosen(self, dlg: ModelsDialog, result: int) -> None:
+        new = dataclasses.replace(self.settings, model_folders=os.pathsep.join(dlg.folders))
+        if result == QDialog.Accepted and dlg.chosen:
+            new.model = dataclasses.replace(new.model, path=dlg.chosen)
+        self.apply_settings(new)
 
     def _on_model_loaded(self, facts: dict) -> None:
         self.facts = facts

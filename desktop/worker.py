@@ -56,6 +56,7 @@ class GenerateJob:
 
 class EngineWorker(QObject):
     modelLoading = Signal(str)
+    modelLoadProgress = Signal(float, str)  # fraction of the weights read, the file's or folder's name
     modelLoaded = Signal(dict)  # the session's facts: model, cache, precision
     modelFailed = Signal(str)  # a message a person can read; the old model stays
     compared = Signal(int, dict)  # request id, the full vs quantized comparison
@@ -149,7 +150,7 @@ class EngineWorker(QObject):
             if f.name not in cache_only
         )
         try:
-            loaded = self.loaded if same_weights else spec.load()
+            loaded = self.loaded if same_weights else spec.load(self.modelLoadProgress.emit)
             if self.session is None:
                 self.session = Session(loaded, capacity=spec.capacity, kv=spec.kv, cache_budget=spec.cache_budget)
             else:

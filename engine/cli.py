@@ -52,8 +52,28 @@ def _sampling(ns, overrides: dict | None = None) -> SamplingParams:
     )
 
 
+class LoadProgress:
+    """`loading NAME: 45%` on stderr while the weights are read: redrawn in place on a terminal, a line
+    per quarter otherwise (logs, pipes)."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.shown = -1
+
+    def __call__(self, fraction: float, what: str) -> None:
+        pct = int(round(fraction * 100))
+        step = pct if self.tty else pct // 25 * 25
+        if step == self.shown:
+            return
+        self.shown = step
+        end = "\n" if not self.tty or pct >= 100 else ""
+        self.stream.write(("\r" if self.tty else "") + f"loading {what}: {step}%" + end)
+        self.stream.flush()
+
+
 def _open(ns):
-    return LoadSpec.from_args(ns).open()
+    return LoadSpec.from_args(ns).open(LoadProgress())
 
 
 def run_request(session, req, stream_to=None) -> dict:

@@ -488,11 +488,14 @@ def _build_model(
     weights: str,
     group_size: int,
     kern,
+    progress=None,
 ) -> Transformer:
     """The model, streamed block by block from the files into its final form: each block is read,
     fused, cast, put on the device and given its layout before the next one is read, so the peak is
     the final weights plus about one block; quantized weights, the embedding and head included, are
-    quantized a chunk of rows at a time as they are read. `kern`: kvchat's CPU kernels, or None."""
+    quantized a chunk of rows at a time as they are read. `kern`: kvchat's CPU kernels, or None;
+    `progress(fraction)` is told after the embedding and head and after each block."""
+    progress = progress or (lambda fraction: None)
     transposed = kern is None and device.type == "cpu" and dtype == torch.float32  # torch's fast one-row layout
     with torch.device("meta"):
         model = Transformer(cfg)
@@ -514,10 +517,13 @@ def _build_model(
         else:
             model.lm_head.weight = reader.read_one("lm_head.weight", dtype, device)
     model.norm.weight = reader.read_one("model.norm.weight", dtype, device)
+    steps = cfg.num_layers + 1
+    progress(1 / steps)
     for i, block in enumerate(model.layers):
         _load_block(reader, cfg, i, block, dtype, device, weights, group_size)
         if weights == "none" and device.type == "cpu":
             fast_cpu_linears([block], dtype)
+        progress((i + 2) / steps)
     if kern is not None:
         use_kernels(model, kern)
     if device.type == "cuda":
@@ -564,10 +570,11 @@ class LoadedModel:
     fingerprint: dict[str, str]
     kernels: kernel_library.Kernels | None = None  # kvchat's CPU kernels, when decode runs on them
     file_tensors: dict | None = None  # a GGUF's tensors by file type: how many, bytes in the file, held as, bytes held
+    title: str | None = None  # a name where the file's own says nothing (an Ollama blob: the model's general.name)
 
     @property
     def name(self) -> str:
-        return self.path.name
+        return self.title or self.path.name
 
     @property
     def parameter_count(self) -> int:
@@ -637,8 +644,10 @@ def load_model(
     dtype: str | None = None,
     weights: str = "none",
     group_size: int = DEFAULT_GROUP_SIZE,
+    progress=None,
 ) -> LoadedModel:
-    """Load a model folder (the bundled demo model when None). `weights` = none | int8 | int4
+    """Load a model folder or GGUF file (the bundled demo model when None); `progress(fraction, what)`
+    is told how far reading the weights is (what: the file's or folder's name). `weights` = none | int8 | int4
     quantizes the block linears (quantize, then swap the module) with one scale per `group_size`
     inputs (0: one per output channel), and the embedding and output head in int8 with the same
     grouping (engine.backends.quantized.quantize_head)."""
@@ -658,7 +667,7 @@ def load_model(
             raise ModelLoadError(
                 "not a model: a model is a folder (config.json, safetensors) or a GGUF file", model_dir
             )
-        return _load_gguf(model_dir, device, dtype, weights, group_size)
+        return _load_gguf(model_dir, device, dtype, weights, group_size, progress)
     if not model_dir.is_dir():
         raise ModelLoadError("model folder or file not found", model_dir)
     cfg = load_config(model_dir)
@@ -675,7 +684,9 @@ def load_model(
     weights, quantization = _weight_mode(weights, group_size)
     kern = kernel_library.for_dtype(dt) if dev.type == "cpu" else None  # decode kernels for this dtype
     with _ReturnFreedMemory():
-        model = _build_model(_Reader(files, _expected(cfg)), cfg, dt, dev, weights, group_size, kern)
+        model = _build_model(
+            _Reader(files, _expected(cfg)), cfg, dt, dev, weights, group_size, kern, _told(progress, model_dir.name)
+        )
     fingerprint = _fingerprint(_header_digest(files.values()), cfg, dt, dev, quantization, tokenizer)
     return LoadedModel(model_dir, cfg, model, tokenizer, dev, dt, fingerprint, kern)
 
@@ -706,9 +717,16 @@ def _fingerprint(weights_digest: str, cfg: ModelConfig, dt, dev, quantization: s
     }
 
 
-def _load_gguf(path: Path, device, dtype, weights, group_size) -> LoadedModel:
+def _told(progress, what: str):
+    """progress(fraction, what) as a one-argument callback (None stays None)."""
+    return None if progress is None else (lambda fraction: progress(fraction, what))
+
+
+def _load_gguf(path: Path, device, dtype, weights, group_size, progress=None) -> LoadedModel:
     """A GGUF file: config and tokenizer from its metadata, weights from its tensors (Q8_0 and Q4_0 as their
     own codes; other types dequantized into `dtype`; float ones quantized when `weights` asks)."""
+    if progress is not None:
+        progress(0.0, path.name)  # the metadata first: a large vocabulary takes seconds to read
     gm = GGUFModel(path)
     cfg = config_from_dict(gm.config_dict(), path)
     factors = gm.rope_factors()
@@ -726,8 +744,9 @@ def _load_gguf(path: Path, device, dtype, weights, group_size) -> LoadedModel:
     weights, quantization = _weight_mode(weights, group_size)
     kern = kernel_library.for_dtype(dt) if dev.type == "cpu" else None
     with _ReturnFreedMemory():
-        model = _build_model(_GGUFReader(gm, cfg), cfg, dt, dev, weights, group_size, kern)
+        model = _build_model(_GGUFReader(gm, cfg), cfg, dt, dev, weights, group_size, kern, _told(progress, path.name))
     file_quant = f"gguf {gm.quantization()}"
     quantization = file_quant if quantization == "none" else f"{file_quant}, rest {quantization}"
     fingerprint = _fingerprint(gm.digest(), cfg, dt, dev, quantization, tokenizer)
-    return LoadedModel(path, cfg, model, tokenizer, dev, dt, fingerprint, kern, gm.summary())
+    title = (gm.meta("general.name") or "an Ollama model") if path.name.startswith("sha256-") else None
+    return LoadedModel(path, cfg, model, tokenizer, dev, dt, fingerprint, kern, gm.summary(), title)

@@ -14,7 +14,7 @@ from .session import Session
 
 @dataclasses.dataclass(frozen=True)
 class LoadSpec:
-    path: str | None = None  # a model folder; None: the bundled demo model
+    path: str | None = None  # a model folder or GGUF file; None: the bundled demo model
     device: str | None = None  # cpu | cuda | mps; None: the best available
     dtype: str | None = None  # float32 | bfloat16 | float16; None: bfloat16 on a GPU, float32 on the CPU
     capacity: int | None = None  # KV cache positions; None: min(the model's context, 4096)
@@ -23,14 +23,20 @@ class LoadSpec:
     group_size: int = DEFAULT_GROUP_SIZE  # values per quantization scale; 0: one per output channel
     cache_budget: int | None = None  # the prefix store's bytes; None: a share of free memory; 0: no store
 
-    def load(self) -> LoadedModel:
+    def load(self, progress=None) -> LoadedModel:
+        """The model; `progress(fraction, what)` follows the weights being read."""
         return load_model(
-            self.path, device=self.device, dtype=self.dtype, weights=self.weights, group_size=self.group_size
+            self.path,
+            device=self.device,
+            dtype=self.dtype,
+            weights=self.weights,
+            group_size=self.group_size,
+            progress=progress,
         )
 
-    def open(self) -> tuple[LoadedModel, Session]:
+    def open(self, progress=None) -> tuple[LoadedModel, Session]:
         """The model and a session over it with this spec's cache."""
-        loaded = self.load()
+        loaded = self.load(progress)
         return loaded, Session(loaded, capacity=self.capacity, kv=self.kv, cache_budget=self.cache_budget)
 
     def describe(self) -> str:
@@ -40,7 +46,7 @@ class LoadSpec:
     @staticmethod
     def add_arguments(p: argparse.ArgumentParser, cache: bool = True) -> None:
         """The load options of every `python -m engine` command (`cache`: with --capacity and --kv)."""
-        p.add_argument("--model", default=None, help="model folder (default: the bundled demo model)")
+        p.add_argument("--model", default=None, help="a model folder or GGUF file (default: the bundled demo model)")
         p.add_argument("--dtype", default=None, choices=list(DTYPES))
         p.add_argument("--device", default=None, help="cpu, cuda, mps (default: the best available)")
         p.add_argument("--weights", default="none", choices=PRECISIONS, help="weight precision")

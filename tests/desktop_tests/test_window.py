@@ -428,3 +428,74 @@ def test_the_prefix_store_budget_is_a_setting_that_keeps_the_weights(qtbot, make
     assert (
         panel(w, "storeEvictionsValue") == f"{store['evictions']:,} blocks ({store['evicted_positions']:,} positions)"
     )
+
+
+def test_the_models_dialog_lists_what_is_on_disk_and_opens_one_with_a_click(
+    qtbot, make_window, spin_loop, demo_model_dir, tmp_path, monkeypatch
+):
+    """Models in the Hugging Face cache, LM Studio, Ollama and an added folder (a temporary HOME): the
+    dialog lists them with their facts while the window stays live; a double-click loads one, with
+    the load's progress shown as a percentage and the file's name."""
+    import sys
+
+    sys.path.insert(0, str(tmp_path.parent))
+    from model_layouts import build
+
+    home = tmp_path / "home"
+    where = build(home, tmp_path / "work")
+    for var in ("HF_HOME", "HF_HUB_CACHE", "OLLAMA_MODELS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(home / ".cache"))
+    w = make_window(demo_model_dir, model_folders=str(home / "models"))
+    dlg = w.open_models_dialog()
+    assert w.isEnabled() and dlg.isVisible()  # not modal on the scan: the window is not waiting
+    with qtbot.waitSignal(dlg.scanned, timeout=60000):
+        pass
+    table = dlg.table
+    names = [table.item(r, 0).text() for r in range(table.rowCount())]
+    assert set(names) == {
+        "kvchat/tiny-llama",
+        "kvchat/tiny-qwen2-GGUF/tiny-qwen2.Q8_0.gguf",
+        "kvchat/tiny-llama-GGUF/tiny-llama.Q4_0.gguf",
+        "tiny-qwen2:q8_0",
+        "tiny-qwen2",
+        "tiny-gemma",
+    }
+    row = {n: r for r, n in enumerate(names)}
+    cells = [table.item(row["tiny-qwen2:q8_0"], c).text() for c in range(table.columnCount())]
+    assert cells[1:4] == ["ollama", "gguf", "qwen2"] and cells[5] == "Q8_0" and cells[7] == "ready"
+    assert table.item(row["tiny-gemma"], 7).text().startswith("cannot open: unsupported architecture")
+    table.selectRow(row["tiny-gemma"])
+    assert not dlg.openButton.isEnabled()
+    progress, ready = [], []
+    w.worker.modelLoadProgress.connect(lambda f, what: progress.append((f, what)))
+    w.modelReady.connect(ready.append)
+    item = table.item(row["tiny-qwen2:q8_0"], 0)
+    at = table.visualItemRect(item).center()
+    qtbot.mouseClick(table.viewport(), Qt.LeftButton, pos=at)  # a view takes a double-click on what was pressed
+    qtbot.mouseDClick(table.viewport(), Qt.LeftButton, pos=at)
+    assert dlg.chosen == str(where["ollama"])
+    spin_loop(lambda: ready, 120)
+    assert w.facts["path"] == str(where["ollama"]) and w.facts["format"] == "gguf"
+    assert w.facts["weights"] == "gguf Q8_0" and w.settings.model.path == str(where["ollama"])
+    assert progress[0][0] == 0.0 and progress[-1] == (1.0, where["ollama"].name)
+    assert w.loadProgress.value() == 100 and w.loadProgress.format() == "100%"
+    final = send(qtbot, w, spin_loop, "Hello there")
+    assert isinstance(final, Finished)
+    assert panel(w, "modelNameValue") == w.facts["name"]
+
+
+def test_kvchat_starts_on_the_model_it_is_given(tmp_path, smollm2_gguf):
+    """`kvchat --model FILE.gguf`: the real SmolLM2 file, offscreen, as a person would start it."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, QT_QPA_PLATFORM="offscreen", KVCHAT_DATA_DIR=str(tmp_path / "data"))
+    cmd = [sys.executable, "-m", "desktop", "--check", "--model", str(smollm2_gguf)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    facts = json.loads(r.stdout.strip().splitlines()[-1])
+    assert facts["name"] == smollm2_gguf.name and facts["format"] == "gguf"
+    assert facts["architecture"] == "LlamaForCausalLM"

@@ -161,11 +161,14 @@ def test_a_folder_holding_one_gguf_opens_and_two_are_named(folders, tmp_path):
 def test_the_command_line_opens_a_gguf_file(folders, tmp_path):
     path = write_gguf(folders["llama"], tmp_path / "m.gguf", matrices="Q8_0", tokenizer=True)
 
+    said = []
+
     def run(*args):
         r = subprocess.run(
             [sys.executable, "-m", "engine", *map(str, args)], capture_output=True, text=True, timeout=300
         )
         assert r.returncode == 0, r.stderr
+        said.append(r.stderr)
         return r.stdout
 
     info = json.loads(run("info", "--model", path, "--json"))
@@ -175,6 +178,10 @@ def test_the_command_line_opens_a_gguf_file(folders, tmp_path):
         run("generate", "--model", path, "--prompt", "My budget is 600 yuan.", "--max-new-tokens", 5, "--json")
     )
     assert out["stop_reason"] in ("eos", "max_new_tokens") and out["prompt_token_ids"]
+    # the load's progress with the file's name: a line a quarter when stderr is not a terminal
+    lines = [x for x in said[-1].splitlines() if x.startswith("loading m.gguf: ")]
+    pcts = [int(x.removeprefix("loading m.gguf: ").rstrip("%")) for x in lines]
+    assert pcts[0] == 0 and pcts[-1] == 100 and pcts == sorted(set(pcts)) and len(pcts) >= 3
 
 
 def test_the_real_smollm2_file_matches_transformers_and_knows_paris(smollm2_gguf):

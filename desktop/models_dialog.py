@@ -1,0 +1,186 @@
+"""The Models dialog: the models already on this machine (the Hugging Face cache, LM Studio, Ollama, the
+folders a person added), as `python -m engine models` lists them, opened with a click.
+
+The scan runs on a thread of its own and rows appear as they are read, so the window never waits;
+a model kvchat cannot open is listed greyed, with the reason.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from PySide6.QtCore import QObject, Qt, Signal
+from PySide6.QtGui import QBrush, QColor
+from PySide6.QtWidgets import (
+    QAbstractItemView,
+    QDialog,
+    QFileDialog,
+    QHBoxLayout,
+    QHeaderView,
+    QLabel,
+    QPushButton,
+    QTableWidget,
+    QTableWidgetItem,
+    QVBoxLayout,
+)
+
+from engine.catalog import default_cache, scan
+
+from .panel import fmt_size
+
+COLUMNS = ("Name", "Source", "Format", "Architecture", "Parameters", "Quantization", "Size", "Status")
+
+
+def fmt_params(n) -> str:
+    if n is None:
+        return "—"
+    return f"{n / 1e9:,.1f} B" if n >= 1e9 else f"{n / 1e6:,.0f} M" if n >= 1e6 else f"{n:,}"
+
+
+class _Scan(QObject):
+    """Rows from engine.catalog.scan on a plain thread, handed to the GUI thread by queued signals."""
+
+    row = Signal(object)  # a FoundModel
+    done = Signal(str)  # "" or the error that ended the scan
+
+    def start(self, folders, env=None, home=None, cache=None) -> None:
+        def run():
+            try:
+                for found in scan(folders, env=env, home=home, cache=cache):
+                    self.row.emit(found)
+                self.done.emit("")
+            except Exception as e:  # a scan that breaks says why; the dialog stays usable
+                self.done.emit(f"{type(e).__name__}: {e}")
+
+        threading.Thread(target=run, name="kvchat-model-scan", daemon=True).start()
+
+
+class ModelsDialog(QDialog):
+    """Pick a model: double-click a row or press Open. `chosen` is the path to load; `folders` the
+    added folders (kept in the settings by the window)."""
+
+    scanned = Signal()  # every source has been read (tests wait on it)
+
+    def __init__(self, folders: list[str], current: str | None, parent=None, env=None, home=None, cache=None):
+        super().__init__(parent)
+        self.setWindowTitle("Models on this computer")
+        self.resize(980, 460)
+        self.folders, self.current, self.chosen = list(folders), current, None
+        self._env, self._home, self._cache = env, home, default_cache() if cache is None else cache
+        self.rows: list = []
+        lay = QVBoxLayout(self)
+        self.note = QLabel("Looking in the Hugging Face cache, LM Studio, Ollama and your folders…")
+        self.note.setObjectName("modelsNote")
+        self.note.setWordWrap(True)
+        lay.addWidget(self.note)
+        self.table = QTableWidget(0, len(COLUMNS))
+        self.table.setObjectName("modelsTable")
+        self.table.setHorizontalHeaderLabels(COLUMNS)
+        self.table.setSelectionBehavior(QAbstractItemView.SelectRows)
+        self.table.setSelectionMode(QAbstractItemView.SingleSelection)
+        self.table.setEditTriggers(QAbstractItemView.NoEditTriggers)
+        self.table.verticalHeader().setVisible(False)
+        header = self.table.horizontalHeader()
+        header.setSectionResizeMode(QHeaderView.ResizeToContents)
+        header.setSectionResizeMode(0, QHeaderView.Stretch)
+        header.setSectionResizeMode(len(COLUMNS) - 1, QHeaderView.Stretch)
+        self.table.itemDoubleClicked.connect(lambda item: self.open_row(item.row()))
+        self.table.itemSelectionChanged.connect(self._selection_changed)
+        lay.addWidget(self.table, 1)
+        buttons = QHBoxLayout()
+        self.addFolderButton = QPushButton("Add folder…")
+        self.addFolderButton.setObjectName("addFolderButton")
+        self.addFolderButton.clicked.connect(self.add_folder)
+        self.fileButton = QPushButton("Open a file…")
+        self.fileButton.setObjectName("openFileButton")
+        self.fileButton.clicked.connect(self.open_file)
+        self.rescanButton = QPushButton("Rescan")
+        self.rescanButton.setObjectName("rescanButton")
+        self.rescanButton.clicked.connect(self.rescan)
+        self.openButton = QPushButton("Open")
+        self.openButton.setObjectName("openModelButton")
+        self.openButton.setDefault(True)
+        self.openButton.setEnabled(False)
+        self.openButton.clicked.connect(lambda: self.open_row(self.table.currentRow()))
+        cancel = QPushButton("Cancel")
+        cancel.clicked.connect(self.reject)
+        for b in (self.addFolderButton, self.fileButton, self.rescanButton):
+            buttons.addWidget(b)
+        buttons.addStretch(1)
+        buttons.addWidget(cancel)
+        buttons.addWidget(self.openButton)
+        lay.addLayout(buttons)
+        self.rescan()
+
+    # --- scanning ----------------------------------------------------------------------------------
+    def rescan(self) -> None:
+        self.table.setRowCount(0)
+        self.rows = []
+        self.rescanButton.setEnabled(False)
+        self._scan = _Scan()
+        self._scan.row.connect(self._add_row)
+        self._scan.done.connect(self._scan_done)
+        self._scan.start(self.folders, self._env, self._home, self._cache)
+
+    def _add_row(self, found) -> None:
+        self.rows.append(found)
+        r = self.table.rowCount()
+        self.table.insertRow(r)
+        status = "ready" if found.openable else f"cannot open: {found.reason}"
+        if self.current and Path(found.path) == Path(self.current):
+            status = "open now" if found.openable else status
+        cells = (
+            found.name,
+            found.source,
+            found.format,
+            found.architecture or "?",
+            fmt_params(found.parameters),
+            found.quantization or "?",
+            fmt_size(found.size_bytes),
+            status,
+        )
+        for c, text in enumerate(cells):
+            item = QTableWidgetItem(text)
+            item.setToolTip(f"{found.path}\n{status}")
+            if not found.openable:
+                item.setForeground(QBrush(QColor("#8a93a6")))
+            if c in (4, 6):
+                item.setTextAlignment(Qt.AlignRight | Qt.AlignVCenter)
+            self.table.setItem(r, c, item)
+
+    def _scan_done(self, error: str) -> None:
+        self.rescanButton.setEnabled(True)
+        n, ok = len(self.rows), sum(r.openable for r in self.rows)
+        if error:
+            self.note.setText(f"The scan stopped: {error}")
+        elif not n:
+            self.note.setText(
+                "No models found in the Hugging Face cache, LM Studio or Ollama. Add a folder, or open a "
+                "GGUF file or a model folder directly."
+            )
+        else:
+            self.note.setText(f"{n} models found, {ok} of them can be opened. Double-click one to open it.")
+        self.scanned.emit()
+
+    # --- choosing ----------------------------------------------------------------------------------
+    def _selection_changed(self) -> None:
+        r = self.table.currentRow()
+        self.openButton.setEnabled(0 <= r < len(self.rows) and self.rows[r].openable)
+
+    def open_row(self, r: int) -> None:
+        if 0 <= r < len(self.rows) and self.rows[r].openable:
+            self.chosen = self.rows[r].path
+            self.accept()
+
+    def add_folder(self) -> None:
+        d = QFileDialog.getExistingDirectory(self, "A folder that holds models")
+        if d and d not in self.folders:
+            self.folders.append(d)
+            self.rescan()
+
+    def open_file(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Open a GGUF model file", "", "GGUF models (*.gguf);;All files (*)")
+        if path:
+            self.chosen = path
+            self.accept()
