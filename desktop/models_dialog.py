@@ -65,7 +65,7 @@ class ModelsDialog(QDialog):
     def __init__(self, folders: list[str], current: str | None, parent=None, env=None, home=None, cache=None):
         super().__init__(parent)
         self.setWindowTitle("Models on this computer")
-        self.resize(980, 460)
+        self.resize(1120, 460)
         self.folders, self.current, self.chosen = list(folders), current, None
         self._env, self._home, self._cache = env, home, default_cache() if cache is None else cache
         self.rows: list = []
@@ -83,7 +83,8 @@ class ModelsDialog(QDialog):
         self.table.verticalHeader().setVisible(False)
         header = self.table.horizontalHeader()
         header.setSectionResizeMode(QHeaderView.ResizeToContents)
-        header.setSectionResizeMode(0, QHeaderView.Stretch)
+        header.setSectionResizeMode(0, QHeaderView.Interactive)
+        self.table.setColumnWidth(0, 380)
         header.setSectionResizeMode(len(COLUMNS) - 1, QHeaderView.Stretch)
         self.table.itemDoubleClicked.connect(lambda item: self.open_row(item.row()))
         self.table.itemSelectionChanged.connect(self._selection_changed)

@@ -216,6 +216,7 @@ class StatsPanel(QScrollArea):
                 ("dtypeValue", "dtype"),
                 ("precisionValue", "Weights · KV cache"),
                 ("weightBytesValue", "Weight bytes"),
+                ("fileTensorsValue", "From the file"),
                 ("deviceValue", "Device"),
                 ("kernelsValue", "Decode kernels"),
                 ("layersValue", "Layers"),
@@ -274,6 +275,16 @@ class StatsPanel(QScrollArea):
             weights += f", head {facts['head_weights']}"  # which tensors take which precision
         self.set("precisionValue", f"{weights} · {facts.get('kv_cache', 'none')}")
         self.set("weightBytesValue", fmt_bytes(facts.get("weight_bytes")))
+        held = facts.get("file_tensors")  # a GGUF's tensors by type: kept as codes, or dequantized and at what cost
+        self.set(
+            "fileTensorsValue",
+            "safetensors"
+            if not held
+            else "\n".join(
+                f"{kind}: {row['tensors']} tensors, {fmt_size(row['file_bytes'])} → {fmt_size(row['held_bytes'])}"
+                for kind, row in sorted(held.items(), key=lambda kv: -kv[1]["held_bytes"])
+            ),
+        )
         self.set("deviceValue", facts["device"])
         self.set("kernelsValue", facts.get("decode_kernels", DASH))
         self.set("layersValue", str(facts["layers"]))
