@@ -140,7 +140,9 @@ PAIRS = [
     ("int4", "llama.cpp", "Q4_0"),
     ("float32", "kvchat-uncached", "float32"),
     ("bfloat16", "kvchat-uncached", "bfloat16"),
+    ("file", "llama.cpp", "file"),  # --model FILE.gguf: both engines on that very file
 ]
+FILE_RUNS = [("kvchat", "file"), ("llama.cpp", "file")]  # --model FILE.gguf
 PLOT_CONTEXTS = (512, 1024, 2048, 4096)
 # the embedding's storage per value in each row's precision (kvchat's rows report their own: embed_bytes)
 EMBED_BYTES_PER_VALUE = {
@@ -439,7 +441,7 @@ def _measure(engine: str, precision: str, a: dict) -> dict:
     row = {"engine": engine, "precision": precision, "device": str(device)}
     with torch.device("meta"):  # torch's one-time import of its meta kernels (~70 MB), before the baseline
         torch.nn.Embedding(2, 2)
-    if engine == "kvchat":  # the file read kvchat's load is compared with, in the same page-cache state
+    if engine == "kvchat" and not _is_gguf(a["model"]):  # the file read kvchat's load is compared with
         row["file_read_s"] = round(file_read_seconds(a["model"]), 6)  # small files read in well under 1 ms
     _reset_peak_rss()  # that read's buffer is not the model's memory
     baseline = _rss_now()
@@ -447,7 +449,7 @@ def _measure(engine: str, precision: str, a: dict) -> dict:
     contexts = a["plot_contexts"]
     if engine.startswith("kvchat"):
         mode, group = QUANT.get(precision, ("none", 0))
-        dtype = "float32" if precision in QUANT else precision
+        dtype = "float32" if precision in QUANT or precision == "file" else precision
         t0 = now()
         loaded = load_model(a["model"], device=str(device), dtype=dtype, weights=mode, group_size=group)
         row["load_s"] = round(now() - t0, 3)
@@ -525,18 +527,17 @@ def _measure(engine: str, precision: str, a: dict) -> dict:
                 )
             return _timing(len(prompt), start, clock.times[1:]), clock.ids[1:]  # the first put() is the prompt
     elif engine == "llama.cpp":
-        from ..config import load_config
         from ..kv_cache import bytes_per_position
         from .llamacpp import LlamaCpp
 
-        cfg = load_config(Path(a["model"]))
+        cfg = _config(a["model"])
         path = Path(a["gguf"][precision])
         t0 = now()
         lc = LlamaCpp(
             path, n_ctx=max([a["prompt_tokens"] + n_new, *contexts]) + a["plot_tokens"] + 8, threads=a["threads"]
         )
         row["load_s"] = round(now() - t0, 3)
-        row["weight_bytes"] = _gguf_tensor_bytes(path)
+        row["weight_bytes"], row["embed_bytes"] = _gguf_tensor_bytes(path)
         row["kv_bytes_per_position"] = bytes_per_position(cfg, torch.float16)  # its default F16 cache
         vocab = cfg.vocab_size
 
@@ -560,10 +561,13 @@ def _measure(engine: str, precision: str, a: dict) -> dict:
     return row
 
 
-def _gguf_tensor_bytes(path: Path) -> int:
+def _gguf_tensor_bytes(path: Path) -> tuple[int, int]:
+    """All the tensors' bytes in the file, and the embedding's."""
     import gguf
 
-    return sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
+    tensors = gguf.GGUFReader(str(path)).tensors
+    embed = next((int(t.n_bytes) for t in tensors if t.name == "token_embd.weight"), 0)
+    return sum(int(t.n_bytes) for t in tensors), embed
 
 
 def _ratio(a, b):
@@ -588,8 +592,25 @@ def ratios(results) -> dict:
     return out
 
 
+def _is_gguf(model) -> bool:
+    from ..gguf_file import is_gguf
+
+    return model is not None and is_gguf(model)
+
+
+def _config(model):
+    """A model's config: from config.json, or from a GGUF file's metadata."""
+    from ..config import config_from_dict, load_config
+
+    if _is_gguf(model):
+        from ..gguf_file import GGUFModel
+
+        return config_from_dict(GGUFModel(model).config_dict(), Path(model))
+    return load_config(Path(model))
+
+
 def _runs(ns, device_type: str, have_llama: bool, have_hf: bool) -> list[tuple[str, str]]:
-    runs = CUDA_RUNS if device_type == "cuda" else CPU_RUNS
+    runs = FILE_RUNS if _is_gguf(ns.model) else CUDA_RUNS if device_type == "cuda" else CPU_RUNS
     engines = {e.strip() for e in ns.engines.split(",") if e.strip()}
     unknown = engines - set(ENGINES)
     if unknown:
@@ -603,7 +624,7 @@ def _runs(ns, device_type: str, have_llama: bool, have_hf: bool) -> list[tuple[s
         )
         engines.discard("llama.cpp")
     precisions = {p.strip() for p in ns.precisions.split(",")} if ns.precisions else None
-    return [(e, p) for e, p in runs if e in engines and (precisions is None or p in precisions)]
+    return [(e, p) for e, p in runs if e in engines and (precisions is None or p in precisions or p == "file")]
 
 
 def run(ns) -> int:
@@ -637,8 +658,8 @@ def collect(ns, progress: bool | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="kvchat-bench-") as tmp:
         model = ns.model or str(write_random_checkpoint(Path(tmp) / ns.shape, ns.shape))
         bandwidth = measure_bandwidth(device)
-        gguf_files = {}
-        if any(e == "llama.cpp" for e, _ in runs):
+        gguf_files = {"file": model} if _is_gguf(model) else {}
+        if any(e == "llama.cpp" for e, _ in runs) and not gguf_files:
             from .gguf_export import quantize_gguf, write_gguf
 
             f32 = write_gguf(model, Path(tmp) / "model-F32.gguf")
@@ -671,9 +692,7 @@ def collect(ns, progress: bool | None = None) -> dict:
                     f"  measured {engine} {precision}" + (f": {row['error']}" if "error" in row else ""),
                     file=sys.stderr,
                 )
-        from ..config import load_config
-
-        cfg = load_config(Path(model))
+        cfg = _config(model)
     embed_values = cfg.vocab_size * cfg.hidden_size
     context = ns.prompt_tokens + ns.new_tokens / 2  # mean context while decoding
     reference_ids = _row(results, "kvchat", "float32").get("token_ids") or _row(results, "kvchat", "bfloat16").get(

@@ -13,7 +13,7 @@ from engine.loader import load_model
 
 
 def test_missing_folder(tmp_path):
-    with pytest.raises(ModelLoadError, match="model folder not found"):
+    with pytest.raises(ModelLoadError, match="model folder or file not found"):
         load_model(tmp_path / "nope")
 
 
