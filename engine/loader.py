@@ -373,19 +373,8 @@ class _GGUFReader(_Reader):
         return self.model.read_codes(names, self.cfg, dtype, device)
 
 
-@dataclasses.dataclass
-class _GGUFRows:
+class _GGUFRows(_Rows):
     """GGUF matrices stacked along rows, dequantized a chunk of rows at a time (for quantizing as read)."""
-
-    reader: _GGUFReader
-    names: list[str]
-    dtype: torch.dtype
-    device: torch.device
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        first = self.reader.expected[self.names[0]]
-        return (sum(self.reader.expected[n][0] for n in self.names), *first[1:])
 
     def row_chunks(self):
         step = max(1, _Reader.LARGE // math.prod(self.shape[1:]))

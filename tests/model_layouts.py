@@ -12,6 +12,15 @@ from pathlib import Path
 from checkpoints import make_checkpoint
 from engine.tools.gguf_export import write_gguf
 
+NAMES = {  # what engine.catalog names each model build() lays out
+    "kvchat/tiny-llama",
+    "kvchat/tiny-qwen2-GGUF/tiny-qwen2.Q8_0.gguf",
+    "kvchat/tiny-llama-GGUF/tiny-llama.Q4_0.gguf",
+    "tiny-qwen2:q8_0",
+    "tiny-qwen2",
+    "tiny-gemma",
+}
+
 
 def _blob(blobs: Path, src: Path) -> Path:
     digest = hashlib.sha256(src.read_bytes()).hexdigest()

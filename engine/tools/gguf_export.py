@@ -16,6 +16,7 @@ import torch
 
 from ..config import load_config
 from ..errors import EngineError
+from ..gguf_file import BLOCK_NAMES, GLOBAL_NAMES
 
 ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 FTYPES = ("F16", "BF16", "Q8_0", "Q4_0")  # what quantize_gguf accepts
@@ -68,27 +69,7 @@ def write_gguf(model_dir, out: Path, matrices: str = "F32", tokenizer: bool = Fa
         w.add_token_merges(["<t 0>"])  # llama.cpp wants merges for a "gpt2" vocabulary; never used
         w.add_add_bos_token(False)
 
-    names = {
-        "model.embed_tokens.weight": "token_embd.weight",
-        "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight",
-    }
-    per_layer = {
-        "input_layernorm.weight": "attn_norm.weight",
-        "post_attention_layernorm.weight": "ffn_norm.weight",
-        "self_attn.q_proj.weight": "attn_q.weight",
-        "self_attn.k_proj.weight": "attn_k.weight",
-        "self_attn.v_proj.weight": "attn_v.weight",
-        "self_attn.o_proj.weight": "attn_output.weight",
-        "self_attn.q_proj.bias": "attn_q.bias",
-        "self_attn.k_proj.bias": "attn_k.bias",
-        "self_attn.v_proj.bias": "attn_v.bias",
-        "self_attn.q_norm.weight": "attn_q_norm.weight",
-        "self_attn.k_norm.weight": "attn_k_norm.weight",
-        "mlp.gate_proj.weight": "ffn_gate.weight",
-        "mlp.up_proj.weight": "ffn_up.weight",
-        "mlp.down_proj.weight": "ffn_down.weight",
-    }
+    names, per_layer = GLOBAL_NAMES, BLOCK_NAMES  # Hugging Face -> GGUF names, as the loader reads them
     from safetensors import safe_open
 
     files = _weight_files(model_dir)

@@ -439,7 +439,7 @@ def test_the_models_dialog_lists_what_is_on_disk_and_opens_one_with_a_click(
     import sys
 
     sys.path.insert(0, str(tmp_path.parent))
-    from model_layouts import build
+    from model_layouts import NAMES, build
 
     home = tmp_path / "home"
     where = build(home, tmp_path / "work")
@@ -454,14 +454,7 @@ def test_the_models_dialog_lists_what_is_on_disk_and_opens_one_with_a_click(
         pass
     table = dlg.table
     names = [table.item(r, 0).text() for r in range(table.rowCount())]
-    assert set(names) == {
-        "kvchat/tiny-llama",
-        "kvchat/tiny-qwen2-GGUF/tiny-qwen2.Q8_0.gguf",
-        "kvchat/tiny-llama-GGUF/tiny-llama.Q4_0.gguf",
-        "tiny-qwen2:q8_0",
-        "tiny-qwen2",
-        "tiny-gemma",
-    }
+    assert set(names) == NAMES
     row = {n: r for r, n in enumerate(names)}
     cells = [table.item(row["tiny-qwen2:q8_0"], c).text() for c in range(table.columnCount())]
     assert cells[1:4] == ["ollama", "gguf", "qwen2"] and cells[5] == "Q8_0" and cells[7] == "ready"

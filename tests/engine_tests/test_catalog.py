@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from model_layouts import build
+from model_layouts import NAMES, build
 
 from engine.catalog import scan
 from engine.loader import load_model
@@ -26,14 +26,7 @@ def test_models_lists_every_source_with_its_facts(home):
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     rows = {row["name"]: row for row in json.loads(r.stdout)}
-    assert set(rows) == {
-        "kvchat/tiny-llama",
-        "kvchat/tiny-qwen2-GGUF/tiny-qwen2.Q8_0.gguf",
-        "kvchat/tiny-llama-GGUF/tiny-llama.Q4_0.gguf",
-        "tiny-qwen2:q8_0",
-        "tiny-qwen2",
-        "tiny-gemma",
-    }
+    assert set(rows) == NAMES
     hf = rows["kvchat/tiny-llama"]
     assert (hf["source"], hf["format"], hf["architecture"], hf["quantization"]) == (
         "hf-cache",
