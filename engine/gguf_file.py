@@ -195,7 +195,6 @@ class GGUFModel:
         """A Tokenizer from tokenizer.ggml.*: byte-level BPE (model "gpt2") or SentencePiece-style BPE with
         scores (model "llama"), control tokens as special tokens, the file's chat template and stop ids."""
         from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
-        from tokenizers import Tokenizer as HFTokenizer
 
         from .tokenizer import Tokenizer
 
@@ -210,8 +209,8 @@ class GGUFModel:
             vocab = {}
             for i, t in enumerate(tokens):
                 vocab[t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))] = i
-            merges = [tuple(m.split(" ", 1)) for m in self.meta("tokenizer.ggml.merges") or []]
-            tok = HFTokenizer(models.BPE(vocab, merges, fuse_unk=False))
+            merges = _known(vocab, [tuple(m.split(" ", 1)) for m in self.meta("tokenizer.ggml.merges") or []])
+            tok = self._bpe(models.BPE, vocab, merges, fuse_unk=False)
             pre = self.meta("tokenizer.ggml.pre", "default")
             if pre in SPLITS:
                 tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -232,9 +231,14 @@ class GGUFModel:
             scores = self.meta("tokenizer.ggml.scores") or [0.0] * len(tokens)
             vocab = {t: i for i, t in enumerate(tokens)}
             merges = self.meta("tokenizer.ggml.merges")
-            merges = [tuple(m.split(" ", 1)) for m in merges] if merges else _merges_from_scores(vocab, scores)
+            merges = (
+                _known(vocab, [tuple(m.split(" ", 1)) for m in merges])
+                if merges
+                else _merges_from_scores(vocab, scores)
+            )
             unk = self.meta("tokenizer.ggml.unknown_token_id", 0)
-            tok = HFTokenizer(models.BPE(vocab, merges, unk_token=tokens[unk], fuse_unk=True, byte_fallback=True))
+            unk = tokens[unk] if isinstance(unk, int) and 0 <= unk < len(tokens) else None
+            tok = self._bpe(models.BPE, vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
             parts = [normalizers.Replace(" ", "\u2581")]
             if self.meta("tokenizer.ggml.add_space_prefix", True):
                 parts.insert(0, normalizers.Prepend("\u2581"))
@@ -280,6 +284,15 @@ class GGUFModel:
             digest.update(part.encode())
         digest.update(tok.to_str().encode())
         return Tokenizer(tok, special, template, stop, digest.hexdigest())
+
+    def _bpe(self, model, vocab, merges, **kw):
+        """A tokenizers BPE over the file's vocabulary; a vocabulary it refuses is a clear error."""
+        from tokenizers import Tokenizer as HFTokenizer
+
+        try:
+            return HFTokenizer(model(vocab, merges, **kw))
+        except Exception as e:  # the Rust side raises plain Exception
+            raise ModelLoadError(f"the GGUF vocabulary cannot be built: {e}", self.path) from None
 
     # --- tensors -----------------------------------------------------------------------------------
     def gguf_name(self, hf: str) -> str | None:
@@ -424,6 +437,12 @@ def _bytes_to_unicode() -> dict[int, str]:
             cs.append(256 + n)
             n += 1
     return dict(zip(bs, map(chr, cs)))
+
+
+def _known(vocab: dict[str, int], merges: list[tuple]) -> list[tuple[str, str]]:
+    """The merges whose two parts and whose result are tokens of the vocabulary (a file may carry others:
+    llama.cpp never applies them, and tokenizers refuses them)."""
+    return [m for m in merges if len(m) == 2 and m[0] in vocab and m[1] in vocab and m[0] + m[1] in vocab]
 
 
 def _merges_from_scores(vocab: dict[str, int], scores) -> list[tuple[str, str]]:

@@ -203,3 +203,12 @@ def test_the_real_smollm2_file_matches_transformers_and_knows_paris(smollm2_gguf
     assert "Paris" in fin.text
     ref = reference(smollm2_gguf)
     assert list(fin.token_ids) == hf_greedy(ref, ids, n=24, eos=loaded.tokenizer.stop_ids)
+
+
+def test_a_merge_the_vocabulary_cannot_make_is_ignored(folders, tmp_path):
+    """The benchmark's opaque-vocabulary files carry a merge of tokens that do not exist (llama.cpp never
+    applies it); tokenizers would refuse the whole vocabulary, so such merges are dropped."""
+    path = write_gguf(folders["llama"], tmp_path / "opaque.gguf")
+    loaded = load_model(path)
+    assert loaded.tokenizer.vocab_size == loaded.config.vocab_size
+    assert greedy(loaded, list(range(5, 30)), 4)
