@@ -13,6 +13,7 @@ template runs in the tokenizer's sandbox.
 from __future__ import annotations
 
 import hashlib
+import mmap
 from pathlib import Path
 
 import numpy as np
@@ -278,6 +279,15 @@ class GGUFModel:
             i, _ = token(key)
             if i is not None:
                 stop.add(i)
+        for key in (
+            "tokenizer.ggml.tokens",
+            "tokenizer.ggml.merges",
+            "tokenizer.ggml.scores",
+            "tokenizer.ggml.token_type",
+        ):
+            self.reader.fields.pop(
+                key, None
+            )  # built: the parsed arrays (an object per token) go before the weights come
         template = self.meta("tokenizer.chat_template")
         digest = hashlib.sha256()
         for part in (kind or "", self.meta("tokenizer.ggml.pre", "") or "", template or "", str(len(tokens))):
@@ -366,6 +376,8 @@ class GGUFModel:
         else:
             rows = self._float_rows(t, a, None if t.data.ndim == 1 else (t.data.shape[0] if b is None else b))
         self._note(gname, dtype)
+        if b is None or b >= t.data.shape[0]:
+            self._release(t)
         rows = np.ascontiguousarray(rows)
         if not rows.flags.writeable:  # a view of the mapped file (F32): copied, never kept
             rows = rows.copy()
@@ -384,6 +396,7 @@ class GGUFModel:
             order = self.permutation(hf, cfg)
             if order is not None:
                 c, s = c[order], s[order]
+            self._release(self.tensors[gname])
             codes.append(torch.from_numpy(np.ascontiguousarray(c)))
             scales.append(torch.from_numpy(np.ascontiguousarray(s)))
             mode = NATIVE[ftype]
@@ -391,6 +404,18 @@ class GGUFModel:
             self.held[gname] = (ftype, f"{mode}/g{BLOCK}", int(self.tensors[gname].n_bytes), int(held))
         c, s = torch.cat(codes).to(device), torch.cat(scales).to(device)
         return PreQuantized(c, s, NATIVE[ftype], BLOCK, dtype)
+
+    def _release(self, t) -> None:
+        """Drop a tensor's pages of the mapped file once it is read: they would count in the process's
+        memory, next to the weights built from them, until the whole load ends."""
+        mm = getattr(self.reader.data, "_mmap", None)
+        if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = t.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
+        try:
+            mm.madvise(mmap.MADV_DONTNEED, start, t.data_offset + int(t.n_bytes) - start)
+        except (OSError, ValueError):
+            pass  # only memory is at stake
 
     def _note(self, gname: str, dtype) -> None:
         t = self.tensors[gname]
