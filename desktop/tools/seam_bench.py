@@ -72,7 +72,14 @@ class App:
     timer on the GUI thread."""
 
     def __init__(
-        self, model: str, dtype: str, new_tokens: int, data: Path, tick_ms: int, batch_seconds: float | None = None
+        self,
+        model: str,
+        dtype: str,
+        new_tokens: int,
+        data: Path,
+        tick_ms: int,
+        batch_seconds: float | None = None,
+        refresh_ms: int | None = None,
     ):
         import qasync
         from PySide6.QtCore import QTimer
@@ -81,11 +88,15 @@ class App:
         from engine.spec import LoadSpec
         from engine.trace import now
 
+        from .. import window as window_module
         from ..settings import Settings
         from ..settings_dialog import open_settings
         from ..style import style_sheet
         from ..window import MainWindow
         from ..worker import BATCH_SECONDS, EngineWorker, WorkerThread
+
+        if refresh_ms:  # a fixed redraw interval instead of the app's adaptive one (the trade-off's other points)
+            window_module.REFRESH_MS = window_module.SLOWEST_REFRESH_MS = refresh_ms
 
         self.now, self.tick_ms = now, tick_ms
         os.environ["KVCHAT_DATA_DIR"] = str(data)
@@ -106,6 +117,21 @@ class App:
         # signal would run on the worker thread, at emission, and time nothing of the GUI.
         self.probe = _arrival_probe(self.arrivals, now)
         self.window.worker.events.connect(self.probe.on_events)
+        self.updates: list[float] = []  # when the streaming text on screen changed
+        self._shown: str | None = None
+        redraw = self.window._refresh
+
+        def timed_refresh(*args, **kw):  # the window's redraw, timed when it puts new text on screen
+            dirty = self.window._dirty
+            redraw(*args, **kw)
+            chat = self.window.chat
+            if dirty and chat.streaming_mid is not None and chat.stream_text != self._shown:
+                self._shown = chat.stream_text
+                self.updates.append(now())
+
+        self.window._refresh = timed_refresh
+        self.window.timer.timeout.disconnect()
+        self.window.timer.timeout.connect(timed_refresh)
         self.timer = QTimer()
         self.timer.setInterval(tick_ms)
         self.timer.timeout.connect(lambda: self.ticks.append(now()))
@@ -142,6 +168,8 @@ class App:
         self.finished.clear()
         self.arrivals.clear()
         self.ticks.clear()
+        self.updates.clear()
+        self._shown = None
         self.window.composer.setPlainText(text)
         if probe:
             self.timer.start()
@@ -166,7 +194,14 @@ class App:
         total = sum(n for _, n, _ in token_batches)
         gaps = [b - a for a, b in zip(self.ticks, self.ticks[1:]) if a >= t_send]
         lag_ms = sorted(max(0.0, g * 1000 - self.tick_ms) for g in gaps)
+        stats = self.window.chat.stats
+        shown, ttft = stats.on_screen_ms, final.trace.get("ttft_ms")
+        updates = [t for t in self.updates if first_t <= t <= last_t]
+        intervals = sorted(1000 * (b - a) for a, b in zip(updates, updates[1:]))
         return {
+            "token1_on_screen_after_engine_ms": None if shown is None or ttft is None else shown - ttft,
+            "update_intervals_ms": intervals,
+            "updates_per_s": (len(updates) - 1) / (updates[-1] - updates[0]) if len(updates) > 1 else None,
             "trace": final.trace,
             "tokens_received": total,
             "batches": len(token_batches),
@@ -181,6 +216,12 @@ class App:
     def close(self) -> None:
         self.window.close()
         self.loop.run_until_complete(asyncio.sleep(0.05))
+
+
+def _q(values, q: float):
+    """The q-quantile (nearest rank) of the values that are not None; None when there are none."""
+    v = sorted(x for x in values if x is not None)
+    return round(v[min(len(v) - 1, int(q * (len(v) - 1) + 0.5))], 2) if v else None
 
 
 def _report(ns, threads: int, own: list, alone: list, inside: list, probed: list) -> dict:
@@ -220,6 +261,12 @@ def _report(ns, threads: int, own: list, alone: list, inside: list, probed: list
         "event_loop_max_lag_ms": round(max(r["max_lag_ms"] for r in probed), 2),
         "event_loop_p95_lag_ms": round(med(r["p95_lag_ms"] for r in probed), 2),
         "timer_ticks": sum(r["ticks"] for r in probed),
+        "token1_on_screen_after_engine_ms_p50": _q([r["token1_on_screen_after_engine_ms"] for r in inside], 0.5),
+        "token1_on_screen_after_engine_ms_max": _q([r["token1_on_screen_after_engine_ms"] for r in inside], 1.0),
+        "update_interval_ms_p50": _q([i for r in inside for i in r["update_intervals_ms"]], 0.5),
+        "update_interval_ms_p95": _q([i for r in inside for i in r["update_intervals_ms"]], 0.95),
+        "updates_per_s": _q([r["updates_per_s"] for r in inside], 0.5),
+        "refresh_ms": ns.refresh_ms or "adaptive",
         "gui_thread_busy": round(med(r["gui_thread_busy"] for r in inside), 3),
         "gui_thread_busy_decoding": round(med(r["gui_thread_busy_decoding"] for r in inside), 3),
         "gui_thread_busy_decoding_with_lag_probe": round(med(r["gui_thread_busy_decoding"] for r in probed), 3),
@@ -237,6 +284,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tick-ms", type=int, default=TICK_MS, help="the lag probe's timer interval")
     ap.add_argument(
         "--batch-ms", type=float, default=None, help="the worker's signal batching interval (default: the app's)"
+    )
+    ap.add_argument(
+        "--refresh-ms", type=int, default=None, help="a fixed redraw interval (default: the app's adaptive one)"
     )
     ap.add_argument("--repeats", type=int, default=7, help="alternating runs, alone and through the app")
     ap.add_argument("--json", action="store_true")
@@ -269,6 +319,7 @@ def main(argv=None) -> int:
                 Path(tmp) / "data",
                 ns.tick_ms,
                 ns.batch_ms / 1000 if ns.batch_ms else None,
+                ns.refresh_ms,
             )
             try:
                 for _ in range(ns.repeats):
@@ -311,6 +362,12 @@ def main(argv=None) -> int:
         f"engine in its own process {report['engine_own_process_decode_tok_s']:5.2f} tok/s: GUI / it "
         f"{100 * report['gui_vs_engine_own_process']:.1f}%, the engine alone in the app / it "
         f"{100 * report['engine_alone_vs_own_process']:.1f}% (a second process: other memory, same work)"
+    )
+    print(
+        f"on screen              token 1 painted {report['token1_on_screen_after_engine_ms_p50']} ms after the engine "
+        f"made it (p50; max {report['token1_on_screen_after_engine_ms_max']} ms); text updated every "
+        f"{report['update_interval_ms_p50']} ms (p50; p95 {report['update_interval_ms_p95']} ms), "
+        f"{report['updates_per_s']} updates/s (redraw interval: {report['refresh_ms']})"
     )
     print(
         f"GUI event-loop lag     max {report['event_loop_max_lag_ms']} ms, p95 {report['event_loop_p95_lag_ms']} ms "

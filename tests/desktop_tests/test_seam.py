@@ -158,6 +158,10 @@ def test_seam_bench_reports_gui_rate_and_event_loop_lag():
     out = json.loads(r.stdout)
     assert out["tokens_received"] == 400 and out["repeats"] == 2 and len(out["runs"]) == 2
     assert out["engine_alone_decode_tok_s"] > 0 and out["gui_received_decode_tok_s"] > 0
+    # what the person sees: token 1's paint after the engine made it, and how often the text changed
+    assert 0 <= out["token1_on_screen_after_engine_ms_p50"] <= out["token1_on_screen_after_engine_ms_max"] < 5000
+    assert 0 < out["update_interval_ms_p50"] <= out["update_interval_ms_p95"] and out["updates_per_s"] > 0
+    assert out["refresh_ms"] == "adaptive"
     paired = sorted(r["gui"] / r["alone"] for r in out["runs"])  # the headline: the median of the paired runs
     assert abs(out["gui_vs_engine_alone"] - (paired[0] + paired[1]) / 2) < 2e-3
     assert out["gui_vs_engine_alone_of_medians"] == round(
