@@ -47,9 +47,9 @@ from .store import Store, StoreError
 from .transcript import MessageView, Transcript
 from .worker import WorkerThread
 
-REFRESH_MS = 150  # the fastest the streaming text redraws
+REFRESH_MS = 60  # the fastest the streaming text redraws (≥ 15 updates a second)
 SLOWEST_REFRESH_MS = 400  # the slowest, when redraws cost more than the budget
-GUI_CPU_BUDGET = 0.02  # share of one core the GUI thread may take while a reply streams
+GUI_CPU_BUDGET = 0.08  # share of one core the GUI thread may take while a reply streams
 PANEL_EVERY_S = 0.5  # the panel's figures twice a second while a reply streams (and once at its end)
 
 

@@ -23,7 +23,7 @@ from engine.trace import summarize
 
 from .chat import Accounting
 
-BATCH_SECONDS = 0.1  # tokens are sent to the GUI thread at most this often
+BATCH_SECONDS = 0.05  # tokens are sent to the GUI thread at most this often
 
 
 @dataclasses.dataclass(frozen=True)
