@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .config import config_from_dict, read_json
 from .errors import ModelLoadError
-from .gguf_file import GGUFModel, is_gguf
+from .gguf_file import ARCHITECTURES, GGUFModel, is_gguf
 
 SOURCES = ("hf-cache", "lm-studio", "ollama", "folder")
 CACHE_VERSION = 1
@@ -87,26 +87,24 @@ def _folder_row(folder: Path, name: str, source: str) -> FoundModel:
         if not (folder / "tokenizer.json").is_file():
             raise ModelLoadError("no tokenizer.json")
     except (ModelLoadError, OSError, ValueError, KeyError, TypeError) as e:
-        reason = str(e).split(" (", 1)[0] if isinstance(e, ModelLoadError) else f"{type(e).__name__}: {e}"
+        reason = e.message if isinstance(e, ModelLoadError) else f"{type(e).__name__}: {e}"
     return FoundModel(name, str(folder), source, "safetensors", arch, params, quant, size, reason is None, reason)
 
 
 def _gguf_row(path: Path, name: str, source: str) -> FoundModel:
     size = path.stat().st_size
     try:
-        gm = GGUFModel(path)
-        params = sum(int(t.n_elements) for t in gm.tensors.values())
-        kind = gm.meta("tokenizer.ggml.model")
-        reason = None if kind in ("gpt2", "llama") else f"tokenizer model {kind!r} is not supported"
-        return FoundModel(
-            name, str(path), source, "gguf", gm.arch, params, gm.quantization(), size, reason is None, reason
-        )
+        gm = GGUFModel(path, check_architecture=False)
     except ModelLoadError as e:
-        arch = None
-        text = str(e)
-        if "architecture" in text:
-            arch = text.split("'")[1] if "'" in text else None
-        return FoundModel(name, str(path), source, "gguf", arch, None, None, size, False, text.split(" (supported")[0])
+        return FoundModel(name, str(path), source, "gguf", None, None, None, size, False, e.message)
+    params = sum(int(t.n_elements) for t in gm.tensors.values())
+    kind = gm.meta("tokenizer.ggml.model")
+    reason = None
+    if gm.arch not in ARCHITECTURES:
+        reason = f"GGUF architecture {gm.arch!r} is not supported"
+    elif kind not in ("gpt2", "llama"):
+        reason = f"tokenizer model {kind!r} is not supported"
+    return FoundModel(name, str(path), source, "gguf", gm.arch, params, gm.quantization(), size, reason is None, reason)
 
 
 class _RowCache:

@@ -9,6 +9,7 @@ class ModelLoadError(EngineError):
     """The model folder is missing a file, holds a bad file, or describes an unsupported model."""
 
     def __init__(self, message: str, path=None):
+        self.message = message  # without the path
         self.path = str(path) if path is not None else None
         super().__init__(f"{message} ({self.path})" if self.path else message)
 

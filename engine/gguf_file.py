@@ -107,7 +107,8 @@ CODES = {"Q8_0": _q8_0, "Q4_0": _q4_0}
 class GGUFModel:
     """One GGUF file: its metadata, its tensors by Hugging Face name, and what each is held as."""
 
-    def __init__(self, path):
+    def __init__(self, path, check_architecture: bool = True):
+        """`check_architecture`: refuse an architecture kvchat does not run (the catalog lists it instead)."""
         self.path = Path(path)
         try:
             from gguf import GGUFReader
@@ -124,7 +125,7 @@ class GGUFModel:
                 raise ModelLoadError(f"tensor {t.name!r} runs past the end of the file (truncated?)", self.path)
             self.tensors[t.name] = t
         self.arch = self.meta("general.architecture")
-        if self.arch not in ARCHITECTURES:
+        if check_architecture and self.arch not in ARCHITECTURES:
             raise ModelLoadError(
                 f"GGUF architecture {self.arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})", self.path
             )
@@ -189,13 +190,13 @@ class GGUFModel:
         t = self.tensors.get("rope_freqs.weight")
         if t is None:
             return ()
-        return tuple(float(v) for v in self._float_rows(t, 0, 1 if t.data.ndim > 1 else None).reshape(-1))
+        return tuple(float(v) for v in self._float_rows(t).reshape(-1))
 
     # --- the tokenizer -----------------------------------------------------------------------------
     def tokenizer(self, stop_extra=()):
         """A Tokenizer from tokenizer.ggml.*: byte-level BPE (model "gpt2") or SentencePiece-style BPE with
         scores (model "llama"), control tokens as special tokens, the file's chat template and stop ids."""
-        from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+        from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 
         from .tokenizer import Tokenizer
 
@@ -211,7 +212,7 @@ class GGUFModel:
             for i, t in enumerate(tokens):
                 vocab[t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))] = i
             merges = _known(vocab, [tuple(m.split(" ", 1)) for m in self.meta("tokenizer.ggml.merges") or []])
-            tok = self._bpe(models.BPE, vocab, merges, fuse_unk=False)
+            tok = self._bpe(vocab, merges, fuse_unk=False)
             pre = self.meta("tokenizer.ggml.pre", "default")
             if pre in SPLITS:
                 tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -239,12 +240,12 @@ class GGUFModel:
             )
             unk = self.meta("tokenizer.ggml.unknown_token_id", 0)
             unk = tokens[unk] if isinstance(unk, int) and 0 <= unk < len(tokens) else None
-            tok = self._bpe(models.BPE, vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
-            parts = [normalizers.Replace(" ", "\u2581")]
-            if self.meta("tokenizer.ggml.add_space_prefix", True):
-                parts.insert(0, normalizers.Prepend("\u2581"))
-            tok.normalizer = normalizers.Sequence(parts)
-            strip = [decoders.Strip(" ", 1, 0)] if self.meta("tokenizer.ggml.add_space_prefix", True) else []
+            tok = self._bpe(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
+            prefix = self.meta("tokenizer.ggml.add_space_prefix", True)
+            tok.normalizer = normalizers.Sequence(
+                [normalizers.Prepend("\u2581")] * bool(prefix) + [normalizers.Replace(" ", "\u2581")]
+            )
+            strip = [decoders.Strip(" ", 1, 0)] if prefix else []
             tok.decoder = decoders.Sequence(
                 [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), *strip]
             )
@@ -279,15 +280,9 @@ class GGUFModel:
             i, _ = token(key)
             if i is not None:
                 stop.add(i)
-        for key in (
-            "tokenizer.ggml.tokens",
-            "tokenizer.ggml.merges",
-            "tokenizer.ggml.scores",
-            "tokenizer.ggml.token_type",
-        ):
-            self.reader.fields.pop(
-                key, None
-            )  # built: the parsed arrays (an object per token) go before the weights come
+        # Built: the parsed arrays (an object per token) go before the weights come.
+        for key in ("tokens", "merges", "scores", "token_type"):
+            self.reader.fields.pop(f"tokenizer.ggml.{key}", None)
         template = self.meta("tokenizer.chat_template")
         digest = hashlib.sha256()
         for part in (kind or "", self.meta("tokenizer.ggml.pre", "") or "", template or "", str(len(tokens))):
@@ -295,12 +290,13 @@ class GGUFModel:
         digest.update(tok.to_str().encode())
         return Tokenizer(tok, special, template, stop, digest.hexdigest())
 
-    def _bpe(self, model, vocab, merges, **kw):
+    def _bpe(self, vocab, merges, **kw):
         """A tokenizers BPE over the file's vocabulary; a vocabulary it refuses is a clear error."""
         from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import models
 
         try:
-            return HFTokenizer(model(vocab, merges, **kw))
+            return HFTokenizer(models.BPE(vocab, merges, **kw))
         except Exception as e:  # the Rust side raises plain Exception
             raise ModelLoadError(f"the GGUF vocabulary cannot be built: {e}", self.path) from None
 
@@ -316,13 +312,15 @@ class GGUFModel:
 
     def names(self) -> dict[str, str]:
         """Every Hugging Face name this file holds -> its GGUF name."""
+        block = {v: k for k, v in BLOCK_NAMES.items()}
+        top = {v: k for k, v in GLOBAL_NAMES.items()}
         out = {}
         for gname in self.tensors:
             if gname.startswith("blk."):
                 _, i, rest = gname.split(".", 2)
-                hf = next((f"model.layers.{i}.{k}" for k, v in BLOCK_NAMES.items() if v == rest), None)
+                hf = f"model.layers.{i}.{block[rest]}" if rest in block else None
             else:
-                hf = next((k for k, v in GLOBAL_NAMES.items() if v == gname), None)
+                hf = top.get(gname)
             if hf is not None:
                 out[hf] = gname
         return out
@@ -335,11 +333,11 @@ class GGUFModel:
     def file_type(self, gname: str) -> str:
         return self.tensors[gname].tensor_type.name
 
-    def _float_rows(self, t, a: int, b: int | None) -> np.ndarray:
+    def _float_rows(self, t, a: int = 0, b: int | None = None) -> np.ndarray:
         """Rows a:b of a tensor as float32 values (1-D tensors whole), through llama.cpp's definitions."""
         from gguf import GGMLQuantizationType, quants
 
-        data = t.data if b is None else t.data[a:b]
+        data = t.data if t.data.ndim == 1 else t.data[a:b]
         if t.tensor_type == GGMLQuantizationType.F32:
             return np.asarray(data, dtype=np.float32)
         if t.tensor_type == GGMLQuantizationType.F16:
@@ -371,10 +369,9 @@ class GGUFModel:
         t = self.tensors[gname]
         order = self.permutation(hf, cfg)
         if order is not None:  # small (q and k): whole, then reordered
-            rows = self._float_rows(t, 0, None if t.data.ndim == 1 else t.data.shape[0])[order]
-            rows = rows if b is None and a == 0 else rows[a:b]
+            rows = self._float_rows(t)[order][a:b]
         else:
-            rows = self._float_rows(t, a, None if t.data.ndim == 1 else (t.data.shape[0] if b is None else b))
+            rows = self._float_rows(t, a, b)
         self._note(gname, dtype)
         if b is None or b >= t.data.shape[0]:
             self._release(t)

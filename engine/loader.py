@@ -461,7 +461,7 @@ def _load_block(
         parent, name = path.split(".")
         bias = state.pop(path + ".bias", None)
         if native[path] is not None:
-            layer = QuantLinear(native[path], bias, native[path].mode, native[path].group_size)
+            layer = QuantLinear.from_codes(native[path], bias)
         else:
             rows = reader.rows(sources[path + ".weight"], dtype, device)
             layer = QuantLinear(rows, bias, weights, group_for(rows.shape[1], group_size))
@@ -526,7 +526,7 @@ def _file_head(model, reader, cfg, embed_codes, head_codes, dtype, device, weigh
     the other is float, or quantized to HEAD_MODE when `weights` asks for quantization."""
     g = group_for(cfg.hidden_size, group_size)
     if embed_codes is not None:
-        model.embed = QuantEmbedding(QuantLinear(embed_codes, None, embed_codes.mode, embed_codes.group_size))
+        model.embed = QuantEmbedding(QuantLinear.from_codes(embed_codes))
     elif weights != "none":
         model.embed = QuantEmbedding(
             QuantLinear(reader.rows(["model.embed_tokens.weight"], dtype, device), None, HEAD_MODE, g)
@@ -539,7 +539,7 @@ def _file_head(model, reader, cfg, embed_codes, head_codes, dtype, device, weigh
         else:
             model.tie()
     elif head_codes is not None:
-        model.lm_head = QuantLinear(head_codes, None, head_codes.mode, head_codes.group_size)
+        model.lm_head = QuantLinear.from_codes(head_codes)
     elif weights != "none":
         model.lm_head = QuantLinear(reader.rows(["lm_head.weight"], dtype, device), None, HEAD_MODE, g)
     else:

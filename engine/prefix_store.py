@@ -63,7 +63,8 @@ def default_budget(device) -> int:
     return int(free * BUDGET_SHARE)
 
 
-def _common(a, b) -> int:
+def common_prefix(a, b) -> int:
+    """How many leading token ids two sequences share."""
     n = min(len(a), len(b))
     return next((i for i in range(n) if a[i] != b[i]), n)
 
@@ -97,7 +98,7 @@ class PrefixStore:
                 continue
             best, n = None, 0  # no whole block: the child that shares most of this piece
             for c in node.children.values():
-                k = _common(c.tokens, piece)
+                k = common_prefix(c.tokens, piece)
                 if k > n:
                     best, n = c, k
             if best is not None:
@@ -138,8 +139,11 @@ class PrefixStore:
         while pos < len(ids):
             piece = tuple(ids[pos : pos + self.block])
             child = node.children.get(piece)
-            covered = any(c.tokens[: len(piece)] == piece for c in node.children.values())
-            if child is None and len(piece) < self.block and covered:
+            if (
+                child is None
+                and len(piece) < self.block
+                and any(c.tokens[: len(piece)] == piece for c in node.children.values())
+            ):
                 break  # a partial tail already held by a longer stored block
             if child is None:
                 for other in [c for c in node.children.values() if len(c.tokens) < len(piece)]:

@@ -23,7 +23,7 @@ from .errors import CapacityError, EngineError
 from .events import Failed, Finished, PrefillDone, PrefillProgress, PrefillStarted, ReuseReport, Token
 from .kv_cache import KVCache, make_cache
 from .loader import LoadedModel
-from .prefix_store import PrefixStore, default_budget
+from .prefix_store import PrefixStore, common_prefix, default_budget
 from .quant import PRECISIONS
 from .sampling import SamplingParams, choose
 
@@ -45,14 +45,6 @@ class Request:
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # extend the last (assistant) message instead of starting a new one
     label: str | None = None  # a name for the prompt in the prefix store's picture (a conversation's title)
-
-
-def common_prefix(a, b) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 def fingerprint_change(old: dict | None, new: dict) -> str | None:
@@ -284,13 +276,14 @@ class Session:
         if not prompt:
             raise EngineError("the prompt is empty")
         self.check_capacity(len(prompt), req)
+        keep = min(common_prefix(self.ids, prompt), len(prompt) - 1)  # what the working cache keeps
         t0 = tracing.now()
-        stashed = self._stash(prompt)
+        stashed = self._stash(prompt, keep)
         stash_ms = round((tracing.now() - t0) * 1000.0, 3) if stashed else None
         reuse = dataclasses.replace(self.plan_reuse(prompt), stashed_bytes=stashed, stash_ms=stash_ms)
         self._dropped = None
         trace.prompt_tokens, trace.reused, trace.computed = len(prompt), reuse.reused, reuse.computed
-        reuse = self._bring_in(prompt, reuse)
+        reuse = self._bring_in(prompt, reuse, keep)
         self.label = req.label
         yield PrefillStarted(len(prompt), reuse, tuple(prompt))
 
@@ -347,19 +340,17 @@ class Session:
             self.ids.append(token)
         yield from self._finish(trace, reason, out, stream, reuse, req.stop_strings)
 
-    def _stash(self, prompt: list[int]) -> int:
-        """Before the working cache loses a block or more of positions to this prompt, the store takes
-        its whole content (only the blocks it lacks are copied); returns the bytes it added."""
-        keep = min(common_prefix(self.ids, prompt), len(prompt) - 1)
+    def _stash(self, prompt: list[int], keep: int) -> int:
+        """Before the working cache loses a block or more of positions to this prompt (it keeps `keep`),
+        the store takes its whole content (only the blocks it lacks are copied); returns the bytes it added."""
         if len(self.ids) - keep < self.store.block:
             return 0  # a few positions (the end of the last reply): recomputing them costs less than keeping
         wanted = self.store.match(prompt)  # this prompt's stored prefix outlives the eviction the insert may need
         return self.store.insert(self.ids, self.cache, self.label, pinned=wanted.path)
 
-    def _bring_in(self, prompt: list[int], reuse: ReuseReport) -> ReuseReport:
-        """Cut the working cache where it stops matching the prompt and, when the store holds more of
-        the prompt, copy those positions in; the report gains the copy's bytes and time."""
-        keep = min(common_prefix(self.ids, prompt), len(prompt) - 1)
+    def _bring_in(self, prompt: list[int], reuse: ReuseReport, keep: int) -> ReuseReport:
+        """Cut the working cache at `keep`, where it stops matching the prompt, and, when the store holds
+        more of the prompt, copy those positions in; the report gains the copy's bytes and time."""
         self.cache.truncate(keep)
         del self.ids[keep:]
         self._last_match = None

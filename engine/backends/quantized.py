@@ -88,6 +88,11 @@ class QuantLinear(nn.Module):
             if self.kernel == "int8pack":
                 self.register_buffer("kernel_scales", scales.view(-1).to(KERNEL_DTYPE))  # [N]
 
+    @classmethod
+    def from_codes(cls, pre: PreQuantized, bias: torch.Tensor | None = None) -> QuantLinear:
+        """The codes a file holds, at their own mode and group size."""
+        return cls(pre, bias, pre.mode, pre.group_size)
+
     def _quantize_rows(self, chunks) -> tuple[torch.Tensor, torch.Tensor]:
         """(first row, [n, K] weight rows) chunks -> codes [N, K] int8 (the kernels' layout where they
         serve: int4 two a byte, [N, K/2] uint8) and scales [N, K/g] float32."""
