@@ -245,7 +245,6 @@ class MainWindow(QMainWindow):
         self.worker.probe(cid, self.chat.messages(path))
 
     def _on_probed(self, cid: int, seen: dict) -> None:
-        self.statsPanel.show_store(seen.get("store"))
         if cid != self.chat.current_cid:
             return
         self.statsPanel.show_conversation_cached(seen)

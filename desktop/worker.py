@@ -60,7 +60,7 @@ class EngineWorker(QObject):
     modelLoaded = Signal(dict)  # the session's facts: model, cache, precision
     modelFailed = Signal(str)  # a message a person can read; the old model stays
     compared = Signal(int, dict)  # request id, the full vs quantized comparison
-    probed = Signal(int, dict)  # conversation id, how much of it is cached (and the prefix store's state)
+    probed = Signal(int, dict)  # conversation id, how much of it is cached
     events = Signal(object)  # an EventBatch
     stopped = Signal()
 
@@ -173,7 +173,7 @@ class EngineWorker(QObject):
             seen = self.session.cached_positions(Request(messages=job.messages, add_generation_prompt=False))
         except (EngineError, ValueError) as e:
             seen = {"error": str(e)}
-        self.probed.emit(job.cid, {**seen, "store": self.session.cache_stats()["store"]})
+        self.probed.emit(job.cid, seen)
 
     def _compare(self, job: CompareJob) -> None:
         """Rerun the prompt at the other precision: full if this one is quantized, else int8 weights and KV."""
