@@ -22,6 +22,7 @@ from PySide6.QtWidgets import (
 )
 
 DASH = "—"
+NOT_REPORTED = "not reported by this server"
 
 
 def fmt_ms(v) -> str:
@@ -65,7 +66,30 @@ def reuse_source(r: dict) -> str:
             f"prefix store · {r.get('copied_positions', 0):,} positions copied "
             f"({fmt_size(r.get('copied_bytes'))} in {r.get('copy_ms') or 0:,.1f} ms)"
         )
-    return {"working": "working cache", "none": "nothing (all computed)"}.get(source, source)
+    return {
+        "working": "working cache",
+        "none": "nothing (all computed)",
+        "server": "the server's cache (as it reports it)",
+        "unknown": NOT_REPORTED,
+    }.get(source, source)
+
+
+def server_timing(trace: dict | None) -> str:
+    """What the server says its own timings were: kvchat's trace, or llama.cpp's `timings`."""
+    server = (trace or {}).get("server")
+    if not server:
+        return NOT_REPORTED
+    t = server.get("llama.cpp timings")
+    if t is not None:
+        return (
+            f"prompt {t.get('prompt_n', '?')} positions in {t.get('prompt_ms', 0):,.1f} ms "
+            f"(cached {t.get('cache_n', '?')}) · {t.get('predicted_n', '?')} tokens in "
+            f"{t.get('predicted_ms', 0):,.1f} ms"
+        )
+    return (
+        f"TTFT {fmt_ms(server.get('ttft_ms'))} · TPOT {fmt_ms(server.get('tpot_ms'))} · "
+        f"{fmt_rate(server.get('decode_tok_s'))} · prefill {fmt_ms(server.get('ttft_prefill_ms'))}"
+    )
 
 
 class GapChart(QWidget):
@@ -120,7 +144,7 @@ class StatsPanel(QScrollArea):
         self.heading.setWordWrap(True)
         lay.addWidget(self.heading)
 
-        timing = self._group(
+        self.timingBox = self._group(
             lay,
             "Timing",
             [
@@ -133,9 +157,10 @@ class StatsPanel(QScrollArea):
                 ("meanInclWaitValue", "Mean per token incl. wait"),
                 ("prefillRateValue", "Prefill rate (computed only)"),
                 ("tokensValue", "Tokens"),
+                ("serverTimingValue", "Server-side"),
             ],
         )
-        del timing
+        self.timingBox.setObjectName("timingBox")
 
         cache_box = QGroupBox("KV cache")
         form = QFormLayout(cache_box)
@@ -264,12 +289,21 @@ class StatsPanel(QScrollArea):
             label.setText(text)
 
     # --- what is shown -------------------------------------------------------------------
+    @property
+    def remote(self) -> bool:
+        return self.facts.get("backend") == "remote"
+
     def show_model(self, facts: dict) -> None:
+        """A local model's facts, or a remote server's: what it does not say shows as not reported."""
         self.facts = facts
+        unknown = NOT_REPORTED if facts.get("backend") == "remote" else DASH
+        self.timingBox.setTitle("Timing · client-side (network included)" if self.remote else "Timing")
+        self.set("serverTimingValue", unknown if self.remote else "same process")
         self.set("modelNameValue", facts.get("name", DASH))
-        self.set("architectureValue", facts["architecture"])
-        self.set("parametersValue", f"{facts['parameters']:,}")
-        self.set("dtypeValue", facts["dtype"])
+        self.set("architectureValue", facts.get("architecture") or unknown)
+        n = facts.get("parameters")
+        self.set("parametersValue", unknown if n is None else f"{n:,}")
+        self.set("dtypeValue", facts.get("dtype") or unknown)
         weights = facts.get("weights", "none")
         if weights != "none" and facts.get("head_weights", "none") != "none":
             weights += f", head {facts['head_weights']}"  # which tensors take which precision
@@ -286,27 +320,37 @@ class StatsPanel(QScrollArea):
             ),
         )
         self.set("deviceValue", facts["device"])
-        self.set("kernelsValue", facts.get("decode_kernels", DASH))
-        self.set("layersValue", str(facts["layers"]))
-        self.set("kvHeadsValue", f"{facts['kv_heads']} · {facts['heads']}")
-        self.set("headDimValue", str(facts["head_dim"]))
-        self.set("kvPerPositionValue", fmt_bytes(facts["kv_bytes_per_position"]))
-        self.show_cache(facts["cache"]["positions"], "after loading")
+        self.set("kernelsValue", facts.get("decode_kernels") or unknown)
+        self.set("layersValue", str(facts.get("layers") or unknown))
+        heads = (facts.get("kv_heads"), facts.get("heads"))
+        self.set("kvHeadsValue", unknown if None in heads else f"{heads[0]} · {heads[1]}")
+        self.set("headDimValue", str(facts.get("head_dim") or unknown))
+        per = facts.get("kv_bytes_per_position")
+        where = f" (from {facts['kv_source']})" if facts.get("kv_source") else ""
+        self.set("kvPerPositionValue", unknown if per is None else fmt_bytes(per) + where)
+        if self.remote and facts.get("server_kind") != "kvchat":
+            self.set("fileTensorsValue", unknown)
+            self.show_store(None)
+        self.show_cache(facts["cache"]["positions"], "after loading" if not self.remote else "connected")
 
     def show_cache(self, positions: int, point: str) -> None:
         f = self.facts
         if not f:
             return
-        cap = f["capacity"]
-        per = f["kv_bytes_per_position"]
-        payload = positions * per
-        self.cacheBar.setRange(0, cap)
+        cap = f.get("capacity")
+        per = f.get("kv_bytes_per_position")
+        payload = None if per is None else positions * per
+        self.cacheBar.setRange(0, cap or max(positions, 1))
         self.cacheBar.setValue(positions)
-        self.cacheBar.setFormat(f"{positions:,} / {cap:,} positions")
-        self.set("cachePositionsValue", f"{positions:,} / {cap:,}")
-        self.set("kvPayloadValue", fmt_bytes(payload))
-        self.set("kvAllocatedValue", fmt_bytes(f["cache"]["allocated_bytes"]))
-        if f.get("kv_cache", "none") == "none":
+        of = f"{positions:,} / {cap:,}" if cap else f"{positions:,} (capacity {NOT_REPORTED})"
+        self.cacheBar.setFormat(f"{of} positions" if cap else f"{positions:,} positions")
+        self.set("cachePositionsValue", of)
+        self.set("kvPayloadValue", NOT_REPORTED if payload is None else fmt_bytes(payload))
+        allocated = f["cache"].get("allocated_bytes")
+        self.set("kvAllocatedValue", NOT_REPORTED if allocated is None else fmt_bytes(allocated))
+        if per is None or f.get("layers") is None:
+            self.set("kvFormulaValue", NOT_REPORTED)
+        elif f.get("kv_cache", "none") == "none":
             self.set(
                 "kvFormulaValue",
                 f"2 · {f['layers']} · {positions} · {f['kv_heads']} · {f['head_dim']} · "
@@ -347,6 +391,8 @@ class StatsPanel(QScrollArea):
         self.set("tokensPerSecondValue", fmt_rate(s.figure("decode_tok_s")))
         self.set("e2eValue", fmt_ms(s.figure("e2e_ms")))
         self.set("tokensValue", str(s.tokens))
+        if self.remote:
+            self.set("serverTimingValue", server_timing(s.trace) if s.trace is not None else "after the reply")
         n = s.tokens
         point = (
             f"after prefill of {s.prompt_tokens:,} positions"
@@ -384,6 +430,12 @@ class StatsPanel(QScrollArea):
         """The prefix store: bytes against the budget, prefixes, evictions, and its tree (the part the
         last request took from it in bold, the working cache's own positions in italics)."""
         if not store:
+            if self.remote and self.facts.get("server_kind") != "kvchat":
+                self.storeBar.setFormat(NOT_REPORTED)
+                self.storeBar.setValue(0)
+                for name in ("storeBytesValue", "storePrefixesValue", "storeEvictionsValue"):
+                    self.set(name, NOT_REPORTED)
+                self.storeTree.clear()
             return
         held, budget = store["bytes"], store["budget"]
         self.storeBar.setRange(0, max(budget // 1024, 1))  # KiB: a QProgressBar counts in int

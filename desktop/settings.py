@@ -1,4 +1,4 @@
-"""What a person sets (model, precision, sampling, system prompt) and where kvchat keeps its data.
+"""What a person sets (model or remote server, precision, sampling, system prompt) and where kvchat keeps its data.
 No Qt here: the dialog and the QSettings file are in settings_dialog.py."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ import dataclasses
 import os
 from pathlib import Path
 
+from engine.remote import RemoteSpec
 from engine.sampling import SamplingParams
 from engine.spec import LoadSpec
 
@@ -39,6 +40,16 @@ class Settings:
     max_new_tokens: int = 256
     seed: int = -1  # -1: random
     model_folders: str = ""  # folders the Models dialog also looks in, separated by os.pathsep
+    backend: str = "local"  # local: the model above, on this computer | remote: an OpenAI-compatible server
+    remote_url: str = ""  # the server's base URL, e.g. http://gpu-box:8000/v1
+    remote_api_key: str = ""
+    remote_model: str = ""  # "": the first the server lists
+
+    def engine(self) -> LoadSpec | RemoteSpec:
+        """What the worker should run replies on: the local model, or the remote server."""
+        if self.backend == "remote":
+            return RemoteSpec(self.remote_url, self.remote_api_key, self.remote_model)
+        return self.model
 
     @property
     def folders(self) -> list[str]:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
-from PySide6.QtCore import QSettings
+from PySide6.QtCore import QObject, QSettings, Signal
 from PySide6.QtWidgets import (
     QComboBox,
     QDialog,
@@ -21,11 +22,32 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from engine.errors import EngineError
 from engine.loader import DTYPES
 from engine.quant import PRECISIONS
+from engine.remote import RemoteSpec, list_models
 from engine.spec import LoadSpec
 
 from .settings import Settings
+
+
+class ModelListFetcher(QObject):
+    """Fetches a server's model list on a thread of its own; `fetched` carries the cards or an error."""
+
+    fetched = Signal(object)  # list of model cards, or the error's text
+
+    def fetch(self, spec: RemoteSpec) -> None:
+        def run():
+            try:
+                result = list_models(spec) or f"{spec.url} lists no models"
+            except EngineError as e:
+                result = str(e)
+            try:
+                self.fetched.emit(result)
+            except RuntimeError:  # the dialog was closed meanwhile
+                pass
+
+        threading.Thread(target=run, name="kvchat-model-list", daemon=True).start()
 
 
 def open_settings(directory: Path) -> QSettings:
@@ -40,6 +62,43 @@ class SettingsDialog(QDialog):
         self.setObjectName("settingsDialog")
         form = QFormLayout(self)
         spec = settings.model
+        self.backend = QComboBox()
+        self.backend.setObjectName("backendCombo")
+        self.backend.addItem("Local (this computer)", "local")
+        self.backend.addItem("Remote (OpenAI-compatible server)", "remote")
+        self.backend.setCurrentIndex(1 if settings.backend == "remote" else 0)
+        form.addRow("Engine", self.backend)
+        self.remoteUrl = QLineEdit(settings.remote_url)
+        self.remoteUrl.setObjectName("remoteUrlEdit")
+        self.remoteUrl.setPlaceholderText("http://localhost:8000/v1 (vLLM, SGLang, llama-server, Ollama, kvchat)")
+        form.addRow("Server URL", self.remoteUrl)
+        self.remoteKey = QLineEdit(settings.remote_api_key)
+        self.remoteKey.setObjectName("remoteKeyEdit")
+        self.remoteKey.setEchoMode(QLineEdit.Password)
+        self.remoteKey.setPlaceholderText("none")
+        form.addRow("API key", self.remoteKey)
+        self.remoteModel = QComboBox()
+        self.remoteModel.setObjectName("remoteModelCombo")
+        self.remoteModel.setEditable(True)
+        self.remoteModel.lineEdit().setPlaceholderText("the server's first model")
+        self.remoteModel.setCurrentText(settings.remote_model)
+        self.fetchModels = QPushButton("Fetch the list")
+        self.fetchModels.setObjectName("fetchModelsButton")
+        self.fetchModels.clicked.connect(self.fetch_models)
+        self.remoteStatus = QLabel("")
+        self.remoteStatus.setObjectName("remoteStatusLabel")
+        self.remoteStatus.setWordWrap(True)
+        row = QWidget()
+        h = QHBoxLayout(row)
+        h.setContentsMargins(0, 0, 0, 0)
+        h.addWidget(self.remoteModel, 1)
+        h.addWidget(self.fetchModels)
+        form.addRow("Model on the server", row)
+        form.addRow("", self.remoteStatus)
+        self._remote_rows = (self.remoteUrl, self.remoteKey, row)
+        self._fetcher = ModelListFetcher(self)
+        self._fetcher.fetched.connect(self._models_fetched)
+        self.backend.currentIndexChanged.connect(self._backend_changed)
         self.modelDir = QLineEdit(spec.path or "")
         self.modelDir.setObjectName("modelDirEdit")
         self.modelDir.setPlaceholderText("bundled demo model")
@@ -103,6 +162,8 @@ class SettingsDialog(QDialog):
         where.setObjectName("dataPathLabel")
         where.setWordWrap(True)
         form.addRow("Data", where)
+        self._local_rows = (self.modelDir, browse, browse_file, self.device, self.dtype, self.weights, self.group)
+        self._backend_changed()
         buttons = QDialogButtonBox(QDialogButtonBox.Ok | QDialogButtonBox.Cancel)
         buttons.accepted.connect(self.accept)
         buttons.rejected.connect(self.reject)
@@ -146,6 +207,33 @@ class SettingsDialog(QDialog):
         if path:
             self.modelDir.setText(path)
 
+    @property
+    def is_remote(self) -> bool:
+        return self.backend.currentData() == "remote"
+
+    def _backend_changed(self, *_):
+        for w in self._remote_rows:
+            w.setEnabled(self.is_remote)
+        for w in self._local_rows:
+            w.setEnabled(not self.is_remote)
+
+    def fetch_models(self) -> None:
+        """The server's model list (GET /v1/models), fetched off the GUI thread."""
+        self.remoteStatus.setText("asking the server…")
+        self.fetchModels.setEnabled(False)
+        self._fetcher.fetch(RemoteSpec(self.remoteUrl.text(), self.remoteKey.text()))
+
+    def _models_fetched(self, result) -> None:
+        self.fetchModels.setEnabled(True)
+        if isinstance(result, str):
+            self.remoteStatus.setText(result)
+            return
+        current = self.remoteModel.currentText()
+        self.remoteModel.clear()
+        self.remoteModel.addItems([c["id"] for c in result])
+        self.remoteModel.setCurrentText(current if current in [c["id"] for c in result] else result[0]["id"])
+        self.remoteStatus.setText(f"{len(result)} model{'s' if len(result) != 1 else ''} on the server")
+
     def result_settings(self) -> Settings:
         def auto(value):  # "auto", 0 and "" leave the choice to the engine
             return None if value in ("auto", "", 0) else value
@@ -171,4 +259,8 @@ class SettingsDialog(QDialog):
             max_new_tokens=self.max_new.value(),
             seed=self.seed.value(),
             model_folders=self._folders,
+            backend=self.backend.currentData(),
+            remote_url=self.remoteUrl.text().strip(),
+            remote_api_key=self.remoteKey.text().strip(),
+            remote_model=self.remoteModel.currentText().strip(),
         )

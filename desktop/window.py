@@ -347,7 +347,7 @@ class MainWindow(QMainWindow):
 
     # --- model -------------------------------------------------------------------------
     def load_model(self) -> None:
-        self.worker.load(self.settings.model)
+        self.worker.load(self.settings.engine())
 
     def _on_model_loading(self, what: str) -> None:
         self.loadProgress.setRange(0, 0)  # busy until the first figure arrives
@@ -375,6 +375,7 @@ class MainWindow(QMainWindow):
         new = dataclasses.replace(self.settings, model_folders=os.pathsep.join(dlg.folders))
         if result == QDialog.Accepted and dlg.chosen:
             new.model = dataclasses.replace(new.model, path=dlg.chosen)
+            new.backend = "local"  # a model on this computer was picked: run it here
         self.apply_settings(new)
 
     def _on_model_loaded(self, facts: dict) -> None:
@@ -383,7 +384,10 @@ class MainWindow(QMainWindow):
         self.statsPanel.show_model(facts)
         self.statsPanel.show_store(facts["cache"].get("store"))
         self.probe_conversation()
-        note = f"Model {facts['name']} ready on {facts['device']} ({facts['dtype']})."
+        if facts.get("backend") == "remote":
+            note = f"Connected: {facts['name']} at {facts['server']} ({facts.get('server_kind')} server)."
+        else:
+            note = f"Model {facts['name']} ready on {facts['device']} ({facts['dtype']})."
         if facts.get("cache_dropped"):
             note += f" {facts['cache_dropped']}."
             self.statsPanel.set("reuseReasonValue", facts["cache_dropped"])
@@ -404,7 +408,7 @@ class MainWindow(QMainWindow):
             self.apply_settings(dlg.result_settings())
 
     def apply_settings(self, new: Settings) -> None:
-        reload = new.model != self.settings.model
+        reload = new.engine() != self.settings.engine()
         self.settings = self.chat.settings = new
         new.save(self.qsettings)
         if reload:

@@ -18,6 +18,7 @@ from PySide6.QtCore import QObject, Qt, QThread, Signal, Slot
 
 from engine.errors import EngineError
 from engine.events import Failed, Finished, Token
+from engine.remote import RemoteSession, RemoteSpec
 from engine.spec import LoadSpec
 from engine.trace import summarize
 
@@ -76,7 +77,8 @@ class EngineWorker(QObject):
         self._other = None  # the other-precision model for comparisons, loaded on first use
 
     # --- called from the GUI thread -----------------------------------------------------
-    def load(self, spec: LoadSpec) -> None:
+    def load(self, spec: LoadSpec | RemoteSpec) -> None:
+        """A local model to load, or a remote server to use."""
         self._jobs.put(spec)
 
     def compare(self, rid: int, messages: list, max_new_tokens: int) -> None:
@@ -113,7 +115,7 @@ class EngineWorker(QObject):
             if job is None:
                 break
             try:
-                if isinstance(job, LoadSpec):
+                if isinstance(job, (LoadSpec, RemoteSpec)):
                     self._load(job)
                 elif isinstance(job, CompareJob):
                     self._compare(job)
@@ -135,22 +137,52 @@ class EngineWorker(QObject):
             finally:
                 if isinstance(job, GenerateJob):
                     self._waiting.pop(job.rid, None)
+        if self.remote:
+            self.session.close()
         self.stopped.emit()
 
-    def _load(self, spec: LoadSpec) -> None:
+    def _connect(self, spec: RemoteSpec) -> None:
+        """Use a remote OpenAI-compatible server instead of a local model (the local one is let go)."""
+        self.modelLoading.emit(spec.describe())
+        remote = RemoteSession(spec)
+        try:
+            facts = remote.connect()
+        except EngineError as e:
+            remote.close()
+            self.modelFailed.emit(str(e))
+            return
+        self._release()
+        self.session, self._spec = remote, spec
+        self.modelLoaded.emit(facts)
+
+    def _release(self) -> None:
+        """Let the current engine go: a remote session's connection, a local model's memory."""
+        if isinstance(self.session, RemoteSession):
+            self.session.close()
+        self.session = self.loaded = self._other = self._spec = None
+
+    @property
+    def remote(self) -> bool:
+        return isinstance(self.session, RemoteSession)
+
+    def _load(self, spec: LoadSpec | RemoteSpec) -> None:
         """Load what `spec` names; when only the cache's settings changed (capacity, KV precision, the
         prefix store's budget) the weights already loaded are kept."""
         from engine.session import Session
 
+        if isinstance(spec, RemoteSpec):
+            return self._connect(spec)
         self.modelLoading.emit(spec.describe())
         cache_only = ("capacity", "kv", "cache_budget")
-        same_weights = self._spec is not None and all(
+        same_weights = isinstance(self._spec, LoadSpec) and all(
             getattr(spec, f.name) == getattr(self._spec, f.name)
             for f in dataclasses.fields(spec)
             if f.name not in cache_only
         )
         try:
             loaded = self.loaded if same_weights else spec.load(self.modelLoadProgress.emit)
+            if self.remote:
+                self._release()
             if self.session is None:
                 self.session = Session(loaded, capacity=spec.capacity, kv=spec.kv, cache_budget=spec.cache_budget)
             else:
@@ -169,6 +201,9 @@ class EngineWorker(QObject):
 
         if self.session is None:
             return
+        if self.remote:
+            self.probed.emit(job.cid, {"error": "not reported by a remote server"})
+            return
         try:
             seen = self.session.cached_positions(Request(messages=job.messages, add_generation_prompt=False))
         except (EngineError, ValueError) as e:
@@ -179,6 +214,9 @@ class EngineWorker(QObject):
         """Rerun the prompt at the other precision: full if this one is quantized, else int8 weights and KV."""
         from engine.compare import compare
 
+        if self.loaded is None:
+            self.compared.emit(job.rid, {"error": "comparing precisions needs a local model"})
+            return
         quantized = self.loaded.quantization != "none" or self.session.kv != "none"
         try:
             if self._other is None:
@@ -215,6 +253,8 @@ class EngineWorker(QObject):
 
     def _accounting(self, request) -> Accounting:
         """Each message's token count and the session's summary, after the reply's last event."""
+        if self.remote:  # no tokenizer here: the server counts only the whole prompt
+            return Accounting((), summarize(self.session.traces))
         tok = self.session.loaded.tokenizer
         counts = tuple(len(tok.encode_text(m["content"])) for m in request.messages or ())
         return Accounting(counts, summarize(self.session.traces))

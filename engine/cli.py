@@ -1,4 +1,4 @@
-"""`python -m engine info|generate|replay|chat|models`: the engine's command line (its tools add bench,
+"""`python -m engine info|generate|replay|chat|models|serve`: the engine's command line (its tools add bench,
 quality and selftest: see engine/__main__.py)."""
 
 from __future__ import annotations
@@ -297,6 +297,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--folder", action="append", default=[], help="also look in this folder (repeatable)")
     p.add_argument("--no-cache", action="store_true", help="read every file's header again")
     p.add_argument("--json", action="store_true")
+    p = sub.add_parser("serve", help="serve the model over the OpenAI HTTP API (needs the serve extra)")
+    LoadSpec.add_arguments(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on every request")
+    p.add_argument("--served-model-name", default=None, help="the model's id in the API (default: its name)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="a reply's limit when a request sets none")
+    p.add_argument("--queue-size", type=int, default=8, help="requests that may wait before 429")
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     p = sub.add_parser("chat", help="interactive terminal chat")
     LoadSpec.add_arguments(p)
     _sampling_args(p)
@@ -304,7 +313,24 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-COMMANDS = {"info": cmd_info, "generate": cmd_generate, "replay": cmd_replay, "chat": cmd_chat, "models": cmd_models}
+def cmd_serve(ns) -> int:
+    try:
+        from .server import serve
+    except ImportError as e:
+        print(f"error: serving needs the serve extra (pip install 'kvchat[serve]'): {e}", file=sys.stderr)
+        return 2
+    loaded, session = _open(ns)
+    return serve(ns, loaded, session)
+
+
+COMMANDS = {
+    "info": cmd_info,
+    "generate": cmd_generate,
+    "replay": cmd_replay,
+    "chat": cmd_chat,
+    "models": cmd_models,
+    "serve": cmd_serve,
+}
 
 
 def main(argv=None) -> int:

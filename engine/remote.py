@@ -1,0 +1,441 @@
+"""A session on a remote OpenAI-compatible server (kvchat's own `engine serve`, vLLM, SGLang,
+llama-server, Ollama, LM Studio): the same `generate(request, cancel)` event stream as a local
+Session, so the app's worker and the benchmark use either alike.
+
+The reply streams over an async HTTP client (httpx) on a thread of its own; Stop cancels that task,
+which closes the stream. What the events say is only what can be known from here: times are taken at
+chunk arrival (client-side, the network included), reuse and server timings where the server reports
+them (kvchat's `kvchat` object, `usage.prompt_tokens_details.cached_tokens`, llama.cpp's `timings`),
+KV bytes from the model's config when a local copy of it names the sizes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import queue
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from . import trace as tracing
+from .errors import EngineError
+from .events import Failed, Finished, PrefillDone, PrefillStarted, ReuseReport, Token
+
+POLL_S = 0.02  # how often a waiting reply looks at its Stop flag
+CONNECT_TIMEOUT_S = 5.0
+REASONS = {"stop": "eos", "length": "max_new_tokens", "content_filter": "eos", "tool_calls": "eos"}
+
+
+class RemoteError(EngineError):
+    """The server is unreachable, refused the request, or broke off."""
+
+
+def normalize_url(url: str) -> str:
+    """The API's base URL as people paste it: `localhost:8000`, `http://host:8080/`, `…/v1`."""
+    url = url.strip().rstrip("/")
+    if not url:
+        raise RemoteError("no server URL is set")
+    if "://" not in url:
+        url = "http://" + url
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise RemoteError(f"not an http(s) URL: {url!r}")
+    return url if parts.path not in ("", "/") else url + "/v1"
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteSpec:
+    """Where the engine is: an OpenAI-compatible base URL, its API key, the model to ask for."""
+
+    url: str
+    api_key: str = ""
+    model: str = ""  # "" : the first the server lists
+    timeout: float = 300.0  # seconds without a byte before the server counts as gone (a long prefill)
+
+    def describe(self) -> str:
+        return f"{self.model or 'the server’s model'} at {self.url}"
+
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+def _error_text(status: int, body: bytes) -> str:
+    """The server's own message from an error body (OpenAI's `error.message`, FastAPI's `detail`, text)."""
+    text = body.decode("utf-8", "replace").strip()
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return f"the server answered {status}: {text[:300] or 'no message'}"
+    err = obj.get("error") if isinstance(obj, dict) else None
+    msg = err.get("message") if isinstance(err, dict) else err if isinstance(err, str) else None
+    if msg is None and isinstance(obj, dict):
+        msg = obj.get("detail") or obj.get("message")
+    return f"the server answered {status}: {msg if isinstance(msg, str) else json.dumps(msg or obj)[:300]}"
+
+
+def list_models(spec: RemoteSpec, timeout: float = CONNECT_TIMEOUT_S) -> list[dict]:
+    """GET /v1/models: the server's model cards (kvchat's carry the model's facts under `kvchat`)."""
+    import httpx
+
+    url = normalize_url(spec.url)
+    try:
+        r = httpx.get(url + "/models", headers=spec.headers(), timeout=timeout)
+    except httpx.HTTPError as e:
+        raise RemoteError(f"cannot reach {url}: {type(e).__name__}: {e}") from None
+    if r.status_code >= 400:
+        raise RemoteError(_error_text(r.status_code, r.content))
+    try:
+        data = r.json()["data"]
+        assert isinstance(data, list)
+    except (ValueError, KeyError, TypeError, AssertionError):
+        raise RemoteError(f"{url}/models did not answer with an OpenAI model list") from None
+    return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+
+
+def config_kv_bytes(model_id: str, hub: Path | None = None) -> dict | None:
+    """KV bytes per position from the model's config.json, when the local Hugging Face cache holds the
+    repository the id names (vLLM and SGLang serve by repository id): 2·L·H_kv·d·b at its dtype."""
+    from .catalog import roots
+
+    hub = hub or roots()["hf-cache"][0]
+    snaps = hub / f"models--{model_id.replace('/', '--')}" / "snapshots"
+    configs = sorted(snaps.glob("*/config.json"), key=lambda p: p.stat().st_mtime) if snaps.is_dir() else []
+    if not configs:
+        return None
+    try:
+        raw = json.loads(configs[-1].read_text(encoding="utf-8"))
+        raw = raw.get("text_config", raw)
+        layers, heads = int(raw["num_hidden_layers"]), int(raw["num_attention_heads"])
+        kv_heads = int(raw.get("num_key_value_heads") or heads)
+        head_dim = int(raw.get("head_dim") or int(raw["hidden_size"]) // heads)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16")
+    width = 4 if "32" in dtype else 2
+    return {
+        "layers": layers,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "bytes_per_value": width,
+        "dtype": dtype,
+        "kv_bytes_per_position": 2 * layers * kv_heads * head_dim * width,
+        "architecture": (raw.get("architectures") or [None])[0],
+    }
+
+
+def remote_facts(spec: RemoteSpec, card: dict) -> dict:
+    """The panel's facts for a remote model: kvchat's own when its server sends them, else what the
+    card and a local config tell (the rest None: not reported by this server)."""
+    url = normalize_url(spec.url)
+    mine = card.get("kvchat")
+    if isinstance(mine, dict):
+        facts = dict(mine)
+        facts["cache"] = {**facts.get("cache", {}), "positions": 0}
+        facts["server_kind"] = "kvchat"
+    else:
+        meta = card.get("meta") or {}  # llama-server's
+        facts = {
+            "name": card["id"],
+            "architecture": None,
+            "parameters": meta.get("n_params"),
+            "dtype": None,
+            "capacity": card.get("max_model_len") or meta.get("n_ctx_train"),
+            "kv_bytes_per_position": None,
+            "kv_cache": "none",
+            "cache": {"positions": 0, "allocated_bytes": None},
+            "server_kind": card.get("owned_by") or "unknown",
+        }
+        known = config_kv_bytes(card["id"])
+        if known:
+            facts.update(known, kv_source="the model's config.json in the local Hugging Face cache")
+    facts.update(backend="remote", server=url, model_id=card["id"], device=f"remote · {url}")
+    return facts
+
+
+class RemoteSession:
+    """Requests to one model on one server, one at a time, as engine events."""
+
+    def __init__(self, spec: RemoteSpec):
+        self.spec = dataclasses.replace(spec, url=normalize_url(spec.url))
+        self.traces: list[tracing.RequestTrace] = []
+        self.card: dict | None = None
+        self._facts: dict | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvchat-remote", daemon=True)
+        self._thread.start()
+        self._client = None  # the httpx.AsyncClient, made on the loop's thread
+
+    def connect(self) -> dict:
+        """Ask the server for its models and pick the one the spec names (else the first); its facts."""
+        cards = list_models(self.spec)
+        if not cards:
+            raise RemoteError(f"{self.spec.url} lists no models")
+        want = self.spec.model
+        card = next((c for c in cards if c["id"] == want), None) if want else cards[0]
+        if card is None:
+            names = ", ".join(c["id"] for c in cards[:8])
+            raise RemoteError(f"the server has no model {want!r} (it lists: {names})")
+        self.card, self._facts = card, remote_facts(self.spec, card)
+        return self.facts()
+
+    def facts(self) -> dict:
+        return dict(self._facts or {})
+
+    @property
+    def model_id(self) -> str:
+        return self.card["id"] if self.card else self.spec.model
+
+    def close(self) -> None:
+        async def shut():
+            if self._client is not None:
+                await self._client.aclose()
+
+        if self._loop.is_running():
+            try:
+                asyncio.run_coroutine_threadsafe(shut(), self._loop).result(2)
+            except Exception:  # closing: nothing left to tell anyone
+                pass
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(2)
+
+    # --- a request --------------------------------------------------------------------------------
+    def body(self, req) -> dict:
+        if req.messages is None:
+            raise RemoteError("a remote engine takes chat messages, not raw prompts or token ids")
+        s = req.sampling
+        body = {
+            "model": self.model_id,
+            "messages": list(req.messages),
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "max_tokens": req.max_new_tokens,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+        }
+        # Extensions (vLLM, SGLang, llama-server, kvchat) only when asked: OpenAI's own API refuses them.
+        for name, value, off in (
+            ("top_k", s.top_k, 0),
+            ("min_p", s.min_p, 0.0),
+            ("repetition_penalty", s.repetition_penalty, 1.0),
+            ("seed", s.seed, None),
+        ):
+            if value != off:
+                body[name] = value
+        if req.stop_strings:
+            body["stop"] = list(req.stop_strings)
+        if req.continue_final_message:  # vLLM's and kvchat's names; llama-server continues a last assistant turn
+            body.update(continue_final_message=True, add_generation_prompt=False)
+        return body
+
+    async def _post(self, body: dict, out: queue.Queue) -> None:
+        """On the loop's thread: stream the response's server-sent events into `out` as
+        ("data", text, arrival time), then ("end",) — or ("error", message) / ("cancelled",)."""
+        import httpx
+
+        if self._client is None:
+            t = httpx.Timeout(self.spec.timeout, connect=CONNECT_TIMEOUT_S)
+            self._client = httpx.AsyncClient(base_url=self.spec.url, headers=self.spec.headers(), timeout=t)
+        try:
+            async with self._client.stream("POST", "/chat/completions", json=body) as r:
+                if r.status_code >= 400:
+                    out.put(("error", _error_text(r.status_code, await r.aread())))
+                    return
+                data: list[str] = []
+                async for line in r.aiter_lines():
+                    if line.startswith("data:"):
+                        data.append(line[5:].removeprefix(" "))
+                    elif not line.strip() and data:
+                        out.put(("data", "\n".join(data), tracing.now()))
+                        data = []
+                if data:
+                    out.put(("data", "\n".join(data), tracing.now()))
+            out.put(("end",))
+        except asyncio.CancelledError:
+            out.put(("cancelled",))
+            raise
+        except httpx.TimeoutException:
+            out.put(("error", f"the server sent nothing for {self.spec.timeout:.0f} s"))
+        except httpx.HTTPError as e:
+            out.put(("error", f"the connection to {self.spec.url} failed: {type(e).__name__}: {e}"))
+        except Exception as e:  # a stream that breaks any other way is still one failed reply
+            out.put(("error", f"{type(e).__name__}: {e}"))
+
+    def generate(self, req, cancel: threading.Event | None = None) -> Iterator:
+        trace = tracing.RequestTrace(arrival=req.arrival if req.arrival is not None else tracing.now())
+        self.traces.append(trace)
+        cancel = cancel or threading.Event()
+        try:
+            body = self.body(req)
+        except RemoteError as e:
+            trace.status, trace.end, trace.error = "failed", tracing.now(), str(e)
+            yield Failed(str(e), "RemoteError", self._summary(trace, None, 0))
+            return
+        out: queue.Queue = queue.Queue()
+        trace.started = tracing.now()
+        future = asyncio.run_coroutine_threadsafe(self._post(body, out), self._loop)
+        reply = _Reply(self, req, trace)
+        while True:
+            try:
+                item = out.get(timeout=POLL_S)
+            except queue.Empty:
+                if cancel.is_set() and not future.cancelled():
+                    future.cancel()  # closes the stream, even while the server says nothing
+                continue
+            kind = item[0]
+            if kind == "data":
+                try:
+                    yield from reply.chunk(item[1], item[2])
+                except RemoteError as e:  # an error object, or garbage, in the stream: the reply ends there
+                    future.cancel()
+                    yield reply.fail(str(e))
+                    return
+                if cancel.is_set():
+                    future.cancel()
+            elif kind == "cancelled" or (kind == "end" and cancel.is_set()):
+                yield reply.finish("cancelled")
+                return
+            elif kind == "end":
+                yield reply.finish(None)
+                return
+            else:
+                yield reply.fail(item[1])
+                return
+
+    def _summary(self, trace: tracing.RequestTrace, server: dict | None, chunks: int) -> dict:
+        return {**trace.summary(), "measured": "client", "server": server, "chunks": chunks}
+
+
+class _Reply:
+    """One streaming reply's state: chunks in, engine events out."""
+
+    def __init__(self, session: RemoteSession, req, trace: tracing.RequestTrace):
+        self.session, self.req, self.trace = session, req, trace
+        self.text = ""
+        self.reason: str | None = None  # OpenAI's finish_reason
+        self.usage: dict | None = None
+        self.timings: dict | None = None  # llama.cpp's
+        self.report: dict | None = None  # kvchat's
+        self.prompt_tokens: int | None = None
+        self.started = False
+        self.reuse_seen: ReuseReport | None = None
+        self.chunks = 0
+
+    def chunk(self, data: str, t: float) -> Iterator:
+        if data.strip() == "[DONE]":
+            return
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            raise RemoteError(f"the server sent an event that is not JSON: {data[:200]!r}") from None
+        if not isinstance(obj, dict):
+            return
+        if "error" in obj:
+            err = obj["error"]
+            raise _StreamError(err.get("message") if isinstance(err, dict) else str(err))
+        mine = obj.get("kvchat")
+        if isinstance(mine, dict):
+            if "reuse" in mine and "trace" not in mine and not self.started:  # the first chunk: the reuse report
+                self.prompt_tokens = mine.get("prompt_tokens")
+                yield from self._start(_reuse(mine["reuse"]))
+            elif "trace" in mine:
+                self.report = mine
+        if isinstance(obj.get("usage"), dict):
+            self.usage = obj["usage"]
+        if isinstance(obj.get("timings"), dict):
+            self.timings = obj["timings"]
+        for choice in obj.get("choices") or ():
+            delta = choice.get("delta") or choice.get("message") or {}
+            content = delta.get("content")
+            if choice.get("finish_reason"):
+                self.reason = choice["finish_reason"]
+            if isinstance(content, str) and content:
+                if not self.started:
+                    yield from self._start(None)
+                if self.trace.prefill_end is None:  # token 1: the server's prefill ended before it
+                    self.trace.prefill_end = t
+                    r = self.reuse_seen
+                    yield PrefillDone(r.reused, r.computed, t - self.trace.started, self.prompt_tokens or 0)
+                self.chunks += 1
+                self.trace.token_times.append(t)
+                self.text += content
+                k = len(self.trace.token_times)
+                positions = (self.prompt_tokens or 0) + k - 1 if self.prompt_tokens else 0
+                yield Token(k, -1, content, t, positions)
+
+    def _start(self, reuse: ReuseReport | None) -> Iterator:
+        """PrefillStarted as soon as the server says what it reuses (kvchat), else with token 1."""
+        self.started = True
+        self.trace.tokenized = self.trace.prefill_start = self.trace.started
+        self.reuse_seen = reuse or ReuseReport(0, 0, 0, None, None, None, None, source="unknown")
+        yield PrefillStarted(self.prompt_tokens or 0, self.reuse_seen, ())
+
+    def finish(self, cancelled: str | None) -> Finished | Failed:
+        if cancelled is None and self.reason is None:
+            return self.fail("the server closed the stream before the reply ended")
+        trace = self.trace
+        trace.end = tracing.now()
+        trace.status = "cancelled" if cancelled else "finished"
+        reason = "cancelled" if cancelled else REASONS.get(self.reason, "eos")
+        if self.report and self.report.get("trace", {}).get("status") == "cancelled":
+            reason = "cancelled"
+        usage = self.usage or {}
+        prompt = usage.get("prompt_tokens") or self.prompt_tokens
+        trace.prompt_tokens = prompt or 0
+        reuse = self._reuse(prompt, usage)
+        trace.reused, trace.computed = reuse.reused, reuse.computed
+        return Finished(reason, self.text, (), self._summary(usage), self._cache(prompt, usage), reuse)
+
+    def fail(self, error: str) -> Failed:
+        """The reply breaks off: what streamed is kept by the caller; the failure says why."""
+        trace = self.trace
+        trace.status, trace.end, trace.error = "failed", tracing.now(), error
+        return Failed(error, "RemoteError", self._summary(self.usage or {}))
+
+    def _summary(self, usage: dict) -> dict:
+        server = None
+        if self.report:
+            server = self.report.get("trace")
+        elif self.timings:
+            server = {"llama.cpp timings": self.timings}
+        summary = self.session._summary(self.trace, server, self.chunks)
+        if usage.get("completion_tokens") is not None:
+            summary["completion_tokens"] = usage["completion_tokens"]
+        return summary
+
+    def _reuse(self, prompt: int | None, usage: dict) -> ReuseReport:
+        if self.report and "reuse" in self.report:
+            return _reuse(self.report["reuse"])
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        how = "usage.prompt_tokens_details.cached_tokens"
+        if cached is None and self.timings and "cache_n" in self.timings:
+            cached, how = self.timings["cache_n"], "llama.cpp timings.cache_n"
+        if cached is None or prompt is None:
+            return ReuseReport(0, prompt or 0, 0, None, None, None, "this server does not report reuse", "unknown")
+        return ReuseReport(cached, prompt - cached, 0, None, None, None, f"as the server reports it ({how})", "server")
+
+    def _cache(self, prompt: int | None, usage: dict) -> dict:
+        if self.report and "cache" in self.report:
+            return {**self.report["cache"], "store": self.report.get("store")}
+        done = usage.get("completion_tokens")
+        positions = prompt + done - 1 if prompt is not None and done else prompt or 0
+        per = (self.session._facts or {}).get("kv_bytes_per_position")
+        return {
+            "positions": positions,
+            "capacity": (self.session._facts or {}).get("capacity"),
+            "payload_bytes": positions * per if per else None,
+            "allocated_bytes": None,
+            "reported": prompt is not None,
+        }
+
+
+class _StreamError(RemoteError):
+    """The server put an error object into the stream."""
+
+
+def _reuse(d: dict) -> ReuseReport:
+    names = {f.name for f in dataclasses.fields(ReuseReport)}
+    return ReuseReport(**{k: v for k, v in d.items() if k in names})

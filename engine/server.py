@@ -1,0 +1,499 @@
+"""`python -m engine serve`: the engine behind the OpenAI HTTP API (Starlette on uvicorn), so that any
+OpenAI client — and kvchat's own remote backend — can use it.
+
+Requests run one at a time on one engine thread, through one session and its prefix store (batch 1
+is the product); a bounded queue answers 429 when full. Every reply carries the engine's own report
+(reuse, trace, cache, store) as an extra `kvchat` object; a client that goes away cancels its
+generation at the next token. Bad input is an OpenAI-style error object, never a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import secrets
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from . import trace as tracing
+from .events import Failed, Finished, PrefillStarted, Token
+from .loader import LoadedModel, default_threads
+from .sampling import SamplingParams
+from .session import Request, Session
+
+QUEUE_SIZE = 8  # requests that may wait behind the running one before the server answers 429
+FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length", "capacity": "length"}
+STATUS_BY_KIND = {"CapacityError": 413, "TemplateError": 400, "EngineError": 400, "ValueError": 400}
+
+NUMBER, INTEGER = "number", "integer"
+# The request fields kvchat reads and the JSON type each must have (None allowed for all); others are ignored.
+FIELDS = {
+    "model": str,
+    "messages": list,
+    "stream": bool,
+    "stream_options": dict,
+    "temperature": NUMBER,
+    "top_p": NUMBER,
+    "top_k": INTEGER,
+    "min_p": NUMBER,
+    "repetition_penalty": NUMBER,
+    "max_tokens": INTEGER,
+    "max_completion_tokens": INTEGER,
+    "stop": (str, list),
+    "seed": INTEGER,
+    "n": INTEGER,
+    "add_generation_prompt": bool,  # vLLM's names: continue the last (assistant) message instead of a new one
+    "continue_final_message": bool,
+}
+# Fields kvchat does not implement: accepted only at the value that means "off".
+UNSUPPORTED = {"n": 1, "logprobs": False, "presence_penalty": 0, "frequency_penalty": 0, "tools": [], "logit_bias": {}}
+ROLES = ("system", "developer", "user", "assistant")
+
+
+class ApiError(Exception):
+    """An OpenAI-style error: HTTP status, message, type, the offending parameter, a code."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param=None, code=None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def response(self, headers: dict | None = None) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=headers)
+
+
+def _type_ok(value, want) -> bool:
+    if value is None:
+        return True
+    if want == NUMBER:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if want == INTEGER:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, want) and (want is not int or not isinstance(value, bool))
+
+
+def _type_name(want) -> str:
+    names = {str: "a string", list: "an array", dict: "an object", bool: "a boolean", NUMBER: "a number"}
+    if isinstance(want, tuple):
+        return " or ".join(_type_name(w) for w in want)
+    return names.get(want, "an integer")
+
+
+def _text(content, i: int) -> str:
+    """A message's content as text: a string, or OpenAI's list of text parts."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(400, f"messages[{i}].content: only text parts are supported", param="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise ApiError(400, f"messages[{i}].content must be a string or an array of text parts", param="messages")
+
+
+def parse_chat(body, max_new_default: int) -> tuple[Request, dict]:
+    """A chat-completions body → the engine's Request and the response options (stream, usage)."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    for name, want in FIELDS.items():
+        if name in body and not _type_ok(body[name], want):
+            raise ApiError(400, f"'{name}' must be {_type_name(want)}, not {json.dumps(body[name])}", param=name)
+    for name, off in UNSUPPORTED.items():
+        if body.get(name) not in (None, off):
+            raise ApiError(400, f"'{name}' is not supported by kvchat (only {json.dumps(off)})", param=name)
+    msgs = body.get("messages")
+    if not msgs:
+        raise ApiError(400, "'messages' must be a non-empty array", param="messages")
+    messages = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise ApiError(400, f"messages[{i}] needs a role among {', '.join(ROLES)}", param="messages")
+        role = "system" if m["role"] == "developer" else m["role"]
+        messages.append({"role": role, "content": _text(m.get("content"), i)})
+    stop = body.get("stop") or ()
+    stop = (stop,) if isinstance(stop, str) else tuple(stop)
+    if not all(isinstance(s, str) and s for s in stop):
+        raise ApiError(400, "'stop' must be a string or an array of non-empty strings", param="stop")
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    if limit is not None and limit < 1:
+        raise ApiError(400, "'max_tokens' must be at least 1", param="max_tokens")
+    try:
+        sampling = SamplingParams(
+            temperature=_or(body, "temperature", 1.0),
+            top_p=_or(body, "top_p", 1.0),
+            top_k=_or(body, "top_k", 0),
+            min_p=_or(body, "min_p", 0.0),
+            repetition_penalty=_or(body, "repetition_penalty", 1.0),
+            seed=body.get("seed"),
+        )
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+    cont = bool(body.get("continue_final_message"))
+    req = Request(
+        messages=messages,
+        sampling=sampling,
+        max_new_tokens=limit or max_new_default,
+        stop_strings=stop,
+        stop_on_capacity=limit is None,  # no limit asked: stop when the cache is full
+        arrival=tracing.now(),
+        add_generation_prompt=_or(body, "add_generation_prompt", not cont),
+        continue_final_message=cont,
+    )
+    options = body.get("stream_options") or {}
+    return req, {"stream": bool(body.get("stream")), "usage": bool(options.get("include_usage"))}
+
+
+def _or(body: dict, name: str, default):
+    value = body.get(name)
+    return default if value is None else value
+
+
+class Busy(Exception):
+    def __init__(self, retry_after: int):
+        self.retry_after = retry_after
+
+
+class Job:
+    """One request on its way through the engine thread: its events arrive on the event loop's queue."""
+
+    def __init__(self, request: Request, loop: asyncio.AbstractEventLoop):
+        self.request, self.loop = request, loop
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.cancel = threading.Event()
+        self.cancelled_at: float | None = None  # when the client went away (trace.now)
+
+    def put(self, ev) -> None:  # from the engine thread
+        self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
+
+    def stop(self) -> None:
+        if not self.cancel.is_set():
+            self.cancelled_at = tracing.now()
+            self.cancel.set()
+
+
+class EngineService:
+    """One session on one engine thread; requests run in arrival order, `queue_size` may wait."""
+
+    def __init__(self, loaded: LoadedModel, session: Session, model_id: str, queue_size: int = QUEUE_SIZE):
+        self.loaded, self.session, self.model_id, self.queue_size = loaded, session, model_id, queue_size
+        self.pending = 0  # running + waiting; touched on the event loop only
+        self.created = int(time.time())
+        self.last_cancel: dict | None = None  # how fast the last cancelled request stopped
+        self.durations: list[float] = []  # seconds of recent requests, for Retry-After
+        self._executor = ThreadPoolExecutor(1, "kvchat-engine", initializer=self._init_thread)
+
+    @staticmethod
+    def _init_thread() -> None:
+        import torch
+
+        torch.set_num_threads(default_threads())  # per thread under OpenMP: set where the kernels run
+
+    def submit(self, request: Request) -> Job:
+        if self.pending > self.queue_size:
+            mean = sum(self.durations[-8:]) / len(self.durations[-8:]) if self.durations else 1.0
+            raise Busy(max(1, math.ceil(mean * self.pending)))
+        loop = asyncio.get_running_loop()
+        job = Job(request, loop)
+        self.pending += 1
+        fut = loop.run_in_executor(self._executor, self._run, job)
+        fut.add_done_callback(lambda _: self._done())
+        return job
+
+    def _done(self) -> None:
+        self.pending -= 1
+
+    def _run(self, job: Job) -> None:
+        """On the engine thread: the request's events, then None."""
+        start = time.monotonic()
+        try:
+            if not job.cancel.is_set():
+                for ev in self.session.generate(job.request, job.cancel):
+                    job.put(ev)
+                    if isinstance(ev, Finished) and ev.reason == "cancelled" and job.cancelled_at is not None:
+                        times = self.session.traces[-1].token_times
+                        self.last_cancel = {
+                            "tokens_after_cancel": sum(t > job.cancelled_at for t in times),
+                            "ms_to_stop": round((tracing.now() - job.cancelled_at) * 1000.0, 3),
+                        }
+        except BaseException as e:  # whatever native code raises: the request fails, the server stays up
+            job.put(Failed(f"internal error: {type(e).__name__}: {e}", "InternalError", {}))
+        finally:
+            self.durations.append(time.monotonic() - start)
+            del self.durations[:-32]
+            job.put(None)
+
+    def model_card(self) -> dict:
+        facts = self.session.facts()
+        facts["cache"] = {k: v for k, v in facts["cache"].items() if k != "store"}
+        return {
+            "id": self.model_id,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "kvchat",
+            "max_model_len": self.session.cache.capacity,
+            "kvchat": facts,
+        }
+
+    def stats(self) -> dict:
+        return {
+            "summary": tracing.summarize(self.session.traces),
+            "cache": self.session.cache_stats(),
+            "queue": {"pending": self.pending, "size": self.queue_size},
+            "last_cancel": self.last_cancel,
+        }
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _report(ev, prompt_tokens: int) -> tuple[dict, dict]:
+    """usage and the kvchat report of a request's last event."""
+    if isinstance(ev, Finished):
+        cache = {k: v for k, v in ev.cache.items() if k != "store"}
+        report = {"reuse": ev.reuse.to_dict(), "trace": ev.trace, "cache": cache, "store": ev.cache.get("store")}
+        completion, cached = len(ev.token_ids), ev.reuse.reused
+    else:
+        report, completion, cached = {"trace": ev.trace, "error": ev.error}, 0, 0
+    usage = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+    return usage, report
+
+
+def _failure(ev: Failed) -> ApiError:
+    status = STATUS_BY_KIND.get(ev.kind, 500)
+    code = "context_length_exceeded" if ev.kind == "CapacityError" else None
+    return ApiError(status, ev.error, "invalid_request_error" if status < 500 else "server_error", code=code)
+
+
+async def _watch_disconnect(http: HttpRequest, job: Job) -> None:
+    """Cancel the job when the client goes away (whatever the response is doing meanwhile)."""
+    while True:
+        message = await http.receive()
+        if message["type"] == "http.disconnect":
+            job.stop()
+            return
+
+
+def build_app(service: EngineService, api_key: str | None = None, max_new_tokens: int | None = None) -> Starlette:
+    """The ASGI application over one EngineService."""
+    names = {service.model_id, str(service.loaded.path), service.loaded.name}
+    default_new = max_new_tokens or service.session.cache.capacity
+
+    def check_key(http: HttpRequest) -> None:
+        if api_key is None:
+            return
+        given = http.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise ApiError(401, "a valid API key is needed: Authorization: Bearer KEY", "authentication_error",
+                           code="invalid_api_key")  # fmt: skip
+
+    async def models(http: HttpRequest):
+        try:
+            check_key(http)
+        except ApiError as e:
+            return e.response()
+        return JSONResponse({"object": "list", "data": [service.model_card()]})
+
+    async def stats(http: HttpRequest):
+        try:
+            check_key(http)
+        except ApiError as e:
+            return e.response()
+        return JSONResponse(service.stats())
+
+    async def health(_http: HttpRequest):
+        return JSONResponse({"status": "ok", "model": service.model_id})
+
+    async def chat(http: HttpRequest):
+        try:
+            check_key(http)
+            try:
+                body = json.loads(await http.body())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+            req, opts = parse_chat(body, default_new)
+            if body.get("model") not in names:
+                raise ApiError(
+                    404,
+                    f"the model {body.get('model')!r} does not exist; this server has {service.model_id!r}",
+                    code="model_not_found",
+                    param="model",
+                )
+            job = service.submit(req)
+        except ApiError as e:
+            return e.response()
+        except Busy as e:
+            msg = f"the server is busy: {service.pending} requests running or waiting; retry in {e.retry_after} s"
+            return ApiError(429, msg, "rate_limit_error").response({"Retry-After": str(e.retry_after)})
+        rid = f"chatcmpl-{secrets.token_hex(12)}"
+        watcher = asyncio.create_task(_watch_disconnect(http, job))
+        first = await job.events.get()  # PrefillStarted, or Failed before any output (status not sent yet)
+        if not isinstance(first, PrefillStarted):
+            watcher.cancel()
+            await _drain(job)
+            if isinstance(first, Failed):
+                return _failure(first).response()
+            return ApiError(500, "the engine ended the request without a reply", "server_error").response()
+        meta = {"id": rid, "created": int(time.time()), "model": service.model_id}
+        if opts["stream"]:
+            return StreamingResponse(
+                _stream(job, first, meta, opts["usage"], watcher),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        return await _complete(job, first, meta, watcher)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        yield
+        service.close()
+
+    return Starlette(
+        routes=[
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/kvchat/stats", stats, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+        ],
+        middleware=[Middleware(_Errors)],
+        exception_handlers={HTTPException: _http_error},
+        lifespan=lifespan,
+    )
+
+
+async def _http_error(_http: HttpRequest, e: HTTPException) -> JSONResponse:
+    """Starlette's own refusals (an unknown path, a wrong method) as error objects too."""
+    message = {404: "no such endpoint", 405: "method not allowed here"}.get(e.status_code, str(e.detail))
+    return ApiError(e.status_code, f"{message}: {_http.method} {_http.url.path}", code=None).response()
+
+
+class _Errors:
+    """Anything unforeseen is a 500 error object (and a 404 for an unknown path), never a traceback."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        started = False
+
+        async def tracked(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as e:
+            if scope["type"] != "http" or started:
+                raise
+            await ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error").response()(
+                scope, receive, send
+            )
+
+
+async def _drain(job: Job) -> None:
+    while await job.events.get() is not None:
+        pass
+
+
+async def _complete(job: Job, first: PrefillStarted, meta: dict, watcher: asyncio.Task) -> JSONResponse:
+    try:
+        last = None
+        while (ev := await job.events.get()) is not None:
+            if isinstance(ev, (Finished, Failed)):
+                last = ev
+    finally:
+        watcher.cancel()
+    if isinstance(last, Failed) or last is None:
+        return _failure(last or Failed("no reply", "InternalError", {})).response()
+    usage, report = _report(last, first.prompt_tokens)
+    report["prompt_tokens"] = first.prompt_tokens
+    return JSONResponse(
+        {
+            **meta,
+            "object": "chat.completion",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": last.text},
+                    "finish_reason": FINISH_REASONS.get(last.reason, "stop"),
+                }
+            ],
+            "usage": usage,
+            "kvchat": report,
+        }
+    )
+
+
+def _sse(obj) -> str:
+    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+
+async def _stream(job: Job, first: PrefillStarted, meta: dict, include_usage: bool, watcher: asyncio.Task):
+    """Server-sent events in OpenAI's chunk format; the first chunk carries the reuse report, the last one
+    the whole kvchat report; `[DONE]` ends it. A client gone cancels the job."""
+    chunk = {**meta, "object": "chat.completion.chunk"}
+
+    def delta(d: dict, finish=None, **extra) -> str:
+        return _sse({**chunk, "choices": [{"index": 0, "delta": d, "finish_reason": finish}], **extra})
+
+    done = False
+    try:
+        started = {"prompt_tokens": first.prompt_tokens, "reuse": first.reuse.to_dict()}
+        yield delta({"role": "assistant", "content": ""}, kvchat=started)
+        while (ev := await job.events.get()) is not None:
+            if isinstance(ev, Token):
+                if ev.text:
+                    yield delta({"content": ev.text})
+            elif isinstance(ev, Finished):
+                usage, report = _report(ev, first.prompt_tokens)
+                report["prompt_tokens"] = first.prompt_tokens
+                if ev.tail:
+                    yield delta({"content": ev.tail})
+                finish = FINISH_REASONS.get(ev.reason, "stop")
+                if include_usage:
+                    yield delta({}, finish)
+                    yield _sse({**chunk, "choices": [], "usage": usage, "kvchat": report})
+                else:
+                    yield delta({}, finish, kvchat=report)
+            elif isinstance(ev, Failed):
+                error = _failure(ev)
+                yield _sse({"error": {"message": error.message, "type": error.type, "code": error.code}})
+        done = True
+        yield "data: [DONE]\n\n"
+    finally:
+        if not done:  # the client went away: the response was cancelled or closed mid-stream
+            job.stop()
+        watcher.cancel()
+
+
+def serve(ns, loaded: LoadedModel, session: Session) -> int:
+    """Serve the loaded model with the options of `python -m engine serve` until interrupted."""
+    import uvicorn
+
+    model_id = ns.served_model_name or loaded.name
+    service = EngineService(loaded, session, model_id, queue_size=ns.queue_size)
+    app = build_app(service, api_key=ns.api_key, max_new_tokens=ns.max_new_tokens)
+    print(
+        f"kvchat serving {model_id!r} ({loaded.device}, capacity {session.cache.capacity}) on "
+        f"http://{ns.host}:{ns.port}/v1" + (" (API key required)" if ns.api_key else ""),
+        flush=True,
+    )
+    uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level, timeout_graceful_shutdown=2)
+    return 0
