@@ -227,6 +227,8 @@ class RemoteSession:
                 body[name] = value
         if req.stop_strings:
             body["stop"] = list(req.stop_strings)
+        if req.ignore_eos:
+            body["ignore_eos"] = True
         if req.continue_final_message:  # vLLM's and kvchat's names; llama-server continues a last assistant turn
             body.update(continue_final_message=True, add_generation_prompt=False)
         return body

@@ -54,6 +54,7 @@ FIELDS = {
     "n": INTEGER,
     "add_generation_prompt": bool,  # vLLM's names: continue the last (assistant) message instead of a new one
     "continue_final_message": bool,
+    "ignore_eos": bool,  # vLLM's: run to max_tokens past the stop tokens (benchmarks)
 }
 # Fields kvchat does not implement: accepted only at the value that means "off".
 UNSUPPORTED = {"n": 1, "logprobs": False, "presence_penalty": 0, "frequency_penalty": 0, "tools": [], "logit_bias": {}}
@@ -150,6 +151,7 @@ def parse_chat(body, max_new_default: int) -> tuple[Request, dict]:
         arrival=tracing.now(),
         add_generation_prompt=_or(body, "add_generation_prompt", not cont),
         continue_final_message=cont,
+        ignore_eos=bool(body.get("ignore_eos")),
     )
     options = body.get("stream_options") or {}
     return req, {"stream": bool(body.get("stream")), "usage": bool(options.get("include_usage"))}

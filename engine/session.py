@@ -45,6 +45,7 @@ class Request:
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # extend the last (assistant) message instead of starting a new one
     label: str | None = None  # a name for the prompt in the prefix store's picture (a conversation's title)
+    ignore_eos: bool = False  # run to max_new_tokens past stop tokens (benchmarks; vLLM's ignore_eos)
 
 
 def fingerprint_change(old: dict | None, new: dict) -> str | None:
@@ -317,7 +318,7 @@ class Session:
             row = logits[0, -1].float().cpu() if gen is not None or use_penalty else logits[0, -1]
             seen = torch.tensor(self.ids, dtype=torch.long, device=row.device) if use_penalty else None
             token = choose(row, req.sampling, gen, seen)
-            if token in tok.stop_ids:
+            if token in tok.stop_ids and not req.ignore_eos:
                 reason = "eos"
                 break
             t = tracing.now()

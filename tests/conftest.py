@@ -43,3 +43,21 @@ def smollm2_gguf():
             pytest.fail(message)
         pytest.skip(message)
     return path
+
+
+@pytest.fixture
+def serve(tmp_path):
+    """serve(*args): a real `python -m engine serve` on a free loopback port (the demo model unless
+    --model is given); every one started is stopped at the test's end."""
+    from servers import engine_serve
+
+    started = []
+
+    def start(*args):
+        server = engine_serve(tmp_path, *args)
+        started.append(server)
+        return server
+
+    yield start
+    for s in started:
+        s.stop()
