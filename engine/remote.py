@@ -26,6 +26,17 @@ from .events import Failed, Finished, PrefillDone, PrefillStarted, ReuseReport, 
 
 POLL_S = 0.02  # how often a waiting reply looks at its Stop flag
 CONNECT_TIMEOUT_S = 5.0
+# A model card's `owned_by` → the server that wrote it (only a label for the panel).
+SERVERS = {
+    "vllm": "vLLM",
+    "sglang": "SGLang",
+    "llamacpp": "llama-server",
+    "library": "Ollama",
+    "me": "llama-cpp-python",
+    "organization_owner": "LM Studio",
+    "system": "OpenAI",
+    "openai": "OpenAI",
+}
 REASONS = {"stop": "eos", "length": "max_new_tokens", "content_filter": "eos", "tool_calls": "eos"}
 
 
@@ -147,7 +158,7 @@ def remote_facts(spec: RemoteSpec, card: dict) -> dict:
             "kv_bytes_per_position": None,
             "kv_cache": "none",
             "cache": {"positions": 0, "allocated_bytes": None},
-            "server_kind": card.get("owned_by") or "unknown",
+            "server_kind": SERVERS.get(card.get("owned_by"), card.get("owned_by") or "unknown"),
         }
         known = config_kv_bytes(card["id"])
         if known:

@@ -61,3 +61,19 @@ def serve(tmp_path):
     yield start
     for s in started:
         s.stop()
+
+
+@pytest.fixture
+def scripted_server():
+    """scripted_server(mode=..., model=...): an in-process OpenAI-compatible server that behaves as told."""
+    from servers import ScriptedServer
+
+    started = []
+
+    def start(**kw):
+        started.append(ScriptedServer(**kw))
+        return started[-1]
+
+    yield start
+    for s in started:
+        s.stop()

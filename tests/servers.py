@@ -3,10 +3,13 @@ where it is installed, llama-cpp-python's server. Each is a real process, stoppe
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -73,3 +76,69 @@ def llama_cpp_serve(log_dir: Path, gguf: Path, *args: str) -> Server:
     port = free_port()
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port)]
     return start(cmd + list(args), log_dir / f"llama-cpp-{port}.log", "/v1/models", port)
+
+
+class ScriptedServer:
+    """An OpenAI-compatible server that behaves as told (`mode`), in this process on a thread: the
+    remote servers that answer as vLLM does (`ok`: usage with cached tokens), stream slowly (`slow`),
+    break off mid-reply (`drop`) or refuse (`error`) — what a real remote does on a bad day."""
+
+    def __init__(self, model: str = "org/tiny-remote", mode: str = "ok"):
+        import uvicorn
+        from starlette.applications import Starlette
+        from starlette.responses import JSONResponse, StreamingResponse
+        from starlette.routing import Route
+
+        self.model, self.mode = model, mode
+        self.requests: list[dict] = []
+        self.disconnected = threading.Event()
+
+        def chunk(delta: dict, finish=None, **extra) -> str:
+            obj = {"id": "x", "object": "chat.completion.chunk", "model": self.model}
+            obj["choices"] = [{"index": 0, "delta": delta, "finish_reason": finish}]
+            return "data: " + json.dumps({**obj, **extra}) + "\n\n"
+
+        async def models(_r):
+            return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "vllm"}]})
+
+        async def chat(r):
+            body = await r.json()
+            self.requests.append(body)
+            if self.mode == "error":
+                return JSONResponse({"error": {"message": "the GPU fell over", "type": "server_error"}}, 500)
+            words = ["Chengdu", " in", " three", " nights", ":", " pandas", ",", " hotpot", ",", " teahouses", "."]
+
+            async def events():
+                try:
+                    yield chunk({"role": "assistant", "content": ""})
+                    for i in range(400 if self.mode == "slow" else len(words)):
+                        if self.mode == "drop" and i == 3:
+                            raise ConnectionResetError("the server went away")
+                        await asyncio.sleep(0.05 if self.mode == "slow" else 0.002)
+                        yield chunk({"content": words[i % len(words)]})
+                    yield chunk({}, "stop")
+                    usage = {"prompt_tokens": 40, "completion_tokens": len(words), "total_tokens": 40 + len(words)}
+                    usage["prompt_tokens_details"] = {"cached_tokens": 32}
+                    yield "data: " + json.dumps({"id": "x", "choices": [], "usage": usage}) + "\n\n"
+                    yield "data: [DONE]\n\n"
+                except asyncio.CancelledError:
+                    self.disconnected.set()
+                    raise
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        app = Starlette(routes=[Route("/v1/models", models), Route("/v1/chat/completions", chat, methods=["POST"])])
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="critical"))
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread.start()
+        end = time.monotonic() + 20
+        while not self._server.started:
+            if time.monotonic() > end:
+                raise RuntimeError("the scripted server did not start")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(10)

@@ -3,6 +3,7 @@
 import json
 import sqlite3
 
+from gui import panel, send
 from PySide6.QtCore import Qt
 
 from desktop.chat import title_from
@@ -11,20 +12,6 @@ from desktop.store import Store
 from engine.events import Failed, Finished
 
 BUDGET = "I am planning a trip to Chengdu for 3 nights. My budget is 600 yuan."
-
-
-def send(qtbot, w, spin_loop, text, timeout=120):
-    got = []
-    w.replyFinished.connect(got.append)
-    qtbot.keyClicks(w.composer, text)
-    qtbot.mouseClick(w.sendButton, Qt.LeftButton)
-    spin_loop(lambda: got, timeout)
-    w.replyFinished.disconnect(got.append)
-    return got[0]
-
-
-def panel(w, name):
-    return w.statsPanel.values[name].text()
 
 
 def test_send_streams_a_reply_and_the_panel_matches_the_engine(qtbot, make_window, spin_loop, demo_model_dir):

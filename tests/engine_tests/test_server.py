@@ -263,3 +263,35 @@ def test_a_server_down_or_dropping_the_stream_is_a_clear_failure_with_the_text_k
         assert len(text) > 0 and remote.traces[-1].status == "failed"
     finally:
         remote.close()
+
+
+def test_the_remote_session_against_llama_cpp_python_s_server(tmp_path, demo_model_dir):
+    """llama.cpp's own server (llama-cpp-python's, where the bench extra installed it) on an F32 GGUF
+    written from the demo model: the same greedy reply as kvchat in-process; what it does not report
+    (reuse, KV bytes) is said to be unknown, not invented."""
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("sse_starlette")
+    pytest.importorskip("starlette_context")
+    pytest.importorskip("pydantic_settings")
+    from servers import llama_cpp_serve
+
+    from engine.tools.gguf_export import write_gguf
+
+    gguf = write_gguf(demo_model_dir, tmp_path / "demo-f32.gguf", "F32", tokenizer=True)  # F32: see README
+    server = llama_cpp_serve(tmp_path, gguf, "--n_ctx", "2048")
+    remote = RemoteSession(RemoteSpec(server.url))
+    try:
+        facts = remote.connect()
+        assert facts["model_id"] == str(gguf) and facts["kv_bytes_per_position"] is None
+        fin = list(remote.generate(Request(messages=TURN1, max_new_tokens=24)))[-1]
+        assert type(fin).__name__ == "Finished" and fin.reason == "max_new_tokens"
+        assert fin.text == in_process(TURN1)[0][0]
+        assert fin.reuse.source in ("unknown", "server") and fin.trace["measured"] == "client"
+        cancel = threading.Event()
+        for ev in remote.generate(Request(messages=TURN1, max_new_tokens=1000, ignore_eos=True), cancel):
+            if type(ev).__name__ == "Token" and ev.index == 3:
+                cancel.set()
+        assert type(ev).__name__ == "Finished" and ev.reason == "cancelled"
+    finally:
+        remote.close()
+        server.stop()

@@ -1,0 +1,156 @@
+"""The app on a remote engine, driven as a person drives it: against kvchat's own `engine serve` every
+figure of the local panel appears; against a vLLM-like server the panel shows what it reports and says
+what it does not; Stop closes the stream; a server that is down, refuses or breaks off is a clear
+message with the partial reply kept and marked."""
+
+import json
+
+import pytest
+from gui import panel, send
+from PySide6.QtCore import Qt
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+from desktop.panel import NOT_REPORTED, fmt_bytes, fmt_ms
+from desktop.settings import Settings
+from desktop.settings_dialog import SettingsDialog
+from engine.events import Failed, Finished
+from engine.loader import load_model
+from engine.session import Request, Session
+
+BUDGET = "I am planning a trip to Chengdu for 3 nights. My budget is 600 yuan."
+
+
+def test_the_app_on_a_remote_kvchat_server_shows_every_figure_of_the_local_panel(qtbot, make_window, spin_loop, serve):
+    server = serve()
+    w = make_window(backend="remote", remote_url=server.url)
+    assert w.facts["server_kind"] == "kvchat" and w.facts["name"] == "kvchat-demo"
+    assert "Connected: kvchat-demo" in w.statusBar().currentMessage()
+    assert panel(w, "architectureValue") == "LlamaForCausalLM"
+    assert panel(w, "kvPerPositionValue") == fmt_bytes(6144)
+    first = send(qtbot, w, spin_loop, BUDGET)
+    assert isinstance(first, Finished) and first.reason == "eos"
+    local = Session(load_model(None))
+    want = list(local.generate(Request(messages=[{"role": "user", "content": BUDGET}])))[-1]
+    assert first.text == want.text and w.transcript.views[1].message.content == want.text
+    assert "client-side" in w.statsPanel.timingBox.title()
+    assert panel(w, "ttftValue") == fmt_ms(first.trace["ttft_ms"])
+    assert panel(w, "serverTimingValue").startswith(f"TTFT {fmt_ms(first.trace['server']['ttft_ms'])}")
+    cache = first.cache
+    assert panel(w, "cachePositionsValue") == f"{cache['positions']:,} / {cache['capacity']:,}"
+    assert panel(w, "kvPayloadValue") == fmt_bytes(cache["payload_bytes"])
+    assert panel(w, "kvAllocatedValue") == fmt_bytes(cache["allocated_bytes"])
+
+    second = send(qtbot, w, spin_loop, "And a fourth night?")
+    turn2 = [
+        {"role": "user", "content": BUDGET},
+        {"role": "assistant", "content": want.text},
+        {"role": "user", "content": "And a fourth night?"},
+    ]
+    want2 = list(local.generate(Request(messages=turn2)))[-1]
+    assert second.text == want2.text and second.reuse.reused == want2.reuse.reused > 0
+    assert panel(w, "reusedValue") == f"{want2.reuse.reused:,}" and panel(w, "reuseSourceValue") == "working cache"
+    assert panel(w, "storeBytesValue") != "—" and w.statsPanel.storeTree.topLevelItemCount() >= 1
+    assert panel(w, "requestsValue") == "2"
+
+
+def test_a_vllm_like_server_shows_what_it_reports_and_says_what_it_does_not(
+    qtbot, make_window, spin_loop, scripted_server, tmp_path, monkeypatch
+):
+    hub = tmp_path / "hub"  # the model's config in the local Hugging Face cache: KV bytes from it
+    snap = hub / "models--org--tiny-remote" / "snapshots" / "abc"
+    snap.mkdir(parents=True)
+    cfg = {"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 256}
+    (snap / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "bfloat16"}))
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    remote = scripted_server(mode="ok")
+    w = make_window(backend="remote", remote_url=remote.url, remote_api_key="k1", temperature=0.5, top_k=40)
+    per = 2 * 4 * 2 * 32 * 2
+    assert w.facts["kv_bytes_per_position"] == per and panel(w, "kvPerPositionValue").startswith(fmt_bytes(per))
+    assert panel(w, "architectureValue") == NOT_REPORTED and panel(w, "dtypeValue") == "bfloat16"
+    final = send(qtbot, w, spin_loop, BUDGET)
+    assert isinstance(final, Finished) and final.reason == "eos"
+    assert final.text == "Chengdu in three nights: pandas, hotpot, teahouses."
+    body = remote.requests[-1]
+    assert body["model"] == "org/tiny-remote" and body["stream"] and body["temperature"] == 0.5
+    assert body["top_k"] == 40 and "min_p" not in body  # extensions only when set
+    assert body["messages"] == [{"role": "user", "content": BUDGET}]
+    assert panel(w, "reusedValue") == "32" and panel(w, "recomputedValue") == "8"
+    assert panel(w, "reuseSourceValue") == "the server's cache (as it reports it)"
+    assert panel(w, "serverTimingValue") == NOT_REPORTED and panel(w, "storeBytesValue") == NOT_REPORTED
+    positions = 40 + 11 - 1
+    assert panel(w, "kvPayloadValue") == fmt_bytes(positions * per)
+    assert panel(w, "kvAllocatedValue") == NOT_REPORTED and panel(w, "tokensValue") == "11"
+
+
+def test_stop_closes_the_remote_stream_and_keeps_the_partial_reply(qtbot, make_window, spin_loop, scripted_server):
+    remote = scripted_server(mode="slow")
+    w = make_window(backend="remote", remote_url=remote.url)
+    got = []
+    w.replyFinished.connect(got.append)
+    qtbot.keyClicks(w.composer, BUDGET)
+    qtbot.mouseClick(w.sendButton, Qt.LeftButton)
+    spin_loop(lambda: w.stats.tokens >= 3)
+    qtbot.mouseClick(w.stopButton, Qt.LeftButton)
+    spin_loop(lambda: got, 10)
+    assert isinstance(got[0], Finished) and got[0].reason == "cancelled"
+    assert remote.disconnected.wait(5)  # the server saw the stream closed
+    reply = w.store.message(w.transcript.views[1].message.id)
+    assert reply.status == "stopped" and reply.content.startswith("Chengdu in")
+    assert w.sendButton.isEnabled()
+
+
+def test_a_server_that_breaks_off_or_refuses_is_a_clear_message_with_the_text_kept(
+    qtbot, make_window, spin_loop, scripted_server
+):
+    remote = scripted_server(mode="drop")
+    w = make_window(backend="remote", remote_url=remote.url)
+    final = send(qtbot, w, spin_loop, BUDGET)
+    assert isinstance(final, Failed) and final.kind == "RemoteError"
+    reply = w.store.message(w.transcript.views[1].message.id)
+    assert reply.status == "failed" and reply.content == "Chengdu in three"  # what streamed is kept, marked
+    assert w.banner.isVisible() and "The reply failed" in w.banner.text()
+    remote.mode = "error"
+    final = send(qtbot, w, spin_loop, "Again?")
+    assert isinstance(final, Failed) and "500" in final.error and "the GPU fell over" in final.error
+    remote.mode = "ok"
+    final = send(qtbot, w, spin_loop, "Once more?")  # the app is still usable
+    assert isinstance(final, Finished)
+
+
+def test_a_server_that_is_down_is_a_clear_message_and_settings_pick_the_backend(
+    qtbot, make_window, spin_loop, scripted_server, demo_model_dir
+):
+    from servers import free_port
+
+    w = make_window(backend="remote", remote_url=f"127.0.0.1:{free_port()}")
+    assert w.facts is None and "cannot reach http://127.0.0.1:" in w.banner.text()
+    assert not w.sendButton.isEnabled()
+    # Settings: choose Remote, fetch the list from the server, pick the model, OK.
+    remote = scripted_server(mode="ok")
+    dlg = SettingsDialog(w.settings, w.db_path, w)
+    qtbot.addWidget(dlg)
+    assert dlg.remoteUrl.isEnabled() and not dlg.modelDir.isEnabled()
+    dlg.remoteUrl.setText(remote.url)
+    qtbot.mouseClick(dlg.fetchModels, Qt.LeftButton)
+    spin_loop(lambda: dlg.remoteModel.count() == 1)
+    assert dlg.remoteModel.currentText() == "org/tiny-remote" and "1 model" in dlg.remoteStatus.text()
+    ready = []
+    w.modelReady.connect(ready.append)
+    w.apply_settings(dlg.result_settings())
+    spin_loop(lambda: ready)
+    assert w.facts["model_id"] == "org/tiny-remote" and w.sendButton.isEnabled()
+    saved = Settings.load(w.qsettings)
+    assert (saved.backend, saved.remote_url, saved.remote_model) == ("remote", remote.url, "org/tiny-remote")
+    assert w.qsettings.value("backend") == "remote" and w.qsettings.value("remote_model") == "org/tiny-remote"
+    # and back to the local engine
+    dlg = SettingsDialog(w.settings, w.db_path, w)
+    qtbot.addWidget(dlg)
+    dlg.backend.setCurrentIndex(0)
+    assert dlg.modelDir.isEnabled() and not dlg.remoteUrl.isEnabled()
+    ready.clear()
+    w.apply_settings(dlg.result_settings())
+    spin_loop(lambda: ready)
+    assert w.facts.get("backend") is None and w.facts["architecture"] == "LlamaForCausalLM"
+    assert isinstance(send(qtbot, w, spin_loop, BUDGET), Finished)

@@ -1,0 +1,19 @@
+"""What the GUI tests do as a person does: type and send, read the panel."""
+
+from PySide6.QtCore import Qt
+
+
+def send(qtbot, w, spin_loop, text, timeout=120):
+    """Type `text`, click Send, wait for the reply's last event and return it."""
+    got = []
+    w.replyFinished.connect(got.append)
+    qtbot.keyClicks(w.composer, text)
+    qtbot.mouseClick(w.sendButton, Qt.LeftButton)
+    spin_loop(lambda: got, timeout)
+    w.replyFinished.disconnect(got.append)
+    return got[0]
+
+
+def panel(w, name):
+    """The text the panel shows in row `name`."""
+    return w.statsPanel.values[name].text()
