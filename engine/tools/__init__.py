@@ -1,18 +1,18 @@
 """What is not the product at run time: the benchmark, the GPU selftest, quantization quality, GGUF
 export and the llama.cpp reference, and the demo model's corpus, training and evaluation. The
 product never imports this package; `python -m engine TOOL` reaches the benchmarks (bench,
-store-bench), quality and selftest."""
+store-bench, serve-bench), quality and selftest."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-TOOLS = ("bench", "store-bench", "quality", "selftest")
+TOOLS = ("bench", "store-bench", "serve-bench", "quality", "selftest")
 
 
 def run_tool(name: str, argv: list[str]) -> int:
-    """`python -m engine bench|store-bench|quality|selftest ...`."""
+    """`python -m engine bench|store-bench|serve-bench|quality|selftest ...`."""
     import torch
 
     from ..errors import EngineError
@@ -33,6 +33,11 @@ def run_tool(name: str, argv: list[str]) -> int:
         from .store_bench import run as main
 
         help_text = "TTFT on returning to a conversation, with the prefix store and without it"
+    elif name == "serve-bench":
+        from .serve_bench import add_arguments
+        from .serve_bench import run as main
+
+        help_text = "streaming through `engine serve` on loopback against the engine in-process"
     else:
         from .quality import add_arguments, main
 

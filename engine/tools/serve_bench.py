@@ -1,0 +1,162 @@
+"""`python -m engine serve-bench`: what serving costs — the same model streamed through
+`python -m engine serve` on loopback (a separate process, read by the remote session the app uses)
+against the engine in this process, in the same run, rounds alternating.
+
+Each round's prompt is new on both sides (the same sequence of prompts, so reuse is equal); replies
+run to --new-tokens past any stop token. Reported: TTFT and decode tokens/s on each side (the
+served ones at chunk arrival, the network and the server's JSON included), their ratios, and the
+server's own figures for the same requests.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .bench import SHAPES, cpu_info, write_random_checkpoint
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default=None, help="a model folder or GGUF file instead of a random-weight shape")
+    p.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
+    p.add_argument("--weights", default="none", choices=("none", "int8", "int4"))
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=5, help="requests per side (after one warm-up each)")
+    p.add_argument("--json", action="store_true")
+
+
+def _prompt(rnd: random.Random, n: int, word_level: bool, tokenizer) -> str:
+    """About n tokens of text: random vocabulary words (a random-weight shape) or real text repeated."""
+    if word_level:
+        return " ".join(f"t{rnd.randrange(4, 40000)}" for _ in range(n))
+    base = "The quick brown fox jumps over the lazy dog near the river bank at dawn. "
+    text = f"Note {rnd.randrange(10**9)}: " + base * (n // 14 + 1)
+    ids = tokenizer.encode_text(text)[:n]
+    return tokenizer.decode(ids)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_server(path: str, weights: str, port: int) -> subprocess.Popen:
+    import httpx
+
+    cmd = [sys.executable, "-m", "engine", "serve", "--model", path, "--weights", weights, "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    end = time.monotonic() + 300
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise SystemExit(f"error: the server exited: {proc.stderr.read()[-2000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    raise SystemExit("error: the server did not come up in 300 s")
+
+
+def run(ns) -> int:
+    import torch
+
+    from ..loader import load_model
+    from ..remote import RemoteSession, RemoteSpec
+    from ..session import Request, Session
+    from ..trace import now
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(ns.model or write_random_checkpoint(Path(tmp) / ns.shape, ns.shape))
+        loaded = load_model(path, weights=ns.weights)
+        local = Session(loaded)
+        port = _free_port()
+        proc = _start_server(path, ns.weights, port)
+        remote = RemoteSession(RemoteSpec(f"http://127.0.0.1:{port}/v1"))
+        try:
+            remote.connect()
+            rnd = random.Random(0)
+            word_level = ns.model is None
+
+            def request(text: str) -> Request:
+                msgs = [{"role": "user", "content": text}]
+                return Request(messages=msgs, max_new_tokens=ns.new_tokens, ignore_eos=True, arrival=now())
+
+            def once(session, text: str) -> dict:
+                fin = list(session.generate(request(text)))[-1]
+                if not hasattr(fin, "token_ids"):
+                    raise SystemExit(f"error: {fin.error}")
+                return fin.trace
+
+            warm = _prompt(rnd, ns.prompt_tokens, word_level, loaded.tokenizer)
+            once(local, warm), once(remote, warm)
+            rows = []
+            for i in range(ns.rounds):
+                text = _prompt(rnd, ns.prompt_tokens, word_level, loaded.tokenizer)
+                a, b = (local, remote) if i % 2 == 0 else (remote, local)  # alternate who goes first
+                first, second = once(a, text), once(b, text)
+                mine, served = (first, second) if a is local else (second, first)
+                rows.append(
+                    {
+                        "round": i + 1,
+                        "prompt_tokens": mine["prompt_tokens"],
+                        "in_process_ttft_ms": mine["ttft_ms"],
+                        "served_ttft_ms": served["ttft_ms"],
+                        "server_side_ttft_ms": served["server"]["ttft_ms"],
+                        "in_process_tok_s": mine["decode_tok_s"],
+                        "served_tok_s": served["decode_tok_s"],
+                        "server_side_tok_s": served["server"]["decode_tok_s"],
+                        "served_tokens": served["server"]["tokens"],
+                    }
+                )
+        finally:
+            remote.close()
+            proc.terminate()
+            proc.wait(10)
+
+    def med(key):
+        return statistics.median(r[key] for r in rows)
+
+    report = {
+        "model": str(ns.model or ns.shape),
+        "weights": ns.weights,
+        "device": str(loaded.device),
+        "cpu": cpu_info() if loaded.device.type == "cpu" else None,
+        "threads": torch.get_num_threads(),
+        "prompt_tokens": ns.prompt_tokens,
+        "new_tokens": ns.new_tokens,
+        "rounds": rows,
+        "in_process_tok_s": med("in_process_tok_s"),
+        "served_tok_s": med("served_tok_s"),
+        "decode_ratio": round(med("served_tok_s") / med("in_process_tok_s"), 4),
+        "in_process_ttft_ms": med("in_process_ttft_ms"),
+        "served_ttft_ms": med("served_ttft_ms"),
+        "ttft_overhead_ms": round(med("served_ttft_ms") - med("in_process_ttft_ms"), 3),
+    }
+    if ns.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    cpu = report["cpu"] or {}
+    print(f"{report['model']} (weights {ns.weights}) on {report['device']} · {cpu.get('model', '')} · "
+          f"{report['threads']} threads · {ns.prompt_tokens} prompt tokens, {ns.new_tokens} new")  # fmt: skip
+    print("round  TTFT in-process  served (server-side)   tok/s in-process  served (server-side)")
+    for r in rows:
+        ttft = f"{r['in_process_ttft_ms']:15.1f}  {r['served_ttft_ms']:6.1f} ({r['server_side_ttft_ms']:6.1f})"
+        rate = f"{r['in_process_tok_s']:16.1f}  {r['served_tok_s']:6.1f} ({r['server_side_tok_s']:6.1f})"
+        print(f"{r['round']:5d}  {ttft}   {rate}")
+    print(
+        f"median decode: served {report['served_tok_s']:.1f} tok/s = {report['decode_ratio']:.3f} of in-process "
+        f"{report['in_process_tok_s']:.1f}; TTFT overhead {report['ttft_overhead_ms']:+.1f} ms "
+        f"({report['served_ttft_ms']:.1f} vs {report['in_process_ttft_ms']:.1f})"
+    )
+    return 0
