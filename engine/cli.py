@@ -319,8 +319,7 @@ def cmd_serve(ns) -> int:
     except ImportError as e:
         print(f"error: serving needs the serve extra (pip install 'kvchat[serve]'): {e}", file=sys.stderr)
         return 2
-    loaded, session = _open(ns)
-    return serve(ns, loaded, session)
+    return serve(ns, lambda: _open(ns))
 
 
 COMMANDS = {

@@ -16,6 +16,7 @@ import math
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from starlette.applications import Starlette
@@ -188,13 +189,21 @@ class Job:
 class EngineService:
     """One session on one engine thread; requests run in arrival order, `queue_size` may wait."""
 
-    def __init__(self, loaded: LoadedModel, session: Session, model_id: str, queue_size: int = QUEUE_SIZE):
-        self.loaded, self.session, self.model_id, self.queue_size = loaded, session, model_id, queue_size
+    def __init__(
+        self,
+        load: Callable[[], tuple[LoadedModel, Session]],
+        model_id: str | None = None,
+        queue_size: int = QUEUE_SIZE,
+    ):
+        """`load()` gives the model and its session; it runs on the engine thread, so that thread is the
+        only one whose OpenMP team ever runs the kernels (a second team makes both slow: README)."""
+        self._executor = ThreadPoolExecutor(1, "kvchat-engine", initializer=self._init_thread)
+        self.loaded, self.session = self._executor.submit(load).result()
+        self.model_id, self.queue_size = model_id or self.loaded.name, queue_size
         self.pending = 0  # running + waiting; touched on the event loop only
         self.created = int(time.time())
         self.last_cancel: dict | None = None  # how fast the last cancelled request stopped
         self.durations: list[float] = []  # seconds of recent requests, for Retry-After
-        self._executor = ThreadPoolExecutor(1, "kvchat-engine", initializer=self._init_thread)
 
     @staticmethod
     def _init_thread() -> None:
@@ -485,12 +494,12 @@ async def _stream(job: Job, first: PrefillStarted, meta: dict, include_usage: bo
         watcher.cancel()
 
 
-def serve(ns, loaded: LoadedModel, session: Session) -> int:
-    """Serve the loaded model with the options of `python -m engine serve` until interrupted."""
+def serve(ns, load: Callable[[], tuple[LoadedModel, Session]]) -> int:
+    """Load (on the engine thread) and serve with the options of `python -m engine serve` until interrupted."""
     import uvicorn
 
-    model_id = ns.served_model_name or loaded.name
-    service = EngineService(loaded, session, model_id, queue_size=ns.queue_size)
+    service = EngineService(load, ns.served_model_name, queue_size=ns.queue_size)
+    loaded, session, model_id = service.loaded, service.session, service.model_id
     app = build_app(service, api_key=ns.api_key, max_new_tokens=ns.max_new_tokens)
     print(
         f"kvchat serving {model_id!r} ({loaded.device}, capacity {session.cache.capacity}) on "
