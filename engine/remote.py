@@ -373,7 +373,8 @@ class _Reply:
                     r = self.reuse_seen
                     yield PrefillDone(r.reused, r.computed, t - self.trace.started, self.prompt_tokens or 0)
                 self.chunks += 1
-                self.trace.token_times.append(t)
+                n = mine.get("tokens", 1) if isinstance(mine, dict) else 1  # kvchat's: tokens in this chunk
+                self.trace.token_times.extend([t] * max(1, int(n)))
                 self.text += content
                 k = len(self.trace.token_times)
                 positions = (self.prompt_tokens or 0) + k - 1 if self.prompt_tokens else 0

@@ -32,6 +32,8 @@ from .loader import LoadedModel, default_threads
 from .sampling import SamplingParams
 from .session import Request, Session
 
+MAX_TOKENS_PER_CHUNK = 32  # tokens already made that one streamed chunk may carry
+END = object()  # the end of a job's events, when it was taken while gathering tokens
 QUEUE_SIZE = 8  # requests that may wait behind the running one before the server answers 429
 FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length", "capacity": "length"}
 STATUS_BY_KIND = {"CapacityError": 413, "TemplateError": 400, "EngineError": 400, "ValueError": 400}
@@ -468,10 +470,23 @@ async def _stream(job: Job, first: PrefillStarted, meta: dict, include_usage: bo
     try:
         started = {"prompt_tokens": first.prompt_tokens, "reuse": first.reuse.to_dict()}
         yield delta({"role": "assistant", "content": ""}, kvchat=started)
-        while (ev := await job.events.get()) is not None:
+        held = None  # an event taken while gathering tokens, to handle next
+        while (ev := held or await job.events.get()) is not None:
+            held = None
             if isinstance(ev, Token):
-                if ev.text:
-                    yield delta({"content": ev.text})
+                # Tokens the engine made while the last chunk was being sent go out as one chunk (`kvchat.tokens`
+                # says how many): when the engine outruns the network, per-chunk costs stop adding up per token.
+                text, n = ev.text, 1
+                while n < MAX_TOKENS_PER_CHUNK and not job.events.empty():
+                    nxt = job.events.get_nowait()
+                    if not isinstance(nxt, Token):
+                        held = nxt if nxt is not None else END
+                        break
+                    text, n = text + nxt.text, n + 1
+                if text or n > 1:
+                    yield delta({"content": text}, **({"kvchat": {"tokens": n}} if n > 1 else {}))
+                if held is END:
+                    break
             elif isinstance(ev, Finished):
                 usage, report = _report(ev, first.prompt_tokens)
                 report["prompt_tokens"] = first.prompt_tokens
@@ -486,7 +501,10 @@ async def _stream(job: Job, first: PrefillStarted, meta: dict, include_usage: bo
             elif isinstance(ev, Failed):
                 error = _failure(ev)
                 yield _sse({"error": {"message": error.message, "type": error.type, "code": error.code}})
-        done = True
+        else:
+            done = True
+        if held is END:
+            done = True
         yield "data: [DONE]\n\n"
     finally:
         if not done:  # the client went away: the response was cancelled or closed mid-stream
