@@ -396,12 +396,22 @@ class _Reply:
         reason = "cancelled" if cancelled else REASONS.get(self.reason, "eos")
         if self.report and self.report.get("trace", {}).get("status") == "cancelled":
             reason = "cancelled"
-        usage = self.usage or {}
+        usage = self.usage or self._usage_from_timings()
         prompt = usage.get("prompt_tokens") or self.prompt_tokens
         trace.prompt_tokens = prompt or 0
         reuse = self._reuse(prompt, usage)
         trace.reused, trace.computed = reuse.reused, reuse.computed
         return Finished(reason, self.text, (), self._summary(usage), self._cache(prompt, usage), reuse)
+
+    def _usage_from_timings(self) -> dict:
+        """llama-server sends `timings` instead of usage in a stream: cache_n cached + prompt_n computed
+        prompt positions, predicted_n tokens."""
+        t = self.timings or {}
+        if not all(isinstance(t.get(k), int) for k in ("cache_n", "prompt_n", "predicted_n")):
+            return {}
+        details = {"cached_tokens": t["cache_n"], "from": "llama.cpp timings.cache_n"}
+        prompt = t["cache_n"] + t["prompt_n"]
+        return {"prompt_tokens": prompt, "completion_tokens": t["predicted_n"], "prompt_tokens_details": details}
 
     def fail(self, error: str) -> Failed:
         """The reply breaks off: what streamed is kept by the caller; the failure says why."""
@@ -423,10 +433,9 @@ class _Reply:
     def _reuse(self, prompt: int | None, usage: dict) -> ReuseReport:
         if self.report and "reuse" in self.report:
             return _reuse(self.report["reuse"])
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-        how = "usage.prompt_tokens_details.cached_tokens"
-        if cached is None and self.timings and "cache_n" in self.timings:
-            cached, how = self.timings["cache_n"], "llama.cpp timings.cache_n"
+        details = usage.get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens")
+        how = details.get("from", "usage.prompt_tokens_details.cached_tokens")
         if cached is None or prompt is None:
             return ReuseReport(0, prompt or 0, 0, None, None, None, "this server does not report reuse", "unknown")
         return ReuseReport(cached, prompt - cached, 0, None, None, None, f"as the server reports it ({how})", "server")

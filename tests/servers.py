@@ -99,7 +99,8 @@ class ScriptedServer:
             return "data: " + json.dumps({**obj, **extra}) + "\n\n"
 
         async def models(_r):
-            return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "vllm"}]})
+            owner = "llamacpp" if self.mode == "llamacpp" else "vllm"
+            return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": owner}]})
 
         async def chat(r):
             body = await r.json()
@@ -116,6 +117,11 @@ class ScriptedServer:
                             raise ConnectionResetError("the server went away")
                         await asyncio.sleep(0.05 if self.mode == "slow" else 0.002)
                         yield chunk({"content": words[i % len(words)]})
+                    if self.mode == "llamacpp":  # llama-server: timings on the last chunk, no usage
+                        timings = {"cache_n": 30, "prompt_n": 10, "prompt_ms": 12.5, "predicted_n": 11}
+                        yield chunk({}, "stop", timings={**timings, "predicted_ms": 80.0})
+                        yield "data: [DONE]\n\n"
+                        return
                     yield chunk({}, "stop")
                     usage = {"prompt_tokens": 40, "completion_tokens": len(words), "total_tokens": 40 + len(words)}
                     usage["prompt_tokens_details"] = {"cached_tokens": 32}

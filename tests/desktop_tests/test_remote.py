@@ -154,3 +154,75 @@ def test_a_server_that_is_down_is_a_clear_message_and_settings_pick_the_backend(
     spin_loop(lambda: ready)
     assert w.facts.get("backend") is None and w.facts["architecture"] == "LlamaForCausalLM"
     assert isinstance(send(qtbot, w, spin_loop, BUDGET), Finished)
+
+
+def test_edit_continue_and_regenerate_work_the_same_on_a_remote_kvchat_server(qtbot, make_window, spin_loop, serve):
+    server = serve()
+    w = make_window(backend="remote", remote_url=server.url, max_new_tokens=8)
+    local = Session(load_model(None))
+    first = send(qtbot, w, spin_loop, BUDGET)
+    msgs = [{"role": "user", "content": BUDGET}]
+    want = list(local.generate(Request(messages=msgs, max_new_tokens=8)))[-1]
+    assert first.reason == "max_new_tokens" and first.text == want.text
+    assert w.continueButton.isEnabled()
+    got = []
+    w.replyFinished.connect(got.append)
+    qtbot.mouseClick(w.continueButton, Qt.LeftButton)  # extend the reply: the server continues the final message
+    spin_loop(lambda: got)
+    cont = Request(
+        messages=msgs + [{"role": "assistant", "content": want.text}],
+        max_new_tokens=8,
+        continue_final_message=True,
+        add_generation_prompt=False,
+    )
+    more = list(local.generate(cont))[-1]
+    assert got[0].text == more.text and w.transcript.views[1].message.content == want.text + more.text
+    got.clear()
+    qtbot.mouseClick(w.regenerateButton, Qt.LeftButton)  # greedy: the same first reply again
+    spin_loop(lambda: got)
+    assert got[0].text == want.text and w.transcript.views[1].branchLabel.text() == "3/3"  # continue, regenerate
+    got.clear()
+    user_view = w.transcript.views[0]  # edit the message: a branch, and the server's reuse report on the panel
+    qtbot.mouseClick(user_view.editButton, Qt.LeftButton)
+    user_view.editor.setPlainText(BUDGET.replace("600", "750"))
+    qtbot.mouseClick(user_view.saveButton, Qt.LeftButton)
+    spin_loop(lambda: got)
+    r = got[0].reuse
+    assert r.first_invalidated_position is not None and r.cached_token["text"].strip() == "6"
+    assert panel(w, "firstInvalidatedValue") == f"{r.first_invalidated_position:,}"
+    assert w.transcript.views[0].branchLabel.text() == "2/2"
+
+
+def test_llama_server_timings_show_as_the_server_side_figures(qtbot, make_window, spin_loop, scripted_server):
+    remote = scripted_server(mode="llamacpp")
+    w = make_window(backend="remote", remote_url=remote.url)
+    assert w.facts["server_kind"] == "llama-server"
+    final = send(qtbot, w, spin_loop, BUDGET)
+    assert isinstance(final, Finished) and final.reuse.reused == 30 and final.reuse.computed == 10
+    assert "timings.cache_n" in panel(w, "reuseReasonValue")
+    assert panel(w, "serverTimingValue") == "prompt 10 positions in 12.5 ms (cached 30) · 11 tokens in 80.0 ms"
+    assert panel(w, "kvPerPositionValue") == NOT_REPORTED and panel(w, "cachePositionsValue").startswith("50 ")
+
+
+def test_the_app_on_llama_cpp_python_s_server(qtbot, make_window, spin_loop, tmp_path, demo_model_dir):
+    """The real llama.cpp server where the bench extra installed it, on an F32 GGUF of the demo model."""
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("sse_starlette")
+    pytest.importorskip("starlette_context")
+    pytest.importorskip("pydantic_settings")
+    from servers import llama_cpp_serve
+
+    from engine.tools.gguf_export import write_gguf
+
+    gguf = write_gguf(demo_model_dir, tmp_path / "demo-f32.gguf", "F32", tokenizer=True)
+    server = llama_cpp_serve(tmp_path, gguf, "--n_ctx", "2048")
+    try:
+        w = make_window(backend="remote", remote_url=server.url)
+        assert w.facts["server_kind"] == "llama-cpp-python"
+        final = send(qtbot, w, spin_loop, BUDGET)
+        want = list(Session(load_model(None)).generate(Request(messages=[{"role": "user", "content": BUDGET}])))[-1]
+        assert isinstance(final, Finished) and final.text == want.text
+        assert panel(w, "reuseSourceValue") == NOT_REPORTED and panel(w, "kvPayloadValue") == NOT_REPORTED
+        assert panel(w, "ttftValue") == fmt_ms(final.trace["ttft_ms"])
+    finally:
+        server.stop()
