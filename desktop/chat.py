@@ -68,7 +68,7 @@ class ReplyStats:
     token_times: list = dataclasses.field(default_factory=list)
     trace: dict | None = None  # the engine's final trace, once finished
     reuse: dict | None = None
-    cache_positions: int = 0
+    cache_positions: int | None = 0  # None: a remote server that does not report it
     prompt_tokens: int = 0
     status: str = "idle"  # idle | prefill | decoding | finished | cancelled | failed
     reason: str | None = None

@@ -298,6 +298,8 @@ class StatsPanel(QScrollArea):
         self.facts = facts
         unknown = NOT_REPORTED if facts.get("backend") == "remote" else DASH
         self.timingBox.setTitle("Timing · client-side (network included)" if self.remote else "Timing")
+        parts = self.timingBox.layout().labelForField(self.ttftPartsValue)
+        parts.setText("  send · server · network" if self.remote else "  queue · template · prefill · 1st")
         self.set("serverTimingValue", unknown if self.remote else "same process")
         self.set("modelNameValue", facts.get("name", DASH))
         self.set("architectureValue", facts.get("architecture") or unknown)
@@ -336,6 +338,14 @@ class StatsPanel(QScrollArea):
     def show_cache(self, positions: int, point: str) -> None:
         f = self.facts
         if not f:
+            return
+        if positions is None:  # a remote server that reports no token counts
+            self.cacheBar.setRange(0, 1)
+            self.cacheBar.setValue(0)
+            self.cacheBar.setFormat(NOT_REPORTED)
+            for name in ("cachePositionsValue", "kvPayloadValue", "kvFormulaValue"):
+                self.set(name, NOT_REPORTED)
+            self.set("cachePointValue", point)
             return
         cap = f.get("capacity")
         per = f.get("kv_bytes_per_position")
@@ -377,6 +387,11 @@ class StatsPanel(QScrollArea):
             parts = [
                 s.trace.get(k) for k in ("ttft_queue_ms", "ttft_tokenize_ms", "ttft_prefill_ms", "ttft_first_token_ms")
             ]
+            if self.remote:  # here: waiting to send · the server's own TTFT · the rest (network, parsing)
+                server = (s.trace.get("server") or {}).get("ttft_ms")
+                queue, ttft = s.trace.get("ttft_queue_ms") or 0.0, s.trace.get("ttft_ms")
+                rest = None if server is None or ttft is None else ttft - queue - server
+                parts = [queue, server, rest]
             self.set("ttftPartsValue", " · ".join(DASH if p is None else f"{p:,.1f}" for p in parts) + " ms")
             self.set("meanInclWaitValue", fmt_ms(s.trace.get("mean_ms_per_token_incl_wait")))
             self.set("prefillRateValue", fmt_rate(s.trace.get("prefill_tok_s"), "pos/s"))
@@ -413,8 +428,9 @@ class StatsPanel(QScrollArea):
                 "tokenChangeValue", DASH if not ct else f"{ct['text']!r} (#{ct['id']}) → {nt['text']!r} (#{nt['id']})"
             )
             self.set("reuseSourceValue", reuse_source(r))
-            self.set("reusedValue", f"{r['reused']:,}")
-            self.set("recomputedValue", f"{r['computed']:,}")
+            unknown = r.get("source") == "unknown"
+            self.set("reusedValue", NOT_REPORTED if unknown else f"{r['reused']:,}")
+            self.set("recomputedValue", NOT_REPORTED if unknown else f"{r['computed']:,}")
             self.set("discardedValue", f"{r['invalidated']:,}")
             self.set("reuseReasonValue", r.get("reason") or "nothing invalidated")
         gaps = s.gaps_ms

@@ -301,8 +301,10 @@ class MainWindow(QMainWindow):
             view.compareRequested.connect(self.compare_reply)
             view.firstTextPainted.connect(self._on_first_paint)
             self.transcript.add(view)
+        remote = (self.facts or {}).get("backend") == "remote"
         for view in self.transcript.views:
             view.editButton.setEnabled(not self.generating)
+            view.compareButton.setVisible(view.message.role == "assistant" and not remote)  # needs local weights
         self._update_buttons()
 
     def select_message(self, mid: int) -> None:

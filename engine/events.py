@@ -65,7 +65,7 @@ class Token:
     token_id: int
     text: str  # the text delta; never splits a UTF-8 character
     time: float  # emission time on trace.now
-    cache_positions: int  # consumed positions when this token was emitted (it is not consumed yet)
+    cache_positions: int | None  # consumed positions when this token was emitted (it is not); None: not known
 
 
 @dataclasses.dataclass(frozen=True)

@@ -164,6 +164,8 @@ def remote_facts(spec: RemoteSpec, card: dict) -> dict:
         if known:
             facts.update(known, kv_source="the model's config.json in the local Hugging Face cache")
     facts.update(backend="remote", server=url, model_id=card["id"], device=f"remote · {url}")
+    if facts["name"] == card["id"] and card["id"].startswith("/"):  # llama-cpp-python names a model by its path
+        facts["name"] = Path(card["id"]).name
     return facts
 
 
@@ -377,7 +379,7 @@ class _Reply:
                 self.trace.token_times.extend([t] * max(1, int(n)))
                 self.text += content
                 k = len(self.trace.token_times)
-                positions = (self.prompt_tokens or 0) + k - 1 if self.prompt_tokens else 0
+                positions = self.prompt_tokens + k - 1 if self.prompt_tokens else None  # None: not reported
                 yield Token(k, -1, content, t, positions)
 
     def _start(self, reuse: ReuseReport | None) -> Iterator:
@@ -444,12 +446,12 @@ class _Reply:
         if self.report and "cache" in self.report:
             return {**self.report["cache"], "store": self.report.get("store")}
         done = usage.get("completion_tokens")
-        positions = prompt + done - 1 if prompt is not None and done else prompt or 0
+        positions = prompt + done - 1 if prompt is not None and done else prompt  # None: not reported
         per = (self.session._facts or {}).get("kv_bytes_per_position")
         return {
             "positions": positions,
             "capacity": (self.session._facts or {}).get("capacity"),
-            "payload_bytes": positions * per if per else None,
+            "payload_bytes": positions * per if per and positions is not None else None,
             "allocated_bytes": None,
             "reported": prompt is not None,
         }

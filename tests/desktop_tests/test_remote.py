@@ -223,6 +223,8 @@ def test_the_app_on_llama_cpp_python_s_server(qtbot, make_window, spin_loop, tmp
         want = list(Session(load_model(None)).generate(Request(messages=[{"role": "user", "content": BUDGET}])))[-1]
         assert isinstance(final, Finished) and final.text == want.text
         assert panel(w, "reuseSourceValue") == NOT_REPORTED and panel(w, "kvPayloadValue") == NOT_REPORTED
+        assert panel(w, "reusedValue") == NOT_REPORTED and panel(w, "cachePositionsValue") == NOT_REPORTED
+        assert w.facts["name"] == "demo-f32.gguf"  # the server's id is the file's path
         assert panel(w, "ttftValue") == fmt_ms(final.trace["ttft_ms"])
     finally:
         server.stop()
