@@ -431,7 +431,7 @@ class StatsPanel(QScrollArea):
             unknown = r.get("source") == "unknown"
             self.set("reusedValue", NOT_REPORTED if unknown else f"{r['reused']:,}")
             self.set("recomputedValue", NOT_REPORTED if unknown else f"{r['computed']:,}")
-            self.set("discardedValue", f"{r['invalidated']:,}")
+            self.set("discardedValue", NOT_REPORTED if unknown else f"{r['invalidated']:,}")
             self.set("reuseReasonValue", r.get("reason") or "nothing invalidated")
         gaps = s.gaps_ms
         self.gapChart.set_gaps(gaps)

@@ -162,7 +162,8 @@ class SettingsDialog(QDialog):
         where.setObjectName("dataPathLabel")
         where.setWordWrap(True)
         form.addRow("Data", where)
-        self._local_rows = (self.modelDir, browse, browse_file, self.device, self.dtype, self.weights, self.group)
+        self._local_rows = (self.modelDir, browse, browse_file, self.device, self.dtype, self.capacity, self.weights)
+        self._local_rows += (self.kv, self.cacheBudget, self.group)  # the local engine's own: a server has its own
         self._backend_changed()
         buttons = QDialogButtonBox(QDialogButtonBox.Ok | QDialogButtonBox.Cancel)
         buttons.accepted.connect(self.accept)
