@@ -97,6 +97,8 @@ class EngineWorker(QObject):
         """Stop the running reply at its next token, and any reply still waiting behind a load."""
         for cancel in list(self._waiting.values()):
             cancel.set()
+        if self.remote:
+            self.session.stop()  # closes the stream at once, whether or not the server is sending
 
     def shutdown(self) -> None:
         self.stop_generation()

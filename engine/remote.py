@@ -24,7 +24,7 @@ from . import trace as tracing
 from .errors import EngineError
 from .events import Failed, Finished, PrefillDone, PrefillStarted, ReuseReport, Token
 
-POLL_S = 0.02  # how often a waiting reply looks at its Stop flag
+POLL_S = 0.5  # how often a reply whose server says nothing looks at its Stop flag (stop() acts at once)
 CONNECT_TIMEOUT_S = 5.0
 # A model card's `owned_by` → the server that wrote it (only a label for the panel).
 SERVERS = {
@@ -181,6 +181,7 @@ class RemoteSession:
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvchat-remote", daemon=True)
         self._thread.start()
         self._client = None  # the httpx.AsyncClient, made on the loop's thread
+        self._current = None  # the running request's future, for stop()
 
     def connect(self) -> dict:
         """Ask the server for its models and pick the one the spec names (else the first); its facts."""
@@ -201,6 +202,12 @@ class RemoteSession:
     @property
     def model_id(self) -> str:
         return self.card["id"] if self.card else self.spec.model
+
+    def stop(self) -> None:
+        """Stop the running reply now, from any thread: its stream is closed and it ends as cancelled."""
+        future = self._current
+        if future is not None:
+            future.cancel()  # asyncio cancels the task on the loop's thread
 
     def close(self) -> None:
         async def shut():
@@ -291,7 +298,10 @@ class RemoteSession:
             return
         out: queue.Queue = queue.Queue()
         trace.started = tracing.now()
-        future = asyncio.run_coroutine_threadsafe(self._post(body, out), self._loop)
+        if cancel.is_set():  # stopped while it waited for its turn
+            yield _Reply(self, req, trace).finish("cancelled")
+            return
+        future = self._current = asyncio.run_coroutine_threadsafe(self._post(body, out), self._loop)
         reply = _Reply(self, req, trace)
         while True:
             try:

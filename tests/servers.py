@@ -6,22 +6,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-import httpx
+from engine.tools.serve_bench import free_port, start_server
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclasses.dataclass
@@ -49,21 +42,13 @@ class Server:
 
 def start(command: list[str], log: Path, ready_path: str, port: int, timeout: float = 120.0) -> Server:
     """Start `command`, wait until GET ready_path answers 200 (or fail with the process's output)."""
-    out = open(log, "wb")
-    proc = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    server = Server(f"http://127.0.0.1:{port}/v1", proc, log)
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}:\n{server.output()}")
+    with open(log, "wb") as out:
         try:
-            if httpx.get(f"http://127.0.0.1:{port}{ready_path}", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    server.stop()
-    raise RuntimeError(f"the server did not come up in {timeout:.0f} s:\n{server.output()}")
+            proc = start_server(command, f"http://127.0.0.1:{port}{ready_path}", timeout, cwd=ROOT, stdout=out,
+                                stderr=subprocess.STDOUT)  # fmt: skip
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}:\n{log.read_text(errors='replace')}") from None
+    return Server(f"http://127.0.0.1:{port}/v1", proc, log)
 
 
 def engine_serve(log_dir: Path, *args: str) -> Server:
