@@ -256,10 +256,10 @@ def test_a_server_down_or_dropping_the_stream_is_a_clear_failure_with_the_text_k
         for ev in remote.generate(Request(messages=TURN1, max_new_tokens=1800, ignore_eos=True)):
             if type(ev).__name__ == "Token":
                 text += ev.text
-                if len(remote.traces[-1].token_times) == 5:
-                    server.process.kill()  # the server dies mid-reply
-        assert type(ev).__name__ == "Failed" and ev.kind == "RemoteError"
-        assert "closed the stream" in ev.error or "failed" in ev.error
+                if len(remote.traces[-1].token_times) >= 5 and server.process.poll() is None:
+                    server.process.kill()  # the server dies mid-reply (a chunk may carry several tokens)
+        assert type(ev).__name__ == "Failed" and ev.kind == "RemoteError", ev
+        assert "closed the stream" in ev.error or "failed" in ev.error, ev.error
         assert len(text) > 0 and remote.traces[-1].status == "failed"
     finally:
         remote.close()
@@ -289,7 +289,7 @@ def test_the_remote_session_against_llama_cpp_python_s_server(tmp_path, demo_mod
         assert fin.reuse.source in ("unknown", "server") and fin.trace["measured"] == "client"
         cancel = threading.Event()
         for ev in remote.generate(Request(messages=TURN1, max_new_tokens=1000, ignore_eos=True), cancel):
-            if type(ev).__name__ == "Token" and ev.index == 3:
+            if type(ev).__name__ == "Token" and ev.index >= 3:
                 cancel.set()
         assert type(ev).__name__ == "Finished" and ev.reason == "cancelled"
     finally:
