@@ -204,7 +204,7 @@ class EngineWorker(QObject):
         if self.session is None:
             return
         if self.remote:
-            self.probed.emit(job.cid, {"error": "not reported by a remote server"})
+            self.probed.emit(job.cid, self.session.cached_positions(Request(messages=job.messages)))
             return
         try:
             seen = self.session.cached_positions(Request(messages=job.messages, add_generation_prompt=False))

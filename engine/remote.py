@@ -203,6 +203,23 @@ class RemoteSession:
     def model_id(self) -> str:
         return self.card["id"] if self.card else self.spec.model
 
+    def cached_positions(self, req) -> dict:
+        """How much of a conversation kvchat's server holds cached now (`positions`, `cached`, `source`);
+        other servers do not say, so neither does this."""
+        import httpx
+
+        if (self._facts or {}).get("server_kind") != "kvchat":
+            return {"error": "not reported by this server"}
+        url = self.spec.url.removesuffix("/v1") + "/kvchat/cached"
+        body = {"model": self.model_id, "messages": list(req.messages or ())}
+        try:
+            r = httpx.post(url, json=body, headers=self.spec.headers(), timeout=CONNECT_TIMEOUT_S)
+        except httpx.HTTPError as e:
+            return {"error": f"the server did not answer: {type(e).__name__}"}
+        if r.status_code >= 400:
+            return {"error": _error_text(r.status_code, r.content)}
+        return r.json()
+
     def stop(self) -> None:
         """Stop the running reply now, from any thread: its stream is closed and it ends as cancelled."""
         future = self._current

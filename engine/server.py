@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from . import trace as tracing
+from .errors import EngineError
 from .events import Failed, Finished, PrefillStarted, Token
 from .loader import LoadedModel, default_threads
 from .sampling import SamplingParams
@@ -330,6 +331,25 @@ def build_app(service: EngineService, api_key: str | None = None, max_new_tokens
             return e.response()
         return JSONResponse(service.stats())
 
+    async def cached(http: HttpRequest):
+        """How many positions of a conversation's prompt are cached now (the app's probe on opening one)."""
+        try:
+            check_key(http)
+            try:
+                body = json.loads(await http.body())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+            req, _ = parse_chat(body, default_new)
+            probe = Request(messages=req.messages, add_generation_prompt=False)
+            seen = await asyncio.get_running_loop().run_in_executor(
+                service._executor, service.session.cached_positions, probe
+            )
+        except ApiError as e:
+            return e.response()
+        except EngineError as e:
+            return ApiError(400, str(e)).response()
+        return JSONResponse(seen)
+
     async def health(_http: HttpRequest):
         return JSONResponse({"status": "ok", "model": service.model_id})
 
@@ -382,6 +402,7 @@ def build_app(service: EngineService, api_key: str | None = None, max_new_tokens
             Route("/v1/models", models, methods=["GET"]),
             Route("/v1/chat/completions", chat, methods=["POST"]),
             Route("/kvchat/stats", stats, methods=["GET"]),
+            Route("/kvchat/cached", cached, methods=["POST"]),
             Route("/health", health, methods=["GET"]),
         ],
         middleware=[Middleware(_Errors)],

@@ -53,6 +53,9 @@ def test_the_app_on_a_remote_kvchat_server_shows_every_figure_of_the_local_panel
     assert panel(w, "reusedValue") == f"{want2.reuse.reused:,}" and panel(w, "reuseSourceValue") == "working cache"
     assert panel(w, "storeBytesValue") != "—" and w.statsPanel.storeTree.topLevelItemCount() >= 1
     assert panel(w, "requestsValue") == "2"
+    # the conversation's cached positions, asked of the server as the local engine is asked
+    spin_loop(lambda: "positions" in panel(w, "conversationCachedValue"))
+    assert panel(w, "conversationCachedValue").endswith("positions (working cache)")
 
 
 def test_a_vllm_like_server_shows_what_it_reports_and_says_what_it_does_not(
@@ -82,6 +85,7 @@ def test_a_vllm_like_server_shows_what_it_reports_and_says_what_it_does_not(
     positions = 40 + 11 - 1
     assert panel(w, "kvPayloadValue") == fmt_bytes(positions * per)
     assert panel(w, "kvAllocatedValue") == NOT_REPORTED and panel(w, "tokensValue") == "11"
+    spin_loop(lambda: panel(w, "conversationCachedValue") == NOT_REPORTED)
 
 
 def test_stop_closes_the_remote_stream_and_keeps_the_partial_reply(qtbot, make_window, spin_loop, scripted_server):
