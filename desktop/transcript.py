@@ -5,8 +5,8 @@ from __future__ import annotations
 import html
 import math
 
-from PySide6.QtCore import QSize, Qt, Signal
-from PySide6.QtGui import QGuiApplication, QTextCursor
+from PySide6.QtCore import QEvent, QSize, Qt, Signal
+from PySide6.QtGui import QFontDatabase, QGuiApplication, QTextCursor
 from PySide6.QtWidgets import (
     QFrame,
     QHBoxLayout,
@@ -16,11 +16,14 @@ from PySide6.QtWidgets import (
     QScrollArea,
     QSizePolicy,
     QTextEdit,
+    QToolButton,
     QVBoxLayout,
     QWidget,
 )
 
 from engine.trace import now
+
+from .markdown import Piece, pieces
 
 ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System"}
 STATUS_NOTES = {
@@ -119,6 +122,248 @@ class StreamView(QTextEdit):
             self.setFixedHeight(h)
 
 
+def highlighted_html(code: str, lang: str) -> str:
+    """The code as HTML with inline colours (Pygments; a language it does not know stays plain)."""
+    from pygments import highlight
+    from pygments.formatters import HtmlFormatter
+    from pygments.lexers import TextLexer, get_lexer_by_name
+    from pygments.util import ClassNotFound
+
+    try:
+        lexer = get_lexer_by_name(lang) if lang else TextLexer()
+    except ClassNotFound:
+        lexer = TextLexer()
+    formatter = HtmlFormatter(noclasses=True, nobackground=True, style=CODE_STYLE)
+    return highlight(code, lexer, formatter)
+
+
+CODE_STYLE = "monokai"  # Pygments' style for code blocks (on the dark theme)
+
+
+class FitTextEdit(QTextEdit):
+    """A read-only text view as tall as its document: the transcript scrolls, not this view."""
+
+    def __init__(self, wrap: bool = True):
+        super().__init__()
+        self.setReadOnly(True)
+        self.setFrameShape(QFrame.NoFrame)
+        self.setVerticalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarAsNeeded if not wrap else Qt.ScrollBarAlwaysOff)
+        if not wrap:
+            self.setLineWrapMode(QTextEdit.NoWrap)
+        self.setSizePolicy(QSizePolicy.Preferred, QSizePolicy.Fixed)
+        self.setTextInteractionFlags(Qt.TextSelectableByMouse | Qt.TextSelectableByKeyboard)
+        self.document().setDocumentMargin(4)
+        self.document().documentLayout().documentSizeChanged.connect(self._fit)
+
+    def _fit(self, *_) -> None:
+        bar = self.horizontalScrollBar()
+        extra = bar.sizeHint().height() if bar.isVisible() else 0
+        h = math.ceil(self.document().size().height()) + extra + 2
+        if h != self.height():
+            self.setFixedHeight(h)
+
+
+class CodeBlock(QFrame):
+    """A fenced code block: its language, a Copy button that copies exactly the code, the code
+    highlighted (once the block is closed; plain, appended, while it streams)."""
+
+    def __init__(self, piece: Piece):
+        super().__init__()
+        self.setObjectName("codeBlock")
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(0, 0, 0, 0)
+        lay.setSpacing(0)
+        head = QHBoxLayout()
+        head.setContentsMargins(8, 2, 4, 2)
+        self.language = QLabel()
+        self.language.setObjectName("codeLanguage")
+        head.addWidget(self.language)
+        head.addStretch(1)
+        self.copyButton = QPushButton("Copy")
+        self.copyButton.setObjectName("copyCodeButton")
+        self.copyButton.setFlat(True)
+        self.copyButton.setCursor(Qt.PointingHandCursor)
+        self.copyButton.clicked.connect(self.copy)
+        head.addWidget(self.copyButton)
+        lay.addLayout(head)
+        self.view = FitTextEdit(wrap=False)
+        self.view.setObjectName("codeView")
+        font = QFontDatabase.systemFont(QFontDatabase.FixedFont)
+        self.view.setFont(font)
+        self.view.document().setDefaultFont(font)
+        lay.addWidget(self.view)
+        self.piece: Piece | None = None
+        self.set_piece(piece)
+
+    @property
+    def code(self) -> str:
+        return self.piece.text
+
+    def copy(self) -> None:
+        QGuiApplication.clipboard().setText(self.code)
+        self.copyButton.setText("Copied")
+
+    def set_piece(self, piece: Piece) -> None:
+        old, self.piece = self.piece, piece
+        self.language.setText(piece.lang or "code")
+        self.copyButton.setAccessibleName(f"Copy the {piece.lang or 'code'} block")
+        if piece.closed:
+            self.view.setHtml(highlighted_html(piece.text, piece.lang))
+        elif old is not None and not old.closed and piece.text.startswith(old.text):
+            cursor = QTextCursor(self.view.document())
+            cursor.movePosition(QTextCursor.End)
+            cursor.insertText(piece.text[len(old.text) :])
+        else:
+            self.view.setPlainText(piece.text)
+
+
+class ThinkBlock(QFrame):
+    """What a reasoning model thought (`<think>…</think>`), folded under "Thinking" with its token count."""
+
+    def __init__(self, piece: Piece, count=None):
+        super().__init__()
+        self.setObjectName("thinkingBlock")
+        self.count = count  # text -> tokens, when the model's tokenizer is at hand
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(8, 4, 8, 4)
+        self.toggle = QToolButton()
+        self.toggle.setObjectName("thinkingToggle")
+        self.toggle.setCheckable(True)
+        self.toggle.setArrowType(Qt.RightArrow)
+        self.toggle.setToolButtonStyle(Qt.ToolButtonTextBesideIcon)
+        self.toggle.toggled.connect(self._toggled)
+        lay.addWidget(self.toggle)
+        self.body = WrapLabel()
+        self.body.setObjectName("thinkingText")
+        self.body.setTextFormat(Qt.PlainText)
+        self.body.setTextInteractionFlags(Qt.TextSelectableByMouse | Qt.TextSelectableByKeyboard)
+        self.body.setVisible(False)
+        lay.addWidget(self.body)
+        self.piece: Piece | None = None
+        self.set_piece(piece)
+
+    def _toggled(self, shown: bool) -> None:
+        self.toggle.setArrowType(Qt.DownArrow if shown else Qt.RightArrow)
+        self.body.setVisible(shown)
+
+    def set_piece(self, piece: Piece) -> None:
+        self.piece = piece
+        n = self.count(piece.text) if self.count else None
+        tokens = "" if n is None else f" · {n:,} tokens"
+        self.toggle.setText(("Thinking" if piece.closed else "Thinking…") + tokens)
+        self.toggle.setAccessibleName(f"Thinking{tokens}: show or hide what the model thought")
+        self.body.setText(piece.text)
+
+
+class MarkdownLabel(WrapLabel):
+    """A closed paragraph of a reply as Markdown; links open in the system's browser."""
+
+    def __init__(self, piece: Piece):
+        super().__init__()
+        self.setObjectName("replyText")
+        self.setTextFormat(Qt.MarkdownText)
+        self.setOpenExternalLinks(True)
+        self.setTextInteractionFlags(
+            Qt.TextSelectableByMouse | Qt.TextSelectableByKeyboard | Qt.LinksAccessibleByMouse
+        )
+        self.set_piece(piece)
+
+    def set_piece(self, piece: Piece) -> None:
+        self.piece = piece
+        self.setText(piece.text)
+
+
+class ReplyBody(QWidget):
+    """An assistant's reply as pieces (markdown.py): Markdown paragraphs, code blocks, thinking. While it
+    streams only the last piece changes: closed pieces are rendered once, the open paragraph is plain
+    text appended (a StreamView), an open code block is appended too. `firstPainted` (trace.now) is
+    when the first text reached the screen."""
+
+    firstPainted = Signal(float)
+
+    def __init__(self, count=None):
+        super().__init__()
+        self.setObjectName("replyBody")
+        self.count = count
+        self.lay = QVBoxLayout(self)
+        self.lay.setContentsMargins(0, 0, 0, 0)
+        self.lay.setSpacing(6)
+        self.widgets: list[QWidget] = []
+        self.waiting_for_paint = False
+        self.text = ""
+
+    @property
+    def stream(self) -> StreamView | None:
+        """The open paragraph's view while the reply streams into it."""
+        last = self.widgets[-1] if self.widgets else None
+        return last if isinstance(last, StreamView) else None
+
+    def show_reply(self, text: str, streaming: bool) -> None:
+        if streaming and text and not self.text.strip("…") and text != "…":
+            self.waiting_for_paint = True
+        self.text = text
+        shown = pieces(text, streaming) if text != "…" else [Piece("text", "…", closed=False)]
+        for i, piece in enumerate(shown):
+            w = self.widgets[i] if i < len(self.widgets) else None
+            if w is not None and getattr(w, "piece", None) == piece:
+                continue
+            if w is not None and self._fits(w, piece):
+                w.set_piece(piece)
+                continue
+            new = self._make(piece)
+            if w is not None:
+                self.lay.replaceWidget(w, new)
+                w.setParent(None)
+                w.deleteLater()
+                self.widgets[i] = new
+            else:
+                self.lay.addWidget(new)
+                self.widgets.append(new)
+        for w in self.widgets[len(shown) :]:
+            w.setParent(None)
+            w.deleteLater()
+        del self.widgets[len(shown) :]
+
+    @staticmethod
+    def _fits(w: QWidget, piece: Piece) -> bool:
+        if piece.kind == "text":
+            return isinstance(w, StreamView if not piece.closed else MarkdownLabel)
+        return isinstance(w, CodeBlock if piece.kind == "code" else ThinkBlock)
+
+    def _make(self, piece: Piece) -> QWidget:
+        if piece.kind == "code":
+            w = CodeBlock(piece)
+        elif piece.kind == "think":
+            w = ThinkBlock(piece, self.count)
+        elif piece.closed:
+            w = MarkdownLabel(piece)
+        else:
+            w = StreamView()
+            w.setObjectName("messageStream")
+            w.piece = piece
+            w.set_piece = lambda p, w=w: (w.show_text(p.text), setattr(w, "piece", p))
+            w.show_text(piece.text)
+            w.firstPainted.connect(self._painted)  # a text view paints its viewport: it says so itself
+            return w
+        (w.view.viewport() if isinstance(w, CodeBlock) else w).installEventFilter(self)
+        return w
+
+    def eventFilter(self, obj, event) -> bool:
+        if self.waiting_for_paint and event.type() == QEvent.Paint:
+            self._painted(now())
+        return False
+
+    def _painted(self, t: float) -> None:
+        if self.waiting_for_paint:
+            self.waiting_for_paint = False
+            self.firstPainted.emit(t)
+
+    def plain_text(self) -> str:
+        """The reply as shown, piece by piece (tests read it back)."""
+        return "\n\n".join(w.piece.text for w in self.widgets)
+
+
 class MessageView(QFrame):
     editSubmitted = Signal(int, str)
     compareRequested = Signal(int)
@@ -126,9 +371,11 @@ class MessageView(QFrame):
     selected = Signal(int)
     firstTextPainted = Signal(float)  # the streaming reply's first text reached the screen (trace.now)
 
-    def __init__(self, message, branch_index: int, branch_count: int):
+    def __init__(self, message, branch_index: int, branch_count: int, count=None):
+        """`count(text) -> tokens` (the model's tokenizer, when it is here) for thinking blocks' counts."""
         super().__init__()
         self.message = message
+        self.count = count
         self.branch = (branch_index, branch_count)
         self.setObjectName(f"message-{message.role}")
         self.setProperty("role", message.role)
@@ -180,8 +427,14 @@ class MessageView(QFrame):
         self.body.setObjectName("messageBody")
         self.body.setTextInteractionFlags(Qt.TextSelectableByMouse | Qt.LinksAccessibleByMouse)
         self.body.setSizePolicy(QSizePolicy.Preferred, QSizePolicy.Minimum)
+        self.body.setOpenExternalLinks(True)  # links open in the system's browser, never in the app
         lay.addWidget(self.body)
-        self.stream: StreamView | None = None  # made when a reply streams into this view
+        self.reply: ReplyBody | None = None  # an assistant's reply: Markdown, code blocks, thinking
+        if message.role == "assistant":
+            self.reply = ReplyBody(count)
+            self.reply.firstPainted.connect(self.firstTextPainted)
+            lay.addWidget(self.reply)
+            self.body.setVisible(False)
         self.editor = QPlainTextEdit()
         self.editor.setObjectName("messageEditor")
         self.editor.setVisible(False)
@@ -216,22 +469,15 @@ class MessageView(QFrame):
                 + f"<span style='background:#f0c05a;color:#111'>{html.escape(text[a:b]) or '&#8203;'}</span>"
                 + html.escape(text[b:]).replace("\n", "<br>")
             )
-        elif status == "streaming":  # plain text appended while it grows; Markdown once the reply is done
-            if self.stream is None:
-                self.stream = StreamView()
-                self.stream.setObjectName("messageStream")
-                self.stream.firstPainted.connect(self.firstTextPainted)
-                self.layout().insertWidget(self.layout().indexOf(self.body), self.stream)
-                self.body.setVisible(False)
-            self.stream.show_text(text or "…")
+        elif self.reply is not None:  # pieces: only the last one changes while the reply streams
+            streaming = status == "streaming"
+            self.reply.show_reply(text or ("…" if streaming else ""), streaming)
         else:
             self.body.setTextFormat(Qt.MarkdownText)
             self.body.setText(text)
-        if self.stream is not None and (self.highlight is not None or status != "streaming"):  # back to the label
-            self.stream.setParent(None)
-            self.stream.deleteLater()
-            self.stream = None
-            self.body.setVisible(not self.editor.isVisible())
+        if self.reply is not None:
+            self.reply.setVisible(self.highlight is None and not self.editor.isVisible())
+            self.body.setVisible(self.highlight is not None and not self.editor.isVisible())
         self.statusLabel.setText(STATUS_NOTES.get(status, ""))
         self.tokensLabel.setText("" if tokens is None else f"{tokens} tokens")
         self.shown = (text, status, tokens)
@@ -256,17 +502,27 @@ class MessageView(QFrame):
         self.style().polish(self)
         self.set_content(self.message.content, self.message.status, self.message.token_count)
 
+    @property
+    def stream(self) -> StreamView | None:
+        """The streaming reply's open paragraph, if it is streaming into one."""
+        return self.reply.stream if self.reply is not None else None
+
+    @property
+    def shown_body(self) -> QWidget:
+        """What shows the message's text now: the reply's pieces, or the label."""
+        return self.reply if self.reply is not None and self.highlight is None else self.body
+
     def begin_edit(self) -> None:
         self.editor.setPlainText(self.message.content)
         self.editor.setVisible(True)
         self.editRow.setVisible(True)
-        self.body.setVisible(False)
+        self.shown_body.setVisible(False)
         self.editor.setFocus()
 
     def end_edit(self) -> None:
         self.editor.setVisible(False)
         self.editRow.setVisible(False)
-        self.body.setVisible(True)
+        self.shown_body.setVisible(True)
 
     def _submit(self) -> None:
         text = self.editor.toPlainText().strip()

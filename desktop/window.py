@@ -294,7 +294,7 @@ class MainWindow(QMainWindow):
             keep += 1
         self.transcript.truncate(keep)
         for m, idx, count in rows[keep:]:
-            view = MessageView(m, idx, count)
+            view = MessageView(m, idx, count, self.count_tokens)
             view.editSubmitted.connect(self.edit_message)
             view.branchRequested.connect(self.switch_branch)
             view.selected.connect(self.select_message)
@@ -306,6 +306,11 @@ class MainWindow(QMainWindow):
             view.editButton.setEnabled(not self.generating)
             view.compareButton.setVisible(view.message.role == "assistant" and not remote)  # needs local weights
         self._update_buttons()
+
+    def count_tokens(self, text: str) -> int | None:
+        """Tokens in `text` by the local model's tokenizer (thinking blocks' counts); None on a remote engine."""
+        loaded = self.worker.loaded
+        return None if loaded is None else len(loaded.tokenizer.encode_text(text))
 
     def select_message(self, mid: int) -> None:
         if self.chat.select_message(mid) is not None:

@@ -1,38 +1,56 @@
 """The transcript's message views: what a streaming reply costs the GUI thread, and what it shows."""
 
 from desktop.store import Message
-from desktop.transcript import MessageView, WrapLabel
+from desktop.transcript import MarkdownLabel, MessageView, WrapLabel
 
 WORDS = "the cache keeps every position it has seen and drops none of them until the prompt changes "
 
 
-def test_a_streaming_reply_is_appended_to_its_document_not_laid_out_again(qtbot):
+def test_a_streaming_reply_appends_to_its_open_paragraph_and_renders_closed_pieces_once(qtbot):
     view = MessageView(Message(1, 1, None, "assistant", "", status="streaming"), 0, 1)
     qtbot.addWidget(view)
     view.resize(500, 200)
     view.show()
-    pieces = [WORDS if i % 4 else WORDS + "\n\n" for i in range(12)]
-    view.set_content(pieces[0], "streaming", 1)  # replaces the "…" placeholder
+    words = (WORDS * 10).split()
+    text = words[0]
+    view.set_content(text, "streaming", 1)  # replaces the "…" placeholder
+    stream = view.stream
     changes, heights = [], []
-    view.stream.document().contentsChange.connect(lambda at, removed, added: changes.append((at, removed, added)))
-    text = pieces[0]
-    for i, piece in enumerate(pieces[1:], 2):
-        view.set_content(text + piece, "streaming", i)
+    stream.document().contentsChange.connect(lambda at, removed, added: changes.append((at, removed, added)))
+    for k, word in enumerate(words[1:], 2):
+        view.set_content(text + " " + word, "streaming", k)
         qtbot.wait(1)
-        heights.append(view.stream.height())
-        step = view.stream.fontMetrics().lineSpacing() * view.stream.GROW_LINES  # it grows a few lines at a time
-        assert heights[-1] % step == 0 and 0 <= heights[-1] - view.stream.document().size().height() < step
-        text += piece
-    # each update inserts only its new text, at the end: Qt lays out and paints the last paragraph alone
-    ends = [len("".join(pieces[:i])) for i in range(1, len(pieces))]
-    assert changes == [(at, 0, len(piece)) for at, piece in zip(ends, pieces[1:])]
-    assert view.stream.toPlainText() == text and not view.body.isVisible()
+        heights.append(stream.height())
+        step = stream.fontMetrics().lineSpacing() * stream.GROW_LINES  # it grows a few lines at a time
+        assert heights[-1] % step == 0 and 0 <= heights[-1] - stream.document().size().height() < step
+        assert changes[-1] == (len(text), 0, len(word) + 1)  # only the new text, at the end: no layout again
+        text += " " + word
+    assert view.stream is stream and stream.toPlainText() == text
     assert heights == sorted(heights) and heights[-1] > 2 * heights[0]  # the view grows with its text
-    assert view.tokensLabel.text() == "12 tokens" and view.statusLabel.text() == "generating…"
+    assert view.tokensLabel.text() == f"{len(words)} tokens" and view.statusLabel.text() == "generating…"
 
-    view.set_content(text, "complete", 12)  # the reply is done: Markdown in the label, the stream view gone
-    assert view.stream is None and view.body.isVisible() and view.body.text() == text
-    assert view.statusLabel.text() == ""
+    # A blank line closes the paragraph: it is rendered as Markdown once, and never again while the rest grows.
+    text += "\n\nA **second** paragraph"
+    view.set_content(text, "streaming", 100)
+    first = view.reply.widgets[0]
+    assert isinstance(first, MarkdownLabel) and first.text() == " ".join(words) and view.stream is not stream
+    text += " grows.\n\n```python\ndef add(a, b):\n"
+    view.set_content(text, "streaming", 101)
+    block = view.reply.widgets[2]
+    assert view.reply.widgets[0] is first and block.objectName() == "codeBlock" and not block.piece.closed
+    assert block.view.toPlainText() == "def add(a, b):\n" and block.language.text() == "python"
+    text += "    return a + b\n```\nDone."
+    view.set_content(text, "complete", 110)  # the reply ends: every piece closed, the code highlighted
+    assert view.reply.widgets[0] is first and view.reply.widgets[2] is block and view.stream is None
+    assert block.piece.closed and block.view.toPlainText().rstrip() == "def add(a, b):\n    return a + b"
+    assert "<span" in block.view.toHtml()  # Pygments' colours
+    assert [type(w).__name__ for w in view.reply.widgets] == [
+        "MarkdownLabel",
+        "MarkdownLabel",
+        "CodeBlock",
+        "MarkdownLabel",
+    ]
+    assert view.statusLabel.text() == "" and not view.body.isVisible() and view.reply.isVisible()
 
 
 def test_a_wrapped_label_answers_heights_from_its_layout_and_forgets_them_when_its_text_changes(qtbot):

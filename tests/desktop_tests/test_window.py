@@ -96,7 +96,7 @@ def test_a_new_exchange_keeps_the_views_above_it_and_an_edit_rebuilds_from_the_e
     second = send(qtbot, w, spin_loop, "What should I see first?")
     views = w.transcript.views
     assert views[:2] == kept and len(views) == 4  # the same view objects, two new ones below
-    assert views[1].body.text() == first.text and views[1].stream is None  # the finished reply, as Markdown
+    assert views[1].reply.plain_text() == first.text and views[1].stream is None  # the finished reply, as Markdown
     assert views[3].message.content == second.text and views[3].stream is None
     assert views[3].tokensLabel.text() == f"{second.trace['tokens']} tokens"
     assert views[2].tokensLabel.text().endswith(" tokens")  # the count the engine reported for the prompt

@@ -1,0 +1,81 @@
+"""A reply cut into the pieces the transcript draws differently: Markdown text, fenced code blocks and
+`<think>` blocks. No Qt here. While a reply streams only its last piece is still open; the ones
+before it never change again, so the view renders each of them once.
+
+Text is cut at blank lines (outside code and thinking), so the piece still growing is a paragraph,
+not the whole reply.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})\s*([\w+#.-]*)")
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    kind: str  # text | code | think
+    text: str  # Markdown (text), the code itself (code), what the model thought (think)
+    lang: str = ""  # the fence's language, for code
+    closed: bool = True  # False: the last piece of a reply still streaming (no end seen yet)
+
+
+def pieces(reply: str, streaming: bool = False) -> list[Piece]:
+    """The reply's pieces in order. With `streaming`, the last piece is open unless its end was seen."""
+    out: list[Piece] = []
+    lines = reply.split("\n")
+    text: list[str] = []
+
+    def flush_text(closed: bool = True) -> None:
+        body = "\n".join(text).strip("\n")
+        if body.strip():
+            out.append(Piece("text", body, closed=closed))
+        text.clear()
+
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        stripped = line.strip()
+        fence = FENCE.match(line)
+        if fence:
+            flush_text()
+            mark, lang = fence.group(1), fence.group(2)
+            body, j, closed = [], i + 1, False
+            while j < len(lines):
+                end = lines[j].strip()
+                if end.startswith(mark[0] * len(mark)) and not end.strip(mark[0]):
+                    closed = True
+                    break
+                body.append(lines[j])
+                j += 1
+            out.append(Piece("code", "\n".join(body), lang, closed or not streaming))
+            i = j + 1
+            continue
+        if stripped.startswith(THINK_OPEN):
+            flush_text()
+            rest = "\n".join(lines[i:])
+            start = rest.index(THINK_OPEN) + len(THINK_OPEN)
+            end = rest.find(THINK_CLOSE, start)
+            if end < 0:  # still thinking (or never closed): everything after is the thought
+                out.append(Piece("think", rest[start:].strip("\n"), closed=not streaming))
+                return out
+            out.append(Piece("think", rest[start:end].strip("\n")))
+            after = rest[end + len(THINK_CLOSE) :]
+            lines = after.split("\n")
+            i = 0
+            continue
+        if not stripped:
+            flush_text()
+        else:
+            text.append(line)
+        i += 1
+    flush_text(closed=not streaming or reply.endswith("\n\n"))
+    return out
+
+
+def code_blocks(reply: str) -> list[str]:
+    """The code of each fenced block, in order (what each block's Copy button copies)."""
+    return [p.text for p in pieces(reply) if p.kind == "code"]

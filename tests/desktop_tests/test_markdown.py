@@ -1,0 +1,48 @@
+"""A reply cut into text, code and thinking: what the transcript draws, and what stays open while it streams."""
+
+from desktop.markdown import Piece, code_blocks, pieces
+
+REPLY = """Here is the function:
+
+```python
+def add(a, b):
+    return a + b
+```
+
+- it adds
+- it returns
+
+| a | b |
+|---|---|
+| 1 | 2 |
+"""
+
+
+def test_a_reply_is_cut_into_paragraphs_code_blocks_and_thinking():
+    got = pieces("<think>\nThe user wants a function.\n</think>\n\n" + REPLY)
+    assert [p.kind for p in got] == ["think", "text", "code", "text", "text"]
+    assert got[0].text == "The user wants a function."
+    assert got[2] == Piece("code", "def add(a, b):\n    return a + b", "python")
+    assert got[3].text == "- it adds\n- it returns" and got[4].text.startswith("| a | b |")
+    assert code_blocks(REPLY) == ["def add(a, b):\n    return a + b"]
+
+
+def test_while_streaming_only_the_last_piece_is_open():
+    half = REPLY[: REPLY.index("return")]
+    got = pieces(half, streaming=True)
+    assert [(p.kind, p.closed) for p in got] == [("text", True), ("code", False)]
+    assert got[1].text == "def add(a, b):\n    " and got[1].lang == "python"
+    assert [p.closed for p in pieces("Some words", streaming=True)] == [False]
+    assert [p.closed for p in pieces("A paragraph.\n\n", streaming=True)] == [True]
+    thinking = pieces("<think>\nStill going", streaming=True)
+    assert thinking == [Piece("think", "Still going", closed=False)]
+    assert pieces("<think>\nnever closed") == [Piece("think", "never closed")]  # a finished reply: all closed
+
+
+def test_fences_of_either_kind_and_a_longer_closing_fence():
+    got = pieces("~~~\nplain\n~~~\nafter\n````js\nlet x = '```';\n````")
+    assert [(p.kind, p.text, p.lang) for p in got] == [
+        ("code", "plain", ""),
+        ("text", "after", ""),
+        ("code", "let x = '```';", "js"),
+    ]
