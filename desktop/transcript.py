@@ -25,6 +25,11 @@ from engine.trace import now
 
 from .markdown import Piece, pieces
 
+DEMO_HINT = (
+    "Ask the demo model to plan a trip, for example:<br><i>I am planning a trip to Chengdu "
+    "for 3 nights. My budget is 600 yuan.</i><br><br>Then edit 600 to 750 and watch the "
+    "panel: where the cache is cut, what is kept, what is recomputed."
+)
 ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System"}
 STATUS_NOTES = {
     "stopped": "stopped",
@@ -264,9 +269,7 @@ class MarkdownLabel(WrapLabel):
         self.setObjectName("replyText")
         self.setTextFormat(Qt.MarkdownText)
         self.setOpenExternalLinks(True)
-        self.setTextInteractionFlags(
-            Qt.TextSelectableByMouse | Qt.TextSelectableByKeyboard | Qt.LinksAccessibleByMouse
-        )
+        self.setTextInteractionFlags(Qt.TextSelectableByMouse | Qt.TextSelectableByKeyboard | Qt.LinksAccessibleByMouse)
         self.set_piece(piece)
 
     def set_piece(self, piece: Piece) -> None:
@@ -540,11 +543,7 @@ class Transcript(QScrollArea):
         self.inner.setObjectName("transcriptInner")
         self.lay = QVBoxLayout(self.inner)
         self.lay.setSpacing(8)
-        self.hint = QLabel(
-            "Ask the demo model to plan a trip, for example:<br><i>I am planning a trip to Chengdu "
-            "for 3 nights. My budget is 600 yuan.</i><br><br>Then edit 600 to 750 and watch the "
-            "panel: where the cache is cut, what is kept, what is recomputed."
-        )
+        self.hint = QLabel(DEMO_HINT)
         self.hint.setObjectName("transcriptHint")
         self.hint.setAlignment(Qt.AlignCenter)
         self.hint.setWordWrap(True)
@@ -556,6 +555,23 @@ class Transcript(QScrollArea):
         bar = self.verticalScrollBar()
         bar.valueChanged.connect(self._on_scroll)
         bar.rangeChanged.connect(self._on_range)
+
+    def show_start(self, facts: dict) -> None:
+        """The empty conversation's page, for the model loaded: the demo model's example, or any other
+        model's name, size and precision with a neutral hint."""
+        if facts.get("path", "").endswith("kvchat-demo") and facts.get("backend") != "remote":
+            self.hint.setText(DEMO_HINT)
+            return
+        size = facts.get("parameters")
+        size = f"{size / 1e9:,.1f}B" if size and size >= 1e9 else f"{size / 1e6:,.0f}M" if size else None
+        precision = facts.get("weights") if facts.get("weights") not in (None, "none") else facts.get("dtype")
+        where = f"on {facts['server']}" if facts.get("backend") == "remote" else f"on {facts.get('device')}"
+        details = " · ".join(str(x) for x in (size and f"{size} parameters", precision, where) if x)
+        self.hint.setText(
+            f"<b>{html.escape(str(facts.get('name', 'The model')))}</b><br>{html.escape(details)}<br><br>"
+            "Send a message to start. Edit any earlier message and the panel shows where the cache is cut, "
+            "what is kept and what is recomputed."
+        )
 
     def _on_scroll(self, value: int) -> None:
         bar = self.verticalScrollBar()

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from PySide6.QtCore import Qt, QTimer, Signal
-from PySide6.QtGui import QAction, QKeySequence
+from PySide6.QtGui import QAction, QGuiApplication, QKeySequence
 from PySide6.QtWidgets import (
     QDialog,
     QFileDialog,
@@ -57,10 +57,14 @@ class Composer(QPlainTextEdit):
     """Enter sends; Shift+Enter is a new line."""
 
     submitted = Signal()
+    stopRequested = Signal()  # Esc while typing: the window's Esc shortcut does not reach past a text edit
 
     def keyPressEvent(self, e):
         if e.key() in (Qt.Key_Return, Qt.Key_Enter) and not (e.modifiers() & Qt.ShiftModifier):
             self.submitted.emit()
+            return
+        if e.key() == Qt.Key_Escape:
+            self.stopRequested.emit()
             return
         super().keyPressEvent(e)
 
@@ -162,6 +166,7 @@ class MainWindow(QMainWindow):
         self.composer.setPlaceholderText("Message the model (Enter sends, Shift+Enter for a new line)")
         self.composer.setMaximumHeight(110)
         self.composer.submitted.connect(self.send)
+        self.composer.stopRequested.connect(self.stop)
         comp.addWidget(self.composer, 1)
         self.sendButton = _button("Send", "sendButton", self.send, comp)
         self.stopButton = _button("Stop", "stopButton", self.stop, comp)
@@ -196,6 +201,20 @@ class MainWindow(QMainWindow):
             if key:
                 act.setShortcut(QKeySequence(key))
             menu.addAction(act)
+        chat = self.menuBar().addMenu("&Chat")
+        for text, slot, key in (
+            ("New conversation", self.new_conversation, "Ctrl+N"),
+            ("Search conversations", self.focus_search, "Ctrl+F"),
+            ("Stop the reply", self.stop, "Esc"),
+            ("Copy the last reply", self.copy_last_reply, "Ctrl+Shift+C"),
+        ):
+            act = QAction(text, self)
+            act.setObjectName(f"action-{slot.__name__}")
+            act.triggered.connect(slot)
+            act.setShortcut(QKeySequence(key))
+            act.setShortcutContext(Qt.WindowShortcut)
+            chat.addAction(act)
+            self.addAction(act)  # active whatever has the focus, menu shown or not
 
     # --- store and conversations --------------------------------------------------------
     def _open_store(self) -> Store:
@@ -307,6 +326,17 @@ class MainWindow(QMainWindow):
             view.compareButton.setVisible(view.message.role == "assistant" and not remote)  # needs local weights
         self._update_buttons()
 
+    def focus_search(self) -> None:
+        self.search.setFocus()
+        self.search.selectAll()
+
+    def copy_last_reply(self) -> None:
+        """The newest reply on the branch shown, to the clipboard (Ctrl+Shift+C)."""
+        replies = [v.message for v in self.transcript.views if v.message.role == "assistant"]
+        if replies:
+            QGuiApplication.clipboard().setText(replies[-1].content)
+            self.statusBar().showMessage("The last reply is on the clipboard.", 3000)
+
     def count_tokens(self, text: str) -> int | None:
         """Tokens in `text` by the local model's tokenizer (thinking blocks' counts); None on a remote engine."""
         loaded = self.worker.loaded
@@ -389,6 +419,7 @@ class MainWindow(QMainWindow):
         self.facts = facts
         self.loadProgress.setVisible(False)
         self.statsPanel.show_model(facts)
+        self.transcript.show_start(facts)
         self.statsPanel.show_store(facts["cache"].get("store"))
         self.probe_conversation()
         if facts.get("backend") == "remote":

@@ -68,7 +68,11 @@ class ScriptedServer:
     remote servers that answer as vLLM does (`ok`: usage with cached tokens), stream slowly (`slow`),
     break off mid-reply (`drop`) or refuse (`error`) — what a real remote does on a bad day."""
 
-    def __init__(self, model: str = "org/tiny-remote", mode: str = "ok"):
+    def __init__(
+        self, model: str = "org/tiny-remote", mode: str = "ok", reply: str | None = None, delay: float = 0.002
+    ):
+        """`reply`: the text to stream (a few characters a chunk) instead of the default sentence, a chunk
+        every `delay` seconds."""
         import uvicorn
         from starlette.applications import Starlette
         from starlette.responses import JSONResponse, StreamingResponse
@@ -93,6 +97,8 @@ class ScriptedServer:
             if self.mode == "error":
                 return JSONResponse({"error": {"message": "the GPU fell over", "type": "server_error"}}, 500)
             words = ["Chengdu", " in", " three", " nights", ":", " pandas", ",", " hotpot", ",", " teahouses", "."]
+            if reply is not None:
+                words = [reply[i : i + 3] for i in range(0, len(reply), 3)]
 
             async def events():
                 try:
@@ -100,7 +106,7 @@ class ScriptedServer:
                     for i in range(400 if self.mode == "slow" else len(words)):
                         if self.mode == "drop" and i == 3:
                             raise ConnectionResetError("the server went away")
-                        await asyncio.sleep(0.05 if self.mode == "slow" else 0.002)
+                        await asyncio.sleep(0.05 if self.mode == "slow" else delay)
                         yield chunk({"content": words[i % len(words)]})
                     if self.mode == "llamacpp":  # llama-server: timings on the last chunk, no usage
                         timings = {"cache_n": 30, "prompt_n": 10, "prompt_ms": 12.5, "predicted_n": 11}

@@ -1,0 +1,105 @@
+"""Replies people can read, in the real window: a code reply streams into a highlighted block whose Copy
+button copies exactly the code, thinking is folded, links open outside the app; the keyboard reaches
+Stop, a new conversation, the search and the last reply; the start page fits the model."""
+
+import pytest
+from PySide6.QtCore import Qt
+from PySide6.QtGui import QGuiApplication
+from PySide6.QtWidgets import QFrame
+
+pytest.importorskip("starlette")
+
+from desktop.markdown import code_blocks
+from desktop.transcript import DEMO_HINT, MarkdownLabel
+from engine.events import Finished
+
+CODE = 'def greet(name: str) -> str:\n    """Say hello."""\n    return f"Hello, {name}!"'
+REPLY = (
+    "<think>\nThe user wants a Python function that greets.\n</think>\n\n"
+    f"Here is one:\n\n```python\n{CODE}\n```\n\nSee [the docs](https://docs.python.org/3/) for more.\n\n"
+    "| call | result |\n|---|---|\n| `greet('Ada')` | Hello, Ada! |"
+)
+
+
+def test_a_code_reply_is_a_highlighted_block_whose_copy_button_copies_exactly_the_code(
+    qtbot, make_window, spin_loop, scripted_server
+):
+    remote = scripted_server(reply=REPLY, delay=0.02)
+    w = make_window(backend="remote", remote_url=remote.url)
+    seen_open_block, got = [], []
+    w.replyFinished.connect(got.append)
+    qtbot.keyClicks(w.composer, "Write a Python function that greets someone.")
+    qtbot.mouseClick(w.sendButton, Qt.LeftButton)
+
+    def watch():  # while it streams: the block is on screen before the reply ends, still open, growing
+        blocks = w.findChildren(QFrame, "codeBlock")
+        if blocks and not got and not blocks[0].piece.closed:
+            seen_open_block.append(blocks[0].view.toPlainText())
+        return got
+
+    spin_loop(watch)
+    assert isinstance(got[0], Finished)
+    view = w.transcript.views[1]
+    blocks = view.findChildren(QFrame, "codeBlock")
+    assert len(blocks) == 1 and code_blocks(view.message.content) == [CODE]
+    block = blocks[0]
+    assert block.code == CODE and block.view.toPlainText().rstrip() == CODE and block.language.text() == "python"
+    assert "<span" in block.view.toHtml()  # highlighted
+    qtbot.mouseClick(block.findChild(type(block.copyButton), "copyCodeButton"), Qt.LeftButton)
+    assert QGuiApplication.clipboard().text() == CODE
+    assert seen_open_block and all(CODE.startswith(t.rstrip("\n")) for t in seen_open_block)
+
+    thinking = view.findChild(QFrame, "thinkingBlock")
+    assert thinking is not None and thinking.toggle.text().startswith("Thinking") and not thinking.body.isVisible()
+    qtbot.mouseClick(thinking.toggle, Qt.LeftButton)
+    assert thinking.body.isVisible() and thinking.body.text() == "The user wants a Python function that greets."
+
+    labels = view.findChildren(MarkdownLabel)
+    link = next(x for x in labels if "docs" in x.text())
+    assert link.openExternalLinks() and link.textFormat() == Qt.MarkdownText  # the system's browser
+    assert any(x.text().startswith("| call |") for x in labels)  # the table is Markdown too
+
+
+def test_the_thinking_block_counts_its_tokens_with_the_local_tokenizer(qtbot, make_window, demo_model_dir):
+    from desktop.store import Message
+    from desktop.transcript import MessageView
+
+    w = make_window(demo_model_dir)
+    view = MessageView(Message(1, 1, None, "assistant", "<think>\nplan the trip\n</think>\n\nOK"), 0, 1, w.count_tokens)
+    qtbot.addWidget(view)
+    thinking = view.findChild(QFrame, "thinkingBlock")
+    n = len(w.worker.loaded.tokenizer.encode_text("plan the trip"))
+    assert thinking.toggle.text() == f"Thinking · {n:,} tokens"
+
+
+def test_the_keyboard_reaches_stop_new_search_and_the_last_reply(qtbot, make_window, spin_loop, scripted_server):
+    remote = scripted_server(mode="slow")
+    w = make_window(backend="remote", remote_url=remote.url)
+    w.activateWindow()
+    qtbot.waitUntil(lambda: w.isActiveWindow())
+    got = []
+    w.replyFinished.connect(got.append)
+    qtbot.keyClicks(w.composer, "Tell me about Chengdu")
+    qtbot.keyClick(w.composer, Qt.Key_Return)
+    spin_loop(lambda: w.stats.tokens >= 2)
+    qtbot.keyClick(w.composer, Qt.Key_Escape)  # Esc stops
+    spin_loop(lambda: got, 10)
+    assert got[0].reason == "cancelled"
+    w.activateWindow()  # the offscreen platform drops the active window while a reply streams
+    qtbot.waitUntil(lambda: w.isActiveWindow())
+    qtbot.keyClick(w, Qt.Key_C, Qt.ControlModifier | Qt.ShiftModifier)
+    assert QGuiApplication.clipboard().text() == w.transcript.views[1].message.content != ""
+    qtbot.keyClick(w, Qt.Key_F, Qt.ControlModifier)
+    assert w.search.hasFocus()
+    before = w.conversationList.count()
+    qtbot.keyClick(w, Qt.Key_N, Qt.ControlModifier)
+    assert w.conversationList.count() == before + 1 and not w.transcript.views
+
+
+def test_the_start_page_fits_the_model(qtbot, make_window, scripted_server, demo_model_dir):
+    w = make_window(demo_model_dir)
+    assert w.transcript.hint.text() == DEMO_HINT and w.transcript.hint.isVisible()
+    remote = scripted_server()
+    w2 = make_window(backend="remote", remote_url=remote.url, data=w.data_directory.parent / "other")
+    text = w2.transcript.hint.text()
+    assert "org/tiny-remote" in text and remote.url in text and "demo" not in text
