@@ -22,12 +22,12 @@ def main(argv=None) -> int:
     from PySide6.QtWidgets import QApplication
 
     from .settings import data_dir
-    from .style import icon_path, style_sheet
+    from .style import apply_style, icon_path
     from .window import MainWindow
 
     app = QApplication.instance() or QApplication(["kvchat", *qt_args])
     app.setApplicationName("kvchat")
-    app.setStyleSheet(style_sheet())
+    apply_style(app)
     app.setWindowIcon(QIcon(str(icon_path())))
     loop = qasync.QEventLoop(app)
     asyncio.set_event_loop(loop)

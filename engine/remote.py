@@ -438,7 +438,7 @@ class _Reply:
         t = self.timings or {}
         if not all(isinstance(t.get(k), int) for k in ("cache_n", "prompt_n", "predicted_n")):
             return {}
-        details = {"cached_tokens": t["cache_n"], "from": "llama.cpp timings.cache_n"}
+        details = {"cached_tokens": t["cache_n"], "from": "llama.cpp's timings: cache_n"}
         prompt = t["cache_n"] + t["prompt_n"]
         return {"prompt_tokens": prompt, "completion_tokens": t["predicted_n"], "prompt_tokens_details": details}
 
@@ -464,7 +464,7 @@ class _Reply:
             return _reuse(self.report["reuse"])
         details = usage.get("prompt_tokens_details") or {}
         cached = details.get("cached_tokens")
-        how = details.get("from", "usage.prompt_tokens_details.cached_tokens")
+        how = details.get("from", "usage: cached_tokens")
         if cached is None or prompt is None:
             return ReuseReport(0, prompt or 0, 0, None, None, None, "this server does not report reuse", "unknown")
         return ReuseReport(cached, prompt - cached, 0, None, None, None, f"as the server reports it ({how})", "server")

@@ -91,7 +91,7 @@ class App:
         from .. import window as window_module
         from ..settings import Settings
         from ..settings_dialog import open_settings
-        from ..style import style_sheet
+        from ..style import apply_style
         from ..window import MainWindow
         from ..worker import BATCH_SECONDS, EngineWorker, WorkerThread
 
@@ -104,7 +104,7 @@ class App:
             open_settings(data)
         )
         self.app = QApplication.instance() or QApplication([])
-        self.app.setStyleSheet(style_sheet())  # as the app runs: the style sheet is a good part of painting's cost
+        apply_style(self.app)  # as the app runs: the style sheet is a good part of painting's cost
         self.loop = qasync.QEventLoop(self.app, already_running=False)
         asyncio.set_event_loop(self.loop)
         self.window = MainWindow(data, WorkerThread(EngineWorker(batch_seconds or BATCH_SECONDS)))

@@ -203,7 +203,7 @@ def test_llama_server_timings_show_as_the_server_side_figures(qtbot, make_window
     assert w.facts["server_kind"] == "llama-server"
     final = send(qtbot, w, spin_loop, BUDGET)
     assert isinstance(final, Finished) and final.reuse.reused == 30 and final.reuse.computed == 10
-    assert "timings.cache_n" in panel(w, "reuseReasonValue")
+    assert "timings: cache_n" in panel(w, "reuseReasonValue")
     assert panel(w, "serverTimingValue") == "prompt 10 positions in 12.5 ms (cached 30) · 11 tokens in 80.0 ms"
     assert panel(w, "kvPerPositionValue") == NOT_REPORTED and panel(w, "cachePositionsValue").startswith("50 ")
 
