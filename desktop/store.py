@@ -37,7 +37,35 @@ CREATE TABLE IF NOT EXISTS messages (
 );
 """
 INDEXES = "CREATE INDEX IF NOT EXISTS messages_by_parent ON messages(conversation_id, parent_id);"
+# Full-text search over message bodies (SQLite FTS5, kept by triggers; where this SQLite lacks FTS5 the
+# search falls back to LIKE over the bodies).
+FULL_TEXT = """
+CREATE VIRTUAL TABLE IF NOT EXISTS messages_fts USING fts5(content, content='messages', content_rowid='id');
+CREATE TRIGGER IF NOT EXISTS messages_fts_insert AFTER INSERT ON messages BEGIN
+    INSERT INTO messages_fts(rowid, content) VALUES (new.id, new.content);
+END;
+CREATE TRIGGER IF NOT EXISTS messages_fts_delete AFTER DELETE ON messages BEGIN
+    INSERT INTO messages_fts(messages_fts, rowid, content) VALUES ('delete', old.id, old.content);
+END;
+CREATE TRIGGER IF NOT EXISTS messages_fts_update AFTER UPDATE OF content ON messages BEGIN
+    INSERT INTO messages_fts(messages_fts, rowid, content) VALUES ('delete', old.id, old.content);
+    INSERT INTO messages_fts(rowid, content) VALUES (new.id, new.content);
+END;
+"""
 SCHEMA = TABLES + INDEXES
+
+
+def _full_text(db: sqlite3.Connection) -> bool:
+    """The message search index (made and filled once for a database that lacks it); False where this
+    SQLite has no FTS5."""
+    have = db.execute("SELECT 1 FROM sqlite_master WHERE name='messages_fts'").fetchone()
+    try:
+        db.executescript(FULL_TEXT)
+    except sqlite3.OperationalError:  # no FTS5 in this SQLite
+        return False
+    if not have:
+        db.execute("INSERT INTO messages_fts(messages_fts) VALUES ('rebuild')")
+    return True
 
 
 class StoreError(Exception):
@@ -94,6 +122,7 @@ class Store:
         self.path = Path(path)
         self.moved_aside: Path | None = None
         self.read_only = False
+        self.fts = False  # message search by FTS5 (else LIKE)
         self.notice: str | None = None  # what the person must know about this database, if anything
         if str(path) == ":memory:":
             self.db = self._open_writable(":memory:")
@@ -161,6 +190,7 @@ class Store:
             if column not in {r[1] for r in db.execute(f"PRAGMA table_info({table})")}:
                 db.execute(sql)
         db.executescript(INDEXES)
+        self.fts = _full_text(db)
         db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         db.execute("SELECT count(*) FROM conversations").fetchone()
         return db
@@ -232,9 +262,26 @@ class Store:
 
     # --- conversations ------------------------------------------------------------------
     def conversations(self, search: str = "") -> list[Conversation]:
-        rows = self.db.execute(
-            "SELECT * FROM conversations WHERE deleted=0 AND title LIKE ? ORDER BY updated DESC", (f"%{search}%",)
-        ).fetchall()
+        """Newest first; with `search`, those whose title or any message (any branch) holds its words
+        (full-text, each word a prefix)."""
+        search = search.strip()
+        if not search:
+            sql, args = "SELECT * FROM conversations WHERE deleted=0 ORDER BY updated DESC", ()
+        elif self.fts:
+            terms = " ".join('"' + w.replace('"', '""') + '"*' for w in search.split())
+            sql = (
+                "SELECT * FROM conversations WHERE deleted=0 AND (title LIKE ? OR id IN (SELECT conversation_id "
+                "FROM messages WHERE id IN (SELECT rowid FROM messages_fts WHERE messages_fts MATCH ?))) "
+                "ORDER BY updated DESC"
+            )
+            args = (f"%{search}%", terms)
+        else:
+            sql = (
+                "SELECT * FROM conversations WHERE deleted=0 AND (title LIKE ? OR id IN (SELECT conversation_id "
+                "FROM messages WHERE content LIKE ?)) ORDER BY updated DESC"
+            )
+            args = (f"%{search}%", f"%{search}%")
+        rows = self.db.execute(sql, args).fetchall()
         return [Conversation(r["id"], r["title"], r["created"], r["updated"], r["leaf_id"]) for r in rows]
 
     def conversation(self, cid: int) -> Conversation:

@@ -103,3 +103,21 @@ def test_the_start_page_fits_the_model(qtbot, make_window, scripted_server, demo
     w2 = make_window(backend="remote", remote_url=remote.url, data=w.data_directory.parent / "other")
     text = w2.transcript.hint.text()
     assert "org/tiny-remote" in text and remote.url in text and "demo" not in text
+
+
+def test_search_finds_a_word_from_a_message_body(qtbot, make_window, spin_loop, demo_model_dir):
+    from gui import send
+
+    w = make_window(demo_model_dir)
+    send(qtbot, w, spin_loop, "I am planning a trip to Chengdu for 3 nights. My budget is 600 yuan.")
+    qtbot.mouseClick(w.newButton, Qt.LeftButton)
+    send(qtbot, w, spin_loop, "Hello there")
+    assert w.conversationList.count() == 2
+    first = w.store.conversations()[1]
+    reply = w.store.branch(first.id)[1].content  # the first conversation's reply
+    words = [x.strip(".,:!") for x in reply.split()]
+    word = next(x for x in words if len(x) > 4 and x.isalpha() and x.lower() not in first.title.lower())
+    search = w.findChild(type(w.search), "searchField")
+    qtbot.keyClicks(search, word[:-1])  # a prefix is enough
+    items = [w.conversationList.item(i).text() for i in range(w.conversationList.count())]
+    assert items == [first.title]  # found by a word of its reply, not of its title

@@ -116,3 +116,33 @@ def test_a_folder_that_cannot_be_made_gives_a_temporary_database(tmp_path):
     blocker.write_text("x")
     st = Store(blocker / "sub" / "kvchat.db")  # its parent is a file: the folder cannot be made
     assert "its folder cannot be made" in st.notice and st.new_conversation("x").title == "x"
+
+
+def test_search_finds_words_in_message_bodies_of_any_branch_and_follows_edits(tmp_path):
+    st = Store(tmp_path / "kvchat.db")
+    assert st.fts
+    trip = st.new_conversation("Trip")
+    u = st.add_message(trip.id, None, "user", "Plan three nights in Chengdu")
+    a = st.add_message(trip.id, u.id, "assistant", "Visit the giant pandas at dawn")
+    st.add_message(trip.id, None, "user", "A branch about teahouses")  # a sibling branch, not shown
+    other = st.new_conversation("Recipes")
+    st.add_message(other.id, None, "user", "How long to boil an egg?")
+    titles = lambda q: [c.title for c in st.conversations(q)]
+    assert titles("panda") == ["Trip"]  # a prefix of a word in a reply
+    assert titles("teahouses") == ["Trip"] and titles("egg") == ["Recipes"] and titles("reci") == ["Recipes"]
+    assert titles("giant dawn") == ["Trip"] and titles("giant egg") == []  # every word
+    assert titles('"quoted') == [] and titles("") == ["Recipes", "Trip"]
+    st.update_message(a.id, content="Visit the bamboo forest")  # the index follows the edit
+    assert titles("panda") == [] and titles("bamboo") == ["Trip"]
+    st.close()
+
+
+def test_a_database_from_before_the_search_index_is_indexed_when_opened(tmp_path):
+    path = tmp_path / "kvchat.db"
+    filled(path, n=10)
+    db = sqlite3.connect(path)
+    db.executescript("DROP TRIGGER messages_fts_insert; DROP TRIGGER messages_fts_delete; "
+                     "DROP TRIGGER messages_fts_update; DROP TABLE messages_fts;")  # fmt: skip
+    db.close()
+    st = Store(path)
+    assert [c.title for c in st.conversations("message")] == ["Trip"]
