@@ -360,6 +360,11 @@ class Store:
         if sets:
             self._write(f"UPDATE messages SET {', '.join(sets)} WHERE id=?", (*args, mid))
 
+    def all_messages(self, cid: int) -> list[Message]:
+        """Every message of a conversation, every branch, oldest first (parents before children)."""
+        rows = self.db.execute("SELECT * FROM messages WHERE conversation_id=? ORDER BY id", (cid,)).fetchall()
+        return [self._message(r) for r in rows]
+
     def branch(self, cid: int) -> list[Message]:
         """The messages from the root to the conversation's current leaf."""
         conv = self.conversation(cid)

@@ -144,6 +144,11 @@ class MainWindow(QMainWindow):
         self.renameButton = _button("Rename", "renameButton", self.rename_conversation, row)
         self.deleteButton = _button("Delete", "deleteButton", self.delete_conversation, row)
         ll.addLayout(row)
+        row = QHBoxLayout()
+        self.exportButton = _button("Export…", "exportButton", lambda: self.export_conversation(), row)
+        self.exportButton.setToolTip("Save this conversation as Markdown (the branch shown) or JSON (every branch)")
+        self.importButton = _button("Import…", "importButton", lambda: self.import_conversation(), row)
+        ll.addLayout(row)
         self.undoButton = _button("Undo delete", "undoDeleteButton", self.undo_delete, ll)
         self.undoButton.setVisible(False)
 
@@ -194,6 +199,8 @@ class MainWindow(QMainWindow):
         for text, slot, key in (
             ("Models…", self.open_models_dialog, "Ctrl+O"),
             ("Settings…", self.open_settings_dialog, "Ctrl+,"),
+            ("Export conversation…", lambda: self.export_conversation(), "Ctrl+E"),
+            ("Import conversation…", lambda: self.import_conversation(), None),
             ("About", self.show_about, None),
             ("Quit", self.close, "Ctrl+Q"),
         ):
@@ -326,6 +333,52 @@ class MainWindow(QMainWindow):
             view.editButton.setEnabled(not self.generating)
             view.compareButton.setVisible(view.message.role == "assistant" and not remote)  # needs local weights
         self._update_buttons()
+
+    def export_conversation(self, path: str | None = None) -> None:
+        """The conversation shown, to a file: Markdown (.md, the branch shown) or JSON (every branch)."""
+        from .exchange import to_json, to_markdown
+
+        cid = self.chat.current_cid
+        if cid is None:
+            self.show_error("There is no conversation to export yet.")
+            return
+        if path is None:
+            name = "".join(c if c.isalnum() or c in " -_" else "_" for c in self.store.conversation(cid).title)
+            path, _ = QFileDialog.getSaveFileName(
+                self, "Export the conversation", f"{name.strip() or 'conversation'}.md",
+                "Markdown, the branch shown (*.md);;JSON, every branch, importable (*.json)",
+            )  # fmt: skip
+            if not path:
+                return
+        try:
+            if path.lower().endswith(".json"):
+                text = json.dumps(to_json(self.store, cid), ensure_ascii=False, indent=2)
+            else:
+                text = to_markdown(self.store, cid)
+            Path(path).write_text(text, encoding="utf-8")
+        except OSError as e:
+            self.show_error(f"The conversation could not be written to {path}: {e.strerror or e}.")
+            return
+        self.statusBar().showMessage(f"Exported to {path}.", 5000)
+
+    def import_conversation(self, path: str | None = None) -> None:
+        """A conversation exported as JSON, back as a new conversation with the same branches."""
+        from .exchange import ExchangeError, from_json, read_json
+
+        if self.generating:
+            return
+        if path is None:
+            path, _ = QFileDialog.getOpenFileName(self, "Import a conversation", "", "kvchat conversation (*.json)")
+            if not path:
+                return
+        try:
+            conv = self.chat.guard(from_json, self.store, read_json(path))
+        except ExchangeError as e:
+            self.show_error(f"The conversation could not be imported: {e}.")
+            return
+        if conv is not None:
+            self.select_conversation(conv.id)
+            self.statusBar().showMessage(f"Imported “{conv.title}”.", 5000)
 
     def focus_search(self) -> None:
         self.search.setFocus()

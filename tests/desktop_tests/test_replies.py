@@ -121,3 +121,53 @@ def test_search_finds_a_word_from_a_message_body(qtbot, make_window, spin_loop, 
     qtbot.keyClicks(search, word[:-1])  # a prefix is enough
     items = [w.conversationList.item(i).text() for i in range(w.conversationList.count())]
     assert items == [first.title]  # found by a word of its reply, not of its title
+
+
+def test_export_then_import_gives_the_same_tree(qtbot, make_window, spin_loop, demo_model_dir, tmp_path, monkeypatch):
+    import json
+
+    from gui import send
+    from PySide6.QtWidgets import QFileDialog
+
+    w = make_window(demo_model_dir)
+    send(qtbot, w, spin_loop, "I am planning a trip to Chengdu for 3 nights. My budget is 600 yuan.")
+    user_view = w.transcript.views[0]  # an edit: a second branch
+    got = []
+    w.replyFinished.connect(got.append)
+    qtbot.mouseClick(user_view.editButton, Qt.LeftButton)
+    user_view.editor.setPlainText("I am planning a trip to Chengdu for 3 nights. My budget is 750 yuan.")
+    qtbot.mouseClick(user_view.saveButton, Qt.LeftButton)
+    spin_loop(lambda: got)
+    cid = w.chat.current_cid
+
+    def tree(store, c):
+        msgs = store.all_messages(c)
+        index = {m.id: i for i, m in enumerate(msgs)}
+        shown = [index[m.id] for m in store.branch(c)]
+        return [(index.get(m.parent_id), m.role, m.content, m.status, m.trace) for m in msgs], shown
+
+    out = tmp_path / "trip.json"
+    monkeypatch.setattr(QFileDialog, "getSaveFileName", lambda *a, **k: (str(out), ""))
+    qtbot.mouseClick(w.exportButton, Qt.LeftButton)
+    data = json.loads(out.read_text())
+    assert data["format"] == "kvchat-conversation" and len(data["messages"]) == 4
+    md = tmp_path / "trip.md"
+    monkeypatch.setattr(QFileDialog, "getSaveFileName", lambda *a, **k: (str(md), ""))
+    qtbot.mouseClick(w.exportButton, Qt.LeftButton)
+    text = md.read_text()
+    assert "750 yuan" in text and "600 yuan" not in text and text.startswith("# ")  # the branch shown
+
+    monkeypatch.setattr(QFileDialog, "getOpenFileName", lambda *a, **k: (str(out), ""))
+    qtbot.mouseClick(w.importButton, Qt.LeftButton)
+    new = w.chat.current_cid
+    assert new != cid and w.conversationList.count() == 2
+    assert tree(w.store, new) == tree(w.store, cid)  # the same messages, parents, statuses, traces, branch shown
+    assert [v.message.content for v in w.transcript.views] == [m.content for m in w.store.branch(cid)]
+
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "kvchat-conversation", "version": 1, "messages": [{"id": 1, "parent_id": 9, '
+                   '"role": "user", "content": "x"}]}')  # fmt: skip
+    monkeypatch.setattr(QFileDialog, "getOpenFileName", lambda *a, **k: (str(bad), ""))
+    qtbot.mouseClick(w.importButton, Qt.LeftButton)
+    assert "could not be imported" in w.banner.text() and "parent 9" in w.banner.text()
+    assert w.conversationList.count() == 2  # nothing added
