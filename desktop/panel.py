@@ -269,6 +269,7 @@ class StatsPanel(QScrollArea):
     def _row(self, form, name, label):
         v = QLabel(DASH)
         v.setObjectName(name)
+        v.setAccessibleName(label.strip())  # a screen reader says the row's label with its value
         v.setTextInteractionFlags(Qt.TextSelectableByMouse)
         v.setWordWrap(True)
         form.addRow(label, v)

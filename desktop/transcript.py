@@ -422,13 +422,25 @@ class MessageView(QFrame):
         self.editButton.setObjectName("editButton")
         self.editButton.clicked.connect(self.begin_edit)
         head.addWidget(self.editButton)
-        for b in (self.prevButton, self.nextButton, self.copyButton, self.compareButton, self.editButton):
+        who = ROLE_NAMES.get(message.role, message.role).lower()
+        for b, name in (
+            (self.prevButton, f"Previous version of this message ({who})"),
+            (self.nextButton, f"Next version of this message ({who})"),
+            (self.copyButton, f"Copy this message ({who})"),
+            (self.compareButton, "Compare this reply at the other precision"),
+            (self.editButton, f"Edit this message ({who})"),
+        ):
             b.setFlat(True)
             b.setCursor(Qt.PointingHandCursor)
+            b.setAccessibleName(name)
         lay.addLayout(head)
         self.body = WrapLabel()
         self.body.setObjectName("messageBody")
-        self.body.setTextInteractionFlags(Qt.TextSelectableByMouse | Qt.LinksAccessibleByMouse)
+        self.body.setTextInteractionFlags(
+            Qt.TextSelectableByMouse | Qt.TextSelectableByKeyboard | Qt.LinksAccessibleByMouse
+        )
+        self.setFocusPolicy(Qt.StrongFocus)  # Ctrl+Up/Down moves between messages
+        self.setAccessibleName(f"{ROLE_NAMES.get(message.role, message.role)} message")
         self.body.setSizePolicy(QSizePolicy.Preferred, QSizePolicy.Minimum)
         self.body.setOpenExternalLinks(True)  # links open in the system's browser, never in the app
         lay.addWidget(self.body)

@@ -171,6 +171,8 @@ class MainWindow(QMainWindow):
         self.composer.setObjectName("composer")
         self.composer.setPlaceholderText("Message the model (Enter sends, Shift+Enter for a new line)")
         self.composer.setMaximumHeight(110)
+        self.composer.setTabChangesFocus(True)  # Tab leaves the composer, as in any form
+        self.composer.setAccessibleName("Message to the model")
         self.composer.submitted.connect(self.send)
         self.composer.stopRequested.connect(self.stop)
         comp.addWidget(self.composer, 1)
@@ -215,6 +217,8 @@ class MainWindow(QMainWindow):
             ("Search conversations", self.focus_search, "Ctrl+F"),
             ("Stop the reply", self.stop, "Esc"),
             ("Copy the last reply", self.copy_last_reply, "Ctrl+Shift+C"),
+            ("Previous message", self.previous_message, "Ctrl+Up"),
+            ("Next message", self.next_message, "Ctrl+Down"),
         ):
             act = QAction(text, self)
             act.setObjectName(f"action-{slot.__name__}")
@@ -379,6 +383,25 @@ class MainWindow(QMainWindow):
         if conv is not None:
             self.select_conversation(conv.id)
             self.statusBar().showMessage(f"Imported “{conv.title}”.", 5000)
+
+    def previous_message(self) -> None:
+        self._step_message(-1)
+
+    def next_message(self) -> None:
+        self._step_message(+1)
+
+    def _step_message(self, delta: int) -> None:
+        """Move the focus (and the panel, for replies) to the message above or below (Ctrl+Up/Down)."""
+        views = self.transcript.views
+        if not views:
+            return
+        at = next((i for i, v in enumerate(views) if v.hasFocus()), None)
+        i = (len(views) - 1 if delta < 0 else 0) if at is None else max(0, min(len(views) - 1, at + delta))
+        view = views[i]
+        view.setFocus()
+        self.transcript.ensureWidgetVisible(view)
+        if view.message.role == "assistant":
+            self.select_message(view.message.id)
 
     def focus_search(self) -> None:
         self.search.setFocus()

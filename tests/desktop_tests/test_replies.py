@@ -171,3 +171,32 @@ def test_export_then_import_gives_the_same_tree(qtbot, make_window, spin_loop, d
     qtbot.mouseClick(w.importButton, Qt.LeftButton)
     assert "could not be imported" in w.banner.text() and "parent 9" in w.banner.text()
     assert w.conversationList.count() == 2  # nothing added
+
+
+def test_messages_are_reachable_by_keyboard_and_named_for_screen_readers(qtbot, make_window, spin_loop, demo_model_dir):
+    from gui import send
+
+    w = make_window(demo_model_dir)
+    send(qtbot, w, spin_loop, "Hello")
+    send(qtbot, w, spin_loop, "And again")
+    w.activateWindow()
+    qtbot.waitUntil(lambda: w.isActiveWindow())
+    views = w.transcript.views
+    qtbot.keyClick(w.composer, Qt.Key_Up, Qt.ControlModifier)  # from the composer: the last message
+    assert views[3].hasFocus()
+    qtbot.keyClick(views[3], Qt.Key_Up, Qt.ControlModifier)
+    qtbot.keyClick(views[2], Qt.Key_Up, Qt.ControlModifier)
+    assert views[1].hasFocus() and w.chat.selected_mid == views[1].message.id  # a reply: the panel shows it
+    qtbot.keyClick(views[1], Qt.Key_Down, Qt.ControlModifier)
+    assert views[2].hasFocus()
+    w.composer.setFocus()
+    qtbot.keyClick(w.composer, Qt.Key_Tab)  # Tab leaves the composer
+    assert not w.composer.hasFocus() and w.composer.toPlainText() == ""
+    names = [b.accessibleName() for b in (views[1].prevButton, views[1].nextButton, views[1].copyButton)]
+    assert names == [
+        "Previous version of this message (assistant)",
+        "Next version of this message (assistant)",
+        "Copy this message (assistant)",
+    ]
+    assert w.statsPanel.ttftValue.accessibleName() == "TTFT (from Send)"
+    assert views[1].body.textInteractionFlags() & Qt.TextSelectableByKeyboard
