@@ -331,15 +331,19 @@ def build_app(service: EngineService, api_key: str | None = None, max_new_tokens
             return e.response()
         return JSONResponse(service.stats())
 
+    async def read_chat(http: HttpRequest) -> tuple[dict, Request, dict]:
+        """The key checked, the body parsed as a chat request: (body, request, response options)."""
+        check_key(http)
+        try:
+            body = json.loads(await http.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+        return body, *parse_chat(body, default_new)
+
     async def cached(http: HttpRequest):
         """How many positions of a conversation's prompt are cached now (the app's probe on opening one)."""
         try:
-            check_key(http)
-            try:
-                body = json.loads(await http.body())
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ApiError(400, f"the request body is not valid JSON: {e}") from None
-            req, _ = parse_chat(body, default_new)
+            _, req, _ = await read_chat(http)
             probe = Request(messages=req.messages, add_generation_prompt=False)
             seen = await asyncio.get_running_loop().run_in_executor(
                 service._executor, service.session.cached_positions, probe
@@ -355,12 +359,7 @@ def build_app(service: EngineService, api_key: str | None = None, max_new_tokens
 
     async def chat(http: HttpRequest):
         try:
-            check_key(http)
-            try:
-                body = json.loads(await http.body())
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ApiError(400, f"the request body is not valid JSON: {e}") from None
-            req, opts = parse_chat(body, default_new)
+            body, req, opts = await read_chat(http)
             if body.get("model") not in names:
                 raise ApiError(
                     404,
