@@ -44,6 +44,7 @@ class Settings:
     remote_url: str = ""  # the server's base URL, e.g. http://gpu-box:8000/v1
     remote_api_key: str = ""
     remote_model: str = ""  # "": the first the server lists
+    theme: str = "system"  # system (the OS's colour scheme) | dark | light
 
     def engine(self) -> LoadSpec | RemoteSpec:
         """What the worker should run replies on: the local model, or the remote server."""

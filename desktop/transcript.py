@@ -24,6 +24,7 @@ from PySide6.QtWidgets import (
 from engine.trace import now
 
 from .markdown import Piece, pieces
+from .style import code_style
 
 DEMO_HINT = (
     "Ask the demo model to plan a trip, for example:<br><i>I am planning a trip to Chengdu "
@@ -138,11 +139,8 @@ def highlighted_html(code: str, lang: str) -> str:
         lexer = get_lexer_by_name(lang) if lang else TextLexer()
     except ClassNotFound:
         lexer = TextLexer()
-    formatter = HtmlFormatter(noclasses=True, nobackground=True, style=CODE_STYLE)
+    formatter = HtmlFormatter(noclasses=True, nobackground=True, style=code_style())
     return highlight(code, lexer, formatter)
-
-
-CODE_STYLE = "monokai"  # Pygments' style for code blocks (on the dark theme)
 
 
 class FitTextEdit(QTextEdit):
@@ -208,6 +206,11 @@ class CodeBlock(QFrame):
     def copy(self) -> None:
         QGuiApplication.clipboard().setText(self.code)
         self.copyButton.setText("Copied")
+
+    def rehighlight(self) -> None:
+        """Colours again, in the theme now in use."""
+        if self.piece.closed:
+            self.view.setHtml(highlighted_html(self.piece.text, self.piece.lang))
 
     def set_piece(self, piece: Piece) -> None:
         old, self.piece = self.piece, piece

@@ -17,6 +17,8 @@ from pathlib import Path
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QGuiApplication, QKeySequence
 from PySide6.QtWidgets import (
+    QApplication,
+    QComboBox,
     QDialog,
     QFileDialog,
     QHBoxLayout,
@@ -44,7 +46,8 @@ from .panel import StatsPanel
 from .settings import Settings
 from .settings_dialog import SettingsDialog, open_settings
 from .store import Store, StoreError
-from .transcript import MessageView, Transcript
+from .style import THEMES, apply_style
+from .transcript import CodeBlock, MessageView, Transcript
 from .worker import WorkerThread
 
 REFRESH_MS = 60  # the fastest the streaming text redraws (≥ 15 updates a second)
@@ -96,6 +99,7 @@ class MainWindow(QMainWindow):
         self._closing = False
         self._panel_at = 0.0
         self._build()
+        self.apply_theme()
         self.chat = ChatController(self._open_store(), self.client, self.settings, self, now)
         self._show_first_conversation()
         self._update_buttons()
@@ -197,6 +201,16 @@ class MainWindow(QMainWindow):
         self.loadProgress.setMaximumWidth(160)
         self.loadProgress.setVisible(False)
         self.statusBar().addPermanentWidget(self.loadProgress)
+        self.themeSwitch = QComboBox()
+        self.themeSwitch.setObjectName("themeSwitch")
+        self.themeSwitch.setAccessibleName("Theme")
+        names = {"system": "Theme: as the system", "dark": "Dark", "light": "Light"}
+        for choice in THEMES:
+            self.themeSwitch.addItem(names[choice], choice)
+        self.themeSwitch.setCurrentIndex(THEMES.index(self.settings.theme) if self.settings.theme in THEMES else 0)
+        self.themeSwitch.currentIndexChanged.connect(lambda _: self.set_theme(self.themeSwitch.currentData()))
+        self.statusBar().addPermanentWidget(self.themeSwitch)
+        QGuiApplication.styleHints().colorSchemeChanged.connect(lambda _: self.apply_theme())
         menu = self.menuBar().addMenu("&kvchat")
         for text, slot, key in (
             ("Models…", self.open_models_dialog, "Ctrl+O"),
@@ -402,6 +416,20 @@ class MainWindow(QMainWindow):
         self.transcript.ensureWidgetVisible(view)
         if view.message.role == "assistant":
             self.select_message(view.message.id)
+
+    def set_theme(self, choice: str) -> None:
+        """Dark, light, or as the system says (kept in the settings)."""
+        self.settings.theme = self.chat.settings.theme = choice
+        self.settings.save(self.qsettings)
+        self.apply_theme()
+
+    def apply_theme(self) -> None:
+        app = QApplication.instance()
+        if app is None:
+            return
+        apply_style(app, self.settings.theme)
+        for block in self.findChildren(CodeBlock):
+            block.rehighlight()
 
     def focus_search(self) -> None:
         self.search.setFocus()

@@ -200,3 +200,67 @@ def test_messages_are_reachable_by_keyboard_and_named_for_screen_readers(qtbot, 
     ]
     assert w.statsPanel.ttftValue.accessibleName() == "TTFT (from Send)"
     assert views[1].body.textInteractionFlags() & Qt.TextSelectableByKeyboard
+
+
+def contrast(a: str, b: str) -> float:
+    """WCAG's contrast ratio of two #rrggbb colours."""
+
+    def lum(c):
+        rgb = [int(c[i : i + 2], 16) / 255 for i in (1, 3, 5)]
+        lin = [x / 12.92 if x <= 0.03928 else ((x + 0.055) / 1.055) ** 2.4 for x in rgb]
+        return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+
+    hi, lo = sorted((lum(a), lum(b)), reverse=True)
+    return (hi + 0.05) / (lo + 0.05)
+
+
+@pytest.mark.parametrize("theme", ["dark", "light"])
+def test_both_style_sheets_keep_text_readable(theme):
+    """Every rule that sets a text colour on a background reads at WCAG AA (4.5:1); text without its own
+    background is checked against the window's, the panel's and a message's backgrounds."""
+    import re
+
+    from desktop.style import style_sheet
+
+    sheet = style_sheet(theme)
+    rules = re.findall(r"([^{}]+)\{([^}]*)\}", sheet)
+    base = dict(re.findall(r"(?<![-\w])(color|background):\s*(#[0-9a-f]{6})", rules[0][1]))
+    backgrounds = {base["background"]}
+    for sel, body in rules:
+        bg = re.search(r"(?<![-\w])background:\s*(#[0-9a-f]{6})", body)
+        if bg and ("statsPanel" in sel or "role=" in sel):
+            backgrounds.add(bg.group(1))
+    checked = 0
+    for sel, body in rules:
+        fg = re.search(r"(?<![-\w])color:\s*(#[0-9a-f]{6})", body)
+        if not fg or ":disabled" in sel:  # disabled text is meant to recede
+            continue
+        bg = re.search(r"(?<![-\w])background:\s*(#[0-9a-f]{6})", body)
+        for b in [bg.group(1)] if bg else backgrounds:
+            assert contrast(fg.group(1), b) >= 4.5, (theme, sel.strip(), fg.group(1), b)
+            checked += 1
+    assert checked >= 12
+
+
+def test_the_theme_switch_changes_the_sheet_and_the_code_colours_and_is_kept(
+    qtbot, make_window, spin_loop, scripted_server
+):
+    from gui import send
+    from PySide6.QtWidgets import QApplication
+
+    from desktop.settings import Settings
+    from desktop.style import style_sheet
+
+    remote = scripted_server(reply="```python\nprint('hi')\n```")
+    w = make_window(backend="remote", remote_url=remote.url, theme="dark")
+    assert QApplication.instance().styleSheet() == style_sheet("dark")
+    assert isinstance(send(qtbot, w, spin_loop, "code please"), Finished)
+    block = w.findChild(QFrame, "codeBlock")
+    dark_html = block.view.toHtml()
+    switch = w.findChild(type(w.themeSwitch), "themeSwitch")
+    switch.setCurrentIndex(switch.findData("light"))
+    assert QApplication.instance().styleSheet() == style_sheet("light")
+    assert block.view.toHtml() != dark_html  # highlighted again in the light theme's colours
+    assert Settings.load(w.qsettings).theme == "light"
+    switch.setCurrentIndex(switch.findData("dark"))  # leave the session's style as the other tests expect
+    assert QApplication.instance().styleSheet() == style_sheet("dark")
