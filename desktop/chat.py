@@ -232,7 +232,7 @@ class ChatController:
     def new_conversation(self) -> bool:
         if self.generating:
             return False
-        conv = self.guard(self.store.new_conversation)
+        conv = self.guard(self.store.new_conversation, "New chat", self.settings.conversation_part())
         if conv is None:
             return False
         self.current_cid = conv.id
@@ -262,13 +262,20 @@ class ChatController:
         return st
 
     # --- requests ------------------------------------------------------------------------------
-    def messages(self, upto: list[Message]) -> list[dict]:
-        """What the model sees: the system prompt, then the messages of the branch up to here."""
-        system = [{"role": "system", "content": self.settings.system_prompt}] if self.settings.system_prompt else []
+    def settings_for(self, cid: int | None = None) -> Settings:
+        """The app's settings with the conversation's own system prompt and sampling over them."""
+        cid = self.current_cid if cid is None else cid
+        own = self.store.conversation(cid).settings if cid is not None else None
+        return self.settings.with_conversation(own)
+
+    def messages(self, upto: list[Message], cid: int | None = None) -> list[dict]:
+        """What the model sees: the conversation's system prompt, then the messages of the branch up to here."""
+        prompt = self.settings_for(cid).system_prompt
+        system = [{"role": "system", "content": prompt}] if prompt else []
         return system + [{"role": m.role, "content": m.content} for m in upto]
 
-    def request(self, messages: list[dict], arrival: float, **kw) -> Request:
-        s = self.settings
+    def request(self, messages: list[dict], arrival: float, cid: int | None = None, **kw) -> Request:
+        s = self.settings_for(cid)
         return Request(messages=messages, sampling=s.sampling(), max_new_tokens=s.max_new_tokens, arrival=arrival, **kw)
 
     def label(self, cid: int, upto: list[Message]) -> str:
@@ -295,7 +302,7 @@ class ChatController:
         if not text or self.generating:
             return None
         if self.current_cid is None:
-            conv = self.guard(self.store.new_conversation, title_from(text))
+            conv = self.guard(self.store.new_conversation, title_from(text), self.settings.conversation_part())
             if conv is None:
                 return None
             self.current_cid = conv.id
@@ -364,15 +371,16 @@ class ChatController:
             base = self.store.message(continue_mid)
             prefix, old_tokens = base.content, base.token_count or 0
             req = self.request(
-                self.messages(upto) + [{"role": "assistant", "content": prefix}],
+                self.messages(upto, cid) + [{"role": "assistant", "content": prefix}],
                 arrival,
+                cid,
                 continue_final_message=True,
                 add_generation_prompt=False,
                 label=self.label(cid, upto),
             )
         else:
             prefix, old_tokens = "", 0
-            req = self.request(self.messages(upto), arrival, label=self.label(cid, upto))
+            req = self.request(self.messages(upto, cid), arrival, cid, label=self.label(cid, upto))
         assistant = self.store.add_message(cid, parent_id, "assistant", prefix, status="streaming")
         self.streaming_mid = assistant.id
         self.stream_text = prefix
@@ -441,7 +449,7 @@ class ChatController:
     def _count_tokens(self, upto: list[Message], acc: Accounting) -> None:
         """Each message's token count, for the transcript (only those not counted yet)."""
         self.summary = acc.summary
-        n_sys = 1 if self.settings.system_prompt else 0
+        n_sys = 1 if self.settings_for(upto[0].conversation_id if upto else None).system_prompt else 0
         for m, n in zip(upto, acc.message_tokens[n_sys : n_sys + len(upto)]):
             if m.token_count is None:
                 self.guard(self.store.update_message, m.id, token_count=n)

@@ -28,6 +28,25 @@ SPEC_KEYS = {"path": "model_dir"}
 SPEC_DEFAULTS = {"path": "", "device": "auto", "dtype": "auto", "capacity": 0, "cache_budget": -1}
 
 
+# What each conversation keeps as its own (taken from the app's settings when it is created).
+CONVERSATION_FIELDS = (
+    "system_prompt",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "max_new_tokens",
+    "seed",
+)
+SYSTEM_PRESETS = {  # the Settings dialog's system prompts to start from
+    "A helpful assistant": "You are a helpful assistant.",
+    "Brief answers": "Answer in as few words as the question allows.",
+    "A Python expert": "You are an expert Python programmer. Answer with working code and a short explanation.",
+    "A translator to English": "Translate what the user writes into English. Reply with the translation only.",
+}
+
+
 @dataclasses.dataclass
 class Settings:
     model: LoadSpec = LoadSpec()  # what to load: the record the worker, the CLI and the loader share
@@ -45,6 +64,16 @@ class Settings:
     remote_api_key: str = ""
     remote_model: str = ""  # "": the first the server lists
     theme: str = "system"  # system (the OS's colour scheme) | dark | light
+
+    def conversation_part(self) -> dict:
+        """What a conversation keeps as its own: the system prompt and the sampling."""
+        return {k: getattr(self, k) for k in CONVERSATION_FIELDS}
+
+    def with_conversation(self, own: dict | None) -> Settings:
+        """These settings with a conversation's own system prompt and sampling over them (values of the
+        wrong type are ignored)."""
+        keep = {k: v for k, v in (own or {}).items() if k in CONVERSATION_FIELDS and type(v) is type(getattr(self, k))}
+        return dataclasses.replace(self, **keep)
 
     def engine(self) -> LoadSpec | RemoteSpec:
         """What the worker should run replies on: the local model, or the remote server."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from engine.quant import PRECISIONS
 from engine.remote import RemoteSpec, list_models
 from engine.spec import LoadSpec
 
-from .settings import Settings
+from .settings import SYSTEM_PRESETS, Settings
 
 
 class ModelListFetcher(QObject):
@@ -62,6 +63,7 @@ class SettingsDialog(QDialog):
         self.setObjectName("settingsDialog")
         form = QFormLayout(self)
         spec = settings.model
+        self._original = settings
         self.backend = QComboBox()
         self.backend.setObjectName("backendCombo")
         self.backend.addItem("Local (this computer)", "local")
@@ -143,7 +145,15 @@ class SettingsDialog(QDialog):
         self.system = QPlainTextEdit(settings.system_prompt)
         self.system.setObjectName("systemPromptEdit")
         self.system.setMaximumHeight(70)
-        form.addRow("System prompt", self.system)
+        self.presets = QComboBox()
+        self.presets.setObjectName("systemPresetCombo")
+        self.presets.setAccessibleName("System prompt presets")
+        self.presets.addItem("Start from a preset…", "")
+        for name, text in SYSTEM_PRESETS.items():
+            self.presets.addItem(name, text)
+        self.presets.activated.connect(self._preset_chosen)
+        form.addRow("System prompt (this conversation)", self.presets)
+        form.addRow("", self.system)
         self.temperature = self._dspin(settings.temperature, 0, 5, 0.05, "temperatureSpin")
         form.addRow("Temperature (0 = greedy)", self.temperature)
         self.top_k = self._spin(settings.top_k, 0, 100000, "topKSpin", "off")
@@ -208,6 +218,11 @@ class SettingsDialog(QDialog):
         if path:
             self.modelDir.setText(path)
 
+    def _preset_chosen(self, index: int) -> None:
+        text = self.presets.itemData(index)
+        if text:
+            self.system.setPlainText(text)
+
     @property
     def is_remote(self) -> bool:
         return self.backend.currentData() == "remote"
@@ -249,7 +264,8 @@ class SettingsDialog(QDialog):
             group_size=int(self.group.currentText()),
             cache_budget=None if self.cacheBudget.value() < 0 else self.cacheBudget.value() * 2**20,
         )
-        return Settings(
+        return dataclasses.replace(
+            self._original,
             model=spec,
             system_prompt=self.system.toPlainText().strip(),
             temperature=self.temperature.value(),

@@ -22,7 +22,8 @@ CREATE TABLE IF NOT EXISTS conversations (
     created REAL NOT NULL,
     updated REAL NOT NULL,
     leaf_id INTEGER,
-    deleted INTEGER NOT NULL DEFAULT 0
+    deleted INTEGER NOT NULL DEFAULT 0,
+    settings TEXT
 );
 CREATE TABLE IF NOT EXISTS messages (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -53,6 +54,15 @@ CREATE TRIGGER IF NOT EXISTS messages_fts_update AFTER UPDATE OF content ON mess
 END;
 """
 SCHEMA = TABLES + INDEXES
+
+
+def _conversation(r) -> Conversation:
+    try:
+        raw = r["settings"] if "settings" in r.keys() else None  # a read-only database of an older kvchat
+        settings = json.loads(raw) if raw else None
+    except ValueError:  # damaged: the app's settings apply
+        settings = None
+    return Conversation(r["id"], r["title"], r["created"], r["updated"], r["leaf_id"], settings)
 
 
 def _full_text(db: sqlite3.Connection) -> bool:
@@ -92,16 +102,18 @@ class Conversation:
     created: float
     updated: float
     leaf_id: int | None
+    settings: dict | None = None  # its own system prompt and sampling (None: the app's)
 
 
 SCHEMA_VERSION = 1  # PRAGMA user_version of the schema above; 0: a kvchat database from before versions
 COLUMNS = {  # what each table must have; a kvchat database missing a later column is migrated, not moved
-    "conversations": {"id", "title", "created", "updated", "leaf_id", "deleted"},
+    "conversations": {"id", "title", "created", "updated", "leaf_id", "deleted", "settings"},
     "messages": {"id", "conversation_id", "parent_id", "role", "content", "status", "token_count", "created", "trace"},
 }
 MIGRATIONS = {  # column -> how an older kvchat database gains it, keeping every row
     ("conversations", "leaf_id"): "ALTER TABLE conversations ADD COLUMN leaf_id INTEGER",
     ("conversations", "deleted"): "ALTER TABLE conversations ADD COLUMN deleted INTEGER NOT NULL DEFAULT 0",
+    ("conversations", "settings"): "ALTER TABLE conversations ADD COLUMN settings TEXT",
     ("messages", "status"): "ALTER TABLE messages ADD COLUMN status TEXT NOT NULL DEFAULT 'complete'",
     ("messages", "token_count"): "ALTER TABLE messages ADD COLUMN token_count INTEGER",
     ("messages", "trace"): "ALTER TABLE messages ADD COLUMN trace TEXT",
@@ -282,16 +294,22 @@ class Store:
             )
             args = (f"%{search}%", f"%{search}%")
         rows = self.db.execute(sql, args).fetchall()
-        return [Conversation(r["id"], r["title"], r["created"], r["updated"], r["leaf_id"]) for r in rows]
+        return [_conversation(r) for r in rows]
 
     def conversation(self, cid: int) -> Conversation:
-        r = self.db.execute("SELECT * FROM conversations WHERE id=?", (cid,)).fetchone()
-        return Conversation(r["id"], r["title"], r["created"], r["updated"], r["leaf_id"])
+        return _conversation(self.db.execute("SELECT * FROM conversations WHERE id=?", (cid,)).fetchone())
 
-    def new_conversation(self, title: str = "New chat") -> Conversation:
+    def new_conversation(self, title: str = "New chat", settings: dict | None = None) -> Conversation:
         now = time.time()
-        cur = self._write("INSERT INTO conversations(title, created, updated) VALUES (?,?,?)", (title, now, now))
+        cur = self._write(
+            "INSERT INTO conversations(title, created, updated, settings) VALUES (?,?,?,?)",
+            (title, now, now, json.dumps(settings) if settings is not None else None),
+        )
         return self.conversation(cur.lastrowid)
+
+    def set_settings(self, cid: int, settings: dict) -> None:
+        """The conversation's own system prompt and sampling."""
+        self._write("UPDATE conversations SET settings=? WHERE id=?", (json.dumps(settings), cid))
 
     def rename(self, cid: int, title: str) -> None:
         self._write("UPDATE conversations SET title=?, updated=? WHERE id=?", (title, time.time(), cid))

@@ -163,6 +163,12 @@ class MainWindow(QMainWindow):
         self.banner.setWordWrap(True)
         self.banner.setVisible(False)
         cl.addWidget(self.banner)
+        self.conversationSettingsLabel = QLabel()
+        self.conversationSettingsLabel.setObjectName("conversationSettingsLabel")
+        self.conversationSettingsLabel.setWordWrap(True)
+        self.conversationSettingsLabel.setToolTip("This conversation's own settings (kvchat → Settings… changes them)")
+        self.conversationSettingsLabel.setVisible(False)
+        cl.addWidget(self.conversationSettingsLabel)
         self.transcript = Transcript()
         cl.addWidget(self.transcript, 1)
         actions = QHBoxLayout()
@@ -277,6 +283,7 @@ class MainWindow(QMainWindow):
         self.chat.current_cid = cid
         self._fill_conversations()
         self.render_transcript()
+        self.show_conversation_settings()
         self.probe_conversation()
 
     def probe_conversation(self) -> None:
@@ -546,16 +553,39 @@ class MainWindow(QMainWindow):
         self.modelReady.emit({"error": error})
 
     def open_settings_dialog(self) -> None:
-        dlg = SettingsDialog(self.settings, self.db_path, self)
+        dlg = SettingsDialog(self.chat.settings_for(), self.db_path, self)
         if dlg.exec():
-            self.apply_settings(dlg.result_settings())
+            self.apply_settings(dlg.result_settings(), conversation=True)
 
-    def apply_settings(self, new: Settings) -> None:
+    def apply_settings(self, new: Settings, conversation: bool = False) -> None:
+        """New settings for the app; with `conversation`, the system prompt and sampling are also the
+        conversation's own (the Settings dialog edits those of the conversation shown)."""
+        cid = self.chat.current_cid
+        if conversation and cid is not None:
+            self.chat.guard(self.store.set_settings, cid, new.conversation_part())
         reload = new.engine() != self.settings.engine()
         self.settings = self.chat.settings = new
         new.save(self.qsettings)
+        self.show_conversation_settings()
         if reload:
             self.load_model()
+
+    def show_conversation_settings(self) -> None:
+        """The conversation's own system prompt and sampling, above its messages."""
+        if self.chat.current_cid is None:
+            self.conversationSettingsLabel.setVisible(False)
+            return
+        s = self.chat.settings_for()
+        short = s.system_prompt[:80] + ("…" if len(s.system_prompt) > 80 else "")
+        parts = [f"System prompt: “{short}”" if s.system_prompt else "No system prompt"]
+        parts.append("greedy" if s.temperature == 0 else f"temperature {s.temperature:g}")
+        for name, value, off in (("top-k", s.top_k, 0), ("top-p", s.top_p, 1.0), ("min-p", s.min_p, 0.0),
+                                 ("repetition penalty", s.repetition_penalty, 1.0), ("seed", s.seed, -1)):  # fmt: skip
+            if value != off:
+                parts.append(f"{name} {value:g}")
+        parts.append(f"up to {s.max_new_tokens:,} new tokens")
+        self.conversationSettingsLabel.setText(" · ".join(parts))
+        self.conversationSettingsLabel.setVisible(True)
 
     def show_about(self) -> None:
         QMessageBox.about(
@@ -588,6 +618,7 @@ class MainWindow(QMainWindow):
             return
         self.composer.clear()
         self._fill_conversations()  # a new conversation, or a new title
+        self.show_conversation_settings()
         self.start_reply(user, arrival)
 
     def edit_message(self, mid: int, text: str) -> None:

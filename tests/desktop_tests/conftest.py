@@ -15,6 +15,7 @@ def _session_loop(qapp):
     then hits freed memory (a segfault inside QTimerInfoList::activateTimers)."""
     import qasync
 
+    qapp.setQuitOnLastWindowClosed(False)  # tests close every window they open; the run's loop must not quit
     lp = qasync.QEventLoop(qapp, already_running=False)
     yield lp
     lp.close()

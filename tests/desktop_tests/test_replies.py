@@ -264,3 +264,33 @@ def test_the_theme_switch_changes_the_sheet_and_the_code_colours_and_is_kept(
     assert Settings.load(w.qsettings).theme == "light"
     switch.setCurrentIndex(switch.findData("dark"))  # leave the session's style as the other tests expect
     assert QApplication.instance().styleSheet() == style_sheet("dark")
+
+
+def test_each_conversation_keeps_its_own_system_prompt_and_sampling(qtbot, make_window, spin_loop, demo_model_dir):
+    from gui import send
+
+    from desktop.settings_dialog import SettingsDialog
+
+    w = make_window(demo_model_dir, system_prompt="You plan trips.", temperature=0.0)
+    send(qtbot, w, spin_loop, "Hello")
+    first = w.chat.current_cid
+    assert w.conversationSettingsLabel.text().startswith("System prompt: “You plan trips.” · greedy")
+    qtbot.mouseClick(w.newButton, Qt.LeftButton)
+    second = w.chat.current_cid
+    dlg = SettingsDialog(w.chat.settings_for(), w.db_path, w)  # the dialog edits the conversation shown
+    dlg.presets.setCurrentIndex(dlg.presets.findText("Brief answers"))
+    dlg.presets.activated.emit(dlg.presets.currentIndex())  # as a click on the preset does
+    assert dlg.system.toPlainText() == "Answer in as few words as the question allows."
+    dlg.temperature.setValue(0.7)
+    w.apply_settings(dlg.result_settings(), conversation=True)
+    dlg.deleteLater()  # never shown: closing it at teardown, after the window, would quit the app's loop
+    label = w.conversationSettingsLabel.text()
+    assert "Answer in as few words" in label and "temperature 0.7" in label
+    send(qtbot, w, spin_loop, "Hi")
+    assert w.chat.messages(w.chat.branch())[0]["content"] == "Answer in as few words as the question allows."
+    w.select_conversation(first)  # the first keeps its own
+    assert w.chat.messages(w.chat.branch())[0]["content"] == "You plan trips."
+    assert w.chat.settings_for().temperature == 0.0 and "greedy" in w.conversationSettingsLabel.text()
+    assert w.store.conversation(second).settings["temperature"] == 0.7
+    qtbot.mouseClick(w.newButton, Qt.LeftButton)  # a new one starts from the app's settings, the last chosen
+    assert w.chat.settings_for().system_prompt == "Answer in as few words as the question allows."

@@ -146,3 +146,19 @@ def test_a_database_from_before_the_search_index_is_indexed_when_opened(tmp_path
     db.close()
     st = Store(path)
     assert [c.title for c in st.conversations("message")] == ["Trip"]
+
+
+def test_a_conversation_keeps_its_own_settings_and_an_older_database_gains_the_column(tmp_path):
+    path = tmp_path / "kvchat.db"
+    filled(path, n=4)
+    db = sqlite3.connect(path)
+    db.execute("ALTER TABLE conversations DROP COLUMN settings")  # as kvchat wrote it before
+    db.commit()
+    db.close()
+    st = Store(path)
+    conv = st.conversations()[0]
+    assert conv.settings is None and st.moved_aside is None  # migrated, not moved aside
+    st.set_settings(conv.id, {"system_prompt": "Be brief.", "temperature": 0.5})
+    assert st.conversation(conv.id).settings == {"system_prompt": "Be brief.", "temperature": 0.5}
+    made = st.new_conversation("Other", {"top_k": 40})
+    assert st.conversation(made.id).settings == {"top_k": 40}
