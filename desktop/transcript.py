@@ -79,11 +79,35 @@ class WrapLabel(QLabel):
         return QSize(w, self.heightForWidth(w))
 
 
-class StreamView(QTextEdit):
+class FitTextEdit(QTextEdit):
+    """A read-only text view as tall as its document: the transcript scrolls, not this view."""
+
+    def __init__(self, wrap: bool = True):
+        super().__init__()
+        self.setReadOnly(True)
+        self.setFrameShape(QFrame.NoFrame)
+        self.setVerticalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarAsNeeded if not wrap else Qt.ScrollBarAlwaysOff)
+        if not wrap:
+            self.setLineWrapMode(QTextEdit.NoWrap)
+        self.setSizePolicy(QSizePolicy.Preferred, QSizePolicy.Fixed)
+        self.setTextInteractionFlags(Qt.TextSelectableByMouse | Qt.TextSelectableByKeyboard)
+        self.document().setDocumentMargin(4)
+        self.document().documentLayout().documentSizeChanged.connect(self._fit)
+
+    def _fit(self, *_) -> None:
+        bar = self.horizontalScrollBar()
+        extra = bar.sizeHint().height() if bar.isVisible() else 0
+        h = math.ceil(self.document().size().height()) + extra + 2
+        if h != self.height():
+            self.setFixedHeight(h)
+
+
+class StreamView(FitTextEdit):
     """The text of a reply while it streams: new text is appended to the document, so Qt lays out and
     paints only the last paragraph, where a label lays out and paints the whole reply on every update
-    (README: the seam). Its height follows the document, a few lines at a time; the transcript
-    scrolls, not this view. It reports when its first real text is painted (`firstPainted`, on
+    (README: the seam). Its height follows the document a few lines at a time (not exactly, as a
+    FitTextEdit's does). It reports when its first real text is painted (`firstPainted`, on
     engine.trace.now): the moment token 1 is on screen."""
 
     firstPainted = Signal(float)
@@ -91,16 +115,15 @@ class StreamView(QTextEdit):
     def __init__(self):
         super().__init__()
         self.waiting_for_paint = False  # text is shown but not yet painted
-        self.setReadOnly(True)
-        self.setFrameShape(QFrame.NoFrame)
-        self.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
-        self.setVerticalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
-        self.setSizePolicy(QSizePolicy.Preferred, QSizePolicy.Fixed)
         self.setTextInteractionFlags(Qt.TextSelectableByMouse)
         self.document().setDocumentMargin(0)
-        self.document().documentLayout().documentSizeChanged.connect(self._fit)
         self.shown = ""  # the text in the document
+        self.piece: Piece | None = None  # the open paragraph of a reply it shows (ReplyBody)
         self._fit()
+
+    def set_piece(self, piece: Piece) -> None:
+        self.piece = piece
+        self.show_text(piece.text)
 
     def show_text(self, text: str) -> None:
         if text.startswith(self.shown) and self.shown:
@@ -141,30 +164,6 @@ def highlighted_html(code: str, lang: str) -> str:
         lexer = TextLexer()
     formatter = HtmlFormatter(noclasses=True, nobackground=True, style=code_style())
     return highlight(code, lexer, formatter)
-
-
-class FitTextEdit(QTextEdit):
-    """A read-only text view as tall as its document: the transcript scrolls, not this view."""
-
-    def __init__(self, wrap: bool = True):
-        super().__init__()
-        self.setReadOnly(True)
-        self.setFrameShape(QFrame.NoFrame)
-        self.setVerticalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
-        self.setHorizontalScrollBarPolicy(Qt.ScrollBarAsNeeded if not wrap else Qt.ScrollBarAlwaysOff)
-        if not wrap:
-            self.setLineWrapMode(QTextEdit.NoWrap)
-        self.setSizePolicy(QSizePolicy.Preferred, QSizePolicy.Fixed)
-        self.setTextInteractionFlags(Qt.TextSelectableByMouse | Qt.TextSelectableByKeyboard)
-        self.document().setDocumentMargin(4)
-        self.document().documentLayout().documentSizeChanged.connect(self._fit)
-
-    def _fit(self, *_) -> None:
-        bar = self.horizontalScrollBar()
-        extra = bar.sizeHint().height() if bar.isVisible() else 0
-        h = math.ceil(self.document().size().height()) + extra + 2
-        if h != self.height():
-            self.setFixedHeight(h)
 
 
 class CodeBlock(QFrame):
@@ -347,9 +346,7 @@ class ReplyBody(QWidget):
         else:
             w = StreamView()
             w.setObjectName("messageStream")
-            w.piece = piece
-            w.set_piece = lambda p, w=w: (w.show_text(p.text), setattr(w, "piece", p))
-            w.show_text(piece.text)
+            w.set_piece(piece)
             w.firstPainted.connect(self._painted)  # a text view paints its viewport: it says so itself
             return w
         (w.view.viewport() if isinstance(w, CodeBlock) else w).installEventFilter(self)

@@ -280,6 +280,7 @@ def _report(ev, prompt_tokens: int) -> tuple[dict, dict]:
         completion, cached = len(ev.token_ids), ev.reuse.reused
     else:
         report, completion, cached = {"trace": ev.trace, "error": ev.error}, 0, 0
+    report["prompt_tokens"] = prompt_tokens
     usage = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,
@@ -417,7 +418,7 @@ async def _http_error(_http: HttpRequest, e: HTTPException) -> JSONResponse:
 
 
 class _Errors:
-    """Anything unforeseen is a 500 error object (and a 404 for an unknown path), never a traceback."""
+    """Anything unforeseen is a 500 error object, never a traceback (unknown paths: _http_error)."""
 
     def __init__(self, app):
         self.app = app
@@ -456,7 +457,6 @@ async def _complete(job: Job, first: PrefillStarted, meta: dict, watcher: asynci
     if isinstance(last, Failed) or last is None:
         return _failure(last or Failed("no reply", "InternalError", {})).response()
     usage, report = _report(last, first.prompt_tokens)
-    report["prompt_tokens"] = first.prompt_tokens
     return JSONResponse(
         {
             **meta,
@@ -509,7 +509,6 @@ async def _stream(job: Job, first: PrefillStarted, meta: dict, include_usage: bo
                     break
             elif isinstance(ev, Finished):
                 usage, report = _report(ev, first.prompt_tokens)
-                report["prompt_tokens"] = first.prompt_tokens
                 if ev.tail:
                     yield delta({"content": ev.tail})
                 finish = FINISH_REASONS.get(ev.reason, "stop")

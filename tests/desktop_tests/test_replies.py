@@ -283,7 +283,6 @@ def test_each_conversation_keeps_its_own_system_prompt_and_sampling(qtbot, make_
     assert dlg.system.toPlainText() == "Answer in as few words as the question allows."
     dlg.temperature.setValue(0.7)
     w.apply_settings(dlg.result_settings(), conversation=True)
-    dlg.deleteLater()  # never shown: closing it at teardown, after the window, would quit the app's loop
     label = w.conversationSettingsLabel.text()
     assert "Answer in as few words" in label and "temperature 0.7" in label
     send(qtbot, w, spin_loop, "Hi")
