@@ -95,19 +95,35 @@ class FitTextEdit(QTextEdit):
         self.document().setDocumentMargin(4)
         self.document().documentLayout().documentSizeChanged.connect(self._fit)
 
+    grow_lines = 0  # > 0: grow by this many lines at a time (text still arriving), not to the exact height
+
+    def set_growing(self, lines: int) -> None:
+        """While text streams in, each change of height lays out, scrolls and repaints the whole
+        transcript: growing a few lines at a time does that once every few lines."""
+        self.grow_lines = lines
+        self._fit()
+
     def _fit(self, *_) -> None:
         bar = self.horizontalScrollBar()
         extra = bar.sizeHint().height() if bar.isVisible() else 0
-        h = math.ceil(self.document().size().height()) + extra + 2
+        h = math.ceil(self.document().size().height()) + extra
+        if self.grow_lines:
+            step = self.fontMetrics().lineSpacing() * self.grow_lines
+            h = max(step, math.ceil(h / step) * step)
+        else:
+            h += 2
         if h != self.height():
             self.setFixedHeight(h)
+
+
+GROW_LINES = 4  # lines a view of streaming text grows by at a time
 
 
 class StreamView(FitTextEdit):
     """The text of a reply while it streams: new text is appended to the document, so Qt lays out and
     paints only the last paragraph, where a label lays out and paints the whole reply on every update
-    (README: the seam). Its height follows the document a few lines at a time (not exactly, as a
-    FitTextEdit's does). It reports when its first real text is painted (`firstPainted`, on
+    (README: the seam). Its height follows the document a few lines at a time (set_growing), not exactly as a
+    finished view does. It reports when its first real text is painted (`firstPainted`, on
     engine.trace.now): the moment token 1 is on screen."""
 
     firstPainted = Signal(float)
@@ -119,7 +135,7 @@ class StreamView(FitTextEdit):
         self.document().setDocumentMargin(0)
         self.shown = ""  # the text in the document
         self.piece: Piece | None = None  # the open paragraph of a reply it shows (ReplyBody)
-        self._fit()
+        self.set_growing(GROW_LINES)
 
     def set_piece(self, piece: Piece) -> None:
         self.piece = piece
@@ -141,14 +157,6 @@ class StreamView(FitTextEdit):
         if self.waiting_for_paint:
             self.waiting_for_paint = False
             self.firstPainted.emit(now())
-
-    GROW_LINES = 4  # lines the view grows by at a time: each growth scrolls and repaints the transcript
-
-    def _fit(self, *_) -> None:
-        step = self.fontMetrics().lineSpacing() * self.GROW_LINES
-        h = max(step, math.ceil(math.ceil(self.document().size().height()) / step) * step)
-        if h != self.height():
-            self.setFixedHeight(h)
 
 
 def highlighted_html(code: str, lang: str) -> str:
@@ -215,6 +223,7 @@ class CodeBlock(QFrame):
         old, self.piece = self.piece, piece
         self.language.setText(piece.lang or "code")
         self.copyButton.setAccessibleName(f"Copy the {piece.lang or 'code'} block")
+        self.view.set_growing(0 if piece.closed else GROW_LINES)
         if piece.closed:
             self.view.setHtml(highlighted_html(piece.text, piece.lang))
         elif old is not None and not old.closed and piece.text.startswith(old.text):

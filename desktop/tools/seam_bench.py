@@ -182,6 +182,8 @@ class App:
         if not hasattr(final, "text"):  # engine.events.Failed
             raise RuntimeError(final.error)
         token_batches = [(t, n, c) for t, n, c in self.arrivals if n]
+        body = self.window.transcript.views[-1].shown_body
+        shown_pieces = [type(w).__name__ for w in getattr(body, "widgets", [])]
         if quiet:
             return {"trace": final.trace, "batches": len(token_batches)}
         if len(token_batches) < 2:
@@ -203,6 +205,7 @@ class App:
             "update_intervals_ms": intervals,
             "updates_per_s": (len(updates) - 1) / (updates[-1] - updates[0]) if len(updates) > 1 else None,
             "trace": final.trace,
+            "pieces": shown_pieces,  # the reply's widgets at the end: MarkdownLabel, CodeBlock, ThinkBlock
             "tokens_received": total,
             "batches": len(token_batches),
             "gui_decode_tok_s": (total - first_n) / (last_t - first_t) if last_t > first_t else None,
@@ -235,6 +238,7 @@ def _report(ns, threads: int, own: list, alone: list, inside: list, probed: list
     gui_r = [r["gui_decode_tok_s"] for r in inside]
     probe_r = [r["gui_decode_tok_s"] for r in probed]
     return {
+        "model": ns.model or f"random {ns.shape}",
         "shape": ns.shape,
         "dtype": ns.dtype,
         "threads": threads,
@@ -256,6 +260,7 @@ def _report(ns, threads: int, own: list, alone: list, inside: list, probed: list
             for o, a, g, p in zip(own_r, alone_r, gui_r, probe_r)
         ],
         "tokens_received": inside[0]["tokens_received"],
+        "reply_pieces": inside[0]["pieces"],
         "signal_batches": inside[0]["batches"],
         "signal_batches_alone": max(r["batches"] for r in alone),  # 1: every token at the end
         "event_loop_max_lag_ms": round(max(r["max_lag_ms"] for r in probed), 2),
@@ -278,6 +283,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m desktop.tools.seam_bench", description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="smollm2-135m", help="a random-weight shape from `python -m engine bench`")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument(
+        "--model", default=None, help="a model folder or GGUF file instead of a random-weight shape (with --prompt)"
+    )
+    ap.add_argument(
+        "--prompt",
+        default=None,
+        help="the message sent (default: --prompt-tokens random words of the shape's vocabulary)",
+    )
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None)
@@ -297,20 +310,24 @@ def main(argv=None) -> int:
     if ns.shape not in SHAPES:
         print(f"error: unknown shape {ns.shape!r} (choose from {', '.join(SHAPES)})", file=sys.stderr)
         return 2
+    if ns.model and not Path(ns.model).expanduser().exists():
+        print(f"error: no model at {ns.model}", file=sys.stderr)
+        return 2
     threads = ns.threads or default_threads()
     with tempfile.TemporaryDirectory(prefix="kvchat-seam-") as tmp:
         # The checkpoint and the engine-alone runs happen in a child process: this process's main
         # thread must not run torch, as in the app (an OpenMP pool left on the main thread slows
         # the worker thread's kernels on a small machine). Runs alternate, alone then app, so that
         # the machine's drift hits both; the headline is the median of the paired ratios.
-        model = str(Path(tmp) / ns.shape)
-        text = _prompt_text(ns.prompt_tokens, SHAPES[ns.shape]["vocab_size"])
+        model = str(Path(ns.model).expanduser().resolve()) if ns.model else str(Path(tmp) / ns.shape)
+        text = ns.prompt or _prompt_text(ns.prompt_tokens, SHAPES[ns.shape]["vocab_size"])
         # own: the engine alone in its own process; alone: the same loaded model on the app's worker
         # thread with nothing sent to the GUI until the reply ends; inside: the app; probed: the app
         # with the lag probe.
         own, alone, inside, probed = [], [], [], []
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            pool.submit(write_random_checkpoint, Path(model), ns.shape).result()
+            if not ns.model:
+                pool.submit(write_random_checkpoint, Path(model), ns.shape).result()
             os.environ["KVCHAT_THREADS"] = str(threads)
             app = App(
                 model,
@@ -338,8 +355,14 @@ def main(argv=None) -> int:
         print(json.dumps(report))
         return 0
     print(
-        f"{ns.shape} · {ns.dtype} · {threads} threads · prompt {report['prompt_tokens']} · new {ns.new_tokens} · "
-        f"medians of {ns.repeats} alternating runs"
+        f"{report['model']} · {ns.dtype} · {threads} threads · prompt {report['prompt_tokens']} · "
+        f"new {ns.new_tokens} · medians of {ns.repeats} alternating runs"
+    )
+    kinds = report["reply_pieces"]
+    print(
+        f"the reply on screen    {len(kinds)} pieces: "
+        + ", ".join(f"{kinds.count(k)} {k}" for k in sorted(set(kinds)))
+        + f" · {report['tokens_received']} tokens"
     )
     print(
         f"engine alone           {report['engine_alone_decode_tok_s']:8.2f} tok/s "

@@ -1,5 +1,7 @@
 """The transcript's message views: what a streaming reply costs the GUI thread, and what it shows."""
 
+import math
+
 from desktop.store import Message
 from desktop.transcript import MarkdownLabel, MessageView, WrapLabel
 
@@ -21,7 +23,7 @@ def test_a_streaming_reply_appends_to_its_open_paragraph_and_renders_closed_piec
         view.set_content(text + " " + word, "streaming", k)
         qtbot.wait(1)
         heights.append(stream.height())
-        step = stream.fontMetrics().lineSpacing() * stream.GROW_LINES  # it grows a few lines at a time
+        step = stream.fontMetrics().lineSpacing() * stream.grow_lines  # it grows a few lines at a time
         assert heights[-1] % step == 0 and 0 <= heights[-1] - stream.document().size().height() < step
         assert changes[-1] == (len(text), 0, len(word) + 1)  # only the new text, at the end: no layout again
         text += " " + word
@@ -39,11 +41,16 @@ def test_a_streaming_reply_appends_to_its_open_paragraph_and_renders_closed_piec
     block = view.reply.widgets[2]
     assert view.reply.widgets[0] is first and block.objectName() == "codeBlock" and not block.piece.closed
     assert block.view.toPlainText() == "def add(a, b):\n" and block.language.text() == "python"
+    step = block.view.fontMetrics().lineSpacing() * block.view.grow_lines  # an open block grows in steps too
+    assert block.view.grow_lines > 1 and block.view.height() % step == 0
     text += "    return a + b\n```\nDone."
     view.set_content(text, "complete", 110)  # the reply ends: every piece closed, the code highlighted
     assert view.reply.widgets[0] is first and view.reply.widgets[2] is block and view.stream is None
     assert block.piece.closed and block.view.toPlainText().rstrip() == "def add(a, b):\n    return a + b"
     assert "<span" in block.view.toHtml()  # Pygments' colours
+    assert block.view.grow_lines == 0  # closed: exactly as tall as its code
+    exact = math.ceil(block.view.document().size().height()) + 2
+    assert block.view.height() == exact or block.view.horizontalScrollBar().isVisible()
     assert [type(w).__name__ for w in view.reply.widgets] == [
         "MarkdownLabel",
         "MarkdownLabel",
