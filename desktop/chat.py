@@ -249,6 +249,14 @@ class ChatController:
         self.guard(self.store.set_leaf, self.current_cid, self.store.deepest_leaf(sibs[i].id))
         return True
 
+    def reveal(self, mid: int) -> bool:
+        """Show a branch that holds message `mid` (a search's match on another branch), down to that
+        branch's newest leaf; False when the branch shown holds it already."""
+        if self.current_cid is None or any(m.id == mid for m in self.branch()):
+            return False
+        self.guard(self.store.set_leaf, self.current_cid, self.store.deepest_leaf(mid))
+        return True
+
     def select_message(self, mid: int) -> ReplyStats | None:
         """The stats of a reply (live, or from its stored trace) become the panel's."""
         self.selected_mid = mid

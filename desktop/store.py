@@ -105,6 +105,35 @@ class Conversation:
     settings: dict | None = None  # its own system prompt and sampling (None: the app's)
 
 
+@dataclasses.dataclass
+class SearchHit:
+    """Where a search matched a conversation's messages: the first such message, and its words around
+    the match (shown under the conversation's title)."""
+
+    message_id: int
+    snippet: str
+
+
+SNIPPET_WORDS = 8  # words of a message shown for a search's match
+SNIPPET_BEFORE = 2  # of which before the match (the list is narrow: the match comes early)
+MARK = "\x02"  # where FTS5's highlight() says the match begins
+
+
+def _fts_terms(search: str) -> str:
+    """The search's words as an FTS5 query: each a quoted prefix, all of them required."""
+    return " ".join('"' + w.replace('"', '""') + '"*' for w in search.split())
+
+
+def _snippet(text: str, at: int) -> str:
+    """The message's words around character `at` (where the match begins), on one line."""
+    while at > 0 and not text[at - 1].isspace():  # from the start of the word the match is in
+        at -= 1
+    before, after = text[:at].split(), text[at:].split()
+    lead = before[-SNIPPET_BEFORE:] if before else []
+    rest = SNIPPET_WORDS - len(lead)
+    return ("…" if len(before) > len(lead) else "") + " ".join(lead + after[:rest]) + ("…" if len(after) > rest else "")
+
+
 SCHEMA_VERSION = 1  # PRAGMA user_version of the schema above; 0: a kvchat database from before versions
 COLUMNS = {  # what each table must have; a kvchat database missing a later column is migrated, not moved
     "conversations": {"id", "title", "created", "updated", "leaf_id", "deleted", "settings"},
@@ -280,7 +309,7 @@ class Store:
         if not search:
             sql, args = "SELECT * FROM conversations WHERE deleted=0 ORDER BY updated DESC", ()
         elif self.fts:
-            terms = " ".join('"' + w.replace('"', '""') + '"*' for w in search.split())
+            terms = _fts_terms(search)
             sql = (
                 "SELECT * FROM conversations WHERE deleted=0 AND (title LIKE ? OR id IN (SELECT conversation_id "
                 "FROM messages WHERE id IN (SELECT rowid FROM messages_fts WHERE messages_fts MATCH ?))) "
@@ -295,6 +324,34 @@ class Store:
             args = (f"%{search}%", f"%{search}%")
         rows = self.db.execute(sql, args).fetchall()
         return [_conversation(r) for r in rows]
+
+    def search_hits(self, search: str) -> dict[int, SearchHit]:
+        """For each conversation with a message (any branch) that holds the search's words: the first
+        such message and its words around the match."""
+        search = search.strip()
+        if not search:
+            return {}
+        if self.fts:  # highlight() marks where the index matched (its tokenizer, not a substring)
+            rows = self.db.execute(
+                "SELECT m.conversation_id AS cid, m.id AS mid, highlight(messages_fts, 0, ?, '') AS marked "
+                "FROM messages_fts JOIN messages m ON m.id = messages_fts.rowid WHERE messages_fts MATCH ? "
+                "ORDER BY m.id",
+                (MARK, _fts_terms(search)),
+            ).fetchall()
+            found = [(r["cid"], r["mid"], r["marked"].replace(MARK, ""), max(0, r["marked"].find(MARK))) for r in rows]
+        else:
+            rows = self.db.execute(
+                "SELECT conversation_id AS cid, id AS mid, content FROM messages WHERE content LIKE ? ORDER BY id",
+                (f"%{search}%",),
+            ).fetchall()
+            found = [
+                (r["cid"], r["mid"], r["content"], max(0, r["content"].lower().find(search.lower()))) for r in rows
+            ]
+        hits: dict[int, SearchHit] = {}
+        for cid, mid, text, at in found:
+            if cid not in hits:
+                hits[cid] = SearchHit(mid, _snippet(text, at))
+        return hits
 
     def conversation(self, cid: int) -> Conversation:
         return _conversation(self.db.execute("SELECT * FROM conversations WHERE id=?", (cid,)).fetchone())

@@ -518,6 +518,13 @@ class MessageView(QFrame):
         if self.shown != (message.content, message.status, message.token_count):
             self.set_content(message.content, message.status, message.token_count)
 
+    def set_found(self, found: bool) -> None:
+        """Mark (or unmark) this message as the one a search found."""
+        if bool(self.property("found")) != found:
+            self.setProperty("found", found)
+            self.style().unpolish(self)
+            self.style().polish(self)
+
     def set_highlight(self, start: int, end: int) -> None:
         """Mark where invalidation began: the message glows, the changed token is highlighted."""
         self.highlight = (start, end)

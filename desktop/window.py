@@ -53,6 +53,7 @@ from .worker import WorkerThread
 REFRESH_MS = 60  # the fastest the streaming text redraws (≥ 15 updates a second)
 SLOWEST_REFRESH_MS = 400  # the slowest, when redraws cost more than the budget
 GUI_CPU_BUDGET = 0.08  # share of one core the GUI thread may take while a reply streams
+FOUND_ROLE = Qt.UserRole + 1  # a conversation list item's search match: the message id
 PANEL_EVERY_S = 0.5  # the panel's figures twice a second while a reply streams (and once at its end)
 
 
@@ -142,6 +143,8 @@ class MainWindow(QMainWindow):
         self.conversationList.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
         self.conversationList.setTextElideMode(Qt.ElideRight)
         self.conversationList.currentItemChanged.connect(self._on_conversation_picked)
+        self.conversationList.itemClicked.connect(self._on_conversation_picked)  # a hit in the one shown
+        self.conversationList.itemActivated.connect(self._on_conversation_picked)  # Enter, from the keyboard
         ll.addWidget(self.conversationList)
         row = QHBoxLayout()
         self.newButton = _button("New", "newButton", self.new_conversation, row)
@@ -266,18 +269,49 @@ class MainWindow(QMainWindow):
     def _fill_conversations(self, *_):
         self.conversationList.blockSignals(True)
         self.conversationList.clear()
-        for c in self.store.conversations(self.search.text()):
-            item = QListWidgetItem(c.title)
+        search = self.search.text()
+        hits = self.store.search_hits(search)
+        if not search.strip():
+            for v in self.transcript.views:
+                v.set_found(False)
+        for c in self.store.conversations(search):
+            hit = hits.get(c.id)
+            item = QListWidgetItem(c.title if hit is None else f"{c.title}\n{hit.snippet}")
             item.setData(Qt.UserRole, c.id)
+            if hit is not None:  # a message matched: its words under the title; picking it shows that message
+                item.setData(FOUND_ROLE, hit.message_id)
+                item.setToolTip(hit.snippet)
             self.conversationList.addItem(item)
             if c.id == self.chat.current_cid:
                 self.conversationList.setCurrentItem(item)
         self.conversationList.blockSignals(False)
 
     def _on_conversation_picked(self, item, _prev=None):
-        """Open another conversation, also while a reply streams (it goes on into its own)."""
-        if item is not None:
-            self.select_conversation(item.data(Qt.UserRole))
+        """Open another conversation, also while a reply streams (it goes on into its own); a search
+        result opens at the message that matched."""
+        if item is None:
+            return
+        cid, found = item.data(Qt.UserRole), item.data(FOUND_ROLE)
+        if cid != self.chat.current_cid:
+            self.select_conversation(cid)
+        if found is not None:
+            self.show_found(found)
+
+    def show_found(self, mid: int) -> None:
+        """Bring a message (a search's match) into view: its branch shown, the message marked, scrolled
+        to and focused (Ctrl+Up/Down go on from there)."""
+        if self.chat.reveal(mid):
+            self.render_transcript()
+        for v in self.transcript.views:
+            v.set_found(v.message.id == mid)
+        if not self.generating:
+            self.select_message(mid)  # a reply: the panel shows its figures
+        view = self.transcript.view_for(mid)
+        if view is not None:
+            view.setFocus(Qt.OtherFocusReason)
+            QTimer.singleShot(  # once laid out; not if the transcript was redrawn without it meanwhile
+                0, lambda: view in self.transcript.views and self.transcript.ensureWidgetVisible(view, 0, 40)
+            )
 
     def select_conversation(self, cid: int | None) -> None:
         self.chat.current_cid = cid

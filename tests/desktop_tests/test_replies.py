@@ -105,22 +105,48 @@ def test_the_start_page_fits_the_model(qtbot, make_window, scripted_server, demo
     assert "org/tiny-remote" in text and remote.url in text and "demo" not in text
 
 
-def test_search_finds_a_word_from_a_message_body(qtbot, make_window, spin_loop, demo_model_dir):
+def test_search_finds_a_word_from_a_message_body_and_opens_at_that_message(
+    qtbot, make_window, spin_loop, demo_model_dir
+):
     from gui import send
 
     w = make_window(demo_model_dir)
     send(qtbot, w, spin_loop, "I am planning a trip to Chengdu for 3 nights. My budget is 600 yuan.")
+    reply_view = w.transcript.views[1]  # the reply edited as a new branch, then the first branch shown again
+    qtbot.mouseClick(reply_view.editButton, Qt.LeftButton)
+    reply_view.editor.setPlainText("Take the night train to Leshan and see the giant Buddha.")
+    qtbot.mouseClick(reply_view.saveButton, Qt.LeftButton)
+    edited = w.store.branch(w.chat.current_cid)[1]
+    assert edited.content.startswith("Take the night train")
+    qtbot.mouseClick(w.transcript.views[1].prevButton, Qt.LeftButton)
+    assert "Buddha" not in w.transcript.views[1].message.content
     qtbot.mouseClick(w.newButton, Qt.LeftButton)
     send(qtbot, w, spin_loop, "Hello there")
     assert w.conversationList.count() == 2
     first = w.store.conversations()[1]
-    reply = w.store.branch(first.id)[1].content  # the first conversation's reply
-    words = [x.strip(".,:!") for x in reply.split()]
-    word = next(x for x in words if len(x) > 4 and x.isalpha() and x.lower() not in first.title.lower())
+    word = "Buddha"
+
     search = w.findChild(type(w.search), "searchField")
     qtbot.keyClicks(search, word[:-1])  # a prefix is enough
-    items = [w.conversationList.item(i).text() for i in range(w.conversationList.count())]
-    assert items == [first.title]  # found by a word of its reply, not of its title
+    items = [w.conversationList.item(i).text().split("\n") for i in range(w.conversationList.count())]
+    assert [i[0] for i in items] == [first.title]  # found by a word of a reply on the branch not shown
+    assert word in items[0][1]  # the words around the match, under the title
+    item = w.conversationList.item(0)
+    w.activateWindow()  # the offscreen platform drops the active window while a reply streams
+    qtbot.waitUntil(lambda: w.isActiveWindow())
+    qtbot.mouseClick(w.conversationList.viewport(), Qt.LeftButton, pos=w.conversationList.visualItemRect(item).center())
+    # It opens at that message: its branch shown, the message marked and focused.
+    assert w.chat.current_cid == first.id
+    assert [v.message.id for v in w.transcript.views] == [edited.parent_id, edited.id]
+    found = w.transcript.view_for(edited.id)
+    assert found.property("found") is True and w.transcript.views[0].property("found") is not True
+    qtbot.waitUntil(lambda: found.hasFocus() or found.isAncestorOf(w.focusWidget()))
+    search.clear()  # the mark goes with the search
+    assert found.property("found") is False
+    qtbot.keyClicks(search, word)  # from the keyboard: the list, then Enter on the result
+    w.conversationList.setFocus()
+    qtbot.keyClick(w.conversationList, Qt.Key_Return)
+    assert w.transcript.view_for(edited.id).property("found") is True
 
 
 def test_export_then_import_gives_the_same_tree(qtbot, make_window, spin_loop, demo_model_dir, tmp_path, monkeypatch):

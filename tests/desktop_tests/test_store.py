@@ -132,8 +132,20 @@ def test_search_finds_words_in_message_bodies_of_any_branch_and_follows_edits(tm
     assert titles("teahouses") == ["Trip"] and titles("egg") == ["Recipes"] and titles("reci") == ["Recipes"]
     assert titles("giant dawn") == ["Trip"] and titles("giant egg") == []  # every word
     assert titles('"quoted') == [] and titles("") == ["Recipes", "Trip"]
+    hits = st.search_hits("teahouse")  # the message that matched, and its words around the match
+    assert list(hits) == [trip.id] and hits[trip.id].message_id == u.id + 2
+    assert hits[trip.id].snippet == "…branch about teahouses"  # the match comes early: the list is narrow
+    long = st.add_message(other.id, None, "user", " ".join(f"w{i}" for i in range(40)) + " soufflé " + "x " * 40)
+    snip = st.search_hits("souff")[other.id]
+    assert snip.message_id == long.id and "soufflé" in snip.snippet and snip.snippet.startswith("…")
+    assert snip.snippet.endswith("…") and len(snip.snippet.split()) <= 10
+    st.fts = False  # the LIKE path (SQLite without FTS5) gives the same hits
+    assert st.search_hits("teahouse")[trip.id] == hits[trip.id]
+    assert "soufflé" in st.search_hits("souff")[other.id].snippet and st.search_hits("") == {}
+    st.fts = True
     st.update_message(a.id, content="Visit the bamboo forest")  # the index follows the edit
     assert titles("panda") == [] and titles("bamboo") == ["Trip"]
+    assert st.search_hits("bamboo")[trip.id].message_id == a.id
     st.close()
 
 
