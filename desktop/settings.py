@@ -4,6 +4,7 @@ No Qt here: the dialog and the QSettings file are in settings_dialog.py."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from pathlib import Path
 
@@ -64,6 +65,17 @@ class Settings:
     remote_api_key: str = ""
     remote_model: str = ""  # "": the first the server lists
     theme: str = "system"  # system (the OS's colour scheme) | dark | light
+    user_presets: str = ""  # the person's own system-prompt presets: a JSON object, name -> prompt
+
+    def own_presets(self) -> dict[str, str]:
+        """The person's saved system-prompt presets (a damaged value reads as none)."""
+        try:
+            value = json.loads(self.user_presets or "{}")
+        except ValueError:
+            return {}
+        if not isinstance(value, dict):
+            return {}
+        return {k: v for k, v in value.items() if isinstance(k, str) and isinstance(v, str) and k and v}
 
     def conversation_part(self) -> dict:
         """What a conversation keeps as its own: the system prompt and the sampling."""

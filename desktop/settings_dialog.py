@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 from pathlib import Path
 
-from PySide6.QtCore import QObject, QSettings, Signal
+from PySide6.QtCore import QObject, QSettings, Qt, Signal
 from PySide6.QtWidgets import (
     QComboBox,
     QDialog,
@@ -15,8 +16,10 @@ from PySide6.QtWidgets import (
     QFileDialog,
     QFormLayout,
     QHBoxLayout,
+    QInputDialog,
     QLabel,
     QLineEdit,
+    QMessageBox,
     QPlainTextEdit,
     QPushButton,
     QSpinBox,
@@ -30,6 +33,8 @@ from engine.remote import RemoteSpec, list_models
 from engine.spec import LoadSpec
 
 from .settings import SYSTEM_PRESETS, Settings
+
+OWN_PRESET_ROLE = Qt.UserRole + 1  # a presets combo item's name when the preset is the person's own
 
 
 class ModelListFetcher(QObject):
@@ -148,11 +153,22 @@ class SettingsDialog(QDialog):
         self.presets = QComboBox()
         self.presets.setObjectName("systemPresetCombo")
         self.presets.setAccessibleName("System prompt presets")
-        self.presets.addItem("Start from a preset…", "")
-        for name, text in SYSTEM_PRESETS.items():
-            self.presets.addItem(name, text)
         self.presets.activated.connect(self._preset_chosen)
-        form.addRow("System prompt (this conversation)", self.presets)
+        self._own_presets = settings.own_presets()
+        self.savePreset = QPushButton("Save as preset…")
+        self.savePreset.setObjectName("savePresetButton")
+        self.savePreset.setAccessibleName("Save this system prompt as a preset")
+        self.savePreset.clicked.connect(lambda: self.save_preset())
+        self.deletePreset = QPushButton("Delete preset")
+        self.deletePreset.setObjectName("deletePresetButton")
+        self.deletePreset.setAccessibleName("Delete the chosen preset of yours")
+        self.deletePreset.clicked.connect(lambda: self.delete_preset())
+        self._fill_presets()
+        row = QHBoxLayout()
+        row.addWidget(self.presets, 1)
+        row.addWidget(self.savePreset)
+        row.addWidget(self.deletePreset)
+        form.addRow("System prompt (this conversation)", row)
         form.addRow("", self.system)
         self.temperature = self._dspin(settings.temperature, 0, 5, 0.05, "temperatureSpin")
         form.addRow("Temperature (0 = greedy)", self.temperature)
@@ -218,10 +234,50 @@ class SettingsDialog(QDialog):
         if path:
             self.modelDir.setText(path)
 
+    def _fill_presets(self, current: str = "") -> None:
+        """The built-in presets, then the person's own (marked as theirs), `current` chosen."""
+        self.presets.clear()
+        self.presets.addItem("Start from a preset…", "")
+        for name, text in SYSTEM_PRESETS.items():
+            self.presets.addItem(name, text)
+        for name, text in sorted(self._own_presets.items(), key=lambda kv: kv[0].lower()):
+            self.presets.addItem(f"{name} (yours)", text)
+            self.presets.setItemData(self.presets.count() - 1, name, OWN_PRESET_ROLE)
+        at = next((i for i in range(self.presets.count()) if self.presets.itemData(i, OWN_PRESET_ROLE) == current), 0)
+        self.presets.setCurrentIndex(at)
+        self.deletePreset.setEnabled(bool(current))
+
     def _preset_chosen(self, index: int) -> None:
         text = self.presets.itemData(index)
         if text:
             self.system.setPlainText(text)
+        self.deletePreset.setEnabled(self.presets.itemData(index, OWN_PRESET_ROLE) is not None)
+
+    def save_preset(self, name: str | None = None) -> None:
+        """The system prompt in the box, kept under a name of the person's (asked for when not given);
+        a name already theirs is replaced."""
+        text = self.system.toPlainText().strip()
+        if not text:
+            QMessageBox.information(self, "Save as preset", "Write a system prompt first.")
+            return
+        if name is None:
+            name, ok = QInputDialog.getText(self, "Save as preset", "Name of the preset:")
+            if not ok:
+                return
+        name = " ".join(name.split())
+        if not name:
+            return
+        if name in SYSTEM_PRESETS:
+            QMessageBox.information(self, "Save as preset", f"“{name}” is a built-in preset: choose another name.")
+            return
+        self._own_presets[name] = text
+        self._fill_presets(name)
+
+    def delete_preset(self) -> None:
+        name = self.presets.currentData(OWN_PRESET_ROLE)
+        if name is not None:
+            self._own_presets.pop(name, None)
+            self._fill_presets()
 
     @property
     def is_remote(self) -> bool:
@@ -280,4 +336,5 @@ class SettingsDialog(QDialog):
             remote_url=self.remoteUrl.text().strip(),
             remote_api_key=self.remoteKey.text().strip(),
             remote_model=self.remoteModel.currentText().strip(),
+            user_presets=json.dumps(self._own_presets, ensure_ascii=False) if self._own_presets else "",
         )

@@ -319,3 +319,48 @@ def test_each_conversation_keeps_its_own_system_prompt_and_sampling(qtbot, make_
     assert w.store.conversation(second).settings["temperature"] == 0.7
     qtbot.mouseClick(w.newButton, Qt.LeftButton)  # a new one starts from the app's settings, the last chosen
     assert w.chat.settings_for().system_prompt == "Answer in as few words as the question allows."
+
+
+def test_a_system_prompt_saved_as_a_preset_is_there_in_every_conversation_and_can_be_deleted(
+    qtbot, make_window, demo_model_dir, monkeypatch
+):
+    from PySide6.QtWidgets import QInputDialog
+
+    from desktop.settings import Settings
+    from desktop.settings_dialog import SettingsDialog
+
+    w = make_window(demo_model_dir)
+    qtbot.mouseClick(w.newButton, Qt.LeftButton)
+    dlg = SettingsDialog(w.chat.settings_for(), w.db_path, w)
+    qtbot.addWidget(dlg)
+    prompt = "You are a pirate. Answer like one, in two sentences at most."
+    dlg.system.setPlainText(prompt)
+    monkeypatch.setattr(QInputDialog, "getText", lambda *a, **k: ("  Pirate   talk ", True))
+    qtbot.mouseClick(dlg.findChild(type(dlg.savePreset), "savePresetButton"), Qt.LeftButton)
+    assert dlg.presets.currentText() == "Pirate talk (yours)" and dlg.deletePreset.isEnabled()
+    w.apply_settings(dlg.result_settings(), conversation=True)
+    assert Settings.load(w.qsettings).own_presets() == {"Pirate talk": prompt}  # kept in the settings file
+
+    qtbot.mouseClick(w.newButton, Qt.LeftButton)  # another conversation, another dialog: the preset is there
+    dlg = SettingsDialog(w.chat.settings_for(), w.db_path, w)
+    qtbot.addWidget(dlg)
+    dlg.system.setPlainText("")
+    at = dlg.presets.findText("Pirate talk (yours)")
+    assert at > dlg.presets.findText("Brief answers") > 0  # after the built-in ones
+    dlg.presets.setCurrentIndex(at)
+    dlg.presets.activated.emit(at)
+    assert dlg.system.toPlainText() == prompt
+    monkeypatch.setattr(QInputDialog, "getText", lambda *a, **k: ("Brief answers", True))
+    monkeypatch.setattr("desktop.settings_dialog.QMessageBox.information", lambda *a, **k: None)
+    dlg.save_preset()  # a built-in name is refused
+    assert dlg.presets.findText("Brief answers (yours)") == -1
+    dlg.presets.setCurrentIndex(dlg.presets.findText("Brief answers"))
+    dlg.presets.activated.emit(dlg.presets.currentIndex())
+    assert not dlg.deletePreset.isEnabled()  # only one's own can be deleted
+    dlg.presets.setCurrentIndex(at)
+    dlg.presets.activated.emit(at)
+    qtbot.mouseClick(dlg.deletePreset, Qt.LeftButton)
+    assert dlg.presets.findText("Pirate talk (yours)") == -1
+    w.apply_settings(dlg.result_settings(), conversation=True)
+    assert Settings.load(w.qsettings).own_presets() == {}
+    assert Settings(user_presets="not json").own_presets() == {} and Settings(user_presets="[1]").own_presets() == {}
