@@ -126,6 +126,21 @@ class GapChart(QWidget):
             p.drawLine(0, int(y), w, int(y))
 
 
+def set_bar(bar: QProgressBar, maximum: int, value: int, text: str) -> None:
+    """A progress bar's range, value and text, painted with the rest of the window: QProgressBar
+    repaints itself at once on setValue, which under a style sheet costs a paint of its own."""
+    if (bar.maximum(), bar.value(), bar.format()) == (maximum, value, text):
+        return
+    bar.setUpdatesEnabled(False)
+    try:
+        bar.setRange(0, maximum)
+        bar.setValue(value)
+        bar.setFormat(text)
+    finally:
+        bar.setUpdatesEnabled(True)  # schedules the one paint
+        bar.update()
+
+
 class StatsPanel(QScrollArea):
     exportRequested = Signal()
 
@@ -341,9 +356,7 @@ class StatsPanel(QScrollArea):
         if not f:
             return
         if positions is None:  # a remote server that reports no token counts
-            self.cacheBar.setRange(0, 1)
-            self.cacheBar.setValue(0)
-            self.cacheBar.setFormat(NOT_REPORTED)
+            set_bar(self.cacheBar, 1, 0, NOT_REPORTED)
             for name in ("cachePositionsValue", "kvPayloadValue", "kvFormulaValue"):
                 self.set(name, NOT_REPORTED)
             self.set("cachePointValue", point)
@@ -351,10 +364,10 @@ class StatsPanel(QScrollArea):
         cap = f.get("capacity")
         per = f.get("kv_bytes_per_position")
         payload = None if per is None else positions * per
-        self.cacheBar.setRange(0, cap or max(positions, 1))
-        self.cacheBar.setValue(positions)
         of = f"{positions:,} / {cap:,}" if cap else f"{positions:,} (capacity {NOT_REPORTED})"
-        self.cacheBar.setFormat(f"{of} positions" if cap else f"{positions:,} positions")
+        set_bar(
+            self.cacheBar, cap or max(positions, 1), positions, f"{of} positions" if cap else f"{positions:,} positions"
+        )
         self.set("cachePositionsValue", of)
         self.set("kvPayloadValue", NOT_REPORTED if payload is None else fmt_bytes(payload))
         allocated = f["cache"].get("allocated_bytes")
@@ -448,16 +461,19 @@ class StatsPanel(QScrollArea):
         last request took from it in bold, the working cache's own positions in italics)."""
         if not store:
             if self.remote and self.facts.get("server_kind") != "kvchat":
-                self.storeBar.setFormat(NOT_REPORTED)
-                self.storeBar.setValue(0)
+                set_bar(self.storeBar, self.storeBar.maximum(), 0, NOT_REPORTED)
                 for name in ("storeBytesValue", "storePrefixesValue", "storeEvictionsValue"):
                     self.set(name, NOT_REPORTED)
                 self.storeTree.clear()
             return
         held, budget = store["bytes"], store["budget"]
-        self.storeBar.setRange(0, max(budget // 1024, 1))  # KiB: a QProgressBar counts in int
-        self.storeBar.setValue(min(held // 1024, max(budget // 1024, 1)))
-        self.storeBar.setFormat(f"{fmt_size(held)} of {fmt_size(budget)}" if budget else "off (budget 0)")
+        top = max(budget // 1024, 1)  # KiB: a QProgressBar counts in int
+        set_bar(
+            self.storeBar,
+            top,
+            min(held // 1024, top),
+            f"{fmt_size(held)} of {fmt_size(budget)}" if budget else "off (budget 0)",
+        )
         self.set("storeBytesValue", f"{fmt_bytes(held)} · {fmt_size(budget)}")
         self.set(
             "storePrefixesValue", f"{store['prefixes']:,} in {store['nodes']:,} blocks of {store['block']} positions"
