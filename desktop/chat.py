@@ -208,11 +208,10 @@ class ChatController:
 
     def rows(self) -> list[tuple[Message, int, int]]:
         """The current branch as (message, its index among its siblings, how many siblings)."""
-        out = []
-        for m in self.branch():
-            sibs = self.store.siblings(m)
-            out.append((m, next(i for i, s in enumerate(sibs) if s.id == m.id), len(sibs)))
-        return out
+        if self.current_cid is None:
+            return []
+        versions = self.store.versions(self.current_cid)
+        return [(m, *versions[m.id]) for m in self.branch()]
 
     def last_message(self) -> Message | None:
         path = self.branch()

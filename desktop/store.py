@@ -78,6 +78,14 @@ def _full_text(db: sqlite3.Connection) -> bool:
     return True
 
 
+BUSY_MS = 50  # how long a write waits for another program's lock before it is held back (the GUI thread waits)
+HELD_SUFFIX = ".held.json"  # beside the database: changes a lock held back when the app closed
+
+
+def _locked(e: Exception) -> bool:
+    return "locked" in str(e).lower() or "busy" in str(e).lower()
+
+
 class StoreError(Exception):
     """The database cannot be used; the message says what happened and what was done about it."""
 
@@ -134,6 +142,7 @@ def _snippet(text: str, at: int) -> str:
     return ("…" if len(before) > len(lead) else "") + " ".join(lead + after[:rest]) + ("…" if len(after) > rest else "")
 
 
+MAX_DEPTH = 1_000_000  # messages in one branch, at most (a guard against a parent chain that loops)
 SCHEMA_VERSION = 1  # PRAGMA user_version of the schema above; 0: a kvchat database from before versions
 COLUMNS = {  # what each table must have; a kvchat database missing a later column is migrated, not moved
     "conversations": {"id", "title", "created", "updated", "leaf_id", "deleted", "settings"},
@@ -165,6 +174,10 @@ class Store:
         self.read_only = False
         self.fts = False  # message search by FTS5 (else LIKE)
         self.notice: str | None = None  # what the person must know about this database, if anything
+        # Changes another program's lock held back: (table, id) -> {column: value}, written by flush();
+        # reads see them as if written. `on_held(n)` is told when changes are held back.
+        self.held: dict[tuple[str, int], dict] = {}
+        self.on_held = None
         if str(path) == ":memory:":
             self.db = self._open_writable(":memory:")
             return
@@ -178,6 +191,7 @@ class Store:
                 self._inspect()
             self.db = self._open_writable()
             self._recover_streaming()
+            self._replay_held()
         except _Unusable as e:
             self._move_aside(str(e))
         except sqlite3.DatabaseError as e:
@@ -234,6 +248,7 @@ class Store:
         self.fts = _full_text(db)
         db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         db.execute("SELECT count(*) FROM conversations").fetchone()
+        db.execute(f"PRAGMA busy_timeout={BUSY_MS}")  # opened: from now on a lock holds a change back, briefly
         return db
 
     def _move_aside(self, why: str) -> None:
@@ -287,19 +302,125 @@ class Store:
         self._write("UPDATE messages SET status='incomplete' WHERE status='streaming'")
 
     def _write(self, sql: str, args=()) -> sqlite3.Cursor:
+        """A write that makes a row (its id is needed now): refused with a message while locked."""
         if self.read_only:
             raise StoreError("the conversation database is read-only here: your last change was not saved")
         try:
             return self.db.execute(sql, args)
         except sqlite3.OperationalError as e:
-            if "locked" in str(e).lower() or "busy" in str(e).lower():
+            if _locked(e):
                 raise StoreError(
                     "the conversation database is locked by another program; your last change was not saved"
                 ) from None
             raise StoreError(f"the conversation database failed: {e}") from None
 
-    def close(self) -> None:
+    def _update(self, table: str, rid: int, **cols) -> None:
+        """A change to a row's columns. While another program holds the database it is held back (each
+        column's latest value), reads see it as if written, and flush() writes it: a reply streaming
+        during a lock is neither lost nor stalls the window for more than BUSY_MS."""
+        if self.read_only:
+            raise StoreError("the conversation database is read-only here: your last change was not saved")
+        if not self.held:
+            try:
+                self.db.execute(
+                    f"UPDATE {table} SET {', '.join(f'{c}=?' for c in cols)} WHERE id=?", (*cols.values(), rid)
+                )
+                return
+            except sqlite3.OperationalError as e:
+                if not _locked(e):
+                    raise StoreError(f"the conversation database failed: {e}") from None
+        self.held.setdefault((table, rid), {}).update(cols)
+        if self.on_held is not None:
+            self.on_held(len(self.held))
+
+    def flush(self) -> bool:
+        """Write the changes a lock held back, in one transaction; False while the database is still
+        locked (they stay held)."""
+        if not self.held:
+            return True
+        try:
+            self.db.execute("BEGIN IMMEDIATE")
+            for (table, rid), cols in self.held.items():
+                self.db.execute(
+                    f"UPDATE {table} SET {', '.join(f'{c}=?' for c in cols)} WHERE id=?", (*cols.values(), rid)
+                )
+            self.db.execute("COMMIT")
+        except sqlite3.OperationalError as e:
+            if self.db.in_transaction:
+                self.db.execute("ROLLBACK")
+            if _locked(e):
+                return False
+            raise StoreError(f"the conversation database failed: {e}") from None
+        self.held.clear()
+        return True
+
+    def _held_rows(self) -> list[dict]:
+        return [{"table": t, "id": rid, "columns": cols} for (t, rid), cols in self.held.items()]
+
+    def save_copy(self, path: Path | str) -> Path:
+        """The whole database with the held-back changes in it, written to another file (the banner's
+        "Save a copy elsewhere…"); the working database stays this one."""
+        path = Path(path)
+        try:
+            if path.exists():
+                path.unlink()
+            dst = sqlite3.connect(str(path), isolation_level=None)
+            try:
+                self.db.backup(dst)
+                for row in self._held_rows():
+                    cols = row["columns"]
+                    dst.execute(
+                        f"UPDATE {row['table']} SET {', '.join(f'{c}=?' for c in cols)} WHERE id=?",
+                        (*cols.values(), row["id"]),
+                    )
+            finally:
+                dst.close()
+        except (sqlite3.Error, OSError) as e:
+            raise StoreError(f"a copy could not be written to {path}: {e}") from None
+        return path
+
+    @property
+    def held_path(self) -> Path:
+        return self.path.with_name(self.path.name + HELD_SUFFIX)
+
+    def _replay_held(self) -> None:
+        """Changes a lock held back when kvchat last closed (kept in a file beside the database): written
+        now, and the file removed; a damaged file is moved aside and said so."""
+        path = self.held_path
+        if not path.exists():
+            return
+        try:
+            rows = json.loads(path.read_text(encoding="utf-8"))
+            held = {(r["table"], int(r["id"])): dict(r["columns"]) for r in rows if r["table"] in COLUMNS}
+            for (table, _), cols in held.items():
+                if not set(cols) <= COLUMNS[table] - {"id"}:
+                    raise ValueError(f"unknown columns {sorted(set(cols) - COLUMNS[table])}")
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            aside = path.with_name(path.name + f".unreadable-{time.strftime('%Y%m%d-%H%M%S')}")
+            os.replace(path, aside)
+            self.notice = (
+                f"Changes held back from the last session could not be read ({e}); the file was moved to {aside}."
+            )
+            return
+        self.held.update(held)
+        if self.flush():
+            path.unlink()
+            self.notice = (
+                f"{len(held)} change{'s' if len(held) != 1 else ''} that another program's lock held back when "
+                "kvchat last closed were saved now."
+            )
+
+    def close(self) -> bool:
+        """Close; changes a lock still holds back are written to a file beside the database (saved on the
+        next start). False if even that failed (the caller says so)."""
+        kept = True
+        if self.held and not self.flush() and self.path.name != ":memory:":
+            try:
+                self.held_path.write_text(json.dumps(self._held_rows()), encoding="utf-8")
+            except OSError:
+                kept = False
         self.db.close()
+        return kept
 
     # --- conversations ------------------------------------------------------------------
     def conversations(self, search: str = "") -> list[Conversation]:
@@ -307,22 +428,22 @@ class Store:
         (full-text, each word a prefix)."""
         search = search.strip()
         if not search:
-            sql, args = "SELECT * FROM conversations WHERE deleted=0 ORDER BY updated DESC", ()
+            sql, args = "SELECT * FROM conversations", ()
         elif self.fts:
             terms = _fts_terms(search)
             sql = (
-                "SELECT * FROM conversations WHERE deleted=0 AND (title LIKE ? OR id IN (SELECT conversation_id "
-                "FROM messages WHERE id IN (SELECT rowid FROM messages_fts WHERE messages_fts MATCH ?))) "
-                "ORDER BY updated DESC"
+                "SELECT * FROM conversations WHERE (title LIKE ? OR id IN (SELECT conversation_id "
+                "FROM messages WHERE id IN (SELECT rowid FROM messages_fts WHERE messages_fts MATCH ?)))"
             )
             args = (f"%{search}%", terms)
         else:
             sql = (
-                "SELECT * FROM conversations WHERE deleted=0 AND (title LIKE ? OR id IN (SELECT conversation_id "
-                "FROM messages WHERE content LIKE ?)) ORDER BY updated DESC"
+                "SELECT * FROM conversations WHERE (title LIKE ? OR id IN (SELECT conversation_id "
+                "FROM messages WHERE content LIKE ?))"
             )
             args = (f"%{search}%", f"%{search}%")
-        rows = self.db.execute(sql, args).fetchall()
+        rows = [self._held_over(r, "conversations") for r in self.db.execute(sql, args).fetchall()]
+        rows = sorted((r for r in rows if not r["deleted"]), key=lambda r: r["updated"], reverse=True)
         return [_conversation(r) for r in rows]
 
     def search_hits(self, search: str) -> dict[int, SearchHit]:
@@ -354,7 +475,8 @@ class Store:
         return hits
 
     def conversation(self, cid: int) -> Conversation:
-        return _conversation(self.db.execute("SELECT * FROM conversations WHERE id=?", (cid,)).fetchone())
+        row = self.db.execute("SELECT * FROM conversations WHERE id=?", (cid,)).fetchone()
+        return _conversation(self._held_over(row, "conversations"))
 
     def new_conversation(self, title: str = "New chat", settings: dict | None = None) -> Conversation:
         now = time.time()
@@ -366,23 +488,29 @@ class Store:
 
     def set_settings(self, cid: int, settings: dict) -> None:
         """The conversation's own system prompt and sampling."""
-        self._write("UPDATE conversations SET settings=? WHERE id=?", (json.dumps(settings), cid))
+        self._update("conversations", cid, settings=json.dumps(settings))
 
     def rename(self, cid: int, title: str) -> None:
-        self._write("UPDATE conversations SET title=?, updated=? WHERE id=?", (title, time.time(), cid))
+        self._update("conversations", cid, title=title, updated=time.time())
 
     def delete(self, cid: int) -> None:
         """Soft delete, so it can be undone."""
-        self._write("UPDATE conversations SET deleted=1 WHERE id=?", (cid,))
+        self._update("conversations", cid, deleted=1)
 
     def undelete(self, cid: int) -> None:
-        self._write("UPDATE conversations SET deleted=0 WHERE id=?", (cid,))
+        self._update("conversations", cid, deleted=0)
 
     def set_leaf(self, cid: int, leaf_id: int | None) -> None:
-        self._write("UPDATE conversations SET leaf_id=?, updated=? WHERE id=?", (leaf_id, time.time(), cid))
+        self._update("conversations", cid, leaf_id=leaf_id, updated=time.time())
 
     # --- messages -----------------------------------------------------------------------
+    def _held_over(self, row, table: str):
+        """A row as it reads with the changes a lock held back (as if written)."""
+        held = self.held.get((table, row["id"])) if self.held and row is not None else None
+        return {k: held.get(k, row[k]) for k in row.keys()} if held else row
+
     def _message(self, r) -> Message:
+        r = self._held_over(r, "messages")
         return Message(
             r["id"],
             r["conversation_id"],
@@ -424,16 +552,13 @@ class Store:
         token_count: int | None = None,
         trace: dict | None = None,
     ) -> None:
-        sets, args = [], []
-        for col, val in (("content", content), ("status", status), ("token_count", token_count)):
-            if val is not None:
-                sets.append(f"{col}=?")
-                args.append(val)
+        cols = {
+            c: v for c, v in (("content", content), ("status", status), ("token_count", token_count)) if v is not None
+        }
         if trace is not None:
-            sets.append("trace=?")
-            args.append(json.dumps(trace))
-        if sets:
-            self._write(f"UPDATE messages SET {', '.join(sets)} WHERE id=?", (*args, mid))
+            cols["trace"] = json.dumps(trace)
+        if cols:
+            self._update("messages", mid, **cols)
 
     def all_messages(self, cid: int) -> list[Message]:
         """Every message of a conversation, every branch, oldest first (parents before children)."""
@@ -441,14 +566,29 @@ class Store:
         return [self._message(r) for r in rows]
 
     def branch(self, cid: int) -> list[Message]:
-        """The messages from the root to the conversation's current leaf."""
-        conv = self.conversation(cid)
-        out, mid = [], conv.leaf_id
-        while mid is not None:
-            m = self.message(mid)
-            out.append(m)
-            mid = m.parent_id
-        return out[::-1]
+        """The messages from the root to the conversation's current leaf (one query, however long the
+        conversation; a damaged parent chain that loops stops at MAX_DEPTH)."""
+        leaf = self.conversation(cid).leaf_id  # as it reads with held-back changes
+        if leaf is None:
+            return []
+        rows = self.db.execute(
+            "WITH RECURSIVE path(id, depth) AS (SELECT ?, 0 "
+            "UNION ALL SELECT m.parent_id, p.depth + 1 FROM messages m JOIN path p ON m.id = p.id "
+            "WHERE m.parent_id IS NOT NULL AND p.depth < ?) "
+            "SELECT messages.* FROM path JOIN messages ON messages.id = path.id ORDER BY path.depth DESC",
+            (leaf, MAX_DEPTH),
+        ).fetchall()
+        return [self._message(r) for r in rows]
+
+    def versions(self, cid: int) -> dict[int, tuple[int, int]]:
+        """Each message's place among its versions (same parent, same role): id -> (index, how many),
+        for a whole conversation in one query."""
+        groups: dict[tuple, list[int]] = {}
+        for mid, parent, role in self.db.execute(
+            "SELECT id, parent_id, role FROM messages WHERE conversation_id=? ORDER BY id", (cid,)
+        ):
+            groups.setdefault((parent, role), []).append(mid)
+        return {mid: (i, len(ids)) for ids in groups.values() for i, mid in enumerate(ids)}
 
     def siblings(self, m: Message) -> list[Message]:
         """Versions of this message (same parent, same role), oldest first."""

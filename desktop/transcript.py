@@ -5,7 +5,7 @@ from __future__ import annotations
 import html
 import math
 
-from PySide6.QtCore import QEvent, QSize, Qt, Signal
+from PySide6.QtCore import QEvent, QSize, Qt, QTimer, Signal
 from PySide6.QtGui import QFontDatabase, QGuiApplication, QTextCursor
 from PySide6.QtWidgets import (
     QFrame,
@@ -563,6 +563,12 @@ class MessageView(QFrame):
 
 
 class Transcript(QScrollArea):
+    """The messages of the branch shown, from `first` (its index in the branch) to the end: a long
+    conversation opens with its last messages, and earlier ones come a window at a time
+    (`earlierButton`)."""
+
+    earlierRequested = Signal()
+
     def __init__(self):
         super().__init__()
         self.setObjectName("transcript")
@@ -571,6 +577,14 @@ class Transcript(QScrollArea):
         self.inner.setObjectName("transcriptInner")
         self.lay = QVBoxLayout(self.inner)
         self.lay.setSpacing(8)
+        self.first = 0  # the branch index of views[0]
+        self.earlierButton = QPushButton()
+        self.earlierButton.setObjectName("earlierButton")
+        self.earlierButton.setFlat(True)
+        self.earlierButton.setCursor(Qt.PointingHandCursor)
+        self.earlierButton.clicked.connect(lambda: self.earlierRequested.emit())
+        self.earlierButton.setVisible(False)
+        self.lay.addWidget(self.earlierButton, 0, Qt.AlignHCenter)
         self.hint = QLabel(DEMO_HINT)
         self.hint.setObjectName("transcriptHint")
         self.hint.setAlignment(Qt.AlignCenter)
@@ -609,8 +623,36 @@ class Transcript(QScrollArea):
         if self._follow:
             self.verticalScrollBar().setValue(hi)
 
-    def clear(self) -> None:
+    def clear(self, first: int = 0) -> None:
+        """No views; the next ones added start at branch index `first`."""
         self.truncate(0)
+        self.first = first
+        self._show_earlier_button()
+
+    def _show_earlier_button(self) -> None:
+        self.earlierButton.setVisible(self.first > 0)
+        n = self.first
+        self.earlierButton.setText(f"Show earlier messages ({n:,} not shown)")
+        self.earlierButton.setAccessibleName(f"Show earlier messages: {n} are not shown")
+
+    def prepend(self, views: list[MessageView]) -> None:
+        """Views for the messages just before `first`, keeping what is on screen where it is."""
+        if not views:
+            return
+        bar = self.verticalScrollBar()
+        anchor = self.views[0] if self.views else None
+        offset = (anchor.y() - bar.value()) if anchor is not None else 0
+        at = self.lay.indexOf(self.hint) + 1
+        for i, view in enumerate(views):
+            self.lay.insertWidget(at + i, view)
+            view.show()  # now, not at the layout's next pass: Ctrl+Up focuses one at once
+        self.views[:0] = views
+        self.first -= len(views)
+        self._show_earlier_button()
+        self.hint.setVisible(False)
+        if anchor is not None:
+            self._follow = False
+            QTimer.singleShot(0, lambda: anchor in self.views and bar.setValue(anchor.y() - offset))  # once laid out
 
     def truncate(self, keep: int) -> None:
         """Remove the views after the first `keep`."""

@@ -53,6 +53,8 @@ from .worker import WorkerThread
 REFRESH_MS = 60  # the fastest the streaming text redraws (≥ 15 updates a second)
 SLOWEST_REFRESH_MS = 400  # the slowest, when redraws cost more than the budget
 GUI_CPU_BUDGET = 0.08  # share of one core the GUI thread may take while a reply streams
+HELD_RETRY_MS = 1000  # how often changes a lock held back are tried again
+WINDOW = 40  # messages a conversation opens with: a long one opens at once, earlier messages on request
 FOUND_ROLE = Qt.UserRole + 1  # a conversation list item's search match: the message id
 PANEL_EVERY_S = 0.5  # the panel's figures twice a second while a reply streams (and once at its end)
 
@@ -166,6 +168,20 @@ class MainWindow(QMainWindow):
         self.banner.setWordWrap(True)
         self.banner.setVisible(False)
         cl.addWidget(self.banner)
+        held = QHBoxLayout()  # while another program's lock holds changes back
+        self.heldLabel = QLabel()
+        self.heldLabel.setObjectName("heldBanner")
+        self.heldLabel.setWordWrap(True)
+        held.addWidget(self.heldLabel, 1)
+        self.saveCopyButton = _button("Save a copy elsewhere…", "saveCopyButton", lambda: self.save_copy(), held)
+        self.saveCopyButton.setAccessibleName("Save a copy of the conversations, with the changes not yet saved")
+        self.heldBox = QWidget()
+        self.heldBox.setLayout(held)
+        self.heldBox.setVisible(False)
+        cl.addWidget(self.heldBox)
+        self.heldTimer = QTimer(self)
+        self.heldTimer.setInterval(HELD_RETRY_MS)
+        self.heldTimer.timeout.connect(self._retry_held)
         self.conversationSettingsLabel = QLabel()
         self.conversationSettingsLabel.setObjectName("conversationSettingsLabel")
         self.conversationSettingsLabel.setWordWrap(True)
@@ -173,6 +189,8 @@ class MainWindow(QMainWindow):
         self.conversationSettingsLabel.setVisible(False)
         cl.addWidget(self.conversationSettingsLabel)
         self.transcript = Transcript()
+        self.transcript.earlierRequested.connect(self.show_earlier)
+        self._shown_cid = None  # the conversation the transcript's views belong to
         cl.addWidget(self.transcript, 1)
         actions = QHBoxLayout()
         self.regenerateButton = _button("Regenerate", "regenerateButton", self.regenerate, actions)
@@ -257,10 +275,52 @@ class MainWindow(QMainWindow):
             store = Store(self.db_path)
         except StoreError as e:  # locked by another program
             self.show_error(f"{e}. kvchat runs on a temporary database: what you send now is not saved.")
-            return Store(":memory:")
+            store = Store(":memory:")
         if store.notice:
             self.show_error(store.notice)
+        store.on_held = self._on_held
         return store
+
+    def _on_held(self, n: int) -> None:
+        """Another program holds the database: the changes wait in memory (the transcript shows them),
+        retried every second, with the way out (a copy elsewhere) beside them."""
+        self.heldLabel.setText(
+            f"{n} change{'s' if n != 1 else ''} not saved yet: the conversation database is locked by another "
+            "program. kvchat keeps them and tries again every second (and on closing, keeps them beside the "
+            "database for the next start)."
+        )
+        self.heldBox.setVisible(True)
+        if not self.heldTimer.isActive():
+            self.heldTimer.start()
+
+    def _retry_held(self) -> None:
+        try:
+            saved = self.store.flush()
+        except StoreError as e:
+            self.heldTimer.stop()
+            self.show_error(f"{e}; the changes are still held: save a copy elsewhere")
+            return
+        if saved:
+            self.heldTimer.stop()
+            self.heldBox.setVisible(False)
+            self.statusBar().showMessage("The conversation database is free again: every change is saved.", 10000)
+        else:
+            self._on_held(len(self.store.held))
+
+    def save_copy(self, path: str | None = None) -> None:
+        """The conversations with every change, to a file of the person's choosing."""
+        if path is None:
+            path, _ = QFileDialog.getSaveFileName(
+                self, "Save a copy of the conversations", str(self.db_path.with_name("kvchat-copy.db")), "SQLite (*.db)"
+            )
+            if not path:
+                return
+        try:
+            saved = self.store.save_copy(path)
+        except StoreError as e:
+            self.show_error(str(e))
+            return
+        self.statusBar().showMessage(f"Saved a copy with every change to {saved}", 15000)
 
     def _show_first_conversation(self) -> None:
         convs = self.store.conversations()
@@ -302,6 +362,9 @@ class MainWindow(QMainWindow):
         to and focused (Ctrl+Up/Down go on from there)."""
         if self.chat.reveal(mid):
             self.render_transcript()
+        at = next((i for i, (m, _, _) in enumerate(self.chat.rows()) if m.id == mid), None)
+        if at is not None and at < self.transcript.first:
+            self.render_transcript(reveal=at)
         for v in self.transcript.views:
             v.set_found(v.message.id == mid)
         if not self.generating:
@@ -368,30 +431,44 @@ class MainWindow(QMainWindow):
         self.undoButton.setVisible(bool(self._deleted))
 
     # --- transcript --------------------------------------------------------------------
-    def render_transcript(self) -> None:
-        """Show the current branch. Views that still show the same message at the same branch position
-        are kept (their text updated if it changed), so sending, finishing or editing lays out only
-        the messages that changed, not a long conversation from the top."""
+    def render_transcript(self, reveal: int | None = None) -> None:
+        """Show the current branch: a conversation opens with its last WINDOW messages (earlier ones on
+        request; `reveal`: from this branch index at least). Views that still show the same message at
+        the same branch position are kept (their text updated if it changed), so sending, finishing or
+        editing lays out only the messages that changed, not a long conversation from the top."""
         rows = self.chat.rows()
-        views = self.transcript.views
+        tr = self.transcript
+        if self.chat.current_cid != self._shown_cid or tr.first > max(0, len(rows) - 1):
+            self._shown_cid = self.chat.current_cid
+            tr.clear(max(0, len(rows) - WINDOW))
+        if reveal is not None and reveal < tr.first:
+            tr.prepend([self._message_view(*row) for row in rows[reveal : tr.first]])
+        first, views = tr.first, tr.views
         keep = 0
-        while keep < min(len(views), len(rows)) and views[keep].can_show(*rows[keep]):
-            views[keep].show_message(rows[keep][0])
+        while keep < min(len(views), len(rows) - first) and views[keep].can_show(*rows[first + keep]):
+            views[keep].show_message(rows[first + keep][0])
             keep += 1
-        self.transcript.truncate(keep)
-        for m, idx, count in rows[keep:]:
-            view = MessageView(m, idx, count, self.count_tokens)
-            view.editSubmitted.connect(self.edit_message)
-            view.branchRequested.connect(self.switch_branch)
-            view.selected.connect(self.select_message)
-            view.compareRequested.connect(self.compare_reply)
-            view.firstTextPainted.connect(self._on_first_paint)
-            self.transcript.add(view)
+        tr.truncate(keep)
+        for row in rows[first + keep :]:
+            tr.add(self._message_view(*row))
         remote = (self.facts or {}).get("backend") == "remote"
-        for view in self.transcript.views:
+        for view in tr.views:
             view.editButton.setEnabled(not self.generating)
             view.compareButton.setVisible(view.message.role == "assistant" and not remote)  # needs local weights
         self._update_buttons()
+
+    def _message_view(self, m, idx: int, count: int) -> MessageView:
+        view = MessageView(m, idx, count, self.count_tokens)
+        view.editSubmitted.connect(self.edit_message)
+        view.branchRequested.connect(self.switch_branch)
+        view.selected.connect(self.select_message)
+        view.compareRequested.connect(self.compare_reply)
+        view.firstTextPainted.connect(self._on_first_paint)
+        return view
+
+    def show_earlier(self) -> None:
+        """The WINDOW messages before those shown (the transcript's button, or Ctrl+Up at the top)."""
+        self.render_transcript(reveal=max(0, self.transcript.first - WINDOW))
 
     def export_conversation(self, path: str | None = None) -> None:
         """The conversation shown, to a file: Markdown (.md, the branch shown) or JSON (every branch)."""
@@ -451,10 +528,14 @@ class MainWindow(QMainWindow):
         if not views:
             return
         at = next((i for i, v in enumerate(views) if v.hasFocus()), None)
+        if at == 0 and delta < 0 and self.transcript.first > 0:  # above the first shown: show earlier ones
+            before = self.transcript.first
+            self.show_earlier()
+            views, at = self.transcript.views, before - self.transcript.first
         i = (len(views) - 1 if delta < 0 else 0) if at is None else max(0, min(len(views) - 1, at + delta))
         view = views[i]
         view.setFocus()
-        self.transcript.ensureWidgetVisible(view)
+        QTimer.singleShot(0, lambda: view in self.transcript.views and self.transcript.ensureWidgetVisible(view))
         if view.message.role == "assistant":
             self.select_message(view.message.id)
 
@@ -777,7 +858,14 @@ class MainWindow(QMainWindow):
         self.worker_thread.close()
         if self._task is not None and not self._task.done():
             self._task.cancel()
-        self.store.close()
+        self.heldTimer.stop()
+        if not self.store.close():
+            QMessageBox.warning(
+                self,
+                "kvchat",
+                "Some changes could not be saved: the conversation database is locked by another program and "
+                f"no file could be written beside it ({self.store.held_path}).",
+            )
         e.accept()
 
 

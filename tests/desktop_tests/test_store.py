@@ -174,3 +174,72 @@ def test_a_conversation_keeps_its_own_settings_and_an_older_database_gains_the_c
     assert st.conversation(conv.id).settings == {"system_prompt": "Be brief.", "temperature": 0.5}
     made = st.new_conversation("Other", {"top_k": 40})
     assert st.conversation(made.id).settings == {"top_k": 40}
+
+
+def lock(path):
+    """Another program holding the database: an exclusive write transaction on its own connection."""
+    holder = sqlite3.connect(str(path), isolation_level=None, timeout=0)
+    holder.execute("BEGIN EXCLUSIVE")
+    return holder
+
+
+def test_changes_a_lock_holds_back_read_as_written_and_are_saved_when_it_goes(tmp_path):
+    import time
+
+    path = tmp_path / "kvchat.db"
+    st = Store(path)
+    told = []
+    st.on_held = told.append
+    conv = st.new_conversation("Trip")
+    u = st.add_message(conv.id, None, "user", "Plan three nights")
+    a = st.add_message(conv.id, u.id, "assistant", "", status="streaming")
+    holder = lock(path)
+    t0 = time.perf_counter()
+    st.update_message(a.id, content="Day one: pandas")  # a reply streaming while another program holds it
+    st.update_message(a.id, content="Day one: pandas. Day two: tea", status="complete", token_count=9)
+    st.rename(conv.id, "Chengdu")
+    assert time.perf_counter() - t0 < 1.0  # held back, not waited on (BUSY_MS once, then straight to memory)
+    assert told and told[-1] == 2 and len(st.held) == 2
+    m = st.message(a.id)  # reads see them as if written
+    assert (m.content, m.status, m.token_count) == ("Day one: pandas. Day two: tea", "complete", 9)
+    assert st.branch(conv.id)[-1].content == m.content and st.conversations()[0].title == "Chengdu"
+    with pytest.raises(StoreError, match="locked"):  # a new row needs its id now: refused, with the reason
+        st.add_message(conv.id, a.id, "user", "And day three?")
+    assert not st.flush() and len(st.held) == 2  # still locked: kept
+    other = sqlite3.connect(str(path))
+    copy = st.save_copy(tmp_path / "copy.db")  # the way out, while it lasts: a copy with every change
+    row = sqlite3.connect(str(copy)).execute("SELECT content, status FROM messages WHERE id=?", (a.id,)).fetchone()
+    assert row == ("Day one: pandas. Day two: tea", "complete")
+    holder.rollback()
+    holder.close()
+    assert st.flush() and st.held == {}
+    row = other.execute("SELECT content, status, token_count FROM messages WHERE id=?", (a.id,)).fetchone()
+    assert row == ("Day one: pandas. Day two: tea", "complete", 9)
+    assert other.execute("SELECT title FROM conversations").fetchone()[0] == "Chengdu"
+    st.close()
+
+
+def test_changes_still_held_at_close_are_kept_beside_the_database_and_saved_at_the_next_start(tmp_path):
+    path = tmp_path / "kvchat.db"
+    st = Store(path)
+    conv = st.new_conversation("Trip")
+    a = st.add_message(conv.id, None, "user", "draft")
+    holder = lock(path)
+    st.update_message(a.id, content="the final text")
+    st.set_leaf(conv.id, a.id)
+    assert st.close()  # still locked: written beside the database
+    assert st.held_path.exists()
+    holder.rollback()
+    holder.close()
+    st = Store(path)
+    assert st.message(a.id).content == "the final text" and not st.held_path.exists()
+    assert "2 changes" in st.notice and "saved now" in st.notice
+    st.close()
+    st = Store(path)  # once
+    assert st.notice is None
+    st.held_path.write_text('[{"table": "messages", "id": 1, "columns": {"evil; DROP": 1}}]')
+    st.close()
+    st = Store(path)  # a damaged or forged file is moved aside, never run
+    assert "could not be read" in st.notice and st.message(a.id).content == "the final text"
+    assert not st.held_path.exists() and list(tmp_path.glob("kvchat.db.held.json.unreadable-*"))
+    st.close()

@@ -1,0 +1,82 @@
+"""A long conversation in the real window: it opens with its last messages, earlier ones come on
+request (button, Ctrl+Up, a search's match), and sending in it keeps the views it has."""
+
+from PySide6.QtCore import Qt
+
+from desktop.store import Store
+from desktop.window import WINDOW
+
+N = 150  # messages: more than three windows
+
+
+def long_conversation(data, n=N):
+    """A conversation of `n` messages (user and assistant in turn, "message 0" … "message n-1"), the
+    reply at index 3 edited once (so it has two versions, the second shown), and a short one."""
+    st = Store(data / "kvchat.db")
+    conv = st.new_conversation("Long")
+    parent, ids = None, []
+    for i in range(n):
+        m = st.add_message(conv.id, parent, "user" if i % 2 == 0 else "assistant", f"message {i} word{i}x")
+        ids.append(m.id)
+        parent = m.id
+        if i == 3:  # a second version of this reply, on the branch shown
+            m = st.add_message(conv.id, ids[2], "assistant", "message 3 word3x, the second version")
+            ids[3] = parent = m.id
+    st.set_leaf(conv.id, parent)
+    short = st.new_conversation("Short")
+    u = st.add_message(short.id, None, "user", "Hello")
+    st.add_message(short.id, u.id, "assistant", "Hi")
+    st.set_leaf(short.id, u.id + 1)
+    st.close()
+    return conv.id, short.id, ids
+
+
+def test_a_long_conversation_opens_with_its_last_messages_and_shows_earlier_ones_on_request(
+    qtbot, make_window, spin_loop, demo_model_dir, tmp_path
+):
+    from gui import send
+
+    data = tmp_path / "data"
+    data.mkdir()
+    cid, short, ids = long_conversation(data)
+    w = make_window(demo_model_dir, data=data)
+    w.select_conversation(cid)
+    tr = w.transcript
+    assert len(tr.views) == WINDOW and tr.first == N - WINDOW
+    assert [v.message.id for v in tr.views] == ids[-WINDOW:]  # the last ones, in order
+    button = tr.findChild(type(tr.earlierButton), "earlierButton")
+    assert button.isVisible() and f"{N - WINDOW:,} not shown" in button.text()
+
+    qtbot.mouseClick(button, Qt.LeftButton)  # a window more, the ones shown kept
+    kept = tr.views[-1]
+    assert len(tr.views) == 2 * WINDOW and tr.first == N - 2 * WINDOW and tr.views[-1] is kept
+    assert [v.message.id for v in tr.views] == ids[-2 * WINDOW :]
+
+    w.activateWindow()
+    qtbot.waitUntil(lambda: w.isActiveWindow())
+    tr.views[0].setFocus()  # the first shown (prepended views are shown at once: focusable)
+    assert tr.views[0].hasFocus()
+    qtbot.keyClick(tr.views[0], Qt.Key_Up, Qt.ControlModifier)  # Ctrl+Up at the top: earlier ones, and up one
+    assert tr.first == N - 3 * WINDOW
+    qtbot.waitUntil(lambda: w.focusWidget() is tr.view_for(ids[tr.first + WINDOW - 1]))
+
+    w.select_conversation(short)  # another conversation, and back: the last window again
+    assert [v.message.content for v in tr.views] == ["Hello", "Hi"] and not button.isVisible()
+    w.select_conversation(cid)
+    assert tr.first == N - WINDOW
+
+    w.search.setText("word5x")  # a search's match far above the window: the transcript reaches back to it
+    w._on_conversation_picked(w.conversationList.item(0))
+    found = tr.view_for(ids[5])
+    assert found is not None and tr.first == 5 and found.property("found") is True
+    qtbot.waitUntil(lambda: button.height() > 0)  # laid out again
+    qtbot.mouseClick(button, Qt.LeftButton)  # the rest: from the start, the reply with two versions among them
+    assert tr.first == 0 and not button.isVisible()
+    edited = tr.view_for(ids[3])
+    assert edited.branchLabel.text() == "2/2" and edited.branchLabel.isVisible()
+    assert [v.message.id for v in tr.views] == ids[tr.first :]
+    w.search.clear()
+
+    shown = list(tr.views)  # sending keeps every view and adds the new two
+    send(qtbot, w, spin_loop, "One more")
+    assert tr.views[: len(shown)] == shown and len(tr.views) == len(shown) + 2
