@@ -214,8 +214,11 @@ class ChatController:
         return [(m, *versions[m.id]) for m in self.branch()]
 
     def last_message(self) -> Message | None:
-        path = self.branch()
-        return path[-1] if path else None
+        """The branch's last message (its leaf: one read, however long the conversation)."""
+        if self.current_cid is None:
+            return None
+        leaf = self.store.conversation(self.current_cid).leaf_id
+        return None if leaf is None else self.store.message(leaf)
 
     def can_regenerate(self) -> bool:
         """A reply can be run again, or run at all for a user message left without one (a crash right
@@ -289,11 +292,11 @@ class ChatController:
         """A name for a prompt in the prefix store's picture: the conversation's title, and the branch
         (‹2/3›) of the deepest edited message on the way, if any."""
         title = self.store.conversation(cid).title
+        versions = self.store.versions(cid)
         for m in reversed(upto):
-            sibs = self.store.siblings(m)
-            if len(sibs) > 1:
-                i = next(k for k, x in enumerate(sibs) if x.id == m.id)
-                return f"{title} ‹{i + 1}/{len(sibs)}›"
+            i, n = versions.get(m.id, (0, 1))
+            if n > 1:
+                return f"{title} ‹{i + 1}/{n}›"
         return title
 
     def messages_until(self, mid: int) -> list[Message]:

@@ -459,23 +459,8 @@ class MessageView(QFrame):
             self.reply.firstPainted.connect(self.firstTextPainted)
             lay.addWidget(self.reply)
             self.body.setVisible(False)
-        self.editor = QPlainTextEdit()
-        self.editor.setObjectName("messageEditor")
-        self.editor.setVisible(False)
-        lay.addWidget(self.editor)
-        row = QHBoxLayout()
-        self.saveButton = QPushButton("Save && regenerate" if message.role == "user" else "Save as new branch")
-        self.saveButton.setObjectName("saveEditButton")
-        self.cancelButton = QPushButton("Cancel")
-        self.saveButton.clicked.connect(self._submit)
-        self.cancelButton.clicked.connect(self.end_edit)
-        row.addStretch(1)
-        row.addWidget(self.cancelButton)
-        row.addWidget(self.saveButton)
-        self.editRow = QWidget()
-        self.editRow.setLayout(row)
-        self.editRow.setVisible(False)
-        lay.addWidget(self.editRow)
+        self.editor: QPlainTextEdit | None = None  # made when an edit begins: a long transcript builds fast
+        self.editRow: QWidget | None = None
         self.highlight: tuple[int, int] | None = None
         self.set_content(message.content, message.status, message.token_count)
 
@@ -500,8 +485,8 @@ class MessageView(QFrame):
             self.body.setTextFormat(Qt.MarkdownText)
             self.body.setText(text)
         if self.reply is not None:
-            self.reply.setVisible(self.highlight is None and not self.editor.isVisible())
-            self.body.setVisible(self.highlight is not None and not self.editor.isVisible())
+            self.reply.setVisible(self.highlight is None and not self.editing)
+            self.body.setVisible(self.highlight is not None and not self.editing)
         self.statusLabel.setText(STATUS_NOTES.get(status, ""))
         self.tokensLabel.setText("" if tokens is None else f"{tokens} tokens")
         self.shown = (text, status, tokens)
@@ -543,7 +528,30 @@ class MessageView(QFrame):
         """What shows the message's text now: the reply's pieces, or the label."""
         return self.reply if self.reply is not None and self.highlight is None else self.body
 
+    @property
+    def editing(self) -> bool:
+        return self.editor is not None and self.editor.isVisible()
+
+    def _make_editor(self) -> None:
+        self.editor = QPlainTextEdit()
+        self.editor.setObjectName("messageEditor")
+        self.layout().addWidget(self.editor)
+        row = QHBoxLayout()
+        self.saveButton = QPushButton("Save && regenerate" if self.message.role == "user" else "Save as new branch")
+        self.saveButton.setObjectName("saveEditButton")
+        self.cancelButton = QPushButton("Cancel")
+        self.saveButton.clicked.connect(self._submit)
+        self.cancelButton.clicked.connect(self.end_edit)
+        row.addStretch(1)
+        row.addWidget(self.cancelButton)
+        row.addWidget(self.saveButton)
+        self.editRow = QWidget()
+        self.editRow.setLayout(row)
+        self.layout().addWidget(self.editRow)
+
     def begin_edit(self) -> None:
+        if self.editor is None:
+            self._make_editor()
         self.editor.setPlainText(self.message.content)
         self.editor.setVisible(True)
         self.editRow.setVisible(True)
@@ -551,6 +559,8 @@ class MessageView(QFrame):
         self.editor.setFocus()
 
     def end_edit(self) -> None:
+        if self.editor is None:
+            return
         self.editor.setVisible(False)
         self.editRow.setVisible(False)
         self.shown_body.setVisible(True)
@@ -650,8 +660,7 @@ class Transcript(QScrollArea):
         self.first -= len(views)
         self._show_earlier_button()
         self.hint.setVisible(False)
-        if anchor is not None:
-            self._follow = False
+        if anchor is not None and not self._follow:  # following the end: it stays at the end
             QTimer.singleShot(0, lambda: anchor in self.views and bar.setValue(anchor.y() - offset))  # once laid out
 
     def truncate(self, keep: int) -> None:

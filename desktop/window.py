@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -53,8 +54,12 @@ from .worker import WorkerThread
 REFRESH_MS = 60  # the fastest the streaming text redraws (≥ 15 updates a second)
 SLOWEST_REFRESH_MS = 400  # the slowest, when redraws cost more than the budget
 GUI_CPU_BUDGET = 0.08  # share of one core the GUI thread may take while a reply streams
+GIL_SWITCH_S = 0.0005  # how long a thread keeps the GIL while another waits (Python's default: 0.005)
+PROBE_DELAY_MS = 250  # a conversation opened is probed for its cached share this long after (once drawn)
 HELD_RETRY_MS = 1000  # how often changes a lock held back are tried again
-WINDOW = 40  # messages a conversation opens with: a long one opens at once, earlier messages on request
+WINDOW = 16  # messages a conversation opens with (a few screens): a long one opens at once
+CHUNK = 4  # views built in one turn of the event loop while a conversation opens
+EARLIER = 40  # messages "Show earlier messages" (or Ctrl+Up at the top) adds
 FOUND_ROLE = Qt.UserRole + 1  # a conversation list item's search match: the message id
 PANEL_EVERY_S = 0.5  # the panel's figures twice a second while a reply streams (and once at its end)
 
@@ -83,6 +88,10 @@ class MainWindow(QMainWindow):
     def __init__(self, data_directory: Path, worker_thread: WorkerThread | None = None, model: str | None = None):
         """`model`: a model folder or GGUF file to start on (`kvchat --model PATH`), instead of the settings'."""
         super().__init__()
+        # The worker's Python work (a long conversation's chat template, its tokenizing) holds the GIL;
+        # the GUI thread's layout and paint call Python (overridden sizes, slots) many times, each waiting
+        # for the GIL: at Python's default 5 ms switch interval a switch of conversation stalled ~0.4 s.
+        sys.setswitchinterval(GIL_SWITCH_S)
         self.setWindowTitle("kvchat")
         self.resize(1380, 860)
         self.data_directory = Path(data_directory)
@@ -179,6 +188,10 @@ class MainWindow(QMainWindow):
         self.heldBox.setLayout(held)
         self.heldBox.setVisible(False)
         cl.addWidget(self.heldBox)
+        self.probeTimer = QTimer(self)
+        self.probeTimer.setSingleShot(True)
+        self.probeTimer.setInterval(PROBE_DELAY_MS)
+        self.probeTimer.timeout.connect(self._probe_now)
         self.heldTimer = QTimer(self)
         self.heldTimer.setInterval(HELD_RETRY_MS)
         self.heldTimer.timeout.connect(self._retry_held)
@@ -191,6 +204,8 @@ class MainWindow(QMainWindow):
         self.transcript = Transcript()
         self.transcript.earlierRequested.connect(self.show_earlier)
         self._shown_cid = None  # the conversation the transcript's views belong to
+        self._rows: list = []  # the branch as last drawn: (message, version index, versions)
+        self._backfill_to = 0  # the branch index down to which views are being added, a chunk a turn
         cl.addWidget(self.transcript, 1)
         actions = QHBoxLayout()
         self.regenerateButton = _button("Regenerate", "regenerateButton", self.regenerate, actions)
@@ -385,7 +400,13 @@ class MainWindow(QMainWindow):
 
     def probe_conversation(self) -> None:
         """Ask the engine how much of the conversation on screen is still cached (shown before anything
-        is sent); the answer arrives as `probed`."""
+        is sent; the answer arrives as `probed`) once the window has drawn it: the engine renders and
+        tokenizes the whole conversation, Python work that holds the GIL the GUI thread's drawing needs."""
+        self.probeTimer.start()
+
+    def _probe_now(self) -> None:
+        if self._closing:
+            return
         cid = self.chat.current_cid
         path = self.chat.branch()
         if self.facts is None or cid is None or not path:
@@ -438,9 +459,15 @@ class MainWindow(QMainWindow):
         editing lays out only the messages that changed, not a long conversation from the top."""
         rows = self.chat.rows()
         tr = self.transcript
+        self._rows = rows  # what the backfill prepends from
         if self.chat.current_cid != self._shown_cid or tr.first > max(0, len(rows) - 1):
+            # Another conversation: its last CHUNK messages now, the rest of the WINDOW a CHUNK per turn
+            # of the event loop (the window answers in between), newest first.
             self._shown_cid = self.chat.current_cid
-            tr.clear(max(0, len(rows) - WINDOW))
+            self._backfill_to = max(0, len(rows) - WINDOW)
+            tr.clear(max(self._backfill_to, len(rows) - CHUNK))
+            if tr.first > self._backfill_to:
+                QTimer.singleShot(0, self._backfill)
         if reveal is not None and reveal < tr.first:
             tr.prepend([self._message_view(*row) for row in rows[reveal : tr.first]])
         first, views = tr.first, tr.views
@@ -457,6 +484,22 @@ class MainWindow(QMainWindow):
             view.compareButton.setVisible(view.message.role == "assistant" and not remote)  # needs local weights
         self._update_buttons()
 
+    def _backfill(self) -> None:
+        """The next CHUNK of the conversation's first WINDOW messages, above those shown."""
+        tr, rows = self.transcript, self._rows
+        first = tr.first
+        if (
+            first <= self._backfill_to
+            or not tr.views
+            or first >= len(rows)
+            or rows[first][0].id != tr.views[0].message.id
+        ):
+            return  # done, or the transcript moved on (another conversation, a redraw): nothing to add
+        start = max(self._backfill_to, first - CHUNK)
+        tr.prepend([self._message_view(*row) for row in rows[start:first]])
+        if start > self._backfill_to:
+            QTimer.singleShot(0, self._backfill)
+
     def _message_view(self, m, idx: int, count: int) -> MessageView:
         view = MessageView(m, idx, count, self.count_tokens)
         view.editSubmitted.connect(self.edit_message)
@@ -467,8 +510,8 @@ class MainWindow(QMainWindow):
         return view
 
     def show_earlier(self) -> None:
-        """The WINDOW messages before those shown (the transcript's button, or Ctrl+Up at the top)."""
-        self.render_transcript(reveal=max(0, self.transcript.first - WINDOW))
+        """The EARLIER messages before those shown (the transcript's button, or Ctrl+Up at the top)."""
+        self.render_transcript(reveal=max(0, self.transcript.first - EARLIER))
 
     def export_conversation(self, path: str | None = None) -> None:
         """The conversation shown, to a file: Markdown (.md, the branch shown) or JSON (every branch)."""
@@ -859,6 +902,7 @@ class MainWindow(QMainWindow):
         if self._task is not None and not self._task.done():
             self._task.cancel()
         self.heldTimer.stop()
+        self.probeTimer.stop()
         if not self.store.close():
             QMessageBox.warning(
                 self,

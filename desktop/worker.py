@@ -69,6 +69,7 @@ class EngineWorker(QObject):
         super().__init__()
         self._jobs: queue.Queue = queue.Queue()
         self._waiting: dict[int, threading.Event] = {}  # cancel flags of the generate jobs not yet ended
+        self._latest_probe = None  # the one probe worth answering
         self.batch_seconds = batch_seconds
         self.hold_tokens = False  # keep every token until the reply ends (the seam benchmark's engine alone)
         self.loaded = None
@@ -85,8 +86,11 @@ class EngineWorker(QObject):
         self._jobs.put(CompareJob(rid, messages, max_new_tokens))
 
     def probe(self, cid: int, messages: list) -> None:
-        """Ask how many positions of a conversation are cached, before anything is sent."""
-        self._jobs.put(ProbeJob(cid, messages))
+        """Ask how many positions of a conversation are cached, before anything is sent (only the latest
+        question is answered: switching through long conversations does not queue their tokenizing
+        ahead of a reply)."""
+        self._latest_probe = ProbeJob(cid, messages)
+        self._jobs.put(self._latest_probe)
 
     def generate(self, rid: int, request) -> None:
         job = GenerateJob(rid, request, threading.Event())
@@ -201,7 +205,7 @@ class EngineWorker(QObject):
     def _probe(self, job: ProbeJob) -> None:
         from engine.session import Request
 
-        if self.session is None:
+        if self.session is None or job is not self._latest_probe:
             return
         if self.remote:
             self.probed.emit(job.cid, self.session.cached_positions(Request(messages=job.messages)))

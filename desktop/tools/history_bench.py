@@ -105,9 +105,10 @@ class Probe:
         return 1000 * (self.now() - t0)
 
     def _settle(self) -> None:
-        """Let Qt lay out and paint what is pending (offscreen: the paint happens in these passes)."""
+        """Let Qt lay out and paint what is pending (offscreen: the paint happens in these passes of the
+        event loop; each pass adds up to a millisecond to the figure)."""
         for _ in range(3):
-            self.app.processEvents()
+            self.run(asyncio.sleep(0.001))
 
     def wait_ready(self) -> None:
         self.run(self._until(lambda: self.window.facts is not None, 300))

@@ -4,7 +4,7 @@ request (button, Ctrl+Up, a search's match), and sending in it keeps the views i
 from PySide6.QtCore import Qt
 
 from desktop.store import Store
-from desktop.window import WINDOW
+from desktop.window import EARLIER, WINDOW
 
 N = 150  # messages: more than three windows
 
@@ -42,28 +42,31 @@ def test_a_long_conversation_opens_with_its_last_messages_and_shows_earlier_ones
     w = make_window(demo_model_dir, data=data)
     w.select_conversation(cid)
     tr = w.transcript
-    assert len(tr.views) == WINDOW and tr.first == N - WINDOW
+    assert 0 < len(tr.views) < WINDOW  # the last few at once, drawn before the rest is built
+    assert [v.message.id for v in tr.views] == ids[N - len(tr.views) :]
+    qtbot.waitUntil(lambda: len(tr.views) == WINDOW)  # the rest, a few per turn of the event loop
+    assert tr.first == N - WINDOW
     assert [v.message.id for v in tr.views] == ids[-WINDOW:]  # the last ones, in order
     button = tr.findChild(type(tr.earlierButton), "earlierButton")
     assert button.isVisible() and f"{N - WINDOW:,} not shown" in button.text()
 
-    qtbot.mouseClick(button, Qt.LeftButton)  # a window more, the ones shown kept
     kept = tr.views[-1]
-    assert len(tr.views) == 2 * WINDOW and tr.first == N - 2 * WINDOW and tr.views[-1] is kept
-    assert [v.message.id for v in tr.views] == ids[-2 * WINDOW :]
+    qtbot.mouseClick(button, Qt.LeftButton)  # earlier ones, the ones shown kept
+    assert len(tr.views) == WINDOW + EARLIER and tr.first == N - WINDOW - EARLIER and tr.views[-1] is kept
+    assert [v.message.id for v in tr.views] == ids[-WINDOW - EARLIER :]
 
     w.activateWindow()
     qtbot.waitUntil(lambda: w.isActiveWindow())
     tr.views[0].setFocus()  # the first shown (prepended views are shown at once: focusable)
     assert tr.views[0].hasFocus()
     qtbot.keyClick(tr.views[0], Qt.Key_Up, Qt.ControlModifier)  # Ctrl+Up at the top: earlier ones, and up one
-    assert tr.first == N - 3 * WINDOW
-    qtbot.waitUntil(lambda: w.focusWidget() is tr.view_for(ids[tr.first + WINDOW - 1]))
+    assert tr.first == N - WINDOW - 2 * EARLIER
+    qtbot.waitUntil(lambda: w.focusWidget() is tr.view_for(ids[tr.first + EARLIER - 1]))
 
     w.select_conversation(short)  # another conversation, and back: the last window again
     assert [v.message.content for v in tr.views] == ["Hello", "Hi"] and not button.isVisible()
     w.select_conversation(cid)
-    assert tr.first == N - WINDOW
+    qtbot.waitUntil(lambda: tr.first == N - WINDOW)
 
     w.search.setText("word5x")  # a search's match far above the window: the transcript reaches back to it
     w._on_conversation_picked(w.conversationList.item(0))
@@ -80,3 +83,26 @@ def test_a_long_conversation_opens_with_its_last_messages_and_shows_earlier_ones
     shown = list(tr.views)  # sending keeps every view and adds the new two
     send(qtbot, w, spin_loop, "One more")
     assert tr.views[: len(shown)] == shown and len(tr.views) == len(shown) + 2
+
+
+def test_only_the_latest_probe_is_answered(qtbot):
+    """Switching through long conversations asks the worker for each one's cached share; the questions
+    a later one makes stale are dropped, not tokenized ahead of the person's next reply."""
+    from desktop.worker import EngineWorker
+
+    class Session:
+        asked = []
+
+        def cached_positions(self, request):
+            self.asked.append(request.messages)
+            return {"positions": 1}
+
+    w = EngineWorker()
+    w.session = Session()
+    answered = []
+    w.probed.connect(lambda cid, seen: answered.append(cid))
+    for cid in (1, 2, 3):
+        w.probe(cid, [{"role": "user", "content": f"conversation {cid}"}])
+    while not w._jobs.empty():  # what the worker thread does with its queue
+        w._probe(w._jobs.get())
+    assert answered == [3] and Session.asked == [[{"role": "user", "content": "conversation 3"}]]
