@@ -8,6 +8,7 @@ so a crash loses nothing that was shown; on the next start they read as "incompl
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -178,6 +179,8 @@ class Store:
         # reads see them as if written. `on_held(n)` is told when changes are held back.
         self.held: dict[tuple[str, int], dict] = {}
         self.on_held = None
+        self.writes = 0  # changes made through this store (a read cached before one is stale after it)
+        self._branch_cache: tuple = (None, [])
         if str(path) == ":memory:":
             self.db = self._open_writable(":memory:")
             return
@@ -305,6 +308,7 @@ class Store:
         """A write that makes a row (its id is needed now): refused with a message while locked."""
         if self.read_only:
             raise StoreError("the conversation database is read-only here: your last change was not saved")
+        self.writes += 1
         try:
             return self.db.execute(sql, args)
         except sqlite3.OperationalError as e:
@@ -320,6 +324,7 @@ class Store:
         during a lock is neither lost nor stalls the window for more than BUSY_MS."""
         if self.read_only:
             raise StoreError("the conversation database is read-only here: your last change was not saved")
+        self.writes += 1
         if not self.held:
             try:
                 self.db.execute(
@@ -571,6 +576,9 @@ class Store:
         leaf = self.conversation(cid).leaf_id  # as it reads with held-back changes
         if leaf is None:
             return []
+        key = (cid, leaf, self.writes)
+        if self._branch_cache[0] == key:  # nothing written since: the same messages (copies: views edit theirs)
+            return [copy.copy(m) for m in self._branch_cache[1]]
         rows = self.db.execute(
             "WITH RECURSIVE path(id, depth) AS (SELECT ?, 0 "
             "UNION ALL SELECT m.parent_id, p.depth + 1 FROM messages m JOIN path p ON m.id = p.id "
@@ -578,7 +586,9 @@ class Store:
             "SELECT messages.* FROM path JOIN messages ON messages.id = path.id ORDER BY path.depth DESC",
             (leaf, MAX_DEPTH),
         ).fetchall()
-        return [self._message(r) for r in rows]
+        out = [self._message(r) for r in rows]
+        self._branch_cache = (key, out)
+        return [copy.copy(m) for m in out]
 
     def versions(self, cid: int) -> dict[int, tuple[int, int]]:
         """Each message's place among its versions (same parent, same role): id -> (index, how many),

@@ -188,9 +188,11 @@ class Tokenizer:
         return self._encoding(text, add_special_tokens).ids
 
     def _encoding(self, text: str, add_special_tokens: bool = False, tok: HFTokenizer | None = None):
-        """(tok or self.tok).encode(text), with text that is not valid Unicode as a clear error."""
+        """(tok or self.tok).encode(text), with text that is not valid Unicode as a clear error. Through
+        encode_batch, which lets go of the GIL while it works (encode holds it: a long conversation's
+        tokenizing froze the app's window for as long)."""
         try:
-            return (tok or self.tok).encode(text, add_special_tokens=add_special_tokens)
+            return (tok or self.tok).encode_batch([text], add_special_tokens=add_special_tokens)[0]
         except TypeError:
             if isinstance(text, str):
                 try:
