@@ -106,3 +106,25 @@ def test_only_the_latest_probe_is_answered(qtbot):
     while not w._jobs.empty():  # what the worker thread does with its queue
         w._probe(w._jobs.get())
     assert answered == [3] and Session.asked == [[{"role": "user", "content": "conversation 3"}]]
+
+
+def test_history_bench_runs_end_to_end():
+    """The long-conversation measurement runs (its figures are benchmark figures, not asserted)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "desktop.tools.history_bench", "--messages", "60", "--repeats", "1", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "QT_QPA_PLATFORM": "offscreen"},
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    (report,) = json.loads(r.stdout.strip().splitlines()[-1])
+    assert report["messages"] == 60
+    for step in ("open_empty", "open_full", "to_long", "to_short", "send_long"):
+        assert report[step]["ms_p50"] > 0
+    assert report["to_long"]["stall_ms_max"] is not None
