@@ -143,6 +143,7 @@ def _snippet(text: str, at: int) -> str:
     return ("…" if len(before) > len(lead) else "") + " ".join(lead + after[:rest]) + ("…" if len(after) > rest else "")
 
 
+BRANCHES_KEPT = 8  # branches and version maps the store keeps between reads (switching back and forth)
 MAX_DEPTH = 1_000_000  # messages in one branch, at most (a guard against a parent chain that loops)
 SCHEMA_VERSION = 1  # PRAGMA user_version of the schema above; 0: a kvchat database from before versions
 COLUMNS = {  # what each table must have; a kvchat database missing a later column is migrated, not moved
@@ -180,7 +181,7 @@ class Store:
         self.held: dict[tuple[str, int], dict] = {}
         self.on_held = None
         self.writes = 0  # changes made through this store (a read cached before one is stale after it)
-        self._branch_cache: tuple = (None, [])
+        self._branches: dict[tuple, tuple] = {}  # (what, conversation) -> ((leaf, writes), what was read)
         if str(path) == ":memory:":
             self.db = self._open_writable(":memory:")
             return
@@ -576,9 +577,20 @@ class Store:
         leaf = self.conversation(cid).leaf_id  # as it reads with held-back changes
         if leaf is None:
             return []
-        key = (cid, leaf, self.writes)
-        if self._branch_cache[0] == key:  # nothing written since: the same messages (copies: views edit theirs)
-            return [copy.copy(m) for m in self._branch_cache[1]]
+        return [copy.copy(m) for m in self._kept(("branch", cid), leaf, lambda: self._read_branch(leaf))]
+
+    def _kept(self, what: tuple, leaf, read):
+        """`read()`, or what it gave last time for `what` if nothing was written since (switching back and
+        forth between long conversations reads each once); BRANCHES_KEPT of them, least recently used out."""
+        key = (leaf, self.writes)
+        cached = self._branches.pop(what, None)
+        value = cached[1] if cached is not None and cached[0] == key else read()
+        self._branches[what] = (key, value)
+        while len(self._branches) > BRANCHES_KEPT:
+            del self._branches[next(iter(self._branches))]
+        return value
+
+    def _read_branch(self, leaf: int) -> list[Message]:
         rows = self.db.execute(
             "WITH RECURSIVE path(id, depth) AS (SELECT ?, 0 "
             "UNION ALL SELECT m.parent_id, p.depth + 1 FROM messages m JOIN path p ON m.id = p.id "
@@ -586,19 +598,21 @@ class Store:
             "SELECT messages.* FROM path JOIN messages ON messages.id = path.id ORDER BY path.depth DESC",
             (leaf, MAX_DEPTH),
         ).fetchall()
-        out = [self._message(r) for r in rows]
-        self._branch_cache = (key, out)
-        return [copy.copy(m) for m in out]
+        return [self._message(r) for r in rows]
 
     def versions(self, cid: int) -> dict[int, tuple[int, int]]:
         """Each message's place among its versions (same parent, same role): id -> (index, how many),
         for a whole conversation in one query."""
-        groups: dict[tuple, list[int]] = {}
-        for mid, parent, role in self.db.execute(
-            "SELECT id, parent_id, role FROM messages WHERE conversation_id=? ORDER BY id", (cid,)
-        ):
-            groups.setdefault((parent, role), []).append(mid)
-        return {mid: (i, len(ids)) for ids in groups.values() for i, mid in enumerate(ids)}
+
+        def read():
+            groups: dict[tuple, list[int]] = {}
+            for mid, parent, role in self.db.execute(
+                "SELECT id, parent_id, role FROM messages WHERE conversation_id=? ORDER BY id", (cid,)
+            ):
+                groups.setdefault((parent, role), []).append(mid)
+            return {mid: (i, len(ids)) for ids in groups.values() for i, mid in enumerate(ids)}
+
+        return dict(self._kept(("versions", cid), None, read))
 
     def siblings(self, m: Message) -> list[Message]:
         """Versions of this message (same parent, same role), oldest first."""

@@ -243,3 +243,20 @@ def test_changes_still_held_at_close_are_kept_beside_the_database_and_saved_at_t
     assert "could not be read" in st.notice and st.message(a.id).content == "the final text"
     assert not st.held_path.exists() and list(tmp_path.glob("kvchat.db.held.json.unreadable-*"))
     st.close()
+
+
+def test_a_branch_read_again_with_nothing_written_is_the_same_and_a_write_is_seen(tmp_path):
+    st = Store(tmp_path / "kvchat.db")
+    a, b = st.new_conversation("A"), st.new_conversation("B")
+    m = st.add_message(a.id, None, "user", "first")
+    st.add_message(b.id, None, "user", "other")
+    one = st.branch(a.id)
+    one[0].content = "changed by a view"  # what a caller does to its copy stays there
+    st.branch(b.id)  # another conversation read in between
+    assert [x.content for x in st.branch(a.id)] == ["first"] and st.versions(a.id) == {m.id: (0, 1)}
+    r = st.add_message(a.id, m.id, "assistant", "reply")
+    st.update_message(r.id, content="reply, edited")
+    assert [x.content for x in st.branch(a.id)] == ["first", "reply, edited"]
+    second = st.add_message(a.id, None, "user", "first, edited")  # a second version of the first message
+    assert st.versions(a.id)[second.id] == (1, 2) and [x.content for x in st.branch(a.id)] == ["first, edited"]
+    st.close()
