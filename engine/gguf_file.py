@@ -13,7 +13,9 @@ template runs in the tokenizer's sandbox.
 from __future__ import annotations
 
 import hashlib
+import math
 import mmap
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -82,6 +84,86 @@ def is_gguf(path) -> bool:
         return False
 
 
+# The header's value types (gguf's GGUFValueType) and their sizes in bytes; 8 is a string, 9 an array.
+SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+STRING, ARRAY = 8, 9
+MAX_DIMS = 4  # a tensor's dimensions, at most (GGML_MAX_DIMS)
+MAX_ELEMENTS = 1 << 48  # a tensor's values, at most (far past any model; its bytes are checked against the file)
+
+
+def check_header(path: Path) -> None:
+    """Walk the header's counts and lengths against the file's size before the gguf package reads it:
+    its reader takes each array element by element and reads past the end as empty ones, so a 100-byte
+    file claiming 2^62 values loops, and grows, without end. Every length, count and type is checked
+    here, in one pass over the header (the tensors' data is not read)."""
+
+    def bad(what: str):
+        return ModelLoadError(f"not a readable GGUF file: {what}", path)
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        size = len(m)
+
+        def need(at: int, n: int, what: str) -> None:
+            if n < 0 or at + n > size:
+                raise bad(f"{what} runs past the end of the file (truncated, or a forged length)")
+
+        def string(at: int, what: str) -> int:
+            need(at, 8, what)
+            n = struct.unpack_from("<Q", m, at)[0]
+            need(at + 8, n, what)
+            return at + 8 + n
+
+        def value(at: int, kind: int, what: str, nested: bool = False) -> int:
+            if kind in SCALAR_BYTES:
+                need(at, SCALAR_BYTES[kind], what)
+                return at + SCALAR_BYTES[kind]
+            if kind == STRING:
+                return string(at, what)
+            if kind == ARRAY and not nested:
+                need(at, 12, what)
+                item, count = struct.unpack_from("<IQ", m, at)
+                at += 12
+                if item in SCALAR_BYTES:
+                    need(at, count * SCALAR_BYTES[item], what)
+                    return at + count * SCALAR_BYTES[item]
+                if item == STRING:
+                    need(at, count * 8, what)  # each string is at least its length
+                    for _ in range(count):
+                        at = string(at, what)
+                    return at
+                raise bad(f"{what} is an array of value type {item}, which kvchat does not read")
+            raise bad(f"{what} has an unknown value type {kind}")
+
+        need(0, 24, "the header")
+        if m[:4] != MAGIC:
+            raise bad("it does not start with the GGUF magic")
+        version, n_tensors, n_kv = struct.unpack_from("<IQQ", m, 4)
+        if version not in (2, 3):
+            raise bad(f"GGUF version {version} (kvchat reads versions 2 and 3)")
+        at = 24
+        if at + n_kv * 12 > size:  # each entry is at least a key's length and a type
+            raise bad(f"the header claims {n_kv:,} metadata entries, more than the file could hold")
+        for i in range(n_kv):
+            end = string(at, f"metadata entry {i}'s key")
+            key = bytes(m[at + 8 : end]).decode("utf-8", "replace")
+            need(end, 4, f"metadata {key!r}")
+            at = value(end + 4, struct.unpack_from("<I", m, end)[0], f"metadata {key!r}")
+        if at + n_tensors * 24 > size:  # each is at least a name's length, a dimension, a type and an offset
+            raise bad(f"the header claims {n_tensors:,} tensors, more than the file could hold")
+        for i in range(n_tensors):
+            end = string(at, f"tensor {i}'s name")
+            name = bytes(m[at + 8 : end]).decode("utf-8", "replace")
+            need(end, 4, f"tensor {name!r}")
+            n_dims = struct.unpack_from("<I", m, end)[0]
+            if not 1 <= n_dims <= MAX_DIMS:
+                raise bad(f"tensor {name!r} has {n_dims:,} dimensions (at most {MAX_DIMS})")
+            need(end + 4, 8 * n_dims + 12, f"tensor {name!r}")
+            dims = struct.unpack_from(f"<{n_dims}Q", m, end + 4)
+            if math.prod(dims) > MAX_ELEMENTS:
+                raise bad(f"tensor {name!r} claims {' × '.join(f'{d:,}' for d in dims)} values")
+            at = end + 4 + 8 * n_dims + 12
+
+
 def _q8_0(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q8_0 blocks [N, nb·34] -> codes int8 [N, nb·32], scales float32 [N, nb]: x = d · q."""
     n = raw.shape[0]
@@ -110,6 +192,10 @@ class GGUFModel:
     def __init__(self, path, check_architecture: bool = True):
         """`check_architecture`: refuse an architecture kvchat does not run (the catalog lists it instead)."""
         self.path = Path(path)
+        try:
+            check_header(self.path)
+        except (OSError, ValueError) as e:  # unreadable, or too small to map
+            raise ModelLoadError(f"not a readable GGUF file: {e}", self.path) from None
         try:
             from gguf import GGUFReader
 

