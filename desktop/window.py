@@ -88,9 +88,9 @@ class MainWindow(QMainWindow):
     def __init__(self, data_directory: Path, worker_thread: WorkerThread | None = None, model: str | None = None):
         """`model`: a model folder or GGUF file to start on (`kvchat --model PATH`), instead of the settings'."""
         super().__init__()
-        # The worker's Python work (a long conversation's chat template, its tokenizing) holds the GIL;
-        # the GUI thread's layout and paint call Python (overridden sizes, slots) many times, each waiting
-        # for the GIL: at Python's default 5 ms switch interval a switch of conversation stalled ~0.4 s.
+        # The worker's Python work (a long conversation's chat template) holds the GIL; the GUI thread's
+        # layout and paint call Python (overridden sizes, slots) many times, each waiting for the GIL up
+        # to the switch interval (README: Long conversations).
         sys.setswitchinterval(GIL_SWITCH_S)
         self.setWindowTitle("kvchat")
         self.resize(1380, 860)
@@ -301,8 +301,8 @@ class MainWindow(QMainWindow):
         retried every second, with the way out (a copy elsewhere) beside them."""
         self.heldLabel.setText(
             f"{n} change{'s' if n != 1 else ''} not saved yet: the conversation database is locked by another "
-            "program. kvchat keeps them and tries again every second (and on closing, keeps them beside the "
-            "database for the next start)."
+            f"program. kvchat keeps {'them' if n != 1 else 'it'} and tries again every second (on closing, "
+            "beside the database, to be saved at the next start)."
         )
         self.heldBox.setVisible(True)
         if not self.heldTimer.isActive():
