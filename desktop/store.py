@@ -87,6 +87,11 @@ def _locked(e: Exception) -> bool:
     return "locked" in str(e).lower() or "busy" in str(e).lower()
 
 
+def _set_columns(db: sqlite3.Connection, table: str, rid: int, cols: dict) -> None:
+    """UPDATE one row's columns by id (the one spelling of a change, written now, later or to a copy)."""
+    db.execute(f"UPDATE {table} SET {', '.join(f'{c}=?' for c in cols)} WHERE id=?", (*cols.values(), rid))
+
+
 class StoreError(Exception):
     """The database cannot be used; the message says what happened and what was done about it."""
 
@@ -181,7 +186,7 @@ class Store:
         self.held: dict[tuple[str, int], dict] = {}
         self.on_held = None
         self.writes = 0  # changes made through this store (a read cached before one is stale after it)
-        self._branches: dict[tuple, tuple] = {}  # (what, conversation) -> ((leaf, writes), what was read)
+        self._reads: dict[tuple, tuple] = {}  # (what, conversation) -> ((leaf, writes), what was read)
         if str(path) == ":memory:":
             self.db = self._open_writable(":memory:")
             return
@@ -305,11 +310,15 @@ class Store:
         """Replies that were streaming when the app died are kept, marked incomplete."""
         self._write("UPDATE messages SET status='incomplete' WHERE status='streaming'")
 
-    def _write(self, sql: str, args=()) -> sqlite3.Cursor:
-        """A write that makes a row (its id is needed now): refused with a message while locked."""
+    def _writable(self) -> None:
+        """Refuse a change to a read-only database; count one that goes ahead (reads kept before it are stale)."""
         if self.read_only:
             raise StoreError("the conversation database is read-only here: your last change was not saved")
         self.writes += 1
+
+    def _write(self, sql: str, args=()) -> sqlite3.Cursor:
+        """A write that makes a row (its id is needed now): refused with a message while locked."""
+        self._writable()
         try:
             return self.db.execute(sql, args)
         except sqlite3.OperationalError as e:
@@ -323,14 +332,10 @@ class Store:
         """A change to a row's columns. While another program holds the database it is held back (each
         column's latest value), reads see it as if written, and flush() writes it: a reply streaming
         during a lock is neither lost nor stalls the window for more than BUSY_MS."""
-        if self.read_only:
-            raise StoreError("the conversation database is read-only here: your last change was not saved")
-        self.writes += 1
+        self._writable()
         if not self.held:
             try:
-                self.db.execute(
-                    f"UPDATE {table} SET {', '.join(f'{c}=?' for c in cols)} WHERE id=?", (*cols.values(), rid)
-                )
+                _set_columns(self.db, table, rid, cols)
                 return
             except sqlite3.OperationalError as e:
                 if not _locked(e):
@@ -347,9 +352,7 @@ class Store:
         try:
             self.db.execute("BEGIN IMMEDIATE")
             for (table, rid), cols in self.held.items():
-                self.db.execute(
-                    f"UPDATE {table} SET {', '.join(f'{c}=?' for c in cols)} WHERE id=?", (*cols.values(), rid)
-                )
+                _set_columns(self.db, table, rid, cols)
             self.db.execute("COMMIT")
         except sqlite3.OperationalError as e:
             if self.db.in_transaction:
@@ -359,9 +362,6 @@ class Store:
             raise StoreError(f"the conversation database failed: {e}") from None
         self.held.clear()
         return True
-
-    def _held_rows(self) -> list[dict]:
-        return [{"table": t, "id": rid, "columns": cols} for (t, rid), cols in self.held.items()]
 
     def save_copy(self, path: Path | str) -> Path:
         """The whole database with the held-back changes in it, written to another file (the banner's
@@ -373,12 +373,8 @@ class Store:
             dst = sqlite3.connect(str(path), isolation_level=None)
             try:
                 self.db.backup(dst)
-                for row in self._held_rows():
-                    cols = row["columns"]
-                    dst.execute(
-                        f"UPDATE {row['table']} SET {', '.join(f'{c}=?' for c in cols)} WHERE id=?",
-                        (*cols.values(), row["id"]),
-                    )
+                for (table, rid), cols in self.held.items():
+                    _set_columns(dst, table, rid, cols)
             finally:
                 dst.close()
         except (sqlite3.Error, OSError) as e:
@@ -422,7 +418,8 @@ class Store:
         kept = True
         if self.held and not self.flush() and self.path.name != ":memory:":
             try:
-                self.held_path.write_text(json.dumps(self._held_rows()), encoding="utf-8")
+                rows = [{"table": t, "id": rid, "columns": cols} for (t, rid), cols in self.held.items()]
+                self.held_path.write_text(json.dumps(rows), encoding="utf-8")
             except OSError:
                 kept = False
         self.db.close()
@@ -583,11 +580,11 @@ class Store:
         """`read()`, or what it gave last time for `what` if nothing was written since (switching back and
         forth between long conversations reads each once); BRANCHES_KEPT of them, least recently used out."""
         key = (leaf, self.writes)
-        cached = self._branches.pop(what, None)
+        cached = self._reads.pop(what, None)
         value = cached[1] if cached is not None and cached[0] == key else read()
-        self._branches[what] = (key, value)
-        while len(self._branches) > BRANCHES_KEPT:
-            del self._branches[next(iter(self._branches))]
+        self._reads[what] = (key, value)
+        while len(self._reads) > BRANCHES_KEPT:
+            del self._reads[next(iter(self._reads))]
         return value
 
     def _read_branch(self, leaf: int) -> list[Message]:

@@ -503,19 +503,21 @@ class MessageView(QFrame):
         if self.shown != (message.content, message.status, message.token_count):
             self.set_content(message.content, message.status, message.token_count)
 
+    def _mark(self, name: str, on: bool) -> None:
+        """A style-sheet property of the frame (found, invalidated), applied at once."""
+        self.setProperty(name, on)
+        self.style().unpolish(self)
+        self.style().polish(self)
+
     def set_found(self, found: bool) -> None:
         """Mark (or unmark) this message as the one a search found."""
         if bool(self.property("found")) != found:
-            self.setProperty("found", found)
-            self.style().unpolish(self)
-            self.style().polish(self)
+            self._mark("found", found)
 
     def set_highlight(self, start: int, end: int) -> None:
         """Mark where invalidation began: the message glows, the changed token is highlighted."""
         self.highlight = (start, end)
-        self.setProperty("invalidated", True)
-        self.style().unpolish(self)
-        self.style().polish(self)
+        self._mark("invalidated", True)
         self.set_content(self.message.content, self.message.status, self.message.token_count)
 
     @property

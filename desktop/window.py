@@ -377,7 +377,7 @@ class MainWindow(QMainWindow):
         to and focused (Ctrl+Up/Down go on from there)."""
         if self.chat.reveal(mid):
             self.render_transcript()
-        at = next((i for i, (m, _, _) in enumerate(self.chat.rows()) if m.id == mid), None)
+        at = next((i for i, (m, _, _) in enumerate(self._rows) if m.id == mid), None)  # the branch as drawn
         if at is not None and at < self.transcript.first:
             self.render_transcript(reveal=at)
         for v in self.transcript.views:
@@ -478,11 +478,16 @@ class MainWindow(QMainWindow):
         tr.truncate(keep)
         for row in rows[first + keep :]:
             tr.add(self._message_view(*row))
-        remote = (self.facts or {}).get("backend") == "remote"
         for view in tr.views:
-            view.editButton.setEnabled(not self.generating)
-            view.compareButton.setVisible(view.message.role == "assistant" and not remote)  # needs local weights
+            self._fit_view(view)
         self._update_buttons()
+
+    def _fit_view(self, view: MessageView) -> None:
+        """A message view's buttons as the window's state allows: no edits while a reply runs, no Compare
+        on a remote engine (it needs local weights)."""
+        view.editButton.setEnabled(not self.generating)
+        remote = (self.facts or {}).get("backend") == "remote"
+        view.compareButton.setVisible(view.message.role == "assistant" and not remote)
 
     def _backfill(self) -> None:
         """The next CHUNK of the conversation's first WINDOW messages, above those shown."""
@@ -507,6 +512,7 @@ class MainWindow(QMainWindow):
         view.selected.connect(self.select_message)
         view.compareRequested.connect(self.compare_reply)
         view.firstTextPainted.connect(self._on_first_paint)
+        self._fit_view(view)  # a view added later (a chunk of the backfill) as well as those drawn now
         return view
 
     def show_earlier(self) -> None:

@@ -142,8 +142,10 @@ class Probe:
 
     def pick(self, cid: int) -> None:
         """Open a conversation as a click on it in the list does."""
+        from PySide6.QtCore import Qt
+
         lst = self.window.conversationList
-        item = next(lst.item(i) for i in range(lst.count()) if lst.item(i).data(0x0100) == cid)
+        item = next(lst.item(i) for i in range(lst.count()) if lst.item(i).data(Qt.UserRole) == cid)
         lst.setCurrentItem(item)
 
     def send(self, text: str) -> dict:
