@@ -4,8 +4,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import sys
+
+
+def keep_collector_off(window) -> None:
+    """Leave what the app holds for good (Qt, torch, the model, the conversations read) out of the cyclic
+    garbage collector's full passes: it freezes what exists once the window is up and again after each
+    model load. A full pass walks every object the process holds, and it runs on whichever thread
+    allocates: on the GUI thread it stalled switching conversations (README, "Long conversations").
+    Freezing keeps reference counting as it is; only cycles among frozen objects are no longer collected."""
+    gc.freeze()
+    window.modelReady.connect(lambda _facts: gc.freeze())
 
 
 def main(argv=None) -> int:
@@ -35,6 +46,7 @@ def main(argv=None) -> int:
     app.aboutToQuit.connect(closed.set)
     window = MainWindow(data_dir(), model=ns.model)
     window.show()
+    keep_collector_off(window)
     outcome: dict = {}
     if ns.check:
 

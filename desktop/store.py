@@ -8,13 +8,15 @@ so a crash loses nothing that was shown; on the next start they read as "incompl
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import os
 import sqlite3
+import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
+from types import MappingProxyType
 
 TABLES = """
 CREATE TABLE IF NOT EXISTS conversations (
@@ -96,8 +98,11 @@ class StoreError(Exception):
     """The database cannot be used; the message says what happened and what was done about it."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Message:
+    """A stored message as read (frozen: the store keeps the branches it read and hands out the same
+    objects; a change is a new one, `dataclasses.replace`)."""
+
     id: int
     conversation_id: int
     parent_id: int | None
@@ -148,8 +153,17 @@ def _snippet(text: str, at: int) -> str:
     return ("…" if len(before) > len(lead) else "") + " ".join(lead + after[:rest]) + ("…" if len(after) > rest else "")
 
 
-BRANCHES_KEPT = 8  # branches and version maps the store keeps between reads (switching back and forth)
+BRANCHES_KEPT = 8  # conversations whose branch and versions the store keeps between reads
 MAX_DEPTH = 1_000_000  # messages in one branch, at most (a guard against a parent chain that loops)
+REBASE_STEP = 64  # messages read at a time walking up from a new leaf to a kept branch
+REBASE_MAX = 4096  # further than this, a kept branch is read again whole
+# The path from message ? up to the root, at most ? steps (path.depth 0 is the message itself).
+WALK_UP = (
+    "WITH RECURSIVE path(id, depth) AS (SELECT ?, 0 "
+    "UNION ALL SELECT m.parent_id, p.depth + 1 FROM messages m JOIN path p ON m.id = p.id "
+    "WHERE m.parent_id IS NOT NULL AND p.depth < ?) "
+    "SELECT messages.* FROM path JOIN messages ON messages.id = path.id "
+)
 SCHEMA_VERSION = 1  # PRAGMA user_version of the schema above; 0: a kvchat database from before versions
 COLUMNS = {  # what each table must have; a kvchat database missing a later column is migrated, not moved
     "conversations": {"id", "title", "created", "updated", "leaf_id", "deleted", "settings"},
@@ -163,6 +177,19 @@ MIGRATIONS = {  # column -> how an older kvchat database gains it, keeping every
     ("messages", "token_count"): "ALTER TABLE messages ADD COLUMN token_count INTEGER",
     ("messages", "trace"): "ALTER TABLE messages ADD COLUMN trace TEXT",
 }
+
+
+@dataclasses.dataclass
+class _Kept:
+    """A conversation's branch as read, and every message's versions, kept up to date by this store's own
+    writes (add_message and update_message, the only ones to messages): a long conversation is read once,
+    not at each switch, send or streamed save."""
+
+    leaf: int
+    path: list[Message]  # root -> leaf
+    at: dict[int, int]  # message id -> its index in path
+    groups: dict[tuple, list[int]]  # (parent_id, role) -> the ids of those versions, oldest first
+    versions: dict[int, tuple[int, int]]  # message id -> (its index among its versions, how many)
 
 
 class _Unusable(Exception):
@@ -185,8 +212,8 @@ class Store:
         # reads see them as if written. `on_held(n)` is told when changes are held back.
         self.held: dict[tuple[str, int], dict] = {}
         self.on_held = None
-        self.writes = 0  # changes made through this store (a read cached before one is stale after it)
-        self._reads: dict[tuple, tuple] = {}  # (what, conversation) -> ((leaf, writes), what was read)
+        self._branches: dict[int, _Kept] = {}  # conversation id -> its branch as read, kept up to date
+        self._message_writes = 0  # add_message and update_message calls (a branch read before one is stale)
         if str(path) == ":memory:":
             self.db = self._open_writable(":memory:")
             return
@@ -309,12 +336,12 @@ class Store:
     def _recover_streaming(self) -> None:
         """Replies that were streaming when the app died are kept, marked incomplete."""
         self._write("UPDATE messages SET status='incomplete' WHERE status='streaming'")
+        self._branches.clear()
 
     def _writable(self) -> None:
-        """Refuse a change to a read-only database; count one that goes ahead (reads kept before it are stale)."""
+        """Refuse a change to a read-only database."""
         if self.read_only:
             raise StoreError("the conversation database is read-only here: your last change was not saved")
-        self.writes += 1
 
     def _write(self, sql: str, args=()) -> sqlite3.Cursor:
         """A write that makes a row (its id is needed now): refused with a message while locked."""
@@ -543,8 +570,11 @@ class Store:
             " created) VALUES (?,?,?,?,?,?,?)",
             (cid, parent_id, role, content, status, token_count, time.time()),
         )
+        self._message_writes += 1
         self.set_leaf(cid, cur.lastrowid)
-        return self.message(cur.lastrowid)
+        m = self.message(cur.lastrowid)
+        self._kept_added(m)
+        return m
 
     def update_message(
         self,
@@ -558,10 +588,13 @@ class Store:
         cols = {
             c: v for c, v in (("content", content), ("status", status), ("token_count", token_count)) if v is not None
         }
+        changes = dict(cols)
         if trace is not None:
-            cols["trace"] = json.dumps(trace)
+            cols["trace"], changes["trace"] = json.dumps(trace), trace
         if cols:
             self._update("messages", mid, **cols)
+            self._message_writes += 1
+            self._kept_changed(mid, changes)
 
     def all_messages(self, cid: int) -> list[Message]:
         """Every message of a conversation, every branch, oldest first (parents before children)."""
@@ -569,47 +602,148 @@ class Store:
         return [self._message(r) for r in rows]
 
     def branch(self, cid: int) -> list[Message]:
-        """The messages from the root to the conversation's current leaf (one query, however long the
-        conversation; a damaged parent chain that loops stops at MAX_DEPTH)."""
-        leaf = self.conversation(cid).leaf_id  # as it reads with held-back changes
-        if leaf is None:
-            return []
-        return [copy.copy(m) for m in self._kept(("branch", cid), leaf, lambda: self._read_branch(leaf))]
+        """The messages from the root to the conversation's current leaf (read once, then kept: see _Kept)."""
+        kept = self._kept_for(cid)
+        return [] if kept is None else list(kept.path)
 
-    def _kept(self, what: tuple, leaf, read):
-        """`read()`, or what it gave last time for `what` if nothing was written since (switching back and
-        forth between long conversations reads each once); BRANCHES_KEPT of them, least recently used out."""
-        key = (leaf, self.writes)
-        cached = self._reads.pop(what, None)
-        value = cached[1] if cached is not None and cached[0] == key else read()
-        self._reads[what] = (key, value)
-        while len(self._reads) > BRANCHES_KEPT:
-            del self._reads[next(iter(self._reads))]
-        return value
-
-    def _read_branch(self, leaf: int) -> list[Message]:
-        rows = self.db.execute(
-            "WITH RECURSIVE path(id, depth) AS (SELECT ?, 0 "
-            "UNION ALL SELECT m.parent_id, p.depth + 1 FROM messages m JOIN path p ON m.id = p.id "
-            "WHERE m.parent_id IS NOT NULL AND p.depth < ?) "
-            "SELECT messages.* FROM path JOIN messages ON messages.id = path.id ORDER BY path.depth DESC",
-            (leaf, MAX_DEPTH),
-        ).fetchall()
-        return [self._message(r) for r in rows]
-
-    def versions(self, cid: int) -> dict[int, tuple[int, int]]:
+    def versions(self, cid: int) -> MappingProxyType:
         """Each message's place among its versions (same parent, same role): id -> (index, how many),
-        for a whole conversation in one query."""
+        for the whole conversation."""
+        kept = self._kept_for(cid)
+        return MappingProxyType({} if kept is None else kept.versions)
+
+    def kept(self, cid: int) -> bool:
+        """Whether the conversation's current branch is read already (branch() and versions() cost no read)."""
+        k = self._branches.get(cid)
+        return k is not None and k.leaf == self.conversation(cid).leaf_id
+
+    def tail(self, cid: int, n: int) -> list[tuple[Message, int, int]] | None:
+        """The branch's last `n` messages with their places among their versions, read at once however
+        long the conversation (a long one is drawn from its end while read_later reads the rest); None
+        when the branch is no longer than that (branch() reads it whole as cheaply)."""
+        leaf = self.conversation(cid).leaf_id
+        if leaf is None:
+            return None
+        last = [self._message(r) for r in self.db.execute(WALK_UP + "ORDER BY path.depth DESC", (leaf, n))]
+        if len(last) <= n:
+            return None
+        last = last[1:]
+        parents = {m.parent_id for m in last}
+        groups: dict[tuple, list[int]] = {}
+        marks = ",".join("?" * len(parents))
+        for mid, parent, role in self.db.execute(
+            f"SELECT id, parent_id, role FROM messages WHERE conversation_id=? AND parent_id IN ({marks}) ORDER BY id",
+            (cid, *parents),
+        ):
+            groups.setdefault((parent, role), []).append(mid)
+        return [(m, groups[m.parent_id, m.role].index(m.id), len(groups[m.parent_id, m.role])) for m in last]
+
+    def read_later(self, cid: int) -> Future | None:
+        """Read the conversation's branch on a thread of its own, with its own connection to the file (the
+        GUI thread goes on drawing); the future's result goes to adopt() on this store's thread. None where
+        it cannot be read that way (a temporary database in memory, a file that cannot be opened again)."""
+        leaf = self.conversation(cid).leaf_id
+        if leaf is None or self.path.name == ":memory:" or not self.path.exists():
+            return None
+        fut: Future = Future()
+        started = self._message_writes
 
         def read():
-            groups: dict[tuple, list[int]] = {}
-            for mid, parent, role in self.db.execute(
-                "SELECT id, parent_id, role FROM messages WHERE conversation_id=? ORDER BY id", (cid,)
-            ):
-                groups.setdefault((parent, role), []).append(mid)
-            return {mid: (i, len(ids)) for ids in groups.values() for i, mid in enumerate(ids)}
+            try:
+                db = self._open_read_only()
+                try:
+                    fut.set_result((cid, started, self._read_kept(db, cid, leaf)))
+                finally:
+                    db.close()
+            except Exception as e:  # the GUI thread reads it itself then
+                fut.set_exception(e)
 
-        return dict(self._kept(("versions", cid), None, read))
+        threading.Thread(target=read, name="kvchat-branch-read", daemon=True).start()
+        return fut
+
+    def adopt(self, result) -> bool:
+        """Keep a branch read_later read, unless a message was written since it began or the conversation
+        moved to another leaf (then branch() reads it again); whether it was kept."""
+        cid, started, kept = result
+        if started != self._message_writes or kept.leaf != self.conversation(cid).leaf_id:
+            return False
+        self._keep(cid, kept)
+        return True
+
+    def _kept_for(self, cid: int) -> _Kept | None:
+        """The conversation's branch and versions: kept from an earlier read and brought to the current
+        leaf (a new message, an edit, another version chosen: only the messages below where the branches
+        part are read), or read whole."""
+        leaf = self.conversation(cid).leaf_id  # as it reads with held-back changes
+        if leaf is None:
+            return None
+        kept = self._branches.get(cid)
+        if kept is not None and kept.leaf != leaf and not self._rebase(kept, leaf):
+            kept = None
+        if kept is None:
+            kept = self._read_kept(self.db, cid, leaf)
+        self._keep(cid, kept)
+        return kept
+
+    def _keep(self, cid: int, kept: _Kept) -> None:
+        """BRANCHES_KEPT conversations' branches, the least recently used out first."""
+        self._branches.pop(cid, None)
+        self._branches[cid] = kept
+        while len(self._branches) > BRANCHES_KEPT:
+            del self._branches[next(iter(self._branches))]
+
+    def _read_kept(self, db: sqlite3.Connection, cid: int, leaf: int) -> _Kept:
+        """The branch from the root to `leaf` (one query however long; a damaged parent chain that loops
+        stops at MAX_DEPTH) and every message's versions (one more), through connection `db`."""
+        path = [self._message(r) for r in db.execute(WALK_UP + "ORDER BY path.depth DESC", (leaf, MAX_DEPTH))]
+        groups: dict[tuple, list[int]] = {}
+        for mid, parent, role in db.execute(
+            "SELECT id, parent_id, role FROM messages WHERE conversation_id=? ORDER BY id", (cid,)
+        ):
+            groups.setdefault((parent, role), []).append(mid)
+        versions = {mid: (i, len(ids)) for ids in groups.values() for i, mid in enumerate(ids)}
+        return _Kept(leaf, path, {m.id: i for i, m in enumerate(path)}, groups, versions)
+
+    def _rebase(self, kept: _Kept, leaf: int) -> bool:
+        """Bring a kept branch to another leaf by reading up from it to where it meets the kept path (a
+        message added, a version chosen); False when that is further than REBASE_MAX (read it whole)."""
+        chain: list[Message] = []
+        mid: int | None = leaf
+        while mid is not None and mid not in kept.at:
+            rows = self.db.execute(WALK_UP + "ORDER BY path.depth", (mid, REBASE_STEP)).fetchall()
+            if not rows or len(chain) > REBASE_MAX:
+                return False
+            for r in rows:
+                if r["id"] in kept.at:
+                    mid = r["id"]
+                    break
+                chain.append(self._message(r))
+            else:
+                mid = chain[-1].parent_id  # None: the root, so the branches share nothing
+        keep = 0 if mid is None else kept.at[mid] + 1
+        for m in kept.path[keep:]:
+            del kept.at[m.id]
+        kept.path[keep:] = reversed(chain)
+        for i in range(keep, len(kept.path)):
+            kept.at[kept.path[i].id] = i
+        kept.leaf = leaf
+        return True
+
+    def _kept_added(self, m: Message) -> None:
+        """A new message is one more version in its group (the path reaches it when it is the leaf)."""
+        kept = self._branches.get(m.conversation_id)
+        if kept is not None:
+            group = kept.groups.setdefault((m.parent_id, m.role), [])
+            group.append(m.id)
+            for i, mid in enumerate(group):
+                kept.versions[mid] = (i, len(group))
+
+    def _kept_changed(self, mid: int, changes: dict) -> None:
+        """A message's new content, status, token count or trace, in the branches kept that hold it."""
+        for kept in self._branches.values():
+            i = kept.at.get(mid)
+            if i is not None:
+                kept.path[i] = dataclasses.replace(kept.path[i], **changes)
 
     def siblings(self, m: Message) -> list[Message]:
         """Versions of this message (same parent, same role), oldest first."""

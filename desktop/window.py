@@ -43,7 +43,7 @@ from engine.trace import now
 from .chat import ChatController
 from .client import EngineClient
 from .models_dialog import ModelsDialog
-from .panel import StatsPanel
+from .panel import StatsPanel, set_bar
 from .settings import Settings
 from .settings_dialog import SettingsDialog, open_settings
 from .store import Store, StoreError
@@ -58,7 +58,7 @@ GIL_SWITCH_S = 0.0005  # how long a thread keeps the GIL while another waits (Py
 PROBE_DELAY_MS = 250  # a conversation opened is probed for its cached share this long after (once drawn)
 HELD_RETRY_MS = 1000  # how often changes a lock held back are tried again
 WINDOW = 16  # messages a conversation opens with (a few screens): a long one opens at once
-CHUNK = 4  # views built in one turn of the event loop while a conversation opens
+CHUNK = 2  # views built in one turn of the event loop while a conversation opens
 EARLIER = 40  # messages "Show earlier messages" (or Ctrl+Up at the top) adds
 FOUND_ROLE = Qt.UserRole + 1  # a conversation list item's search match: the message id
 PANEL_EVERY_S = 0.5  # the panel's figures twice a second while a reply streams (and once at its end)
@@ -84,6 +84,7 @@ class MainWindow(QMainWindow):
     replyFinished = Signal(object)  # the last event of each reply, Finished or Failed (tests and tools wait on it)
     modelReady = Signal(dict)
     conversationProbed = Signal(dict)  # how much of the conversation on screen is cached (tests wait on it)
+    branchRead = Signal(int, object)  # a conversation's branch read on a thread: (its id, the future)
 
     def __init__(self, data_directory: Path, worker_thread: WorkerThread | None = None, model: str | None = None):
         """`model`: a model folder or GGUF file to start on (`kvchat --model PATH`), instead of the settings'."""
@@ -206,6 +207,8 @@ class MainWindow(QMainWindow):
         self._shown_cid = None  # the conversation the transcript's views belong to
         self._rows: list = []  # the branch as last drawn: (message, version index, versions)
         self._backfill_to = 0  # the branch index down to which views are being added, a chunk a turn
+        self._reading = None  # the conversation drawn from its tail while its branch is read on a thread
+        self.branchRead.connect(self._on_branch_read)
         cl.addWidget(self.transcript, 1)
         actions = QHBoxLayout()
         self.regenerateButton = _button("Regenerate", "regenerateButton", self.regenerate, actions)
@@ -375,6 +378,7 @@ class MainWindow(QMainWindow):
     def show_found(self, mid: int) -> None:
         """Bring a message (a search's match) into view: its branch shown, the message marked, scrolled
         to and focused (Ctrl+Up/Down go on from there)."""
+        self._whole_branch()
         if self.chat.reveal(mid):
             self.render_transcript()
         at = next((i for i, (m, _, _) in enumerate(self._rows) if m.id == mid), None)  # the branch as drawn
@@ -408,6 +412,9 @@ class MainWindow(QMainWindow):
         if self._closing:
             return
         cid = self.chat.current_cid
+        if self._reading is not None and self._reading == cid:  # asked again once the branch is read
+            self.probeTimer.start()
+            return
         path = self.chat.branch()
         if self.facts is None or cid is None or not path:
             self.statsPanel.show_conversation_cached(None)
@@ -456,8 +463,65 @@ class MainWindow(QMainWindow):
         """Show the current branch: a conversation opens with its last WINDOW messages (earlier ones on
         request; `reveal`: from this branch index at least). Views that still show the same message at
         the same branch position are kept (their text updated if it changed), so sending, finishing or
-        editing lays out only the messages that changed, not a long conversation from the top."""
+        editing lays out only the messages that changed, not a long conversation from the top. A long
+        conversation not read yet opens from its end at once while a thread reads the rest of it."""
+        cid = self.chat.current_cid
+        if cid is not None and cid != self._shown_cid and not self.store.kept(cid):
+            tail = self.chat.guard(self.store.tail, cid, WINDOW)
+            if tail:
+                self._draw(tail, more=True)
+                self._read_branch(cid)
+                return
         rows = self.chat.rows()
+        if self._reading == cid == self._shown_cid:
+            self._place_tail(rows)
+        self._reading = None
+        self._draw(rows, reveal)
+
+    def _read_branch(self, cid: int) -> None:
+        """The branch of a conversation drawn from its tail, read on a thread (`branchRead` brings it back)."""
+        self._reading = cid
+        fut = self.store.read_later(cid)
+        if fut is None:  # it cannot be read elsewhere: here, once this turn has drawn the tail
+            QTimer.singleShot(0, lambda: self._on_branch_read(cid, None))
+            return
+
+        def done(f):
+            try:
+                self.branchRead.emit(cid, f)
+            except RuntimeError:  # the window is gone
+                pass
+
+        fut.add_done_callback(done)
+
+    def _on_branch_read(self, cid: int, fut) -> None:
+        if self._closing:
+            return
+        if fut is not None and fut.exception() is None:
+            self.store.adopt(fut.result())  # not if a message was written meanwhile: then read here
+        if self._reading == cid == self.chat.current_cid:
+            self.render_transcript()
+
+    def _place_tail(self, rows: list) -> None:
+        """The views drawn from the tail, given their places in the whole branch (the earlier button
+        counts what is above them now)."""
+        tr = self.transcript
+        first = tr.views[0].message.id if tr.views else None
+        at = next((i for i in range(len(rows) - 1, -1, -1) if rows[i][0].id == first), None)
+        if at is None:
+            self._shown_cid = None  # nothing in common: drawn again
+            return
+        self._backfill_to += at - tr.first
+        tr.set_first(at, more=False)
+        self._rows = rows
+
+    def _whole_branch(self) -> None:
+        """The branch read whole now if it is being read on a thread (what follows counts in it)."""
+        if self._reading is not None and self._reading == self.chat.current_cid:
+            self.render_transcript()
+
+    def _draw(self, rows: list, reveal: int | None = None, more: bool = False) -> None:
+        """The transcript's views for `rows` (the branch, or its tail while the rest is read: `more`)."""
         tr = self.transcript
         self._rows = rows  # what the backfill prepends from
         if self.chat.current_cid != self._shown_cid or tr.first > max(0, len(rows) - 1):
@@ -465,7 +529,7 @@ class MainWindow(QMainWindow):
             # of the event loop (the window answers in between), newest first.
             self._shown_cid = self.chat.current_cid
             self._backfill_to = max(0, len(rows) - WINDOW)
-            tr.clear(max(self._backfill_to, len(rows) - CHUNK))
+            tr.clear(max(self._backfill_to, len(rows) - CHUNK), more)
             if tr.first > self._backfill_to:
                 QTimer.singleShot(0, self._backfill)
         if reveal is not None and reveal < tr.first:
@@ -517,6 +581,7 @@ class MainWindow(QMainWindow):
 
     def show_earlier(self) -> None:
         """The EARLIER messages before those shown (the transcript's button, or Ctrl+Up at the top)."""
+        self._whole_branch()
         self.render_transcript(reveal=max(0, self.transcript.first - EARLIER))
 
     def export_conversation(self, path: str | None = None) -> None:
@@ -573,6 +638,7 @@ class MainWindow(QMainWindow):
 
     def _step_message(self, delta: int) -> None:
         """Move the focus (and the panel, for replies) to the message above or below (Ctrl+Up/Down)."""
+        self._whole_branch()
         views = self.transcript.views
         if not views:
             return
@@ -671,9 +737,7 @@ class MainWindow(QMainWindow):
     def _on_load_progress(self, fraction: float, what: str) -> None:
         """The weights being read: a percentage, with the file's name."""
         pct = int(round(fraction * 100))
-        self.loadProgress.setRange(0, 100)
-        self.loadProgress.setValue(pct)
-        self.loadProgress.setFormat(f"{pct}%")
+        set_bar(self.loadProgress, 100, pct, f"{pct}%")
         self.loadProgress.setTextVisible(True)
         self.statusBar().showMessage(f"Loading {what}: {pct}%")
 

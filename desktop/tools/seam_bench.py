@@ -92,6 +92,7 @@ class App:
         from ..settings import Settings
         from ..settings_dialog import open_settings
         from ..style import apply_style
+        from ..app import keep_collector_off
         from ..window import MainWindow
         from ..worker import BATCH_SECONDS, EngineWorker, WorkerThread
 
@@ -109,6 +110,7 @@ class App:
         asyncio.set_event_loop(self.loop)
         self.window = MainWindow(data, WorkerThread(EngineWorker(batch_seconds or BATCH_SECONDS)))
         self.window.show()
+        keep_collector_off(self.window)  # as the app does
         self.ready, self.finished, self.arrivals, self.ticks = [], [], [], []
         self.wake = asyncio.Event()
         self.window.modelReady.connect(lambda facts: (self.ready.append(facts), self.wake.set()))

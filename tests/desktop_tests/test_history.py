@@ -1,6 +1,8 @@
 """A long conversation in the real window: it opens with its last messages, earlier ones come on
 request (button, Ctrl+Up, a search's match), and sending in it keeps the views it has."""
 
+import threading
+
 from PySide6.QtCore import Qt
 
 from desktop.store import Store
@@ -40,14 +42,19 @@ def test_a_long_conversation_opens_with_its_last_messages_and_shows_earlier_ones
     data.mkdir()
     cid, short, ids = long_conversation(data)
     w = make_window(demo_model_dir, data=data)
+    readers = []
+    read = w.store._read_kept
+    w.store._read_kept = lambda *a: readers.append(threading.current_thread() is threading.main_thread()) or read(*a)
     w.select_conversation(cid)
     tr = w.transcript
     assert 0 < len(tr.views) < WINDOW  # the last few at once, drawn before the rest is built
     assert [v.message.id for v in tr.views] == ids[N - len(tr.views) :]
-    qtbot.waitUntil(lambda: len(tr.views) == WINDOW)  # the rest, a few per turn of the event loop
+    button = tr.findChild(type(tr.earlierButton), "earlierButton")
+    assert tr.more and button.text() == "Show earlier messages"  # the branch is being read: how many, not yet
+    qtbot.waitUntil(lambda: len(tr.views) == WINDOW and not tr.more)  # the rest, a few per turn of the loop
+    assert readers == [False]  # read on another thread, the window drawing meanwhile
     assert tr.first == N - WINDOW
     assert [v.message.id for v in tr.views] == ids[-WINDOW:]  # the last ones, in order
-    button = tr.findChild(type(tr.earlierButton), "earlierButton")
     assert button.isVisible() and f"{N - WINDOW:,} not shown" in button.text()
 
     kept = tr.views[-1]
@@ -63,9 +70,10 @@ def test_a_long_conversation_opens_with_its_last_messages_and_shows_earlier_ones
     assert tr.first == N - WINDOW - 2 * EARLIER
     qtbot.waitUntil(lambda: w.focusWidget() is tr.view_for(ids[tr.first + EARLIER - 1]))
 
-    w.select_conversation(short)  # another conversation, and back: the last window again
+    w.select_conversation(short)  # another conversation, and back: the last window again, kept
     assert [v.message.content for v in tr.views] == ["Hello", "Hi"] and not button.isVisible()
     w.select_conversation(cid)
+    assert not tr.more and readers == [False]
     qtbot.waitUntil(lambda: tr.first == N - WINDOW)
 
     w.search.setText("word5x")  # a search's match far above the window: the transcript reaches back to it
@@ -83,6 +91,33 @@ def test_a_long_conversation_opens_with_its_last_messages_and_shows_earlier_ones
     shown = list(tr.views)  # sending keeps every view and adds the new two
     send(qtbot, w, spin_loop, "One more")
     assert tr.views[: len(shown)] == shown and len(tr.views) == len(shown) + 2
+    assert readers == [False]  # the branch kept follows what is written, not read again
+
+
+def test_what_is_done_while_a_long_branch_is_being_read_lands_in_its_place(
+    qtbot, make_window, spin_loop, demo_model_dir, tmp_path
+):
+    """Sending, or asking for earlier messages, before the thread's read is back: the branch is read
+    at once then, and the views drawn from the tail keep their places in it."""
+    from gui import send
+
+    data = tmp_path / "data"
+    data.mkdir()
+    cid, short, ids = long_conversation(data)
+    w = make_window(demo_model_dir, data=data)
+    w.select_conversation(cid)
+    tr = w.transcript
+    assert tr.more
+    w.show_earlier()  # before the read is back
+    assert not tr.more and tr.first == N - len(tr.views) and [v.message.id for v in tr.views] == ids[tr.first :]
+    w.select_conversation(short)
+    w.store._branches.clear()  # as if never read
+    w.select_conversation(cid)
+    assert tr.more
+    send(qtbot, w, spin_loop, "One more")
+    qtbot.waitUntil(lambda: not tr.more and len(tr.views) >= WINDOW)
+    path = w.store.branch(cid)
+    assert len(path) == N + 2 and [v.message.id for v in tr.views] == [m.id for m in path[tr.first :]]
 
 
 def test_only_the_latest_probe_is_answered(qtbot):

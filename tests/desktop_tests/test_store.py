@@ -2,6 +2,7 @@
 another program's, in a folder that cannot be written. Start-up never aborts, nothing is
 overwritten, and the notice says what was done."""
 
+import dataclasses
 import hashlib
 import sqlite3
 
@@ -251,7 +252,8 @@ def test_a_branch_read_again_with_nothing_written_is_the_same_and_a_write_is_see
     m = st.add_message(a.id, None, "user", "first")
     st.add_message(b.id, None, "user", "other")
     one = st.branch(a.id)
-    one[0].content = "changed by a view"  # what a caller does to its copy stays there
+    with pytest.raises(dataclasses.FrozenInstanceError):  # shared with the kept branch: read-only
+        one[0].content = "changed by a view"
     st.branch(b.id)  # another conversation read in between
     assert [x.content for x in st.branch(a.id)] == ["first"] and st.versions(a.id) == {m.id: (0, 1)}
     r = st.add_message(a.id, m.id, "assistant", "reply")
@@ -259,4 +261,80 @@ def test_a_branch_read_again_with_nothing_written_is_the_same_and_a_write_is_see
     assert [x.content for x in st.branch(a.id)] == ["first", "reply, edited"]
     second = st.add_message(a.id, None, "user", "first, edited")  # a second version of the first message
     assert st.versions(a.id)[second.id] == (1, 2) and [x.content for x in st.branch(a.id)] == ["first, edited"]
+    st.close()
+
+
+def _full_reads(st: Store) -> list:
+    """The statements that read a whole conversation's versions: one per branch read whole."""
+    seen = []
+    st.db.set_trace_callback(lambda sql: "ORDER BY id" in sql and "conversation_id=" in sql and seen.append(sql))
+    return seen
+
+
+def test_a_kept_branch_follows_every_change_as_a_fresh_read_sees_it_without_reading_it_again(tmp_path):
+    """New messages, edits (new versions), another version chosen, streamed updates: the branch and the
+    versions the store keeps equal what another connection reads from the file, and the conversation
+    is read whole once."""
+    import random
+
+    path = tmp_path / "kvchat.db"
+    st = Store(path)
+    conv = st.new_conversation("Long")
+    parent = None
+    for i in range(120):
+        parent = st.add_message(conv.id, parent, "user" if i % 2 == 0 else "assistant", f"message {i}").id
+    full = _full_reads(st)
+    st.branch(conv.id)
+    rnd = random.Random(3)
+    for step in range(60):
+        path_now = st.branch(conv.id)
+        m = rnd.choice(path_now)
+        op = step % 4
+        if op == 0:  # a reply or a question at the end
+            last = path_now[-1]
+            st.add_message(conv.id, last.id, "assistant" if last.role == "user" else "user", f"new {step}")
+        elif op == 1:  # an edit: a new version of a message somewhere up the branch
+            st.add_message(conv.id, m.parent_id, m.role, f"{m.content}, edited at {step}")
+        elif op == 2:  # another version chosen (‹ ›), down to its newest leaf
+            sibs = st.siblings(m)
+            st.set_leaf(conv.id, st.deepest_leaf(rnd.choice(sibs).id))
+        else:  # a streamed save
+            st.update_message(m.id, content=f"{m.content} +", status="complete", token_count=step, trace={"s": step})
+        fresh = Store(path)
+        assert st.branch(conv.id) == fresh.branch(conv.id), step
+        assert dict(st.versions(conv.id)) == dict(fresh.versions(conv.id)), step
+        fresh.close()
+    assert len(full) == 1  # read whole once; every change after was followed, not read again
+    st.close()
+
+
+def test_a_branch_read_on_another_thread_is_kept_unless_a_message_was_written_meanwhile(tmp_path):
+    import threading
+
+    st = Store(tmp_path / "kvchat.db")
+    conv = st.new_conversation("Long")
+    parent = None
+    for i in range(40):
+        parent = st.add_message(conv.id, parent, "user" if i % 2 == 0 else "assistant", f"message {i}").id
+    st._branches.clear()
+    readers = []
+    read = Store._read_kept
+
+    def spy(self, db, cid, leaf):
+        readers.append(threading.current_thread() is threading.main_thread())
+        return read(self, db, cid, leaf)
+
+    st._read_kept = spy.__get__(st)
+    tail = st.tail(conv.id, 10)  # the end at once, with each message's place among its versions
+    assert [(m.id, i, n) for m, i, n in tail] == [(m.id, 0, 1) for m in Store(st.path).branch(conv.id)[-10:]]
+    assert st.tail(conv.id, 40) is None  # no longer than that: read whole as cheaply
+    assert not st.kept(conv.id)
+    result = st.read_later(conv.id).result(timeout=30)
+    assert readers == [False] and st.adopt(result) and st.kept(conv.id)
+    assert [m.content for m in st.branch(conv.id)][-1] == "message 39" and readers == [False]
+    st._branches.clear()
+    later = st.read_later(conv.id)
+    st.update_message(parent, content="changed while it was read")
+    assert not st.adopt(later.result(timeout=30)) and not st.kept(conv.id)  # stale: read again here
+    assert st.branch(conv.id)[-1].content == "changed while it was read" and readers == [False, False, True]
     st.close()
