@@ -89,10 +89,10 @@ class App:
         from engine.trace import now
 
         from .. import window as window_module
+        from ..app import keep_collector_off
         from ..settings import Settings
         from ..settings_dialog import open_settings
         from ..style import apply_style
-        from ..app import keep_collector_off
         from ..window import MainWindow
         from ..worker import BATCH_SECONDS, EngineWorker, WorkerThread
 
