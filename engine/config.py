@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 from .errors import ModelLoadError
@@ -66,13 +67,28 @@ def _rope_from(raw: dict) -> RopeConfig:
     kind = params.get("rope_type", params.get("type", "default")) or "default"
     if kind not in ("default", "linear", "llama3"):
         raise ModelLoadError(f"rope type {kind!r} is not supported (supported: default, linear, llama3)")
+
+    def positive(key: str, value) -> float:
+        """A rotary parameter: a finite number above 0 (0, negative or NaN make every position's angle garbage)."""
+        try:
+            x = float(value)
+        except (TypeError, ValueError):
+            x = math.nan
+        if not (math.isfinite(x) and x > 0):
+            raise ModelLoadError(f"config.json's {key} is {value!r}: it must be a finite number above 0")
+        return x
+
     return RopeConfig(
-        theta=float(params.get("rope_theta", raw.get("rope_theta", 10000.0))),
+        theta=positive("rope_theta", params.get("rope_theta", raw.get("rope_theta", 10000.0))),
         type=kind,
-        factor=float(params.get("factor", 1.0)),
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        factor=positive("rope_scaling.factor", params.get("factor", 1.0)),
+        low_freq_factor=positive("rope_scaling.low_freq_factor", params.get("low_freq_factor", 1.0)),
+        high_freq_factor=positive("rope_scaling.high_freq_factor", params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(
+            positive(
+                "rope_scaling.original_max_position_embeddings", params.get("original_max_position_embeddings", 8192)
+            )
+        ),
     )
 
 

@@ -87,6 +87,10 @@ def is_gguf(path) -> bool:
 # The header's value types (gguf's GGUFValueType) and their sizes in bytes; 8 is a string, 9 an array.
 SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 STRING, ARRAY = 8, 9
+NUMBER = (int, float)
+KINDS = {str: "string", int: "whole number", NUMBER: "number"}  # how an error names what a key should hold
+DEFAULT_ALIGNMENT = 32  # where tensor data starts and each tensor's offset is a multiple of (general.alignment)
+MAX_ALIGNMENT = 1 << 20
 MAX_DIMS = 4  # a tensor's dimensions, at most (GGML_MAX_DIMS)
 MAX_ELEMENTS = 1 << 48  # a tensor's values, at most (far past any model; its bytes are checked against the file)
 
@@ -143,13 +147,20 @@ def check_header(path: Path) -> None:
         at = 24
         if at + n_kv * 12 > size:  # each entry is at least a key's length and a type
             raise bad(f"the header claims {n_kv:,} metadata entries, more than the file could hold")
+        alignment = DEFAULT_ALIGNMENT
         for i in range(n_kv):
             end = string(at, f"metadata entry {i}'s key")
             key = bytes(m[at + 8 : end]).decode("utf-8", "replace")
             need(end, 4, f"metadata {key!r}")
-            at = value(end + 4, struct.unpack_from("<I", m, end)[0], f"metadata {key!r}")
+            kind = struct.unpack_from("<I", m, end)[0]
+            at = value(end + 4, kind, f"metadata {key!r}")
+            if key == "general.alignment":
+                alignment = int.from_bytes(m[end + 4 : at], "little") if kind in (4, 10) else 0  # uint32/uint64
+        if not (0 < alignment <= MAX_ALIGNMENT and alignment & (alignment - 1) == 0):
+            raise bad(f"general.alignment is not a power of two up to {MAX_ALIGNMENT:,}")
         if at + n_tensors * 24 > size:  # each is at least a name's length, a dimension, a type and an offset
             raise bad(f"the header claims {n_tensors:,} tensors, more than the file could hold")
+        infos = []
         for i in range(n_tensors):
             end = string(at, f"tensor {i}'s name")
             name = bytes(m[at + 8 : end]).decode("utf-8", "replace")
@@ -161,7 +172,33 @@ def check_header(path: Path) -> None:
             dims = struct.unpack_from(f"<{n_dims}Q", m, end + 4)
             if math.prod(dims) > MAX_ELEMENTS:
                 raise bad(f"tensor {name!r} claims {' × '.join(f'{d:,}' for d in dims)} values")
+            infos.append((name, dims, *struct.unpack_from("<IQ", m, end + 4 + 8 * n_dims)))
             at = end + 4 + 8 * n_dims + 12
+        _check_extents(infos, -(-at // alignment) * alignment, alignment, size, bad)
+
+
+def _check_extents(infos: list, start: int, alignment: int, size: int, bad) -> None:
+    """Each tensor's data inside the file, at an aligned offset, in whole blocks of its type, and no two
+    overlapping (llama.cpp refuses the same); `start`: where the data section begins."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    spans = []
+    for name, dims, kind, offset in infos:
+        if kind not in GGML_QUANT_SIZES:
+            raise bad(f"tensor {name!r} has type {kind}, which is not a GGML type")
+        block, block_bytes = GGML_QUANT_SIZES[kind]
+        if dims[0] % block:
+            raise bad(f"tensor {name!r} has rows of {dims[0]:,} values, not whole blocks of {block}")
+        if offset % alignment:
+            raise bad(f"tensor {name!r} starts at offset {offset:,}, not a multiple of the alignment {alignment}")
+        n = math.prod(dims) // block * block_bytes
+        if start + offset + n > size:
+            raise bad(f"the data of tensor {name!r} runs past the end of the file (truncated, or a forged offset)")
+        spans.append((offset, offset + n, name))
+    spans.sort()
+    for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
+        if begin < end:
+            raise bad(f"tensors {a!r} and {b!r} overlap in the file")
 
 
 def _q8_0(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -194,6 +231,8 @@ class GGUFModel:
         self.path = Path(path)
         try:
             check_header(self.path)
+        except ImportError:
+            raise ModelLoadError("reading GGUF files needs the gguf package (pip install gguf)", self.path) from None
         except (OSError, ValueError) as e:  # unreadable, or too small to map
             raise ModelLoadError(f"not a readable GGUF file: {e}", self.path) from None
         try:
@@ -228,6 +267,23 @@ class GGUFModel:
             return field.contents()
         except Exception as e:
             raise ModelLoadError(f"GGUF metadata {key!r} is unreadable: {e}", self.path) from None
+
+    def meta_as(self, key: str, kind: type | tuple, default=None):
+        """Metadata that must be of a kind (str, int, or a list of one: `[str]`): a file that stores
+        something else there is a clear error naming the key, not a failure deep in the tokenizer."""
+        value = self.meta(key, default)
+        if value is None or value is default:
+            return value
+        if isinstance(kind, list):
+            want = kind[0]
+            ok = isinstance(value, list) and all(isinstance(v, want) and not isinstance(v, bool) for v in value)
+            said = f"an array of {KINDS[want]}s"
+        else:
+            ok = isinstance(value, kind) and not isinstance(value, bool)
+            said = f"a {KINDS[kind]}"
+        if not ok:
+            raise ModelLoadError(f"GGUF metadata {key!r} should be {said}", self.path)
+        return value
 
     def _arch(self, key: str, default=None):
         return self.meta(f"{self.arch}.{key}", default)
@@ -287,17 +343,17 @@ class GGUFModel:
         from .tokenizer import Tokenizer
 
         kind = self.meta("tokenizer.ggml.model")
-        tokens = self.meta("tokenizer.ggml.tokens")
+        tokens = self.meta_as("tokenizer.ggml.tokens", [str])
         if not tokens:
             raise ModelLoadError("the GGUF file has no vocabulary (tokenizer.ggml.tokens)", self.path)
-        types = self.meta("tokenizer.ggml.token_type") or [1] * len(tokens)
+        types = self.meta_as("tokenizer.ggml.token_type", [int]) or [1] * len(tokens)
         if kind == "gpt2":
             spelling = _bytes_to_unicode()
             alphabet = set(spelling.values())
             vocab = {}
             for i, t in enumerate(tokens):
                 vocab[t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))] = i
-            merges = _known(vocab, [tuple(m.split(" ", 1)) for m in self.meta("tokenizer.ggml.merges") or []])
+            merges = _known(vocab, [tuple(m.split(" ", 1)) for m in self.meta_as("tokenizer.ggml.merges", [str]) or []])
             tok = self._bpe(vocab, merges, fuse_unk=False)
             pre = self.meta("tokenizer.ggml.pre", "default")
             if pre in SPLITS:
@@ -316,9 +372,9 @@ class GGUFModel:
             tok.decoder = decoders.ByteLevel()
             special_ok = lambda t: set(t) <= alphabet
         elif kind == "llama":
-            scores = self.meta("tokenizer.ggml.scores") or [0.0] * len(tokens)
+            scores = self.meta_as("tokenizer.ggml.scores", [NUMBER]) or [0.0] * len(tokens)
             vocab = {t: i for i, t in enumerate(tokens)}
-            merges = self.meta("tokenizer.ggml.merges")
+            merges = self.meta_as("tokenizer.ggml.merges", [str])
             merges = (
                 _known(vocab, [tuple(m.split(" ", 1)) for m in merges])
                 if merges
@@ -369,7 +425,7 @@ class GGUFModel:
         # Built: the parsed arrays (an object per token) go before the weights come.
         for key in ("tokens", "merges", "scores", "token_type"):
             self.reader.fields.pop(f"tokenizer.ggml.{key}", None)
-        template = self.meta("tokenizer.chat_template")
+        template = self.meta_as("tokenizer.chat_template", str)
         digest = hashlib.sha256()
         for part in (kind or "", self.meta("tokenizer.ggml.pre", "") or "", template or "", str(len(tokens))):
             digest.update(part.encode())

@@ -262,3 +262,97 @@ def test_a_forged_gguf_header_is_a_clear_error_at_once(tmp_path, case):
     with pytest.raises(ModelLoadError, match="not a readable GGUF file") as e:
         load_model(str(path))
     assert said in str(e.value) and time.perf_counter() - t0 < 5
+
+
+def _rewrite(src, dst, metadata: dict):
+    """The GGUF file at `src` written again with some metadata replaced or added: key -> (value, value
+    type, item type of an array or None)."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    r = GGUFReader(str(src))
+    w = GGUFWriter(str(dst), r.fields["general.architecture"].contents())
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key in metadata:
+            continue
+        w.add_key_value(key, f.contents(), f.types[0], f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None)
+    for key, (value, kind, item) in metadata.items():
+        w.add_key_value(key, value, kind, item)
+    for t in r.tensors:
+        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def _tensor_info(data: bytes, name: str) -> tuple[int, int]:
+    """Where a tensor's type and data offset are written in the header."""
+    at = data.index(name.encode()) + len(name)
+    n_dims = struct.unpack_from("<I", data, at)[0]
+    return at + 4 + 8 * n_dims, at + 4 + 8 * n_dims + 4
+
+
+def _patched(data: bytes, at: int, fmt: str, value) -> bytes:
+    out = bytearray(data)
+    struct.pack_into(fmt, out, at, value)
+    return bytes(out)
+
+
+def test_a_gguf_file_whose_tensors_or_metadata_lie_is_a_clear_error(folders, tmp_path):
+    """Tensor data past the end, unaligned or overlapping, types that are not GGML's, rows that are not
+    whole blocks, an alignment that is not a power of two; metadata of the wrong kind (a vocabulary of
+    numbers, a template that is not text) and rotary parameters that make every angle garbage: each is
+    an error naming what is wrong before anything is allocated, never a traceback or a model that runs."""
+    from gguf import GGUFValueType as V
+
+    good = write_gguf(folders["llama"], tmp_path / "good.gguf", matrices="Q8_0", tokenizer=True)
+    data = good.read_bytes()
+    kind_at, offset_at = _tensor_info(data, "blk.0.ffn_gate.weight")
+    offset = struct.unpack_from("<Q", data, offset_at)[0]
+    first = struct.unpack_from("<Q", data, _tensor_info(data, "token_embd.weight")[1])[0]
+    tokens = gguf.GGUFReader(str(good)).fields["tokenizer.ggml.tokens"].contents()
+    forged = {
+        "data past the end": (_patched(data, offset_at, "<Q", 1 << 40), "runs past the end of the file"),
+        "an unaligned offset": (_patched(data, offset_at, "<Q", offset + 1), "not a multiple of the alignment 32"),
+        "two tensors on the same bytes": (_patched(data, offset_at, "<Q", first), "overlap in the file"),
+        "a type that is not GGML's": (_patched(data, kind_at, "<I", 255), "type 255, which is not a GGML type"),
+        "rows that are not whole blocks": (_patched(data, kind_at, "<I", 12), "not whole blocks of 256"),  # Q4_K
+    }
+    metadata = {
+        "an alignment of 3": ({"general.alignment": (3, V.UINT32, None)}, "general.alignment is not a power of two"),
+        "a vocabulary of numbers": (
+            {"tokenizer.ggml.tokens": (list(range(len(tokens))), V.ARRAY, V.INT32)},
+            "'tokenizer.ggml.tokens' should be an array of strings",
+        ),
+        "a template that is a number": (
+            {"tokenizer.chat_template": (5, V.UINT32, None)},
+            "'tokenizer.chat_template' should be a string",
+        ),
+        "scores that are text": (
+            {
+                "tokenizer.ggml.model": ("llama", V.STRING, None),
+                "tokenizer.ggml.scores": (["a"] * 3, V.ARRAY, V.STRING),
+            },
+            "'tokenizer.ggml.scores' should be an array of numbers",
+        ),
+        "a rope base of 0": ({"llama.rope.freq_base": (0.0, V.FLOAT32, None)}, "rope_theta is 0.0: it must be"),
+        "a rope base that is NaN": ({"llama.rope.freq_base": (float("nan"), V.FLOAT32, None)}, "rope_theta is nan"),
+        "a linear rope factor of 0": (
+            {
+                "llama.rope.scaling.type": ("linear", V.STRING, None),
+                "llama.rope.scaling.factor": (0.0, V.FLOAT32, None),
+            },
+            "rope_scaling.factor is 0.0: it must be a finite number above 0",
+        ),
+    }
+    for case, (meta, said) in metadata.items():
+        forged[case] = (_rewrite(good, tmp_path / "meta.gguf", meta).read_bytes(), said)
+    path = tmp_path / "forged.gguf"
+    for case, (blob, said) in forged.items():
+        path.write_bytes(blob)
+        with pytest.raises(ModelLoadError) as e:
+            load_model(str(path))
+        assert said in str(e.value), (case, str(e.value))
+    path.write_bytes(_rewrite(good, tmp_path / "same.gguf", {}).read_bytes())  # the rewrite alone loads
+    assert load_model(str(path)).tokenizer.apply_chat_template(MESSAGES)
