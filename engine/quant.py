@@ -46,11 +46,14 @@ def quantize(x: torch.Tensor, mode: str, group_size: int) -> tuple[torch.Tensor,
     return codes.reshape(x.shape), scale.squeeze(-1).to(SCALE_DTYPE)
 
 
-def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    """codes [..., K] int8, scales [..., G] -> x̂ = s · q, [..., K] in dtype."""
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype=torch.float32, mins=None) -> torch.Tensor:
+    """codes [..., K] int8, scales [..., G] (and offsets `mins` [..., G]) -> x̂ = s · q (+ m), [..., K] in dtype."""
     k, groups = codes.shape[-1], scales.shape[-1]
     q = codes.reshape(*codes.shape[:-1], groups, k // groups).to(dtype)
-    return (q * scales.to(dtype).unsqueeze(-1)).reshape(codes.shape)
+    x = q * scales.to(dtype).unsqueeze(-1)
+    if mins is not None:
+        x = x + mins.to(dtype).unsqueeze(-1)
+    return x.reshape(codes.shape)
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -87,13 +90,15 @@ def describe(mode: str, group_size: int, in_features: int | None = None) -> str:
 @dataclasses.dataclass(frozen=True)
 class PreQuantized:
     """Codes a model file already holds, as a quantized layer stores them: codes [N, K] int8 (int4 values
-    in −8..7, unpacked), scales [N, K/g] float32; `dtype` is the activations' (the model's)."""
+    in −8..7, unpacked), scales [N, K/g] float32, and for formats with a minimum per group (GGUF's
+    Q4_1, Q5_1, K-quants) offsets `mins` [N, K/g] float32: x̂ = s · q + m; `dtype` is the activations'."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     mode: str
     group_size: int
     dtype: torch.dtype
+    mins: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -156,9 +156,29 @@ void kv_matvec_f16(const _Float16 *w, const _Float16 *xh, _Float16 *y, int64_t o
 }
 #endif
 
-/* int8 codes q [out, in], scales s [out, in/g]: y[o] = sum_j s[o, j] * (q[o, group j] . x[group j]). */
-void kv_matvec_q8(const int8_t *q, const float *s, const float *x, float *y, int64_t out, int64_t in, int64_t g, int nt) {
+/* Offsets m [out, in/g] (NULL: none) make a group's weights s·q + m (a GGUF's Q4_1/Q5_1 and K-quant
+ * mins): their share of a row's product is sum_j m[o, j] * (the sum of x over group j), so x's group sums
+ * are taken once per call and each row adds one short dot product. */
+static void group_sums(const float *x, float *xs, int64_t groups, int64_t g) {
+    for (int64_t j = 0; j < groups; j++) {
+        float a = 0;
+        for (int64_t i = j * g; i < (j + 1) * g; i++) a += x[i];
+        xs[j] = a;
+    }
+}
+
+static inline float offsets_dot(const float *m, const float *xs, int64_t groups) {
+    float a = 0;
+    for (int64_t j = 0; j < groups; j++) a += m[j] * xs[j];
+    return a;
+}
+
+/* int8 codes q [out, in], scales s [out, in/g]: y[o] = sum_j s[o, j] * (q[o, group j] . x[group j]) (+ the offsets'). */
+void kv_matvec_q8(const int8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out, int64_t in,
+                  int64_t g, int nt) {
     int64_t groups = in / g;
+    float xs[groups];
+    if (m) group_sums(x, xs, groups, g);
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t o = 0; o < out; o++) {
         const int8_t *r = q + o * in;
@@ -177,25 +197,26 @@ void kv_matvec_q8(const int8_t *q, const float *s, const float *x, float *y, int
                 for (; i < (j + 1) * g; i += KV_LANES) p = vfma(vload_i8(r + i), vload(x + i), p);
                 acc = vfma(vset1(so[j]), vadd(p, p1), acc);
             }
-            y[o] = vsum(acc);
-            continue;
-        }
+            a = vsum(acc);
+        } else
 #endif
-        for (int64_t j = 0; j < groups; j++) a += so[j] * dot_i8(r + j * g, x + j * g, g);
-        y[o] = a;
+            for (int64_t j = 0; j < groups; j++) a += so[j] * dot_i8(r + j * g, x + j * g, g);
+        y[o] = m ? a + offsets_dot(m + o * groups, xs, groups) : a;
     }
 }
 
 /* int4 codes two a byte [out, in/2] (value 2k in the low nibble, 2k+1 in the high one, 4-bit two's
- * complement), scales as for int8. x is split into its even and odd entries once, so that a byte's two
- * nibbles meet their inputs lane by lane. */
-void kv_matvec_q4(const uint8_t *q, const float *s, const float *x, float *y, int64_t out, int64_t in, int64_t g, int nt) {
+ * complement), scales and offsets as for int8. x is split into its even and odd entries once, so that a
+ * byte's two nibbles meet their inputs lane by lane. */
+void kv_matvec_q4(const uint8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out, int64_t in,
+                  int64_t g, int nt) {
     int64_t groups = in / g, half = in / 2, hg = g / 2;
-    float xe[half], xo[half];
+    float xe[half], xo[half], xs[groups];
     for (int64_t i = 0; i < half; i++) {
         xe[i] = x[2 * i];
         xo[i] = x[2 * i + 1];
     }
+    if (m) group_sums(x, xs, groups, g);
 #if KV_LANES == 16
     const vf values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1); /* nibble -> q */
 #endif
@@ -215,9 +236,8 @@ void kv_matvec_q4(const uint8_t *q, const float *s, const float *x, float *y, in
                     a1 = vfma(_mm512_permutexvar_ps(vi_shr4(b), table), vload(xo + i), a1);
                 }
             }
-            y[o] = vsum(vadd(a0, a1));
-            continue;
-        }
+            a = vsum(vadd(a0, a1));
+        } else
 #elif KV_LANES
         if (hg % KV_LANES == 0) {
             vf acc = vzero();
@@ -230,19 +250,18 @@ void kv_matvec_q4(const uint8_t *q, const float *s, const float *x, float *y, in
                 }
                 acc = vfma(vset1(so[j]), p, acc);
             }
-            y[o] = vsum(acc);
-            continue;
-        }
+            a = vsum(acc);
+        } else
 #endif
-        for (int64_t j = 0; j < groups; j++) {
-            float p = 0;
-            for (int64_t i = j * hg; i < (j + 1) * hg; i++) {
-                int lo = (int)((r[i] & 15) ^ 8) - 8, hi = (int)((r[i] >> 4) ^ 8) - 8;
-                p += (float)lo * xe[i] + (float)hi * xo[i];
+            for (int64_t j = 0; j < groups; j++) {
+                float p = 0;
+                for (int64_t i = j * hg; i < (j + 1) * hg; i++) {
+                    int lo = (int)((r[i] & 15) ^ 8) - 8, hi = (int)((r[i] >> 4) ^ 8) - 8;
+                    p += (float)lo * xe[i] + (float)hi * xo[i];
+                }
+                a += so[j] * p;
             }
-            a += so[j] * p;
-        }
-        y[o] = a;
+        y[o] = m ? a + offsets_dot(m + o * groups, xs, groups) : a;
     }
 }
 
@@ -336,29 +355,31 @@ ATTEND(kv_attend_f16, rotate_f16, dot_f16, axpy_f16, _Float16, f16_to_f32, F16_T
 #endif
 
 /* ---- Dequantization for many-row products (prefill): x̂ = s · q, float32 [out, in], one pass ---- */
-void kv_dequant_q8(const int8_t *q, const float *s, float *w, int64_t out, int64_t in, int64_t g, int nt) {
+void kv_dequant_q8(const int8_t *q, const float *s, const float *m, float *w, int64_t out, int64_t in, int64_t g,
+                   int nt) {
     int64_t groups = in / g;
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t o = 0; o < out; o++)
         for (int64_t j = 0; j < groups; j++) {
-            float sc = s[o * groups + j];
+            float sc = s[o * groups + j], mn = m ? m[o * groups + j] : 0.0f;
             const int8_t *r = q + o * in + j * g;
             float *d = w + o * in + j * g;
-            for (int64_t i = 0; i < g; i++) d[i] = sc * (float)r[i];
+            for (int64_t i = 0; i < g; i++) d[i] = sc * (float)r[i] + mn;
         }
 }
 
-void kv_dequant_q4(const uint8_t *q, const float *s, float *w, int64_t out, int64_t in, int64_t g, int nt) {
+void kv_dequant_q4(const uint8_t *q, const float *s, const float *m, float *w, int64_t out, int64_t in, int64_t g,
+                   int nt) {
     int64_t groups = in / g, half = in / 2;
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t o = 0; o < out; o++)
         for (int64_t j = 0; j < groups; j++) {
-            float sc = s[o * groups + j];
+            float sc = s[o * groups + j], mn = m ? m[o * groups + j] : 0.0f;
             const uint8_t *r = q + o * half + j * g / 2;
             float *d = w + o * in + j * g;
             for (int64_t i = 0; i < g / 2; i++) {
-                d[2 * i] = sc * (float)((int)((r[i] & 15) ^ 8) - 8);
-                d[2 * i + 1] = sc * (float)((int)((r[i] >> 4) ^ 8) - 8);
+                d[2 * i] = sc * (float)((int)((r[i] & 15) ^ 8) - 8) + mn;
+                d[2 * i + 1] = sc * (float)((int)((r[i] >> 4) ^ 8) - 8) + mn;
             }
         }
 }
@@ -397,6 +418,7 @@ void kv_quantize(const float *w, int8_t *codes, uint8_t *packed, float *s, int64
 typedef struct {
     const void *w;        /* float weight [out, in] of the model's type, or int8 codes / int4 codes two a byte */
     const float *scales;  /* [out, in/group] for codes, NULL for float weights */
+    const float *mins;    /* [out, in/group] offsets (weights s·q + m), or NULL */
     const void *bias;     /* [out] of the model's type, or NULL */
     int64_t out, in, group;
     int64_t mode;         /* 0 float, 8 int8, 4 int4 */
@@ -414,8 +436,8 @@ typedef struct {
             kv_matvec_##SUF((const void *)l->w, (const void *)x, (void *)y, l->out, l->in, nt);            \
         } else {                                                                                            \
             for (int64_t i = 0; i < l->in; i++) fx[i] = TO_F32(x[i]);                                       \
-            if (l->mode == 8) kv_matvec_q8(l->w, l->scales, fx, fy, l->out, l->in, l->group, nt);          \
-            else kv_matvec_q4(l->w, l->scales, fx, fy, l->out, l->in, l->group, nt);                       \
+            if (l->mode == 8) kv_matvec_q8(l->w, l->scales, l->mins, fx, fy, l->out, l->in, l->group, nt); \
+            else kv_matvec_q4(l->w, l->scales, l->mins, fx, fy, l->out, l->in, l->group, nt);              \
             for (int64_t i = 0; i < l->out; i++) y[i] = FROM_F32(fy[i]);                                    \
         }                                                                                                   \
         if (l->bias) {                                                                                      \

@@ -80,6 +80,7 @@ class _Linear(ctypes.Structure):  # kv_linear in cpu_kernels.c
     _fields_ = [
         ("w", ctypes.c_void_p),
         ("scales", ctypes.c_void_p),
+        ("mins", ctypes.c_void_p),
         ("bias", ctypes.c_void_p),
         ("out", ctypes.c_int64),
         ("in_", ctypes.c_int64),
@@ -126,10 +127,10 @@ class DecodeLayers:
 
         def linear(m) -> _Linear:
             operands = getattr(m, "kernel_operands", lambda _: None)(kernels)
-            if operands is None or (operands[4] == 0 and operands[0].dtype != self.dtype):
+            if operands is None or (operands[5] == 0 and operands[0].dtype != self.dtype):
                 raise ValueError(f"{type(m).__name__} has no kernel layout")
-            w, scales, bias, group, bits = operands
-            return _Linear(addr(w), addr(scales), addr(bias), m.out_features, m.in_features, group, bits)
+            w, scales, mins, bias, group, bits = operands
+            return _Linear(addr(w), addr(scales), addr(mins), addr(bias), m.out_features, m.in_features, group, bits)
 
         for layer, block in zip(self.layers, model.layers):
             a = block.attn

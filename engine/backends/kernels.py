@@ -114,11 +114,11 @@ class Kernels:
             for dtype in self._float
         }
         self._quant = {
-            mode: self._declare(name, [p, p, p, p, i64, i64, i64, i32]) for mode, name in QUANT_FUNCS.items()
+            mode: self._declare(name, [p, p, p, p, p, i64, i64, i64, i32]) for mode, name in QUANT_FUNCS.items()
         }
         self._quantize = self._declare("kv_quantize", [p, p, p, p, i64, i64, i64, i32, i32])
         self._dequant = {
-            mode: self._declare(name.replace("matvec", "dequant"), [p, p, p, i64, i64, i64, i32])
+            mode: self._declare(name.replace("matvec", "dequant"), [p, p, p, p, i64, i64, i64, i32])
             for mode, name in QUANT_FUNCS.items()
         }
         with torch.inference_mode():
@@ -146,13 +146,19 @@ class Kernels:
         return y
 
     def qmatvec(
-        self, mode: str, codes: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, group: int
+        self,
+        mode: str,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        x: torch.Tensor,
+        group: int,
+        mins: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """codes [out, in] int8 or [out, in/2] uint8 (int4, two a byte), scales [out, in/g] float32, x [in]
-        float32 -> y [out] float32."""
+        """codes [out, in] int8 or [out, in/2] uint8 (int4, two a byte), scales [out, in/g] float32 (and
+        offsets `mins` [out, in/g] float32: weights s · q + m), x [in] float32 -> y [out] float32."""
         out, n = scales.shape[0], x.numel()
         y = torch.empty(out, dtype=torch.float32)
-        self._quant[mode](*self._memory(codes, scales, x.contiguous(), y), out, n, group, torch.get_num_threads())
+        self._quant[mode](*self._memory(codes, scales, mins, x.contiguous(), y), out, n, group, torch.get_num_threads())
         return y
 
     def quantize(
@@ -192,12 +198,13 @@ class Kernels:
         in_features: int,
         group: int,
         into: torch.Tensor | None = None,
+        mins: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The float32 weight [out, in] = s · q of int8 codes or int4 codes two a byte, in one pass (into
-        `into` when given: a float32 [out, in] buffer)."""
+        """The float32 weight [out, in] = s · q (+ m) of int8 codes or int4 codes two a byte, in one pass
+        (into `into` when given: a float32 [out, in] buffer)."""
         out = scales.shape[0]
         w = torch.empty(out, in_features, dtype=torch.float32) if into is None else into
-        self._dequant[mode](*self._memory(codes, scales, w), out, in_features, group, torch.get_num_threads())
+        self._dequant[mode](*self._memory(codes, scales, mins, w), out, in_features, group, torch.get_num_threads())
         return w
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -280,7 +287,7 @@ class Kernels:
 
     def _quant_agrees(self, mode: str) -> bool:
         g = torch.Generator().manual_seed(0)
-        for out, n, group in ((5, 64, 64), (19, 192, 32), (40, 576, 64), (8, 96, 48)):
+        for out, n, group in ((5, 64, 64), (19, 192, 32), (40, 576, 64), (8, 96, 48), (6, 128, 16)):
             w = torch.randn(out, n, generator=g)
             w[0, :group] = 0  # an all-zero group
             w[1, :8] = torch.tensor([QMAX[mode], 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5])  # s = 1: exact halves, to even
@@ -295,6 +302,14 @@ class Kernels:
             if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
                 return False
             if not torch.equal(self.dequantize(mode, stored, scales, n, group), dequantize(codes, scales)):
+                return False
+            mins = torch.randn(scales.shape, generator=g)  # offsets: weights s · q + m
+            want = dequantize(codes, scales, mins=mins) @ x
+            got = self.qmatvec(mode, stored, scales, x, group, mins)
+            if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
+                return False
+            mine = self.dequantize(mode, stored, scales, n, group, mins=mins)  # s · q + m in one rounding (FMA)
+            if not torch.allclose(mine, dequantize(codes, scales, mins=mins), rtol=2**-22, atol=2**-22):
                 return False
         return True
 

@@ -64,8 +64,10 @@ class QuantLinear(nn.Module):
         self.compute_dtype = weight.dtype
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.decoder = kernel_library.for_mode(mode) if weight.device.type == "cpu" else None  # one-row products
+        mins = None  # offsets [N, K/g] float32 of a file's format with a minimum per group: weights s · q + m
         if isinstance(weight, PreQuantized):
             codes, scales = weight.codes, weight.scales.float().contiguous()
+            mins = None if weight.mins is None else weight.mins.float().contiguous()
             if self.decoder is not None and mode == "int4":
                 codes = pack_int4(codes)  # the kernels' layout: two a byte
         else:
@@ -75,7 +77,7 @@ class QuantLinear(nn.Module):
             stored = codes  # [N, K] int8 | [N, K/2] uint8
             self.kernel = None  # prefill: dequantized into a reused buffer, then float32
         else:
-            self.kernel = self._choose_kernel(weight.device, codes, scales)
+            self.kernel = None if mins is not None else self._choose_kernel(weight.device, codes, scales)
             stored = pack_int4(codes) if mode == "int4" else codes
         if self.kernel == "int4pack":
             self.register_buffer("codes", _int4pack(codes))  # kernel layout, K/2 bytes a row
@@ -87,6 +89,7 @@ class QuantLinear(nn.Module):
             self.register_buffer("scales", scales)
             if self.kernel == "int8pack":
                 self.register_buffer("kernel_scales", scales.view(-1).to(KERNEL_DTYPE))  # [N]
+        self.register_buffer("mins", mins)
 
     @classmethod
     def from_codes(cls, pre: PreQuantized, bias: torch.Tensor | None = None) -> QuantLinear:
@@ -137,10 +140,10 @@ class QuantLinear(nn.Module):
             return False
 
     def kernel_operands(self, kernels):
-        """(codes, scales, bias, group, bits) as the one-call decode step reads them, when it can."""
+        """(codes, scales, mins, bias, group, bits) as the one-call decode step reads them, when it can."""
         if kernels is not self.decoder:
             return None
-        return self.codes, self.scales, self.bias, self.group_size, BITS[self.mode]
+        return self.codes, self.scales, self.mins, self.bias, self.group_size, BITS[self.mode]
 
     def scale_values(self) -> torch.Tensor:
         """[N, K/g] float32, the scales the layer computes with."""
@@ -151,7 +154,8 @@ class QuantLinear(nn.Module):
     @property
     def storage_bytes(self) -> int:
         groups = self.out_features * self.in_features // self.group_size
-        return storage_bytes(self.out_features * self.in_features, self.mode, groups)
+        offsets = 0 if self.mins is None else self.mins.numel() * self.mins.element_size()
+        return storage_bytes(self.out_features * self.in_features, self.mode, groups) + offsets
 
     def weight_codes(self) -> torch.Tensor:
         """[N, K] int8 codes."""
@@ -166,17 +170,20 @@ class QuantLinear(nn.Module):
         """Rows a:b (all by default) as float32 s · q, [b - a, K], in one pass in C (into `into` when
         given): what prefill multiplies by."""
         codes, scales = self.codes[a:b], self.scales[a:b]
-        return self.decoder.dequantize(self.mode, codes, scales, self.in_features, self.group_size, into)
+        mins = None if self.mins is None else self.mins[a:b]
+        return self.decoder.dequantize(self.mode, codes, scales, self.in_features, self.group_size, into, mins)
 
     def dequantized_weight(self, dtype=None) -> torch.Tensor:
         dtype = dtype or self.compute_dtype
         if self.decoder is not None:
             return self._kernel_weight().to(dtype)
-        return dequantize(self.weight_codes(), self.scale_values(), dtype)  # [N, K]
+        return dequantize(self.weight_codes(), self.scale_values(), dtype, self.mins)  # [N, K]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.decoder is not None and x.numel() == self.in_features:  # one row: decode
-            y = self.decoder.qmatvec(self.mode, self.codes, self.scales, x.reshape(-1).float(), self.group_size)
+            y = self.decoder.qmatvec(
+                self.mode, self.codes, self.scales, x.reshape(-1).float(), self.group_size, self.mins
+            )
             y = y.view(*x.shape[:-1], self.out_features).to(x.dtype)
             return y if self.bias is None else y + self.bias
         if self.kernel is not None:
@@ -206,7 +213,7 @@ class QuantLinear(nn.Module):
             w = self._kernel_weight(weight_scratch((b - a, self.in_features)), a, b)
             return w if dtype == torch.float32 else w.to(dtype)
         codes = unpack_int4(self.codes[a:b]) if self.mode == "int4" else self.codes[a:b]
-        return dequantize(codes, self.scales[a:b], dtype)
+        return dequantize(codes, self.scales[a:b], dtype, None if self.mins is None else self.mins[a:b])
 
 
 class QuantEmbedding(nn.Module):
@@ -226,6 +233,8 @@ class QuantEmbedding(nn.Module):
         t = self.table
         codes, scales = t.weight_codes()[ids], t.scale_values()[ids]  # [..., D] int8, [..., D/g]
         rows = codes.view(*ids.shape, scales.shape[-1], -1).float() * scales.unsqueeze(-1)  # [..., D/g, g]
+        if t.mins is not None:
+            rows = rows + t.mins[ids].unsqueeze(-1)
         return rows.view(*ids.shape, t.in_features).to(t.compute_dtype)
 
 
