@@ -26,8 +26,6 @@ from .quant import PreQuantized
 
 MAGIC = b"GGUF"
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-NATIVE = {"Q8_0": "int8", "Q4_0": "int4"}  # computed from their own codes, groups of 32
-BLOCK = 32  # values per Q8_0 / Q4_0 block
 PERMUTED = ("llama",)  # llama.cpp's converter interleaves q/k rows for these (rotate pairs, not halves)
 TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
 
@@ -201,26 +199,117 @@ def _check_extents(infos: list, start: int, alignment: int, size: int, bad) -> N
             raise bad(f"tensors {a!r} and {b!r} overlap in the file")
 
 
-def _q8_0(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q8_0 blocks [N, nb·34] -> codes int8 [N, nb·32], scales float32 [N, nb]: x = d · q."""
+def _f16(b: np.ndarray) -> np.ndarray:
+    """Little-endian float16 values from their bytes [..., 2k] -> float32 [..., k]."""
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., m] bytes -> [..., 2m] values 0..15: the low nibbles first, then the high ones (ggml's order
+    within a block: value i in byte i's low nibble, value m + i in its high one)."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _bits(qh: np.ndarray, n: int) -> np.ndarray:
+    """[..., n/8] bytes -> [..., n] bits, bit i of the little-endian word being value i's."""
+    return np.unpackbits(np.ascontiguousarray(qh), axis=-1, bitorder="little")[..., :n]
+
+
+def _centred(codes: np.ndarray, d: np.ndarray, m: np.ndarray, centre: int) -> tuple:
+    """Unsigned codes q with x = d · q + m (d, m per group) as signed codes q − centre with
+    x = d · (q − centre) + (m + centre · d) (the kernels' int4 nibbles are −8..7); the new offset is
+    rounded once, from float64."""
+    return (codes.astype(np.int16) - centre).astype(np.int8), (m.astype(np.float64) + centre * d.astype(np.float64))
+
+
+# Each block type -> (rows [N, bytes] -> codes int8 [N, K], scales float32 [N, K/g], offsets float32 [N, K/g] or
+# None), with x = s · q (+ m) exactly as llama.cpp's dequantization defines each type (gguf.quants is the test's
+# reference). Block layouts are ggml's (ggml-common.h).
+def _q8_0(raw):
+    b = raw.reshape(raw.shape[0], -1, 34)  # d, 32 int8
+    return b[..., 2:].copy().view(np.int8).reshape(len(raw), -1), _f16(b[..., :2]).reshape(len(raw), -1), None
+
+
+def _q4_0(raw):
+    b = raw.reshape(raw.shape[0], -1, 18)  # d, 16 bytes of nibbles: x = d · (q − 8)
+    codes = _nibbles(b[..., 2:]).astype(np.int8) - 8
+    return codes.reshape(len(raw), -1), _f16(b[..., :2]).reshape(len(raw), -1), None
+
+
+def _q4_1(raw):
+    b = raw.reshape(raw.shape[0], -1, 20)  # d, m, 16 bytes of nibbles: x = d · q + m
+    d, m = _f16(b[..., 0:2])[..., 0], _f16(b[..., 2:4])[..., 0]
+    codes, mins = _centred(_nibbles(b[..., 4:]), d, m, 8)
+    return codes.reshape(len(raw), -1), d, mins.astype(np.float32)
+
+
+def _q5_0(raw):
+    b = raw.reshape(raw.shape[0], -1, 22)  # d, 4 bytes of fifth bits, 16 bytes of nibbles: x = d · (q − 16)
+    q = _nibbles(b[..., 6:]) | (_bits(b[..., 2:6], 32) << 4)
+    return (q.astype(np.int8) - 16).reshape(len(raw), -1), _f16(b[..., :2]).reshape(len(raw), -1), None
+
+
+def _q5_1(raw):
+    b = raw.reshape(raw.shape[0], -1, 24)  # d, m, 4 bytes of fifth bits, 16 bytes of nibbles: x = d · q + m
+    q = _nibbles(b[..., 8:]) | (_bits(b[..., 4:8], 32) << 4)
+    return q.astype(np.int8).reshape(len(raw), -1), _f16(b[..., 0:2])[..., 0], _f16(b[..., 2:4])[..., 0]
+
+
+def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 12 bytes of a Q4_K/Q5_K super-block -> its 8 six-bit scales and 8 six-bit mins."""
+    d, m, md = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _k_groups(b: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """A Q4_K/Q5_K super-block's header -> each group of 32's scale d · sc and offset −dmin · mn."""
+    d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])  # [N, nb, 1]
+    sc, mn = _k_scales(b[..., 4:16])
+    return (d * sc).reshape(n, -1), (-(dmin * mn)).reshape(n, -1)
+
+
+def _q4_k(raw):
     n = raw.shape[0]
-    b = raw.reshape(n, -1, 2 + BLOCK)
-    scales = b[..., :2].copy().view(np.float16).reshape(n, -1).astype(np.float32)
-    return b[..., 2:].copy().view(np.int8).reshape(n, -1), scales
+    b = raw.reshape(n, -1, 144)  # d, dmin, 12 bytes of scales, 128 bytes: 4 × 32 bytes = 8 groups of 32 nibbles
+    scales, mins = _k_groups(b, n)
+    qs = b[..., 16:].reshape(n, -1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+    codes, mins = _centred((qs & 0x0F).reshape(n, -1), scales, mins, 8)
+    return codes, scales, mins.astype(np.float32)
 
 
-def _q4_0(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_0 blocks [N, nb·18] -> codes int8 [N, nb·32] in −8..7, scales float32 [N, nb]: x = d · (nibble − 8),
-    values 0..15 of a block in the low nibbles, 16..31 in the high ones."""
+def _q5_k(raw):
     n = raw.shape[0]
-    b = raw.reshape(n, -1, 2 + BLOCK // 2)
-    scales = b[..., :2].copy().view(np.float16).reshape(n, -1).astype(np.float32)
-    qs = b[..., 2:]
-    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int8) - 8  # [N, nb, 32]
-    return codes.reshape(n, -1), scales
+    b = raw.reshape(n, -1, 176)  # d, dmin, 12 bytes of scales, 32 bytes of fifth bits, 128 bytes of nibbles
+    scales, mins = _k_groups(b, n)
+    ql = (b[..., 48:].reshape(n, -1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 0x0F
+    qh = (b[..., 16:48].reshape(n, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 0x01
+    q = ql.reshape(n, -1, 8, 32) | (qh << 4)
+    return q.astype(np.int8).reshape(n, -1), scales, mins
 
 
-CODES = {"Q8_0": _q8_0, "Q4_0": _q4_0}
+def _q6_k(raw):
+    n = raw.shape[0]
+    b = raw.reshape(n, -1, 210)  # 128 bytes low nibbles, 64 bytes of high pairs, 16 int8 scales, d
+    ql = (b[..., :128].reshape(n, -1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 0x0F
+    qh = (b[..., 128:192].reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 3
+    q = ql.reshape(n, -1, 8, 32) | (qh.reshape(n, -1, 8, 32) << 4)
+    scales = _f16(b[..., 208:210]) * b[..., 192:208].copy().view(np.int8).astype(np.float32)  # [N, nb, 16]
+    return (q.astype(np.int8) - 32).reshape(n, -1), scales.reshape(n, -1), None
+
+
+# GGUF type -> (mode its codes are held in, values per scale, decoder): computed natively by the kernels.
+NATIVE = {
+    "Q8_0": ("int8", 32, _q8_0),
+    "Q4_0": ("int4", 32, _q4_0),
+    "Q4_1": ("int4", 32, _q4_1),
+    "Q5_0": ("int8", 32, _q5_0),
+    "Q5_1": ("int8", 32, _q5_1),
+    "Q4_K": ("int4", 32, _q4_k),
+    "Q5_K": ("int8", 32, _q5_k),
+    "Q6_K": ("int8", 16, _q6_k),
+}
 
 
 class GGUFModel:
@@ -523,26 +612,38 @@ class GGUFModel:
         return torch.from_numpy(rows).to(device=device, dtype=dtype)
 
     def read_codes(self, hfs: list[str], cfg, dtype, device) -> PreQuantized | None:
-        """Tensors stacked along rows as their own codes, when all are one native type (Q8_0, Q4_0)."""
-        types = {self.file_type(self.gguf_name(h)) for h in hfs}
-        if len(types) != 1 or next(iter(types)) not in NATIVE:
+        """Tensors stacked along rows as their own codes, when every one is of a type the kernels compute
+        (NATIVE). Tensors of different types (a Q4_K_M file's q and k in Q4_K, v in Q6_K) share the widest
+        form: int8 codes if any is int8, the smallest group (a scale repeated for a larger one), offsets
+        if any has them (0 for the others): each value is the file's, only the storage widens."""
+        types = [self.file_type(self.gguf_name(h)) for h in hfs]
+        if not all(t in NATIVE for t in types):
             return None
-        ftype = next(iter(types))
-        codes, scales = [], []
-        for hf in hfs:
+        mode = "int8" if any(NATIVE[t][0] == "int8" for t in types) else "int4"
+        group = min(NATIVE[t][1] for t in types)
+        parts = []
+        for hf, ftype in zip(hfs, types):
             gname = self.gguf_name(hf)
-            c, s = CODES[ftype](np.asarray(self.tensors[gname].data))
+            c, s, m = NATIVE[ftype][2](np.asarray(self.tensors[gname].data))
             order = self.permutation(hf, cfg)
             if order is not None:
-                c, s = c[order], s[order]
+                c, s, m = c[order], s[order], None if m is None else m[order]
             self._release(self.tensors[gname])
-            codes.append(torch.from_numpy(np.ascontiguousarray(c)))
-            scales.append(torch.from_numpy(np.ascontiguousarray(s)))
-            mode = NATIVE[ftype]
-            held = c.size * (1 if mode == "int8" else 0.5) + s.size * 4
-            self.held[gname] = (ftype, f"{mode}/g{BLOCK}", int(self.tensors[gname].n_bytes), int(held))
-        c, s = torch.cat(codes).to(device), torch.cat(scales).to(device)
-        return PreQuantized(c, s, NATIVE[ftype], BLOCK, dtype)
+            widen = NATIVE[ftype][1] // group
+            parts.append((c, s.repeat(widen, -1), None if m is None else m.repeat(widen, -1)))
+        offsets = any(m is not None for _, _, m in parts)
+        for hf, ftype, (c, s, _) in zip(hfs, types, parts):
+            held = c.size * (4 if mode == "int4" else 8) // 8 + s.size * 4 * (2 if offsets else 1)
+            form = f"{mode}/g{group}" + ("+min" if offsets else "")
+            gname = self.gguf_name(hf)
+            self.held[gname] = (ftype, form, int(self.tensors[gname].n_bytes), int(held))
+        codes = torch.from_numpy(np.ascontiguousarray(np.concatenate([c for c, _, _ in parts])))
+        scales = torch.from_numpy(np.ascontiguousarray(np.concatenate([s for _, s, _ in parts]), dtype=np.float32))
+        mins = None
+        if offsets:
+            mins = np.concatenate([np.zeros_like(s) if m is None else m for _, s, m in parts])
+            mins = torch.from_numpy(np.ascontiguousarray(mins, dtype=np.float32)).to(device)
+        return PreQuantized(codes.to(device), scales.to(device), mode, group, dtype, mins)
 
     def _release(self, t) -> None:
         """Drop a tensor's pages of the mapped file once it is read: they would count in the process's

@@ -18,9 +18,20 @@ transformers = pytest.importorskip("transformers")
 from engine.backends.quantized import QuantLinear  # noqa: E402
 from engine.errors import ModelLoadError  # noqa: E402
 from engine.loader import load_model  # noqa: E402
+from engine.quant import PreQuantized  # noqa: E402
 from engine.session import Request, Session  # noqa: E402
 from engine.tools.gguf_export import write_gguf  # noqa: E402
 
+NATIVE_FORMS = {  # a GGUF type -> what kvchat holds it as (codes, values per scale, an offset per group)
+    "Q8_0": "int8/g32",
+    "Q4_0": "int4/g32",
+    "Q4_1": "int4/g32+min",
+    "Q5_0": "int8/g32",
+    "Q5_1": "int8/g32+min",
+    "Q4_K": "int4/g32+min",
+    "Q5_K": "int8/g32+min",
+    "Q6_K": "int8/g16",
+}
 MESSAGES = [{"role": "user", "content": "My budget is 600 yuan. Plan 3 nights in Chengdu, café included!"}]
 
 
@@ -63,9 +74,8 @@ def test_a_gguf_file_computes_what_transformers_computes_from_it(folders, tmp_pa
     assert greedy(loaded, ids) == hf_greedy(ref, ids, eos=loaded.tokenizer.stop_ids)
     held = loaded.facts()["file_tensors"]
     matrices_in_file = sum(len(t.shape) > 1 for t in gguf.GGUFReader(str(path)).tensors)  # 7 a block, embedding, head
-    if matrices in ("Q8_0", "Q4_0"):  # their own codes, on the quantized kernels
-        mode = {"Q8_0": "int8", "Q4_0": "int4"}[matrices]
-        assert held[f"{matrices} → {mode}/g32"]["tensors"] == matrices_in_file
+    if matrices in NATIVE_FORMS:  # their own codes, on the quantized kernels
+        assert held[f"{matrices} → {NATIVE_FORMS[matrices]}"]["tensors"] == matrices_in_file
         assert isinstance(loaded.model.layers[0].mlp.down, QuantLinear)
     elif matrices not in ("F32",):
         suffix = "" if matrices in ("F16", "BF16") else " (dequantized)"
@@ -86,11 +96,11 @@ def test_q4_0_keeps_its_codes_minus_8_included(folders, tmp_path):
 
 
 def _k_blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
-    """Raw Q4_K / Q6_K blocks with random codes and small, finite scales (gguf cannot quantize K-quants)."""
+    """Raw Q4_K / Q5_K / Q6_K blocks with random codes and small, finite scales (gguf cannot quantize K-quants)."""
     rnd = np.random.default_rng(seed)
-    size = {"Q4_K": 144, "Q6_K": 210}[kind]
+    size = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[kind]
     raw = rnd.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
-    if kind == "Q4_K":  # d, dmin first
+    if kind in ("Q4_K", "Q5_K"):  # d, dmin first
         raw[..., 0:2] = np.frombuffer(np.float16(2e-3).tobytes(), np.uint8)
         raw[..., 2:4] = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)
     else:  # d last
@@ -98,30 +108,67 @@ def _k_blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
-def test_k_quants_as_people_download_them_are_read_and_dequantized(tmp_path):
-    """A Q4_K_M-like file: Q4_K matrices, Q6_K for down and the embedding."""
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q5_K_M"])
+def test_k_quants_as_people_download_them_compute_from_their_own_codes(tmp_path, mix):
+    """A Q4_K_M-like file (Q4_K matrices, Q6_K for v, down and the embedding: q, k and v fused in one
+    product of mixed types) and a Q5_K_M-like one: held as their codes with a scale and an offset per
+    group, computing what transformers computes from the same file."""
     folder = make_checkpoint(tmp_path / "wide", "llama", hidden_size=256, intermediate_size=512)
     cfg = json.loads((folder / "config.json").read_text())
+    main = mix.removesuffix("_M")
     types, seed = {}, 0
     shapes = {"attn_q": (256, 256), "attn_k": (128, 256), "attn_v": (128, 256), "attn_output": (256, 256)}
     shapes |= {"ffn_gate": (512, 256), "ffn_up": (512, 256), "ffn_down": (256, 512)}
     for i in range(cfg["num_hidden_layers"]):
         for name, (r, c) in shapes.items():
-            kind = "Q6_K" if name == "ffn_down" else "Q4_K"
+            kind = "Q6_K" if name in ("ffn_down", "attn_v") else main
             types[f"blk.{i}.{name}.weight"] = (kind, _k_blocks(kind, r, c, seed := seed + 1))
     types["token_embd.weight"] = ("Q6_K", _k_blocks("Q6_K", cfg["vocab_size"], 256, 99))
     path = write_gguf(folder, tmp_path / "wide" / "km.gguf", tokenizer=True, types=types)
     loaded = load_model(path)
     ids = loaded.tokenizer.apply_chat_template(MESSAGES)
+    ref = reference(path)
     with torch.no_grad():
-        want = reference(path)(torch.tensor([ids])).logits[0]
+        want = ref(torch.tensor([ids])).logits[0]
         got = loaded.model(torch.tensor([ids]))[0]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert greedy(loaded, ids) == hf_greedy(ref, ids, eos=loaded.tokenizer.stop_ids)  # decode: the kernels
     held = loaded.facts()["file_tensors"]
-    assert held["Q4_K → float32 (dequantized)"]["tensors"] == 6 * cfg["num_hidden_layers"]
-    assert held["Q6_K → float32 (dequantized)"]["tensors"] == cfg["num_hidden_layers"] + 1
-    row = held["Q4_K → float32 (dequantized)"]
-    assert row["held_bytes"] > 7 * row["file_bytes"]  # what dequantizing costs, said
+    layers = cfg["num_hidden_layers"]
+    assert held[f"{main} → {NATIVE_FORMS[main]}"]["tensors"] == 3 * layers  # o, gate, up
+    assert held[f"{main} → int8/g16+min"]["tensors"] == 2 * layers  # q and k, fused with v: its form, widened
+    assert held["Q6_K → int8/g16+min"]["tensors"] == layers  # v: their offsets, 0 for it
+    assert held["Q6_K → int8/g16"]["tensors"] == layers + 1  # down and the embedding (tied head)
+    row = held[f"{main} → {NATIVE_FORMS[main]}"]
+    assert row["held_bytes"] < 2.2 * row["file_bytes"]  # codes, not float32 (which is 5.3-7.1 times the file)
+    assert not any("dequantized" in k for k in held)
+    qkv = loaded.model.layers[0].attn.qkv
+    assert isinstance(qkv, QuantLinear) and qkv.mode == "int8" and qkv.group_size == 16 and qkv.mins is not None
+
+
+def test_native_codes_equal_llamacpp_dequantization_for_every_type(tmp_path):
+    """Each type kvchat computes natively, decoded into codes, scales and offsets: s · q + m equals
+    gguf.quants.dequantize (llama.cpp's definition) on the same blocks, and so does the layer's weight."""
+    from engine.gguf_file import NATIVE
+
+    rnd = np.random.default_rng(5)
+    for name, (mode, group, decode) in NATIVE.items():
+        kind = gguf.GGMLQuantizationType[name]
+        if name.endswith("_K"):
+            raw = _k_blocks(name, 6, 512, 7)
+        else:
+            raw = gguf.quants.quantize(rnd.standard_normal((6, 512)).astype(np.float32), kind)
+        want = gguf.quants.dequantize(raw, kind).reshape(6, 512)
+        codes, scales, mins = decode(raw)
+        got = codes.reshape(6, -1, group).astype(np.float32) * scales[..., None]
+        if mins is not None:
+            got = got + mins[..., None]
+        np.testing.assert_allclose(got.reshape(6, 512), want, rtol=1e-6, atol=1e-7 * np.abs(want).max(), err_msg=name)
+        assert codes.min() >= {"int4": -8, "int8": -128}[mode] and codes.max() <= {"int4": 7, "int8": 127}[mode]
+        pre = PreQuantized(torch.from_numpy(codes), torch.from_numpy(scales), mode, group, torch.float32,
+                           None if mins is None else torch.from_numpy(mins))  # fmt: skip
+        layer = QuantLinear.from_codes(pre)
+        np.testing.assert_allclose(layer.dequantized_weight().numpy(), want, rtol=1e-6, atol=1e-7 * np.abs(want).max())
 
 
 def test_bad_gguf_files_are_clear_errors(folders, tmp_path):
