@@ -256,7 +256,10 @@ class Transformer(nn.Module):
         return self.lm_head(self.norm(x))
 
     def parameter_count(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+        """The model's values: its parameters, and the weights quantized layers hold as codes (a tied
+        head and embedding once)."""
+        coded = sum(getattr(m, "coded_values", 0) for m in self.modules())  # modules(): each module once
+        return coded + sum(p.numel() for p in self.parameters())
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Weights under the Hugging Face names, q/k/v and gate/up split apart again."""

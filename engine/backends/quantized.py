@@ -152,6 +152,11 @@ class QuantLinear(nn.Module):
         return self.scales
 
     @property
+    def coded_values(self) -> int:
+        """The weight's values (held as codes, not parameters): what the model's parameter count adds."""
+        return self.out_features * self.in_features
+
+    @property
     def storage_bytes(self) -> int:
         groups = self.out_features * self.in_features // self.group_size
         offsets = 0 if self.mins is None else self.mins.numel() * self.mins.element_size()

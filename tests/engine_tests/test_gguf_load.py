@@ -63,9 +63,10 @@ def hf_greedy(model, ids, n=12, eos=()):
 @pytest.mark.parametrize("matrices", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 def test_a_gguf_file_computes_what_transformers_computes_from_it(folders, tmp_path, family, matrices):
     path = write_gguf(folders[family], tmp_path / f"{family}-{matrices}.gguf", matrices=matrices, tokenizer=True)
-    loaded = load_model(path)
+    loaded, source = load_model(path), load_model(folders[family])
     ids = loaded.tokenizer.apply_chat_template(MESSAGES)
-    assert ids == load_model(folders[family]).tokenizer.apply_chat_template(MESSAGES)  # the folder's own tokenizer
+    assert ids == source.tokenizer.apply_chat_template(MESSAGES)  # the folder's own tokenizer
+    assert loaded.parameter_count == source.parameter_count  # codes count as the values they are
     ref = reference(path)
     with torch.no_grad():
         want = ref(torch.tensor([ids])).logits[0]

@@ -113,6 +113,7 @@ def test_quantize_model_swaps_block_linears_and_the_head_and_counts_bytes(llama_
     packed = sum(q.out_features * q.in_features // 2 + q.out_features * q.in_features // 16 * 4 for q in blocks)
     packed += 2 * (vd + vd // 16 * 4)  # int8 codes + a float32 scale per 16
     assert weight_bytes(loaded.model) == weight_bytes(full.model) - fp32 + packed
+    assert loaded.parameter_count == full.parameter_count  # codes count as the values they stand for
     assert loaded.fingerprint["quantization"] == "int4/g16" and full.fingerprint["quantization"] == "none"
     assert loaded.head_quantization == "int8/g16" and full.head_quantization == "none"
     assert load_model(llama_dir, weights="int8", group_size=0).facts()["head_weights"] == "int8/per-channel"
