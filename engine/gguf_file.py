@@ -637,13 +637,15 @@ class GGUFModel:
             form = f"{mode}/g{group}" + ("+min" if offsets else "")
             gname = self.gguf_name(hf)
             self.held[gname] = (ftype, form, int(self.tensors[gname].n_bytes), int(held))
-        codes = torch.from_numpy(np.ascontiguousarray(np.concatenate([c for c, _, _ in parts])))
-        scales = torch.from_numpy(np.ascontiguousarray(np.concatenate([s for _, s, _ in parts]), dtype=np.float32))
-        mins = None
-        if offsets:
-            mins = np.concatenate([np.zeros_like(s) if m is None else m for _, s, m in parts])
-            mins = torch.from_numpy(np.ascontiguousarray(mins, dtype=np.float32)).to(device)
-        return PreQuantized(codes.to(device), scales.to(device), mode, group, dtype, mins)
+
+        def stacked(arrays, kind):  # one tensor of the parts' rows (a single part as it is: no copy)
+            whole = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+            return torch.from_numpy(np.ascontiguousarray(whole, dtype=kind)).to(device)
+
+        codes = stacked([c for c, _, _ in parts], np.int8)
+        scales = stacked([s for _, s, _ in parts], np.float32)
+        mins = stacked([np.zeros_like(s) if m is None else m for _, s, m in parts], np.float32) if offsets else None
+        return PreQuantized(codes, scales, mode, group, dtype, mins)
 
     def _release(self, t) -> None:
         """Drop a tensor's pages of the mapped file once it is read: they would count in the process's

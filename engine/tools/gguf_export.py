@@ -19,7 +19,7 @@ from ..errors import EngineError
 from ..gguf_file import BLOCK_NAMES, GLOBAL_NAMES
 
 ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-FTYPES = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_K_M")  # what quantize_gguf accepts
+FTYPES = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K_M", "Q5_K_M", "Q6_K")  # quantize_gguf's
 
 
 def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
