@@ -299,6 +299,21 @@ def _q6_k(raw):
     return (q.astype(np.int8) - 32).reshape(n, -1), scales.reshape(n, -1), None
 
 
+def _q5_blocks(raw, size: int):
+    """Q5_0 (`size` 22) / Q5_1 (24) blocks as the kernels' int5 layout (each block without its float16
+    scale and minimum: 4 bytes of fifth bits, 16 of nibbles, code q meaning q − 16), scales d and offsets:
+    x = d · (q − 16) for Q5_0; x = d · q + m = d · (q − 16) + (m + 16 · d) for Q5_1."""
+    n = raw.shape[0]
+    b = raw.reshape(n, -1, size)
+    d = _f16(b[..., 0:2])[..., 0]
+    if size == 22:
+        return np.ascontiguousarray(b[..., 2:]).reshape(n, -1), d, None
+    m = _f16(b[..., 2:4])[..., 0]
+    mins = (m.astype(np.float64) + 16 * d.astype(np.float64)).astype(np.float32)
+    return np.ascontiguousarray(b[..., 4:]).reshape(n, -1), d, mins
+
+
+INT5 = {"Q5_0": 22, "Q5_1": 24}  # held as int5 codes (their own 5 bits) when a product is of these alone
 # GGUF type -> (mode its codes are held in, values per scale, decoder): computed natively by the kernels.
 NATIVE = {
     "Q8_0": ("int8", 32, _q8_0),
@@ -619,12 +634,17 @@ class GGUFModel:
         types = [self.file_type(self.gguf_name(h)) for h in hfs]
         if not all(t in NATIVE for t in types):
             return None
-        mode = "int8" if any(NATIVE[t][0] == "int8" for t in types) else "int4"
-        group = min(NATIVE[t][1] for t in types)
+        if all(t in INT5 for t in types):  # their own five bits
+            mode, group = "int5", 32
+            decode = {t: (lambda raw, size=INT5[t]: _q5_blocks(raw, size)) for t in types}
+        else:
+            mode = "int8" if any(NATIVE[t][0] == "int8" for t in types) else "int4"
+            group = min(NATIVE[t][1] for t in types)
+            decode = {t: NATIVE[t][2] for t in types}
         parts = []
         for hf, ftype in zip(hfs, types):
             gname = self.gguf_name(hf)
-            c, s, m = NATIVE[ftype][2](np.asarray(self.tensors[gname].data))
+            c, s, m = decode[ftype](np.asarray(self.tensors[gname].data))
             order = self.permutation(hf, cfg)
             if order is not None:
                 c, s, m = c[order], s[order], None if m is None else m[order]
@@ -633,7 +653,7 @@ class GGUFModel:
             parts.append((c, s.repeat(widen, -1), None if m is None else m.repeat(widen, -1)))
         offsets = any(m is not None for _, _, m in parts)
         for hf, ftype, (c, s, _) in zip(hfs, types, parts):
-            held = c.size * (4 if mode == "int4" else 8) // 8 + s.size * 4 * (2 if offsets else 1)
+            held = c.size * (4 if mode == "int4" else 8) // 8 + s.size * 4 * (2 if offsets else 1)  # int5: packed
             form = f"{mode}/g{group}" + ("+min" if offsets else "")
             gname = self.gguf_name(hf)
             self.held[gname] = (ftype, form, int(self.tensors[gname].n_bytes), int(held))
@@ -642,7 +662,7 @@ class GGUFModel:
             whole = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
             return torch.from_numpy(np.ascontiguousarray(whole, dtype=kind)).to(device)
 
-        codes = stacked([c for c, _, _ in parts], np.int8)
+        codes = stacked([c for c, _, _ in parts], np.uint8 if mode == "int5" else np.int8)
         scales = stacked([s for _, s, _ in parts], np.float32)
         mins = stacked([np.zeros_like(s) if m is None else m for _, s, m in parts], np.float32) if offsets else None
         return PreQuantized(codes, scales, mode, group, dtype, mins)

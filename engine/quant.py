@@ -16,7 +16,9 @@ import math
 import torch
 
 QMAX = {"int8": 127, "int4": 7}
-BITS = {"int8": 8, "int4": 4}
+BITS = {"int8": 8, "int5": 5, "int4": 4}
+FILE_MODES = ("int5",)  # codes only a model file brings (a GGUF's Q5_0/Q5_1 blocks), never quantized to here
+INT5_GROUP, INT5_BYTES = 32, 20  # int5 codes: 32 values in 20 bytes (4 of fifth bits, 16 of nibbles)
 SCALE_DTYPE = torch.float32  # one float32 scale per group: 4 bytes
 PRECISIONS = ("none", *QMAX)  # "none": the model dtype, unquantized
 DEFAULT_GROUP_SIZE = 64  # values per scale unless a person chooses otherwise (0: one per output channel)
@@ -70,6 +72,26 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.where(out > 7, out - 16, out)
 
 
+def unpack_int5(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., K/32·20] in the int5 layout (per 32 values: 4 bytes whose bit i is value i's fifth bit,
+    then 16 bytes whose low nibbles are values 0-15 and high nibbles 16-31; code q means q − 16) ->
+    int8 [..., K] in −16..15."""
+    b = packed.reshape(*packed.shape[:-1], -1, INT5_BYTES).to(torch.int64)  # [..., G, 20]
+    qh = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)  # [..., G]
+    fifth = (qh.unsqueeze(-1) >> torch.arange(INT5_GROUP, device=packed.device)) & 1  # [..., G, 32]
+    nibbles = torch.cat([b[..., 4:] & 0x0F, b[..., 4:] >> 4], dim=-1)  # [..., G, 32]
+    return ((nibbles | (fifth << 4)) - 16).to(torch.int8).reshape(*packed.shape[:-1], -1)
+
+
+def pack_int5(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes in −16..15, [..., K] (K a multiple of 32) -> the int5 layout of unpack_int5."""
+    q = (codes.to(torch.int64) + 16).reshape(*codes.shape[:-1], -1, INT5_GROUP)  # [..., G, 32] in 0..31
+    qh = ((q >> 4) << torch.arange(INT5_GROUP, device=codes.device)).sum(-1)  # [..., G]
+    head = torch.stack([(qh >> (8 * i)) & 0xFF for i in range(4)], dim=-1)  # [..., G, 4]
+    nibbles = (q[..., :16] & 0x0F) | ((q[..., 16:] & 0x0F) << 4)  # [..., G, 16]
+    return torch.cat([head, nibbles], dim=-1).to(torch.uint8).reshape(*codes.shape[:-1], -1)
+
+
 def storage_bytes(num_values: int, mode: str, num_scales: int, scale_bytes: int = 4) -> int:
     """Packed codes plus scales: four int4 values and one float32 scale take 2 + 4 = 6 bytes."""
     return math.ceil(num_values * BITS[mode] / 8) + num_scales * scale_bytes
@@ -90,8 +112,9 @@ def describe(mode: str, group_size: int, in_features: int | None = None) -> str:
 @dataclasses.dataclass(frozen=True)
 class PreQuantized:
     """Codes a model file already holds, as a quantized layer stores them: codes [N, K] int8 (int4 values
-    in −8..7, unpacked), scales [N, K/g] float32, and for formats with a minimum per group (GGUF's
-    Q4_1, Q5_1, K-quants) offsets `mins` [N, K/g] float32: x̂ = s · q + m; `dtype` is the activations'."""
+    in −8..7, unpacked; int5 packed as unpack_int5 reads them), scales [N, K/g] float32, and for formats
+    with a minimum per group (GGUF's Q4_1, Q5_1, K-quants) offsets `mins` [N, K/g] float32: x̂ = s · q + m;
+    `dtype` is the activations'."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -102,7 +125,9 @@ class PreQuantized:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.codes.shape)
+        """[N, K]: the matrix the codes stand for (int5 codes are stored packed, 20 bytes a 32 values)."""
+        n, k = self.codes.shape
+        return (n, k // INT5_BYTES * INT5_GROUP) if self.mode == "int5" else (n, k)
 
     @property
     def device(self) -> torch.device:

@@ -265,6 +265,98 @@ void kv_matvec_q4(const uint8_t *q, const float *s, const float *m, const float 
     }
 }
 
+/* int5 codes as a GGUF's Q5_0/Q5_1 blocks hold them, without their float16 scale: for each group of 32 inputs,
+ * 4 bytes of fifth bits (bit i: input i) then 16 bytes whose low nibbles are inputs 0-15 and high nibbles
+ * 16-31; a code q (0..31) stands for q - 16, so a weight is s·(q - 16) (+ m). 20 bytes a group: g = 32. */
+#define Q5_GROUP 32
+#define Q5_BYTES 20
+static inline void q5_group(const uint8_t *b, int q[32]) {
+    uint32_t qh;
+    memcpy(&qh, b, 4);
+    for (int i = 0; i < 16; i++) {
+        q[i] = (b[4 + i] & 15) | (((qh >> i) & 1) << 4);
+        q[i + 16] = (b[4 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4);
+    }
+}
+
+void kv_matvec_q5(const uint8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out, int64_t in,
+                  int64_t g, int nt) {
+    int64_t groups = in / Q5_GROUP;
+    float xs[groups];
+    if (m) group_sums(x, xs, groups, Q5_GROUP);
+#if KV_LANES == 16
+    const vf lo_values = _mm512_setr_ps(-16, -15, -14, -13, -12, -11, -10, -9, -8, -7, -6, -5, -4, -3, -2, -1);
+    const vf hi_values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#endif
+    (void)g;
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t o = 0; o < out; o++) {
+        const uint8_t *r = q + o * groups * Q5_BYTES;
+        const float *so = s + o * groups;
+        float a = 0;
+#if KV_LANES == 16
+        /* a code becomes its weight s·(q - 16) by a 32-entry table in two registers (one permute a 16) */
+        vf a0 = vzero(), a1 = vzero();
+        for (int64_t j = 0; j < groups; j++) {
+            const uint8_t *b = r + j * Q5_BYTES;
+            uint32_t qh;
+            memcpy(&qh, b, 4);
+            vf sc = vset1(so[j]), t0 = vmul(sc, lo_values), t1 = vmul(sc, hi_values);
+            vi n = vload_u8_i32(b + 4);
+            vi lo = _mm512_mask_add_epi32(vi_and(n, 15), (__mmask16)(qh & 0xFFFF), vi_and(n, 15), _mm512_set1_epi32(16));
+            vi hi = _mm512_mask_add_epi32(vi_shr4(n), (__mmask16)(qh >> 16), vi_shr4(n), _mm512_set1_epi32(16));
+            a0 = vfma(_mm512_permutex2var_ps(t0, lo, t1), vload(x + j * Q5_GROUP), a0);
+            a1 = vfma(_mm512_permutex2var_ps(t0, hi, t1), vload(x + j * Q5_GROUP + 16), a1);
+        }
+        a = vsum(vadd(a0, a1));
+#elif KV_LANES == 8
+        const __m256i bit = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        vf acc = vzero();
+        for (int64_t j = 0; j < groups; j++) {
+            const uint8_t *b = r + j * Q5_BYTES;
+            uint32_t qh;
+            memcpy(&qh, b, 4);
+            vf p = vzero();
+            for (int h = 0; h < 2; h++) { /* inputs 8h..8h+7 (low nibbles) and 16+8h.. (high nibbles) */
+                vi n = vload_u8_i32(b + 4 + 8 * h);
+                vi fl = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)(qh >> (8 * h))), bit), _mm256_set1_epi32(1));
+                vi fh = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)(qh >> (16 + 8 * h))), bit), _mm256_set1_epi32(1));
+                vi ql = _mm256_sub_epi32(_mm256_or_si256(vi_and(n, 15), _mm256_slli_epi32(fl, 4)), _mm256_set1_epi32(16));
+                vi qhv = _mm256_sub_epi32(_mm256_or_si256(vi_shr4(n), _mm256_slli_epi32(fh, 4)), _mm256_set1_epi32(16));
+                p = vfma(vi_float(ql), vload(x + j * Q5_GROUP + 8 * h), p);
+                p = vfma(vi_float(qhv), vload(x + j * Q5_GROUP + 16 + 8 * h), p);
+            }
+            acc = vfma(vset1(so[j]), p, acc);
+        }
+        a = vsum(acc);
+#else
+        for (int64_t j = 0; j < groups; j++) {
+            int c[32];
+            q5_group(r + j * Q5_BYTES, c);
+            float p = 0;
+            for (int i = 0; i < 32; i++) p += (float)(c[i] - 16) * x[j * Q5_GROUP + i];
+            a += so[j] * p;
+        }
+#endif
+        y[o] = m ? a + offsets_dot(m + o * groups, xs, groups) : a;
+    }
+}
+
+void kv_dequant_q5(const uint8_t *q, const float *s, const float *m, float *w, int64_t out, int64_t in, int64_t g,
+                   int nt) {
+    int64_t groups = in / Q5_GROUP;
+    (void)g;
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t o = 0; o < out; o++)
+        for (int64_t j = 0; j < groups; j++) {
+            int c[32];
+            q5_group(q + (o * groups + j) * Q5_BYTES, c);
+            float sc = s[o * groups + j], mn = m ? m[o * groups + j] : 0.0f;
+            float *d = w + o * in + j * Q5_GROUP;
+            for (int i = 0; i < 32; i++) d[i] = sc * (float)(c[i] - 16) + mn;
+        }
+}
+
 /* ---- The rest of a decode step: RMSNorm and attention for one position (B = 1) ----
  * Each exists for float32, bfloat16 and float16 storage, computes in float32 and rounds where torch's
  * eager code rounds (after the norm, after the rotation), so decode matches prefill's torch path. */
@@ -421,7 +513,7 @@ typedef struct {
     const float *mins;    /* [out, in/group] offsets (weights s·q + m), or NULL */
     const void *bias;     /* [out] of the model's type, or NULL */
     int64_t out, in, group;
-    int64_t mode;         /* 0 float, 8 int8, 4 int4 */
+    int64_t mode;         /* 0 float, 8 int8, 5 int5 (a GGUF's Q5 blocks), 4 int4 */
 } kv_linear;
 
 typedef struct {
@@ -437,6 +529,7 @@ typedef struct {
         } else {                                                                                            \
             for (int64_t i = 0; i < l->in; i++) fx[i] = TO_F32(x[i]);                                       \
             if (l->mode == 8) kv_matvec_q8(l->w, l->scales, l->mins, fx, fy, l->out, l->in, l->group, nt); \
+            else if (l->mode == 5) kv_matvec_q5(l->w, l->scales, l->mins, fx, fy, l->out, l->in, 32, nt);  \
             else kv_matvec_q4(l->w, l->scales, l->mins, fx, fy, l->out, l->in, l->group, nt);              \
             for (int64_t i = 0; i < l->out; i++) y[i] = FROM_F32(fy[i]);                                    \
         }                                                                                                   \

@@ -24,11 +24,11 @@ import torch
 import torch.nn.functional as F
 
 from ..model import RMSNorm, swap_halves
-from ..quant import QMAX, dequantize, pack_int4, quantize
+from ..quant import INT5_GROUP, QMAX, dequantize, pack_int4, pack_int5, quantize
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
-QUANT_FUNCS = {"int8": "kv_matvec_q8", "int4": "kv_matvec_q4"}
+QUANT_FUNCS = {"int8": "kv_matvec_q8", "int4": "kv_matvec_q4", "int5": "kv_matvec_q5"}
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
 
@@ -287,6 +287,8 @@ class Kernels:
 
     def _quant_agrees(self, mode: str) -> bool:
         g = torch.Generator().manual_seed(0)
+        if mode == "int5":  # a file's codes only: random ones in its layout
+            return self._int5_agrees(g)
         for out, n, group in ((5, 64, 64), (19, 192, 32), (40, 576, 64), (8, 96, 48), (6, 128, 16)):
             w = torch.randn(out, n, generator=g)
             w[0, :group] = 0  # an all-zero group
@@ -311,6 +313,24 @@ class Kernels:
             mine = self.dequantize(mode, stored, scales, n, group, mins=mins)  # s · q + m in one rounding (FMA)
             if not torch.allclose(mine, dequantize(codes, scales, mins=mins), rtol=2**-22, atol=2**-22):
                 return False
+        return True
+
+    def _int5_agrees(self, g: torch.Generator) -> bool:
+        """The int5 products and dequantization against the definition, with and without offsets."""
+        for out, n in ((5, 64), (19, 576), (8, 896)):
+            codes = torch.randint(-16, 16, (out, n), generator=g, dtype=torch.int8)
+            codes[0, :INT5_GROUP] = torch.arange(-16, 16)  # every code once
+            scales, mins = torch.rand(out, n // INT5_GROUP, generator=g), torch.randn(out, n // INT5_GROUP, generator=g)
+            x, stored = torch.randn(n, generator=g), pack_int5(codes)
+            for m in (None, mins):
+                want_w = dequantize(codes, scales, mins=m)
+                got = self.qmatvec("int5", stored, scales, x, INT5_GROUP, m)
+                want = want_w @ x
+                if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
+                    return False
+                mine = self.dequantize("int5", stored, scales, n, INT5_GROUP, mins=m)
+                if not torch.allclose(mine, want_w, rtol=2**-22, atol=2**-22):
+                    return False
         return True
 
 

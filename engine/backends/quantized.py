@@ -16,6 +16,7 @@ from torch import nn
 from ..model import block_linears
 from ..quant import (
     BITS,
+    FILE_MODES,
     PreQuantized,
     check_mode,
     dequantize,
@@ -24,6 +25,7 @@ from ..quant import (
     quantize,
     storage_bytes,
     unpack_int4,
+    unpack_int5,
 )
 from . import kernels as kernel_library
 from .cpu_layouts import many_rows_linear, weight_scratch
@@ -58,7 +60,8 @@ class QuantLinear(nn.Module):
         (an embedding or output head: its float copy never exists whole); or the codes a file holds
         (PreQuantized: a GGUF's Q8_0 / Q4_0 blocks), kept as they are."""
         super().__init__()
-        check_mode(mode)
+        if not (isinstance(weight, PreQuantized) and mode in FILE_MODES):
+            check_mode(mode)
         self.mode, self.out_features, self.in_features = mode, weight.shape[0], weight.shape[1]
         self.group_size = group_size if group_size > 0 else weight.shape[1]  # <= 0: per output channel
         self.compute_dtype = weight.dtype
@@ -169,7 +172,19 @@ class QuantLinear(nn.Module):
             ones = torch.zeros_like(self.scales_and_zeros)
             ones[..., 0] = 1
             return _int4pack_mm(eye, self.codes, self.group_size, ones).t().round().to(torch.int8)
-        return unpack_int4(self.codes) if self.mode == "int4" else self.codes
+        return self._unpacked(self.codes)
+
+    def row_codes(self, rows: torch.Tensor) -> torch.Tensor:
+        """[..., K] int8 codes of the rows `rows` [...] (an embedding's lookup: only those rows unpacked)."""
+        if self.kernel == "int4pack":
+            return self.weight_codes()[rows]
+        return self._unpacked(self.codes[rows])
+
+    def _unpacked(self, stored: torch.Tensor) -> torch.Tensor:
+        """Stored codes (int4 two a byte, int5 in its blocks, int8 as they are) as int8 values."""
+        if self.mode == "int4":
+            return unpack_int4(stored)
+        return unpack_int5(stored) if self.mode == "int5" else stored
 
     def _kernel_weight(self, into: torch.Tensor | None = None, a: int = 0, b: int | None = None) -> torch.Tensor:
         """Rows a:b (all by default) as float32 s · q, [b - a, K], in one pass in C (into `into` when
@@ -217,7 +232,7 @@ class QuantLinear(nn.Module):
         if self.decoder is not None:
             w = self._kernel_weight(weight_scratch((b - a, self.in_features)), a, b)
             return w if dtype == torch.float32 else w.to(dtype)
-        codes = unpack_int4(self.codes[a:b]) if self.mode == "int4" else self.codes[a:b]
+        codes = self._unpacked(self.codes[a:b])
         return dequantize(codes, self.scales[a:b], dtype, None if self.mins is None else self.mins[a:b])
 
 
@@ -236,7 +251,7 @@ class QuantEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [...] -> [..., D] = s · q of the gathered rows, in the model's dtype."""
         t = self.table
-        codes, scales = t.weight_codes()[ids], t.scale_values()[ids]  # [..., D] int8, [..., D/g]
+        codes, scales = t.row_codes(ids), t.scale_values()[ids]  # [..., D] int8, [..., D/g]
         rows = codes.view(*ids.shape, scales.shape[-1], -1).float() * scales.unsqueeze(-1)  # [..., D/g, g]
         if t.mins is not None:
             rows = rows + t.mins[ids].unsqueeze(-1)

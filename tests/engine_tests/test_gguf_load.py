@@ -26,8 +26,8 @@ NATIVE_FORMS = {  # a GGUF type -> what kvchat holds it as (codes, values per sc
     "Q8_0": "int8/g32",
     "Q4_0": "int4/g32",
     "Q4_1": "int4/g32+min",
-    "Q5_0": "int8/g32",
-    "Q5_1": "int8/g32+min",
+    "Q5_0": "int5/g32",
+    "Q5_1": "int5/g32+min",
     "Q4_K": "int4/g32+min",
     "Q5_K": "int8/g32+min",
     "Q6_K": "int8/g16",
@@ -150,7 +150,7 @@ def test_k_quants_as_people_download_them_compute_from_their_own_codes(tmp_path,
 def test_native_codes_equal_llamacpp_dequantization_for_every_type(tmp_path):
     """Each type kvchat computes natively, decoded into codes, scales and offsets: s · q + m equals
     gguf.quants.dequantize (llama.cpp's definition) on the same blocks, and so does the layer's weight."""
-    from engine.gguf_file import NATIVE
+    from engine.gguf_file import INT5, NATIVE, _q5_blocks
 
     rnd = np.random.default_rng(5)
     for name, (mode, group, decode) in NATIVE.items():
@@ -170,6 +170,20 @@ def test_native_codes_equal_llamacpp_dequantization_for_every_type(tmp_path):
                            None if mins is None else torch.from_numpy(mins))  # fmt: skip
         layer = QuantLinear.from_codes(pre)
         np.testing.assert_allclose(layer.dequantized_weight().numpy(), want, rtol=1e-6, atol=1e-7 * np.abs(want).max())
+        if name in INT5:  # held in their own five bits: the int5 layout, its kernel and its dequantization
+            packed, d, offsets = _q5_blocks(raw, INT5[name])
+            pre = PreQuantized(torch.from_numpy(packed), torch.from_numpy(d), "int5", 32, torch.float32,
+                               None if offsets is None else torch.from_numpy(offsets))  # fmt: skip
+            layer = QuantLinear.from_codes(pre)
+            assert layer.in_features == 512 and layer.storage_bytes == 6 * 512 * 5 // 8 + 6 * 16 * 4 * (
+                1 + (offsets is not None)
+            )
+            w = layer.dequantized_weight().numpy()
+            np.testing.assert_allclose(w, want, rtol=1e-6, atol=1e-6 * np.abs(want).max(), err_msg=name)
+            x = torch.randn(512)
+            np.testing.assert_allclose(
+                layer(x).numpy(), w @ x.numpy(), rtol=1e-4, atol=1e-4 * np.abs(w @ x.numpy()).max()
+            )
 
 
 def test_bad_gguf_files_are_clear_errors(folders, tmp_path):
