@@ -40,7 +40,7 @@ def close(got, want, tol):
 
 @needs_kernels
 def test_kernels_build_and_serve_every_type():
-    assert K.dtypes == {torch.float32, torch.bfloat16, torch.float16} and K.modes == {"int8", "int4"}
+    assert K.dtypes == {torch.float32, torch.bfloat16, torch.float16} and K.modes == {"int8", "int4", "int5"}
     assert kernels.status().startswith("kvchat kernels (")
     assert len(kernels._openmp_runtimes()) == 1  # torch's OpenMP pool, shared
 
@@ -237,7 +237,7 @@ def test_each_instruction_set_variant_agrees_with_torch(tmp_path, flags, isa):
         isa = "generic"
     if isa is not None:
         assert k.isa == isa
-    assert k.dtypes == {torch.float32, torch.bfloat16, torch.float16} and k.modes == {"int8", "int4"}
+    assert k.dtypes == {torch.float32, torch.bfloat16, torch.float16} and k.modes == {"int8", "int4", "int5"}
 
 
 def test_the_prefill_weight_buffer_is_reused_in_and_out_of_inference_mode():
