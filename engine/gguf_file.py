@@ -313,7 +313,22 @@ def _q5_blocks(raw, size: int):
     return np.ascontiguousarray(b[..., 4:]).reshape(n, -1), d, mins
 
 
-INT5 = {"Q5_0": 22, "Q5_1": 24}  # held as int5 codes (their own 5 bits) when a product is of these alone
+def _q5_k_int5(raw):
+    """Q5_K super-blocks in the int5 layout: each group of 32's codes q (0..31) repacked as Q5_0 packs a
+    block, with x = s · q + m = s · (q − 16) + (m + 16 · s)."""
+    codes, scales, mins = _q5_k(raw)  # codes 0..31 [N, K], scale and offset per 32
+    n = codes.shape[0]
+    q = codes.reshape(n, -1, 32).astype(np.uint32)  # [N, G, 32]
+    fifth = ((q >> 4) << np.arange(32, dtype=np.uint32)).sum(-1, dtype=np.uint32)  # [N, G]: bit i = value i's
+    head = fifth.astype("<u4").view(np.uint8).reshape(n, -1, 4)
+    nibbles = ((q[..., :16] & 0x0F) | ((q[..., 16:] & 0x0F) << 4)).astype(np.uint8)
+    packed = np.concatenate([head, nibbles], axis=-1).reshape(n, -1)
+    return packed, scales, (mins.astype(np.float64) + 16 * scales.astype(np.float64)).astype(np.float32)
+
+
+# Held as int5 codes (their own five bits) when a product is of these alone: type -> rows -> (codes in the
+# int5 layout, scales, offsets or None).
+INT5 = {"Q5_0": lambda raw: _q5_blocks(raw, 22), "Q5_1": lambda raw: _q5_blocks(raw, 24), "Q5_K": _q5_k_int5}
 # GGUF type -> (mode its codes are held in, values per scale, decoder): computed natively by the kernels.
 NATIVE = {
     "Q8_0": ("int8", 32, _q8_0),
@@ -636,7 +651,7 @@ class GGUFModel:
             return None
         if all(t in INT5 for t in types):  # their own five bits
             mode, group = "int5", 32
-            decode = {t: (lambda raw, size=INT5[t]: _q5_blocks(raw, size)) for t in types}
+            decode = INT5
         else:
             mode = "int8" if any(NATIVE[t][0] == "int8" for t in types) else "int4"
             group = min(NATIVE[t][1] for t in types)

@@ -29,7 +29,7 @@ NATIVE_FORMS = {  # a GGUF type -> what kvchat holds it as (codes, values per sc
     "Q5_0": "int5/g32",
     "Q5_1": "int5/g32+min",
     "Q4_K": "int4/g32+min",
-    "Q5_K": "int8/g32+min",
+    "Q5_K": "int5/g32+min",
     "Q6_K": "int8/g16",
 }
 MESSAGES = [{"role": "user", "content": "My budget is 600 yuan. Plan 3 nights in Chengdu, café included!"}]
@@ -150,7 +150,7 @@ def test_k_quants_as_people_download_them_compute_from_their_own_codes(tmp_path,
 def test_native_codes_equal_llamacpp_dequantization_for_every_type(tmp_path):
     """Each type kvchat computes natively, decoded into codes, scales and offsets: s · q + m equals
     gguf.quants.dequantize (llama.cpp's definition) on the same blocks, and so does the layer's weight."""
-    from engine.gguf_file import INT5, NATIVE, _q5_blocks
+    from engine.gguf_file import INT5, NATIVE
 
     rnd = np.random.default_rng(5)
     for name, (mode, group, decode) in NATIVE.items():
@@ -171,7 +171,7 @@ def test_native_codes_equal_llamacpp_dequantization_for_every_type(tmp_path):
         layer = QuantLinear.from_codes(pre)
         np.testing.assert_allclose(layer.dequantized_weight().numpy(), want, rtol=1e-6, atol=1e-7 * np.abs(want).max())
         if name in INT5:  # held in their own five bits: the int5 layout, its kernel and its dequantization
-            packed, d, offsets = _q5_blocks(raw, INT5[name])
+            packed, d, offsets = INT5[name](raw)
             pre = PreQuantized(torch.from_numpy(packed), torch.from_numpy(d), "int5", 32, torch.float32,
                                None if offsets is None else torch.from_numpy(offsets))  # fmt: skip
             layer = QuantLinear.from_codes(pre)
