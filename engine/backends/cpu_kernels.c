@@ -188,12 +188,16 @@ void kv_matvec_q8(const int8_t *q, const float *s, const float *m, const float *
         if (g % KV_LANES == 0) {
             vf acc = vzero();
             for (int64_t j = 0; j < groups; j++) {
-                vf p = vzero(), p1 = vzero();
+                vf p = vzero(), p1 = vzero(), p2 = vzero(), p3 = vzero();
                 int64_t i = j * g;
-                for (; i + 2 * KV_LANES <= (j + 1) * g; i += 2 * KV_LANES) {
+                for (; i + 4 * KV_LANES <= (j + 1) * g; i += 4 * KV_LANES) {
                     p = vfma(vload_i8(r + i), vload(x + i), p);
                     p1 = vfma(vload_i8(r + i + KV_LANES), vload(x + i + KV_LANES), p1);
+                    p2 = vfma(vload_i8(r + i + 2 * KV_LANES), vload(x + i + 2 * KV_LANES), p2);
+                    p3 = vfma(vload_i8(r + i + 3 * KV_LANES), vload(x + i + 3 * KV_LANES), p3);
                 }
+                p = vadd(p, p2);
+                p1 = vadd(p1, p3);
                 for (; i < (j + 1) * g; i += KV_LANES) p = vfma(vload_i8(r + i), vload(x + i), p);
                 acc = vfma(vset1(so[j]), vadd(p, p1), acc);
             }
