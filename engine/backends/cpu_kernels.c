@@ -173,6 +173,31 @@ static inline float offsets_dot(const float *m, const float *xs, int64_t groups)
     return a;
 }
 
+#if KV_LANES
+/* One group's codes . x, inputs i..end: four chains of FMAs where the group is long enough (their latency,
+ * not memory, bounds a long row of int8 codes), two for a group of 32 (a GGUF's Q8_0). */
+static inline vf q8_group(const int8_t *r, const float *x, int64_t i, int64_t end) {
+    vf p = vzero(), p1 = vzero();
+    if (i + 4 * KV_LANES <= end) {
+        vf p2 = vzero(), p3 = vzero();
+        for (; i + 4 * KV_LANES <= end; i += 4 * KV_LANES) {
+            p = vfma(vload_i8(r + i), vload(x + i), p);
+            p1 = vfma(vload_i8(r + i + KV_LANES), vload(x + i + KV_LANES), p1);
+            p2 = vfma(vload_i8(r + i + 2 * KV_LANES), vload(x + i + 2 * KV_LANES), p2);
+            p3 = vfma(vload_i8(r + i + 3 * KV_LANES), vload(x + i + 3 * KV_LANES), p3);
+        }
+        p = vadd(p, p2);
+        p1 = vadd(p1, p3);
+    }
+    for (; i + 2 * KV_LANES <= end; i += 2 * KV_LANES) {
+        p = vfma(vload_i8(r + i), vload(x + i), p);
+        p1 = vfma(vload_i8(r + i + KV_LANES), vload(x + i + KV_LANES), p1);
+    }
+    for (; i < end; i += KV_LANES) p = vfma(vload_i8(r + i), vload(x + i), p);
+    return vadd(p, p1);
+}
+#endif
+
 /* int8 codes q [out, in], scales s [out, in/g]: y[o] = sum_j s[o, j] * (q[o, group j] . x[group j]) (+ the offsets'). */
 void kv_matvec_q8(const int8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out, int64_t in,
                   int64_t g, int nt) {
@@ -187,20 +212,7 @@ void kv_matvec_q8(const int8_t *q, const float *s, const float *m, const float *
 #if KV_LANES
         if (g % KV_LANES == 0) {
             vf acc = vzero();
-            for (int64_t j = 0; j < groups; j++) {
-                vf p = vzero(), p1 = vzero(), p2 = vzero(), p3 = vzero();
-                int64_t i = j * g;
-                for (; i + 4 * KV_LANES <= (j + 1) * g; i += 4 * KV_LANES) {
-                    p = vfma(vload_i8(r + i), vload(x + i), p);
-                    p1 = vfma(vload_i8(r + i + KV_LANES), vload(x + i + KV_LANES), p1);
-                    p2 = vfma(vload_i8(r + i + 2 * KV_LANES), vload(x + i + 2 * KV_LANES), p2);
-                    p3 = vfma(vload_i8(r + i + 3 * KV_LANES), vload(x + i + 3 * KV_LANES), p3);
-                }
-                p = vadd(p, p2);
-                p1 = vadd(p1, p3);
-                for (; i < (j + 1) * g; i += KV_LANES) p = vfma(vload_i8(r + i), vload(x + i), p);
-                acc = vfma(vset1(so[j]), vadd(p, p1), acc);
-            }
+            for (int64_t j = 0; j < groups; j++) acc = vfma(vset1(so[j]), q8_group(r, x, j * g, (j + 1) * g), acc);
             a = vsum(acc);
         } else
 #endif
