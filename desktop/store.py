@@ -94,6 +94,14 @@ def _set_columns(db: sqlite3.Connection, table: str, rid: int, cols: dict) -> No
     db.execute(f"UPDATE {table} SET {', '.join(f'{c}=?' for c in cols)} WHERE id=?", (*cols.values(), rid))
 
 
+def _version_groups(rows) -> dict[tuple, list[int]]:
+    """(id, parent_id, role) rows, oldest first -> (parent_id, role) -> the ids of those versions."""
+    groups: dict[tuple, list[int]] = {}
+    for mid, parent, role in rows:
+        groups.setdefault((parent, role), []).append(mid)
+    return groups
+
+
 class StoreError(Exception):
     """The database cannot be used; the message says what happened and what was done about it."""
 
@@ -629,13 +637,14 @@ class Store:
             return None
         last = last[1:]
         parents = {m.parent_id for m in last}
-        groups: dict[tuple, list[int]] = {}
         marks = ",".join("?" * len(parents))
-        for mid, parent, role in self.db.execute(
-            f"SELECT id, parent_id, role FROM messages WHERE conversation_id=? AND parent_id IN ({marks}) ORDER BY id",
-            (cid, *parents),
-        ):
-            groups.setdefault((parent, role), []).append(mid)
+        groups = _version_groups(
+            self.db.execute(
+                f"SELECT id, parent_id, role FROM messages WHERE conversation_id=? AND parent_id IN ({marks}) "
+                "ORDER BY id",
+                (cid, *parents),
+            )
+        )
         return [(m, groups[m.parent_id, m.role].index(m.id), len(groups[m.parent_id, m.role])) for m in last]
 
     def read_later(self, cid: int) -> Future | None:
@@ -696,11 +705,9 @@ class Store:
         """The branch from the root to `leaf` (one query however long; a damaged parent chain that loops
         stops at MAX_DEPTH) and every message's versions (one more), through connection `db`."""
         path = [self._message(r) for r in db.execute(WALK_UP + "ORDER BY path.depth DESC", (leaf, MAX_DEPTH))]
-        groups: dict[tuple, list[int]] = {}
-        for mid, parent, role in db.execute(
-            "SELECT id, parent_id, role FROM messages WHERE conversation_id=? ORDER BY id", (cid,)
-        ):
-            groups.setdefault((parent, role), []).append(mid)
+        groups = _version_groups(
+            db.execute("SELECT id, parent_id, role FROM messages WHERE conversation_id=? ORDER BY id", (cid,))
+        )
         versions = {mid: (i, len(ids)) for ids in groups.values() for i, mid in enumerate(ids)}
         return _Kept(leaf, path, {m.id: i for i, m in enumerate(path)}, groups, versions)
 

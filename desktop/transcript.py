@@ -648,11 +648,9 @@ class Transcript(QScrollArea):
         self.first = first
         self.more = self.more if more is None else more
         self.earlierButton.setVisible(self.first > 0 or self.more)
-        n = self.first
-        self.earlierButton.setText("Show earlier messages" if self.more else f"Show earlier messages ({n:,} not shown)")
-        self.earlierButton.setAccessibleName(
-            "Show earlier messages" if self.more else f"Show earlier messages: {n} are not shown"
-        )
+        label, n = "Show earlier messages", self.first
+        self.earlierButton.setText(label if self.more else f"{label} ({n:,} not shown)")
+        self.earlierButton.setAccessibleName(label if self.more else f"{label}: {n} are not shown")
 
     def prepend(self, views: list[MessageView]) -> None:
         """Views for the messages just before `first`, keeping what is on screen where it is."""
@@ -672,8 +670,8 @@ class Transcript(QScrollArea):
             QTimer.singleShot(0, lambda: anchor in self.views and bar.setValue(anchor.y() - offset))  # once laid out
 
     def truncate(self, keep: int) -> None:
-        """Remove the views after the first `keep` (hidden and out of the layout now, deleted by the event
-        loop: taking a view's parent away at once costs ~2 ms a view, 30 ms a conversation switch)."""
+        """Remove the views after the first `keep`: hidden and out of the layout now, deleted by the event
+        loop (taking a view's parent away at once re-parents its whole widget tree on the GUI thread)."""
         for v in self.views[keep:]:
             v.hide()
             self.lay.removeWidget(v)

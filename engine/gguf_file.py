@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from .errors import ModelLoadError
-from .quant import PreQuantized
+from .quant import PreQuantized, pack_int5
 
 MAGIC = b"GGUF"
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -215,11 +215,15 @@ def _bits(qh: np.ndarray, n: int) -> np.ndarray:
     return np.unpackbits(np.ascontiguousarray(qh), axis=-1, bitorder="little")[..., :n]
 
 
+def _recentred(d: np.ndarray, m: np.ndarray, centre: int) -> np.ndarray:
+    """The offset that keeps x = d · q + m when codes q are stored as q − centre (the kernels' int4 nibbles
+    are −8..7, int5 codes −16..15): m + centre · d per group, rounded once from float64 to float32."""
+    return (m.astype(np.float64) + centre * d.astype(np.float64)).astype(np.float32)
+
+
 def _centred(codes: np.ndarray, d: np.ndarray, m: np.ndarray, centre: int) -> tuple:
-    """Unsigned codes q with x = d · q + m (d, m per group) as signed codes q − centre with
-    x = d · (q − centre) + (m + centre · d) (the kernels' int4 nibbles are −8..7); the new offset is
-    rounded once, from float64."""
-    return (codes.astype(np.int16) - centre).astype(np.int8), (m.astype(np.float64) + centre * d.astype(np.float64))
+    """Unsigned codes q with x = d · q + m (d, m per group) as signed codes q − centre, and their offsets."""
+    return (codes.astype(np.int16) - centre).astype(np.int8), _recentred(d, m, centre)
 
 
 # Each block type -> (rows [N, bytes] -> codes int8 [N, K], scales float32 [N, K/g], offsets float32 [N, K/g] or
@@ -240,7 +244,7 @@ def _q4_1(raw):
     b = raw.reshape(raw.shape[0], -1, 20)  # d, m, 16 bytes of nibbles: x = d · q + m
     d, m = _f16(b[..., 0:2])[..., 0], _f16(b[..., 2:4])[..., 0]
     codes, mins = _centred(_nibbles(b[..., 4:]), d, m, 8)
-    return codes.reshape(len(raw), -1), d, mins.astype(np.float32)
+    return codes.reshape(len(raw), -1), d, mins
 
 
 def _q5_0(raw):
@@ -276,7 +280,7 @@ def _q4_k(raw):
     scales, mins = _k_groups(b, n)
     qs = b[..., 16:].reshape(n, -1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
     codes, mins = _centred((qs & 0x0F).reshape(n, -1), scales, mins, 8)
-    return codes, scales, mins.astype(np.float32)
+    return codes, scales, mins
 
 
 def _q5_k(raw):
@@ -308,22 +312,15 @@ def _q5_blocks(raw, size: int):
     d = _f16(b[..., 0:2])[..., 0]
     if size == 22:
         return np.ascontiguousarray(b[..., 2:]).reshape(n, -1), d, None
-    m = _f16(b[..., 2:4])[..., 0]
-    mins = (m.astype(np.float64) + 16 * d.astype(np.float64)).astype(np.float32)
-    return np.ascontiguousarray(b[..., 4:]).reshape(n, -1), d, mins
+    return np.ascontiguousarray(b[..., 4:]).reshape(n, -1), d, _recentred(d, _f16(b[..., 2:4])[..., 0], 16)
 
 
 def _q5_k_int5(raw):
     """Q5_K super-blocks in the int5 layout: each group of 32's codes q (0..31) repacked as Q5_0 packs a
     block, with x = s · q + m = s · (q − 16) + (m + 16 · s)."""
     codes, scales, mins = _q5_k(raw)  # codes 0..31 [N, K], scale and offset per 32
-    n = codes.shape[0]
-    q = codes.reshape(n, -1, 32).astype(np.uint32)  # [N, G, 32]
-    fifth = ((q >> 4) << np.arange(32, dtype=np.uint32)).sum(-1, dtype=np.uint32)  # [N, G]: bit i = value i's
-    head = fifth.astype("<u4").view(np.uint8).reshape(n, -1, 4)
-    nibbles = ((q[..., :16] & 0x0F) | ((q[..., 16:] & 0x0F) << 4)).astype(np.uint8)
-    packed = np.concatenate([head, nibbles], axis=-1).reshape(n, -1)
-    return packed, scales, (mins.astype(np.float64) + 16 * scales.astype(np.float64)).astype(np.float32)
+    packed = pack_int5(torch.from_numpy(codes.astype(np.int8) - 16)).numpy()
+    return packed, scales, _recentred(scales, mins, 16)
 
 
 # Held as int5 codes (their own five bits) when a product is of these alone: type -> rows -> (codes in the

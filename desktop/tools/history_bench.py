@@ -243,8 +243,10 @@ def main(argv=None) -> int:
         print(f"{r['messages']} messages (database filled in {r['fill_s']} s)")
         for key, name in names.items():
             s = r[key]
-            stall = s["stall_ms_max"] is not None and f", GUI stall p50 {s['stall_ms_p50']} max {s['stall_ms_max']} ms"
-            print(f"  {name:34s} {s['ms_p50']:8.1f} ms p50 (max {s['ms_max']}){stall or ''}")
+            stall = (
+                "" if s["stall_ms_max"] is None else f", GUI stall p50 {s['stall_ms_p50']} max {s['stall_ms_max']} ms"
+            )
+            print(f"  {name:34s} {s['ms_p50']:8.1f} ms p50 (max {s['ms_max']}){stall}")
     return 0
 
 

@@ -158,19 +158,13 @@ void kv_matvec_f16(const _Float16 *w, const _Float16 *xh, _Float16 *y, int64_t o
 
 /* Offsets m [out, in/g] (NULL: none) make a group's weights s·q + m (a GGUF's Q4_1/Q5_1 and K-quant
  * mins): their share of a row's product is sum_j m[o, j] * (the sum of x over group j), so x's group sums
- * are taken once per call and each row adds one short dot product. */
+ * are taken once per call and each row adds one short dot product (dot_f32). */
 static void group_sums(const float *x, float *xs, int64_t groups, int64_t g) {
     for (int64_t j = 0; j < groups; j++) {
         float a = 0;
         for (int64_t i = j * g; i < (j + 1) * g; i++) a += x[i];
         xs[j] = a;
     }
-}
-
-static inline float offsets_dot(const float *m, const float *xs, int64_t groups) {
-    float a = 0;
-    for (int64_t j = 0; j < groups; j++) a += m[j] * xs[j];
-    return a;
 }
 
 #if KV_LANES
@@ -217,7 +211,7 @@ void kv_matvec_q8(const int8_t *q, const float *s, const float *m, const float *
         } else
 #endif
             for (int64_t j = 0; j < groups; j++) a += so[j] * dot_i8(r + j * g, x + j * g, g);
-        y[o] = m ? a + offsets_dot(m + o * groups, xs, groups) : a;
+        y[o] = m ? a + dot_f32(m + o * groups, xs, groups) : a;
     }
 }
 
@@ -277,7 +271,7 @@ void kv_matvec_q4(const uint8_t *q, const float *s, const float *m, const float 
                 }
                 a += so[j] * p;
             }
-        y[o] = m ? a + offsets_dot(m + o * groups, xs, groups) : a;
+        y[o] = m ? a + dot_f32(m + o * groups, xs, groups) : a;
     }
 }
 
@@ -354,7 +348,7 @@ void kv_matvec_q5(const uint8_t *q, const float *s, const float *m, const float 
             a += so[j] * p;
         }
 #endif
-        y[o] = m ? a + offsets_dot(m + o * groups, xs, groups) : a;
+        y[o] = m ? a + dot_f32(m + o * groups, xs, groups) : a;
     }
 }
 

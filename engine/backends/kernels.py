@@ -295,23 +295,12 @@ class Kernels:
             w[1, :8] = torch.tensor([QMAX[mode], 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5])  # s = 1: exact halves, to even
             codes, scales = quantize(w, mode, group)
             x = torch.randn(n, generator=g)
-            want = dequantize(codes, scales) @ x
             stored = pack_int4(codes) if mode == "int4" else codes
             mine = self.quantize(mode, w, group)
             if not (torch.equal(mine[0], stored) and torch.equal(mine[1], scales)):
                 return False
-            got = self.qmatvec(mode, stored, scales, x, group)
-            if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
-                return False
-            if not torch.equal(self.dequantize(mode, stored, scales, n, group), dequantize(codes, scales)):
-                return False
             mins = torch.randn(scales.shape, generator=g)  # offsets: weights s · q + m
-            want = dequantize(codes, scales, mins=mins) @ x
-            got = self.qmatvec(mode, stored, scales, x, group, mins)
-            if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
-                return False
-            mine = self.dequantize(mode, stored, scales, n, group, mins=mins)  # s · q + m in one rounding (FMA)
-            if not torch.allclose(mine, dequantize(codes, scales, mins=mins), rtol=2**-22, atol=2**-22):
+            if not all(self._codes_agree(mode, stored, codes, scales, x, group, m) for m in (None, mins)):
                 return False
         return True
 
@@ -322,16 +311,20 @@ class Kernels:
             codes[0, :INT5_GROUP] = torch.arange(-16, 16)  # every code once
             scales, mins = torch.rand(out, n // INT5_GROUP, generator=g), torch.randn(out, n // INT5_GROUP, generator=g)
             x, stored = torch.randn(n, generator=g), pack_int5(codes)
-            for m in (None, mins):
-                want_w = dequantize(codes, scales, mins=m)
-                got = self.qmatvec("int5", stored, scales, x, INT5_GROUP, m)
-                want = want_w @ x
-                if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
-                    return False
-                mine = self.dequantize("int5", stored, scales, n, INT5_GROUP, mins=m)
-                if not torch.allclose(mine, want_w, rtol=2**-22, atol=2**-22):
-                    return False
+            if not all(self._codes_agree("int5", stored, codes, scales, x, INT5_GROUP, m) for m in (None, mins)):
+                return False
         return True
+
+    def _codes_agree(self, mode, stored, codes, scales, x, group, mins) -> bool:
+        """The one-row product and the dequantization of `stored` codes against the definition, s · q (+ m):
+        s · q is exact in float32 (equal), s · q + m is one rounding in C (FMA) against torch's two."""
+        want_w = dequantize(codes, scales, mins=mins)
+        want = want_w @ x
+        got = self.qmatvec(mode, stored, scales, x, group, mins)
+        if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
+            return False
+        mine = self.dequantize(mode, stored, scales, x.numel(), group, mins=mins)
+        return torch.equal(mine, want_w) if mins is None else torch.allclose(mine, want_w, rtol=2**-22, atol=2**-22)
 
 
 _lock = threading.Lock()

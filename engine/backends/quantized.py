@@ -58,7 +58,7 @@ class QuantLinear(nn.Module):
         """weight [N, K]; or a row source with `shape`, `dtype`, `device` and `row_chunks()` yielding
         (first row, [n, K] rows), for a matrix quantized a few thousand rows at a time as it is read
         (an embedding or output head: its float copy never exists whole); or the codes a file holds
-        (PreQuantized: a GGUF's Q8_0 / Q4_0 blocks), kept as they are."""
+        (PreQuantized: a GGUF's blocks as int8/int4/int5 codes, scales and offsets), kept as they are."""
         super().__init__()
         if not (isinstance(weight, PreQuantized) and mode in FILE_MODES):
             check_mode(mode)
