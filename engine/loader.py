@@ -23,14 +23,21 @@ from torch import nn
 from .backends import kernels as kernel_library
 from .backends.cpu_layouts import LinearT, fast_cpu_linears, transposed_embedding
 from .backends.decode_step import use_kernels
-from .backends.quantized import HEAD_MODE, QuantEmbedding, QuantLinear, quantize_head, weight_bytes
+from .backends.quantized import (
+    HEAD_MODE,
+    QuantEmbedding,
+    QuantLinear,
+    quantize_head,
+    use_integer_activations,
+    weight_bytes,
+)
 from .bundled import DEMO_MODEL
 from .config import ModelConfig, config_from_dict, load_config
 from .errors import ModelLoadError
 from .gguf_file import GGUFModel, is_gguf
 from .kv_cache import bytes_per_position
 from .model import Transformer
-from .quant import DEFAULT_GROUP_SIZE, PreQuantized, check_mode, describe, group_for
+from .quant import DEFAULT_GROUP_SIZE, PreQuantized, check_activations, check_mode, describe, group_for
 from .tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -478,12 +485,15 @@ def _build_model(
     group_size: int,
     kern,
     progress=None,
+    activations: str = "float32",
 ) -> Transformer:
     """The model, streamed block by block from the files into its final form: each block is read,
     fused, cast, put on the device and given its layout before the next one is read, so the peak is
     the final weights plus about one block; quantized weights, the embedding and head included, are
     quantized a chunk of rows at a time as they are read. `kern`: kvchat's CPU kernels, or None;
-    `progress(fraction)` is told after the embedding and head and after each block."""
+    `progress(fraction)` is told after the embedding and head and after each block. `activations="int8"`:
+    the quantized layers' one-row products on int8 activations where the kernels have them (model.activations
+    says what runs)."""
     progress = progress or (lambda fraction: None)
     transposed = kern is None and device.type == "cpu" and dtype == torch.float32  # torch's fast one-row layout
     with torch.device("meta"):
@@ -513,6 +523,7 @@ def _build_model(
         if weights == "none" and device.type == "cpu":
             fast_cpu_linears([block], dtype)
         progress((i + 2) / steps)
+    model.activations = "int8" if activations == "int8" and use_integer_activations(model) else "float32"
     if kern is not None:
         use_kernels(model, kern)
     if device.type == "cuda":
@@ -574,6 +585,11 @@ class LoadedModel:
         return self.fingerprint["quantization"]
 
     @property
+    def activations(self) -> str:
+        """What the quantized layers' decode products multiply their codes by: float32, or int8 (integer products)."""
+        return self.model.activations
+
+    @property
     def weight_bytes(self) -> int:
         return weight_bytes(self.model)
 
@@ -620,6 +636,7 @@ class LoadedModel:
             "head_weights": self.head_quantization,
             "weight_bytes": self.weight_bytes,
             "decode_kernels": self.decode_kernels,
+            "activations": self.activations,
             "kv_cache": kv,
             "kv_bytes_per_position": self.kv_bytes_per_position(kv),
             "format": "gguf" if self.file_tensors is not None else "safetensors",
@@ -634,12 +651,19 @@ def load_model(
     weights: str = "none",
     group_size: int = DEFAULT_GROUP_SIZE,
     progress=None,
+    activations: str = "float32",
 ) -> LoadedModel:
     """Load a model folder or GGUF file (the bundled demo model when None); `progress(fraction, what)`
     is told how far reading the weights is (what: the file's or folder's name). `weights` = none | int8 | int4
     quantizes the block linears (quantize, then swap the module) with one scale per `group_size`
     inputs (0: one per output channel), and the embedding and output head in int8 with the same
-    grouping (engine.backends.quantized.quantize_head)."""
+    grouping (engine.backends.quantized.quantize_head). `activations` = float32 | int8: what the quantized
+    layers' decode products multiply their codes by (int8: quantized per 32 inputs, integer dot products; an
+    approximation the exact float32 path does not make, measured by `python -m engine quality`)."""
+    try:
+        check_activations(activations)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from None
     if model_dir is None:
         if not (DEMO_MODEL / "config.json").is_file():
             raise ModelLoadError("no --model given and the bundled demo model is not installed", DEMO_MODEL)
@@ -656,7 +680,7 @@ def load_model(
             raise ModelLoadError(
                 "not a model: a model is a folder (config.json, safetensors) or a GGUF file", model_dir
             )
-        return _load_gguf(model_dir, device, dtype, weights, group_size, progress)
+        return _load_gguf(model_dir, device, dtype, weights, group_size, progress, activations)
     if not model_dir.is_dir():
         raise ModelLoadError("model folder or file not found", model_dir)
     cfg = load_config(model_dir)
@@ -674,9 +698,17 @@ def load_model(
     kern = kernel_library.for_dtype(dt) if dev.type == "cpu" else None  # decode kernels for this dtype
     with _ReturnFreedMemory():
         model = _build_model(
-            _Reader(files, _expected(cfg)), cfg, dt, dev, weights, group_size, kern, _told(progress, model_dir.name)
+            _Reader(files, _expected(cfg)),
+            cfg,
+            dt,
+            dev,
+            weights,
+            group_size,
+            kern,
+            _told(progress, model_dir.name),
+            activations,
         )
-    fingerprint = _fingerprint(_header_digest(files.values()), cfg, dt, dev, quantization, tokenizer)
+    fingerprint = _fingerprint(_header_digest(files.values()), cfg, dt, dev, quantization, tokenizer, model)
     return LoadedModel(model_dir, cfg, model, tokenizer, dev, dt, fingerprint, kern)
 
 
@@ -692,12 +724,16 @@ def _weight_mode(weights: str | None, group_size: int) -> tuple[str, str]:
     return weights, describe(weights, group_size)
 
 
-def _fingerprint(weights_digest: str, cfg: ModelConfig, dt, dev, quantization: str, tokenizer: Tokenizer) -> dict:
-    """What cached K/V depend on: weights, dtype, quantization, tokenizer, rotary and attention settings, device."""
+def _fingerprint(
+    weights_digest: str, cfg: ModelConfig, dt, dev, quantization: str, tokenizer: Tokenizer, model: Transformer
+) -> dict:
+    """What cached K/V depend on: weights, dtype, quantization and the activations its products take,
+    tokenizer, rotary and attention settings, device."""
     return {
         "weights": weights_digest,
         "dtype": dtype_name(dt),
         "quantization": quantization,
+        "activations": model.activations,
         "tokenizer": tokenizer.digest[:16],
         "rope": repr(cfg.rope),
         "attention": f"heads={cfg.num_heads} kv_heads={cfg.num_kv_heads} d={cfg.head_dim} "
@@ -711,7 +747,7 @@ def _told(progress, what: str):
     return None if progress is None else (lambda fraction: progress(fraction, what))
 
 
-def _load_gguf(path: Path, device, dtype, weights, group_size, progress=None) -> LoadedModel:
+def _load_gguf(path: Path, device, dtype, weights, group_size, progress=None, activations="float32") -> LoadedModel:
     """A GGUF file: config and tokenizer from its metadata, weights from its tensors (Q8_0 and Q4_0 as their
     own codes; other types dequantized into `dtype`; float ones quantized when `weights` asks)."""
     if progress is not None:
@@ -733,9 +769,11 @@ def _load_gguf(path: Path, device, dtype, weights, group_size, progress=None) ->
     weights, quantization = _weight_mode(weights, group_size)
     kern = kernel_library.for_dtype(dt) if dev.type == "cpu" else None
     with _ReturnFreedMemory():
-        model = _build_model(_GGUFReader(gm, cfg), cfg, dt, dev, weights, group_size, kern, _told(progress, path.name))
+        model = _build_model(
+            _GGUFReader(gm, cfg), cfg, dt, dev, weights, group_size, kern, _told(progress, path.name), activations
+        )
     file_quant = f"gguf {gm.quantization()}"
     quantization = file_quant if quantization == "none" else f"{file_quant}, rest {quantization}"
-    fingerprint = _fingerprint(gm.digest(), cfg, dt, dev, quantization, tokenizer)
+    fingerprint = _fingerprint(gm.digest(), cfg, dt, dev, quantization, tokenizer, model)
     title = (gm.meta("general.name") or "an Ollama model") if path.name.startswith("sha256-") else None
     return LoadedModel(path, cfg, model, tokenizer, dev, dt, fingerprint, kern, gm.summary(), title)

@@ -92,6 +92,35 @@ def pack_int5(codes: torch.Tensor) -> torch.Tensor:
     return torch.cat([head, nibbles], dim=-1).to(torch.uint8).reshape(*codes.shape[:-1], -1)
 
 
+ACTIVATIONS = ("float32", "int8")  # what a quantized layer's one-row product multiplies its codes by
+ACTIVATION_BLOCK = 32  # inputs per activation scale under int8 activations
+
+
+def check_activations(activations: str) -> None:
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations {activations!r} are not supported (supported: {', '.join(ACTIVATIONS)})")
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [K] (K a multiple of 32) -> codes int8 [K], scales float32 [K / 32]: the int8 activations of an
+    integer product, per block of 32 inputs as the weights' own rule (s = max|x| / 127, round half to even)."""
+    return quantize(x, "int8", ACTIVATION_BLOCK)
+
+
+def integer_product(codes, scales, x, mins=None) -> torch.Tensor:
+    """The definition of a one-row product under int8 activations: codes [N, K] (int values), scales
+    [N, K/g] (g a multiple of 32), x [K] -> y [N] float64 = sum over blocks b of s · d_b · (q . c)_b, the
+    block dot products exact integers, plus the offsets' share from x itself (sum_j m_j · sum of x over group j)."""
+    n, k = codes.shape
+    c, d = quantize_activations(x.float())
+    dots = (codes.to(torch.int64).view(n, -1, ACTIVATION_BLOCK) * c.to(torch.int64).view(-1, ACTIVATION_BLOCK)).sum(-1)
+    s = scales.double().repeat_interleave(k // scales.shape[1] // ACTIVATION_BLOCK, dim=1)  # [N, K/32]
+    y = (s * d.double() * dots.double()).sum(-1)
+    if mins is not None:
+        y = y + mins.double() @ x.double().view(mins.shape[1], -1).sum(-1)
+    return y
+
+
 def storage_bytes(num_values: int, mode: str, num_scales: int, scale_bytes: int = 4) -> int:
     """Packed codes plus scales: four int4 values and one float32 scale take 2 + 4 = 6 bytes."""
     return math.ceil(num_values * BITS[mode] / 8) + num_scales * scale_bytes

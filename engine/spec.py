@@ -8,7 +8,7 @@ import dataclasses
 import re
 
 from .loader import DTYPES, LoadedModel, load_model
-from .quant import DEFAULT_GROUP_SIZE, PRECISIONS
+from .quant import ACTIVATIONS, DEFAULT_GROUP_SIZE, PRECISIONS
 from .session import Session
 
 
@@ -21,6 +21,7 @@ class LoadSpec:
     weights: str = "none"  # weight precision: none (the dtype) | int8 | int4
     kv: str = "none"  # KV cache precision: none (the dtype) | int8 | int4
     group_size: int = DEFAULT_GROUP_SIZE  # values per quantization scale; 0: one per output channel
+    activations: str = "float32"  # what quantized weights' decode products multiply by: float32 (exact) | int8
     cache_budget: int | None = None  # the prefix store's bytes; None: a share of free memory; 0: no store
 
     def load(self, progress=None) -> LoadedModel:
@@ -32,6 +33,7 @@ class LoadSpec:
             weights=self.weights,
             group_size=self.group_size,
             progress=progress,
+            activations=self.activations,
         )
 
     def open(self, progress=None) -> tuple[LoadedModel, Session]:
@@ -56,6 +58,13 @@ class LoadSpec:
             default=DEFAULT_GROUP_SIZE,
             help="values per quantization scale (0: one per output channel)",
         )
+        p.add_argument(
+            "--activations",
+            default="float32",
+            choices=ACTIVATIONS,
+            help="what quantized weights multiply in decode: float32 (exact) or int8 (per 32 inputs, integer "
+            "dot products: faster, an approximation; measure it with `python -m engine quality`)",
+        )
         if cache:
             p.add_argument(
                 "--capacity", type=int, default=None, help="KV cache positions (default: min(context, 4096))"
@@ -79,6 +88,7 @@ class LoadSpec:
             weights=ns.weights,
             kv=getattr(ns, "kv", "none"),
             group_size=ns.group_size,
+            activations=getattr(ns, "activations", "float32"),
             cache_budget=getattr(ns, "cache_budget", None),
         )
 

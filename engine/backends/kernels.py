@@ -24,11 +24,22 @@ import torch
 import torch.nn.functional as F
 
 from ..model import RMSNorm, swap_halves
-from ..quant import INT5_GROUP, QMAX, dequantize, pack_int4, pack_int5, quantize
+from ..quant import (
+    ACTIVATION_BLOCK,
+    INT5_GROUP,
+    QMAX,
+    check_activations,
+    dequantize,
+    integer_product,
+    pack_int4,
+    pack_int5,
+    quantize,
+)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 QUANT_FUNCS = {"int8": "kv_matvec_q8", "int4": "kv_matvec_q4", "int5": "kv_matvec_q5"}
+INTEGER_FUNCS = {mode: name + "x" for mode, name in QUANT_FUNCS.items()}  # int8 activations
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
 
@@ -95,8 +106,9 @@ class Kernels:
     def __init__(self, path: Path):
         self.path = path
         self.lib = ctypes.CDLL(str(path))
-        self.lib.kv_isa.restype = ctypes.c_char_p
+        self.lib.kv_isa.restype = self.lib.kv_int_isa.restype = ctypes.c_char_p
         self.isa = self.lib.kv_isa().decode()
+        self.int_isa = self.lib.kv_int_isa().decode()  # what runs the integer products
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
         self._float, self._norm, self._attend = {}, {}, {}
         for dtype, suffix in SUFFIX.items():
@@ -116,6 +128,9 @@ class Kernels:
         self._quant = {
             mode: self._declare(name, [p, p, p, p, p, i64, i64, i64, i32]) for mode, name in QUANT_FUNCS.items()
         }
+        self._integer = {
+            mode: self._declare(name, [p, p, p, p, p, i64, i64, i64, i32]) for mode, name in INTEGER_FUNCS.items()
+        }
         self._quantize = self._declare("kv_quantize", [p, p, p, p, i64, i64, i64, i32, i32])
         self._dequant = {
             mode: self._declare(name.replace("matvec", "dequant"), [p, p, p, p, i64, i64, i64, i32])
@@ -124,6 +139,7 @@ class Kernels:
         with torch.inference_mode():
             self.dtypes = frozenset(d for d in self._float if self._agrees(d))
             self.modes = frozenset(m for m in self._quant if self._quant_agrees(m))
+            self.integer_modes = frozenset(m for m in self.modes if self._quant_agrees(m, "int8"))
 
     @staticmethod
     def _memory(*tensors: torch.Tensor | None) -> list[int | None]:
@@ -153,12 +169,17 @@ class Kernels:
         x: torch.Tensor,
         group: int,
         mins: torch.Tensor | None = None,
+        activations: str = "float32",
     ) -> torch.Tensor:
         """codes [out, in] int8 or [out, in/2] uint8 (int4, two a byte), scales [out, in/g] float32 (and
-        offsets `mins` [out, in/g] float32: weights s · q + m), x [in] float32 -> y [out] float32."""
+        offsets `mins` [out, in/g] float32: weights s · q + m), x [in] float32 -> y [out] float32.
+        `activations="int8"`: x quantized per block of 32 and integer dot products (engine.quant.integer_product)
+        where in and g are whole blocks; the float32 product otherwise."""
+        check_activations(activations)
         out, n = scales.shape[0], x.numel()
         y = torch.empty(out, dtype=torch.float32)
-        self._quant[mode](*self._memory(codes, scales, mins, x.contiguous(), y), out, n, group, torch.get_num_threads())
+        fn = self._quant[mode] if activations == "float32" else self._integer[mode]
+        fn(*self._memory(codes, scales, mins, x.contiguous(), y), out, n, group, torch.get_num_threads())
         return y
 
     def quantize(
@@ -285,11 +306,21 @@ class Kernels:
                 return False
         return True
 
-    def _quant_agrees(self, mode: str) -> bool:
+    def _quant_agrees(self, mode: str, activations: str = "float32") -> bool:
+        """The products of `mode`'s codes (and their quantization and dequantization) against the definition,
+        at the given activations, on awkward shapes (vector tails, groups that are not whole 32s)."""
         g = torch.Generator().manual_seed(0)
         if mode == "int5":  # a file's codes only: random ones in its layout
-            return self._int5_agrees(g)
-        for out, n, group in ((5, 64, 64), (19, 192, 32), (40, 576, 64), (8, 96, 48), (6, 128, 16)):
+            return self._int5_agrees(g, activations)
+        for out, n, group in (
+            (5, 64, 64),
+            (19, 192, 32),
+            (40, 576, 64),
+            (8, 96, 48),
+            (6, 128, 16),
+            (7, 160, 160),
+            (3, 96, 32),
+        ):
             w = torch.randn(out, n, generator=g)
             w[0, :group] = 0  # an all-zero group
             w[1, :8] = torch.tensor([QMAX[mode], 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5])  # s = 1: exact halves, to even
@@ -300,29 +331,35 @@ class Kernels:
             if not (torch.equal(mine[0], stored) and torch.equal(mine[1], scales)):
                 return False
             mins = torch.randn(scales.shape, generator=g)  # offsets: weights s · q + m
-            if not all(self._codes_agree(mode, stored, codes, scales, x, group, m) for m in (None, mins)):
+            if not all(self._codes_agree(mode, stored, codes, scales, x, group, m, activations) for m in (None, mins)):
                 return False
         return True
 
-    def _int5_agrees(self, g: torch.Generator) -> bool:
+    def _int5_agrees(self, g: torch.Generator, activations: str) -> bool:
         """The int5 products and dequantization against the definition, with and without offsets."""
-        for out, n in ((5, 64), (19, 576), (8, 896)):
+        for out, n in ((5, 64), (19, 576), (8, 896), (3, 96)):
             codes = torch.randint(-16, 16, (out, n), generator=g, dtype=torch.int8)
             codes[0, :INT5_GROUP] = torch.arange(-16, 16)  # every code once
             scales, mins = torch.rand(out, n // INT5_GROUP, generator=g), torch.randn(out, n // INT5_GROUP, generator=g)
             x, stored = torch.randn(n, generator=g), pack_int5(codes)
-            if not all(self._codes_agree("int5", stored, codes, scales, x, INT5_GROUP, m) for m in (None, mins)):
-                return False
+            for m in (None, mins):
+                if not self._codes_agree("int5", stored, codes, scales, x, INT5_GROUP, m, activations):
+                    return False
         return True
 
-    def _codes_agree(self, mode, stored, codes, scales, x, group, mins) -> bool:
+    def _codes_agree(self, mode, stored, codes, scales, x, group, mins, activations="float32") -> bool:
         """The one-row product and the dequantization of `stored` codes against the definition, s · q (+ m):
-        s · q is exact in float32 (equal), s · q + m is one rounding in C (FMA) against torch's two."""
+        s · q is exact in float32 (equal), s · q + m is one rounding in C (FMA) against torch's two. Under int8
+        activations, the product against engine.quant.integer_product where the shape is whole blocks."""
         want_w = dequantize(codes, scales, mins=mins)
         want = want_w @ x
-        got = self.qmatvec(mode, stored, scales, x, group, mins)
+        if activations != "float32" and x.numel() % ACTIVATION_BLOCK == 0 and group % ACTIVATION_BLOCK == 0:
+            want = integer_product(codes, scales, x, mins).float()
+        got = self.qmatvec(mode, stored, scales, x, group, mins, activations)
         if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
             return False
+        if activations != "float32":
+            return True  # the dequantization is the float path's, checked there
         mine = self.dequantize(mode, stored, scales, x.numel(), group, mins=mins)
         return torch.equal(mine, want_w) if mins is None else torch.allclose(mine, want_w, rtol=2**-22, atol=2**-22)
 
@@ -377,4 +414,5 @@ def status() -> str:
     if k is None:
         return f"torch (no kvchat kernels: {_reason})"
     types = ", ".join(sorted(str(d).removeprefix("torch.") for d in k.dtypes) + sorted(k.modes))
-    return f"kvchat kernels ({k.isa}; {types})"
+    integer = f"; int8 activations: {k.int_isa}" if k.integer_modes else ""
+    return f"kvchat kernels ({k.isa}; {types}{integer})"

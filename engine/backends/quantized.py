@@ -51,8 +51,12 @@ class QuantLinear(nn.Module):
     Without kvchat's kernels, two layouts run torch's packed kernels with bfloat16 activations: int8
     with one scale per output channel (`_weight_int8pack_mm`), and int4 group-wise
     (`_weight_int4pack_mm_for_cpu`, its own nibble layout and bfloat16 scales: a scale is rounded to
-    8 significant bits, ≤ 0.4% of s); every other case dequantizes the weight for each call.
+    8 significant bits, ≤ 0.4% of s); every other case dequantizes the weight for each call. With
+    kvchat's kernels, a one-row product (decode) multiplies the codes by float32 activations, or by
+    int8 ones where `activations` is "int8" (use_integer_activations).
     """
+
+    activations = "float32"
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mode: str, group_size: int):
         """weight [N, K]; or a row source with `shape`, `dtype`, `device` and `row_chunks()` yielding
@@ -202,7 +206,7 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.decoder is not None and x.numel() == self.in_features:  # one row: decode
             y = self.decoder.qmatvec(
-                self.mode, self.codes, self.scales, x.reshape(-1).float(), self.group_size, self.mins
+                self.mode, self.codes, self.scales, x.reshape(-1).float(), self.group_size, self.mins, self.activations
             )
             y = y.view(*x.shape[:-1], self.out_features).to(x.dtype)
             return y if self.bias is None else y + self.bias
@@ -256,6 +260,17 @@ class QuantEmbedding(nn.Module):
         if t.mins is not None:
             rows = rows + t.mins[ids].unsqueeze(-1)
         return rows.view(*ids.shape, t.in_features).to(t.compute_dtype)
+
+
+def use_integer_activations(model: nn.Module) -> int:
+    """Switch every quantized layer whose kernels can to int8 activations in its one-row products (decode);
+    returns how many did. Prefill is unchanged: it multiplies the dequantized weights by float activations."""
+    switched = 0
+    for m in model.modules():
+        if isinstance(m, QuantLinear) and m.decoder is not None and m.mode in m.decoder.integer_modes:
+            m.activations = "int8"
+            switched += 1
+    return switched
 
 
 def quantize_model(model: nn.Module, mode: str, group_size: int) -> int:
