@@ -325,6 +325,8 @@ class StatsPanel(QScrollArea):
         weights = facts.get("weights", "none")
         if weights != "none" and facts.get("head_weights", "none") != "none":
             weights += f", head {facts['head_weights']}"  # which tensors take which precision
+        if facts.get("activations") == "int8":  # decode's products on int8 activations (a named approximation)
+            weights += ", int8 activations"
         self.set("precisionValue", f"{weights} · {facts.get('kv_cache', 'none')}")
         self.set("weightBytesValue", fmt_bytes(facts.get("weight_bytes")))
         held = facts.get("file_tensors")  # a GGUF's tensors by type: kept as codes, or dequantized and at what cost

@@ -28,7 +28,7 @@ from PySide6.QtWidgets import (
 
 from engine.errors import EngineError
 from engine.loader import DTYPES
-from engine.quant import PRECISIONS
+from engine.quant import ACTIVATIONS, PRECISIONS
 from engine.remote import RemoteSpec, list_models
 from engine.spec import LoadSpec
 
@@ -147,6 +147,13 @@ class SettingsDialog(QDialog):
         self.group = self._combo(["32", "64", "128", "0"], str(spec.group_size), "groupSizeCombo")
         self.group.setToolTip("values per quantization scale; 0 = one scale per output channel")
         form.addRow("Quantization group size", self.group)
+        self.activations = self._combo(list(ACTIVATIONS), spec.activations, "activationsCombo")
+        self.activations.setToolTip(
+            "what quantized weights (int8/int4, a GGUF's codes) multiply while decoding: float32 is exact; int8 "
+            "quantizes the activations per 32 values and uses integer dot products — faster on CPUs with VNNI, "
+            "an approximation (README, Quality)"
+        )
+        form.addRow("Activations (quantized weights)", self.activations)
         self.system = QPlainTextEdit(settings.system_prompt)
         self.system.setObjectName("systemPromptEdit")
         self.system.setMaximumHeight(70)
@@ -318,6 +325,7 @@ class SettingsDialog(QDialog):
             weights=self.weights.currentText(),
             kv=self.kv.currentText(),
             group_size=int(self.group.currentText()),
+            activations=self.activations.currentText(),
             cache_budget=None if self.cacheBudget.value() < 0 else self.cacheBudget.value() * 2**20,
         )
         return dataclasses.replace(

@@ -26,6 +26,26 @@ def logits(loaded, kv: str, ids: list[int]) -> torch.Tensor:
     return loaded.model(x, cache_for(loaded, kv, len(ids)))[0].float()
 
 
+@torch.inference_mode()
+def stepped_logits(loaded, kv: str, ids: list[int], prompt: int) -> torch.Tensor:
+    """[len(ids) - prompt, V] float32 logits predicting ids[prompt:], as a session computes them: the first
+    `prompt` ids in one prefill, then one position at a time (decode's own products, which int8 activations
+    change and prefill does not)."""
+    cache = cache_for(loaded, kv, len(ids))
+    out = [loaded.model(torch.tensor([ids[:prompt]], device=loaded.device), cache, last_only=True)[0, -1]]
+    for t in ids[prompt:-1]:
+        out.append(loaded.model(torch.tensor([[t]], device=loaded.device), cache, last_only=True)[0, -1])
+    return torch.stack(out).float()
+
+
+def reply_logits(loaded, kv: str, seq: list[int], prompt: int) -> torch.Tensor:
+    """[len(seq) - prompt, V]: the logits predicting each reply token, by the path that computes them in a
+    session (one position at a time where decode differs from a batched pass: int8 activations)."""
+    if loaded.activations != "float32":
+        return stepped_logits(loaded, kv, seq, prompt)
+    return logits(loaded, kv, seq)[prompt - 1 : len(seq) - 1]
+
+
 def _greedy(loaded, kv: str, prompt_ids: list[int], n: int) -> tuple[list[int], float | None]:
     s = Session(loaded, capacity=len(prompt_ids) + n, kv=kv)
     fin = list(s.generate(Request(prompt_ids=tuple(prompt_ids), max_new_tokens=n)))[-1]
@@ -59,8 +79,8 @@ def compare(full, quant, kv: str, prompts, new_tokens: int = 48, near_tie: float
         if not ref:
             continue
         seq = ids + ref
-        lf = logits(full, "none", seq)[len(ids) - 1 : len(seq) - 1]  # [n, V]: predicting each reply token
-        lq = logits(quant, kv, seq)[len(ids) - 1 : len(seq) - 1]
+        lf = reply_logits(full, "none", seq, len(ids))  # [n, V]: predicting each reply token
+        lq = reply_logits(quant, kv, seq, len(ids))
         top_f, top_q = lf.argmax(-1), lq.argmax(-1)
         kl = torch.nn.functional.kl_div(lq.log_softmax(-1), lf.log_softmax(-1), log_target=True, reduction="none").sum(
             -1

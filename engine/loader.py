@@ -601,6 +601,8 @@ class LoadedModel:
     def decode_kernels(self) -> str:
         """What runs the one-row products of decode: kvchat's CPU kernels, or torch (and why)."""
         if self.kernels is not None:
+            if self.activations == "int8":
+                return f"kvchat ({self.kernels.isa}; int8 activations: {self.kernels.int_isa})"
             return f"kvchat ({self.kernels.isa})"
         if self.device.type != "cpu":
             return f"torch ({self.device.type})"

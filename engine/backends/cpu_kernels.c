@@ -399,14 +399,31 @@ static void quantize_x(const float *x, int64_t in, int bias, int order, int8_t *
     int8_t natural[np];
     float db[np / XQ_BLOCK];
     for (int64_t b = 0; b < np / XQ_BLOCK; b++) {
-        const float *xb = x + b * XQ_BLOCK;
-        float m = 0;
-        for (int i = 0; i < XQ_BLOCK && b * XQ_BLOCK + i < in; i++) m = fmaxf(m, fabsf(xb[i]));
-        db[b] = b * XQ_BLOCK < in ? (m == 0 ? 1 : m / 127.0f) : 0; /* padding: codes 0, scale 0 */
-        for (int i = 0; i < XQ_BLOCK; i++) {
-            float v = b * XQ_BLOCK < in ? nearbyintf(xb[i] / db[b]) : 0;
-            natural[b * XQ_BLOCK + i] = (int8_t)(v > 127 ? 127 : (v < -127 ? -127 : v));
+        int8_t *cb = natural + b * XQ_BLOCK;
+        if (b * XQ_BLOCK >= in) { /* padding: codes 0, scale 0 */
+            memset(cb, 0, XQ_BLOCK);
+            db[b] = 0;
+            continue;
         }
+        const float *xb = x + b * XQ_BLOCK;
+#if KV_LANES == 16 /* the same arithmetic, 16 at a time: max, one correctly rounded division, round half to even */
+        __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+        float m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+        db[b] = m == 0 ? 1 : m / 127.0f;
+        __m512 dv = _mm512_set1_ps(db[b]);
+        const int rne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+        _mm_storeu_si128((__m128i *)cb, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(x0, dv), rne))));
+        _mm_storeu_si128((__m128i *)(cb + 16),
+                         _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(x1, dv), rne))));
+#else
+        float m = 0;
+        for (int i = 0; i < XQ_BLOCK; i++) m = fmaxf(m, fabsf(xb[i]));
+        db[b] = m == 0 ? 1 : m / 127.0f;
+        for (int i = 0; i < XQ_BLOCK; i++) {
+            float v = nearbyintf(xb[i] / db[b]);
+            cb[i] = (int8_t)(v > 127 ? 127 : (v < -127 ? -127 : v));
+        }
+#endif
     }
     for (int64_t i = 0; i < np; i += XQ_PAD)
         for (int k = 0; k < XQ_PAD; k++) c[i + k] = natural[i + order_source(order, k)];

@@ -264,7 +264,7 @@ class QuantEmbedding(nn.Module):
 
 def use_integer_activations(model: nn.Module) -> int:
     """Switch every quantized layer whose kernels can to int8 activations in its one-row products (decode);
-    returns how many did. Prefill is unchanged: it multiplies the dequantized weights by float activations."""
+    returns how many did. Products of many rows (prefill's) are unchanged: dequantized weights by float activations."""
     switched = 0
     for m in model.modules():
         if isinstance(m, QuantLinear) and m.decoder is not None and m.mode in m.decoder.integer_modes:

@@ -102,13 +102,15 @@ SHAPES = {
 
 ENGINES = ("kvchat", "kvchat-uncached", "transformers", "transformers-static", "llama.cpp")
 # (engine, precision) per device: kvchat and transformers by torch dtype (kvchat's quantized rows by
-# weight mode, activations float32), llama.cpp by GGUF type (F16 is its 16-bit, Q8_0/Q4_0 its 8/4-bit).
+# weight mode; "/a8": with int8 activations), llama.cpp by GGUF type (F16 is its 16-bit, Q8_0/Q4_0 its 8/4-bit).
 CPU_RUNS = [
     ("kvchat", "float32"),
     ("kvchat", "bfloat16"),
     ("kvchat", "float16"),
     ("kvchat", "int8"),
     ("kvchat", "int4"),
+    ("kvchat", "int8/a8"),
+    ("kvchat", "int4/a8"),
     ("kvchat-uncached", "float32"),
     ("transformers", "float32"),
     ("transformers", "bfloat16"),
@@ -126,7 +128,14 @@ CUDA_RUNS = [
     ("transformers", "bfloat16"),
     ("transformers-static", "bfloat16"),
 ]
-QUANT = {"int8": ("int8", 0), "int4": ("int4", 32)}  # kvchat weight mode -> (mode, group size): the kernels' layouts
+# kvchat's quantized rows -> (weight mode, group size, activations): the kernels' layouts
+QUANT = {
+    "int8": ("int8", 0, "float32"),
+    "int4": ("int4", 32, "float32"),
+    "int8/a8": ("int8", 0, "int8"),
+    "int4/a8": ("int4", 32, "int8"),
+}
+FILE_ACTIVATIONS = {"file": "float32", "file/a8": "int8"}  # --model FILE.gguf: kvchat's rows
 # Which rows are compared: kvchat precision -> (reference engine, its precision)
 PAIRS = [
     ("float32", "transformers", "float32"),
@@ -138,11 +147,14 @@ PAIRS = [
     ("bfloat16", "llama.cpp", "F16"),
     ("int8", "llama.cpp", "Q8_0"),
     ("int4", "llama.cpp", "Q4_0"),
+    ("int8/a8", "llama.cpp", "Q8_0"),
+    ("int4/a8", "llama.cpp", "Q4_0"),
     ("float32", "kvchat-uncached", "float32"),
     ("bfloat16", "kvchat-uncached", "bfloat16"),
     ("file", "llama.cpp", "file"),  # --model FILE.gguf: both engines on that very file
+    ("file/a8", "llama.cpp", "file"),
 ]
-FILE_RUNS = [("kvchat", "file"), ("llama.cpp", "file")]  # --model FILE.gguf
+FILE_RUNS = [("kvchat", "file"), ("kvchat", "file/a8"), ("llama.cpp", "file")]  # --model FILE.gguf
 PLOT_CONTEXTS = (512, 1024, 2048, 4096)
 # the embedding's storage per value in each row's precision (kvchat's rows report their own: embed_bytes)
 EMBED_BYTES_PER_VALUE = {
@@ -448,10 +460,12 @@ def _measure(engine: str, precision: str, a: dict) -> dict:
     n_new = a["new_tokens"]
     contexts = a["plot_contexts"]
     if engine.startswith("kvchat"):
-        mode, group = QUANT.get(precision, ("none", 0))
-        dtype = "float32" if precision in QUANT or precision == "file" else precision
+        mode, group, activations = QUANT.get(precision, ("none", 0, FILE_ACTIVATIONS.get(precision, "float32")))
+        dtype = "float32" if precision in QUANT or precision in FILE_ACTIVATIONS else precision
         t0 = now()
-        loaded = load_model(a["model"], device=str(device), dtype=dtype, weights=mode, group_size=group)
+        loaded = load_model(
+            a["model"], device=str(device), dtype=dtype, weights=mode, group_size=group, activations=activations
+        )
         row["load_s"] = round(now() - t0, 3)
         vocab = loaded.config.vocab_size
         prompt = _prompt(a["prompt_tokens"], vocab)
@@ -461,6 +475,7 @@ def _measure(engine: str, precision: str, a: dict) -> dict:
             weight_bytes=loaded.weight_bytes,
             kv_bytes_per_position=loaded.kv_bytes_per_position(),
             weights=loaded.quantization,
+            activations=loaded.activations,
             embed_bytes=weight_bytes(loaded.model.embed),
         )
         if engine == "kvchat":
@@ -624,7 +639,8 @@ def _runs(ns, device_type: str, have_llama: bool, have_hf: bool) -> list[tuple[s
         )
         engines.discard("llama.cpp")
     precisions = {p.strip() for p in ns.precisions.split(",")} if ns.precisions else None
-    return [(e, p) for e, p in runs if e in engines and (precisions is None or p in precisions or p == "file")]
+    wanted = (lambda p: True) if precisions is None else (lambda p: p in precisions or p in FILE_ACTIVATIONS)
+    return [(e, p) for e, p in runs if e in engines and wanted(p)]
 
 
 def run(ns) -> int:

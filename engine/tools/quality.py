@@ -17,9 +17,9 @@ import random
 
 import torch
 
-from ..compare import compare, logits
+from ..compare import compare, reply_logits
 from ..loader import load_model
-from ..quant import DEFAULT_GROUP_SIZE
+from ..quant import ACTIVATIONS, DEFAULT_GROUP_SIZE
 
 DEFAULT_PROMPTS = [
     "I am planning a trip to Chengdu for 3 nights. My budget is 600 yuan.",
@@ -46,10 +46,11 @@ def _heldout_text(loaded, n_chats: int = 6, seed: int = 777):
 
 
 def perplexity(loaded, kv: str, text, max_tokens: int = 1024) -> float:
-    """exp(mean NLL) over a held-out text (or a list of token ids)."""
+    """exp(mean NLL) over a held-out text (or a list of token ids), each token predicted by the path a session
+    takes (decode's, one position at a time, under int8 activations)."""
     ids = (text if isinstance(text, list) else loaded.tokenizer.encode(text, add_special_tokens=True))[:max_tokens]
-    out = logits(loaded, kv, ids)
-    nll = torch.nn.functional.cross_entropy(out[:-1], torch.tensor(ids[1:], device=out.device))
+    out = reply_logits(loaded, kv, ids, 1)  # [T - 1, V]: predicting ids[1:]
+    nll = torch.nn.functional.cross_entropy(out, torch.tensor(ids[1:], device=out.device))
     return round(math.exp(float(nll)), 4)
 
 
@@ -64,9 +65,12 @@ def run(
     dtype=None,
     near_tie=0.5,
     random_ids=False,
+    activations="float32",
 ) -> dict:
     full = load_model(model, device=device, dtype=dtype)
-    quant = load_model(model, device=device, dtype=dtype, weights=weights, group_size=group_size)
+    quant = load_model(
+        model, device=device, dtype=dtype, weights=weights, group_size=group_size, activations=activations
+    )
     if random_ids:  # a random-weight shape: prompts and text are seeded random token ids
         g = torch.Generator().manual_seed(0)
         vocab = full.config.vocab_size
@@ -79,6 +83,7 @@ def run(
     result.update(
         model=str(full.path),
         weights=quant.quantization,
+        activations=quant.activations,
         kv=kv,
         dtype=str(full.dtype).removeprefix("torch."),
         perplexity_full=perplexity(full, "none", text),
@@ -97,6 +102,12 @@ def add_arguments(p) -> None:
     p.add_argument("--shape", default=None, help="a random-weight shape instead of a model (smollm2-135m, ...)")
     p.add_argument("--weights", default="none", choices=["none", "int8", "int4"])
     p.add_argument("--kv", default="none", choices=["none", "int8", "int4"])
+    p.add_argument(
+        "--activations",
+        default="float32",
+        choices=ACTIVATIONS,
+        help="what the quantized weights multiply in decode (int8: integer products; measured against the exact path)",
+    )
     p.add_argument(
         "--group-size", type=int, default=DEFAULT_GROUP_SIZE, help="values per scale (0: one per output channel)"
     )
@@ -132,15 +143,28 @@ def main(ns) -> int:
                 ns.dtype,
                 ns.near_tie,
                 random_ids=True,
+                activations=ns.activations,
             )
             r["model"] = f"random {ns.shape}"
     else:
-        r = run(ns.model, ns.weights, ns.kv, ns.group_size, prompts, ns.new_tokens, ns.device, ns.dtype, ns.near_tie)
+        r = run(
+            ns.model,
+            ns.weights,
+            ns.kv,
+            ns.group_size,
+            prompts,
+            ns.new_tokens,
+            ns.device,
+            ns.dtype,
+            ns.near_tie,
+            activations=ns.activations,
+        )
     if ns.json:
         print(json.dumps(r, ensure_ascii=False))
         return 0
     print(
-        f"model {r['model']} · {r['dtype']} · weights {r['weights']} · KV {r['kv']} · calibration: {r['calibration']}"
+        f"model {r['model']} · {r['dtype']} · weights {r['weights']} · activations {r['activations']} · KV {r['kv']} · "
+        f"calibration: {r['calibration']}"
     )
     rows = [
         ("weights bytes", r["weight_bytes_full"], r["weight_bytes_quant"]),

@@ -17,10 +17,11 @@ from engine.backends import kernels
 from engine.backends.cpu_layouts import KernelHead, KernelLinear, PackedLinear
 from engine.backends.decode_step import KernelAttention, KernelRMSNorm
 from engine.backends.quantized import QuantLinear
+from engine.errors import ModelLoadError
 from engine.kv_cache import KVCache
 from engine.loader import load_model
 from engine.model import Attention, RMSNorm
-from engine.quant import dequantize, pack_int4, quantize
+from engine.quant import dequantize, integer_product, pack_int4, pack_int5, quantize
 
 K = kernels.load()
 needs_kernels = pytest.mark.skipif(K is None, reason=f"no kernels here: {kernels.status()}")
@@ -41,6 +42,7 @@ def close(got, want, tol):
 @needs_kernels
 def test_kernels_build_and_serve_every_type():
     assert K.dtypes == {torch.float32, torch.bfloat16, torch.float16} and K.modes == {"int8", "int4", "int5"}
+    assert K.integer_modes == K.modes and f"int8 activations: {K.int_isa}" in kernels.status()
     assert kernels.status().startswith("kvchat kernels (")
     assert len(kernels._openmp_runtimes()) == 1  # torch's OpenMP pool, shared
 
@@ -65,6 +67,34 @@ def test_quantized_matvec_equals_the_dequantized_product(mode, group):
     x = torch.randn(576, generator=g)
     got = K.qmatvec(mode, pack_int4(codes) if mode == "int4" else codes, scales, x, group)
     close(got, dequantize(codes, scales) @ x, 1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode", ["int8", "int4", "int5"])
+@pytest.mark.parametrize("n,group", [(576, 32), (576, 64), (1536, 0), (96, 32), (160, 0), (96, 48)])
+def test_integer_products_are_their_definition_not_the_float_product(mode, n, group):
+    """activations="int8": x quantized per 32 inputs, integer block sums (engine.quant.integer_product), with
+    and without offsets, tails of half a vector step included; a group that is not whole blocks of 32 (48)
+    runs the float product instead."""
+    g = torch.Generator().manual_seed(n + group)
+    group = 32 if mode == "int5" else group or n
+    if mode == "int5":
+        codes = torch.randint(-16, 16, (70, n), generator=g, dtype=torch.int8)
+        scales = torch.rand(70, n // group, generator=g) / 100
+        stored = pack_int5(codes)
+    else:
+        codes, scales = quantize(torch.randn(70, n, generator=g), mode, group)
+        stored = pack_int4(codes) if mode == "int4" else codes
+    x = torch.randn(n, generator=g) * torch.linspace(0.01, 3, n)  # blocks of very different ranges
+    for mins in (None, torch.randn(scales.shape, generator=g) / 10):
+        got = K.qmatvec(mode, stored, scales, x, group, mins, "int8")
+        exact = dequantize(codes, scales, mins=mins) @ x
+        if group % 32:
+            close(got, exact, 1e-5)
+            continue
+        close(got, integer_product(codes, scales, x, mins).float(), 1e-5)
+        assert not torch.allclose(got, exact, rtol=1e-5, atol=1e-5 * float(exact.abs().max()))  # x was quantized
+        close(got, exact, 3e-2)  # ... and stays near the exact product
 
 
 @needs_kernels
@@ -150,15 +180,29 @@ def _decode(model, cache, prompt, steps):
 
 @needs_kernels
 @pytest.mark.parametrize(
-    "weights,group,dtype",
-    [("int8", 0, "float32"), ("int8", 64, "float32"), ("int4", 32, "float32"), ("int4", 32, "bfloat16")],
+    "weights,group,dtype,activations",
+    [
+        ("int8", 0, "float32", "float32"),
+        ("int8", 64, "float32", "float32"),
+        ("int4", 32, "float32", "float32"),
+        ("int4", 32, "bfloat16", "float32"),
+        ("int8", 0, "float32", "int8"),
+        ("int4", 32, "float32", "int8"),
+        ("int4", 32, "bfloat16", "int8"),
+    ],
 )
-def test_quantized_layers_decode_through_the_kernels(llama_dir, weights, group, dtype):
-    loaded = load_model(llama_dir, weights=weights, group_size=group, dtype=dtype)
+def test_quantized_layers_decode_through_the_kernels(llama_dir, weights, group, dtype, activations):
+    """The one-call C step and the module path compute the same products (int8 activations included)."""
+    loaded = load_model(llama_dir, weights=weights, group_size=group, dtype=dtype, activations=activations)
+    assert loaded.activations == activations and loaded.facts()["activations"] == activations
     ql = loaded.model.layers[0].mlp.gate_up
-    assert isinstance(ql, QuantLinear) and ql.decoder is K
+    assert isinstance(ql, QuantLinear) and ql.decoder is K and ql.activations == activations
     x = torch.randn(1, 1, ql.in_features).to(loaded.dtype)
-    close(ql(x), F.linear(x.float(), ql.dequantized_weight(torch.float32)), 1e-5 if dtype == "float32" else 1e-2)
+    if activations == "int8":
+        want = integer_product(ql.weight_codes(), ql.scales, x.reshape(-1).float()).float()
+    else:
+        want = F.linear(x.float(), ql.dequantized_weight(torch.float32))
+    close(ql(x).reshape(-1), want.reshape(-1), 1e-5 if dtype == "float32" else 1e-2)
     cfg, model = loaded.config, loaded.model
     prompt = torch.arange(5, 17)[None]
     caches = [KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 40, loaded.dtype, "cpu") for _ in range(2)]
@@ -167,6 +211,27 @@ def test_quantized_layers_decode_through_the_kernels(llama_dir, weights, group, 
     model.decode_step = None
     modules = _decode(model, caches[1], prompt, 12)  # module by module
     close(fast, modules, 1e-5 if dtype == "float32" else 2e-2)
+
+
+@needs_kernels
+def test_int8_activations_are_a_named_choice_kept_apart_from_the_exact_path(llama_dir):
+    """The option changes decode's logits (a little), says so in the facts, keys cached K/V apart, and an
+    unknown value is a clear load error."""
+    exact = load_model(llama_dir, weights="int8", group_size=32)
+    fast = load_model(llama_dir, weights="int8", group_size=32, activations="int8")
+    assert fast.fingerprint != exact.fingerprint and fast.fingerprint["activations"] == "int8"
+    assert f"int8 activations: {K.int_isa}" in fast.decode_kernels
+    cfg = exact.config
+    caches = [KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 40, torch.float32, "cpu") for _ in range(2)]
+    prompt = torch.arange(5, 17)[None]
+    a, b = _decode(exact.model, caches[0], prompt, 6), _decode(fast.model, caches[1], prompt, 6)
+    k0, k1 = caches[0].k[..., :12, :], caches[1].k[..., :12, :]
+    torch.testing.assert_close(k0, k1, rtol=0, atol=0)  # the prompt's blocks (many rows): float activations in both
+    assert not torch.allclose(a, b, rtol=1e-6, atol=1e-6)  # one-row products: int8 ones
+    close(b, a, 0.1)
+    assert load_model(llama_dir, activations="int8").activations == "float32"  # nothing quantized: nothing to do
+    with pytest.raises(ModelLoadError, match="activations 'int16' are not supported"):
+        load_model(llama_dir, weights="int8", activations="int16")
 
 
 @needs_kernels
@@ -225,10 +290,18 @@ def test_no_kernels_is_said_and_the_model_still_runs(tmp_path, llama_dir, env, s
 
 @pytest.mark.skipif(not (X86 and shutil.which("gcc")), reason="instruction-set variants are built with gcc on x86")
 @pytest.mark.parametrize(
-    "flags,isa", [((), None), (("-mno-avx512f",), "avx2"), (("-mno-avx512f", "-mno-avx2", "-mno-fma"), "generic")]
+    "flags,isa",
+    [
+        ((), None),
+        (("-mno-avx512vnni",), None),  # AVX-512 without VNNI: the 256-bit integer products
+        (("-mno-avx512f",), "avx2"),
+        (("-mno-avx512f", "-mno-avxvnni"), "avx2"),  # AVX2 without any VNNI: vpmaddubsw
+        (("-mno-avx512f", "-mno-avx2", "-mno-fma"), "generic"),
+    ],
 )
 def test_each_instruction_set_variant_agrees_with_torch(tmp_path, flags, isa):
-    """The AVX-512, AVX2 and plain-C paths all pass the self-check (each that this CPU can run)."""
+    """The AVX-512, AVX2 and plain-C paths, and each integer-product path, pass the self-check (each that
+    this CPU can run)."""
     path = kernels.build("gcc", flags, tmp_path)
     assert kernels.build("gcc", flags, tmp_path) == path and len(list(tmp_path.iterdir())) == 1  # cached
     k = kernels.Kernels(path)
@@ -238,6 +311,11 @@ def test_each_instruction_set_variant_agrees_with_torch(tmp_path, flags, isa):
     if isa is not None:
         assert k.isa == isa
     assert k.dtypes == {torch.float32, torch.bfloat16, torch.float16} and k.modes == {"int8", "int4", "int5"}
+    assert k.integer_modes == k.modes
+    if "-mno-avxvnni" in flags or isa == "generic":
+        assert k.int_isa == isa
+    elif isa is None and "avx512_vnni" in cpu and "-mno-avx512vnni" not in flags:
+        assert k.int_isa == "avx512-vnni"
 
 
 def test_the_prefill_weight_buffer_is_reused_in_and_out_of_inference_mode():
