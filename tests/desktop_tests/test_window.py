@@ -3,6 +3,7 @@
 import json
 import sqlite3
 
+import pytest
 from gui import panel, send
 from PySide6.QtCore import Qt
 
@@ -415,6 +416,39 @@ def test_the_prefix_store_budget_is_a_setting_that_keeps_the_weights(qtbot, make
     assert (
         panel(w, "storeEvictionsValue") == f"{store['evictions']:,} blocks ({store['evicted_positions']:,} positions)"
     )
+
+
+def test_int8_activations_are_chosen_in_the_settings_dialog_and_shown_in_the_panel(
+    qtbot, make_window, spin_loop, demo_model_dir
+):
+    """Weights int8 and activations int8, chosen in the dialog: the model reloads, the panel names both and
+    what runs the integer products, a reply streams, and the exact path is one choice away again."""
+    from desktop.settings_dialog import SettingsDialog
+    from engine.backends import kernels
+
+    k = kernels.load()
+    if k is None or "int8" not in k.integer_modes:
+        pytest.skip(kernels.status())
+    w = make_window(demo_model_dir)
+    ready = []
+    w.modelReady.connect(ready.append)
+    dialog = SettingsDialog(w.settings, w.db_path, w)
+    assert dialog.activations.currentText() == "float32"  # the exact path by default
+    dialog.weights.setCurrentText("int8")
+    dialog.group.setCurrentText("32")
+    dialog.activations.setCurrentText("int8")
+    w.apply_settings(dialog.result_settings())
+    spin_loop(lambda: ready, 120)
+    assert panel(w, "precisionValue") == "int8/g32, head int8/g32, int8 activations · none"
+    assert panel(w, "kernelsValue") == f"kvchat ({k.isa}; int8 activations: {k.int_isa})"
+    final = send(qtbot, w, spin_loop, BUDGET)
+    assert final.token_ids and w.transcript.views[-1].message.status == "complete"
+    dialog = SettingsDialog(w.settings, w.db_path, w)
+    assert dialog.activations.currentText() == "int8"  # kept in the settings
+    dialog.activations.setCurrentText("float32")
+    w.apply_settings(dialog.result_settings())
+    spin_loop(lambda: len(ready) == 2, 120)
+    assert panel(w, "precisionValue") == "int8/g32, head int8/g32 · none"
 
 
 def test_the_models_dialog_lists_what_is_on_disk_and_opens_one_with_a_click(
