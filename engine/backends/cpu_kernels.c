@@ -75,6 +75,11 @@ typedef __m256i vi;
 
 const char *kv_isa(void) { return KV_ISA; }
 
+/* Weights stream from memory ahead of what the hardware prefetcher reaches (it stops at each 4 KiB page):
+ * each 64 bytes a loop reads asks for the line PREFETCH_AHEAD bytes further on. */
+#define PREFETCH_AHEAD 4096
+#define PREFETCH(p) __builtin_prefetch((const char *)(p) + PREFETCH_AHEAD, 0, 3)
+
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
     float f;
@@ -104,6 +109,8 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
 #define ROW_DOT_SIMD(LOADW)                                                        \
     vf a0 = vzero(), a1 = vzero();                                                 \
     for (; i + 2 * KV_LANES <= in; i += 2 * KV_LANES) {                            \
+        PREFETCH(r + i);                                                           \
+        if (sizeof(*r) * 2 * KV_LANES > 64) PREFETCH((const char *)(r + i) + 64);  \
         a0 = vfma(LOADW(r + i), vload(x + i), a0);                                 \
         a1 = vfma(LOADW(r + i + KV_LANES), vload(x + i + KV_LANES), a1);           \
     }                                                                              \
@@ -121,8 +128,10 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
     }
 #if KV_LANES
 #define ROW_AXPY_SIMD(LOADW)                                                        \
-    for (; i + KV_LANES <= d; i += KV_LANES)                                        \
-        _mm_storeu_acc(acc + i, vfma(vset1(p), LOADW(v + i), vmul(vload(acc + i), vset1(c))));
+    for (; i + KV_LANES <= d; i += KV_LANES) {                                      \
+        PREFETCH(v + i);                                                            \
+        _mm_storeu_acc(acc + i, vfma(vset1(p), LOADW(v + i), vmul(vload(acc + i), vset1(c)))); \
+    }
 #else
 #define ROW_AXPY_SIMD(LOADW)
 #endif
@@ -151,6 +160,8 @@ static inline float dot_bf16_bf16(const uint16_t *restrict r, const uint16_t *re
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
     int64_t i = 0;
     for (; i + 64 <= in; i += 64) {
+        PREFETCH(r + i);
+        PREFETCH(r + i + 32);
         a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(r + i), (__m512bh)_mm512_loadu_si512(xh + i));
         a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(r + i + 32), (__m512bh)_mm512_loadu_si512(xh + i + 32));
     }
@@ -198,6 +209,7 @@ static inline vf q8_group(const int8_t *r, const float *x, int64_t i, int64_t en
     if (i + 4 * KV_LANES <= end) {
         vf p2 = vzero(), p3 = vzero();
         for (; i + 4 * KV_LANES <= end; i += 4 * KV_LANES) {
+            PREFETCH(r + i);
             p = vfma(vload_i8(r + i), vload(x + i), p);
             p1 = vfma(vload_i8(r + i + KV_LANES), vload(x + i + KV_LANES), p1);
             p2 = vfma(vload_i8(r + i + 2 * KV_LANES), vload(x + i + 2 * KV_LANES), p2);
@@ -207,6 +219,7 @@ static inline vf q8_group(const int8_t *r, const float *x, int64_t i, int64_t en
         p1 = vadd(p1, p3);
     }
     for (; i + 2 * KV_LANES <= end; i += 2 * KV_LANES) {
+        PREFETCH(r + i);
         p = vfma(vload_i8(r + i), vload(x + i), p);
         p1 = vfma(vload_i8(r + i + KV_LANES), vload(x + i + KV_LANES), p1);
     }
@@ -264,6 +277,7 @@ void kv_matvec_q4(const uint8_t *q, const float *s, const float *m, const float 
             for (int64_t j = 0; j < groups; j++) {
                 vf table = vmul(vset1(so[j]), values);
                 for (int64_t i = j * hg; i < (j + 1) * hg; i += KV_LANES) {
+                    PREFETCH(r + i);
                     vi b = vload_u8_i32(r + i);
                     a0 = vfma(_mm512_permutexvar_ps(b, table), vload(xe + i), a0); /* it reads index bits 0-3 */
                     a1 = vfma(_mm512_permutexvar_ps(vi_shr4(b), table), vload(xo + i), a1);
@@ -277,6 +291,7 @@ void kv_matvec_q4(const uint8_t *q, const float *s, const float *m, const float 
             for (int64_t j = 0; j < groups; j++) {
                 vf p = vzero();
                 for (int64_t i = j * hg; i < (j + 1) * hg; i += KV_LANES) {
+                    PREFETCH(r + i);
                     vi b = vload_u8_i32(r + i);
                     p = vfma(vi_float(vi_sext4(vi_and(b, 15))), vload(xe + i), p);
                     p = vfma(vi_float(vi_sext4(vi_shr4(b))), vload(xo + i), p);
@@ -332,6 +347,7 @@ void kv_matvec_q5(const uint8_t *q, const float *s, const float *m, const float 
         vf a0 = vzero(), a1 = vzero();
         for (int64_t j = 0; j < groups; j++) {
             const uint8_t *b = r + j * Q5_BYTES;
+            PREFETCH(b);
             uint32_t qh;
             memcpy(&qh, b, 4);
             vf sc = vset1(so[j]), t0 = vmul(sc, lo_values), t1 = vmul(sc, hi_values);
@@ -464,10 +480,12 @@ typedef __m512i vu;
 /* (z & 15) ^ x as one vpternlogd: the truth table of (A & B) ^ C */
 #define LOW_NIBBLES_XOR(z, x) _mm512_ternarylogic_epi32(z, _mm512_set1_epi8(15), _mm512_set1_epi8(x), 0x6A)
 static inline vu u_q8(const int8_t *r, int64_t i, int64_t in) {
+    PREFETCH(r + i);
     __m512i w = in - i >= 64 ? _mm512_loadu_si512(r + i) : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, r + i);
     return _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
 }
 static inline vu u_q4(const uint8_t *r, int64_t i, int64_t in) { /* 32 bytes: low nibbles, then high ones */
+    PREFETCH(r + i / 2);
     __m256i b = in - i >= 64 ? _mm256_loadu_si256((const __m256i *)(r + i / 2)) : _mm256_maskz_loadu_epi8(0xFFFF, r + i / 2);
     __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(b), _mm256_srli_epi16(b, 4), 1);
     return LOW_NIBBLES_XOR(z, 8); /* 4-bit two's complement q -> q + 8 */
@@ -475,6 +493,7 @@ static inline vu u_q4(const uint8_t *r, int64_t i, int64_t in) { /* 32 bytes: lo
 static inline vu u_q5(const uint8_t *r, int64_t i, int64_t in) { /* two blocks: both low halves, both high ones */
     const uint8_t *a = r + i / 32 * 20, *b = a + 20;
     int two = in - i >= 64;
+    PREFETCH(a);
     uint32_t qa, qb = 0;
     memcpy(&qa, a, 4);
     __m128i na = _mm_loadu_si128((const __m128i *)(a + 4)), nb = _mm_setzero_si128();
@@ -519,11 +538,13 @@ typedef __m256i vu;
 #endif
 static inline vu u_q8(const int8_t *r, int64_t i, int64_t in) {
     (void)in;
+    PREFETCH(r + i);
     __m256i w = _mm256_loadu_si256((const __m256i *)(r + i));
     return BIAS8 ? _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80)) : w;
 }
 static inline vu u_q4(const uint8_t *r, int64_t i, int64_t in) {
     (void)in;
+    PREFETCH(r + i / 2);
     __m128i b = _mm_loadu_si128((const __m128i *)(r + i / 2)), f = _mm_set1_epi8(15);
     __m128i lo = _mm_and_si128(b, f), hi = _mm_and_si128(_mm_srli_epi16(b, 4), f);
     __m256i u = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
@@ -532,6 +553,7 @@ static inline vu u_q4(const uint8_t *r, int64_t i, int64_t in) {
 static inline vu u_q5(const uint8_t *r, int64_t i, int64_t in) {
     (void)in;
     const uint8_t *b = r + i / 32 * 20;
+    PREFETCH(b);
     uint32_t qh;
     memcpy(&qh, b, 4);
     __m128i n = _mm_loadu_si128((const __m128i *)(b + 4)), f = _mm_set1_epi8(15);
