@@ -35,6 +35,7 @@ typedef __m512i vi;
 #define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define vadd(a, b) _mm512_add_ps(a, b)
 #define vmul(a, b) _mm512_mul_ps(a, b)
+#define VDIV(a, b) _mm512_div_ps(a, b)
 #define _mm_storeu_acc(p, v) _mm512_storeu_ps(p, v)
 #define vsum(v) _mm512_reduce_add_ps(v)
 #define vload_f16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
@@ -57,6 +58,7 @@ typedef __m256i vi;
 #define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define vadd(a, b) _mm256_add_ps(a, b)
 #define vmul(a, b) _mm256_mul_ps(a, b)
+#define VDIV(a, b) _mm256_div_ps(a, b)
 #define _mm_storeu_acc(p, v) _mm256_storeu_ps(p, v)
 #define vsum(v) kv_hsum256(v)
 #define vload_f16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
@@ -135,6 +137,65 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
 #else
 #define ROW_AXPY_SIMD(LOADW)
 #endif
+
+/* e^x, n vectors at a time: x = k·ln2 + r with |r| <= ln2/2, e^r by its Taylor polynomial to r^7 (relative
+ * error below 2^-23), times 2^k; below -87.3 the result is 0 (float32's e^x is subnormal or 0 there). */
+#if KV_LANES == 16
+static inline vf vexp(vf x) {
+    vf k = _mm512_roundscale_ps(vmul(x, vset1(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vf r = vfma(k, vset1(-0.693145752f), x);
+    r = vfma(k, vset1(-1.42860677e-06f), r);
+    vf p = vset1(1.0f / 5040);
+    p = vfma(p, r, vset1(1.0f / 720));
+    p = vfma(p, r, vset1(1.0f / 120));
+    p = vfma(p, r, vset1(1.0f / 24));
+    p = vfma(p, r, vset1(1.0f / 6));
+    p = vfma(p, r, vset1(0.5f));
+    p = vfma(p, r, vset1(1.0f));
+    p = vfma(p, r, vset1(1.0f));
+    vf e = _mm512_scalef_ps(p, k);
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, vset1(-87.3f), _CMP_GE_OQ), e);
+}
+#elif KV_LANES == 8
+static inline vf vexp(vf x) {
+    x = _mm256_max_ps(x, vset1(-87.3f));
+    vf k = _mm256_round_ps(vmul(x, vset1(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vf r = vfma(k, vset1(-0.693145752f), x);
+    r = vfma(k, vset1(-1.42860677e-06f), r);
+    vf p = vset1(1.0f / 5040);
+    p = vfma(p, r, vset1(1.0f / 720));
+    p = vfma(p, r, vset1(1.0f / 120));
+    p = vfma(p, r, vset1(1.0f / 24));
+    p = vfma(p, r, vset1(1.0f / 6));
+    p = vfma(p, r, vset1(0.5f));
+    p = vfma(p, r, vset1(1.0f));
+    p = vfma(p, r, vset1(1.0f));
+    __m256i k2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    vf e = vmul(p, _mm256_castsi256_ps(k2)); /* k >= -126 here: 2^k is a normal float */
+    return _mm256_and_ps(e, _mm256_cmp_ps(x, vset1(-87.3f), _CMP_GT_OQ));
+}
+#endif
+
+/* y[i] = e^(x[i] - shift) over n values, in place allowed. */
+static inline void exp_shifted(const float *x, float *y, int64_t n, float shift) {
+    int64_t i = 0;
+#if KV_LANES
+    for (; i + KV_LANES <= n; i += KV_LANES) _mm_storeu_acc(y + i, vexp(vadd(vload(x + i), vset1(-shift))));
+#endif
+    for (; i < n; i++) y[i] = expf(x[i] - shift);
+}
+
+/* silu(g) = g / (1 + e^-g) over n values, in place allowed. */
+static inline void silu_f32(const float *g, float *y, int64_t n) {
+    int64_t i = 0;
+#if KV_LANES
+    for (; i + KV_LANES <= n; i += KV_LANES) {
+        vf v = vload(g + i);
+        _mm_storeu_acc(y + i, VDIV(v, vadd(vset1(1.0f), vexp(vmul(v, vset1(-1.0f))))));
+    }
+#endif
+    for (; i < n; i++) y[i] = g[i] / (1.0f + expf(-g[i]));
+}
 
 #define AS_FLOAT(v) ((float)(v))
 ROW_DOT(dot_f32, float, vload, AS_FLOAT)
@@ -735,6 +796,8 @@ static inline float f32_id(float f) { return f; }
         }                                                                                           \
     }
 
+#define ATTEND_CHUNK 64 /* keys scored at a time, then exponentiated together, then summed into the output */
+
 /* Attention of the new position `pos`: q, k, v come packed in one row qkv [(H + 2 Hkv) d]; k (rotated)
  * and v are stored into the layer's cache kc, vc [Hkv, cap, d]; each query head attends to keys lo..pos
  * of its group's KV head with a one-pass (online) softmax; y [H d]. */
@@ -751,21 +814,29 @@ static inline float f32_id(float f) { return f; }
         int64_t G = H / Hkv;                                                                        \
         _Pragma("omp parallel for num_threads(nt) schedule(static)")                                \
         for (int64_t h = 0; h < H; h++) {                                                           \
-            float q[d], acc[d];                                                                     \
+            float q[d], acc[d], s[ATTEND_CHUNK];                                                    \
             ROT(qkv + h * d, qn, eps, cs, sn, q, d);                                                \
             const T *K = kc + (h / G) * cap * d, *V = vc + (h / G) * cap * d;                       \
             float m = -INFINITY, l = 0;                                                             \
             for (int64_t i = 0; i < d; i++) acc[i] = 0;                                             \
-            for (int64_t j = lo; j <= pos; j++) {                                                   \
-                float s = DOT(K + j * d, q, d) * scale, c = 1;                                      \
-                if (s > m) { /* a new maximum: rescale what was summed so far */                    \
-                    c = expf(m - s);                                                                \
-                    l *= c;                                                                         \
-                    m = s;                                                                          \
+            for (int64_t j0 = lo; j0 <= pos; j0 += ATTEND_CHUNK) {                                  \
+                int64_t n = pos + 1 - j0 < ATTEND_CHUNK ? pos + 1 - j0 : ATTEND_CHUNK;              \
+                float mc = -INFINITY;                                                               \
+                for (int64_t j = 0; j < n; j++) { /* scores: independent dot products */            \
+                    s[j] = DOT(K + (j0 + j) * d, q, d) * scale;                                     \
+                    mc = s[j] > mc ? s[j] : mc;                                                     \
                 }                                                                                   \
-                float p = expf(s - m);                                                              \
-                l += p;                                                                             \
-                AXPY(acc, c, p, V + j * d, d);                                                      \
+                if (mc > m) { /* a new maximum: rescale what was summed so far */                   \
+                    float c = expf(m - mc);                                                         \
+                    l *= c;                                                                         \
+                    for (int64_t i = 0; i < d; i++) acc[i] *= c;                                    \
+                    m = mc;                                                                         \
+                }                                                                                   \
+                exp_shifted(s, s, n, m);                                                            \
+                for (int64_t j = 0; j < n; j++) {                                                   \
+                    l += s[j];                                                                      \
+                    AXPY(acc, 1.0f, s[j], V + (j0 + j) * d, d);                                     \
+                }                                                                                   \
             }                                                                                       \
             for (int64_t i = 0; i < d; i++) y[h * d + i] = FROM_F32(acc[i] / l);                    \
         }                                                                                           \
@@ -900,11 +971,10 @@ static void quant_matvec(const kv_linear *l, const float *x, float *y, int nt) {
             for (int64_t i = 0; i < D; i++) x[i] = FROM_F32(TO_F32(x[i]) + TO_F32(t[i]));                   \
             kv_rmsnorm_##SUF(x, L->mlp_norm, h, D, eps);                                                    \
             linear_##SUF(&L->gate_up, h, gu, fx, fy, nt);                                                   \
-            for (int64_t i = 0; i < F; i++) { /* silu(gate) * up, each rounded as torch rounds */           \
-                float g = TO_F32(gu[i]);                                                                    \
-                float s = TO_F32(FROM_F32(g / (1.0f + expf(-g))));                                          \
-                gu[i] = FROM_F32(s * TO_F32(gu[F + i]));                                                    \
-            }                                                                                               \
+            for (int64_t i = 0; i < F; i++) fx[i] = TO_F32(gu[i]);                                          \
+            silu_f32(fx, fx, F);                                                                            \
+            for (int64_t i = 0; i < F; i++) /* silu(gate) * up, each rounded as torch rounds */             \
+                gu[i] = FROM_F32(TO_F32(FROM_F32(fx[i])) * TO_F32(gu[F + i]));                              \
             linear_##SUF(&L->down, gu, t, fx, fy, nt);                                                      \
             for (int64_t i = 0; i < D; i++) x[i] = FROM_F32(TO_F32(x[i]) + TO_F32(t[i]));                   \
         }                                                                                                   \
