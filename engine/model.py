@@ -135,17 +135,19 @@ class Attention(nn.Module):
             k, v = cache.write_at(layer, start, k, v)  # [B, H_kv, C, d], masked beyond the position
         elif cache is not None:
             k, v = cache.write(layer, start, k, v)  # [B, H_kv, S, d]
-        if T > 1 and self.flash_prefill:  # native GQA: SDPA may pick its flash kernel
-            causal = start == 0 and self.causal_only  # a fresh prompt: the plain causal mask, no tensor needed
+        causal = isinstance(start, int) and start == 0 and self.causal_only  # a fresh prompt: no mask tensor
+        slow_half = q.dtype == torch.float16 and q.device.type == "cpu"  # the CPU's fp16 attention kernel is slow
+        if T > 1 and (self.flash_prefill or causal):  # native GQA: SDPA's flash kernel, on the CPU too
+            args = (q.float(), k.float(), v.float()) if slow_half else (q, k, v)
             y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=None if causal else mask, is_causal=causal, enable_gqa=self.g > 1
-            )  # [B, H, T, d]
+                *args, attn_mask=None if causal else mask, is_causal=causal, enable_gqa=self.g > 1
+            ).to(q.dtype)  # [B, H, T, d]
             return self.o(y.transpose(1, 2).reshape(B, T, h * self.d))
         # Group the G query heads that share a KV head into rows: no copy of K/V per query head.
         q = q.reshape(B, h_kv, self.g * T, self.d)  # [B, H_kv, G·T, d]
         if mask is not None and self.g > 1:
             mask = mask.repeat(self.g, 1)  # [T, S] -> [G·T, S]
-        if q.dtype == torch.float16 and q.device.type == "cpu":  # the CPU's fp16 attention kernel is slow
+        if slow_half:
             y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask).to(q.dtype)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H_kv, G·T, d]
