@@ -526,9 +526,6 @@ def _build_model(
     model.activations = "int8" if activations == "int8" and use_integer_activations(model) else "float32"
     if kern is not None:
         use_kernels(model, kern)
-    if device.type == "cuda":
-        for block in model.layers:
-            block.attn.flash_prefill = True
     return model.eval().requires_grad_(False)
 
 

@@ -80,6 +80,14 @@ def attention_mask(start: int, t: int, window: int | None, device) -> torch.Tens
     return visible(torch.arange(start, s, device=device), s, window)
 
 
+def additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A boolean [T, S] mask as SDPA adds it, 0 where visible and -inf elsewhere: converted once per
+    forward, where SDPA would convert a boolean one in every layer's call."""
+    if mask is None:
+        return None
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
 def visible(q_pos: torch.Tensor, keys: int, window: int | None) -> torch.Tensor:
     """[T, keys] bool for queries at positions q_pos [T] (a tensor, so a CUDA graph can move them):
     key j is visible when it is not ahead of the query and within the sliding window."""
@@ -114,7 +122,6 @@ class Attention(nn.Module):
         self.o = nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.o_bias)  # Hd -> D
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.flash_prefill = False  # prefill through SDPA's native GQA (its flash kernel on CUDA)
         self.causal_only = cfg.sliding_window is None
         self.window = cfg.sliding_window
 
@@ -135,24 +142,21 @@ class Attention(nn.Module):
             k, v = cache.write_at(layer, start, k, v)  # [B, H_kv, C, d], masked beyond the position
         elif cache is not None:
             k, v = cache.write(layer, start, k, v)  # [B, H_kv, S, d]
-        causal = isinstance(start, int) and start == 0 and self.causal_only  # a fresh prompt: no mask tensor
-        slow_half = q.dtype == torch.float16 and q.device.type == "cpu"  # the CPU's fp16 attention kernel is slow
-        if T > 1 and (self.flash_prefill or causal):  # native GQA: SDPA's flash kernel, on the CPU too
-            args = (q.float(), k.float(), v.float()) if slow_half else (q, k, v)
+        dtype = q.dtype
+        if dtype == torch.float16 and q.device.type == "cpu":  # the CPU's fp16 attention kernel is slow
+            q, k, v = q.float(), k.float(), v.float()
+        if T > 1:  # many positions: SDPA's native GQA (its flash kernels), causal without a mask on a fresh prompt
+            causal = isinstance(start, int) and start == 0 and self.causal_only
             y = F.scaled_dot_product_attention(
-                *args, attn_mask=None if causal else mask, is_causal=causal, enable_gqa=self.g > 1
-            ).to(q.dtype)  # [B, H, T, d]
-            return self.o(y.transpose(1, 2).reshape(B, T, h * self.d))
-        # Group the G query heads that share a KV head into rows: no copy of K/V per query head.
-        q = q.reshape(B, h_kv, self.g * T, self.d)  # [B, H_kv, G·T, d]
+                q, k, v, attn_mask=None if causal else mask, is_causal=causal, enable_gqa=self.g > 1
+            )  # [B, H, T, d]
+            return self.o(y.to(dtype).transpose(1, 2).reshape(B, T, h * self.d))
+        # One position: the G query heads that share a KV head as rows, no copy of K/V per query head.
+        q = q.reshape(B, h_kv, self.g, self.d)  # [B, H_kv, G, d]
         if mask is not None and self.g > 1:
-            mask = mask.repeat(self.g, 1)  # [T, S] -> [G·T, S]
-        if slow_half:
-            y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask).to(q.dtype)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H_kv, G·T, d]
-        y = y.view(B, h, T, self.d).transpose(1, 2).reshape(B, T, h * self.d)
-        return self.o(y)
+            mask = mask.repeat(self.g, 1)  # [1, S] -> [G, S]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H_kv, G, d]
+        return self.o(y.to(dtype).reshape(B, T, h * self.d))
 
 
 class MLP(nn.Module):
@@ -236,7 +240,8 @@ class Transformer(nn.Module):
             self.decode_step.run(x, cache, start, cos.reshape(-1), sin.reshape(-1))
             cache.length = start + 1
             return self.lm_head(self.norm(x.view(B, T, -1)))
-        mask = attention_mask(start, T, self.cfg.sliding_window, ids.device)
+        compute = torch.float32 if x.dtype == torch.float16 and x.device.type == "cpu" else x.dtype  # attention's
+        mask = additive(attention_mask(start, T, self.cfg.sliding_window, ids.device), compute)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, mask, cache, i, start)
         if cache is not None:

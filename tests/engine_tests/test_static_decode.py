@@ -48,21 +48,21 @@ def test_static_decode_step_equals_the_eager_step(tmp_path, name):
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_native_gqa_prefill_equals_grouped_rows(tmp_path, name):
+def test_native_gqa_prefill_equals_one_position_at_a_time(tmp_path, name):
+    """Prefill (SDPA's native GQA: causal on a fresh prompt, an additive mask for a later chunk or a
+    sliding window) gives the logits of feeding the prompt one position at a time (the query heads
+    grouped as rows over their shared K/V), whole or in chunks."""
     model, cfg = _model(tmp_path, name)
+    model.decode_step = None  # the modules' one-position path, not the kernels' C step
     prompt = torch.randint(5, cfg.vocab_size, (1, 20), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
-        want_one = model(prompt, _cache(cfg))
         c = _cache(cfg)
-        want_chunks = torch.cat([model(prompt[:, :12], c), model(prompt[:, 12:], c)], dim=1)
-        for block in model.layers:
-            block.attn.flash_prefill = True
-        c1 = _cache(cfg)
-        got_one = model(prompt, c1)
+        want = torch.cat([model(prompt[:, i : i + 1], c) for i in range(prompt.shape[1])], dim=1)
+        got_one = model(prompt, _cache(cfg))
         c2 = _cache(cfg)
         got_chunks = torch.cat([model(prompt[:, :12], c2), model(prompt[:, 12:], c2)], dim=1)
-    torch.testing.assert_close(got_one, want_one, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got_chunks, want_chunks, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_one, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_chunks, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("device", DEVICES)
