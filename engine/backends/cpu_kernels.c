@@ -140,39 +140,31 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
 
 /* e^x, n vectors at a time: x = k·ln2 + r with |r| <= ln2/2, e^r by its Taylor polynomial to r^7 (relative
  * error below 2^-23), times 2^k; below -87.3 the result is 0 (float32's e^x is subnormal or 0 there). */
+#if KV_LANES
 #if KV_LANES == 16
-static inline vf vexp(vf x) {
-    vf k = _mm512_roundscale_ps(vmul(x, vset1(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#define vround(x) _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#else
+#define vround(x) _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#endif
+static inline vf exp_of_remainder(vf x, vf k) { /* e^r, r = x - k·ln2 (ln2 in two parts) */
     vf r = vfma(k, vset1(-0.693145752f), x);
     r = vfma(k, vset1(-1.42860677e-06f), r);
     vf p = vset1(1.0f / 5040);
-    p = vfma(p, r, vset1(1.0f / 720));
-    p = vfma(p, r, vset1(1.0f / 120));
-    p = vfma(p, r, vset1(1.0f / 24));
-    p = vfma(p, r, vset1(1.0f / 6));
-    p = vfma(p, r, vset1(0.5f));
-    p = vfma(p, r, vset1(1.0f));
-    p = vfma(p, r, vset1(1.0f));
-    vf e = _mm512_scalef_ps(p, k);
-    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, vset1(-87.3f), _CMP_GE_OQ), e);
+    const float c[] = {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+    for (int i = 0; i < 7; i++) p = vfma(p, r, vset1(c[i]));
+    return p;
 }
-#elif KV_LANES == 8
 static inline vf vexp(vf x) {
-    x = _mm256_max_ps(x, vset1(-87.3f));
-    vf k = _mm256_round_ps(vmul(x, vset1(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    vf r = vfma(k, vset1(-0.693145752f), x);
-    r = vfma(k, vset1(-1.42860677e-06f), r);
-    vf p = vset1(1.0f / 5040);
-    p = vfma(p, r, vset1(1.0f / 720));
-    p = vfma(p, r, vset1(1.0f / 120));
-    p = vfma(p, r, vset1(1.0f / 24));
-    p = vfma(p, r, vset1(1.0f / 6));
-    p = vfma(p, r, vset1(0.5f));
-    p = vfma(p, r, vset1(1.0f));
-    p = vfma(p, r, vset1(1.0f));
+#if KV_LANES == 16
+    vf k = vround(vmul(x, vset1(1.44269504f)));
+    vf e = _mm512_scalef_ps(exp_of_remainder(x, k), k);
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, vset1(-87.3f), _CMP_GE_OQ), e);
+#else
+    vf xc = _mm256_max_ps(x, vset1(-87.3f)), k = vround(vmul(xc, vset1(1.44269504f)));
     __m256i k2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-    vf e = vmul(p, _mm256_castsi256_ps(k2)); /* k >= -126 here: 2^k is a normal float */
+    vf e = vmul(exp_of_remainder(xc, k), _mm256_castsi256_ps(k2)); /* k >= -126 here: 2^k is a normal float */
     return _mm256_and_ps(e, _mm256_cmp_ps(x, vset1(-87.3f), _CMP_GT_OQ));
+#endif
 }
 #endif
 

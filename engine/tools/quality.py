@@ -124,31 +124,10 @@ def main(ns) -> int:
     if ns.prompts:
         with open(ns.prompts, encoding="utf-8") as f:
             prompts = json.load(f)
-    if ns.shape:
-        import tempfile
-        from pathlib import Path
 
-        from .bench import write_random_checkpoint
-
-        with tempfile.TemporaryDirectory(prefix="kvchat-quality-") as tmp:
-            path = write_random_checkpoint(Path(tmp) / ns.shape, ns.shape)
-            r = run(
-                str(path),
-                ns.weights,
-                ns.kv,
-                ns.group_size,
-                prompts,
-                ns.new_tokens,
-                ns.device,
-                ns.dtype,
-                ns.near_tie,
-                random_ids=True,
-                activations=ns.activations,
-            )
-            r["model"] = f"random {ns.shape}"
-    else:
-        r = run(
-            ns.model,
+    def measure(model, random_ids=False):
+        return run(
+            model,
             ns.weights,
             ns.kv,
             ns.group_size,
@@ -157,8 +136,21 @@ def main(ns) -> int:
             ns.device,
             ns.dtype,
             ns.near_tie,
+            random_ids=random_ids,
             activations=ns.activations,
         )
+
+    if ns.shape:
+        import tempfile
+        from pathlib import Path
+
+        from .bench import write_random_checkpoint
+
+        with tempfile.TemporaryDirectory(prefix="kvchat-quality-") as tmp:
+            r = measure(str(write_random_checkpoint(Path(tmp) / ns.shape, ns.shape)), random_ids=True)
+            r["model"] = f"random {ns.shape}"
+    else:
+        r = measure(ns.model)
     if ns.json:
         print(json.dumps(r, ensure_ascii=False))
         return 0
