@@ -101,7 +101,8 @@ def _openmp_runtimes() -> set[str]:
 
 
 class Kernels:
-    """The loaded library: one-row products for float weights and for group-wise int8/int4 codes."""
+    """The loaded library: one-row products for float weights and for group-wise int8/int4/int5 codes (with
+    float32 activations, or int8 ones: `integer_modes`, run by `int_isa`)."""
 
     def __init__(self, path: Path):
         self.path = path
