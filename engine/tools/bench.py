@@ -821,6 +821,8 @@ def plot(results: list[dict], path: str, report: dict) -> None:
         "Q8_0": (":", "^"),
         "int4": ("-.", "v"),
         "Q4_0": ("-.", "v"),
+        "int8/a8": (":", "P"),
+        "int4/a8": ("-.", "X"),
     }
     fig, ax = plt.subplots(figsize=(9, 5), dpi=120)
     for r in results:
