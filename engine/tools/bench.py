@@ -49,7 +49,7 @@ SHAPES = {
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "vocab_size": 512,
-        "max_position_embeddings": 1024,
+        "max_position_embeddings": 4096,
         "rope_theta": 10000.0,
         "rms_norm_eps": 1e-5,
         "tie_word_embeddings": True,
