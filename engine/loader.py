@@ -523,7 +523,8 @@ def _build_model(
         if weights == "none" and device.type == "cpu":
             fast_cpu_linears([block], dtype)
         progress((i + 2) / steps)
-    model.activations = "int8" if activations == "int8" and use_integer_activations(model) else "float32"
+    if activations == "int8" and use_integer_activations(model):
+        model.activations = "int8"
     if kern is not None:
         use_kernels(model, kern)
     return model.eval().requires_grad_(False)

@@ -80,6 +80,11 @@ def attention_mask(start: int, t: int, window: int | None, device) -> torch.Tens
     return visible(torch.arange(start, s, device=device), s, window)
 
 
+def attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype attention computes in: the activations', float32 for float16 on the CPU (its fp16 kernel is slow)."""
+    return torch.float32 if dtype == torch.float16 and device.type == "cpu" else dtype
+
+
 def additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     """A boolean [T, S] mask as SDPA adds it, 0 where visible and -inf elsewhere: converted once per
     forward, where SDPA would convert a boolean one in every layer's call."""
@@ -143,7 +148,7 @@ class Attention(nn.Module):
         elif cache is not None:
             k, v = cache.write(layer, start, k, v)  # [B, H_kv, S, d]
         dtype = q.dtype
-        if dtype == torch.float16 and q.device.type == "cpu":  # the CPU's fp16 attention kernel is slow
+        if attention_dtype(dtype, q.device) != dtype:
             q, k, v = q.float(), k.float(), v.float()
         if T > 1:  # many positions: SDPA's native GQA (its flash kernels), causal without a mask on a fresh prompt
             causal = isinstance(start, int) and start == 0 and self.causal_only
@@ -205,6 +210,7 @@ class Transformer(nn.Module):
             self.tie()
         self.rope_length = rope_length or 0  # positions the rotary tables cover at least
         self.decode_step = None  # a backend's decode of one position through every block in one call
+        self.activations = "float32"  # what quantized layers' one-row products multiply: float32 | int8 (the loader's)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def tie(self) -> None:
@@ -240,8 +246,8 @@ class Transformer(nn.Module):
             self.decode_step.run(x, cache, start, cos.reshape(-1), sin.reshape(-1))
             cache.length = start + 1
             return self.lm_head(self.norm(x.view(B, T, -1)))
-        compute = torch.float32 if x.dtype == torch.float16 and x.device.type == "cpu" else x.dtype  # attention's
-        mask = additive(attention_mask(start, T, self.cfg.sliding_window, ids.device), compute)
+        mask = attention_mask(start, T, self.cfg.sliding_window, ids.device)
+        mask = additive(mask, attention_dtype(x.dtype, x.device))
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, mask, cache, i, start)
         if cache is not None:

@@ -65,7 +65,7 @@ PREFILL_CHUNK = 256  # float32 positions per prefill step: progress and Stop act
 def prefill_chunk_for(dtype: torch.dtype) -> int:
     """Positions per prefill step: the activation bytes of PREFILL_CHUNK float32 positions, so a 16-bit
     model takes steps of 512 (its GEMMs run further below their speed on fewer rows)."""
-    return PREFILL_CHUNK * 4 // torch.empty((), dtype=dtype).element_size()
+    return PREFILL_CHUNK * 4 // dtype.itemsize
 
 
 class Session:

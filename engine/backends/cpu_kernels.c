@@ -305,6 +305,9 @@ void kv_matvec_q8(const int8_t *q, const float *s, const float *m, const float *
     }
 }
 
+/* A nibble as a 4-bit two's complement int4 code, -8..7. */
+static inline int int4_value(unsigned n) { return (int)((n & 15) ^ 8) - 8; }
+
 /* int4 codes two a byte [out, in/2] (value 2k in the low nibble, 2k+1 in the high one, 4-bit two's
  * complement), scales and offsets as for int8. x is split into its even and odd entries once, so that a
  * byte's two nibbles meet their inputs lane by lane. */
@@ -358,7 +361,7 @@ void kv_matvec_q4(const uint8_t *q, const float *s, const float *m, const float 
             for (int64_t j = 0; j < groups; j++) {
                 float p = 0;
                 for (int64_t i = j * hg; i < (j + 1) * hg; i++) {
-                    int lo = (int)((r[i] & 15) ^ 8) - 8, hi = (int)((r[i] >> 4) ^ 8) - 8;
+                    int lo = int4_value(r[i]), hi = int4_value(r[i] >> 4);
                     p += (float)lo * xe[i] + (float)hi * xo[i];
                 }
                 a += so[j] * p;
@@ -561,8 +564,10 @@ static inline vu u_q5(const uint8_t *r, int64_t i, int64_t in) { /* two blocks: 
                       (uint64_t)(qb >> 16) << 48;
     return _mm512_or_si512(z, _mm512_maskz_mov_epi8(fifth, _mm512_set1_epi8(16)));
 }
-static inline __m512 dot_step(vu u, const int8_t *c, const int32_t *neg, int64_t i) { /* int32 lanes -> float */
-    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_loadu_si512(neg + i / 4), u, _mm512_loadu_si512(c + i)));
+/* acc + (the step's int32 lane sums, as float) · scale, where scale holds each lane's d (times s when given) */
+static inline __m512 dot_step(vu u, const int8_t *c, const int32_t *neg, int64_t i, __m512 scale, __m512 acc) {
+    __m512i dot = _mm512_dpbusd_epi32(_mm512_loadu_si512(neg + i / 4), u, _mm512_loadu_si512(c + i));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc);
 }
 /* The two blocks' weight scales of a step in one register, where the order puts their lanes: 0-7 and 8-15
  * (plain), or alternating fours (nibbles, halves). */
@@ -571,6 +576,9 @@ static inline __m512 scale_pair(const float *so, int64_t i, int64_t in, int64_t 
     __m512 s0 = _mm512_set1_ps(g == XQ_BLOCK ? so[b] : so[i / g]);
     __m512 s1 = _mm512_set1_ps(g == XQ_BLOCK ? so[b + next] : so[(i + next * XQ_BLOCK) / g]);
     return order == ORDER_PLAIN ? _mm512_shuffle_f32x4(s0, s1, 0) : _mm512_mask_blend_ps(0xF0F0, s0, s1);
+}
+static inline __m512 lane_scales(const float *d, const float *so, int64_t i, int64_t in, int64_t g, int order) {
+    return _mm512_mul_ps(_mm512_loadu_ps(d + i / 4), scale_pair(so, i, in, g, order));
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 #define XQ_STEP 32
@@ -618,13 +626,16 @@ static inline vu u_q5(const uint8_t *r, int64_t i, int64_t in) {
     v = _mm256_cmpeq_epi8(_mm256_or_si256(v, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)), _mm256_set1_epi64x(-1));
     return _mm256_or_si256(u, _mm256_and_si256(v, _mm256_set1_epi8(16)));
 }
-static inline __m256 dot_step8(vu u, const int8_t *c, const int32_t *neg, int64_t i, int signed_int8) {
+/* acc + (the step's int32 lane sums, as float) · d · s (one block a step: one weight scale) */
+static inline __m256 dot_step8(vu u, const int8_t *c, const int32_t *neg, int64_t i, int signed_int8, const float *d,
+                               float s, __m256 acc) {
     __m256i cv = _mm256_loadu_si256((const __m256i *)(c + i));
     if (signed_int8) { /* BIAS8 == 0: |q| unsigned, c takes q's sign */
         cv = _mm256_sign_epi8(cv, u);
         u = _mm256_abs_epi8(u);
     }
-    return _mm256_cvtepi32_ps(DPBUSD(_mm256_loadu_si256((const __m256i *)(neg + i / 4)), u, cv));
+    __m256 dot = _mm256_cvtepi32_ps(DPBUSD(_mm256_loadu_si256((const __m256i *)(neg + i / 4)), u, cv));
+    return _mm256_fmadd_ps(dot, _mm256_mul_ps(_mm256_loadu_ps(d + i / 4), _mm256_set1_ps(s)), acc);
 }
 #else
 #define XQ_STEP 0
@@ -645,24 +656,20 @@ static inline __m256 dot_step8(vu u, const int8_t *c, const int32_t *neg, int64_
                 __m512 p0 = _mm512_setzero_ps(), p1 = _mm512_setzero_ps();                                    \
                 int64_t i = j * g, end = i + g;                                                               \
                 for (; i + 128 <= end; i += 128) {                                                            \
-                    p0 = _mm512_fmadd_ps(dot_step(U(r, i, in), c, neg, i), _mm512_loadu_ps(d + i / 4), p0);  \
-                    p1 = _mm512_fmadd_ps(dot_step(U(r, i + 64, in), c, neg, i + 64), _mm512_loadu_ps(d + (i + 64) / 4), p1); \
+                    p0 = dot_step(U(r, i, in), c, neg, i, _mm512_loadu_ps(d + i / 4), p0);                    \
+                    p1 = dot_step(U(r, i + 64, in), c, neg, i + 64, _mm512_loadu_ps(d + (i + 64) / 4), p1);   \
                 }                                                                                             \
-                if (i < end) p0 = _mm512_fmadd_ps(dot_step(U(r, i, in), c, neg, i), _mm512_loadu_ps(d + i / 4), p0); \
+                if (i < end) p0 = dot_step(U(r, i, in), c, neg, i, _mm512_loadu_ps(d + i / 4), p0);          \
                 acc = _mm512_fmadd_ps(_mm512_set1_ps(so[j]), _mm512_add_ps(p0, p1), acc);                     \
             }                                                                                                 \
         } else { /* blocks of one step may have two scales: each lane gets its own */                        \
             __m512 acc1 = _mm512_setzero_ps();                                                                \
             int64_t i = 0;                                                                                    \
             for (; i + 128 <= in; i += 128) {                                                                 \
-                acc = _mm512_fmadd_ps(dot_step(U(r, i, in), c, neg, i),                                       \
-                                      _mm512_mul_ps(_mm512_loadu_ps(d + i / 4), scale_pair(so, i, in, g, ORDER)), acc); \
-                acc1 = _mm512_fmadd_ps(dot_step(U(r, i + 64, in), c, neg, i + 64),                            \
-                                       _mm512_mul_ps(_mm512_loadu_ps(d + (i + 64) / 4), scale_pair(so, i + 64, in, g, ORDER)), acc1); \
+                acc = dot_step(U(r, i, in), c, neg, i, lane_scales(d, so, i, in, g, ORDER), acc);             \
+                acc1 = dot_step(U(r, i + 64, in), c, neg, i + 64, lane_scales(d, so, i + 64, in, g, ORDER), acc1); \
             }                                                                                                 \
-            for (; i < in; i += 64)                                                                           \
-                acc = _mm512_fmadd_ps(dot_step(U(r, i, in), c, neg, i),                                       \
-                                      _mm512_mul_ps(_mm512_loadu_ps(d + i / 4), scale_pair(so, i, in, g, ORDER)), acc); \
+            for (; i < in; i += 64) acc = dot_step(U(r, i, in), c, neg, i, lane_scales(d, so, i, in, g, ORDER), acc); \
             acc = _mm512_add_ps(acc, acc1);                                                                   \
         }                                                                                                     \
         return _mm512_reduce_add_ps(acc);                                                                     \
@@ -674,23 +681,23 @@ static inline __m256 dot_step8(vu u, const int8_t *c, const int32_t *neg, int64_
         __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();                                           \
         int64_t i = 0;                                                                                        \
         for (; i + 64 <= in; i += 64) {                                                                       \
-            a0 = _mm256_fmadd_ps(dot_step8(U(r, i, in), c, neg, i, SIGNED8),                                  \
-                                 _mm256_mul_ps(_mm256_loadu_ps(d + i / 4), _mm256_set1_ps(so[i / g])), a0);   \
-            a1 = _mm256_fmadd_ps(dot_step8(U(r, i + 32, in), c, neg, i + 32, SIGNED8),                        \
-                                 _mm256_mul_ps(_mm256_loadu_ps(d + (i + 32) / 4), _mm256_set1_ps(so[(i + 32) / g])), a1); \
+            a0 = dot_step8(U(r, i, in), c, neg, i, SIGNED8, d, so[i / g], a0);                                \
+            a1 = dot_step8(U(r, i + 32, in), c, neg, i + 32, SIGNED8, d, so[(i + 32) / g], a1);               \
         }                                                                                                     \
-        if (i < in)                                                                                           \
-            a0 = _mm256_fmadd_ps(dot_step8(U(r, i, in), c, neg, i, SIGNED8),                                  \
-                                 _mm256_mul_ps(_mm256_loadu_ps(d + i / 4), _mm256_set1_ps(so[i / g])), a0);   \
+        if (i < in) a0 = dot_step8(U(r, i, in), c, neg, i, SIGNED8, d, so[i / g], a0);                        \
         return kv_hsum256(_mm256_add_ps(a0, a1));                                                             \
     }
 #else /* plain C: the same integer sums, a block at a time */
-static inline int code_q8(const int8_t *r, int64_t i) { return r[i]; }
-static inline int code_q4(const uint8_t *r, int64_t i) { return (int)(((r[i / 2] >> (4 * (i & 1))) & 15) ^ 8) - 8; }
-static inline int code_q5(const uint8_t *r, int64_t i) {
-    const uint8_t *b = r + i / 32 * 20;
-    int k = (int)(i % 32), n = k < 16 ? b[4 + k] & 15 : b[4 + k - 16] >> 4;
-    return (n | (((b[k / 8] >> (k % 8)) & 1) << 4)) - 16;
+/* block b's 32 codes (values, not q + bias) */
+static inline void block_q8(const int8_t *r, int64_t b, int q[32]) {
+    for (int i = 0; i < 32; i++) q[i] = r[b * 32 + i];
+}
+static inline void block_q4(const uint8_t *r, int64_t b, int q[32]) {
+    for (int i = 0; i < 16; i++) q[2 * i] = int4_value(r[b * 16 + i]), q[2 * i + 1] = int4_value(r[b * 16 + i] >> 4);
+}
+static inline void block_q5(const uint8_t *r, int64_t b, int q[32]) {
+    q5_group(r + b * Q5_BYTES, q);
+    for (int i = 0; i < 32; i++) q[i] -= 16;
 }
 #define INT_ROW(NAME, T, U, SIGNED8, ORDER)                                                                          \
     static float NAME(const T *r, const float *so, int64_t in, int64_t g, const int8_t *c, const int32_t *neg, \
@@ -698,15 +705,17 @@ static inline int code_q5(const uint8_t *r, int64_t i) {
         (void)neg;                                                                                            \
         float a = 0;                                                                                          \
         for (int64_t b = 0; b < in / XQ_BLOCK; b++) {                                                         \
+            int q[32];                                                                                        \
             int32_t t = 0;                                                                                    \
-            for (int64_t i = b * XQ_BLOCK; i < (b + 1) * XQ_BLOCK; i++) t += U(r, i) * c[i];                  \
+            U(r, b, q);                                                                                       \
+            for (int i = 0; i < XQ_BLOCK; i++) t += q[i] * c[b * XQ_BLOCK + i];                               \
             a += so[b * XQ_BLOCK / g] * (d[b * 8] * (float)t);                                                \
         }                                                                                                     \
         return a;                                                                                             \
     }
-#define u_q8 code_q8
-#define u_q4 code_q4
-#define u_q5 code_q5
+#define u_q8 block_q8
+#define u_q4 block_q4
+#define u_q5 block_q5
 #endif
 
 INT_ROW(int_row_q8, int8_t, u_q8, BIAS8 == 0, ORDER_PLAIN)
@@ -874,8 +883,8 @@ void kv_dequant_q4(const uint8_t *q, const float *s, const float *m, float *w, i
             const uint8_t *r = q + o * half + j * g / 2;
             float *d = w + o * in + j * g;
             for (int64_t i = 0; i < g / 2; i++) {
-                d[2 * i] = sc * (float)((int)((r[i] & 15) ^ 8) - 8) + mn;
-                d[2 * i + 1] = sc * (float)((int)((r[i] >> 4) ^ 8) - 8) + mn;
+                d[2 * i] = sc * (float)int4_value(r[i]) + mn;
+                d[2 * i + 1] = sc * (float)int4_value(r[i] >> 4) + mn;
             }
         }
 }
@@ -933,7 +942,7 @@ static void quant_matvec(const kv_linear *l, const float *x, float *y, int nt) {
     product f = l->mode == 8 ? (l->act ? (product)kv_matvec_q8x : (product)kv_matvec_q8)
                 : l->mode == 5 ? (l->act ? (product)kv_matvec_q5x : (product)kv_matvec_q5)
                                : (l->act ? (product)kv_matvec_q4x : (product)kv_matvec_q4);
-    f(l->w, l->scales, l->mins, x, y, l->out, l->in, l->mode == 5 ? 32 : l->group, nt);
+    f(l->w, l->scales, l->mins, x, y, l->out, l->in, l->group, nt);
 }
 
 #define DECODE(SUF, T, TO_F32, FROM_F32)                                                                   \

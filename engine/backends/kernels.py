@@ -328,9 +328,10 @@ class Kernels:
             codes, scales = quantize(w, mode, group)
             x = torch.randn(n, generator=g)
             stored = pack_int4(codes) if mode == "int4" else codes
-            mine = self.quantize(mode, w, group)
-            if not (torch.equal(mine[0], stored) and torch.equal(mine[1], scales)):
-                return False
+            if activations == "float32":  # the quantizer once: the integer pass reuses what it checked
+                mine = self.quantize(mode, w, group)
+                if not (torch.equal(mine[0], stored) and torch.equal(mine[1], scales)):
+                    return False
             mins = torch.randn(scales.shape, generator=g)  # offsets: weights s · q + m
             if not all(self._codes_agree(mode, stored, codes, scales, x, group, m, activations) for m in (None, mins)):
                 return False
