@@ -280,6 +280,11 @@ static inline vf q8_group(const int8_t *r, const float *x, int64_t i, int64_t en
     for (; i < end; i += KV_LANES) p = vfma(vload_i8(r + i), vload(x + i), p);
     return vadd(p, p1);
 }
+/* Two vectors' codes . x from input i: one product, then one FMA onto it. */
+static inline vf q8_pair(const int8_t *r, const float *x, int64_t i) {
+    PREFETCH(r + i);
+    return vfma(vload_i8(r + i), vload(x + i), vmul(vload_i8(r + i + KV_LANES), vload(x + i + KV_LANES)));
+}
 #endif
 
 /* int8 codes q [out, in], scales s [out, in/g]: y[o] = sum_j s[o, j] * (q[o, group j] . x[group j]) (+ the offsets'). */
@@ -294,7 +299,16 @@ void kv_matvec_q8(const int8_t *q, const float *s, const float *m, const float *
         const float *so = s + o * groups;
         float a = 0;
 #if KV_LANES
-        if (g % KV_LANES == 0) {
+        if (g == 2 * KV_LANES) { /* short groups (a GGUF's Q8_0, kvchat's int8 head): two a turn, two chains */
+            vf acc0 = vzero(), acc1 = vzero();
+            int64_t j = 0;
+            for (; j + 2 <= groups; j += 2) {
+                acc0 = vfma(vset1(so[j]), q8_pair(r, x, j * g), acc0);
+                acc1 = vfma(vset1(so[j + 1]), q8_pair(r, x, (j + 1) * g), acc1);
+            }
+            if (j < groups) acc0 = vfma(vset1(so[j]), q8_pair(r, x, j * g), acc0);
+            a = vsum(vadd(acc0, acc1));
+        } else if (g % KV_LANES == 0) {
             vf acc = vzero();
             for (int64_t j = 0; j < groups; j++) acc = vfma(vset1(so[j]), q8_group(r, x, j * g, (j + 1) * g), acc);
             a = vsum(acc);
@@ -307,6 +321,17 @@ void kv_matvec_q8(const int8_t *q, const float *s, const float *m, const float *
 
 /* A nibble as a 4-bit two's complement int4 code, -8..7. */
 static inline int int4_value(unsigned n) { return (int)((n & 15) ^ 8) - 8; }
+
+#if KV_LANES == 16
+/* 32 inputs of an int4 row (16 bytes of codes) against x's even and odd entries: each nibble becomes its weight
+ * through `table` (vpermps reads index bits 0-3), low nibbles into *a, high ones into *b. */
+static inline void q4_step(const uint8_t *r, const float *xe, const float *xo, int64_t i, vf table, vf *a, vf *b) {
+    PREFETCH(r + i);
+    vi c = vload_u8_i32(r + i);
+    *a = vfma(_mm512_permutexvar_ps(c, table), vload(xe + i), *a);
+    *b = vfma(_mm512_permutexvar_ps(vi_shr4(c), table), vload(xo + i), *b);
+}
+#endif
 
 /* int4 codes two a byte [out, in/2] (value 2k in the low nibble, 2k+1 in the high one, 4-bit two's
  * complement), scales and offsets as for int8. x is split into its even and odd entries once, so that a
@@ -330,17 +355,25 @@ void kv_matvec_q4(const uint8_t *q, const float *s, const float *m, const float 
         float a = 0;
 #if KV_LANES == 16
         if (hg % KV_LANES == 0) { /* a nibble becomes its dequantized weight s·q by a 16-entry table */
-            vf a0 = vzero(), a1 = vzero();
-            for (int64_t j = 0; j < groups; j++) {
-                vf table = vmul(vset1(so[j]), values);
-                for (int64_t i = j * hg; i < (j + 1) * hg; i += KV_LANES) {
-                    PREFETCH(r + i);
-                    vi b = vload_u8_i32(r + i);
-                    a0 = vfma(_mm512_permutexvar_ps(b, table), vload(xe + i), a0); /* it reads index bits 0-3 */
-                    a1 = vfma(_mm512_permutexvar_ps(vi_shr4(b), table), vload(xo + i), a1);
+            vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero(); /* two steps a turn: four FMA chains */
+            if (hg == KV_LANES) { /* groups of 32 (a GGUF's blocks): two groups a turn */
+                int64_t j = 0;
+                for (; j + 2 <= groups; j += 2) {
+                    q4_step(r, xe, xo, j * hg, vmul(vset1(so[j]), values), &a0, &a1);
+                    q4_step(r, xe, xo, (j + 1) * hg, vmul(vset1(so[j + 1]), values), &a2, &a3);
                 }
-            }
-            a = vsum(vadd(a0, a1));
+                if (j < groups) q4_step(r, xe, xo, j * hg, vmul(vset1(so[j]), values), &a0, &a1);
+            } else
+                for (int64_t j = 0; j < groups; j++) {
+                    vf table = vmul(vset1(so[j]), values);
+                    int64_t i = j * hg, end = i + hg;
+                    for (; i + 2 * KV_LANES <= end; i += 2 * KV_LANES) {
+                        q4_step(r, xe, xo, i, table, &a0, &a1);
+                        q4_step(r, xe, xo, i + KV_LANES, table, &a2, &a3);
+                    }
+                    if (i < end) q4_step(r, xe, xo, i, table, &a0, &a1);
+                }
+            a = vsum(vadd(vadd(a0, a1), vadd(a2, a3)));
         } else
 #elif KV_LANES
         if (hg % KV_LANES == 0) {
