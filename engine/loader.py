@@ -28,6 +28,7 @@ from .backends.quantized import (
     QuantEmbedding,
     QuantLinear,
     quantize_head,
+    use_int4_tiles,
     use_integer_activations,
     weight_bytes,
 )
@@ -525,6 +526,7 @@ def _build_model(
         progress((i + 2) / steps)
     if activations == "int8" and use_integer_activations(model):
         model.activations = "int8"
+    use_int4_tiles(model)  # the layers left with float32 activations
     if kern is not None:
         use_kernels(model, kern)
     return model.eval().requires_grad_(False)

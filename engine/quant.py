@@ -72,6 +72,24 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.where(out > 7, out - 16, out)
 
 
+def tile(rows: torch.Tensor | None, tile_rows: int, unit: int) -> torch.Tensor | None:
+    """[N, C] -> [N/tile_rows, tile_rows·C]: each tile holds its rows side by side, `unit` values of one
+    row, then the same of the next (int4 codes: unit 4 bytes, 8 inputs; scales: unit 1). The decode
+    kernels' layout for one-row products of int4 codes, where a vector lane is a row."""
+    if rows is None:
+        return None
+    n, c = rows.shape
+    return rows.view(n // tile_rows, tile_rows, c // unit, unit).transpose(1, 2).reshape(n // tile_rows, -1)
+
+
+def untile(tiles: torch.Tensor | None, tile_rows: int, unit: int) -> torch.Tensor | None:
+    """tile's inverse: [N/tile_rows, tile_rows·C] -> [N, C]."""
+    if tiles is None:
+        return None
+    t, c = tiles.shape[0], tiles.shape[1] // tile_rows
+    return tiles.view(t, c // unit, tile_rows, unit).transpose(1, 2).reshape(t * tile_rows, c)
+
+
 def unpack_int5(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [..., K/32·20] in the int5 layout (per 32 values: 4 bytes whose bit i is value i's fifth bit,
     then 16 bytes whose low nibbles are values 0-15 and high nibbles 16-31; code q means q − 16) ->

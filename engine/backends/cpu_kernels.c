@@ -323,6 +323,9 @@ void kv_matvec_q8(const int8_t *q, const float *s, const float *m, const float *
 static inline int int4_value(unsigned n) { return (int)((n & 15) ^ 8) - 8; }
 
 #if KV_LANES == 16
+/* A nibble's int4 value (int4_value) at its index: the table vpermps looks nibbles up in. */
+static inline vf int4_values(void) { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1); }
+
 /* 32 inputs of an int4 row (16 bytes of codes) against x's even and odd entries: each nibble becomes its weight
  * through `table` (vpermps reads index bits 0-3), low nibbles into *a, high ones into *b. */
 static inline void q4_step(const uint8_t *r, const float *xe, const float *xo, int64_t i, vf table, vf *a, vf *b) {
@@ -346,7 +349,7 @@ void kv_matvec_q4(const uint8_t *q, const float *s, const float *m, const float 
     }
     if (m) group_sums(x, xs, groups, g);
 #if KV_LANES == 16
-    const vf values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1); /* nibble -> q */
+    const vf values = int4_values();
 #endif
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t o = 0; o < out; o++) {
@@ -400,6 +403,106 @@ void kv_matvec_q4(const uint8_t *q, const float *s, const float *m, const float 
                 a += so[j] * p;
             }
         y[o] = m ? a + dot_f32(m + o * groups, xs, groups) : a;
+    }
+}
+
+/* ---- int4 codes in tiles of 16 rows, for one-row products with float32 activations ----
+ * A row's 32 inputs against its 16 bytes of codes leave the vector unit converting nibbles more than
+ * multiplying. Sixteen rows side by side make each vector lane one row: a 64-byte load holds 8 inputs of
+ * 16 rows, each nibble meets its input's x broadcast to every lane, and the scales (one per row and group)
+ * apply once per group to 16 rows at once. Layout, engine/backends/quantized.py's tiles: codes
+ * [out/16][in/8][16 rows][4 bytes] — each 4 bytes are 8 inputs of one row as the row layout holds them
+ * (input 8b+k in nibble k, low nibble first) — and scales and offsets [out/16][in/g][16 rows]. */
+#define TILE_ROWS 16
+int kv_int4_tile_rows(void) { return KV_LANES == 16 ? TILE_ROWS : 0; }
+
+void kv_matvec_q4t(const uint8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
+                   int64_t in, int64_t g, int nt) {
+    int64_t groups = in / g, tiles = out / TILE_ROWS;
+    float xs[groups];
+    if (m) group_sums(x, xs, groups, g);
+#if KV_LANES == 16
+    const vf values = int4_values();
+#if defined(__AVX512VBMI__) /* a lane's byte 2 or 3 moved to its byte 0 by vpermb, on another port than shifts */
+    const vi lane_bytes = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60), _mm512_set1_epi32(0x01010101));
+    const vi byte2 = _mm512_add_epi8(lane_bytes, _mm512_set1_epi8(2)), byte3 = _mm512_add_epi8(lane_bytes, _mm512_set1_epi8(3));
+#define HIGH_BYTE(v, k) _mm512_permutexvar_epi8((k) == 2 ? byte2 : byte3, v)
+#else
+#define HIGH_BYTE(v, k) _mm512_srli_epi32(v, 8 * (k))
+#endif
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const uint8_t *r = q + t * TILE_ROWS * in / 2;
+        const float *st = s + t * TILE_ROWS * groups, *mt = m ? m + t * TILE_ROWS * groups : NULL;
+        vf acc = vzero();
+        for (int64_t j = 0; j < groups; j++) {
+            vf p0 = vzero(), p1 = vzero(), p2 = vzero(), p3 = vzero();
+            for (int64_t i = j * g; i < (j + 1) * g; i += 8) {
+                const uint8_t *b = r + i * TILE_ROWS / 2; /* 64 bytes: inputs i..i+7 of the 16 rows */
+                PREFETCH(b);
+                vi v = _mm512_loadu_si512(b), v4 = _mm512_srli_epi32(v, 4);
+                /* nibble k to index bits 0-3 (vpermps reads no others): shifts for k = 1-3, then bytes 2, 3 */
+                p0 = vfma(_mm512_permutexvar_ps(v, values), vset1(x[i]), p0);
+                p1 = vfma(_mm512_permutexvar_ps(v4, values), vset1(x[i + 1]), p1);
+                p2 = vfma(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 8), values), vset1(x[i + 2]), p2);
+                p3 = vfma(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 12), values), vset1(x[i + 3]), p3);
+                p0 = vfma(_mm512_permutexvar_ps(HIGH_BYTE(v, 2), values), vset1(x[i + 4]), p0);
+                p1 = vfma(_mm512_permutexvar_ps(HIGH_BYTE(v4, 2), values), vset1(x[i + 5]), p1);
+                p2 = vfma(_mm512_permutexvar_ps(HIGH_BYTE(v, 3), values), vset1(x[i + 6]), p2);
+                p3 = vfma(_mm512_permutexvar_ps(HIGH_BYTE(v4, 3), values), vset1(x[i + 7]), p3);
+            }
+            acc = vfma(vload(st + j * TILE_ROWS), vadd(vadd(p0, p1), vadd(p2, p3)), acc);
+            if (mt) acc = vfma(vload(mt + j * TILE_ROWS), vset1(xs[j]), acc);
+        }
+        _mm_storeu_acc(y + t * TILE_ROWS, acc);
+    }
+#undef HIGH_BYTE
+#else
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t o = 0; o < tiles * TILE_ROWS; o++) {
+        int64_t t = o / TILE_ROWS, l = o % TILE_ROWS;
+        const uint8_t *r = q + t * TILE_ROWS * in / 2 + 4 * l;
+        const float *st = s + t * TILE_ROWS * groups + l;
+        float a = 0;
+        for (int64_t j = 0; j < groups; j++) {
+            float p = 0;
+            for (int64_t i = j * g; i < (j + 1) * g; i++)
+                p += (float)int4_value(r[i / 8 * TILE_ROWS * 4 + i % 8 / 2] >> (4 * (i & 1))) * x[i];
+            a += st[j * TILE_ROWS] * p;
+            if (m) a += m[t * TILE_ROWS * groups + j * TILE_ROWS + l] * xs[j];
+        }
+        y[o] = a;
+    }
+#endif
+}
+
+/* Tiled int4 codes -> float32 rows [out, in] = s·q (+ m): what prefill multiplies by. */
+void kv_dequant_q4t(const uint8_t *q, const float *s, const float *m, float *w, int64_t out, int64_t in, int64_t g,
+                    int nt) {
+    int64_t groups = in / g;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256i nibble_shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+#endif
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t o = 0; o < out; o++) {
+        int64_t t = o / TILE_ROWS, l = o % TILE_ROWS, at = t * TILE_ROWS * groups + l;
+        const uint8_t *r = q + t * TILE_ROWS * in / 2 + 4 * l;
+        float *d = w + o * in;
+        for (int64_t j = 0; j < groups; j++) {
+            float sc = s[at + j * TILE_ROWS], mn = m ? m[at + j * TILE_ROWS] : 0.0f;
+            for (int64_t i = j * g; i < (j + 1) * g; i += 8) {
+                uint32_t v;
+                memcpy(&v, r + i / 8 * TILE_ROWS * 4, 4);
+#if defined(__AVX2__) && defined(__FMA__) /* the 8 nibbles side by side, as int4_value reads each */
+                __m256i n = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)v), nibble_shifts), _mm256_set1_epi32(15));
+                __m256i c = _mm256_sub_epi32(_mm256_xor_si256(n, _mm256_set1_epi32(8)), _mm256_set1_epi32(8));
+                _mm256_storeu_ps(d + i, _mm256_fmadd_ps(_mm256_set1_ps(sc), _mm256_cvtepi32_ps(c), _mm256_set1_ps(mn)));
+#else
+                for (int k = 0; k < 8; k++) d[i + k] = sc * (float)int4_value(v >> (4 * k)) + mn;
+#endif
+            }
+        }
     }
 }
 
@@ -961,6 +1064,7 @@ typedef struct {
     int64_t out, in, group;
     int64_t mode;         /* 0 float, 8 int8, 5 int5 (a GGUF's Q5 blocks), 4 int4 */
     int64_t act;          /* codes' products: 0 with float32 activations, 8 with int8 ones (kv_matvec_q8x, ...) */
+    int64_t tiles;        /* int4 codes in tiles of this many rows (kv_matvec_q4t), 0 in rows */
 } kv_linear;
 
 typedef struct {
@@ -975,6 +1079,7 @@ static void quant_matvec(const kv_linear *l, const float *x, float *y, int nt) {
     product f = l->mode == 8 ? (l->act ? (product)kv_matvec_q8x : (product)kv_matvec_q8)
                 : l->mode == 5 ? (l->act ? (product)kv_matvec_q5x : (product)kv_matvec_q5)
                                : (l->act ? (product)kv_matvec_q4x : (product)kv_matvec_q4);
+    if (l->tiles) f = (product)kv_matvec_q4t;
     f(l->w, l->scales, l->mins, x, y, l->out, l->in, l->group, nt);
 }
 

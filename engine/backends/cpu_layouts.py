@@ -96,8 +96,8 @@ class KernelLinear(nn.Linear):
         return many_rows_linear(x, self.weight, self.bias)
 
     def kernel_operands(self, kernels):
-        """(weight, scales, mins, bias, group, bits) as the one-call decode step reads them, when it can."""
-        return (self.weight, None, None, self.bias, self.in_features, 0) if kernels is self.kernels else None
+        """(weight, scales, mins, bias, group, bits, tiles) as the one-call decode step reads them, when it can."""
+        return (self.weight, None, None, self.bias, self.in_features, 0, 0) if kernels is self.kernels else None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, kernels) -> KernelLinear:

@@ -87,6 +87,7 @@ class _Linear(ctypes.Structure):  # kv_linear in cpu_kernels.c
         ("group", ctypes.c_int64),
         ("mode", ctypes.c_int64),
         ("act", ctypes.c_int64),
+        ("tiles", ctypes.c_int64),
     ]
 
 
@@ -130,10 +131,10 @@ class DecodeLayers:
             operands = getattr(m, "kernel_operands", lambda _: None)(kernels)
             if operands is None or (operands[5] == 0 and operands[0].dtype != self.dtype):
                 raise ValueError(f"{type(m).__name__} has no kernel layout")
-            w, scales, mins, bias, group, bits = operands
+            w, scales, mins, bias, group, bits, tiles = operands
             act = 8 if getattr(m, "activations", "float32") == "int8" else 0
             return _Linear(
-                addr(w), addr(scales), addr(mins), addr(bias), m.out_features, m.in_features, group, bits, act
+                addr(w), addr(scales), addr(mins), addr(bias), m.out_features, m.in_features, group, bits, act, tiles
             )
 
         for layer, block in zip(self.layers, model.layers):

@@ -34,6 +34,7 @@ from ..quant import (
     pack_int4,
     pack_int5,
     quantize,
+    tile,
 )
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
@@ -137,10 +138,15 @@ class Kernels:
             mode: self._declare(name.replace("matvec", "dequant"), [p, p, p, p, i64, i64, i64, i32])
             for mode, name in QUANT_FUNCS.items()
         }
+        self._tiled = self._declare("kv_matvec_q4t", [p, p, p, p, p, i64, i64, i64, i32])
+        self._tiled_dequant = self._declare("kv_dequant_q4t", [p, p, p, p, i64, i64, i64, i32])
+        self.lib.kv_int4_tile_rows.restype = ctypes.c_int
         with torch.inference_mode():
             self.dtypes = frozenset(d for d in self._float if self._agrees(d))
             self.modes = frozenset(m for m in self._quant if self._quant_agrees(m))
             self.integer_modes = frozenset(m for m in self.modes if self._quant_agrees(m, "int8"))
+            rows = self.lib.kv_int4_tile_rows()  # 0 where rows are as fast (no 16-lane vectors)
+            self.int4_tile_rows = rows if rows and "int4" in self.modes and self._tiles_agree(rows) else 0
 
     @staticmethod
     def _memory(*tensors: torch.Tensor | None) -> list[int | None]:
@@ -171,15 +177,21 @@ class Kernels:
         group: int,
         mins: torch.Tensor | None = None,
         activations: str = "float32",
+        tiled: bool = False,
     ) -> torch.Tensor:
         """codes [out, in] int8 or [out, in/2] uint8 (int4, two a byte), scales [out, in/g] float32 (and
         offsets `mins` [out, in/g] float32: weights s · q + m), x [in] float32 -> y [out] float32.
         `activations="int8"`: x quantized per block of 32 and integer dot products (engine.quant.integer_product)
-        where in and g are whole blocks; the float32 product otherwise."""
+        where in and g are whole blocks; the float32 product otherwise. `tiled`: int4 codes, scales and
+        offsets in tiles of `int4_tile_rows` rows (engine.backends.quantized.tile)."""
         check_activations(activations)
-        out, n = scales.shape[0], x.numel()
+        n = x.numel()
+        out = scales.numel() * group // n
         y = torch.empty(out, dtype=torch.float32)
-        fn = self._quant[mode] if activations == "float32" else self._integer[mode]
+        if tiled:  # int4 codes, scales and offsets in tiles of rows (tile_rows): float32 activations only
+            fn = self._tiled
+        else:
+            fn = self._quant[mode] if activations == "float32" else self._integer[mode]
         fn(*self._memory(codes, scales, mins, x.contiguous(), y), out, n, group, torch.get_num_threads())
         return y
 
@@ -221,12 +233,14 @@ class Kernels:
         group: int,
         into: torch.Tensor | None = None,
         mins: torch.Tensor | None = None,
+        tiled: bool = False,
     ) -> torch.Tensor:
         """The float32 weight [out, in] = s · q (+ m) of int8 codes or int4 codes two a byte, in one pass
-        (into `into` when given: a float32 [out, in] buffer)."""
-        out = scales.shape[0]
+        (into `into` when given: a float32 [out, in] buffer); `tiled`: int4 in tiles of rows, as qmatvec."""
+        out = scales.numel() * group // in_features
         w = torch.empty(out, in_features, dtype=torch.float32) if into is None else into
-        self._dequant[mode](*self._memory(codes, scales, mins, w), out, in_features, group, torch.get_num_threads())
+        fn = self._tiled_dequant if tiled else self._dequant[mode]
+        fn(*self._memory(codes, scales, mins, w), out, in_features, group, torch.get_num_threads())
         return w
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -335,6 +349,25 @@ class Kernels:
             mins = torch.randn(scales.shape, generator=g)  # offsets: weights s · q + m
             if not all(self._codes_agree(mode, stored, codes, scales, x, group, m, activations) for m in (None, mins)):
                 return False
+        return True
+
+    def _tiles_agree(self, rows: int) -> bool:
+        """The tiled int4 product and dequantization against the row layout's definition."""
+        g = torch.Generator().manual_seed(1)
+        for out, n, group in ((rows, 64, 32), (3 * rows, 576, 64), (2 * rows, 96, 8), (rows, 160, 160)):
+            w, x = torch.randn(out, n, generator=g), torch.randn(n, generator=g)
+            codes, scales = quantize(w, "int4", group)
+            mins = torch.randn(scales.shape, generator=g)
+            for m in (None, mins):
+                want_w = dequantize(codes, scales, mins=m)
+                want = want_w @ x
+                stored = [tile(t, rows, unit) for t, unit in ((pack_int4(codes), 4), (scales, 1), (m, 1))]
+                got = self.qmatvec("int4", stored[0], stored[1], x, group, stored[2], tiled=True)
+                if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
+                    return False
+                mine = self.dequantize("int4", stored[0], stored[1], n, group, mins=stored[2], tiled=True)
+                if not torch.allclose(mine, want_w, rtol=2**-22, atol=2**-22):
+                    return False
         return True
 
     def _int5_agrees(self, g: torch.Generator, activations: str) -> bool:

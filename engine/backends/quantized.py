@@ -24,8 +24,10 @@ from ..quant import (
     pack_int4,
     quantize,
     storage_bytes,
+    tile,
     unpack_int4,
     unpack_int5,
+    untile,
 )
 from . import kernels as kernel_library
 from .cpu_layouts import many_rows_linear, weight_scratch
@@ -57,6 +59,7 @@ class QuantLinear(nn.Module):
     """
 
     activations = "float32"
+    tiles = 0  # rows in a tile of the kernels' decode layout (use_tiles); 0: codes in rows
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mode: str, group_size: int):
         """weight [N, K]; or a row source with `shape`, `dtype`, `device` and `row_chunks()` yielding
@@ -147,16 +150,41 @@ class QuantLinear(nn.Module):
             return False
 
     def kernel_operands(self, kernels):
-        """(codes, scales, mins, bias, group, bits) as the one-call decode step reads them, when it can."""
+        """(codes, scales, mins, bias, group, bits, tiles) as the one-call decode step reads them, when it can."""
         if kernels is not self.decoder:
             return None
-        return self.codes, self.scales, self.mins, self.bias, self.group_size, BITS[self.mode]
+        return self.codes, self.scales, self.mins, self.bias, self.group_size, BITS[self.mode], self.tiles
+
+    def tiles_fit(self) -> bool:
+        """Whether the kernels have a tiled layout for this layer: int4 codes with float32 activations, whole
+        tiles of rows and groups of whole 8-input steps."""
+        rows = 0 if self.decoder is None else self.decoder.int4_tile_rows
+        return (
+            bool(rows)
+            and not self.tiles
+            and self.mode == "int4"
+            and self.activations == "float32"
+            and self.out_features % rows == 0
+            and self.group_size % 8 == 0
+        )
+
+    def use_tiles(self) -> None:
+        """Hold codes, scales and offsets in the kernels' tiles of rows (engine.quant.tile): a one-row product
+        then multiplies a row per vector lane. Everything that reads them back sees rows (_in_rows)."""
+        rows = self.decoder.int4_tile_rows
+        self.codes = tile(self.codes, rows, 4)  # [N/16, 16·K/2]: 4 bytes (8 inputs) of each row in turn
+        self.scales, self.mins = tile(self.scales, rows, 1), tile(self.mins, rows, 1)  # [N/16, 16·K/g]
+        self.tiles = rows
+
+    def _in_rows(self, t: torch.Tensor | None, unit: int) -> torch.Tensor | None:
+        """A stored tensor in rows, [N, ...] (untiled when tiles hold it)."""
+        return untile(t, self.tiles, unit) if self.tiles else t
 
     def scale_values(self) -> torch.Tensor:
         """[N, K/g] float32, the scales the layer computes with."""
         if self.kernel == "int4pack":
             return self.scales_and_zeros[..., 0].t().float()
-        return self.scales
+        return self._in_rows(self.scales, 1)
 
     @property
     def coded_values(self) -> int:
@@ -166,7 +194,7 @@ class QuantLinear(nn.Module):
     @property
     def storage_bytes(self) -> int:
         groups = self.out_features * self.in_features // self.group_size
-        offsets = 0 if self.mins is None else self.mins.numel() * self.mins.element_size()
+        offsets = 0 if self.mins is None else self.mins.numel() * self.mins.element_size()  # tiled or not
         return storage_bytes(self.out_features * self.in_features, self.mode, groups) + offsets
 
     def weight_codes(self) -> torch.Tensor:
@@ -176,11 +204,11 @@ class QuantLinear(nn.Module):
             ones = torch.zeros_like(self.scales_and_zeros)
             ones[..., 0] = 1
             return _int4pack_mm(eye, self.codes, self.group_size, ones).t().round().to(torch.int8)
-        return self._unpacked(self.codes)
+        return self._unpacked(self._in_rows(self.codes, 4))
 
     def row_codes(self, rows: torch.Tensor) -> torch.Tensor:
         """[..., K] int8 codes of the rows `rows` [...] (an embedding's lookup: only those rows unpacked)."""
-        if self.kernel == "int4pack":
+        if self.kernel == "int4pack" or self.tiles:
             return self.weight_codes()[rows]
         return self._unpacked(self.codes[rows])
 
@@ -192,10 +220,14 @@ class QuantLinear(nn.Module):
 
     def _kernel_weight(self, into: torch.Tensor | None = None, a: int = 0, b: int | None = None) -> torch.Tensor:
         """Rows a:b (all by default) as float32 s · q, [b - a, K], in one pass in C (into `into` when
-        given): what prefill multiplies by."""
+        given): what prefill multiplies by. Tiled, a and b are whole tiles (or b the last row)."""
+        t = self.tiles or 1
+        a, b = a // t, None if b is None else -(-b // t)  # rows -> tiles
         codes, scales = self.codes[a:b], self.scales[a:b]
         mins = None if self.mins is None else self.mins[a:b]
-        return self.decoder.dequantize(self.mode, codes, scales, self.in_features, self.group_size, into, mins)
+        return self.decoder.dequantize(
+            self.mode, codes, scales, self.in_features, self.group_size, into, mins, tiled=bool(self.tiles)
+        )
 
     def dequantized_weight(self, dtype=None) -> torch.Tensor:
         dtype = dtype or self.compute_dtype
@@ -206,7 +238,14 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.decoder is not None and x.numel() == self.in_features:  # one row: decode
             y = self.decoder.qmatvec(
-                self.mode, self.codes, self.scales, x.reshape(-1).float(), self.group_size, self.mins, self.activations
+                self.mode,
+                self.codes,
+                self.scales,
+                x.reshape(-1).float(),
+                self.group_size,
+                self.mins,
+                self.activations,
+                tiled=bool(self.tiles),
             )
             y = y.view(*x.shape[:-1], self.out_features).to(x.dtype)
             return y if self.bias is None else y + self.bias
@@ -219,7 +258,8 @@ class QuantLinear(nn.Module):
                 y = _int4pack_mm(xk, self.codes, self.group_size, self.scales_and_zeros)
             y = y.reshape(*shape[:-1], self.out_features).to(x.dtype)
             return y if self.bias is None else y + self.bias
-        rows = max(1, SCRATCH_VALUES // self.in_features)  # weight rows dequantized at a time
+        t = self.tiles or 1
+        rows = -(-max(1, SCRATCH_VALUES // self.in_features) // t) * t  # weight rows dequantized at a time
         if rows >= self.out_features:
             return many_rows_linear(x, self._float_rows(0, self.out_features, x.dtype), self.bias)
         y = x.new_empty(*x.shape[:-1], self.out_features)  # [..., N], filled a slice of outputs at a time
@@ -234,7 +274,7 @@ class QuantLinear(nn.Module):
         """Weight rows a:b as s · q in dtype, [b - a, K]: with the kernels, dequantized in one pass into
         a reused buffer (float32, cast if the activations are not)."""
         if self.decoder is not None:
-            w = self._kernel_weight(weight_scratch((b - a, self.in_features)), a, b)
+            w = self._kernel_weight(weight_scratch((b - a, self.in_features)), a, b)  # whole tiles: see forward
             return w if dtype == torch.float32 else w.to(dtype)
         codes = self._unpacked(self.codes[a:b])
         return dequantize(codes, self.scales[a:b], dtype, None if self.mins is None else self.mins[a:b])
@@ -271,6 +311,19 @@ def use_integer_activations(model: nn.Module) -> int:
             m.activations = "int8"
             switched += 1
     return switched
+
+
+def use_int4_tiles(model: nn.Module) -> int:
+    """Lay every int4 layer whose one-row products take float32 activations out in the kernels' tiles, where
+    they have them (QuantLinear.tiles_fit); embedding tables stay in rows, which their lookups gather.
+    Returns how many layers were tiled."""
+    tables = {id(m.table) for m in model.modules() if isinstance(m, QuantEmbedding)}
+    tiled = 0
+    for m in model.modules():
+        if isinstance(m, QuantLinear) and id(m) not in tables and m.tiles_fit():
+            m.use_tiles()
+            tiled += 1
+    return tiled
 
 
 def quantize_model(model: nn.Module, mode: str, group_size: int) -> int:

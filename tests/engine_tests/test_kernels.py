@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from checkpoints import make_checkpoint
-from engine.backends import kernels
+from engine.backends import kernels, quantized
 from engine.backends.cpu_layouts import KernelHead, KernelLinear, PackedLinear
 from engine.backends.decode_step import KernelAttention, KernelRMSNorm
 from engine.backends.quantized import QuantLinear
@@ -21,7 +21,7 @@ from engine.errors import ModelLoadError
 from engine.kv_cache import KVCache
 from engine.loader import load_model
 from engine.model import Attention, RMSNorm
-from engine.quant import dequantize, integer_product, pack_int4, pack_int5, quantize
+from engine.quant import PreQuantized, dequantize, integer_product, pack_int4, pack_int5, quantize
 
 K = kernels.load()
 needs_kernels = pytest.mark.skipif(K is None, reason=f"no kernels here: {kernels.status()}")
@@ -44,6 +44,7 @@ def test_kernels_build_and_serve_every_type():
     assert K.dtypes == {torch.float32, torch.bfloat16, torch.float16} and K.modes == {"int8", "int4", "int5"}
     assert K.integer_modes == K.modes and f"int8 activations: {K.int_isa}" in kernels.status()
     assert kernels.status().startswith("kvchat kernels (")
+    assert K.int4_tile_rows == (16 if K.isa == "avx512" else 0)  # a 16-lane build's tiles pass their check
     assert len(kernels._openmp_runtimes()) == 1  # torch's OpenMP pool, shared
 
 
@@ -203,6 +204,8 @@ def test_quantized_layers_decode_through_the_kernels(llama_dir, weights, group, 
     else:
         want = F.linear(x.float(), ql.dequantized_weight(torch.float32))
     close(ql(x).reshape(-1), want.reshape(-1), 1e-5 if dtype == "float32" else 1e-2)
+    tiled = weights == "int4" and activations == "float32" and K.int4_tile_rows  # 16-row tiles, 16-lane vectors
+    assert ql.tiles == (K.int4_tile_rows if tiled else 0)
     cfg, model = loaded.config, loaded.model
     prompt = torch.arange(5, 17)[None]
     caches = [KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 40, loaded.dtype, "cpu") for _ in range(2)]
@@ -211,6 +214,38 @@ def test_quantized_layers_decode_through_the_kernels(llama_dir, weights, group, 
     model.decode_step = None
     modules = _decode(model, caches[1], prompt, 12)  # module by module
     close(fast, modules, 1e-5 if dtype == "float32" else 2e-2)
+
+
+@needs_kernels
+@pytest.mark.skipif(not (K and K.int4_tile_rows), reason="int4 tiles need the 16-lane (AVX-512) kernels")
+@pytest.mark.parametrize("offsets", [False, True])
+def test_int4_tiles_hold_the_same_weight_as_rows(offsets):
+    """A layer laid out in the kernels' tiles of 16 rows reads back the same codes and scales, dequantizes
+    to the same weight for prefill (in chunks of whole tiles) and multiplies one row as the row layout does."""
+    g = torch.Generator().manual_seed(3)
+    n, k, group = 48, 160, 32
+    codes = torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8)
+    scales = torch.rand(n, k // group, generator=g) + 0.1
+    mins = torch.randn(n, k // group, generator=g) if offsets else None
+    pre = PreQuantized(codes, scales, "int4", group, torch.float32, mins)
+    rows, tiles = QuantLinear.from_codes(pre), QuantLinear.from_codes(pre)
+    assert rows.tiles_fit()
+    tiles.use_tiles()
+    assert tiles.tiles == 16 and not tiles.tiles_fit() and tuple(tiles.codes.shape) == (n // 16, 16 * k // 2)
+    assert not torch.equal(tiles.codes.view(-1), rows.codes.view(-1))  # the bytes did move
+    assert torch.equal(tiles.weight_codes(), codes) and torch.equal(tiles.scale_values(), scales)
+    assert tiles.storage_bytes == rows.storage_bytes
+    want_w = dequantize(codes, scales, mins=mins)
+    torch.testing.assert_close(tiles.dequantized_weight(torch.float32), want_w, rtol=2**-22, atol=2**-22)
+    x = torch.randn(1, 1, k, generator=g)
+    close(tiles(x).reshape(-1), (want_w @ x.reshape(-1)), 1e-5)
+    many = torch.randn(1, 7, k, generator=g)
+    torch.testing.assert_close(tiles(many), rows(many))  # prefill: dequantized rows, then one product
+    quantized.SCRATCH_VALUES, kept = 20 * k, quantized.SCRATCH_VALUES  # 20 rows a chunk: rounded up to 32
+    try:
+        torch.testing.assert_close(tiles(many), rows(many))
+    finally:
+        quantized.SCRATCH_VALUES = kept
 
 
 @needs_kernels
@@ -294,6 +329,7 @@ def test_no_kernels_is_said_and_the_model_still_runs(tmp_path, llama_dir, env, s
     [
         ((), None),
         (("-mno-avx512vnni",), None),  # AVX-512 without VNNI: the 256-bit integer products
+        (("-mno-avx512vbmi",), None),  # AVX-512 without VBMI: int4 tiles' nibbles by shifts only
         (("-mno-avx512f",), "avx2"),
         (("-mno-avx512f", "-mno-avxvnni"), "avx2"),  # AVX2 without any VNNI: vpmaddubsw
         (("-mno-avx512f", "-mno-avx2", "-mno-fma"), "generic"),
@@ -312,6 +348,8 @@ def test_each_instruction_set_variant_agrees_with_torch(tmp_path, flags, isa):
         assert k.isa == isa
     assert k.dtypes == {torch.float32, torch.bfloat16, torch.float16} and k.modes == {"int8", "int4", "int5"}
     assert k.integer_modes == k.modes
+    assert k.int4_tile_rows == (16 if k.isa == "avx512" else 0)
+    assert k._tiles_agree(16)  # the tiled product's plain-C and AVX2 bodies too (only AVX-512 builds use it)
     if "-mno-avxvnni" in flags or isa == "generic":
         assert k.int_isa == isa
     elif isa is None and "avx512_vnni" in cpu and "-mno-avx512vnni" not in flags:
