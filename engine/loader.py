@@ -601,9 +601,11 @@ class LoadedModel:
     def decode_kernels(self) -> str:
         """What runs the one-row products of decode: kvchat's CPU kernels, or torch (and why)."""
         if self.kernels is not None:
+            tiles = max((m.tiles for m in self.model.modules() if isinstance(m, QuantLinear)), default=0)
+            tiled = f"; int4 in {tiles}-row tiles" if tiles else ""
             if self.activations == "int8":
-                return f"kvchat ({self.kernels.isa}; int8 activations: {self.kernels.int_isa})"
-            return f"kvchat ({self.kernels.isa})"
+                return f"kvchat ({self.kernels.isa}; int8 activations: {self.kernels.int_isa}{tiled})"
+            return f"kvchat ({self.kernels.isa}{tiled})"
         if self.device.type != "cpu":
             return f"torch ({self.device.type})"
         return kernel_library.status()

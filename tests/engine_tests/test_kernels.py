@@ -206,6 +206,7 @@ def test_quantized_layers_decode_through_the_kernels(llama_dir, weights, group, 
     close(ql(x).reshape(-1), want.reshape(-1), 1e-5 if dtype == "float32" else 1e-2)
     tiled = weights == "int4" and activations == "float32" and K.int4_tile_rows  # 16-row tiles, 16-lane vectors
     assert ql.tiles == (K.int4_tile_rows if tiled else 0)
+    assert ("int4 in 16-row tiles" in loaded.decode_kernels) == bool(tiled)  # what the panel's row says
     cfg, model = loaded.config, loaded.model
     prompt = torch.arange(5, 17)[None]
     caches = [KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 40, loaded.dtype, "cpu") for _ in range(2)]
