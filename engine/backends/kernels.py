@@ -183,12 +183,14 @@ class Kernels:
         offsets `mins` [out, in/g] float32: weights s · q + m), x [in] float32 -> y [out] float32.
         `activations="int8"`: x quantized per block of 32 and integer dot products (engine.quant.integer_product)
         where in and g are whole blocks; the float32 product otherwise. `tiled`: int4 codes, scales and
-        offsets in tiles of `int4_tile_rows` rows (engine.backends.quantized.tile)."""
+        offsets in tiles of `int4_tile_rows` rows (engine.quant.tile), float32 activations only."""
         check_activations(activations)
         n = x.numel()
         out = scales.numel() * group // n
         y = torch.empty(out, dtype=torch.float32)
-        if tiled:  # int4 codes, scales and offsets in tiles of rows (tile_rows): float32 activations only
+        if tiled:
+            if mode != "int4" or activations != "float32":
+                raise ValueError("tiles hold int4 codes multiplied by float32 activations")
             fn = self._tiled
         else:
             fn = self._quant[mode] if activations == "float32" else self._integer[mode]

@@ -304,10 +304,11 @@ class QuantEmbedding(nn.Module):
 
 def use_integer_activations(model: nn.Module) -> int:
     """Switch every quantized layer whose kernels can to int8 activations in its one-row products (decode);
-    returns how many did. Products of many rows (prefill's) are unchanged: dequantized weights by float activations."""
+    returns how many did. Products of many rows (prefill's) are unchanged: dequantized weights by float activations.
+    Layers already in int4 tiles (use_int4_tiles, which the loader calls after this) keep float32 ones."""
     switched = 0
     for m in model.modules():
-        if isinstance(m, QuantLinear) and m.decoder is not None and m.mode in m.decoder.integer_modes:
+        if isinstance(m, QuantLinear) and m.decoder is not None and m.mode in m.decoder.integer_modes and not m.tiles:
             m.activations = "int8"
             switched += 1
     return switched

@@ -242,6 +242,9 @@ def test_int4_tiles_hold_the_same_weight_as_rows(offsets):
     close(tiles(x).reshape(-1), (want_w @ x.reshape(-1)), 1e-5)
     many = torch.randn(1, 7, k, generator=g)
     torch.testing.assert_close(tiles(many), rows(many))  # prefill: dequantized rows, then one product
+    assert quantized.use_integer_activations(tiles) == 0 and tiles.activations == "float32"  # tiles keep float32
+    with pytest.raises(ValueError, match="float32 activations"):
+        K.qmatvec("int4", tiles.codes, tiles.scales, x.reshape(-1), group, tiles.mins, "int8", tiled=True)
     quantized.SCRATCH_VALUES, kept = 20 * k, quantized.SCRATCH_VALUES  # 20 rows a chunk: rounded up to 32
     try:
         torch.testing.assert_close(tiles(many), rows(many))
