@@ -526,7 +526,7 @@ def _build_model(
         progress((i + 2) / steps)
     if activations == "int8" and use_integer_activations(model):
         model.activations = "int8"
-    use_int4_tiles(model)  # the layers left with float32 activations
+    use_int4_tiles(model)
     if kern is not None:
         use_kernels(model, kern)
     return model.eval().requires_grad_(False)

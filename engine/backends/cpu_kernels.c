@@ -896,6 +896,67 @@ void kv_matvec_q5x(const uint8_t *q, const float *s, const float *m, const float
 }
 const char *kv_int_isa(void) { return XQ_ISA; }
 
+/* int4 tiles (kv_matvec_q4t's layout) against int8 activations, where 512-bit VNNI runs them: a lane is a row, a
+ * 64-byte load holds 8 inputs of 16 rows, and its low nibbles (the even inputs) and high ones (the odd) enter
+ * vpdpbusd as q + 8 against x's codes of those inputs broadcast, four to a lane; each block of 32 inputs starts
+ * its lanes from -8 · (its codes' sum) and ends in one FMA with d · s for 16 rows. */
+#if KV_LANES == 16 && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define INT_TILES 1
+static void int_matvec_q4t(const uint8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
+                           int64_t in, int64_t g, int nt) {
+    int64_t np = (in + XQ_PAD - 1) / XQ_PAD * XQ_PAD, groups = in / g, blocks = in / XQ_BLOCK, tiles = out / TILE_ROWS;
+    int8_t c[np];
+    int32_t neg[np / 4], halves[in / 4], block_neg[blocks]; /* halves: each 8 inputs' even codes, then odd ones */
+    float d[np / 4], block_d[blocks], xs[groups];
+    quantize_x(x, in, 8, ORDER_PLAIN, c, neg, d);
+    for (int64_t i = 0; i < in; i += 8) {
+        int8_t h[8] = {c[i], c[i + 2], c[i + 4], c[i + 6], c[i + 1], c[i + 3], c[i + 5], c[i + 7]};
+        memcpy(halves + i / 4, h, 8);
+    }
+    for (int64_t b = 0; b < blocks; b++) {
+        block_neg[b] = 0;
+        for (int l = 0; l < XQ_BLOCK / 4; l++) block_neg[b] += neg[b * XQ_BLOCK / 4 + l];
+        block_d[b] = d[b * XQ_BLOCK / 4];
+    }
+    if (m) group_sums(x, xs, groups, g);
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const uint8_t *r = q + t * TILE_ROWS * in / 2;
+        const float *st = s + t * TILE_ROWS * groups;
+        vf acc = vzero();
+        for (int64_t b = 0; b < blocks; b++) {
+            __m512i p = _mm512_set1_epi32(block_neg[b]);
+            for (int64_t i = b * XQ_BLOCK; i < (b + 1) * XQ_BLOCK; i += 8) {
+                const uint8_t *rb = r + i * TILE_ROWS / 2;
+                PREFETCH(rb);
+                __m512i v = _mm512_loadu_si512(rb);
+                p = _mm512_dpbusd_epi32(p, LOW_NIBBLES_XOR(v, 8), _mm512_set1_epi32(halves[i / 4]));
+                p = _mm512_dpbusd_epi32(p, LOW_NIBBLES_XOR(_mm512_srli_epi32(v, 4), 8), _mm512_set1_epi32(halves[i / 4 + 1]));
+            }
+            acc = vfma(_mm512_cvtepi32_ps(p), vmul(vload(st + b * XQ_BLOCK / g * TILE_ROWS), vset1(block_d[b])), acc);
+        }
+        if (m)
+            for (int64_t j = 0; j < groups; j++) acc = vfma(vload(m + (t * groups + j) * TILE_ROWS), vset1(xs[j]), acc);
+        _mm_storeu_acc(y + t * TILE_ROWS, acc);
+    }
+}
+#else
+#define INT_TILES 0
+#endif
+int kv_int4_integer_tiles(void) { return INT_TILES && kv_int4_tile_rows(); }
+
+/* The exported tiled product with int8 activations: integer where it runs and the shape fits, the float one otherwise. */
+void kv_matvec_q4tx(const uint8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
+                    int64_t in, int64_t g, int nt) {
+#if INT_TILES
+    if (int_products_fit(in, g)) {
+        int_matvec_q4t(q, s, m, x, y, out, in, g, nt);
+        return;
+    }
+#endif
+    kv_matvec_q4t(q, s, m, x, y, out, in, g, nt);
+}
+
 /* ---- The rest of a decode step: RMSNorm and attention for one position (B = 1) ----
  * Each exists for float32, bfloat16 and float16 storage, computes in float32 and rounds where torch's
  * eager code rounds (after the norm, after the rotation), so decode matches prefill's torch path. */
@@ -1079,7 +1140,7 @@ static void quant_matvec(const kv_linear *l, const float *x, float *y, int nt) {
     product f = l->mode == 8 ? (l->act ? (product)kv_matvec_q8x : (product)kv_matvec_q8)
                 : l->mode == 5 ? (l->act ? (product)kv_matvec_q5x : (product)kv_matvec_q5)
                                : (l->act ? (product)kv_matvec_q4x : (product)kv_matvec_q4);
-    if (l->tiles) f = (product)kv_matvec_q4t;
+    if (l->tiles) f = l->act ? (product)kv_matvec_q4tx : (product)kv_matvec_q4t;
     f(l->w, l->scales, l->mins, x, y, l->out, l->in, l->group, nt);
 }
 

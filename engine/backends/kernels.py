@@ -139,14 +139,21 @@ class Kernels:
             for mode, name in QUANT_FUNCS.items()
         }
         self._tiled = self._declare("kv_matvec_q4t", [p, p, p, p, p, i64, i64, i64, i32])
+        self._tiled_integer = self._declare("kv_matvec_q4tx", [p, p, p, p, p, i64, i64, i64, i32])
         self._tiled_dequant = self._declare("kv_dequant_q4t", [p, p, p, p, i64, i64, i64, i32])
-        self.lib.kv_int4_tile_rows.restype = ctypes.c_int
+        self.lib.kv_int4_tile_rows.restype = self.lib.kv_int4_integer_tiles.restype = ctypes.c_int
         with torch.inference_mode():
             self.dtypes = frozenset(d for d in self._float if self._agrees(d))
             self.modes = frozenset(m for m in self._quant if self._quant_agrees(m))
             self.integer_modes = frozenset(m for m in self.modes if self._quant_agrees(m, "int8"))
             rows = self.lib.kv_int4_tile_rows()  # 0 where rows are as fast (no 16-lane vectors)
             self.int4_tile_rows = rows if rows and "int4" in self.modes and self._tiles_agree(rows) else 0
+            self.int4_integer_tiles = bool(  # the tiles' integer products with int8 activations (512-bit VNNI)
+                self.int4_tile_rows
+                and self.lib.kv_int4_integer_tiles()
+                and "int4" in self.integer_modes
+                and self._tiles_agree(rows, "int8")
+            )
 
     @staticmethod
     def _memory(*tensors: torch.Tensor | None) -> list[int | None]:
@@ -183,15 +190,15 @@ class Kernels:
         offsets `mins` [out, in/g] float32: weights s · q + m), x [in] float32 -> y [out] float32.
         `activations="int8"`: x quantized per block of 32 and integer dot products (engine.quant.integer_product)
         where in and g are whole blocks; the float32 product otherwise. `tiled`: int4 codes, scales and
-        offsets in tiles of `int4_tile_rows` rows (engine.quant.tile), float32 activations only."""
+        offsets in tiles of `int4_tile_rows` rows (engine.quant.tile); int8 activations where `int4_integer_tiles`."""
         check_activations(activations)
         n = x.numel()
         out = scales.numel() * group // n
         y = torch.empty(out, dtype=torch.float32)
         if tiled:
-            if mode != "int4" or activations != "float32":
-                raise ValueError("tiles hold int4 codes multiplied by float32 activations")
-            fn = self._tiled
+            if mode != "int4" or not (activations == "float32" or self.int4_integer_tiles):
+                raise ValueError("these kernels' tiles hold int4 codes multiplied by float32 activations")
+            fn = self._tiled if activations == "float32" else self._tiled_integer
         else:
             fn = self._quant[mode] if activations == "float32" else self._integer[mode]
         fn(*self._memory(codes, scales, mins, x.contiguous(), y), out, n, group, torch.get_num_threads())
@@ -353,8 +360,8 @@ class Kernels:
                 return False
         return True
 
-    def _tiles_agree(self, rows: int) -> bool:
-        """The tiled int4 product and dequantization against the row layout's definition."""
+    def _tiles_agree(self, rows: int, activations: str = "float32") -> bool:
+        """The tiled int4 product (at `activations`) and dequantization against the row layout's definition."""
         g = torch.Generator().manual_seed(1)
         for out, n, group in ((rows, 64, 32), (3 * rows, 576, 64), (2 * rows, 96, 8), (rows, 160, 160)):
             w, x = torch.randn(out, n, generator=g), torch.randn(n, generator=g)
@@ -363,10 +370,16 @@ class Kernels:
             for m in (None, mins):
                 want_w = dequantize(codes, scales, mins=m)
                 want = want_w @ x
+                if activations != "float32" and n % ACTIVATION_BLOCK == 0 and group % ACTIVATION_BLOCK == 0:
+                    want = integer_product(codes, scales, x, m).float()
                 stored = [tile(t, rows, unit) for t, unit in ((pack_int4(codes), 4), (scales, 1), (m, 1))]
-                got = self.qmatvec("int4", stored[0], stored[1], x, group, stored[2], tiled=True)
+                got = torch.empty(out)  # the C function itself: qmatvec serves what this check has passed
+                product = self._tiled if activations == "float32" else self._tiled_integer
+                product(*self._memory(*stored, x, got), out, n, group, torch.get_num_threads())
                 if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
                     return False
+                if activations != "float32":
+                    continue  # the dequantization is the float tiles', checked there
                 mine = self.dequantize("int4", stored[0], stored[1], n, group, mins=stored[2], tiled=True)
                 if not torch.allclose(mine, want_w, rtol=2**-22, atol=2**-22):
                     return False

@@ -156,14 +156,14 @@ class QuantLinear(nn.Module):
         return self.codes, self.scales, self.mins, self.bias, self.group_size, BITS[self.mode], self.tiles
 
     def tiles_fit(self) -> bool:
-        """Whether the kernels have a tiled layout for this layer: int4 codes with float32 activations, whole
-        tiles of rows and groups of whole 8-input steps."""
+        """Whether the kernels have a tiled layout for this layer: int4 codes with float32 activations (or int8
+        ones where the kernels have the tiles' integer products), whole tiles of rows, groups of whole 8-input steps."""
         rows = 0 if self.decoder is None else self.decoder.int4_tile_rows
         return (
             bool(rows)
             and not self.tiles
             and self.mode == "int4"
-            and self.activations == "float32"
+            and (self.activations == "float32" or self.decoder.int4_integer_tiles)
             and self.out_features % rows == 0
             and self.group_size % 8 == 0
         )
@@ -305,18 +305,24 @@ class QuantEmbedding(nn.Module):
 def use_integer_activations(model: nn.Module) -> int:
     """Switch every quantized layer whose kernels can to int8 activations in its one-row products (decode);
     returns how many did. Products of many rows (prefill's) are unchanged: dequantized weights by float activations.
-    Layers already in int4 tiles (use_int4_tiles, which the loader calls after this) keep float32 ones."""
+    Layers already in int4 tiles (use_int4_tiles, which the loader calls after this) switch where the kernels
+    have the tiles' integer products (int4_integer_tiles), and keep float32 ones otherwise."""
     switched = 0
     for m in model.modules():
-        if isinstance(m, QuantLinear) and m.decoder is not None and m.mode in m.decoder.integer_modes and not m.tiles:
+        if (
+            isinstance(m, QuantLinear)
+            and m.decoder is not None
+            and m.mode in m.decoder.integer_modes
+            and (not m.tiles or m.decoder.int4_integer_tiles)
+        ):
             m.activations = "int8"
             switched += 1
     return switched
 
 
 def use_int4_tiles(model: nn.Module) -> int:
-    """Lay every int4 layer whose one-row products take float32 activations out in the kernels' tiles, where
-    they have them (QuantLinear.tiles_fit); embedding tables stay in rows, which their lookups gather.
+    """Lay every int4 layer out in the kernels' tiles where they have them for its activations
+    (QuantLinear.tiles_fit); embedding tables stay in rows, which their lookups gather.
     Returns how many layers were tiled."""
     tables = {id(m.table) for m in model.modules() if isinstance(m, QuantEmbedding)}
     tiled = 0

@@ -45,6 +45,7 @@ def test_kernels_build_and_serve_every_type():
     assert K.integer_modes == K.modes and f"int8 activations: {K.int_isa}" in kernels.status()
     assert kernels.status().startswith("kvchat kernels (")
     assert K.int4_tile_rows == (16 if K.isa == "avx512" else 0)  # a 16-lane build's tiles pass their check
+    assert K.int4_integer_tiles == (K.isa == "avx512" and K.int_isa == "avx512-vnni")
     assert len(kernels._openmp_runtimes()) == 1  # torch's OpenMP pool, shared
 
 
@@ -200,11 +201,11 @@ def test_quantized_layers_decode_through_the_kernels(llama_dir, weights, group, 
     assert isinstance(ql, QuantLinear) and ql.decoder is K and ql.activations == activations
     x = torch.randn(1, 1, ql.in_features).to(loaded.dtype)
     if activations == "int8":
-        want = integer_product(ql.weight_codes(), ql.scales, x.reshape(-1).float()).float()
+        want = integer_product(ql.weight_codes(), ql.scale_values(), x.reshape(-1).float()).float()
     else:
         want = F.linear(x.float(), ql.dequantized_weight(torch.float32))
     close(ql(x).reshape(-1), want.reshape(-1), 1e-5 if dtype == "float32" else 1e-2)
-    tiled = weights == "int4" and activations == "float32" and K.int4_tile_rows  # 16-row tiles, 16-lane vectors
+    tiled = weights == "int4" and K.int4_tile_rows and (activations == "float32" or K.int4_integer_tiles)
     assert ql.tiles == (K.int4_tile_rows if tiled else 0)
     assert ("int4 in 16-row tiles" in loaded.decode_kernels) == bool(tiled)  # what the panel's row says
     cfg, model = loaded.config, loaded.model
@@ -242,9 +243,17 @@ def test_int4_tiles_hold_the_same_weight_as_rows(offsets):
     close(tiles(x).reshape(-1), (want_w @ x.reshape(-1)), 1e-5)
     many = torch.randn(1, 7, k, generator=g)
     torch.testing.assert_close(tiles(many), rows(many))  # prefill: dequantized rows, then one product
-    assert quantized.use_integer_activations(tiles) == 0 and tiles.activations == "float32"  # tiles keep float32
-    with pytest.raises(ValueError, match="float32 activations"):
-        K.qmatvec("int4", tiles.codes, tiles.scales, x.reshape(-1), group, tiles.mins, "int8", tiled=True)
+    switched = quantized.use_integer_activations(tiles)  # int8 activations: the tiles' integer products, or none
+    if K.int4_integer_tiles:
+        assert switched == 1 and tiles.activations == "int8"
+        want = integer_product(codes, scales, x.reshape(-1), mins).float()
+        close(tiles(x).reshape(-1), want, 1e-5)
+        assert not torch.allclose(want, want_w @ x.reshape(-1), rtol=1e-6, atol=1e-6)  # not the float product
+        torch.testing.assert_close(tiles(many), rows(many))  # prefill: float activations still
+    else:
+        assert switched == 0 and tiles.activations == "float32"
+        with pytest.raises(ValueError, match="float32 activations"):
+            K.qmatvec("int4", tiles.codes, tiles.scales, x.reshape(-1), group, tiles.mins, "int8", tiled=True)
     quantized.SCRATCH_VALUES, kept = 20 * k, quantized.SCRATCH_VALUES  # 20 rows a chunk: rounded up to 32
     try:
         torch.testing.assert_close(tiles(many), rows(many))
@@ -354,6 +363,7 @@ def test_each_instruction_set_variant_agrees_with_torch(tmp_path, flags, isa):
     assert k.integer_modes == k.modes
     assert k.int4_tile_rows == (16 if k.isa == "avx512" else 0)
     assert k._tiles_agree(16)  # the tiled product's plain-C and AVX2 bodies too (only AVX-512 builds use it)
+    assert k.int4_integer_tiles == (k.isa == "avx512" and k.int_isa == "avx512-vnni")
     if "-mno-avxvnni" in flags or isa == "generic":
         assert k.int_isa == isa
     elif isa is None and "avx512_vnni" in cpu and "-mno-avx512vnni" not in flags:
