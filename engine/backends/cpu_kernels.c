@@ -406,14 +406,15 @@ void kv_matvec_q4(const uint8_t *q, const float *s, const float *m, const float 
     }
 }
 
-/* ---- int4 codes in tiles of 16 rows, for one-row products with float32 activations ----
+/* ---- int4 codes in tiles of 16 rows, for one-row products (float32 activations here, int8 ones below) ----
  * A row's 32 inputs against its 16 bytes of codes leave the vector unit converting nibbles more than
  * multiplying. Sixteen rows side by side make each vector lane one row: a 64-byte load holds 8 inputs of
  * 16 rows, each nibble meets its input's x broadcast to every lane, and the scales (one per row and group)
- * apply once per group to 16 rows at once. Layout, engine/backends/quantized.py's tiles: codes
+ * apply once per group to 16 rows at once. Layout, engine.quant.tile's: codes
  * [out/16][in/8][16 rows][4 bytes] — each 4 bytes are 8 inputs of one row as the row layout holds them
  * (input 8b+k in nibble k, low nibble first) — and scales and offsets [out/16][in/g][16 rows]. */
 #define TILE_ROWS 16
+#define TILE_STEP(i) ((i) / 8 * TILE_ROWS * 4) /* bytes of a tile before the 8-input step holding input i */
 int kv_int4_tile_rows(void) { return KV_LANES == 16 ? TILE_ROWS : 0; }
 
 void kv_matvec_q4t(const uint8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
@@ -439,7 +440,7 @@ void kv_matvec_q4t(const uint8_t *q, const float *s, const float *m, const float
         for (int64_t j = 0; j < groups; j++) {
             vf p0 = vzero(), p1 = vzero(), p2 = vzero(), p3 = vzero();
             for (int64_t i = j * g; i < (j + 1) * g; i += 8) {
-                const uint8_t *b = r + i * TILE_ROWS / 2; /* 64 bytes: inputs i..i+7 of the 16 rows */
+                const uint8_t *b = r + TILE_STEP(i); /* 64 bytes: inputs i..i+7 of the 16 rows */
                 PREFETCH(b);
                 vi v = _mm512_loadu_si512(b), v4 = _mm512_srli_epi32(v, 4);
                 /* nibble k to index bits 0-3 (vpermps reads no others): shifts for k = 1-3, then bytes 2, 3 */
@@ -468,7 +469,7 @@ void kv_matvec_q4t(const uint8_t *q, const float *s, const float *m, const float
         for (int64_t j = 0; j < groups; j++) {
             float p = 0;
             for (int64_t i = j * g; i < (j + 1) * g; i++)
-                p += (float)int4_value(r[i / 8 * TILE_ROWS * 4 + i % 8 / 2] >> (4 * (i & 1))) * x[i];
+                p += (float)int4_value(r[TILE_STEP(i) + i % 8 / 2] >> (4 * (i & 1))) * x[i];
             a += st[j * TILE_ROWS] * p;
             if (m) a += m[t * TILE_ROWS * groups + j * TILE_ROWS + l] * xs[j];
         }
@@ -493,7 +494,7 @@ void kv_dequant_q4t(const uint8_t *q, const float *s, const float *m, float *w, 
             float sc = s[at + j * TILE_ROWS], mn = m ? m[at + j * TILE_ROWS] : 0.0f;
             for (int64_t i = j * g; i < (j + 1) * g; i += 8) {
                 uint32_t v;
-                memcpy(&v, r + i / 8 * TILE_ROWS * 4, 4);
+                memcpy(&v, r + TILE_STEP(i), 4);
 #if defined(__AVX2__) && defined(__FMA__) /* the 8 nibbles side by side, as int4_value reads each */
                 __m256i n = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)v), nibble_shifts), _mm256_set1_epi32(15));
                 __m256i c = _mm256_sub_epi32(_mm256_xor_si256(n, _mm256_set1_epi32(8)), _mm256_set1_epi32(8));
@@ -615,10 +616,11 @@ static int int_products_fit(int64_t in, int64_t g) { return in % XQ_BLOCK == 0 &
 
 /* Where a step's k-th code byte comes from within its 64 inputs: the order in which a mode's reader unpacks
  * them (each 4-byte lane stays inside one block of 32). */
-enum { ORDER_PLAIN, ORDER_NIBBLES, ORDER_HALVES };
+enum { ORDER_PLAIN, ORDER_NIBBLES, ORDER_HALVES, ORDER_TILES };
 static inline int order_source(int order, int k) {
     if (order == ORDER_NIBBLES) return k < 32 ? 2 * k : 2 * (k - 32) + 1;       /* low nibbles, then high ones */
     if (order == ORDER_HALVES) return (k & 15) + 32 * ((k >> 4) & 1) + 16 * (k >> 5); /* two int5 blocks' halves */
+    if (order == ORDER_TILES) return (k & ~7) + ((k & 7) < 4 ? 2 * (k & 7) : 2 * (k & 3) + 1); /* each 8: even, odd */
     return k;
 }
 
@@ -905,14 +907,9 @@ const char *kv_int_isa(void) { return XQ_ISA; }
 static void int_matvec_q4t(const uint8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
                            int64_t in, int64_t g, int nt) {
     int64_t np = (in + XQ_PAD - 1) / XQ_PAD * XQ_PAD, groups = in / g, blocks = in / XQ_BLOCK, tiles = out / TILE_ROWS;
-    int8_t c[np];
-    int32_t neg[np / 4], halves[in / 4], block_neg[blocks]; /* halves: each 8 inputs' even codes, then odd ones */
+    int32_t c[np / 4], neg[np / 4], block_neg[blocks]; /* c: each 8 inputs' even codes, then odd ones, 4 a lane */
     float d[np / 4], block_d[blocks], xs[groups];
-    quantize_x(x, in, 8, ORDER_PLAIN, c, neg, d);
-    for (int64_t i = 0; i < in; i += 8) {
-        int8_t h[8] = {c[i], c[i + 2], c[i + 4], c[i + 6], c[i + 1], c[i + 3], c[i + 5], c[i + 7]};
-        memcpy(halves + i / 4, h, 8);
-    }
+    quantize_x(x, in, 8, ORDER_TILES, (int8_t *)c, neg, d);
     for (int64_t b = 0; b < blocks; b++) {
         block_neg[b] = 0;
         for (int l = 0; l < XQ_BLOCK / 4; l++) block_neg[b] += neg[b * XQ_BLOCK / 4 + l];
@@ -927,11 +924,11 @@ static void int_matvec_q4t(const uint8_t *q, const float *s, const float *m, con
         for (int64_t b = 0; b < blocks; b++) {
             __m512i p = _mm512_set1_epi32(block_neg[b]);
             for (int64_t i = b * XQ_BLOCK; i < (b + 1) * XQ_BLOCK; i += 8) {
-                const uint8_t *rb = r + i * TILE_ROWS / 2;
+                const uint8_t *rb = r + TILE_STEP(i);
                 PREFETCH(rb);
                 __m512i v = _mm512_loadu_si512(rb);
-                p = _mm512_dpbusd_epi32(p, LOW_NIBBLES_XOR(v, 8), _mm512_set1_epi32(halves[i / 4]));
-                p = _mm512_dpbusd_epi32(p, LOW_NIBBLES_XOR(_mm512_srli_epi32(v, 4), 8), _mm512_set1_epi32(halves[i / 4 + 1]));
+                p = _mm512_dpbusd_epi32(p, LOW_NIBBLES_XOR(v, 8), _mm512_set1_epi32(c[i / 4]));
+                p = _mm512_dpbusd_epi32(p, LOW_NIBBLES_XOR(_mm512_srli_epi32(v, 4), 8), _mm512_set1_epi32(c[i / 4 + 1]));
             }
             acc = vfma(_mm512_cvtepi32_ps(p), vmul(vload(st + b * XQ_BLOCK / g * TILE_ROWS), vset1(block_d[b])), acc);
         }

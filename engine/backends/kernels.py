@@ -192,12 +192,16 @@ class Kernels:
         where in and g are whole blocks; the float32 product otherwise. `tiled`: int4 codes, scales and
         offsets in tiles of `int4_tile_rows` rows (engine.quant.tile); int8 activations where `int4_integer_tiles`."""
         check_activations(activations)
+        if tiled and (mode != "int4" or not (activations == "float32" or self.int4_integer_tiles)):
+            raise ValueError("these kernels' tiles hold int4 codes multiplied by float32 activations")
+        return self._product(mode, codes, scales, x, group, mins, activations, tiled)
+
+    def _product(self, mode, codes, scales, x, group, mins, activations, tiled) -> torch.Tensor:
+        """qmatvec past its checks: the self-checks call it on the paths they are deciding."""
         n = x.numel()
         out = scales.numel() * group // n
         y = torch.empty(out, dtype=torch.float32)
         if tiled:
-            if mode != "int4" or not (activations == "float32" or self.int4_integer_tiles):
-                raise ValueError("these kernels' tiles hold int4 codes multiplied by float32 activations")
             fn = self._tiled if activations == "float32" else self._tiled_integer
         else:
             fn = self._quant[mode] if activations == "float32" else self._integer[mode]
@@ -367,21 +371,9 @@ class Kernels:
             w, x = torch.randn(out, n, generator=g), torch.randn(n, generator=g)
             codes, scales = quantize(w, "int4", group)
             mins = torch.randn(scales.shape, generator=g)
+            stored = tile(pack_int4(codes), rows, 4)
             for m in (None, mins):
-                want_w = dequantize(codes, scales, mins=m)
-                want = want_w @ x
-                if activations != "float32" and n % ACTIVATION_BLOCK == 0 and group % ACTIVATION_BLOCK == 0:
-                    want = integer_product(codes, scales, x, m).float()
-                stored = [tile(t, rows, unit) for t, unit in ((pack_int4(codes), 4), (scales, 1), (m, 1))]
-                got = torch.empty(out)  # the C function itself: qmatvec serves what this check has passed
-                product = self._tiled if activations == "float32" else self._tiled_integer
-                product(*self._memory(*stored, x, got), out, n, group, torch.get_num_threads())
-                if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
-                    return False
-                if activations != "float32":
-                    continue  # the dequantization is the float tiles', checked there
-                mine = self.dequantize("int4", stored[0], stored[1], n, group, mins=stored[2], tiled=True)
-                if not torch.allclose(mine, want_w, rtol=2**-22, atol=2**-22):
+                if not self._codes_agree("int4", stored, codes, scales, x, group, m, activations, rows):
                     return False
         return True
 
@@ -397,20 +389,22 @@ class Kernels:
                     return False
         return True
 
-    def _codes_agree(self, mode, stored, codes, scales, x, group, mins, activations="float32") -> bool:
+    def _codes_agree(self, mode, stored, codes, scales, x, group, mins, activations="float32", tiles=0) -> bool:
         """The one-row product and the dequantization of `stored` codes against the definition, s · q (+ m):
         s · q is exact in float32 (equal), s · q + m is one rounding in C (FMA) against torch's two. Under int8
-        activations, the product against engine.quant.integer_product where the shape is whole blocks."""
+        activations, the product against engine.quant.integer_product where the shape is whole blocks. `tiles`:
+        `stored` is int4 in tiles of that many rows, and scales and offsets are tiled to go with it."""
         want_w = dequantize(codes, scales, mins=mins)
         want = want_w @ x
         if activations != "float32" and x.numel() % ACTIVATION_BLOCK == 0 and group % ACTIVATION_BLOCK == 0:
             want = integer_product(codes, scales, x, mins).float()
-        got = self.qmatvec(mode, stored, scales, x, group, mins, activations)
+        kept_scales, kept_mins = (tile(scales, tiles, 1), tile(mins, tiles, 1)) if tiles else (scales, mins)
+        got = self._product(mode, stored, kept_scales, x, group, kept_mins, activations, bool(tiles))
         if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
             return False
         if activations != "float32":
             return True  # the dequantization is the float path's, checked there
-        mine = self.dequantize(mode, stored, scales, x.numel(), group, mins=mins)
+        mine = self.dequantize(mode, stored, kept_scales, x.numel(), group, None, kept_mins, bool(tiles))
         return torch.equal(mine, want_w) if mins is None else torch.allclose(mine, want_w, rtol=2**-22, atol=2**-22)
 
 
