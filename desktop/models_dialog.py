@@ -25,7 +25,7 @@ from PySide6.QtWidgets import (
     QVBoxLayout,
 )
 
-from engine.catalog import default_cache, scan
+from engine.weights.catalog import default_cache, scan
 
 from .panel import fmt_size
 
@@ -39,7 +39,7 @@ def fmt_params(n) -> str:
 
 
 class _Scan(QObject):
-    """Rows from engine.catalog.scan on a plain thread, handed to the GUI thread by queued signals."""
+    """Rows from engine.weights.catalog.scan on a plain thread, handed to the GUI thread by queued signals."""
 
     row = Signal(object)  # a FoundModel
     done = Signal(str)  # "" or the error that ended the scan

@@ -8,7 +8,7 @@ import json
 import os
 from pathlib import Path
 
-from engine.remote import RemoteSpec
+from engine.http.remote import RemoteSpec
 from engine.sampling import SamplingParams
 from engine.spec import LoadSpec
 

@@ -26,10 +26,10 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from engine.devices import DTYPES
 from engine.errors import EngineError
-from engine.loader import DTYPES
+from engine.http.remote import RemoteSpec, list_models
 from engine.quant import ACTIVATIONS, PRECISIONS
-from engine.remote import RemoteSpec, list_models
 from engine.spec import LoadSpec
 
 from .settings import SYSTEM_PRESETS, Settings

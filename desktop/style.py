@@ -1,11 +1,11 @@
-"""The style sheets and icon the app ships (engine.bundled finds them in a checkout and in a wheel), and
+"""The style sheets and icon the app ships (engine.weights.bundled finds them in a checkout and in a wheel), and
 the theme in use: dark or light, by default the operating system's colour scheme."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from engine.bundled import resource
+from engine.weights.bundled import resource
 
 THEMES = ("system", "dark", "light")  # what a person picks; "system" follows the OS
 SHEETS = {"dark": "kvchat.qss", "light": "kvchat-light.qss"}

@@ -18,7 +18,7 @@ from PySide6.QtCore import QObject, Qt, QThread, Signal, Slot
 
 from engine.errors import EngineError
 from engine.events import Failed, Finished, Token
-from engine.remote import RemoteSession, RemoteSpec
+from engine.http.remote import RemoteSession, RemoteSpec
 from engine.spec import LoadSpec
 from engine.trace import summarize
 
@@ -113,7 +113,7 @@ class EngineWorker(QObject):
     def run(self) -> None:
         import torch
 
-        from engine.loader import default_threads
+        from engine.devices import default_threads
 
         torch.set_num_threads(default_threads())  # per thread under OpenMP: set here, where the kernels run
         while True:

@@ -7,9 +7,9 @@ for event in session.generate(Request(messages=[{"role": "user", "content": "Hi"
     ...                                    # engine.events: PrefillStarted, Token, Finished, ...
 """
 
-from .loader import LoadedModel, load_model
 from .sampling import SamplingParams
 from .session import Request, Session
 from .spec import LoadSpec
+from .weights.loading import LoadedModel, load_model
 
 __all__ = ["LoadSpec", "LoadedModel", "Request", "SamplingParams", "Session", "load_model"]

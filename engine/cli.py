@@ -7,9 +7,9 @@ import argparse
 import json
 import sys
 
+from .devices import default_threads
 from .errors import EngineError
 from .events import Failed, Finished, PrefillStarted, Token
-from .loader import default_threads
 from .sampling import SamplingParams
 from .session import Request
 from .spec import LoadSpec
@@ -185,7 +185,7 @@ def cmd_replay(ns) -> int:
 
 
 def cmd_models(ns) -> int:
-    from .catalog import default_cache, scan
+    from .weights.catalog import default_cache, scan
 
     rows = [r.to_dict() for r in scan(ns.folder, cache=None if ns.no_cache else default_cache())]
     if ns.json:
@@ -315,7 +315,7 @@ def parser() -> argparse.ArgumentParser:
 
 def cmd_serve(ns) -> int:
     try:
-        from .server import serve
+        from .http.server import serve
     except ImportError as e:
         print(f"error: serving needs the serve extra (pip install 'kvchat[serve]'): {e}", file=sys.stderr)
         return 2

@@ -22,10 +22,10 @@ from .backends.cuda_graph import GraphDecoder, graphs_wanted
 from .errors import CapacityError, EngineError
 from .events import Failed, Finished, PrefillDone, PrefillProgress, PrefillStarted, ReuseReport, Token
 from .kv_cache import KVCache, make_cache
-from .loader import LoadedModel
 from .prefix_store import PrefixStore, common_prefix, default_budget
 from .quant import PRECISIONS
 from .sampling import SamplingParams, choose
+from .weights.loading import LoadedModel
 
 DEFAULT_CAPACITY = 4096  # KV positions when neither the person nor the model's context says fewer
 

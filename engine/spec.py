@@ -7,9 +7,10 @@ import argparse
 import dataclasses
 import re
 
-from .loader import DTYPES, LoadedModel, load_model
+from .devices import DTYPES
 from .quant import ACTIVATIONS, DEFAULT_GROUP_SIZE, PRECISIONS
 from .session import Session
+from .weights.loading import LoadedModel, load_model
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,7 @@ def llama_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def demo_model_dir():
-    from engine.loader import DEMO_MODEL
+    from engine.weights.bundled import DEMO_MODEL
 
     if not (DEMO_MODEL / "model.safetensors").is_file():
         pytest.fail(f"the bundled demo model is missing from {DEMO_MODEL}")

@@ -12,7 +12,7 @@ from pathlib import Path
 from checkpoints import make_checkpoint
 from engine.tools.gguf_export import write_gguf
 
-NAMES = {  # what engine.catalog names each model build() lays out
+NAMES = {  # what engine.weights.catalog names each model build() lays out
     "kvchat/tiny-llama",
     "kvchat/tiny-qwen2-GGUF/tiny-qwen2.Q8_0.gguf",
     "kvchat/tiny-llama-GGUF/tiny-llama.Q4_0.gguf",

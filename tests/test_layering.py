@@ -174,7 +174,7 @@ def test_the_chat_controller_and_the_settings_are_qt_free():
 
 def test_importing_engine_loads_no_qt():
     code = (
-        "import sys, engine, engine.session, engine.cli, engine.spec, engine.loader, desktop.chat;"
+        "import sys, engine, engine.session, engine.cli, engine.spec, engine.weights.loading, desktop.chat;"
         "print([m for m in sys.modules if m.split('.')[0] in ('PySide6','qasync','shiboken6')]);"
         "print([m for m in sys.modules if m.startswith(('engine.tools', 'desktop.tools'))])"
     )

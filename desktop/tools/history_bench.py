@@ -217,7 +217,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None, help="a model folder or GGUF file (default: the bundled demo model)")
     ap.add_argument("--json", action="store_true")
     ns = ap.parse_args(argv)
-    from engine.bundled import DEMO_MODEL
+    from engine.weights.bundled import DEMO_MODEL
 
     model = ns.model or str(DEMO_MODEL)
     try:

@@ -39,8 +39,8 @@ def engine_alone(model: str, dtype: str, messages: list, new_tokens: int, thread
     import torch
 
     torch.set_num_threads(threads)
-    from engine.loader import load_model
     from engine.session import Request, Session
+    from engine.weights.loading import load_model
 
     if (model, dtype) not in _ALONE:
         _ALONE[(model, dtype)] = load_model(model, dtype=dtype)
@@ -306,7 +306,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=7, help="alternating runs, alone and through the app")
     ap.add_argument("--json", action="store_true")
     ns = ap.parse_args(argv)
-    from engine.loader import default_threads
+    from engine.devices import default_threads
     from engine.tools.bench import SHAPES, write_random_checkpoint
 
     if ns.shape not in SHAPES:

@@ -15,8 +15,8 @@ def run_tool(name: str, argv: list[str]) -> int:
     """`python -m engine bench|store-bench|serve-bench|quality|selftest ...`."""
     import torch
 
+    from ..devices import default_threads
     from ..errors import EngineError
-    from ..loader import default_threads
 
     torch.set_num_threads(default_threads())
     if name == "selftest":

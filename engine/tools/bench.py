@@ -446,8 +446,9 @@ def _measure(engine: str, precision: str, a: dict) -> dict:
     import torch
 
     torch.set_num_threads(a["threads"])
-    from ..loader import load_model, resolve_device
+    from ..devices import resolve_device
     from ..trace import now
+    from ..weights.loading import load_model
 
     device = resolve_device(a["device"])
     row = {"engine": engine, "precision": precision, "device": str(device)}
@@ -608,7 +609,7 @@ def ratios(results) -> dict:
 
 
 def _is_gguf(model) -> bool:
-    from ..gguf_file import is_gguf
+    from ..weights.gguf_file import is_gguf
 
     return model is not None and is_gguf(model)
 
@@ -618,7 +619,7 @@ def _config(model):
     from ..config import config_from_dict, load_config
 
     if _is_gguf(model):
-        from ..gguf_file import GGUFModel
+        from ..weights.gguf_file import GGUFModel
 
         return config_from_dict(GGUFModel(model).config_dict(), Path(model))
     return load_config(Path(model))
@@ -661,7 +662,7 @@ def collect(ns, progress: bool | None = None) -> dict:
     """Measure every run in its own process; the report `--json` prints."""
     import torch
 
-    from ..loader import default_threads, resolve_device
+    from ..devices import default_threads, resolve_device
 
     progress = (not ns.json) if progress is None else progress
     threads = ns.threads or default_threads()

@@ -14,8 +14,8 @@ import re
 import sys
 
 from ..events import Finished, PrefillStarted
-from ..loader import load_model
 from ..session import Request, Session
+from ..weights.loading import load_model
 from . import demo_corpus
 
 

@@ -16,7 +16,7 @@ import torch
 
 from ..config import load_config
 from ..errors import EngineError
-from ..gguf_file import BLOCK_NAMES, GLOBAL_NAMES
+from ..weights.gguf_file import BLOCK_NAMES, GLOBAL_NAMES
 
 ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 FTYPES = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K_M", "Q5_K_M", "Q6_K")  # quantize_gguf's
@@ -35,7 +35,7 @@ def write_gguf(model_dir, out: Path, matrices: str = "F32", tokenizer: bool = Fa
     without, opaque tokens."""
     import gguf
 
-    from ..loader import _weight_files
+    from ..weights.safetensors import weight_files
 
     model_dir = Path(model_dir)
     cfg = load_config(model_dir)
@@ -72,7 +72,7 @@ def write_gguf(model_dir, out: Path, matrices: str = "F32", tokenizer: bool = Fa
     names, per_layer = GLOBAL_NAMES, BLOCK_NAMES  # Hugging Face -> GGUF names, as the loader reads them
     from safetensors import safe_open
 
-    files = _weight_files(model_dir)
+    files = weight_files(model_dir)
     for name in sorted(files, key=_order):
         i, rest = _split(name)
         if i is not None:

@@ -18,8 +18,8 @@ import random
 import torch
 
 from ..compare import compare, reply_logits
-from ..loader import load_model
 from ..quant import ACTIVATIONS, DEFAULT_GROUP_SIZE
+from ..weights.loading import load_model
 
 DEFAULT_PROMPTS = [
     "I am planning a trip to Chengdu for 3 nights. My budget is 600 yuan.",

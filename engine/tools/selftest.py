@@ -50,8 +50,8 @@ TINY = {
 
 
 def cached_vs_uncached(model_dir: Path, device: str, dtype: str, steps: int = 24) -> dict:
-    from ..loader import load_model
     from ..session import Request, Session
+    from ..weights.loading import load_model
 
     loaded = load_model(model_dir, device=device, dtype=dtype)
     loaded.tokenizer.stop_ids = frozenset()
@@ -81,7 +81,7 @@ def parity_with_transformers(model_dir: Path, device: str, steps: int = 8) -> di
     transformers.utils.logging.disable_progress_bar()
 
     from ..kv_cache import KVCache
-    from ..loader import load_model
+    from ..weights.loading import load_model
 
     ours = load_model(model_dir, device=device, dtype="float32")
     ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-bench", action="store_true", help="checks only")
     ap.add_argument("--json", action="store_true")
     ns = ap.parse_args(argv)
-    from ..loader import resolve_device
+    from ..devices import resolve_device
     from .bench import collect, write_random_checkpoint
 
     device = str(resolve_device(ns.device))

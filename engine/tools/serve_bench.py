@@ -76,10 +76,10 @@ def start_server(cmd: list[str], ready_url: str, timeout: float = 300.0, **popen
 def run(ns) -> int:
     import torch
 
-    from ..loader import load_model
-    from ..remote import RemoteSession, RemoteSpec
+    from ..http.remote import RemoteSession, RemoteSpec
     from ..session import Request, Session
     from ..trace import now
+    from ..weights.loading import load_model
 
     with tempfile.TemporaryDirectory() as tmp:
         path = str(ns.model or write_random_checkpoint(Path(tmp) / ns.shape, ns.shape))

@@ -42,8 +42,8 @@ def _ids(seed: int, n: int, vocab: int) -> list[int]:
 def run(ns) -> int:
     import torch
 
-    from ..loader import load_model
     from ..session import Request, Session
+    from ..weights.loading import load_model
 
     with tempfile.TemporaryDirectory() as tmp:
         path = ns.model or write_random_checkpoint(Path(tmp) / ns.shape, ns.shape)

@@ -176,7 +176,7 @@ def main(argv=None) -> int:
     raw_cfg["vocab_size"] = tok.get_vocab_size()
     cfg = config_from_dict(raw_cfg)
     if args.init:
-        from ..loader import load_model
+        from ..weights.loading import load_model
 
         model = load_model(args.init, device=args.device, dtype="float32").model.requires_grad_(True).train()
         seen_before = (

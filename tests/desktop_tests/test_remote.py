@@ -16,8 +16,8 @@ from desktop.panel import NOT_REPORTED, fmt_bytes, fmt_ms
 from desktop.settings import Settings
 from desktop.settings_dialog import SettingsDialog
 from engine.events import Failed, Finished
-from engine.loader import load_model
 from engine.session import Request, Session
+from engine.weights.loading import load_model
 
 BUDGET = "I am planning a trip to Chengdu for 3 nights. My budget is 600 yuan."
 

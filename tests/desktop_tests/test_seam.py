@@ -82,8 +82,8 @@ def test_events_cross_the_thread_as_frozen_records(llama_dir):
 
     import torch
 
-    from engine.loader import load_model
     from engine.session import Request, Session
+    from engine.weights.loading import load_model
 
     s = Session(load_model(llama_dir), capacity=64)
 
@@ -212,8 +212,8 @@ def test_stop_reaches_a_reply_still_waiting_in_the_queue(qapp, llama_dir):
     """Stop pressed while the request waits behind another job (a model reload) stops it at its first
     token: each request has its own cancel flag, not one the worker clears when it starts a job."""
     from engine.events import Finished
-    from engine.loader import load_model
     from engine.session import Request, Session
+    from engine.weights.loading import load_model
 
     w = EngineWorker()
     w.session = Session(load_model(llama_dir), capacity=64)
@@ -230,8 +230,8 @@ def test_the_worker_survives_what_native_code_raises(qapp, llama_dir):
     """A BaseException from native code (tokenizers' pyo3 PanicException is one) fails that request
     and the worker takes the next one."""
     from engine.events import Failed, Finished
-    from engine.loader import load_model
     from engine.session import Request, Session
+    from engine.weights.loading import load_model
 
     class PanicException(BaseException):
         pass
@@ -265,8 +265,8 @@ def test_token_1_crosses_at_once(qapp, llama_dir):
     """Token 1 leaves the worker the moment it exists, in a batch of its own, whatever the batch interval;
     later tokens wait for their batch."""
     from engine.events import Finished, Token
-    from engine.loader import load_model
     from engine.session import Request, Session
+    from engine.weights.loading import load_model
 
     w = EngineWorker(batch_seconds=60)
     w.session = Session(load_model(llama_dir), capacity=64)

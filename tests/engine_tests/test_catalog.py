@@ -8,8 +8,8 @@ import sys
 import pytest
 from model_layouts import NAMES, build
 
-from engine.catalog import scan
-from engine.loader import load_model
+from engine.weights.catalog import scan
+from engine.weights.loading import load_model
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,9 @@ import torch
 
 from engine.events import Finished, PrefillDone, Token
 from engine.kv_cache import KVCache, payload_bytes
-from engine.loader import load_model
 from engine.session import Request, Session
 from engine.trace import RequestTrace, summarize
+from engine.weights.loading import load_model
 
 
 def test_table_30_1_bytes_for_8_9_10_positions():

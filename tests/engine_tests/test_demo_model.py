@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from engine.events import Finished, PrefillStarted
-from engine.loader import load_model
 from engine.session import Request, Session
+from engine.weights.loading import load_model
 
 BUDGET = "I am planning a trip to Chengdu for 3 nights. My budget is 600 yuan."
 

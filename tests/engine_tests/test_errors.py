@@ -9,7 +9,7 @@ import pytest
 
 from checkpoints import make_checkpoint
 from engine.errors import ModelLoadError
-from engine.loader import load_model
+from engine.weights.loading import load_model
 
 
 def test_missing_folder(tmp_path):

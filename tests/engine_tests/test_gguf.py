@@ -45,9 +45,9 @@ def test_gguf_holds_every_tensor(llama_dir, tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python (the bench extra)")
 def test_llama_cpp_runs_the_same_weights(demo_model_dir, tmp_path):
-    from engine.loader import load_model
     from engine.session import Request, Session
     from engine.tools.llamacpp import LlamaCpp
+    from engine.weights.loading import load_model
 
     loaded = load_model(demo_model_dir)
     session = Session(loaded, capacity=256)
@@ -63,11 +63,11 @@ def test_llama_cpp_runs_the_same_weights(demo_model_dir, tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python (the bench extra)")
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_llama_cpp_greedy_tokens_equal_kvchat_per_family(tmp_path, family):
-    from engine.loader import load_model
     from engine.session import Request, Session
     from engine.tools.bench import write_random_checkpoint
     from engine.tools.llamacpp import LlamaCpp
     from engine.tools.selftest import TINY
+    from engine.weights.loading import load_model
 
     path = write_random_checkpoint(tmp_path / family, TINY[family], std=0.2)  # peaked logits: no near-ties
     loaded = load_model(path)

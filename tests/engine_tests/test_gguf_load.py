@@ -17,10 +17,10 @@ transformers = pytest.importorskip("transformers")
 
 from engine.backends.quantized import QuantLinear  # noqa: E402
 from engine.errors import ModelLoadError  # noqa: E402
-from engine.loader import load_model  # noqa: E402
 from engine.quant import PreQuantized  # noqa: E402
 from engine.session import Request, Session  # noqa: E402
 from engine.tools.gguf_export import write_gguf  # noqa: E402
+from engine.weights.loading import load_model  # noqa: E402
 
 NATIVE_FORMS = {  # a GGUF type -> what kvchat holds it as (codes, values per scale, an offset per group)
     "Q8_0": "int8/g32",
@@ -150,7 +150,7 @@ def test_k_quants_as_people_download_them_compute_from_their_own_codes(tmp_path,
 def test_native_codes_equal_llamacpp_dequantization_for_every_type(tmp_path):
     """Each type kvchat computes natively, decoded into codes, scales and offsets: s · q + m equals
     gguf.quants.dequantize (llama.cpp's definition) on the same blocks, and so does the layer's weight."""
-    from engine.gguf_file import INT5, NATIVE
+    from engine.weights.gguf_file import INT5, NATIVE
 
     rnd = np.random.default_rng(5)
     for name, (mode, group, decode) in NATIVE.items():

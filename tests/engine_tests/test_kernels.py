@@ -19,9 +19,9 @@ from engine.backends.decode_step import KernelAttention, KernelRMSNorm
 from engine.backends.quantized import QuantLinear
 from engine.errors import ModelLoadError
 from engine.kv_cache import KVCache
-from engine.loader import load_model
 from engine.model import Attention, RMSNorm
 from engine.quant import PreQuantized, dequantize, integer_product, pack_int4, pack_int5, quantize
+from engine.weights.loading import load_model
 
 K = kernels.load()
 needs_kernels = pytest.mark.skipif(K is None, reason=f"no kernels here: {kernels.status()}")
@@ -330,7 +330,7 @@ STATUS = "import torch; from engine.backends import kernels; print(kernels.statu
     "env,says", [({"KVCHAT_KERNELS": "0"}, "turned off by KVCHAT_KERNELS"), ({"CC": "/bin/false"}, "/bin/false failed")]
 )
 def test_no_kernels_is_said_and_the_model_still_runs(tmp_path, llama_dir, env, says):
-    code = STATUS + f"; from engine.loader import load_model; print(load_model({str(llama_dir)!r}).kernels)"
+    code = STATUS + f"; from engine.weights.loading import load_model; print(load_model({str(llama_dir)!r}).kernels)"
     r = _run(code, KVCHAT_CACHE_DIR=str(tmp_path), **env)
     assert r.returncode == 0, r.stderr
     assert says in r.stdout and r.stdout.splitlines()[-1] == "None"

@@ -5,7 +5,7 @@ import torch
 
 from checkpoints import make_checkpoint
 from engine.kv_cache import KVCache
-from engine.loader import load_model
+from engine.weights.loading import load_model
 
 transformers = pytest.importorskip("transformers")
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from engine.events import Finished, PrefillStarted
-from engine.loader import load_model
 from engine.prefix_store import BLOCK, PrefixStore
 from engine.session import Request, Session
+from engine.weights.loading import load_model
 
 CAP = 512
 

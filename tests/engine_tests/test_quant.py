@@ -6,10 +6,10 @@ import torch
 from engine.backends import kernels
 from engine.backends.quantized import QuantLinear, weight_bytes
 from engine.kv_cache import KVCache, QuantKVCache
-from engine.loader import load_model
 from engine.quant import dequantize, pack_int4, quantize, quantize_with_scale, storage_bytes, unpack_int4
 from engine.sampling import SamplingParams, choose
 from engine.session import Request, Session
+from engine.weights.loading import load_model
 
 
 def test_table_30_2():
@@ -125,9 +125,9 @@ def test_quantized_embedding_and_head_follow_the_definition(tmp_path, monkeypatc
     whole matrix; a lookup is s · q of its rows; the head's logits are x · (s · q)ᵀ; a tied matrix is
     stored once."""
     from checkpoints import make_checkpoint
-    from engine.loader import _Reader
+    from engine.weights.safetensors import Reader
 
-    monkeypatch.setattr(_Reader, "ROWS_PER_CHUNK", 100)  # 384 rows: four chunks, the last one short
+    monkeypatch.setattr(Reader, "ROWS_PER_CHUNK", 100)  # 384 rows: four chunks, the last one short
     d = make_checkpoint(tmp_path, "llama", tie=tie)
     full, q = load_model(d), load_model(d, weights="int8", group_size=32)
     table = q.model.embed.table

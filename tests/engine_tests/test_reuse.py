@@ -6,8 +6,8 @@ from conftest import DEVICES
 
 from engine.events import Finished, PrefillStarted
 from engine.kv_cache import KVCache
-from engine.loader import load_model
 from engine.session import Request, Session
+from engine.weights.loading import load_model
 
 
 def reply(session, **kw):

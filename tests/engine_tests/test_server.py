@@ -15,10 +15,10 @@ pytest.importorskip("uvicorn")
 
 from servers import free_port  # noqa: E402
 
-from engine.loader import load_model  # noqa: E402
-from engine.remote import RemoteError, RemoteSession, RemoteSpec  # noqa: E402
-from engine.server import ApiError, parse_chat  # noqa: E402
+from engine.http.remote import RemoteError, RemoteSession, RemoteSpec  # noqa: E402
+from engine.http.server import ApiError, parse_chat  # noqa: E402
 from engine.session import Request, Session  # noqa: E402
+from engine.weights.loading import load_model  # noqa: E402
 
 MODEL = "kvchat-demo"
 TURN1 = [{"role": "user", "content": "My budget is 600 yuan. Plan 3 nights in Chengdu."}]

@@ -8,8 +8,8 @@ from conftest import DEVICES
 
 from checkpoints import make_checkpoint
 from engine.kv_cache import KVCache
-from engine.loader import load_model
 from engine.session import Request, Session
+from engine.weights.loading import load_model
 
 CASES = {
     "llama": dict(family="llama"),

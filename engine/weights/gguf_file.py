@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import ModelLoadError
-from .quant import PreQuantized, pack_int5
+from ..errors import ModelLoadError
+from ..quant import PreQuantized, pack_int5
 
 MAGIC = b"GGUF"
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -456,7 +456,7 @@ class GGUFModel:
         scores (model "llama"), control tokens as special tokens, the file's chat template and stop ids."""
         from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 
-        from .tokenizer import Tokenizer
+        from ..tokenizer import Tokenizer
 
         kind = self.meta("tokenizer.ggml.model")
         tokens = self.meta_as("tokenizer.ggml.tokens", [str])

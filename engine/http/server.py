@@ -26,17 +26,19 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from . import trace as tracing
-from .errors import EngineError
-from .events import Failed, Finished, PrefillStarted, Token
-from .loader import LoadedModel, default_threads
-from .sampling import SamplingParams
-from .session import Request, Session
+from .. import trace as tracing
+from ..devices import default_threads
+from ..errors import EngineError
+from ..events import Failed, Finished, PrefillStarted, Token
+from ..sampling import SamplingParams
+from ..session import Request, Session
+from ..weights.loading import LoadedModel
+from . import wire
+from .wire import FINISH_REASONS
 
 MAX_TOKENS_PER_CHUNK = 32  # tokens already made that one streamed chunk may carry
 END = object()  # the end of a job's events, when it was taken while gathering tokens
 QUEUE_SIZE = 8  # requests that may wait behind the running one before the server answers 429
-FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length", "capacity": "length"}
 STATUS_BY_KIND = {"CapacityError": 413, "TemplateError": 400, "EngineError": 400, "ValueError": 400}
 
 NUMBER, INTEGER = "number", "integer"
@@ -257,7 +259,7 @@ class EngineService:
             "created": self.created,
             "owned_by": "kvchat",
             "max_model_len": self.session.cache.capacity,
-            "kvchat": facts,
+            wire.EXTENSION: facts,
         }
 
     def stats(self) -> dict:
@@ -276,11 +278,16 @@ def _report(ev, prompt_tokens: int) -> tuple[dict, dict]:
     """usage and the kvchat report of a request's last event."""
     if isinstance(ev, Finished):
         cache = {k: v for k, v in ev.cache.items() if k != "store"}
-        report = {"reuse": ev.reuse.to_dict(), "trace": ev.trace, "cache": cache, "store": ev.cache.get("store")}
+        report = {
+            wire.REUSE: ev.reuse.to_dict(),
+            wire.TRACE: ev.trace,
+            wire.CACHE: cache,
+            wire.STORE: ev.cache.get("store"),
+        }
         completion, cached = len(ev.token_ids), ev.reuse.reused
     else:
-        report, completion, cached = {"trace": ev.trace, "error": ev.error}, 0, 0
-    report["prompt_tokens"] = prompt_tokens
+        report, completion, cached = {wire.TRACE: ev.trace, wire.ERROR: ev.error}, 0, 0
+    report[wire.PROMPT_TOKENS] = prompt_tokens
     usage = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,
@@ -469,7 +476,7 @@ async def _complete(job: Job, first: PrefillStarted, meta: dict, watcher: asynci
                 }
             ],
             "usage": usage,
-            "kvchat": report,
+            wire.EXTENSION: report,
         }
     )
 
@@ -488,7 +495,7 @@ async def _stream(job: Job, first: PrefillStarted, meta: dict, include_usage: bo
 
     done = False
     try:
-        started = {"prompt_tokens": first.prompt_tokens, "reuse": first.reuse.to_dict()}
+        started = {wire.PROMPT_TOKENS: first.prompt_tokens, wire.REUSE: first.reuse.to_dict()}
         yield delta({"role": "assistant", "content": ""}, kvchat=started)
         held = None  # an event taken while gathering tokens, to handle next
         while (ev := held or await job.events.get()) is not None:
@@ -504,7 +511,7 @@ async def _stream(job: Job, first: PrefillStarted, meta: dict, include_usage: bo
                         break
                     text, n = text + nxt.text, n + 1
                 if text or n > 1:
-                    yield delta({"content": text}, **({"kvchat": {"tokens": n}} if n > 1 else {}))
+                    yield delta({"content": text}, **({wire.EXTENSION: {wire.TOKENS: n}} if n > 1 else {}))
                 if held is END:
                     break
             elif isinstance(ev, Finished):
@@ -514,7 +521,7 @@ async def _stream(job: Job, first: PrefillStarted, meta: dict, include_usage: bo
                 finish = FINISH_REASONS.get(ev.reason, "stop")
                 if include_usage:
                     yield delta({}, finish)
-                    yield _sse({**chunk, "choices": [], "usage": usage, "kvchat": report})
+                    yield _sse({**chunk, "choices": [], "usage": usage, wire.EXTENSION: report})
                 else:
                     yield delta({}, finish, kvchat=report)
             elif isinstance(ev, Failed):

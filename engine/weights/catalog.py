@@ -16,8 +16,8 @@ import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from .config import config_from_dict, read_json
-from .errors import ModelLoadError
+from ..config import config_from_dict, read_json
+from ..errors import ModelLoadError
 from .gguf_file import ARCHITECTURES, GGUFModel, is_gguf
 
 SOURCES = ("hf-cache", "lm-studio", "ollama", "folder")

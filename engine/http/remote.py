@@ -20,9 +20,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from . import trace as tracing
-from .errors import EngineError
-from .events import Failed, Finished, PrefillDone, PrefillStarted, ReuseReport, Token
+from .. import trace as tracing
+from ..errors import EngineError
+from ..events import Failed, Finished, PrefillDone, PrefillStarted, ReuseReport, Token
+from . import wire
 
 POLL_S = 0.5  # how often a reply whose server says nothing looks at its Stop flag (stop() acts at once)
 CONNECT_TIMEOUT_S = 5.0
@@ -37,7 +38,6 @@ SERVERS = {
     "system": "OpenAI",
     "openai": "OpenAI",
 }
-REASONS = {"stop": "eos", "length": "max_new_tokens", "content_filter": "eos", "tool_calls": "eos"}
 
 
 class RemoteError(EngineError):
@@ -109,7 +109,7 @@ def list_models(spec: RemoteSpec, timeout: float = CONNECT_TIMEOUT_S) -> list[di
 def config_kv_bytes(model_id: str, hub: Path | None = None) -> dict | None:
     """KV bytes per position from the model's config.json, when the local Hugging Face cache holds the
     repository the id names (vLLM and SGLang serve by repository id): 2·L·H_kv·d·b at its dtype."""
-    from .catalog import roots
+    from ..weights.catalog import roots
 
     hub = hub or roots()["hf-cache"][0]
     snaps = hub / f"models--{model_id.replace('/', '--')}" / "snapshots"
@@ -142,7 +142,7 @@ def remote_facts(spec: RemoteSpec, card: dict) -> dict:
     """The panel's facts for a remote model: kvchat's own when its server sends them, else what the
     card and a local config tell (the rest None: not reported by this server)."""
     url = normalize_url(spec.url)
-    mine = card.get("kvchat")
+    mine = card.get(wire.EXTENSION)
     if isinstance(mine, dict):
         facts = dict(mine)
         facts["cache"] = {**facts.get("cache", {}), "positions": 0}
@@ -378,12 +378,12 @@ class _Reply:
         if "error" in obj:
             err = obj["error"]
             raise _StreamError(err.get("message") if isinstance(err, dict) else str(err))
-        mine = obj.get("kvchat")
+        mine = obj.get(wire.EXTENSION)
         if isinstance(mine, dict):
-            if "reuse" in mine and "trace" not in mine and not self.started:  # the first chunk: the reuse report
-                self.prompt_tokens = mine.get("prompt_tokens")
-                yield from self._start(_reuse(mine["reuse"]))
-            elif "trace" in mine:
+            if wire.REUSE in mine and wire.TRACE not in mine and not self.started:  # the first chunk: the reuse report
+                self.prompt_tokens = mine.get(wire.PROMPT_TOKENS)
+                yield from self._start(_reuse(mine[wire.REUSE]))
+            elif wire.TRACE in mine:
                 self.report = mine
         if isinstance(obj.get("usage"), dict):
             self.usage = obj["usage"]
@@ -402,7 +402,7 @@ class _Reply:
                     r = self.reuse_seen
                     yield PrefillDone(r.reused, r.computed, t - self.trace.started, self.prompt_tokens or 0)
                 self.chunks += 1
-                n = mine.get("tokens", 1) if isinstance(mine, dict) else 1  # kvchat's: tokens in this chunk
+                n = mine.get(wire.TOKENS, 1) if isinstance(mine, dict) else 1  # kvchat's: tokens in this chunk
                 self.trace.token_times.extend([t] * max(1, int(n)))
                 self.text += content
                 k = len(self.trace.token_times)
@@ -422,8 +422,8 @@ class _Reply:
         trace = self.trace
         trace.end = tracing.now()
         trace.status = "cancelled" if cancelled else "finished"
-        reason = "cancelled" if cancelled else REASONS.get(self.reason, "eos")
-        if self.report and self.report.get("trace", {}).get("status") == "cancelled":
+        reason = "cancelled" if cancelled else wire.STOP_REASONS.get(self.reason, "eos")
+        if self.report and self.report.get(wire.TRACE, {}).get("status") == "cancelled":
             reason = "cancelled"
         usage = self.usage or self._usage_from_timings()
         prompt = usage.get("prompt_tokens") or self.prompt_tokens
@@ -451,7 +451,7 @@ class _Reply:
     def _summary(self, usage: dict) -> dict:
         server = None
         if self.report:
-            server = self.report.get("trace")
+            server = self.report.get(wire.TRACE)
         elif self.timings:
             server = {"llama.cpp timings": self.timings}
         summary = self.session._summary(self.trace, server, self.chunks)
@@ -460,8 +460,8 @@ class _Reply:
         return summary
 
     def _reuse(self, prompt: int | None, usage: dict) -> ReuseReport:
-        if self.report and "reuse" in self.report:
-            return _reuse(self.report["reuse"])
+        if self.report and wire.REUSE in self.report:
+            return _reuse(self.report[wire.REUSE])
         details = usage.get("prompt_tokens_details") or {}
         cached = details.get("cached_tokens")
         how = details.get("from", "usage: cached_tokens")
@@ -470,8 +470,8 @@ class _Reply:
         return ReuseReport(cached, prompt - cached, 0, None, None, None, f"as the server reports it ({how})", "server")
 
     def _cache(self, prompt: int | None, usage: dict) -> dict:
-        if self.report and "cache" in self.report:
-            return {**self.report["cache"], "store": self.report.get("store")}
+        if self.report and wire.CACHE in self.report:
+            return {**self.report[wire.CACHE], wire.STORE: self.report.get(wire.STORE)}
         done = usage.get("completion_tokens")
         positions = prompt + done - 1 if prompt is not None and done else prompt  # None: not reported
         per = (self.session._facts or {}).get("kv_bytes_per_position")

@@ -1,0 +1,55 @@
+"""Which device and dtype a model runs in, and how many threads torch's CPU kernels use."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from .errors import ModelLoadError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str | None = None) -> torch.device:
+    """cuda, then mps, then cpu when `name` is None or "auto"."""
+    if name in (None, "", "auto"):
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("device cuda was asked for, but torch sees no CUDA GPU")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ModelLoadError("device mps was asked for, but it is not available")
+    return device
+
+
+def default_threads() -> int:
+    """Threads for torch's kernels: KVCHAT_THREADS, else one per physical core (hyperthreads share a
+    core's memory bandwidth and only add contention to a memory-bound decode)."""
+    env = os.environ.get("KVCHAT_THREADS")
+    if env and env.isdigit() and int(env) > 0:
+        return int(env)
+    n = os.cpu_count() or 1
+    try:
+        smt = Path("/sys/devices/system/cpu/smt/active").read_text().strip() == "1"
+    except OSError:
+        smt = False
+    return max(1, n // 2) if smt else n
+
+
+def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """bfloat16 on a GPU, float32 on the CPU, unless asked otherwise."""
+    if name in (None, "", "auto"):
+        return torch.bfloat16 if device.type in ("cuda", "mps") else torch.float32
+    if name not in DTYPES:
+        raise ModelLoadError(f"dtype {name!r} is not supported (supported: {', '.join(DTYPES)})")
+    return DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,60 @@
+"""The safetensors reader's interface over a GGUF file, so one model builder serves both formats."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import ModelLoadError
+from .gguf_file import GGUFModel
+from .hf_names import expected
+from .safetensors import Reader, Rows
+
+
+class GGUFReader(Reader):
+    """The Reader interface over a GGUF file: tensors by Hugging Face name, dequantized where they must
+    be, or as their own codes (`native`) where kvchat computes with them."""
+
+    def __init__(self, model: GGUFModel, cfg: ModelConfig):
+        self.model, self.cfg = model, cfg
+        self.expected = expected(cfg)
+        have = model.names()
+        for name, shape in self.expected.items():
+            if name not in have:
+                raise ModelLoadError(f"tensor {model.gguf_name(name)!r} is missing from the GGUF file", model.path)
+            got = model.shape(model.tensors[have[name]])
+            if got != shape:
+                raise ModelLoadError(
+                    f"tensor {have[name]!r} has shape {list(got)}, the metadata implies {list(shape)}", model.path
+                )
+
+    def read(self, names, dtype, device):
+        return {n: self.model.read_float(n, self.cfg, dtype, device) for n in names}
+
+    def read_cat(self, names, dtype, device):
+        return torch.cat([self.model.read_float(n, self.cfg, dtype, device) for n in names])
+
+    def read_transposed(self, name, dtype, device):
+        return self.model.read_float(name, self.cfg, dtype, device).t().contiguous()
+
+    def rows(self, names, dtype, device):
+        return GGUFRows(self, names, dtype, device)
+
+    def native(self, names, dtype, device):
+        return self.model.read_codes(names, self.cfg, dtype, device)
+
+
+class GGUFRows(Rows):
+    """GGUF matrices stacked along rows, dequantized a chunk of rows at a time (for quantizing as read)."""
+
+    def row_chunks(self):
+        step = max(1, Reader.LARGE // math.prod(self.shape[1:]))
+        offset = 0
+        for name in self.names:
+            rows = self.reader.expected[name][0]
+            for a in range(0, rows, step):
+                b = min(rows, a + step)
+                yield offset + a, self.reader.model.read_float(name, self.reader.cfg, self.dtype, self.device, a, b)
+            offset += rows

@@ -1,0 +1,251 @@
+"""Opening a model: a Hugging Face style folder (config.json, safetensors, tokenizer) or a GGUF file, into a
+LoadedModel with its facts and the fingerprint its cached K/V are valid under."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from ..backends import kernels as kernel_library
+from ..backends.quantized import QuantLinear, weight_bytes
+from ..config import ModelConfig, config_from_dict, load_config
+from ..devices import dtype_name, resolve_device, resolve_dtype
+from ..errors import ModelLoadError
+from ..kv_cache import bytes_per_position
+from ..model import Transformer
+from ..quant import DEFAULT_GROUP_SIZE, check_activations, check_mode, describe
+from ..tokenizer import Tokenizer
+from .build import ReturnFreedMemory, build_model
+from .bundled import DEMO_MODEL
+from .gguf_file import GGUFModel, is_gguf
+from .gguf_reader import GGUFReader
+from .hf_names import expected
+from .safetensors import Reader, check_against_headers, header_digest, weight_files
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A model ready to run: the module, its config and tokenizer, and what its K/V depend on."""
+
+    path: Path
+    config: ModelConfig
+    model: Transformer
+    tokenizer: Tokenizer
+    device: torch.device
+    dtype: torch.dtype
+    fingerprint: dict[str, str]
+    kernels: kernel_library.Kernels | None = None  # kvchat's CPU kernels, when decode runs on them
+    file_tensors: dict | None = None  # a GGUF's tensors by file type: how many, bytes in the file, held as, bytes held
+    title: str | None = None  # a name where the file's own says nothing (an Ollama blob: the model's general.name)
+
+    @property
+    def name(self) -> str:
+        return self.title or self.path.name
+
+    @property
+    def parameter_count(self) -> int:
+        return self.model.parameter_count()
+
+    @property
+    def quantization(self) -> str:
+        return self.fingerprint["quantization"]
+
+    @property
+    def activations(self) -> str:
+        """What the quantized layers' decode products multiply their codes by: float32, or int8 (integer products)."""
+        return self.model.activations
+
+    @property
+    def weight_bytes(self) -> int:
+        return weight_bytes(self.model)
+
+    def kv_bytes_per_position(self, kv: str = "none") -> int:
+        """Bytes one cached position takes at KV precision `kv` (none: the model dtype)."""
+        return bytes_per_position(self.config, self.dtype, kv)
+
+    @property
+    def decode_kernels(self) -> str:
+        """What runs the one-row products of decode: kvchat's CPU kernels, or torch (and why)."""
+        if self.kernels is not None:
+            tiles = max((m.tiles for m in self.model.modules() if isinstance(m, QuantLinear)), default=0)
+            tiled = f"; int4 in {tiles}-row tiles" if tiles else ""
+            if self.activations == "int8":
+                return f"kvchat ({self.kernels.isa}; int8 activations: {self.kernels.int_isa}{tiled})"
+            return f"kvchat ({self.kernels.isa}{tiled})"
+        if self.device.type != "cpu":
+            return f"torch ({self.device.type})"
+        return kernel_library.status()
+
+    @property
+    def head_quantization(self) -> str:
+        """How the output head (and embedding) is stored: "none" (the model dtype) or e.g. "int8/g32"."""
+        head = self.model.lm_head
+        if not isinstance(head, QuantLinear):
+            return "none"
+        return describe(head.mode, head.group_size, head.in_features)
+
+    def facts(self, kv: str = "none") -> dict:
+        """What the CLI's `info`, the panel and the benchmark show about the model, at KV precision `kv`."""
+        c = self.config
+        return {
+            "path": str(self.path),
+            "name": self.name,
+            "architecture": c.architecture,
+            "parameters": self.parameter_count,
+            "dtype": dtype_name(self.dtype),
+            "device": str(self.device),
+            "layers": c.num_layers,
+            "heads": c.num_heads,
+            "kv_heads": c.num_kv_heads,
+            "head_dim": c.head_dim,
+            "hidden_size": c.hidden_size,
+            "vocab_size": c.vocab_size,
+            "max_position_embeddings": c.max_position_embeddings,
+            "bytes_per_value": torch.empty((), dtype=self.dtype).element_size(),
+            "weights": self.quantization,
+            "head_weights": self.head_quantization,
+            "weight_bytes": self.weight_bytes,
+            "decode_kernels": self.decode_kernels,
+            "activations": self.activations,
+            "kv_cache": kv,
+            "kv_bytes_per_position": self.kv_bytes_per_position(kv),
+            "format": "gguf" if self.file_tensors is not None else "safetensors",
+            "file_tensors": self.file_tensors,
+        }
+
+
+def load_model(
+    model_dir=None,
+    device: str | None = None,
+    dtype: str | None = None,
+    weights: str = "none",
+    group_size: int = DEFAULT_GROUP_SIZE,
+    progress=None,
+    activations: str = "float32",
+) -> LoadedModel:
+    """Load a model folder or GGUF file (the bundled demo model when None); `progress(fraction, what)`
+    is told how far reading the weights is (what: the file's or folder's name). `weights` = none | int8 | int4
+    quantizes the block linears (quantize, then swap the module) with one scale per `group_size`
+    inputs (0: one per output channel), and the embedding and output head in int8 with the same
+    grouping (engine.backends.quantized.quantize_head). `activations` = float32 | int8: what the quantized
+    layers' decode products multiply their codes by (int8: quantized per 32 inputs, integer dot products; an
+    approximation the exact float32 path does not make, measured by `python -m engine quality`)."""
+    try:
+        check_activations(activations)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from None
+    if model_dir is None:
+        if not (DEMO_MODEL / "config.json").is_file():
+            raise ModelLoadError("no --model given and the bundled demo model is not installed", DEMO_MODEL)
+        model_dir = DEMO_MODEL
+    model_dir = Path(model_dir).expanduser()
+    if model_dir.is_dir() and not (model_dir / "config.json").exists():
+        ggufs = sorted(p for p in model_dir.glob("*.gguf") if is_gguf(p))
+        if len(ggufs) == 1:  # a folder holding one GGUF file (LM Studio keeps them so)
+            model_dir = ggufs[0]
+        elif ggufs:
+            raise ModelLoadError(f"the folder holds {len(ggufs)} GGUF files: open one of them", model_dir)
+    if model_dir.is_file():
+        if not is_gguf(model_dir):
+            raise ModelLoadError(
+                "not a model: a model is a folder (config.json, safetensors) or a GGUF file", model_dir
+            )
+        return _load_gguf(model_dir, device, dtype, weights, group_size, progress, activations)
+    if not model_dir.is_dir():
+        raise ModelLoadError("model folder or file not found", model_dir)
+    cfg = load_config(model_dir)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    files = weight_files(model_dir)
+    check_against_headers(cfg, files)
+    tokenizer = Tokenizer.from_dir(model_dir, extra_stop_ids=cfg.eos_token_id)
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise ModelLoadError(
+            f"tokenizer has {tokenizer.vocab_size} tokens but the model only {cfg.vocab_size} embeddings",
+            model_dir / "tokenizer.json",
+        )
+    weights, quantization = _weight_mode(weights, group_size)
+    kern = kernel_library.for_dtype(dt) if dev.type == "cpu" else None  # decode kernels for this dtype
+    with ReturnFreedMemory():
+        model = build_model(
+            Reader(files, expected(cfg)),
+            cfg,
+            dt,
+            dev,
+            weights,
+            group_size,
+            kern,
+            _told(progress, model_dir.name),
+            activations,
+        )
+    fingerprint = _fingerprint(header_digest(files.values()), cfg, dt, dev, quantization, tokenizer, model)
+    return LoadedModel(model_dir, cfg, model, tokenizer, dev, dt, fingerprint, kern)
+
+
+def _weight_mode(weights: str | None, group_size: int) -> tuple[str, str]:
+    """(the weight precision asked for, its name in the facts): none, or int8/int4 checked."""
+    weights = weights or "none"
+    if weights == "none":
+        return weights, "none"
+    try:
+        check_mode(weights)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from None
+    return weights, describe(weights, group_size)
+
+
+def _fingerprint(
+    weights_digest: str, cfg: ModelConfig, dt, dev, quantization: str, tokenizer: Tokenizer, model: Transformer
+) -> dict:
+    """What cached K/V depend on: weights, dtype, quantization and the activations its products take,
+    tokenizer, rotary and attention settings, device."""
+    return {
+        "weights": weights_digest,
+        "dtype": dtype_name(dt),
+        "quantization": quantization,
+        "activations": model.activations,
+        "tokenizer": tokenizer.digest[:16],
+        "rope": repr(cfg.rope),
+        "attention": f"heads={cfg.num_heads} kv_heads={cfg.num_kv_heads} d={cfg.head_dim} "
+        f"window={cfg.sliding_window} qk_norm={cfg.qk_norm}",
+        "device": str(dev),
+    }
+
+
+def _told(progress, what: str):
+    """progress(fraction, what) as a one-argument callback (None stays None)."""
+    return None if progress is None else (lambda fraction: progress(fraction, what))
+
+
+def _load_gguf(path: Path, device, dtype, weights, group_size, progress=None, activations="float32") -> LoadedModel:
+    """A GGUF file: config and tokenizer from its metadata, weights from its tensors (Q8_0 and Q4_0 as their
+    own codes; other types dequantized into `dtype`; float ones quantized when `weights` asks)."""
+    if progress is not None:
+        progress(0.0, path.name)  # the metadata first: a large vocabulary takes seconds to read
+    gm = GGUFModel(path)
+    cfg = config_from_dict(gm.config_dict(), path)
+    factors = gm.rope_factors()
+    if factors:
+        if len(factors) != cfg.head_dim // 2:
+            raise ModelLoadError(f"rope_freqs.weight has {len(factors)} values, not head_dim / 2", path)
+        cfg = dataclasses.replace(cfg, rope=dataclasses.replace(cfg.rope, factors=factors))
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    tokenizer = gm.tokenizer(stop_extra=cfg.eos_token_id)
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise ModelLoadError(
+            f"the vocabulary has {tokenizer.vocab_size} tokens but the model only {cfg.vocab_size} embeddings", path
+        )
+    weights, quantization = _weight_mode(weights, group_size)
+    kern = kernel_library.for_dtype(dt) if dev.type == "cpu" else None
+    with ReturnFreedMemory():
+        model = build_model(
+            GGUFReader(gm, cfg), cfg, dt, dev, weights, group_size, kern, _told(progress, path.name), activations
+        )
+    file_quant = f"gguf {gm.quantization()}"
+    quantization = file_quant if quantization == "none" else f"{file_quant}, rest {quantization}"
+    fingerprint = _fingerprint(gm.digest(), cfg, dt, dev, quantization, tokenizer, model)
+    title = (gm.meta("general.name") or "an Ollama model") if path.name.startswith("sha256-") else None
+    return LoadedModel(path, cfg, model, tokenizer, dev, dt, fingerprint, kern, gm.summary(), title)
