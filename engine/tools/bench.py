@@ -609,7 +609,7 @@ def ratios(results) -> dict:
 
 
 def _is_gguf(model) -> bool:
-    from ..weights.gguf_file import is_gguf
+    from ..weights.gguf_header import is_gguf
 
     return model is not None and is_gguf(model)
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from ..config import config_from_dict, read_json
 from ..errors import ModelLoadError
-from .gguf_file import ARCHITECTURES, GGUFModel, is_gguf
+from .gguf_file import ARCHITECTURES, GGUFModel
+from .gguf_header import is_gguf
 
 SOURCES = ("hf-cache", "lm-studio", "ollama", "folder")
 CACHE_VERSION = 1

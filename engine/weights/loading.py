@@ -19,7 +19,8 @@ from ..quant import DEFAULT_GROUP_SIZE, check_activations, check_mode, describe
 from ..tokenizer import Tokenizer
 from .build import ReturnFreedMemory, build_model
 from .bundled import DEMO_MODEL
-from .gguf_file import GGUFModel, is_gguf
+from .gguf_file import GGUFModel
+from .gguf_header import is_gguf
 from .gguf_reader import GGUFReader
 from .hf_names import expected
 from .safetensors import Reader, check_against_headers, header_digest, weight_files

@@ -150,7 +150,7 @@ def test_k_quants_as_people_download_them_compute_from_their_own_codes(tmp_path,
 def test_native_codes_equal_llamacpp_dequantization_for_every_type(tmp_path):
     """Each type kvchat computes natively, decoded into codes, scales and offsets: s · q + m equals
     gguf.quants.dequantize (llama.cpp's definition) on the same blocks, and so does the layer's weight."""
-    from engine.weights.gguf_file import INT5, NATIVE
+    from engine.weights.gguf_blocks import INT5, NATIVE
 
     rnd = np.random.default_rng(5)
     for name, (mode, group, decode) in NATIVE.items():

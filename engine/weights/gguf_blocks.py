@@ -1,0 +1,150 @@
+"""GGUF block types decoded into kvchat's codes: each native type's codes, scales and offsets as numpy arrays
+(Q8_0 and Q6_K as int8, Q4_0/Q4_1/Q4_K as int4, Q5_0/Q5_1/Q5_K as int5 in their own block layout), so
+those tensors compute from the file's own values."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..quant import pack_int5
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """Little-endian float16 values from their bytes [..., 2k] -> float32 [..., k]."""
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., m] bytes -> [..., 2m] values 0..15: the low nibbles first, then the high ones (ggml's order
+    within a block: value i in byte i's low nibble, value m + i in its high one)."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _bits(qh: np.ndarray, n: int) -> np.ndarray:
+    """[..., n/8] bytes -> [..., n] bits, bit i of the little-endian word being value i's."""
+    return np.unpackbits(np.ascontiguousarray(qh), axis=-1, bitorder="little")[..., :n]
+
+
+def _recentred(d: np.ndarray, m: np.ndarray, centre: int) -> np.ndarray:
+    """The offset that keeps x = d · q + m when codes q are stored as q − centre (the kernels' int4 nibbles
+    are −8..7, int5 codes −16..15): m + centre · d per group, rounded once from float64 to float32."""
+    return (m.astype(np.float64) + centre * d.astype(np.float64)).astype(np.float32)
+
+
+def _centred(codes: np.ndarray, d: np.ndarray, m: np.ndarray, centre: int) -> tuple:
+    """Unsigned codes q with x = d · q + m (d, m per group) as signed codes q − centre, and their offsets."""
+    return (codes.astype(np.int16) - centre).astype(np.int8), _recentred(d, m, centre)
+
+
+# Each block type -> (rows [N, bytes] -> codes int8 [N, K], scales float32 [N, K/g], offsets float32 [N, K/g] or
+# None), with x = s · q (+ m) exactly as llama.cpp's dequantization defines each type (gguf.quants is the test's
+# reference). Block layouts are ggml's (ggml-common.h).
+def _q8_0(raw):
+    b = raw.reshape(raw.shape[0], -1, 34)  # d, 32 int8
+    return b[..., 2:].copy().view(np.int8).reshape(len(raw), -1), _f16(b[..., :2]).reshape(len(raw), -1), None
+
+
+def _q4_0(raw):
+    b = raw.reshape(raw.shape[0], -1, 18)  # d, 16 bytes of nibbles: x = d · (q − 8)
+    codes = _nibbles(b[..., 2:]).astype(np.int8) - 8
+    return codes.reshape(len(raw), -1), _f16(b[..., :2]).reshape(len(raw), -1), None
+
+
+def _q4_1(raw):
+    b = raw.reshape(raw.shape[0], -1, 20)  # d, m, 16 bytes of nibbles: x = d · q + m
+    d, m = _f16(b[..., 0:2])[..., 0], _f16(b[..., 2:4])[..., 0]
+    codes, mins = _centred(_nibbles(b[..., 4:]), d, m, 8)
+    return codes.reshape(len(raw), -1), d, mins
+
+
+def _q5_0(raw):
+    b = raw.reshape(raw.shape[0], -1, 22)  # d, 4 bytes of fifth bits, 16 bytes of nibbles: x = d · (q − 16)
+    q = _nibbles(b[..., 6:]) | (_bits(b[..., 2:6], 32) << 4)
+    return (q.astype(np.int8) - 16).reshape(len(raw), -1), _f16(b[..., :2]).reshape(len(raw), -1), None
+
+
+def _q5_1(raw):
+    b = raw.reshape(raw.shape[0], -1, 24)  # d, m, 4 bytes of fifth bits, 16 bytes of nibbles: x = d · q + m
+    q = _nibbles(b[..., 8:]) | (_bits(b[..., 4:8], 32) << 4)
+    return q.astype(np.int8).reshape(len(raw), -1), _f16(b[..., 0:2])[..., 0], _f16(b[..., 2:4])[..., 0]
+
+
+def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 12 bytes of a Q4_K/Q5_K super-block -> its 8 six-bit scales and 8 six-bit mins."""
+    d, m, md = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _k_groups(b: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """A Q4_K/Q5_K super-block's header -> each group of 32's scale d · sc and offset −dmin · mn."""
+    d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])  # [N, nb, 1]
+    sc, mn = _k_scales(b[..., 4:16])
+    return (d * sc).reshape(n, -1), (-(dmin * mn)).reshape(n, -1)
+
+
+def _q4_k(raw):
+    n = raw.shape[0]
+    b = raw.reshape(n, -1, 144)  # d, dmin, 12 bytes of scales, 128 bytes: 4 × 32 bytes = 8 groups of 32 nibbles
+    scales, mins = _k_groups(b, n)
+    qs = b[..., 16:].reshape(n, -1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+    codes, mins = _centred((qs & 0x0F).reshape(n, -1), scales, mins, 8)
+    return codes, scales, mins
+
+
+def _q5_k(raw):
+    n = raw.shape[0]
+    b = raw.reshape(n, -1, 176)  # d, dmin, 12 bytes of scales, 32 bytes of fifth bits, 128 bytes of nibbles
+    scales, mins = _k_groups(b, n)
+    ql = (b[..., 48:].reshape(n, -1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 0x0F
+    qh = (b[..., 16:48].reshape(n, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 0x01
+    q = ql.reshape(n, -1, 8, 32) | (qh << 4)
+    return q.astype(np.int8).reshape(n, -1), scales, mins
+
+
+def _q6_k(raw):
+    n = raw.shape[0]
+    b = raw.reshape(n, -1, 210)  # 128 bytes low nibbles, 64 bytes of high pairs, 16 int8 scales, d
+    ql = (b[..., :128].reshape(n, -1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 0x0F
+    qh = (b[..., 128:192].reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 3
+    q = ql.reshape(n, -1, 8, 32) | (qh.reshape(n, -1, 8, 32) << 4)
+    scales = _f16(b[..., 208:210]) * b[..., 192:208].copy().view(np.int8).astype(np.float32)  # [N, nb, 16]
+    return (q.astype(np.int8) - 32).reshape(n, -1), scales.reshape(n, -1), None
+
+
+def _q5_blocks(raw, size: int):
+    """Q5_0 (`size` 22) / Q5_1 (24) blocks as the kernels' int5 layout (each block without its float16
+    scale and minimum: 4 bytes of fifth bits, 16 of nibbles, code q meaning q − 16), scales d and offsets:
+    x = d · (q − 16) for Q5_0; x = d · q + m = d · (q − 16) + (m + 16 · d) for Q5_1."""
+    n = raw.shape[0]
+    b = raw.reshape(n, -1, size)
+    d = _f16(b[..., 0:2])[..., 0]
+    if size == 22:
+        return np.ascontiguousarray(b[..., 2:]).reshape(n, -1), d, None
+    return np.ascontiguousarray(b[..., 4:]).reshape(n, -1), d, _recentred(d, _f16(b[..., 2:4])[..., 0], 16)
+
+
+def _q5_k_int5(raw):
+    """Q5_K super-blocks in the int5 layout: each group of 32's codes q (0..31) repacked as Q5_0 packs a
+    block, with x = s · q + m = s · (q − 16) + (m + 16 · s)."""
+    codes, scales, mins = _q5_k(raw)  # codes 0..31 [N, K], scale and offset per 32
+    packed = pack_int5(torch.from_numpy(codes.astype(np.int8) - 16)).numpy()
+    return packed, scales, _recentred(scales, mins, 16)
+
+
+# Held as int5 codes (their own five bits) when a product is of these alone: type -> rows -> (codes in the
+# int5 layout, scales, offsets or None).
+INT5 = {"Q5_0": lambda raw: _q5_blocks(raw, 22), "Q5_1": lambda raw: _q5_blocks(raw, 24), "Q5_K": _q5_k_int5}
+# GGUF type -> (mode its codes are held in, values per scale, decoder): computed natively by the kernels.
+NATIVE = {
+    "Q8_0": ("int8", 32, _q8_0),
+    "Q4_0": ("int4", 32, _q4_0),
+    "Q4_1": ("int4", 32, _q4_1),
+    "Q5_0": ("int8", 32, _q5_0),
+    "Q5_1": ("int8", 32, _q5_1),
+    "Q4_K": ("int4", 32, _q4_k),
+    "Q5_K": ("int8", 32, _q5_k),
+    "Q6_K": ("int8", 16, _q6_k),
+}
