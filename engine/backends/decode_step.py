@@ -76,7 +76,7 @@ def use_kernels(model, kernels) -> None:
         model.decode_step = None
 
 
-class _Linear(ctypes.Structure):  # kv_linear in cpu_kernels.c
+class _Linear(ctypes.Structure):  # kv_linear in csrc/kernels.h
     _fields_ = [
         ("w", ctypes.c_void_p),
         ("scales", ctypes.c_void_p),
@@ -91,7 +91,7 @@ class _Linear(ctypes.Structure):  # kv_linear in cpu_kernels.c
     ]
 
 
-class _Layer(ctypes.Structure):  # kv_layer in cpu_kernels.c
+class _Layer(ctypes.Structure):  # kv_layer in csrc/kernels.h
     _fields_ = [
         ("attn_norm", ctypes.c_void_p),
         ("mlp_norm", ctypes.c_void_p),

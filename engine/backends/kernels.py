@@ -1,7 +1,9 @@
-"""Builds kvchat's CPU kernels (cpu_kernels.c) for this CPU and wraps them for torch tensors.
+"""Builds kvchat's CPU kernels (the C library in csrc/, its ABI in csrc/kernels.h) for this CPU and wraps them
+for torch tensors.
 
 Batch-1 decode streams every weight once per token, so it runs at the speed of a memory stream;
-these plain row dot products reach it where torch's one-row products do not (README, Performance).
+these plain row dot products reach it where torch's one-row products do not (engine/BENCHMARKS.md,
+"What makes the CPU path fast").
 The library is compiled on first use with the system's C compiler into the user cache directory,
 keyed by source, compiler, flags and CPU, and every function is checked against torch before use.
 Where anything is missing (no compiler, no OpenMP, KVCHAT_KERNELS=0) the engine runs torch's
@@ -37,7 +39,7 @@ from ..quant import (
     tile,
 )
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+SOURCES = Path(__file__).with_name("csrc")  # kernels.h (the ABI), simd.h, and one .c file per area
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 QUANT_FUNCS = {"int8": "kv_matvec_q8", "int4": "kv_matvec_q4", "int5": "kv_matvec_q5"}
 INTEGER_FUNCS = {mode: name + "x" for mode, name in QUANT_FUNCS.items()}  # int8 activations
@@ -68,14 +70,22 @@ def _cpu_signature() -> str:
         return platform.processor() + platform.machine()
 
 
+def sources() -> list[Path]:
+    """The library's files: every header and C file in csrc/, in a fixed order."""
+    return sorted(p for p in SOURCES.iterdir() if p.suffix in (".c", ".h"))
+
+
 def build(cc: str | None = None, extra_flags: tuple[str, ...] = (), out_dir: Path | None = None) -> Path:
-    """Compile cpu_kernels.c (once per source, compiler, flags and CPU) and return the library's path."""
+    """Compile the kernels (once per source, compiler, flags and CPU) in one compiler call and return the
+    library's path."""
     cc = cc or compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")
     flags = FLAGS + tuple(extra_flags)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, *flags, _cpu_signature()]).encode())
+    files = sources()
+    texts = [f"{p.name}\n{p.read_text()}" for p in files]
+    key = hashlib.sha256("\0".join([*texts, cc, version, *flags, _cpu_signature()]).encode())
     out_dir = out_dir or cache_dir()
     target = out_dir / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if target.is_file():
@@ -84,7 +94,10 @@ def build(cc: str | None = None, extra_flags: tuple[str, ...] = (), out_dir: Pat
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:  # build aside, then rename: atomic for other processes
         partial = Path(tmp) / target.name
         done = subprocess.run(
-            [cc, *flags, str(SOURCE), "-o", str(partial)], capture_output=True, text=True, timeout=300
+            [cc, *flags, f"-I{SOURCES}", *(str(p) for p in files if p.suffix == ".c"), "-o", str(partial)],
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-600:]}")

@@ -1,9 +1,11 @@
-"""kvchat's CPU decode kernels (engine/cpu_kernels.c): built here, checked against torch at model
+"""kvchat's CPU decode kernels (engine/backends/csrc/): built here, checked against torch at model
 shapes for every type and every instruction-set variant this CPU can run, and a model decoding
 through them gives the logits and tokens of the same model on torch's kernels."""
 
+import ctypes
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -379,3 +381,80 @@ def test_the_prefill_weight_buffer_is_reused_in_and_out_of_inference_mode():
     b = weight_scratch((2, 8))  # outside inference mode: still writable (a normal tensor)
     b.copy_(torch.ones(2, 8))
     assert b.data_ptr() == a.data_ptr() and weight_scratch((64, 64)).numel() == 4096
+
+
+# --- The ABI: csrc/kernels.h is what Python calls ------------------------------------------------------------
+HEADER = kernels.SOURCES / "kernels.h"
+C_TYPES = {"int64_t": ctypes.c_int64, "int": ctypes.c_int, "float": ctypes.c_float}
+
+
+def header_functions() -> dict[str, tuple[str, list[str]]]:
+    """name -> (return type, parameter types) of every prototype in kernels.h (comments removed)."""
+    text = re.sub(r"/\*.*?\*/", "", HEADER.read_text(), flags=re.S)
+    out = {}
+    for ret, name, params in re.findall(r"^((?:const )?\w+ \*?)(kv_\w+)\(([^)]*)\);", text, flags=re.M):
+        kinds = [p.rsplit(None, 1)[0] + ("*" if "*" in p else "") for p in (s.strip() for s in params.split(",")) if p]
+        out[name] = (ret.strip(), [] if kinds == ["void"] else kinds)
+    return out
+
+
+def header_struct(name: str) -> list[tuple[str, str]]:
+    """(field, C type) of `typedef struct {...} name;` in kernels.h, in order."""
+    text = re.sub(r"/\*.*?\*/", "", HEADER.read_text(), flags=re.S)
+    body = re.search(r"typedef struct \{([^}]*)\} " + name + ";", text).group(1)
+    fields = []
+    for decl in filter(None, (d.strip() for d in body.split(";"))):
+        kind, names = re.match(r"((?:const )?\w+)\s*(.*)", decl).groups()
+        for n in names.split(","):
+            n = n.strip()
+            fields.append((n.lstrip("*"), kind + ("*" if n.startswith("*") else "")))
+    return fields
+
+
+def as_ctype(kind: str):
+    return ctypes.c_void_p if kind.endswith("*") else C_TYPES.get(kind.removeprefix("const "), kind)
+
+
+def test_the_header_parser_reads_prototypes_and_structs():
+    """What the ABI checks below rest on."""
+    fns = header_functions()
+    assert fns["kv_isa"] == ("const char *", [])
+    assert fns["kv_matvec_f32"] == ("void", ["const float*", "const float*", "float*", "int64_t", "int64_t", "int"])
+    assert header_struct("kv_linear")[:5] == [
+        ("w", "const void*"),
+        ("scales", "const float*"),
+        ("mins", "const float*"),
+        ("bias", "const void*"),
+        ("out", "int64_t"),
+    ]
+
+
+@needs_kernels
+def test_every_exported_function_is_declared_in_the_header_and_called_as_declared():
+    """ctypes' declarations of every kernel (engine/backends/kernels.py) against csrc/kernels.h: the same
+    parameters in the same order, the same return type; and the library exports nothing the header does not
+    declare."""
+    fns = header_functions()
+    exported = subprocess.run(["nm", "-D", "--defined-only", str(K.path)], capture_output=True, text=True).stdout
+    exported = {line.split()[-1] for line in exported.splitlines() if line.split()[-1].startswith(("kv_", "int_"))}
+    assert exported == {n for n in fns if hasattr(K.lib, n)}, "exported but not in kernels.h (or the reverse)"
+    for name, (ret, params) in fns.items():
+        if not hasattr(K.lib, name):  # float16 ones where the compiler has no _Float16
+            assert "f16" in name, name
+            continue
+        fn = getattr(K.lib, name)
+        want_ret = {"void": None, "const char *": ctypes.c_char_p, "int": ctypes.c_int}[ret]
+        assert fn.restype == want_ret, name
+        if params:
+            assert list(fn.argtypes) == [as_ctype(p) for p in params], name
+
+
+def test_the_decode_steps_structs_are_the_headers():
+    from engine.backends.decode_step import _Layer, _Linear
+
+    for struct, name in ((_Linear, "kv_linear"), (_Layer, "kv_layer")):
+        want = header_struct(name)
+        got = [(n.rstrip("_"), t) for n, t in struct._fields_]
+        assert [n for n, _ in got] == [n for n, _ in want], name
+        for (field, t), (_, kind) in zip(got, want):
+            assert t == (_Linear if kind == "kv_linear" else as_ctype(kind)), (name, field)

@@ -1,0 +1,114 @@
+/* kvchat's CPU kernels: the library's ABI, every exported function and struct, as engine/backends/kernels.py
+ * and decode_step.py call them through ctypes (tests/engine_tests/test_kernels.py holds their declarations
+ * to this file). Built from this folder's .c files in one compiler call, for this CPU (-march=native).
+ *
+ * Conventions: weights in their checkpoint layout [out, in]; `nt` is the thread count (torch's OpenMP
+ * team); quantized weights are codes with one float32 scale per group of g inputs [out, in/g] and an
+ * optional offset per group `m` [out, in/g] (NULL: none), a weight being s·q (+ m); int8 codes [out, in],
+ * int4 two a byte, low nibble first [out, in/2] (4-bit two's complement), int5 as a GGUF's Q5 blocks
+ * (20 bytes a group of 32), int4 tiles as engine.quant.tile lays them. Activations and outputs of quantized
+ * products are float32. */
+#ifndef KV_KERNELS_H
+#define KV_KERNELS_H
+
+#include <stdint.h>
+
+/* What the kernels were built for: "avx512", "avx2" or "generic"; and what runs the integer products
+ * (int8 activations): "avx512-vnni", "avx-vnni", "avx2" or "generic". */
+const char *kv_isa(void);
+const char *kv_int_isa(void);
+int kv_int4_tile_rows(void);     /* rows in an int4 tile where tiles pay (16-lane vectors), else 0 */
+int kv_int4_integer_tiles(void); /* 1 where the tiles' integer products run (512-bit VNNI) */
+
+/* float_products.c: y [out] = W [out, in] x [in], x and y in W's type */
+void kv_matvec_f32(const float *w, const float *x, float *y, int64_t out, int64_t in, int nt);
+void kv_matvec_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t out, int64_t in, int nt);
+
+/* quant_products.c: y [out] = W x with float32 activations; W = s·q (+ m) back as float32 rows [out, in];
+ * quantization at load (int8 codes into `codes`, or int4 into `packed`: the other NULL) */
+void kv_matvec_q8(const int8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
+                  int64_t in, int64_t g, int nt);
+void kv_matvec_q4(const uint8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
+                  int64_t in, int64_t g, int nt);
+void kv_matvec_q5(const uint8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
+                  int64_t in, int64_t g, int nt);
+void kv_dequant_q8(const int8_t *q, const float *s, const float *m, float *w, int64_t out, int64_t in, int64_t g,
+                   int nt);
+void kv_dequant_q4(const uint8_t *q, const float *s, const float *m, float *w, int64_t out, int64_t in, int64_t g,
+                   int nt);
+void kv_dequant_q5(const uint8_t *q, const float *s, const float *m, float *w, int64_t out, int64_t in, int64_t g,
+                   int nt);
+void kv_quantize(const float *w, int8_t *codes, uint8_t *packed, float *s, int64_t out, int64_t in, int64_t g,
+                 int qmax, int nt);
+
+/* tiles.c: int4 codes in tiles of 16 rows */
+void kv_matvec_q4t(const uint8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
+                   int64_t in, int64_t g, int nt);
+void kv_dequant_q4t(const uint8_t *q, const float *s, const float *m, float *w, int64_t out, int64_t in, int64_t g,
+                    int nt);
+
+/* integer_products.c: the same products with x quantized to int8 per 32 inputs (engine.quant.integer_product),
+ * where the shape is whole blocks; the float32 products otherwise */
+void kv_matvec_q8x(const int8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
+                   int64_t in, int64_t g, int nt);
+void kv_matvec_q4x(const uint8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
+                   int64_t in, int64_t g, int nt);
+void kv_matvec_q5x(const uint8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
+                   int64_t in, int64_t g, int nt);
+void kv_matvec_q4tx(const uint8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
+                    int64_t in, int64_t g, int nt);
+
+/* attention.c: RMSNorm of one row; attention of the new position `pos` over keys lo..pos (the packed row
+ * qkv [(H + 2 Hkv) d] in; k rotated and v written into the layer's cache kc, vc [Hkv, cap, d]; y [H d] out) */
+void kv_rmsnorm_f32(const float *x, const float *w, float *y, int64_t n, float eps);
+void kv_rmsnorm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t n, float eps);
+void kv_attend_f32(const float *qkv, const float *cs, const float *sn, const float *qn, const float *kn, float eps,
+                   float *kc, float *vc, int64_t cap, int64_t pos, int64_t lo, int64_t H, int64_t Hkv, int64_t d,
+                   float scale, float *y, int nt);
+void kv_attend_bf16(const uint16_t *qkv, const uint16_t *cs, const uint16_t *sn, const uint16_t *qn,
+                    const uint16_t *kn, float eps, uint16_t *kc, uint16_t *vc, int64_t cap, int64_t pos, int64_t lo,
+                    int64_t H, int64_t Hkv, int64_t d, float scale, uint16_t *y, int nt);
+
+/* decode_step.c: a decode step's layers in one call. A linear layer, and a block's weights and cache. */
+typedef struct {
+    const void *w;       /* float weight [out, in] of the model's type, or int8 codes / int4 codes two a byte */
+    const float *scales; /* [out, in/group] for codes, NULL for float weights */
+    const float *mins;   /* [out, in/group] offsets (weights s·q + m), or NULL */
+    const void *bias;    /* [out] of the model's type, or NULL */
+    int64_t out, in, group;
+    int64_t mode;  /* KV_FLOAT, KV_INT8, KV_INT5 (a GGUF's Q5 blocks), KV_INT4 */
+    int64_t act;   /* codes' products: 0 with float32 activations, 8 with int8 ones (kv_matvec_q8x, ...) */
+    int64_t tiles; /* int4 codes in tiles of this many rows (kv_matvec_q4t), 0 in rows */
+} kv_linear;
+enum { KV_FLOAT = 0, KV_INT4 = 4, KV_INT5 = 5, KV_INT8 = 8 };
+
+typedef struct {
+    const void *attn_norm, *mlp_norm, *q_norm, *k_norm; /* q_norm, k_norm NULL without (Qwen3 has them) */
+    kv_linear qkv, o, gate_up, down;
+    void *k_cache, *v_cache; /* this layer's [H_kv, cap, d] */
+} kv_layer;
+
+/* x [D] is the residual stream, updated in place through n_layers blocks at position `pos`; cs, sn [d] the
+ * rotation's row for pos; h, qkv, att, t, gu and fx, fy are scratch rows of the sizes their names imply. */
+void kv_decode_layers_f32(const kv_layer *layers, int64_t n_layers, float *x, const float *cs, const float *sn,
+                          float eps, float qk_eps, int64_t cap, int64_t pos, int64_t lo, int64_t H, int64_t Hkv,
+                          int64_t d, int64_t D, int64_t F, float *h, float *qkv, float *att, float *t, float *gu,
+                          float *fx, float *fy, int nt);
+void kv_decode_layers_bf16(const kv_layer *layers, int64_t n_layers, uint16_t *x, const uint16_t *cs,
+                           const uint16_t *sn, float eps, float qk_eps, int64_t cap, int64_t pos, int64_t lo,
+                           int64_t H, int64_t Hkv, int64_t d, int64_t D, int64_t F, uint16_t *h, uint16_t *qkv,
+                           uint16_t *att, uint16_t *t, uint16_t *gu, float *fx, float *fy, int nt);
+
+#ifdef __FLT16_MAX__ /* float16 where the compiler has _Float16 */
+void kv_matvec_f16(const _Float16 *w, const _Float16 *x, _Float16 *y, int64_t out, int64_t in, int nt);
+void kv_rmsnorm_f16(const _Float16 *x, const _Float16 *w, _Float16 *y, int64_t n, float eps);
+void kv_attend_f16(const _Float16 *qkv, const _Float16 *cs, const _Float16 *sn, const _Float16 *qn,
+                   const _Float16 *kn, float eps, _Float16 *kc, _Float16 *vc, int64_t cap, int64_t pos, int64_t lo,
+                   int64_t H, int64_t Hkv, int64_t d, float scale, _Float16 *y, int nt);
+void kv_decode_layers_f16(const kv_layer *layers, int64_t n_layers, _Float16 *x, const _Float16 *cs,
+                          const _Float16 *sn, float eps, float qk_eps, int64_t cap, int64_t pos, int64_t lo,
+                          int64_t H, int64_t Hkv, int64_t d, int64_t D, int64_t F, _Float16 *h, _Float16 *qkv,
+                          _Float16 *att, _Float16 *t, _Float16 *gu, float *fx, float *fy, int nt);
+#endif
+
+#endif
