@@ -1,8 +1,8 @@
-"""The worker seam and the store, without the window."""
+"""The worker seam, without the window: events crossing the thread, the async stream, stopping, failures."""
 
+import asyncio
 import threading
 
-from desktop.store import Store
 from desktop.worker import EngineWorker, EventBatch
 from engine.events import Finished, PrefillStarted, Token
 
@@ -29,6 +29,8 @@ def test_thousands_of_signal_emits_from_a_thread(qapp, loop, spin_loop):
     got = receiver.got
     worker.events.connect(receiver.on_events)
     n = 5000
+    stream = asyncio.Queue()  # the app's own consumer: the client's slot, as a stream of request 1 takes them
+    client._streams[1] = stream
 
     def blast():
         for i in range(n):
@@ -40,7 +42,7 @@ def test_thousands_of_signal_emits_from_a_thread(qapp, loop, spin_loop):
     t.join()
     assert [e.index for e in got] == list(range(n))
     assert receiver.threads == {threading.main_thread()}  # every batch crossed to the GUI thread
-    assert client is not None
+    assert stream.qsize() == n and all(len(stream.get_nowait()) == 1 for _ in range(n))  # the client had each
 
 
 def test_async_stream_yields_batches_until_finished(qapp, loop, llama_dir):
@@ -109,24 +111,6 @@ def test_events_cross_the_thread_as_frozen_records(llama_dir):
         raise AssertionError("an event could be changed after it was sent")
 
 
-def test_store_tree_branches_and_crash_recovery(tmp_path):
-    st = Store(tmp_path / "k.db")
-    c = st.new_conversation("Trip")
-    u1 = st.add_message(c.id, None, "user", "budget 600")
-    a1 = st.add_message(c.id, u1.id, "assistant", "plan 600")
-    u2 = st.add_message(c.id, None, "user", "budget 750")  # an edit: a sibling of u1
-    a2 = st.add_message(c.id, u2.id, "assistant", "plan 7", status="streaming")
-    assert [m.id for m in st.branch(c.id)] == [u2.id, a2.id]
-    assert [m.id for m in st.siblings(u2)] == [u1.id, u2.id]
-    st.set_leaf(c.id, st.deepest_leaf(u1.id))
-    assert [m.content for m in st.branch(c.id)] == ["budget 600", "plan 600"]
-    assert st.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-    st.db.close()  # the app dies mid-reply, without saving anything more
-    st = Store(tmp_path / "k.db")
-    assert st.message(a2.id).status == "incomplete" and st.message(a2.id).content == "plan 7"
-    assert st.message(a1.id).status == "complete"
-
-
 def test_seam_bench_reports_gui_rate_and_event_loop_lag():
     """The app-vs-engine measurement runs end to end (its ratio is a benchmark figure, not asserted)."""
     import json
@@ -167,7 +151,11 @@ def test_seam_bench_reports_gui_rate_and_event_loop_lag():
     assert out["gui_vs_engine_alone_of_medians"] == round(
         out["gui_received_decode_tok_s"] / out["engine_alone_decode_tok_s"], 3
     )
-    assert out["timer_ticks"] > 0 and out["event_loop_max_lag_ms"] >= 0 and 0 < out["gui_thread_busy"] < 1
+    assert (
+        out["timer_ticks"] > 0
+        and 0 <= out["event_loop_p95_lag_ms"] <= out["event_loop_max_lag_ms"] < 60_000
+        and 0 < out["gui_thread_busy"] < 1
+    )
     assert 0 < out["gui_thread_busy_decoding"] < 1 and 0 < out["gui_thread_busy_decoding_with_lag_probe"] < 1
     # the rate without the lag probe and with it: separate replies, each run reports both
     assert all(r["gui"] > 0 and r["gui_with_lag_probe"] > 0 for r in out["runs"])

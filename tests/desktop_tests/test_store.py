@@ -338,3 +338,21 @@ def test_a_branch_read_on_another_thread_is_kept_unless_a_message_was_written_me
     assert not st.adopt(later.result(timeout=30)) and not st.kept(conv.id)  # stale: read again here
     assert st.branch(conv.id)[-1].content == "changed while it was read" and readers == [False, False, True]
     st.close()
+
+
+def test_store_tree_branches_and_crash_recovery(tmp_path):
+    st = Store(tmp_path / "k.db")
+    c = st.new_conversation("Trip")
+    u1 = st.add_message(c.id, None, "user", "budget 600")
+    a1 = st.add_message(c.id, u1.id, "assistant", "plan 600")
+    u2 = st.add_message(c.id, None, "user", "budget 750")  # an edit: a sibling of u1
+    a2 = st.add_message(c.id, u2.id, "assistant", "plan 7", status="streaming")
+    assert [m.id for m in st.branch(c.id)] == [u2.id, a2.id]
+    assert [m.id for m in st.siblings(u2)] == [u1.id, u2.id]
+    st.set_leaf(c.id, st.deepest_leaf(u1.id))
+    assert [m.content for m in st.branch(c.id)] == ["budget 600", "plan 600"]
+    assert st.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    st.db.close()  # the app dies mid-reply, without saving anything more
+    st = Store(tmp_path / "k.db")
+    assert st.message(a2.id).status == "incomplete" and st.message(a2.id).content == "plan 7"
+    assert st.message(a1.id).status == "complete"

@@ -6,6 +6,7 @@ import torch
 from engine.events import Finished, PrefillDone, Token
 from engine.kv_cache import KVCache, payload_bytes
 from engine.session import Request, Session
+from engine.spec import parse_bytes
 from engine.trace import RequestTrace, summarize
 from engine.weights.loading import load_model
 
@@ -25,11 +26,12 @@ def test_table_30_1_bytes_for_8_9_10_positions():
 
 
 def test_example_30_3_and_exercise_3():
-    assert payload_bytes(num_layers=24, positions=4096, num_kv_heads=8, head_dim=128, bytes_per_value=2) == 402_653_184
-    assert 402_653_184 / 2**20 == 384
+    # the chapter's 384 MiB and 768 MiB, as a person writes them (engine.spec.parse_bytes: binary units)
+    assert payload_bytes(num_layers=24, positions=4096, num_kv_heads=8, head_dim=128, bytes_per_value=2) == parse_bytes(
+        "384MiB"
+    )
     # four KV heads, four requests of 4,096 positions: T becomes the sum of lengths
-    assert payload_bytes(24, 4 * 4096, 4, 128, 2) == 805_306_368
-    assert 805_306_368 / 2**20 == 768
+    assert payload_bytes(24, 4 * 4096, 4, 128, 2) == parse_bytes("768MiB") == 805_306_368
 
 
 def _run(session, req):
