@@ -17,7 +17,8 @@ from engine.events import Failed, Finished, PrefillDone, PrefillProgress, Prefil
 from engine.session import Request
 
 from .settings import Settings
-from .store import Message, Store, StoreError
+from .store import Message, Store
+from .store_file import StoreError
 
 SAVE_EVERY_S = 0.25  # partial replies reach the database this often while streaming
 STATUS_BY_REASON = {

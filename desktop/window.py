@@ -44,11 +44,13 @@ from .chat import ChatController
 from .client import EngineClient
 from .models_dialog import ModelsDialog
 from .panel import StatsPanel, set_bar
+from .reply_widgets import CodeBlock
 from .settings import Settings
 from .settings_dialog import SettingsDialog, open_settings
-from .store import Store, StoreError
+from .store import Store
+from .store_file import StoreError
 from .style import THEMES, apply_style
-from .transcript import CodeBlock, MessageView, Transcript
+from .transcript import MessageView, Transcript
 from .worker import WorkerThread
 
 REFRESH_MS = 60  # the fastest the streaming text redraws (≥ 15 updates a second)

@@ -162,7 +162,7 @@ def test_the_chat_controller_and_the_settings_are_qt_free():
     """Nothing desktop.chat reaches, directly or through other modules, imports Qt: a test drives it
     with a fake client and no window."""
     g, imps = graph(), all_imports()
-    for name in ("desktop.chat", "desktop.settings", "desktop.store"):
+    for name in ("desktop.chat", "desktop.settings", "desktop.store", "desktop.store_file", "desktop.exchange"):
         reach, todo = set(), [name]
         while todo:
             m = todo.pop()

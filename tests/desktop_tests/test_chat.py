@@ -239,7 +239,7 @@ def test_a_stream_that_ends_without_a_last_event_fails_cleanly(chat):
 
 
 def test_a_locked_database_is_a_message_not_a_crash(chat):
-    from desktop.store import StoreError
+    from desktop.store_file import StoreError
 
     def locked(*a, **k):
         raise StoreError("the conversation database is locked by another program; your last change was not saved")

@@ -10,7 +10,8 @@ from PySide6.QtWidgets import QFrame
 pytest.importorskip("starlette")
 
 from desktop.markdown import code_blocks
-from desktop.transcript import DEMO_HINT, MarkdownLabel
+from desktop.reply_widgets import MarkdownLabel
+from desktop.transcript import DEMO_HINT
 from engine.events import Finished
 
 CODE = 'def greet(name: str) -> str:\n    """Say hello."""\n    return f"Hello, {name}!"'

@@ -1,0 +1,361 @@
+"""The widgets a message is drawn with: labels that keep their height per width, text that grows a few lines
+at a time while it streams, code blocks (Pygments, Copy), folded thinking, and a reply body made of them, one
+widget per Markdown piece (desktop/README.md, "The seam", says why each is shaped so)."""
+
+from __future__ import annotations
+
+import math
+
+from PySide6.QtCore import QEvent, QSize, Qt, Signal
+from PySide6.QtGui import QFontDatabase, QGuiApplication, QTextCursor
+from PySide6.QtWidgets import (
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QPushButton,
+    QSizePolicy,
+    QTextEdit,
+    QToolButton,
+    QVBoxLayout,
+    QWidget,
+)
+
+from engine.trace import now
+
+from .markdown import Piece, pieces
+from .style import code_style
+
+
+class WrapLabel(QLabel):
+    """A word-wrapped QLabel that remembers its height per width until its text changes.
+
+    QLabel lays its whole text out again on every heightForWidth call, and the transcript's layout asks
+    every message whenever one grows: while a reply streams, each update would lay out every message
+    above it again. Heights of unchanged text are answered from here.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._heights: dict[int, int] = {}
+        self.setWordWrap(True)
+
+    def setText(self, text: str) -> None:
+        if text != self.text():
+            self._heights.clear()
+            super().setText(text)
+
+    def setTextFormat(self, fmt) -> None:
+        if fmt != self.textFormat():
+            self._heights.clear()
+            super().setTextFormat(fmt)
+
+    def heightForWidth(self, w: int) -> int:
+        h = self._heights.get(w)
+        if h is None:
+            h = self._heights[w] = super().heightForWidth(w)
+        return h
+
+    def minimumSizeHint(self) -> QSize:  # QLabel's lays the text out at width 0: a line per word
+        fm = self.fontMetrics()
+        return QSize(fm.averageCharWidth() * 12, fm.lineSpacing())
+
+    def sizeHint(self) -> QSize:  # the height at the width it has (one cached layout), not at a guessed one
+        w = self.width() if self.width() > 0 else self.fontMetrics().averageCharWidth() * 80
+        return QSize(w, self.heightForWidth(w))
+
+
+class FitTextEdit(QTextEdit):
+    """A read-only text view as tall as its document: the transcript scrolls, not this view."""
+
+    def __init__(self, wrap: bool = True):
+        super().__init__()
+        self.setReadOnly(True)
+        self.setFrameShape(QFrame.NoFrame)
+        self.setVerticalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarAsNeeded if not wrap else Qt.ScrollBarAlwaysOff)
+        if not wrap:
+            self.setLineWrapMode(QTextEdit.NoWrap)
+        self.setSizePolicy(QSizePolicy.Preferred, QSizePolicy.Fixed)
+        self.setTextInteractionFlags(Qt.TextSelectableByMouse | Qt.TextSelectableByKeyboard)
+        self.document().setDocumentMargin(4)
+        self.document().documentLayout().documentSizeChanged.connect(self._fit)
+
+    grow_lines = 0  # > 0: grow by this many lines at a time (text still arriving), not to the exact height
+
+    def set_growing(self, lines: int) -> None:
+        """While text streams in, each change of height lays out, scrolls and repaints the whole
+        transcript: growing a few lines at a time does that once every few lines."""
+        self.grow_lines = lines
+        self._fit()
+
+    def _fit(self, *_) -> None:
+        bar = self.horizontalScrollBar()
+        extra = bar.sizeHint().height() if bar.isVisible() else 0
+        h = math.ceil(self.document().size().height()) + extra
+        if self.grow_lines:
+            step = self.fontMetrics().lineSpacing() * self.grow_lines
+            h = max(step, math.ceil(h / step) * step)
+        else:
+            h += 2
+        if h != self.height():
+            self.setFixedHeight(h)
+
+
+GROW_LINES = 4  # lines a view of streaming text grows by at a time
+
+
+class StreamView(FitTextEdit):
+    """The text of a reply while it streams: new text is appended to the document, so Qt lays out and
+    paints only the last paragraph, where a label lays out and paints the whole reply on every update
+    (README: the seam). Its height follows the document a few lines at a time (set_growing), not exactly as a
+    finished view does. It reports when its first real text is painted (`firstPainted`, on
+    engine.trace.now): the moment token 1 is on screen."""
+
+    firstPainted = Signal(float)
+
+    def __init__(self):
+        super().__init__()
+        self.waiting_for_paint = False  # text is shown but not yet painted
+        self.setTextInteractionFlags(Qt.TextSelectableByMouse)
+        self.document().setDocumentMargin(0)
+        self.shown = ""  # the text in the document
+        self.piece: Piece | None = None  # the open paragraph of a reply it shows (ReplyBody)
+        self.set_growing(GROW_LINES)
+
+    def set_piece(self, piece: Piece) -> None:
+        self.piece = piece
+        self.show_text(piece.text)
+
+    def show_text(self, text: str) -> None:
+        if text.startswith(self.shown) and self.shown:
+            cursor = QTextCursor(self.document())
+            cursor.movePosition(QTextCursor.End)
+            cursor.insertText(text[len(self.shown) :])
+        else:
+            self.setPlainText(text)
+        if text and not self.shown.strip("…") and text != "…":
+            self.waiting_for_paint = True
+        self.shown = text
+
+    def paintEvent(self, e) -> None:
+        super().paintEvent(e)
+        if self.waiting_for_paint:
+            self.waiting_for_paint = False
+            self.firstPainted.emit(now())
+
+
+def highlighted_html(code: str, lang: str) -> str:
+    """The code as HTML with inline colours (Pygments; a language it does not know stays plain)."""
+    from pygments import highlight
+    from pygments.formatters import HtmlFormatter
+    from pygments.lexers import TextLexer, get_lexer_by_name
+    from pygments.util import ClassNotFound
+
+    try:
+        lexer = get_lexer_by_name(lang) if lang else TextLexer()
+    except ClassNotFound:
+        lexer = TextLexer()
+    formatter = HtmlFormatter(noclasses=True, nobackground=True, style=code_style())
+    return highlight(code, lexer, formatter)
+
+
+class CodeBlock(QFrame):
+    """A fenced code block: its language, a Copy button that copies exactly the code, the code
+    highlighted (once the block is closed; plain, appended, while it streams)."""
+
+    def __init__(self, piece: Piece):
+        super().__init__()
+        self.setObjectName("codeBlock")
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(0, 0, 0, 0)
+        lay.setSpacing(0)
+        head = QHBoxLayout()
+        head.setContentsMargins(8, 2, 4, 2)
+        self.language = QLabel()
+        self.language.setObjectName("codeLanguage")
+        head.addWidget(self.language)
+        head.addStretch(1)
+        self.copyButton = QPushButton("Copy")
+        self.copyButton.setObjectName("copyCodeButton")
+        self.copyButton.setFlat(True)
+        self.copyButton.setCursor(Qt.PointingHandCursor)
+        self.copyButton.clicked.connect(self.copy)
+        head.addWidget(self.copyButton)
+        lay.addLayout(head)
+        self.view = FitTextEdit(wrap=False)
+        self.view.setObjectName("codeView")
+        font = QFontDatabase.systemFont(QFontDatabase.FixedFont)
+        self.view.setFont(font)
+        self.view.document().setDefaultFont(font)
+        lay.addWidget(self.view)
+        self.piece: Piece | None = None
+        self.set_piece(piece)
+
+    @property
+    def code(self) -> str:
+        return self.piece.text
+
+    def copy(self) -> None:
+        QGuiApplication.clipboard().setText(self.code)
+        self.copyButton.setText("Copied")
+
+    def rehighlight(self) -> None:
+        """Colours again, in the theme now in use."""
+        if self.piece.closed:
+            self.view.setHtml(highlighted_html(self.piece.text, self.piece.lang))
+
+    def set_piece(self, piece: Piece) -> None:
+        old, self.piece = self.piece, piece
+        self.language.setText(piece.lang or "code")
+        self.copyButton.setAccessibleName(f"Copy the {piece.lang or 'code'} block")
+        self.view.set_growing(0 if piece.closed else GROW_LINES)
+        if piece.closed:
+            self.view.setHtml(highlighted_html(piece.text, piece.lang))
+        elif old is not None and not old.closed and piece.text.startswith(old.text):
+            cursor = QTextCursor(self.view.document())
+            cursor.movePosition(QTextCursor.End)
+            cursor.insertText(piece.text[len(old.text) :])
+        else:
+            self.view.setPlainText(piece.text)
+
+
+class ThinkBlock(QFrame):
+    """What a reasoning model thought (`<think>…</think>`), folded under "Thinking" with its token count."""
+
+    def __init__(self, piece: Piece, count=None):
+        super().__init__()
+        self.setObjectName("thinkingBlock")
+        self.count = count  # text -> tokens, when the model's tokenizer is at hand
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(8, 4, 8, 4)
+        self.toggle = QToolButton()
+        self.toggle.setObjectName("thinkingToggle")
+        self.toggle.setCheckable(True)
+        self.toggle.setArrowType(Qt.RightArrow)
+        self.toggle.setToolButtonStyle(Qt.ToolButtonTextBesideIcon)
+        self.toggle.toggled.connect(self._toggled)
+        lay.addWidget(self.toggle)
+        self.body = WrapLabel()
+        self.body.setObjectName("thinkingText")
+        self.body.setTextFormat(Qt.PlainText)
+        self.body.setTextInteractionFlags(Qt.TextSelectableByMouse | Qt.TextSelectableByKeyboard)
+        self.body.setVisible(False)
+        lay.addWidget(self.body)
+        self.piece: Piece | None = None
+        self.set_piece(piece)
+
+    def _toggled(self, shown: bool) -> None:
+        self.toggle.setArrowType(Qt.DownArrow if shown else Qt.RightArrow)
+        self.body.setVisible(shown)
+
+    def set_piece(self, piece: Piece) -> None:
+        self.piece = piece
+        n = self.count(piece.text) if self.count else None
+        tokens = "" if n is None else f" · {n:,} tokens"
+        self.toggle.setText(("Thinking" if piece.closed else "Thinking…") + tokens)
+        self.toggle.setAccessibleName(f"Thinking{tokens}: show or hide what the model thought")
+        self.body.setText(piece.text)
+
+
+class MarkdownLabel(WrapLabel):
+    """A closed paragraph of a reply as Markdown; links open in the system's browser."""
+
+    def __init__(self, piece: Piece):
+        super().__init__()
+        self.setObjectName("replyText")
+        self.setTextFormat(Qt.MarkdownText)
+        self.setOpenExternalLinks(True)
+        self.setTextInteractionFlags(Qt.TextSelectableByMouse | Qt.TextSelectableByKeyboard | Qt.LinksAccessibleByMouse)
+        self.set_piece(piece)
+
+    def set_piece(self, piece: Piece) -> None:
+        self.piece = piece
+        self.setText(piece.text)
+
+
+class ReplyBody(QWidget):
+    """An assistant's reply as pieces (markdown.py): Markdown paragraphs, code blocks, thinking. While it
+    streams only the last piece changes: closed pieces are rendered once, the open paragraph is plain
+    text appended (a StreamView), an open code block is appended too. `firstPainted` (trace.now) is
+    when the first text reached the screen."""
+
+    firstPainted = Signal(float)
+
+    def __init__(self, count=None):
+        super().__init__()
+        self.setObjectName("replyBody")
+        self.count = count
+        self.lay = QVBoxLayout(self)
+        self.lay.setContentsMargins(0, 0, 0, 0)
+        self.lay.setSpacing(6)
+        self.widgets: list[QWidget] = []
+        self.waiting_for_paint = False
+        self.text = ""
+
+    @property
+    def stream(self) -> StreamView | None:
+        """The open paragraph's view while the reply streams into it."""
+        last = self.widgets[-1] if self.widgets else None
+        return last if isinstance(last, StreamView) else None
+
+    def show_reply(self, text: str, streaming: bool) -> None:
+        if streaming and text and not self.text.strip("…") and text != "…":
+            self.waiting_for_paint = True
+        self.text = text
+        shown = pieces(text, streaming) if text != "…" else [Piece("text", "…", closed=False)]
+        for i, piece in enumerate(shown):
+            w = self.widgets[i] if i < len(self.widgets) else None
+            if w is not None and getattr(w, "piece", None) == piece:
+                continue
+            if w is not None and self._fits(w, piece):
+                w.set_piece(piece)
+                continue
+            new = self._make(piece)
+            if w is not None:
+                self.lay.replaceWidget(w, new)
+                w.setParent(None)
+                w.deleteLater()
+                self.widgets[i] = new
+            else:
+                self.lay.addWidget(new)
+                self.widgets.append(new)
+        for w in self.widgets[len(shown) :]:
+            w.setParent(None)
+            w.deleteLater()
+        del self.widgets[len(shown) :]
+
+    @staticmethod
+    def _fits(w: QWidget, piece: Piece) -> bool:
+        if piece.kind == "text":
+            return isinstance(w, StreamView if not piece.closed else MarkdownLabel)
+        return isinstance(w, CodeBlock if piece.kind == "code" else ThinkBlock)
+
+    def _make(self, piece: Piece) -> QWidget:
+        if piece.kind == "code":
+            w = CodeBlock(piece)
+        elif piece.kind == "think":
+            w = ThinkBlock(piece, self.count)
+        elif piece.closed:
+            w = MarkdownLabel(piece)
+        else:
+            w = StreamView()
+            w.setObjectName("messageStream")
+            w.set_piece(piece)
+            w.firstPainted.connect(self._painted)  # a text view paints its viewport: it says so itself
+            return w
+        (w.view.viewport() if isinstance(w, CodeBlock) else w).installEventFilter(self)
+        return w
+
+    def eventFilter(self, obj, event) -> bool:
+        if self.waiting_for_paint and event.type() == QEvent.Paint:
+            self._painted(now())
+        return False
+
+    def _painted(self, t: float) -> None:
+        if self.waiting_for_paint:
+            self.waiting_for_paint = False
+            self.firstPainted.emit(t)
+
+    def plain_text(self) -> str:
+        """The reply as shown, piece by piece (tests read it back)."""
+        return "\n\n".join(w.piece.text for w in self.widgets)
