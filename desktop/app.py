@@ -8,13 +8,19 @@ import gc
 import json
 import sys
 
+GIL_SWITCH_S = 0.0005  # how long a thread keeps the GIL while another waits (Python's default: 0.005)
 
-def keep_collector_off(window) -> None:
-    """Leave what the app holds for good (Qt, torch, the model, the conversations read) out of the cyclic
-    garbage collector's full passes: it freezes what exists once the window is up and again after each
-    model load. A full pass walks every object the process holds, and it runs on whichever thread
-    allocates: on the GUI thread it stalled switching conversations (README, "Long conversations").
-    Freezing keeps reference counting as it is; only cycles among frozen objects are no longer collected."""
+
+def tune_process(window) -> None:
+    """What the app sets for the whole process once its window is up (desktop/README.md, "Long
+    conversations"). The GIL changes hands every GIL_SWITCH_S: the worker's Python work (a long
+    conversation's chat template) holds it, and the GUI thread's layout and paint call Python many times,
+    each waiting up to the switch interval. And what the app holds for good (Qt, torch, the model, the
+    conversations read) leaves the cyclic garbage collector's full passes: what exists is frozen now and
+    after each model load. A full pass walks every object the process holds, on whichever thread allocates:
+    on the GUI thread it stalled switching conversations. Reference counting stays as it is; only cycles
+    among frozen objects are no longer collected."""
+    sys.setswitchinterval(GIL_SWITCH_S)
     gc.freeze()
     window.modelReady.connect(lambda _facts: gc.freeze())
 
@@ -46,7 +52,7 @@ def main(argv=None) -> int:
     app.aboutToQuit.connect(closed.set)
     window = MainWindow(data_dir(), model=ns.model)
     window.show()
-    keep_collector_off(window)
+    tune_process(window)
     outcome: dict = {}
     if ns.check:
 

@@ -53,3 +53,14 @@ def code_style() -> str:
 
 def icon_path() -> Path:
     return resource("icons", "kvchat.svg")
+
+
+def button(text: str, name: str, slot, layout):
+    """A push button with its object name (what tests and the style sheet find it by), wired and placed."""
+    from PySide6.QtWidgets import QPushButton
+
+    b = QPushButton(text)
+    b.setObjectName(name)
+    b.clicked.connect(slot)
+    layout.addWidget(b)
+    return b

@@ -2,7 +2,9 @@
 
 It shows what the chat controller (chat.py) holds and forwards what the person does to it. While
 a reply streams, a timer redraws the growing text and the panel from that state, never per token,
-and adapts its interval so the GUI thread stays within a small CPU budget (README: the seam).
+and adapts its interval so the GUI thread stays within a small CPU budget (pacing.py; desktop/README.md,
+"The seam"). The conversations' list is sidebar.py, the branch drawn into the transcript branch_view.py,
+the menus menus.py.
 """
 
 from __future__ import annotations
@@ -11,12 +13,10 @@ import asyncio
 import dataclasses
 import json
 import os
-import sys
-import time
 from pathlib import Path
 
 from PySide6.QtCore import Qt, QTimer, Signal
-from PySide6.QtGui import QAction, QGuiApplication, QKeySequence
+from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import (
     QApplication,
     QComboBox,
@@ -25,14 +25,10 @@ from PySide6.QtWidgets import (
     QHBoxLayout,
     QInputDialog,
     QLabel,
-    QLineEdit,
-    QListWidget,
-    QListWidgetItem,
     QMainWindow,
     QMessageBox,
     QPlainTextEdit,
     QProgressBar,
-    QPushButton,
     QSplitter,
     QVBoxLayout,
     QWidget,
@@ -40,29 +36,25 @@ from PySide6.QtWidgets import (
 
 from engine.trace import now
 
+from .branch_view import BranchView
 from .chat import ChatController
 from .client import EngineClient
+from .menus import build_menus
 from .models_dialog import ModelsDialog
+from .pacing import RedrawPacer
 from .panel import StatsPanel, set_bar
 from .reply_widgets import CodeBlock
 from .settings import Settings
 from .settings_dialog import SettingsDialog, open_settings
+from .sidebar import Sidebar
 from .store import Store
 from .store_file import StoreError
-from .style import THEMES, apply_style
+from .style import THEMES, apply_style, button
 from .transcript import MessageView, Transcript
 from .worker import WorkerThread
 
-REFRESH_MS = 60  # the fastest the streaming text redraws (≥ 15 updates a second)
-SLOWEST_REFRESH_MS = 400  # the slowest, when redraws cost more than the budget
-GUI_CPU_BUDGET = 0.08  # share of one core the GUI thread may take while a reply streams
-GIL_SWITCH_S = 0.0005  # how long a thread keeps the GIL while another waits (Python's default: 0.005)
 PROBE_DELAY_MS = 250  # a conversation opened is probed for its cached share this long after (once drawn)
 HELD_RETRY_MS = 1000  # how often changes a lock held back are tried again
-WINDOW = 16  # messages a conversation opens with (a few screens): a long one opens at once
-CHUNK = 2  # views built in one turn of the event loop while a conversation opens
-EARLIER = 40  # messages "Show earlier messages" (or Ctrl+Up at the top) adds
-FOUND_ROLE = Qt.UserRole + 1  # a conversation list item's search match: the message id
 PANEL_EVERY_S = 0.5  # the panel's figures twice a second while a reply streams (and once at its end)
 
 
@@ -86,15 +78,10 @@ class MainWindow(QMainWindow):
     replyFinished = Signal(object)  # the last event of each reply, Finished or Failed (tests and tools wait on it)
     modelReady = Signal(dict)
     conversationProbed = Signal(dict)  # how much of the conversation on screen is cached (tests wait on it)
-    branchRead = Signal(int, object)  # a conversation's branch read on a thread: (its id, the future)
 
     def __init__(self, data_directory: Path, worker_thread: WorkerThread | None = None, model: str | None = None):
         """`model`: a model folder or GGUF file to start on (`kvchat --model PATH`), instead of the settings'."""
         super().__init__()
-        # The worker's Python work (a long conversation's chat template) holds the GIL; the GUI thread's
-        # layout and paint call Python (overridden sizes, slots) many times, each waiting for the GIL up
-        # to the switch interval (README: Long conversations).
-        sys.setswitchinterval(GIL_SWITCH_S)
         self.setWindowTitle("kvchat")
         self.resize(1380, 860)
         self.data_directory = Path(data_directory)
@@ -108,7 +95,6 @@ class MainWindow(QMainWindow):
         self.worker = self.worker_thread.worker
         self.client = EngineClient(self.worker)
         self.facts: dict | None = None
-        self._dirty = False
         self._deleted: list[int] = []
         self._task: asyncio.Task | None = None
         self._closing = False
@@ -124,10 +110,6 @@ class MainWindow(QMainWindow):
         self.worker.modelFailed.connect(self._on_model_failed)
         self.worker.compared.connect(self._on_compared)
         self.worker.probed.connect(self._on_probed)
-        self.timer = QTimer(self)
-        self.timer.setInterval(REFRESH_MS)
-        self.timer.timeout.connect(self._refresh)
-        self._cpu_mark = (now(), time.thread_time())
         self.load_model()
 
     @property
@@ -144,34 +126,12 @@ class MainWindow(QMainWindow):
 
     # --- layout ------------------------------------------------------------------------
     def _build(self) -> None:
-        left = QWidget()
-        ll = QVBoxLayout(left)
-        self.search = QLineEdit()
-        self.search.setObjectName("searchField")
-        self.search.setPlaceholderText("Search conversations (Ctrl+F)")
-        self.search.setAccessibleName("Search conversations by title and message text")
-        self.search.textChanged.connect(self._fill_conversations)
-        ll.addWidget(self.search)
-        self.conversationList = QListWidget()
-        self.conversationList.setObjectName("conversationList")
-        self.conversationList.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
-        self.conversationList.setTextElideMode(Qt.ElideRight)
-        self.conversationList.currentItemChanged.connect(self._on_conversation_picked)
-        self.conversationList.itemClicked.connect(self._on_conversation_picked)  # a hit in the one shown
-        self.conversationList.itemActivated.connect(self._on_conversation_picked)  # Enter, from the keyboard
-        ll.addWidget(self.conversationList)
-        row = QHBoxLayout()
-        self.newButton = _button("New", "newButton", self.new_conversation, row)
-        self.renameButton = _button("Rename", "renameButton", self.rename_conversation, row)
-        self.deleteButton = _button("Delete", "deleteButton", self.delete_conversation, row)
-        ll.addLayout(row)
-        row = QHBoxLayout()
-        self.exportButton = _button("Export…", "exportButton", lambda: self.export_conversation(), row)
-        self.exportButton.setToolTip("Save this conversation as Markdown (the branch shown) or JSON (every branch)")
-        self.importButton = _button("Import…", "importButton", lambda: self.import_conversation(), row)
-        ll.addLayout(row)
-        self.undoButton = _button("Undo delete", "undoDeleteButton", self.undo_delete, ll)
-        self.undoButton.setVisible(False)
+        self.sidebar = Sidebar(self)
+        self.sidebar.searchChanged.connect(self._fill_conversations)
+        self.sidebar.picked.connect(self._on_conversation_picked)
+        self.search, self.conversationList = self.sidebar.search, self.sidebar.list  # the window's parts, by name
+        for name in ("newButton", "renameButton", "deleteButton", "exportButton", "importButton", "undoButton"):
+            setattr(self, name, getattr(self.sidebar, name))
 
         center = QWidget()
         cl = QVBoxLayout(center)
@@ -185,7 +145,7 @@ class MainWindow(QMainWindow):
         self.heldLabel.setObjectName("heldBanner")
         self.heldLabel.setWordWrap(True)
         held.addWidget(self.heldLabel, 1)
-        self.saveCopyButton = _button("Save a copy elsewhere…", "saveCopyButton", lambda: self.save_copy(), held)
+        self.saveCopyButton = button("Save a copy elsewhere…", "saveCopyButton", lambda: self.save_copy(), held)
         self.saveCopyButton.setAccessibleName("Save a copy of the conversations, with the changes not yet saved")
         self.heldBox = QWidget()
         self.heldBox.setLayout(held)
@@ -205,16 +165,15 @@ class MainWindow(QMainWindow):
         self.conversationSettingsLabel.setVisible(False)
         cl.addWidget(self.conversationSettingsLabel)
         self.transcript = Transcript()
-        self.transcript.earlierRequested.connect(self.show_earlier)
-        self._shown_cid = None  # the conversation the transcript's views belong to
-        self._rows: list = []  # the branch as last drawn: (message, version index, versions)
-        self._backfill_to = 0  # the branch index down to which views are being added, a chunk a turn
-        self._reading = None  # the conversation drawn from its tail while its branch is read on a thread
-        self.branchRead.connect(self._on_branch_read)
+        self.branch = BranchView(
+            self.transcript, lambda: self.chat, self._message_view, self._fit_view, self._update_buttons,
+            lambda: self._closing,
+        )  # fmt: skip
+        self.pacer = RedrawPacer(self, self._redraw, lambda: self.generating)
         cl.addWidget(self.transcript, 1)
         actions = QHBoxLayout()
-        self.regenerateButton = _button("Regenerate", "regenerateButton", self.regenerate, actions)
-        self.continueButton = _button("Continue", "continueButton", self.continue_reply, actions)
+        self.regenerateButton = button("Regenerate", "regenerateButton", self.regenerate, actions)
+        self.continueButton = button("Continue", "continueButton", self.continue_reply, actions)
         actions.addStretch(1)
         cl.addLayout(actions)
         comp = QHBoxLayout()
@@ -227,15 +186,15 @@ class MainWindow(QMainWindow):
         self.composer.submitted.connect(self.send)
         self.composer.stopRequested.connect(self.stop)
         comp.addWidget(self.composer, 1)
-        self.sendButton = _button("Send", "sendButton", self.send, comp)
-        self.stopButton = _button("Stop", "stopButton", self.stop, comp)
+        self.sendButton = button("Send", "sendButton", self.send, comp)
+        self.stopButton = button("Stop", "stopButton", self.stop, comp)
         self.stopButton.setVisible(False)
         cl.addLayout(comp)
 
         self.statsPanel = StatsPanel()
         self.statsPanel.exportRequested.connect(self.export_trace)
         split = QSplitter()
-        split.addWidget(left)
+        split.addWidget(self.sidebar)
         split.addWidget(center)
         split.addWidget(self.statsPanel)
         split.setSizes([230, 760, 390])
@@ -258,36 +217,7 @@ class MainWindow(QMainWindow):
         self.themeSwitch.currentIndexChanged.connect(lambda _: self.set_theme(self.themeSwitch.currentData()))
         self.statusBar().addPermanentWidget(self.themeSwitch)
         QGuiApplication.styleHints().colorSchemeChanged.connect(lambda _: self.apply_theme())
-        menu = self.menuBar().addMenu("&kvchat")
-        for text, slot, key in (
-            ("Models…", self.open_models_dialog, "Ctrl+O"),
-            ("Settings…", self.open_settings_dialog, "Ctrl+,"),
-            ("Export conversation…", lambda: self.export_conversation(), "Ctrl+E"),
-            ("Import conversation…", lambda: self.import_conversation(), None),
-            ("About", self.show_about, None),
-            ("Quit", self.close, "Ctrl+Q"),
-        ):
-            act = QAction(text, self)
-            act.triggered.connect(slot)
-            if key:
-                act.setShortcut(QKeySequence(key))
-            menu.addAction(act)
-        chat = self.menuBar().addMenu("&Chat")
-        for text, slot, key in (
-            ("New conversation", self.new_conversation, "Ctrl+N"),
-            ("Search conversations", self.focus_search, "Ctrl+F"),
-            ("Stop the reply", self.stop, "Esc"),
-            ("Copy the last reply", self.copy_last_reply, "Ctrl+Shift+C"),
-            ("Previous message", self.previous_message, "Ctrl+Up"),
-            ("Next message", self.next_message, "Ctrl+Down"),
-        ):
-            act = QAction(text, self)
-            act.setObjectName(f"action-{slot.__name__}")
-            act.triggered.connect(slot)
-            act.setShortcut(QKeySequence(key))
-            act.setShortcutContext(Qt.WindowShortcut)
-            chat.addAction(act)
-            self.addAction(act)  # active whatever has the focus, menu shown or not
+        build_menus(self)
 
     # --- store and conversations --------------------------------------------------------
     def _open_store(self) -> Store:
@@ -347,31 +277,15 @@ class MainWindow(QMainWindow):
         self.select_conversation(convs[0].id if convs else None)
 
     def _fill_conversations(self, *_):
-        self.conversationList.blockSignals(True)
-        self.conversationList.clear()
         search = self.search.text()
-        hits = self.store.search_hits(search)
         if not search.strip():
             for v in self.transcript.views:
                 v.set_found(False)
-        for c in self.store.conversations(search):
-            hit = hits.get(c.id)
-            item = QListWidgetItem(c.title if hit is None else f"{c.title}\n{hit.snippet}")
-            item.setData(Qt.UserRole, c.id)
-            if hit is not None:  # a message matched: its words under the title; picking it shows that message
-                item.setData(FOUND_ROLE, hit.message_id)
-                item.setToolTip(hit.snippet)
-            self.conversationList.addItem(item)
-            if c.id == self.chat.current_cid:
-                self.conversationList.setCurrentItem(item)
-        self.conversationList.blockSignals(False)
+        self.sidebar.fill(self.store.conversations(search), self.store.search_hits(search), self.chat.current_cid)
 
-    def _on_conversation_picked(self, item, _prev=None):
+    def _on_conversation_picked(self, cid: int, found: int | None) -> None:
         """Open another conversation, also while a reply streams (it goes on into its own); a search
         result opens at the message that matched."""
-        if item is None:
-            return
-        cid, found = item.data(Qt.UserRole), item.data(FOUND_ROLE)
         if cid != self.chat.current_cid:
             self.select_conversation(cid)
         if found is not None:
@@ -380,10 +294,10 @@ class MainWindow(QMainWindow):
     def show_found(self, mid: int) -> None:
         """Bring a message (a search's match) into view: its branch shown, the message marked, scrolled
         to and focused (Ctrl+Up/Down go on from there)."""
-        self._whole_branch()
+        self.branch.whole_branch()
         if self.chat.reveal(mid):
             self.render_transcript()
-        at = next((i for i, (m, _, _) in enumerate(self._rows) if m.id == mid), None)  # the branch as drawn
+        at = next((i for i, (m, _, _) in enumerate(self.branch.rows) if m.id == mid), None)  # the branch as drawn
         if at is not None and at < self.transcript.first:
             self.render_transcript(reveal=at)
         for v in self.transcript.views:
@@ -414,7 +328,7 @@ class MainWindow(QMainWindow):
         if self._closing:
             return
         cid = self.chat.current_cid
-        if self._reading is not None and self._reading == cid:  # asked again once the branch is read
+        if self.branch.reading is not None and self.branch.reading == cid:  # asked again once the branch is read
             self.probeTimer.start()
             return
         path = self.chat.branch()
@@ -462,91 +376,8 @@ class MainWindow(QMainWindow):
 
     # --- transcript --------------------------------------------------------------------
     def render_transcript(self, reveal: int | None = None) -> None:
-        """Show the current branch: a conversation opens with its last WINDOW messages (earlier ones on
-        request; `reveal`: from this branch index at least). Views that still show the same message at
-        the same branch position are kept (their text updated if it changed), so sending, finishing or
-        editing lays out only the messages that changed, not a long conversation from the top. A long
-        conversation not read yet opens from its end at once while a thread reads the rest of it."""
-        cid = self.chat.current_cid
-        if cid is not None and cid != self._shown_cid and not self.store.kept(cid):
-            tail = self.chat.guard(self.store.tail, cid, WINDOW)
-            if tail:
-                self._draw(tail, more=True)
-                self._read_branch(cid)
-                return
-        rows = self.chat.rows()
-        if self._reading == cid == self._shown_cid:
-            self._place_tail(rows)
-        self._reading = None
-        self._draw(rows, reveal)
-
-    def _read_branch(self, cid: int) -> None:
-        """The branch of a conversation drawn from its tail, read on a thread (`branchRead` brings it back)."""
-        self._reading = cid
-        fut = self.store.read_later(cid)
-        if fut is None:  # it cannot be read elsewhere: here, once this turn has drawn the tail
-            QTimer.singleShot(0, lambda: self._on_branch_read(cid, None))
-            return
-
-        def done(f):
-            try:
-                self.branchRead.emit(cid, f)
-            except RuntimeError:  # the window is gone
-                pass
-
-        fut.add_done_callback(done)
-
-    def _on_branch_read(self, cid: int, fut) -> None:
-        if self._closing:
-            return
-        if fut is not None and fut.exception() is None:
-            self.store.adopt(fut.result())  # not if a message was written meanwhile: then read here
-        if self._reading == cid == self.chat.current_cid:
-            self.render_transcript()
-
-    def _place_tail(self, rows: list) -> None:
-        """The views drawn from the tail, given their places in the whole branch (the earlier button
-        counts what is above them now)."""
-        tr = self.transcript
-        first = tr.views[0].message.id if tr.views else None
-        at = next((i for i in range(len(rows) - 1, -1, -1) if rows[i][0].id == first), None)
-        if at is None:
-            self._shown_cid = None  # nothing in common: drawn again
-            return
-        self._backfill_to += at - tr.first
-        tr.set_first(at, more=False)
-        self._rows = rows
-
-    def _whole_branch(self) -> None:
-        """The branch read whole now if it is being read on a thread (what follows counts in it)."""
-        if self._reading is not None and self._reading == self.chat.current_cid:
-            self.render_transcript()
-
-    def _draw(self, rows: list, reveal: int | None = None, more: bool = False) -> None:
-        """The transcript's views for `rows` (the branch, or its tail while the rest is read: `more`)."""
-        tr = self.transcript
-        self._rows = rows  # what the backfill prepends from
-        if self.chat.current_cid != self._shown_cid or tr.first > max(0, len(rows) - 1):
-            # Another conversation: its last CHUNK messages now, the rest of the WINDOW a CHUNK per turn
-            # of the event loop (the window answers in between), newest first.
-            self._shown_cid = self.chat.current_cid
-            self._backfill_to = max(0, len(rows) - WINDOW)
-            tr.clear(max(self._backfill_to, len(rows) - CHUNK), more)
-            if tr.first > self._backfill_to:
-                QTimer.singleShot(0, self._backfill)
-        if reveal is not None and reveal < tr.first:
-            tr.prepend([self._message_view(*row) for row in rows[reveal : tr.first]])
-        first, views = tr.first, tr.views
-        keep = 0
-        while keep < min(len(views), len(rows) - first) and views[keep].can_show(*rows[first + keep]):
-            views[keep].show_message(rows[first + keep][0])
-            keep += 1
-        tr.truncate(keep)
-        for row in rows[first + keep :]:
-            tr.add(self._message_view(*row))
-        for view in tr.views:
-            self._fit_view(view)
-        self._update_buttons()
+        """Show the current branch (branch_view.BranchView; `reveal`: from this branch index at least)."""
+        self.branch.render(reveal)
 
     def _fit_view(self, view: MessageView) -> None:
         """A message view's buttons as the window's state allows: no edits while a reply runs, no Compare
@@ -554,22 +385,6 @@ class MainWindow(QMainWindow):
         view.editButton.setEnabled(not self.generating)
         remote = (self.facts or {}).get("backend") == "remote"
         view.compareButton.setVisible(view.message.role == "assistant" and not remote)
-
-    def _backfill(self) -> None:
-        """The next CHUNK of the conversation's first WINDOW messages, above those shown."""
-        tr, rows = self.transcript, self._rows
-        first = tr.first
-        if (
-            first <= self._backfill_to
-            or not tr.views
-            or first >= len(rows)
-            or rows[first][0].id != tr.views[0].message.id
-        ):
-            return  # done, or the transcript moved on (another conversation, a redraw): nothing to add
-        start = max(self._backfill_to, first - CHUNK)
-        tr.prepend([self._message_view(*row) for row in rows[start:first]])
-        if start > self._backfill_to:
-            QTimer.singleShot(0, self._backfill)
 
     def _message_view(self, m, idx: int, count: int) -> MessageView:
         view = MessageView(m, idx, count, self.count_tokens)
@@ -582,9 +397,8 @@ class MainWindow(QMainWindow):
         return view
 
     def show_earlier(self) -> None:
-        """The EARLIER messages before those shown (the transcript's button, or Ctrl+Up at the top)."""
-        self._whole_branch()
-        self.render_transcript(reveal=max(0, self.transcript.first - EARLIER))
+        """Earlier messages above those shown (Ctrl+Up at the top, or the transcript's button)."""
+        self.branch.show_earlier()
 
     def export_conversation(self, path: str | None = None) -> None:
         """The conversation shown, to a file: Markdown (.md, the branch shown) or JSON (every branch)."""
@@ -640,7 +454,7 @@ class MainWindow(QMainWindow):
 
     def _step_message(self, delta: int) -> None:
         """Move the focus (and the panel, for replies) to the message above or below (Ctrl+Up/Down)."""
-        self._whole_branch()
+        self.branch.whole_branch()
         views = self.transcript.views
         if not views:
             return
@@ -671,8 +485,7 @@ class MainWindow(QMainWindow):
             block.rehighlight()
 
     def focus_search(self) -> None:
-        self.search.setFocus()
-        self.search.selectAll()
+        self.sidebar.focus_search()
 
     def copy_last_reply(self) -> None:
         """The newest reply on the branch shown, to the clipboard (Ctrl+Shift+C)."""
@@ -688,7 +501,7 @@ class MainWindow(QMainWindow):
 
     def select_message(self, mid: int) -> None:
         if self.chat.select_message(mid) is not None:
-            self._mark_dirty()
+            self.pacer.mark_dirty()
 
     def switch_branch(self, mid: int, delta: int) -> None:
         if self.chat.switch_branch(mid, delta):
@@ -699,19 +512,18 @@ class MainWindow(QMainWindow):
         self.render_transcript()
 
     def reply_progressed(self) -> None:
-        self._mark_dirty()
+        self.pacer.mark_dirty()
 
     def first_token(self) -> None:
         """Token 1 is drawn at once, text and panel, not at the next tick of the throttled redraw."""
-        self._dirty = True
-        self._refresh(panel=True)
+        self.pacer.draw_now()
 
     def _on_first_paint(self, t: float) -> None:
         stats = self.chat.stats
         if self.generating and stats.first_paint is None:
             stats.first_paint = t
             self._panel_at = 0.0  # the panel says so at the next redraw
-            self._mark_dirty()
+            self.pacer.mark_dirty()
 
     def reply_finished(self, final, highlight) -> None:
         if self.chat.summary:
@@ -722,8 +534,8 @@ class MainWindow(QMainWindow):
             view = self.transcript.view_for(highlight[0])
             if view is not None:
                 view.set_highlight(highlight[1], highlight[2])
-        self._mark_dirty()
-        self._refresh()
+        self.pacer.mark_dirty()
+        self.pacer.tick()
         self.replyFinished.emit(final)
 
     # --- model -------------------------------------------------------------------------
@@ -906,41 +718,9 @@ class MainWindow(QMainWindow):
         self.show_error(f"Internal error while replying: {task.exception()!r}")
         self.render_transcript()
 
-    def _adapt_refresh(self) -> None:
-        """Stretch the redraw interval while the GUI thread uses more than its CPU budget, shrink it back
-        when it uses less (measured with the thread's own CPU clock, paint time included)."""
-        wall, cpu = now(), time.thread_time()
-        span = wall - self._cpu_mark[0]
-        if span < 0.5:
-            return
-        busy = (cpu - self._cpu_mark[1]) / span
-        self._cpu_mark = (wall, cpu)
-        interval = self.timer.interval()
-        if not self.generating:
-            interval = REFRESH_MS
-        elif busy > GUI_CPU_BUDGET:
-            interval = min(SLOWEST_REFRESH_MS, int(interval * 1.5))
-        elif busy < GUI_CPU_BUDGET / 2:
-            interval = max(REFRESH_MS, int(interval / 1.5))
-        if interval != self.timer.interval():
-            self.timer.setInterval(interval)
-
-    def _mark_dirty(self) -> None:
-        """Something the redraw shows changed: redraw at the next tick (the timer runs only while there
-        is something to redraw: an idle timer costs the GUI thread CPU under qasync)."""
-        self._dirty = True
-        if not self.timer.isActive() and not self._closing:
-            self.timer.start()
-
-    def _refresh(self, panel: bool = False) -> None:
-        """The throttled redraw: the streaming message's text and the panel, at most every timer tick
-        (`panel`: the panel too, now)."""
-        self._adapt_refresh()
-        if not self._dirty:
-            if not self.generating:
-                self.timer.stop()
-            return
-        self._dirty = False
+    def _redraw(self, panel: bool = False) -> None:
+        """What the pacer's redraw shows: the streaming message's text, and the panel at most every
+        PANEL_EVERY_S (`panel`: now)."""
         chat = self.chat
         if chat.streaming_mid is not None:
             view = self.transcript.view_for(chat.streaming_mid)
@@ -968,7 +748,7 @@ class MainWindow(QMainWindow):
             e.accept()
             return
         self._closing = True
-        self.timer.stop()
+        self.pacer.stop()
         self.chat.save_partial()
         self.worker_thread.close()
         if self._task is not None and not self._task.done():
@@ -983,12 +763,3 @@ class MainWindow(QMainWindow):
                 f"no file could be written beside it ({self.store.held_path}).",
             )
         e.accept()
-
-
-def _button(text: str, name: str, slot, layout) -> QPushButton:
-    """A push button with its object name (what tests and the style sheet find it by), wired and placed."""
-    b = QPushButton(text)
-    b.setObjectName(name)
-    b.clicked.connect(slot)
-    layout.addWidget(b)
-    return b

@@ -95,14 +95,14 @@ class Probe:
 
     def open(self, data: Path) -> float:
         """Milliseconds from constructing the window to it shown and painted."""
-        from ..app import keep_collector_off
+        from ..app import tune_process
         from ..window import MainWindow
 
         t0 = self.now()
         self.window = MainWindow(data)
         self.window.resize(1400, 900)
         self.window.show()
-        keep_collector_off(self.window)  # as the app does
+        tune_process(self.window)  # as the app does
         self._settle()
         return 1000 * (self.now() - t0)
 

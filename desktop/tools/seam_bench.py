@@ -88,8 +88,8 @@ class App:
         from engine.spec import LoadSpec
         from engine.trace import now
 
-        from .. import window as window_module
-        from ..app import keep_collector_off
+        from .. import pacing
+        from ..app import tune_process
         from ..settings import Settings
         from ..settings_dialog import open_settings
         from ..style import apply_style
@@ -97,7 +97,7 @@ class App:
         from ..worker import BATCH_SECONDS, EngineWorker, WorkerThread
 
         if refresh_ms:  # a fixed redraw interval instead of the app's adaptive one (the trade-off's other points)
-            window_module.REFRESH_MS = window_module.SLOWEST_REFRESH_MS = refresh_ms
+            pacing.REFRESH_MS = pacing.SLOWEST_REFRESH_MS = refresh_ms
 
         self.now, self.tick_ms = now, tick_ms
         os.environ["KVCHAT_DATA_DIR"] = str(data)
@@ -110,7 +110,7 @@ class App:
         asyncio.set_event_loop(self.loop)
         self.window = MainWindow(data, WorkerThread(EngineWorker(batch_seconds or BATCH_SECONDS)))
         self.window.show()
-        keep_collector_off(self.window)  # as the app does
+        tune_process(self.window)  # as the app does
         self.ready, self.finished, self.arrivals, self.ticks = [], [], [], []
         self.wake = asyncio.Event()
         self.window.modelReady.connect(lambda facts: (self.ready.append(facts), self.wake.set()))
@@ -121,19 +121,16 @@ class App:
         self.window.worker.events.connect(self.probe.on_events)
         self.updates: list[float] = []  # when the streaming text on screen changed
         self._shown: str | None = None
-        redraw = self.window._refresh
+        draw = self.window.pacer.draw
 
-        def timed_refresh(*args, **kw):  # the window's redraw, timed when it puts new text on screen
-            dirty = self.window._dirty
-            redraw(*args, **kw)
+        def timed_draw(panel=False):  # the window's redraw (something changed), timed when it puts new text on screen
+            draw(panel)
             chat = self.window.chat
-            if dirty and chat.streaming_mid is not None and chat.stream_text != self._shown:
+            if chat.streaming_mid is not None and chat.stream_text != self._shown:
                 self._shown = chat.stream_text
                 self.updates.append(now())
 
-        self.window._refresh = timed_refresh
-        self.window.timer.timeout.disconnect()
-        self.window.timer.timeout.connect(timed_refresh)
+        self.window.pacer.draw = timed_draw
         self.timer = QTimer()
         self.timer.setInterval(tick_ms)
         self.timer.timeout.connect(lambda: self.ticks.append(now()))

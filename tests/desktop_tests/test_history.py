@@ -5,8 +5,8 @@ import threading
 
 from PySide6.QtCore import Qt
 
+from desktop.branch_view import EARLIER, WINDOW
 from desktop.store import Store
-from desktop.window import EARLIER, WINDOW
 
 N = 150  # messages: more than three windows
 
@@ -77,7 +77,7 @@ def test_a_long_conversation_opens_with_its_last_messages_and_shows_earlier_ones
     qtbot.waitUntil(lambda: tr.first == N - WINDOW)
 
     w.search.setText("word5x")  # a search's match far above the window: the transcript reaches back to it
-    w._on_conversation_picked(w.conversationList.item(0))
+    w.conversationList.itemClicked.emit(w.conversationList.item(0))  # as a click on it
     found = tr.view_for(ids[5])
     assert found is not None and tr.first == 5 and found.property("found") is True
     qtbot.waitUntil(lambda: button.height() > 0)  # laid out again

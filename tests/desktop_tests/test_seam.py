@@ -174,26 +174,26 @@ def test_seam_bench_reports_gui_rate_and_event_loop_lag():
 def test_redraw_interval_adapts_to_the_gui_cpu_budget(qtbot, make_window, llama_dir):
     import time
 
-    from desktop import window as win
+    from desktop import pacing as win
     from engine.trace import now
 
     w = make_window(llama_dir)
-    assert w.timer.interval() == win.REFRESH_MS
+    assert w.pacer.timer.interval() == win.REFRESH_MS
     w.chat.generating = True
-    w._cpu_mark = (now() - 1.0, time.thread_time() - 0.5)  # half a core over the last second
-    w._adapt_refresh()
-    assert w.timer.interval() == int(win.REFRESH_MS * 1.5)
+    w.pacer.cpu_mark = (now() - 1.0, time.thread_time() - 0.5)  # half a core over the last second
+    w.pacer.adapt()
+    assert w.pacer.timer.interval() == int(win.REFRESH_MS * 1.5)
     for _ in range(20):
-        w._cpu_mark = (now() - 1.0, time.thread_time() - 0.5)
-        w._adapt_refresh()
-    assert w.timer.interval() == win.SLOWEST_REFRESH_MS
-    w._cpu_mark = (now() - 1.0, time.thread_time())  # idle: back toward the fastest
-    w._adapt_refresh()
-    assert w.timer.interval() < win.SLOWEST_REFRESH_MS
+        w.pacer.cpu_mark = (now() - 1.0, time.thread_time() - 0.5)
+        w.pacer.adapt()
+    assert w.pacer.timer.interval() == win.SLOWEST_REFRESH_MS
+    w.pacer.cpu_mark = (now() - 1.0, time.thread_time())  # idle: back toward the fastest
+    w.pacer.adapt()
+    assert w.pacer.timer.interval() < win.SLOWEST_REFRESH_MS
     w.chat.generating = False
-    w._cpu_mark = (now() - 1.0, time.thread_time())
-    w._adapt_refresh()
-    assert w.timer.interval() == win.REFRESH_MS
+    w.pacer.cpu_mark = (now() - 1.0, time.thread_time())
+    w.pacer.adapt()
+    assert w.pacer.timer.interval() == win.REFRESH_MS
 
 
 def test_stop_reaches_a_reply_still_waiting_in_the_queue(qapp, llama_dir):

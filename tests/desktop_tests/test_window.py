@@ -276,11 +276,11 @@ def test_panel_updates_are_throttled(qtbot, make_window, spin_loop, llama_dir, m
     assert len(calls) <= seconds * 20 + 5 and len(calls) < n / 2
     # with nothing left to redraw the timer stops (an idle timer costs the GUI thread under qasync);
     # selecting a message starts it again and the panel shows that message's figures
-    spin_loop(lambda: not w.timer.isActive(), 5)
+    spin_loop(lambda: not w.pacer.timer.isActive(), 5)
     calls.clear()
     w.select_message(w.transcript.views[1].message.id)  # the reply: it has figures to show
-    assert w.timer.isActive()
-    spin_loop(lambda: calls and not w.timer.isActive(), 5)
+    assert w.pacer.timer.isActive()
+    spin_loop(lambda: calls and not w.pacer.timer.isActive(), 5)
     assert len(calls) == 1
 
 

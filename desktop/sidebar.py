@@ -1,0 +1,75 @@
+"""The conversations beside the transcript: a search field, the list (a search's match shown under its
+conversation's title) and the buttons that make, rename, delete, export and import conversations."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtWidgets import QHBoxLayout, QLineEdit, QListWidget, QListWidgetItem, QVBoxLayout, QWidget
+
+from .style import button
+
+FOUND_ROLE = Qt.UserRole + 1  # a conversation list item's search match: the message id
+
+
+class Sidebar(QWidget):
+    """The list shows what `fill` is given; picking an item (a click, the keyboard's Enter, or moving the
+    current item) says which conversation, and which message when a search's match was picked."""
+
+    picked = Signal(int, object)  # conversation id, the matched message's id or None
+    searchChanged = Signal(str)
+
+    def __init__(self, window):
+        """`window`: whose slots the buttons call (new_conversation, rename_conversation, ...)."""
+        super().__init__()
+        ll = QVBoxLayout(self)
+        self.search = QLineEdit()
+        self.search.setObjectName("searchField")
+        self.search.setPlaceholderText("Search conversations (Ctrl+F)")
+        self.search.setAccessibleName("Search conversations by title and message text")
+        self.search.textChanged.connect(self.searchChanged)
+        ll.addWidget(self.search)
+        self.list = QListWidget()
+        self.list.setObjectName("conversationList")
+        self.list.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
+        self.list.setTextElideMode(Qt.ElideRight)
+        self.list.currentItemChanged.connect(self._picked)
+        self.list.itemClicked.connect(self._picked)  # a hit in the one shown
+        self.list.itemActivated.connect(self._picked)  # Enter, from the keyboard
+        ll.addWidget(self.list)
+        row = QHBoxLayout()
+        self.newButton = button("New", "newButton", window.new_conversation, row)
+        self.renameButton = button("Rename", "renameButton", window.rename_conversation, row)
+        self.deleteButton = button("Delete", "deleteButton", window.delete_conversation, row)
+        ll.addLayout(row)
+        row = QHBoxLayout()
+        self.exportButton = button("Export…", "exportButton", lambda: window.export_conversation(), row)
+        self.exportButton.setToolTip("Save this conversation as Markdown (the branch shown) or JSON (every branch)")
+        self.importButton = button("Import…", "importButton", lambda: window.import_conversation(), row)
+        ll.addLayout(row)
+        self.undoButton = button("Undo delete", "undoDeleteButton", window.undo_delete, ll)
+        self.undoButton.setVisible(False)
+
+    def fill(self, conversations, hits: dict, current: int | None) -> None:
+        """The conversations (newest first) with their search matches (`hits`: conversation id -> SearchHit),
+        the one shown made current; no `picked` is said for it."""
+        self.list.blockSignals(True)
+        self.list.clear()
+        for c in conversations:
+            hit = hits.get(c.id)
+            item = QListWidgetItem(c.title if hit is None else f"{c.title}\n{hit.snippet}")
+            item.setData(Qt.UserRole, c.id)
+            if hit is not None:  # a message matched: its words under the title; picking it shows that message
+                item.setData(FOUND_ROLE, hit.message_id)
+                item.setToolTip(hit.snippet)
+            self.list.addItem(item)
+            if c.id == current:
+                self.list.setCurrentItem(item)
+        self.list.blockSignals(False)
+
+    def _picked(self, item, _prev=None) -> None:
+        if item is not None:
+            self.picked.emit(item.data(Qt.UserRole), item.data(FOUND_ROLE))
+
+    def focus_search(self) -> None:
+        self.search.setFocus()
+        self.search.selectAll()
