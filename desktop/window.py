@@ -39,6 +39,8 @@ from engine.trace import now
 from .branch_view import BranchView
 from .chat import ChatController
 from .client import EngineClient
+from .export_import import export_conversation, import_conversation
+from .held_banner import HeldBanner
 from .menus import build_menus
 from .models_dialog import ModelsDialog
 from .pacing import RedrawPacer
@@ -54,7 +56,6 @@ from .transcript import MessageView, Transcript
 from .worker import WorkerThread
 
 PROBE_DELAY_MS = 250  # a conversation opened is probed for its cached share this long after (once drawn)
-HELD_RETRY_MS = 1000  # how often changes a lock held back are tried again
 PANEL_EVERY_S = 0.5  # the panel's figures twice a second while a reply streams (and once at its end)
 
 
@@ -140,24 +141,12 @@ class MainWindow(QMainWindow):
         self.banner.setWordWrap(True)
         self.banner.setVisible(False)
         cl.addWidget(self.banner)
-        held = QHBoxLayout()  # while another program's lock holds changes back
-        self.heldLabel = QLabel()
-        self.heldLabel.setObjectName("heldBanner")
-        self.heldLabel.setWordWrap(True)
-        held.addWidget(self.heldLabel, 1)
-        self.saveCopyButton = button("Save a copy elsewhere…", "saveCopyButton", lambda: self.save_copy(), held)
-        self.saveCopyButton.setAccessibleName("Save a copy of the conversations, with the changes not yet saved")
-        self.heldBox = QWidget()
-        self.heldBox.setLayout(held)
-        self.heldBox.setVisible(False)
-        cl.addWidget(self.heldBox)
+        self.heldBanner = HeldBanner(lambda: self.store, self.show_error, self.statusBar().showMessage)
+        cl.addWidget(self.heldBanner)
         self.probeTimer = QTimer(self)
         self.probeTimer.setSingleShot(True)
         self.probeTimer.setInterval(PROBE_DELAY_MS)
         self.probeTimer.timeout.connect(self._probe_now)
-        self.heldTimer = QTimer(self)
-        self.heldTimer.setInterval(HELD_RETRY_MS)
-        self.heldTimer.timeout.connect(self._retry_held)
         self.conversationSettingsLabel = QLabel()
         self.conversationSettingsLabel.setObjectName("conversationSettingsLabel")
         self.conversationSettingsLabel.setWordWrap(True)
@@ -228,49 +217,8 @@ class MainWindow(QMainWindow):
             store = Store(":memory:")
         if store.notice:
             self.show_error(store.notice)
-        store.on_held = self._on_held
+        store.on_held = self.heldBanner.held
         return store
-
-    def _on_held(self, n: int) -> None:
-        """Another program holds the database: the changes wait in memory (the transcript shows them),
-        retried every second, with the way out (a copy elsewhere) beside them."""
-        self.heldLabel.setText(
-            f"{n} change{'s' if n != 1 else ''} not saved yet: the conversation database is locked by another "
-            f"program. kvchat keeps {'them' if n != 1 else 'it'} and tries again every second (on closing, "
-            "beside the database, to be saved at the next start)."
-        )
-        self.heldBox.setVisible(True)
-        if not self.heldTimer.isActive():
-            self.heldTimer.start()
-
-    def _retry_held(self) -> None:
-        try:
-            saved = self.store.flush()
-        except StoreError as e:
-            self.heldTimer.stop()
-            self.show_error(f"{e}; the changes are still held: save a copy elsewhere")
-            return
-        if saved:
-            self.heldTimer.stop()
-            self.heldBox.setVisible(False)
-            self.statusBar().showMessage("The conversation database is free again: every change is saved.", 10000)
-        else:
-            self._on_held(len(self.store.held))
-
-    def save_copy(self, path: str | None = None) -> None:
-        """The conversations with every change, to a file of the person's choosing."""
-        if path is None:
-            path, _ = QFileDialog.getSaveFileName(
-                self, "Save a copy of the conversations", str(self.db_path.with_name("kvchat-copy.db")), "SQLite (*.db)"
-            )
-            if not path:
-                return
-        try:
-            saved = self.store.save_copy(path)
-        except StoreError as e:
-            self.show_error(str(e))
-            return
-        self.statusBar().showMessage(f"Saved a copy with every change to {saved}", 15000)
 
     def _show_first_conversation(self) -> None:
         convs = self.store.conversations()
@@ -401,50 +349,10 @@ class MainWindow(QMainWindow):
         self.branch.show_earlier()
 
     def export_conversation(self, path: str | None = None) -> None:
-        """The conversation shown, to a file: Markdown (.md, the branch shown) or JSON (every branch)."""
-        from .exchange import to_json, to_markdown
-
-        cid = self.chat.current_cid
-        if cid is None:
-            self.show_error("There is no conversation to export yet.")
-            return
-        if path is None:
-            name = "".join(c if c.isalnum() or c in " -_" else "_" for c in self.store.conversation(cid).title)
-            path, _ = QFileDialog.getSaveFileName(
-                self, "Export the conversation", f"{name.strip() or 'conversation'}.md",
-                "Markdown, the branch shown (*.md);;JSON, every branch, importable (*.json)",
-            )  # fmt: skip
-            if not path:
-                return
-        try:
-            if path.lower().endswith(".json"):
-                text = json.dumps(to_json(self.store, cid), ensure_ascii=False, indent=2)
-            else:
-                text = to_markdown(self.store, cid)
-            Path(path).write_text(text, encoding="utf-8")
-        except OSError as e:
-            self.show_error(f"The conversation could not be written to {path}: {e.strerror or e}.")
-            return
-        self.statusBar().showMessage(f"Exported to {path}.", 5000)
+        export_conversation(self, path)
 
     def import_conversation(self, path: str | None = None) -> None:
-        """A conversation exported as JSON, back as a new conversation with the same branches."""
-        from .exchange import ExchangeError, from_json, read_json
-
-        if self.generating:
-            return
-        if path is None:
-            path, _ = QFileDialog.getOpenFileName(self, "Import a conversation", "", "kvchat conversation (*.json)")
-            if not path:
-                return
-        try:
-            conv = self.chat.guard(from_json, self.store, read_json(path))
-        except ExchangeError as e:
-            self.show_error(f"The conversation could not be imported: {e}.")
-            return
-        if conv is not None:
-            self.select_conversation(conv.id)
-            self.statusBar().showMessage(f"Imported “{conv.title}”.", 5000)
+        import_conversation(self, path)
 
     def previous_message(self) -> None:
         self._step_message(-1)
@@ -753,7 +661,7 @@ class MainWindow(QMainWindow):
         self.worker_thread.close()
         if self._task is not None and not self._task.done():
             self._task.cancel()
-        self.heldTimer.stop()
+        self.heldBanner.timer.stop()
         self.probeTimer.stop()
         if not self.store.close():
             QMessageBox.warning(

@@ -513,3 +513,30 @@ def test_kvchat_starts_on_the_model_it_is_given(tmp_path, smollm2_gguf):
     facts = json.loads(r.stdout.strip().splitlines()[-1])
     assert facts["name"] == smollm2_gguf.name and facts["format"] == "gguf"
     assert facts["architecture"] == "LlamaForCausalLM"
+
+
+def test_a_rename_a_lock_holds_back_shows_the_banner_and_is_saved_when_the_lock_goes(
+    qtbot, make_window, spin_loop, demo_model_dir, monkeypatch
+):
+    """Another program holds the database: the window says how many changes wait, shows them as written
+    (the list has the new title), offers the copy elsewhere, and saves them once the lock is gone."""
+    from PySide6.QtWidgets import QInputDialog
+
+    w = make_window(demo_model_dir)
+    send(qtbot, w, spin_loop, "Hello")
+    cid = w.chat.current_cid
+    other = sqlite3.connect(str(w.db_path), isolation_level=None, timeout=0.1)
+    other.execute("BEGIN EXCLUSIVE")  # another program's lock
+    monkeypatch.setattr(QInputDialog, "getText", lambda *a, **k: ("Held title", True))
+    qtbot.mouseClick(w.renameButton, Qt.LeftButton)
+    banner = w.findChild(type(w.heldBanner.label), "heldBanner")
+    assert w.heldBanner.isVisible() and banner.text().startswith("1 change not saved yet")
+    assert w.findChild(type(w.sendButton), "saveCopyButton").isVisible()
+    assert w.conversationList.currentItem().text() == "Held title"  # read as written
+    other.execute("ROLLBACK")  # the lock goes: the next retry (every second) writes it
+    qtbot.waitUntil(lambda: not w.heldBanner.isVisible(), timeout=5000)
+    other.close()
+    check = sqlite3.connect(str(w.db_path))
+    assert check.execute("SELECT title FROM conversations WHERE id=?", (cid,)).fetchone()[0] == "Held title"
+    check.close()
+    assert "every change is saved" in w.statusBar().currentMessage()
