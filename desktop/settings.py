@@ -77,6 +77,19 @@ class Settings:
             return {}
         return {k: v for k, v in value.items() if isinstance(k, str) and isinstance(v, str) and k and v}
 
+    def conversation_summary(self) -> str:
+        """The conversation's own system prompt and sampling in a line (shown above its messages)."""
+        short = self.system_prompt[:80] + ("…" if len(self.system_prompt) > 80 else "")
+        parts = [f"System prompt: “{short}”" if self.system_prompt else "No system prompt"]
+        parts.append("greedy" if self.temperature == 0 else f"temperature {self.temperature:g}")
+        off = {"top-k": 0, "top-p": 1.0, "min-p": 0.0, "repetition penalty": 1.0, "seed": -1}
+        values = (self.top_k, self.top_p, self.min_p, self.repetition_penalty, self.seed)
+        for (name, default), value in zip(off.items(), values):
+            if value != default:
+                parts.append(f"{name} {value:g}")
+        parts.append(f"up to {self.max_new_tokens:,} new tokens")
+        return " · ".join(parts)
+
     def conversation_part(self) -> dict:
         """What a conversation keeps as its own: the system prompt and the sampling."""
         return {k: getattr(self, k) for k in CONVERSATION_FIELDS}

@@ -27,7 +27,6 @@ from PySide6.QtWidgets import (
     QLabel,
     QMainWindow,
     QMessageBox,
-    QPlainTextEdit,
     QProgressBar,
     QSplitter,
     QVBoxLayout,
@@ -39,6 +38,7 @@ from engine.trace import now
 from .branch_view import BranchView
 from .chat import ChatController
 from .client import EngineClient
+from .composer import Composer
 from .export_import import export_conversation, import_conversation
 from .held_banner import HeldBanner
 from .menus import build_menus
@@ -57,22 +57,6 @@ from .worker import WorkerThread
 
 PROBE_DELAY_MS = 250  # a conversation opened is probed for its cached share this long after (once drawn)
 PANEL_EVERY_S = 0.5  # the panel's figures twice a second while a reply streams (and once at its end)
-
-
-class Composer(QPlainTextEdit):
-    """Enter sends; Shift+Enter is a new line."""
-
-    submitted = Signal()
-    stopRequested = Signal()  # Esc while typing: the window's Esc shortcut does not reach past a text edit
-
-    def keyPressEvent(self, e):
-        if e.key() in (Qt.Key_Return, Qt.Key_Enter) and not (e.modifiers() & Qt.ShiftModifier):
-            self.submitted.emit()
-            return
-        if e.key() == Qt.Key_Escape:
-            self.stopRequested.emit()
-            return
-        super().keyPressEvent(e)
 
 
 class MainWindow(QMainWindow):
@@ -525,16 +509,7 @@ class MainWindow(QMainWindow):
         if self.chat.current_cid is None:
             self.conversationSettingsLabel.setVisible(False)
             return
-        s = self.chat.settings_for()
-        short = s.system_prompt[:80] + ("…" if len(s.system_prompt) > 80 else "")
-        parts = [f"System prompt: “{short}”" if s.system_prompt else "No system prompt"]
-        parts.append("greedy" if s.temperature == 0 else f"temperature {s.temperature:g}")
-        for name, value, off in (("top-k", s.top_k, 0), ("top-p", s.top_p, 1.0), ("min-p", s.min_p, 0.0),
-                                 ("repetition penalty", s.repetition_penalty, 1.0), ("seed", s.seed, -1)):  # fmt: skip
-            if value != off:
-                parts.append(f"{name} {value:g}")
-        parts.append(f"up to {s.max_new_tokens:,} new tokens")
-        self.conversationSettingsLabel.setText(" · ".join(parts))
+        self.conversationSettingsLabel.setText(self.chat.settings_for().conversation_summary())
         self.conversationSettingsLabel.setVisible(True)
 
     def show_about(self) -> None:
