@@ -304,7 +304,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     ns = ap.parse_args(argv)
     from engine.devices import default_threads
-    from engine.tools.bench import SHAPES, write_random_checkpoint
+    from engine.tools.bench.shapes import SHAPES, write_random_checkpoint
 
     if ns.shape not in SHAPES:
         print(f"error: unknown shape {ns.shape!r} (choose from {', '.join(SHAPES)})", file=sys.stderr)

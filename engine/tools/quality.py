@@ -144,7 +144,7 @@ def main(ns) -> int:
         import tempfile
         from pathlib import Path
 
-        from .bench import write_random_checkpoint
+        from .bench.shapes import write_random_checkpoint
 
         with tempfile.TemporaryDirectory(prefix="kvchat-quality-") as tmp:
             r = measure(str(write_random_checkpoint(Path(tmp) / ns.shape, ns.shape)), random_ids=True)

@@ -109,7 +109,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     ns = ap.parse_args(argv)
     from ..devices import resolve_device
-    from .bench import collect, write_random_checkpoint
+    from .bench import collect
+    from .bench.shapes import write_random_checkpoint
 
     device = str(resolve_device(ns.device))
     t0 = time.perf_counter()
@@ -160,7 +161,7 @@ def main(argv=None) -> int:
         for c in report["checks"]:
             print(("ok   " if c["pass"] else "FAIL ") + json.dumps(c))
         if "bench" in report:
-            from .bench import print_report
+            from .bench.report import print_report
 
             print_report(report["bench"])
         print(f"{'passed' if report['pass'] else 'FAILED'} in {report['seconds']} s")

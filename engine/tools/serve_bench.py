@@ -20,7 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from .bench import SHAPES, cpu_info, write_random_checkpoint
+from .bench.machine import cpu_info
+from .bench.shapes import SHAPES, write_random_checkpoint
 
 
 def add_arguments(p) -> None:

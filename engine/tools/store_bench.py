@@ -16,7 +16,8 @@ import random
 import tempfile
 from pathlib import Path
 
-from .bench import SHAPES, cpu_info, write_random_checkpoint
+from .bench.machine import cpu_info
+from .bench.shapes import SHAPES, write_random_checkpoint
 
 
 def add_arguments(p) -> None:

@@ -230,7 +230,7 @@ def test_bench_json(llama_dir):
 
 
 def test_bench_roofline_arithmetic():
-    from engine.tools.bench import bytes_per_token, roofline_tok_s
+    from engine.tools.bench.roofline import bytes_per_token, roofline_tok_s
 
     # the figure: 20 GB/s over 0.54 GB of float32 weights caps decode near 37 tok/s
     assert round(roofline_tok_s(20e9, bytes_per_token(540_000_000, 113_246_208, True, 0, 0))) == 37
@@ -303,7 +303,7 @@ def test_a_bench_row_that_crashes_or_hangs_is_a_row_with_its_error():
     import os
     import time
 
-    from engine.tools.bench import run_isolated
+    from engine.tools.bench.isolation import run_isolated
 
     assert run_isolated(operator.add, (2, 3), timeout=60) == 5
     crashed = run_isolated(os.abort, (), timeout=60)
@@ -317,7 +317,8 @@ def test_a_bench_row_that_crashes_or_hangs_is_a_row_with_its_error():
 
 def test_bench_says_which_cpu_it_ran_on():
     from engine.backends import kernels
-    from engine.tools.bench import cpu_info, markdown
+    from engine.tools.bench.machine import cpu_info
+    from engine.tools.bench.report import markdown
 
     cpu = cpu_info()
     assert cpu["model"] and cpu["kernels"] == kernels.status()

@@ -64,7 +64,7 @@ def test_llama_cpp_runs_the_same_weights(demo_model_dir, tmp_path):
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_llama_cpp_greedy_tokens_equal_kvchat_per_family(tmp_path, family):
     from engine.session import Request, Session
-    from engine.tools.bench import write_random_checkpoint
+    from engine.tools.bench.shapes import write_random_checkpoint
     from engine.tools.llamacpp import LlamaCpp
     from engine.tools.selftest import TINY
     from engine.weights.loading import load_model

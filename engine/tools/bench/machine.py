@@ -1,0 +1,123 @@
+"""What the machine is and can do, measured in the same run: the CPU and the instruction sets the kernels
+use, memory bandwidth, reading the files, and a process's resident and peak memory."""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+CPU_FLAGS = (
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512_bf16",
+    "avx512_fp16",
+    "avx512_vnni",
+    "avx_vnni",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+    "asimd",
+    "sve",
+    "neon",
+)
+
+
+def _status_bytes(key: str) -> int | None:
+    """A size line of /proc/self/status (VmRSS, VmHWM) in bytes; None where there is no such file."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def rss_now() -> int:
+    return _status_bytes("VmRSS") or 0
+
+
+def reset_peak_rss() -> None:
+    """Start VmHWM again from the current resident size (Linux: clear_refs 5)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def _peak_rss() -> int:
+    peak = _status_bytes("VmHWM")
+    if peak is not None:
+        return peak
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def peak_mem(device) -> int:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return _peak_rss()
+
+
+def device_sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_bandwidth(device=None, megabytes: int = 512, repeats: int = 5) -> float:
+    """Bytes per second a large copy moves (read + write), best of `repeats`: the memory roofline."""
+    import torch
+
+    from ...trace import now
+
+    device = torch.device(device or "cpu")
+    n = megabytes * 2**20
+    src = torch.ones(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        device_sync(device)
+        t0 = now()
+        dst.copy_(src)
+        device_sync(device)
+        best = min(best, now() - t0)
+    return 2 * n / best
+
+
+def file_read_seconds(model_dir) -> float:
+    """Time to read the weight files into fresh memory, once: what a load is compared with."""
+    from ...trace import now
+
+    t0 = now()
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        buf = bytearray(path.stat().st_size)
+        with open(path, "rb", buffering=0) as f:
+            f.readinto(buf)
+        del buf
+    return now() - t0
+
+
+def cpu_info() -> dict:
+    """The CPU the run measured: its model name, the instruction sets that matter to the kernels, and
+    what kvchat's kernels were built for."""
+    from ...backends import kernels
+
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and value.strip():
+                name = value.strip()
+            elif key.strip() in ("flags", "Features"):
+                flags |= set(value.split())
+    except OSError:
+        pass
+    return {"model": name, "instruction_sets": [f for f in CPU_FLAGS if f in flags], "kernels": kernels.status()}
