@@ -107,8 +107,8 @@ GROW_LINES = 4  # lines a view of streaming text grows by at a time
 class StreamView(FitTextEdit):
     """The text of a reply while it streams: new text is appended to the document, so Qt lays out and
     paints only the last paragraph, where a label lays out and paints the whole reply on every update
-    (README: the seam). Its height follows the document a few lines at a time (set_growing), not exactly as a
-    finished view does. It reports when its first real text is painted (`firstPainted`, on
+    (desktop/README.md, "The seam"). Its height follows the document a few lines at a time (set_growing),
+    not exactly as a finished view does. It reports when its first real text is painted (`firstPainted`, on
     engine.trace.now): the moment token 1 is on screen."""
 
     firstPainted = Signal(float)

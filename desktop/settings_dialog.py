@@ -151,7 +151,8 @@ class SettingsDialog(QDialog):
         self.activations.setToolTip(
             "what quantized weights (int8/int4, a GGUF's codes) multiply while decoding: float32 is exact; int8 "
             "quantizes the activations per 32 values and uses integer dot products — faster on CPUs with VNNI, "
-            "an approximation (README, Quality)"
+            "an approximation, never on by itself (on the real SmolLM2 Q4_1 file the top-1 token agrees at 98.3% "
+            "of positions and perplexity rises 0.3%)"
         )
         form.addRow("Activations (quantized weights)", self.activations)
         self.system = QPlainTextEdit(settings.system_prompt)

@@ -59,7 +59,8 @@ def fingerprint_change(old: dict | None, new: dict) -> str | None:
     return "cache dropped: " + ", ".join(parts)
 
 
-PREFILL_CHUNK = 256  # float32 positions per prefill step: progress and Stop act between steps (README: why 256)
+# Why 256 positions: engine/BENCHMARKS.md, "Decisions, and what was measured for them".
+PREFILL_CHUNK = 256  # float32 positions per prefill step: progress and Stop act between steps
 
 
 def prefill_chunk_for(dtype: torch.dtype) -> int:

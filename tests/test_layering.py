@@ -180,3 +180,51 @@ def test_importing_engine_loads_no_qt():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
     assert out.split() == ["[]", "[]"]
+
+
+# The engine's floors, lowest first: a module imports only modules on its own floor or below, so the model-file
+# side never reaches the generation loop or HTTP, the backends never reach the model files, and so on.
+FLOORS = [
+    (
+        "core",
+        (
+            "engine.errors", "engine.events", "engine.quant", "engine.model", "engine.sampling", "engine.trace",
+            "engine.config", "engine.devices", "engine.kv_cache", "engine.tokenizer", "engine.prefix_store",
+        ),
+    ),
+    ("backends", ("engine.backends",)),
+    ("weights", ("engine.weights",)),
+    ("runtime", ("engine.session", "engine.compare", "engine.spec")),
+    ("http", ("engine.http",)),
+    ("entry points", ("engine", "engine.cli", "engine.__main__")),
+]  # fmt: skip
+
+
+def floor_of(name: str) -> int | None:
+    """The floor a module is on (the most specific prefix that names it), None for the tools and desktop."""
+    best = None
+    for i, (_, prefixes) in enumerate(FLOORS):
+        for p in prefixes:
+            if name == p or (name.startswith(p + ".") and p != "engine"):
+                if best is None or len(p) > best[1]:
+                    best = (i, len(p))
+    return None if best is None else best[0]
+
+
+def test_every_engine_module_is_on_a_floor_and_imports_only_downward():
+    g = graph()
+    engine = [m for m in g if m.startswith("engine") and not m.startswith("engine.tools")]
+    assert [m for m in engine if floor_of(m) is None] == []
+    up = [
+        f"{m} ({FLOORS[floor_of(m)][0]}) imports {d} ({FLOORS[floor_of(d)][0]})"
+        for m in engine
+        for d in g[m]
+        if floor_of(d) is not None and floor_of(d) > floor_of(m)
+    ]
+    assert up == []
+
+
+def test_the_floor_rule_sees_an_import_upward():
+    assert floor_of("engine.weights.loading") == 2 and floor_of("engine.http.server") == 4
+    assert floor_of("engine.session") == 3 and floor_of("engine") == 5 and floor_of("engine.tools.bench") is None
+    assert floor_of("engine.weights.loading") < floor_of("engine.session")  # weights importing session: refused

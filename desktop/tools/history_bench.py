@@ -3,7 +3,7 @@
 A database holds one conversation of N messages (and a short one); the real window (offscreen, styled
 as the app is) opens on it, switches to and from it, and sends in it, while a 10 ms timer on the GUI
 thread measures how long the event loop stalls. Each figure is set beside the same step on an empty
-database or the short conversation, in the same run. README's "Long conversations" says what is measured.
+database or the short conversation, in the same run. desktop/README.md, "Long conversations", says what is measured.
 """
 
 from __future__ import annotations

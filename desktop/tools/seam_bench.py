@@ -2,8 +2,8 @@
 
 The same chat request runs through the real window (offscreen, styled as the app is) and on the
 engine alone, and the report compares the decode rate the GUI thread received with the engine
-alone's, plus the GUI event loop's lag (a timer on the GUI thread). README's "The app and the
-engine" says how the runs are paired and why.
+alone's, plus the GUI event loop's lag (a timer on the GUI thread). desktop/README.md, "The seam",
+says how the runs are paired and why.
 """
 
 from __future__ import annotations

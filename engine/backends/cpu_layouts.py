@@ -3,7 +3,7 @@
 Batch-1 decode multiplies one row by every weight, so the layout that streams a weight fastest
 wins; prefill multiplies many rows. Each layout is a drop-in for nn.Linear (same `weight`,
 `in_features`, `out_features`), swapped in after loading ("quantize, then swap" applies to
-layouts too). README's Performance section has the measurements behind each choice.
+layouts too). engine/BENCHMARKS.md, "What makes the CPU path fast", has the measurements behind each choice.
 """
 
 from __future__ import annotations

@@ -201,7 +201,8 @@ class EngineService:
         queue_size: int = QUEUE_SIZE,
     ):
         """`load()` gives the model and its session; it runs on the engine thread, so that thread is the
-        only one whose OpenMP team ever runs the kernels (a second team makes both slow: README)."""
+        only one whose OpenMP team ever runs the kernels (a second team makes both slow: engine/SERVING.md,
+        "What `engine serve` costs on loopback")."""
         self._executor = ThreadPoolExecutor(1, "kvchat-engine", initializer=self._init_thread)
         self.loaded, self.session = self._executor.submit(load).result()
         self.model_id, self.queue_size = model_id or self.loaded.name, queue_size

@@ -306,7 +306,7 @@ In stages, each continuing from the one before (`--init`):
 {steps} steps of {batch} chats in all, AdamW, loss on assistant tokens only (digits and the token
 after a digit weighted 4x; currency words as `--currency-weight` says), on {threads} CPU threads in
 {minutes:.1f} minutes; final training loss {final_loss:.3f}.
-Evaluation: `python -m engine.tools.eval_demo` (figures in the kvchat README).
+Evaluation: `python -m engine.tools.eval_demo` (figures in kvchat's engine/MODELS.md, "The bundled demo model").
 """.replace("{max_tokens}", str(MAX_TOKENS))
 
 

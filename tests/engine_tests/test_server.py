@@ -277,7 +277,7 @@ def test_the_remote_session_against_llama_cpp_python_s_server(tmp_path, demo_mod
 
     from engine.tools.gguf_export import write_gguf
 
-    gguf = write_gguf(demo_model_dir, tmp_path / "demo-f32.gguf", "F32", tokenizer=True)  # F32: see README
+    gguf = write_gguf(demo_model_dir, tmp_path / "demo-f32.gguf", "F32", tokenizer=True)  # the weights as they are
     server = llama_cpp_serve(tmp_path, gguf, "--n_ctx", "2048")
     remote = RemoteSession(RemoteSpec(server.url))
     try:

@@ -99,7 +99,7 @@ def add_arguments(p) -> None:
         help="seconds a row may take before it is stopped and reported as timed out",
     )
     p.add_argument("--json", action="store_true")
-    p.add_argument("--markdown", action="store_true", help="print the tables as Markdown (for README.md)")
+    p.add_argument("--markdown", action="store_true", help="print the tables as Markdown (for engine/BENCHMARKS.md)")
 
 
 def _runs(ns, device_type: str, have_llama: bool, have_hf: bool) -> list[tuple[str, str]]:

@@ -74,7 +74,7 @@ def print_report(report: dict) -> None:
 
 
 def markdown(report: dict) -> str:
-    """The report as the Markdown tables README.md keeps."""
+    """The report as the Markdown tables engine/BENCHMARKS.md keeps."""
     cpu = report.get("cpu") or {}
     head = [f"CPU: {cpu['model']} ({', '.join(cpu['instruction_sets'])}); {cpu['kernels']}", ""] if cpu else []
     rows = head + [
