@@ -123,3 +123,18 @@ def test_readme_is_short_and_names_the_documents_beside_the_code():
         assert f"]({doc})" in readme, doc
     for doc in ("desktop/README.md", "tests/README.md"):
         assert f"]({doc})" in readme, doc
+
+
+def test_every_test_a_document_names_exists():
+    """The failure table and the documents cite tests by name: each is a test that exists (a name cut with
+    '…' is a prefix of one)."""
+    defined = set()
+    for p in (ROOT / "tests").rglob("test_*.py"):
+        defined.update(re.findall(r"^(?:async )?def (test_\w+)", p.read_text(encoding="utf-8"), flags=re.M))
+    bad, cited = [], 0
+    for doc in DOCS:
+        for name, cut in re.findall(r"`(test_\w+)(…?)`", doc.read_text(encoding="utf-8")):
+            cited += 1
+            if not (any(d.startswith(name) for d in defined) if cut else name in defined):
+                bad.append(f"{doc.relative_to(ROOT)}: {name}")
+    assert bad == [] and cited >= 15  # the failure table alone cites more than that
