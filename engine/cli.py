@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 
+from .backends.kernels import variants as kernel_variants
 from .devices import default_threads
 from .errors import EngineError
 from .events import Failed, Finished, PrefillStarted, Token
@@ -113,6 +114,7 @@ def cmd_info(ns) -> int:
     del facts["cache"], facts["cache_dropped"]
     facts["chat_template"] = loaded.tokenizer.has_chat_template
     facts["stop_token_ids"] = sorted(loaded.tokenizer.stop_ids)
+    facts["kernel_variants"] = kernel_variants()  # what KVCHAT_KERNELS_VARIANT may force on this CPU
     if ns.json:
         print(json.dumps(facts, indent=2))
     else:

@@ -77,3 +77,28 @@ def scripted_server():
     yield start
     for s in started:
         s.stop()
+
+
+def _variants() -> list[str]:
+    from engine.backends import kernels
+
+    return kernels.variants()
+
+
+@pytest.fixture(params=_variants())
+def kernel_variant(request, monkeypatch):
+    """Each instruction-set variant of the kernels this CPU can execute (engine.backends.kernels.variants:
+    AVX-512 and its parts, AVX2, plain C on x86): the model loads in the test run on that build
+    (KVCHAT_KERNELS_VARIANT), so the end-to-end parity tests hold every path a user's CPU may take, not
+    only this machine's best. The variant's build is checked as the app checks it, and must pass; the
+    fixture's value is the loaded kernels (their `variant` names it)."""
+    from engine.backends import kernels
+
+    monkeypatch.setenv(kernels.VARIANT_ENV, request.param)
+    monkeypatch.setattr(kernels, "_loaded", None)
+    monkeypatch.setattr(kernels, "_reason", None)
+    k = kernels.load()
+    if k is None and "no kvchat kernels" in kernels.status() and request.param == "native":
+        pytest.skip(f"no kernels here: {kernels.status()}")
+    assert k is not None and k.variant == request.param, kernels.status()
+    return k

@@ -41,6 +41,17 @@ from ..quant import (
 
 SOURCES = Path(__file__).with_name("csrc")  # kernels.h (the ABI), simd.h, and one .c file per area
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+# The instruction-set variants an x86 build can be forced to (KVCHAT_KERNELS_VARIANT, the tests): the flags
+# that take a part away from -march=native. "native" is the default: the best this CPU runs.
+X86_VARIANTS = {
+    "native": (),
+    "avx512-no-vnni": ("-mno-avx512vnni",),  # AVX-512 without VNNI: the 256-bit integer products
+    "avx512-no-vbmi": ("-mno-avx512vbmi",),  # the int4 tiles' nibbles by shifts only
+    "avx2": ("-mno-avx512f",),
+    "avx2-no-vnni": ("-mno-avx512f", "-mno-avxvnni"),  # AVX2's integer products on vpmaddubsw
+    "generic": ("-mno-avx512f", "-mno-avx2", "-mno-fma"),  # plain C
+}
+VARIANT_ENV = "KVCHAT_KERNELS_VARIANT"
 QUANT_FUNCS = {"int8": "kv_matvec_q8", "int4": "kv_matvec_q4", "int5": "kv_matvec_q5"}
 INTEGER_FUNCS = {mode: name + "x" for mode, name in QUANT_FUNCS.items()}  # int8 activations
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -73,6 +84,36 @@ def _cpu_signature() -> str:
 def sources() -> list[Path]:
     """The library's files: every header and C file in csrc/, in a fixed order."""
     return sorted(p for p in SOURCES.iterdir() if p.suffix in (".c", ".h"))
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo names them (empty where there is none)."""
+    try:
+        return set(" ".join(ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")).split())
+    except OSError:
+        return set()
+
+
+def variants() -> list[str]:
+    """The distinct builds this CPU can execute, best first: on x86 each variant that takes away a part this CPU
+    has (one that takes away nothing would be the native build again), then plain C; elsewhere the native build."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return ["native"]
+    have = cpu_flags()
+    out = ["native"]
+    if "avx512f" in have:
+        out += ["avx512-no-vnni"] * ("avx512_vnni" in have) + ["avx512-no-vbmi"] * ("avx512vbmi" in have) + ["avx2"]
+    if "avx_vnni" in have:  # AVX-VNNI: AVX2's integer products have a path of their own without it
+        out.append("avx2-no-vnni")
+    return out + ["generic"]
+
+
+def variant() -> str:
+    """The variant asked for (KVCHAT_KERNELS_VARIANT), "native" when none; an unknown name is an error."""
+    name = os.environ.get(VARIANT_ENV, "").strip() or "native"
+    if name not in X86_VARIANTS or (name != "native" and platform.machine() not in ("x86_64", "AMD64")):
+        raise RuntimeError(f"{VARIANT_ENV}={name!r} is not a variant here (variants: {', '.join(variants())})")
+    return name
 
 
 def build(cc: str | None = None, extra_flags: tuple[str, ...] = (), out_dir: Path | None = None) -> Path:
@@ -120,6 +161,7 @@ class Kernels:
 
     def __init__(self, path: Path):
         self.path = path
+        self.variant = "native"  # or the variant the build was forced to (X86_VARIANTS)
         self.lib = ctypes.CDLL(str(path))
         self.lib.kv_isa.restype = self.lib.kv_int_isa.restype = ctypes.c_char_p
         self.isa = self.lib.kv_isa().decode()
@@ -154,9 +196,10 @@ class Kernels:
         self._tiled = self._declare("kv_matvec_q4t", [p, p, p, p, p, i64, i64, i64, i32])
         self._tiled_integer = self._declare("kv_matvec_q4tx", [p, p, p, p, p, i64, i64, i64, i32])
         self._tiled_dequant = self._declare("kv_dequant_q4t", [p, p, p, p, i64, i64, i64, i32])
+        self._silu = self._declare("kv_silu_f32", [p, p, i64])
         self.lib.kv_int4_tile_rows.restype = self.lib.kv_int4_integer_tiles.restype = ctypes.c_int
         with torch.inference_mode():
-            self.dtypes = frozenset(d for d in self._float if self._agrees(d))
+            self.dtypes = frozenset(d for d in self._float if self._agrees(d)) if self._silu_agrees() else frozenset()
             self.modes = frozenset(m for m in self._quant if self._quant_agrees(m))
             self.integer_modes = frozenset(m for m in self.modes if self._quant_agrees(m, "int8"))
             rows = self.lib.kv_int4_tile_rows()  # 0 where rows are as fast (no 16-lane vectors)
@@ -304,6 +347,21 @@ class Kernels:
         )
         return y
 
+    def silu(self, x: torch.Tensor) -> torch.Tensor:
+        """silu of float32 values x [n] -> [n], as every decode step's MLP gate computes it."""
+        x = x.contiguous()
+        y = torch.empty_like(x)
+        self._silu(*self._memory(x, y), x.numel())
+        return y
+
+    def _silu_agrees(self) -> bool:
+        """The decode step's silu against torch's over every magnitude a gate can take: its e^x overflows past
+        x = 88.7 and underflows below -87.3, where a vector exponent built by hand goes wrong first."""
+        edges = torch.tensor([-1e30, -200.0, -100.0, -88.8, -88.72, -88.5, -88.0, -87.4, -87.2, -20.0, 0.0, 1e-3])
+        x = torch.cat([edges, -edges, torch.linspace(-120, 120, 997)])  # vector bodies and a scalar tail
+        got, want = self.silu(x), F.silu(x)
+        return bool(torch.allclose(got, want, rtol=1e-5, atol=1e-30) and torch.isfinite(got).all())
+
     def _agrees(self, dtype: torch.dtype) -> bool:
         """Each kernel of `dtype` against torch on awkward sizes (vector tails, GQA, a window, q/k norms)."""
         g = torch.Generator().manual_seed(0)
@@ -444,7 +502,9 @@ def _load() -> Kernels:
     if platform.system() != "Linux":
         raise RuntimeError(f"built and tested on Linux only, not {platform.system()}")
     before = _openmp_runtimes()
-    k = Kernels(build())
+    forced = variant()
+    k = Kernels(build(extra_flags=X86_VARIANTS[forced]))
+    k.variant = forced
     after = _openmp_runtimes()
     if len(after) > max(1, len(before)):  # ours brought its own OpenMP: two thread pools on the same cores
         raise RuntimeError(f"the kernels would run a second OpenMP runtime ({', '.join(sorted(after))})")
@@ -472,4 +532,5 @@ def status() -> str:
         return f"torch (no kvchat kernels: {_reason})"
     types = ", ".join(sorted(str(d).removeprefix("torch.") for d in k.dtypes) + sorted(k.modes))
     integer = f"; int8 activations: {k.int_isa}" if k.integer_modes else ""
-    return f"kvchat kernels ({k.isa}; {types}{integer})"
+    forced = f"; forced variant {k.variant}" if k.variant != "native" else ""
+    return f"kvchat kernels ({k.isa}; {types}{integer}{forced})"

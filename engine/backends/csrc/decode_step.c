@@ -5,6 +5,9 @@
  * The other files' kernels, in the order engine/model.py's Block runs them, with the same roundings
  * (each op's output is rounded to the model's type, as the eager torch ops round): nothing crosses
  * into Python between layers. */
+/* silu(g) = g / (1 + e^-g) over n float32 values, in place allowed: the gate of every decode step's MLP. */
+void kv_silu_f32(const float *g, float *y, int64_t n) { silu_f32(g, y, n); }
+
 /* The product for a linear layer's codes: [mode][int8 activations][int4 tiles]. */
 typedef void (*kv_product)(const void *, const float *, const float *, const float *, float *, int64_t, int64_t,
                            int64_t, int);

@@ -69,7 +69,7 @@ void kv_attend_bf16(const uint16_t *qkv, const uint16_t *cs, const uint16_t *sn,
                     const uint16_t *kn, float eps, uint16_t *kc, uint16_t *vc, int64_t cap, int64_t pos, int64_t lo,
                     int64_t H, int64_t Hkv, int64_t d, float scale, uint16_t *y, int nt);
 
-/* decode_step.c: a decode step's layers in one call. A linear layer, and a block's weights and cache. */
+/* decode_step.c: silu over float32 values (the MLP's gate); a decode step's layers in one call. A linear layer, and a block's weights and cache. */
 typedef struct {
     const void *w;       /* float weight [out, in] of the model's type, or int8 codes / int4 codes two a byte */
     const float *scales; /* [out, in/group] for codes, NULL for float weights */
@@ -87,6 +87,8 @@ typedef struct {
     kv_linear qkv, o, gate_up, down;
     void *k_cache, *v_cache; /* this layer's [H_kv, cap, d] */
 } kv_layer;
+
+void kv_silu_f32(const float *g, float *y, int64_t n);
 
 /* x [D] is the residual stream, updated in place through n_layers blocks at position `pos`; cs, sn [d] the
  * rotation's row for pos; h, qkv, att, t, gu and fx, fy are scratch rows of the sizes their names imply. */

@@ -154,9 +154,14 @@ static inline vf vexp(vf x) {
     vf e = _mm512_scalef_ps(exp_of_remainder(x, k), k);
     return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, vset1(-87.3f), _CMP_GE_OQ), e);
 #else
-    vf xc = _mm256_max_ps(x, vset1(-87.3f)), k = vround(vmul(xc, vset1(1.44269504f)));
-    __m256i k2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-    vf e = vmul(exp_of_remainder(xc, k), _mm256_castsi256_ps(k2)); /* k >= -126 here: 2^k is a normal float */
+    /* x clamped to -87.3..88.8 makes k -126..128; 2^k is applied as two halves, each a normal float: one factor
+     * of 2^128 (or 2^127 built past its exponent) overflowed into the sign bit, so e^x of x > 88 was a negative
+     * number and silu of a gate below -88 was garbage. Past 88.72 the product is +inf, as e^x is. */
+    vf xc = _mm256_min_ps(_mm256_max_ps(x, vset1(-87.3f)), vset1(88.8f)), k = vround(vmul(xc, vset1(1.44269504f)));
+    __m256i ki = _mm256_cvtps_epi32(k), k1 = _mm256_srai_epi32(ki, 1), k2 = _mm256_sub_epi32(ki, k1);
+    vf s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k1, _mm256_set1_epi32(127)), 23));
+    vf s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k2, _mm256_set1_epi32(127)), 23));
+    vf e = vmul(vmul(exp_of_remainder(xc, k), s1), s2);
     return _mm256_and_ps(e, _mm256_cmp_ps(x, vset1(-87.3f), _CMP_GT_OQ));
 #endif
 }
