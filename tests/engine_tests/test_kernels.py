@@ -3,6 +3,7 @@ shapes for every type and every instruction-set variant this CPU can run, and a 
 through them gives the logits and tokens of the same model on torch's kernels."""
 
 import ctypes
+import importlib.util
 import os
 import platform
 import re
@@ -483,3 +484,33 @@ def test_the_decode_steps_structs_are_the_headers():
         assert [n for n, _ in got] == [n for n, _ in want], name
         for (field, t), (_, kind) in zip(got, want):
             assert t == (_Linear if kind == "kv_linear" else as_ctype(kind)), (name, field)
+
+
+# Targets the kernels must compile and link for, with zig's clang (`pip install ziglang`, the test extra): the
+# other operating systems and ARM, where nothing here can run them, and x86 with AVX-512 under clang (gcc
+# accepts what clang refuses: a rounding mode that is a variable, not a constant expression).
+CROSS_TARGETS = {
+    "x86_64-windows-gnu": ("-mavx2", "-mfma", "-mf16c"),
+    "x86_64-macos": ("-mavx2", "-mfma", "-mf16c"),
+    "aarch64-macos": (),
+    "aarch64-linux-gnu": (),
+    "x86_64-linux-gnu": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16", "-mavx512vbmi",
+                         "-mavx2", "-mfma", "-mf16c"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("target", sorted(CROSS_TARGETS))
+def test_the_kernels_compile_and_link_for_other_targets(tmp_path, target):
+    """A compile-and-link check (no run) of the whole library, every file in one compiler call as on a user's
+    machine, without OpenMP (zig ships none: the pragmas leave one thread)."""
+    if importlib.util.find_spec("ziglang") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("ziglang (the test extra) is missing: CI must cross-compile the kernels")
+        pytest.skip("ziglang is not installed (pip install -e '.[test]')")
+    sources = [str(p) for p in kernels.sources() if p.suffix == ".c"]
+    out = tmp_path / "kernels.bin"
+    cmd = [sys.executable, "-m", "ziglang", "cc", "-target", target, "-O3", *CROSS_TARGETS[target]]
+    cmd += ["-shared", "-fPIC", "-std=gnu11", "-Werror", f"-I{kernels.SOURCES}", *sources, "-o", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert out.stat().st_size > 10_000

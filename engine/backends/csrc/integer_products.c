@@ -42,10 +42,10 @@ static void quantize_x(const float *x, int64_t in, int bias, int order, int8_t *
         float m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
         db[b] = m == 0 ? 1 : m / 127.0f;
         __m512 dv = _mm512_set1_ps(db[b]);
-        const int rne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-        _mm_storeu_si128((__m128i *)cb, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(x0, dv), rne))));
+#define RNE (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC) /* a constant expression: clang requires one */
+        _mm_storeu_si128((__m128i *)cb, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(x0, dv), RNE))));
         _mm_storeu_si128((__m128i *)(cb + 16),
-                         _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(x1, dv), rne))));
+                         _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(x1, dv), RNE))));
 #else
         float m = 0;
         for (int i = 0; i < XQ_BLOCK; i++) m = fmaxf(m, fabsf(xb[i]));
