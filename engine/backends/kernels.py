@@ -87,11 +87,15 @@ def sources() -> list[Path]:
 
 
 def cpu_flags() -> set[str]:
-    """The CPU's feature flags as /proc/cpuinfo names them (empty where there is none)."""
+    """The CPU's feature flags as /proc/cpuinfo names them ("flags" on x86, "Features" on ARM; empty where
+    there is no such file)."""
     try:
-        return set(" ".join(ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")).split())
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
         return set()
+    return {
+        f for ln in lines if ln.partition(":")[0].strip() in ("flags", "Features") for f in ln.partition(":")[2].split()
+    }
 
 
 def variants() -> list[str]:

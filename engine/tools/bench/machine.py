@@ -110,14 +110,11 @@ def cpu_info() -> dict:
     what kvchat's kernels were built for."""
     from ...backends import kernels
 
-    name, flags = platform.processor() or platform.machine(), set()
+    name, flags = platform.processor() or platform.machine(), kernels.cpu_flags()
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and value.strip():
-                name = value.strip()
-            elif key.strip() in ("flags", "Features"):
-                flags |= set(value.split())
+        models = [ln.partition(":")[2].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                  if ln.partition(":")[0].strip() == "model name"]  # fmt: skip
+        name = next((n for n in models if n), name)
     except OSError:
         pass
     return {"model": name, "instruction_sets": [f for f in CPU_FLAGS if f in flags], "kernels": kernels.status()}
