@@ -120,13 +120,16 @@ def variant() -> str:
     return name
 
 
-def build(cc: str | None = None, extra_flags: tuple[str, ...] = (), out_dir: Path | None = None) -> Path:
+def build(
+    cc: str | None = None, extra_flags: tuple[str, ...] = (), out_dir: Path | None = None, openmp: bool = True
+) -> Path:
     """Compile the kernels (once per source, compiler, flags and CPU) in one compiler call and return the
-    library's path."""
+    library's path. `openmp=False`: without -fopenmp (the pragmas are ignored: one thread), for a compiler
+    that has no OpenMP (Apple's clang, clang without libomp)."""
     cc = cc or compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")
-    flags = FLAGS + tuple(extra_flags)
+    flags = tuple(f for f in FLAGS if openmp or f != "-fopenmp") + tuple(extra_flags)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     files = sources()
     texts = [f"{p.name}\n{p.read_text()}" for p in files]
@@ -166,6 +169,7 @@ class Kernels:
     def __init__(self, path: Path):
         self.path = path
         self.variant = "native"  # or the variant the build was forced to (X86_VARIANTS)
+        self.one_thread: str | None = None  # why the build runs on one thread (no OpenMP), or None
         self.lib = ctypes.CDLL(str(path))
         self.lib.kv_isa.restype = self.lib.kv_int_isa.restype = ctypes.c_char_p
         self.isa = self.lib.kv_isa().decode()
@@ -507,8 +511,17 @@ def _load() -> Kernels:
         raise RuntimeError(f"built and tested on Linux only, not {platform.system()}")
     before = _openmp_runtimes()
     forced = variant()
-    k = Kernels(build(extra_flags=X86_VARIANTS[forced]))
-    k.variant = forced
+    one_thread = None
+    try:
+        path = build(extra_flags=X86_VARIANTS[forced])
+    except RuntimeError as e:  # a compiler without OpenMP builds the kernels for one thread; else the first error
+        try:
+            path = build(extra_flags=X86_VARIANTS[forced], openmp=False)
+        except RuntimeError:
+            raise e from None
+        one_thread = f"one thread: {compiler()} has no OpenMP"
+    k = Kernels(path)
+    k.variant, k.one_thread = forced, one_thread
     after = _openmp_runtimes()
     if len(after) > max(1, len(before)):  # ours brought its own OpenMP: two thread pools on the same cores
         raise RuntimeError(f"the kernels would run a second OpenMP runtime ({', '.join(sorted(after))})")
@@ -537,4 +550,5 @@ def status() -> str:
     types = ", ".join(sorted(str(d).removeprefix("torch.") for d in k.dtypes) + sorted(k.modes))
     integer = f"; int8 activations: {k.int_isa}" if k.integer_modes else ""
     forced = f"; forced variant {k.variant}" if k.variant != "native" else ""
-    return f"kvchat kernels ({k.isa}; {types}{integer}{forced})"
+    threads = f"; {k.one_thread}" if k.one_thread else ""
+    return f"kvchat kernels ({k.isa}; {types}{integer}{forced}{threads})"

@@ -352,6 +352,26 @@ def test_no_kernels_is_said_and_the_model_still_runs(tmp_path, llama_dir, env, s
 
 
 @needs_kernels
+@pytest.mark.skipif(not shutil.which("gcc"), reason="the stand-in compiler calls gcc")
+def test_a_compiler_without_openmp_builds_kernels_for_one_thread_and_says_so(tmp_path, llama_dir):
+    """Apple's clang, or clang without libomp, refuses -fopenmp: the kernels are built without it (one
+    thread: the pragmas are ignored), decode runs on them, and the Decode kernels row says why one thread."""
+    cc = tmp_path / "cc-without-openmp"
+    cc.write_text(
+        '#!/bin/sh\nfor a in "$@"; do\n'
+        '  [ "$a" = -fopenmp ] && { echo "unsupported option -fopenmp" >&2; exit 1; }\n'
+        'done\nexec gcc "$@"\n'
+    )
+    cc.chmod(0o755)
+    code = STATUS + f"; from engine.weights.loading import load_model; print(load_model({str(llama_dir)!r}).kernels)"
+    r = _run(code, KVCHAT_CACHE_DIR=str(tmp_path / "cache"), CC=str(cc))
+    assert r.returncode == 0, r.stderr
+    status, loaded = r.stdout.splitlines()[-2:]
+    assert status.startswith("kvchat kernels (") and f"one thread: {cc} has no OpenMP" in status
+    assert loaded.startswith("<engine.backends.kernels.Kernels")
+
+
+@needs_kernels
 @pytest.mark.skipif(not X86, reason="the variants are x86 builds")
 def test_a_forced_variant_is_built_and_said_and_an_unknown_one_is_refused(tmp_path):
     """KVCHAT_KERNELS_VARIANT forces a build for less than this CPU has (the panel's Decode kernels row and
