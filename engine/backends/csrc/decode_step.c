@@ -5,6 +5,7 @@
  * The other files' kernels, in the order engine/model.py's Block runs them, with the same roundings
  * (each op's output is rounded to the model's type, as the eager torch ops round): nothing crosses
  * into Python between layers. */
+
 /* silu(g) = g / (1 + e^-g) over n float32 values, in place allowed: the gate of every decode step's MLP. */
 void kv_silu_f32(const float *g, float *y, int64_t n) { silu_f32(g, y, n); }
 
@@ -24,7 +25,7 @@ static void quant_matvec(const kv_linear *l, const float *x, float *y, int nt) {
 
 #define DECODE(SUF, T, TO_F32, FROM_F32)                                                                   \
     static void linear_##SUF(const kv_linear *l, const T *x, T *y, float *fx, float *fy, int nt) {          \
-        if (l->mode == KV_FLOAT) {                                                                                 \
+        if (l->mode == KV_FLOAT) {                                                                          \
             kv_matvec_##SUF((const void *)l->w, (const void *)x, (void *)y, l->out, l->in, nt);            \
         } else {                                                                                            \
             for (int64_t i = 0; i < l->in; i++) fx[i] = TO_F32(x[i]);                                       \

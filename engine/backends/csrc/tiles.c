@@ -1,7 +1,7 @@
 #include "simd.h"
 #include "kernels.h"
 
-/* ---- int4 codes in tiles of 16 rows, for one-row products (float32 activations here, int8 ones below) ----
+/* ---- int4 codes in tiles of 16 rows, for one-row products (float32 activations here, int8 ones in integer_products.c) ----
  * A row's 32 inputs against its 16 bytes of codes leave the vector unit converting nibbles more than
  * multiplying. Sixteen rows side by side make each vector lane one row: a 64-byte load holds 8 inputs of
  * 16 rows, each nibble meets its input's x broadcast to every lane, and the scales (one per row and group)
