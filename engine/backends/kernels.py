@@ -52,6 +52,7 @@ X86_VARIANTS = {
     "generic": ("-mno-avx512f", "-mno-avx2", "-mno-fma"),  # plain C
 }
 VARIANT_ENV = "KVCHAT_KERNELS_VARIANT"
+X86 = platform.machine() in ("x86_64", "AMD64")  # where the variants are builds of their own
 QUANT_FUNCS = {"int8": "kv_matvec_q8", "int4": "kv_matvec_q4", "int5": "kv_matvec_q5"}
 INTEGER_FUNCS = {mode: name + "x" for mode, name in QUANT_FUNCS.items()}  # int8 activations
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -101,7 +102,7 @@ def cpu_flags() -> set[str]:
 def variants() -> list[str]:
     """The distinct builds this CPU can execute, best first: on x86 each variant that takes away a part this CPU
     has (one that takes away nothing would be the native build again), then plain C; elsewhere the native build."""
-    if platform.machine() not in ("x86_64", "AMD64"):
+    if not X86:
         return ["native"]
     have = cpu_flags()
     out = ["native"]
@@ -115,7 +116,7 @@ def variants() -> list[str]:
 def variant() -> str:
     """The variant asked for (KVCHAT_KERNELS_VARIANT), "native" when none; an unknown name is an error."""
     name = os.environ.get(VARIANT_ENV, "").strip() or "native"
-    if name not in X86_VARIANTS or (name != "native" and platform.machine() not in ("x86_64", "AMD64")):
+    if name not in X86_VARIANTS or (name != "native" and not X86):
         raise RuntimeError(f"{VARIANT_ENV}={name!r} is not a variant here (variants: {', '.join(variants())})")
     return name
 

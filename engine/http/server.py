@@ -34,7 +34,6 @@ from ..sampling import SamplingParams
 from ..session import Request, Session
 from ..weights.loading import LoadedModel
 from . import wire
-from .wire import FINISH_REASONS
 
 MAX_TOKENS_PER_CHUNK = 32  # tokens already made that one streamed chunk may carry
 END = object()  # the end of a job's events, when it was taken while gathering tokens
@@ -473,7 +472,7 @@ async def _complete(job: Job, first: PrefillStarted, meta: dict, watcher: asynci
                 {
                     "index": 0,
                     "message": {"role": "assistant", "content": last.text},
-                    "finish_reason": FINISH_REASONS.get(last.reason, "stop"),
+                    "finish_reason": wire.FINISH_REASONS.get(last.reason, "stop"),
                 }
             ],
             "usage": usage,
@@ -519,7 +518,7 @@ async def _stream(job: Job, first: PrefillStarted, meta: dict, include_usage: bo
                 usage, report = _report(ev, first.prompt_tokens)
                 if ev.tail:
                     yield delta({"content": ev.tail})
-                finish = FINISH_REASONS.get(ev.reason, "stop")
+                finish = wire.FINISH_REASONS.get(ev.reason, "stop")
                 if include_usage:
                     yield delta({}, finish)
                     yield _sse({**chunk, "choices": [], "usage": usage, wire.EXTENSION: report})

@@ -5,7 +5,6 @@ through them gives the logits and tokens of the same model on torch's kernels.""
 import ctypes
 import importlib.util
 import os
-import platform
 import re
 import shutil
 import subprocess
@@ -28,7 +27,7 @@ from engine.weights.loading import load_model
 
 K = kernels.load()
 needs_kernels = pytest.mark.skipif(K is None, reason=f"no kernels here: {kernels.status()}")
-X86 = platform.machine() in ("x86_64", "AMD64")
+X86 = kernels.X86
 
 
 @pytest.fixture
