@@ -10,9 +10,11 @@ error naming the limit, never a hang or a process grown to the machine's memory.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import operator
+import re
 import sys
 import time
 from datetime import datetime
@@ -31,6 +33,7 @@ from .errors import EngineError, ModelLoadError, TemplateError
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 TEMPLATE_SECONDS = 2.0  # a render may take this long (a real template takes well under a millisecond)
 TEMPLATE_CHARS = 4_000_000  # a render, or one value it builds, may be this long (far past any context)
+SCAN_SECONDS = 0.001  # a render's values are measured this often: memory copies bound what grows between
 
 
 class _GenerationTag(Extension):
@@ -55,35 +58,148 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-class _BoundedSandbox(ImmutableSandboxedEnvironment):
-    """The immutable sandbox where `*` and `**` cannot build a value past the limits: a string or list
-    repeated, or an integer raised, beyond TEMPLATE_CHARS is refused before it is built."""
+def _too_big(what: str, n: int) -> TemplateError:
+    return TemplateError(f"the chat template tried to build {what} of {n:,} items (the limit is {TEMPLATE_CHARS:,})")
 
-    intercepted_binops = frozenset({"*", "**"})
+
+FORMAT_WIDTH = re.compile(r"\{[^{}]*?(\d{7,})[^{}]*\}|%[-+ #0]*(\d{7,})|%[-+ #0]*\d*\.(\d{7,})")
+TOJSON_INDENT = 64  # tojson's indent may be this many spaces (templates use 2 or 4)
+LIPSUM_WORDS = 100_000  # lipsum may write this many words
+
+
+def _check_growth(name: str, args: tuple, kwargs: dict) -> None:
+    """Refuse, before it runs, a built-in call whose result would pass TEMPLATE_CHARS: any number past the
+    limit (a width, a count, a padding), and the calls whose output grows as a product of their inputs
+    (replace, join, indent, expandtabs, a format's width)."""
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, int) and not isinstance(v, bool) and abs(v) > TEMPLATE_CHARS:
+            raise TemplateError(f"the chat template passed {v:,} to {name} (the limit is {TEMPLATE_CHARS:,})")
+    first = args[0] if args else None
+    if isinstance(first, str):
+        if name == "replace" and len(args) >= 3 and isinstance(args[1], str) and isinstance(args[2], str):
+            n = len(first) + (len(first) + 1 if not args[1] else first.count(args[1])) * len(args[2])
+            if n > TEMPLATE_CHARS:
+                raise _too_big("a replaced string", n)
+        elif name == "expandtabs":
+            n = len(first) + first.count("\t") * int(args[1] if len(args) > 1 else kwargs.get("tabsize", 8))
+            if n > TEMPLATE_CHARS:
+                raise _too_big("an expanded string", n)
+        elif name == "indent":
+            width = args[1] if len(args) > 1 else kwargs.get("width", 4)
+            n = len(first) + (first.count("\n") + 1) * (width if isinstance(width, int) else len(str(width)))
+            if n > TEMPLATE_CHARS:
+                raise _too_big("an indented string", n)
+        elif name in ("format", "format_map") and FORMAT_WIDTH.search(first):
+            raise TemplateError("the chat template asked for a format width past the limit")
+    if name == "join" and len(args) >= 2:
+        seq, sep = (args[1], args[0]) if isinstance(args[0], str) else (args[0], args[1] if len(args) > 1 else "")
+        if isinstance(seq, (list, tuple)) and isinstance(sep, str):
+            n = sum(len(x) if isinstance(x, str) else 1 for x in seq) + len(sep) * max(len(seq) - 1, 0)
+            if n > TEMPLATE_CHARS:
+                raise _too_big("a joined string", n)
+    if name == "tojson":
+        indent = kwargs.get("indent", args[1] if len(args) > 1 else None)
+        if isinstance(indent, int) and indent > TOJSON_INDENT:
+            raise TemplateError(
+                f"the chat template asked tojson for an indent of {indent:,} (the limit is {TOJSON_INDENT})"
+            )
+
+
+def _size(v) -> int:
+    return len(v) if isinstance(v, (str, list, tuple, dict)) else 0
+
+
+PASSED_ALONG = (jinja2.runtime.Context, jinja2.nodes.EvalContext, jinja2.Environment)  # a filter's first arguments
+
+
+def _bounded_filter(name: str, fn):
+    """A jinja2 filter that first refuses a call past the limits (filters are called directly by the
+    compiled template, not through the sandbox's call)."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        shown = [a for a in args if not isinstance(a, PASSED_ALONG)]
+        _check_growth(name, tuple(shown), kwargs)
+        return fn(*args, **kwargs)
+
+    return call
+
+
+def lipsum(n=5, html=True, min=20, max=100):
+    if n * max > LIPSUM_WORDS:
+        raise TemplateError(f"the chat template asked lipsum for {n * max:,} words (the limit is {LIPSUM_WORDS:,})")
+    return jinja2.utils.generate_lorem_ipsum(n, html, min, max)
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox where no one operation can build a value past the limits: `*`, `**`, `+` and
+    `%` are checked before they run, and so is every call of a built-in (a method, a filter, lipsum)
+    that grows its output from a number or from a product of its inputs."""
+
+    intercepted_binops = frozenset({"*", "**", "+", "%"})
 
     def call_binop(self, context, op, left, right):
+        if op == "+" and type(left) is str and type(right) is str:  # the common case: a template joining text
+            if len(left) + len(right) > TEMPLATE_CHARS:
+                raise _too_big("a value", len(left) + len(right))
+            return left + right
         if op == "*":
             for seq, n in ((left, right), (right, left)):
                 if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > TEMPLATE_CHARS:
-                    raise TemplateError(
-                        f"the chat template tried to build a value of {len(seq) * n:,} items "
-                        f"(the limit is {TEMPLATE_CHARS:,})"
-                    )
+                    raise _too_big("a value", len(seq) * n)
             return operator.mul(left, right)
+        if op == "+":
+            if isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
+                if len(left) + len(right) > TEMPLATE_CHARS:
+                    raise _too_big("a value", len(left) + len(right))
+            return operator.add(left, right)
+        if op == "%":
+            if isinstance(left, str):
+                if FORMAT_WIDTH.search(left):
+                    raise TemplateError("the chat template asked for a format width past the limit")
+                _check_growth("%", right if isinstance(right, tuple) else (right,), {})
+            return operator.mod(left, right)
         if isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0:
             if right * abs(left).bit_length() > 8 * TEMPLATE_CHARS:
                 raise TemplateError(f"the chat template tried to compute {left} ** {right}: too large")
         return operator.pow(left, right)
 
+    def call(__self, __context, __obj, *args, **kwargs):  # jinja2's own signature
+        owner = getattr(__obj, "__self__", None)
+        name = getattr(__obj, "__name__", "a function").removeprefix("safe_")
+        if isinstance(owner, str):  # a string's method: the string is its first input
+            _check_growth(name, (owner, *args), kwargs)
+        elif owner is None or not isinstance(owner, jinja2.runtime.Context):
+            _check_growth(name, args, kwargs)
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def wrap_str_format(self, value):  # str.format is wrapped where it is looked up, not where it is called
+        wrapped = super().wrap_str_format(value)
+        if wrapped is None or not FORMAT_WIDTH.search(value.__self__):
+            return wrapped
+        raise TemplateError("the chat template asked for a format width past the limit")
+
 
 def _render_bounded(template: jinja2.Template, **context) -> str:
     """template.render(**context) under TEMPLATE_SECONDS and TEMPLATE_CHARS: the template's own lines are
-    traced and stopped past the deadline (a loop that writes nothing cannot hang the engine)."""
+    traced, stopped past the deadline (a loop that writes nothing cannot hang the engine) and their values
+    measured every SCAN_SECONDS (a value grown line by line, `{% set ns.x = ns.x ~ ns.x %}`, stops within
+    what memory can copy in that time past the limit)."""
     deadline = time.monotonic() + TEMPLATE_SECONDS
+    scanned = [0.0]  # when the values were last measured
 
     def on_line(frame, event, arg):
-        if time.monotonic() > deadline:
+        t = time.monotonic()
+        if t > deadline:
             raise TemplateError(f"the chat template ran past its limit of {TEMPLATE_SECONDS:g} s")
+        if t - scanned[0] < SCAN_SECONDS:
+            return on_line
+        scanned[0] = t
+        for v in frame.f_locals.values():
+            if isinstance(v, jinja2.utils.Namespace):  # {% set ns.x = ns.x ~ ns.x %}
+                v = max(v._Namespace__attrs.values(), key=_size, default=None)
+            if _size(v) > TEMPLATE_CHARS:
+                raise _too_big("a value", _size(v))
         return on_line
 
     def on_call(frame, event, arg):  # only the template's own code is traced
@@ -106,6 +222,8 @@ def _render_bounded(template: jinja2.Template, **context) -> str:
 def compile_template(source: str) -> jinja2.Template:
     env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
+    env.filters.update({name: _bounded_filter(name, fn) for name, fn in env.filters.items()})
+    env.globals["lipsum"] = lipsum
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     try:
