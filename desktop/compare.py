@@ -6,6 +6,7 @@ import html
 
 from PySide6.QtWidgets import QDialog, QDialogButtonBox, QGridLayout, QLabel, QTextBrowser, QVBoxLayout
 
+from .outside_text import plain, rich
 from .panel import GapChart
 
 
@@ -29,13 +30,13 @@ class CompareDialog(QDialog):
         self.resize(980, 560)
         lay = QVBoxLayout(self)
         if "error" in result:
-            lay.addWidget(QLabel(f"The comparison failed: {result['error']}"))
+            lay.addWidget(plain(QLabel(f"The comparison failed: {result['error']}")))
             return
         quant_name = f"weights {result['weights']} · KV {result['kv']}"
         d = result.get("first_divergence")
         grid = QGridLayout()
-        grid.addWidget(QLabel("<b>Full precision</b>"), 0, 0)
-        grid.addWidget(QLabel(f"<b>Quantized</b> ({quant_name})"), 0, 1)
+        for col, head in enumerate(("<b>Full precision</b>", f"<b>Quantized</b> ({html.escape(quant_name)})")):
+            grid.addWidget(rich(QLabel(head)), 0, col)
         self.fullText = QTextBrowser()
         self.fullText.setObjectName("fullReply")
         self.fullText.setHtml(_tokens_html(result["full_tokens"], d))
@@ -54,15 +55,17 @@ class CompareDialog(QDialog):
                 f"First differing token: reply position {d}, {a!r} vs {b!r}; every later token is computed "
                 f"from different inputs."
             )
-        self.summary = QLabel(
-            f"{first}<br>Teacher-forced on the full-precision reply: top-1 agreement "
-            f"{100 * result['top1_agreement']:.1f}%, mean KL {result['mean_kl']:.5f} nats, "
-            f"near-tie flips {result['near_tie_flips']}."
+        self.summary = rich(
+            QLabel(
+                f"{html.escape(first)}<br>Teacher-forced on the full-precision reply: top-1 agreement "
+                f"{100 * result['top1_agreement']:.1f}%, mean KL {result['mean_kl']:.5f} nats, "
+                f"near-tie flips {result['near_tie_flips']}."
+            )
         )
         self.summary.setObjectName("compareSummary")
         self.summary.setWordWrap(True)
         lay.addWidget(self.summary)
-        lay.addWidget(QLabel("KL divergence per reply token (full ‖ quantized)"))
+        lay.addWidget(plain(QLabel("KL divergence per reply token (full ‖ quantized)")))
         self.klChart = GapChart()
         self.klChart.set_gaps(result["kl_per_token"])
         lay.addWidget(self.klChart)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from PySide6.QtCore import QTimer
 from PySide6.QtWidgets import QFileDialog, QHBoxLayout, QLabel, QWidget
 
+from .outside_text import plain
 from .store_file import StoreError
 from .style import button
 
@@ -23,7 +24,7 @@ class HeldBanner(QWidget):
         super().__init__()
         self.store, self.show_error, self.say = store, show_error, say
         row = QHBoxLayout(self)
-        self.label = QLabel()
+        self.label = plain(QLabel())
         self.label.setObjectName("heldBanner")
         self.label.setWordWrap(True)
         row.addWidget(self.label, 1)

@@ -23,8 +23,9 @@ class Piece:
     closed: bool = True  # False: the last piece of a reply still streaming (no end seen yet)
 
 
-def pieces(reply: str, streaming: bool = False) -> list[Piece]:
-    """The reply's pieces in order. With `streaming`, the last piece is open unless its end was seen."""
+def pieces(reply: str, streaming: bool = False, thinking: bool = True) -> list[Piece]:
+    """The reply's pieces in order. With `streaming`, the last piece is open unless its end was seen;
+    without `thinking`, `<think>` is text like any other (what a person typed)."""
     out: list[Piece] = []
     lines = reply.split("\n")
     text: list[str] = []
@@ -54,7 +55,7 @@ def pieces(reply: str, streaming: bool = False) -> list[Piece]:
             out.append(Piece("code", "\n".join(body), lang, closed or not streaming))
             i = j + 1
             continue
-        if stripped.startswith(THINK_OPEN):
+        if thinking and stripped.startswith(THINK_OPEN):
             flush_text()
             rest = "\n".join(lines[i:])
             start = rest.index(THINK_OPEN) + len(THINK_OPEN)

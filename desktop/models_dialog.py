@@ -27,6 +27,7 @@ from PySide6.QtWidgets import (
 
 from engine.weights.catalog import default_cache, scan
 
+from .outside_text import plain, plain_tooltip
 from .panel import fmt_size
 
 COLUMNS = ("Name", "Source", "Format", "Architecture", "Parameters", "Quantization", "Size", "Status")
@@ -70,7 +71,7 @@ class ModelsDialog(QDialog):
         self._env, self._home, self._cache = env, home, default_cache() if cache is None else cache
         self.rows: list = []
         lay = QVBoxLayout(self)
-        self.note = QLabel("Looking in the Hugging Face cache, LM Studio, Ollama and your folders…")
+        self.note = plain(QLabel("Looking in the Hugging Face cache, LM Studio, Ollama and your folders…"))
         self.note.setObjectName("modelsNote")
         self.note.setWordWrap(True)
         lay.addWidget(self.note)
@@ -143,7 +144,7 @@ class ModelsDialog(QDialog):
         )
         for c, text in enumerate(cells):
             item = QTableWidgetItem(text)
-            item.setToolTip(f"{found.path}\n{status}")
+            item.setToolTip(plain_tooltip(f"{found.path}\n{status}"))
             if not found.openable:
                 item.setForeground(QBrush(QColor("#8a93a6")))
             if c in (4, 6):

@@ -21,6 +21,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from .outside_text import plain, plain_tooltip
+
 DASH = "—"
 NOT_REPORTED = "not reported by this server"
 
@@ -154,7 +156,7 @@ class StatsPanel(QScrollArea):
         lay = QVBoxLayout(body)
         self.values: dict[str, QLabel] = {}
 
-        self.heading = QLabel("No reply yet")
+        self.heading = plain(QLabel("No reply yet"))
         self.heading.setObjectName("panelHeading")
         self.heading.setWordWrap(True)
         lay.addWidget(self.heading)
@@ -241,7 +243,7 @@ class StatsPanel(QScrollArea):
         gl = QVBoxLayout(gaps_box)
         self.gapChart = GapChart()
         gl.addWidget(self.gapChart)
-        self.gapStats = QLabel(DASH)
+        self.gapStats = plain(QLabel(DASH))
         self.gapStats.setObjectName("gapStatsValue")
         gl.addWidget(self.gapStats)
         lay.addWidget(gaps_box)
@@ -282,7 +284,7 @@ class StatsPanel(QScrollArea):
         self.facts: dict = {}
 
     def _row(self, form, name, label):
-        v = QLabel(DASH)
+        v = plain(QLabel(DASH))
         v.setObjectName(name)
         v.setAccessibleName(label.strip())  # a screen reader says the row's label with its value
         v.setTextInteractionFlags(Qt.TextSelectableByMouse)
@@ -482,7 +484,7 @@ class StatsPanel(QScrollArea):
         )
         self.set("storeEvictionsValue", f"{store['evictions']:,} blocks ({store['evicted_positions']:,} positions)")
         if store.get("dropped"):
-            self.storeTree.setToolTip(store["dropped"])
+            self.storeTree.setToolTip(plain_tooltip(store["dropped"]))
         per = self.facts.get("kv_bytes_per_position", 0)
         self.storeTree.clear()
 
@@ -495,7 +497,7 @@ class StatsPanel(QScrollArea):
             size = seg["bytes"] if seg["bytes"] is not None else n * per
             item = QTreeWidgetItem([name, f"{seg['start']:,}–{seg['end'] - 1:,}", fmt_size(size)])
             reused = f", {seg['reused']:,} reused by the last request" if seg["reused"] else ""
-            item.setToolTip(0, f"{name}\n{n:,} positions{reused}")
+            item.setToolTip(0, plain_tooltip(f"{name}\n{n:,} positions{reused}"))
             if seg["reused"] or seg["working"]:
                 font = QFont(item.font(0))
                 font.setBold(bool(seg["reused"]))

@@ -23,6 +23,7 @@ from PySide6.QtWidgets import (
 from engine.trace import now
 
 from .markdown import Piece, pieces
+from .outside_text import markdown_html, open_link, plain, too_big_for_markdown
 from .style import code_style
 
 
@@ -171,7 +172,7 @@ class CodeBlock(QFrame):
         lay.setSpacing(0)
         head = QHBoxLayout()
         head.setContentsMargins(8, 2, 4, 2)
-        self.language = QLabel()
+        self.language = plain(QLabel())
         self.language.setObjectName("codeLanguage")
         head.addWidget(self.language)
         head.addStretch(1)
@@ -258,19 +259,71 @@ class ThinkBlock(QFrame):
 
 
 class MarkdownLabel(WrapLabel):
-    """A closed paragraph of a reply as Markdown; links open in the system's browser."""
+    """A closed paragraph of a message as Markdown that loads nothing it names (outside_text.py); a click
+    on a link asks before a web link opens in the system's browser, and shows any other link unopened."""
 
     def __init__(self, piece: Piece):
         super().__init__()
         self.setObjectName("replyText")
-        self.setTextFormat(Qt.MarkdownText)
-        self.setOpenExternalLinks(True)
-        self.setTextInteractionFlags(Qt.TextSelectableByMouse | Qt.TextSelectableByKeyboard | Qt.LinksAccessibleByMouse)
+        self.setTextFormat(Qt.RichText)
+        self.linkActivated.connect(lambda href: open_link(self.window(), href))
+        select = Qt.TextSelectableByMouse | Qt.TextSelectableByKeyboard
+        self.setTextInteractionFlags(select | Qt.LinksAccessibleByMouse | Qt.LinksAccessibleByKeyboard)
         self.set_piece(piece)
 
     def set_piece(self, piece: Piece) -> None:
         self.piece = piece
-        self.setText(piece.text)
+        self.setText(markdown_html(piece.text))
+
+
+PLAIN_LINES = 2_000  # a piece shown as plain text shows this many lines at a time
+
+
+class PlainBlock(QFrame):
+    """A piece past what the window draws as Markdown (outside_text.too_big_for_markdown), or one that failed
+    to render: its text as plain text, PLAIN_LINES at a time (*Show more*), under a note that says why."""
+
+    def __init__(self, piece: Piece, why: str):
+        super().__init__()
+        self.setObjectName("plainBlock")
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(0, 0, 0, 0)
+        self.note = plain(QLabel())
+        self.note.setObjectName("plainNote")
+        self.note.setWordWrap(True)
+        lay.addWidget(self.note)
+        self.view = FitTextEdit()
+        self.view.setObjectName("plainView")
+        lay.addWidget(self.view)
+        self.moreButton = QPushButton()
+        self.moreButton.setObjectName("plainMoreButton")
+        self.moreButton.setFlat(True)
+        self.moreButton.clicked.connect(self.show_more)
+        lay.addWidget(self.moreButton, 0, Qt.AlignLeft)
+        self.why = why
+        self.piece: Piece | None = None
+        self.set_piece(piece)
+
+    def set_piece(self, piece: Piece) -> None:
+        self.piece = piece
+        self.lines = piece.text.split("\n")
+        self.shown = min(len(self.lines), PLAIN_LINES)
+        self.view.setPlainText("\n".join(self.lines[: self.shown]))
+        self._update()
+
+    def show_more(self) -> None:
+        more = self.lines[self.shown : self.shown + PLAIN_LINES]
+        cursor = QTextCursor(self.view.document())
+        cursor.movePosition(QTextCursor.End)
+        cursor.insertText("\n" + "\n".join(more))
+        self.shown += len(more)
+        self._update()
+
+    def _update(self) -> None:
+        left = len(self.lines) - self.shown
+        self.note.setText(f"Shown as plain text: {self.why}." + (f" {len(self.lines):,} lines." if left else ""))
+        self.moreButton.setText(f"Show {min(left, PLAIN_LINES):,} more lines ({left:,} not shown)")
+        self.moreButton.setVisible(left > 0)
 
 
 class ReplyBody(QWidget):
@@ -281,10 +334,11 @@ class ReplyBody(QWidget):
 
     firstPainted = Signal(float)
 
-    def __init__(self, count=None):
+    def __init__(self, count=None, thinking: bool = True):
         super().__init__()
         self.setObjectName("replyBody")
         self.count = count
+        self.thinking = thinking  # whether <think> blocks are folded (a reply's; a person's message is text)
         self.lay = QVBoxLayout(self)
         self.lay.setContentsMargins(0, 0, 0, 0)
         self.lay.setSpacing(6)
@@ -302,15 +356,22 @@ class ReplyBody(QWidget):
         if streaming and text and not self.text.strip("…") and text != "…":
             self.waiting_for_paint = True
         self.text = text
-        shown = pieces(text, streaming) if text != "…" else [Piece("text", "…", closed=False)]
+        try:
+            waiting = [Piece("text", "…", closed=False)]
+            self._show_pieces(pieces(text, streaming, self.thinking) if text != "…" else waiting)
+        except Exception as e:  # whatever a message holds, it is shown: as plain text, with what went wrong
+            self._show_pieces([])
+            self._show_pieces([Piece("text", text, closed=not streaming)], f"it could not be drawn ({e!r})")
+
+    def _show_pieces(self, shown: list[Piece], failed: str | None = None) -> None:
         for i, piece in enumerate(shown):
             w = self.widgets[i] if i < len(self.widgets) else None
             if w is not None and getattr(w, "piece", None) == piece:
                 continue
-            if w is not None and self._fits(w, piece):
+            if failed is None and w is not None and self._fits(w, piece):
                 w.set_piece(piece)
                 continue
-            new = self._make(piece)
+            new = PlainBlock(piece, failed) if failed else self._make(piece)
             if w is not None:
                 self.lay.replaceWidget(w, new)
                 w.setParent(None)
@@ -327,7 +388,9 @@ class ReplyBody(QWidget):
     @staticmethod
     def _fits(w: QWidget, piece: Piece) -> bool:
         if piece.kind == "text":
-            return isinstance(w, StreamView if not piece.closed else MarkdownLabel)
+            if not piece.closed:
+                return isinstance(w, StreamView)
+            return isinstance(w, PlainBlock if too_big_for_markdown(piece.text) else MarkdownLabel)
         return isinstance(w, CodeBlock if piece.kind == "code" else ThinkBlock)
 
     def _make(self, piece: Piece) -> QWidget:
@@ -335,6 +398,8 @@ class ReplyBody(QWidget):
             w = CodeBlock(piece)
         elif piece.kind == "think":
             w = ThinkBlock(piece, self.count)
+        elif piece.closed and (why := too_big_for_markdown(piece.text)):
+            w = PlainBlock(piece, why)
         elif piece.closed:
             w = MarkdownLabel(piece)
         else:
@@ -343,7 +408,7 @@ class ReplyBody(QWidget):
             w.set_piece(piece)
             w.firstPainted.connect(self._painted)  # a text view paints its viewport: it says so itself
             return w
-        (w.view.viewport() if isinstance(w, CodeBlock) else w).installEventFilter(self)
+        (w.view.viewport() if isinstance(w, (CodeBlock, PlainBlock)) else w).installEventFilter(self)
         return w
 
     def eventFilter(self, obj, event) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import html
 import json
 import threading
 from pathlib import Path
@@ -32,6 +33,7 @@ from engine.http.remote import RemoteSpec, list_models
 from engine.quant import ACTIVATIONS, PRECISIONS
 from engine.spec import LoadSpec
 
+from .outside_text import plain, rich
 from .settings import SYSTEM_PRESETS, Settings
 
 OWN_PRESET_ROLE = Qt.UserRole + 1  # a presets combo item's name when the preset is the person's own
@@ -92,7 +94,7 @@ class SettingsDialog(QDialog):
         self.fetchModels = QPushButton("Fetch the list")
         self.fetchModels.setObjectName("fetchModelsButton")
         self.fetchModels.clicked.connect(self.fetch_models)
-        self.remoteStatus = QLabel("")
+        self.remoteStatus = plain(QLabel(""))
         self.remoteStatus.setObjectName("remoteStatusLabel")
         self.remoteStatus.setWordWrap(True)
         row = QWidget()
@@ -192,7 +194,10 @@ class SettingsDialog(QDialog):
         form.addRow("Max new tokens", self.max_new)
         self.seed = self._spin(settings.seed, -1, 2**31 - 1, "seedSpin", "random")
         form.addRow("Seed", self.seed)
-        where = QLabel(f"Conversations: {db_path}<br>Settings: {db_path.parent / 'settings.ini'}")
+        settings_file = db_path.parent / "settings.ini"
+        where = rich(
+            QLabel(f"Conversations: {html.escape(str(db_path))}<br>Settings: {html.escape(str(settings_file))}")
+        )
         where.setObjectName("dataPathLabel")
         where.setWordWrap(True)
         form.addRow("Data", where)

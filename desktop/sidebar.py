@@ -6,6 +6,7 @@ from __future__ import annotations
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import QHBoxLayout, QLineEdit, QListWidget, QListWidgetItem, QVBoxLayout, QWidget
 
+from .outside_text import plain_tooltip
 from .style import button
 
 FOUND_ROLE = Qt.UserRole + 1  # a conversation list item's search match: the message id
@@ -60,7 +61,7 @@ class Sidebar(QWidget):
             item.setData(Qt.UserRole, c.id)
             if hit is not None:  # a message matched: its words under the title; picking it shows that message
                 item.setData(FOUND_ROLE, hit.message_id)
-                item.setToolTip(hit.snippet)
+                item.setToolTip(plain_tooltip(hit.snippet))
             self.list.addItem(item)
             if c.id == current:
                 self.list.setCurrentItem(item)

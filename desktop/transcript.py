@@ -19,6 +19,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from .outside_text import plain
 from .reply_widgets import ReplyBody, StreamView, WrapLabel
 
 DEMO_HINT = (
@@ -55,15 +56,16 @@ class MessageView(QFrame):
         lay = QVBoxLayout(self)
         lay.setContentsMargins(10, 6, 10, 8)
         head = QHBoxLayout()
-        self.roleLabel = QLabel(f"<b>{ROLE_NAMES.get(message.role, message.role)}</b>")
+        self.roleLabel = QLabel(f"<b>{html.escape(ROLE_NAMES.get(message.role, message.role))}</b>")
+        self.roleLabel.setTextFormat(Qt.RichText)
         head.addWidget(self.roleLabel)
-        self.statusLabel = QLabel()
+        self.statusLabel = plain(QLabel())
         self.statusLabel.setObjectName("messageStatus")
         head.addWidget(self.statusLabel)
         head.addStretch(1)
         self.prevButton = QPushButton("‹")
         self.prevButton.setObjectName("branchPrev")
-        self.branchLabel = QLabel(f"{branch_index + 1}/{branch_count}")
+        self.branchLabel = plain(QLabel(f"{branch_index + 1}/{branch_count}"))
         self.branchLabel.setObjectName("branchLabel")
         self.nextButton = QPushButton("›")
         self.nextButton.setObjectName("branchNext")
@@ -74,7 +76,7 @@ class MessageView(QFrame):
         self.nextButton.setEnabled(branch_index < branch_count - 1)
         self.prevButton.clicked.connect(lambda: self.branchRequested.emit(self.message.id, -1))
         self.nextButton.clicked.connect(lambda: self.branchRequested.emit(self.message.id, +1))
-        self.tokensLabel = QLabel()
+        self.tokensLabel = plain(QLabel())
         self.tokensLabel.setObjectName("tokenCount")
         head.addWidget(self.tokensLabel)
         self.copyButton = QPushButton("Copy")
@@ -111,14 +113,13 @@ class MessageView(QFrame):
         self.setFocusPolicy(Qt.StrongFocus)  # Ctrl+Up/Down moves between messages
         self.setAccessibleName(f"{ROLE_NAMES.get(message.role, message.role)} message")
         self.body.setSizePolicy(QSizePolicy.Preferred, QSizePolicy.Minimum)
-        self.body.setOpenExternalLinks(True)  # links open in the system's browser, never in the app
+        self.body.setTextFormat(Qt.RichText)  # the highlight of an invalidated token: escaped text in a span
         lay.addWidget(self.body)
-        self.reply: ReplyBody | None = None  # an assistant's reply: Markdown, code blocks, thinking
-        if message.role == "assistant":
-            self.reply = ReplyBody(count)
-            self.reply.firstPainted.connect(self.firstTextPainted)
-            lay.addWidget(self.reply)
-            self.body.setVisible(False)
+        # the message as pieces: Markdown, code blocks, thinking (a reply's), plain text past the limits
+        self.reply = ReplyBody(count, thinking=message.role == "assistant")
+        self.reply.firstPainted.connect(self.firstTextPainted)
+        lay.addWidget(self.reply)
+        self.body.setVisible(False)
         self.editor: QPlainTextEdit | None = None  # made when an edit begins: a long transcript builds fast
         self.editRow: QWidget | None = None
         self.highlight: tuple[int, int] | None = None
@@ -138,15 +139,11 @@ class MessageView(QFrame):
                 + f"<span style='background:#f0c05a;color:#111'>{html.escape(text[a:b]) or '&#8203;'}</span>"
                 + html.escape(text[b:]).replace("\n", "<br>")
             )
-        elif self.reply is not None:  # pieces: only the last one changes while the reply streams
+        else:  # pieces: only the last one changes while the reply streams
             streaming = status == "streaming"
             self.reply.show_reply(text or ("…" if streaming else ""), streaming)
-        else:
-            self.body.setTextFormat(Qt.MarkdownText)
-            self.body.setText(text)
-        if self.reply is not None:
-            self.reply.setVisible(self.highlight is None and not self.editing)
-            self.body.setVisible(self.highlight is not None and not self.editing)
+        self.reply.setVisible(self.highlight is None and not self.editing)
+        self.body.setVisible(self.highlight is not None and not self.editing)
         self.statusLabel.setText(STATUS_NOTES.get(status, ""))
         self.tokensLabel.setText("" if tokens is None else f"{tokens} tokens")
         self.shown = (text, status, tokens)
@@ -183,12 +180,12 @@ class MessageView(QFrame):
     @property
     def stream(self) -> StreamView | None:
         """The streaming reply's open paragraph, if it is streaming into one."""
-        return self.reply.stream if self.reply is not None else None
+        return self.reply.stream
 
     @property
     def shown_body(self) -> QWidget:
-        """What shows the message's text now: the reply's pieces, or the label."""
-        return self.reply if self.reply is not None and self.highlight is None else self.body
+        """What shows the message's text now: its pieces, or the highlight's label."""
+        return self.reply if self.highlight is None else self.body
 
     @property
     def editing(self) -> bool:
@@ -259,6 +256,7 @@ class Transcript(QScrollArea):
         self.earlierButton.setVisible(False)
         self.lay.addWidget(self.earlierButton, 0, Qt.AlignHCenter)
         self.hint = QLabel(DEMO_HINT)
+        self.hint.setTextFormat(Qt.RichText)  # the app's own words; the model's name in it is escaped
         self.hint.setObjectName("transcriptHint")
         self.hint.setAlignment(Qt.AlignCenter)
         self.hint.setWordWrap(True)

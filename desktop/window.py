@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import html
 import json
 import os
 from pathlib import Path
@@ -43,6 +44,7 @@ from .export_import import export_conversation, import_conversation
 from .held_banner import HeldBanner
 from .menus import build_menus
 from .models_dialog import ModelsDialog
+from .outside_text import plain, warn
 from .pacing import RedrawPacer
 from .panel import StatsPanel, set_bar
 from .reply_widgets import CodeBlock
@@ -120,7 +122,7 @@ class MainWindow(QMainWindow):
 
         center = QWidget()
         cl = QVBoxLayout(center)
-        self.banner = QLabel()
+        self.banner = plain(QLabel())
         self.banner.setObjectName("errorBanner")
         self.banner.setWordWrap(True)
         self.banner.setVisible(False)
@@ -131,7 +133,7 @@ class MainWindow(QMainWindow):
         self.probeTimer.setSingleShot(True)
         self.probeTimer.setInterval(PROBE_DELAY_MS)
         self.probeTimer.timeout.connect(self._probe_now)
-        self.conversationSettingsLabel = QLabel()
+        self.conversationSettingsLabel = plain(QLabel())
         self.conversationSettingsLabel.setObjectName("conversationSettingsLabel")
         self.conversationSettingsLabel.setWordWrap(True)
         self.conversationSettingsLabel.setToolTip("This conversation's own settings (kvchat → Settings… changes them)")
@@ -517,7 +519,8 @@ class MainWindow(QMainWindow):
             self,
             "About kvchat",
             f"<b>kvchat</b> — a local chat that shows inference as it happens.<br><br>"
-            f"Conversations: {self.db_path}<br>Settings: {self.data_directory / 'settings.ini'}",
+            f"Conversations: {html.escape(str(self.db_path))}<br>"
+            f"Settings: {html.escape(str(self.data_directory / 'settings.ini'))}",
         )
 
     def show_error(self, text: str) -> None:
@@ -639,7 +642,7 @@ class MainWindow(QMainWindow):
         self.heldBanner.timer.stop()
         self.probeTimer.stop()
         if not self.store.close():
-            QMessageBox.warning(
+            warn(
                 self,
                 "kvchat",
                 "Some changes could not be saved: the conversation database is locked by another program and "

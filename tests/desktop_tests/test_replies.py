@@ -56,9 +56,10 @@ def test_a_code_reply_is_a_highlighted_block_whose_copy_button_copies_exactly_th
     assert thinking.body.isVisible() and thinking.body.text() == "The user wants a Python function that greets."
 
     labels = view.findChildren(MarkdownLabel)
-    link = next(x for x in labels if "docs" in x.text())
-    assert link.openExternalLinks() and link.textFormat() == Qt.MarkdownText  # the system's browser
-    assert any(x.text().startswith("| call |") for x in labels)  # the table is Markdown too
+    link = next(x for x in labels if "docs" in x.piece.text)
+    assert 'href="https://docs.python.org/3/"' in link.text() and not link.openExternalLinks()  # asked first
+    table = next(x for x in labels if x.piece.text.startswith("| call |"))  # the table is Markdown too
+    assert "<table" in table.text()
 
 
 def test_the_thinking_block_counts_its_tokens_with_the_local_tokenizer(qtbot, make_window, demo_model_dir):

@@ -36,7 +36,7 @@ def test_a_streaming_reply_appends_to_its_open_paragraph_and_renders_closed_piec
     text += "\n\nA **second** paragraph"
     view.set_content(text, "streaming", 100)
     first = view.reply.widgets[0]
-    assert isinstance(first, MarkdownLabel) and first.text() == " ".join(words) and view.stream is not stream
+    assert isinstance(first, MarkdownLabel) and first.piece.text == " ".join(words) and view.stream is not stream
     text += " grows.\n\n```python\ndef add(a, b):\n"
     view.set_content(text, "streaming", 101)
     block = view.reply.widgets[2]
