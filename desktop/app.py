@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import gc
 import json
+import os
 import sys
 
 GIL_SWITCH_S = 0.0005  # how long a thread keeps the GIL while another waits (Python's default: 0.005)
@@ -64,6 +65,7 @@ def main(argv=None) -> int:
         window.modelReady.connect(checked)
     with loop:
         loop.run_until_complete(closed.wait())
+    code = 0
     if ns.check:
         keys = (
             "error",
@@ -77,8 +79,11 @@ def main(argv=None) -> int:
             "format",
         )
         print(json.dumps({k: outcome[k] for k in keys if k in outcome}))
-        return 1 if "error" in outcome or not outcome else 0
-    return 0
+        code = 1 if "error" in outcome or not outcome else 0
+    if window.worker_left_running:  # inside a load it cannot leave; everything is saved
+        sys.stdout.flush()
+        os._exit(code)  # Qt would abort on a QThread destroyed while it runs
+    return code
 
 
 if __name__ == "__main__":

@@ -85,6 +85,7 @@ class MainWindow(QMainWindow):
         self._deleted: list[int] = []
         self._task: asyncio.Task | None = None
         self._closing = False
+        self.worker_left_running = False  # closed while the worker was inside a call it cannot leave
         self._panel_at = 0.0
         self._build()
         self.apply_theme()
@@ -634,9 +635,10 @@ class MainWindow(QMainWindow):
             e.accept()
             return
         self._closing = True
+        self.hide()  # gone from the screen at once, even while the worker finishes a model load
         self.pacer.stop()
         self.chat.save_partial()
-        self.worker_thread.close()
+        self.worker_left_running = not self.worker_thread.close()
         if self._task is not None and not self._task.done():
             self._task.cancel()
         self.heldBanner.timer.stop()

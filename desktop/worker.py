@@ -25,6 +25,7 @@ from engine.trace import summarize
 from .chat import Accounting
 
 BATCH_SECONDS = 0.05  # tokens are sent to the GUI thread at most this often
+CLOSE_WAIT_MS = 3000  # how long closing waits for the worker to finish what it is in
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,7 +280,9 @@ class WorkerThread:
         self.worker.stopped.connect(self.thread.quit, Qt.DirectConnection)
         self.thread.start()
 
-    def close(self, timeout_ms: int = 30000) -> bool:
+    def close(self, timeout_ms: int = CLOSE_WAIT_MS) -> bool:
+        """Ask the worker to end and wait for it a little: False when it is still inside a call it cannot
+        leave (a model load, a read from disk); the app then ends without it (app.main)."""
         if not self.thread.isRunning():
             return True
         self.worker.shutdown()

@@ -139,3 +139,118 @@ class ScriptedServer:
     def stop(self) -> None:
         self._server.should_exit = True
         self._thread.join(10)
+
+
+class HostileServer:
+    """A raw HTTP server on loopback that misbehaves byte by byte, as `mode` says (what a broken or hostile
+    remote does, below what a web framework would let a test write):
+
+    - `endless-line`: a stream whose `data:` line never ends
+    - `huge-tokens`: a chunk that claims a billion tokens
+    - `never-ends`: valid tokens without end, whatever max_tokens asked
+    - `trickle-models`: /v1/models one byte every `trickle` seconds
+    - `bad-card`: a kvchat model card whose numbers are text and whose cache is a string
+    - `redirect`: every answer a 302 elsewhere
+    - `html`: a 200 page of HTML where a stream should be
+    """
+
+    def __init__(self, mode: str, trickle: float = 0.5):
+        self.mode, self.trickle = mode, trickle
+        self.disconnected = threading.Event()
+        self.sent = 0  # bytes written to clients
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        self._loop = asyncio.new_event_loop()
+        started = threading.Event()
+
+        async def serve():
+            self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
+            started.set()
+
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(serve(), self._loop)
+        if not started.wait(10):
+            raise RuntimeError("the hostile server did not start")
+
+    async def _handle(self, reader, writer):
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            path = head.split(b" ")[1].decode()
+            length = next(
+                (int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")), 0
+            )
+            if length:
+                await reader.readexactly(length)
+            await self._answer(path, writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            self.disconnected.set()
+        finally:
+            writer.close()
+
+    async def _write(self, writer, data: bytes):
+        writer.write(data)
+        await writer.drain()
+        self.sent += len(data)
+
+    async def _answer(self, path, writer):
+        mode = self.mode
+        if mode == "redirect":
+            await self._write(
+                writer, b"HTTP/1.1 302 Found\r\nLocation: http://elsewhere.example/v1\r\nContent-Length: 0\r\n\r\n"
+            )
+            return
+        if path.endswith("/models"):
+            card = {"id": "org/hostile", "object": "model", "owned_by": "vllm"}
+            if mode == "bad-card":
+                card["kvchat"] = {"name": 5, "capacity": "lots", "parameters": [1], "cache": "full", "kv_cache": "int8"}
+            body = json.dumps({"object": "list", "data": [card, "not a card", {"id": 7}]}).encode()
+            if mode == "trickle-models":
+                await self._write(writer, b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n")
+                for b in body * 100:
+                    await self._write(writer, bytes([b]))
+                    await asyncio.sleep(self.trickle)
+                return
+            await self._write(
+                writer,
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                % (len(body), body),
+            )
+            return
+        if mode == "html":
+            page = b"<html><body>Welcome to the router's login page</body></html>"
+            await self._write(
+                writer,
+                b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: %d\r\n\r\n%s" % (len(page), page),
+            )
+            return
+        await self._write(writer, b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n")
+
+        def chunk(content, **extra):
+            obj = {"choices": [{"index": 0, "delta": {"content": content}, "finish_reason": None}], **extra}
+            return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+        if mode == "endless-line":
+            await self._write(writer, b"data: ")
+            while True:
+                await self._write(writer, b"x" * 65536)
+        elif mode == "huge-tokens":
+            await self._write(writer, chunk("hi", kvchat={"tokens": 1_000_000_000}))
+            await self._write(
+                writer, b'data: {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}\n\ndata: [DONE]\n\n'
+            )
+        elif mode == "never-ends":
+            while True:
+                await self._write(writer, chunk(" word"))
+                await asyncio.sleep(0.001)
+
+    def stop(self) -> None:
+        async def shut():
+            self._server.close()
+            for task in asyncio.all_tasks():
+                if task is not asyncio.current_task():
+                    task.cancel()
+
+        asyncio.run_coroutine_threadsafe(shut(), self._loop).result(5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)

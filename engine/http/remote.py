@@ -12,10 +12,12 @@ KV bytes from the model's config when a local copy of it names the sizes.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import json
 import queue
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -26,7 +28,11 @@ from ..events import Failed, Finished, PrefillDone, PrefillStarted, ReuseReport,
 from . import wire
 
 POLL_S = 0.5  # how often a reply whose server says nothing looks at its Stop flag (stop() acts at once)
-CONNECT_TIMEOUT_S = 5.0
+CONNECT_TIMEOUT_S = 5.0  # a model list or a cache probe: the whole answer, not one read
+# What one server may send before kvchat stops reading it (a hostile or broken server cannot grow the app).
+LINE_BYTES = 1 << 20  # one line of a stream
+EVENT_BYTES = 4 << 20  # one event of a stream (its data lines together), or a whole JSON answer
+RESPONSE_BYTES = 256 << 20  # one streamed reply, all of it
 # A model card's `owned_by` → the server that wrote it (only a label for the panel).
 SERVERS = {
     "vllm": "vLLM",
@@ -87,22 +93,60 @@ def _error_text(status: int, body: bytes) -> str:
     return f"the server answered {status}: {msg if isinstance(msg, str) else json.dumps(msg or obj)[:300]}"
 
 
-def list_models(spec: RemoteSpec, timeout: float = CONNECT_TIMEOUT_S) -> list[dict]:
-    """GET /v1/models: the server's model cards (kvchat's carry the model's facts under `kvchat`)."""
+def _redirected(status: int, headers, url: str) -> str | None:
+    """What to say when a server answers with a redirect (kvchat does not follow one: say where it points)."""
+    if 300 <= status < 400:
+        return f"{url} redirects ({status}) to {headers.get('location', 'nowhere')!r}: set that address instead"
+    return None
+
+
+def _run(coro):
+    """Run a coroutine to its end from any thread, one with a running event loop (the GUI's) included."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+def fetch_json(spec: RemoteSpec, method: str, url: str, body=None, seconds: float = CONNECT_TIMEOUT_S):
+    """One small JSON answer, whole within `seconds` (a server that trickles a byte at a time is cut off at
+    the deadline, not kept alive by each byte) and at most EVENT_BYTES; the decoded JSON."""
     import httpx
 
-    url = normalize_url(spec.url)
+    async def ask():
+        async with httpx.AsyncClient(headers=spec.headers(), timeout=seconds) as client:
+            async with client.stream(method, url, json=body) as r:
+                said = _redirected(r.status_code, r.headers, url)
+                if said:
+                    raise RemoteError(said)
+                got = bytearray()
+                async for piece in r.aiter_bytes():
+                    got += piece
+                    if len(got) > EVENT_BYTES:
+                        raise RemoteError(f"{url} sent more than {EVENT_BYTES >> 20} MiB for one answer")
+                if r.status_code >= 400:
+                    raise RemoteError(_error_text(r.status_code, bytes(got)))
+                return json.loads(got)
+
     try:
-        r = httpx.get(url + "/models", headers=spec.headers(), timeout=timeout)
+        return _run(asyncio.wait_for(ask(), seconds))
+    except (asyncio.TimeoutError, httpx.TimeoutException):
+        raise RemoteError(f"{url} did not answer within {seconds:g} s") from None
     except httpx.HTTPError as e:
         raise RemoteError(f"cannot reach {url}: {type(e).__name__}: {e}") from None
-    if r.status_code >= 400:
-        raise RemoteError(_error_text(r.status_code, r.content))
-    try:
-        data = r.json()["data"]
-        assert isinstance(data, list)
-    except (ValueError, KeyError, TypeError, AssertionError):
-        raise RemoteError(f"{url}/models did not answer with an OpenAI model list") from None
+    except (ValueError, RecursionError):
+        raise RemoteError(f"{url} did not answer with JSON") from None
+
+
+def list_models(spec: RemoteSpec, timeout: float = CONNECT_TIMEOUT_S) -> list[dict]:
+    """GET /v1/models: the server's model cards (kvchat's carry the model's facts under `kvchat`)."""
+    url = normalize_url(spec.url)
+    data = fetch_json(spec, "GET", url + "/models", seconds=timeout)
+    data = data.get("data") if isinstance(data, dict) else None
+    if not isinstance(data, list):
+        raise RemoteError(f"{url}/models did not answer with an OpenAI model list")
     return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
 
 
@@ -145,10 +189,12 @@ def remote_facts(spec: RemoteSpec, card: dict) -> dict:
     mine = card.get(wire.EXTENSION)
     if isinstance(mine, dict):
         facts = dict(mine)
-        facts["cache"] = {**facts.get("cache", {}), "positions": 0}
+        cache = facts.get("cache")
+        facts["cache"] = {**(cache if isinstance(cache, dict) else {}), "positions": 0}
         facts["server_kind"] = "kvchat"
+        facts["name"] = facts["name"] if isinstance(facts.get("name"), str) else card["id"]
     else:
-        meta = card.get("meta") or {}  # llama-server's
+        meta = card.get("meta") if isinstance(card.get("meta"), dict) else {}  # llama-server's
         facts = {
             "name": card["id"],
             "architecture": None,
@@ -164,6 +210,10 @@ def remote_facts(spec: RemoteSpec, card: dict) -> dict:
         if known:
             facts.update(known, kv_source="the model's config.json in the local Hugging Face cache")
     facts.update(backend="remote", server=url, model_id=card["id"], device=f"remote · {url}")
+    for key in ("parameters", "capacity", "kv_bytes_per_position"):  # numbers the panel computes with, or None
+        if not isinstance(facts.get(key), int) or isinstance(facts.get(key), bool) or facts[key] < 0:
+            facts[key] = None
+    facts["server_kind"] = str(facts["server_kind"])
     if facts["name"] == card["id"] and card["id"].startswith("/"):  # llama-cpp-python names a model by its path
         facts["name"] = Path(card["id"]).name
     return facts
@@ -193,7 +243,12 @@ class RemoteSession:
         if card is None:
             names = ", ".join(c["id"] for c in cards[:8])
             raise RemoteError(f"the server has no model {want!r} (it lists: {names})")
-        self.card, self._facts = card, remote_facts(self.spec, card)
+        try:
+            facts = remote_facts(self.spec, card)
+        except (TypeError, KeyError, AttributeError, ValueError) as e:
+            why = f"{type(e).__name__}: {e}"
+            raise RemoteError(f"the server's card for {card['id']!r} is not one kvchat can read ({why})") from None
+        self.card, self._facts = card, facts
         return self.facts()
 
     def facts(self) -> dict:
@@ -206,19 +261,16 @@ class RemoteSession:
     def cached_positions(self, req) -> dict:
         """How much of a conversation kvchat's server holds cached now (`positions`, `cached`, `source`);
         other servers do not say, so neither does this."""
-        import httpx
 
         if (self._facts or {}).get("server_kind") != "kvchat":
             return {"error": "not reported by this server"}
         url = self.spec.url.removesuffix("/v1") + "/kvchat/cached"
         body = {"model": self.model_id, "messages": list(req.messages or ())}
         try:
-            r = httpx.post(url, json=body, headers=self.spec.headers(), timeout=CONNECT_TIMEOUT_S)
-        except httpx.HTTPError as e:
-            return {"error": f"the server did not answer: {type(e).__name__}"}
-        if r.status_code >= 400:
-            return {"error": _error_text(r.status_code, r.content)}
-        return r.json()
+            got = fetch_json(self.spec, "POST", url, body)
+        except RemoteError as e:
+            return {"error": str(e)}
+        return got if isinstance(got, dict) else {"error": "the server's answer is not an object"}
 
     def stop(self) -> None:
         """Stop the running reply now, from any thread: its stream is closed and it ends as cancelled."""
@@ -272,7 +324,9 @@ class RemoteSession:
 
     async def _post(self, body: dict, out: queue.Queue) -> None:
         """On the loop's thread: stream the response's server-sent events into `out` as
-        ("data", text, arrival time), then ("end",) — or ("error", message) / ("cancelled",)."""
+        ("data", text, arrival time), then ("end",) — or ("error", message) / ("cancelled",). A line, an
+        event and the whole reply are bounded (LINE_BYTES, EVENT_BYTES, RESPONSE_BYTES), and the server must
+        finish an event within its timeout: bytes that trickle without ever making one do not keep it alive."""
         import httpx
 
         if self._client is None:
@@ -280,24 +334,27 @@ class RemoteSession:
             self._client = httpx.AsyncClient(base_url=self.spec.url, headers=self.spec.headers(), timeout=t)
         try:
             async with self._client.stream("POST", "/chat/completions", json=body) as r:
-                if r.status_code >= 400:
-                    out.put(("error", _error_text(r.status_code, await r.aread())))
+                said = _redirected(r.status_code, r.headers, self.spec.url + "/chat/completions")
+                if said or r.status_code >= 400:
+                    out.put(("error", said or _error_text(r.status_code, (await _read_some(r))[:EVENT_BYTES])))
                     return
-                data: list[str] = []
-                async for line in r.aiter_lines():
-                    if line.startswith("data:"):
-                        data.append(line[5:].removeprefix(" "))
-                    elif not line.strip() and data:
-                        out.put(("data", "\n".join(data), tracing.now()))
-                        data = []
-                if data:
-                    out.put(("data", "\n".join(data), tracing.now()))
+                kind = r.headers.get("content-type", "").split(";")[0].strip().lower()
+                if kind == "application/json":  # a server that ignored stream: true answers in one piece
+                    out.put(("data", (await _read_some(r)).decode("utf-8", "replace"), tracing.now()))
+                elif kind != "text/event-stream":
+                    out.put(("error", f"not an OpenAI-compatible server: it answered {kind or 'no content type'}"))
+                    return
+                else:
+                    async for data in _events(r, self.spec.timeout):
+                        out.put(("data", data, tracing.now()))
             out.put(("end",))
         except asyncio.CancelledError:
             out.put(("cancelled",))
             raise
         except httpx.TimeoutException:
             out.put(("error", f"the server sent nothing for {self.spec.timeout:.0f} s"))
+        except RemoteError as e:
+            out.put(("error", str(e)))
         except httpx.HTTPError as e:
             out.put(("error", f"the connection to {self.spec.url} failed: {type(e).__name__}: {e}"))
         except Exception as e:  # a stream that breaks any other way is still one failed reply
@@ -335,6 +392,15 @@ class RemoteSession:
                     future.cancel()
                     yield reply.fail(str(e))
                     return
+                except (TypeError, KeyError, AttributeError, ValueError) as e:  # a chunk of the wrong shape
+                    future.cancel()
+                    yield reply.fail(f"the server sent a chunk kvchat cannot read ({type(e).__name__}: {e})")
+                    return
+                if reply.over:  # past the request's own cap: whatever the server does, the reply ends there
+                    future.cancel()
+                    reply.reason = reply.reason or "length"
+                    yield reply.finish(None)
+                    return
                 if cancel.is_set():
                     future.cancel()
             elif kind == "cancelled" or (kind == "end" and cancel.is_set()):
@@ -351,6 +417,46 @@ class RemoteSession:
         return {**trace.summary(), "measured": "client", "server": server, "chunks": chunks}
 
 
+async def _read_some(r) -> bytes:
+    """A response's body, at most EVENT_BYTES of it (an error page, a JSON answer)."""
+    got = bytearray()
+    async for piece in r.aiter_bytes():
+        got += piece
+        if len(got) > EVENT_BYTES:
+            raise RemoteError(f"the server sent more than {EVENT_BYTES >> 20} MiB in one answer")
+    return bytes(got)
+
+
+async def _events(r, seconds: float):
+    """The data of each server-sent event, as text, within the limits: a line longer than LINE_BYTES, an
+    event past EVENT_BYTES, a reply past RESPONSE_BYTES or no whole event for `seconds` ends the stream
+    with the reason."""
+    buf, data, size, total = bytearray(), [], 0, 0
+    last = time.monotonic()
+    async for piece in r.aiter_bytes():
+        total += len(piece)
+        if total > RESPONSE_BYTES:
+            raise RemoteError(f"the server sent more than {RESPONSE_BYTES >> 20} MiB for one reply")
+        buf += piece
+        while (i := buf.find(b"\n")) >= 0:
+            line = bytes(buf[:i]).rstrip(b"\r").decode("utf-8", "replace")
+            del buf[: i + 1]
+            if line.startswith("data:"):
+                data.append(line[5:].removeprefix(" "))
+                size += len(data[-1])
+                if size > EVENT_BYTES:
+                    raise RemoteError(f"the server sent an event longer than {EVENT_BYTES >> 20} MiB")
+            elif not line and data:
+                yield "\n".join(data)
+                data, size, last = [], 0, time.monotonic()
+        if len(buf) > LINE_BYTES:
+            raise RemoteError(f"the server sent a line longer than {LINE_BYTES >> 20} MiB")
+        if time.monotonic() - last > seconds:
+            raise RemoteError(f"the server sent no whole event for {seconds:.0f} s")
+    if data:
+        yield "\n".join(data)
+
+
 class _Reply:
     """One streaming reply's state: chunks in, engine events out."""
 
@@ -365,6 +471,7 @@ class _Reply:
         self.started = False
         self.reuse_seen: ReuseReport | None = None
         self.chunks = 0
+        self.over = False  # the server sent text past the request's max_new_tokens
 
     def chunk(self, data: str, t: float) -> Iterator:
         if data.strip() == "[DONE]":
@@ -389,11 +496,17 @@ class _Reply:
             self.usage = obj["usage"]
         if isinstance(obj.get("timings"), dict):
             self.timings = obj["timings"]
-        for choice in obj.get("choices") or ():
+        choices = obj.get("choices") or ()
+        for choice in choices if isinstance(choices, list) else ():
+            if not isinstance(choice, dict):
+                continue
             delta = choice.get("delta") or choice.get("message") or {}
-            content = delta.get("content")
-            if choice.get("finish_reason"):
+            content = delta.get("content") if isinstance(delta, dict) else None
+            if isinstance(choice.get("finish_reason"), str):
                 self.reason = choice["finish_reason"]
+            if isinstance(content, str) and content and self.tokens >= self.req.max_new_tokens:
+                self.over = True  # more text than max_tokens allows: not taken
+                return
             if isinstance(content, str) and content:
                 if not self.started:
                     yield from self._start(None)
@@ -403,11 +516,17 @@ class _Reply:
                     yield PrefillDone(r.reused, r.computed, t - self.trace.started, self.prompt_tokens or 0)
                 self.chunks += 1
                 n = mine.get(wire.TOKENS, 1) if isinstance(mine, dict) else 1  # kvchat's: tokens in this chunk
-                self.trace.token_times.extend([t] * max(1, int(n)))
+                n = n if type(n) is int else 1  # at most a token per byte (and a few that write nothing)
+                n = max(1, min(n, len(content.encode("utf-8", "replace")) + 16, self.req.max_new_tokens - self.tokens))
+                self.trace.token_times.extend([t] * n)
                 self.text += content
                 k = len(self.trace.token_times)
                 positions = self.prompt_tokens + k - 1 if self.prompt_tokens else None  # None: not reported
                 yield Token(k, -1, content, t, positions)
+
+    @property
+    def tokens(self) -> int:
+        return len(self.trace.token_times)
 
     def _start(self, reuse: ReuseReport | None) -> Iterator:
         """PrefillStarted as soon as the server says what it reuses (kvchat), else with token 1."""

@@ -232,3 +232,33 @@ def test_the_app_on_llama_cpp_python_s_server(qtbot, make_window, spin_loop, tmp
         assert panel(w, "ttftValue") == fmt_ms(final.trace["ttft_ms"])
     finally:
         server.stop()
+
+
+def test_a_trickling_server_is_cut_off_and_the_app_goes_on(qtbot, make_window, spin_loop, demo_model_dir):
+    """A server that sends its model list a byte at a time: the load fails at the deadline with the reason,
+    the local engine loads after it, and the window closes at once."""
+    import time
+
+    from servers import HostileServer
+
+    from engine.http.remote import CONNECT_TIMEOUT_S
+
+    server = HostileServer("trickle-models", trickle=0.5)
+    try:
+        t0 = time.monotonic()
+        w = make_window(backend="remote", remote_url=server.url)
+        assert time.monotonic() - t0 < CONNECT_TIMEOUT_S + 10
+        assert w.facts is None and f"did not answer within {CONNECT_TIMEOUT_S:g} s" in w.banner.text()
+        dlg = SettingsDialog(w.settings, w.db_path, w)
+        qtbot.addWidget(dlg)
+        dlg.backend.setCurrentIndex(0)
+        ready = []
+        w.modelReady.connect(ready.append)
+        w.apply_settings(dlg.result_settings())
+        spin_loop(lambda: ready)
+        assert w.facts["architecture"] == "LlamaForCausalLM" and w.sendButton.isEnabled()
+        t0 = time.monotonic()
+        w.close()
+        assert time.monotonic() - t0 < 5 and not w.worker_left_running and not w.isVisible()
+    finally:
+        server.stop()
