@@ -14,6 +14,7 @@ import contextlib
 import json
 import math
 import secrets
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -39,6 +40,12 @@ MAX_TOKENS_PER_CHUNK = 32  # tokens already made that one streamed chunk may car
 END = object()  # the end of a job's events, when it was taken while gathering tokens
 QUEUE_SIZE = 8  # requests that may wait behind the running one before the server answers 429
 STATUS_BY_KIND = {"CapacityError": 413, "TemplateError": 400, "EngineError": 400, "ValueError": 400}
+# What one client may send or hold (a slow or hostile client cannot tie the server up or grow it).
+BODY_BYTES = 16 << 20  # a request's body
+BODY_SECONDS = 30.0  # to send it, once its head has come
+HEAD_SECONDS = 10.0  # to send a request's head (line and headers) after connecting
+MAX_CONNECTIONS = 64  # open at once; past it uvicorn answers 503
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 NUMBER, INTEGER = "number", "integer"
 # The request fields kvchat reads and the JSON type each must have (None allowed for all); others are ignored.
@@ -62,7 +69,19 @@ FIELDS = {
     "ignore_eos": bool,  # vLLM's: run to max_tokens past the stop tokens (benchmarks)
 }
 # Fields kvchat does not implement: accepted only at the value that means "off".
-UNSUPPORTED = {"n": 1, "logprobs": False, "presence_penalty": 0, "frequency_penalty": 0, "tools": [], "logit_bias": {}}
+UNSUPPORTED = {
+    "n": 1,
+    "logprobs": False,
+    "top_logprobs": 0,
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "tools": [],
+    "tool_choice": "none",
+    "functions": [],
+    "function_call": "none",
+    "logit_bias": {},
+    "response_format": {"type": "text"},
+}
 ROLES = ("system", "developer", "user", "assistant")
 
 
@@ -82,7 +101,7 @@ def _type_ok(value, want) -> bool:
     if value is None:
         return True
     if want == NUMBER:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if want == INTEGER:
         return isinstance(value, int) and not isinstance(value, bool)
     return isinstance(value, want) and (want is not int or not isinstance(value, bool))
@@ -312,8 +331,33 @@ async def _watch_disconnect(http: HttpRequest, job: Job) -> None:
             return
 
 
-def build_app(service: EngineService, api_key: str | None = None, max_new_tokens: int | None = None) -> Starlette:
-    """The ASGI application over one EngineService."""
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+async def _read_body(http: HttpRequest) -> bytes:
+    """The request's body, at most BODY_BYTES, sent within BODY_SECONDS."""
+
+    async def read() -> bytes:
+        got = bytearray()
+        async for piece in http.stream():
+            got += piece
+            if len(got) > BODY_BYTES:
+                raise ApiError(413, f"the request body is over {BODY_BYTES >> 20} MiB")
+        return bytes(got)
+
+    try:
+        return await asyncio.wait_for(read(), BODY_SECONDS)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {BODY_SECONDS:g} s") from None
+
+
+def build_app(
+    service: EngineService, api_key: str | None = None, max_new_tokens: int | None = None, loopback: bool = True
+) -> Starlette:
+    """The ASGI application over one EngineService. `loopback`: served on this machine only, so a request
+    must name this machine as its Host and come from no other web page's Origin (a page in a browser, or
+    a DNS name rebound to 127.0.0.1, cannot reach it)."""
     names = {service.model_id, str(service.loaded.path), service.loaded.name}
     default_new = max_new_tokens or service.session.cache.capacity
 
@@ -342,10 +386,13 @@ def build_app(service: EngineService, api_key: str | None = None, max_new_tokens
     async def read_chat(http: HttpRequest) -> tuple[dict, Request, dict]:
         """The key checked, the body parsed as a chat request: (body, request, response options)."""
         check_key(http)
+        raw = await _read_body(http)
         try:
-            body = json.loads(await http.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            body = json.loads(raw, parse_constant=_no_constant)
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
             raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise ApiError(400, "the request body is nested too deeply") from None
         return body, *parse_chat(body, default_new)
 
     async def cached(http: HttpRequest):
@@ -412,7 +459,7 @@ def build_app(service: EngineService, api_key: str | None = None, max_new_tokens
             Route("/kvchat/cached", cached, methods=["POST"]),
             Route("/health", health, methods=["GET"]),
         ],
-        middleware=[Middleware(_Errors)],
+        middleware=[Middleware(_Errors), Middleware(_Guard, loopback=loopback)],
         exception_handlers={HTTPException: _http_error},
         lifespan=lifespan,
     )
@@ -422,6 +469,48 @@ async def _http_error(_http: HttpRequest, e: HTTPException) -> JSONResponse:
     """Starlette's own refusals (an unknown path, a wrong method) as error objects too."""
     message = {404: "no such endpoint", 405: "method not allowed here"}.get(e.status_code, str(e.detail))
     return ApiError(e.status_code, f"{message}: {_http.method} {_http.url.path}", code=None).response()
+
+
+def _host_name(value: str) -> str:
+    """The host of a Host header or an Origin's authority, without its port ("[::1]:8000" → "::1")."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[1 : value.find("]")] if "]" in value else value
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+class _Guard:
+    """What a request must be before the routes see it: a body no larger than BODY_BYTES (by its declared
+    length); on loopback, a Host that names this machine and no web page's Origin but this machine's; and
+    anywhere, no page of another origin posting a body that is not JSON (the kind a browser sends across
+    origins without asking first: JSON needs the asking, which this server never answers)."""
+
+    def __init__(self, app, loopback: bool):
+        self.app, self.loopback = app, loopback
+
+    def refusal(self, scope) -> ApiError | None:
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
+        length = headers.get("content-length", "0")
+        if not length.isdigit():
+            return ApiError(400, "Content-Length is not a number")
+        if int(length) > BODY_BYTES:
+            return ApiError(413, f"the request body is over {BODY_BYTES >> 20} MiB")
+        host, origin = _host_name(headers.get("host", "")), headers.get("origin")
+        if self.loopback and host not in LOOPBACK_NAMES:
+            return ApiError(403, "this server answers only requests addressed to localhost", "permission_error")
+        if origin is not None:
+            page = _host_name(origin.split("://", 1)[-1])
+            json_body = headers.get("content-type", "").split(";")[0].strip() == "application/json"
+            if (self.loopback and page not in LOOPBACK_NAMES) or (not json_body and page != host):
+                return ApiError(403, f"requests from other web pages ({origin}) are refused", "permission_error")
+        return None
+
+    async def __call__(self, scope, receive, send):
+        refused = self.refusal(scope) if scope["type"] == "http" else None
+        if refused is not None:
+            await refused.response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 class _Errors:
@@ -542,13 +631,56 @@ def serve(ns, load: Callable[[], tuple[LoadedModel, Session]]) -> int:
     """Load (on the engine thread) and serve with the options of `python -m engine serve` until interrupted."""
     import uvicorn
 
+    loopback = _host_name(ns.host) in LOOPBACK_NAMES
+    if not loopback and not ns.api_key:
+        print(
+            f"warning: serving on {ns.host} without --api-key: anyone who can reach this machine can run the model",
+            file=sys.stderr,
+            flush=True,
+        )
     service = EngineService(load, ns.served_model_name, queue_size=ns.queue_size)
     loaded, session, model_id = service.loaded, service.session, service.model_id
-    app = build_app(service, api_key=ns.api_key, max_new_tokens=ns.max_new_tokens)
+    app = build_app(service, api_key=ns.api_key, max_new_tokens=ns.max_new_tokens, loopback=loopback)
     print(
         f"kvchat serving {model_id!r} ({loaded.device}, capacity {session.cache.capacity}) on "
         f"http://{ns.host}:{ns.port}/v1" + (" (API key required)" if ns.api_key else ""),
         flush=True,
     )
-    uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level, timeout_graceful_shutdown=2)
+    uvicorn.run(
+        app,
+        host=ns.host,
+        port=ns.port,
+        log_level=ns.log_level,
+        timeout_graceful_shutdown=2,
+        http=_head_timed_protocol(),
+        limit_concurrency=MAX_CONNECTIONS,
+    )
     return 0
+
+
+def _head_timed_protocol():
+    """uvicorn's HTTP/1.1 protocol with a deadline for a request's head: a client that connects and sends
+    its headers a byte at a time (slowloris) is closed after HEAD_SECONDS instead of held."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeadTimed(H11Protocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self.head_timer = self.loop.call_later(HEAD_SECONDS, self.head_late)
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.cycle is not None and self.head_timer is not None:  # a head has come
+                self.head_timer.cancel()
+                self.head_timer = None
+
+        def head_late(self) -> None:
+            if self.cycle is None:
+                self.transport.close()
+
+        def connection_lost(self, exc) -> None:
+            if self.head_timer is not None:
+                self.head_timer.cancel()
+            super().connection_lost(exc)
+
+    return HeadTimed
