@@ -77,6 +77,16 @@ SNIPPET_BEFORE = 2  # of which before the match (the list is narrow: the match c
 MARK = "\x02"  # where FTS5's highlight() says the match begins
 
 
+def _like(search: str) -> str:
+    """A LIKE pattern that matches the search as typed: its % and _ are characters, not wildcards."""
+    return "%" + search.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+
+
+def _searched(search: str) -> str:
+    """What is searched for: the text typed, trimmed, without NULs (no message can hold one)."""
+    return search.replace("\x00", "").strip()
+
+
 def _fts_terms(search: str) -> str:
     """The search's words as an FTS5 query: each a quoted prefix, all of them required."""
     return " ".join('"' + w.replace('"', '""') + '"*' for w in search.split())
@@ -134,22 +144,22 @@ class Store(StoreFile):
     def conversations(self, search: str = "") -> list[Conversation]:
         """Newest first; with `search`, those whose title or any message (any branch) holds its words
         (full-text, each word a prefix)."""
-        search = search.strip()
+        search = _searched(search)
         if not search:
             sql, args = "SELECT * FROM conversations", ()
         elif self.fts:
             terms = _fts_terms(search)
             sql = (
-                "SELECT * FROM conversations WHERE (title LIKE ? OR id IN (SELECT conversation_id "
+                "SELECT * FROM conversations WHERE (title LIKE ? ESCAPE '\\' OR id IN (SELECT conversation_id "
                 "FROM messages WHERE id IN (SELECT rowid FROM messages_fts WHERE messages_fts MATCH ?)))"
             )
-            args = (f"%{search}%", terms)
+            args = (_like(search), terms)
         else:
             sql = (
-                "SELECT * FROM conversations WHERE (title LIKE ? OR id IN (SELECT conversation_id "
-                "FROM messages WHERE content LIKE ?))"
+                "SELECT * FROM conversations WHERE (title LIKE ? ESCAPE '\\' OR id IN (SELECT conversation_id "
+                "FROM messages WHERE content LIKE ? ESCAPE '\\'))"
             )
-            args = (f"%{search}%", f"%{search}%")
+            args = (_like(search), _like(search))
         rows = [self._held_over(r, "conversations") for r in self.db.execute(sql, args).fetchall()]
         rows = sorted((r for r in rows if not r["deleted"]), key=lambda r: r["updated"], reverse=True)
         return [_conversation(r) for r in rows]
@@ -157,7 +167,7 @@ class Store(StoreFile):
     def search_hits(self, search: str) -> dict[int, SearchHit]:
         """For each conversation with a message (any branch) that holds the search's words: the first
         such message and its words around the match."""
-        search = search.strip()
+        search = _searched(search)
         if not search:
             return {}
         if self.fts:  # highlight() marks where the index matched (its tokenizer, not a substring)
@@ -170,8 +180,9 @@ class Store(StoreFile):
             found = [(r["cid"], r["mid"], r["marked"].replace(MARK, ""), max(0, r["marked"].find(MARK))) for r in rows]
         else:
             rows = self.db.execute(
-                "SELECT conversation_id AS cid, id AS mid, content FROM messages WHERE content LIKE ? ORDER BY id",
-                (f"%{search}%",),
+                "SELECT conversation_id AS cid, id AS mid, content FROM messages WHERE content LIKE ? ESCAPE '\\' "
+                "ORDER BY id",
+                (_like(search),),
             ).fetchall()
             found = [
                 (r["cid"], r["mid"], r["content"], max(0, r["content"].lower().find(search.lower()))) for r in rows

@@ -73,6 +73,29 @@ def _locked(e: Exception) -> bool:
     return "locked" in str(e).lower() or "busy" in str(e).lower()
 
 
+DAMAGED = {
+    11,
+    26,
+}  # SQLITE_CORRUPT, SQLITE_NOTADB: the file itself is bad (every other error is the disk's or the OS's)
+
+
+def _damaged(e: sqlite3.Error) -> bool:
+    code = getattr(e, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF in DAMAGED
+    return "malformed" in str(e) or "not a database" in str(e)
+
+
+def _said(e: sqlite3.Error) -> str:
+    """An SQLite error as a person reads it: a full disk and a failing disk say so."""
+    code = (getattr(e, "sqlite_errorcode", None) or 0) & 0xFF
+    if code == 13 or "full" in str(e):
+        return "the disk is full"
+    if code == 10:
+        return "the disk could not be read or written (disk I/O error: is it full, or gone?)"
+    return str(e)
+
+
 def _set_columns(db: sqlite3.Connection, table: str, rid: int, cols: dict) -> None:
     """UPDATE one row's columns by id (the one spelling of a change, written now, later or to a copy)."""
     db.execute(f"UPDATE {table} SET {', '.join(f'{c}=?' for c in cols)} WHERE id=?", (*cols.values(), rid))
@@ -101,6 +124,14 @@ class _Unusable(Exception):
     """The file is not a usable kvchat database: corrupt, or another program's."""
 
 
+class _Unreadable(Exception):
+    """The file could not be read now (a full or failing disk, permissions): it is left where it is."""
+
+
+class _Newer(Exception):
+    """The file is a kvchat database of a later layout than this kvchat knows: shown, never changed."""
+
+
 class StoreFile:
     """The database file, opened defensively: a file is inspected read-only before anything is written to
     it; kvchat's own older schemas are migrated; a corrupt or foreign file is moved aside untouched (never
@@ -111,6 +142,8 @@ class StoreFile:
     def __init__(self, path: Path | str):
         self.path = Path(path)
         self.moved_aside: Path | None = None
+        self.backup: Path | None = None  # a copy made before the layout was changed
+        self.migrating = False
         self.read_only = False
         self.fts = False  # message search by FTS5 (else LIKE)
         self.notice: str | None = None  # what the person must know about this database, if anything
@@ -134,13 +167,17 @@ class StoreFile:
             self._replay_held()
         except _Unusable as e:
             self._move_aside(str(e))
+        except _Newer as e:
+            self._read_only_or_temporary(str(e), newer=True)
+        except _Unreadable as e:
+            self._read_only_or_temporary(str(e))
         except sqlite3.DatabaseError as e:
             if "locked" in str(e).lower() or "busy" in str(e).lower():
                 raise StoreError(
                     f"the conversation database {self.path} is locked by another program; "
                     "close it (or another kvchat) and try again"
                 ) from None
-            self._read_only_or_temporary(str(e))
+            self._read_only_or_temporary(_said(e))
 
     # --- opening -------------------------------------------------------------------------------
     def _inspect(self) -> None:
@@ -148,8 +185,13 @@ class StoreFile:
         try:
             ro = self._open_read_only()
         except sqlite3.DatabaseError as e:
+            if not _damaged(e):
+                raise _Unreadable(_said(e)) from None
             raise _Unusable(f"it cannot be opened ({e})") from None
         try:
+            version = ro.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise _Newer(f"its layout is version {version}; this kvchat knows up to {SCHEMA_VERSION}")
             check = ro.execute("PRAGMA quick_check").fetchone()[0]
             if check != "ok":
                 raise _Unusable(f"it is damaged ({check})")
@@ -161,12 +203,29 @@ class StoreFile:
                 missing = COLUMNS[table] - have - {c for (t, c) in MIGRATIONS if t == table}
                 if missing:
                     raise _Unusable(f"its {table} table lacks {', '.join(sorted(missing))}")
+                if COLUMNS[table] - have:
+                    self.migrating = True
+            if self.migrating or (tables & set(COLUMNS) and version < SCHEMA_VERSION):
+                self._back_up(ro)
         except sqlite3.DatabaseError as e:
-            if "locked" in str(e).lower() or "busy" in str(e).lower():
+            if _locked(e):
                 raise
+            if not _damaged(e):
+                raise _Unreadable(_said(e)) from None
             raise _Unusable(f"it is damaged or not a database ({e})") from None
         finally:
             ro.close()
+
+    def _back_up(self, ro: sqlite3.Connection) -> None:
+        """A copy of the file as it is, beside it, before kvchat changes its layout."""
+        aside = self.path.with_name(f"{self.path.name}.before-v{SCHEMA_VERSION}-{time.strftime('%Y%m%d-%H%M%S')}")
+        dst = sqlite3.connect(str(aside))
+        try:
+            ro.backup(dst)
+        finally:
+            dst.close()
+        self.backup = aside
+        self.notice = f"kvchat updated the conversation database's layout; a copy of it as it was is at {aside}."
 
     def _open_read_only(self) -> sqlite3.Connection:
         """The file as it is: sqlite changes nothing in it (no journal mode, no schema)."""
@@ -215,16 +274,23 @@ class StoreFile:
             "(nothing was overwritten) and a new one was started."
         )
 
-    def _read_only_or_temporary(self, why: str) -> None:
-        """A database that cannot be written (a read-only folder or file): its conversations are shown,
-        read-only; with nothing to read, a temporary database."""
+    def _read_only_or_temporary(self, why: str, newer: bool = False) -> None:
+        """A database that cannot be written now (a read-only folder or file, a full or failing disk, a
+        later kvchat's layout): left where it is, its conversations shown read-only; with nothing to read,
+        a temporary database."""
         try:
             db = self._open_read_only()
             db.execute("SELECT count(*) FROM conversations").fetchone()
-        except sqlite3.DatabaseError:
-            self._temporary(f"it cannot be written ({why})")
+        except sqlite3.DatabaseError as e:
+            self._temporary(f"it cannot be read now ({why}; {_said(e)}). It was left where it is, unchanged")
             return
         self.db, self.read_only = db, True
+        if newer:
+            self.notice = (
+                f"The conversation database {self.path} was made by a newer kvchat ({why}): your conversations "
+                "are shown read-only so that nothing in it is changed, and what you send now is not saved."
+            )
+            return
         self.notice = (
             f"The conversation database {self.path} cannot be written ({why}): your conversations "
             "are shown read-only, and what you send now is not saved."
@@ -252,12 +318,12 @@ class StoreFile:
         self._writable()
         try:
             return self.db.execute(sql, args)
-        except sqlite3.OperationalError as e:
+        except sqlite3.DatabaseError as e:
             if _locked(e):
                 raise StoreError(
                     "the conversation database is locked by another program; your last change was not saved"
                 ) from None
-            raise StoreError(f"the conversation database failed: {e}") from None
+            raise StoreError(f"the conversation database refused the change ({_said(e)}); it was not saved") from None
 
     def _update(self, table: str, rid: int, **cols) -> None:
         """A change to a row's columns. While another program holds the database it is held back (each
@@ -268,9 +334,9 @@ class StoreFile:
             try:
                 _set_columns(self.db, table, rid, cols)
                 return
-            except sqlite3.OperationalError as e:
+            except sqlite3.DatabaseError as e:
                 if not _locked(e):
-                    raise StoreError(f"the conversation database failed: {e}") from None
+                    raise StoreError(f"the conversation database refused the change ({_said(e)})") from None
         self.held.setdefault((table, rid), {}).update(cols)
         if self.on_held is not None:
             self.on_held(len(self.held))

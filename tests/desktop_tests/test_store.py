@@ -4,6 +4,7 @@ overwritten, and the notice says what was done."""
 
 import dataclasses
 import hashlib
+import os
 import sqlite3
 
 import pytest
@@ -58,7 +59,11 @@ def test_an_older_kvchat_schema_is_migrated_keeping_every_row(tmp_path):
     db.commit()
     db.close()
     st = Store(path)
-    assert st.moved_aside is None and st.notice is None
+    assert st.moved_aside is None and st.backup is not None and str(st.backup) in st.notice
+    old = sqlite3.connect(st.backup)  # the copy made before the layout changed is the old layout, every row
+    assert {r[1] for r in old.execute("PRAGMA table_info(conversations)")} == {"id", "title", "created", "updated"}
+    assert old.execute("SELECT content FROM messages").fetchall() == [("hi",)]
+    old.close()
     [conv] = st.conversations()
     assert conv.title == "Old trip" and conv.leaf_id is None
     assert st.message(1).content == "hi" and st.message(1).status == "complete"
@@ -357,3 +362,74 @@ def test_store_tree_branches_and_crash_recovery(tmp_path):
     st = Store(tmp_path / "k.db")
     assert st.message(a2.id).status == "incomplete" and st.message(a2.id).content == "plan 7"
     assert st.message(a1.id).status == "complete"
+
+
+def test_a_newer_kvchat_database_is_opened_read_only_and_left_unchanged(tmp_path):
+    path = tmp_path / "kvchat.db"
+    st = Store(path)
+    c = st.new_conversation("from the future")
+    st.add_message(c.id, None, "user", "kept")
+    st.close()
+    db = sqlite3.connect(path)
+    db.execute("PRAGMA user_version=7")
+    db.commit()
+    db.close()
+    before = path.read_bytes()
+    st = Store(path)
+    assert st.read_only and "made by a newer kvchat" in st.notice and "version 7" in st.notice
+    assert [m.content for m in st.all_messages(c.id)] == ["kept"]
+    with pytest.raises(StoreError, match="read-only"):
+        st.add_message(c.id, None, "user", "new")
+    st.close()
+    assert path.read_bytes() == before
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == 7
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (a device every write to fails)")
+def test_a_disk_error_is_not_damage_the_file_stays_where_it_is(tmp_path):
+    """A full disk makes a healthy WAL database fail to open (its shared-memory file cannot be made or
+    written): that is the disk, not the file. Here the -shm file is /dev/full. The database is kept where
+    it is, never renamed as damaged, the banner says so; once the disk is fine it opens with everything."""
+    path = tmp_path / "kvchat.db"
+    st = Store(path)
+    c = st.new_conversation("keep me")
+    st.add_message(c.id, None, "user", "precious")
+    st.close()
+    before = path.read_bytes()
+    shm = tmp_path / "kvchat.db-shm"
+    shm.unlink(missing_ok=True)
+    shm.symlink_to("/dev/full")
+    st = Store(path)
+    assert st.moved_aside is None and path.read_bytes() == before and not list(tmp_path.glob("*.unreadable-*"))
+    assert "left where it is" in st.notice and "not saved" in st.notice
+    st.close()
+    shm.unlink()
+    st = Store(path)
+    assert st.notice is None and [m.content for m in st.all_messages(c.id)] == ["precious"]
+    st.close()
+
+
+def test_a_write_the_database_refuses_is_a_store_error_not_a_crash(tmp_path):
+    path = tmp_path / "kvchat.db"
+    st = Store(path)
+    c = st.new_conversation("t")
+    st.db.execute("CREATE TRIGGER no_more BEFORE INSERT ON messages BEGIN SELECT RAISE(ABORT, 'no more messages'); END")
+    with pytest.raises(StoreError, match="refused the change.*no more messages"):
+        st.add_message(c.id, None, "user", "hi")
+    st.close()
+
+
+def test_search_reads_percent_underscore_and_nul_as_characters(tmp_path):
+    st = Store(tmp_path / "kvchat.db")
+    for title, text in (("plain", "nothing special"), ("rates", "a 5% rate"), ("snake", "snake_case")):
+        c = st.new_conversation(title)
+        st.add_message(c.id, None, "user", text)
+    assert "plain" not in [c.title for c in st.conversations("%")]  # was: every conversation
+    assert [c.title for c in st.conversations("5%")] == ["rates"]
+    assert "plain" not in [c.title for c in st.conversations("_")]
+    assert [c.title for c in st.conversations("snake\x00_case")] == ["snake"]
+    assert st.search_hits("\x00") == {}
+    st.fts = False  # the LIKE path too
+    assert [c.title for c in st.conversations("%")] == ["rates"]
+    assert [c.title for c in st.conversations("_")] == ["snake"]
+    st.close()
