@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 
 from .store import Conversation, Store
 
@@ -11,15 +12,22 @@ FORMAT, VERSION = "kvchat-conversation", 1
 ROLES = ("system", "user", "assistant")
 STATUSES = ("complete", "incomplete", "stopped", "failed", "length")
 NAMES = {"user": "You", "assistant": "Assistant", "system": "System"}
+PROGRESS_EVERY = 500  # messages an import writes between two reports of its progress
+
+
+def _quoted(text: str) -> str:
+    """A message's text as a Markdown block quote: its own Markdown still reads as Markdown, and no line of
+    it can pass for the export's own turn headings (a reply that writes `**You**` stays inside its quote)."""
+    return "\n".join(">" + (" " + line if line else "") for line in text.split("\n"))
 
 
 def to_markdown(store: Store, cid: int) -> str:
-    """The branch on screen as a readable Markdown document."""
+    """The branch on screen as a readable Markdown document: a heading per turn, its text quoted."""
     conv = store.conversation(cid)
-    parts = [f"# {conv.title}"]
+    parts = [f"# {' '.join(conv.title.split())}"]
     for m in store.branch(cid):
         note = "" if m.status == "complete" else f" ({m.status})"
-        parts.append(f"**{NAMES.get(m.role, m.role)}**{note}\n\n{m.content}")
+        parts.append(f"**{NAMES.get(m.role, m.role)}**{note}\n\n{_quoted(m.content)}")
     return "\n\n".join(parts) + "\n"
 
 
@@ -52,9 +60,10 @@ class ExchangeError(ValueError):
     """The file is not a conversation kvchat exported, or is damaged; the message says what is wrong."""
 
 
-def from_json(store: Store, data) -> Conversation:
+def from_json(store: Store, data, progress=None) -> Conversation:
     """A new conversation with the same tree (new ids), the same branch shown. Checked before anything is
-    written: a bad file adds nothing."""
+    written, and written in one transaction: a bad file, or one that fails halfway, adds nothing.
+    `progress(done, total)` is told every PROGRESS_EVERY messages."""
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ExchangeError('not a kvchat conversation (its "format" is not kvchat-conversation)')
     if data.get("version") != VERSION:
@@ -64,29 +73,57 @@ def from_json(store: Store, data) -> Conversation:
         raise ExchangeError("it holds no messages")
     seen: set = set()
     for i, m in enumerate(msgs):
-        ok = isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
-        if not ok or not isinstance(m.get("id"), int):
+        ok = isinstance(m, dict) and m.get("role") in ROLES and _text(m.get("content"))
+        if not ok or not _integer(m.get("id")):
             raise ExchangeError(f"message {i} needs an integer id, a role among {', '.join(ROLES)} and text")
-        if m.get("parent_id") is not None and m["parent_id"] not in seen:
+        if m.get("parent_id") is not None and (not _integer(m["parent_id"]) or m["parent_id"] not in seen):
             raise ExchangeError(f"message {i}'s parent {m['parent_id']!r} does not come before it")
         if m["id"] in seen:
             raise ExchangeError(f"message id {m['id']} appears twice")
         seen.add(m["id"])
     leaf = data.get("leaf_id")
-    if leaf is not None and leaf not in seen:
+    if leaf is not None and (not _integer(leaf) or leaf not in seen):
         raise ExchangeError(f"the branch shown ends at message {leaf!r}, which it does not hold")
-    title = data.get("title") if isinstance(data.get("title"), str) else "Imported"
-    conv = store.new_conversation(title)
-    new_ids: dict[int, int] = {}
-    for m in msgs:
-        status = m.get("status") if m.get("status") in STATUSES else "complete"
-        tokens = m.get("token_count") if isinstance(m.get("token_count"), int) else None
-        added = store.add_message(conv.id, new_ids.get(m.get("parent_id")), m["role"], m["content"], status, tokens)
-        if isinstance(m.get("trace"), dict):
-            store.update_message(added.id, trace=m["trace"])
-        new_ids[m["id"]] = added.id
-    store.set_leaf(conv.id, new_ids.get(leaf, added.id))
+    title = data.get("title") if _text(data.get("title")) else "Imported"
+    try:
+        conv = _write_tree(store, title, msgs, leaf, progress)
+    except (ValueError, OverflowError, TypeError, sqlite3.Error) as e:  # rolled back: nothing was added
+        raise ExchangeError(f"it could not be written ({type(e).__name__}: {e}); nothing was added") from None
     return store.conversation(conv.id)
+
+
+def _write_tree(store: Store, title: str, msgs: list, leaf, progress) -> Conversation:
+    with store.transaction():  # all of it, or none: a file that fails halfway (or a kill) adds nothing
+        conv = store.new_conversation(title)
+        new_ids: dict[int, int] = {}
+        for i, m in enumerate(msgs):
+            if progress is not None and i % PROGRESS_EVERY == 0:
+                progress(i, len(msgs))
+            status = m.get("status") if m.get("status") in STATUSES else "complete"
+            tokens = m.get("token_count") if _integer(m.get("token_count")) and m["token_count"] >= 0 else None
+            parent = new_ids.get(m.get("parent_id"))
+            added = store.add_message(conv.id, parent, m["role"], m["content"], status, tokens)
+            if isinstance(m.get("trace"), dict):
+                store.update_message(added.id, trace=m["trace"])
+            new_ids[m["id"]] = added.id
+        store.set_leaf(conv.id, new_ids.get(leaf, added.id))
+    return conv
+
+
+def _integer(v) -> bool:
+    """An id or count SQLite can hold (a JSON integer of 2^70 cannot)."""
+    return isinstance(v, int) and not isinstance(v, bool) and -(2**63) <= v < 2**63
+
+
+def _text(v) -> bool:
+    """Text SQLite can hold: a string that is valid Unicode (a lone surrogate, `\\ud800`, is not)."""
+    if not isinstance(v, str):
+        return False
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def read_json(path) -> dict:
@@ -95,3 +132,5 @@ def read_json(path) -> dict:
             return json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ExchangeError(f"{path} cannot be read as JSON: {e}") from None
+    except RecursionError:
+        raise ExchangeError(f"{path} is nested too deeply to be a conversation") from None

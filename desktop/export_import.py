@@ -4,11 +4,14 @@ or JSON (every branch) file, and a JSON export back as a new conversation (excha
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
-from PySide6.QtWidgets import QFileDialog
+from PySide6.QtCore import QObject, Qt, Signal
+from PySide6.QtWidgets import QFileDialog, QProgressDialog
 
 from .exchange import ExchangeError, from_json, read_json, to_json, to_markdown
+from .store_file import StoreError
 
 
 def export_conversation(window, path: str | None = None) -> None:
@@ -37,19 +40,69 @@ def export_conversation(window, path: str | None = None) -> None:
     window.statusBar().showMessage(f"Exported to {path}.", 5000)
 
 
+class _Import(QObject):
+    """One import on a thread of its own, with its own connection to the database: the window goes on
+    drawing while a long conversation is read, checked and written; progress and the end come back as
+    signals to the GUI thread."""
+
+    progressed = Signal(int, int)  # messages written, of how many
+    ended = Signal(object)  # the new Conversation, or an error message
+
+    def __init__(self, store, path: str):
+        super().__init__()
+        self.store, self.path = store, path
+
+    def run(self) -> None:
+        try:
+            conv = from_json(self.store, read_json(self.path), self.progressed.emit)
+        except (ExchangeError, StoreError) as e:
+            conv = str(e)
+        except Exception as e:  # whatever else fails, the window hears of it (and the transaction rolled back)
+            conv = f"{type(e).__name__}: {e}"
+        finally:
+            self.store.close()
+        self.ended.emit(conv)
+
+
 def import_conversation(window, path: str | None = None) -> None:
-    """A conversation exported as JSON, back as a new conversation with the same branches."""
-    if window.generating:
+    """A conversation exported as JSON, back as a new conversation with the same branches: read and written
+    off the GUI thread (all of it or nothing), a progress dialog while it lasts."""
+    if window.generating or getattr(window, "importing", None) is not None:
         return
     if path is None:
         path, _ = QFileDialog.getOpenFileName(window, "Import a conversation", "", "kvchat conversation (*.json)")
         if not path:
             return
-    try:
-        conv = window.chat.guard(from_json, window.store, read_json(path))
-    except ExchangeError as e:
-        window.show_error(f"The conversation could not be imported: {e}.")
+    store = window.store.for_thread()
+    if store is None:  # a temporary or read-only database: here, as one call
+        try:
+            conv = window.chat.guard(from_json, window.store, read_json(path))
+        except ExchangeError as e:
+            conv = str(e)
+        _imported(window, conv)
         return
-    if conv is not None:
-        window.select_conversation(conv.id)
-        window.statusBar().showMessage(f"Imported “{conv.title}”.", 5000)
+    job = window.importing = _Import(store, path)
+    dialog = QProgressDialog("Importing the conversation…", "", 0, 0, window)
+    dialog.setObjectName("importProgress")
+    dialog.setCancelButton(None)
+    dialog.setMinimumDuration(300)
+    job.progressed.connect(lambda done, total: (dialog.setMaximum(total), dialog.setValue(done)))
+
+    def ended(conv) -> None:
+        dialog.close()
+        window.importing = None
+        window.store.forget_branches()
+        _imported(window, conv)
+
+    job.ended.connect(ended, Qt.QueuedConnection)
+    threading.Thread(target=job.run, name="kvchat-import", daemon=True).start()
+
+
+def _imported(window, conv) -> None:
+    if conv is None:
+        return
+    if isinstance(conv, str):
+        window.show_error(f"The conversation could not be imported: {conv}.")
+        return
+    window.select_conversation(conv.id)
+    window.statusBar().showMessage(f"Imported “{conv.title}”.", 5000)

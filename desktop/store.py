@@ -132,10 +132,17 @@ class Store(StoreFile):
     """The conversations as message trees in the database file (store_file.StoreFile opens it safely): each
     conversation's branch is read once and then kept in step with this store's own writes."""
 
-    def __init__(self, path: Path | str):
+    def __init__(self, path: Path | str, connect_only: bool = False):
         self._branches: dict[int, _Kept] = {}  # conversation id -> its branch as read, kept up to date
         self._message_writes = 0  # add_message and update_message calls (a branch read before one is stale)
-        super().__init__(path)
+        super().__init__(path, connect_only)
+
+    def for_thread(self) -> Store | None:
+        """This database on a connection of its own, for another thread to write (an import); None where
+        there is no file to reach that way (a temporary or read-only database)."""
+        if self.read_only or self.path.name == ":memory:" or not self.path.exists() or self.temporary:
+            return None
+        return Store(self.path, connect_only=True)
 
     def forget_branches(self) -> None:
         self._branches.clear()

@@ -5,6 +5,7 @@ memory, then beside the file) until they can be written. No Qt here."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
@@ -139,12 +140,15 @@ class StoreFile:
     used, and `notice` says which, for the window to show. Writes go through _write (a row needed now) and
     _update (a change that a lock may hold back)."""
 
-    def __init__(self, path: Path | str):
+    def __init__(self, path: Path | str, connect_only: bool = False):
+        """`connect_only`: a second connection to a database another StoreFile opened (for a thread of
+        its own: an import), without the opening steps, which ran there."""
         self.path = Path(path)
         self.moved_aside: Path | None = None
         self.backup: Path | None = None  # a copy made before the layout was changed
         self.migrating = False
         self.read_only = False
+        self.temporary = False  # the file could not be used: a database in memory stands in
         self.fts = False  # message search by FTS5 (else LIKE)
         self.notice: str | None = None  # what the person must know about this database, if anything
         # Changes another program's lock held back: (table, id) -> {column: value}, written by flush();
@@ -153,6 +157,12 @@ class StoreFile:
         self.on_held = None
         if str(path) == ":memory:":
             self.db = self._open_writable(":memory:")
+            return
+        if connect_only:
+            self.db = sqlite3.connect(str(self.path), timeout=2.0, isolation_level=None, check_same_thread=False)
+            self.db.row_factory = sqlite3.Row
+            self.db.execute(f"PRAGMA busy_timeout={BUSY_MS * 40}")  # a thread of its own may wait for the lock
+            self.fts = bool(self.db.execute("SELECT 1 FROM sqlite_master WHERE name='messages_fts'").fetchone())
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -298,6 +308,7 @@ class StoreFile:
 
     def _temporary(self, why: str) -> None:
         self.db = self._open_writable(":memory:")
+        self.temporary = True
         self.notice = (
             f"The conversation database {self.path} cannot be used: {why}. kvchat runs on a temporary "
             "database: what you send now is not saved."
@@ -324,6 +335,24 @@ class StoreFile:
                     "the conversation database is locked by another program; your last change was not saved"
                 ) from None
             raise StoreError(f"the conversation database refused the change ({_said(e)}); it was not saved") from None
+
+    @contextlib.contextmanager
+    def transaction(self):
+        """Everything written inside happens together or not at all (an import killed halfway leaves
+        nothing); on failure what the store keeps of its branches is forgotten, as if re-read."""
+        self._writable()
+        try:
+            self.db.execute("BEGIN IMMEDIATE")
+        except sqlite3.DatabaseError as e:
+            raise StoreError(f"the conversation database cannot be written now ({_said(e)})") from None
+        try:
+            yield
+            self.db.execute("COMMIT")
+        except BaseException:
+            if self.db.in_transaction:
+                self.db.execute("ROLLBACK")
+            self.forget_branches()
+            raise
 
     def _update(self, table: str, rid: int, **cols) -> None:
         """A change to a row's columns. While another program holds the database it is held back (each

@@ -86,6 +86,7 @@ class MainWindow(QMainWindow):
         self._task: asyncio.Task | None = None
         self._closing = False
         self.worker_left_running = False  # closed while the worker was inside a call it cannot leave
+        self.importing = None  # the import running on its own thread (export_import.py)
         self._panel_at = 0.0
         self._build()
         self.apply_theme()

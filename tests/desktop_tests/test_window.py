@@ -540,3 +540,17 @@ def test_a_rename_a_lock_holds_back_shows_the_banner_and_is_saved_when_the_lock_
     assert check.execute("SELECT title FROM conversations WHERE id=?", (cid,)).fetchone()[0] == "Held title"
     check.close()
     assert "every change is saved" in w.statusBar().currentMessage()
+
+
+def test_a_send_the_database_refuses_is_a_banner_and_the_text_stays_in_the_box(qtbot, make_window, demo_model_dir):
+    """A database with a trigger (or a NOT NULL column) that refuses new messages: Send says why in the
+    banner and keeps what was typed; nothing is raised past the window."""
+    w = make_window(demo_model_dir)
+    w.store.db.execute(
+        "CREATE TRIGGER refuse BEFORE INSERT ON messages BEGIN SELECT RAISE(ABORT, 'read-only by policy'); END"
+    )
+    qtbot.keyClicks(w.composer, "Plan three nights in Chengdu.")
+    qtbot.mouseClick(w.sendButton, Qt.LeftButton)
+    qtbot.waitUntil(lambda: w.banner.isVisible(), timeout=5000)
+    assert "read-only by policy" in w.banner.text() and w.composer.toPlainText() == "Plan three nights in Chengdu."
+    assert not w.generating
