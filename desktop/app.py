@@ -39,7 +39,9 @@ def main(argv=None) -> int:
     from PySide6.QtGui import QIcon
     from PySide6.QtWidgets import QApplication
 
+    from .outside_text import warn
     from .settings import data_dir
+    from .single_instance import SingleInstance
     from .style import apply_style, icon_path
     from .window import MainWindow
 
@@ -47,11 +49,24 @@ def main(argv=None) -> int:
     app.setApplicationName("kvchat")
     apply_style(app)
     app.setWindowIcon(QIcon(str(icon_path())))
+    data = data_dir()
+    only = SingleInstance(data)
+    if not only.acquire():
+        pid = only.holder()
+        said = f"kvchat is already open on {data}" + (f" (process {pid})" if pid else "") + ": use that window."
+        if ns.check:
+            print(json.dumps({"error": said}))
+        elif not only.wake_other():
+            warn(None, "kvchat", said)
+        else:
+            print(said, file=sys.stderr)
+        return 1
     loop = qasync.QEventLoop(app)
     asyncio.set_event_loop(loop)
     closed = asyncio.Event()
     app.aboutToQuit.connect(closed.set)
-    window = MainWindow(data_dir(), model=ns.model)
+    window = MainWindow(data, model=ns.model)
+    only.listen(window)
     window.show()
     tune_process(window)
     outcome: dict = {}
@@ -66,6 +81,7 @@ def main(argv=None) -> int:
     with loop:
         loop.run_until_complete(closed.wait())
     code = 0
+    only.release()
     if ns.check:
         keys = (
             "error",

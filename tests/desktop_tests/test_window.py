@@ -554,3 +554,33 @@ def test_a_send_the_database_refuses_is_a_banner_and_the_text_stays_in_the_box(q
     qtbot.waitUntil(lambda: w.banner.isVisible(), timeout=5000)
     assert "read-only by policy" in w.banner.text() and w.composer.toPlainText() == "Plan three nights in Chengdu."
     assert not w.generating
+
+
+def test_a_second_kvchat_on_the_same_data_folder_brings_the_first_forward_and_ends(
+    qtbot, make_window, demo_model_dir, tmp_path
+):
+    import os
+    import subprocess
+    import sys
+
+    from desktop.single_instance import SingleInstance
+
+    data = tmp_path / "data"
+    w = make_window(demo_model_dir, data=data)
+    first = SingleInstance(data)
+    assert first.acquire()
+    first.listen(w)
+    try:
+        env = {**os.environ, "KVCHAT_DATA_DIR": str(data), "QT_QPA_PLATFORM": "offscreen"}
+        out = subprocess.run(
+            [sys.executable, "-m", "desktop", "--check"], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 1 and "kvchat is already open on" in out.stdout and str(os.getpid()) in out.stdout
+        w.hide()
+        second = SingleInstance(data)
+        assert not second.acquire() and second.holder() == os.getpid()
+        assert second.wake_other()
+        qtbot.waitUntil(w.isVisible, timeout=5000)  # the first came forward
+    finally:
+        first.release()
+    assert SingleInstance(data).acquire()  # released: the next start takes it
