@@ -55,15 +55,41 @@ def roots(env=None, home: Path | None = None) -> dict[str, list[Path]]:
 
 
 # --- reading one candidate ------------------------------------------------------------------------
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+DTYPE_BYTES |= {"F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+
+
 def _safetensors_header(path: Path) -> dict:
+    """The header, each tensor's extent checked against the file: a header that claims more bytes than
+    the file holds (a forged 2^62 × 2^62 shape) is an error here, not a row that says it opens."""
+    size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
             raise ValueError("too short for a safetensors file")
         n = struct.unpack("<Q", head)[0]
-        if n > min(100_000_000, path.stat().st_size - 8):
+        if n > min(100_000_000, size - 8):
             raise ValueError("its header size runs past the end of the file")
-        return json.loads(f.read(n))
+        header = json.loads(f.read(n))
+    if not isinstance(header, dict):
+        raise ValueError("its header is not a JSON object")
+    data = size - 8 - n
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        shape, offsets = (
+            t.get("shape") if isinstance(t, dict) else None,
+            t.get("data_offsets") if isinstance(t, dict) else None,
+        )
+        ok = isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape) and t.get("dtype") in DTYPE_BYTES
+        ok = ok and isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+        if not ok:
+            raise ValueError(f"tensor {name!r} has no readable dtype, shape and offsets")
+        begin, end = offsets
+        want = math.prod(shape) * DTYPE_BYTES[t["dtype"]]
+        if not 0 <= begin <= end <= data or end - begin != want:
+            raise ValueError(f"tensor {name!r} claims {want:,} bytes at {begin:,}–{end:,}; the file holds {data:,}")
+    return header
 
 
 def _folder_row(folder: Path, name: str, source: str) -> FoundModel:
@@ -108,6 +134,9 @@ def _gguf_row(path: Path, name: str, source: str) -> FoundModel:
     return FoundModel(name, str(path), source, "gguf", gm.arch, params, gm.quantization(), size, reason is None, reason)
 
 
+FIELDS = {f.name for f in dataclasses.fields(FoundModel)}
+
+
 class _RowCache:
     """Rows by (path, size, mtime) in a JSON file, so a second scan reads no GGUF metadata again."""
 
@@ -116,10 +145,10 @@ class _RowCache:
         if path is not None and path.is_file():
             try:
                 data = json.loads(path.read_text(encoding="utf-8"))
-                if data.get("version") == CACHE_VERSION:
+                if data.get("version") == CACHE_VERSION and isinstance(data["rows"], dict):
                     self.rows = data["rows"]
-            except (OSError, ValueError, KeyError, TypeError):
-                self.rows = {}
+            except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+                self.rows = {}  # a cache that cannot be read is only a slower scan
 
     @staticmethod
     def key(path: Path) -> str:
@@ -129,8 +158,11 @@ class _RowCache:
     def row(self, path: Path, make: Callable[[], FoundModel], name: str, source: str) -> FoundModel:
         key = self.key(path)
         got = self.rows.get(key)
-        if got is not None:
-            return FoundModel(**{**got, "name": name, "source": source})
+        if isinstance(got, dict) and set(got) == FIELDS:
+            try:
+                return FoundModel(**{**got, "name": name, "source": source})
+            except TypeError:  # a tampered row: read the file again
+                pass
         row = make()
         self.rows[key] = row.to_dict()
         self.dirty = True
@@ -146,6 +178,15 @@ class _RowCache:
             tmp.replace(self.path)
         except OSError:
             pass  # a cache that cannot be written only makes the next scan slower
+
+
+def _skipped(path: Path, name: str, source: str, reason: str) -> FoundModel:
+    """A row for an entry that could not be read at all: shown with its reason, and the scan goes on."""
+    try:
+        size = path.stat().st_size
+    except OSError:
+        size = 0
+    return FoundModel(name, str(path), source, "unknown", None, None, None, size, False, reason)
 
 
 # --- the sources ------------------------------------------------------------------------------------
@@ -171,8 +212,11 @@ def _hf_cache(root: Path) -> Iterator[tuple[Path, str, str]]:
         snaps = repo / "snapshots"
         ref = repo / "refs" / "main"
         snap = None
-        if ref.is_file():
-            rev = ref.read_text(encoding="utf-8").strip()
+        try:
+            rev = ref.read_text(encoding="utf-8").strip() if ref.is_file() else ""
+        except (OSError, ValueError):  # unreadable, or not text: the newest snapshot instead
+            rev = ""
+        if rev and "/" not in rev and rev not in (".", ".."):
             snap = snaps / rev if (snaps / rev).is_dir() else None
         if snap is None:
             dirs = [d for d in snaps.glob("*") if d.is_dir()] if snaps.is_dir() else []
@@ -183,20 +227,24 @@ def _hf_cache(root: Path) -> Iterator[tuple[Path, str, str]]:
             yield path, kind, name if kind == "safetensors" else f"{name}/{path.name}"
 
 
-def _ollama(root: Path) -> Iterator[tuple[Path, str, str]]:
-    """manifests/HOST/NAMESPACE/MODEL/TAG (JSON) name a GGUF blob in blobs/ by its digest."""
+def _ollama(root: Path) -> Iterator[tuple[Path, str, str] | FoundModel]:
+    """manifests/HOST/NAMESPACE/MODEL/TAG (JSON) name a GGUF blob in blobs/ by its digest; a manifest that
+    cannot be read is a row with its reason."""
     manifests = root / "manifests"
     for manifest in sorted(p for p in manifests.glob("*/*/*/*") if p.is_file()):
         host, namespace, model, tag = manifest.relative_to(manifests).parts
+        name = (model if namespace == "library" else f"{namespace}/{model}") + f":{tag}"
         try:
             layers = json.loads(manifest.read_text(encoding="utf-8")).get("layers", [])
-        except (OSError, ValueError):
+            digest = next((la["digest"] for la in layers if str(la.get("mediaType", "")).endswith(".model")), None)
+            if digest is not None and not (isinstance(digest, str) and digest.replace(":", "-").isprintable()):
+                raise ValueError(f"its model digest is {digest!r}")
+        except (OSError, ValueError, AttributeError, TypeError, KeyError) as e:  # this entry only
+            yield _skipped(manifest, name, "ollama", f"its manifest cannot be read ({type(e).__name__}: {e})")
             continue
-        digest = next((la.get("digest") for la in layers if la.get("mediaType", "").endswith(".model")), None)
-        if not digest:
+        if not digest or "/" in digest:
             continue
         blob = root / "blobs" / digest.replace(":", "-")
-        name = (model if namespace == "library" else f"{namespace}/{model}") + f":{tag}"
         if host != "registry.ollama.ai":
             name = f"{host}/{name}"
         if blob.is_file():
@@ -211,7 +259,10 @@ def scan(folders=(), env=None, home: Path | None = None, cache: Path | None = No
     def make(path: Path, kind: str, name: str, source: str) -> FoundModel:
         reader = _gguf_row if kind == "gguf" else _folder_row
         target = path if kind == "gguf" else path / "config.json"
-        return rows.row(target, lambda: reader(path, name, source), name, source)
+        try:
+            return rows.row(target, lambda: reader(path, name, source), name, source)
+        except Exception as e:  # one entry that cannot be read is a row with its reason; the scan goes on
+            return _skipped(path, name, source, f"it cannot be read ({type(e).__name__}: {e})")
 
     try:
         for root in where["hf-cache"]:
@@ -221,8 +272,8 @@ def scan(folders=(), env=None, home: Path | None = None, cache: Path | None = No
             for path, kind in _candidates_in(root):
                 yield make(path, kind, str(path.relative_to(root)), "lm-studio")
         for root in where["ollama"]:
-            for path, kind, name in _ollama(root):
-                yield make(path, kind, name, "ollama")
+            for item in _ollama(root):
+                yield item if isinstance(item, FoundModel) else make(*item, "ollama")
         for folder in folders:
             folder = Path(folder).expanduser()
             for path, kind in _candidates_in(folder):

@@ -77,3 +77,39 @@ def test_the_row_cache_is_used_and_follows_changes(home, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert list(scan([], env={"HF_HUB_CACHE": str(empty), "OLLAMA_MODELS": str(empty)}, home=empty)) == []
+
+
+def test_a_bad_entry_is_a_row_with_its_reason_and_the_scan_goes_on(tmp_path_factory, tmp_path):
+    """A forged safetensors header (2^62 × 2^62 values in a 100-byte file), an Ollama manifest that is a
+    list, one whose layers are numbers, a refs/main that is not text, a tampered row cache: each entry is
+    a row that says why (or falls back), and every good model is still found."""
+    import struct
+
+    home = tmp_path_factory.mktemp("hostile-home")
+    build(home, tmp_path_factory.mktemp("hostile-work"))
+    forged = home / "models" / "forged"
+    forged.mkdir(parents=True)
+    (forged / "config.json").write_text((home / "models" / "tiny-qwen2" / "config.json").read_text())
+    (forged / "tokenizer.json").write_text("{}")
+    header = json.dumps({"w": {"dtype": "F32", "shape": [2**62, 2**62], "data_offsets": [0, 16]}}).encode()
+    (forged / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(16))
+    manifests = home / ".ollama" / "models" / "manifests" / "registry.ollama.ai" / "library"
+    (manifests / "a-list" / "latest").parent.mkdir(parents=True)
+    (manifests / "a-list" / "latest").write_text("[1, 2]")
+    (manifests / "numbers" / "latest").parent.mkdir(parents=True)
+    (manifests / "numbers" / "latest").write_text('{"layers": [5, 6]}')
+    (home / ".cache" / "huggingface" / "hub" / "models--kvchat--tiny-llama" / "refs" / "main").write_bytes(
+        b"\xff\xfe\x00"
+    )
+    cache = tmp_path / "models.json"
+    cache.write_text(json.dumps({"version": 1, "rows": {"x": {"name": 1, "bogus": True}}}))
+    env = {"HOME": str(home)}
+    rows = {r.name: r for r in scan([home / "models"], env=env, home=home, cache=cache)}
+    assert NAMES <= set(rows)  # every good model, the one behind the unreadable refs/main included
+    assert (
+        not rows["forged"].openable and "claims" in rows["forged"].reason and "the file holds" in rows["forged"].reason
+    )
+    for name in ("a-list:latest", "numbers:latest"):
+        assert not rows[name].openable and "manifest cannot be read" in rows[name].reason
+    cache.write_text('{"version": 1, "rows": [1, 2, 3]}')  # a cache of the wrong shape: only a slower scan
+    assert {r.name for r in scan([home / "models"], env=env, home=home, cache=cache)} == set(rows)
