@@ -39,9 +39,9 @@ class HeldBanner(QWidget):
         """Another program holds the database: the changes wait in memory (the transcript shows them),
         retried every second, with the way out (a copy elsewhere) beside them."""
         self.label.setText(
-            f"{n} change{'s' if n != 1 else ''} not saved yet: the conversation database is locked by another "
-            f"program. kvchat keeps {'them' if n != 1 else 'it'} and tries again every second (on closing, "
-            "beside the database, to be saved at the next start)."
+            f"{n} change{'s' if n != 1 else ''} not saved yet: {self.store().held_because}. kvchat keeps "
+            f"{'them' if n != 1 else 'it'} and tries again every second (on closing, beside the database, to "
+            "be saved at the next start)."
         )
         self.setVisible(True)
         if not self.timer.isActive():

@@ -87,6 +87,16 @@ def _damaged(e: sqlite3.Error) -> bool:
     return "malformed" in str(e) or "not a database" in str(e)
 
 
+def _passing(e: sqlite3.Error) -> str | None:
+    """Why a change must wait, when it is something that passes (a lock, a full disk), else None."""
+    if _locked(e):
+        return "the conversation database is locked by another program"
+    code = (getattr(e, "sqlite_errorcode", None) or 0) & 0xFF
+    if code == 13 or "full" in str(e):
+        return "the disk is full"
+    return None
+
+
 def _said(e: sqlite3.Error) -> str:
     """An SQLite error as a person reads it: a full disk and a failing disk say so."""
     code = (getattr(e, "sqlite_errorcode", None) or 0) & 0xFF
@@ -154,6 +164,7 @@ class StoreFile:
         # Changes another program's lock held back: (table, id) -> {column: value}, written by flush();
         # reads see them as if written. `on_held(n)` is told when changes are held back.
         self.held: dict[tuple[str, int], dict] = {}
+        self.held_because = "the conversation database is locked by another program"  # why they wait
         self.on_held = None
         if str(path) == ":memory:":
             self.db = self._open_writable(":memory:")
@@ -364,7 +375,8 @@ class StoreFile:
                 _set_columns(self.db, table, rid, cols)
                 return
             except sqlite3.DatabaseError as e:
-                if not _locked(e):
+                self.held_because = _passing(e)
+                if self.held_because is None:
                     raise StoreError(f"the conversation database refused the change ({_said(e)})") from None
         self.held.setdefault((table, rid), {}).update(cols)
         if self.on_held is not None:
@@ -380,12 +392,13 @@ class StoreFile:
             for (table, rid), cols in self.held.items():
                 _set_columns(self.db, table, rid, cols)
             self.db.execute("COMMIT")
-        except sqlite3.OperationalError as e:
+        except sqlite3.DatabaseError as e:
             if self.db.in_transaction:
                 self.db.execute("ROLLBACK")
-            if _locked(e):
+            if _passing(e):
+                self.held_because = _passing(e)
                 return False
-            raise StoreError(f"the conversation database failed: {e}") from None
+            raise StoreError(f"the conversation database failed: {_said(e)}") from None
         self.held.clear()
         return True
 

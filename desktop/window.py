@@ -648,7 +648,7 @@ class MainWindow(QMainWindow):
             warn(
                 self,
                 "kvchat",
-                "Some changes could not be saved: the conversation database is locked by another program and "
-                f"no file could be written beside it ({self.store.held_path}).",
+                f"Some changes could not be saved: {self.store.held_because}, and no file could be written "
+                f"beside it ({self.store.held_path}).",
             )
         e.accept()

@@ -433,3 +433,23 @@ def test_search_reads_percent_underscore_and_nul_as_characters(tmp_path):
     assert [c.title for c in st.conversations("%")] == ["rates"]
     assert [c.title for c in st.conversations("_")] == ["snake"]
     st.close()
+
+
+def test_a_reply_written_while_the_disk_is_full_is_held_and_saved_when_there_is_room(tmp_path):
+    """SQLite's page limit gives the real "database or disk is full" error: a streaming reply's text is
+    held in memory (read back as written), the reason is the disk, and it is saved once there is room."""
+    st = Store(tmp_path / "kvchat.db")
+    c = st.new_conversation("t")
+    m = st.add_message(c.id, None, "assistant", "", status="streaming")
+    pages = st.db.execute("PRAGMA page_count").fetchone()[0]
+    st.db.execute(f"PRAGMA max_page_count={pages}")
+    told = []
+    st.on_held = told.append
+    long_text = "a long reply " * 50_000
+    st.update_message(m.id, content=long_text)  # no room: held, not raised
+    assert told and st.held_because == "the disk is full" and st.message(m.id).content == long_text
+    assert not st.flush()
+    st.db.execute("PRAGMA max_page_count=1073741823")  # space freed
+    assert st.flush() and not st.held
+    st.close()
+    assert Store(tmp_path / "kvchat.db").message(m.id).content == long_text
