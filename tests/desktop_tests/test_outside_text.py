@@ -208,3 +208,29 @@ def test_markdown_html_keeps_what_markdown_means_and_names_nothing_to_load():
     out = markdown_html("**bold** `code` [a link](https://example.org) ![alt text](/etc/passwd)")
     assert "font-weight" in out and 'href="https://example.org"' in out and "[image: alt text]" in out
     assert "/etc/passwd" not in out
+
+
+def test_the_app_restarts_on_a_conversation_naming_dev_zero_within_a_memory_cap(tmp_path, demo_model_dir):
+    """The probe's case as a person meets it: a stored reply with `![x](/dev/zero)` and `<img src=/dev/zero>`
+    (Qt would read it without end: 8 GB in 20 s). The real app starts on it, draws it and quits (`--check`),
+    within a minute and under 3 GB (the model, torch and Qt themselves take about 0.6 GB)."""
+    import resource
+    import subprocess
+    import sys
+
+    data = tmp_path / "data"
+    data.mkdir()
+    store = Store(data / "kvchat.db")
+    c = store.new_conversation("poisoned")
+    m = store.add_message(c.id, None, "user", 'Look: <img src="/dev/zero">')
+    store.add_message(
+        c.id, m.id, "assistant", "![x](/dev/zero)\n\n<table background='/dev/zero'><tr><td>1</td></tr></table>"
+    )
+    store.close()
+    env = {**os.environ, "KVCHAT_DATA_DIR": str(data), "QT_QPA_PLATFORM": "offscreen"}
+    out = subprocess.run(
+        [sys.executable, "-m", "desktop", "--check", "--model", str(demo_model_dir)],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss < 3 * 1024 * 1024  # KiB

@@ -262,3 +262,32 @@ def test_a_trickling_server_is_cut_off_and_the_app_goes_on(qtbot, make_window, s
         assert time.monotonic() - t0 < 5 and not w.worker_left_running and not w.isVisible()
     finally:
         server.stop()
+
+
+def test_closing_while_the_engine_is_stuck_in_a_load_hides_the_window_at_once(qtbot, loop, tmp_path, monkeypatch):
+    """The worker inside a call it cannot leave (here a model list that trickles for 5 s): closing hides
+    the window at once, waits CLOSE_WAIT_MS for the worker and leaves it (the app then ends without it)."""
+    import time
+
+    from servers import HostileServer
+
+    from desktop.settings import Settings
+    from desktop.settings_dialog import open_settings
+    from desktop.window import MainWindow
+    from desktop.worker import CLOSE_WAIT_MS
+
+    server = HostileServer("trickle-models", trickle=0.5)
+    data = tmp_path / "data"
+    monkeypatch.setenv("KVCHAT_DATA_DIR", str(data))
+    Settings(backend="remote", remote_url=server.url).save(open_settings(data))
+    try:
+        w = MainWindow(data)
+        w.show()
+        qtbot.wait(300)  # the load has begun on the worker
+        t0 = time.monotonic()
+        w.close()
+        took = time.monotonic() - t0
+        assert not w.isVisible() and w.worker_left_running and took < CLOSE_WAIT_MS / 1000 + 1.5
+        assert w.worker_thread.thread.wait(15000)  # it ends at the model list's deadline, on its own
+    finally:
+        server.stop()
