@@ -35,7 +35,7 @@ def too_big_for_markdown(text: str) -> str | None:
     lines = text.split("\n")
     rows = sum(1 for line in lines if line.lstrip().startswith("|"))
     if rows > MARKDOWN_TABLE_ROWS:
-        return f"a table of {rows:,} rows is past what the window draws as Markdown ({MARKDOWN_TABLE_ROWS:,})"
+        return f"a table of {rows:,} lines is past what the window draws as Markdown ({MARKDOWN_TABLE_ROWS:,})"
     if len(lines) > MARKDOWN_LINES:
         return f"{len(lines):,} lines is past what the window draws as Markdown ({MARKDOWN_LINES:,})"
     if len(text) > MARKDOWN_CHARS:

@@ -294,6 +294,9 @@ class PlainBlock(QFrame):
         lay.addWidget(self.note)
         self.view = FitTextEdit()
         self.view.setObjectName("plainView")
+        font = QFontDatabase.systemFont(QFontDatabase.FixedFont)  # Markdown source: tables line up
+        self.view.setFont(font)
+        self.view.document().setDefaultFont(font)
         lay.addWidget(self.view)
         self.moreButton = QPushButton()
         self.moreButton.setObjectName("plainMoreButton")

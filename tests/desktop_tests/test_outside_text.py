@@ -170,7 +170,7 @@ def test_a_table_too_big_for_markdown_is_plain_text_a_page_at_a_time(qtbot, make
     w = make_window(demo_model_dir, data=data)
     qtbot.waitUntil(lambda: len(w.transcript.views) == 2, timeout=60000)
     block = w.transcript.views[1].findChild(PlainBlock)
-    assert block is not None and "a table of 50,002 rows" in block.note.text()
+    assert block is not None and "a table of 50,002 lines" in block.note.text()
     page = block.view.toPlainText().split("\n")
     assert len(page) == block.shown < rows and page[0] == "| n | square |"
     qtbot.mouseClick(block.moreButton, Qt.LeftButton)
