@@ -202,6 +202,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, rope_length: int | None = None):
         super().__init__()
         self.cfg = cfg
+        self.dequantized_bytes = 0  # a file's codes dequantized once for torch (no kernels), what they take
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)  # [V, D]
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

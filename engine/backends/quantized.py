@@ -4,10 +4,13 @@
 On the CPU, one-row products (decode) run kvchat's kernels straight on the codes and float32
 scales with float32 activations, the quantization's own definition; prefill dequantizes into a
 reused buffer and multiplies in float32. Where the kernels are missing, torch's packed kernels
-serve the layouts they support, and anything else dequantizes on the fly.
+serve the layouts they support, and a file's codes no torch kernel reads are dequantized once
+(dequantize_for_torch; on the fly only where they would not fit in memory).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +33,7 @@ from ..quant import (
     untile,
 )
 from . import kernels as kernel_library
-from .cpu_layouts import many_rows_linear, weight_scratch
+from .cpu_layouts import EmbeddingT, LinearT, many_rows_linear, weight_scratch
 
 SCRATCH_VALUES = 4 * 2**20  # weight values a many-row product dequantizes at once (16 MiB in float32)
 HEAD_MODE = "int8"  # the output head and embedding under either weight mode (see quantize_head)
@@ -358,6 +361,51 @@ def quantize_head(model: nn.Module, group_size: int, embed=None, lm_head=None) -
         model.lm_head = model.embed.table
     else:
         model.lm_head = QuantLinear(model.lm_head.weight if lm_head is None else lm_head, None, HEAD_MODE, g)
+
+
+FLOAT_SHARE = 0.5  # the share of the memory free at load that weights dequantized for torch may take
+
+
+def _free_memory() -> int | None:
+    """Bytes of memory free now, where the OS says (Linux, macOS); None elsewhere."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def dequantize_for_torch(model: nn.Module, free: int | None = -1) -> int:
+    """Without kvchat's kernels, the layers no torch kernel reads (a file's codes with offsets, K-quants,
+    int5, int4 off torch's groups: each product would dequantize the whole weight again, seconds a token)
+    are dequantized once into the model's dtype, in torch's fast one-row layout (LinearT; a tied table as
+    EmbeddingT), when they fit in FLOAT_SHARE of the free memory. Returns the bytes they now take (0: none,
+    or they did not fit and stay dequantized per product)."""
+    layers = {
+        id(m): m for m in model.modules() if isinstance(m, QuantLinear) and m.decoder is None and m.kernel is None
+    }
+    layers = {k: m for k, m in layers.items() if m.codes.device.type == "cpu"}
+    if not layers:
+        return 0
+    need = sum(
+        m.out_features * m.in_features * torch.empty((), dtype=m.compute_dtype).element_size() for m in layers.values()
+    )
+    free = _free_memory() if free == -1 else free
+    if free is not None and need > FLOAT_SHARE * free:
+        return 0
+    embed = getattr(model, "embed", None)
+    if isinstance(embed, QuantEmbedding) and id(embed.table) in layers:
+        table = embed.table
+        weight_t = table.dequantized_weight(table.compute_dtype).t().contiguous()  # [D, V]
+        model.embed = EmbeddingT(weight_t)
+        if model.lm_head is table:  # tied: the head multiplies by the same transposed table
+            model.lm_head = LinearT(model.embed.weight_t)
+        del layers[id(table)]
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if id(child) in layers:
+                bias = None if child.bias is None else child.bias.detach()
+                setattr(parent, name, LinearT(child.dequantized_weight(child.compute_dtype).t().contiguous(), bias))
+    return need
 
 
 def weight_bytes(model: nn.Module) -> int:

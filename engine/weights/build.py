@@ -12,6 +12,7 @@ from ..backends.quantized import (
     HEAD_MODE,
     QuantEmbedding,
     QuantLinear,
+    dequantize_for_torch,
     quantize_head,
     use_int4_tiles,
     use_integer_activations,
@@ -132,6 +133,8 @@ def build_model(
     use_int4_tiles(model)
     if kern is not None:
         use_kernels(model, kern)
+    elif device.type == "cpu":  # a file's codes no torch kernel reads: dequantized once, when they fit
+        model.dequantized_bytes = dequantize_for_torch(model)
     return model.eval().requires_grad_(False)
 
 

@@ -77,6 +77,9 @@ class LoadedModel:
             return f"kvchat ({self.kernels.isa}{tiled})"
         if self.device.type != "cpu":
             return f"torch ({self.device.type})"
+        done = self.model.dequantized_bytes
+        if done:  # the file's codes no torch kernel reads, dequantized once
+            return f"{kernel_library.status()}; the file's codes dequantized once for torch ({done / 2**20:,.1f} MiB)"
         return kernel_library.status()
 
     @property

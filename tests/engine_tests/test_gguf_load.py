@@ -434,3 +434,35 @@ def test_a_gguf_file_whose_tensors_or_metadata_lie_is_a_clear_error(folders, tmp
         assert said in str(e.value), (case, str(e.value))
     path.write_bytes(_rewrite(good, tmp_path / "same.gguf", {}).read_bytes())  # the rewrite alone loads
     assert load_model(str(path)).tokenizer.apply_chat_template(MESSAGES)
+
+
+@pytest.mark.parametrize("matrices", ["Q4_1", "Q5_0", "Q8_0"])
+def test_without_kernels_a_files_codes_are_dequantized_once_and_compute_what_transformers_computes(
+    folders, tmp_path, monkeypatch, matrices
+):
+    """Where kvchat's kernels cannot be built (no compiler), a GGUF file's codes that no torch kernel reads
+    are dequantized once into float32 in torch's one-row layout (each product dequantized them again: 24 s
+    a token for SmolLM2's Q4_1), said in the Decode kernels row with their bytes; the model still computes
+    what transformers computes from the file. Where they would not fit in memory, they stay as codes."""
+    from engine.backends import kernels
+    from engine.backends.cpu_layouts import LinearT
+    from engine.backends.quantized import dequantize_for_torch
+
+    monkeypatch.setattr(kernels, "load", lambda: None)
+    path = write_gguf(folders["llama"], tmp_path / f"nk-{matrices}.gguf", matrices=matrices, tokenizer=True)
+    loaded = load_model(path)
+    down = loaded.model.layers[0].mlp.down
+    assert isinstance(down, LinearT) and not any(isinstance(m, QuantLinear) for m in loaded.model.modules())
+    assert loaded.model.dequantized_bytes > 0 and "dequantized once for torch" in loaded.decode_kernels
+    assert f"{loaded.model.dequantized_bytes / 2**20:,.1f} MiB" in loaded.decode_kernels
+    ids = loaded.tokenizer.apply_chat_template(MESSAGES)
+    ref = reference(path)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            loaded.model(torch.tensor([ids]))[0], ref(torch.tensor([ids])).logits[0], rtol=1e-4, atol=1e-4
+        )
+    assert greedy(loaded, ids) == hf_greedy(ref, ids, eos=loaded.tokenizer.stop_ids)
+    monkeypatch.setattr("engine.backends.quantized._free_memory", lambda: 1 << 16)  # 64 KiB free: no room
+    tight = load_model(path)
+    assert tight.model.dequantized_bytes == 0 and isinstance(tight.model.layers[0].mlp.down, QuantLinear)
+    assert dequantize_for_torch(tight.model, free=0) == 0
