@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.util
 import os
 import platform
+import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -68,8 +71,22 @@ def cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir("kvchat", appauthor=False)) / "kernels"
 
 
-def compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+def compiler() -> list[str] | None:
+    """The C compiler's command: CC, else the system's cc, gcc or clang, else `zig cc` where the ziglang
+    package is installed (a compiler from PyPI, for machines that have none); None without any."""
+    if os.environ.get("CC"):
+        return shlex.split(os.environ["CC"])
+    found = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if found:
+        return [found]
+    if importlib.util.find_spec("ziglang") is not None:
+        return [sys.executable, "-m", "ziglang", "cc"]
+    return None
+
+
+def compiler_name(cc: list[str]) -> str:
+    """A compiler's command as a person reads it: `/usr/bin/gcc`, `zig cc`."""
+    return "zig cc" if "ziglang" in cc else " ".join(cc)
 
 
 def _cpu_signature() -> str:
@@ -129,12 +146,13 @@ def build(
     that has no OpenMP (Apple's clang, clang without libomp)."""
     cc = cc or compiler()
     if cc is None:
-        raise RuntimeError("no C compiler found (set CC)")
+        raise RuntimeError("no C compiler found (set CC, or pip install ziglang for zig cc)")
+    cc = [cc] if isinstance(cc, str) else list(cc)
     flags = tuple(f for f in FLAGS if openmp or f != "-fopenmp") + tuple(extra_flags)
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=60).stdout
     files = sources()
     texts = [f"{p.name}\n{p.read_text()}" for p in files]
-    key = hashlib.sha256("\0".join([*texts, cc, version, *flags, _cpu_signature()]).encode())
+    key = hashlib.sha256("\0".join([*texts, *cc, version, *flags, _cpu_signature()]).encode())
     out_dir = out_dir or cache_dir()
     target = out_dir / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if target.is_file():
@@ -143,13 +161,13 @@ def build(
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:  # build aside, then rename: atomic for other processes
         partial = Path(tmp) / target.name
         done = subprocess.run(
-            [cc, *flags, f"-I{SOURCES}", *(str(p) for p in files if p.suffix == ".c"), "-o", str(partial)],
+            [*cc, *flags, f"-I{SOURCES}", *(str(p) for p in files if p.suffix == ".c"), "-o", str(partial)],
             capture_output=True,
             text=True,
             timeout=300,
         )
         if done.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-600:]}")
+            raise RuntimeError(f"{compiler_name(cc)} failed: {done.stderr.strip()[-600:]}")
         os.replace(partial, target)
     return target
 
@@ -171,6 +189,7 @@ class Kernels:
         self.path = path
         self.variant = "native"  # or the variant the build was forced to (X86_VARIANTS)
         self.one_thread: str | None = None  # why the build runs on one thread (no OpenMP), or None
+        self.compiler = "cc"  # what built it, as a person reads it (compiler_name)
         self.lib = ctypes.CDLL(str(path))
         self.lib.kv_isa.restype = self.lib.kv_int_isa.restype = ctypes.c_char_p
         self.isa = self.lib.kv_isa().decode()
@@ -512,17 +531,19 @@ def _load() -> Kernels:
         raise RuntimeError(f"built and tested on Linux only, not {platform.system()}")
     before = _openmp_runtimes()
     forced = variant()
-    one_thread = None
+    cc = compiler()
+    one_thread = f"one thread: {compiler_name(cc)} has no OpenMP" if cc else None
     try:
-        path = build(extra_flags=X86_VARIANTS[forced])
-    except RuntimeError as e:  # a compiler without OpenMP builds the kernels for one thread; else the first error
+        if cc and "ziglang" in cc:  # zig's clang takes -fopenmp but ships no OpenMP runtime to link
+            raise RuntimeError("zig cc has no OpenMP")
+        k = Kernels(build(extra_flags=X86_VARIANTS[forced]))
+        one_thread = None
+    except (RuntimeError, OSError) as e:  # no OpenMP (refused, or not linked): one thread; else the first error
         try:
-            path = build(extra_flags=X86_VARIANTS[forced], openmp=False)
-        except RuntimeError:
+            k = Kernels(build(extra_flags=X86_VARIANTS[forced], openmp=False))
+        except (RuntimeError, OSError):
             raise e from None
-        one_thread = f"one thread: {compiler()} has no OpenMP"
-    k = Kernels(path)
-    k.variant, k.one_thread = forced, one_thread
+    k.variant, k.one_thread, k.compiler = forced, one_thread, compiler_name(cc)
     after = _openmp_runtimes()
     if len(after) > max(1, len(before)):  # ours brought its own OpenMP: two thread pools on the same cores
         raise RuntimeError(f"the kernels would run a second OpenMP runtime ({', '.join(sorted(after))})")
@@ -552,4 +573,4 @@ def status() -> str:
     integer = f"; int8 activations: {k.int_isa}" if k.integer_modes else ""
     forced = f"; forced variant {k.variant}" if k.variant != "native" else ""
     threads = f"; {k.one_thread}" if k.one_thread else ""
-    return f"kvchat kernels ({k.isa}; {types}{integer}{forced}{threads})"
+    return f"kvchat kernels ({k.isa}; {types}{integer}{forced}{threads}; built by {k.compiler})"

@@ -371,6 +371,29 @@ def test_a_compiler_without_openmp_builds_kernels_for_one_thread_and_says_so(tmp
 
 
 @needs_kernels
+def test_a_machine_without_a_c_compiler_builds_the_kernels_with_zig_cc_and_says_so(tmp_path, llama_dir):
+    """No cc, gcc or clang on PATH (a Windows or macOS machine without developer tools): with the ziglang
+    package installed the kernels are built by `zig cc` (no OpenMP there: one thread), checked as any
+    build is, and the Decode kernels row names the compiler."""
+    if importlib.util.find_spec("ziglang") is None:
+        pytest.skip("ziglang is not installed (pip install -e '.[test]')")
+    bare = tmp_path / "bin"  # a PATH with python alone: no C compiler on it
+    bare.mkdir()
+    (bare / "python").symlink_to(sys.executable)
+    code = STATUS + f"; from engine.weights.loading import load_model; print(load_model({str(llama_dir)!r}).kernels)"
+    env = {k: v for k, v in os.environ.items() if k != "CC"}
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True, text=True, timeout=600,
+        env={**env, "PATH": str(bare), "KVCHAT_CACHE_DIR": str(tmp_path / "cache")},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    status, loaded = r.stdout.splitlines()[-2:]
+    assert status.startswith("kvchat kernels (") and "built by zig cc" in status, status
+    assert "one thread: zig cc has no OpenMP" in status and loaded.startswith("<engine.backends.kernels.Kernels")
+
+
+@needs_kernels
 @pytest.mark.skipif(not X86, reason="the variants are x86 builds")
 def test_a_forced_variant_is_built_and_said_and_an_unknown_one_is_refused(tmp_path):
     """KVCHAT_KERNELS_VARIANT forces a build for less than this CPU has (the panel's Decode kernels row and
