@@ -200,7 +200,7 @@ def test_bench_json(llama_dir):
             "--uncached-tokens",
             3,
             "--engines",
-            "kvchat,kvchat-uncached,transformers-static",
+            "kvchat,kvchat-no-kernels,kvchat-uncached,transformers-static",
             "--precisions",
             "float32,int8",
             "--json",
@@ -210,6 +210,8 @@ def test_bench_json(llama_dir):
     assert set(rows) == {
         ("kvchat", "float32"),
         ("kvchat", "int8"),
+        ("kvchat-no-kernels", "float32"),
+        ("kvchat-no-kernels", "int8"),
         ("kvchat-uncached", "float32"),
         ("transformers-static", "float32"),
     }
@@ -224,6 +226,11 @@ def test_bench_json(llama_dir):
     assert k["load_vs_file_read"] > 0 and k["peak_above_baseline_vs_weights_kv"] > 0
     assert out["ratios"]["kvchat float32 / transformers-static float32"]["decode"] > 0
     assert out["ratios"]["kvchat float32 / kvchat-uncached float32"]["decode"] > 0
+    assert (
+        "no kvchat kernels: RuntimeError: turned off by KVCHAT_KERNELS"
+        in rows[("kvchat-no-kernels", "int8")]["decode_kernels"]
+    )
+    assert out["ratios"]["kvchat-no-kernels int8 / kvchat-no-kernels float32"]["decode"] > 0
     from engine.backends import kernels
 
     assert out["cpu"]["model"] and out["cpu"]["kernels"] == kernels.status()  # what this process's kernels are

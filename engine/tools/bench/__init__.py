@@ -22,7 +22,8 @@ from .roofline import EMBED_BYTES_PER_VALUE, bytes_per_token, roofline_tok_s
 from .rows import FILE_ACTIVATIONS, is_gguf_model, measure_row, model_config
 from .shapes import SHAPES, write_random_checkpoint
 
-ENGINES = ("kvchat", "kvchat-uncached", "transformers", "transformers-static", "llama.cpp")
+# kvchat-no-kernels: kvchat where its C kernels cannot be built (KVCHAT_KERNELS=0): torch's kernels only
+ENGINES = ("kvchat", "kvchat-no-kernels", "kvchat-uncached", "transformers", "transformers-static", "llama.cpp")
 
 
 # (engine, precision) per device: kvchat and transformers by torch dtype (kvchat's quantized rows by
@@ -35,6 +36,11 @@ CPU_RUNS = [
     ("kvchat", "int4"),
     ("kvchat", "int8/a8"),
     ("kvchat", "int4/a8"),
+    ("kvchat-no-kernels", "float32"),
+    ("kvchat-no-kernels", "bfloat16"),
+    ("kvchat-no-kernels", "float16"),
+    ("kvchat-no-kernels", "int8"),
+    ("kvchat-no-kernels", "int4"),
     ("kvchat-uncached", "float32"),
     ("transformers", "float32"),
     ("transformers", "bfloat16"),
@@ -56,7 +62,8 @@ CUDA_RUNS = [
 ]
 
 
-FILE_RUNS = [("kvchat", "file"), ("kvchat", "file/a8"), ("llama.cpp", "file")]  # --model FILE.gguf
+# --model FILE.gguf: every engine on that very file
+FILE_RUNS = [("kvchat", "file"), ("kvchat", "file/a8"), ("kvchat-no-kernels", "file"), ("llama.cpp", "file")]
 
 
 def add_arguments(p) -> None:
@@ -205,7 +212,7 @@ def collect(ns, progress: bool | None = None) -> dict:
         if reference_ids and r.get("token_ids"):
             n = min(len(reference_ids), len(r["token_ids"]))
             r["same_tokens_as_kvchat"] = sum(a == b for a, b in zip(reference_ids[:n], r["token_ids"][:n]))
-        if r["engine"] == "kvchat":
+        if r["engine"] in ("kvchat", "kvchat-no-kernels"):
             r["load_vs_file_read"] = round(r["load_s"] / r["file_read_s"], 2) if r.get("file_read_s") else None
             if r.get("peak_mem_bytes") and device.type == "cpu":
                 above = r["peak_mem_bytes"] - r["baseline_mem_bytes"]

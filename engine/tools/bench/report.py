@@ -33,8 +33,17 @@ def row_of(results, engine, precision):
 
 
 def ratios(results) -> dict:
-    """kvchat against each reference at the matching precision: decode and prefill."""
+    """kvchat against each reference at the matching precision: decode and prefill; and without the kernels,
+    each precision against the same model's float32 on torch (the floor the fallback must hold: half of it)."""
     out = {}
+    torch_f32 = row_of(results, "kvchat-no-kernels", "float32")
+    for r in results:
+        if r["engine"] == "kvchat-no-kernels" and r["precision"] != "float32" and "error" not in r and torch_f32:
+            key = f"kvchat-no-kernels {r['precision']} / kvchat-no-kernels float32"
+            out[key] = {
+                "decode": _ratio(r.get("decode_tok_s"), torch_f32.get("decode_tok_s")),
+                "prefill": _ratio(r.get("prefill_tok_s"), torch_f32.get("prefill_tok_s")),
+            }
     for mine, engine, theirs in PAIRS:
         k, ref = row_of(results, "kvchat", mine), row_of(results, engine, theirs)
         if k and ref:

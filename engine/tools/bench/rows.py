@@ -3,6 +3,7 @@ times on a fresh cache, decode, load time, peak memory, the tokens it chose)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from .isolation import run_isolated
@@ -67,7 +68,9 @@ def _measure(engine: str, precision: str, a: dict) -> dict:
     row = {"engine": engine, "precision": precision, "device": str(device)}
     with torch.device("meta"):  # torch's one-time import of its meta kernels (~70 MB), before the baseline
         torch.nn.Embedding(2, 2)
-    if engine == "kvchat" and not is_gguf_model(a["model"]):  # the file read kvchat's load is compared with
+    if engine == "kvchat-no-kernels":  # this child process only: kvchat as it runs without a C compiler
+        os.environ["KVCHAT_KERNELS"] = "0"
+    if engine in ("kvchat", "kvchat-no-kernels") and not is_gguf_model(a["model"]):  # what load is compared with
         row["file_read_s"] = round(file_read_seconds(a["model"]), 6)  # small files read in well under 1 ms
     reset_peak_rss()  # that read's buffer is not the model's memory
     baseline = rss_now()
@@ -92,7 +95,8 @@ def _measure(engine: str, precision: str, a: dict) -> dict:
             activations=loaded.activations,
             embed_bytes=weight_bytes(loaded.model.embed),
         )
-        if engine == "kvchat":
+        row["decode_kernels"] = loaded.decode_kernels
+        if engine in ("kvchat", "kvchat-no-kernels"):
             row["kv_allocated_bytes"] = (len(prompt) + n_new) * loaded.kv_bytes_per_position()
 
             def decode(prompt, n):
