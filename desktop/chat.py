@@ -155,6 +155,7 @@ class ReplyStats:
             "prefill": "Prefill…",
             "decoding": "Generating…",
             "failed": f"Reply · failed: {self.error}",
+            "idle": "No reply yet",
         }.get(self.status, self.status)
 
     def to_json(self) -> dict:
@@ -271,6 +272,21 @@ class ChatController:
         if st is not None:
             self.stats = st
         return st
+
+    def follow_shown(self, mid: int | None) -> bool:
+        """The panel describes the reply on screen: `mid`, the last reply of the branch shown (None: it has
+        none), unless the reply streaming now is one of the branch's messages. Its own figures (live, or
+        stored with it), or none at all ("No reply yet"); never another reply's. True when that changed
+        what the panel shows."""
+        if self.streaming_mid is not None and self.streaming_mid == mid:
+            return False
+        if mid is not None and mid == self.selected_mid and self.stats is self.stats_by_message.get(mid):
+            return False
+        if mid is not None and self.select_message(mid) is not None:
+            return True
+        changed = self.stats.status != "idle" or self.selected_mid != mid
+        self.selected_mid, self.stats = mid, ReplyStats()  # a reply with no figures (an import), or no reply
+        return changed
 
     # --- requests ------------------------------------------------------------------------------
     def settings_for(self, cid: int | None = None) -> Settings:

@@ -312,8 +312,12 @@ class MainWindow(QMainWindow):
 
     # --- transcript --------------------------------------------------------------------
     def render_transcript(self, reveal: int | None = None) -> None:
-        """Show the current branch (branch_view.BranchView; `reveal`: from this branch index at least)."""
+        """Show the current branch (branch_view.BranchView; `reveal`: from this branch index at least), and
+        the panel the figures of its last reply (another conversation's or branch's never stay)."""
         self.branch.render(reveal)
+        last = next((v.message.id for v in reversed(self.transcript.views) if v.message.role == "assistant"), None)
+        if self.chat.follow_shown(last):
+            self.pacer.mark_dirty()
 
     def _fit_view(self, view: MessageView) -> None:
         """A message view's buttons as the window's state allows: no edits while a reply runs, no Compare

@@ -584,3 +584,50 @@ def test_a_second_kvchat_on_the_same_data_folder_brings_the_first_forward_and_en
     finally:
         first.release()
     assert SingleInstance(data).acquire()  # released: the next start takes it
+
+
+def test_the_panel_describes_the_reply_on_screen_after_a_conversation_or_branch_switch(
+    qtbot, make_window, spin_loop, demo_model_dir
+):
+    """The panel's figures are always those of the last reply shown: another conversation's, another
+    branch's or the previous request's never stay. Each reply's figures are its own, stored with it."""
+    from gui import panel, send
+
+    from desktop.panel import fmt_ms
+
+    def shown():
+        return panel(w, "tokensValue"), panel(w, "ttftValue")
+
+    def stored(mid):
+        trace = w.store.message(mid).trace["trace"]
+        return str(trace["tokens"]), fmt_ms(trace["ttft_ms"])
+
+    def shows(mid):
+        qtbot.waitUntil(lambda: shown() == stored(mid), timeout=3000)
+
+    w = make_window(demo_model_dir, max_new_tokens=6)
+    send(qtbot, w, spin_loop, "I am planning a trip to Chengdu for 3 nights. My budget is 600 yuan.")
+    a_cid, a_reply = w.chat.current_cid, w.transcript.views[-1].message.id
+    shows(a_reply)
+    qtbot.mouseClick(w.newButton, Qt.LeftButton)
+    qtbot.waitUntil(lambda: w.statsPanel.heading.text() == "No reply yet", timeout=3000)  # nothing to describe
+    assert panel(w, "tokensValue") != stored(a_reply)[0]
+    send(qtbot, w, spin_loop, "Hello there")
+    b_reply = w.transcript.views[-1].message.id
+    shows(b_reply)
+    w.select_conversation(a_cid)  # back to the first conversation: its reply's figures, not the last request's
+    shows(a_reply)
+    # an edit makes a second branch with its own reply; the arrows bring back the first one's figures
+    user = w.transcript.views[0]
+    got = []
+    w.replyFinished.connect(got.append)
+    qtbot.mouseClick(user.editButton, Qt.LeftButton)
+    user.editor.setPlainText("I am planning a trip to Chengdu for 3 nights. My budget is 750 yuan.")
+    qtbot.mouseClick(user.saveButton, Qt.LeftButton)
+    spin_loop(lambda: got)
+    second = w.transcript.views[-1].message.id
+    assert second != a_reply
+    shows(second)
+    qtbot.mouseClick(w.transcript.views[0].prevButton, Qt.LeftButton)
+    shows(a_reply)
+    assert w.transcript.views[-1].message.id == a_reply
