@@ -143,6 +143,17 @@ def set_bar(bar: QProgressBar, maximum: int, value: int, text: str) -> None:
         bar.update()
 
 
+REUSE_ROWS = (
+    "firstInvalidatedValue",
+    "tokenChangeValue",
+    "reuseSourceValue",
+    "reusedValue",
+    "recomputedValue",
+    "discardedValue",
+    "reuseReasonValue",
+)
+
+
 class StatsPanel(QScrollArea):
     exportRequested = Signal()
 
@@ -397,10 +408,8 @@ class StatsPanel(QScrollArea):
         self.heading.setText(title or s.title)
         self.set("ttftValue", fmt_ms(s.figure("ttft_ms")))
         shown, ttft = s.on_screen_ms, s.figure("ttft_ms")
-        self.set(
-            "onScreenValue",
-            DASH if shown is None else fmt_ms(shown) + ("" if ttft is None else f" · seam {shown - ttft:,.1f} ms"),
-        )
+        seam = "" if ttft is None or shown is None or shown < ttft else f" · seam {shown - ttft:,.1f} ms"
+        self.set("onScreenValue", DASH if shown is None else fmt_ms(shown) + seam)  # a seam is never negative
         if s.trace is not None:
             parts = [
                 s.trace.get(k) for k in ("ttft_queue_ms", "ttft_tokenize_ms", "ttft_prefill_ms", "ttft_first_token_ms")
@@ -442,8 +451,9 @@ class StatsPanel(QScrollArea):
             first = r.get("first_invalidated_position")
             self.set("firstInvalidatedValue", DASH if first is None else f"{first:,}")
             ct, nt = r.get("cached_token"), r.get("new_token")
+            same = not ct or not nt or ct.get("id") == nt.get("id")  # a token for itself is no change
             self.set(
-                "tokenChangeValue", DASH if not ct else f"{ct['text']!r} (#{ct['id']}) → {nt['text']!r} (#{nt['id']})"
+                "tokenChangeValue", DASH if same else f"{ct['text']!r} (id {ct['id']}) → {nt['text']!r} (id {nt['id']})"
             )
             self.set("reuseSourceValue", reuse_source(r))
             unknown = r.get("source") == "unknown"
@@ -451,6 +461,9 @@ class StatsPanel(QScrollArea):
             self.set("recomputedValue", NOT_REPORTED if unknown else f"{r['computed']:,}")
             self.set("discardedValue", NOT_REPORTED if unknown else f"{r['invalidated']:,}")
             self.set("reuseReasonValue", r.get("reason") or "nothing invalidated")
+        else:  # this reply has no reuse report (it failed before its prefill, or none was kept): none shown
+            for name in REUSE_ROWS:
+                self.set(name, DASH)
         gaps = s.gaps_ms
         self.gapChart.set_gaps(gaps)
         if gaps:

@@ -631,3 +631,26 @@ def test_the_panel_describes_the_reply_on_screen_after_a_conversation_or_branch_
     qtbot.mouseClick(w.transcript.views[0].prevButton, Qt.LeftButton)
     shows(a_reply)
     assert w.transcript.views[-1].message.id == a_reply
+
+
+def test_the_panel_never_shows_a_negative_seam_a_no_change_change_or_another_replys_reuse(
+    qtbot, make_window, demo_model_dir
+):
+    """A reply shown after one with a reuse report, with none of its own (it failed before its prefill),
+    shows no reuse figures; a "change" of a token for itself is no change; a first paint measured before the
+    engine's first token (a Continue's) is no seam below zero."""
+    from desktop.chat import ReplyStats
+    from desktop.panel import DASH
+
+    w = make_window(demo_model_dir)
+    p = w.statsPanel
+    token = {"text": "\n", "id": 198}
+    reuse = {"first_invalidated_position": 18, "cached_token": token, "new_token": dict(token), "reused": 18,
+             "computed": 4, "invalidated": 3, "reason": "edited", "source": "working"}  # fmt: skip
+    trace = {"ttft_ms": 193.4, "tokens": 3}
+    p.show_reply(ReplyStats(trace=trace, reuse=reuse, status="finished", reason="eos", stored_on_screen_ms=95.6))
+    assert p.values["tokenChangeValue"].text() == DASH and p.values["reusedValue"].text() == "18"
+    assert "seam" not in p.values["onScreenValue"].text() and p.values["onScreenValue"].text().startswith("95.6")
+    p.show_reply(ReplyStats(status="failed", error="the server went away"))
+    for name in ("firstInvalidatedValue", "reusedValue", "recomputedValue", "discardedValue", "reuseReasonValue"):
+        assert p.values[name].text() == DASH, name
