@@ -85,6 +85,8 @@ def from_json(store: Store, data, progress=None) -> Conversation:
     if leaf is not None and (not _integer(leaf) or leaf not in seen):
         raise ExchangeError(f"the branch shown ends at message {leaf!r}, which it does not hold")
     title = data.get("title") if _text(data.get("title")) else "Imported"
+    if any(c.title == title for c in store.conversations()):  # told apart from the original in the list
+        title += " (imported)"
     try:
         conv = _write_tree(store, title, msgs, leaf, progress)
     except (ValueError, OverflowError, TypeError, sqlite3.Error) as e:  # rolled back: nothing was added

@@ -14,6 +14,13 @@ from .exchange import ExchangeError, from_json, read_json, to_json, to_markdown
 from .store_file import StoreError
 
 
+def file_name(title: str) -> str:
+    """A conversation's title as a file name: its words, without what file systems refuse or a title's "…"
+    ("I am planning a trip to Chengdu for 3 nights. My…" → "I am planning a trip to Chengdu for 3 nights My")."""
+    words = "".join(c if c.isalnum() or c in "-_'" else " " for c in title.removesuffix("…")).split()
+    return " ".join(words)[:80].strip() or "conversation"
+
+
 def export_conversation(window, path: str | None = None) -> None:
     """The conversation shown, to a file: Markdown (.md, the branch shown) or JSON (every branch)."""
     cid = window.chat.current_cid
@@ -21,9 +28,8 @@ def export_conversation(window, path: str | None = None) -> None:
         window.show_error("There is no conversation to export yet.")
         return
     if path is None:
-        name = "".join(c if c.isalnum() or c in " -_" else "_" for c in window.store.conversation(cid).title)
         path, _ = QFileDialog.getSaveFileName(
-            window, "Export the conversation", f"{name.strip() or 'conversation'}.md",
+            window, "Export the conversation", f"{file_name(window.store.conversation(cid).title)}.md",
             "Markdown, the branch shown (*.md);;JSON, every branch, importable (*.json)",
         )  # fmt: skip
         if not path:

@@ -162,7 +162,9 @@ class ModelsDialog(QDialog):
                 "GGUF file or a model folder directly."
             )
         else:
-            self.note.setText(f"{n} models found, {ok} of them can be opened. Double-click one to open it.")
+            found = f"{n} model{'s' if n != 1 else ''} found"
+            can = "it can" if n == 1 and ok else "it cannot" if n == 1 else f"{ok} of them can"
+            self.note.setText(f"{found}, {can} be opened. Double-click one to open it.")
         self.scanned.emit()
 
     # --- choosing ----------------------------------------------------------------------------------

@@ -3,8 +3,8 @@ conversation's title) and the buttons that make, rename, delete, export and impo
 
 from __future__ import annotations
 
-from PySide6.QtCore import Qt, Signal
-from PySide6.QtWidgets import QHBoxLayout, QLineEdit, QListWidget, QListWidgetItem, QVBoxLayout, QWidget
+from PySide6.QtCore import QEvent, Qt, Signal
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QLineEdit, QListWidget, QListWidgetItem, QVBoxLayout, QWidget
 
 from .outside_text import plain_tooltip
 from .style import button
@@ -28,7 +28,14 @@ class Sidebar(QWidget):
         self.search.setPlaceholderText("Search conversations (Ctrl+F)")
         self.search.setAccessibleName("Search conversations by title and message text")
         self.search.textChanged.connect(self.searchChanged)
+        self.search.installEventFilter(self)  # Esc clears it; Down and Enter go to the list
         ll.addWidget(self.search)
+        self.noResults = QLabel("No conversation holds these words.")
+        self.noResults.setObjectName("noResultsNote")
+        self.noResults.setTextFormat(Qt.PlainText)
+        self.noResults.setWordWrap(True)
+        self.noResults.setVisible(False)
+        ll.addWidget(self.noResults)
         self.list = QListWidget()
         self.list.setObjectName("conversationList")
         self.list.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
@@ -66,10 +73,25 @@ class Sidebar(QWidget):
             if c.id == current:
                 self.list.setCurrentItem(item)
         self.list.blockSignals(False)
+        self.noResults.setVisible(bool(self.search.text().strip()) and not conversations)
 
     def _picked(self, item, _prev=None) -> None:
         if item is not None:
             self.picked.emit(item.data(Qt.UserRole), item.data(FOUND_ROLE))
+
+    def eventFilter(self, obj, event) -> bool:
+        if obj is self.search and event.type() == QEvent.KeyPress:
+            if event.key() == Qt.Key_Escape and self.search.text():
+                self.search.clear()
+                return True
+            if event.key() in (Qt.Key_Down, Qt.Key_Return, Qt.Key_Enter) and self.list.count():
+                self.list.setFocus()
+                if self.list.currentRow() < 0 or event.key() != Qt.Key_Down:
+                    self.list.setCurrentRow(max(self.list.currentRow(), 0))
+                if event.key() != Qt.Key_Down:
+                    self._picked(self.list.currentItem())
+                return True
+        return False
 
     def focus_search(self) -> None:
         self.search.setFocus()

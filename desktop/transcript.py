@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import html
 
-from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtCore import QEvent, Qt, QTimer, Signal
 from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import (
     QFrame,
@@ -194,6 +194,7 @@ class MessageView(QFrame):
     def _make_editor(self) -> None:
         self.editor = QPlainTextEdit()
         self.editor.setObjectName("messageEditor")
+        self.editor.installEventFilter(self)  # Ctrl+Enter saves, as the button does; Esc cancels
         self.layout().addWidget(self.editor)
         row = QHBoxLayout()
         self.saveButton = QPushButton("Save && regenerate" if self.message.role == "user" else "Save as new branch")
@@ -207,6 +208,16 @@ class MessageView(QFrame):
         self.editRow = QWidget()
         self.editRow.setLayout(row)
         self.layout().addWidget(self.editRow)
+
+    def eventFilter(self, obj, event) -> bool:
+        if obj is self.editor and event.type() == QEvent.KeyPress:
+            if event.key() in (Qt.Key_Return, Qt.Key_Enter) and event.modifiers() & Qt.ControlModifier:
+                self._submit()
+                return True
+            if event.key() == Qt.Key_Escape:
+                self.end_edit()
+                return True
+        return False
 
     def begin_edit(self) -> None:
         if self.editor is None:

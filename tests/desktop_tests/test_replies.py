@@ -192,6 +192,7 @@ def test_export_then_import_gives_the_same_tree(qtbot, make_window, spin_loop, d
     qtbot.waitUntil(lambda: w.chat.current_cid != cid and w.importing is None, timeout=10000)  # on its own thread
     new = w.chat.current_cid
     assert new != cid and w.conversationList.count() == 2
+    assert w.store.conversation(new).title == w.store.conversation(cid).title + " (imported)"  # told apart
     assert tree(w.store, new) == tree(w.store, cid)  # the same messages, parents, statuses, traces, branch shown
     assert [v.message.content for v in w.transcript.views] == [m.content for m in w.store.branch(cid)]
 

@@ -654,3 +654,39 @@ def test_the_panel_never_shows_a_negative_seam_a_no_change_change_or_another_rep
     p.show_reply(ReplyStats(status="failed", error="the server went away"))
     for name in ("firstInvalidatedValue", "reusedValue", "recomputedValue", "discardedValue", "reuseReasonValue"):
         assert p.values[name].text() == DASH, name
+
+
+def test_the_search_field_and_the_editor_answer_the_keyboard(qtbot, make_window, spin_loop, demo_model_dir):
+    """Esc clears the search, Down goes to the list and Enter opens the match; a search that finds nothing
+    says so; Ctrl+Enter saves an edit; a file name and an imported copy's title read as a person would."""
+    from gui import send
+
+    from desktop.export_import import file_name
+
+    w = make_window(demo_model_dir, max_new_tokens=4)
+    send(qtbot, w, spin_loop, "I am planning a trip to Chengdu for 3 nights. My budget is 600 yuan.")
+    first = w.chat.current_cid
+    qtbot.mouseClick(w.newButton, Qt.LeftButton)
+    send(qtbot, w, spin_loop, "Hello there")
+    w.search.setFocus()
+    qtbot.keyClicks(w.search, "zebra unicorn")
+    qtbot.waitUntil(lambda: w.sidebar.noResults.isVisible(), timeout=3000)
+    assert w.conversationList.count() == 0 and "No conversation" in w.sidebar.noResults.text()
+    qtbot.keyClick(w.search, Qt.Key_Escape)
+    assert w.search.text() == "" and w.conversationList.count() == 2 and not w.sidebar.noResults.isVisible()
+    qtbot.keyClicks(w.search, "Chengdu")
+    qtbot.waitUntil(lambda: w.conversationList.count() == 1, timeout=3000)
+    qtbot.keyClick(w.search, Qt.Key_Return)  # opens the match
+    qtbot.waitUntil(lambda: w.chat.current_cid == first, timeout=3000)
+    user = w.transcript.views[0]
+    qtbot.mouseClick(user.editButton, Qt.LeftButton)
+    user.editor.setPlainText("I am planning a trip to Chengdu for 3 nights. My budget is 750 yuan.")
+    got = []
+    w.replyFinished.connect(got.append)
+    qtbot.keyClick(user.editor, Qt.Key_Return, Qt.ControlModifier)
+    spin_loop(lambda: got)
+    assert "750 yuan" in w.transcript.views[0].message.content
+    assert (
+        file_name("I am planning a trip to Chengdu for 3 nights. My…")
+        == "I am planning a trip to Chengdu for 3 nights My"
+    )
