@@ -156,18 +156,18 @@ def test_search_finds_a_word_from_a_message_body_and_opens_at_that_message(
 def test_export_then_import_gives_the_same_tree(qtbot, make_window, spin_loop, demo_model_dir, tmp_path, monkeypatch):
     import json
 
-    from gui import send
+    from gui import edit, send
     from PySide6.QtWidgets import QFileDialog
 
     w = make_window(demo_model_dir)
     send(qtbot, w, spin_loop, "I am planning a trip to Chengdu for 3 nights. My budget is 600 yuan.")
-    user_view = w.transcript.views[0]  # an edit: a second branch
-    got = []
-    w.replyFinished.connect(got.append)
-    qtbot.mouseClick(user_view.editButton, Qt.LeftButton)
-    user_view.editor.setPlainText("I am planning a trip to Chengdu for 3 nights. My budget is 750 yuan.")
-    qtbot.mouseClick(user_view.saveButton, Qt.LeftButton)
-    spin_loop(lambda: got)
+    edit(
+        qtbot,
+        w,
+        spin_loop,
+        w.transcript.views[0],
+        "I am planning a trip to Chengdu for 3 nights. My budget is 750 yuan.",
+    )
     cid = w.chat.current_cid
 
     def tree(store, c):

@@ -591,7 +591,7 @@ def test_the_panel_describes_the_reply_on_screen_after_a_conversation_or_branch_
 ):
     """The panel's figures are always those of the last reply shown: another conversation's, another
     branch's or the previous request's never stay. Each reply's figures are its own, stored with it."""
-    from gui import panel, send
+    from gui import edit, panel, send
 
     from desktop.panel import fmt_ms
 
@@ -618,13 +618,13 @@ def test_the_panel_describes_the_reply_on_screen_after_a_conversation_or_branch_
     w.select_conversation(a_cid)  # back to the first conversation: its reply's figures, not the last request's
     shows(a_reply)
     # an edit makes a second branch with its own reply; the arrows bring back the first one's figures
-    user = w.transcript.views[0]
-    got = []
-    w.replyFinished.connect(got.append)
-    qtbot.mouseClick(user.editButton, Qt.LeftButton)
-    user.editor.setPlainText("I am planning a trip to Chengdu for 3 nights. My budget is 750 yuan.")
-    qtbot.mouseClick(user.saveButton, Qt.LeftButton)
-    spin_loop(lambda: got)
+    edit(
+        qtbot,
+        w,
+        spin_loop,
+        w.transcript.views[0],
+        "I am planning a trip to Chengdu for 3 nights. My budget is 750 yuan.",
+    )
     second = w.transcript.views[-1].message.id
     assert second != a_reply
     shows(second)
