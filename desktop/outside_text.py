@@ -30,6 +30,12 @@ class _NoResources(QTextDocument):
         return None
 
 
+def _depth(lead: str) -> int:
+    """How deep a line's start nests: a level per quote mark, per list marker, per two spaces of indent."""
+    indent = len(lead) - len(lead.lstrip(" "))
+    return lead.count(">") + len(re.findall(r"(?:[-*+]|\d+[.)])\s", lead)) + indent // 2
+
+
 def too_big_for_markdown(text: str) -> str | None:
     """Why a piece is shown as plain text instead of Markdown, or None when it is drawn as Markdown."""
     lines = text.split("\n")
@@ -42,7 +48,7 @@ def too_big_for_markdown(text: str) -> str | None:
         return f"{len(text):,} characters is past what the window draws as Markdown ({MARKDOWN_CHARS:,})"
     for line in lines:
         m = DEPTH.match(line)
-        if m and m.group(0).count(">") + len(re.findall(r"(?:[-*+]|\d+[.)])\s", m.group(0))) > MARKDOWN_DEPTH:
+        if m and _depth(m.group(0)) > MARKDOWN_DEPTH:
             return f"it nests deeper than the window draws as Markdown ({MARKDOWN_DEPTH} levels)"
     return None
 

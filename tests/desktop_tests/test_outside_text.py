@@ -234,3 +234,12 @@ def test_the_app_restarts_on_a_conversation_naming_dev_zero_within_a_memory_cap(
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss < 3 * 1024 * 1024  # KiB
+
+
+def test_markdown_nested_past_the_limit_is_plain_text():
+    from desktop.outside_text import MARKDOWN_DEPTH, too_big_for_markdown
+
+    deep = MARKDOWN_DEPTH + 1
+    assert "nests deeper" in too_big_for_markdown(">" * deep + " a quote in a quote in …")
+    assert "nests deeper" in too_big_for_markdown("\n".join("  " * i + "- level" for i in range(deep + 1)))
+    assert too_big_for_markdown("> a quote\n\n- a list\n  - in a list\n    - and one more") is None
