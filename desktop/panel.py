@@ -22,6 +22,7 @@ from PySide6.QtWidgets import (
 )
 
 from .outside_text import plain, plain_tooltip
+from .panel_help import ROW_HELP
 
 DASH = "—"
 NOT_REPORTED = "not reported by this server"
@@ -301,6 +302,10 @@ class StatsPanel(QScrollArea):
         v.setTextInteractionFlags(Qt.TextSelectableByMouse)
         v.setWordWrap(True)
         form.addRow(label, v)
+        help_text = ROW_HELP[name]  # what the row measures: a tooltip on the row, a description for screen readers
+        v.setToolTip(help_text)
+        v.setAccessibleDescription(help_text)
+        form.labelForField(v).setToolTip(help_text)
         self.values[name] = v
         setattr(self, name, v)
 

@@ -690,3 +690,21 @@ def test_the_search_field_and_the_editor_answer_the_keyboard(qtbot, make_window,
         file_name("I am planning a trip to Chengdu for 3 nights. My…")
         == "I am planning a trip to Chengdu for 3 nights My"
     )
+
+
+def test_every_panel_row_says_what_it_measures(qtbot, make_window, demo_model_dir):
+    """Each row of the panel has a tooltip, on its name and on its value, and the same sentence as the value's
+    accessible description; positions say that they count the template's tokens, token ids are ids."""
+    from PySide6.QtWidgets import QFormLayout
+
+    from desktop.panel_help import ROW_HELP
+
+    w = make_window(demo_model_dir)
+    values = w.statsPanel.values
+    assert set(values) == set(ROW_HELP)
+    for name, v in values.items():
+        said = v.toolTip()
+        assert len(said) > 20 and v.accessibleDescription() == said, name
+        form = v.parentWidget().layout()
+        assert isinstance(form, QFormLayout) and form.labelForField(v).toolTip() == said, name
+    assert "template" in values["firstInvalidatedValue"].toolTip() and "ids" in values["tokenChangeValue"].toolTip()

@@ -1,0 +1,74 @@
+"""What each row of the inference panel measures, in a sentence: from which boundary to which, with the
+formula where there is one (../README.md, "What the panel's figures mean", has them at length). Each row
+shows its sentence as a tooltip and gives it to screen readers as the value's accessible description."""
+
+from __future__ import annotations
+
+ROW_HELP = {
+    # Timing
+    "ttftValue": "Time to first token: from the moment Send was pressed to the moment the engine had token 1 "
+    "(t1 − arrival).",
+    "ttftPartsValue": "TTFT split into its parts, in ms: waiting in the queue, rendering the chat template and "
+    "tokenizing, computing the prompt (prefill), and selecting token 1. A remote engine: waiting to send, the "
+    "server's own TTFT, and the rest (network, parsing).",
+    "onScreenValue": "From Send to token 1 painted in the window, on TTFT's clock; the seam is what the window "
+    "added after the engine had the token (on screen − TTFT, never below zero).",
+    "tpotValue": "Time per output token after the first: (tn − t1) / (n − 1), the mean gap between tokens; "
+    "— below two tokens.",
+    "tokensPerSecondValue": "Tokens per second after the first: 1000 / TPOT.",
+    "e2eValue": "End to end: from Send to the last token.",
+    "meanInclWaitValue": "The whole request's duration divided by its tokens: TTFT's wait included, unlike TPOT.",
+    "prefillRateValue": "Prompt positions actually computed per second; positions reused from a cache do not count.",
+    "tokensValue": "Tokens this reply has (the stop token not counted).",
+    "serverTimingValue": "Where the timing was measured: in this process, or a remote server's own figures when "
+    "it reports them.",
+    # KV cache
+    "cachePositionsValue": "Positions a forward pass has consumed, of the capacity; they count every token of the "
+    "prompt, the chat template's own tokens included.",
+    "kvPayloadValue": "Bytes the cached positions' K and V take: 2 · L · T · H_kv · d · b (the row below fills "
+    "in this model's numbers).",
+    "kvAllocatedValue": "Bytes the cache buffers really take: the whole preallocated capacity.",
+    "kvPerPositionValue": "Bytes one cached position takes, K and V over every layer.",
+    "kvFormulaValue": "2 (K and V) · L layers · T cached positions · H_kv KV heads · d head width · b bytes per "
+    "value, with this model's numbers.",
+    "cachePointValue": "Which moment the cache figures describe: after prefill, or after consuming token k of n "
+    "(the last token of a reply is selected, not yet consumed).",
+    # Reuse
+    "reuseSourceValue": "Where the reused positions came from: the working cache the model attends over, the "
+    "prefix store (copied back), or nothing.",
+    "firstInvalidatedValue": "The first prompt position whose token differs from the cache's: from here on the "
+    "cache is recomputed. Positions count the chat template's tokens too.",
+    "tokenChangeValue": "The cached token and the new one at the first invalidated position (their vocabulary ids, "
+    "not positions).",
+    "reusedValue": "Prompt positions taken from a cache instead of computed: the longest common prefix of token "
+    "ids, at most the prompt's length − 1.",
+    "recomputedValue": "Prompt positions computed for this request (the prompt's length − reused).",
+    "discardedValue": "Positions the working cache held past the first invalidated one, thrown away.",
+    "reuseReasonValue": "Why the whole cache was dropped, when it was (weights, dtype, tokenizer, rotary or "
+    "attention settings, device or capacity changed).",
+    # Prefix store
+    "storeBytesValue": "Bytes the prefix store holds (each stored block counted once) and its budget.",
+    "storePrefixesValue": "Prompts the store holds, and the blocks of 16 positions they share.",
+    "storeEvictionsValue": "Blocks evicted to stay under the budget, least recently used first.",
+    "conversationCachedValue": "How much of the conversation shown is cached now: what the next Send reuses.",
+    # Model
+    "modelNameValue": "The model loaded: its folder, file or the server's model id.",
+    "architectureValue": "The model's architecture as its config names it.",
+    "parametersValue": "The model's parameters, quantized codes counted as the values they stand for.",
+    "dtypeValue": "The dtype the model computes in.",
+    "precisionValue": "How the weights are stored (none: the dtype; int8/int4 and the group size; a file's own "
+    "codes) and how the KV cache is stored.",
+    "weightBytesValue": "Bytes the weights take in memory as held (codes and scales for quantized layers).",
+    "fileTensorsValue": "A GGUF file's tensors by their type in the file and how kvchat holds them.",
+    "deviceValue": "Where the model runs: the CPU, a GPU, or a remote server.",
+    "kernelsValue": "What runs decode's one-row products: kvchat's C kernels (their instruction set and the "
+    "compiler that built them) or torch, and why.",
+    "layersValue": "Transformer blocks: L in the KV formula.",
+    "kvHeadsValue": "Key/value heads (H_kv in the KV formula) and query heads; fewer KV heads make a smaller cache.",
+    "headDimValue": "Values per head: d in the KV formula.",
+    # Session
+    "requestsValue": "Requests this session ran, failed and cancelled ones included.",
+    "failedValue": "Requests that failed, and those stopped.",
+    "medianTtftValue": "The median TTFT over this session's requests.",
+    "medianTpotValue": "The median TPOT over this session's requests.",
+}
