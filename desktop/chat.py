@@ -149,8 +149,13 @@ class ReplyStats:
     @property
     def title(self) -> str:
         """The panel's heading for this reply."""
+        done = f"Reply · {self.reason}" if self.reason else "Reply"
         return {
-            "finished": f"Reply · {self.reason}",
+            "finished": done,
+            "complete": done,  # a stored reply: its message's status
+            "length": done,
+            "stopped": "Reply · stopped",
+            "incomplete": "Reply · incomplete (the app closed mid-reply)",
             "cancelled": "Reply · stopped",
             "prefill": "Prefill…",
             "decoding": "Generating…",

@@ -303,9 +303,9 @@ class StatsPanel(QScrollArea):
         v.setWordWrap(True)
         form.addRow(label, v)
         help_text = ROW_HELP[name]  # what the row measures: a tooltip on the row, a description for screen readers
-        v.setToolTip(help_text)
         v.setAccessibleDescription(help_text)
-        form.labelForField(v).setToolTip(help_text)
+        for w in (v, form.labelForField(v)):
+            w.setToolTip(plain_tooltip(help_text))  # rich text: word-wrapped, not one line across the screen
         self.values[name] = v
         setattr(self, name, v)
 

@@ -617,6 +617,7 @@ def test_the_panel_describes_the_reply_on_screen_after_a_conversation_or_branch_
     shows(b_reply)
     w.select_conversation(a_cid)  # back to the first conversation: its reply's figures, not the last request's
     shows(a_reply)
+    assert w.statsPanel.heading.text() == "Reply · max_new_tokens"  # as it was when the reply ended
     # an edit makes a second branch with its own reply; the arrows bring back the first one's figures
     edit(
         qtbot,
@@ -695,6 +696,8 @@ def test_the_search_field_and_the_editor_answer_the_keyboard(qtbot, make_window,
 def test_every_panel_row_says_what_it_measures(qtbot, make_window, demo_model_dir):
     """Each row of the panel has a tooltip, on its name and on its value, and the same sentence as the value's
     accessible description; positions say that they count the template's tokens, token ids are ids."""
+    import html
+
     from PySide6.QtWidgets import QFormLayout
 
     from desktop.panel_help import ROW_HELP
@@ -703,8 +706,8 @@ def test_every_panel_row_says_what_it_measures(qtbot, make_window, demo_model_di
     values = w.statsPanel.values
     assert set(values) == set(ROW_HELP)
     for name, v in values.items():
-        said = v.toolTip()
-        assert len(said) > 20 and v.accessibleDescription() == said, name
+        said = v.accessibleDescription()
+        assert len(said) > 20 and said == ROW_HELP[name] and html.unescape(v.toolTip()).endswith(said + "</p>"), name
         form = v.parentWidget().layout()
-        assert isinstance(form, QFormLayout) and form.labelForField(v).toolTip() == said, name
-    assert "template" in values["firstInvalidatedValue"].toolTip() and "ids" in values["tokenChangeValue"].toolTip()
+        assert isinstance(form, QFormLayout) and form.labelForField(v).toolTip() == v.toolTip(), name
+    assert "template" in ROW_HELP["firstInvalidatedValue"] and "ids" in ROW_HELP["tokenChangeValue"]
