@@ -406,6 +406,7 @@ class MainWindow(QMainWindow):
     def switch_branch(self, mid: int, delta: int) -> None:
         if self.chat.switch_branch(mid, delta):
             self.render_transcript()
+            self.composer.setFocus()  # the clicked arrow's view is rebuilt: keystrokes go on to the message box
 
     # --- the chat controller's listener ------------------------------------------------------
     def transcript_changed(self) -> None:
@@ -563,6 +564,7 @@ class MainWindow(QMainWindow):
             self.start_reply(regenerate, arrival)
         else:
             self.render_transcript()
+        self.composer.setFocus()  # the edited view is rebuilt: focus would fall to the search field
 
     def regenerate(self) -> None:
         target = self.chat.regenerate_target()

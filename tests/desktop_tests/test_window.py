@@ -634,6 +634,28 @@ def test_the_panel_describes_the_reply_on_screen_after_a_conversation_or_branch_
     assert w.transcript.views[-1].message.id == a_reply
 
 
+def test_focus_stays_in_the_message_box_after_an_edit_and_a_branch_click(qtbot, make_window, spin_loop, demo_model_dir):
+    """The views an edit or a branch arrow rebuilds had the focus: it goes to the message box, not to the
+    search field (where the next keystrokes filtered the conversation list to nothing)."""
+    from gui import edit, send
+
+    w = make_window(demo_model_dir, max_new_tokens=4)
+    w.activateWindow()
+    qtbot.waitUntil(lambda: w.isActiveWindow())
+    send(qtbot, w, spin_loop, "I am planning a trip to Chengdu for 3 nights. My budget is 600 yuan.")
+    edit(
+        qtbot,
+        w,
+        spin_loop,
+        w.transcript.views[0],
+        "I am planning a trip to Chengdu for 3 nights. My budget is 750 yuan.",
+    )
+    qtbot.waitUntil(lambda: w.focusWidget() is w.composer, timeout=3000)  # the window's focus, active or not
+    qtbot.mouseClick(w.transcript.views[0].prevButton, Qt.LeftButton)
+    qtbot.waitUntil(lambda: "600 yuan" in w.transcript.views[0].message.content, timeout=3000)
+    assert w.focusWidget() is w.composer
+
+
 def test_the_panel_never_shows_a_negative_seam_a_no_change_change_or_another_replys_reuse(
     qtbot, make_window, demo_model_dir
 ):
