@@ -74,37 +74,47 @@ def _locked(e: Exception) -> bool:
     return "locked" in str(e).lower() or "busy" in str(e).lower()
 
 
-DAMAGED = {
-    11,
-    26,
-}  # SQLITE_CORRUPT, SQLITE_NOTADB: the file itself is bad (every other error is the disk's or the OS's)
+# SQLite's primary result codes kvchat tells apart (the low byte of sqlite_errorcode)
+SQLITE_IOERR, SQLITE_CORRUPT, SQLITE_FULL, SQLITE_NOTADB = 10, 11, 13, 26
+DAMAGED = {SQLITE_CORRUPT, SQLITE_NOTADB}  # the file itself is bad; every other error is the disk's or the OS's
+
+
+def _code(e: sqlite3.Error) -> int | None:
+    code = getattr(e, "sqlite_errorcode", None)  # Python 3.11+
+    return None if code is None else code & 0xFF
 
 
 def _damaged(e: sqlite3.Error) -> bool:
-    code = getattr(e, "sqlite_errorcode", None)
-    if code is not None:
-        return code & 0xFF in DAMAGED
+    if _code(e) is not None:
+        return _code(e) in DAMAGED
     return "malformed" in str(e) or "not a database" in str(e)
+
+
+def _full(e: sqlite3.Error) -> bool:
+    return _code(e) == SQLITE_FULL or "full" in str(e)
 
 
 def _passing(e: sqlite3.Error) -> str | None:
     """Why a change must wait, when it is something that passes (a lock, a full disk), else None."""
     if _locked(e):
         return "the conversation database is locked by another program"
-    code = (getattr(e, "sqlite_errorcode", None) or 0) & 0xFF
-    if code == 13 or "full" in str(e):
-        return "the disk is full"
-    return None
+    return "the disk is full" if _full(e) else None
 
 
 def _said(e: sqlite3.Error) -> str:
     """An SQLite error as a person reads it: a full disk and a failing disk say so."""
-    code = (getattr(e, "sqlite_errorcode", None) or 0) & 0xFF
-    if code == 13 or "full" in str(e):
+    if _full(e):
         return "the disk is full"
-    if code == 10:
+    if _code(e) == SQLITE_IOERR:
         return "the disk could not be read or written (disk I/O error: is it full, or gone?)"
     return str(e)
+
+
+def _connect(target: str, **kw) -> sqlite3.Connection:
+    """A connection that reads rows by column name, in autocommit (kvchat opens its transactions itself)."""
+    db = sqlite3.connect(target, timeout=2.0, isolation_level=None, **kw)
+    db.row_factory = sqlite3.Row
+    return db
 
 
 def _set_columns(db: sqlite3.Connection, table: str, rid: int, cols: dict) -> None:
@@ -156,7 +166,6 @@ class StoreFile:
         self.path = Path(path)
         self.moved_aside: Path | None = None
         self.backup: Path | None = None  # a copy made before the layout was changed
-        self.migrating = False
         self.read_only = False
         self.temporary = False  # the file could not be used: a database in memory stands in
         self.fts = False  # message search by FTS5 (else LIKE)
@@ -170,8 +179,7 @@ class StoreFile:
             self.db = self._open_writable(":memory:")
             return
         if connect_only:
-            self.db = sqlite3.connect(str(self.path), timeout=2.0, isolation_level=None, check_same_thread=False)
-            self.db.row_factory = sqlite3.Row
+            self.db = _connect(str(self.path), check_same_thread=False)
             self.db.execute(f"PRAGMA busy_timeout={BUSY_MS * 40}")  # a thread of its own may wait for the lock
             self.fts = bool(self.db.execute("SELECT 1 FROM sqlite_master WHERE name='messages_fts'").fetchone())
             return
@@ -193,7 +201,7 @@ class StoreFile:
         except _Unreadable as e:
             self._read_only_or_temporary(str(e))
         except sqlite3.DatabaseError as e:
-            if "locked" in str(e).lower() or "busy" in str(e).lower():
+            if _locked(e):
                 raise StoreError(
                     f"the conversation database {self.path} is locked by another program; "
                     "close it (or another kvchat) and try again"
@@ -219,14 +227,14 @@ class StoreFile:
             tables = {r[0] for r in ro.execute("SELECT name FROM sqlite_master WHERE type='table'")}
             if not set(COLUMNS) & tables and tables - {"sqlite_sequence"}:
                 raise _Unusable(f"it is another program's database (tables: {', '.join(sorted(tables))})")
+            migrating = False  # a column to add: the layout changes
             for table in set(COLUMNS) & tables:
                 have = {r[1] for r in ro.execute(f"PRAGMA table_info({table})")}
                 missing = COLUMNS[table] - have - {c for (t, c) in MIGRATIONS if t == table}
                 if missing:
                     raise _Unusable(f"its {table} table lacks {', '.join(sorted(missing))}")
-                if COLUMNS[table] - have:
-                    self.migrating = True
-            if self.migrating or (tables & set(COLUMNS) and version < SCHEMA_VERSION):
+                migrating = migrating or bool(COLUMNS[table] - have)
+            if migrating or (tables & set(COLUMNS) and version < SCHEMA_VERSION):
                 self._back_up(ro)
         except sqlite3.DatabaseError as e:
             if _locked(e):
@@ -250,14 +258,11 @@ class StoreFile:
 
     def _open_read_only(self) -> sqlite3.Connection:
         """The file as it is: sqlite changes nothing in it (no journal mode, no schema)."""
-        db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, timeout=2.0, isolation_level=None)
-        db.row_factory = sqlite3.Row
-        return db
+        return _connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True)
 
     def _open_writable(self, where: str | None = None) -> sqlite3.Connection:
         """This store's file (or `where`: ":memory:" for a temporary database), with kvchat's schema."""
-        db = sqlite3.connect(where or str(self.path), timeout=2.0, isolation_level=None)
-        db.row_factory = sqlite3.Row
+        db = _connect(where or str(self.path))
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")
         db.executescript(TABLES)  # if new
