@@ -67,6 +67,12 @@ TOJSON_INDENT = 64  # tojson's indent may be this many spaces (templates use 2 o
 LIPSUM_WORDS = 100_000  # lipsum may write this many words
 
 
+def _refuse_format_width(spec: str) -> None:
+    """A format string (str.format's or %'s) that asks for a width or precision past the limit is refused."""
+    if FORMAT_WIDTH.search(spec):
+        raise TemplateError("the chat template asked for a format width past the limit")
+
+
 def _check_growth(name: str, args: tuple, kwargs: dict) -> None:
     """Refuse, before it runs, a built-in call whose result would pass TEMPLATE_CHARS: any number past the
     limit (a width, a count, a padding), and the calls whose output grows as a product of their inputs
@@ -89,8 +95,8 @@ def _check_growth(name: str, args: tuple, kwargs: dict) -> None:
             n = len(first) + (first.count("\n") + 1) * (width if isinstance(width, int) else len(str(width)))
             if n > TEMPLATE_CHARS:
                 raise _too_big("an indented string", n)
-        elif name in ("format", "format_map") and FORMAT_WIDTH.search(first):
-            raise TemplateError("the chat template asked for a format width past the limit")
+        elif name in ("format", "format_map"):
+            _refuse_format_width(first)
     if name == "join" and len(args) >= 2:
         seq, sep = (args[1], args[0]) if isinstance(args[0], str) else (args[0], args[1] if len(args) > 1 else "")
         if isinstance(seq, (list, tuple)) and isinstance(sep, str):
@@ -139,24 +145,19 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
     intercepted_binops = frozenset({"*", "**", "+", "%"})
 
     def call_binop(self, context, op, left, right):
-        if op == "+" and type(left) is str and type(right) is str:  # the common case: a template joining text
-            if len(left) + len(right) > TEMPLATE_CHARS:
-                raise _too_big("a value", len(left) + len(right))
-            return left + right
+        if op == "+":  # first: what templates do most, joining text
+            if isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
+                if len(left) + len(right) > TEMPLATE_CHARS:
+                    raise _too_big("a value", len(left) + len(right))
+            return operator.add(left, right)
         if op == "*":
             for seq, n in ((left, right), (right, left)):
                 if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > TEMPLATE_CHARS:
                     raise _too_big("a value", len(seq) * n)
             return operator.mul(left, right)
-        if op == "+":
-            if isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
-                if len(left) + len(right) > TEMPLATE_CHARS:
-                    raise _too_big("a value", len(left) + len(right))
-            return operator.add(left, right)
         if op == "%":
             if isinstance(left, str):
-                if FORMAT_WIDTH.search(left):
-                    raise TemplateError("the chat template asked for a format width past the limit")
+                _refuse_format_width(left)
                 _check_growth("%", right if isinstance(right, tuple) else (right,), {})
             return operator.mod(left, right)
         if isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0:
@@ -175,9 +176,9 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
 
     def wrap_str_format(self, value):  # str.format is wrapped where it is looked up, not where it is called
         wrapped = super().wrap_str_format(value)
-        if wrapped is None or not FORMAT_WIDTH.search(value.__self__):
-            return wrapped
-        raise TemplateError("the chat template asked for a format width past the limit")
+        if wrapped is not None:
+            _refuse_format_width(value.__self__)
+        return wrapped
 
 
 def _render_bounded(template: jinja2.Template, **context) -> str:
