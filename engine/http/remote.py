@@ -121,13 +121,9 @@ def fetch_json(spec: RemoteSpec, method: str, url: str, body=None, seconds: floa
                 said = _redirected(r.status_code, r.headers, url)
                 if said:
                     raise RemoteError(said)
-                got = bytearray()
-                async for piece in r.aiter_bytes():
-                    got += piece
-                    if len(got) > EVENT_BYTES:
-                        raise RemoteError(f"{url} sent more than {EVENT_BYTES >> 20} MiB for one answer")
+                got = await _read_some(r)
                 if r.status_code >= 400:
-                    raise RemoteError(_error_text(r.status_code, bytes(got)))
+                    raise RemoteError(_error_text(r.status_code, got))
                 return json.loads(got)
 
     try:
@@ -261,7 +257,6 @@ class RemoteSession:
     def cached_positions(self, req) -> dict:
         """How much of a conversation kvchat's server holds cached now (`positions`, `cached`, `source`);
         other servers do not say, so neither does this."""
-
         if (self._facts or {}).get("server_kind") != "kvchat":
             return {"error": "not reported by this server"}
         url = self.spec.url.removesuffix("/v1") + "/kvchat/cached"
@@ -336,7 +331,7 @@ class RemoteSession:
             async with self._client.stream("POST", "/chat/completions", json=body) as r:
                 said = _redirected(r.status_code, r.headers, self.spec.url + "/chat/completions")
                 if said or r.status_code >= 400:
-                    out.put(("error", said or _error_text(r.status_code, (await _read_some(r))[:EVENT_BYTES])))
+                    out.put(("error", said or _error_text(r.status_code, await _read_some(r))))
                     return
                 kind = r.headers.get("content-type", "").split(";")[0].strip().lower()
                 if kind == "application/json":  # a server that ignored stream: true answers in one piece
@@ -520,7 +515,7 @@ class _Reply:
                 n = max(1, min(n, len(content.encode("utf-8", "replace")) + 16, self.req.max_new_tokens - self.tokens))
                 self.trace.token_times.extend([t] * n)
                 self.text += content
-                k = len(self.trace.token_times)
+                k = self.tokens
                 positions = self.prompt_tokens + k - 1 if self.prompt_tokens else None  # None: not reported
                 yield Token(k, -1, content, t, positions)
 
