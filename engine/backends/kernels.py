@@ -139,7 +139,10 @@ def variant() -> str:
 
 
 def build(
-    cc: str | None = None, extra_flags: tuple[str, ...] = (), out_dir: Path | None = None, openmp: bool = True
+    cc: str | list[str] | None = None,
+    extra_flags: tuple[str, ...] = (),
+    out_dir: Path | None = None,
+    openmp: bool = True,
 ) -> Path:
     """Compile the kernels (once per source, compiler, flags and CPU) in one compiler call and return the
     library's path. `openmp=False`: without -fopenmp (the pragmas are ignored: one thread), for a compiler
@@ -532,17 +535,23 @@ def _load() -> Kernels:
     before = _openmp_runtimes()
     forced = variant()
     cc = compiler()
-    one_thread = f"one thread: {compiler_name(cc)} has no OpenMP" if cc else None
-    try:
-        if cc and "ziglang" in cc:  # zig's clang takes -fopenmp but ships no OpenMP runtime to link
-            raise RuntimeError("zig cc has no OpenMP")
-        k = Kernels(build(extra_flags=X86_VARIANTS[forced]))
-        one_thread = None
-    except (RuntimeError, OSError) as e:  # no OpenMP (refused, or not linked): one thread; else the first error
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC, or pip install ziglang for zig cc)")
+    flags, first = X86_VARIANTS[forced], None
+    k = one_thread = None
+    if "ziglang" not in cc:  # zig's clang takes -fopenmp but ships no OpenMP runtime to link: one thread there
         try:
-            k = Kernels(build(extra_flags=X86_VARIANTS[forced], openmp=False))
+            k = Kernels(build(cc, flags))
+        except (RuntimeError, OSError) as e:  # no OpenMP (refused, or not linked): one thread; else this error
+            first = e
+    if k is None:
+        try:
+            k = Kernels(build(cc, flags, openmp=False))
         except (RuntimeError, OSError):
-            raise e from None
+            if first is None:
+                raise
+            raise first from None
+        one_thread = f"one thread: {compiler_name(cc)} has no OpenMP"
     k.variant, k.one_thread, k.compiler = forced, one_thread, compiler_name(cc)
     after = _openmp_runtimes()
     if len(after) > max(1, len(before)):  # ours brought its own OpenMP: two thread pools on the same cores
