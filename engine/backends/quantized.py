@@ -381,14 +381,13 @@ def dequantize_for_torch(model: nn.Module, free: int | None = -1) -> int:
     EmbeddingT), when they fit in FLOAT_SHARE of the free memory. Returns the bytes they now take (0: none,
     or they did not fit and stay dequantized per product)."""
     layers = {
-        id(m): m for m in model.modules() if isinstance(m, QuantLinear) and m.decoder is None and m.kernel is None
-    }
-    layers = {k: m for k, m in layers.items() if m.codes.device.type == "cpu"}
+        id(m): m
+        for m in model.modules()
+        if isinstance(m, QuantLinear) and m.decoder is None and m.kernel is None and m.codes.device.type == "cpu"
+    }  # by id: a tied table and head are one layer
     if not layers:
         return 0
-    need = sum(
-        m.out_features * m.in_features * torch.empty((), dtype=m.compute_dtype).element_size() for m in layers.values()
-    )
+    need = sum(m.out_features * m.in_features * m.compute_dtype.itemsize for m in layers.values())
     free = _free_memory() if free == -1 else free
     if free is not None and need > FLOAT_SHARE * free:
         return 0

@@ -77,10 +77,8 @@ def _safetensors_header(path: Path) -> dict:
     for name, t in header.items():
         if name == "__metadata__":
             continue
-        shape, offsets = (
-            t.get("shape") if isinstance(t, dict) else None,
-            t.get("data_offsets") if isinstance(t, dict) else None,
-        )
+        t = t if isinstance(t, dict) else {}
+        shape, offsets = t.get("shape"), t.get("data_offsets")
         ok = isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape) and t.get("dtype") in DTYPE_BYTES
         ok = ok and isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
         if not ok:
