@@ -19,7 +19,7 @@ from .isolation import ROW_TIMEOUT_S, run_isolated
 from .machine import cpu_info, measure_bandwidth
 from .report import PLOT_CONTEXTS, markdown, plot, print_report, ratios, row_of
 from .roofline import EMBED_BYTES_PER_VALUE, bytes_per_token, roofline_tok_s
-from .rows import FILE_ACTIVATIONS, is_gguf_model, measure_row, model_config
+from .rows import CACHED_KVCHAT, FILE_ACTIVATIONS, is_gguf_model, measure_row, model_config
 from .shapes import SHAPES, write_random_checkpoint
 
 # kvchat-no-kernels: kvchat where its C kernels cannot be built (KVCHAT_KERNELS=0): torch's kernels only
@@ -212,7 +212,7 @@ def collect(ns, progress: bool | None = None) -> dict:
         if reference_ids and r.get("token_ids"):
             n = min(len(reference_ids), len(r["token_ids"]))
             r["same_tokens_as_kvchat"] = sum(a == b for a, b in zip(reference_ids[:n], r["token_ids"][:n]))
-        if r["engine"] in ("kvchat", "kvchat-no-kernels"):
+        if r["engine"] in CACHED_KVCHAT:
             r["load_vs_file_read"] = round(r["load_s"] / r["file_read_s"], 2) if r.get("file_read_s") else None
             if r.get("peak_mem_bytes") and device.type == "cpu":
                 above = r["peak_mem_bytes"] - r["baseline_mem_bytes"]

@@ -37,8 +37,8 @@ def ratios(results) -> dict:
     each precision against the same model's float32 on torch (the floor the fallback must hold: half of it)."""
     out = {}
     torch_f32 = row_of(results, "kvchat-no-kernels", "float32")
-    for r in results:
-        if r["engine"] == "kvchat-no-kernels" and r["precision"] != "float32" and "error" not in r and torch_f32:
+    for r in results if torch_f32 else ():
+        if r["engine"] == "kvchat-no-kernels" and r["precision"] != "float32" and "error" not in r:
             key = f"kvchat-no-kernels {r['precision']} / kvchat-no-kernels float32"
             out[key] = {
                 "decode": _ratio(r.get("decode_tok_s"), torch_f32.get("decode_tok_s")),

@@ -34,6 +34,9 @@ def _timing(prompt_len: int, start: float, times: list[float]) -> dict:
     }
 
 
+CACHED_KVCHAT = ("kvchat", "kvchat-no-kernels")  # the engines that decode on kvchat's cache (not the uncached one)
+
+
 def measure_row(engine: str, precision: str, args: dict, timeout: float) -> dict:
     """One engine at one precision, measured in a child process of its own."""
     got = run_isolated(_measure, (engine, precision, args), timeout)
@@ -70,7 +73,7 @@ def _measure(engine: str, precision: str, a: dict) -> dict:
         torch.nn.Embedding(2, 2)
     if engine == "kvchat-no-kernels":  # this child process only: kvchat as it runs without a C compiler
         os.environ["KVCHAT_KERNELS"] = "0"
-    if engine in ("kvchat", "kvchat-no-kernels") and not is_gguf_model(a["model"]):  # what load is compared with
+    if engine in CACHED_KVCHAT and not is_gguf_model(a["model"]):  # what load is compared with
         row["file_read_s"] = round(file_read_seconds(a["model"]), 6)  # small files read in well under 1 ms
     reset_peak_rss()  # that read's buffer is not the model's memory
     baseline = rss_now()
@@ -96,7 +99,7 @@ def _measure(engine: str, precision: str, a: dict) -> dict:
             embed_bytes=weight_bytes(loaded.model.embed),
         )
         row["decode_kernels"] = loaded.decode_kernels
-        if engine in ("kvchat", "kvchat-no-kernels"):
+        if engine in CACHED_KVCHAT:
             row["kv_allocated_bytes"] = (len(prompt) + n_new) * loaded.kv_bytes_per_position()
 
             def decode(prompt, n):
