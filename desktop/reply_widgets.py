@@ -359,9 +359,9 @@ class ReplyBody(QWidget):
         if streaming and text and not self.text.strip("…") and text != "…":
             self.waiting_for_paint = True
         self.text = text
+        waiting = text == "…"  # the reply's placeholder until its first text: an open paragraph
         try:
-            waiting = [Piece("text", "…", closed=False)]
-            self._show_pieces(pieces(text, streaming, self.thinking) if text != "…" else waiting)
+            self._show_pieces([Piece("text", "…", closed=False)] if waiting else pieces(text, streaming, self.thinking))
         except Exception as e:  # whatever a message holds, it is shown: as plain text, with what went wrong
             self._show_pieces([])
             self._show_pieces([Piece("text", text, closed=not streaming)], f"it could not be drawn ({e!r})")
@@ -371,10 +371,13 @@ class ReplyBody(QWidget):
             w = self.widgets[i] if i < len(self.widgets) else None
             if w is not None and getattr(w, "piece", None) == piece:
                 continue
-            if failed is None and w is not None and self._fits(w, piece):
+            kind, why = (PlainBlock, failed) if failed else self._form(piece)
+            if failed is None and isinstance(w, kind):
+                if why:
+                    w.why = why
                 w.set_piece(piece)
                 continue
-            new = PlainBlock(piece, failed) if failed else self._make(piece)
+            new = self._make(piece, kind, why)
             if w is not None:
                 self.lay.replaceWidget(w, new)
                 w.setParent(None)
@@ -389,21 +392,23 @@ class ReplyBody(QWidget):
         del self.widgets[len(shown) :]
 
     @staticmethod
-    def _fits(w: QWidget, piece: Piece) -> bool:
-        if piece.kind == "text":
-            if not piece.closed:
-                return isinstance(w, StreamView)
-            return isinstance(w, PlainBlock if too_big_for_markdown(piece.text) else MarkdownLabel)
-        return isinstance(w, CodeBlock if piece.kind == "code" else ThinkBlock)
+    def _form(piece: Piece) -> tuple[type, str | None]:
+        """The widget a piece is drawn with, and why, when it is plain text past the Markdown limits."""
+        if piece.kind != "text":
+            return (CodeBlock if piece.kind == "code" else ThinkBlock), None
+        if not piece.closed:
+            return StreamView, None
+        why = too_big_for_markdown(piece.text)
+        return (PlainBlock, why) if why else (MarkdownLabel, None)
 
-    def _make(self, piece: Piece) -> QWidget:
-        if piece.kind == "code":
+    def _make(self, piece: Piece, kind: type, why: str | None) -> QWidget:
+        if kind is CodeBlock:
             w = CodeBlock(piece)
-        elif piece.kind == "think":
+        elif kind is ThinkBlock:
             w = ThinkBlock(piece, self.count)
-        elif piece.closed and (why := too_big_for_markdown(piece.text)):
+        elif kind is PlainBlock:
             w = PlainBlock(piece, why)
-        elif piece.closed:
+        elif kind is MarkdownLabel:
             w = MarkdownLabel(piece)
         else:
             w = StreamView()

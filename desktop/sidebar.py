@@ -6,7 +6,7 @@ from __future__ import annotations
 from PySide6.QtCore import QEvent, Qt, Signal
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QLineEdit, QListWidget, QListWidgetItem, QVBoxLayout, QWidget
 
-from .outside_text import plain_tooltip
+from .outside_text import plain, plain_tooltip
 from .style import button
 
 FOUND_ROLE = Qt.UserRole + 1  # a conversation list item's search match: the message id
@@ -30,9 +30,8 @@ class Sidebar(QWidget):
         self.search.textChanged.connect(self.searchChanged)
         self.search.installEventFilter(self)  # Esc clears it; Down and Enter go to the list
         ll.addWidget(self.search)
-        self.noResults = QLabel("No conversation holds these words.")
+        self.noResults = plain(QLabel("No conversation holds these words."))
         self.noResults.setObjectName("noResultsNote")
-        self.noResults.setTextFormat(Qt.PlainText)
         self.noResults.setWordWrap(True)
         self.noResults.setVisible(False)
         ll.addWidget(self.noResults)

@@ -19,7 +19,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from .outside_text import plain
+from .outside_text import plain, rich
 from .reply_widgets import ReplyBody, StreamView, WrapLabel
 
 DEMO_HINT = (
@@ -56,8 +56,7 @@ class MessageView(QFrame):
         lay = QVBoxLayout(self)
         lay.setContentsMargins(10, 6, 10, 8)
         head = QHBoxLayout()
-        self.roleLabel = QLabel(f"<b>{html.escape(ROLE_NAMES.get(message.role, message.role))}</b>")
-        self.roleLabel.setTextFormat(Qt.RichText)
+        self.roleLabel = rich(QLabel(f"<b>{html.escape(ROLE_NAMES.get(message.role, message.role))}</b>"))
         head.addWidget(self.roleLabel)
         self.statusLabel = plain(QLabel())
         self.statusLabel.setObjectName("messageStatus")
@@ -266,8 +265,7 @@ class Transcript(QScrollArea):
         self.earlierButton.clicked.connect(lambda: self.earlierRequested.emit())
         self.earlierButton.setVisible(False)
         self.lay.addWidget(self.earlierButton, 0, Qt.AlignHCenter)
-        self.hint = QLabel(DEMO_HINT)
-        self.hint.setTextFormat(Qt.RichText)  # the app's own words; the model's name in it is escaped
+        self.hint = rich(QLabel(DEMO_HINT))  # the app's own words; the model's name in it is escaped
         self.hint.setObjectName("transcriptHint")
         self.hint.setAlignment(Qt.AlignCenter)
         self.hint.setWordWrap(True)
