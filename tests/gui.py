@@ -2,6 +2,9 @@
 
 from PySide6.QtCore import Qt
 
+BUDGET = "I am planning a trip to Chengdu for 3 nights. My budget is 600 yuan."  # the demo's edit, before
+BUDGET_EDITED = BUDGET.replace("600", "750")  # and after
+
 
 def send(qtbot, w, spin_loop, text, timeout=120):
     """Type `text`, click Send, wait for the reply's last event and return it."""
@@ -29,3 +32,9 @@ def edit(qtbot, w, spin_loop, view, text, timeout=120):
 def panel(w, name):
     """The text the panel shows in row `name`."""
     return w.statsPanel.values[name].text()
+
+
+def send_then_edit(qtbot, w, spin_loop):
+    """The demo's path: send BUDGET, then edit it to BUDGET_EDITED (a second branch); the edit's last event."""
+    send(qtbot, w, spin_loop, BUDGET)
+    return edit(qtbot, w, spin_loop, w.transcript.views[0], BUDGET_EDITED)

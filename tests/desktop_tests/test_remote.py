@@ -6,7 +6,7 @@ message with the partial reply kept and marked."""
 import json
 
 import pytest
-from gui import panel, send
+from gui import BUDGET, panel, send
 from PySide6.QtCore import Qt
 
 pytest.importorskip("starlette")
@@ -18,8 +18,6 @@ from desktop.settings_dialog import SettingsDialog
 from engine.events import Failed, Finished
 from engine.session import Request, Session
 from engine.weights.loading import load_model
-
-BUDGET = "I am planning a trip to Chengdu for 3 nights. My budget is 600 yuan."
 
 
 def test_the_app_on_a_remote_kvchat_server_shows_every_figure_of_the_local_panel(qtbot, make_window, spin_loop, serve):

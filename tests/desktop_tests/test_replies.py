@@ -156,18 +156,11 @@ def test_search_finds_a_word_from_a_message_body_and_opens_at_that_message(
 def test_export_then_import_gives_the_same_tree(qtbot, make_window, spin_loop, demo_model_dir, tmp_path, monkeypatch):
     import json
 
-    from gui import edit, send
+    from gui import send_then_edit
     from PySide6.QtWidgets import QFileDialog
 
     w = make_window(demo_model_dir)
-    send(qtbot, w, spin_loop, "I am planning a trip to Chengdu for 3 nights. My budget is 600 yuan.")
-    edit(
-        qtbot,
-        w,
-        spin_loop,
-        w.transcript.views[0],
-        "I am planning a trip to Chengdu for 3 nights. My budget is 750 yuan.",
-    )
+    send_then_edit(qtbot, w, spin_loop)
     cid = w.chat.current_cid
 
     def tree(store, c):

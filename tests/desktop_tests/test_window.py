@@ -4,15 +4,13 @@ import json
 import sqlite3
 
 import pytest
-from gui import panel, send
+from gui import BUDGET, BUDGET_EDITED, panel, send
 from PySide6.QtCore import Qt
 
 from desktop.chat import title_from
 from desktop.panel import fmt_bytes, fmt_ms, fmt_rate, fmt_size
 from desktop.store import Store
 from engine.events import Failed, Finished
-
-BUDGET = "I am planning a trip to Chengdu for 3 nights. My budget is 600 yuan."
 
 
 def test_send_streams_a_reply_and_the_panel_matches_the_engine(qtbot, make_window, spin_loop, demo_model_dir):
@@ -64,7 +62,7 @@ def test_edit_an_earlier_message_branches_and_shows_the_invalidation(qtbot, make
     assert "600 yuan" in first.text
     user_view = w.transcript.views[0]
     qtbot.mouseClick(user_view.editButton, Qt.LeftButton)
-    user_view.editor.setPlainText(BUDGET.replace("600", "750"))
+    user_view.editor.setPlainText(BUDGET_EDITED)
     got = []
     w.replyFinished.connect(got.append)
     qtbot.mouseClick(user_view.saveButton, Qt.LeftButton)
@@ -591,7 +589,7 @@ def test_the_panel_describes_the_reply_on_screen_after_a_conversation_or_branch_
 ):
     """The panel's figures are always those of the last reply shown: another conversation's, another
     branch's or the previous request's never stay. Each reply's figures are its own, stored with it."""
-    from gui import edit, panel, send
+    from gui import edit
 
     from desktop.panel import fmt_ms
 
@@ -606,7 +604,7 @@ def test_the_panel_describes_the_reply_on_screen_after_a_conversation_or_branch_
         qtbot.waitUntil(lambda: shown() == stored(mid), timeout=3000)
 
     w = make_window(demo_model_dir, max_new_tokens=6)
-    send(qtbot, w, spin_loop, "I am planning a trip to Chengdu for 3 nights. My budget is 600 yuan.")
+    send(qtbot, w, spin_loop, BUDGET)
     a_cid, a_reply = w.chat.current_cid, w.transcript.views[-1].message.id
     shows(a_reply)
     qtbot.mouseClick(w.newButton, Qt.LeftButton)
@@ -624,7 +622,7 @@ def test_the_panel_describes_the_reply_on_screen_after_a_conversation_or_branch_
         w,
         spin_loop,
         w.transcript.views[0],
-        "I am planning a trip to Chengdu for 3 nights. My budget is 750 yuan.",
+        BUDGET_EDITED,
     )
     second = w.transcript.views[-1].message.id
     assert second != a_reply
@@ -637,19 +635,12 @@ def test_the_panel_describes_the_reply_on_screen_after_a_conversation_or_branch_
 def test_focus_stays_in_the_message_box_after_an_edit_and_a_branch_click(qtbot, make_window, spin_loop, demo_model_dir):
     """The views an edit or a branch arrow rebuilds had the focus: it goes to the message box, not to the
     search field (where the next keystrokes filtered the conversation list to nothing)."""
-    from gui import edit, send
+    from gui import send_then_edit
 
     w = make_window(demo_model_dir, max_new_tokens=4)
     w.activateWindow()
     qtbot.waitUntil(lambda: w.isActiveWindow())
-    send(qtbot, w, spin_loop, "I am planning a trip to Chengdu for 3 nights. My budget is 600 yuan.")
-    edit(
-        qtbot,
-        w,
-        spin_loop,
-        w.transcript.views[0],
-        "I am planning a trip to Chengdu for 3 nights. My budget is 750 yuan.",
-    )
+    send_then_edit(qtbot, w, spin_loop)
     qtbot.waitUntil(lambda: w.focusWidget() is w.composer, timeout=3000)  # the window's focus, active or not
     qtbot.mouseClick(w.transcript.views[0].prevButton, Qt.LeftButton)
     qtbot.waitUntil(lambda: "600 yuan" in w.transcript.views[0].message.content, timeout=3000)
@@ -682,12 +673,11 @@ def test_the_panel_never_shows_a_negative_seam_a_no_change_change_or_another_rep
 def test_the_search_field_and_the_editor_answer_the_keyboard(qtbot, make_window, spin_loop, demo_model_dir):
     """Esc clears the search, Down goes to the list and Enter opens the match; a search that finds nothing
     says so; Ctrl+Enter saves an edit; a file name and an imported copy's title read as a person would."""
-    from gui import send
 
     from desktop.export_import import file_name
 
     w = make_window(demo_model_dir, max_new_tokens=4)
-    send(qtbot, w, spin_loop, "I am planning a trip to Chengdu for 3 nights. My budget is 600 yuan.")
+    send(qtbot, w, spin_loop, BUDGET)
     first = w.chat.current_cid
     qtbot.mouseClick(w.newButton, Qt.LeftButton)
     send(qtbot, w, spin_loop, "Hello there")
@@ -703,7 +693,7 @@ def test_the_search_field_and_the_editor_answer_the_keyboard(qtbot, make_window,
     qtbot.waitUntil(lambda: w.chat.current_cid == first, timeout=3000)
     user = w.transcript.views[0]
     qtbot.mouseClick(user.editButton, Qt.LeftButton)
-    user.editor.setPlainText("I am planning a trip to Chengdu for 3 nights. My budget is 750 yuan.")
+    user.editor.setPlainText(BUDGET_EDITED)
     got = []
     w.replyFinished.connect(got.append)
     qtbot.keyClick(user.editor, Qt.Key_Return, Qt.ControlModifier)
