@@ -47,9 +47,8 @@ class SingleInstance:
         self.server.listen(name)
 
     def _woken(self, window) -> None:
-        conn = self.server.nextPendingConnection()
+        conn = self.server.nextPendingConnection()  # a connection is the whole message: come forward
         if conn is not None:
-            conn.readyRead.connect(lambda: conn.readAll() and None)
             conn.disconnected.connect(conn.deleteLater)
         window.showNormal()
         window.raise_()
