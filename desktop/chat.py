@@ -29,6 +29,66 @@ STATUS_BY_REASON = {
     "cancelled": "stopped",
 }  # a message's status from the engine's stop reason (else "failed")
 CONTINUABLE = ("length", "stopped", "incomplete")  # statuses a reply can be continued from
+STOP_NAMES = {
+    "eos": "stop token",
+    "stop_string": "stop string",
+    "max_new_tokens": "token limit",
+    "capacity": "cache full",
+    "cancelled": "stopped",
+}  # the engine's stop reasons as a reply's footer names them
+MADE_BY = (
+    "name", "backend", "server", "server_kind", "dtype", "weights", "head_weights", "activations", "kv_cache",
+    "device", "capacity", "kv_bytes_per_position", "kv_source", "layers", "kv_heads", "head_dim", "bytes_per_value",
+)  # fmt: skip  # the facts a reply is stamped with: who made it, and what its cache figures are read against
+
+
+def made_by(facts: dict | None) -> dict | None:
+    """The engine and model a reply was made by (the facts in use when it was sent), kept with the reply so
+    that its panel and footer still say so after the engine or model is switched."""
+    return None if not facts else {k: facts.get(k) for k in MADE_BY if k in facts}
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def model_words(made: dict | None) -> str:
+    """Which model and engine made a reply, in words: "SmolLM2 (q4_1 · KV none) · same process"."""
+    if not isinstance(made, dict) or not isinstance(made.get("name"), str):
+        return "model not recorded"
+    weights = made.get("weights")
+    precision = weights if isinstance(weights, str) and weights != "none" else made.get("dtype")
+    kv = made.get("kv_cache")
+    inside = " · ".join(str(p) for p in (precision, None if kv in (None, "none") else f"KV {kv}") if p)
+    where = (
+        f"remote {made.get('server_kind') or ''} server at {made.get('server')}".replace("  ", " ")
+        if made.get("backend") == "remote"
+        else "same process"
+    )
+    return f"{made['name']}" + (f" ({inside})" if inside else "") + f" · {where}"
+
+
+def reply_footer(record: dict | None) -> str:
+    """A reply's figures in one line, under it and in exports: tokens, tok/s, TTFT, why it stopped, which
+    model made it. Read from the stored record (an import's may hold anything: what is not a number is left
+    out)."""
+    if not isinstance(record, dict):
+        return ""
+    trace = record.get("trace") if isinstance(record.get("trace"), dict) else {}
+    parts = []
+    if _number(trace.get("tokens")):
+        parts.append(f"{trace['tokens']:,} tokens")
+    if _number(trace.get("decode_tok_s")):
+        parts.append(f"{trace['decode_tok_s']:,.1f} tok/s")
+    if _number(trace.get("ttft_ms")):
+        parts.append(f"TTFT {trace['ttft_ms']:,.1f} ms")
+    if record.get("status") == "failed":
+        parts.append(f"failed: {record.get('error') or 'unknown error'}")
+    elif record.get("reason") in STOP_NAMES:
+        parts.append(STOP_NAMES[record["reason"]])
+    if record.get("made_by"):
+        parts.append(model_words(record["made_by"]))
+    return " · ".join(parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,19 +138,25 @@ class ReplyStats:
     prefill_total: int = 0
     first_paint: float | None = None  # when token 1 was painted on screen (the window's paint, on trace.now)
     stored_on_screen_ms: float | None = None  # from a stored reply
+    made_by: dict | None = None  # the engine and model that made it (chat.made_by); None: not recorded
+    allocated_bytes: int | None = None  # the cache's allocation when it ended; None: not known
 
     @classmethod
     def from_record(cls, record: dict, status: str) -> ReplyStats:
         """A stored reply's stats (what `record()` saved)."""
         trace = record.get("trace")
+        cache = record.get("cache") or {}
         return cls(
             stored_on_screen_ms=record.get("on_screen_ms"),
             trace=trace,
             reuse=record.get("reuse"),
-            cache_positions=(record.get("cache") or {}).get("positions", 0),
+            cache_positions=cache.get("positions", 0),
             prompt_tokens=(trace or {}).get("prompt_tokens", 0),
             status=record.get("status", status),
             reason=record.get("reason"),
+            error=record.get("error"),
+            made_by=record.get("made_by") if isinstance(record.get("made_by"), dict) else None,
+            allocated_bytes=cache.get("allocated_bytes"),
         )
 
     @property
@@ -138,18 +204,29 @@ class ReplyStats:
         elif isinstance(ev, Finished):
             self.trace, self.reuse, self.reason = ev.trace, ev.reuse.to_dict(), ev.reason
             self.cache_positions = ev.cache["positions"]
+            self.allocated_bytes = ev.cache.get("allocated_bytes")
             self.status = "cancelled" if ev.reason == "cancelled" else "finished"
             return ev.tail
         elif isinstance(ev, Failed):
-            self.status, self.error = "failed", ev.error
+            self.status, self.error = "failed", f"{ev.error} ({self.failed_at})"
             if ev.cache:
                 self.cache_positions = ev.cache["positions"]
+                self.allocated_bytes = ev.cache.get("allocated_bytes")
         return ""
+
+    @property
+    def failed_at(self) -> str:
+        """Where a request stood when it failed: before its prefill, inside it, or after some tokens."""
+        if self.reuse is None:
+            return "before its prefill"
+        if not self.token_times:
+            return f"during its prefill, {self.prefill_done:,} of {self.prefill_total:,} positions computed"
+        return f"after {len(self.token_times):,} tokens"
 
     @property
     def title(self) -> str:
         """The panel's heading for this reply."""
-        done = f"Reply · {self.reason}" if self.reason else "Reply"
+        done = f"Reply · {STOP_NAMES.get(self.reason, self.reason)}" if self.reason else "Reply"
         return {
             "finished": done,
             "complete": done,  # a stored reply: its message's status
@@ -165,6 +242,7 @@ class ReplyStats:
 
     def to_json(self) -> dict:
         return {
+            "made_by": self.made_by,
             "status": self.status,
             "reason": self.reason,
             "error": self.error,
@@ -195,6 +273,7 @@ class ChatController:
         self.streaming_mid: int | None = None
         self.stream_text = ""  # the streaming reply's text so far
         self.stats = ReplyStats()  # the reply the panel shows
+        self.engine_facts: dict | None = None  # the engine and model in use (the window's, once loaded)
         self.stats_by_message: dict[int, ReplyStats] = {}
         self.selected_mid: int | None = None
         self.summary: dict | None = None  # the session's figures after the last reply
@@ -416,7 +495,9 @@ class ChatController:
         assistant = self.store.add_message(cid, parent_id, "assistant", prefix, status="streaming")
         self.streaming_mid = assistant.id
         self.stream_text = prefix
-        self.stats = self.stats_by_message[assistant.id] = ReplyStats(arrival=arrival, status="prefill")
+        stats = self.stats = self.stats_by_message[assistant.id] = ReplyStats(
+            arrival=arrival, status="prefill", made_by=made_by(self.engine_facts)
+        )  # its own: the panel may show another reply meanwhile (another conversation opened)
         self.selected_mid = assistant.id
         self.listener.transcript_changed()
         highlight, self._edit = self._edit, None
@@ -427,7 +508,7 @@ class ChatController:
                 if isinstance(ev, Accounting):
                     self._count_tokens(upto, ev)
                     continue
-                text += self.stats.apply(ev)
+                text += stats.apply(ev)
                 first = first or (isinstance(ev, Token) and ev.index == 1)
                 if isinstance(ev, (Finished, Failed)):
                     final = ev
@@ -436,34 +517,33 @@ class ChatController:
             # The first text at once (a crash in the first interval must not lose it), then every interval.
             if final is None and text != saved and (saved == prefix or self.clock() - last_save >= SAVE_EVERY_S):
                 saved = text
-                self.guard(
-                    self.store.update_message, assistant.id, content=text, token_count=old_tokens + self.stats.tokens
-                )
+                self.guard(self.store.update_message, assistant.id, content=text, token_count=old_tokens + stats.tokens)
                 last_save = self.clock()
             if first:
                 self.listener.first_token()  # drawn at once, not at the next refresh tick
             self.listener.reply_progressed()
         if final is None:  # the stream ended without a last event: the worker went away
             final = Failed("the engine stopped before the reply ended", "EngineError", {})
-            self.stats.apply(final)
+            stats.apply(final)
         status = STATUS_BY_REASON.get(final.reason, "failed") if isinstance(final, Finished) else "failed"
         if isinstance(final, Finished):
             text = prefix + final.text
         record = {
-            "on_screen_ms": self.stats.on_screen_ms,
+            "on_screen_ms": stats.on_screen_ms,
             "status": status,
             "reason": getattr(final, "reason", None),
             "trace": final.trace,
-            "reuse": self.stats.reuse,
+            "reuse": stats.reuse,
             "cache": {k: v for k, v in (final.cache or {}).items() if k != "store"},  # the store's picture is now's
-            "error": getattr(final, "error", None),
+            "error": stats.error,
+            "made_by": stats.made_by,
         }
         self.guard(
             self.store.update_message,
             assistant.id,
             content=text,
             status=status,
-            token_count=old_tokens + self.stats.tokens,
+            token_count=old_tokens + stats.tokens,
             trace=record,
         )
         if isinstance(final, Failed):
@@ -472,7 +552,7 @@ class ChatController:
         self.generating, self.streaming_mid = False, None
         self.listener.transcript_changed()
         mark = None
-        reuse = self.stats.reuse or {}
+        reuse = stats.reuse or {}
         if highlight and reuse.get("first_invalidated_position") is not None:
             width = len((reuse.get("new_token") or {}).get("text", "").strip()) or 1
             mark = (highlight[0], highlight[1], highlight[1] + width)  # (message, first, end character)
@@ -486,6 +566,28 @@ class ChatController:
             if m.token_count is None:
                 self.guard(self.store.update_message, m.id, token_count=n)
 
+    @property
+    def streaming_stats(self) -> ReplyStats | None:
+        """The figures of the reply streaming now (whichever the panel shows)."""
+        return None if self.streaming_mid is None else self.stats_by_message.get(self.streaming_mid)
+
+    def heading(self) -> str:
+        """Which reply the panel describes, in words: its state, its conversation, its place in the branch
+        and among its versions, and the engine and model that made it."""
+        st, mid = self.stats, self.selected_mid
+        if mid is None or st.status == "idle":
+            return st.title
+        conv = self.store.conversation(self.store.message(mid).conversation_id)
+        where = f"“{conv.title}”"
+        if self.store.kept(conv.id):  # its branch is read (a long one being read is not read again here)
+            versions, path = self.store.versions(conv.id), self.store.branch(conv.id)
+            at = next((k for k, b in enumerate(path) if b.id == mid), None)
+            where += f", message {at + 1} of {len(path)}" if at is not None else ", on another branch"
+            # the branch: the versions of the deepest message on the way with more than one (as ‹ › show)
+            forks = [versions[b.id] for b in path[: (at or 0) + 1] if versions.get(b.id, (0, 1))[1] > 1]
+            where += f", branch ‹{forks[-1][0] + 1}/{forks[-1][1]}›" if forks and at is not None else ""
+        return f"{st.title}\n{where}\nby {model_words(st.made_by)}"
+
     def save_partial(self) -> None:
         """On close mid-reply: what streamed so far is kept, marked stopped."""
         if self.generating and self.streaming_mid is not None:
@@ -495,5 +597,5 @@ class ChatController:
                 self.streaming_mid,
                 content=self.stream_text,
                 status="stopped",
-                token_count=self.stats.tokens,
+                token_count=self.streaming_stats.tokens,
             )

@@ -144,6 +144,7 @@ def set_bar(bar: QProgressBar, maximum: int, value: int, text: str) -> None:
         bar.update()
 
 
+SAME_CACHE = ("name", "backend", "server", "capacity", "dtype", "kv_cache")  # facts that, equal, mean one cache
 REUSE_ROWS = (
     "firstInvalidatedValue",
     "tokenChangeValue",
@@ -262,7 +263,7 @@ class StatsPanel(QScrollArea):
 
         self._group(
             lay,
-            "Model",
+            "Model in use",
             [
                 ("modelNameValue", "Model"),
                 ("architectureValue", "Architecture"),
@@ -327,13 +328,19 @@ class StatsPanel(QScrollArea):
     def remote(self) -> bool:
         return self.facts.get("backend") == "remote"
 
+    def _timing_labels(self, remote: bool) -> None:
+        """The timing rows as measured where the reply was made: here, or across the network."""
+        title = "Timing · client-side (network included)" if remote else "Timing"
+        if self.timingBox.title() != title:  # unchanged: no relayout
+            self.timingBox.setTitle(title)
+            parts = self.timingBox.layout().labelForField(self.ttftPartsValue)
+            parts.setText("  send · server · network" if remote else "  queue · template · prefill · 1st")
+
     def show_model(self, facts: dict) -> None:
         """A local model's facts, or a remote server's: what it does not say shows as not reported."""
         self.facts = facts
         unknown = NOT_REPORTED if facts.get("backend") == "remote" else DASH
-        self.timingBox.setTitle("Timing · client-side (network included)" if self.remote else "Timing")
-        parts = self.timingBox.layout().labelForField(self.ttftPartsValue)
-        parts.setText("  send · server · network" if self.remote else "  queue · template · prefill · 1st")
+        self._timing_labels(self.remote)
         self.set("serverTimingValue", unknown if self.remote else "same process")
         self.set("modelNameValue", facts.get("name", DASH))
         self.set("architectureValue", facts.get("architecture") or unknown)
@@ -363,18 +370,23 @@ class StatsPanel(QScrollArea):
         heads = (facts.get("kv_heads"), facts.get("heads"))
         self.set("kvHeadsValue", unknown if None in heads else f"{heads[0]} · {heads[1]}")
         self.set("headDimValue", str(facts.get("head_dim") or unknown))
-        per = facts.get("kv_bytes_per_position")
-        where = f" (from {facts['kv_source']})" if facts.get("kv_source") else ""
-        self.set("kvPerPositionValue", unknown if per is None else fmt_bytes(per) + where)
         if self.remote and facts.get("server_kind") != "kvchat":
             self.set("fileTensorsValue", unknown)
             self.show_store(None)
         self.show_cache(facts["cache"]["positions"], "after loading" if not self.remote else "connected")
 
-    def show_cache(self, positions: int, point: str) -> None:
-        f = self.facts
+    def show_cache(self, positions: int, point: str, made_by: dict | None = None, allocated: int | None = None) -> None:
+        """The cache rows at `positions`, read against the facts of the model that made them (`made_by`, a
+        reply's; else the model loaded now) and its allocation (`allocated`; not known: the loaded cache's,
+        when that is the cache the reply was made in)."""
+        f = made_by or self.facts
         if not f:
             return
+        if allocated is None and all(f.get(k) == self.facts.get(k) for k in SAME_CACHE):
+            allocated = (self.facts.get("cache") or {}).get("allocated_bytes")
+        per = f.get("kv_bytes_per_position")
+        where = f" (from {f['kv_source']})" if f.get("kv_source") else ""
+        self.set("kvPerPositionValue", NOT_REPORTED if per is None else fmt_bytes(per) + where)
         if positions is None:  # a remote server that reports no token counts
             set_bar(self.cacheBar, 1, 0, NOT_REPORTED)
             for name in ("cachePositionsValue", "kvPayloadValue", "kvFormulaValue"):
@@ -382,7 +394,6 @@ class StatsPanel(QScrollArea):
             self.set("cachePointValue", point)
             return
         cap = f.get("capacity")
-        per = f.get("kv_bytes_per_position")
         payload = None if per is None else positions * per
         of = f"{positions:,} / {cap:,}" if cap else f"{positions:,} (capacity {NOT_REPORTED})"
         set_bar(
@@ -390,7 +401,6 @@ class StatsPanel(QScrollArea):
         )
         self.set("cachePositionsValue", of)
         self.set("kvPayloadValue", NOT_REPORTED if payload is None else fmt_bytes(payload))
-        allocated = f["cache"].get("allocated_bytes")
         self.set("kvAllocatedValue", NOT_REPORTED if allocated is None else fmt_bytes(allocated))
         if per is None or f.get("layers") is None:
             self.set("kvFormulaValue", NOT_REPORTED)
@@ -410,7 +420,12 @@ class StatsPanel(QScrollArea):
         self.set("cachePointValue", point)
 
     def show_reply(self, s, title: str = "") -> None:
-        self.heading.setText(title or s.title)
+        """One reply's figures (a chat.ReplyStats), read against the engine and model that made it."""
+        if self.heading.text() != (title or s.title):
+            self.heading.setText(title or s.title)
+        made = s.made_by or self.facts
+        remote = made.get("backend") == "remote"
+        self._timing_labels(remote)
         self.set("ttftValue", fmt_ms(s.figure("ttft_ms")))
         shown, ttft = s.on_screen_ms, s.figure("ttft_ms")
         seam = "" if ttft is None or shown is None or shown < ttft else f" · seam {shown - ttft:,.1f} ms"
@@ -419,7 +434,7 @@ class StatsPanel(QScrollArea):
             parts = [
                 s.trace.get(k) for k in ("ttft_queue_ms", "ttft_tokenize_ms", "ttft_prefill_ms", "ttft_first_token_ms")
             ]
-            if self.remote:  # here: waiting to send · the server's own TTFT · the rest (network, parsing)
+            if remote:  # here: waiting to send · the server's own TTFT · the rest (network, parsing)
                 server = (s.trace.get("server") or {}).get("ttft_ms")
                 queue, ttft = s.trace.get("ttft_queue_ms") or 0.0, s.trace.get("ttft_ms")
                 rest = None if server is None or ttft is None else ttft - queue - server
@@ -438,8 +453,10 @@ class StatsPanel(QScrollArea):
         self.set("tokensPerSecondValue", fmt_rate(s.figure("decode_tok_s")))
         self.set("e2eValue", fmt_ms(s.figure("e2e_ms")))
         self.set("tokensValue", str(s.tokens))
-        if self.remote:
+        if remote:
             self.set("serverTimingValue", server_timing(s.trace) if s.trace is not None else "after the reply")
+        else:
+            self.set("serverTimingValue", "same process")
         n = s.tokens
         point = (
             f"after prefill of {s.prompt_tokens:,} positions"
@@ -450,7 +467,7 @@ class StatsPanel(QScrollArea):
         )
         if s.reason == "eos":
             point = f"all {n} reply tokens consumed; the stop token was not"
-        self.show_cache(s.cache_positions, point)
+        self.show_cache(s.cache_positions, point, s.made_by, s.allocated_bytes)
         r = s.reuse
         if r:
             first = r.get("first_invalidated_position")

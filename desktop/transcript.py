@@ -19,6 +19,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from .chat import reply_footer
 from .outside_text import plain, rich
 from .reply_widgets import ReplyBody, StreamView, WrapLabel
 
@@ -119,6 +120,11 @@ class MessageView(QFrame):
         self.reply.firstPainted.connect(self.firstTextPainted)
         lay.addWidget(self.reply)
         self.body.setVisible(False)
+        self.footerLabel = plain(QLabel())  # a reply's figures (chat.reply_footer); a person's message has none
+        self.footerLabel.setObjectName("replyFooter")
+        self.footerLabel.setWordWrap(True)
+        self.footerLabel.setToolTip("This reply's figures, as it ended: select the reply for all of them in the panel")
+        lay.addWidget(self.footerLabel)
         self.editor: QPlainTextEdit | None = None  # made when an edit begins: a long transcript builds fast
         self.editRow: QWidget | None = None
         self.highlight: tuple[int, int] | None = None
@@ -146,6 +152,9 @@ class MessageView(QFrame):
         self.statusLabel.setText(STATUS_NOTES.get(status, ""))
         self.tokensLabel.setText("" if tokens is None else f"{tokens} tokens")
         self.shown = (text, status, tokens)
+        footer = "" if status == "streaming" or self.message.role != "assistant" else reply_footer(self.message.trace)
+        self.footerLabel.setText(footer)
+        self.footerLabel.setVisible(bool(footer))
 
     def can_show(self, message, branch_index: int, branch_count: int) -> bool:
         """Whether this view can show `message` at that branch position by updating its text alone (no
@@ -155,8 +164,9 @@ class MessageView(QFrame):
 
     def show_message(self, message) -> None:
         """The stored state of the message this view shows (its text, status and token count)."""
+        stamped = message.trace is not self.message.trace
         self.message = message
-        if self.shown != (message.content, message.status, message.token_count):
+        if stamped or self.shown != (message.content, message.status, message.token_count):
             self.set_content(message.content, message.status, message.token_count)
 
     def _mark(self, name: str, on: bool) -> None:

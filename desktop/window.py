@@ -40,6 +40,7 @@ from .branch_view import BranchView
 from .chat import ChatController
 from .client import EngineClient
 from .composer import Composer
+from .context_meter import ContextMeter
 from .export_import import export_conversation, import_conversation
 from .held_banner import HeldBanner
 from .menus import build_menus
@@ -167,6 +168,10 @@ class MainWindow(QMainWindow):
         self.stopButton = button("Stop", "stopButton", self.stop, comp)
         self.stopButton.setVisible(False)
         cl.addLayout(comp)
+        self.contextMeter = ContextMeter()
+        cl.addWidget(self.contextMeter)
+        self.seen: dict | None = None  # the last probe's answer: the conversation's cached share, the next Send's size
+        self.composer.textChanged.connect(self.probe_conversation)  # the meter follows what is typed
 
         self.statsPanel = StatsPanel()
         self.statsPanel.exportRequested.connect(self.export_trace)
@@ -268,16 +273,23 @@ class MainWindow(QMainWindow):
             self.probeTimer.start()
             return
         path = self.chat.branch()
-        if self.facts is None or cid is None or not path:
+        if self.facts is None:
             self.statsPanel.show_conversation_cached(None)
             return
-        self.worker.probe(cid, self.chat.messages(path))
+        self.worker.probe(-1 if cid is None else cid, self.chat.messages(path, cid), self.composer.toPlainText())
 
     def _on_probed(self, cid: int, seen: dict) -> None:
-        if cid != self.chat.current_cid:
+        if cid != (-1 if self.chat.current_cid is None else self.chat.current_cid):
             return
-        self.statsPanel.show_conversation_cached(seen)
+        self.seen = seen
+        self.statsPanel.show_conversation_cached(seen if self.chat.branch() else None)
+        self.show_meter()
         self.conversationProbed.emit(seen)
+
+    def show_meter(self) -> None:
+        """The positions the next Send would need against the capacity (context_meter.py)."""
+        capacity = (self.facts or {}).get("capacity")
+        self.contextMeter.show_reading(self.seen, capacity, self.chat.settings_for().max_new_tokens)
 
     def new_conversation(self) -> None:
         if self.chat.new_conversation():
@@ -420,8 +432,8 @@ class MainWindow(QMainWindow):
         self.pacer.draw_now()
 
     def _on_first_paint(self, t: float) -> None:
-        stats = self.chat.stats
-        if self.generating and stats.first_paint is None:
+        stats = self.chat.streaming_stats
+        if stats is not None and stats.first_paint is None:
             stats.first_paint = t
             self._panel_at = 0.0  # the panel says so at the next redraw
             self.pacer.mark_dirty()
@@ -471,7 +483,7 @@ class MainWindow(QMainWindow):
         self.apply_settings(new)
 
     def _on_model_loaded(self, facts: dict) -> None:
-        self.facts = facts
+        self.facts = self.chat.engine_facts = facts
         self.loadProgress.setVisible(False)
         self.statsPanel.show_model(facts)
         self.transcript.show_start(facts)
@@ -510,6 +522,7 @@ class MainWindow(QMainWindow):
         self.settings = self.chat.settings = new
         new.save(self.qsettings)
         self.show_conversation_settings()
+        self.show_meter()  # max new tokens may have changed
         if reload:
             self.load_model()
 
@@ -619,11 +632,11 @@ class MainWindow(QMainWindow):
         if chat.streaming_mid is not None:
             view = self.transcript.view_for(chat.streaming_mid)
             if view is not None:
-                view.set_content(chat.stream_text, "streaming", chat.stats.tokens)
+                view.set_content(chat.stream_text, "streaming", chat.streaming_stats.tokens)
         if self.generating and now() - self._panel_at < PANEL_EVERY_S and not panel:
             return
         self._panel_at = now()
-        self.statsPanel.show_reply(chat.stats, chat.stats.title)
+        self.statsPanel.show_reply(chat.stats, chat.heading())
         self._update_buttons()
 
     def export_trace(self) -> None:

@@ -47,6 +47,7 @@ class CompareJob:
 class ProbeJob:
     cid: int
     messages: list
+    draft: str = ""  # the message box's text: what the next Send would add
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,11 +87,11 @@ class EngineWorker(QObject):
     def compare(self, rid: int, messages: list, max_new_tokens: int) -> None:
         self._jobs.put(CompareJob(rid, messages, max_new_tokens))
 
-    def probe(self, cid: int, messages: list) -> None:
-        """Ask how many positions of a conversation are cached, before anything is sent (only the latest
-        question is answered: switching through long conversations does not queue their tokenizing
-        ahead of a reply)."""
-        self._latest_probe = ProbeJob(cid, messages)
+    def probe(self, cid: int, messages: list, draft: str = "") -> None:
+        """Ask how many positions of a conversation are cached, before anything is sent, and how many the
+        next Send of `draft` would prompt with (only the latest question is answered: switching through
+        long conversations does not queue their tokenizing ahead of a reply)."""
+        self._latest_probe = ProbeJob(cid, messages, draft)
         self._jobs.put(self._latest_probe)
 
     def generate(self, rid: int, request) -> None:
@@ -208,11 +209,14 @@ class EngineWorker(QObject):
 
         if self.session is None or job is not self._latest_probe:
             return
-        if self.remote:
-            self.probed.emit(job.cid, self.session.cached_positions(Request(messages=job.messages)))
-            return
+        ask = self.session.cached_positions
+        nothing = {"positions": 0, "cached": 0, "source": "none"}
         try:
-            seen = self.session.cached_positions(Request(messages=job.messages, add_generation_prompt=False))
+            # the conversation as stored (a remote server is asked with the generation prompt: its own form)
+            seen = ask(Request(messages=job.messages, add_generation_prompt=self.remote)) if job.messages else nothing
+            if "error" not in seen:  # what Send would prompt with: the conversation, the draft, the prompt for a reply
+                sent = ask(Request(messages=[*job.messages, {"role": "user", "content": job.draft}]))
+                seen = {**seen, "next_positions": sent.get("positions")}
         except (EngineError, ValueError) as e:
             seen = {"error": str(e)}
         self.probed.emit(job.cid, seen)

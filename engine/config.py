@@ -28,6 +28,20 @@ class RopeConfig:
     original_max_position_embeddings: int = 8192
     factors: tuple[float, ...] = ()  # per-frequency divisors a GGUF file carries (rope_freqs.weight)
 
+    def describe(self) -> str:
+        """The rotary settings in words (a cache-drop reason names them): "θ 500,000, llama3 scaling ×32"."""
+        text = f"θ {self.theta:,g}"
+        if self.type == "linear":
+            text += f", linear scaling ×{self.factor:g}"
+        elif self.type == "llama3":
+            text += (
+                f", llama3 scaling ×{self.factor:g} (frequency factors {self.low_freq_factor:g}–"
+                f"{self.high_freq_factor:g}, original context {self.original_max_position_embeddings:,})"
+            )
+        if self.factors:
+            text += f", {len(self.factors)} per-frequency factors from the file"
+        return text
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:

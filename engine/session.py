@@ -48,14 +48,27 @@ class Request:
     ignore_eos: bool = False  # run to max_new_tokens past stop tokens (benchmarks; vLLM's ignore_eos)
 
 
+FINGERPRINT_NAMES = {
+    "weights": "the weights",
+    "dtype": "dtype",
+    "quantization": "weight precision",
+    "activations": "activations",
+    "tokenizer": "the tokenizer",
+    "rope": "rotary embedding",
+    "attention": "attention",
+    "device": "device",
+    "kv_cache": "KV cache precision",
+}  # a fingerprint's keys as a person reads them in the reason a cache was dropped
+
+
 def fingerprint_change(old: dict | None, new: dict) -> str | None:
+    """Why K/V cached under `old` are no longer valid under `new`, in words; None when they are."""
     if old is None or old == new:
         return None
-    changed = [k for k in new if old.get(k) != new.get(k)]
     parts = []
-    for k in changed:
-        a, b = old.get(k), new.get(k)
-        parts.append(f"{k} changed" if k in ("weights", "tokenizer") else f"{k} changed ({a} → {b})")
+    for k in (k for k in new if old.get(k) != new.get(k)):
+        name, a, b = FINGERPRINT_NAMES.get(k, k), old.get(k), new.get(k)
+        parts.append(f"{name} changed" if k in ("weights", "tokenizer") else f"{name} changed ({a} → {b})")
     return "cache dropped: " + ", ".join(parts)
 
 

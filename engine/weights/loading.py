@@ -211,9 +211,10 @@ def _fingerprint(
         "quantization": quantization,
         "activations": model.activations,
         "tokenizer": tokenizer.digest[:16],
-        "rope": repr(cfg.rope),
-        "attention": f"heads={cfg.num_heads} kv_heads={cfg.num_kv_heads} d={cfg.head_dim} "
-        f"window={cfg.sliding_window} qk_norm={cfg.qk_norm}",
+        "rope": cfg.rope.describe(),
+        "attention": f"{cfg.num_heads} query heads, {cfg.num_kv_heads} KV heads of width {cfg.head_dim}"
+        + (f", window {cfg.sliding_window:,}" if cfg.sliding_window else "")
+        + (", QK norm" if cfg.qk_norm else ""),
         "device": str(dev),
     }
 

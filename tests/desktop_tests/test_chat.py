@@ -119,7 +119,7 @@ def test_send_stores_both_messages_and_builds_the_request(chat):
     assert "progress" in chat.listener.calls and not chat.generating and chat.streaming_mid is None
     assert chat.listener.calls.count("first") == 1  # token 1 is drawn at once, once
     assert reply.trace["status"] == "complete" and reply.trace["reason"] == "eos"
-    assert chat.stats.tokens == 2 and chat.stats.title == "Reply · eos"
+    assert chat.stats.tokens == 2 and chat.stats.title == "Reply · stop token"
 
 
 def test_figures_while_streaming_come_from_the_one_place(chat):

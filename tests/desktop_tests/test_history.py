@@ -140,7 +140,8 @@ def test_only_the_latest_probe_is_answered(qtbot):
         w.probe(cid, [{"role": "user", "content": f"conversation {cid}"}])
     while not w._jobs.empty():  # what the worker thread does with its queue
         w._probe(w._jobs.get())
-    assert answered == [3] and Session.asked == [[{"role": "user", "content": "conversation 3"}]]
+    conversation = [{"role": "user", "content": "conversation 3"}]
+    assert answered == [3] and Session.asked == [conversation, [*conversation, {"role": "user", "content": ""}]]
 
 
 def test_history_bench_runs_end_to_end():

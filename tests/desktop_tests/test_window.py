@@ -169,14 +169,32 @@ def test_a_corrupt_model_folder_shows_the_error_and_keeps_the_old_model(
     assert isinstance(final, Finished)
 
 
-def test_over_capacity_prompt_is_explained(qtbot, make_window, spin_loop, demo_model_dir):
+def test_over_capacity_prompt_is_explained_and_the_panel_shows_the_failed_request(
+    qtbot, make_window, spin_loop, demo_model_dir
+):
+    """A request that fails shows its own figures (where it failed, nothing reused), never the previous
+    reply's; its footer says it failed; the previous reply keeps its own."""
+    from desktop.panel import REUSE_ROWS
+
     w = make_window(demo_model_dir, capacity=64, max_new_tokens=32)
+    ok = send(qtbot, w, spin_loop, "Hi")
+    assert isinstance(ok, Finished) and panel(w, "reusedValue") != "—"
     final = send(qtbot, w, spin_loop, BUDGET + " " + BUDGET)
     assert isinstance(final, Failed) and "capacity is 64" in final.error
     assert "capacity is 64" in w.banner.text() and w.banner.isVisible()
-    assert w.transcript.views[-1].message.status == "failed"
+    failed = w.transcript.views[-1]
+    assert failed.message.status == "failed"
     assert w.statsPanel.values["failedValue"].text() == "1 · 0"
     assert w.sendButton.isEnabled()
+    heading = w.statsPanel.heading.text().split("\n")
+    assert heading[0].startswith("Reply · failed: ") and heading[0].endswith("(before its prefill)")
+    assert heading[1].endswith("message 4 of 4")
+    assert all(panel(w, name) == "—" for name in REUSE_ROWS)  # the previous request's reuse is not this one's
+    assert panel(w, "tokensValue") == "0" and panel(w, "ttftValue") == "—"
+    assert "failed: the prompt has" in failed.footerLabel.text() and "kvchat-demo" in failed.footerLabel.text()
+    qtbot.mouseClick(w.transcript.views[1], Qt.LeftButton)  # the first reply: its own figures again
+    spin_loop(lambda: panel(w, "reusedValue") != "—", 5)
+    assert panel(w, "tokensValue") == str(ok.trace["tokens"])
 
 
 def test_close_mid_generation_then_reopen_restores_everything(qtbot, make_window, spin_loop, llama_dir, tmp_path):
@@ -295,7 +313,9 @@ def test_precision_switch_and_compare_with_full_precision(qtbot, make_window, sp
     assert panel(w, "precisionValue") == "int4/g32, head int8/g32 · int8"
     assert w.facts["weight_bytes"] < full_bytes / 2
     reason = panel(w, "reuseReasonValue")
-    assert "quantization changed (none → int4/g32)" in reason and "kv_cache changed (none → int8)" in reason
+    assert (
+        "weight precision changed (none → int4/g32)" in reason and "KV cache precision changed (none → int8)" in reason
+    )
     final = send(qtbot, w, spin_loop, "What is my budget?")
     per = w.facts["kv_bytes_per_position"]
     assert per == 2 * w.facts["layers"] * w.facts["kv_heads"] * (w.facts["head_dim"] + 4)
@@ -615,7 +635,12 @@ def test_the_panel_describes_the_reply_on_screen_after_a_conversation_or_branch_
     shows(b_reply)
     w.select_conversation(a_cid)  # back to the first conversation: its reply's figures, not the last request's
     shows(a_reply)
-    assert w.statsPanel.heading.text() == "Reply · max_new_tokens"  # as it was when the reply ended
+    title = w.store.conversation(a_cid).title
+    assert w.statsPanel.heading.text().split("\n") == [  # which reply: its state, place and maker
+        "Reply · token limit",
+        f"“{title}”, message 2 of 2",
+        "by kvchat-demo (float32) · same process",
+    ]
     # an edit makes a second branch with its own reply; the arrows bring back the first one's figures
     edit(
         qtbot,
@@ -627,9 +652,11 @@ def test_the_panel_describes_the_reply_on_screen_after_a_conversation_or_branch_
     second = w.transcript.views[-1].message.id
     assert second != a_reply
     shows(second)
+    assert w.statsPanel.heading.text().split("\n")[1] == f"“{title}”, message 2 of 2, branch ‹2/2›"
     qtbot.mouseClick(w.transcript.views[0].prevButton, Qt.LeftButton)
     shows(a_reply)
     assert w.transcript.views[-1].message.id == a_reply
+    assert w.statsPanel.heading.text().split("\n")[1] == f"“{title}”, message 2 of 2, branch ‹1/2›"
 
 
 def test_focus_stays_in_the_message_box_after_an_edit_and_a_branch_click(qtbot, make_window, spin_loop, demo_model_dir):

@@ -222,7 +222,7 @@ def test_precision_change_invalidates_the_cache_with_its_reason(llama_dir):
     list(s.generate(Request(prompt_ids=tuple(range(5, 20)), max_new_tokens=3)))
     s.set_model(loaded, kv="int8")
     start = list(s.generate(Request(prompt_ids=tuple(range(5, 20)), max_new_tokens=3)))[0]
-    assert start.reuse.reused == 0 and "kv_cache changed (none → int8)" in start.reuse.reason
+    assert start.reuse.reused == 0 and "KV cache precision changed (none → int8)" in start.reuse.reason
     s.set_model(load_model(llama_dir, weights="int8", group_size=16))
     start = list(s.generate(Request(prompt_ids=tuple(range(5, 20)), max_new_tokens=3)))[0]
-    assert "quantization changed (none → int8/g16)" in start.reuse.reason
+    assert "weight precision changed (none → int8/g16)" in start.reuse.reason

@@ -161,6 +161,18 @@ def test_dtype_change_drops_the_cache_with_its_reason(llama_dir):
     assert s.reuse.reused > 0 and "dropped" not in (s.reuse.reason or "")
 
 
+def test_a_rotary_change_drops_the_cache_with_the_settings_in_words(llama_dir):
+    from engine.config import RopeConfig
+    from engine.session import fingerprint_change
+
+    loaded = load_model(llama_dir, device="cpu", dtype="float32")
+    old = loaded.fingerprint
+    new = {**old, "rope": RopeConfig(theta=500000.0, type="llama3", factor=32.0).describe()}
+    reason = fingerprint_change(old, new)
+    assert reason.startswith("cache dropped: rotary embedding changed (θ 10,000 → θ 500,000, llama3 scaling ×32")
+    assert "RopeConfig" not in reason and "=" not in reason  # written for people, not a repr
+
+
 def test_other_weights_drop_the_cache(llama_dir, tmp_path):
     from checkpoints import make_checkpoint
 

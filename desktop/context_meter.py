@@ -1,0 +1,69 @@
+"""The context meter by the message box: the cache positions the next Send would need against the
+capacity, with a warning near the limit, so the wall is seen before it is hit."""
+
+from __future__ import annotations
+
+from PySide6.QtWidgets import QLabel
+
+from .outside_text import plain, plain_tooltip
+
+NEAR = 0.85  # from this share of the capacity on, the meter warns
+
+
+def need(prompt: int, max_new_tokens: int) -> int:
+    """Positions a request needs: its prompt and its reply but the last token, which is never consumed
+    (engine.session.Session.check_capacity's rule)."""
+    return prompt + max_new_tokens - 1
+
+
+def reading(seen: dict | None, capacity: int | None, max_new_tokens: int) -> tuple[str, str, str]:
+    """(the meter's text, its level: ok | near | over | unknown, the tooltip) for a probe's answer."""
+    prompt = (seen or {}).get("next_positions")
+    if not isinstance(prompt, int):
+        why = (seen or {}).get("error") or "counted once a model is loaded"
+        return "Context: —", "unknown", f"The positions the next Send would need: {why}."
+    total = need(prompt, max_new_tokens)
+    formula = (
+        f"the prompt as the template writes it ({prompt:,} positions: the conversation, your message and the "
+        f"template's own tokens) + up to {max_new_tokens:,} new tokens − 1 (the last is never consumed)"
+    )
+    if not capacity:
+        return f"Next Send: {total:,} positions", "unknown", f"{formula}. This server does not report its capacity."
+    text = f"Next Send: {total:,} / {capacity:,} positions"
+    if total > capacity:
+        level = "over"
+        text += " · over the capacity: Send will be refused"
+        advice = (
+            "Send will be refused with the reason (the policy is: stop at the limit). Shorten the "
+            "conversation or your message, lower max new tokens, or raise the capacity in Settings."
+        )
+    elif total >= NEAR * capacity:
+        level = "near"
+        text += f" · {100 * total / capacity:.0f}%: near the limit"
+        advice = "Near the capacity: a few more turns and Send will be refused."
+    else:
+        level, advice = "ok", ""
+    return text, level, f"{formula} = {total:,}, against a capacity of {capacity:,} positions. {advice}".strip()
+
+
+class ContextMeter(QLabel):
+    """One line under the message box; its `level` property colours it (the style sheets)."""
+
+    def __init__(self):
+        super().__init__()
+        plain(self)
+        self.setObjectName("contextMeter")
+        self.setAccessibleName("Context meter")
+        self.level = "unknown"
+        self.show_reading(None, None, 1)
+
+    def show_reading(self, seen: dict | None, capacity: int | None, max_new_tokens: int) -> None:
+        text, level, tip = reading(seen, capacity, max_new_tokens)
+        self.setText(text)
+        self.setToolTip(plain_tooltip(tip))  # rich text: wrapped, not one line across the screen
+        self.setAccessibleDescription(tip)
+        if level != self.level:
+            self.level = level
+            self.setProperty("level", level)
+            self.style().unpolish(self)
+            self.style().polish(self)
