@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sqlite3
 
+from .chat import reply_footer
 from .store import Conversation, Store
 
 FORMAT, VERSION = "kvchat-conversation", 1
@@ -28,6 +29,9 @@ def to_markdown(store: Store, cid: int) -> str:
     for m in store.branch(cid):
         note = "" if m.status == "complete" else f" ({m.status})"
         parts.append(f"**{NAMES.get(m.role, m.role)}**{note}\n\n{_quoted(m.content)}")
+        figures = reply_footer(m.trace) if m.role == "assistant" else ""
+        if figures:  # a reply's figures on one line of their own, after its quote
+            parts.append("Figures: " + " ".join(figures.split()))
     return "\n\n".join(parts) + "\n"
 
 

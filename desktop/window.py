@@ -276,7 +276,9 @@ class MainWindow(QMainWindow):
         if self.facts is None:
             self.statsPanel.show_conversation_cached(None)
             return
-        self.worker.probe(-1 if cid is None else cid, self.chat.messages(path, cid), self.composer.toPlainText())
+        self.worker.probe(
+            -1 if cid is None else cid, self.chat.messages(path, cid), self.composer.toPlainText().strip()
+        )  # as Send sends it
 
     def _on_probed(self, cid: int, seen: dict) -> None:
         if cid != (-1 if self.chat.current_cid is None else self.chat.current_cid):
@@ -497,6 +499,9 @@ class MainWindow(QMainWindow):
             note += f" {facts['cache_dropped']}."
             self.statsPanel.set("reuseReasonValue", facts["cache_dropped"])
         self.statusBar().showMessage(note, 10000)
+        if self.chat.stats.status != "idle":  # the reply shown keeps its own figures, made where it was made
+            self.statsPanel.show_reply(self.chat.stats, self.chat.heading())
+        self.show_meter()
         self._update_buttons()
         self.modelReady.emit(facts)
 

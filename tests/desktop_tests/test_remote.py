@@ -289,3 +289,47 @@ def test_closing_while_the_engine_is_stuck_in_a_load_hides_the_window_at_once(qt
         assert w.worker_thread.thread.wait(15000)  # it ends at the model list's deadline, on its own
     finally:
         server.stop()
+
+
+def test_a_reply_keeps_its_engine_and_figures_after_an_engine_switch_and_a_restart(
+    qtbot, make_window, spin_loop, serve, tmp_path
+):
+    """A reply made on the server stays described as the server's (its timing rows, its heading, its
+    footer) after the app switches to the local engine, and after a restart; the local reply is its own."""
+    import dataclasses
+
+    server = serve()
+    data = tmp_path / "data"
+    w = make_window(data=data, backend="remote", remote_url=server.url, max_new_tokens=8)
+    url = w.facts["server"]
+    first = send(qtbot, w, spin_loop, BUDGET)
+    maker = f"by kvchat-demo (float32) · remote kvchat server at {url}"
+    server_row = panel(w, "serverTimingValue")
+    assert server_row.startswith(f"TTFT {fmt_ms(first.trace['server']['ttft_ms'])}")
+    assert w.statsPanel.heading.text().endswith(maker) and w.transcript.views[1].footerLabel.text().endswith(maker[3:])
+
+    def shows_the_remote_reply():
+        spin_loop(lambda: panel(w, "serverTimingValue") == server_row, 5)  # at the panel's next redraw
+        assert "client-side" in w.statsPanel.timingBox.title()
+        assert w.statsPanel.heading.text().endswith(maker)
+        assert panel(w, "ttftValue") == fmt_ms(first.trace["ttft_ms"])
+
+    ready = []
+    w.modelReady.connect(ready.append)
+    w.apply_settings(dataclasses.replace(w.settings, backend="local"))
+    spin_loop(lambda: ready)
+    assert w.facts.get("backend") is None
+    w.render_transcript()
+    shows_the_remote_reply()  # not relabelled "same process"
+    second = send(qtbot, w, spin_loop, "And a fourth night?")
+    assert isinstance(second, Finished)
+    assert panel(w, "serverTimingValue") == "same process" and w.statsPanel.timingBox.title() == "Timing"
+    assert w.statsPanel.heading.text().endswith("by kvchat-demo (float32) · same process")
+    qtbot.mouseClick(w.transcript.views[1], Qt.LeftButton)  # the server's reply again: its own figures
+    shows_the_remote_reply()
+    w.close()
+
+    w = make_window(data=data)  # a restart, on the local engine
+    assert w.transcript.views[1].footerLabel.text().endswith(maker[3:])
+    qtbot.mouseClick(w.transcript.views[1], Qt.LeftButton)
+    shows_the_remote_reply()

@@ -11,6 +11,7 @@ from PySide6.QtWidgets import QFrame
 
 pytest.importorskip("starlette")
 
+from desktop.chat import reply_footer
 from desktop.markdown import code_blocks
 from desktop.reply_widgets import MarkdownLabel
 from desktop.transcript import DEMO_HINT
@@ -179,6 +180,10 @@ def test_export_then_import_gives_the_same_tree(qtbot, make_window, spin_loop, d
     qtbot.mouseClick(w.exportButton, Qt.LeftButton)
     text = md.read_text()
     assert "750 yuan" in text and "600 yuan" not in text and text.startswith("# ")  # the branch shown
+    reply = w.store.branch(cid)[-1]
+    assert f"Figures: {reply_footer(reply.trace)}" in text.split("\n")  # each reply's figures go with it
+    assert "tok/s · TTFT" in reply_footer(reply.trace) and reply_footer(reply.trace).endswith("· same process")
+    assert data["messages"][-1]["trace"]["made_by"]["name"] == "kvchat-demo"
 
     monkeypatch.setattr(QFileDialog, "getOpenFileName", lambda *a, **k: (str(out), ""))
     qtbot.mouseClick(w.importButton, Qt.LeftButton)
@@ -266,6 +271,10 @@ def test_both_style_sheets_keep_text_readable(theme):
             assert contrast(fg.group(1), b) >= 4.5, (theme, sel.strip(), fg.group(1), b)
             checked += 1
     assert checked >= 12
+    colour = {sel.strip(): re.search(r"background:\s*(#[0-9a-f]{6})", body) for sel, body in rules}
+    for way in ("vertical", "horizontal"):  # a scroll bar's handle stands out from its groove (WCAG 1.4.11: 3:1)
+        handle, groove = colour[f"QScrollBar::handle:{way}"].group(1), colour[f"QScrollBar:{way}"].group(1)
+        assert contrast(handle, groove) >= 3.0, (theme, way, handle, groove)
 
 
 def test_the_theme_switch_changes_the_sheet_and_the_code_colours_and_is_kept(

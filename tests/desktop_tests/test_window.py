@@ -627,6 +627,12 @@ def test_the_panel_describes_the_reply_on_screen_after_a_conversation_or_branch_
     send(qtbot, w, spin_loop, BUDGET)
     a_cid, a_reply = w.chat.current_cid, w.transcript.views[-1].message.id
     shows(a_reply)
+    t = w.store.message(a_reply).trace["trace"]  # the reply's footer: its own figures, as stored
+    assert w.transcript.views[-1].footerLabel.text() == (
+        f"6 tokens · {t['decode_tok_s']:,.1f} tok/s · TTFT {t['ttft_ms']:,.1f} ms · token limit · "
+        "kvchat-demo (float32) · same process"
+    )
+    assert not w.transcript.views[0].footerLabel.isVisible()  # a person's message has none
     qtbot.mouseClick(w.newButton, Qt.LeftButton)
     qtbot.waitUntil(lambda: w.statsPanel.heading.text() == "No reply yet", timeout=3000)  # nothing to describe
     assert panel(w, "tokensValue") != stored(a_reply)[0]
@@ -750,3 +756,46 @@ def test_every_panel_row_says_what_it_measures(qtbot, make_window, demo_model_di
         form = v.parentWidget().layout()
         assert isinstance(form, QFormLayout) and form.labelForField(v).toolTip() == v.toolTip(), name
     assert "template" in ROW_HELP["firstInvalidatedValue"] and "ids" in ROW_HELP["tokenChangeValue"]
+
+
+def test_the_context_meter_counts_what_the_next_send_needs_and_warns_before_the_wall(
+    qtbot, make_window, spin_loop, demo_model_dir
+):
+    """Under the message box: the positions the next Send would need (the template's prompt with the
+    draft, plus the reply's tokens) against the capacity; near the limit it warns, over it it says Send
+    will be refused, and Send is refused with the same number."""
+    w = make_window(demo_model_dir, capacity=160, max_new_tokens=16)
+    tok = w.worker.loaded.tokenizer
+    probed = []
+    w.conversationProbed.connect(probed.append)
+
+    def reads(draft, typed=False):
+        probed.clear()
+        if typed:
+            qtbot.keyClicks(w.composer, draft)
+        else:
+            w.composer.setPlainText(draft)
+        spin_loop(lambda: probed and probed[-1].get("next_positions") is not None and w.composer.toPlainText() == draft)
+        return w.contextMeter.text(), w.contextMeter.level
+
+    def need(history, draft):
+        return len(tok.apply_chat_template([*history, {"role": "user", "content": draft.strip()}])) + 16 - 1
+
+    text, level = reads("Hi", typed=True)
+    assert (text, level) == (f"Next Send: {need([], 'Hi'):,} / 160 positions", "ok")
+    assert "+ up to 16 new tokens" in w.contextMeter.toolTip()
+    ok = send(qtbot, w, spin_loop, "")  # the composer's text is sent as typed
+    assert isinstance(ok, Finished)
+    history = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": w.transcript.views[-1].message.content},
+    ]
+    words = next(k for k in range(1, 200) if need(history, "word " * k) >= 0.85 * 160)
+    text, level = reads("word " * words)
+    assert level == "near" and text.startswith(f"Next Send: {need(history, 'word ' * words):,} / 160 positions")
+    assert "near the limit" in text
+    over = next(k for k in range(words, 400) if need(history, "word " * k) > 160)
+    text, level = reads("word " * over)
+    assert level == "over" and "Send will be refused" in text
+    final = send(qtbot, w, spin_loop, "")
+    assert isinstance(final, Failed) and f"needs {need(history, 'word ' * over)} cache positions" in final.error
