@@ -1,9 +1,11 @@
 """A reply cut into the pieces the transcript draws differently: Markdown text, fenced code blocks and
 `<think>` blocks. No Qt here. While a reply streams only its last piece is still open; the ones
-before it never change again, so the view renders each of them once.
+before it never change again (but the growing paragraph's complete lines), so the view renders each
+of them once.
 
-Text is cut at blank lines (outside code and thinking), so the piece still growing is a paragraph,
-not the whole reply.
+Text is cut at blank lines (outside code and thinking), and while a reply streams its last paragraph is
+cut before the line still being written: the open piece is one line, not the whole reply, and the
+paragraph's complete lines (a list's items, a table's rows) are drawn as Markdown as they arrive.
 """
 
 from __future__ import annotations
@@ -73,6 +75,10 @@ def pieces(reply: str, streaming: bool = False, thinking: bool = True) -> list[P
         else:
             text.append(line)
         i += 1
+    if streaming and len(text) > 1 and not reply.endswith("\n\n"):  # the growing paragraph's complete lines
+        last = text.pop()  # are Markdown already (a list's items are bullets as they come): only the line
+        flush_text()  # still being written is open
+        text.append(last)
     flush_text(closed=not streaming or reply.endswith("\n\n"))
     return out
 

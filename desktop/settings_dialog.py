@@ -24,6 +24,8 @@ from PySide6.QtWidgets import (
     QPlainTextEdit,
     QPushButton,
     QSpinBox,
+    QTabWidget,
+    QVBoxLayout,
     QWidget,
 )
 
@@ -31,6 +33,7 @@ from engine.devices import DTYPES
 from engine.errors import EngineError
 from engine.http.remote import RemoteSpec, list_models
 from engine.quant import ACTIVATIONS, PRECISIONS
+from engine.session import DEFAULT_CAPACITY
 from engine.spec import LoadSpec
 
 from .outside_text import plain, rich
@@ -68,7 +71,12 @@ class SettingsDialog(QDialog):
         super().__init__(parent)
         self.setWindowTitle("kvchat settings")
         self.setObjectName("settingsDialog")
-        form = QFormLayout(self)
+        outer = QVBoxLayout(self)
+        self.tabs = QTabWidget()  # what this conversation uses, apart from what every conversation shares
+        self.tabs.setObjectName("settingsTabs")
+        outer.addWidget(self.tabs)
+        engine_page, chat_page = QWidget(), QWidget()
+        form = QFormLayout(engine_page)
         spec = settings.model
         self._original = settings
         self.backend = QComboBox()
@@ -133,7 +141,9 @@ class SettingsDialog(QDialog):
         self.dtype.addItems(["auto", *DTYPES])
         self.dtype.setCurrentText(spec.dtype or "auto")
         form.addRow("dtype", self.dtype)
-        self.capacity = self._spin(spec.capacity or 0, 0, 1 << 20, "capacitySpin", "model default")
+        self.capacity = self._spin(
+            spec.capacity or 0, 0, 1 << 20, "capacitySpin", f"model default: min(context, {DEFAULT_CAPACITY:,})"
+        )  # the engine's own default, the same as `engine serve` takes
         form.addRow("KV capacity (positions)", self.capacity)
         self.weights = self._combo(list(PRECISIONS), spec.weights, "weightsCombo")
         form.addRow("Weight precision", self.weights)
@@ -157,6 +167,8 @@ class SettingsDialog(QDialog):
             "of positions and perplexity rises 0.3%)"
         )
         form.addRow("Activations (quantized weights)", self.activations)
+        engine_form = form
+        form = QFormLayout(chat_page)
         self.system = QPlainTextEdit(settings.system_prompt)
         self.system.setObjectName("systemPromptEdit")
         self.system.setMaximumHeight(70)
@@ -178,7 +190,7 @@ class SettingsDialog(QDialog):
         row.addWidget(self.presets, 1)
         row.addWidget(self.savePreset)
         row.addWidget(self.deletePreset)
-        form.addRow("System prompt (this conversation)", row)
+        form.addRow("System prompt", row)
         form.addRow("", self.system)
         self.temperature = self._dspin(settings.temperature, 0, 5, 0.05, "temperatureSpin")
         form.addRow("Temperature (0 = greedy)", self.temperature)
@@ -200,14 +212,16 @@ class SettingsDialog(QDialog):
         )
         where.setObjectName("dataPathLabel")
         where.setWordWrap(True)
-        form.addRow("Data", where)
+        engine_form.addRow("Data", where)
+        self.tabs.addTab(chat_page, "This conversation")
+        self.tabs.addTab(engine_page, "Engine (all conversations)")
         self._local_rows = (self.modelDir, browse, browse_file, self.device, self.dtype, self.capacity, self.weights)
         self._local_rows += (self.kv, self.cacheBudget, self.group)  # the local engine's own: a server has its own
         self._backend_changed()
         buttons = QDialogButtonBox(QDialogButtonBox.Ok | QDialogButtonBox.Cancel)
         buttons.accepted.connect(self.accept)
         buttons.rejected.connect(self.reject)
-        form.addRow(buttons)
+        outer.addWidget(buttons)
 
     @staticmethod
     def _combo(items, value, name):

@@ -59,6 +59,10 @@ from .transcript import MessageView, Transcript
 from .worker import WorkerThread
 
 PROBE_DELAY_MS = 250  # a conversation opened is probed for its cached share this long after (once drawn)
+GREEDY_HINT = (
+    "Greedy sampling (temperature 0): Regenerate gives the same reply again. Raise the temperature "
+    "(kvchat → Settings…, This conversation) for a different one."
+)
 PANEL_EVERY_S = 0.5  # the panel's figures twice a second while a reply streams (and once at its end)
 
 
@@ -152,6 +156,11 @@ class MainWindow(QMainWindow):
         actions = QHBoxLayout()
         self.regenerateButton = button("Regenerate", "regenerateButton", self.regenerate, actions)
         self.continueButton = button("Continue", "continueButton", self.continue_reply, actions)
+        self.regenerateHint = plain(QLabel())  # under greedy sampling, why Regenerate gives the same reply
+        self.regenerateHint.setObjectName("regenerateHint")
+        self.regenerateHint.setWordWrap(True)
+        self.regenerateHint.setVisible(False)
+        actions.addWidget(self.regenerateHint, 1)
         actions.addStretch(1)
         cl.addLayout(actions)
         comp = QHBoxLayout()
@@ -181,8 +190,14 @@ class MainWindow(QMainWindow):
         split.addWidget(self.statsPanel)
         split.setSizes([230, 760, 390])
         split.setStretchFactor(1, 1)
+        split.setChildrenCollapsible(False)  # a drag stops at each side's minimum: the panel cannot be lost
+        split.setHandleWidth(6)  # a handle a person can find and grab
+        self.splitter = split
         self.setCentralWidget(split)
 
+        self.statusLine = plain(QLabel())  # what is in use, under any passing message (never a blank bar)
+        self.statusLine.setObjectName("statusLine")
+        self.statusBar().addWidget(self.statusLine, 1)
         self.loadProgress = QProgressBar()
         self.loadProgress.setObjectName("loadProgress")
         self.loadProgress.setRange(0, 0)
@@ -495,12 +510,12 @@ class MainWindow(QMainWindow):
             note = f"Connected: {facts['name']} at {facts['server']} ({facts.get('server_kind')} server)."
         else:
             note = f"Model {facts['name']} ready on {facts['device']} ({facts['dtype']})."
-        if facts.get("cache_dropped"):
-            note += f" {facts['cache_dropped']}."
-            self.statsPanel.set("reuseReasonValue", facts["cache_dropped"])
-        self.statusBar().showMessage(note, 10000)
         if self.chat.stats.status != "idle":  # the reply shown keeps its own figures, made where it was made
             self.statsPanel.show_reply(self.chat.stats, self.chat.heading())
+        if facts.get("cache_dropped"):
+            note += f" {facts['cache_dropped']}."
+            self.statsPanel.set("reuseReasonValue", f"for the next request: {facts['cache_dropped']}")
+        self.statusBar().showMessage(note, 10000)
         self.show_meter()
         self._update_buttons()
         self.modelReady.emit(facts)
@@ -528,6 +543,7 @@ class MainWindow(QMainWindow):
         new.save(self.qsettings)
         self.show_conversation_settings()
         self.show_meter()  # max new tokens may have changed
+        self._update_buttons()  # and the sampling Regenerate's hint depends on
         if reload:
             self.load_model()
 
@@ -556,11 +572,32 @@ class MainWindow(QMainWindow):
     # --- chatting ----------------------------------------------------------------------
     def _update_buttons(self) -> None:
         ready = self.facts is not None and not self.loadProgress.isVisible()
+        greedy = self.chat.settings_for().temperature == 0
+        tip = GREEDY_HINT if greedy else "Run the last reply again: a new version ‹n/n› beside the others"
+        if self.regenerateButton.toolTip() != tip:
+            self.regenerateButton.setToolTip(tip)
+            self.regenerateHint.setText(GREEDY_HINT)
+        if not greedy:
+            self.regenerateHint.setVisible(False)
+        self._show_status_line()
         self.sendButton.setVisible(not self.generating)
         self.stopButton.setVisible(self.generating)
         self.sendButton.setEnabled(ready)
         self.regenerateButton.setEnabled(ready and self.chat.can_regenerate())
         self.continueButton.setEnabled(ready and self.chat.can_continue())
+
+    def _show_status_line(self) -> None:
+        """The engine and model in use and the conversation's share of the cache, in the status bar."""
+        f = self.facts
+        if f is None:
+            text = "Loading the model…" if self.loadProgress.isVisible() else "No model loaded"
+        else:
+            where = f"at {f['server']}" if f.get("backend") == "remote" else f"on {f['device']}"
+            cap = f.get("capacity")
+            text = f"{'Replying' if self.generating else 'Ready'} · {f['name']} {where}"
+            text += f" · capacity {cap:,} positions" if cap else ""
+        if self.statusLine.text() != text:
+            self.statusLine.setText(text)
 
     def send(self) -> None:
         if self.facts is None or self.generating:
@@ -570,6 +607,7 @@ class MainWindow(QMainWindow):
         if user is None:
             return
         self.composer.clear()
+        self.regenerateHint.setVisible(False)
         self._fill_conversations()  # a new conversation, or a new title
         self.show_conversation_settings()
         self.start_reply(user, arrival)
@@ -587,6 +625,7 @@ class MainWindow(QMainWindow):
     def regenerate(self) -> None:
         target = self.chat.regenerate_target()
         if target is not None:
+            self.regenerateHint.setVisible(self.chat.settings_for().temperature == 0)
             self.start_reply(target, now())
 
     def continue_reply(self) -> None:

@@ -37,6 +37,8 @@ def test_while_streaming_only_the_last_piece_is_open():
     thinking = pieces("<think>\nStill going", streaming=True)
     assert thinking == [Piece("think", "Still going", closed=False)]
     assert pieces("<think>\nnever closed") == [Piece("think", "never closed")]  # a finished reply: all closed
+    growing = pieces("Plan:\n- pandas\n- hot", streaming=True)  # a list's complete items are Markdown at once
+    assert growing == [Piece("text", "Plan:\n- pandas"), Piece("text", "- hot", closed=False)]
 
 
 def test_fences_of_either_kind_and_a_longer_closing_fence():

@@ -1,5 +1,6 @@
 """The real window, driven as a person drives it: type, click, wait, read the panel."""
 
+import dataclasses
 import json
 import sqlite3
 
@@ -531,6 +532,7 @@ def test_kvchat_starts_on_the_model_it_is_given(tmp_path, smollm2_gguf):
     facts = json.loads(r.stdout.strip().splitlines()[-1])
     assert facts["name"] == smollm2_gguf.name and facts["format"] == "gguf"
     assert facts["architecture"] == "LlamaForCausalLM"
+    assert "QObject" not in r.stderr and "malformed" not in r.stderr  # it quits cleanly (Qt says nothing)
 
 
 def test_a_rename_a_lock_holds_back_shows_the_banner_and_is_saved_when_the_lock_goes(
@@ -799,3 +801,90 @@ def test_the_context_meter_counts_what_the_next_send_needs_and_warns_before_the_
     assert level == "over" and "Send will be refused" in text
     final = send(qtbot, w, spin_loop, "")
     assert isinstance(final, Failed) and f"needs {need(history, 'word ' * over)} cache positions" in final.error
+
+
+@pytest.mark.parametrize("theme", ["dark", "light"])
+def test_every_tab_stop_shows_where_the_focus_is(qtbot, make_window, spin_loop, demo_model_dir, theme):
+    """Tab through the whole window: each widget it reaches looks different with the focus than without."""
+    from PySide6.QtWidgets import QApplication
+
+    w = make_window(demo_model_dir, theme=theme)
+    send(qtbot, w, spin_loop, "Hi")
+    w.activateWindow()
+    qtbot.waitUntil(lambda: QApplication.activeWindow() is w, timeout=3000)
+    w.composer.setFocus()
+    qtbot.waitUntil(lambda: QApplication.focusWidget() is w.composer)
+    stops, unmarked = [], []
+    while (f := QApplication.focusWidget()) not in stops and len(stops) < 80:
+        stops.append(f)
+        with_focus = f.grab().toImage()
+        f.clearFocus()
+        qtbot.wait(10)
+        if f.grab().toImage() == with_focus:
+            unmarked.append(f.objectName() or type(f).__name__)
+        f.setFocus(Qt.TabFocusReason)
+        qtbot.wait(10)
+        qtbot.keyClick(f, Qt.Key_Tab)
+    assert len(stops) >= 20 and not unmarked
+
+
+def test_the_panel_cannot_be_dragged_away_and_the_status_bar_says_what_is_in_use(
+    qtbot, make_window, spin_loop, demo_model_dir
+):
+    """A drag of the divider stops at the panel's (and the list's) minimum width; after a reply, and once
+    any passing message is gone, the status bar still says which model is in use."""
+    w = make_window(demo_model_dir)
+    split = w.splitter
+    split.moveSplitter(split.width(), 2)  # the panel's divider dragged to the window's right edge
+    split.moveSplitter(0, 1)  # the list's to the left edge
+    qtbot.wait(50)
+    assert w.statsPanel.width() >= w.statsPanel.minimumWidth() > 0
+    assert w.sidebar.width() >= w.sidebar.minimumSizeHint().width() > 0
+    send(qtbot, w, spin_loop, "Hi")
+    w.statusBar().clearMessage()
+    assert w.statusLine.isVisible() and w.statusLine.text() == "Ready · kvchat-demo on cpu · capacity 2,048 positions"
+
+
+def test_regenerate_under_greedy_sampling_says_why_it_repeats(qtbot, make_window, spin_loop, demo_model_dir):
+    from dataclasses import replace
+
+    w = make_window(demo_model_dir, max_new_tokens=8)
+    first = send(qtbot, w, spin_loop, BUDGET)
+    assert not w.regenerateHint.isVisible() and "temperature 0" in w.regenerateButton.toolTip()
+    got = []
+    w.replyFinished.connect(got.append)
+    qtbot.mouseClick(w.regenerateButton, Qt.LeftButton)
+    spin_loop(lambda: got)
+    assert got[0].text == first.text  # greedy: the same reply, and the window says why
+    assert w.regenerateHint.isVisible() and "Raise the temperature" in w.regenerateHint.text()
+    w.apply_settings(replace(w.settings, temperature=0.8), conversation=True)
+    assert not w.regenerateHint.isVisible() and "temperature 0" not in w.regenerateButton.toolTip()
+
+
+def test_the_settings_dialog_fits_a_laptop_screen_and_parts_this_conversation_from_the_engine(qtbot, tmp_path):
+    from desktop.settings import Settings
+    from desktop.settings_dialog import SettingsDialog
+
+    dlg = SettingsDialog(Settings(), tmp_path / "kvchat.db")
+    qtbot.addWidget(dlg)
+    tabs = dlg.tabs
+    assert [tabs.tabText(i) for i in range(tabs.count())] == ["This conversation", "Engine (all conversations)"]
+    assert tabs.widget(0).isAncestorOf(dlg.temperature) and tabs.widget(0).isAncestorOf(dlg.system)
+    assert tabs.widget(1).isAncestorOf(dlg.capacity) and tabs.widget(1).isAncestorOf(dlg.backend)
+    assert dlg.sizeHint().height() <= 700  # was ~980 px, one long form
+    assert dlg.capacity.specialValueText() == "model default: min(context, 4,096)"
+
+
+def test_the_app_and_the_server_take_the_same_capacity_by_default(smollm2_gguf, tmp_path):
+    """One default for the same file: the app's settings (capacity left to the model) and `engine serve`."""
+    from desktop.settings import Settings
+    from desktop.settings_dialog import open_settings
+    from engine.cli import parser
+    from engine.spec import LoadSpec
+
+    app = dataclasses.replace(Settings.load(open_settings(tmp_path)).engine(), path=str(smollm2_gguf))
+    served = LoadSpec.from_args(parser().parse_args(["serve", "--model", str(smollm2_gguf)]))
+    assert app == served  # the same spec: capacity left to the engine in both
+    _, a = app.open()
+    _, b = served.open()
+    assert a.cache.capacity == b.cache.capacity == 4096  # min(its context 8,192, 4,096)
