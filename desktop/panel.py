@@ -5,6 +5,8 @@ It only shows a plain `ReplyStats` (chat.py) it is handed; the window decides wh
 
 from __future__ import annotations
 
+import re
+
 from PySide6.QtCore import QRectF, Qt, Signal
 from PySide6.QtGui import QBrush, QColor, QFont, QPainter, QPen
 from PySide6.QtWidgets import (
@@ -50,6 +52,25 @@ def fmt_bytes(n) -> str:
     """The exact count and the short size: 92,471,296 B (88.2 MiB)."""
     short = fmt_size(n)
     return short if n is None or n < 2**10 else f"{n:,} B ({short})"
+
+
+LONG_WORD = 16  # characters: a word longer than this gets places to break (the panel never scrolls sideways)
+BREAK = "\u200b"  # a zero-width space: where a label may wrap a long word
+
+
+def breakable(text: str) -> str:
+    """`text` with places to wrap inside its long words (a path, a model id, a long number): after each
+    separator, and every LONG_WORD characters where there is none."""
+    if len(text) <= LONG_WORD or not any(len(w) > LONG_WORD for w in text.split()):
+        return text
+
+    def soften(word: str) -> str:
+        if len(word) <= LONG_WORD:
+            return word
+        word = re.sub(r"([/\\_.,:=-])(?=.)", r"\1" + BREAK, word)
+        return BREAK.join(re.sub(f"(.{{{LONG_WORD}}})(?=.)", r"\1" + BREAK, piece) for piece in word.split(BREAK))
+
+    return re.sub(r"\S+", lambda m: soften(m.group(0)), text)
 
 
 def percentile(values, q):
@@ -164,6 +185,7 @@ class StatsPanel(QScrollArea):
         self.setObjectName("statsPanel")
         self.setWidgetResizable(True)
         self.setMinimumWidth(330)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)  # long values wrap (breakable), never scroll
         body = QWidget()
         self.setWidget(body)
         lay = QVBoxLayout(body)
@@ -179,7 +201,7 @@ class StatsPanel(QScrollArea):
             "Timing",
             [
                 ("ttftValue", "TTFT (from Send)"),
-                ("ttftPartsValue", "  queue · template · prefill · 1st"),
+                ("ttftPartsValue", "  TTFT's parts"),
                 ("onScreenValue", "On screen (token 1 painted)"),
                 ("tpotValue", "TPOT (after token 1)"),
                 ("tokensPerSecondValue", "Tokens/s after the first"),
@@ -194,6 +216,7 @@ class StatsPanel(QScrollArea):
 
         cache_box = QGroupBox("KV cache")
         form = QFormLayout(cache_box)
+        form.setRowWrapPolicy(QFormLayout.WrapLongRows)
         self.cacheBar = QProgressBar()
         self.cacheBar.setObjectName("cacheBar")
         self.cacheBar.setTextVisible(True)
@@ -225,6 +248,7 @@ class StatsPanel(QScrollArea):
 
         store_box = QGroupBox("Prefix store")
         sf = QFormLayout(store_box)
+        sf.setRowWrapPolicy(QFormLayout.WrapLongRows)
         self.storeBar = QProgressBar()
         self.storeBar.setObjectName("storeBar")
         self.storeBar.setTextVisible(True)
@@ -313,6 +337,7 @@ class StatsPanel(QScrollArea):
     def _group(self, lay, title, rows):
         box = QGroupBox(title)
         form = QFormLayout(box)
+        form.setRowWrapPolicy(QFormLayout.WrapLongRows)  # a row too wide for the panel puts its value below
         for name, label in rows:
             self._row(form, name, label)
         lay.addWidget(box)
@@ -320,6 +345,7 @@ class StatsPanel(QScrollArea):
 
     def set(self, name: str, text: str) -> None:
         label = self.values[name]
+        text = breakable(text)
         if label.text() != text:  # an unchanged label costs no relayout (the GUI shares the CPU with the engine)
             label.setText(text)
 
@@ -333,8 +359,6 @@ class StatsPanel(QScrollArea):
         title = "Timing · client-side (network included)" if remote else "Timing"
         if self.timingBox.title() != title:  # unchanged: no relayout
             self.timingBox.setTitle(title)
-            parts = self.timingBox.layout().labelForField(self.ttftPartsValue)
-            parts.setText("  send · server · network" if remote else "  queue · template · prefill · 1st")
 
     def show_model(self, facts: dict) -> None:
         """A local model's facts, or a remote server's: what it does not say shows as not reported."""
@@ -431,15 +455,17 @@ class StatsPanel(QScrollArea):
         seam = "" if ttft is None or shown is None or shown < ttft else f" · seam {shown - ttft:,.1f} ms"
         self.set("onScreenValue", DASH if shown is None else fmt_ms(shown) + seam)  # a seam is never negative
         if s.trace is not None:
-            parts = [
-                s.trace.get(k) for k in ("ttft_queue_ms", "ttft_tokenize_ms", "ttft_prefill_ms", "ttft_first_token_ms")
-            ]
+            keys = ("ttft_queue_ms", "ttft_tokenize_ms", "ttft_prefill_ms", "ttft_first_token_ms")
+            parts = dict(zip(("queue", "template", "prefill", "1st token"), (s.trace.get(k) for k in keys)))
             if remote:  # here: waiting to send · the server's own TTFT · the rest (network, parsing)
                 server = (s.trace.get("server") or {}).get("ttft_ms")
                 queue, ttft = s.trace.get("ttft_queue_ms") or 0.0, s.trace.get("ttft_ms")
                 rest = None if server is None or ttft is None else ttft - queue - server
-                parts = [queue, server, rest]
-            self.set("ttftPartsValue", " · ".join(DASH if p is None else f"{p:,.1f}" for p in parts) + " ms")
+                parts = {"send": queue, "server": server, "network": rest}
+            self.set(  # each number named: "queue 21.8 · template 0.4 · prefill 31.4 · 1st token 0.8 ms"
+                "ttftPartsValue",
+                " · ".join(f"{k} {DASH if v is None else f'{v:,.1f}'}" for k, v in parts.items()) + " ms",
+            )
             self.set("meanInclWaitValue", fmt_ms(s.trace.get("mean_ms_per_token_incl_wait")))
             self.set("prefillRateValue", fmt_rate(s.trace.get("prefill_tok_s"), "pos/s"))
         else:
@@ -526,13 +552,20 @@ class StatsPanel(QScrollArea):
         def add(parent, seg):
             n = seg["end"] - seg["start"]
             kids = len(seg["children"])
-            name = seg["label"] or (f"shared by {kids} prefixes" if kids > 1 else "(a prompt without a title)")
+            text = " ".join(str(seg.get("text") or "").split())  # what it starts with: where it parts from its siblings
+            starts = f"“{text[:40]}{'…' if len(text) > 40 else ''}”" if text else ""
+            name = seg["label"] or (f"shared by {kids} prefixes" if kids > 1 else starts or "a prompt without a title")
+            if seg["start"] > 0 and starts and starts not in name:
+                name += f" · from {starts}"  # two leaves of the same title differ here
             if seg["working"]:
                 name += "  · working cache"
-            size = seg["bytes"] if seg["bytes"] is not None else n * per
-            item = QTreeWidgetItem([name, f"{seg['start']:,}–{seg['end'] - 1:,}", fmt_size(size)])
+            size = fmt_size(seg["bytes"] if seg["bytes"] is not None else n * per)
+            if seg["working"]:  # the working cache's own positions: not in the store, not counted in Held
+                size = f"({size})"
+            item = QTreeWidgetItem([name, f"{seg['start']:,}–{seg['end'] - 1:,}", size])
             reused = f", {seg['reused']:,} reused by the last request" if seg["reused"] else ""
-            item.setToolTip(0, plain_tooltip(f"{name}\n{n:,} positions{reused}"))
+            where = "\nheld by the working cache, outside the store: not counted in Held" if seg["working"] else ""
+            item.setToolTip(0, plain_tooltip(f"{name}\n{n:,} positions from position {seg['start']:,}{reused}{where}"))
             if seg["reused"] or seg["working"]:
                 font = QFont(item.font(0))
                 font.setBold(bool(seg["reused"]))

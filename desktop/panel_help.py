@@ -47,7 +47,9 @@ ROW_HELP = {
     "reuseReasonValue": "Why the whole cache was dropped, when it was (weights, dtype, tokenizer, rotary or "
     "attention settings, device or capacity changed).",
     # Prefix store
-    "storeBytesValue": "Bytes the prefix store holds (each stored block counted once) and its budget.",
+    "storeBytesValue": "Bytes the prefix store holds (each stored block counted once) and its budget. The "
+    "tree's rows in italics, sizes in parentheses, are the working cache's own positions: outside the store, "
+    "not counted here.",
     "storePrefixesValue": "Prompts the store holds, and the blocks of 16 positions they share.",
     "storeEvictionsValue": "Blocks evicted to stay under the budget, least recently used first.",
     "conversationCachedValue": "How much of the conversation shown is cached now: what the next Send reuses.",

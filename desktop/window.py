@@ -296,7 +296,7 @@ class MainWindow(QMainWindow):
         )  # as Send sends it
 
     def _on_probed(self, cid: int, seen: dict) -> None:
-        if cid != (-1 if self.chat.current_cid is None else self.chat.current_cid):
+        if self._closing or cid != (-1 if self.chat.current_cid is None else self.chat.current_cid):
             return
         self.seen = seen
         self.statsPanel.show_conversation_cached(seen if self.chat.branch() else None)
@@ -305,6 +305,8 @@ class MainWindow(QMainWindow):
 
     def show_meter(self) -> None:
         """The positions the next Send would need against the capacity (context_meter.py)."""
+        if self._closing:
+            return
         capacity = (self.facts or {}).get("capacity")
         self.contextMeter.show_reading(self.seen, capacity, self.chat.settings_for().max_new_tokens)
 
@@ -571,6 +573,8 @@ class MainWindow(QMainWindow):
 
     # --- chatting ----------------------------------------------------------------------
     def _update_buttons(self) -> None:
+        if self._closing:  # the store is closed: nothing is asked of it
+            return
         ready = self.facts is not None and not self.loadProgress.isVisible()
         greedy = self.chat.settings_for().temperature == 0
         tip = GREEDY_HINT if greedy else "Run the last reply again: a new version ‹n/n› beside the others"

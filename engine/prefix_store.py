@@ -22,6 +22,9 @@ BLOCK = 16  # positions per stored block (vLLM's default block size)
 BUDGET_SHARE = 0.25  # the default budget: this share of the memory free when the session starts
 
 
+HEAD_TOKENS = 12  # a segment's first ids in the tree's picture: the text it starts with
+
+
 @dataclasses.dataclass(eq=False)
 class Node:
     """`tokens` (BLOCK ids, fewer only in a leaf) and their K/V: one tensor per cache buffer, each
@@ -219,8 +222,9 @@ class PrefixStore:
 
     def tree(self, reused: Match | None = None, working: tuple[list[int], str | None] | None = None) -> list[dict]:
         """The tree as nested segments (chains of single children merged): each with `label`, `start`,
-        `end` (positions), `bytes`, `reused` (positions of it the last request took from the store),
-        `working` (held only by the working cache) and `children`. `working` = (ids, label) adds the
+        `end` (positions), `head` (its first HEAD_TOKENS ids: where it parts from its siblings), `bytes`,
+        `reused` (positions of it the last request took from the store), `working` (held only by the
+        working cache) and `children`. `working` = (ids, label) adds the
         working cache's positions past what the store holds."""
         used = {id(n): min(n.end, reused.length) - n.start for n in reused.path} if reused else {}
 
@@ -228,6 +232,7 @@ class PrefixStore:
 
         def seg(n: Node) -> dict:
             s = {"label": n.label, "start": n.start, "end": n.end, "bytes": n.nbytes, "reused": used.get(id(n), 0)}
+            s["head"] = n.tokens[:HEAD_TOKENS]
             s["working"], s["children"] = False, [seg(c) for c in n.children.values()]
             segments[id(n)] = s
             return s
@@ -244,7 +249,7 @@ class PrefixStore:
             if m.length < len(ids):
                 level.append(
                     {"label": label, "start": m.length, "end": len(ids), "bytes": None, "reused": 0, "working": True}
-                    | {"children": []}
+                    | {"children": [], "head": tuple(ids[m.length : m.length + HEAD_TOKENS])}
                 )
         return [_merge(s) for s in top]
 
@@ -268,6 +273,7 @@ def _merge(s: dict) -> dict:
         s = {
             "label": c["label"] or s["label"],
             "start": s["start"],
+            "head": s["head"],
             "end": c["end"],
             "bytes": None if s["bytes"] is None else s["bytes"] + (c["bytes"] or 0),
             "reused": s["reused"] + c["reused"],

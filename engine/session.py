@@ -160,10 +160,27 @@ class Session:
         s["bytes_per_position"] = self.cache.bytes_per_position
         s["store"] = {
             **self.store.stats(),
-            "tree": self.store.tree(self._last_match, (self.ids, self.label)),
+            "tree": self._tree_with_text(self.store.tree(self._last_match, (self.ids, self.label))),
             "working_label": self.label,
         }
         return s
+
+    def _tree_with_text(self, segments: list[dict]) -> list[dict]:
+        """The store's tree with each segment's first ids as `text` (what it starts with, where it parts
+        from its siblings), so that two prompts of the same title are told apart."""
+        tok = self.loaded.tokenizer
+        for seg in segments:
+            runs, run = [], []  # the text between the template's control tokens, a run each
+            for i in [*seg.pop("head", ()), None]:
+                if i is None or i in tok.control_ids:
+                    text = tok.decode(run).strip() if run else ""
+                    runs += [text] if text else []
+                    run = []
+                else:
+                    run.append(i)
+            seg["text"] = " ⏎ ".join(runs)  # "Hello there ⏎ assistant ⏎ Hello! Where"
+            self._tree_with_text(seg["children"])
+        return segments
 
     def cached_positions(self, req: Request) -> dict:
         """How much of a request's prompt is cached now, without running it: `positions` of the prompt,

@@ -30,8 +30,8 @@ def edit(qtbot, w, spin_loop, view, text, timeout=120):
 
 
 def panel(w, name):
-    """The text the panel shows in row `name`."""
-    return w.statsPanel.values[name].text()
+    """The text the panel shows in row `name` (without the places it may wrap a long word)."""
+    return w.statsPanel.values[name].text().replace("\u200b", "")
 
 
 def send_then_edit(qtbot, w, spin_loop):

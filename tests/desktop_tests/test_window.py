@@ -888,3 +888,42 @@ def test_the_app_and_the_server_take_the_same_capacity_by_default(smollm2_gguf, 
     _, a = app.open()
     _, b = served.open()
     assert a.cache.capacity == b.cache.capacity == 4096  # min(its context 8,192, 4,096)
+
+
+def test_long_values_wrap_in_the_panel_instead_of_scrolling_it_sideways(qtbot, make_window, demo_model_dir):
+    w = make_window(demo_model_dir)
+    path = "/home/someone/models/" + "very-long-model-name-" * 6 + "Q4_K_M.gguf"
+    w.statsPanel.show_model({**w.facts, "name": path, "decode_kernels": "x" * 120})
+    w.statsPanel.set("reuseReasonValue", "cache dropped: " + "rotary_embedding_changed_" * 8)
+    qtbot.wait(100)
+    body, view = w.statsPanel.widget(), w.statsPanel.viewport()
+    assert body.width() <= view.width() and not w.statsPanel.horizontalScrollBar().isVisible()
+    assert panel(w, "modelNameValue") == path  # all of it, wrapped
+    label = w.statsPanel.values["modelNameValue"]
+    assert label.height() > label.fontMetrics().height() * 2 and label.width() <= view.width()
+
+
+def test_the_prefix_store_tells_apart_two_prompts_of_the_same_title(qtbot, make_window, spin_loop, demo_model_dir):
+    """Two conversations whose titles are cut to the same words: their leaves in the store's tree say
+    where they part (the text each starts with), so they are not two identical rows."""
+    w = make_window(demo_model_dir, max_new_tokens=4)
+    for text in (BUDGET, "Hello there", BUDGET_EDITED, "Hi"):  # each switch moves the one before into the store
+        if text != BUDGET:
+            qtbot.mouseClick(w.newButton, Qt.LeftButton)
+        final = send(qtbot, w, spin_loop, text)
+    assert title_from(BUDGET) == title_from(BUDGET_EDITED)
+    tree = w.statsPanel.storeTree
+    leaves = []
+
+    def walk(item):
+        if not item.childCount():
+            leaves.append(item.text(0))
+        for k in range(item.childCount()):
+            walk(item.child(k))
+
+    for k in range(tree.topLevelItemCount()):
+        walk(tree.topLevelItem(k))
+    same = [leaf for leaf in leaves if leaf.startswith(title_from(BUDGET))]
+    assert len(same) == 2 and same[0] != same[1], leaves
+    assert any("600" in leaf for leaf in same) and any("750" in leaf for leaf in same), leaves
+    assert final.cache["store"]["tree"][0]["text"]  # the engine names what each segment starts with
