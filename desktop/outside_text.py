@@ -16,6 +16,8 @@ MARKDOWN_LINES = 400  # so is one of more lines
 MARKDOWN_TABLE_ROWS = 100  # or with a table of more rows (a label lays a table out at about 2 ms a row)
 MARKDOWN_DEPTH = 12  # or nested deeper (quotes, lists): each level is a frame Qt lays out again
 WEB_SCHEMES = ("http", "https", "mailto")  # what a link may hand to the system's opener
+MESSAGE_WORD = 30  # characters: a message's word longer than this may wrap inside (it never widens the transcript)
+BREAK = "\u200b"  # a zero-width space: where a label may wrap a long word
 
 # What a tag in a document's HTML may still name that a label would load: a background (an attribute, CSS).
 TAG = re.compile(r"<[^>]*>")
@@ -53,27 +55,45 @@ def too_big_for_markdown(text: str) -> str | None:
     return None
 
 
+def breakable(text: str, longest: int) -> str:
+    """`text` with places to wrap inside its words longer than `longest` characters (a path, a model id, a
+    run of digits): after each separator, and every `longest` characters where there is none. A label
+    cannot break a word, so one long word would set the width of the whole column it sits in."""
+    if len(text) <= longest or not any(len(w) > longest for w in text.split()):
+        return text
+
+    def soften(word: str) -> str:
+        if len(word) <= longest:
+            return word
+        word = re.sub(r"([/\\_.,:=-])(?=.)", r"\1" + BREAK, word)
+        return BREAK.join(re.sub(f"(.{{{longest}}})(?=.)", r"\1" + BREAK, piece) for piece in word.split(BREAK))
+
+    return re.sub(r"\S+", lambda m: soften(m.group(0)), text)
+
+
 def markdown_html(text: str) -> str:
     """Markdown as HTML that loads nothing: images become their alt text (`[image: alt]`), backgrounds are
     dropped, the document's own font is left to the label. Links stay links (open_link decides on a click)."""
     doc = _NoResources()
     doc.setMarkdown(text)
-    images = []
+    changes = []  # (position, length, the text in its place, its format): images and long words
     block = doc.begin()
     while block.isValid():
         it = block.begin()
         while not it.atEnd():
             frag = it.fragment()
             if frag.isValid() and frag.charFormat().isImageFormat():
-                images.append((frag.position(), frag.length(), frag.charFormat()))
+                alt = frag.charFormat().property(QTextFormat.Property.ImageAltText) or ""
+                changes.append((frag.position(), frag.length(), f"[image: {alt}]" if alt else "[image]", None))
+            elif frag.isValid() and (soft := breakable(frag.text(), MESSAGE_WORD)) != frag.text():
+                changes.append((frag.position(), frag.length(), soft, frag.charFormat()))  # a link keeps its href
             it += 1
         block = block.next()
-    for pos, n, fmt in reversed(images):
+    for pos, n, replacement, fmt in reversed(changes):
         cursor = QTextCursor(doc)
         cursor.setPosition(pos)
         cursor.setPosition(pos + n, QTextCursor.KeepAnchor)
-        alt = fmt.property(QTextFormat.Property.ImageAltText) or ""
-        cursor.insertText(f"[image: {alt}]" if alt else "[image]", QTextCharFormat())
+        cursor.insertText(replacement, QTextCharFormat() if fmt is None else fmt)
     out = doc.toHtml()
     out = re.sub(r"<body style=\"[^\"]*\">", "<body>", out, count=1)  # the label's font, not the document's
     return TAG.sub(lambda m: LOADS.sub("", m.group(0)).replace("<img", "<span"), out)

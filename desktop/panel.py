@@ -5,8 +5,6 @@ It only shows a plain `ReplyStats` (chat.py) it is handed; the window decides wh
 
 from __future__ import annotations
 
-import re
-
 from PySide6.QtCore import QRectF, Qt, Signal
 from PySide6.QtGui import QBrush, QColor, QFont, QPainter, QPen
 from PySide6.QtWidgets import (
@@ -23,10 +21,11 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from .outside_text import plain, plain_tooltip
+from .outside_text import breakable, plain, plain_tooltip
 from .panel_help import ROW_HELP
 
 DASH = "—"
+PANEL_WORD = 16  # characters: a value's word longer than this gets places to wrap (the panel never scrolls sideways)
 NOT_REPORTED = "not reported by this server"
 
 
@@ -52,25 +51,6 @@ def fmt_bytes(n) -> str:
     """The exact count and the short size: 92,471,296 B (88.2 MiB)."""
     short = fmt_size(n)
     return short if n is None or n < 2**10 else f"{n:,} B ({short})"
-
-
-LONG_WORD = 16  # characters: a word longer than this gets places to break (the panel never scrolls sideways)
-BREAK = "\u200b"  # a zero-width space: where a label may wrap a long word
-
-
-def breakable(text: str) -> str:
-    """`text` with places to wrap inside its long words (a path, a model id, a long number): after each
-    separator, and every LONG_WORD characters where there is none."""
-    if len(text) <= LONG_WORD or not any(len(w) > LONG_WORD for w in text.split()):
-        return text
-
-    def soften(word: str) -> str:
-        if len(word) <= LONG_WORD:
-            return word
-        word = re.sub(r"([/\\_.,:=-])(?=.)", r"\1" + BREAK, word)
-        return BREAK.join(re.sub(f"(.{{{LONG_WORD}}})(?=.)", r"\1" + BREAK, piece) for piece in word.split(BREAK))
-
-    return re.sub(r"\S+", lambda m: soften(m.group(0)), text)
 
 
 def percentile(values, q):
@@ -345,7 +325,7 @@ class StatsPanel(QScrollArea):
 
     def set(self, name: str, text: str) -> None:
         label = self.values[name]
-        text = breakable(text)
+        text = breakable(text, PANEL_WORD)
         if label.text() != text:  # an unchanged label costs no relayout (the GUI shares the CPU with the engine)
             label.setText(text)
 

@@ -62,6 +62,8 @@ class MessageView(QFrame):
         self.statusLabel = plain(QLabel())
         self.statusLabel.setObjectName("messageStatus")
         head.addWidget(self.statusLabel)
+        self.statusLabel.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Preferred)  # a narrow window clips it
+        self.statusLabel.setMinimumWidth(0)  # (the footer says it too), never the transcript's width
         head.addStretch(1)
         self.prevButton = QPushButton("‹")
         self.prevButton.setObjectName("branchPrev")
@@ -78,6 +80,7 @@ class MessageView(QFrame):
         self.nextButton.clicked.connect(lambda: self.branchRequested.emit(self.message.id, +1))
         self.tokensLabel = plain(QLabel())
         self.tokensLabel.setObjectName("tokenCount")
+        self.tokensLabel.setSizePolicy(QSizePolicy.Minimum, QSizePolicy.Preferred)
         head.addWidget(self.tokensLabel)
         self.copyButton = QPushButton("Copy")
         self.copyButton.setObjectName("copyButton")

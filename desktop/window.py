@@ -63,6 +63,7 @@ GREEDY_HINT = (
     "Greedy sampling (temperature 0): Regenerate gives the same reply again. Raise the temperature "
     "(kvchat → Settings…, This conversation) for a different one."
 )
+SIDEBAR_SHARE, PANEL_SHARE = 0.2, 0.3  # of the window's width, at most, when it is too narrow for all three
 PANEL_EVERY_S = 0.5  # the panel's figures twice a second while a reply streams (and once at its end)
 
 
@@ -188,7 +189,7 @@ class MainWindow(QMainWindow):
         split.addWidget(self.sidebar)
         split.addWidget(center)
         split.addWidget(self.statsPanel)
-        split.setSizes([230, 760, 390])
+        split.setSizes([210, 780, 390])
         split.setStretchFactor(1, 1)
         split.setChildrenCollapsible(False)  # a drag stops at each side's minimum: the panel cannot be lost
         split.setHandleWidth(6)  # a handle a person can find and grab
@@ -215,6 +216,21 @@ class MainWindow(QMainWindow):
         self.statusBar().addPermanentWidget(self.themeSwitch)
         QGuiApplication.styleHints().colorSchemeChanged.connect(lambda _: self.apply_theme())
         build_menus(self)
+
+    def resizeEvent(self, e) -> None:
+        super().resizeEvent(e)
+        self._fit_splitter()
+
+    def _fit_splitter(self) -> None:
+        """In a narrow window the list and the panel give way to the conversation, down to their minimum
+        widths (never wider than a share of the window: the transcript keeps room for a message's row)."""
+        side, center, panel = self.splitter.sizes()
+        total = side + center + panel
+        side_max = max(self.sidebar.minimumSizeHint().width(), int(SIDEBAR_SHARE * total))
+        panel_max = max(self.statsPanel.minimumWidth(), int(PANEL_SHARE * total))
+        if side > side_max or panel > panel_max:
+            side, panel = min(side, side_max), min(panel, panel_max)
+            self.splitter.setSizes([side, total - side - panel, panel])
 
     # --- store and conversations --------------------------------------------------------
     def _open_store(self) -> Store:

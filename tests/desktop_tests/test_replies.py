@@ -477,3 +477,33 @@ def test_a_list_is_drawn_as_bullets_while_the_reply_streams(qtbot, make_window, 
     label = next(lbl for lbl in w.transcript.views[-1].findChildren(MarkdownLabel) if "Day 2" in lbl.text())
     assert "<li" in label.text() and "- Day 2" not in label.text()  # an HTML list, not the raw Markdown
     spin_loop(lambda: got, 60)
+
+
+def test_a_narrow_window_and_a_long_word_never_scroll_the_transcript_sideways(
+    qtbot, make_window, spin_loop, scripted_server, demo_model_dir
+):
+    """A reply with a 150-character word (a model stuck on "10:10:10…", a path) and the message's own
+    heading row fit a 1000-pixel window: the word wraps inside, nothing is cut, no sideways scroll bar."""
+    from gui import send
+
+    word = "10:30:" + "10:" * 48
+    remote = scripted_server(reply=f"Here is the plan:\n\n1. {word}\n2. /home/{'x' * 80}/plan.md")
+    w = make_window(backend="remote", remote_url=remote.url)
+    w.resize(1000, 700)
+    final = send(qtbot, w, spin_loop, "Plan three nights in Chengdu for a family. Give a short list.")
+    assert isinstance(final, Finished)
+    qtbot.wait(100)
+    bar = w.transcript.horizontalScrollBar()
+    assert bar.maximum() == 0, (bar.maximum(), w.transcript.widget().width(), w.transcript.viewport().width())
+    view = w.transcript.views[-1]
+    assert view.width() <= w.transcript.viewport().width()
+    assert word in view.reply.plain_text() and word in view.message.content  # all of it, wrapped
+    copied = view.findChildren(MarkdownLabel)[-1].text()
+    assert "\u200b" in copied  # places to wrap inside the long word
+    w.close()
+    w = make_window(demo_model_dir)  # a local model's reply: its row has every button (Compare too)
+    w.resize(1000, 700)
+    send(qtbot, w, spin_loop, "Plan three nights in Chengdu for a family. Give a short list.")
+    qtbot.wait(100)
+    assert w.transcript.horizontalScrollBar().maximum() == 0
+    assert w.statsPanel.width() >= w.statsPanel.minimumWidth() and w.transcript.width() >= 400
