@@ -174,6 +174,10 @@ class StatsPanel(QScrollArea):
         self.heading = plain(QLabel("No reply yet"))
         self.heading.setObjectName("panelHeading")
         self.heading.setWordWrap(True)
+        self.heading.setToolTip(  # the app's own words
+            "Which reply these figures describe: its state, its conversation, its place in the branch, and "
+            "the engine and model that made it. Click a reply, or Ctrl+Up/Down, for another one's."
+        )
         lay.addWidget(self.heading)
 
         self.timingBox = self._group(
