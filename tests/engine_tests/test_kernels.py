@@ -556,3 +556,53 @@ def test_the_kernels_compile_and_link_for_other_targets(tmp_path, target):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert out.stat().st_size > 10_000
+
+
+# The aarch64 builds the self-check compares: NEON (the baseline every aarch64 CPU has), NEON with the dot
+# product instructions (a Cortex-A76's, an Apple M1's: sdot), and plain C on the same target (-DKV_GENERIC).
+ARM_BUILDS = {"neon": (), "neon-dotprod": ("-mcpu=cortex_a76",), "generic": ("-DKV_GENERIC",)}
+SELFCHECK = os.path.join(os.path.dirname(__file__), "kernel_selfcheck.c")
+
+
+def selfcheck_lines(text: str) -> tuple[str, dict]:
+    """The self-check's output: its "isa …" line, and each case's values."""
+    lines = text.strip().splitlines()
+    return lines[0], {f[0]: [float(v) for v in f[2:]] for f in (line.split() for line in lines[1:])}
+
+
+def test_the_neon_kernels_agree_with_plain_c_under_qemu(tmp_path):
+    """Every kernel built for aarch64 with NEON (and with its dot-product extension) runs under qemu-aarch64 on
+    the self-check's inputs and gives plain C's outputs on the same target, within float32 rounding: the float,
+    bf16 and f16 products, int8/int4/int5 codes with and without offsets (float32 and int8 activations),
+    dequantization and quantization, RMSNorm, silu, attention (whole and windowed) and a two-layer decode
+    step in float32 and in int4 codes. Speed on ARM cannot be measured here; correctness is."""
+    if importlib.util.find_spec("ziglang") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("ziglang (the test extra) is missing: CI must cross-compile the kernels")
+        pytest.skip("ziglang is not installed (pip install -e '.[test]')")
+    qemu = shutil.which("qemu-aarch64") or shutil.which("qemu-aarch64-static")
+    if qemu is None:
+        pytest.skip("qemu-aarch64 is not installed (apt-get install qemu-user; .ci/run installs it)")
+    sources = [str(p) for p in kernels.sources() if p.suffix == ".c"]
+    outputs = {}
+    for name, flags in ARM_BUILDS.items():
+        exe = tmp_path / f"selfcheck-{name}"
+        cmd = [sys.executable, "-m", "ziglang", "cc", "-target", "aarch64-linux-musl", "-O2", "-static", *flags]
+        cmd += ["-std=gnu11", "-Wall", "-Werror", f"-I{kernels.SOURCES}", *sources, SELFCHECK, "-lm", "-o", str(exe)]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        run = subprocess.run([qemu, "-cpu", "max", str(exe)], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        outputs[name] = selfcheck_lines(run.stdout)
+    assert outputs["neon"][0] == "isa neon int neon" and outputs["neon-dotprod"][0] == "isa neon int neon-dotprod"
+    assert outputs["generic"][0] == "isa generic int generic"
+    ref = outputs["generic"][1]
+    assert len(ref) >= 40 and sum(len(v) for v in ref.values()) > 9_000
+    for name in ("neon", "neon-dotprod"):
+        got = outputs[name][1]
+        assert got.keys() == ref.keys()
+        for case, want in ref.items():
+            scale = max(abs(v) for v in want) or 1.0
+            worst = max(abs(a - b) for a, b in zip(got[case], want)) / scale
+            assert len(got[case]) == len(want) and worst < 1e-5, (name, case, worst)
+    print("aarch64 self-check:", ", ".join(f"{k} ({len(v)})" for k, v in ref.items()))

@@ -178,7 +178,13 @@ static inline __m256 dot_step8(vu u, const int8_t *c, const int32_t *neg, int64_
 }
 #else
 #define XQ_STEP 0
+#if KV_LANES == 4 && defined(__ARM_FEATURE_DOTPROD)
+#define XQ_ISA "neon-dotprod"
+#elif KV_LANES == 4
+#define XQ_ISA "neon"
+#else
 #define XQ_ISA "generic"
+#endif
 #define ORDER_Q4 ORDER_PLAIN
 #define ORDER_Q5 ORDER_PLAIN
 #define BIAS8 128
@@ -227,7 +233,7 @@ static inline __m256 dot_step8(vu u, const int8_t *c, const int32_t *neg, int64_
         return kv_hsum256(_mm256_add_ps(a0, a1));                                                             \
     }
 #else /* plain C: the same integer sums, a block at a time */
-/* block b's 32 codes (values, not q + bias) */
+#if KV_LANES != 4 /* block b's 32 codes (values, not q + bias) */
 static inline void block_q8(const int8_t *r, int64_t b, int q[32]) {
     for (int i = 0; i < 32; i++) q[i] = r[b * 32 + i];
 }
@@ -238,23 +244,73 @@ static inline void block_q5(const uint8_t *r, int64_t b, int q[32]) {
     q5_group(r + b * Q5_BYTES, q);
     for (int i = 0; i < 32; i++) q[i] -= 16;
 }
+#endif
+#if KV_LANES == 4 /* NEON: a block's 32 codes as two int8 vectors, their sum of products with c in int32 */
+static inline int32_t dot32_s8(int8x16_t q0, int8x16_t q1, const int8_t *c) {
+    int8x16_t c0 = vld1q_s8(c), c1 = vld1q_s8(c + 16);
+#if defined(__ARM_FEATURE_DOTPROD)
+    return vaddvq_s32(vdotq_s32(vdotq_s32(vdupq_n_s32(0), q0, c0), q1, c1));
+#else /* each 16-bit product widened at once: two of 128 · 127 would overflow a 16-bit sum */
+    int32x4_t t = vpaddlq_s16(vmull_s8(vget_low_s8(q0), vget_low_s8(c0)));
+    t = vpadalq_s16(t, vmull_s8(vget_high_s8(q0), vget_high_s8(c0)));
+    t = vpadalq_s16(t, vmull_s8(vget_low_s8(q1), vget_low_s8(c1)));
+    t = vpadalq_s16(t, vmull_s8(vget_high_s8(q1), vget_high_s8(c1)));
+    return vaddvq_s32(t);
+#endif
+}
+static inline int32_t block_dot_q8(const int8_t *r, int64_t b, const int8_t *c) {
+    PREFETCH(r + b * 32);
+    return dot32_s8(vld1q_s8(r + b * 32), vld1q_s8(r + b * 32 + 16), c);
+}
+static inline int8x16_t sext4(uint8x16_t n) { /* a nibble as int4_value reads it */
+    return vsubq_s8(veorq_s8(vreinterpretq_s8_u8(n), vdupq_n_s8(8)), vdupq_n_s8(8));
+}
+static inline int32_t block_dot_q4(const uint8_t *r, int64_t b, const int8_t *c) {
+    PREFETCH(r + b * 16);
+    uint8x16_t v = vld1q_u8(r + b * 16);
+    int8x16x2_t q = vzipq_s8(sext4(vandq_u8(v, vdupq_n_u8(15))), sext4(vshrq_n_u8(v, 4))); /* inputs 2k, 2k+1 */
+    return dot32_s8(q.val[0], q.val[1], c);
+}
+static inline int32_t block_dot_q5(const uint8_t *r, int64_t b, const int8_t *c) {
+    const uint8_t *p = r + b * Q5_BYTES;
+    PREFETCH(p);
+    static const uint8_t bit[16] = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+    uint8x16_t n = vld1q_u8(p + 4), bits = vld1q_u8(bit), sixteen = vdupq_n_u8(16);
+    /* the fifth bit of input i is bit i of the block's first 4 bytes: byte i/8 tested against bit i%8 */
+    uint8x16_t h0 = vcombine_u8(vdup_n_u8(p[0]), vdup_n_u8(p[1])), h1 = vcombine_u8(vdup_n_u8(p[2]), vdup_n_u8(p[3]));
+    uint8x16_t lo = vorrq_u8(vandq_u8(n, vdupq_n_u8(15)), vandq_u8(vtstq_u8(h0, bits), sixteen));
+    uint8x16_t hi = vorrq_u8(vshrq_n_u8(n, 4), vandq_u8(vtstq_u8(h1, bits), sixteen));
+    return dot32_s8(vsubq_s8(vreinterpretq_s8_u8(lo), vdupq_n_s8(16)), vsubq_s8(vreinterpretq_s8_u8(hi), vdupq_n_s8(16)),
+                    c);
+}
+#define BLOCK_DOT_(K, r, b, c) block_dot_##K(r, b, c)
+#else
+#define BLOCK_DOT_(K, r, b, c) block_dot_plain(K, r, b, c)
+#endif
+#define BLOCK_DOT(U, r, b, c) BLOCK_DOT_(U, r, b, c) /* U expanded first: u_q8 -> q8 */
+/* block b's 32 codes . c[b's 32 inputs], in int32 */
+#define block_dot_plain(U, r, b, c)                                                                              \
+    ({                                                                                                          \
+        int q_[32];                                                                                             \
+        int32_t t_ = 0;                                                                                         \
+        block_##U(r, b, q_);                                                                                    \
+        for (int i_ = 0; i_ < XQ_BLOCK; i_++) t_ += q_[i_] * (c)[i_];                                            \
+        t_;                                                                                                     \
+    })
 #define INT_ROW(NAME, T, U, SIGNED8, ORDER)                                                                          \
     static float NAME(const T *r, const float *so, int64_t in, int64_t g, const int8_t *c, const int32_t *neg, \
                       const float *d) {                                                                       \
         (void)neg;                                                                                            \
         float a = 0;                                                                                          \
         for (int64_t b = 0; b < in / XQ_BLOCK; b++) {                                                         \
-            int q[32];                                                                                        \
-            int32_t t = 0;                                                                                    \
-            U(r, b, q);                                                                                       \
-            for (int i = 0; i < XQ_BLOCK; i++) t += q[i] * c[b * XQ_BLOCK + i];                               \
+            int32_t t = BLOCK_DOT(U, r, b, c + b * XQ_BLOCK);                                                 \
             a += so[b * XQ_BLOCK / g] * (d[b * 8] * (float)t);                                                \
         }                                                                                                     \
         return a;                                                                                             \
     }
-#define u_q8 block_q8
-#define u_q4 block_q4
-#define u_q5 block_q5
+#define u_q8 q8
+#define u_q4 q4
+#define u_q5 q5
 #endif
 
 INT_ROW(int_row_q8, int8_t, u_q8, BIAS8 == 0, ORDER_PLAIN)

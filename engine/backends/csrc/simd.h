@@ -1,5 +1,6 @@
 /* The instruction-set mappings every kernel file shares: one vector type and its operations for AVX-512
- * (16 lanes), AVX2 + FMA + F16C (8 lanes) or none (plain C, KV_LANES 0), chosen by the compiler's -m flags;
+ * (16 lanes), AVX2 + FMA + F16C (8 lanes), aarch64's NEON (4 lanes) or none (plain C, KV_LANES 0; also
+ * forced by -DKV_GENERIC on ARM), chosen by the compiler's target and -m flags;
  * the prefetch distance; 16-bit float conversions; the row dot products and e^x every area uses; and the
  * code layouts' small helpers (int4 nibbles, int5 blocks, int4 tiles). Static inline: each file gets its own copy. */
 #ifndef KV_SIMD_H
@@ -65,6 +66,34 @@ typedef __m256i vi;
 #define vi_sext4(a) _mm256_sub_epi32(_mm256_xor_si256(a, _mm256_set1_epi32(8)), _mm256_set1_epi32(8))
 #define vi_float(a) _mm256_cvtepi32_ps(a)
 #define KV_ISA "avx2"
+#elif defined(__aarch64__) && defined(__ARM_NEON) && !defined(KV_GENERIC)
+#include <arm_neon.h>
+#define KV_LANES 4
+typedef float32x4_t vf;
+typedef int32x4_t vi;
+#define vzero() vdupq_n_f32(0.0f)
+#define vset1(s) vdupq_n_f32(s)
+#define vload(p) vld1q_f32(p)
+#define vfma(a, b, c) vfmaq_f32(c, a, b) /* a·b + c, as the x86 forms read */
+#define vadd(a, b) vaddq_f32(a, b)
+#define vmul(a, b) vmulq_f32(a, b)
+#define VDIV(a, b) vdivq_f32(a, b)
+#define _mm_storeu_acc(p, v) vst1q_f32(p, v)
+#define vsum(v) vaddvq_f32(v)
+#define vload_f16(p) vcvt_f32_f16(vld1_f16((const __fp16 *)(p)))
+#define vload_bf16(p) vreinterpretq_f32_u32(vshll_n_u16(vld1_u16((const uint16_t *)(p)), 16))
+static inline int8x8_t kv_load4_s8(const void *p) { /* 4 bytes, never a byte past them */
+    int32_t t;
+    memcpy(&t, p, 4);
+    return vreinterpret_s8_s32(vdup_n_s32(t));
+}
+#define vload_i8(p) vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(kv_load4_s8(p)))))
+#define vload_u8_i32(p) vreinterpretq_s32_u32(vmovl_u16(vget_low_u16(vmovl_u8(vreinterpret_u8_s8(kv_load4_s8(p))))))
+#define vi_and(a, m) vandq_s32(a, vdupq_n_s32(m))
+#define vi_shr4(a) vshrq_n_s32(a, 4) /* codes are non-negative: the same as a logical shift */
+#define vi_sext4(a) vsubq_s32(veorq_s32(a, vdupq_n_s32(8)), vdupq_n_s32(8))
+#define vi_float(a) vcvtq_f32_s32(a)
+#define KV_ISA "neon"
 #else
 #define KV_LANES 0
 #define KV_ISA "generic"
@@ -137,8 +166,10 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
 #if KV_LANES
 #if KV_LANES == 16
 #define vround(x) _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-#else
+#elif KV_LANES == 8
 #define vround(x) _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#else
+#define vround(x) vrndnq_f32(x)
 #endif
 static inline vf exp_of_remainder(vf x, vf k) { /* e^r, r = x - k·ln2 (ln2 in two parts) */
     vf r = vfma(k, vset1(-0.693145752f), x);
@@ -153,6 +184,13 @@ static inline vf vexp(vf x) {
     vf k = vround(vmul(x, vset1(1.44269504f)));
     vf e = _mm512_scalef_ps(exp_of_remainder(x, k), k);
     return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, vset1(-87.3f), _CMP_GE_OQ), e);
+#elif KV_LANES == 4 /* NEON: AVX2's arithmetic below, lane for lane */
+    vf xc = vminq_f32(vmaxq_f32(x, vset1(-87.3f)), vset1(88.8f)), k = vround(vmul(xc, vset1(1.44269504f)));
+    int32x4_t ki = vcvtq_s32_f32(k), k1 = vshrq_n_s32(ki, 1), k2 = vsubq_s32(ki, k1);
+    vf s1 = vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(k1, vdupq_n_s32(127)), 23));
+    vf s2 = vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(k2, vdupq_n_s32(127)), 23));
+    vf e = vmul(vmul(exp_of_remainder(xc, k), s1), s2);
+    return vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(e), vcgtq_f32(x, vset1(-87.3f))));
 #else
     /* x clamped to -87.3..88.8 makes k -126..128; 2^k is applied as two halves, each a normal float: one factor
      * of 2^128 (or 2^127 built past its exponent) overflowed into the sign bit, so e^x of x > 88 was a negative
