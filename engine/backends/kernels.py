@@ -54,8 +54,23 @@ X86_VARIANTS = {
     "avx2-no-vnni": ("-mno-avx512f", "-mno-avxvnni"),  # AVX2's integer products on vpmaddubsw
     "generic": ("-mno-avx512f", "-mno-avx2", "-mno-fma"),  # plain C
 }
+ARM_VARIANTS = {"native": (), "generic": ("-DKV_GENERIC",)}  # aarch64: NEON (and what -mcpu adds), or plain C
 VARIANT_ENV = "KVCHAT_KERNELS_VARIANT"
 X86 = platform.machine() in ("x86_64", "AMD64")  # where the variants are builds of their own
+ARM = platform.machine().lower() in ("aarch64", "arm64")
+VARIANTS = X86_VARIANTS if X86 else ARM_VARIANTS if ARM else {"native": ()}
+LIBRARY_SUFFIX = {"Windows": ".dll", "Darwin": ".dylib"}.get(platform.system(), ".so")
+
+
+def target_flags(flags: tuple[str, ...], machine: str | None = None) -> tuple[str, ...]:
+    """The build's flags for this machine: ARM compilers name the host CPU with -mcpu (clang refuses
+    -march=native there), x86 ones with -march."""
+    machine = (machine or platform.machine()).lower()
+    if machine in ("aarch64", "arm64"):
+        return tuple("-mcpu=native" if f == "-march=native" else f for f in flags)
+    return flags
+
+
 QUANT_FUNCS = {"int8": "kv_matvec_q8", "int4": "kv_matvec_q4", "int5": "kv_matvec_q5"}
 INTEGER_FUNCS = {mode: name + "x" for mode, name in QUANT_FUNCS.items()}  # int8 activations
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -120,7 +135,7 @@ def variants() -> list[str]:
     """The distinct builds this CPU can execute, best first: on x86 each variant that takes away a part this CPU
     has (one that takes away nothing would be the native build again), then plain C; elsewhere the native build."""
     if not X86:
-        return ["native"]
+        return list(VARIANTS)
     have = cpu_flags()
     out = ["native"]
     if "avx512f" in have:
@@ -133,7 +148,7 @@ def variants() -> list[str]:
 def variant() -> str:
     """The variant asked for (KVCHAT_KERNELS_VARIANT), "native" when none; an unknown name is an error."""
     name = os.environ.get(VARIANT_ENV, "").strip() or "native"
-    if name not in X86_VARIANTS or (name != "native" and not X86):
+    if name not in VARIANTS:
         raise RuntimeError(f"{VARIANT_ENV}={name!r} is not a variant here (variants: {', '.join(variants())})")
     return name
 
@@ -151,13 +166,13 @@ def build(
     if cc is None:
         raise RuntimeError("no C compiler found (set CC, or pip install ziglang for zig cc)")
     cc = [cc] if isinstance(cc, str) else list(cc)
-    flags = tuple(f for f in FLAGS if openmp or f != "-fopenmp") + tuple(extra_flags)
+    flags = target_flags(tuple(f for f in FLAGS if openmp or f != "-fopenmp")) + tuple(extra_flags)
     version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=60).stdout
     files = sources()
     texts = [f"{p.name}\n{p.read_text()}" for p in files]
     key = hashlib.sha256("\0".join([*texts, *cc, version, *flags, _cpu_signature()]).encode())
     out_dir = out_dir or cache_dir()
-    target = out_dir / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    target = out_dir / f"cpu_kernels-{key.hexdigest()[:16]}{LIBRARY_SUFFIX}"
     if target.is_file():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -530,14 +545,12 @@ def load() -> Kernels | None:
 def _load() -> Kernels:
     if os.environ.get("KVCHAT_KERNELS", "1").strip().lower() in ("0", "off", "no", "false"):
         raise RuntimeError("turned off by KVCHAT_KERNELS")
-    if platform.system() != "Linux":
-        raise RuntimeError(f"built and tested on Linux only, not {platform.system()}")
     before = _openmp_runtimes()
     forced = variant()
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC, or pip install ziglang for zig cc)")
-    flags, first = X86_VARIANTS[forced], None
+    flags, first = VARIANTS[forced], None
     k = one_thread = None
     if "ziglang" not in cc:  # zig's clang takes -fopenmp but ships no OpenMP runtime to link: one thread there
         try:

@@ -5,6 +5,7 @@ through them gives the logits and tokens of the same model on torch's kernels.""
 import ctypes
 import importlib.util
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -556,6 +557,56 @@ def test_the_kernels_compile_and_link_for_other_targets(tmp_path, target):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert out.stat().st_size > 10_000
+    if "windows" in target:  # a DLL exports only what its linker chose: every kernel Python calls must be there
+        assert set(header_functions()) <= pe_exports(out.read_bytes()), set(header_functions()) - pe_exports(
+            out.read_bytes()
+        )
+
+
+def pe_exports(b: bytes) -> set[str]:
+    """The names a Windows DLL exports (its PE export directory), read without Windows."""
+    import struct
+
+    pe = struct.unpack_from("<I", b, 0x3C)[0]
+    assert b[pe : pe + 4] == b"PE\0\0"
+    sections, optional = struct.unpack_from("<H", b, pe + 6)[0], struct.unpack_from("<H", b, pe + 20)[0]
+    opt = pe + 24
+    directories = opt + (112 if struct.unpack_from("<H", b, opt)[0] == 0x20B else 96)  # PE32+ or PE32
+    table = [struct.unpack_from("<8sIIII", b, opt + optional + 40 * i) for i in range(sections)]
+
+    def at(rva: int) -> int:  # a virtual address as a file offset
+        return next(rva - va + raw for _, size, va, rsize, raw in table if va <= rva < va + max(size, rsize))
+
+    export = struct.unpack_from("<I", b, directories)[0]
+    if not export:
+        return set()
+    e = at(export)
+    count, names = struct.unpack_from("<I", b, e + 24)[0], struct.unpack_from("<I", b, e + 32)[0]
+    found = set()
+    for i in range(count):
+        p = at(struct.unpack_from("<I", b, at(names) + 4 * i)[0])
+        found.add(b[p : b.index(b"\0", p)].decode())
+    return found
+
+
+def test_the_build_names_the_host_cpu_as_each_architecture_s_compilers_expect():
+    """-march=native on x86; -mcpu=native on ARM (Apple's clang and zig refuse -march=native there); the
+    library's file named as each system loads it; ARM's variants are NEON and plain C."""
+    assert "-march=native" in kernels.target_flags(kernels.FLAGS, "x86_64")
+    arm = kernels.target_flags(kernels.FLAGS, "arm64")
+    assert "-mcpu=native" in arm and "-march=native" not in arm
+    assert kernels.target_flags(kernels.FLAGS, "aarch64") == arm
+    assert kernels.ARM_VARIANTS == {"native": (), "generic": ("-DKV_GENERIC",)}
+    assert kernels.LIBRARY_SUFFIX == {"Linux": ".so", "Darwin": ".dylib", "Windows": ".dll"}[platform.system()]
+
+
+def test_the_loader_no_longer_refuses_a_system_that_is_not_linux(monkeypatch, tmp_path):
+    """macOS and Windows build and check the kernels as Linux does (the check decides, not the name of the
+    system): with the system reported as Darwin, the kernels here still build, load and pass."""
+    monkeypatch.setattr(platform, "system", lambda: "Darwin")
+    monkeypatch.setenv("KVCHAT_CACHE_DIR", str(tmp_path))
+    k = kernels._load()
+    assert k.dtypes and k.isa in ("avx512", "avx2", "neon", "generic")
 
 
 # The aarch64 builds the self-check compares: NEON (the baseline every aarch64 CPU has), NEON with the dot
