@@ -74,6 +74,46 @@ def use_kernels(model, kernels) -> None:
         model.decode_step = DecodeLayers(kernels, model)
     except ValueError:  # a layer the C step cannot read: the module path serves it
         model.decode_step = None
+    model.decode_step_refused = None
+    if model.decode_step is not None:
+        model.decode_step_refused = step_disagreement(model)
+        if model.decode_step_refused is not None:  # a wrong step never writes tokens: the module path serves
+            model.decode_step = None
+
+
+STEP_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 6e-2, torch.float16: 2e-2}  # of the logits' largest
+INT8_TOLERANCE = 5e-2  # int8 activations: the step and the module path differ by ~1% there (SmolLM2 Q4_1)
+
+
+@torch.inference_mode()
+def step_disagreement(model) -> str | None:
+    """The whole one-call decode step on this model, at load, against torch's path: two positions, the
+    second decoded by the step after the first, against both computed at once without it (the same
+    weights, the model's own codes and fused layers; under int8 activations, against the module path's
+    decode, which multiplies as the step does). None when they agree; else why, for the panel. The
+    kernels' per-function checks pass a wrong step only where layers meet (a fused product of mixed
+    types, an offset on a block a file holds): this catches those before a token is written."""
+    from ..kv_cache import make_cache
+
+    cfg, dtype = model.cfg, model.norm.weight.dtype
+    ids = torch.tensor([[1, 2]]) % cfg.vocab_size
+    step, fresh = make_cache(cfg, 2, dtype, "cpu"), make_cache(cfg, 2, dtype, "cpu")
+    model.forward(ids[:, :1], step)
+    got = model.forward(ids[:, 1:], step)[0, -1].float()  # the step (one position, on the kernels' cache)
+    kept, model.decode_step = model.decode_step, None
+    try:
+        if getattr(model, "activations", "float32") == "int8":  # a named approximation in decode only:
+            model.forward(ids[:, :1], fresh)  # against the same products, module by module
+            want = model.forward(ids[:, 1:], fresh)[0, -1].float()
+        else:
+            want = model.forward(ids, fresh)[0, -1].float()  # both positions at once: torch's path
+    finally:
+        model.decode_step = kept
+    err = float((got - want).abs().max()) / max(float(want.abs().max()), 1e-6)
+    limit = INT8_TOLERANCE if getattr(model, "activations", "float32") == "int8" else STEP_TOLERANCE[dtype]
+    if not torch.isfinite(got).all() or err > limit:
+        return f"the one-call decode step disagreed with torch's path on this model ({err:.2g} of the logits)"
+    return None
 
 
 class _Linear(ctypes.Structure):  # kv_linear in csrc/kernels.h

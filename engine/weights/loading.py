@@ -72,6 +72,8 @@ class LoadedModel:
         if self.kernels is not None:
             tiles = max((m.tiles for m in self.model.modules() if isinstance(m, QuantLinear)), default=0)
             tiled = f"; int4 in {tiles}-row tiles" if tiles else ""
+            refused = getattr(self.model, "decode_step_refused", None)
+            tiled += f"; layer by layer: {refused}" if refused else ""  # the step's load-time check failed
             if self.activations == "int8":
                 return f"kvchat ({self.kernels.isa}; int8 activations: {self.kernels.int_isa}{tiled})"
             return f"kvchat ({self.kernels.isa}{tiled})"

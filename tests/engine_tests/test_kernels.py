@@ -657,3 +657,29 @@ def test_the_neon_kernels_agree_with_plain_c_under_qemu(tmp_path):
             worst = max(abs(a - b) for a, b in zip(got[case], want)) / scale
             assert len(got[case]) == len(want) and worst < 1e-5, (name, case, worst)
     print("aarch64 self-check:", ", ".join(f"{k} ({len(v)})" for k, v in ref.items()))
+
+
+@needs_kernels
+def test_a_wrong_decode_step_is_caught_at_load_and_the_module_path_serves(llama_dir, monkeypatch):
+    """The load-time check runs the whole one-call step on the model itself (its codes, its fused layers)
+    against torch's path: a step that writes other numbers is refused with the reason in the Decode
+    kernels row, and the tokens come from the module path."""
+    from engine.backends import decode_step
+
+    real = decode_step.DecodeLayers.run
+
+    def wrong(self, x, cache, pos, cos, sin):
+        real(self, x, cache, pos, cos, sin)
+        x.add_(x.roll(1))  # as a wrong kernel would: plausible numbers, other tokens
+
+    monkeypatch.setattr(decode_step.DecodeLayers, "run", wrong)
+    bad = load_model(llama_dir, device="cpu", dtype="float32")
+    assert bad.model.decode_step is None and "layer by layer: the one-call decode step disagreed" in bad.decode_kernels
+    monkeypatch.undo()
+    good = load_model(llama_dir, device="cpu", dtype="float32")
+    assert good.model.decode_step is not None and "layer by layer" not in good.decode_kernels
+    ids = torch.tensor([[3, 5, 7]])
+    cache = KVCache(good.config.num_layers, good.config.num_kv_heads, good.config.head_dim, 8, torch.float32, "cpu")
+    good.model(ids[:, :2], cache)
+    stepped = good.model(ids[:, 2:], cache)[0, -1]
+    assert torch.allclose(stepped, bad.model(ids)[0, -1], rtol=1e-4, atol=1e-4)  # the refused one's tokens are right
