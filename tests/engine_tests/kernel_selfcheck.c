@@ -66,6 +66,14 @@ static void float_products(void) {
 #endif
 }
 
+/* one case: its name (the group and whether offsets are on in it), the call, what it wrote */
+#define RUN(label, call, out, n)                                                        \
+    do {                                                                                \
+        snprintf(name, sizeof name, label "_g%lld%s", (long long)g, o);                 \
+        call;                                                                           \
+        show(name, out, n);                                                             \
+    } while (0)
+
 static void code_products(void) {
     static int8_t q8[OUT * IN];
     static uint8_t q4[OUT * IN / 2], q5[OUT * IN / 32 * 20];
@@ -82,34 +90,16 @@ static void code_products(void) {
         for (int off = 0; off < 2; off++) {
             const float *mm = off ? m : NULL;
             const char *o = off ? "+m" : "";
-            snprintf(name, sizeof name, "q8_g%lld%s", (long long)g, o);
-            kv_matvec_q8(q8, s, mm, x, y, OUT, IN, g, 1);
-            show(name, y, OUT);
-            snprintf(name, sizeof name, "q4_g%lld%s", (long long)g, o);
-            kv_matvec_q4(q4, s, mm, x, y, OUT, IN, g, 1);
-            show(name, y, OUT);
-            snprintf(name, sizeof name, "q8x_g%lld%s", (long long)g, o);
-            kv_matvec_q8x(q8, s, mm, x, y, OUT, IN, g, 1);
-            show(name, y, OUT);
-            snprintf(name, sizeof name, "q4x_g%lld%s", (long long)g, o);
-            kv_matvec_q4x(q4, s, mm, x, y, OUT, IN, g, 1);
-            show(name, y, OUT);
-            snprintf(name, sizeof name, "dequant_q4_g%lld%s", (long long)g, o);
-            kv_dequant_q4(q4, s, mm, w, OUT, IN, g, 1);
-            show(name, w, 3 * IN);
-            snprintf(name, sizeof name, "dequant_q8_g%lld%s", (long long)g, o);
-            kv_dequant_q8(q8, s, mm, w, OUT, IN, g, 1);
-            show(name, w, 3 * IN);
+            RUN("q8", kv_matvec_q8(q8, s, mm, x, y, OUT, IN, g, 1), y, OUT);
+            RUN("q4", kv_matvec_q4(q4, s, mm, x, y, OUT, IN, g, 1), y, OUT);
+            RUN("q8x", kv_matvec_q8x(q8, s, mm, x, y, OUT, IN, g, 1), y, OUT);
+            RUN("q4x", kv_matvec_q4x(q4, s, mm, x, y, OUT, IN, g, 1), y, OUT);
+            RUN("dequant_q4", kv_dequant_q4(q4, s, mm, w, OUT, IN, g, 1), w, 3 * IN);
+            RUN("dequant_q8", kv_dequant_q8(q8, s, mm, w, OUT, IN, g, 1), w, 3 * IN);
             if (g == 32) { /* int5: a GGUF's Q5 blocks, groups of 32 only */
-                snprintf(name, sizeof name, "q5%s", o);
-                kv_matvec_q5(q5, s, mm, x, y, OUT, IN, g, 1);
-                show(name, y, OUT);
-                snprintf(name, sizeof name, "q5x%s", o);
-                kv_matvec_q5x(q5, s, mm, x, y, OUT, IN, g, 1);
-                show(name, y, OUT);
-                snprintf(name, sizeof name, "dequant_q5%s", o);
-                kv_dequant_q5(q5, s, mm, w, OUT, IN, g, 1);
-                show(name, w, 3 * IN);
+                RUN("q5", kv_matvec_q5(q5, s, mm, x, y, OUT, IN, g, 1), y, OUT);
+                RUN("q5x", kv_matvec_q5x(q5, s, mm, x, y, OUT, IN, g, 1), y, OUT);
+                RUN("dequant_q5", kv_dequant_q5(q5, s, mm, w, OUT, IN, g, 1), w, 3 * IN);
             }
         }
     }
