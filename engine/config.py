@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -29,18 +30,26 @@ class RopeConfig:
     factors: tuple[float, ...] = ()  # per-frequency divisors a GGUF file carries (rope_freqs.weight)
 
     def describe(self) -> str:
-        """The rotary settings in words (a cache-drop reason names them): "θ 500,000, llama3 scaling ×32"."""
-        text = f"θ {self.theta:,g}"
+        """The rotary settings in words, exact (the cache's fingerprint compares them, a cache-drop reason
+        shows them): "θ 500,000, llama3 scaling ×32 (frequency factors 1–4, original context 8,192)"."""
+        text = f"θ {_exact(self.theta)}"
         if self.type == "linear":
-            text += f", linear scaling ×{self.factor:g}"
-        elif self.type == "llama3":
+            text += f", linear scaling ×{_exact(self.factor)}"
+        elif self.type != "default":
             text += (
-                f", llama3 scaling ×{self.factor:g} (frequency factors {self.low_freq_factor:g}–"
-                f"{self.high_freq_factor:g}, original context {self.original_max_position_embeddings:,})"
+                f", {self.type} scaling ×{_exact(self.factor)} (frequency factors {_exact(self.low_freq_factor)}–"
+                f"{_exact(self.high_freq_factor)}, original context {self.original_max_position_embeddings:,})"
             )
-        if self.factors:
-            text += f", {len(self.factors)} per-frequency factors from the file"
+        if self.factors:  # the values themselves are too many to show: their digest tells two sets apart
+            digest = hashlib.sha256(repr(self.factors).encode()).hexdigest()[:8]
+            text += f", {len(self.factors)} per-frequency factors from the file (digest {digest})"
         return text
+
+
+def _exact(v: float) -> str:
+    """A float as a person reads it and without losing a digit: 10,000 and 1,000,000.5 (17 significant
+    digits hold any double)."""
+    return f"{v:,.17g}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -171,6 +171,17 @@ def test_a_rotary_change_drops_the_cache_with_the_settings_in_words(llama_dir):
     reason = fingerprint_change(old, new)
     assert reason.startswith("cache dropped: rotary embedding changed (θ 10,000 → θ 500,000, llama3 scaling ×32")
     assert "RopeConfig" not in reason and "=" not in reason  # written for people, not a repr
+    # exact, as the fingerprint must be: settings that differ anywhere never read as the same
+    variants = [
+        RopeConfig(theta=10000.0),
+        RopeConfig(theta=10000.000001),
+        RopeConfig(factors=(1.0, 2.0)),
+        RopeConfig(factors=(1.0, 2.5)),
+        RopeConfig(type="yarn", factor=4.0),
+        RopeConfig(type="llama3", factor=4.0),
+        RopeConfig(type="llama3", factor=4.0, low_freq_factor=1.5),
+    ]
+    assert len({r.describe() for r in variants}) == len(variants)
 
 
 def test_other_weights_drop_the_cache(llama_dir, tmp_path):
