@@ -48,23 +48,32 @@ def made_by(facts: dict | None) -> dict | None:
     return None if not facts else {k: facts.get(k) for k in MADE_BY if k in facts}
 
 
+def branch_mark(versions, path: list[Message]) -> str:
+    """Which branch a path is on, as the ‹ › arrows show it: the place among its versions of the deepest
+    message on the way that has more than one ("‹2/3›"); "" when none has."""
+    for m in reversed(path):
+        i, n = versions.get(m.id, (0, 1))
+        if n > 1:
+            return f"‹{i + 1}/{n}›"
+    return ""
+
+
 def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def model_words(made: dict | None) -> str:
-    """Which model and engine made a reply, in words: "SmolLM2 (q4_1 · KV none) · same process"."""
+    """Which model and engine made a reply, in words: "SmolLM2 (gguf Q4_1 · KV int8) · same process"."""
     if not isinstance(made, dict) or not isinstance(made.get("name"), str):
         return "model not recorded"
     weights = made.get("weights")
     precision = weights if isinstance(weights, str) and weights != "none" else made.get("dtype")
     kv = made.get("kv_cache")
     inside = " · ".join(str(p) for p in (precision, None if kv in (None, "none") else f"KV {kv}") if p)
-    where = (
-        f"remote {made.get('server_kind') or ''} server at {made.get('server')}".replace("  ", " ")
-        if made.get("backend") == "remote"
-        else "same process"
-    )
+    kind = made.get("server_kind")
+    where = "same process"
+    if made.get("backend") == "remote":
+        where = f"remote {f'{kind} ' if kind else ''}server at {made.get('server')}"
     return f"{made['name']}" + (f" ({inside})" if inside else "") + f" · {where}"
 
 
@@ -393,12 +402,8 @@ class ChatController:
         """A name for a prompt in the prefix store's picture: the conversation's title, and the branch
         (‹2/3›) of the deepest edited message on the way, if any."""
         title = self.store.conversation(cid).title
-        versions = self.store.versions(cid)
-        for m in reversed(upto):
-            i, n = versions.get(m.id, (0, 1))
-            if n > 1:
-                return f"{title} ‹{i + 1}/{n}›"
-        return title
+        mark = branch_mark(self.store.versions(cid), upto)
+        return f"{title} {mark}" if mark else title
 
     def messages_until(self, mid: int) -> list[Message]:
         """The current branch from the root to message `mid`, included."""
@@ -580,12 +585,13 @@ class ChatController:
         conv = self.store.conversation(self.store.message(mid).conversation_id)
         where = f"“{conv.title}”"
         if self.store.kept(conv.id):  # its branch is read (a long one being read is not read again here)
-            versions, path = self.store.versions(conv.id), self.store.branch(conv.id)
+            path = self.store.branch(conv.id)
             at = next((k for k, b in enumerate(path) if b.id == mid), None)
-            where += f", message {at + 1} of {len(path)}" if at is not None else ", on another branch"
-            # the branch: the versions of the deepest message on the way with more than one (as ‹ › show)
-            forks = [versions[b.id] for b in path[: (at or 0) + 1] if versions.get(b.id, (0, 1))[1] > 1]
-            where += f", branch ‹{forks[-1][0] + 1}/{forks[-1][1]}›" if forks and at is not None else ""
+            if at is None:
+                where += ", on another branch"
+            else:
+                mark = branch_mark(self.store.versions(conv.id), path[: at + 1])
+                where += f", message {at + 1} of {len(path)}" + (f", branch {mark}" if mark else "")
         return f"{st.title}\n{where}\nby {model_words(st.made_by)}"
 
     def save_partial(self) -> None:

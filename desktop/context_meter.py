@@ -5,15 +5,11 @@ from __future__ import annotations
 
 from PySide6.QtWidgets import QLabel
 
+from engine.session import positions_needed
+
 from .outside_text import plain, plain_tooltip
 
 NEAR = 0.85  # from this share of the capacity on, the meter warns
-
-
-def need(prompt: int, max_new_tokens: int) -> int:
-    """Positions a request needs: its prompt and its reply but the last token, which is never consumed
-    (engine.session.Session.check_capacity's rule)."""
-    return prompt + max_new_tokens - 1
 
 
 def reading(seen: dict | None, capacity: int | None, max_new_tokens: int) -> tuple[str, str, str]:
@@ -22,7 +18,7 @@ def reading(seen: dict | None, capacity: int | None, max_new_tokens: int) -> tup
     if not isinstance(prompt, int):
         why = (seen or {}).get("error") or "counted once a model is loaded"
         return "Context: —", "unknown", f"The positions the next Send would need: {why}."
-    total = need(prompt, max_new_tokens)
+    total = positions_needed(prompt, max_new_tokens)  # the engine's own rule
     formula = (
         f"the prompt as the template writes it ({prompt:,} positions: the conversation, your message and the "
         f"template's own tokens) + up to {max_new_tokens:,} new tokens − 1 (the last is never consumed)"

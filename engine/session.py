@@ -48,6 +48,12 @@ class Request:
     ignore_eos: bool = False  # run to max_new_tokens past stop tokens (benchmarks; vLLM's ignore_eos)
 
 
+def positions_needed(prompt: int, max_new_tokens: int) -> int:
+    """The cache positions a request needs: its prompt and its reply but the last output token, which is
+    never consumed (the capacity check's rule, and the app's context meter's)."""
+    return prompt + max_new_tokens - 1
+
+
 FINGERPRINT_NAMES = {
     "weights": "the weights",
     "dtype": "dtype",
@@ -284,7 +290,7 @@ class Session:
                 f"the prompt has {prompt_len} tokens but the KV cache holds only {cap} positions; "
                 "shorten the conversation or raise the capacity"
             )
-        need = prompt_len + req.max_new_tokens - 1  # the last output token is never consumed
+        need = positions_needed(prompt_len, req.max_new_tokens)
         if need > cap and not req.stop_on_capacity:
             raise CapacityError(
                 f"the prompt has {prompt_len} tokens; with up to {req.max_new_tokens} new tokens "
