@@ -561,16 +561,24 @@ class MainWindow(QMainWindow):
         new.save(self.qsettings)
         self.show_conversation_settings()
         self.show_meter()  # max new tokens may have changed
-        self._update_buttons()  # and the sampling Regenerate's hint depends on
         if reload:
             self.load_model()
 
     def show_conversation_settings(self) -> None:
-        """The conversation's own system prompt and sampling, above its messages."""
+        """The conversation's own system prompt and sampling, above its messages; and what Regenerate does
+        under them (greedy sampling repeats the reply: its tooltip, and the hint after a click, say so)."""
+        own = self.chat.settings_for()
+        greedy = own.temperature == 0
+        self.regenerateButton.setToolTip(
+            GREEDY_HINT if greedy else "Run the last reply again: a new version ‹n/n› beside the others"
+        )
+        self.regenerateHint.setText(GREEDY_HINT)
+        if not greedy:
+            self.regenerateHint.setVisible(False)
         if self.chat.current_cid is None:
             self.conversationSettingsLabel.setVisible(False)
             return
-        self.conversationSettingsLabel.setText(self.chat.settings_for().conversation_summary())
+        self.conversationSettingsLabel.setText(own.conversation_summary())
         self.conversationSettingsLabel.setVisible(True)
 
     def show_about(self) -> None:
@@ -592,13 +600,6 @@ class MainWindow(QMainWindow):
         if self._closing:  # the store is closed: nothing is asked of it
             return
         ready = self.facts is not None and not self.loadProgress.isVisible()
-        greedy = self.chat.settings_for().temperature == 0
-        tip = GREEDY_HINT if greedy else "Run the last reply again: a new version ‹n/n› beside the others"
-        if self.regenerateButton.toolTip() != tip:
-            self.regenerateButton.setToolTip(tip)
-            self.regenerateHint.setText(GREEDY_HINT)
-        if not greedy:
-            self.regenerateHint.setVisible(False)
         self._show_status_line()
         self.sendButton.setVisible(not self.generating)
         self.stopButton.setVisible(self.generating)

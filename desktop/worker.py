@@ -72,6 +72,7 @@ class EngineWorker(QObject):
         self._jobs: queue.Queue = queue.Queue()
         self._waiting: dict[int, threading.Event] = {}  # cancel flags of the generate jobs not yet ended
         self._latest_probe = None  # the one probe worth answering
+        self._conversation_seen: tuple[list, dict] | None = None  # the last conversation probed, and its answer
         self.batch_seconds = batch_seconds
         self.hold_tokens = False  # keep every token until the reply ends (the seam benchmark's engine alone)
         self.loaded = None
@@ -122,6 +123,8 @@ class EngineWorker(QObject):
             job = self._jobs.get()
             if job is None:
                 break
+            if not isinstance(job, ProbeJob):  # a load, a reply or a comparison may change what is cached
+                self._conversation_seen = None
             try:
                 if isinstance(job, (LoadSpec, RemoteSpec)):
                     self._load(job)
@@ -212,8 +215,14 @@ class EngineWorker(QObject):
         ask = self.session.cached_positions
         nothing = {"positions": 0, "cached": 0, "source": "none"}
         try:
-            # the conversation as stored (a remote server is asked with the generation prompt: its own form)
-            seen = ask(Request(messages=job.messages, add_generation_prompt=self.remote)) if job.messages else nothing
+            last = self._conversation_seen
+            if last is not None and last[0] == job.messages:  # only the draft changed (typing): asked already
+                seen = last[1]
+            elif job.messages:  # the conversation as stored (a remote server is asked with the generation prompt)
+                seen = ask(Request(messages=job.messages, add_generation_prompt=self.remote))
+                self._conversation_seen = None if "error" in seen else (job.messages, seen)  # an error is asked again
+            else:
+                seen = nothing
             if "error" not in seen:  # what Send would prompt with: the conversation, the draft, the prompt for a reply
                 sent = ask(Request(messages=[*job.messages, {"role": "user", "content": job.draft}]))
                 seen = {**seen, "next_positions": sent.get("positions")}

@@ -142,6 +142,9 @@ def test_only_the_latest_probe_is_answered(qtbot):
         w._probe(w._jobs.get())
     conversation = [{"role": "user", "content": "conversation 3"}]
     assert answered == [3] and Session.asked == [conversation, [*conversation, {"role": "user", "content": ""}]]
+    w.probe(3, conversation, "Hello")  # typing: only the draft changed, the conversation is not asked again
+    w._probe(w._jobs.get())
+    assert Session.asked[2:] == [[*conversation, {"role": "user", "content": "Hello"}]] and answered == [3, 3]
 
 
 def test_history_bench_runs_end_to_end():
