@@ -211,6 +211,7 @@ class Transformer(nn.Module):
             self.tie()
         self.rope_length = rope_length or 0  # positions the rotary tables cover at least
         self.decode_step = None  # a backend's decode of one position through every block in one call
+        self.decode_step_refused: str | None = None  # why a backend's step failed its load-time check, if it did
         self.activations = "float32"  # what quantized layers' one-row products multiply: float32 | int8 (the loader's)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
 

@@ -74,7 +74,6 @@ def use_kernels(model, kernels) -> None:
         model.decode_step = DecodeLayers(kernels, model)
     except ValueError:  # a layer the C step cannot read: the module path serves it
         model.decode_step = None
-    model.decode_step_refused = None
     if model.decode_step is not None:
         model.decode_step_refused = step_disagreement(model)
         if model.decode_step_refused is not None:  # a wrong step never writes tokens: the module path serves
@@ -96,21 +95,22 @@ def step_disagreement(model) -> str | None:
     from ..kv_cache import make_cache
 
     cfg, dtype = model.cfg, model.norm.weight.dtype
+    int8 = model.activations == "int8"  # a named approximation in decode only
     ids = torch.tensor([[1, 2]]) % cfg.vocab_size
     step, fresh = make_cache(cfg, 2, dtype, "cpu"), make_cache(cfg, 2, dtype, "cpu")
     model.forward(ids[:, :1], step)
     got = model.forward(ids[:, 1:], step)[0, -1].float()  # the step (one position, on the kernels' cache)
     kept, model.decode_step = model.decode_step, None
     try:
-        if getattr(model, "activations", "float32") == "int8":  # a named approximation in decode only:
-            model.forward(ids[:, :1], fresh)  # against the same products, module by module
+        if int8:  # against the same products, module by module
+            model.forward(ids[:, :1], fresh)
             want = model.forward(ids[:, 1:], fresh)[0, -1].float()
         else:
             want = model.forward(ids, fresh)[0, -1].float()  # both positions at once: torch's path
     finally:
         model.decode_step = kept
     err = float((got - want).abs().max()) / max(float(want.abs().max()), 1e-6)
-    limit = INT8_TOLERANCE if getattr(model, "activations", "float32") == "int8" else STEP_TOLERANCE[dtype]
+    limit = INT8_TOLERANCE if int8 else STEP_TOLERANCE[dtype]
     if not torch.isfinite(got).all() or err > limit:
         return f"the one-call decode step disagreed with torch's path on this model ({err:.2g} of the logits)"
     return None

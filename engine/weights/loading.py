@@ -71,12 +71,12 @@ class LoadedModel:
         """What runs the one-row products of decode: kvchat's CPU kernels, or torch (and why)."""
         if self.kernels is not None:
             tiles = max((m.tiles for m in self.model.modules() if isinstance(m, QuantLinear)), default=0)
-            tiled = f"; int4 in {tiles}-row tiles" if tiles else ""
-            refused = getattr(self.model, "decode_step_refused", None)
-            tiled += f"; layer by layer: {refused}" if refused else ""  # the step's load-time check failed
+            notes = f"; int4 in {tiles}-row tiles" if tiles else ""
+            if self.model.decode_step_refused:  # the one-call step failed its load-time check
+                notes += f"; layer by layer: {self.model.decode_step_refused}"
             if self.activations == "int8":
-                return f"kvchat ({self.kernels.isa}; int8 activations: {self.kernels.int_isa}{tiled})"
-            return f"kvchat ({self.kernels.isa}{tiled})"
+                return f"kvchat ({self.kernels.isa}; int8 activations: {self.kernels.int_isa}{notes})"
+            return f"kvchat ({self.kernels.isa}{notes})"
         if self.device.type != "cpu":
             return f"torch ({self.device.type})"
         done = self.model.dequantized_bytes
