@@ -88,7 +88,7 @@ def reply_footer(record: dict | None) -> str:
     if _number(trace.get("tokens")):
         parts.append(f"{trace['tokens']:,} tokens")
     if _number(trace.get("decode_tok_s")):
-        parts.append(f"{trace['decode_tok_s']:,.1f} tok/s")
+        parts.append(f"{trace['decode_tok_s']:,.1f} tok/s after the first")  # 1000/TPOT, not the whole request's mean
     if _number(trace.get("ttft_ms")):
         parts.append(f"TTFT {trace['ttft_ms']:,.1f} ms")
     if record.get("status") == "failed":

@@ -631,7 +631,7 @@ def test_the_panel_describes_the_reply_on_screen_after_a_conversation_or_branch_
     shows(a_reply)
     t = w.store.message(a_reply).trace["trace"]  # the reply's footer: its own figures, as stored
     assert w.transcript.views[-1].footerLabel.text() == (
-        f"6 tokens · {t['decode_tok_s']:,.1f} tok/s · TTFT {t['ttft_ms']:,.1f} ms · token limit · "
+        f"6 tokens · {t['decode_tok_s']:,.1f} tok/s after the first · TTFT {t['ttft_ms']:,.1f} ms · token limit · "
         "kvchat-demo (float32) · same process"
     )
     assert not w.transcript.views[0].footerLabel.isVisible()  # a person's message has none
