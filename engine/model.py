@@ -203,7 +203,9 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.dequantized_bytes = 0  # a file's codes dequantized once for torch (no kernels), what they take
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)  # [V, D]
+        # [V, D]; its own storage given, so no random init runs (on the meta device that init alone imports
+        # torch._dynamo: about a second of every first load)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)  # D -> V, always a module

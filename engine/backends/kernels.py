@@ -41,6 +41,7 @@ from ..quant import (
     quantize,
     tile,
 )
+from ..user_cache import user_cache
 
 SOURCES = Path(__file__).with_name("csrc")  # kernels.h (the ABI), simd.h, and one .c file per area
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
@@ -78,12 +79,7 @@ SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
 def cache_dir() -> Path:
     """KVCHAT_CACHE_DIR when set, else the platform's user cache directory."""
-    env = os.environ.get("KVCHAT_CACHE_DIR")
-    if env:
-        return Path(env).expanduser() / "kernels"
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("kvchat", appauthor=False)) / "kernels"
+    return user_cache("kernels")
 
 
 def compiler() -> list[str] | None:

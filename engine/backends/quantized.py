@@ -81,8 +81,8 @@ class QuantLinear(nn.Module):
         if isinstance(weight, PreQuantized):
             codes, scales = weight.codes, weight.scales.float().contiguous()
             mins = None if weight.mins is None else weight.mins.float().contiguous()
-            if self.decoder is not None and mode == "int4":
-                codes = pack_int4(codes)  # the kernels' layout: two a byte
+            if mode == "int4" and (self.decoder is not None) != weight.packed:  # the kernels' layout: two a byte
+                codes = pack_int4(codes) if self.decoder is not None else unpack_int4(codes)
         else:
             chunks = weight.row_chunks() if hasattr(weight, "row_chunks") else [(0, weight)]
             codes, scales = self._quantize_rows(chunks)

@@ -134,6 +134,36 @@ def _q5_k_int5(raw):
     return packed, scales, _recentred(scales, mins, 16)
 
 
+def _kvchat_nibbles(qs: np.ndarray) -> np.ndarray:
+    """ggml's nibbles -> kvchat's int4 rows, without unpacking: a chunk of h bytes [..., h] holds values 0..h-1
+    in its low nibbles and h..2h-1 in its high ones (Q4_0/Q4_1: h = 16, Q4_K: h = 32); kvchat's byte k holds
+    values 2k and 2k+1 (low nibble first) as 4-bit two's complement codes q − 8, which is q XOR 8."""
+    even, odd = qs[..., 0::2], qs[..., 1::2]
+    return np.concatenate([(even & 0x0F) | (odd << 4), (even >> 4) | (odd & 0xF0)], axis=-1) ^ np.uint8(0x88)
+
+
+def _q4_0_packed(raw):
+    b = raw.reshape(raw.shape[0], -1, 18)
+    return _kvchat_nibbles(b[..., 2:]).reshape(len(raw), -1), _f16(b[..., :2]).reshape(len(raw), -1), None
+
+
+def _q4_1_packed(raw):
+    b = raw.reshape(raw.shape[0], -1, 20)
+    d, m = _f16(b[..., 0:2])[..., 0], _f16(b[..., 2:4])[..., 0]
+    return _kvchat_nibbles(b[..., 4:]).reshape(len(raw), -1), d, _recentred(d, m, 8)
+
+
+def _q4_k_packed(raw):
+    n = raw.shape[0]
+    b = raw.reshape(n, -1, 144)
+    scales, mins = _k_groups(b, n)
+    return _kvchat_nibbles(b[..., 16:].reshape(n, -1, 4, 32)).reshape(n, -1), scales, _recentred(scales, mins, 8)
+
+
+# The int4 types straight into kvchat's packed rows (two codes a byte, engine.quant.pack_int4's layout): what a
+# product of these alone holds, with no int8 code per value on the way (engine/BENCHMARKS.md, "Opening a model
+# file"). type -> rows -> (packed codes [N, K/2] uint8, scales, offsets or None).
+INT4_PACKED = {"Q4_0": _q4_0_packed, "Q4_1": _q4_1_packed, "Q4_K": _q4_k_packed}
 # Held as int5 codes (their own five bits) when a product is of these alone: type -> rows -> (codes in the
 # int5 layout, scales, offsets or None).
 INT5 = {"Q5_0": lambda raw: _q5_blocks(raw, 22), "Q5_1": lambda raw: _q5_blocks(raw, 24), "Q5_K": _q5_k_int5}

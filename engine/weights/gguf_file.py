@@ -1,6 +1,6 @@
 """GGUF model files — what llama.cpp, LM Studio, Ollama, Jan and GPT4All run — read with the `gguf`
-package's reader: the config from the metadata, the tokenizer from `tokenizer.ggml.*` built as a
-`tokenizers` tokenizer, and the weights from their own codes.
+package's definitions and kvchat's own header reader (gguf_header): the config from the metadata, the
+tokenizer from `tokenizer.ggml.*` built as a `tokenizers` tokenizer, and the weights from their own codes.
 
 Q8_0 and Q4_0 blocks are exactly kvchat's int8 / int4 with one scale per 32 values (Q4_0's codes run
 −8..7, and −8 is kept), so those tensors keep their codes and run on the quantized kernels. Every
@@ -22,8 +22,8 @@ import torch
 from ..errors import ModelLoadError
 from ..quant import PreQuantized
 from . import gguf_vocab
-from .gguf_blocks import INT5, NATIVE
-from .gguf_header import check_header
+from .gguf_blocks import INT4_PACKED, INT5, NATIVE
+from .gguf_header import read_header
 from .gguf_vocab import NUMBER
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -62,25 +62,13 @@ class GGUFModel:
         """`check_architecture`: refuse an architecture kvchat does not run (the catalog lists it instead)."""
         self.path = Path(path)
         try:
-            check_header(self.path)
+            header = read_header(self.path)
         except ImportError:
             raise ModelLoadError("reading GGUF files needs the gguf package (pip install gguf)", self.path) from None
         except (OSError, ValueError) as e:  # unreadable, or too small to map
             raise ModelLoadError(f"not a readable GGUF file: {e}", self.path) from None
-        try:
-            from gguf import GGUFReader
-
-            self.reader = GGUFReader(str(self.path), "r")
-        except ImportError:
-            raise ModelLoadError("reading GGUF files needs the gguf package (pip install gguf)", self.path) from None
-        except Exception as e:  # the reader raises ValueError, struct errors, numpy errors on a bad file
-            raise ModelLoadError(f"not a readable GGUF file: {type(e).__name__}: {e}", self.path) from None
-        size = self.path.stat().st_size
-        self.tensors = {}
-        for t in self.reader.tensors:
-            if t.data_offset + int(t.n_bytes) > size:
-                raise ModelLoadError(f"tensor {t.name!r} runs past the end of the file (truncated?)", self.path)
-            self.tensors[t.name] = t
+        self.fields, self.mm, self.metadata_end = header.fields, header.mm, header.metadata_end
+        self.tensors = {t.name: t for t in header.tensors}
         self.arch = self.meta("general.architecture")
         if check_architecture and self.arch not in ARCHITECTURES:
             raise ModelLoadError(
@@ -92,13 +80,8 @@ class GGUFModel:
 
     # --- metadata --------------------------------------------------------------------------------
     def meta(self, key: str, default=None):
-        field = self.reader.fields.get(key)
-        if field is None:
-            return default
-        try:
-            return field.contents()
-        except Exception as e:
-            raise ModelLoadError(f"GGUF metadata {key!r} is unreadable: {e}", self.path) from None
+        """A metadata value: a number, a string, a list of strings, or a numpy array of numbers."""
+        return self.fields.get(key, default)
 
     def meta_as(self, key: str, kind: type | tuple, default=None):
         """Metadata that must be of a kind (str, int, or a list of one: `[str]`): a file that stores
@@ -108,7 +91,11 @@ class GGUFModel:
             return value
         if isinstance(kind, list):
             want = kind[0]
-            ok = isinstance(value, list) and all(isinstance(v, want) and not isinstance(v, bool) for v in value)
+            if want is str:
+                ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+            else:  # numbers come as a numpy array: integers for `int`, integers or floats for NUMBER
+                kinds = "iu" if want is int else "iuf"
+                ok = isinstance(value, np.ndarray) and value.dtype.kind in kinds
             said = f"an array of {KINDS[want]}s"
         else:
             ok = isinstance(value, kind) and not isinstance(value, bool)
@@ -117,6 +104,10 @@ class GGUFModel:
             raise ModelLoadError(f"GGUF metadata {key!r} should be {said}", self.path)
         return value
 
+    def metadata_bytes(self) -> bytes:
+        """The header up to the tensor table: every metadata key and value as the file holds them."""
+        return self.mm[: self.metadata_end]
+
     def _arch(self, key: str, default=None):
         return self.meta(f"{self.arch}.{key}", default)
 
@@ -124,8 +115,8 @@ class GGUFModel:
         """The model's config in config.json's terms, from the metadata (sizes checked by engine.config)."""
         heads = self._arch("attention.head_count")
         hidden = self._arch("embedding_length")
-        tokens = self.reader.fields.get("tokenizer.ggml.tokens")
-        vocab = self._arch("vocab_size") or (len(tokens.data) if tokens is not None else None)
+        tokens = self.meta("tokenizer.ggml.tokens")
+        vocab = self._arch("vocab_size") or (len(tokens) if tokens is not None else None)
         head_dim = self._arch("attention.key_length") or (hidden // heads if hidden and heads else None)
         raw = {
             "architectures": [ARCHITECTURES[self.arch]],
@@ -198,7 +189,7 @@ class GGUFModel:
     @staticmethod
     def shape(t) -> tuple[int, ...]:
         """A tensor's shape, outer dimension first (GGUF lists the innermost first)."""
-        return tuple(int(n) for n in reversed(t.shape.tolist()))
+        return t.shape
 
     def file_type(self, gname: str) -> str:
         return self.tensors[gname].tensor_type.name
@@ -264,7 +255,7 @@ class GGUFModel:
         else:
             mode = "int8" if any(NATIVE[t][0] == "int8" for t in types) else "int4"
             group = min(NATIVE[t][1] for t in types)
-            decode = {t: NATIVE[t][2] for t in types}
+            decode = INT4_PACKED if mode == "int4" else {t: NATIVE[t][2] for t in types}  # int4: two a byte
         parts = []
         for hf, ftype in zip(hfs, types):
             gname = self.gguf_name(hf)
@@ -277,7 +268,7 @@ class GGUFModel:
             parts.append((c, s.repeat(widen, -1), None if m is None else m.repeat(widen, -1)))
         offsets = any(m is not None for _, _, m in parts)
         for hf, ftype, (c, s, _) in zip(hfs, types, parts):
-            held = c.size * (4 if mode == "int4" else 8) // 8 + s.size * 4 * (2 if offsets else 1)  # int5: packed
+            held = c.size + s.size * 4 * (2 if offsets else 1)  # codes: a byte each, or packed (int4, int5)
             form = f"{mode}/g{group}" + ("+min" if offsets else "")
             gname = self.gguf_name(hf)
             self.held[gname] = (ftype, form, int(self.tensors[gname].n_bytes), int(held))
@@ -286,16 +277,16 @@ class GGUFModel:
             whole = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
             return torch.from_numpy(np.ascontiguousarray(whole, dtype=kind)).to(device)
 
-        codes = stacked([c for c, _, _ in parts], np.uint8 if mode == "int5" else np.int8)
+        codes = stacked([c for c, _, _ in parts], np.int8 if mode == "int8" else np.uint8)
         scales = stacked([s for _, s, _ in parts], np.float32)
         mins = stacked([np.zeros_like(s) if m is None else m for _, s, m in parts], np.float32) if offsets else None
-        return PreQuantized(codes, scales, mode, group, dtype, mins)
+        return PreQuantized(codes, scales, mode, group, dtype, mins, packed=mode == "int4")
 
     def _release(self, t) -> None:
         """Drop a tensor's pages of the mapped file once it is read: they would count in the process's
         memory, next to the weights built from them, until the whole load ends."""
-        mm = getattr(self.reader.data, "_mmap", None)
-        if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+        mm = self.mm
+        if not hasattr(mmap, "MADV_DONTNEED"):
             return
         start = t.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
         try:
@@ -333,5 +324,5 @@ class GGUFModel:
         st = self.path.stat()
         h = hashlib.sha256(f"{self.path.name}:{st.st_size}:{st.st_mtime_ns}".encode())
         for t in self.tensors.values():
-            h.update(f"{t.name}:{t.tensor_type.name}:{t.shape.tolist()}:{t.data_offset}".encode())
+            h.update(f"{t.name}:{t.tensor_type.name}:{list(t.dims)}:{t.data_offset}".encode())
         return h.hexdigest()[:16]

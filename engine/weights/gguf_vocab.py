@@ -5,9 +5,13 @@ as special tokens, the file's chat template (run in the tokenizer's sandbox) and
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+from pathlib import Path
 
 from ..errors import ModelLoadError
 from ..tokenizer import Tokenizer
+from ..user_cache import user_cache
 
 NUMBER = (int, float)
 TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
@@ -33,14 +37,67 @@ DIGITS_FIRST = ("smollm", "starcoder", "refact", "codeshell")  # each digit its 
 
 def tokenizer(model, stop_extra=()):
     """A Tokenizer from tokenizer.ggml.*: byte-level BPE (model "gpt2") or SentencePiece-style BPE with
-    scores (model "llama"), control tokens as special tokens, the file's chat template and stop ids."""
+    scores (model "llama"), control tokens as special tokens, the file's chat template and stop ids. Built
+    once per vocabulary: the built tokenizer is kept in the user cache under the digest of the file's whole
+    metadata and of this builder (a second open reads it back in a few milliseconds; engine/BENCHMARKS.md,
+    "Opening a model file")."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    key = _cache_key(model)
+    path = user_cache("tokenizers") / f"{key}.json"
+    try:
+        kept = json.loads(path.read_text(encoding="utf-8"))
+        tok = HFTokenizer.from_str(kept["tokenizer"])
+        stop = {int(i) for i in kept["stop"]} | {int(i) for i in stop_extra}
+        _drop_vocabulary(model)
+        return Tokenizer(tok, dict(kept["special"]), kept["template"], stop, str(kept["digest"]))
+    except Exception:  # none kept (or unreadable, or from another version): build it
+        pass
+    tok, special, template, stop, digest = _build(model)
+    try:  # written aside, then renamed: another process never reads half a file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        kept = {
+            "tokenizer": tok.to_str(),
+            "special": special,
+            "template": template,
+            "stop": sorted(stop),
+            "digest": digest,
+        }
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(kept), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        pass  # only the next open's speed is at stake
+    return Tokenizer(tok, special, template, stop | {int(i) for i in stop_extra}, digest)
+
+
+def _cache_key(model) -> str:
+    """What the built tokenizer depends on: the file's metadata bytes (tokens, merges, types, template, ids),
+    this module's code and the tokenizers library's version."""
+    import tokenizers
+
+    h = hashlib.sha256(model.metadata_bytes())
+    h.update(Path(__file__).read_bytes())
+    h.update(tokenizers.__version__.encode())
+    return h.hexdigest()[:32]
+
+
+def _drop_vocabulary(model) -> None:
+    """The parsed arrays (an object per token) go before the weights come."""
+    for key in ("tokens", "merges", "scores", "token_type"):
+        model.fields.pop(f"tokenizer.ggml.{key}", None)
+
+
+def _build(model):
+    """(tokenizers' Tokenizer, special tokens, chat template, stop ids, digest) from the file's metadata."""
     from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 
     kind = model.meta("tokenizer.ggml.model")
     tokens = model.meta_as("tokenizer.ggml.tokens", [str])
     if not tokens:
         raise ModelLoadError("the GGUF file has no vocabulary (tokenizer.ggml.tokens)", model.path)
-    types = model.meta_as("tokenizer.ggml.token_type", [int]) or [1] * len(tokens)
+    types = model.meta_as("tokenizer.ggml.token_type", [int])
+    types = [1] * len(tokens) if types is None or not len(types) else types.tolist()
     if kind == "gpt2":
         spelling = _bytes_to_unicode()
         alphabet = set(spelling.values())
@@ -66,7 +123,8 @@ def tokenizer(model, stop_extra=()):
         tok.decoder = decoders.ByteLevel()
         special_ok = lambda t: set(t) <= alphabet
     elif kind == "llama":
-        scores = model.meta_as("tokenizer.ggml.scores", [NUMBER]) or [0.0] * len(tokens)
+        scores = model.meta_as("tokenizer.ggml.scores", [NUMBER])
+        scores = [0.0] * len(tokens) if scores is None or not len(scores) else scores.tolist()
         vocab = {t: i for i, t in enumerate(tokens)}
         merges = model.meta_as("tokenizer.ggml.merges", [str])
         merges = (
@@ -109,20 +167,18 @@ def tokenizer(model, stop_extra=()):
         _, text = token(key)
         if text is not None:
             special[name] = text
-    stop = {int(i) for i in stop_extra}
+    stop = set()
     for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
         i, _ = token(key)
         if i is not None:
             stop.add(i)
-    # Built: the parsed arrays (an object per token) go before the weights come.
-    for key in ("tokens", "merges", "scores", "token_type"):
-        model.reader.fields.pop(f"tokenizer.ggml.{key}", None)
+    _drop_vocabulary(model)
     template = model.meta_as("tokenizer.chat_template", str)
     digest = hashlib.sha256()
     for part in (kind or "", model.meta("tokenizer.ggml.pre", "") or "", template or "", str(len(tokens))):
         digest.update(part.encode())
     digest.update(tok.to_str().encode())
-    return Tokenizer(tok, special, template, stop, digest.hexdigest())
+    return tok, special, template, stop, digest.hexdigest()
 
 
 def _bpe(path, vocab, merges, **kw):
