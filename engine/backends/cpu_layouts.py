@@ -175,16 +175,39 @@ def weight_scratch(shape, dtype=torch.float32) -> torch.Tensor:
     return buf[:n].view(shape)
 
 
+WIDEN_CHUNK_BYTES = 8 << 20  # float32 rows of a 16-bit weight widened at a time (widened_linear)
+
+
 def many_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear for prefill on the CPU: float32 through oneDNN's inner product on the plain weight where
-    that gives F.linear's numbers (faster than F.linear's GEMM); float16 computed in float32 (torch's
-    many-row float16 product is slow, and float32 is exact for its inputs)."""
-    if weight.dtype == torch.float16 and x.device.type == "cpu":
-        bias = None if bias is None else bias.float()
-        return many_rows_linear(x.float(), weight_scratch(weight.shape).copy_(weight), bias).to(x.dtype)
+    that gives F.linear's numbers (faster than F.linear's GEMM); float16, and bfloat16 on a CPU without bf16
+    instructions, computed in float32 (torch's many-row products of those are slow there, and float32 is
+    exact for their inputs)."""
+    if x.device.type == "cpu" and (
+        weight.dtype == torch.float16 or (weight.dtype == torch.bfloat16 and not kernel_library.bf16_hardware())
+    ):
+        return widened_linear(x, weight, bias)
     if weight.dtype == torch.float32 and x.device.type == "cpu" and onednn_works(torch.float32, packed=False):
         return plain_onednn_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear of a 16-bit weight [out, in] over many rows x [..., in], computed in float32 a chunk of the
+    weight's rows at a time (each widened into a reused buffer of WIDEN_CHUNK_BYTES): the CPU's float32 GEMM
+    speed, and no float32 copy of the weight. The result is rounded to x's dtype once, as F.linear's is."""
+    n_out, n_in = weight.shape
+    xf = x.reshape(-1, n_in).float()  # [T, in]
+    out_t = torch.empty(n_out, xf.shape[0], dtype=torch.float32)  # [out, T]: each chunk's rows are contiguous
+    rows = max(64, WIDEN_CHUNK_BYTES // (4 * n_in))
+    for a in range(0, n_out, rows):
+        b = min(n_out, a + rows)
+        w = weight_scratch((b - a, n_in)).copy_(weight[a:b])  # [chunk, in] float32
+        if bias is None:
+            torch.mm(w, xf.t(), out=out_t[a:b])
+        else:
+            torch.addmm(bias[a:b].float().unsqueeze(1), w, xf.t(), out=out_t[a:b])
+    return out_t.t().to(x.dtype).reshape(*x.shape[:-1], n_out)
 
 
 def layout_for(dtype: torch.dtype):

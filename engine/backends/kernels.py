@@ -149,6 +149,16 @@ def variant() -> str:
     return name
 
 
+BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # x86's AVX-512 BF16 and AMX-BF16, ARM's BF16 extension
+WITHOUT_BF16 = {"avx2", "avx2-no-vnni", "generic"}  # forced variants that stand for a CPU without them
+
+
+def bf16_hardware() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (a forced AVX2 or plain-C variant stands for a CPU that
+    does not): where it does not, bfloat16 prefill computes in float32 (cpu_layouts.widened_linear)."""
+    return bool(cpu_flags() & BF16_FLAGS) and variant() not in WITHOUT_BF16
+
+
 def build(
     cc: str | list[str] | None = None,
     extra_flags: tuple[str, ...] = (),

@@ -234,7 +234,7 @@ def test_quantized_layers_decode_through_the_kernels(llama_dir, weights, group, 
 
 
 @needs_kernels
-@pytest.mark.skipif(not (K and K.int4_tile_rows), reason="int4 tiles need the 16-lane (AVX-512) kernels")
+@pytest.mark.skipif(not (K and K.int4_tile_rows), reason="int4 tiles need the AVX-512 or AVX2 kernels")
 @pytest.mark.parametrize("offsets", [False, True])
 def test_int4_tiles_hold_the_same_weight_as_rows(offsets):
     """A layer laid out in the kernels' tiles of 16 rows reads back the same codes and scales, dequantizes
@@ -432,8 +432,8 @@ def test_each_instruction_set_variant_agrees_with_torch(tmp_path, variant, isa):
         assert k.isa == isa
     assert k.dtypes == {torch.float32, torch.bfloat16, torch.float16} and k.modes == {"int8", "int4", "int5"}
     assert k.integer_modes == k.modes
-    assert k.int4_tile_rows == (16 if k.isa == "avx512" else 0)
-    assert k._tiles_agree(16)  # the tiled product's plain-C and AVX2 bodies too (only AVX-512 builds use it)
+    assert k.int4_tile_rows == (16 if k.isa in ("avx512", "avx2") else 0)
+    assert k._tiles_agree(16)  # the tiled product's AVX-512, AVX2 and plain-C bodies (plain C: never chosen)
     assert k.int4_integer_tiles == (k.isa == "avx512" and k.int_isa == "avx512-vnni")
     if "-mno-avxvnni" in flags or isa == "generic":
         assert k.int_isa == isa

@@ -30,6 +30,7 @@ typedef __m512i vi;
 #define vload(p) _mm512_loadu_ps(p)
 #define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define vadd(a, b) _mm512_add_ps(a, b)
+#define vsub(a, b) _mm512_sub_ps(a, b)
 #define vmul(a, b) _mm512_mul_ps(a, b)
 #define VDIV(a, b) _mm512_div_ps(a, b)
 #define _mm_storeu_acc(p, v) _mm512_storeu_ps(p, v)
@@ -53,6 +54,7 @@ typedef __m256i vi;
 #define vload(p) _mm256_loadu_ps(p)
 #define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define vadd(a, b) _mm256_add_ps(a, b)
+#define vsub(a, b) _mm256_sub_ps(a, b)
 #define vmul(a, b) _mm256_mul_ps(a, b)
 #define VDIV(a, b) _mm256_div_ps(a, b)
 #define _mm_storeu_acc(p, v) _mm256_storeu_ps(p, v)
@@ -76,6 +78,7 @@ typedef int32x4_t vi;
 #define vload(p) vld1q_f32(p)
 #define vfma(a, b, c) vfmaq_f32(c, a, b) /* a·b + c, as the x86 forms read */
 #define vadd(a, b) vaddq_f32(a, b)
+#define vsub(a, b) vsubq_f32(a, b)
 #define vmul(a, b) vmulq_f32(a, b)
 #define VDIV(a, b) vdivq_f32(a, b)
 #define _mm_storeu_acc(p, v) vst1q_f32(p, v)

@@ -8,7 +8,29 @@
  * apply once per group to 16 rows at once. Layout, engine.quant.tile's: codes
  * [out/16][in/8][16 rows][4 bytes] — each 4 bytes are 8 inputs of one row as the row layout holds them
  * (input 8b+k in nibble k, low nibble first) — and scales and offsets [out/16][in/g][16 rows]. */
-int kv_int4_tile_rows(void) { return KV_LANES == 16 ? TILE_ROWS : 0; }
+int kv_int4_tile_rows(void) { return KV_LANES >= 8 ? TILE_ROWS : 0; }
+
+#if KV_LANES == 8
+/* AVX2: a tile's 64-byte step is two vectors of 8 rows. Each nibble k of a lane stays where it is: masked
+ * (vpand), converted (its value times 16^k is exact in a float) and multiplied by x[i+k]·16^-k (exact too:
+ * a power of two), so a nibble costs a mask, a conversion and an FMA, no shift. The codes are 4-bit two's
+ * complement: the lanes are XORed with 0x88888888 first, making nibbles 0-6 the code + 8 (their share of
+ * 8·x is taken off per group), and nibble 7 is read signed by an arithmetic shift. Eight FMA chains (four a
+ * half) cover the FMA's latency. engine/BENCHMARKS.md, "AVX2: int4 tiles" has the measurements. */
+static inline void q4t_half(vi v, const float *xk, vf *a0, vf *a1, vf *a2, vf *a3) {
+    vi u = _mm256_xor_si256(v, _mm256_set1_epi32((int)0x88888888u));
+#define NIB(k) _mm256_cvtepi32_ps(_mm256_and_si256(u, _mm256_set1_epi32(15 << (4 * (k)))))
+    *a0 = vfma(NIB(0), vset1(xk[0]), *a0);
+    *a1 = vfma(NIB(1), vset1(xk[1]), *a1);
+    *a2 = vfma(NIB(2), vset1(xk[2]), *a2);
+    *a3 = vfma(NIB(3), vset1(xk[3]), *a3);
+    *a0 = vfma(NIB(4), vset1(xk[4]), *a0);
+    *a1 = vfma(NIB(5), vset1(xk[5]), *a1);
+    *a2 = vfma(NIB(6), vset1(xk[6]), *a2);
+    *a3 = vfma(_mm256_cvtepi32_ps(_mm256_srai_epi32(v, 28)), vset1(xk[7]), *a3);
+#undef NIB
+}
+#endif
 
 void kv_matvec_q4t(const uint8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
                    int64_t in, int64_t g, int nt) {
@@ -52,6 +74,40 @@ void kv_matvec_q4t(const uint8_t *q, const float *s, const float *m, const float
         _mm_storeu_acc(y + t * TILE_ROWS, acc);
     }
 #undef HIGH_BYTE
+#elif KV_LANES == 8
+    float xk[in], x8[groups]; /* x[i]·16^-(i%8) (input 7 of each 8 as it is); per group, 8·(x over inputs 0-6 of each 8) */
+    static const float step[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.0f};
+    for (int64_t i = 0; i < in; i++) xk[i] = x[i] * step[i % 8];
+    for (int64_t j = 0; j < groups; j++) {
+        float a = 0;
+        for (int64_t i = j * g; i < (j + 1) * g; i++) a += (i % 8 == 7) ? 0.0f : x[i];
+        x8[j] = 8 * a;
+    }
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const uint8_t *r = q + t * TILE_ROWS * in / 2;
+        const float *st = s + t * TILE_ROWS * groups, *mt = m ? m + t * TILE_ROWS * groups : NULL;
+        vf acc0 = vzero(), acc1 = vzero(); /* rows 0-7, 8-15 */
+        for (int64_t j = 0; j < groups; j++) {
+            vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero(), b0 = vzero(), b1 = vzero(), b2 = vzero(), b3 = vzero();
+            for (int64_t i = j * g; i < (j + 1) * g; i += 8) {
+                const uint8_t *b = r + TILE_STEP(i); /* 64 bytes: inputs i..i+7 of the 16 rows */
+                PREFETCH(b);
+                q4t_half(_mm256_loadu_si256((const __m256i *)b), xk + i, &a0, &a1, &a2, &a3);
+                q4t_half(_mm256_loadu_si256((const __m256i *)(b + 32)), xk + i, &b0, &b1, &b2, &b3);
+            }
+            vf p0 = vsub(vadd(vadd(a0, a1), vadd(a2, a3)), vset1(x8[j]));
+            vf p1 = vsub(vadd(vadd(b0, b1), vadd(b2, b3)), vset1(x8[j]));
+            acc0 = vfma(vload(st + j * TILE_ROWS), p0, acc0);
+            acc1 = vfma(vload(st + j * TILE_ROWS + 8), p1, acc1);
+            if (mt) {
+                acc0 = vfma(vload(mt + j * TILE_ROWS), vset1(xs[j]), acc0);
+                acc1 = vfma(vload(mt + j * TILE_ROWS + 8), vset1(xs[j]), acc1);
+            }
+        }
+        _mm_storeu_acc(y + t * TILE_ROWS, acc0);
+        _mm_storeu_acc(y + t * TILE_ROWS + 8, acc1);
+    }
 #else
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t o = 0; o < tiles * TILE_ROWS; o++) {

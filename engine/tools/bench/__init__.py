@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from .isolation import ROW_TIMEOUT_S, run_isolated
-from .machine import cpu_info, measure_bandwidth
+from .machine import cpu_info, measure_bandwidth, measure_read_bandwidth
 from .report import PLOT_CONTEXTS, markdown, plot, print_report, ratios, row_of
 from .roofline import EMBED_BYTES_PER_VALUE, bytes_per_token, roofline_tok_s
 from .rows import CACHED_KVCHAT, FILE_ACTIVATIONS, is_gguf_model, measure_row, model_config
@@ -158,7 +158,8 @@ def collect(ns, progress: bool | None = None) -> dict:
     contexts = list(PLOT_CONTEXTS) if ns.plot else []
     with tempfile.TemporaryDirectory(prefix="kvchat-bench-") as tmp:
         model = ns.model or str(write_random_checkpoint(Path(tmp) / ns.shape, ns.shape))
-        bandwidth = measure_bandwidth(device)
+        copy_bandwidth = measure_bandwidth(device)
+        bandwidth = measure_read_bandwidth(device)  # the roofline: a decode step reads
         gguf_files = {"file": model} if is_gguf_model(model) else {}
         if any(e == "llama.cpp" for e, _ in runs) and not gguf_files:
             from .gguf_export import quantize_gguf, write_gguf
@@ -224,7 +225,8 @@ def collect(ns, progress: bool | None = None) -> dict:
         "prompt_tokens": ns.prompt_tokens,
         "new_tokens": ns.new_tokens,
         "threads": threads,
-        "bandwidth_gb_s": round(bandwidth / 1e9, 2),
+        "bandwidth_gb_s": round(bandwidth / 1e9, 2),  # read
+        "copy_bandwidth_gb_s": round(copy_bandwidth / 1e9, 2),
         "cpu": cpu_info(),
         "results": results,
         "ratios": ratios(results),

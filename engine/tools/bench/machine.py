@@ -73,7 +73,7 @@ def device_sync(device) -> None:
 
 
 def measure_bandwidth(device=None, megabytes: int = 512, repeats: int = 5) -> float:
-    """Bytes per second a large copy moves (read + write), best of `repeats`: the memory roofline."""
+    """Bytes per second a large copy moves (read + write), best of `repeats`: reported beside the read roofline."""
     import torch
 
     from ...trace import now
@@ -90,6 +90,40 @@ def measure_bandwidth(device=None, megabytes: int = 512, repeats: int = 5) -> fl
         device_sync(device)
         best = min(best, now() - t0)
     return 2 * n / best
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache this machine reports (Linux sysfs), 0 where it says nothing."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = f.read_text().strip().upper()
+            sizes.append(int(text.rstrip("KMG")) * {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1))
+        except (OSError, ValueError):
+            pass
+    return max(sizes, default=0)
+
+
+def measure_read_bandwidth(device=None, repeats: int = 5) -> float:
+    """Bytes per second a read-only stream moves (a sum over float32 values, the run's thread count), best of
+    `repeats`, over a buffer four times the last-level cache (at least 1 GiB, at most 4 GiB) so that it
+    streams from memory: what a batch-1 decode step does, which reads its weights and writes almost nothing.
+    The roofline (a copy's read + write figure is reported beside it)."""
+    import torch
+
+    from ...trace import now
+
+    device = torch.device(device or "cpu")
+    n = min(max(4 * last_level_cache_bytes(), 2**30), 2**32) if device.type == "cpu" else 2**30
+    x = torch.ones(n // 4, dtype=torch.float32, device=device)
+    best = float("inf")
+    for _ in range(repeats):
+        device_sync(device)
+        t0 = now()
+        x.sum()
+        device_sync(device)
+        best = min(best, now() - t0)
+    return n / best
 
 
 def file_read_seconds(model_dir) -> float:

@@ -58,7 +58,8 @@ def ratios(results) -> dict:
 def print_report(report: dict) -> None:
     print(
         f"model {report['model']} · {report['device']} · prompt {report['prompt_tokens']} · "
-        f"new {report['new_tokens']} · threads {report['threads']} · copy bandwidth {report['bandwidth_gb_s']} GB/s"
+        f"new {report['new_tokens']} · threads {report['threads']} · read bandwidth {report['bandwidth_gb_s']} GB/s "
+        f"(the roofline; a copy {report.get('copy_bandwidth_gb_s', '—')} GB/s read + write)"
     )
     cpu = report.get("cpu") or {}
     if cpu:
@@ -86,6 +87,11 @@ def markdown(report: dict) -> str:
     """The report as the Markdown tables engine/BENCHMARKS.md keeps."""
     cpu = report.get("cpu") or {}
     head = [f"CPU: {cpu['model']} ({', '.join(cpu['instruction_sets'])}); {cpu['kernels']}", ""] if cpu else []
+    head.append(
+        f"Read bandwidth {report['bandwidth_gb_s']} GB/s (the roofline), a copy "
+        f"{report.get('copy_bandwidth_gb_s', '—')} GB/s (read + write); {report['threads']} threads."
+    )
+    head.append("")
     rows = head + [
         "| engine | precision | prefill tok/s | TTFT ms | decode tok/s | % of roofline | peak MiB | load s |",
         "|---|---|---|---|---|---|---|---|",
