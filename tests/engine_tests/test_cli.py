@@ -218,8 +218,9 @@ def test_bench_json(llama_dir):
     for r in rows.values():
         assert "error" not in r, r
         assert r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 and r["peak_mem_bytes"] > 0
-        roof = out["bandwidth_gb_s"] * 1e9 / r["bytes_per_token"]  # copy bandwidth / bytes read per token
+        roof = out["bandwidth_gb_s"] * 1e9 / r["bytes_per_token"]  # read bandwidth / bytes read per token
         assert abs(r["roofline_tok_s"] - roof) < 0.01 * roof and r["roofline_pct"] > 0
+    assert out["copy_bandwidth_gb_s"] > 0  # reported beside the read roofline
     k = rows[("kvchat", "float32")]
     assert k["tokens"] == 8 and k["weights"] == "none" and rows[("kvchat", "int8")]["weights"] == "int8/per-channel"
     assert k["same_tokens_as_kvchat"] == 8

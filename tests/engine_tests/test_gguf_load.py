@@ -466,3 +466,61 @@ def test_without_kernels_a_files_codes_are_dequantized_once_and_compute_what_tra
     tight = load_model(path)
     assert tight.model.dequantized_bytes == 0 and isinstance(tight.model.layers[0].mlp.down, QuantLinear)
     assert dequantize_for_torch(tight.model, free=0) == 0
+
+
+def test_a_gguf_vocabulary_is_built_once_and_read_back_from_the_cache(folders, tmp_path, monkeypatch):
+    """The tokenizer a file's metadata makes is kept in the user cache under the digest of that metadata: a
+    second open reads it back (the builder is not called) and encodes, stops and fingerprints the same; a
+    damaged cache file is built again and rewritten whole; a file whose metadata differs gets its own."""
+    from gguf import GGUFValueType as V
+
+    from engine.weights import gguf_vocab
+
+    monkeypatch.setenv("KVCHAT_CACHE_DIR", str(tmp_path / "cache"))
+    kept = lambda: sorted((tmp_path / "cache" / "tokenizers").glob("*.json"))  # noqa: E731
+    path = write_gguf(folders["llama"], tmp_path / "m.gguf", matrices="Q8_0", tokenizer=True)
+    first = load_model(str(path)).tokenizer
+    assert len(kept()) == 1
+    text = "My budget is 600 yuan. Plan 3 nights in Chengdu, café included!"
+
+    def same(tok):
+        return (tok.tok.encode(text).ids, tok.stop_ids, tok.digest, tok.chat_template_source, tok.special) == (
+            first.tok.encode(text).ids,
+            first.stop_ids,
+            first.digest,
+            first.chat_template_source,
+            first.special,
+        )
+
+    build = gguf_vocab._build
+    with monkeypatch.context() as m:
+        m.setattr(gguf_vocab, "_build", lambda model: pytest.fail("built again although it was kept"))
+        assert same(load_model(str(path)).tokenizer)
+    kept()[0].write_text('{"tokenizer": "{not json')
+    calls = []
+    monkeypatch.setattr(gguf_vocab, "_build", lambda model: calls.append(1) or build(model))
+    assert same(load_model(str(path)).tokenizer) and calls == [1]
+    json.loads(kept()[0].read_text())  # written again, whole
+    other = _rewrite(path, tmp_path / "other.gguf", {"tokenizer.chat_template": ("{{ 'other' }}", V.STRING, None)})
+    assert load_model(str(other)).tokenizer.chat_template_source == "{{ 'other' }}" and len(kept()) == 2
+
+
+def test_int4_blocks_go_straight_into_packed_rows():
+    """Q4_0, Q4_1 and Q4_K blocks become kvchat's packed int4 rows without an int8 code per value on the way:
+    byte for byte what packing the decoded codes gives, with the same scales and offsets."""
+    from engine.quant import pack_int4
+    from engine.weights.gguf_blocks import INT4_PACKED, NATIVE
+
+    rnd = np.random.default_rng(9)
+    for name, packed in INT4_PACKED.items():
+        kind = gguf.GGMLQuantizationType[name]
+        raw = (
+            _k_blocks(name, 5, 512, 3)
+            if name.endswith("_K")
+            else gguf.quants.quantize(rnd.standard_normal((5, 512)).astype(np.float32), kind)
+        )
+        codes, scales, mins = NATIVE[name][2](raw)
+        got, got_scales, got_mins = packed(raw)
+        assert np.array_equal(got, pack_int4(torch.from_numpy(codes)).numpy()), name
+        assert np.array_equal(got_scales, scales) and (mins is None) == (got_mins is None), name
+        assert mins is None or np.array_equal(got_mins, mins), name

@@ -452,6 +452,30 @@ def test_the_prefill_weight_buffer_is_reused_in_and_out_of_inference_mode():
     assert b.data_ptr() == a.data_ptr() and weight_scratch((64, 64)).numel() == 4096
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_prefill_computes_in_float32_a_chunk_of_rows_at_a_time(monkeypatch, dtype):
+    """A 16-bit weight's many-row product in float32, widened a few rows at a time (here 3 chunks and a
+    remainder): F.linear's float32 numbers rounded once, with and without a bias; bfloat16 takes that path
+    where the CPU has no bf16 instructions (a forced AVX2 variant stands for one), float16 always."""
+    from engine.backends import cpu_layouts
+
+    g = torch.Generator().manual_seed(4)
+    w, b = torch.randn(200, 96, generator=g).to(dtype), torch.randn(200, generator=g).to(dtype)
+    x = torch.randn(2, 5, 96, generator=g).to(dtype)
+    monkeypatch.setattr(cpu_layouts, "WIDEN_CHUNK_BYTES", 64 * 96 * 4)  # 64 rows a chunk: 3 chunks and 8 rows
+    for bias in (None, b):
+        want = F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(dtype)
+        assert torch.equal(cpu_layouts.widened_linear(x, w, bias), want)
+    calls = []
+    monkeypatch.setattr(cpu_layouts, "widened_linear", lambda *a: calls.append(1) or F.linear(*a))
+    for variant in ("avx2", "native") if kernels.X86 else ("native",):
+        monkeypatch.setenv(kernels.VARIANT_ENV, variant)
+        assert kernels.bf16_hardware() == (variant == "native" and bool(kernels.cpu_flags() & kernels.BF16_FLAGS))
+        calls.clear()
+        cpu_layouts.many_rows_linear(x, w, b)
+        assert calls == [1] * (dtype == torch.float16 or not kernels.bf16_hardware()), (variant, dtype)
+
+
 # --- The ABI: csrc/kernels.h is what Python calls ------------------------------------------------------------
 HEADER = kernels.SOURCES / "kernels.h"
 C_TYPES = {"int64_t": ctypes.c_int64, "int": ctypes.c_int, "float": ctypes.c_float}

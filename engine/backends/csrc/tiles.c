@@ -11,24 +11,31 @@
 int kv_int4_tile_rows(void) { return KV_LANES >= 8 ? TILE_ROWS : 0; }
 
 #if KV_LANES == 8
-/* AVX2: a tile's 64-byte step is two vectors of 8 rows. Each nibble k of a lane stays where it is: masked
- * (vpand), converted (its value times 16^k is exact in a float) and multiplied by x[i+k]·16^-k (exact too:
- * a power of two), so a nibble costs a mask, a conversion and an FMA, no shift. The codes are 4-bit two's
- * complement: the lanes are XORed with 0x88888888 first, making nibbles 0-6 the code + 8 (their share of
- * 8·x is taken off per group), and nibble 7 is read signed by an arithmetic shift. Eight FMA chains (four a
- * half) cover the FMA's latency. engine/BENCHMARKS.md, "AVX2: int4 tiles" has the measurements. */
-static inline void q4t_half(vi v, const float *xk, vf *a0, vf *a1, vf *a2, vf *a3) {
-    vi u = _mm256_xor_si256(v, _mm256_set1_epi32((int)0x88888888u));
+/* AVX2: a tile's 64-byte step is two vectors of 8 rows, taken one half (8 rows) at a time through a group. Each
+ * nibble k of a lane stays where it is: masked (vpand), converted (its value times 16^k is exact in a float) and
+ * multiplied by x[i+k]·16^-k (exact too: a power of two), so a nibble costs a mask, a conversion and an FMA, no
+ * shift. The codes are 4-bit two's complement: the lanes are XORed with 0x88888888 first, making nibbles 0-6 the
+ * code + 8 (their share of 8·x is taken off per group), and nibble 7 is read signed by an arithmetic shift. Four
+ * FMA chains cover the FMA's latency; the accumulators, the lane and the masks fit the 16 registers.
+ * engine/BENCHMARKS.md, "AVX2: int4 tiles" has the measurements. */
+static inline vf q4t_half_group(const uint8_t *b, const float *xk, int64_t steps) {
+    vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+    for (int64_t n = 0; n < steps; n++, b += TILE_ROWS * 4, xk += 8) {
+        PREFETCH(b);
+        vi v = _mm256_loadu_si256((const __m256i *)b);
+        vi u = _mm256_xor_si256(v, _mm256_set1_epi32((int)0x88888888u));
 #define NIB(k) _mm256_cvtepi32_ps(_mm256_and_si256(u, _mm256_set1_epi32(15 << (4 * (k)))))
-    *a0 = vfma(NIB(0), vset1(xk[0]), *a0);
-    *a1 = vfma(NIB(1), vset1(xk[1]), *a1);
-    *a2 = vfma(NIB(2), vset1(xk[2]), *a2);
-    *a3 = vfma(NIB(3), vset1(xk[3]), *a3);
-    *a0 = vfma(NIB(4), vset1(xk[4]), *a0);
-    *a1 = vfma(NIB(5), vset1(xk[5]), *a1);
-    *a2 = vfma(NIB(6), vset1(xk[6]), *a2);
-    *a3 = vfma(_mm256_cvtepi32_ps(_mm256_srai_epi32(v, 28)), vset1(xk[7]), *a3);
+        a0 = vfma(NIB(0), vset1(xk[0]), a0);
+        a1 = vfma(NIB(1), vset1(xk[1]), a1);
+        a2 = vfma(NIB(2), vset1(xk[2]), a2);
+        a3 = vfma(NIB(3), vset1(xk[3]), a3);
+        a0 = vfma(NIB(4), vset1(xk[4]), a0);
+        a1 = vfma(NIB(5), vset1(xk[5]), a1);
+        a2 = vfma(NIB(6), vset1(xk[6]), a2);
+        a3 = vfma(_mm256_cvtepi32_ps(_mm256_srai_epi32(v, 28)), vset1(xk[7]), a3);
 #undef NIB
+    }
+    return vadd(vadd(a0, a1), vadd(a2, a3));
 }
 #endif
 
@@ -89,15 +96,9 @@ void kv_matvec_q4t(const uint8_t *q, const float *s, const float *m, const float
         const float *st = s + t * TILE_ROWS * groups, *mt = m ? m + t * TILE_ROWS * groups : NULL;
         vf acc0 = vzero(), acc1 = vzero(); /* rows 0-7, 8-15 */
         for (int64_t j = 0; j < groups; j++) {
-            vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero(), b0 = vzero(), b1 = vzero(), b2 = vzero(), b3 = vzero();
-            for (int64_t i = j * g; i < (j + 1) * g; i += 8) {
-                const uint8_t *b = r + TILE_STEP(i); /* 64 bytes: inputs i..i+7 of the 16 rows */
-                PREFETCH(b);
-                q4t_half(_mm256_loadu_si256((const __m256i *)b), xk + i, &a0, &a1, &a2, &a3);
-                q4t_half(_mm256_loadu_si256((const __m256i *)(b + 32)), xk + i, &b0, &b1, &b2, &b3);
-            }
-            vf p0 = vsub(vadd(vadd(a0, a1), vadd(a2, a3)), vset1(x8[j]));
-            vf p1 = vsub(vadd(vadd(b0, b1), vadd(b2, b3)), vset1(x8[j]));
+            const uint8_t *b = r + TILE_STEP(j * g); /* the group's steps: 64 bytes, inputs i..i+7 of the 16 rows */
+            vf p0 = vsub(q4t_half_group(b, xk + j * g, g / 8), vset1(x8[j]));      /* rows 0-7 */
+            vf p1 = vsub(q4t_half_group(b + 32, xk + j * g, g / 8), vset1(x8[j])); /* rows 8-15 */
             acc0 = vfma(vload(st + j * TILE_ROWS), p0, acc0);
             acc1 = vfma(vload(st + j * TILE_ROWS + 8), p1, acc1);
             if (mt) {

@@ -162,7 +162,7 @@ def collect(ns, progress: bool | None = None) -> dict:
         bandwidth = measure_read_bandwidth(device)  # the roofline: a decode step reads
         gguf_files = {"file": model} if is_gguf_model(model) else {}
         if any(e == "llama.cpp" for e, _ in runs) and not gguf_files:
-            from .gguf_export import quantize_gguf, write_gguf
+            from ..gguf_export import quantize_gguf, write_gguf
 
             f32 = write_gguf(model, Path(tmp) / "model-F32.gguf")
             gguf_files["F32"] = str(f32)

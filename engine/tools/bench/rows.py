@@ -164,7 +164,7 @@ def _measure(engine: str, precision: str, a: dict) -> dict:
             return _timing(len(prompt), start, clock.times[1:]), clock.ids[1:]  # the first put() is the prompt
     elif engine == "llama.cpp":
         from ...kv_cache import bytes_per_position
-        from .llamacpp import LlamaCpp
+        from ..llamacpp import LlamaCpp
 
         cfg = model_config(a["model"])
         path = Path(a["gguf"][precision])
