@@ -477,7 +477,7 @@ def test_a_gguf_vocabulary_is_built_once_and_read_back_from_the_cache(folders, t
     from engine.weights import gguf_vocab
 
     monkeypatch.setenv("KVCHAT_CACHE_DIR", str(tmp_path / "cache"))
-    kept = lambda: sorted((tmp_path / "cache" / "tokenizers").glob("*.json"))  # noqa: E731
+    kept = lambda: sorted((tmp_path / "cache" / "tokenizers").glob("*.json"))
     path = write_gguf(folders["llama"], tmp_path / "m.gguf", matrices="Q8_0", tokenizer=True)
     first = load_model(str(path)).tokenizer
     assert len(kept()) == 1
