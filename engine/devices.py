@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -10,6 +11,28 @@ import torch
 from .errors import ModelLoadError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+VARIANT_ENV = "KVCHAT_KERNELS_VARIANT"  # the kernels' instruction-set variant forced (engine.backends.kernels)
+BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # x86's AVX-512 BF16 and AMX-BF16, ARM's BF16 extension
+WITHOUT_BF16 = {"avx2", "avx2-no-vnni", "generic"}  # forced variants that stand for a CPU without them
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo names them ("flags" on x86, "Features" on ARM; empty where
+    there is no such file)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return frozenset()
+    return frozenset(
+        f for ln in lines if ln.partition(":")[0].strip() in ("flags", "Features") for f in ln.partition(":")[2].split()
+    )
+
+
+def bf16_hardware() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (a forced AVX2 or plain-C kernel variant stands for a CPU
+    that does not): where it does not, a bfloat16 model's prefill and attention compute in float32."""
+    return bool(cpu_flags() & BF16_FLAGS) and os.environ.get(VARIANT_ENV, "").strip() not in WITHOUT_BF16
 
 
 def resolve_device(name: str | None = None) -> torch.device:

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .devices import bf16_hardware
+
 if TYPE_CHECKING:
     from .config import ModelConfig, RopeConfig
 
@@ -81,8 +83,11 @@ def attention_mask(start: int, t: int, window: int | None, device) -> torch.Tens
 
 
 def attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype attention computes in: the activations', float32 for float16 on the CPU (its fp16 kernel is slow)."""
-    return torch.float32 if dtype == torch.float16 and device.type == "cpu" else dtype
+    """The dtype attention computes in: the activations', float32 for float16 on the CPU (its fp16 kernel is slow)
+    and for bfloat16 on a CPU without bf16 instructions (SDPA falls back to its slow reference path there)."""
+    if device.type == "cpu" and (dtype == torch.float16 or (dtype == torch.bfloat16 and not bf16_hardware())):
+        return torch.float32
+    return dtype
 
 
 def additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -148,8 +153,8 @@ class Attention(nn.Module):
         elif cache is not None:
             k, v = cache.write(layer, start, k, v)  # [B, H_kv, S, d]
         dtype = q.dtype
-        if attention_dtype(dtype, q.device) != dtype:
-            q, k, v = q.float(), k.float(), v.float()
+        if attention_dtype(dtype, q.device) != dtype:  # dense copies: SDPA's flash kernel needs unit-stride rows
+            q, k, v = (t.to(torch.float32, memory_format=torch.contiguous_format) for t in (q, k, v))
         if T > 1:  # many positions: SDPA's native GQA (its flash kernels), causal without a mask on a fresh prompt
             causal = isinstance(start, int) and start == 0 and self.causal_only
             y = F.scaled_dot_product_attention(
@@ -203,8 +208,8 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.dequantized_bytes = 0  # a file's codes dequantized once for torch (no kernels), what they take
-        # [V, D]; its own storage given, so no random init runs (on the meta device that init alone imports
-        # torch._dynamo: about a second of every first load)
+        # [V, D]; its own storage given, so no random init runs (on the meta device that init imports torch._dynamo,
+        # which a first load then waits for: engine/BENCHMARKS.md, "Opening a model file")
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

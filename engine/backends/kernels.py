@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..devices import BF16_FLAGS, VARIANT_ENV, WITHOUT_BF16, bf16_hardware, cpu_flags  # noqa: F401 (the tests' names)
 from ..model import RMSNorm, swap_halves
 from ..quant import (
     ACTIVATION_BLOCK,
@@ -56,7 +57,6 @@ X86_VARIANTS = {
     "generic": ("-mno-avx512f", "-mno-avx2", "-mno-fma"),  # plain C
 }
 ARM_VARIANTS = {"native": (), "generic": ("-DKV_GENERIC",)}  # aarch64: NEON (and what -mcpu adds), or plain C
-VARIANT_ENV = "KVCHAT_KERNELS_VARIANT"
 X86 = platform.machine() in ("x86_64", "AMD64")  # where the variants are builds of their own
 ARM = platform.machine().lower() in ("aarch64", "arm64")
 VARIANTS = X86_VARIANTS if X86 else ARM_VARIANTS if ARM else {"native": ()}
@@ -115,18 +115,6 @@ def sources() -> list[Path]:
     return sorted(p for p in SOURCES.iterdir() if p.suffix in (".c", ".h"))
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags as /proc/cpuinfo names them ("flags" on x86, "Features" on ARM; empty where
-    there is no such file)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return set()
-    return {
-        f for ln in lines if ln.partition(":")[0].strip() in ("flags", "Features") for f in ln.partition(":")[2].split()
-    }
-
-
 def variants() -> list[str]:
     """The distinct builds this CPU can execute, best first: on x86 each variant that takes away a part this CPU
     has (one that takes away nothing would be the native build again), then plain C; elsewhere the native build."""
@@ -147,16 +135,6 @@ def variant() -> str:
     if name not in VARIANTS:
         raise RuntimeError(f"{VARIANT_ENV}={name!r} is not a variant here (variants: {', '.join(variants())})")
     return name
-
-
-BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # x86's AVX-512 BF16 and AMX-BF16, ARM's BF16 extension
-WITHOUT_BF16 = {"avx2", "avx2-no-vnni", "generic"}  # forced variants that stand for a CPU without them
-
-
-def bf16_hardware() -> bool:
-    """Whether this CPU multiplies bfloat16 in hardware (a forced AVX2 or plain-C variant stands for a CPU that
-    does not): where it does not, bfloat16 prefill computes in float32 (cpu_layouts.widened_linear)."""
-    return bool(cpu_flags() & BF16_FLAGS) and variant() not in WITHOUT_BF16
 
 
 def build(
@@ -249,6 +227,8 @@ class Kernels:
         self._tiled_integer = self._declare("kv_matvec_q4tx", [p, p, p, p, p, i64, i64, i64, i32])
         self._tiled_dequant = self._declare("kv_dequant_q4t", [p, p, p, p, i64, i64, i64, i32])
         self._silu = self._declare("kv_silu_f32", [p, p, i64])
+        self._read_stream = self._declare("kv_read_stream", [p, i64, i32])
+        self._read_stream.restype = ctypes.c_float
         self.lib.kv_int4_tile_rows.restype = self.lib.kv_int4_integer_tiles.restype = ctypes.c_int
         with torch.inference_mode():
             self.dtypes = frozenset(d for d in self._float if self._agrees(d)) if self._silu_agrees() else frozenset()
@@ -275,6 +255,12 @@ class Kernels:
         fn = getattr(self.lib, name)
         fn.argtypes, fn.restype = argtypes, None
         return fn
+
+    def read_stream(self, x: torch.Tensor) -> float:
+        """The sum of a float32 tensor's values, read once on torch's threads (the bench's read roofline)."""
+        if x.dtype != torch.float32:
+            raise ValueError("read_stream reads float32 values")
+        return float(self._read_stream(*self._memory(x), x.numel(), torch.get_num_threads()))
 
     def matvec(self, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """weight [out, in] (contiguous, CPU), x [in] of its dtype -> y [out] of its dtype."""

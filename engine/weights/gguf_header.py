@@ -3,8 +3,8 @@ scalars, numeric arrays as numpy arrays over the file, strings decoded) and its 
 numpy view of its bytes. The file is untrusted: every count, length and type is walked against the file's
 size, and every tensor's extent checked (aligned, whole blocks of its type, inside the file, none
 overlapping) before anything is allocated; a forged length is an error at once, never a loop or an
-allocation. One pass in Python and no object per array element is what makes opening a file quick
-(engine/BENCHMARKS.md, "Opening a model file")."""
+allocation. One pass, and no Python object per number of an array (only strings become objects), is what
+makes opening a file quick (engine/BENCHMARKS.md, "Opening a model file")."""
 
 from __future__ import annotations
 

@@ -84,6 +84,25 @@ def test_a_gguf_file_computes_what_transformers_computes_from_it(folders, tmp_pa
     assert loaded.facts()["format"] == "gguf" and loaded.quantization == f"gguf {matrices}"
 
 
+@pytest.mark.parametrize("matrices", ["Q4_0", "Q4_1"])
+def test_a_4_bit_gguf_file_computes_the_same_without_the_kernels(folders, tmp_path, monkeypatch, matrices):
+    """Where there are no kernels (no compiler, KVCHAT_KERNELS=0), a file's int4 blocks, read straight into
+    packed rows, are unpacked for torch's path: the logits still equal transformers' on the same file."""
+    from engine.backends import kernels
+
+    monkeypatch.setenv("KVCHAT_KERNELS", "0")
+    monkeypatch.setattr(kernels, "_loaded", None)
+    monkeypatch.setattr(kernels, "_reason", None)
+    path = write_gguf(folders["qwen2"], tmp_path / f"{matrices}.gguf", matrices=matrices, tokenizer=True)
+    loaded = load_model(path)
+    assert loaded.kernels is None and loaded.model.layers[0].mlp.down.decoder is None
+    ids = loaded.tokenizer.apply_chat_template(MESSAGES)
+    with torch.no_grad():
+        want = reference(path)(torch.tensor([ids])).logits[0]
+        got = loaded.model(torch.tensor([ids]))[0]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_q4_0_keeps_its_codes_minus_8_included(folders, tmp_path):
     path = write_gguf(folders["llama"], tmp_path / "q4.gguf", matrices="Q4_0", tokenizer=True)
     loaded = load_model(path)

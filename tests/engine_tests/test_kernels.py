@@ -536,7 +536,7 @@ def test_every_exported_function_is_declared_in_the_header_and_called_as_declare
             assert "f16" in name, name
             continue
         fn = getattr(K.lib, name)
-        want_ret = {"void": None, "const char *": ctypes.c_char_p, "int": ctypes.c_int}[ret]
+        want_ret = {"void": None, "const char *": ctypes.c_char_p, "int": ctypes.c_int, "float": ctypes.c_float}[ret]
         assert fn.restype == want_ret, name
         if params:
             assert list(fn.argtypes) == [as_ctype(p) for p in params], name
@@ -707,3 +707,12 @@ def test_a_wrong_decode_step_is_caught_at_load_and_the_module_path_serves(llama_
     good.model(ids[:, :2], cache)
     stepped = good.model(ids[:, 2:], cache)[0, -1]
     assert torch.allclose(stepped, bad.model(ids)[0, -1], rtol=1e-4, atol=1e-4)  # the refused one's tokens are right
+
+
+@needs_kernels
+def test_the_read_stream_sums_every_value_once():
+    """The bench's read roofline is a real read: the stream's sum over an awkward length equals the values' sum."""
+    x = torch.rand(3 * 16384 + 77, generator=torch.Generator().manual_seed(8))
+    assert abs(K.read_stream(x) - float(x.double().sum())) < 1e-4 * float(x.sum())
+    with pytest.raises(ValueError):
+        K.read_stream(x.double())

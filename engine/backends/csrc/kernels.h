@@ -23,6 +23,7 @@ int kv_int4_integer_tiles(void); /* 1 where the tiles' integer products run (512
 /* float_products.c: y [out] = W [out, in] x [in], x and y in W's type */
 void kv_matvec_f32(const float *w, const float *x, float *y, int64_t out, int64_t in, int nt);
 void kv_matvec_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t out, int64_t in, int nt);
+float kv_read_stream(const float *x, int64_t n, int nt); /* the sum of x [n]: the bench's read roofline */
 
 /* quant_products.c: y [out] = W x with float32 activations; W = s·q (+ m) back as float32 rows [out, in];
  * quantization at load (int8 codes into `codes`, or int4 into `packed`: the other NULL) */

@@ -105,22 +105,26 @@ def last_level_cache_bytes() -> int:
 
 
 def measure_read_bandwidth(device=None, repeats: int = 5) -> float:
-    """Bytes per second a read-only stream moves (a sum over float32 values, the run's thread count), best of
-    `repeats`, over a buffer four times the last-level cache (at least 1 GiB, at most 4 GiB) so that it
-    streams from memory: what a batch-1 decode step does, which reads its weights and writes almost nothing.
-    The roofline (a copy's read + write figure is reported beside it)."""
+    """Bytes per second a read-only stream moves, best of `repeats`, with the run's thread count, over a buffer
+    four times the last-level cache (at least 1 GiB, at most 4 GiB) so that it streams from memory: what a
+    batch-1 decode step does, which reads its weights and writes almost nothing. The roofline (a copy's read +
+    write figure is reported beside it). On the CPU the stream is the kernels' own sum (eight chains of vector
+    adds and their prefetch: torch's sum read less than the decode kernels do, engine/BENCHMARKS.md, "How it
+    is measured"), torch's sum where there are no kernels or on a GPU."""
     import torch
 
+    from ...backends import kernels
     from ...trace import now
 
     device = torch.device(device or "cpu")
     n = min(max(4 * last_level_cache_bytes(), 2**30), 2**32) if device.type == "cpu" else 2**30
     x = torch.ones(n // 4, dtype=torch.float32, device=device)
+    k = kernels.load() if device.type == "cpu" else None
     best = float("inf")
     for _ in range(repeats):
         device_sync(device)
         t0 = now()
-        x.sum()
+        k.read_stream(x) if k is not None else x.sum()
         device_sync(device)
         best = min(best, now() - t0)
     return n / best
