@@ -230,7 +230,7 @@ def _load_gguf(path: Path, device, dtype, weights, group_size, progress=None, ac
     """A GGUF file: config and tokenizer from its metadata, weights from its tensors (Q8_0 and Q4_0 as their
     own codes; other types dequantized into `dtype`; float ones quantized when `weights` asks)."""
     if progress is not None:
-        progress(0.0, path.name)  # the metadata first: a large vocabulary takes seconds to read
+        progress(0.0, path.name)  # the metadata and the tokenizer first, then the weights block by block
     gm = GGUFModel(path)
     cfg = config_from_dict(gm.config_dict(), path)
     factors = gm.rope_factors()
