@@ -19,8 +19,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .devices import bf16_hardware
-
 if TYPE_CHECKING:
     from .config import ModelConfig, RopeConfig
 
@@ -82,10 +80,11 @@ def attention_mask(start: int, t: int, window: int | None, device) -> torch.Tens
     return visible(torch.arange(start, s, device=device), s, window)
 
 
-def attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+def attention_dtype(dtype: torch.dtype, device: torch.device, widen_bf16: bool = False) -> torch.dtype:
     """The dtype attention computes in: the activations', float32 for float16 on the CPU (its fp16 kernel is slow)
-    and for bfloat16 on a CPU without bf16 instructions (SDPA falls back to its slow reference path there)."""
-    if device.type == "cpu" and (dtype == torch.float16 or (dtype == torch.bfloat16 and not bf16_hardware())):
+    and, with `widen_bf16` (the loader's, on a CPU without bf16 instructions, where SDPA falls back to its slow
+    reference path), for bfloat16 there too."""
+    if device.type == "cpu" and (dtype == torch.float16 or (dtype == torch.bfloat16 and widen_bf16)):
         return torch.float32
     return dtype
 
@@ -134,6 +133,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.causal_only = cfg.sliding_window is None
         self.window = cfg.sliding_window
+        self.widen_bf16 = False  # bfloat16 attention in float32 (Transformer.widen_bf16_attention)
 
     def forward(self, x, cos, sin, mask, cache, layer: int, start):
         """x [B, T, D] at positions start.. (an int, or a device tensor [1] for a static-shape step);
@@ -153,8 +153,8 @@ class Attention(nn.Module):
         elif cache is not None:
             k, v = cache.write(layer, start, k, v)  # [B, H_kv, S, d]
         dtype = q.dtype
-        if attention_dtype(dtype, q.device) != dtype:  # dense copies: SDPA's flash kernel needs unit-stride rows
-            q, k, v = (t.to(torch.float32, memory_format=torch.contiguous_format) for t in (q, k, v))
+        if attention_dtype(dtype, q.device, self.widen_bf16) != dtype:  # dense copies: SDPA's flash kernel needs
+            q, k, v = (t.to(torch.float32, memory_format=torch.contiguous_format) for t in (q, k, v))  # unit strides
         if T > 1:  # many positions: SDPA's native GQA (its flash kernels), causal without a mask on a fresh prompt
             causal = isinstance(start, int) and start == 0 and self.causal_only
             y = F.scaled_dot_product_attention(
@@ -220,11 +220,19 @@ class Transformer(nn.Module):
         self.decode_step = None  # a backend's decode of one position through every block in one call
         self.decode_step_refused: str | None = None  # why a backend's step failed its load-time check, if it did
         self.activations = "float32"  # what quantized layers' one-row products multiply: float32 | int8 (the loader's)
+        self.widen_bf16 = False  # bfloat16 attention computed in float32 (widen_bf16_attention)
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def tie(self) -> None:
         """A tied model's head multiplies by the embedding's own matrix: the same Parameter, not a copy."""
         self.lm_head.weight = self.embed.weight
+
+    def widen_bf16_attention(self, on: bool = True) -> None:
+        """bfloat16 attention (and its mask) computed in float32 on the CPU: the loader's call where the CPU has
+        no bf16 instructions, as the model cannot tell."""
+        self.widen_bf16 = on
+        for block in self.layers:
+            block.attn.widen_bf16 = on
 
     def rope_tables(self, length: int):
         """cos, sin [≥ length, d], built once per dtype/device and doubled when a longer context comes:
@@ -256,7 +264,7 @@ class Transformer(nn.Module):
             cache.length = start + 1
             return self.lm_head(self.norm(x.view(B, T, -1)))
         mask = attention_mask(start, T, self.cfg.sliding_window, ids.device)
-        mask = additive(mask, attention_dtype(x.dtype, x.device))
+        mask = additive(mask, attention_dtype(x.dtype, x.device, self.widen_bf16))
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, mask, cache, i, start)
         if cache is not None:

@@ -190,6 +190,7 @@ class Kernels:
     def __init__(self, path: Path):
         self.path = path
         self.variant = "native"  # or the variant the build was forced to (X86_VARIANTS)
+        self.gguf_int4_agrees: bool | None = None  # kv_gguf_int4 against numpy: engine.weights.gguf_blocks checks it
         self.one_thread: str | None = None  # why the build runs on one thread (no OpenMP), or None
         self.compiler = "cc"  # what built it, as a person reads it (compiler_name)
         self.lib = ctypes.CDLL(str(path))
@@ -227,6 +228,7 @@ class Kernels:
         self._tiled_integer = self._declare("kv_matvec_q4tx", [p, p, p, p, p, i64, i64, i64, i32])
         self._tiled_dequant = self._declare("kv_dequant_q4t", [p, p, p, p, i64, i64, i64, i32])
         self._silu = self._declare("kv_silu_f32", [p, p, i64])
+        self._gguf_int4 = self._declare("kv_gguf_int4", [p, i64, i64, i64, i64, i64, i64, p, p, i32])
         self._read_stream = self._declare("kv_read_stream", [p, i64, i32])
         self._read_stream.restype = ctypes.c_float
         self.lib.kv_int4_tile_rows.restype = self.lib.kv_int4_integer_tiles.restype = ctypes.c_int
@@ -255,6 +257,23 @@ class Kernels:
         fn = getattr(self.lib, name)
         fn.argtypes, fn.restype = argtypes, None
         return fn
+
+    def gguf_int4(self, raw, block_bytes: int, qs: int, qn: int, h: int, nh: int):
+        """A GGUF tensor's int4 blocks, raw [N, nb · block_bytes] uint8 (numpy, e.g. a view of the mapped file),
+        -> (codes [N, nb · qn] uint8 in kvchat's packed rows, halves [N, nb, nh] float32: each block's first
+        nh float16 fields), in one pass (csrc/quant_products.c, kv_gguf_int4)."""
+        import numpy as np
+
+        raw = np.ascontiguousarray(raw, dtype=np.uint8)
+        n, nb = raw.shape[0], raw.shape[1] // block_bytes
+        if raw.shape[1] != nb * block_bytes or qs + qn > block_bytes or qn % h or h % 2 or 2 * nh > block_bytes:
+            raise ValueError("gguf_int4: the blocks' sizes do not fit their rows")
+        codes, halves = np.empty((n, nb * qn), np.uint8), np.empty((n, nb, nh), np.float32)
+        self._gguf_int4(
+            raw.ctypes.data, n * nb, block_bytes, qs, qn, h, nh, codes.ctypes.data, halves.ctypes.data,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return codes, halves
 
     def read_stream(self, x: torch.Tensor) -> float:
         """The sum of a float32 tensor's values, read once on torch's threads (the bench's read roofline)."""

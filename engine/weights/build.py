@@ -18,6 +18,7 @@ from ..backends.quantized import (
     use_integer_activations,
 )
 from ..config import ModelConfig
+from ..devices import bf16_hardware
 from ..model import Transformer
 from ..quant import group_for
 from .hf_names import LINEARS, block_sources
@@ -131,6 +132,8 @@ def build_model(
     if activations == "int8" and use_integer_activations(model):
         model.activations = "int8"
     use_int4_tiles(model)
+    if device.type == "cpu" and dtype == torch.bfloat16 and not bf16_hardware():
+        model.widen_bf16_attention()
     if kern is not None:
         use_kernels(model, kern)
     elif device.type == "cpu":  # a file's codes no torch kernel reads: dequantized once, when they fit

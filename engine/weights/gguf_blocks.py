@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..backends import kernels as kernel_library
 from ..quant import pack_int5
 
 
@@ -142,22 +143,56 @@ def _kvchat_nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([(even & 0x0F) | (odd << 4), (even >> 4) | (odd & 0xF0)], axis=-1) ^ np.uint8(0x88)
 
 
+def _fast_int4():
+    """kvchat's kernels for the int4 blocks (kv_gguf_int4) when they load and give this module's numbers, bit
+    for bit, on random blocks of each layout (checked once per kernel library); else None: numpy does it."""
+    k = kernel_library.load()
+    if k is None:
+        return None
+    if getattr(k, "gguf_int4_agrees", None) is None:
+        raw = np.random.default_rng(0).integers(0, 256, size=(3, 2 * 144), dtype=np.uint8)
+        raw[..., 0:2] = raw[..., 144:146] = np.frombuffer(np.float16(-3e-5).tobytes(), np.uint8)  # a subnormal
+        agree = True
+        for block, qs, h, nh in ((18, 2, 16, 1), (20, 4, 16, 2), (144, 16, 32, 2)):
+            rows = raw[:, : (raw.shape[1] // block) * block]
+            got, want = k.gguf_int4(rows, block, qs, block - qs, h, nh), _int4_blocks_numpy(rows, block, qs, h, nh)
+            agree &= np.array_equal(got[0], want[0]) and np.array_equal(got[1].view(np.uint32), want[1].view(np.uint32))
+        k.gguf_int4_agrees = agree
+    return k if k.gguf_int4_agrees else None
+
+
+def _int4_blocks_numpy(raw, block: int, qs: int, h: int, nh: int):
+    b = raw.reshape(raw.shape[0], -1, block)
+    nib = b[..., qs:].reshape(*b.shape[:2], -1, h)  # [N, nb, chunks, h]
+    return _kvchat_nibbles(nib).reshape(len(raw), -1), _f16(b[..., : 2 * nh])
+
+
+def _int4_blocks(raw, block: int, qs: int, h: int, nh: int):
+    """Blocks of `block` bytes whose nibbles run from byte qs to the end in chunks of h -> (codes [N, K/2] in
+    kvchat's packed rows, each block's first nh float16 fields [N, nb, nh] as float32): in C where the
+    kernels are, else numpy."""
+    k = _fast_int4()
+    if k is not None:
+        return k.gguf_int4(raw, block, qs, block - qs, h, nh)
+    return _int4_blocks_numpy(raw, block, qs, h, nh)
+
+
 def _q4_0_packed(raw):
-    b = raw.reshape(raw.shape[0], -1, 18)
-    return _kvchat_nibbles(b[..., 2:]).reshape(len(raw), -1), _f16(b[..., :2]).reshape(len(raw), -1), None
+    codes, d = _int4_blocks(raw, 18, 2, 16, 1)
+    return codes, d[..., 0], None
 
 
 def _q4_1_packed(raw):
-    b = raw.reshape(raw.shape[0], -1, 20)
-    d, m = _f16(b[..., 0:2])[..., 0], _f16(b[..., 2:4])[..., 0]
-    return _kvchat_nibbles(b[..., 4:]).reshape(len(raw), -1), d, _recentred(d, m, 8)
+    codes, dm = _int4_blocks(raw, 20, 4, 16, 2)
+    d, m = dm[..., 0], dm[..., 1]
+    return codes, d, _recentred(d, m, 8)
 
 
 def _q4_k_packed(raw):
     n = raw.shape[0]
-    b = raw.reshape(n, -1, 144)
-    scales, mins = _k_groups(b, n)
-    return _kvchat_nibbles(b[..., 16:].reshape(n, -1, 4, 32)).reshape(n, -1), scales, _recentred(scales, mins, 8)
+    scales, mins = _k_groups(raw.reshape(n, -1, 144), n)
+    codes, _ = _int4_blocks(raw, 144, 16, 32, 0)
+    return codes, scales, _recentred(scales, mins, 8)
 
 
 # The int4 types straight into kvchat's packed rows (two codes a byte, engine.quant.pack_int4's layout): what a

@@ -48,30 +48,38 @@ void kv_matvec_f16(const _Float16 *w, const _Float16 *xh, _Float16 *y, int64_t o
 }
 #endif
 
-/* The read roofline of `engine bench`: the sum of n float32 values on nt threads, eight chains of vector adds
- * and the weight loops' prefetch, so that nothing but memory bounds it (a decode step reads, it barely writes). */
+/* n float32 values from p summed with eight chains of vector adds and the weight loops' prefetch. */
+static float sum_part(const float *p, int64_t m) {
+    int64_t i = 0;
+    float a = 0;
+#if KV_LANES
+    vf s[8];
+    for (int k = 0; k < 8; k++) s[k] = vzero();
+    for (; i + 8 * KV_LANES <= m; i += 8 * KV_LANES) {
+        PREFETCH(p + i);
+        if (8 * KV_LANES * 4 > 64) PREFETCH((const char *)(p + i) + 64);
+        if (8 * KV_LANES * 4 > 128) {
+            PREFETCH((const char *)(p + i) + 128);
+            PREFETCH((const char *)(p + i) + 192);
+        }
+        for (int k = 0; k < 8; k++) s[k] = vadd(s[k], vload(p + i + k * KV_LANES));
+    }
+    for (int k = 1; k < 8; k++) s[0] = vadd(s[0], s[k]);
+    a = vsum(s[0]);
+#endif
+    for (; i < m; i++) a += p[i];
+    return a;
+}
+
+/* The read roofline of `engine bench`: the sum of n float32 values on nt threads, each thread one contiguous
+ * part (as a weight matrix's rows are split), so that nothing but memory bounds it (a decode step reads, it
+ * barely writes). */
 float kv_read_stream(const float *x, int64_t n, int nt) {
-    const int64_t block = 16384; /* values a thread takes at a time: 64 KiB */
     float total = 0;
 #pragma omp parallel for num_threads(nt) schedule(static) reduction(+ : total)
-    for (int64_t b = 0; b < (n + block - 1) / block; b++) {
-        const float *p = x + b * block;
-        int64_t m = n - b * block < block ? n - b * block : block, i = 0;
-        float a = 0;
-#if KV_LANES
-        vf s[8];
-        for (int k = 0; k < 8; k++) s[k] = vzero();
-        for (; i + 8 * KV_LANES <= m; i += 8 * KV_LANES) {
-            PREFETCH(p + i);
-            if (8 * KV_LANES * 4 > 64) PREFETCH((const char *)(p + i) + 64);
-            if (8 * KV_LANES * 4 > 128) { PREFETCH((const char *)(p + i) + 128); PREFETCH((const char *)(p + i) + 192); }
-            for (int k = 0; k < 8; k++) s[k] = vadd(s[k], vload(p + i + k * KV_LANES));
-        }
-        for (int k = 1; k < 8; k++) s[0] = vadd(s[0], s[k]);
-        a = vsum(s[0]);
-#endif
-        for (; i < m; i++) a += p[i];
-        total += a;
+    for (int t = 0; t < nt; t++) {
+        int64_t a = n * t / nt, b = n * (t + 1) / nt;
+        total += sum_part(x + a, b - a);
     }
     return total;
 }

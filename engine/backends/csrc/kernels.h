@@ -41,6 +41,8 @@ void kv_dequant_q5(const uint8_t *q, const float *s, const float *m, float *w, i
                    int nt);
 void kv_quantize(const float *w, int8_t *codes, uint8_t *packed, float *s, int64_t out, int64_t in, int64_t g,
                  int qmax, int nt);
+void kv_gguf_int4(const uint8_t *raw, int64_t n, int64_t bytes, int64_t qs, int64_t qn, int64_t h, int64_t nh,
+                  uint8_t *codes, float *halves, int nt); /* a GGUF's Q4_0/Q4_1/Q4_K blocks -> packed rows */
 
 /* tiles.c: int4 codes in tiles of 16 rows */
 void kv_matvec_q4t(const uint8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,

@@ -46,6 +46,15 @@ static inline vf q8_group(const int8_t *r, const float *x, int64_t i, int64_t en
     for (; i < end; i += KV_LANES) p = vfma(vload_i8(r + i), vload(x + i), p);
     return vadd(p, p1);
 }
+#if KV_LANES == 8
+/* A group of 32 (a GGUF's Q8_0 on AVX2: four vectors) . x from input i, as two independent pairs. */
+static inline vf q8_four(const int8_t *r, const float *x, int64_t i) {
+    PREFETCH(r + i);
+    vf a = vfma(vload_i8(r + i + 8), vload(x + i + 8), vmul(vload_i8(r + i), vload(x + i)));
+    vf b = vfma(vload_i8(r + i + 24), vload(x + i + 24), vmul(vload_i8(r + i + 16), vload(x + i + 16)));
+    return vadd(a, b);
+}
+#endif
 /* Two vectors' codes . x from input i: one product, then one FMA onto it. */
 static inline vf q8_pair(const int8_t *r, const float *x, int64_t i) {
     PREFETCH(r + i);
@@ -74,6 +83,19 @@ void kv_matvec_q8(const int8_t *q, const float *s, const float *m, const float *
             }
             if (j < groups) acc0 = vfma(vset1(so[j]), q8_pair(r, x, j * g), acc0);
             a = vsum(vadd(acc0, acc1));
+#if KV_LANES == 8
+        } else if (g == 4 * KV_LANES) { /* AVX2, groups of 32: four groups a turn, a chain each */
+            vf acc0 = vzero(), acc1 = vzero(), acc2 = vzero(), acc3 = vzero();
+            int64_t j = 0;
+            for (; j + 4 <= groups; j += 4) {
+                acc0 = vfma(vset1(so[j]), q8_four(r, x, j * g), acc0);
+                acc1 = vfma(vset1(so[j + 1]), q8_four(r, x, (j + 1) * g), acc1);
+                acc2 = vfma(vset1(so[j + 2]), q8_four(r, x, (j + 2) * g), acc2);
+                acc3 = vfma(vset1(so[j + 3]), q8_four(r, x, (j + 3) * g), acc3);
+            }
+            for (; j < groups; j++) acc0 = vfma(vset1(so[j]), q8_four(r, x, j * g), acc0);
+            a = vsum(vadd(vadd(acc0, acc1), vadd(acc2, acc3)));
+#endif
         } else if (g % KV_LANES == 0) {
             vf acc = vzero();
             for (int64_t j = 0; j < groups; j++) acc = vfma(vset1(so[j]), q8_group(r, x, j * g, (j + 1) * g), acc);
@@ -299,4 +321,39 @@ void kv_quantize(const float *w, int8_t *codes, uint8_t *packed, float *s, int64
                 }
             }
         }
+}
+
+/* A little-endian IEEE half -> float32, exactly (subnormals, infinities and NaNs included). */
+static inline float half_bits_to_f32(const uint8_t *p) {
+    uint32_t h = (uint32_t)p[0] | (uint32_t)p[1] << 8, sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1f,
+             man = h & 0x3ffu, bits;
+    if (e == 0) {
+        float f = (float)man * 0x1p-24f; /* zero or a subnormal: man · 2^-24, exact */
+        return sign ? -f : f;
+    }
+    bits = sign | (e == 31 ? 0x7f800000u | man << 13 : (e + 112) << 23 | man << 13);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* ---- A GGUF file's int4 blocks (Q4_0, Q4_1, Q4_K) into kvchat's packed rows, at load: n blocks of `bytes`
+ * bytes; from byte `qs` of each, `qn` bytes of nibbles in chunks of h (ggml's order: value i of a chunk in byte
+ * i's low nibble, value h + i in its high one) become rows of two codes a byte, value 2k in byte k's low nibble,
+ * stored as q − 8 in 4-bit two's complement (q XOR 8); the block's first `nh` float16 fields go to halves
+ * [n, nh] as float32. engine/weights/gguf_blocks.py does the same in numpy where the kernels are missing. ---- */
+void kv_gguf_int4(const uint8_t *raw, int64_t n, int64_t bytes, int64_t qs, int64_t qn, int64_t h, int64_t nh,
+                  uint8_t *codes, float *halves, int nt) {
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t b = 0; b < n; b++) {
+        const uint8_t *blk = raw + b * bytes, *q = blk + qs;
+        uint8_t *out = codes + b * qn;
+        for (int64_t c = 0; c < qn; c += h)
+            for (int64_t k = 0; k < h / 2; k++) {
+                uint8_t even = q[c + 2 * k], odd = q[c + 2 * k + 1];
+                out[c + k] = (uint8_t)(((even & 0x0f) | (odd << 4)) ^ 0x88);
+                out[c + h / 2 + k] = (uint8_t)(((even >> 4) | (odd & 0xf0)) ^ 0x88);
+            }
+        for (int64_t j = 0; j < nh; j++) halves[b * nh + j] = half_bits_to_f32(blk + 2 * j);
+    }
 }

@@ -208,8 +208,8 @@ def collect(ns, progress: bool | None = None) -> dict:
         r["bytes_per_token"] = int(per_token)
         r["roofline_tok_s"] = round(roofline_tok_s(bandwidth, per_token), 2)
         r["roofline_pct"] = (
-            None if not r.get("decode_tok_s") else round(100 * r["decode_tok_s"] / r["roofline_tok_s"], 1)
-        )
+            None if not r.get("decode_tok_s") else float(f"{100 * r['decode_tok_s'] / r['roofline_tok_s']:.3g}")
+        )  # three significant digits: a tiny model's 0.03% is not 0
         if reference_ids and r.get("token_ids"):
             n = min(len(reference_ids), len(r["token_ids"]))
             r["same_tokens_as_kvchat"] = sum(a == b for a, b in zip(reference_ids[:n], r["token_ids"][:n]))

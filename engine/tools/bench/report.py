@@ -87,11 +87,12 @@ def markdown(report: dict) -> str:
     """The report as the Markdown tables engine/BENCHMARKS.md keeps."""
     cpu = report.get("cpu") or {}
     head = [f"CPU: {cpu['model']} ({', '.join(cpu['instruction_sets'])}); {cpu['kernels']}", ""] if cpu else []
-    head.append(
-        f"Read bandwidth {report['bandwidth_gb_s']} GB/s (the roofline), a copy "
-        f"{report.get('copy_bandwidth_gb_s', '—')} GB/s (read + write); {report['threads']} threads."
-    )
-    head.append("")
+    if "bandwidth_gb_s" in report:
+        head += [
+            f"Read bandwidth {report['bandwidth_gb_s']} GB/s (the roofline), a copy "
+            f"{report.get('copy_bandwidth_gb_s', '—')} GB/s (read + write); {report['threads']} threads.",
+            "",
+        ]
     rows = head + [
         "| engine | precision | prefill tok/s | TTFT ms | decode tok/s | % of roofline | peak MiB | load s |",
         "|---|---|---|---|---|---|---|---|",
