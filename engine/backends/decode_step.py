@@ -86,33 +86,30 @@ INT8_TOLERANCE = 5e-2  # int8 activations: the step and the module path differ b
 
 @torch.inference_mode()
 def step_disagreement(model) -> str | None:
-    """The whole one-call decode step on this model, at load, against torch's path: two positions, the
-    second decoded by the step after the first, against both computed at once without it (the same
-    weights, the model's own codes and fused layers; under int8 activations, against the module path's
-    decode, which multiplies as the step does). None when they agree; else why, for the panel. The
-    kernels' per-function checks pass a wrong step only where layers meet (a fused product of mixed
-    types, an offset on a block a file holds): this catches those before a token is written."""
+    """The whole one-call decode step on this model, at load, against the module path's decode of the same
+    two positions (the same weights, codes and fused layers, each product through its own checked kernel;
+    the second position decoded after the first). None when they agree; else why, for the panel. The
+    kernels' per-function checks against torch pass a wrong step only where layers meet (a fused product of
+    mixed types, an offset on a block a file holds): this catches those before a token is written. The
+    module path, not a two-position prefill, is the reference: a prefill dequantizes every weight, which took
+    most of the check's time on a 4-bit file (engine/BENCHMARKS.md, "Opening a model file")."""
     from ..kv_cache import make_cache
 
     cfg, dtype = model.cfg, model.norm.weight.dtype
-    int8 = model.activations == "int8"  # a named approximation in decode only
     ids = torch.tensor([[1, 2]]) % cfg.vocab_size
     step, fresh = make_cache(cfg, 2, dtype, "cpu"), make_cache(cfg, 2, dtype, "cpu")
     model.forward(ids[:, :1], step)
     got = model.forward(ids[:, 1:], step)[0, -1].float()  # the step (one position, on the kernels' cache)
     kept, model.decode_step = model.decode_step, None
     try:
-        if int8:  # against the same products, module by module
-            model.forward(ids[:, :1], fresh)
-            want = model.forward(ids[:, 1:], fresh)[0, -1].float()
-        else:
-            want = model.forward(ids, fresh)[0, -1].float()  # both positions at once: torch's path
+        model.forward(ids[:, :1], fresh)
+        want = model.forward(ids[:, 1:], fresh)[0, -1].float()  # module by module
     finally:
         model.decode_step = kept
     err = float((got - want).abs().max()) / max(float(want.abs().max()), 1e-6)
-    limit = INT8_TOLERANCE if int8 else STEP_TOLERANCE[dtype]
+    limit = INT8_TOLERANCE if model.activations == "int8" else STEP_TOLERANCE[dtype]
     if not torch.isfinite(got).all() or err > limit:
-        return f"the one-call decode step disagreed with torch's path on this model ({err:.2g} of the logits)"
+        return f"the one-call decode step disagreed with the module path on this model ({err:.2g} of the logits)"
     return None
 
 

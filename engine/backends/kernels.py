@@ -266,7 +266,7 @@ class Kernels:
 
         raw = np.ascontiguousarray(raw, dtype=np.uint8)
         n, nb = raw.shape[0], raw.shape[1] // block_bytes
-        if raw.shape[1] != nb * block_bytes or qs + qn > block_bytes or qn % h or h % 2 or 2 * nh > block_bytes:
+        if raw.shape[1] != nb * block_bytes or qs + qn > block_bytes or qn % h or h % 8 or 2 * nh > block_bytes:
             raise ValueError("gguf_int4: the blocks' sizes do not fit their rows")
         codes, halves = np.empty((n, nb * qn), np.uint8), np.empty((n, nb, nh), np.float32)
         self._gguf_int4(

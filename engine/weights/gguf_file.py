@@ -23,7 +23,7 @@ from ..errors import ModelLoadError
 from ..quant import PreQuantized
 from . import gguf_vocab
 from .gguf_blocks import INT4_PACKED, INT5, NATIVE
-from .gguf_header import read_header
+from .gguf_header import StringArray, read_header
 from .gguf_vocab import NUMBER
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -92,7 +92,9 @@ class GGUFModel:
         if isinstance(kind, list):
             want = kind[0]
             if want is str:
-                ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+                ok = isinstance(value, StringArray) or (
+                    isinstance(value, list) and all(isinstance(v, str) for v in value)
+                )
             else:  # numbers come as a numpy array: integers for `int`, integers or floats for NUMBER
                 kinds = "iu" if want is int else "iuf"
                 ok = isinstance(value, np.ndarray) and value.dtype.kind in kinds
@@ -196,16 +198,16 @@ class GGUFModel:
 
     def _float_rows(self, t, a: int = 0, b: int | None = None) -> np.ndarray:
         """Rows a:b of a tensor as float32 values (1-D tensors whole), through llama.cpp's definitions."""
-        from gguf import GGMLQuantizationType, quants
-
         data = t.data if t.data.ndim == 1 else t.data[a:b]
-        if t.tensor_type == GGMLQuantizationType.F32:
+        if t.tensor_type.name == "F32":
             return np.asarray(data, dtype=np.float32)
-        if t.tensor_type == GGMLQuantizationType.F16:
+        if t.tensor_type.name == "F16":
             return np.asarray(data).astype(np.float32)
+        from gguf import GGMLQuantizationType, quants  # the other types: llama.cpp's definitions, in numpy
+
         try:
-            return quants.dequantize(np.asarray(data), t.tensor_type)
-        except NotImplementedError:
+            return quants.dequantize(np.asarray(data), GGMLQuantizationType(int(t.tensor_type)))
+        except (NotImplementedError, ValueError):  # ValueError: a type this gguf release does not know
             raise ModelLoadError(
                 f"tensor {t.name!r} is stored as {t.tensor_type.name}, which kvchat cannot read yet", self.path
             ) from None

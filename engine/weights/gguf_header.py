@@ -1,9 +1,9 @@
 """A GGUF file's header read in one checked pass over the mapped file: its metadata (numbers as Python
-scalars, numeric arrays as numpy arrays over the file, strings decoded) and its tensor table, each tensor a
-numpy view of its bytes. The file is untrusted: every count, length and type is walked against the file's
-size, and every tensor's extent checked (aligned, whole blocks of its type, inside the file, none
-overlapping) before anything is allocated; a forged length is an error at once, never a loop or an
-allocation. One pass, and no Python object per number of an array (only strings become objects), is what
+scalars, numeric arrays as numpy arrays over the file, strings decoded, a long array of strings when first
+read) and its tensor table, each tensor a numpy view of its bytes. The file is untrusted: every count,
+length and type is walked against the file's size, and every tensor's extent checked (aligned, whole blocks
+of its type, inside the file, none overlapping) before anything is allocated; a forged length is an error
+at once, never a loop or an allocation. One pass, and no Python object per number of an array, is what
 makes opening a file quick (engine/BENCHMARKS.md, "Opening a model file")."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import mmap
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,8 +41,70 @@ DEFAULT_ALIGNMENT = 32  # where tensor data starts and each tensor's offset is a
 MAX_ALIGNMENT = 1 << 20
 MAX_DIMS = 4  # a tensor's dimensions, at most (GGML_MAX_DIMS)
 MAX_ELEMENTS = 1 << 48  # a tensor's values, at most (far past any model; its bytes are checked against the file)
+# GGML's tensor types (ggml.h, as the gguf package's GGMLQuantizationType and GGML_QUANT_SIZES list them; a test
+# keeps the two equal): number -> (name, values a block, bytes a block). Kept here so that opening a file does not
+# import the gguf package (0.1 s); it is imported only to dequantize a type kvchat does not hold natively.
+GGML_TYPES = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 40), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110),
+    12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
+    16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98), 19: ("IQ1_S", 256, 50),
+    20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110), 22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136),
+    24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8),
+    29: ("IQ1_M", 256, 56), 30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66),
+    39: ("MXFP4", 32, 17), 40: ("NVFP4", 64, 36), 41: ("Q1_0", 128, 18),
+}  # fmt: skip
+
+
+class GGMLType(int):
+    """A tensor's GGML type: its number (it compares equal to gguf's GGMLQuantizationType of that number),
+    with llama.cpp's name for it."""
+
+    @property
+    def name(self) -> str:
+        return GGML_TYPES[int(self)][0]
+
+    def __repr__(self) -> str:
+        return f"GGMLType.{self.name}"
+
+
 # how a tensor's data is viewed, by GGML type: its values where they are plain numbers, else its bytes
 PLAIN_TYPES = {0: np.float32, 1: np.float16, 24: np.int8, 25: np.int16, 26: np.int32, 27: np.int64, 28: np.float64}
+
+
+LAZY_STRINGS = 64  # string arrays longer than this (a vocabulary, its merges) are decoded on first read
+
+
+class StringArray(Sequence):
+    """An array of strings in the header, decoded on first read: a vocabulary and its merges (~100,000
+    strings) are only walked while the header is read, and never decoded when the tokenizer built from
+    them is read back from the cache. Its extent was checked when it was walked; text that is not UTF-8
+    raises `error` (a ModelLoadError) when it is read."""
+
+    def __init__(self, mm, at: int, count: int, error: Exception):
+        self._mm, self._at, self._count, self._error, self._items = mm, at, count, error, None
+
+    def _decoded(self) -> list[str]:
+        if self._items is None:
+            m, at, u64, out = self._mm, self._at, struct.Struct("<Q").unpack_from, []
+            for _ in range(self._count):
+                n = u64(m, at)[0]
+                out.append(m[at + 8 : at + 8 + n])
+                at += 8 + n
+            try:
+                self._items = [b.decode("utf-8") for b in out]
+            except UnicodeDecodeError:
+                raise self._error from None
+        return self._items
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, i):
+        return self._decoded()[i]
+
+    def __iter__(self):
+        return iter(self._decoded())
 
 
 @dataclass
@@ -51,7 +114,7 @@ class Tensor:
 
     name: str
     dims: tuple[int, ...]
-    tensor_type: object  # gguf.GGMLQuantizationType
+    tensor_type: GGMLType
     data_offset: int  # from the start of the file
     n_bytes: int
     n_elements: int
@@ -97,19 +160,15 @@ def read_header(path: Path) -> Header:
         except UnicodeDecodeError:
             raise bad(f"{what} is not UTF-8 text") from None
 
-    def strings(at: int, count: int, what: str) -> tuple[list[str], int]:
+    def strings(at: int, count: int, what: str) -> tuple[list[str] | StringArray, int]:
         need(at, count * 8, what)  # each string is at least its length
-        out = []
-        for _ in range(count):
-            n = u64(m, at)[0]
-            if at + 8 + n > size:
+        first = at
+        for _ in range(count):  # only walked: a long array is decoded when it is first read
+            at += 8 + u64(m, at)[0]
+            if at > size:
                 raise bad(f"{what} runs past the end of the file (truncated, or a forged length)")
-            out.append(m[at + 8 : at + 8 + n])
-            at += 8 + n
-        try:
-            return [b.decode("utf-8") for b in out], at
-        except UnicodeDecodeError:
-            raise bad(f"{what} holds text that is not UTF-8") from None
+        array = StringArray(m, first, count, bad(f"{what} holds text that is not UTF-8"))
+        return (array if count > LAZY_STRINGS else list(array)), at
 
     def value(at: int, kind: int, what: str):
         if kind in SCALAR_TYPES:
@@ -169,13 +228,11 @@ def read_header(path: Path) -> Header:
 def _tensors(infos: list, start: int, alignment: int, m, bad) -> list[Tensor]:
     """Each tensor's data inside the file, at an aligned offset, in whole blocks of its type, and no two
     overlapping (llama.cpp refuses the same); `start`: where the data section begins."""
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
     spans, out = [], []
     for name, dims, kind, offset in infos:
-        if kind not in GGML_QUANT_SIZES:
+        if kind not in GGML_TYPES:
             raise bad(f"tensor {name!r} has type {kind}, which is not a GGML type")
-        block, block_bytes = GGML_QUANT_SIZES[kind]
+        _, block, block_bytes = GGML_TYPES[kind]
         if dims[0] % block:
             raise bad(f"tensor {name!r} has rows of {dims[0]:,} values, not whole blocks of {block}")
         if offset % alignment:
@@ -189,7 +246,7 @@ def _tensors(infos: list, start: int, alignment: int, m, bad) -> list[Tensor]:
             data = np.frombuffer(m, PLAIN_TYPES[kind], math.prod(dims), start + offset).reshape(*outer, dims[0])
         else:
             data = np.frombuffer(m, np.uint8, n, start + offset).reshape(*outer, dims[0] // block * block_bytes)
-        out.append(Tensor(name, dims, GGMLQuantizationType(kind), start + offset, n, math.prod(dims), data))
+        out.append(Tensor(name, dims, GGMLType(kind), start + offset, n, math.prod(dims), data))
     spans.sort()
     for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
         if begin < end:

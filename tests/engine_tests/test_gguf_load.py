@@ -410,9 +410,10 @@ def _patched(data: bytes, at: int, fmt: str, value) -> bytes:
 
 def test_a_gguf_file_whose_tensors_or_metadata_lie_is_a_clear_error(folders, tmp_path):
     """Tensor data past the end, unaligned or overlapping, types that are not GGML's, rows that are not
-    whole blocks, an alignment that is not a power of two; metadata of the wrong kind (a vocabulary of
-    numbers, a template that is not text) and rotary parameters that make every angle garbage: each is
-    an error naming what is wrong before anything is allocated, never a traceback or a model that runs."""
+    whole blocks, an alignment that is not a power of two, a vocabulary that is not UTF-8; metadata of the
+    wrong kind (a vocabulary of numbers, a template that is not text) and rotary parameters that make every
+    angle garbage: each is an error naming what is wrong (before anything is allocated, but for text read
+    when the tokenizer is built), never a traceback or a model that runs."""
     from gguf import GGUFValueType as V
 
     good = write_gguf(folders["llama"], tmp_path / "good.gguf", matrices="Q8_0", tokenizer=True)
@@ -421,7 +422,11 @@ def test_a_gguf_file_whose_tensors_or_metadata_lie_is_a_clear_error(folders, tmp
     offset = struct.unpack_from("<Q", data, offset_at)[0]
     first = struct.unpack_from("<Q", data, _tensor_info(data, "token_embd.weight")[1])[0]
     tokens = gguf.GGUFReader(str(good)).fields["tokenizer.ggml.tokens"].contents()
+    word = max((t.encode() for t in tokens[1:]), key=len)  # a long ASCII token, once in the file
+    word_at = data.index(struct.pack("<Q", len(word)) + word) + 8
+    assert len(tokens) > 64  # a long array: walked with the header, decoded when the tokenizer is built
     forged = {
+        "a vocabulary that is not UTF-8": (_patched(data, word_at, "<B", 0xFF), "holds text that is not UTF-8"),
         "data past the end": (_patched(data, offset_at, "<Q", 1 << 40), "runs past the end of the file"),
         "an unaligned offset": (_patched(data, offset_at, "<Q", offset + 1), "not a multiple of the alignment 32"),
         "two tensors on the same bytes": (_patched(data, offset_at, "<Q", first), "overlap in the file"),
@@ -575,3 +580,15 @@ def test_int4_blocks_go_to_packed_rows_in_c_bit_for_bit(block, qs, h, nh):
     assert np.array_equal(halves.view(np.uint32), want_halves.view(np.uint32))  # NaN payloads included
     with pytest.raises(ValueError):
         k.gguf_int4(raw[:, :-1], block, qs, block - qs, h, nh)  # rows that are not whole blocks
+
+
+def test_kvchats_table_of_ggml_types_is_the_gguf_packages():
+    """Opening a file reads block sizes from kvchat's own table (no gguf import): the same numbers, names
+    and sizes as the gguf package's, for every type it knows."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from engine.weights.gguf_header import GGML_TYPES, GGMLType
+
+    for t in GGMLQuantizationType:
+        assert GGML_TYPES[t.value] == (t.name, *GGML_QUANT_SIZES[t]), t
+        assert GGMLType(t.value) == t and GGMLType(t.value).name == t.name

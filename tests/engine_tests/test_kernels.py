@@ -692,7 +692,7 @@ def test_the_neon_kernels_agree_with_plain_c_under_qemu(tmp_path):
 @needs_kernels
 def test_a_wrong_decode_step_is_caught_at_load_and_the_module_path_serves(llama_dir, monkeypatch):
     """The load-time check runs the whole one-call step on the model itself (its codes, its fused layers)
-    against torch's path: a step that writes other numbers is refused with the reason in the Decode
+    against the module path: a step that writes other numbers is refused with the reason in the Decode
     kernels row, and the tokens come from the module path."""
     from engine.backends import decode_step
 

@@ -337,9 +337,16 @@ static inline float half_bits_to_f32(const uint8_t *p) {
     return f;
 }
 
+/* Eight bytes, one nibble each in its low half (byte i holds n_i) -> four bytes n_{2j} | n_{2j+1} << 4. */
+static inline uint32_t pair_nibbles(uint64_t x) {
+    x = (x | x >> 4) & 0x00ff00ff00ff00ffull; /* byte pairs: n_{2j} | n_{2j+1} << 4 in the low byte of each */
+    x = (x | x >> 8) & 0x0000ffff0000ffffull;
+    return (uint32_t)(x | x >> 16);
+}
+
 /* ---- A GGUF file's int4 blocks (Q4_0, Q4_1, Q4_K) into kvchat's packed rows, at load: n blocks of `bytes`
  * bytes; from byte `qs` of each, `qn` bytes of nibbles in chunks of h (ggml's order: value i of a chunk in byte
- * i's low nibble, value h + i in its high one) become rows of two codes a byte, value 2k in byte k's low nibble,
+ * i's low nibble, value h + i in its high one; h a multiple of 8) become rows of two codes a byte, value 2k in byte k's low nibble,
  * stored as q − 8 in 4-bit two's complement (q XOR 8); the block's first `nh` float16 fields go to halves
  * [n, nh] as float32. engine/weights/gguf_blocks.py does the same in numpy where the kernels are missing. ---- */
 void kv_gguf_int4(const uint8_t *raw, int64_t n, int64_t bytes, int64_t qs, int64_t qn, int64_t h, int64_t nh,
@@ -349,10 +356,13 @@ void kv_gguf_int4(const uint8_t *raw, int64_t n, int64_t bytes, int64_t qs, int6
         const uint8_t *blk = raw + b * bytes, *q = blk + qs;
         uint8_t *out = codes + b * qn;
         for (int64_t c = 0; c < qn; c += h)
-            for (int64_t k = 0; k < h / 2; k++) {
-                uint8_t even = q[c + 2 * k], odd = q[c + 2 * k + 1];
-                out[c + k] = (uint8_t)(((even & 0x0f) | (odd << 4)) ^ 0x88);
-                out[c + h / 2 + k] = (uint8_t)(((even >> 4) | (odd & 0xf0)) ^ 0x88);
+            for (int64_t k = 0; k < h / 2; k += 4) { /* 8 bytes in, 4 + 4 out: nibble pairs gathered in a word */
+                uint64_t w;
+                memcpy(&w, q + c + 2 * k, 8);
+                uint32_t lo = pair_nibbles(w & 0x0f0f0f0f0f0f0f0full) ^ 0x88888888u,
+                         hi = pair_nibbles((w >> 4) & 0x0f0f0f0f0f0f0f0full) ^ 0x88888888u;
+                memcpy(out + c + k, &lo, 4); /* little-endian, as every target of these kernels */
+                memcpy(out + c + h / 2 + k, &hi, 4);
             }
         for (int64_t j = 0; j < nh; j++) halves[b * nh + j] = half_bits_to_f32(blk + 2 * j);
     }
