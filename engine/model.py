@@ -153,8 +153,9 @@ class Attention(nn.Module):
         elif cache is not None:
             k, v = cache.write(layer, start, k, v)  # [B, H_kv, S, d]
         dtype = q.dtype
-        if attention_dtype(dtype, q.device, self.widen_bf16) != dtype:  # dense copies: SDPA's flash kernel needs
-            q, k, v = (t.to(torch.float32, memory_format=torch.contiguous_format) for t in (q, k, v))  # unit strides
+        # widened copies are made dense: SDPA's flash kernel needs unit-stride rows
+        if attention_dtype(dtype, q.device, self.widen_bf16) != dtype:
+            q, k, v = (t.to(torch.float32, memory_format=torch.contiguous_format) for t in (q, k, v))
         if T > 1:  # many positions: SDPA's native GQA (its flash kernels), causal without a mask on a fresh prompt
             causal = isinstance(start, int) and start == 0 and self.causal_only
             y = F.scaled_dot_product_attention(

@@ -149,7 +149,7 @@ def _fast_int4():
     k = kernel_library.load()
     if k is None:
         return None
-    if getattr(k, "gguf_int4_agrees", None) is None:
+    if k.gguf_int4_agrees is None:
         raw = np.random.default_rng(0).integers(0, 256, size=(3, 2 * 144), dtype=np.uint8)
         raw[..., 0:2] = raw[..., 144:146] = np.frombuffer(np.float16(-3e-5).tobytes(), np.uint8)  # a subnormal
         agree = True

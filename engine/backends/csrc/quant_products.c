@@ -346,9 +346,10 @@ static inline uint32_t pair_nibbles(uint64_t x) {
 
 /* ---- A GGUF file's int4 blocks (Q4_0, Q4_1, Q4_K) into kvchat's packed rows, at load: n blocks of `bytes`
  * bytes; from byte `qs` of each, `qn` bytes of nibbles in chunks of h (ggml's order: value i of a chunk in byte
- * i's low nibble, value h + i in its high one; h a multiple of 8) become rows of two codes a byte, value 2k in byte k's low nibble,
- * stored as q − 8 in 4-bit two's complement (q XOR 8); the block's first `nh` float16 fields go to halves
- * [n, nh] as float32. engine/weights/gguf_blocks.py does the same in numpy where the kernels are missing. ---- */
+ * i's low nibble, value h + i in its high one; h a multiple of 8) become rows of two codes a byte, value 2k in
+ * byte k's low nibble, stored as q − 8 in 4-bit two's complement (q XOR 8); the block's first `nh` float16
+ * fields go to halves [n, nh] as float32. engine/weights/gguf_blocks.py does the same in numpy where the kernels
+ * are missing. ---- */
 void kv_gguf_int4(const uint8_t *raw, int64_t n, int64_t bytes, int64_t qs, int64_t qn, int64_t h, int64_t nh,
                   uint8_t *codes, float *halves, int nt) {
 #pragma omp parallel for num_threads(nt) schedule(static)
