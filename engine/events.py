@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from .logprobs import StepLogprobs
+
 
 @dataclasses.dataclass(frozen=True)
 class ReuseReport:
@@ -66,6 +68,7 @@ class Token:
     text: str  # the text delta; never splits a UTF-8 character
     time: float  # emission time on trace.now
     cache_positions: int | None  # consumed positions when this token was emitted (it is not); None: not known
+    logprobs: StepLogprobs | None = None  # what the model weighed at this step; None: not asked for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +80,7 @@ class Finished:
     cache: dict
     reuse: ReuseReport
     tail: str = ""  # text the streamed deltas had not yet shown (a character cut at the end)
+    logprobs: tuple[StepLogprobs, ...] = ()  # each output token's, when the request asked for them
 
 
 @dataclasses.dataclass(frozen=True)

@@ -69,6 +69,32 @@ def filter_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
     return logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
 
 
+def sampling_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [V] -> the logits the sampler draws from [V] (float32): the repetition penalty, then (sampling
+    only) the temperature and the top-k, top-p and min-p filters; a filtered token's logit is -inf. Greedy
+    takes the argmax of these."""
+    logits = logits.float()
+    if seen is not None:
+        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+    if params.greedy:
+        return logits
+    logits = logits / params.temperature
+    return filter_min_p(filter_top_p(filter_top_k(logits, params.top_k), params.top_p), params.min_p)
+
+
+def draw(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    seen: torch.Tensor | None = None,
+) -> tuple[int, torch.Tensor]:
+    """logits [V] -> (one token id, the logits it was drawn from [V]; sampling_logits)."""
+    drawn = sampling_logits(logits, params, seen)
+    if params.greedy:
+        return int(torch.argmax(drawn)), drawn  # first maximal index: the lowest index wins a tie
+    return int(torch.multinomial(drawn.softmax(-1), 1, generator=generator)), drawn
+
+
 def choose(
     logits: torch.Tensor,
     params: SamplingParams,
@@ -76,12 +102,4 @@ def choose(
     seen: torch.Tensor | None = None,
 ) -> int:
     """logits [V] -> one token id."""
-    logits = logits.float()
-    if seen is not None:
-        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
-    if params.greedy:
-        return int(torch.argmax(logits))  # first maximal index: the lowest index wins a tie
-    logits = logits / params.temperature
-    logits = filter_min_p(filter_top_p(filter_top_k(logits, params.top_k), params.top_p), params.min_p)
-    probs = logits.softmax(-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return draw(logits, params, generator, seen)[0]

@@ -22,9 +22,10 @@ from .backends.cuda_graph import GraphDecoder, graphs_wanted
 from .errors import CapacityError, EngineError
 from .events import Failed, Finished, PrefillDone, PrefillProgress, PrefillStarted, ReuseReport, Token
 from .kv_cache import KVCache, make_cache
+from .logprobs import check_top_logprobs, step_logprobs
 from .prefix_store import PrefixStore, common_prefix, default_budget
 from .quant import PRECISIONS
-from .sampling import SamplingParams, choose
+from .sampling import SamplingParams, draw
 from .weights.loading import LoadedModel
 
 DEFAULT_CAPACITY = 4096  # KV positions when neither the person nor the model's context says fewer
@@ -46,6 +47,8 @@ class Request:
     continue_final_message: bool = False  # extend the last (assistant) message instead of starting a new one
     label: str | None = None  # a name for the prompt in the prefix store's picture (a conversation's title)
     ignore_eos: bool = False  # run to max_new_tokens past stop tokens (benchmarks; vLLM's ignore_eos)
+    logprobs: bool = False  # each Token carries what the model weighed at its step (engine.logprobs)
+    top_logprobs: int = 5  # with logprobs: the alternatives per step (0: none)
 
 
 def positions_needed(prompt: int, max_new_tokens: int) -> int:
@@ -320,6 +323,7 @@ class Session:
         if not prompt:
             raise EngineError("the prompt is empty")
         self.check_capacity(len(prompt), req)
+        check_top_logprobs(req.top_logprobs)
         keep = min(common_prefix(self.ids, prompt), len(prompt) - 1)  # what the working cache keeps
         t0 = tracing.now()
         stashed = self._stash(prompt, keep)
@@ -355,20 +359,26 @@ class Session:
             gen.manual_seed(req.sampling.seed if req.sampling.seed is not None else torch.seed())
         use_penalty = req.sampling.repetition_penalty != 1.0
         out: list[int] = []
+        steps = []  # each token's StepLogprobs, when asked for
         stream = tok.stream()
         reason = "max_new_tokens"
         for k in range(1, req.max_new_tokens + 1):
             row = logits[0, -1].float().cpu() if gen is not None or use_penalty else logits[0, -1]
             seen = torch.tensor(self.ids, dtype=torch.long, device=row.device) if use_penalty else None
-            token = choose(row, req.sampling, gen, seen)
+            token, drawn = draw(row, req.sampling, gen, seen)
             if token in tok.stop_ids and not req.ignore_eos:
                 reason = "eos"
                 break
+            weighed = None
+            if req.logprobs:
+                greedy = req.sampling.greedy
+                weighed = step_logprobs(row, drawn, token, req.top_logprobs, greedy, tok.token_text)
+                steps.append(weighed)
             t = tracing.now()
             trace.token_times.append(t)
             out.append(token)
             delta = stream.push(token)
-            yield Token(k, token, delta, t, self.cache.length)
+            yield Token(k, token, delta, t, self.cache.length, weighed)
             if req.stop_strings and any(s in stream.text for s in req.stop_strings):
                 reason = "stop_string"
                 break
@@ -382,7 +392,7 @@ class Session:
                 break
             logits = self._decode_step(token)  # [1, 1, V]
             self.ids.append(token)
-        yield from self._finish(trace, reason, out, stream, reuse, req.stop_strings)
+        yield from self._finish(trace, reason, out, stream, reuse, req.stop_strings, steps)
 
     def _stash(self, prompt: list[int], keep: int) -> int:
         """Before the working cache loses a block or more of positions to this prompt (it keeps `keep`),
@@ -430,11 +440,11 @@ class Session:
     def decode_path(self) -> str:
         return "cuda-graph" if self._graph is not None else "eager"
 
-    def _finish(self, trace, reason, out, stream, reuse, stop_strings=()):
+    def _finish(self, trace, reason, out, stream, reuse, stop_strings=(), steps=()):
         tail = stream.finish()
         text = stream.text
         if reason == "stop_string":  # the reply ends before the stop string
             text = text[: min(text.find(s) for s in stop_strings if s in text)]
         trace.end = tracing.now()
         trace.status = "cancelled" if reason == "cancelled" else "finished"
-        yield Finished(reason, text, tuple(out), trace.summary(), self.cache_stats(), reuse, tail)
+        yield Finished(reason, text, tuple(out), trace.summary(), self.cache_stats(), reuse, tail, tuple(steps))

@@ -1,0 +1,103 @@
+"""What the model weighed at one decode step: the chosen token's log-probability under the model's raw
+distribution (the softmax of its logits at temperature 1, before any penalty or filter) and under the
+distribution the sampler drew from, the raw distribution's entropy, and its k most likely tokens.
+
+Raw is what the model says; sampled is what the settings made of it (temperature, top-k/top-p/min-p, the
+repetition penalty). Greedy decoding draws from a point mass: the chosen token's sampled log-probability
+is 0 and every other token's is None (it could not be drawn).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import torch
+
+MAX_TOP_LOGPROBS = 20  # alternatives a step may carry (OpenAI's limit for top_logprobs)
+LOW_CONFIDENCE = 0.5  # a token chosen with a raw probability below this counts as low-confidence
+
+
+@dataclasses.dataclass(frozen=True)
+class Alternative:
+    token_id: int
+    text: str  # the token alone, decoded (special tokens kept)
+    logprob: float  # raw
+    sampled_logprob: float | None  # under the distribution drawn from; None: the sampler could not draw it
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepLogprobs:
+    """One decode step's figures, log-probabilities in nats."""
+
+    logprob: float  # the chosen token's, raw
+    sampled_logprob: float  # the chosen token's, under the distribution it was drawn from
+    entropy: float  # of the raw distribution
+    sampled_entropy: float  # of the distribution drawn from (0 for greedy)
+    rank: int  # the chosen token's place in the raw distribution: 1 = the most likely
+    top: tuple[Alternative, ...]  # the k most likely tokens, raw, most likely first
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "top": [a.to_dict() for a in self.top]}
+
+
+def check_top_logprobs(k: int) -> None:
+    if not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, not {k}")
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def step_logprobs(
+    raw: torch.Tensor,
+    drawn: torch.Tensor,
+    token: int,
+    k: int,
+    greedy: bool,
+    text_of: Callable[[int], str],
+) -> StepLogprobs:
+    """raw [V]: the model's logits; drawn [V]: the logits the sampler drew `token` from (sampling_logits).
+    One transfer from the device for all the figures."""
+    lp = torch.log_softmax(raw.float(), -1)  # [V]
+    figures = [lp[token], torch.special.entr(lp.exp()).sum(), (lp > lp[token]).sum().float()]
+    if not greedy:
+        lq = torch.log_softmax(drawn.float(), -1)  # [V], -inf where filtered
+        figures += [lq[token], torch.special.entr(lq.exp()).sum()]
+    top_ids: list[int] = []
+    if k:
+        values, ids = torch.topk(lp, min(k, lp.shape[-1]))  # [k], most likely first
+        figures += [values, *([] if greedy else [lq[ids]])]
+        top_ids = ids.tolist()
+    flat = torch.cat([f.reshape(-1) for f in figures]).tolist()
+    chosen, entropy, above = flat[:3]
+    sampled, sampled_entropy = (0.0, 0.0) if greedy else flat[3:5]
+    rest = flat[3 if greedy else 5 :]
+    n = len(top_ids)
+    raw_top, drawn_top = rest[:n], rest[n : 2 * n]
+    top = tuple(
+        Alternative(
+            i,
+            text_of(i),
+            raw_top[j],
+            (0.0 if i == token else None) if greedy else _finite(drawn_top[j]),
+        )
+        for j, i in enumerate(top_ids)
+    )
+    return StepLogprobs(chosen, sampled, entropy, sampled_entropy, int(above) + 1, top)
+
+
+def reply_confidence(steps: list[dict]) -> dict:
+    """Over a reply's steps (StepLogprobs.to_dict()s): the mean raw log-probability, the perplexity
+    exp(-mean) and how many tokens were chosen with a raw probability below LOW_CONFIDENCE."""
+    lps = [s["logprob"] for s in steps if isinstance(s, dict) and isinstance(s.get("logprob"), (int, float))]
+    if not lps:
+        return {"tokens": 0, "mean_logprob": None, "perplexity": None, "low_confidence": 0}
+    mean = sum(lps) / len(lps)
+    low = sum(lp < math.log(LOW_CONFIDENCE) for lp in lps)
+    return {"tokens": len(lps), "mean_logprob": mean, "perplexity": math.exp(-mean), "low_confidence": low}
