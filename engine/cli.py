@@ -11,6 +11,7 @@ from .backends.kernels import variants as kernel_variants
 from .devices import default_threads
 from .errors import EngineError
 from .events import Failed, Finished, PrefillStarted, Token
+from .logprobs import reply_confidence
 from .sampling import SamplingParams
 from .session import Request
 from .spec import LoadSpec
@@ -98,6 +99,9 @@ def run_request(session, req, stream_to=None) -> dict:
                 reuse=ev.reuse.to_dict(),
                 cache=ev.cache,
             )
+            if req.logprobs:
+                result["logprobs"] = [s.to_dict() for s in ev.logprobs]
+                result["confidence"] = reply_confidence(result["logprobs"])
         elif isinstance(ev, Failed):
             result.update(error=ev.error, error_kind=ev.kind, stop_reason=None, trace=ev.trace, cache=ev.cache)
     return result
@@ -125,12 +129,12 @@ def cmd_info(ns) -> int:
 
 def cmd_generate(ns) -> int:
     loaded, session = _open(ns)
+    weighed = dict(logprobs=ns.logprobs is not None, top_logprobs=ns.logprobs or 0)
     if ns.raw:
-        req = Request(prompt=ns.prompt, sampling=_sampling(ns), max_new_tokens=ns.max_new_tokens)
+        req = Request(prompt=ns.prompt, sampling=_sampling(ns), max_new_tokens=ns.max_new_tokens, **weighed)
     else:
-        req = Request(
-            messages=_messages(ns.system, ns.prompt), sampling=_sampling(ns), max_new_tokens=ns.max_new_tokens
-        )
+        messages = _messages(ns.system, ns.prompt)
+        req = Request(messages=messages, sampling=_sampling(ns), max_new_tokens=ns.max_new_tokens, **weighed)
     result = run_request(session, req, stream_to=None if ns.json else sys.stdout)
     if ns.json:
         print(json.dumps(result, ensure_ascii=False))
@@ -142,6 +146,13 @@ def cmd_generate(ns) -> int:
             f"cache {result['cache']['positions']}/{result['cache']['capacity']}",
             file=sys.stderr,
         )
+        if "confidence" in result:
+            c = result["confidence"]
+            mean = "—" if c["mean_logprob"] is None else f"{c['mean_logprob']:.3f}"
+            ppl = "—" if c["perplexity"] is None else f"{c['perplexity']:.2f}"
+            low = c["low_confidence"]
+            line = f"mean log-probability {mean} · perplexity {ppl} · low-confidence tokens (p < 0.5): {low}"
+            print(line, file=sys.stderr)
     if "error" in result:
         print(f"error: {result['error']}", file=sys.stderr)
         return 1
@@ -288,6 +299,14 @@ def parser() -> argparse.ArgumentParser:
     _sampling_args(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--raw", action="store_true", help="skip the chat template")
+    p.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="K",
+        help="each token's log-probabilities (raw and sampled), entropy and K alternatives (0-20), in the JSON "
+        "and as a mean and perplexity after the reply",
+    )
     p.add_argument("--system", default=None)
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("replay", help="run a JSON list of steps in one session (one cache)")

@@ -34,15 +34,48 @@ class Alternative:
 class StepLogprobs:
     """One decode step's figures, log-probabilities in nats."""
 
+    text: str  # the chosen token alone, decoded (a stream's delta may hold part of it, or more)
     logprob: float  # the chosen token's, raw
-    sampled_logprob: float  # the chosen token's, under the distribution it was drawn from
-    entropy: float  # of the raw distribution
-    sampled_entropy: float  # of the distribution drawn from (0 for greedy)
-    rank: int  # the chosen token's place in the raw distribution: 1 = the most likely
+    sampled_logprob: float | None  # the chosen token's, under the distribution it was drawn from
+    entropy: float | None  # of the raw distribution
+    sampled_entropy: float | None  # of the distribution drawn from (0 for greedy)
+    rank: int | None  # the chosen token's place in the raw distribution: 1 = the most likely
     top: tuple[Alternative, ...]  # the k most likely tokens, raw, most likely first
+    # None: a remote server that does not report it (only OpenAI's token, logprob and top_logprobs)
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "top": [a.to_dict() for a in self.top]}
+
+
+def _num(d: dict, key: str) -> float | None:
+    v = d.get(key)
+    return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def from_openai(entry: dict) -> StepLogprobs | None:
+    """One entry of an OpenAI response's `logprobs.content` (kvchat's own figures where a kvchat server sent
+    them beside it); None when it is not one."""
+    if not isinstance(entry, dict) or _num(entry, "logprob") is None:
+        return None
+    mine = entry.get("kvchat") if isinstance(entry.get("kvchat"), dict) else {}
+    theirs = mine.get("top") if isinstance(mine.get("top"), list) else []
+    theirs = [x if isinstance(x, dict) else {} for x in theirs]
+    top = []
+    for j, a in enumerate(x for x in entry.get("top_logprobs") or () if isinstance(x, dict)):
+        if _num(a, "logprob") is not None:
+            extra = theirs[j] if j < len(theirs) else {}
+            token_id = extra.get("token_id") if type(extra.get("token_id")) is int else -1
+            top.append(Alternative(token_id, str(a.get("token", "")), a["logprob"], _num(extra, "sampled_logprob")))
+    rank = mine.get("rank") if type(mine.get("rank")) is int else None
+    return StepLogprobs(
+        str(entry.get("token", "")),
+        entry["logprob"],
+        _num(mine, "sampled_logprob"),
+        _num(mine, "entropy"),
+        _num(mine, "sampled_entropy"),
+        rank,
+        tuple(top),
+    )
 
 
 def check_top_logprobs(k: int) -> None:
@@ -89,7 +122,7 @@ def step_logprobs(
         )
         for j, i in enumerate(top_ids)
     )
-    return StepLogprobs(chosen, sampled, entropy, sampled_entropy, int(above) + 1, top)
+    return StepLogprobs(text_of(token), chosen, sampled, entropy, sampled_entropy, int(above) + 1, top)
 
 
 def reply_confidence(steps: list[dict]) -> dict:

@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 from .. import trace as tracing
 from ..errors import EngineError
 from ..events import Failed, Finished, PrefillDone, PrefillStarted, ReuseReport, Token
+from ..logprobs import from_openai
 from . import wire
 
 POLL_S = 0.5  # how often a reply whose server says nothing looks at its Stop flag (stop() acts at once)
@@ -313,6 +314,8 @@ class RemoteSession:
             body["stop"] = list(req.stop_strings)
         if req.ignore_eos:
             body["ignore_eos"] = True
+        if req.logprobs:  # OpenAI's own fields: vLLM, SGLang, llama-server and kvchat answer them
+            body.update(logprobs=True, top_logprobs=req.top_logprobs)
         if req.continue_final_message:  # vLLM's and kvchat's names; llama-server continues a last assistant turn
             body.update(continue_final_message=True, add_generation_prompt=False)
         return body
@@ -467,6 +470,7 @@ class _Reply:
         self.reuse_seen: ReuseReport | None = None
         self.chunks = 0
         self.over = False  # the server sent text past the request's max_new_tokens
+        self.steps: list = []  # each token's StepLogprobs, where the server reports them
 
     def chunk(self, data: str, t: float) -> Iterator:
         if data.strip() == "[DONE]":
@@ -499,6 +503,9 @@ class _Reply:
             content = delta.get("content") if isinstance(delta, dict) else None
             if isinstance(choice.get("finish_reason"), str):
                 self.reason = choice["finish_reason"]
+            weighed = choice.get("logprobs") if isinstance(choice.get("logprobs"), dict) else {}
+            if isinstance(weighed.get("content"), list):
+                self.steps += [s for s in map(from_openai, weighed["content"]) if s is not None]
             if isinstance(content, str) and content and self.tokens >= self.req.max_new_tokens:
                 self.over = True  # more text than max_tokens allows: not taken
                 return
@@ -544,7 +551,8 @@ class _Reply:
         trace.prompt_tokens = prompt or 0
         reuse = self._reuse(prompt, usage)
         trace.reused, trace.computed = reuse.reused, reuse.computed
-        return Finished(reason, self.text, (), self._summary(usage), self._cache(prompt, usage), reuse)
+        steps = tuple(self.steps[: self.req.max_new_tokens])
+        return Finished(reason, self.text, (), self._summary(usage), self._cache(prompt, usage), reuse, "", steps)
 
     def _usage_from_timings(self) -> dict:
         """llama-server sends `timings` instead of usage in a stream: cache_n cached + prompt_n computed

@@ -31,6 +31,7 @@ from .. import trace as tracing
 from ..devices import default_threads
 from ..errors import EngineError
 from ..events import Failed, Finished, PrefillStarted, Token
+from ..logprobs import MAX_TOP_LOGPROBS
 from ..sampling import SamplingParams
 from ..session import Request, Session
 from ..weights.loading import LoadedModel
@@ -67,12 +68,12 @@ FIELDS = {
     "add_generation_prompt": bool,  # vLLM's names: continue the last (assistant) message instead of a new one
     "continue_final_message": bool,
     "ignore_eos": bool,  # vLLM's: run to max_tokens past the stop tokens (benchmarks)
+    "logprobs": bool,
+    "top_logprobs": INTEGER,
 }
 # Fields kvchat does not implement: accepted only at the value that means "off".
 UNSUPPORTED = {
     "n": 1,
-    "logprobs": False,
-    "top_logprobs": 0,
     "presence_penalty": 0,
     "frequency_penalty": 0,
     "tools": [],
@@ -165,6 +166,11 @@ def parse_chat(body, max_new_default: int) -> tuple[Request, dict]:
         )
     except ValueError as e:
         raise ApiError(400, str(e)) from None
+    logprobs, top = bool(body.get("logprobs")), body.get("top_logprobs")
+    if top is not None and not logprobs:
+        raise ApiError(400, "'top_logprobs' needs 'logprobs' set to true", param="top_logprobs")
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise ApiError(400, f"'top_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}", param="top_logprobs")
     cont = bool(body.get("continue_final_message"))
     req = Request(
         messages=messages,
@@ -176,6 +182,8 @@ def parse_chat(body, max_new_default: int) -> tuple[Request, dict]:
         add_generation_prompt=_or(body, "add_generation_prompt", not cont),
         continue_final_message=cont,
         ignore_eos=bool(body.get("ignore_eos")),
+        logprobs=logprobs,
+        top_logprobs=top or 0,
     )
     options = body.get("stream_options") or {}
     return req, {"stream": bool(body.get("stream")), "usage": bool(options.get("include_usage"))}
@@ -184,6 +192,30 @@ def parse_chat(body, max_new_default: int) -> tuple[Request, dict]:
 def _or(body: dict, name: str, default):
     value = body.get(name)
     return default if value is None else value
+
+
+def _token_entry(text: str, logprob: float) -> dict:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def logprobs_content(steps, token_ids) -> list[dict]:
+    """Steps (StepLogprobs) of the tokens `token_ids` in OpenAI's shape, `logprobs.content`: each token's raw
+    log-probability and its top alternatives; kvchat's own figures (the sampled distribution's, the entropy,
+    the rank, the ids) beside them."""
+    out = []
+    for s, token_id in zip(steps, token_ids):
+        entry = _token_entry(s.text, s.logprob)
+        entry["top_logprobs"] = [_token_entry(a.text, a.logprob) for a in s.top]
+        entry[wire.EXTENSION] = {
+            "sampled_logprob": s.sampled_logprob,
+            "entropy": s.entropy,
+            "sampled_entropy": s.sampled_entropy,
+            "rank": s.rank,
+            "token_id": token_id,
+            "top": [{"token_id": a.token_id, "sampled_logprob": a.sampled_logprob} for a in s.top],
+        }
+        out.append(entry)
+    return out
 
 
 class Busy(Exception):
@@ -561,6 +593,7 @@ async def _complete(job: Job, first: PrefillStarted, meta: dict, watcher: asynci
                 {
                     "index": 0,
                     "message": {"role": "assistant", "content": last.text},
+                    "logprobs": _reply_logprobs(job.request, last.logprobs, last.token_ids),
                     "finish_reason": wire.FINISH_REASONS.get(last.reason, "stop"),
                 }
             ],
@@ -568,6 +601,13 @@ async def _complete(job: Job, first: PrefillStarted, meta: dict, watcher: asynci
             wire.EXTENSION: report,
         }
     )
+
+
+def _reply_logprobs(request: Request, steps, token_ids) -> dict | None:
+    """A choice's `logprobs`: None unless the request asked for them."""
+    if not request.logprobs:
+        return None
+    return {"content": logprobs_content(steps, token_ids), "refusal": None}
 
 
 def _sse(obj) -> str:
@@ -579,8 +619,9 @@ async def _stream(job: Job, first: PrefillStarted, meta: dict, include_usage: bo
     the whole kvchat report; `[DONE]` ends it. A client gone cancels the job."""
     chunk = {**meta, "object": "chat.completion.chunk"}
 
-    def delta(d: dict, finish=None, **extra) -> str:
-        return _sse({**chunk, "choices": [{"index": 0, "delta": d, "finish_reason": finish}], **extra})
+    def delta(d: dict, finish=None, logprobs=None, **extra) -> str:
+        choice = {"index": 0, "delta": d, "logprobs": logprobs, "finish_reason": finish}
+        return _sse({**chunk, "choices": [choice], **extra})
 
     done = False
     try:
@@ -592,15 +633,18 @@ async def _stream(job: Job, first: PrefillStarted, meta: dict, include_usage: bo
             if isinstance(ev, Token):
                 # Tokens the engine made while the last chunk was being sent go out as one chunk (`kvchat.tokens`
                 # says how many): when the engine outruns the network, per-chunk costs stop adding up per token.
-                text, n = ev.text, 1
+                text, n, made = ev.text, 1, [ev]
                 while n < MAX_TOKENS_PER_CHUNK and not job.events.empty():
                     nxt = job.events.get_nowait()
                     if not isinstance(nxt, Token):
                         held = nxt if nxt is not None else END
                         break
                     text, n = text + nxt.text, n + 1
-                if text or n > 1:
-                    yield delta({"content": text}, **({wire.EXTENSION: {wire.TOKENS: n}} if n > 1 else {}))
+                    made.append(nxt)
+                weighed = _reply_logprobs(job.request, [t.logprobs for t in made], [t.token_id for t in made])
+                if text or n > 1 or weighed:
+                    extra = {wire.EXTENSION: {wire.TOKENS: n}} if n > 1 else {}
+                    yield delta({"content": text}, logprobs=weighed, **extra)
                 if held is END:
                     break
             elif isinstance(ev, Finished):

@@ -199,11 +199,51 @@ def test_parse_chat_reads_openai_bodies():
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
         {"messages": TURN1, "stop": [""]},
         {"messages": TURN1, "top_p": 0},
-        {"messages": TURN1, "logprobs": True},
+        {"messages": TURN1, "top_logprobs": 3},  # without logprobs: true
+        {"messages": TURN1, "logprobs": True, "top_logprobs": 21},
     ):
         with pytest.raises(ApiError) as e:
             parse_chat(bad, 100)
         assert e.value.status == 400
+
+
+def test_the_openai_client_reads_logprobs_streaming_and_not(serve):
+    server = serve()
+    c = client(server)
+    session = Session(load_model(None))
+    want = list(session.generate(Request(messages=TURN1, max_new_tokens=12, logprobs=True, top_logprobs=3)))[-1]
+    r = c.chat.completions.create(model=MODEL, messages=TURN1, max_tokens=12, temperature=0, logprobs=True,
+                                  top_logprobs=3)  # fmt: skip
+    content = r.choices[0].logprobs.content
+    assert [e.token for e in content] == [s.text for s in want.logprobs]
+    for e, s in zip(content, want.logprobs):
+        assert e.logprob == pytest.approx(s.logprob, abs=1e-5) and e.bytes == list(s.text.encode())
+        assert [a.token for a in e.top_logprobs] == [a.text for a in s.top]
+        assert [a.logprob for a in e.top_logprobs] == pytest.approx([a.logprob for a in s.top], abs=1e-5)
+        assert e.model_extra["kvchat"]["rank"] == s.rank and e.model_extra["kvchat"]["sampled_logprob"] == 0.0
+    assert [e.model_extra["kvchat"]["token_id"] for e in content] == list(want.token_ids)
+
+    chunks = list(c.chat.completions.create(model=MODEL, messages=TURN1, max_tokens=12, temperature=0,
+                                            logprobs=True, top_logprobs=3, stream=True))  # fmt: skip
+    streamed = [e for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 5)) for e in streamed] == [(e.token, round(e.logprob, 5)) for e in content]
+
+    plain = c.chat.completions.create(model=MODEL, messages=TURN1, max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None  # not asked for: none computed, none sent
+
+    remote = RemoteSession(RemoteSpec(server.root))  # the app's remote engine reads the same figures
+    try:
+        remote.connect()
+        fin = list(remote.generate(Request(messages=TURN1, max_new_tokens=12, logprobs=True, top_logprobs=3)))[-1]
+        assert [(s.text, s.rank, s.sampled_logprob) for s in fin.logprobs] == [
+            (s.text, s.rank, s.sampled_logprob) for s in want.logprobs
+        ]
+        assert [a.token_id for s in fin.logprobs for a in s.top] == [a.token_id for s in want.logprobs for a in s.top]
+        assert fin.logprobs[0].entropy == pytest.approx(want.logprobs[0].entropy, abs=1e-5)
+        fin = list(remote.generate(Request(messages=TURN1, max_new_tokens=3)))[-1]
+        assert fin.logprobs == ()
+    finally:
+        remote.close()
 
 
 def test_the_remote_session_gives_the_engines_events_and_stop_closes_the_stream(serve):

@@ -105,6 +105,11 @@ def add_arguments(p) -> None:
         default=ROW_TIMEOUT_S,
         help="seconds a row may take before it is stopped and reported as timed out",
     )
+    p.add_argument(
+        "--logprobs-cost",
+        action="store_true",
+        help="kvchat rows also decode with per-token log-probabilities off, on, and on with 5 alternatives",
+    )
     p.add_argument("--json", action="store_true")
     p.add_argument("--markdown", action="store_true", help="print the tables as Markdown (for engine/BENCHMARKS.md)")
 
@@ -180,6 +185,7 @@ def collect(ns, progress: bool | None = None) -> dict:
             "plot_contexts": contexts,
             "plot_tokens": ns.plot_tokens,
             "prefill_runs": max(1, getattr(ns, "prefill_runs", 3)),
+            "logprobs_cost": getattr(ns, "logprobs_cost", False),
         }
         results = []
         for engine, precision in runs:

@@ -81,6 +81,13 @@ def print_report(report: dict) -> None:
         )
     for name, v in report["ratios"].items():
         print(f"{name:45s} decode {_x(v['decode'])}  prefill {_x(v['prefill'])}")
+    for r in report["results"]:
+        if r.get("logprobs_cost"):
+            c = r["logprobs_cost"]
+            print(
+                f"{r['engine']} {r['precision']} decode tok/s with log-probabilities: off {c['off']:.2f} · "
+                f"on, k = 0 {c['k0']:.2f} · on, k = 5 {c['k5']:.2f} ({_x(c['k5_vs_off'])} of off)"
+            )
 
 
 def markdown(report: dict) -> str:

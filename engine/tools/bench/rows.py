@@ -43,12 +43,14 @@ def measure_row(engine: str, precision: str, args: dict, timeout: float) -> dict
     return got if "engine" in got else {"engine": engine, "precision": precision, **got}
 
 
-def _kvchat_decode(loaded, prompt, n_new) -> tuple[dict, list[int]]:
+def _kvchat_decode(loaded, prompt, n_new, top_logprobs: int | None = None) -> tuple[dict, list[int]]:
+    """`top_logprobs`: each token's log-probabilities with that many alternatives (None: off)."""
     from ...session import Request, Session
 
     session = Session(loaded, capacity=len(prompt) + n_new)
     loaded.tokenizer.stop_ids = frozenset()  # random weights: never stop early
-    for ev in session.generate(Request(prompt_ids=tuple(prompt), max_new_tokens=n_new)):
+    weighed = dict(logprobs=top_logprobs is not None, top_logprobs=top_logprobs or 0)
+    for ev in session.generate(Request(prompt_ids=tuple(prompt), max_new_tokens=n_new, **weighed)):
         last = ev
     t = last.trace
     return {
@@ -192,9 +194,26 @@ def _measure(engine: str, precision: str, a: dict) -> dict:
         timing.update(prefill_tok_s=median["prefill_tok_s"], ttft_ms=median["ttft_ms"])
         row.update(timing, peak_mem_bytes=peak_mem(device))  # before the --plot contexts
         row["by_context"] = {c: decode(random_prompt(c, vocab), a["plot_tokens"])[0]["decode_tok_s"] for c in contexts}
+        if a.get("logprobs_cost") and engine in CACHED_KVCHAT:
+            row["logprobs_cost"] = _logprobs_cost(loaded, prompt, n_new)
     row.setdefault("peak_mem_bytes", peak_mem(device))
     row["baseline_mem_bytes"] = baseline if device.type == "cpu" else 0
     return row
+
+
+LOGPROBS_ROUNDS = 3  # off, k = 0 and k = 5 take turns this many times; the medians are kept
+
+
+def _logprobs_cost(loaded, prompt, n_new) -> dict:
+    """Decode tok/s with log-probabilities off, on with no alternatives and on with 5, in turns (the same
+    process, the same prompt), and k = 5 against off."""
+    runs = {"off": [], "k0": [], "k5": []}
+    for _ in range(LOGPROBS_ROUNDS):
+        for name, k in (("off", None), ("k0", 0), ("k5", 5)):
+            runs[name].append(_kvchat_decode(loaded, prompt, n_new, k)[0]["decode_tok_s"])
+    got = {name: sorted(v)[len(v) // 2] for name, v in runs.items()}
+    got["k5_vs_off"] = round(got["k5"] / got["off"], 3) if got["off"] else None
+    return got
 
 
 def is_gguf_model(model) -> bool:
