@@ -14,6 +14,7 @@ from typing import Protocol
 
 from engine import trace as figures
 from engine.events import Failed, Finished, PrefillDone, PrefillProgress, PrefillStarted, Token
+from engine.logprobs import MAX_TOP_LOGPROBS, reply_confidence
 from engine.session import Request
 
 from .settings import Settings
@@ -149,6 +150,8 @@ class ReplyStats:
     stored_on_screen_ms: float | None = None  # from a stored reply
     made_by: dict | None = None  # the engine and model that made it (chat.made_by); None: not recorded
     allocated_bytes: int | None = None  # the cache's allocation when it ended; None: not known
+    steps: list = dataclasses.field(default_factory=list)  # each token's figures (token_record), as they come
+    steps_reported: bool | None = None  # False: the engine (a remote server) sent none; None: not known yet
 
     @classmethod
     def from_record(cls, record: dict, status: str) -> ReplyStats:
@@ -166,6 +169,10 @@ class ReplyStats:
             error=record.get("error"),
             made_by=record.get("made_by") if isinstance(record.get("made_by"), dict) else None,
             allocated_bytes=cache.get("allocated_bytes"),
+            steps=[s for s in record.get("tokens") or () if isinstance(s, dict)]
+            if isinstance(record.get("tokens"), list)
+            else [],
+            steps_reported=record.get("tokens_reported"),
         )
 
     @property
@@ -209,12 +216,18 @@ class ReplyStats:
         elif isinstance(ev, Token):
             self.token_times.append(ev.time)
             self.cache_positions = ev.cache_positions
+            if ev.logprobs is not None:
+                self.steps.append(token_record(ev.text, ev.token_id, ev.logprobs))
             return ev.text
         elif isinstance(ev, Finished):
             self.trace, self.reuse, self.reason = ev.trace, ev.reuse.to_dict(), ev.reason
             self.cache_positions = ev.cache["positions"]
             self.allocated_bytes = ev.cache.get("allocated_bytes")
             self.status = "cancelled" if ev.reason == "cancelled" else "finished"
+            if ev.logprobs and not self.steps:  # a remote server's: the tokens as it names them
+                ids = ev.token_ids or (-1,) * len(ev.logprobs)
+                self.steps = [token_record(s.text, i, s) for s, i in zip(ev.logprobs, ids)]
+            self.steps_reported = bool(self.steps) or not self.token_times
             return ev.tail
         elif isinstance(ev, Failed):
             self.status, self.error = "failed", f"{ev.error} ({self.failed_at})"
@@ -249,8 +262,15 @@ class ReplyStats:
             "idle": "No reply yet",
         }.get(self.status, self.status)
 
+    @property
+    def confidence(self) -> dict:
+        """The reply's mean log-probability, perplexity and low-confidence tokens (engine.logprobs)."""
+        return reply_confidence(self.steps)
+
     def to_json(self) -> dict:
         return {
+            "tokens": self.steps,
+            "confidence": self.confidence,
             "made_by": self.made_by,
             "status": self.status,
             "reason": self.reason,
@@ -260,6 +280,13 @@ class ReplyStats:
             "cache_positions": self.cache_positions,
             "prompt_tokens": self.prompt_tokens,
         }
+
+
+def token_record(shown: str, token_id: int, step) -> dict:
+    """One token of a reply as it is kept with the reply: the text it added on screen (`shown`; a token inside
+    a character shows nothing, the next shows the character), its id (-1: a server that does not say) and
+    what the model weighed at its step (engine.logprobs.StepLogprobs)."""
+    return {"shown": shown, "token_id": token_id, **step.to_dict()}
 
 
 def title_from(text: str) -> str:
@@ -396,7 +423,9 @@ class ChatController:
 
     def request(self, messages: list[dict], arrival: float, cid: int | None = None, **kw) -> Request:
         s = self.settings_for(cid)
-        return Request(messages=messages, sampling=s.sampling(), max_new_tokens=s.max_new_tokens, arrival=arrival, **kw)
+        top = max(0, min(MAX_TOP_LOGPROBS, s.token_alternatives))
+        return Request(messages=messages, sampling=s.sampling(), max_new_tokens=s.max_new_tokens, arrival=arrival,
+                       logprobs=True, top_logprobs=top, **kw)  # fmt: skip
 
     def label(self, cid: int, upto: list[Message]) -> str:
         """A name for a prompt in the prefix store's picture: the conversation's title, and the branch
@@ -542,6 +571,8 @@ class ChatController:
             "cache": {k: v for k, v in (final.cache or {}).items() if k != "store"},  # the store's picture is now's
             "error": stats.error,
             "made_by": stats.made_by,
+            "tokens": stats.steps,
+            "tokens_reported": stats.steps_reported,
         }
         self.guard(
             self.store.update_message,

@@ -146,6 +146,7 @@ def set_bar(bar: QProgressBar, maximum: int, value: int, text: str) -> None:
 
 
 SAME_CACHE = ("name", "backend", "server", "capacity", "dtype", "kv_cache")  # facts that, equal, mean one cache
+NOT_REPORTED_LOGPROBS = "not reported by this server"  # a remote server that sends no logprobs
 REUSE_ROWS = (
     "firstInvalidatedValue",
     "tokenChangeValue",
@@ -197,6 +198,16 @@ class StatsPanel(QScrollArea):
             ],
         )
         self.timingBox.setObjectName("timingBox")
+        self.confidenceBox = self._group(
+            lay,
+            "Confidence",
+            [
+                ("meanLogprobValue", "Mean log-probability"),
+                ("perplexityValue", "Perplexity"),
+                ("lowConfidenceValue", "Low-confidence tokens (p < 0.5)"),
+            ],
+        )
+        self.confidenceBox.setObjectName("confidenceBox")
 
         cache_box = QGroupBox("KV cache")
         form = QFormLayout(cache_box)
@@ -463,6 +474,7 @@ class StatsPanel(QScrollArea):
         self.set("tokensPerSecondValue", fmt_rate(s.figure("decode_tok_s")))
         self.set("e2eValue", fmt_ms(s.figure("e2e_ms")))
         self.set("tokensValue", str(s.tokens))
+        self.show_confidence(s)
         if remote:
             self.set("serverTimingValue", server_timing(s.trace) if s.trace is not None else "after the reply")
         else:
@@ -504,6 +516,19 @@ class StatsPanel(QScrollArea):
             )
         else:
             self.gapStats.setText(DASH)
+
+    def show_confidence(self, s) -> None:
+        """The reply's mean log-probability, perplexity and low-confidence tokens, as its tokens come."""
+        c = s.confidence
+        if c["tokens"]:
+            self.set("meanLogprobValue", f"{c['mean_logprob']:.3f} nats over {c['tokens']:,} tokens")
+            self.set("perplexityValue", f"{c['perplexity']:,.2f}")
+            share = c["low_confidence"] / c["tokens"]
+            self.set("lowConfidenceValue", f"{c['low_confidence']:,} of {c['tokens']:,} ({share:.0%})")
+            return
+        gone = NOT_REPORTED_LOGPROBS if s.steps_reported is False else DASH
+        for name in ("meanLogprobValue", "perplexityValue", "lowConfidenceValue"):
+            self.set(name, gone)
 
     def show_store(self, store: dict | None) -> None:
         """The prefix store: bytes against the budget, prefixes, evictions, and its tree (the part the

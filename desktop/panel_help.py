@@ -22,6 +22,14 @@ ROW_HELP = {
     "tokensValue": "Tokens this reply has (the stop token not counted).",
     "serverTimingValue": "Where the timing was measured: in this process, or a remote server's own figures when "
     "it reports them.",
+    # Confidence
+    "meanLogprobValue": "The mean, over this reply's tokens, of each chosen token's log-probability under the "
+    "model's own distribution (softmax of its logits at temperature 1, before any sampling setting). 0 is "
+    "certain; lower is less sure.",
+    "perplexityValue": "exp(−mean log-probability): as if the model had chosen uniformly among this many tokens "
+    "at each step. 1 is certain.",
+    "lowConfidenceValue": "Tokens the model gave less than a 50% chance (raw) but that were chosen: where it "
+    "hesitated. Turn on the token colours to see them in the reply.",
     # KV cache
     "cachePositionsValue": "Positions a forward pass has consumed, of the capacity; they count every token of the "
     "prompt, the chat template's own tokens included.",

@@ -66,6 +66,8 @@ class Settings:
     remote_model: str = ""  # "": the first the server lists
     theme: str = "system"  # system (the OS's colour scheme) | dark | light
     user_presets: str = ""  # the person's own system-prompt presets: a JSON object, name -> prompt
+    token_alternatives: int = 5  # alternatives kept per token of a reply (0: only the chosen token's figures)
+    token_colours: str = "off"  # a reply's tokens coloured by: off | probability | entropy
 
     def own_presets(self) -> dict[str, str]:
         """The person's saved system-prompt presets (a damaged value reads as none)."""

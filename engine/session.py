@@ -372,7 +372,8 @@ class Session:
             weighed = None
             if req.logprobs:
                 greedy = req.sampling.greedy
-                weighed = step_logprobs(row, drawn, token, req.top_logprobs, greedy, tok.token_text)
+                argmax = greedy and not use_penalty
+                weighed = step_logprobs(row, drawn, token, req.top_logprobs, greedy, tok.token_text, argmax)
                 steps.append(weighed)
             t = tracing.now()
             trace.token_times.append(t)
