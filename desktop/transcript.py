@@ -22,6 +22,7 @@ from PySide6.QtWidgets import (
 from .chat import reply_footer
 from .outside_text import plain, rich
 from .reply_widgets import ReplyBody, StreamView, WrapLabel
+from .token_view import TokenView
 
 DEMO_HINT = (
     "Ask the demo model to plan a trip, for example:<br><i>I am planning a trip to Chengdu "
@@ -128,6 +129,8 @@ class MessageView(QFrame):
         self.footerLabel.setWordWrap(True)
         self.footerLabel.setToolTip("This reply's figures, as it ended: select the reply for all of them in the panel")
         lay.addWidget(self.footerLabel)
+        self.token_mode = "off"  # the window's token colours (token_view.MODES)
+        self.tokenView: TokenView | None = None  # made when a reply is first shown token by token
         self.editor: QPlainTextEdit | None = None  # made when an edit begins: a long transcript builds fast
         self.editRow: QWidget | None = None
         self.highlight: tuple[int, int] | None = None
@@ -150,14 +153,35 @@ class MessageView(QFrame):
         else:  # pieces: only the last one changes while the reply streams
             streaming = status == "streaming"
             self.reply.show_reply(text or ("…" if streaming else ""), streaming)
-        self.reply.setVisible(self.highlight is None and not self.editing)
-        self.body.setVisible(self.highlight is not None and not self.editing)
+        steps = self.token_steps(status)
+        if steps:
+            if self.tokenView is None:
+                self.tokenView = TokenView()
+                self.layout().insertWidget(self.layout().indexOf(self.reply) + 1, self.tokenView)
+            self.tokenView.set_tokens(steps, self.token_mode)
+        if self.tokenView is not None:
+            self.tokenView.setVisible(bool(steps) and not self.editing)
+        self.reply.setVisible(self.highlight is None and not self.editing and not steps)
+        self.body.setVisible(self.highlight is not None and not self.editing and not steps)
         self.statusLabel.setText(STATUS_NOTES.get(status, ""))
         self.tokensLabel.setText("" if tokens is None else f"{tokens} tokens")
         self.shown = (text, status, tokens)
         footer = "" if status == "streaming" or self.message.role != "assistant" else reply_footer(self.message.trace)
         self.footerLabel.setText(footer)
         self.footerLabel.setVisible(bool(footer))
+
+    def token_steps(self, status: str) -> list[dict]:
+        """The reply's tokens when it is shown token by token: the colours on, a finished reply that kept them."""
+        record = self.message.trace if isinstance(self.message.trace, dict) else {}
+        steps = record.get("tokens")
+        wanted = self.token_mode != "off" and status != "streaming" and self.message.role == "assistant"
+        return steps if wanted and isinstance(steps, list) and steps else []
+
+    def set_token_mode(self, mode: str) -> None:
+        """Colour this reply's tokens by probability or entropy, or show it as Markdown again ("off")."""
+        if mode != self.token_mode:
+            self.token_mode = mode
+            self.set_content(self.message.content, self.message.status, self.message.token_count)
 
     def can_show(self, message, branch_index: int, branch_count: int) -> bool:
         """Whether this view can show `message` at that branch position by updating its text alone (no
@@ -196,7 +220,9 @@ class MessageView(QFrame):
 
     @property
     def shown_body(self) -> QWidget:
-        """What shows the message's text now: its pieces, or the highlight's label."""
+        """What shows the message's text now: its tokens, its pieces, or the highlight's label."""
+        if self.tokenView is not None and self.token_steps(self.message.status):
+            return self.tokenView
         return self.reply if self.highlight is None else self.body
 
     @property

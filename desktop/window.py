@@ -55,6 +55,8 @@ from .sidebar import Sidebar
 from .store import Store
 from .store_file import StoreError
 from .style import THEMES, apply_style, button
+from .token_view import MODES as TOKEN_MODES
+from .token_view import TokenLegend
 from .transcript import MessageView, Transcript
 from .worker import WorkerThread
 
@@ -147,6 +149,25 @@ class MainWindow(QMainWindow):
         self.conversationSettingsLabel.setToolTip("This conversation's own settings (kvchat → Settings… changes them)")
         self.conversationSettingsLabel.setVisible(False)
         cl.addWidget(self.conversationSettingsLabel)
+        tokens_row = QHBoxLayout()
+        self.tokenColours = QComboBox()
+        self.tokenColours.setObjectName("tokenColours")
+        self.tokenColours.setAccessibleName("Colour each reply's tokens by")
+        self.tokenColours.setToolTip(
+            "Show finished replies token by token, coloured by the chosen token's probability or by the entropy "
+            "at its step; hover a token, or click it and use Left/Right, for what else the model weighed"
+        )
+        for mode, words in TOKEN_MODES.items():
+            self.tokenColours.addItem(words, mode)
+        mode = self.settings.token_colours if self.settings.token_colours in TOKEN_MODES else "off"
+        self.tokenColours.setCurrentIndex(list(TOKEN_MODES).index(mode))
+        self.tokenColours.currentIndexChanged.connect(lambda _: self.set_token_colours(self.tokenColours.currentData()))
+        tokens_row.addWidget(self.tokenColours)
+        self.tokenLegend = TokenLegend()
+        self.tokenLegend.show_mode(mode)
+        tokens_row.addWidget(self.tokenLegend)
+        tokens_row.addStretch(1)
+        cl.addLayout(tokens_row)
         self.transcript = Transcript()
         self.branch = BranchView(
             self.transcript, lambda: self.chat, self._message_view, self._fit_view, self._update_buttons,
@@ -373,8 +394,17 @@ class MainWindow(QMainWindow):
         remote = (self.facts or {}).get("backend") == "remote"
         view.compareButton.setVisible(view.message.role == "assistant" and not remote)
 
+    def set_token_colours(self, mode: str) -> None:
+        """Every reply token by token, coloured by probability or entropy, or as Markdown ("off"); kept."""
+        self.settings.token_colours = self.chat.settings.token_colours = mode
+        self.settings.save(self.qsettings)
+        self.tokenLegend.show_mode(mode)
+        for view in self.transcript.views:
+            view.set_token_mode(mode)
+
     def _message_view(self, m, idx: int, count: int) -> MessageView:
         view = MessageView(m, idx, count, self.count_tokens)
+        view.set_token_mode(self.settings.token_colours if self.settings.token_colours in TOKEN_MODES else "off")
         view.editSubmitted.connect(self.edit_message)
         view.branchRequested.connect(self.switch_branch)
         view.selected.connect(self.select_message)

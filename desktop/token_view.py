@@ -1,0 +1,194 @@
+"""A reply token by token: each token's text on a background coloured by its probability or by the entropy at
+its step, and what the model weighed there (the chosen token raw against sampled, the alternatives) on hover
+or when the keyboard moves to it (Left/Right). The colours are translucent over the theme's own background, so
+the text keeps the theme's contrast in both themes."""
+
+from __future__ import annotations
+
+import bisect
+import html
+import math
+
+from PySide6.QtCore import QPoint, Qt, Signal
+from PySide6.QtGui import QColor, QTextCharFormat, QTextCursor
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QTextEdit, QToolTip, QWidget
+
+from .outside_text import plain
+from .reply_widgets import FitTextEdit
+
+MODES = {"off": "Tokens: plain", "probability": "Tokens by probability", "entropy": "Tokens by entropy"}
+# (lower bound, colour or None, words), most confident first: probability of the chosen token (raw), and the
+# entropy of the step's distribution in nats
+BINS = {
+    "probability": ((0.9, None, "p ≥ 90%"), (0.5, "#e3c12f", "50–90%"), (0.2, "#f08a3c", "20–50%"),
+                    (0.0, "#e0524a", "< 20%")),
+    "entropy": ((0.0, None, "< 0.5 nats"), (0.5, "#6fa8e6", "0.5–1.5"), (1.5, "#4a6fd4", "1.5–3"),
+                (3.0, "#9a5cd6", "≥ 3 nats")),
+}  # fmt: skip
+ALPHA = 120  # of 255: translucent over the theme's background
+
+
+def step_value(step: dict, mode: str) -> float | None:
+    """What a token is coloured by: its raw probability, or the entropy at its step (None: not known)."""
+    if mode == "probability":
+        lp = step.get("logprob")
+        return math.exp(lp) if isinstance(lp, (int, float)) else None
+    value = step.get("entropy")
+    return value if isinstance(value, (int, float)) else None
+
+
+def bin_of(step: dict, mode: str) -> int | None:
+    """The index in BINS[mode] a token falls in (None: its figure is not known)."""
+    value = step_value(step, mode)
+    if value is None:
+        return None
+    bins = BINS[mode]
+    if mode == "probability":
+        return next(i for i, (low, _, _) in enumerate(bins) if value >= low or i == len(bins) - 1)
+    return max(i for i, (low, _, _) in enumerate(bins) if value >= low)
+
+
+def _pct(lp) -> str:
+    return "—" if not isinstance(lp, (int, float)) else f"{100 * math.exp(lp):.1f}%"
+
+
+def token_words(step: dict, index: int) -> list[str]:
+    """What the model weighed at one step, in lines a person reads (the tooltip, the accessible description)."""
+    lines = [f"Token {index + 1}: {step.get('text', '')!r}"]
+    lp, sampled = step.get("logprob"), step.get("sampled_logprob")
+    head = f"p {_pct(lp)} raw (log-probability {lp:.3f})" if isinstance(lp, (int, float)) else "p not known"
+    lines.append(head + (f" · {_pct(sampled)} as sampled" if sampled is not None else " · sampled: not reported"))
+    if isinstance(step.get("entropy"), (int, float)):
+        rank = step.get("rank")
+        lines.append(f"entropy {step['entropy']:.2f} nats" + (f" · rank {rank}" if isinstance(rank, int) else ""))
+    top = step.get("top") or []
+    if top:
+        lines.append("Alternatives (raw · as sampled):")
+        for a in top:
+            mark = " ← chosen" if a.get("token_id") == step.get("token_id") and a.get("token_id", -1) >= 0 else ""
+            lines.append(f"  {a.get('text', '')!r} {_pct(a.get('logprob'))} · {_pct(a.get('sampled_logprob'))}{mark}")
+    return lines
+
+
+class TokenView(FitTextEdit):
+    """A finished reply's tokens, coloured (BINS); hover or Left/Right shows a token's figures."""
+
+    tokenFocused = Signal(int)  # the token the keyboard moved to
+
+    def __init__(self):
+        super().__init__()
+        self.setObjectName("tokenView")
+        self.setAccessibleName("The reply, token by token: Left and Right move between tokens")
+        self.setMouseTracking(True)
+        self.viewport().setMouseTracking(True)
+        self.setFocusPolicy(Qt.StrongFocus)
+        self.steps: list[dict] = []
+        self.starts: list[int] = []  # each shown token's first character; tokens that show nothing are skipped
+        self.at: list[int] = []  # the token index of each entry of starts
+        self.mode = "off"
+        self.current: int | None = None  # the token the keyboard is on
+
+    def set_tokens(self, steps: list[dict], mode: str) -> None:
+        if steps is self.steps and mode == self.mode:
+            return
+        self.steps, self.mode, self.starts, self.at = steps, mode, [], []
+        self.clear()
+        cursor = QTextCursor(self.document())
+        for i, step in enumerate(steps):
+            shown = str(step.get("shown", step.get("text", "")))
+            if not shown:
+                continue
+            fmt = QTextCharFormat()
+            b = bin_of(step, mode) if mode in BINS else None
+            colour = BINS[mode][b][1] if b is not None else None
+            if colour:
+                c = QColor(colour)
+                c.setAlpha(ALPHA)
+                fmt.setBackground(c)
+            self.starts.append(cursor.position())
+            self.at.append(i)
+            cursor.insertText(shown, fmt)
+        self.current = None
+
+    def index_at_position(self, position: int) -> int | None:
+        """The token whose text holds character `position`."""
+        k = bisect.bisect_right(self.starts, position) - 1
+        return self.at[k] if 0 <= k < len(self.at) else None
+
+    def index_at(self, point: QPoint) -> int | None:
+        return self.index_at_position(self.cursorForPosition(point).position())
+
+    def details(self, index: int) -> str:
+        lines = token_words(self.steps[index], index)
+        return "<br>".join(html.escape(line).replace("  ", "&nbsp;&nbsp;") for line in lines)
+
+    def mouseMoveEvent(self, e) -> None:
+        super().mouseMoveEvent(e)
+        i = self.index_at(e.position().toPoint())
+        if i is None:
+            QToolTip.hideText()
+        else:
+            QToolTip.showText(e.globalPosition().toPoint(), self.details(i), self.viewport())
+
+    def move_to(self, index: int) -> None:
+        """Put the keyboard on token `index`: outlined, its figures shown and said."""
+        if not self.at:
+            return
+        self.current = index
+        k = self.at.index(index) if index in self.at else 0
+        start = self.starts[k]
+        end = self.starts[k + 1] if k + 1 < len(self.starts) else self.document().characterCount() - 1
+        sel = QTextEdit.ExtraSelection()
+        cursor = QTextCursor(self.document())
+        cursor.setPosition(start)
+        cursor.setPosition(end, QTextCursor.KeepAnchor)
+        sel.cursor = cursor
+        sel.format.setFontUnderline(True)
+        sel.format.setUnderlineStyle(QTextCharFormat.SingleUnderline)
+        sel.format.setFontWeight(700)
+        self.setExtraSelections([sel])
+        words = token_words(self.steps[index], index)
+        self.setAccessibleDescription(" · ".join(w.strip() for w in words))
+        rect = self.cursorRect(cursor)
+        QToolTip.showText(self.viewport().mapToGlobal(rect.bottomLeft()), self.details(index), self.viewport())
+        self.tokenFocused.emit(index)
+
+    def keyPressEvent(self, e) -> None:
+        if e.key() in (Qt.Key_Left, Qt.Key_Right) and self.at and not e.modifiers() & Qt.ControlModifier:
+            step = 1 if e.key() == Qt.Key_Right else -1
+            k = self.at.index(self.current) if self.current in self.at else (-1 if step > 0 else len(self.at))
+            k = max(0, min(len(self.at) - 1, k + step))
+            self.move_to(self.at[k])
+            return
+        super().keyPressEvent(e)
+
+
+class TokenLegend(QWidget):
+    """What the colours of the token view mean, for the mode in use."""
+
+    def __init__(self):
+        super().__init__()
+        self.setObjectName("tokenLegend")
+        self.lay = QHBoxLayout(self)
+        self.lay.setContentsMargins(0, 0, 0, 0)
+        self.labels: list[QLabel] = []
+
+    def show_mode(self, mode: str) -> None:
+        for w in self.labels:
+            w.setParent(None)
+            w.deleteLater()
+        self.labels = []
+        if mode in BINS:
+            title = "chosen token's probability (raw):" if mode == "probability" else "entropy at the step:"
+            for text, colour in ((title, None), *((words, c) for _, c, words in BINS[mode])):
+                label = plain(QLabel(text))
+                if colour:
+                    c = QColor(colour)
+                    rgba = f"rgba({c.red()},{c.green()},{c.blue()},{ALPHA})"
+                    label.setStyleSheet(f"background: {rgba}; padding: 0 4px; border-radius: 3px")
+                elif text != title:
+                    label.setStyleSheet("padding: 0 4px; border: 1px solid palette(mid); border-radius: 3px")
+                self.lay.addWidget(label)
+                self.labels.append(label)
+        self.setAccessibleDescription(" ".join(w.text() for w in self.labels))
+        self.setVisible(mode in BINS)

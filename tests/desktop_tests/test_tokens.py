@@ -1,0 +1,66 @@
+"""A reply token by token in the real window: the panel's confidence figures against the engine's own, the
+token colours switched on, a token's figures on the keyboard, and the figures kept with the reply."""
+
+import json
+import math
+
+from gui import BUDGET, panel, send
+from PySide6.QtCore import Qt
+
+from desktop.token_view import BINS, bin_of
+from engine.events import Finished
+from engine.logprobs import LOW_CONFIDENCE
+
+
+def test_a_reply_carries_each_tokens_figures_and_the_panel_sums_them(qtbot, make_window, spin_loop, demo_model_dir,
+                                                                     tmp_path):  # fmt: skip
+    w = make_window(demo_model_dir)
+    final = send(qtbot, w, spin_loop, BUDGET)
+    assert isinstance(final, Finished) and len(final.logprobs) == len(final.token_ids) > 3
+    lps = [s.logprob for s in final.logprobs]
+    mean = sum(lps) / len(lps)
+    low = sum(lp < math.log(LOW_CONFIDENCE) for lp in lps)
+    assert panel(w, "meanLogprobValue") == f"{mean:.3f} nats over {len(lps):,} tokens"
+    assert panel(w, "perplexityValue") == f"{math.exp(-mean):,.2f}"
+    assert panel(w, "lowConfidenceValue").startswith(f"{low:,} of {len(lps):,}")
+    assert all(len(s.top) == 5 for s in final.logprobs)  # the settings' default alternatives
+
+    reply = w.transcript.views[1]
+    kept = reply.message.trace["tokens"]  # stored with the reply
+    assert [t["token_id"] for t in kept] == list(final.token_ids)
+    assert "".join(t["shown"] for t in kept) == reply.message.content
+    w.write_trace(tmp_path / "trace.json")
+    exported = json.loads((tmp_path / "trace.json").read_text())
+    assert [t["logprob"] for t in exported["tokens"]] == lps
+    assert exported["confidence"]["low_confidence"] == low
+
+    # Colours on: the reply is shown token by token, each token's background from its bin, the legend shown.
+    assert not reply.tokenView or not reply.tokenView.isVisible()
+    w.tokenColours.setCurrentIndex(w.tokenColours.findData("probability"))
+    view = reply.tokenView
+    assert view is not None and view.isVisibleTo(w) and not reply.reply.isVisibleTo(w)
+    assert view.toPlainText() == reply.message.content
+    assert w.tokenLegend.isVisibleTo(w) and "< 20%" in w.tokenLegend.accessibleDescription()
+    for k, i in enumerate(view.at):
+        cursor = view.textCursor()
+        cursor.setPosition(view.starts[k] + 1)
+        brush = cursor.charFormat().background()  # the format of the token's first character
+        want = BINS["probability"][bin_of(kept[i], "probability")][1]
+        assert (brush.color().name() if brush.style() != Qt.NoBrush else None) == want
+
+    # The keyboard moves token by token, and the token's figures are said.
+    view.setFocus()
+    qtbot.keyClick(view, Qt.Key_Right)
+    qtbot.keyClick(view, Qt.Key_Right)
+    second = view.at[1]
+    assert view.current == second
+    said = view.accessibleDescription()
+    assert f"Token {second + 1}: {kept[second]['text']!r}" in said
+    assert f"p {100 * math.exp(kept[second]['logprob']):.1f}% raw" in said
+    assert all(repr(a["text"]) in said for a in kept[second]["top"])
+
+    w.tokenColours.setCurrentIndex(w.tokenColours.findData("entropy"))
+    assert "nats" in w.tokenLegend.accessibleDescription() and view.mode == "entropy"
+    w.tokenColours.setCurrentIndex(w.tokenColours.findData("off"))
+    assert reply.reply.isVisibleTo(w) and not view.isVisibleTo(w) and not w.tokenLegend.isVisibleTo(w)
+    assert w.settings.token_colours == "off"
