@@ -102,6 +102,17 @@ def reply_footer(record: dict | None) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
+class Fork:
+    """A new branch of reply `mid` from its token `index`: the tokens before it kept, then `token` (an
+    alternative of that step, as the reply keeps it: token_id, text, logprob, sampled_logprob) or, None, a
+    token drawn again there."""
+
+    mid: int
+    index: int
+    token: dict | None
+
+
+@dataclasses.dataclass(frozen=True)
 class Accounting:
     """What the worker adds after a reply's last event: each request message's token count (counted
     after the reply, so TTFT never pays for it) and the session's summary over every request."""
@@ -488,7 +499,18 @@ class ChatController:
     def stop(self) -> None:
         self.client.stop()
 
-    def start(self, parent_id: int, arrival: float, continue_mid: int | None = None):
+    def fork_target(self, mid: int, index: int, token: dict | None) -> Fork | None:
+        """A fork of reply `mid` at its token `index`: the new branch keeps the tokens before it and goes on
+        with `token` (one of that step's alternatives) or, None, a token drawn again there."""
+        if self.generating:
+            return None
+        m = self.store.message(mid)
+        steps = (m.trace or {}).get("tokens") if isinstance(m.trace, dict) else None
+        if m.role != "assistant" or not isinstance(steps, list) or not 0 <= index < len(steps):
+            return None
+        return Fork(mid, index, token)
+
+    def start(self, parent_id: int, arrival: float, continue_mid: int | None = None, fork: Fork | None = None):
         """Claim the one reply slot at once and return the coroutine that streams the reply to message
         `parent_id` (or extends reply `continue_mid`); None when a reply is already running, so that
         two clicks in one event-loop turn start one reply. The reply stays in this conversation
@@ -496,7 +518,7 @@ class ChatController:
         if self.generating:
             return None
         self.generating = True
-        return self._run(self.current_cid, self.messages_until(parent_id), parent_id, arrival, continue_mid)
+        return self._run(self.current_cid, self.messages_until(parent_id), parent_id, arrival, continue_mid, fork)
 
     async def reply(self, parent_id: int, arrival: float, continue_mid: int | None = None) -> None:
         """start() and wait for the reply to end."""
@@ -504,15 +526,19 @@ class ChatController:
         if run is not None:
             await run
 
-    async def _run(self, cid, upto, parent_id, arrival, continue_mid) -> None:
+    async def _run(self, cid, upto, parent_id, arrival, continue_mid, fork=None) -> None:
         try:
-            await self._reply(cid, upto, parent_id, arrival, continue_mid)
+            await self._reply(cid, upto, parent_id, arrival, continue_mid, fork)
         finally:
             self.generating = False
             self.streaming_mid = None
 
-    async def _reply(self, cid: int, upto: list[Message], parent_id: int, arrival: float, continue_mid) -> None:
-        if continue_mid is not None:
+    async def _reply(self, cid: int, upto: list[Message], parent_id: int, arrival: float, continue_mid, fork=None):
+        carried: list[dict] = []  # a fork's tokens before it (and the token it forks with)
+        if fork is not None:
+            req, prefix, carried = self._fork_request(cid, upto, arrival, fork)
+            old_tokens = len(carried)
+        elif continue_mid is not None:
             base = self.store.message(continue_mid)
             prefix, old_tokens = base.content, base.token_count or 0
             req = self.request(
@@ -530,7 +556,7 @@ class ChatController:
         self.streaming_mid = assistant.id
         self.stream_text = prefix
         stats = self.stats = self.stats_by_message[assistant.id] = ReplyStats(
-            arrival=arrival, status="prefill", made_by=made_by(self.engine_facts)
+            arrival=arrival, status="prefill", made_by=made_by(self.engine_facts), steps=carried
         )  # its own: the panel may show another reply meanwhile (another conversation opened)
         self.selected_mid = assistant.id
         self.listener.transcript_changed()
@@ -542,6 +568,9 @@ class ChatController:
                 if isinstance(ev, Accounting):
                     self._count_tokens(upto, ev)
                     continue
+                if isinstance(ev, PrefillStarted) and ev.reply_prefix and fork is not None and text == prefix:
+                    text = self._forked_prefix(ev.reply_prefix, carried, fork)  # the engine's own decode of it
+                    prefix = saved = text
                 text += stats.apply(ev)
                 first = first or (isinstance(ev, Token) and ev.index == 1)
                 if isinstance(ev, (Finished, Failed)):
@@ -593,6 +622,45 @@ class ChatController:
             width = len((reuse.get("new_token") or {}).get("text", "").strip()) or 1
             mark = (highlight[0], highlight[1], highlight[1] + width)  # (message, first, end character)
         self.listener.reply_finished(final, mark)
+
+    def _fork_request(self, cid: int, upto: list[Message], arrival: float, fork: Fork):
+        """(the request, the reply's text so far, its tokens so far) of a fork. A local engine is given the
+        token ids, so that every position before the fork is reused and the fork's token alone computed; a
+        remote one, which takes only messages, the text to continue."""
+        steps = self.store.message(fork.mid).trace["tokens"]
+        kept = [dict(s) for s in steps[: fork.index]]
+        carried = list(kept)
+        if fork.token is not None:
+            at = steps[fork.index]
+            top = at.get("top") or []
+            place = next((k for k, a in enumerate(top) if a.get("token_id") == fork.token.get("token_id")), None)
+            carried.append({
+                "shown": str(fork.token.get("text", "")), "token_id": fork.token.get("token_id", -1),
+                "text": str(fork.token.get("text", "")), "logprob": fork.token.get("logprob"),
+                "sampled_logprob": fork.token.get("sampled_logprob"), "entropy": at.get("entropy"),
+                "sampled_entropy": at.get("sampled_entropy"), "rank": None if place is None else place + 1,
+                "top": top, "forked": True,
+            })  # fmt: skip
+        ids = [s.get("token_id", -1) for s in carried]
+        prefix = "".join(str(s.get("shown", "")) for s in carried)
+        remote = (self.engine_facts or {}).get("backend") == "remote" or any(type(i) is not int or i < 0 for i in ids)
+        label = self.label(cid, upto)
+        if remote:
+            messages = self.messages(upto, cid) + [{"role": "assistant", "content": prefix}]
+            req = self.request(messages, arrival, cid, continue_final_message=True, add_generation_prompt=False,
+                               label=label)  # fmt: skip
+        else:
+            req = self.request(self.messages(upto, cid), arrival, cid, reply_ids=tuple(ids), label=label)
+        return req, prefix, carried
+
+    @staticmethod
+    def _forked_prefix(decoded: str, carried: list[dict], fork: Fork) -> str:
+        """The fork's text as the engine decodes its tokens; the forked token shows what it adds to it."""
+        if fork.token is not None and carried:
+            before = "".join(str(s.get("shown", "")) for s in carried[:-1])
+            if decoded.startswith(before):
+                carried[-1]["shown"] = decoded[len(before) :]
+        return decoded
 
     def _count_tokens(self, upto: list[Message], acc: Accounting) -> None:
         """Each message's token count, for the transcript (only those not counted yet)."""

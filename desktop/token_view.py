@@ -11,7 +11,7 @@ import math
 
 from PySide6.QtCore import QPoint, Qt, Signal
 from PySide6.QtGui import QColor, QTextCharFormat, QTextCursor
-from PySide6.QtWidgets import QHBoxLayout, QLabel, QTextEdit, QToolTip, QWidget
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QTextEdit, QToolTip, QWidget
 
 from .outside_text import plain
 from .reply_widgets import FitTextEdit
@@ -122,6 +122,12 @@ class TokenView(FitTextEdit):
         lines = token_words(self.steps[index], index)
         return "<br>".join(html.escape(line).replace("  ", "&nbsp;&nbsp;") for line in lines)
 
+    def mouseReleaseEvent(self, e) -> None:
+        super().mouseReleaseEvent(e)
+        i = self.index_at(e.position().toPoint())
+        if i is not None and not self.textCursor().hasSelection():  # a click on a token, not a selection
+            self.move_to(i)
+
     def mouseMoveEvent(self, e) -> None:
         super().mouseMoveEvent(e)
         i = self.index_at(e.position().toPoint())
@@ -161,6 +167,49 @@ class TokenView(FitTextEdit):
             self.move_to(self.at[k])
             return
         super().keyPressEvent(e)
+
+
+class ForkRow(QWidget):
+    """Under a reply shown token by token: the token the keyboard or a click is on, and a button per
+    alternative that makes a new branch going on from it there, and one that draws that token again."""
+
+    forkRequested = Signal(int, object)  # the token's index, the alternative (a dict) or None: drawn again
+
+    def __init__(self):
+        super().__init__()
+        self.setObjectName("forkRow")
+        self.lay = QHBoxLayout(self)
+        self.lay.setContentsMargins(0, 0, 0, 0)
+        self.buttons: list[QPushButton] = []
+        self.label = plain(QLabel())
+        self.label.setObjectName("forkLabel")
+        self.lay.addWidget(self.label)
+        self.lay.addStretch(1)
+        self.setVisible(False)
+
+    def show_token(self, index: int, step: dict) -> None:
+        for b in self.buttons:
+            b.setParent(None)
+            b.deleteLater()
+        self.buttons = []
+        self.label.setText(f"Token {index + 1} {step.get('text', '')!r}: fork with")
+        chosen = step.get("token_id")
+        for a in step.get("top") or []:
+            if a.get("token_id") == chosen or type(a.get("token_id")) is not int or a["token_id"] < 0:
+                continue
+            b = QPushButton(f"{a.get('text', '')!r} {_pct(a.get('logprob'))}")
+            b.setObjectName("forkButton")
+            b.setAccessibleName(f"A new branch from token {index + 1}, going on with {a.get('text', '')!r}")
+            b.clicked.connect(lambda _=False, a=a: self.forkRequested.emit(index, a))
+            self.lay.insertWidget(self.lay.count() - 1, b)
+            self.buttons.append(b)
+        again = QPushButton("Regenerate from here")
+        again.setObjectName("regenerateFromHereButton")
+        again.setAccessibleName(f"A new branch from token {index + 1}, that token drawn again")
+        again.clicked.connect(lambda: self.forkRequested.emit(index, None))
+        self.lay.insertWidget(self.lay.count() - 1, again)
+        self.buttons.append(again)
+        self.setVisible(True)
 
 
 class TokenLegend(QWidget):

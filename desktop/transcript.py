@@ -22,7 +22,7 @@ from PySide6.QtWidgets import (
 from .chat import reply_footer
 from .outside_text import plain, rich
 from .reply_widgets import ReplyBody, StreamView, WrapLabel
-from .token_view import TokenView
+from .token_view import ForkRow, TokenView
 
 DEMO_HINT = (
     "Ask the demo model to plan a trip, for example:<br><i>I am planning a trip to Chengdu "
@@ -44,6 +44,7 @@ class MessageView(QFrame):
     compareRequested = Signal(int)
     branchRequested = Signal(int, int)  # message id, +1 / -1
     selected = Signal(int)
+    forkRequested = Signal(int, int, object)  # message id, token index, the alternative (None: drawn again)
     firstTextPainted = Signal(float)  # the streaming reply's first text reached the screen (trace.now)
 
     def __init__(self, message, branch_index: int, branch_count: int, count=None):
@@ -157,10 +158,17 @@ class MessageView(QFrame):
         if steps:
             if self.tokenView is None:
                 self.tokenView = TokenView()
-                self.layout().insertWidget(self.layout().indexOf(self.reply) + 1, self.tokenView)
+                self.forkRow = ForkRow()
+                at = self.layout().indexOf(self.reply) + 1
+                self.layout().insertWidget(at, self.tokenView)
+                self.layout().insertWidget(at + 1, self.forkRow)
+                self.tokenView.tokenFocused.connect(lambda i: self.forkRow.show_token(i, self.tokenView.steps[i]))
+                self.forkRow.forkRequested.connect(lambda i, a: self.forkRequested.emit(self.message.id, i, a))
             self.tokenView.set_tokens(steps, self.token_mode)
         if self.tokenView is not None:
             self.tokenView.setVisible(bool(steps) and not self.editing)
+            if not steps:
+                self.forkRow.setVisible(False)
         self.reply.setVisible(self.highlight is None and not self.editing and not steps)
         self.body.setVisible(self.highlight is not None and not self.editing and not steps)
         self.statusLabel.setText(STATUS_NOTES.get(status, ""))

@@ -409,6 +409,7 @@ class MainWindow(QMainWindow):
         view.branchRequested.connect(self.switch_branch)
         view.selected.connect(self.select_message)
         view.compareRequested.connect(self.compare_reply)
+        view.forkRequested.connect(self.fork_reply)
         view.firstTextPainted.connect(self._on_first_paint)
         self._fit_view(view)  # a view added later (a chunk of the backfill) as well as those drawn now
         return view
@@ -684,6 +685,12 @@ class MainWindow(QMainWindow):
         if target is not None:
             self.start_reply(target[0], now(), continue_mid=target[1])
 
+    def fork_reply(self, mid: int, index: int, token: dict | None) -> None:
+        """A new branch of reply `mid` from its token `index`, going on with `token` (None: drawn again)."""
+        fork = self.chat.fork_target(mid, index, token)
+        if fork is not None:
+            self.start_reply(self.store.message(mid).parent_id, now(), fork=fork)
+
     def compare_reply(self, mid: int) -> None:
         """Rerun the prompt of this reply at the other precision (in the worker) and show both."""
         if self.generating or self.facts is None:
@@ -704,8 +711,8 @@ class MainWindow(QMainWindow):
     def stop(self) -> None:
         self.chat.stop()
 
-    def start_reply(self, parent_id: int, arrival: float, continue_mid: int | None = None) -> None:
-        run = self.chat.start(parent_id, arrival, continue_mid)  # None: a reply is already running
+    def start_reply(self, parent_id: int, arrival: float, continue_mid: int | None = None, fork=None) -> None:
+        run = self.chat.start(parent_id, arrival, continue_mid, fork)  # None: a reply is already running
         if run is None:
             return
         self.banner.setVisible(False)

@@ -44,6 +44,7 @@ class PrefillStarted:
     prompt_tokens: int
     reuse: ReuseReport
     prompt_token_ids: tuple[int, ...]
+    reply_prefix: str = ""  # the text of the request's reply_ids: the reply starts with it
 
 
 @dataclasses.dataclass(frozen=True)

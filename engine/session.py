@@ -49,6 +49,7 @@ class Request:
     ignore_eos: bool = False  # run to max_new_tokens past stop tokens (benchmarks; vLLM's ignore_eos)
     logprobs: bool = False  # each Token carries what the model weighed at its step (engine.logprobs)
     top_logprobs: int = 5  # with logprobs: the alternatives per step (0: none)
+    reply_ids: tuple[int, ...] = ()  # tokens the reply starts with, after the prompt (a fork from a token)
 
 
 def positions_needed(prompt: int, max_new_tokens: int) -> int:
@@ -216,6 +217,10 @@ class Session:
 
     # --- tokenizing and planning ------------------------------------------------------
     def tokenize(self, req: Request) -> list[int]:
+        """The prompt's token ids, the reply's forced start (`reply_ids`) after them."""
+        return self._prompt_ids(req) + list(req.reply_ids)
+
+    def _prompt_ids(self, req: Request) -> list[int]:
         tok = self.loaded.tokenizer
         if req.prompt_ids is not None:
             return list(req.prompt_ids)
@@ -333,7 +338,8 @@ class Session:
         trace.prompt_tokens, trace.reused, trace.computed = len(prompt), reuse.reused, reuse.computed
         reuse = self._bring_in(prompt, reuse, keep)
         self.label = req.label
-        yield PrefillStarted(len(prompt), reuse, tuple(prompt))
+        stream = tok.stream(req.reply_ids)  # a forced start: the reply's text goes on from it
+        yield PrefillStarted(len(prompt), reuse, tuple(prompt), stream.text)
 
         # Prefill: the rest of the prompt, in chunks.
         trace.prefill_start = tracing.now()
@@ -348,7 +354,7 @@ class Session:
             if pos < len(prompt):
                 yield PrefillProgress(pos - reuse.reused, reuse.computed, self.cache.length)
                 if cancel.is_set():
-                    return (yield from self._finish(trace, "cancelled", [], tok.stream(), reuse))
+                    return (yield from self._finish(trace, "cancelled", [], stream, reuse))
         trace.prefill_end = tracing.now()
         yield PrefillDone(reuse.reused, reuse.computed, trace.prefill_end - trace.prefill_start, self.cache.length)
 
@@ -360,7 +366,6 @@ class Session:
         use_penalty = req.sampling.repetition_penalty != 1.0
         out: list[int] = []
         steps = []  # each token's StepLogprobs, when asked for
-        stream = tok.stream()
         reason = "max_new_tokens"
         for k in range(1, req.max_new_tokens + 1):
             row = logits[0, -1].float().cpu() if gen is not None or use_penalty else logits[0, -1]
@@ -380,7 +385,7 @@ class Session:
             out.append(token)
             delta = stream.push(token)
             yield Token(k, token, delta, t, self.cache.length, weighed)
-            if req.stop_strings and any(s in stream.text for s in req.stop_strings):
+            if req.stop_strings and any(s in stream.new_text for s in req.stop_strings):
                 reason = "stop_string"
                 break
             if k == req.max_new_tokens:
@@ -443,7 +448,7 @@ class Session:
 
     def _finish(self, trace, reason, out, stream, reuse, stop_strings=(), steps=()):
         tail = stream.finish()
-        text = stream.text
+        text = stream.new_text
         if reason == "stop_string":  # the reply ends before the stop string
             text = text[: min(text.find(s) for s in stop_strings if s in text)]
         trace.end = tracing.now()

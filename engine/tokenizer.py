@@ -397,8 +397,9 @@ class Tokenizer:
             out += self.encode_text(text[a:b]) if typed else [i]
         return out
 
-    def stream(self) -> TextStream:
-        return TextStream(self)
+    def stream(self, start=()) -> TextStream:
+        """A stream of text deltas; `start`: ids already written (a reply's forced start), decoded first."""
+        return TextStream(self, start)
 
 
 class TextStream:
@@ -408,11 +409,19 @@ class TextStream:
     incremental decoder still holds (e.g. the bytes of a character the reply stopped inside).
     """
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, start=()):
         self.tokenizer = tokenizer
         self._stream = DecodeStream(skip_special_tokens=True)
         self.ids: list[int] = []
         self.text = ""
+        for i in start:
+            self.push(i)
+        self.text = tokenizer.decode(self.ids) if start else ""
+        self.started = len(self.text)  # the text of `start`: new_text is what comes after it
+
+    @property
+    def new_text(self) -> str:
+        return self.text[self.started :]
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)

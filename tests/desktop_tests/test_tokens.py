@@ -64,3 +64,54 @@ def test_a_reply_carries_each_tokens_figures_and_the_panel_sums_them(qtbot, make
     w.tokenColours.setCurrentIndex(w.tokenColours.findData("off"))
     assert reply.reply.isVisibleTo(w) and not view.isVisibleTo(w) and not w.tokenLegend.isVisibleTo(w)
     assert w.settings.token_colours == "off"
+
+
+def wait_reply(qtbot, w, spin_loop, click, timeout=120):
+    got = []
+    w.replyFinished.connect(got.append)
+    click()
+    spin_loop(lambda: got, timeout)
+    w.replyFinished.disconnect(got.append)
+    return got[0]
+
+
+def test_a_fork_from_a_token_reuses_every_position_before_it(qtbot, make_window, spin_loop, demo_model_dir):
+    w = make_window(demo_model_dir)
+    first = send(qtbot, w, spin_loop, BUDGET)
+    prompt = first.trace["prompt_tokens"]
+    w.tokenColours.setCurrentIndex(w.tokenColours.findData("probability"))
+    view = w.transcript.views[1].tokenView
+    kept = w.transcript.views[1].message.trace["tokens"]
+    i = next(k for k in range(2, len(kept)) if len(kept[k]["top"]) > 1)  # a token with an alternative
+    alt = next(a for a in kept[i]["top"] if a["token_id"] != kept[i]["token_id"])
+    view.move_to(i)
+    row = w.transcript.views[1].forkRow
+    assert row.isVisibleTo(w) and f"Token {i + 1}" in row.label.text()
+    button = next(b for b in row.buttons if b.text().startswith(repr(alt["text"])))
+    final = wait_reply(qtbot, w, spin_loop, lambda: qtbot.mouseClick(button, Qt.LeftButton))
+    assert isinstance(final, Finished)
+    # Every position before the fork was reused (the prompt and the reply's first i tokens); the fork's token
+    # alone was computed.
+    assert final.reuse.reused == prompt + i and final.reuse.computed == 1
+    assert panel(w, "reusedValue") == f"{prompt + i:,}" and panel(w, "recomputedValue") == "1"
+    forked = w.transcript.views[1]
+    assert forked.branchLabel.text() == "2/2" and forked.branchLabel.isVisible()
+    steps = forked.message.trace["tokens"]
+    assert [s["token_id"] for s in steps[:i]] == [s["token_id"] for s in kept[:i]]
+    assert steps[i]["token_id"] == alt["token_id"] and steps[i]["forked"]
+    assert [s["token_id"] for s in steps[i + 1 :]] == list(final.token_ids)
+    assert forked.message.content == "".join(s["shown"] for s in steps)
+    assert forked.message.content.startswith("".join(s["shown"] for s in kept[:i]))
+    assert forked.message.token_count == len(steps)
+    # The arrows go back to the reply it was forked from.
+    qtbot.mouseClick(forked.prevButton, Qt.LeftButton)
+    assert w.transcript.views[1].message.trace["tokens"][i]["token_id"] == kept[i]["token_id"]
+
+    # Regenerate from here: the same positions kept, the token at i drawn again (greedy: the same token).
+    view = w.transcript.views[1].tokenView
+    view.move_to(i)
+    again = w.transcript.views[1].forkRow.buttons[-1]
+    assert again.text() == "Regenerate from here"
+    final = wait_reply(qtbot, w, spin_loop, lambda: qtbot.mouseClick(again, Qt.LeftButton))
+    assert final.reuse.reused == prompt + i - 1 and final.reuse.computed == 1  # the last kept position: its logits
+    assert w.transcript.views[1].branchLabel.text() == "3/3"
