@@ -11,7 +11,7 @@ import math
 
 from PySide6.QtCore import QPoint, Qt, Signal
 from PySide6.QtGui import QColor, QTextCharFormat, QTextCursor
-from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QTextEdit, QToolTip, QWidget
+from PySide6.QtWidgets import QGridLayout, QHBoxLayout, QLabel, QPushButton, QTextEdit, QToolTip, QWidget
 
 from .outside_text import plain
 from .reply_widgets import FitTextEdit
@@ -26,6 +26,7 @@ BINS = {
                 (3.0, "#9a5cd6", "≥ 3 nats")),
 }  # fmt: skip
 ALPHA = 120  # of 255: translucent over the theme's background
+FORK_COLUMNS = 3  # fork buttons a row
 
 
 def step_value(step: dict, mode: str) -> float | None:
@@ -178,13 +179,13 @@ class ForkRow(QWidget):
     def __init__(self):
         super().__init__()
         self.setObjectName("forkRow")
-        self.lay = QHBoxLayout(self)
+        self.lay = QGridLayout(self)  # FORK_COLUMNS buttons a row: the row never widens the transcript
         self.lay.setContentsMargins(0, 0, 0, 0)
         self.buttons: list[QPushButton] = []
         self.label = plain(QLabel())
         self.label.setObjectName("forkLabel")
-        self.lay.addWidget(self.label)
-        self.lay.addStretch(1)
+        self.label.setWordWrap(True)
+        self.lay.addWidget(self.label, 0, 0, 1, FORK_COLUMNS)
         self.setVisible(False)
 
     def show_token(self, index: int, step: dict) -> None:
@@ -192,7 +193,7 @@ class ForkRow(QWidget):
             b.setParent(None)
             b.deleteLater()
         self.buttons = []
-        self.label.setText(f"Token {index + 1} {step.get('text', '')!r}: fork with")
+        self.label.setText(f"Token {index + 1} {step.get('text', '')!r}: a new branch from here, going on with")
         chosen = step.get("token_id")
         for a in step.get("top") or []:
             if a.get("token_id") == chosen or type(a.get("token_id")) is not int or a["token_id"] < 0:
@@ -201,15 +202,18 @@ class ForkRow(QWidget):
             b.setObjectName("forkButton")
             b.setAccessibleName(f"A new branch from token {index + 1}, going on with {a.get('text', '')!r}")
             b.clicked.connect(lambda _=False, a=a: self.forkRequested.emit(index, a))
-            self.lay.insertWidget(self.lay.count() - 1, b)
-            self.buttons.append(b)
+            self._place(b)
         again = QPushButton("Regenerate from here")
         again.setObjectName("regenerateFromHereButton")
         again.setAccessibleName(f"A new branch from token {index + 1}, that token drawn again")
         again.clicked.connect(lambda: self.forkRequested.emit(index, None))
-        self.lay.insertWidget(self.lay.count() - 1, again)
-        self.buttons.append(again)
+        self._place(again)
         self.setVisible(True)
+
+    def _place(self, button: QPushButton) -> None:
+        k = len(self.buttons)
+        self.lay.addWidget(button, 1 + k // FORK_COLUMNS, k % FORK_COLUMNS)
+        self.buttons.append(button)
 
 
 class TokenLegend(QWidget):
