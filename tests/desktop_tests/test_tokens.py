@@ -115,3 +115,30 @@ def test_a_fork_from_a_token_reuses_every_position_before_it(qtbot, make_window,
     final = wait_reply(qtbot, w, spin_loop, lambda: qtbot.mouseClick(again, Qt.LeftButton))
     assert final.reuse.reused == prompt + i - 1 and final.reuse.computed == 1  # the last kept position: its logits
     assert w.transcript.views[1].branchLabel.text() == "3/3"
+
+
+def test_a_server_that_sends_no_logprobs_is_said_so_and_one_that_does_is_read(qtbot):
+    from desktop.chat import ReplyStats
+    from desktop.panel import NOT_REPORTED_LOGPROBS, StatsPanel
+    from engine.events import ReuseReport, Token
+    from engine.logprobs import StepLogprobs
+
+    reuse = ReuseReport(0, 5, 0, None, None, None, None, source="unknown")
+    cache = {"positions": 6, "capacity": 64}
+    silent = ReplyStats(status="decoding")
+    silent.apply(Token(1, -1, "Hi", 1.0, None))
+    silent.apply(Finished("eos", "Hi", (), {"tokens": 1}, cache, reuse))
+    assert silent.steps_reported is False and silent.steps == []
+    p = StatsPanel()
+    qtbot.addWidget(p)
+    p.show_confidence(silent)
+    assert p.values["meanLogprobValue"].text() == NOT_REPORTED_LOGPROBS
+
+    told = ReplyStats(status="decoding")
+    told.apply(Token(1, -1, "Hi", 1.0, None))
+    step = StepLogprobs("Hi", math.log(0.25), None, None, None, None, ())  # OpenAI's fields only
+    told.apply(Finished("eos", "Hi", (), {"tokens": 1}, cache, reuse, "", (step,)))
+    assert told.steps_reported and told.steps[0]["shown"] == "Hi" and told.steps[0]["token_id"] == -1
+    p.show_confidence(told)
+    assert p.values["lowConfidenceValue"].text() == "1 of 1 (100%)"
+    assert p.values["perplexityValue"].text() == "4.00"
