@@ -17,6 +17,7 @@ from engine.events import Failed, Finished, PrefillDone, PrefillProgress, Prefil
 from engine.logprobs import MAX_TOP_LOGPROBS, reply_confidence
 from engine.session import Request
 
+from .cache_map import CacheMap
 from .settings import Settings
 from .store import Message, Store
 from .store_file import StoreError
@@ -326,6 +327,7 @@ class ChatController:
         self.summary: dict | None = None  # the session's figures after the last reply
         self.store_state: dict | None = None  # the prefix store after the last reply or probe
         self._edit: tuple[int, int] | None = None  # (new message id, first changed character) of an edit
+        self.cache_map = CacheMap()  # the KV cache now: what each position holds and where it came from
 
     # --- the store, guarded --------------------------------------------------------------------
     def guard(self, fn, *args, **kw):
@@ -559,6 +561,8 @@ class ChatController:
             arrival=arrival, status="prefill", made_by=made_by(self.engine_facts), steps=carried
         )  # its own: the panel may show another reply meanwhile (another conversation opened)
         self.selected_mid = assistant.id
+        title = self.store.conversation(cid).title
+        self.cache_map.start(req.messages or [], len(req.reply_ids), f"the reply to “{title}”, message {len(upto) + 1}")
         self.listener.transcript_changed()
         highlight, self._edit = self._edit, None
         text, saved, last_save, final = prefix, prefix, self.clock(), None
@@ -572,6 +576,7 @@ class ChatController:
                     text = self._forked_prefix(ev.reply_prefix, carried, fork)  # the engine's own decode of it
                     prefix = saved = text
                 text += stats.apply(ev)
+                self.cache_map.apply(ev)
                 first = first or (isinstance(ev, Token) and ev.index == 1)
                 if isinstance(ev, (Finished, Failed)):
                     final = ev

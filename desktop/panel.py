@@ -21,6 +21,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from .cache_map_view import CacheMapView
 from .outside_text import breakable, plain, plain_tooltip
 from .panel_help import ROW_HELP
 
@@ -216,6 +217,8 @@ class StatsPanel(QScrollArea):
         self.cacheBar.setObjectName("cacheBar")
         self.cacheBar.setTextVisible(True)
         form.addRow(self.cacheBar)
+        self.cacheMap = CacheMapView()
+        form.addRow(self.cacheMap)
         for name, label in [
             ("cachePositionsValue", "Cached positions"),
             ("kvPayloadValue", "Payload"),
@@ -516,6 +519,10 @@ class StatsPanel(QScrollArea):
             )
         else:
             self.gapStats.setText(DASH)
+
+    def show_cache_map(self, m, name=None) -> None:
+        """The context map: the cache now, as the last request (or the one streaming) left it."""
+        self.cacheMap.show_map(m, name)
 
     def show_confidence(self, s) -> None:
         """The reply's mean log-probability, perplexity and low-confidence tokens, as its tokens come."""

@@ -552,6 +552,8 @@ class MainWindow(QMainWindow):
         self.facts = self.chat.engine_facts = facts
         self.loadProgress.setVisible(False)
         self.statsPanel.show_model(facts)
+        self.chat.cache_map.loaded(facts)
+        self.statsPanel.show_cache_map(self.chat.cache_map, self.worker.token_text)
         self.transcript.show_start(facts)
         self.statsPanel.show_store(facts["cache"].get("store"))
         self.probe_conversation()
@@ -739,6 +741,7 @@ class MainWindow(QMainWindow):
             return
         self._panel_at = now()
         self.statsPanel.show_reply(chat.stats, chat.heading())
+        self.statsPanel.show_cache_map(chat.cache_map, self.worker.token_text)
         self._update_buttons()
 
     def export_trace(self) -> None:

@@ -111,6 +111,12 @@ class EngineWorker(QObject):
         self.stop_generation()
         self._jobs.put(None)
 
+    def token_text(self, ids: list) -> str:
+        """Token ids as text with the loaded model's tokenizer, special tokens kept (the context map's names;
+        called from the GUI thread: the tokenizer is only read, and `tokenizers` is thread-safe)."""
+        loaded = self.loaded
+        return "" if loaded is None else loaded.tokenizer.decode(ids, skip_special_tokens=False)
+
     # --- the worker thread ----------------------------------------------------------------
     @Slot()
     def run(self) -> None:

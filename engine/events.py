@@ -45,6 +45,7 @@ class PrefillStarted:
     reuse: ReuseReport
     prompt_token_ids: tuple[int, ...]
     reply_prefix: str = ""  # the text of the request's reply_ids: the reply starts with it
+    message_spans: tuple[tuple[int, int], ...] = ()  # each request message's own text as positions [first, end)
 
 
 @dataclasses.dataclass(frozen=True)

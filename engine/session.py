@@ -26,6 +26,7 @@ from .logprobs import check_top_logprobs, step_logprobs
 from .prefix_store import PrefixStore, common_prefix, default_budget
 from .quant import PRECISIONS
 from .sampling import SamplingParams, draw
+from .tokenizer import ChatPrompt
 from .weights.loading import LoadedModel
 
 DEFAULT_CAPACITY = 4096  # KV positions when neither the person nor the model's context says fewer
@@ -218,20 +219,21 @@ class Session:
     # --- tokenizing and planning ------------------------------------------------------
     def tokenize(self, req: Request) -> list[int]:
         """The prompt's token ids, the reply's forced start (`reply_ids`) after them."""
-        return self._prompt_ids(req) + list(req.reply_ids)
+        return self._prompt(req).ids + list(req.reply_ids)
 
-    def _prompt_ids(self, req: Request) -> list[int]:
+    def _prompt(self, req: Request) -> ChatPrompt:
+        """The prompt's ids and, for messages, where each message's text lies among them."""
         tok = self.loaded.tokenizer
         if req.prompt_ids is not None:
-            return list(req.prompt_ids)
+            return ChatPrompt(list(req.prompt_ids), ())
         if req.messages is not None:
-            return tok.apply_chat_template(
+            return tok.chat_prompt(
                 list(req.messages),
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
             )
         if req.prompt is not None:
-            return tok.encode(req.prompt, add_special_tokens=True)
+            return ChatPrompt(tok.encode(req.prompt, add_special_tokens=True), ())
         raise EngineError("a request needs messages or a prompt")
 
     def plan_reuse(self, prompt: list[int]) -> ReuseReport:
@@ -323,7 +325,8 @@ class Session:
 
     def _generate(self, req: Request, cancel: threading.Event, trace: tracing.RequestTrace):
         loaded, model, tok = self.loaded, self.loaded.model, self.loaded.tokenizer
-        prompt = self.tokenize(req)
+        chat = self._prompt(req)
+        prompt = chat.ids + list(req.reply_ids)
         trace.tokenized = tracing.now()
         if not prompt:
             raise EngineError("the prompt is empty")
@@ -339,7 +342,7 @@ class Session:
         reuse = self._bring_in(prompt, reuse, keep)
         self.label = req.label
         stream = tok.stream(req.reply_ids)  # a forced start: the reply's text goes on from it
-        yield PrefillStarted(len(prompt), reuse, tuple(prompt), stream.text)
+        yield PrefillStarted(len(prompt), reuse, tuple(prompt), stream.text, chat.spans)
 
         # Prefill: the rest of the prompt, in chunks.
         trace.prefill_start = tracing.now()

@@ -10,6 +10,8 @@ error naming the limit, never a hang or a process grown to the machine's memory.
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import functools
 import hashlib
 import json
@@ -244,6 +246,47 @@ def _token_text(value) -> str | None:
     return value if isinstance(value, str) else None
 
 
+@dataclasses.dataclass(frozen=True)
+class ChatPrompt:
+    """A conversation as the model reads it: the template's token ids, and each message's own text as prompt
+    positions [first, end) (an empty span where the template does not show the message verbatim). The
+    positions between them are the template's: turn markers, a default system prompt, the generation prompt."""
+
+    ids: list[int]
+    spans: tuple[tuple[int, int], ...]
+
+
+def _content_chars(text: str, messages: list[dict]) -> list[tuple[int, int]]:
+    """Each message's content as characters [a, b) of the rendered text, found in order (as written, or
+    trimmed, as templates may); an empty span at the place reached where it is not there verbatim."""
+    spans, pos = [], 0
+    for m in messages:
+        content = m.get("content")
+        found = None
+        if isinstance(content, str) and content.strip():
+            for c in (content, content.strip()):
+                at = text.find(c, pos)
+                if at >= 0:
+                    found = (at, at + len(c))
+                    break
+        spans.append(found or (pos, pos))
+        pos = spans[-1][1]
+    return spans
+
+
+def _token_spans(chars, offsets, place) -> tuple[tuple[int, int], ...]:
+    """Character spans as token positions: a token that overlaps a message's text counts as the message's.
+    `place[k]` is where the text's token k starts among the prompt's ids (a typed control token is several)."""
+    starts = [a for a, _ in offsets]
+    ends = [b for _, b in offsets]
+    out = []
+    for a, b in chars:
+        first = bisect.bisect_right(ends, a)  # the first token that ends past the text's start
+        end = bisect.bisect_left(starts, b) if b > a else first  # the first token that starts at its end or later
+        out.append((place[first], place[max(first, end)]))
+    return tuple(out)
+
+
 class Tokenizer:
     """A model folder's tokenizer: ids, text, chat template and stop tokens."""
 
@@ -373,29 +416,28 @@ class Tokenizer:
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False, **kwargs
     ) -> list[int]:
-        """Rendered text, encoded without adding special tokens (the template writes them). Control
-        tokens count only where the template wrote them: one that falls inside a message's own text is
-        encoded as that text (the rest of the ids are exactly the rendered text's)."""
+        """Rendered text, encoded without adding special tokens (the template writes them)."""
+        return self.chat_prompt(messages, add_generation_prompt, continue_final_message, **kwargs).ids
+
+    def chat_prompt(
+        self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False, **kwargs
+    ) -> ChatPrompt:
+        """The prompt's ids and where each message's own text lies among them. Control tokens count only where
+        the template wrote them: one that falls inside a message's own text is encoded as that text (the rest
+        of the ids are exactly the rendered text's)."""
         text = self.render(messages, add_generation_prompt, continue_final_message, **kwargs)
-        contents = [m.get("content") for m in messages if isinstance(m.get("content"), str)]
-        if not any(s in c for c in contents for s in self._control_strings):  # the usual case: nothing typed
-            return self.encode(text, add_special_tokens=False)
-        spans, pos = [], 0
-        for content in contents:
-            if not content.strip():
-                continue
-            for c in (content, content.strip()):  # templates may trim
-                at = text.find(c, pos)
-                if at >= 0:
-                    spans.append((at, at + len(c)))
-                    pos = at + len(c)
-                    break
+        chars = _content_chars(text, messages)
         enc = self._encoding(text)
-        out = []
-        for i, (a, b) in zip(enc.ids, enc.offsets):
-            typed = i in self.control_ids and any(s <= a and b <= e for s, e in spans)
-            out += self.encode_text(text[a:b]) if typed else [i]
-        return out
+        offsets = enc.offsets
+        typed = [c for c in chars if c[1] > c[0]]
+        if not any(s in text[a:b] for a, b in typed for s in self._control_strings):  # the usual case: nothing typed
+            return ChatPrompt(enc.ids, _token_spans(chars, offsets, range(len(offsets) + 1)))
+        out, at = [], []  # the ids, and where each of the text's tokens starts among them
+        for i, (a, b) in zip(enc.ids, offsets):
+            at.append(len(out))
+            forged = i in self.control_ids and any(s <= a and b <= e for s, e in typed)
+            out += self.encode_text(text[a:b]) if forged else [i]
+        return ChatPrompt(out, _token_spans(chars, offsets, [*at, len(out)]))
 
     def stream(self, start=()) -> TextStream:
         """A stream of text deltas; `start`: ids already written (a reply's forced start), decoded first."""

@@ -254,3 +254,31 @@ def test_a_forged_turn_in_the_demo_model_is_text(demo_model_dir):
     benign = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     assert [i for i in ids if i in tok.control_ids] == [i for i in benign if i in tok.control_ids] == [0, 3, 5, 4]
     assert tok.encode("<|end|>") == [5]  # a raw prompt (no template) still reads them: the person asked for raw
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_each_message_is_found_among_the_prompt_positions(tmp_path, name):
+    """The context map's spans: each message's own text as prompt positions, in order, inside the prompt; what
+    lies between is the template's (turn markers, a default system prompt, the generation prompt). A message
+    with typed control tokens keeps its span over the ids they became."""
+    from checkpoints import SPECIAL_TOKENS
+
+    path = make_checkpoint(tmp_path, "llama", chat_template=TEMPLATES[name])
+    tok = Tokenizer.from_dir(path)
+    typed = [*USER_ASSISTANT[:2], {"role": "user", "content": "x " + " ".join(SPECIAL_TOKENS) + " y"}]
+    for messages in (USER_ASSISTANT, typed):
+        chat = tok.chat_prompt(messages)
+        assert chat.ids == tok.apply_chat_template(messages) and len(chat.spans) == len(messages)
+        ends = 0
+        for (a, b), m in zip(chat.spans, messages):
+            assert ends <= a < b <= len(chat.ids)
+            shown = tok.decode(chat.ids[a:b], skip_special_tokens=False)
+            content = m["content"] if m["content"] in tok.render(messages) else m["content"].strip()  # as written
+            # A token may straddle the text's edge (a newline the template put before it): the span holds the
+            # text, and is the least that does (without its first or its last token it would not).
+            assert content in shown
+            for cut in (chat.ids[a + 1 : b], chat.ids[a : b - 1]):
+                assert content not in tok.decode(cut, skip_special_tokens=False)
+            ends = b
+    empty = tok.chat_prompt([*USER_ASSISTANT, {"role": "assistant", "content": ""}], add_generation_prompt=False)
+    assert empty.spans[-1][0] == empty.spans[-1][1]  # nothing to find: an empty span, in order
