@@ -31,6 +31,7 @@ ROLES = {
     "reply": "this reply",
     "template": "the template's own tokens",
 }  # whose text a position holds
+REMOTE = "a remote server's cache is its own: not reported by this server"
 ROLE_OF = {"system": "system", "user": "user", "assistant": "assistant"}  # a message's role as the map names it
 
 
@@ -82,7 +83,8 @@ class CacheMap:
             self.held_before = (first if first is not None else self.kept) + r.invalidated
             ct, nt = r.cached_token, r.new_token
             self.changed = (ct["text"], nt["text"]) if ct and nt else None
-            self.caption, self.running = f"Filling for {self.next_caption}", True
+            self.caption = f"Filling for {self.next_caption}" if self.reported else REMOTE
+            self.running = True
         elif isinstance(ev, PrefillProgress):
             self.computed_to, self.length = self.reused + ev.done, ev.cache_positions
         elif isinstance(ev, PrefillDone):
@@ -93,7 +95,8 @@ class CacheMap:
                 self.length = ev.cache_positions
         elif isinstance(ev, (Finished, Failed)):
             self.running = False
-            self.caption = f"As left by {self.next_caption}" + (" (it failed)" if isinstance(ev, Failed) else "")
+            if self.reported:
+                self.caption = f"As left by {self.next_caption}" + (" (it failed)" if isinstance(ev, Failed) else "")
             positions = (ev.cache or {}).get("positions")
             if isinstance(positions, int):  # a remote server may not say
                 self.length = positions
@@ -107,7 +110,7 @@ class CacheMap:
         self.version += 1
         self.capacity = facts.get("capacity") or 0
         if facts.get("backend") == "remote":
-            self.reported, self.caption = False, "a remote server's cache is its own: not reported by this server"
+            self.reported, self.caption = False, REMOTE
             return
         positions = (facts.get("cache") or {}).get("positions", 0)
         if self.reported and positions == self.length and positions <= self.capacity:

@@ -152,8 +152,8 @@ class CacheMapGrid(QWidget):
         self.current = i
         said = self.describe(i)
         self.setAccessibleDescription(said)
-        r = self.cell_rect(i)
-        QToolTip.showText(self.mapToGlobal(r.bottomLeft()), plain_tooltip(said), self, r)
+        under = QPoint(0, self.height() + 2)  # below the grid: the map stays in sight
+        QToolTip.showText(self.mapToGlobal(under), plain_tooltip(said), self, self.cell_rect(i))
         self.update()
 
 

@@ -39,6 +39,16 @@ def test_the_app_on_a_remote_kvchat_server_shows_every_figure_of_the_local_panel
     assert panel(w, "cachePositionsValue") == f"{cache['positions']:,} / {cache['capacity']:,}"
     assert panel(w, "kvPayloadValue") == fmt_bytes(cache["payload_bytes"])
     assert panel(w, "kvAllocatedValue") == fmt_bytes(cache["allocated_bytes"])
+    # What the model weighed, as the server reports it: the token view and the Confidence rows, as on a local engine.
+    steps = w.transcript.views[1].message.trace["tokens"]
+    assert len(steps) == first.trace["tokens"] > 3 and all(len(s["top"]) == 5 for s in steps)
+    assert "".join(s["shown"] for s in steps) == want.text
+    assert panel(w, "meanLogprobValue").endswith(f"nats over {len(steps):,} tokens")
+    w.tokenColours.setCurrentIndex(w.tokenColours.findData("probability"))
+    view = w.transcript.views[1].tokenView
+    assert view is not None and view.isVisibleTo(w) and view.toPlainText() == want.text
+    assert not w.chat.cache_map.reported  # the server's cache is its own: the map says so
+    assert w.statsPanel.cacheMap.caption.text().endswith("not reported by this server")
 
     second = send(qtbot, w, spin_loop, "And a fourth night?")
     turn2 = [
@@ -78,6 +88,8 @@ def test_a_vllm_like_server_shows_what_it_reports_and_says_what_it_does_not(
     assert body["top_k"] == 40 and "min_p" not in body  # extensions only when set
     assert body["messages"] == [{"role": "user", "content": BUDGET}]
     assert panel(w, "reusedValue") == "32" and panel(w, "recomputedValue") == "8"
+    for row in ("meanLogprobValue", "perplexityValue", "lowConfidenceValue"):  # it sent no logprobs
+        assert panel(w, row) == NOT_REPORTED
     assert panel(w, "reuseSourceValue") == "the server's cache (as it reports it)"
     assert panel(w, "serverTimingValue") == NOT_REPORTED and panel(w, "storeBytesValue") == NOT_REPORTED
     positions = 40 + 11 - 1
