@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from PySide6.QtCore import QPoint, QRect, Qt
-from PySide6.QtGui import QColor, QPainter, QPen
+from PySide6.QtGui import QColor, QPainter, QPen, QPixmap
 from PySide6.QtWidgets import QLabel, QSizePolicy, QToolTip, QVBoxLayout, QWidget
 
 from .cache_map import ORIGINS, ROLES, CacheMap, cell_size
@@ -34,7 +34,9 @@ ROLE_COLOURS = {
 }
 MARK = "#e0484a"  # the first invalidated position, and what was thrown away
 QUIET = {"dark": "#4a5263", "light": "#b3bac6"}  # free cells' outline
+FOCUS = {"dark": "#5b9cf0", "light": "#2f6fc4"}  # the style sheets' focus mark
 CELL_W, CELL_H, GAP, BAND = 7, 11, 1, 3  # pixels: a cell, the space between cells, the role band on top
+EDGE = 3  # pixels around the cells: room for the focus frame and the marker
 MAX_ROWS = 16
 
 
@@ -54,11 +56,14 @@ class CacheMapGrid(QWidget):
         self.current: int | None = None  # the cell the keyboard is on
         self._cells: list[tuple[str, str | None]] = []
         self._seen = (-1, -1, -1)  # (map version, width, per) the cells were computed for
+        self._pixmap: QPixmap | None = None  # the cells as last drawn: a redraw paints only the cells that changed
+        self._drawn: list[tuple[str, str | None]] = []
+        self._drawn_for = None  # (size, ratio, theme) the pixmap was drawn at
 
     # --- geometry -------------------------------------------------------------------------------------
     @property
     def columns(self) -> int:
-        return max(8, (self.width() + GAP) // (CELL_W + GAP))
+        return max(8, (self.width() - 2 * EDGE + GAP) // (CELL_W + GAP))
 
     def _layout(self) -> None:
         """The cells for the map's current version and this width (computed only when either changed)."""
@@ -68,16 +73,16 @@ class CacheMapGrid(QWidget):
             self.per, self._seen = per, key
             self._cells = self.map.cells(per) if self.map.reported else []
             rows = max(1, -(-len(self._cells) // self.columns))
-            height = rows * (CELL_H + GAP) + 4
+            height = rows * (CELL_H + GAP) + 2 * EDGE
             if self.height() != height:
                 self.setFixedHeight(height)
 
     def cell_rect(self, i: int) -> QRect:
         r, c = divmod(i, self.columns)
-        return QRect(c * (CELL_W + GAP), 2 + r * (CELL_H + GAP), CELL_W, CELL_H)
+        return QRect(EDGE + c * (CELL_W + GAP), EDGE + r * (CELL_H + GAP), CELL_W, CELL_H)
 
     def cell_at(self, point: QPoint) -> int | None:
-        c, r = point.x() // (CELL_W + GAP), (point.y() - 2) // (CELL_H + GAP)
+        c, r = (point.x() - EDGE) // (CELL_W + GAP), (point.y() - EDGE) // (CELL_H + GAP)
         i = r * self.columns + c
         return i if 0 <= c < self.columns and r >= 0 and i < len(self._cells) else None
 
@@ -94,6 +99,47 @@ class CacheMapGrid(QWidget):
         super().resizeEvent(e)
 
     # --- painting -------------------------------------------------------------------------------------
+    def _draw_cells(self) -> QPixmap:
+        """The cells on the kept pixmap: all of them after a resize or a theme change, else only those whose
+        fill or band changed since the last paint (a token adds one; a whole repaint is ~3 ms of Python)."""
+        ratio = self.devicePixelRatioF()
+        key = (self.size(), ratio, current_theme())
+        if self._pixmap is None or key != self._drawn_for:
+            self._pixmap = QPixmap(self.size() * ratio)
+            self._pixmap.setDevicePixelRatio(ratio)
+            self._pixmap.fill(Qt.transparent)
+            self._drawn, self._drawn_for = [], key
+        cells, drawn = self._cells, self._drawn
+        changed = [
+            i for i in range(max(len(cells), len(drawn))) if i >= len(drawn) or i >= len(cells) or cells[i] != drawn[i]
+        ]
+        if changed:
+            p = QPainter(self._pixmap)
+            quiet = QColor(QUIET[current_theme()])
+            for i in changed:
+                r = self.cell_rect(i)
+                p.setCompositionMode(QPainter.CompositionMode_Source)
+                p.fillRect(r, Qt.transparent)
+                p.setCompositionMode(QPainter.CompositionMode_SourceOver)
+                if i >= len(cells):
+                    continue
+                origin, role = cells[i]
+                colour = ORIGIN_COLOURS[origin]
+                if colour:
+                    p.fillRect(r, QColor(colour))
+                else:
+                    edge = {"pending": ORIGIN_COLOURS["computed"], "invalidated": MARK}.get(origin)
+                    p.setPen(QPen(QColor(edge) if edge else quiet, 1))
+                    p.setBrush(Qt.NoBrush)
+                    p.drawRect(r.adjusted(0, 0, -1, -1))
+                    if origin == "invalidated":
+                        p.drawLine(r.bottomLeft(), r.topRight())
+                if role:
+                    p.fillRect(QRect(r.x(), r.y(), r.width(), BAND), QColor(ROLE_COLOURS[role]))
+            p.end()
+            self._drawn = list(cells)
+        return self._pixmap
+
     def paintEvent(self, _) -> None:
         self._layout()
         p = QPainter(self)
@@ -101,29 +147,18 @@ class CacheMapGrid(QWidget):
             p.setPen(self.palette().color(self.foregroundRole()))
             p.drawText(self.rect(), Qt.AlignCenter | Qt.TextWordWrap, "not reported by this server")
             return
-        quiet = QColor(QUIET[current_theme()])
-        for i, (origin, role) in enumerate(self._cells):
-            r = self.cell_rect(i)
-            colour = ORIGIN_COLOURS[origin]
-            if colour:
-                p.fillRect(r, QColor(colour))
-            else:
-                edge = {"pending": ORIGIN_COLOURS["computed"], "invalidated": MARK}.get(origin)
-                p.setPen(QPen(QColor(edge) if edge else quiet, 1))
-                p.setBrush(Qt.NoBrush)
-                p.drawRect(r.adjusted(0, 0, -1, -1))
-                if origin == "invalidated":
-                    p.drawLine(r.bottomLeft(), r.topRight())
-            if role:
-                p.fillRect(QRect(r.x(), r.y(), r.width(), BAND), QColor(ROLE_COLOURS[role]))
+        p.drawPixmap(0, 0, self._draw_cells())
         first = self.map.first_invalidated
         if first is not None and first < self.map.extent:
             r = self.cell_rect(first // self.per)
             p.fillRect(QRect(r.x() - 1, r.y() - 3, 3, r.height() + 6), QColor(MARK))
-        if self.current is not None and self.hasFocus() and self.current < len(self._cells):
-            p.setPen(QPen(self.palette().color(self.foregroundRole()), 2))
+        if self.hasFocus():  # the style sheets' focus mark around the grid, and the cell the keyboard is on
+            p.setPen(QPen(QColor(FOCUS[current_theme()]), 1))
             p.setBrush(Qt.NoBrush)
-            p.drawRect(self.cell_rect(self.current).adjusted(-1, -1, 1, 1))
+            p.drawRect(self.rect().adjusted(0, 0, -1, -1))
+            if self.current is not None and self.current < len(self._cells):
+                p.setPen(QPen(self.palette().color(self.foregroundRole()), 2))
+                p.drawRect(self.cell_rect(self.current).adjusted(-1, -1, 1, 1))
 
     # --- what a cell holds ----------------------------------------------------------------------------
     def describe(self, i: int) -> str:
@@ -146,6 +181,18 @@ class CacheMapGrid(QWidget):
         step = {Qt.Key_Left: -1, Qt.Key_Right: 1, Qt.Key_Up: -self.columns, Qt.Key_Down: self.columns}
         i = 0 if e.key() == Qt.Key_Home else n - 1 if e.key() == Qt.Key_End else i + step[e.key()]
         self.focus_cell(max(0, min(n - 1, i)))
+
+    def focusInEvent(self, e) -> None:
+        """Reached by the keyboard: on the first invalidated position when there is one, else the first cell."""
+        super().focusInEvent(e)
+        if self.current is None and self._cells:
+            first = self.map.first_invalidated
+            self.focus_cell(first // self.per if first is not None and first < self.map.extent else 0)
+        self.update()
+
+    def focusOutEvent(self, e) -> None:
+        super().focusOutEvent(e)
+        self.update()
 
     def focus_cell(self, i: int) -> None:
         """The keyboard is on cell `i`: said (accessible description) and shown (tooltip)."""

@@ -741,7 +741,8 @@ class MainWindow(QMainWindow):
             return
         self._panel_at = now()
         self.statsPanel.show_reply(chat.stats, chat.heading())
-        self.statsPanel.show_cache_map(chat.cache_map, self.worker.token_text)
+        if not (panel and self.generating):  # token 1's own draw leaves the map to the next panel tick
+            self.statsPanel.show_cache_map(chat.cache_map, self.worker.token_text)
         self._update_buttons()
 
     def export_trace(self) -> None:
