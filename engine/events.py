@@ -17,7 +17,8 @@ class ReuseReport:
     source: where the reused positions came from (working: the working cache; store: the prefix
     store, copied in; none); stored_prefix: the prompt positions the store held; copied_bytes and
     copy_ms: the copy from the store; stashed_bytes and stash_ms: what the store took of the
-    working cache before it was cut (kept, not lost), and the time that took.
+    working cache before it was cut (kept, not lost), and the time that took. dropped_positions and
+    dropped_messages: what the request's overflow policy left out of a prompt too long for the cache.
     """
 
     reused: int
@@ -34,6 +35,9 @@ class ReuseReport:
     copy_ms: float | None = None
     stashed_bytes: int = 0
     stash_ms: float | None = None
+    dropped_positions: int = 0  # positions of the prompt left out to fit the cache (the request's overflow policy)
+    dropped_messages: tuple[int, ...] = ()  # which of the request's messages were left out (their indices)
+    overflow: str = "stop"  # the policy the request asked for
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -30,6 +30,11 @@ from .tokenizer import ChatPrompt
 from .weights.loading import LoadedModel
 
 DEFAULT_CAPACITY = 4096  # KV positions when neither the person nor the model's context says fewer
+OVERFLOW_POLICIES = {
+    "stop": "stop at the limit",
+    "drop-oldest": "drop the oldest messages",
+    "truncate-middle": "truncate the middle",
+}  # what a request does with a prompt longer than the cache allows: refuse it, or leave messages out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +56,7 @@ class Request:
     logprobs: bool = False  # each Token carries what the model weighed at its step (engine.logprobs)
     top_logprobs: int = 5  # with logprobs: the alternatives per step (0: none)
     reply_ids: tuple[int, ...] = ()  # tokens the reply starts with, after the prompt (a fork from a token)
+    overflow: str = "stop"  # a prompt too long for the cache: refused (stop), or messages left out (OVERFLOW_POLICIES)
 
 
 def positions_needed(prompt: int, max_new_tokens: int) -> int:
@@ -70,6 +76,30 @@ FINGERPRINT_NAMES = {
     "device": "device",
     "kv_cache": "KV cache precision",
 }  # a fingerprint's keys as a person reads them in the reason a cache was dropped
+
+
+def turns(messages: list[dict]) -> list[list[int]]:
+    """The non-system messages as turns (a user message and what follows it until the next), by index."""
+    out: list[list[int]] = []
+    for i, m in enumerate(messages):
+        if m.get("role") == "system":
+            continue
+        if m.get("role") == "user" or not out:
+            out.append([])
+        out[-1].append(i)
+    return out
+
+
+def overflow_orders(policy: str, messages: list[dict]) -> list[list[int]]:
+    """The messages a policy may leave out, in the order it leaves them out, as whole turns; never the system
+    prompt nor the last turn. drop-oldest: the oldest turns first; truncate-middle: the turns after the first
+    one, oldest first, and the first turn last (where a conversation usually states what it is about)."""
+    ts = turns(messages)[:-1]
+    if policy == "drop-oldest":
+        return ts
+    if policy == "truncate-middle":
+        return ts[1:] + ts[:1]
+    return []
 
 
 def fingerprint_change(old: dict | None, new: dict) -> str | None:
@@ -196,12 +226,18 @@ class Session:
     def cached_positions(self, req: Request) -> dict:
         """How much of a request's prompt is cached now, without running it: `positions` of the prompt,
         `cached` (the longest prefix held), `source` (working | store | none). For a conversation
-        shown again before anything is sent."""
-        prompt = self.tokenize(req)
+        shown again before anything is sent. Under an overflow policy, the prompt it would send: `dropped_messages`
+        and `dropped_positions` say what it leaves out (a prompt that cannot fit even so: `error`)."""
+        try:
+            chat, dropped, positions = self.fit(req)
+        except CapacityError as e:
+            return {"error": str(e)}
+        prompt = chat.ids + list(req.reply_ids)
         w = common_prefix(self.ids, prompt)
         m = self.store.match(prompt, touch=False).length
         source = "none" if max(w, m) == 0 else "working" if w >= m else "store"
-        return {"positions": len(prompt), "cached": max(w, m), "source": source}
+        out = {"positions": len(prompt), "cached": max(w, m), "source": source}
+        return {**out, "dropped_messages": list(dropped), "dropped_positions": positions} if positions else out
 
     def facts(self) -> dict:
         """The model's facts with this session's cache: capacity, precision, bytes per position, stats."""
@@ -235,6 +271,59 @@ class Session:
         if req.prompt is not None:
             return ChatPrompt(tok.encode(req.prompt, add_special_tokens=True), ())
         raise EngineError("a request needs messages or a prompt")
+
+    def room(self, req: Request) -> int:
+        """The reply's positions a prompt must leave free: all of max_new_tokens, or, for a request that stops
+        when the cache is full, up to a quarter of the capacity."""
+        cap = self.cache.capacity
+        return req.max_new_tokens if not req.stop_on_capacity else min(req.max_new_tokens, max(1, cap // 4))
+
+    def fit(self, req: Request, chat: ChatPrompt | None = None) -> tuple[ChatPrompt, tuple[int, ...], int]:
+        """The prompt the request's overflow policy makes of a conversation too long for the cache, with the
+        indices of the messages it left out and the prompt positions that went with them: as few whole turns
+        as it takes (a binary search over how many; each try rendered and tokenized), never the system prompt
+        nor the last turn. A raw prompt loses tokens instead (the oldest, or the middle). Unchanged when it
+        fits or the policy is stop (check_capacity then refuses what does not fit)."""
+        if req.overflow not in OVERFLOW_POLICIES:
+            raise EngineError(f"overflow must be one of {', '.join(OVERFLOW_POLICIES)}, not {req.overflow!r}")
+        chat = chat or self._prompt(req)
+        cap, room, forced = self.cache.capacity, self.room(req), len(req.reply_ids)
+
+        def fits(c: ChatPrompt) -> bool:
+            return len(c.ids) + forced + room - 1 <= cap
+
+        if req.overflow == "stop" or fits(chat):
+            return chat, (), 0
+        if req.messages is None:  # a raw prompt: the oldest tokens, or the middle ones
+            keep = cap - room + 1 - forced
+            if keep < 1:
+                raise CapacityError(f"max new tokens ({req.max_new_tokens}) leaves no room for a prompt in {cap}")
+            ids = chat.ids
+            head = 0 if req.overflow == "drop-oldest" else keep // 2
+            return ChatPrompt(ids[:head] + ids[len(ids) - (keep - head) :], ()), (), len(ids) - keep
+        order = overflow_orders(req.overflow, list(req.messages))
+
+        def without(j: int) -> tuple[ChatPrompt, tuple[int, ...]]:
+            gone = {i for turn in order[:j] for i in turn}
+            kept = tuple(m for i, m in enumerate(req.messages) if i not in gone)
+            return self._prompt(dataclasses.replace(req, messages=kept)), tuple(sorted(gone))
+
+        best = without(len(order)) if order else (chat, ())
+        if not fits(best[0]):
+            need = positions_needed(len(best[0].ids) + forced, room)
+            raise CapacityError(
+                f"even with only the system prompt and the last turn the request needs {need} cache positions "
+                f"but the capacity is {cap}; shorten the last message, lower max new tokens or raise the capacity"
+            )
+        lo, hi = 1, len(order)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            tried = without(mid)
+            if fits(tried[0]):
+                hi, best = mid, tried
+            else:
+                lo = mid + 1
+        return best[0], best[1], len(chat.ids) - len(best[0].ids)
 
     def plan_reuse(self, prompt: list[int]) -> ReuseReport:
         """What this prompt may keep of the working cache (the common prefix, capped at len(prompt) - 1)
@@ -325,7 +414,7 @@ class Session:
 
     def _generate(self, req: Request, cancel: threading.Event, trace: tracing.RequestTrace):
         loaded, model, tok = self.loaded, self.loaded.model, self.loaded.tokenizer
-        chat = self._prompt(req)
+        chat, dropped, dropped_positions = self.fit(req)
         prompt = chat.ids + list(req.reply_ids)
         trace.tokenized = tracing.now()
         if not prompt:
@@ -337,6 +426,17 @@ class Session:
         stashed = self._stash(prompt, keep)
         stash_ms = round((tracing.now() - t0) * 1000.0, 3) if stashed else None
         reuse = dataclasses.replace(self.plan_reuse(prompt), stashed_bytes=stashed, stash_ms=stash_ms)
+        if dropped or dropped_positions:
+            what = f"{len(dropped)} messages" if dropped else "tokens"
+            policy = OVERFLOW_POLICIES[req.overflow]
+            note = f"{what} ({dropped_positions} positions) left out to fit the cache: {policy}"
+            reuse = dataclasses.replace(
+                reuse,
+                dropped_positions=dropped_positions,
+                dropped_messages=dropped,
+                reason=f"{note}; {reuse.reason}" if reuse.reason else note,
+            )
+        reuse = dataclasses.replace(reuse, overflow=req.overflow)
         self._dropped = None
         trace.prompt_tokens, trace.reused, trace.computed = len(prompt), reuse.reused, reuse.computed
         reuse = self._bring_in(prompt, reuse, keep)
