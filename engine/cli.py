@@ -13,7 +13,7 @@ from .errors import EngineError
 from .events import Failed, Finished, PrefillStarted, Token
 from .logprobs import reply_confidence
 from .sampling import SamplingParams
-from .session import Request
+from .session import OVERFLOW_POLICIES, Request
 from .spec import LoadSpec
 
 TRACE_FIELDS = (
@@ -40,6 +40,17 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
+
+
+def _overflow_arg(p: argparse.ArgumentParser, what: str = "") -> None:
+    p.add_argument(
+        "--overflow",
+        default="stop",
+        choices=list(OVERFLOW_POLICIES),
+        help="a prompt longer than the cache allows: refuse it (stop, the default), or leave out whole turns, the "
+        "oldest (drop-oldest) or those after the first (truncate-middle); never the system prompt nor the last "
+        "turn" + what,
+    )
 
 
 def _sampling(ns, overrides: dict | None = None) -> SamplingParams:
@@ -107,6 +118,15 @@ def run_request(session, req, stream_to=None) -> dict:
     return result
 
 
+def _dropped_words(r: dict) -> str:
+    """What an overflow policy left out, for a line of the command line's output ("" when nothing)."""
+    if not r.get("dropped_positions"):
+        return ""
+    which = r.get("dropped_messages") or ()
+    what = f"messages {', '.join(str(i + 1) for i in which)}" if which else "tokens"
+    return f" · left out to fit the cache ({r.get('overflow')}): {what}, {r['dropped_positions']} positions"
+
+
 def _messages(system, user_text):
     msgs = [{"role": "system", "content": system}] if system else []
     return msgs + [{"role": "user", "content": user_text}]
@@ -129,7 +149,7 @@ def cmd_info(ns) -> int:
 
 def cmd_generate(ns) -> int:
     loaded, session = _open(ns)
-    weighed = dict(logprobs=ns.logprobs is not None, top_logprobs=ns.logprobs or 0)
+    weighed = dict(logprobs=ns.logprobs is not None, top_logprobs=ns.logprobs or 0, overflow=ns.overflow)
     if ns.raw:
         req = Request(prompt=ns.prompt, sampling=_sampling(ns), max_new_tokens=ns.max_new_tokens, **weighed)
     else:
@@ -175,7 +195,11 @@ def cmd_replay(ns) -> int:
         overrides = {
             k: step[k] for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed") if k in step
         }
-        common = dict(sampling=_sampling(ns, overrides), max_new_tokens=step.get("max_new_tokens", ns.max_new_tokens))
+        common = dict(
+            sampling=_sampling(ns, overrides),
+            max_new_tokens=step.get("max_new_tokens", ns.max_new_tokens),
+            overflow=step.get("overflow", ns.overflow),
+        )
         if "messages" in step:
             req = Request(messages=step["messages"], **common)
         elif "prompt" in step:
@@ -191,7 +215,7 @@ def cmd_replay(ns) -> int:
             r = result.get("reuse") or {}
             print(
                 f"step {i}: reused {r.get('reused')} ({r.get('source')}) computed {r.get('computed')} invalidated "
-                f"{r.get('invalidated')} first invalidated {r.get('first_invalidated_position')}"
+                f"{r.get('invalidated')} first invalidated {r.get('first_invalidated_position')}" + _dropped_words(r)
             )
             print(result.get("text") or f"error: {result.get('error')}")
     return 1 if failed else 0
@@ -229,7 +253,8 @@ def cmd_chat(ns) -> int:
 
     def reply():
         nonlocal last
-        req = Request(messages=list(msgs), sampling=_sampling(ns), max_new_tokens=ns.max_new_tokens)
+        req = Request(messages=list(msgs), sampling=_sampling(ns), max_new_tokens=ns.max_new_tokens,
+                      overflow=ns.overflow)  # fmt: skip
         print("assistant> ", end="", flush=True)
         last = run_request(session, req, stream_to=sys.stdout)
         if "error" in last:
@@ -244,6 +269,7 @@ def cmd_chat(ns) -> int:
                 if r["first_invalidated_position"] is not None
                 else ""
             )
+            + _dropped_words(r)
         )
 
     while True:
@@ -309,11 +335,13 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--system", default=None)
     p.add_argument("--json", action="store_true")
+    _overflow_arg(p)
     p = sub.add_parser("replay", help="run a JSON list of steps in one session (one cache)")
     LoadSpec.add_arguments(p)
     _sampling_args(p)
     p.add_argument("--script", required=True)
     p.add_argument("--json", action="store_true")
+    _overflow_arg(p, ' (a step\'s own "overflow" wins)')
     p = sub.add_parser("models", help="the models on this machine: Hugging Face cache, LM Studio, Ollama, folders")
     p.add_argument("--folder", action="append", default=[], help="also look in this folder (repeatable)")
     p.add_argument("--no-cache", action="store_true", help="read every file's header again")
@@ -327,10 +355,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=None, help="a reply's limit when a request sets none")
     p.add_argument("--queue-size", type=int, default=8, help="requests that may wait before 429")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    _overflow_arg(p, ' (for a request that names none; a request\'s own "overflow" field wins)')
     p = sub.add_parser("chat", help="interactive terminal chat")
     LoadSpec.add_arguments(p)
     _sampling_args(p)
     p.add_argument("--system", default=None)
+    _overflow_arg(p)
     return ap
 
 

@@ -33,7 +33,7 @@ from ..errors import EngineError
 from ..events import Failed, Finished, PrefillStarted, Token
 from ..logprobs import MAX_TOP_LOGPROBS
 from ..sampling import SamplingParams
-from ..session import Request, Session
+from ..session import OVERFLOW_POLICIES, Request, Session
 from ..weights.loading import LoadedModel
 from . import wire
 
@@ -70,6 +70,7 @@ FIELDS = {
     "ignore_eos": bool,  # vLLM's: run to max_tokens past the stop tokens (benchmarks)
     "logprobs": bool,
     "top_logprobs": INTEGER,
+    "overflow": str,  # kvchat's: a prompt longer than the cache allows (engine.session.OVERFLOW_POLICIES)
 }
 # Fields kvchat does not implement: accepted only at the value that means "off".
 UNSUPPORTED = {
@@ -129,7 +130,7 @@ def _text(content, i: int) -> str:
     raise ApiError(400, f"messages[{i}].content must be a string or an array of text parts", param="messages")
 
 
-def parse_chat(body, max_new_default: int) -> tuple[Request, dict]:
+def parse_chat(body, max_new_default: int, overflow_default: str = "stop") -> tuple[Request, dict]:
     """A chat-completions body → the engine's Request and the response options (stream, usage)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
@@ -171,6 +172,9 @@ def parse_chat(body, max_new_default: int) -> tuple[Request, dict]:
         raise ApiError(400, "'top_logprobs' needs 'logprobs' set to true", param="top_logprobs")
     if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
         raise ApiError(400, f"'top_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}", param="top_logprobs")
+    overflow = _or(body, "overflow", overflow_default)
+    if overflow not in OVERFLOW_POLICIES:
+        raise ApiError(400, f"'overflow' must be one of {', '.join(OVERFLOW_POLICIES)}", param="overflow")
     cont = bool(body.get("continue_final_message"))
     req = Request(
         messages=messages,
@@ -184,6 +188,7 @@ def parse_chat(body, max_new_default: int) -> tuple[Request, dict]:
         ignore_eos=bool(body.get("ignore_eos")),
         logprobs=logprobs,
         top_logprobs=top or 0,
+        overflow=overflow,
     )
     options = body.get("stream_options") or {}
     return req, {"stream": bool(body.get("stream")), "usage": bool(options.get("include_usage"))}
@@ -385,11 +390,15 @@ async def _read_body(http: HttpRequest) -> bytes:
 
 
 def build_app(
-    service: EngineService, api_key: str | None = None, max_new_tokens: int | None = None, loopback: bool = True
+    service: EngineService,
+    api_key: str | None = None,
+    max_new_tokens: int | None = None,
+    loopback: bool = True,
+    overflow: str = "stop",
 ) -> Starlette:
     """The ASGI application over one EngineService. `loopback`: served on this machine only, so a request
     must name this machine as its Host and come from no other web page's Origin (a page in a browser, or
-    a DNS name rebound to 127.0.0.1, cannot reach it)."""
+    a DNS name rebound to 127.0.0.1, cannot reach it). `overflow`: the policy of a request that names none."""
     names = {service.model_id, str(service.loaded.path), service.loaded.name}
     default_new = max_new_tokens or service.session.cache.capacity
 
@@ -425,13 +434,14 @@ def build_app(
             raise ApiError(400, f"the request body is not valid JSON: {e}") from None
         except RecursionError:
             raise ApiError(400, "the request body is nested too deeply") from None
-        return body, *parse_chat(body, default_new)
+        return body, *parse_chat(body, default_new, overflow)
 
     async def cached(http: HttpRequest):
         """How many positions of a conversation's prompt are cached now (the app's probe on opening one)."""
         try:
             _, req, _ = await read_chat(http)
-            probe = Request(messages=req.messages, add_generation_prompt=False)
+            probe = Request(messages=req.messages, add_generation_prompt=False, overflow=req.overflow,
+                            max_new_tokens=req.max_new_tokens, stop_on_capacity=req.stop_on_capacity)  # fmt: skip
             seen = await asyncio.get_running_loop().run_in_executor(
                 service._executor, service.session.cached_positions, probe
             )
@@ -684,7 +694,9 @@ def serve(ns, load: Callable[[], tuple[LoadedModel, Session]]) -> int:
         )
     service = EngineService(load, ns.served_model_name, queue_size=ns.queue_size)
     loaded, session, model_id = service.loaded, service.session, service.model_id
-    app = build_app(service, api_key=ns.api_key, max_new_tokens=ns.max_new_tokens, loopback=loopback)
+    app = build_app(
+        service, api_key=ns.api_key, max_new_tokens=ns.max_new_tokens, loopback=loopback, overflow=ns.overflow
+    )
     print(
         f"kvchat serving {model_id!r} ({loaded.device}, capacity {session.cache.capacity}) on "
         f"http://{ns.host}:{ns.port}/v1" + (" (API key required)" if ns.api_key else ""),

@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+from conversations import long_conversation, question
+
 
 def run(*args, check=True):
     r = subprocess.run([sys.executable, "-m", "engine", *map(str, args)], capture_output=True, text=True, timeout=600)
@@ -334,3 +336,36 @@ def test_bench_says_which_cpu_it_ran_on():
     assert ("avx2" in cpu["instruction_sets"]) == (" avx2" in flags)
     report = {"cpu": cpu, "results": [], "ratios": {}}
     assert markdown(report).startswith(f"CPU: {cpu['model']}")
+
+
+def test_overflow_policies_on_the_command_line(tmp_path):
+    """--overflow on generate, replay and chat: a conversation past the capacity is answered with turns left
+    out and the report says which; stop (the default) refuses it as before; a step may name its own policy."""
+    msgs = long_conversation(8)
+    steps = [{"messages": msgs, "max_new_tokens": 8}, {"messages": msgs, "max_new_tokens": 8, "overflow": "stop"}]
+    script = tmp_path / "s.json"
+    script.write_text(json.dumps(steps))
+    r = run("replay", "--script", script, "--capacity", 160, "--overflow", "drop-oldest", "--json", check=False)
+    first, second = (json.loads(x) for x in r.stdout.splitlines())
+    assert r.returncode == 1 and "error" not in first and "capacity" in second["error"]
+    d = first["reuse"]
+    assert d["overflow"] == "drop-oldest" and d["dropped_messages"][0] == 1 and d["dropped_positions"] > 0
+    assert len(first["prompt_token_ids"]) + 8 - 1 <= 160
+    text = run("replay", "--script", script, "--capacity", 160, "--overflow", "truncate-middle", check=False).stdout
+    assert "left out to fit the cache (truncate-middle): messages 4, 5" in text  # the first turn (2, 3) stays
+
+    long = " ".join(f"word{i}" for i in range(300))
+    g = run("generate", "--prompt", long, "--raw", "--capacity", 64, "--max-new-tokens", 8, "--json",
+            "--overflow", "truncate-middle")  # fmt: skip
+    out = json.loads(g.stdout)
+    assert len(out["prompt_token_ids"]) == 64 - 8 + 1 and out["reuse"]["dropped_positions"] > 0
+    refused = run("generate", "--prompt", long, "--raw", "--capacity", 64, "--max-new-tokens", 8, check=False)
+    assert refused.returncode == 1 and "capacity" in refused.stderr
+
+    chat = subprocess.run(
+        [sys.executable, "-m", "engine", "chat", "--capacity", "96", "--max-new-tokens", "8", "--overflow",
+         "drop-oldest"],
+        input="\n".join(question(i)["content"] for i in range(6)) + "\n",
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert chat.returncode == 0 and "left out to fit the cache (drop-oldest): messages 1, 2" in chat.stdout

@@ -3,21 +3,12 @@ out (never the system prompt nor the last turn), the reply equals a fresh sessio
 conversation, and the cache follows the validity rule: reuse stops at the first position that changed."""
 
 import pytest
+from conversations import SYSTEM, long_conversation, question
 
 from engine.errors import CapacityError
 from engine.events import Failed, Finished, PrefillStarted
 from engine.session import OVERFLOW_POLICIES, Request, Session, turns
 from engine.weights.loading import load_model
-
-SYSTEM = {"role": "system", "content": "You plan trips on a budget."}
-
-
-def conversation(n_turns: int) -> list[dict]:
-    msgs = [SYSTEM]
-    for i in range(n_turns):
-        msgs.append({"role": "user", "content": f"Question {i}: what should I eat in Chengdu on {i * 100} yuan?"})
-        msgs.append({"role": "assistant", "content": f"Answer {i}: hotpot, noodles and dumplings from stalls."})
-    return msgs
 
 
 def run(session, messages, **kw):
@@ -34,7 +25,7 @@ def demo():
 
 @pytest.mark.parametrize("policy", ["drop-oldest", "truncate-middle"])
 def test_each_policy_fits_a_conversation_far_over_the_capacity_and_replies_as_a_fresh_session(demo, policy):
-    msgs = [*conversation(8), {"role": "user", "content": "And for 750 yuan?"}]
+    msgs = long_conversation(8)
     s = Session(demo, capacity=160)
     final, start = run(s, msgs, overflow=policy)
     assert isinstance(final, Finished), final
@@ -70,7 +61,7 @@ def test_reuse_stops_at_the_first_position_the_dropping_changed(demo, policy):
     s = Session(demo, capacity=200)
     msgs, seen_drop = [SYSTEM], False
     for i in range(10):
-        msgs.append({"role": "user", "content": f"Question {i}: what should I eat in Chengdu on {i * 100} yuan?"})
+        msgs.append(question(i))
         before = list(s.ids)
         final, start = run(s, msgs, overflow=policy)
         assert isinstance(final, Finished), final
@@ -97,7 +88,7 @@ def test_reuse_stops_at_the_first_position_the_dropping_changed(demo, policy):
 
 
 def test_stop_refuses_and_a_last_turn_too_long_is_a_clear_error(demo):
-    msgs = [*conversation(8), {"role": "user", "content": "And for 750 yuan?"}]
+    msgs = long_conversation(8)
     final, _ = run(Session(demo, capacity=160), msgs)  # the default: stop at the limit, as before
     assert isinstance(final, Failed) and final.kind == "CapacityError"
     huge = [SYSTEM, {"role": "user", "content": "plan " * 400}]
@@ -123,7 +114,7 @@ def test_a_raw_prompt_loses_its_oldest_or_middle_tokens(demo):
 
 
 def test_the_probe_counts_the_prompt_a_policy_would_send(demo):
-    msgs = [*conversation(8), {"role": "user", "content": "And for 750 yuan?"}]
+    msgs = long_conversation(8)
     s = Session(demo, capacity=160)
     seen = s.cached_positions(Request(messages=msgs, max_new_tokens=16, overflow="drop-oldest"))
     final, start = run(s, msgs, overflow="drop-oldest")

@@ -13,6 +13,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
+from conversations import long_conversation  # noqa: E402
 from servers import free_port  # noqa: E402
 
 from engine.http.remote import RemoteError, RemoteSession, RemoteSpec  # noqa: E402
@@ -201,6 +202,7 @@ def test_parse_chat_reads_openai_bodies():
         {"messages": TURN1, "top_p": 0},
         {"messages": TURN1, "top_logprobs": 3},  # without logprobs: true
         {"messages": TURN1, "logprobs": True, "top_logprobs": 21},
+        {"messages": TURN1, "overflow": "rolling"},
     ):
         with pytest.raises(ApiError) as e:
             parse_chat(bad, 100)
@@ -350,3 +352,24 @@ def test_control_tokens_typed_in_a_served_message_are_text(serve, demo_model_dir
     r = client(serve()).chat.completions.create(model=MODEL, messages=forged, max_tokens=4, temperature=0)
     assert r.usage.prompt_tokens == len(as_text)
     assert r.choices[0].message.content == in_process(forged, max_new_tokens=4)[0][0]
+
+
+def test_the_overflow_field_leaves_turns_out_and_the_server_default_is_a_flag(serve):
+    """kvchat's `overflow` field (in the openai client's extra_body) answers a conversation past the capacity
+    with whole turns left out, as the same session would in this process; `--overflow` sets the default; stop
+    refuses it with OpenAI's error object (413, as before)."""
+    msgs = long_conversation(8)
+    server = serve("--capacity", "160", "--overflow", "truncate-middle")
+    c = client(server)
+    r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0)
+    report = r.model_extra["kvchat"]["reuse"]
+    want = list(Session(load_model(None), capacity=160).generate(
+        Request(messages=msgs, max_new_tokens=8, overflow="truncate-middle")))[-1]  # fmt: skip
+    assert report["overflow"] == "truncate-middle" and report["dropped_messages"] == list(want.reuse.dropped_messages)
+    assert r.choices[0].message.content == want.text and r.usage.prompt_tokens + 8 - 1 <= 160
+    r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0,
+                                  extra_body={"overflow": "drop-oldest"})  # fmt: skip
+    assert r.model_extra["kvchat"]["reuse"]["dropped_messages"][0] == 1
+    with pytest.raises(openai.APIStatusError) as e:
+        c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, extra_body={"overflow": "stop"})
+    assert e.value.status_code == 413 and "capacity" in str(e.value)
