@@ -294,6 +294,14 @@ class ReplyStats:
         }
 
 
+def left_out(messages, upto: list[Message], reuse: dict | None) -> list[int]:
+    """The ids of the branch's messages a request's overflow policy left out of its prompt (its
+    `dropped_messages` are indices into the request's messages: the system prompt, if any, then `upto`)."""
+    dropped = (reuse or {}).get("dropped_messages") or ()
+    first = 1 if messages and messages[0].get("role") == "system" else 0
+    return [upto[i - first].id for i in dropped if 0 <= i - first < len(upto)]
+
+
 def token_record(shown: str, token_id: int, step) -> dict:
     """One token of a reply as it is kept with the reply: the text it added on screen (`shown`; a token inside
     a character shows nothing, the next shows the character), its id (-1: a server that does not say) and
@@ -438,7 +446,7 @@ class ChatController:
         s = self.settings_for(cid)
         top = max(0, min(MAX_TOP_LOGPROBS, s.token_alternatives))
         return Request(messages=messages, sampling=s.sampling(), max_new_tokens=s.max_new_tokens, arrival=arrival,
-                       logprobs=True, top_logprobs=top, **kw)  # fmt: skip
+                       logprobs=True, top_logprobs=top, overflow=s.policy, **kw)  # fmt: skip
 
     def label(self, cid: int, upto: list[Message]) -> str:
         """A name for a prompt in the prefix store's picture: the conversation's title, and the branch
@@ -607,6 +615,7 @@ class ChatController:
             "made_by": stats.made_by,
             "tokens": stats.steps,
             "tokens_reported": stats.steps_reported,
+            "left_out": left_out(req.messages or (), upto, stats.reuse),
         }
         self.guard(
             self.store.update_message,

@@ -5,18 +5,27 @@ from __future__ import annotations
 
 from PySide6.QtWidgets import QLabel
 
-from engine.session import positions_needed
+from engine.session import OVERFLOW_POLICIES, positions_needed
 
 from .outside_text import plain, plain_tooltip
 
 NEAR = 0.85  # from this share of the capacity on, the meter warns
 
 
+def messages(n: int) -> str:
+    return f"{n:,} message" + ("" if n == 1 else "s")
+
+
 def reading(seen: dict | None, capacity: int | None, max_new_tokens: int) -> tuple[str, str, str]:
-    """(the meter's text, its level: ok | near | over | unknown, the tooltip) for a probe's answer."""
-    prompt = (seen or {}).get("next_positions")
+    """(the meter's text, its level: ok | near | over | unknown, the tooltip) for a probe's answer. Under an
+    overflow policy the count is the prompt Send would build with turns left out, and the meter says so."""
+    seen = seen or {}
+    prompt = seen.get("next_positions")
+    policy = seen.get("next_overflow", "stop")
+    if seen.get("next_error"):  # a policy that cannot make it fit: only the last turn is already too long
+        return "Next Send: over the capacity even with turns left out: Send will be refused", "over", seen["next_error"]
     if not isinstance(prompt, int):
-        why = (seen or {}).get("error") or "counted once a model is loaded"
+        why = seen.get("error") or "counted once a model is loaded"
         return "Context: —", "unknown", f"The positions the next Send would need: {why}."
     total = positions_needed(prompt, max_new_tokens)  # the engine's own rule
     formula = (
@@ -26,7 +35,17 @@ def reading(seen: dict | None, capacity: int | None, max_new_tokens: int) -> tup
     if not capacity:
         return f"Next Send: {total:,} positions", "unknown", f"{formula}. This server does not report its capacity."
     text = f"Next Send: {total:,} / {capacity:,} positions"
-    if total > capacity:
+    dropped = seen.get("next_dropped")
+    if dropped:
+        level = "near"
+        text += f" · {messages(dropped)} left out ({OVERFLOW_POLICIES[policy]})"
+        gone = seen.get("next_dropped_positions", 0)
+        advice = (
+            f"The conversation no longer fits: Send leaves {messages(dropped)} out ({gone:,} "
+            f"positions), as the conversation's setting says ({OVERFLOW_POLICIES[policy]}); the transcript marks "
+            "them after the reply. Settings, This conversation, When the cache is full: another policy."
+        )
+    elif total > capacity:
         level = "over"
         text += " · over the capacity: Send will be refused"
         advice = (
@@ -36,7 +55,8 @@ def reading(seen: dict | None, capacity: int | None, max_new_tokens: int) -> tup
     elif total >= NEAR * capacity:
         level = "near"
         text += f" · {100 * total / capacity:.0f}%: near the limit"
-        advice = "Near the capacity: a few more turns and Send will be refused."
+        after = "Send will be refused" if policy == "stop" else f"turns will be left out ({OVERFLOW_POLICIES[policy]})"
+        advice = f"Near the capacity: a few more turns and {after}."
     else:
         level, advice = "ok", ""
     return text, level, f"{formula} = {total:,}, against a capacity of {capacity:,} positions. {advice}".strip()

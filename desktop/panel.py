@@ -21,7 +21,10 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from engine.session import OVERFLOW_POLICIES
+
 from .cache_map_view import CacheMapView
+from .context_meter import messages
 from .outside_text import breakable, plain, plain_tooltip
 from .panel_help import ROW_HELP
 
@@ -77,6 +80,15 @@ def reuse_source(r: dict) -> str:
         "server": "the server's cache (as it reports it)",
         "unknown": NOT_REPORTED,
     }.get(source, source)
+
+
+def dropped_words(r: dict) -> str:
+    """What a request's overflow policy left out, in words ("nothing" when the conversation fit)."""
+    n, which = r.get("dropped_positions") or 0, r.get("dropped_messages") or ()
+    if not n:
+        return "nothing (it fit)" if r.get("source") not in ("unknown", "server") else NOT_REPORTED
+    what = messages(len(which)) if which else "tokens"
+    return f"{what}, {n:,} positions ({OVERFLOW_POLICIES.get(r.get('overflow'), r.get('overflow'))})"
 
 
 def server_timing(trace: dict | None) -> str:
@@ -156,6 +168,7 @@ REUSE_ROWS = (
     "recomputedValue",
     "discardedValue",
     "reuseReasonValue",
+    "droppedValue",
 )
 
 
@@ -241,6 +254,7 @@ class StatsPanel(QScrollArea):
                 ("recomputedValue", "Positions recomputed"),
                 ("discardedValue", "Discarded from the working cache"),
                 ("reuseReasonValue", "Reason"),
+                ("droppedValue", "Left out to fit the cache"),
             ],
         )
 
@@ -508,6 +522,7 @@ class StatsPanel(QScrollArea):
             self.set("recomputedValue", NOT_REPORTED if unknown else f"{r['computed']:,}")
             self.set("discardedValue", NOT_REPORTED if unknown else f"{r['invalidated']:,}")
             self.set("reuseReasonValue", r.get("reason") or "nothing invalidated")
+            self.set("droppedValue", dropped_words(r))
         else:  # this reply has no reuse report (it failed before its prefill, or none was kept): none shown
             for name in REUSE_ROWS:
                 self.set(name, DASH)

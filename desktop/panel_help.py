@@ -52,6 +52,10 @@ ROW_HELP = {
     "ids, at most the prompt's length − 1.",
     "recomputedValue": "Prompt positions computed for this request (the prompt's length − reused).",
     "discardedValue": "Positions the working cache held past the first invalidated one, thrown away.",
+    "droppedValue": "What the conversation's overflow policy left out of this request's prompt so that it fit the "
+    "cache with room for the reply (Settings, This conversation, When the cache is full): whole turns, never the "
+    "system prompt nor your last message. The positions after the first one left out changed, so the cache is "
+    "cut there (the first invalidated position); the transcript marks the messages the model did not see.",
     "reuseReasonValue": "Why the whole cache was dropped, when it was (weights, dtype, tokenizer, rotary or "
     "attention settings, device or capacity changed).",
     # Prefix store

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from engine.http.remote import RemoteSpec
 from engine.sampling import SamplingParams
+from engine.session import OVERFLOW_POLICIES
 from engine.spec import LoadSpec
 
 
@@ -39,7 +40,9 @@ CONVERSATION_FIELDS = (
     "repetition_penalty",
     "max_new_tokens",
     "seed",
+    "overflow",
 )
+DEFAULT_OVERFLOW = "truncate-middle"  # the app's: the system prompt, the first turn and the latest turns stay
 SYSTEM_PRESETS = {  # the Settings dialog's system prompts to start from
     "A helpful assistant": "You are a helpful assistant.",
     "Brief answers": "Answer in as few words as the question allows.",
@@ -68,6 +71,7 @@ class Settings:
     user_presets: str = ""  # the person's own system-prompt presets: a JSON object, name -> prompt
     token_alternatives: int = 5  # alternatives kept per token of a reply (0: only the chosen token's figures)
     token_colours: str = "off"  # a reply's tokens coloured by: off | probability | entropy
+    overflow: str = DEFAULT_OVERFLOW  # a conversation longer than the cache: engine.session.OVERFLOW_POLICIES
 
     def own_presets(self) -> dict[str, str]:
         """The person's saved system-prompt presets (a damaged value reads as none)."""
@@ -90,7 +94,13 @@ class Settings:
             if value != default:
                 parts.append(f"{name} {value:g}")
         parts.append(f"up to {self.max_new_tokens:,} new tokens")
+        parts.append(f"when the cache is full: {OVERFLOW_POLICIES.get(self.policy, self.policy)}")
         return " · ".join(parts)
+
+    @property
+    def policy(self) -> str:
+        """The overflow policy in force (a damaged stored value reads as the default)."""
+        return self.overflow if self.overflow in OVERFLOW_POLICIES else DEFAULT_OVERFLOW
 
     def conversation_part(self) -> dict:
         """What a conversation keeps as its own: the system prompt and the sampling."""

@@ -33,11 +33,19 @@ from engine.devices import DTYPES
 from engine.errors import EngineError
 from engine.http.remote import RemoteSpec, list_models
 from engine.quant import ACTIVATIONS, PRECISIONS
-from engine.session import DEFAULT_CAPACITY
+from engine.session import DEFAULT_CAPACITY, OVERFLOW_POLICIES
 from engine.spec import LoadSpec
 
-from .outside_text import plain, rich
-from .settings import SYSTEM_PRESETS, Settings
+from .outside_text import plain, plain_tooltip, rich
+from .settings import DEFAULT_OVERFLOW, SYSTEM_PRESETS, Settings
+
+OVERFLOW_HELP = (
+    "What Send does when the conversation, with the reply's max new tokens, no longer fits the KV cache. "
+    "Stop at the limit: Send is refused with the reason. Drop the oldest messages: the oldest turns (a message "
+    "of yours and its reply) are left out until it fits. Truncate the middle: the turns after the first one are "
+    "left out, oldest first, so the first turn stays. The system prompt and your last message always stay; the "
+    "transcript marks what the model no longer sees, and the panel says how many positions went."
+)
 
 OWN_PRESET_ROLE = Qt.UserRole + 1  # a presets combo item's name when the preset is the person's own
 
@@ -206,6 +214,15 @@ class SettingsDialog(QDialog):
         form.addRow("Max new tokens", self.max_new)
         self.seed = self._spin(settings.seed, -1, 2**31 - 1, "seedSpin", "random")
         form.addRow("Seed", self.seed)
+        self.overflow = QComboBox()
+        self.overflow.setObjectName("overflowCombo")
+        self.overflow.setAccessibleName("When the conversation outgrows the cache")
+        for key, words in OVERFLOW_POLICIES.items():
+            default = " (default)" if key == DEFAULT_OVERFLOW else ""
+            self.overflow.addItem(f"{words[0].upper()}{words[1:]}{default}", key)
+        self.overflow.setCurrentIndex(max(0, self.overflow.findData(settings.policy)))
+        self.overflow.setToolTip(plain_tooltip(OVERFLOW_HELP))
+        form.addRow("When the cache is full", self.overflow)
         settings_file = db_path.parent / "settings.ini"
         where = rich(
             QLabel(f"Conversations: {html.escape(str(db_path))}<br>Settings: {html.escape(str(settings_file))}")
@@ -359,6 +376,7 @@ class SettingsDialog(QDialog):
             repetition_penalty=self.rep.value(),
             max_new_tokens=self.max_new.value(),
             seed=self.seed.value(),
+            overflow=self.overflow.currentData(),
             model_folders=self._folders,
             backend=self.backend.currentData(),
             remote_url=self.remoteUrl.text().strip(),

@@ -125,6 +125,11 @@ class MessageView(QFrame):
         self.reply.firstPainted.connect(self.firstTextPainted)
         lay.addWidget(self.reply)
         self.body.setVisible(False)
+        self.leftOutLabel = plain(QLabel())  # the last reply's prompt left this message out (the overflow policy)
+        self.leftOutLabel.setObjectName("leftOutNote")
+        self.leftOutLabel.setWordWrap(True)
+        self.leftOutLabel.setVisible(False)
+        lay.insertWidget(1, self.leftOutLabel)
         self.footerLabel = plain(QLabel())  # a reply's figures (chat.reply_footer); a person's message has none
         self.footerLabel.setObjectName("replyFooter")
         self.footerLabel.setWordWrap(True)
@@ -136,6 +141,17 @@ class MessageView(QFrame):
         self.editRow: QWidget | None = None
         self.highlight: tuple[int, int] | None = None
         self.set_content(message.content, message.status, message.token_count)
+
+    def set_left_out(self, note: str) -> None:
+        """Marked (a note, a dashed frame) when the last reply's prompt left this message out; "" clears it."""
+        if self.leftOutLabel.text() == note:
+            return
+        self.leftOutLabel.setText(note)
+        self.leftOutLabel.setVisible(bool(note))
+        self.setProperty("leftOut", bool(note))
+        self.style().unpolish(self)
+        self.style().polish(self)
+        self.setAccessibleDescription(note)
 
     def mousePressEvent(self, e):
         self.selected.emit(self.message.id)

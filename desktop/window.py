@@ -34,6 +34,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from engine.session import OVERFLOW_POLICIES
 from engine.trace import now
 
 from .branch_view import BranchView
@@ -328,9 +329,11 @@ class MainWindow(QMainWindow):
         if self.facts is None:
             self.statsPanel.show_conversation_cached(None)
             return
+        s = self.chat.settings_for(cid)
         self.worker.probe(
-            -1 if cid is None else cid, self.chat.messages(path, cid), self.composer.toPlainText().strip()
-        )  # as Send sends it
+            -1 if cid is None else cid, self.chat.messages(path, cid), self.composer.toPlainText().strip(),
+            s.max_new_tokens, s.policy,
+        )  # as Send sends it  # fmt: skip
 
     def _on_probed(self, cid: int, seen: dict) -> None:
         if self._closing or cid != (-1 if self.chat.current_cid is None else self.chat.current_cid):
@@ -383,9 +386,21 @@ class MainWindow(QMainWindow):
         """Show the current branch (branch_view.BranchView; `reveal`: from this branch index at least), and
         the panel the figures of its last reply (another conversation's or branch's never stay)."""
         self.branch.render(reveal)
+        self.mark_left_out()
         last = next((v.message.id for v in reversed(self.transcript.views) if v.message.role == "assistant"), None)
         if self.chat.follow_shown(last):
             self.pacer.mark_dirty()
+
+    def mark_left_out(self) -> None:
+        """The messages the last reply on screen did not see (its overflow policy left them out), marked."""
+        views = self.transcript.views
+        last = next((v.message for v in reversed(views) if v.message.role == "assistant" and v.message.trace), None)
+        record = last.trace if last is not None and isinstance(last.trace, dict) else {}
+        gone = set(record.get("left_out") or ())
+        policy = OVERFLOW_POLICIES.get((record.get("reuse") or {}).get("overflow"), "")
+        note = f"Not seen by the model for the last reply: left out to fit the cache ({policy})"
+        for v in views:
+            v.set_left_out(note if v.message.id in gone else "")
 
     def _fit_view(self, view: MessageView) -> None:
         """A message view's buttons as the window's state allows: no edits while a reply runs, no Compare
@@ -594,6 +609,7 @@ class MainWindow(QMainWindow):
         new.save(self.qsettings)
         self.show_conversation_settings()
         self.show_meter()  # max new tokens may have changed
+        self.probe_conversation()  # and the overflow policy: what Send would leave out
         if reload:
             self.load_model()
 

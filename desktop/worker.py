@@ -48,6 +48,8 @@ class ProbeJob:
     cid: int
     messages: list
     draft: str = ""  # the message box's text: what the next Send would add
+    max_new_tokens: int = 256  # the next Send's: with the overflow policy, what it leaves out
+    overflow: str = "stop"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,11 +90,13 @@ class EngineWorker(QObject):
     def compare(self, rid: int, messages: list, max_new_tokens: int) -> None:
         self._jobs.put(CompareJob(rid, messages, max_new_tokens))
 
-    def probe(self, cid: int, messages: list, draft: str = "") -> None:
+    def probe(
+        self, cid: int, messages: list, draft: str = "", max_new_tokens: int = 256, overflow: str = "stop"
+    ) -> None:
         """Ask how many positions of a conversation are cached, before anything is sent, and how many the
         next Send of `draft` would prompt with (only the latest question is answered: switching through
         long conversations does not queue their tokenizing ahead of a reply)."""
-        self._latest_probe = ProbeJob(cid, messages, draft)
+        self._latest_probe = ProbeJob(cid, messages, draft, max_new_tokens, overflow)
         self._jobs.put(self._latest_probe)
 
     def generate(self, rid: int, request) -> None:
@@ -230,8 +234,15 @@ class EngineWorker(QObject):
             else:
                 seen = nothing
             if "error" not in seen:  # what Send would prompt with: the conversation, the draft, the prompt for a reply
-                sent = ask(Request(messages=[*job.messages, {"role": "user", "content": job.draft}]))
-                seen = {**seen, "next_positions": sent.get("positions")}
+                messages = [*job.messages, {"role": "user", "content": job.draft}]
+                sent = ask(Request(messages=messages, max_new_tokens=job.max_new_tokens, overflow=job.overflow))
+                seen = {**seen, "next_positions": sent.get("positions"), "next_overflow": job.overflow}
+                if sent.get("dropped_messages"):
+                    seen.update(
+                        next_dropped=len(sent["dropped_messages"]), next_dropped_positions=sent["dropped_positions"]
+                    )
+                if "error" in sent:  # too long even with turns left out
+                    seen["next_error"] = sent["error"]
         except (EngineError, ValueError) as e:
             seen = {"error": str(e)}
         self.probed.emit(job.cid, seen)

@@ -262,6 +262,8 @@ class RemoteSession:
             return {"error": "not reported by this server"}
         url = self.spec.url.removesuffix("/v1") + "/kvchat/cached"
         body = {"model": self.model_id, "messages": list(req.messages or ())}
+        if req.overflow != "stop":
+            body.update(overflow=req.overflow, max_tokens=req.max_new_tokens)
         try:
             got = fetch_json(self.spec, "POST", url, body)
         except RemoteError as e:
@@ -318,6 +320,8 @@ class RemoteSession:
             body.update(logprobs=True, top_logprobs=req.top_logprobs)
         if req.continue_final_message:  # vLLM's and kvchat's names; llama-server continues a last assistant turn
             body.update(continue_final_message=True, add_generation_prompt=False)
+        if req.overflow != "stop" and (self._facts or {}).get("server_kind") == "kvchat":
+            body["overflow"] = req.overflow  # kvchat's own: another server keeps its own rule for a long prompt
         return body
 
     async def _post(self, body: dict, out: queue.Queue) -> None:

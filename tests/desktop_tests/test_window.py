@@ -192,7 +192,8 @@ def test_over_capacity_prompt_is_explained_and_the_panel_shows_the_failed_reques
     assert heading[1].endswith("message 4 of 4")
     assert all(panel(w, name) == "—" for name in REUSE_ROWS)  # the previous request's reuse is not this one's
     assert panel(w, "tokensValue") == "0" and panel(w, "ttftValue") == "—"
-    assert "failed: the prompt has" in failed.footerLabel.text() and "kvchat-demo" in failed.footerLabel.text()
+    assert "failed: even with only the system prompt and the last turn" in failed.footerLabel.text()
+    assert "kvchat-demo" in failed.footerLabel.text()
     qtbot.mouseClick(w.transcript.views[1], Qt.LeftButton)  # the first reply: its own figures again
     spin_loop(lambda: panel(w, "reusedValue") != "—", 5)
     assert panel(w, "tokensValue") == str(ok.trace["tokens"])
@@ -765,8 +766,8 @@ def test_the_context_meter_counts_what_the_next_send_needs_and_warns_before_the_
 ):
     """Under the message box: the positions the next Send would need (the template's prompt with the
     draft, plus the reply's tokens) against the capacity; near the limit it warns, over it it says Send
-    will be refused, and Send is refused with the same number."""
-    w = make_window(demo_model_dir, capacity=160, max_new_tokens=16)
+    will be refused, and Send is refused with the same number (under the policy that stops at the limit)."""
+    w = make_window(demo_model_dir, capacity=160, max_new_tokens=16, overflow="stop")
     tok = w.worker.loaded.tokenizer
     probed = []
     w.conversationProbed.connect(probed.append)
