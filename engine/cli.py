@@ -85,8 +85,13 @@ class LoadProgress:
         self.stream.flush()
 
 
+OPENED: list = []  # the sessions a command opened: their disk tier is written out before the process ends
+
+
 def _open(ns):
-    return LoadSpec.from_args(ns).open(LoadProgress())
+    loaded, session = LoadSpec.from_args(ns).open(LoadProgress())
+    OPENED.append(session)
+    return loaded, session
 
 
 def run_request(session, req, stream_to=None) -> dict:
@@ -393,3 +398,7 @@ def main(argv=None) -> int:
     except EngineError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        for session in OPENED:
+            if not session.flush():
+                print("warning: the disk cache was not fully written", file=sys.stderr)

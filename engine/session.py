@@ -19,6 +19,7 @@ import torch
 
 from . import trace as tracing
 from .backends.cuda_graph import GraphDecoder, graphs_wanted
+from .disk_store import DiskStore
 from .errors import CapacityError, EngineError
 from .events import Failed, Finished, PrefillDone, PrefillProgress, PrefillStarted, ReuseReport, Token
 from .kv_cache import KVCache, make_cache
@@ -131,7 +132,9 @@ class Session:
         prefill_chunk: int | None = None,
         kv: str = "none",
         cache_budget: int | None = None,
+        disk: DiskStore | None = None,
     ):
+        self.disk = disk  # the prefix store's disk tier (blocks written after each request, read back on a return)
         self.prefill_chunk = prefill_chunk  # None: prefill_chunk_for the model's dtype
         # The prefix store's bytes; None: a share of the memory free now; 0: no store.
         self.store = PrefixStore(default_budget(loaded.device) if cache_budget is None else cache_budget)
@@ -192,6 +195,23 @@ class Session:
         self.store.clear()
         self._last_match = None
 
+    @property
+    def disk_fingerprint(self) -> dict:
+        """What K/V on disk are valid under: the cache's fingerprint and the decode kernels that computed the
+        reply's positions (another build rounds differently)."""
+        k = self.loaded.kernels
+        return {**self._fingerprint, "kernels": f"{k.isa}/{k.int_isa}/{k.variant}" if k is not None else "torch"}
+
+    def set_disk(self, disk: DiskStore | None) -> None:
+        """Another disk tier (or none): what was queued for the old one is written first."""
+        if self.disk is not None and self.disk is not disk:
+            self.disk.flush(5.0)
+        self.disk = disk
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait for the disk tier's writer (at exit): False when it had not finished in `timeout`."""
+        return self.disk.flush(timeout) if self.disk is not None else True
+
     def set_cache_budget(self, budget: int | None) -> None:
         """The prefix store's budget in bytes (None: the default share of free memory); evicts to fit."""
         self.store.set_budget(default_budget(self.loaded.device) if budget is None else budget)
@@ -204,6 +224,8 @@ class Session:
             "tree": self._tree_with_text(self.store.tree(self._last_match, (self.ids, self.label))),
             "working_label": self.label,
         }
+        if self.disk is not None:
+            s["disk"] = self.disk.stats(self.disk_fingerprint)
         return s
 
     def _tree_with_text(self, segments: list[dict]) -> list[dict]:
@@ -237,7 +259,24 @@ class Session:
         m = self.store.match(prompt, touch=False).length
         source = "none" if max(w, m) == 0 else "working" if w >= m else "store"
         out = {"positions": len(prompt), "cached": max(w, m), "source": source}
+        if self.disk is not None:
+            d = self.disk.held(prompt, self.disk_fingerprint)
+            if d > out["cached"]:
+                out.update(cached=d, source="disk", **self._return_cost(prompt, max(w, m), d))
         return {**out, "dropped_messages": list(dropped), "dropped_positions": positions} if positions else out
+
+    def _return_cost(self, prompt: list[int], near: int, on_disk: int) -> dict:
+        """What returning to a prompt held on disk costs, both measured here: reading its positions past what
+        memory holds (the disk's read rate so far, or one block read now) against prefilling them (this
+        session's median prefill rate; None before any prefill of 64 positions or more)."""
+        rate = self.disk.read_rate or self.disk.measure_read(prompt, self.disk_fingerprint)
+        nbytes = (on_disk - near) * self.cache.bytes_per_position
+        measured = (t.summary().get("prefill_tok_s") for t in self.traces if (t.computed or 0) >= 64)
+        rates = sorted(r for r in measured if r)
+        return {
+            "disk_read_ms": None if not rate else round(nbytes / rate * 1000.0, 1),
+            "prefill_ms": None if not rates else round((on_disk - near) / rates[len(rates) // 2] * 1000.0, 1),
+        }
 
     def facts(self) -> dict:
         """The model's facts with this session's cache: capacity, precision, bytes per position, stats."""
@@ -327,22 +366,34 @@ class Session:
 
     def plan_reuse(self, prompt: list[int]) -> ReuseReport:
         """What this prompt may keep of the working cache (the common prefix, capped at len(prompt) - 1)
-        and, where the store holds more, how much more it supplies (`source` "store")."""
+        and, where the store holds more, how much more it supplies (`source` "store"), or its disk tier
+        (`source` "disk"; the disk is keyed by the fingerprint, so it serves after a change of model too)."""
         report = self._plan_working(prompt)
-        if self._dropped is not None:
-            return report
-        match = self.store.match(prompt, touch=False)
-        held = min(match.length, len(prompt) - 1)
-        if held > report.reused:
-            note = f"positions {report.reused}–{held - 1} copied from the prefix store"
+        match = self.store.match(prompt, touch=False) if self._dropped is None else None
+        held = min(match.length, len(prompt) - 1) if match else 0
+        on_disk = min(self.disk.held(prompt, self.disk_fingerprint), len(prompt) - 1) if self.disk else 0
+        source, more = "store", held
+        if on_disk > max(held, report.reused):
+            source, more = "disk", on_disk
+        if more > report.reused:
+            where = "copied from the prefix store" if source == "store" else "read from the disk tier"
+            note = f"positions {report.reused}–{more - 1} {where}"
             return dataclasses.replace(
                 report,
-                reused=held,
-                computed=len(prompt) - held,
+                reused=more,
+                computed=len(prompt) - more,
                 reason=f"{report.reason}; {note}" if report.reason else note,
-                source="store",
-                stored_prefix=match.length,
+                source=source,
+                stored_prefix=match.length if match else 0,
             )
+        if self.disk is not None and report.reused < len(prompt) - 1:
+            other = self.disk.other_fingerprint(prompt, self.disk_fingerprint)
+            change = fingerprint_change(other, self.disk_fingerprint) if other else None
+            if change:  # on disk, but computed under other settings: not used, and said why
+                note = "on disk for other settings, not used: " + change.removeprefix("cache dropped: ")
+                report = dataclasses.replace(report, reason=f"{report.reason}; {note}" if report.reason else note)
+        if self._dropped is not None:
+            return report
         return dataclasses.replace(
             report, source="none" if report.reused == 0 else "working", stored_prefix=match.length
         )
@@ -438,8 +489,8 @@ class Session:
             )
         reuse = dataclasses.replace(reuse, overflow=req.overflow)
         self._dropped = None
-        trace.prompt_tokens, trace.reused, trace.computed = len(prompt), reuse.reused, reuse.computed
         reuse = self._bring_in(prompt, reuse, keep)
+        trace.prompt_tokens, trace.reused, trace.computed = len(prompt), reuse.reused, reuse.computed
         self.label = req.label
         stream = tok.stream(req.reply_ids)  # a forced start: the reply's text goes on from it
         yield PrefillStarted(len(prompt), reuse, tuple(prompt), stream.text, chat.spans)
@@ -512,11 +563,24 @@ class Session:
         return self.store.insert(self.ids, self.cache, self.label, pinned=wanted.path)
 
     def _bring_in(self, prompt: list[int], reuse: ReuseReport, keep: int) -> ReuseReport:
-        """Cut the working cache at `keep`, where it stops matching the prompt, and, when the store holds
-        more of the prompt, copy those positions in; the report gains the copy's bytes and time."""
+        """Cut the working cache at `keep`, where it stops matching the prompt, and, when the store or its
+        disk tier holds more of the prompt, copy those positions in; the report gains the copy's bytes and
+        time (a disk block that does not read back whole is removed, and its positions computed)."""
         self.cache.truncate(keep)
         del self.ids[keep:]
         self._last_match = None
+        if reuse.source == "disk":
+            t0 = tracing.now()
+            got, nbytes, why = self.disk.load(prompt, self.disk_fingerprint, self.cache, keep, reuse.reused)
+            self.cache.length = got
+            self.ids.extend(prompt[keep:got])
+            if why:
+                reuse = dataclasses.replace(
+                    reuse, reused=got, computed=len(prompt) - got, reason=f"{reuse.reason}; {why}"
+                )
+            copy_ms = round((tracing.now() - t0) * 1000.0, 3)
+            self.store.evict()
+            return dataclasses.replace(reuse, copied_positions=got - keep, copied_bytes=nbytes, copy_ms=copy_ms)
         if reuse.source != "store":
             self.store.evict()  # the budget, with nothing pinned now
             return reuse
@@ -557,3 +621,5 @@ class Session:
         trace.end = tracing.now()
         trace.status = "cancelled" if reason == "cancelled" else "finished"
         yield Finished(reason, text, tuple(out), trace.summary(), self.cache_stats(), reuse, tail, tuple(steps))
+        if self.disk is not None:  # after the reply is out: its blocks are copied, and written on the disk's thread
+            self.disk.save(self.ids, self.disk_fingerprint, self.cache, len(self.ids))

@@ -6,8 +6,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+from pathlib import Path
 
 from .devices import DTYPES
+from .disk_store import DiskStore
+from .errors import EngineError
 from .quant import ACTIVATIONS, DEFAULT_GROUP_SIZE, PRECISIONS
 from .session import Session
 from .weights.loading import LoadedModel, load_model
@@ -24,6 +27,8 @@ class LoadSpec:
     group_size: int = DEFAULT_GROUP_SIZE  # values per quantization scale; 0: one per output channel
     activations: str = "float32"  # what quantized weights' decode products multiply by: float32 (exact) | int8
     cache_budget: int | None = None  # the prefix store's bytes; None: a share of free memory; 0: no store
+    disk_cache: str | None = None  # the prefix store's disk tier, a folder; None: no disk tier
+    disk_budget: int | None = None  # its bytes; None: DEFAULT_DISK_BUDGET or a tenth of the free disk; 0: off
 
     def load(self, progress=None) -> LoadedModel:
         """The model; `progress(fraction, what)` follows the weights being read."""
@@ -40,7 +45,18 @@ class LoadSpec:
     def open(self, progress=None) -> tuple[LoadedModel, Session]:
         """The model and a session over it with this spec's cache."""
         loaded = self.load(progress)
-        return loaded, Session(loaded, capacity=self.capacity, kv=self.kv, cache_budget=self.cache_budget)
+        session = Session(loaded, capacity=self.capacity, kv=self.kv, cache_budget=self.cache_budget, disk=self.disk())
+        return loaded, session
+
+    def disk(self) -> DiskStore | None:
+        """The prefix store's disk tier this spec names (None: none, or a budget of 0)."""
+        if not self.disk_cache or self.disk_budget == 0:
+            return None
+        budget = self.disk_budget if self.disk_budget is not None else default_disk_budget(self.disk_cache)
+        try:
+            return DiskStore(Path(self.disk_cache).expanduser(), budget)
+        except OSError as e:
+            raise EngineError(f"the disk cache folder {self.disk_cache} cannot be used: {e}") from None
 
     def describe(self) -> str:
         """A person's name for what is loaded: the folder, or the bundled demo model."""
@@ -78,6 +94,19 @@ class LoadSpec:
                 metavar="BYTES",
                 help="the prefix store's memory, e.g. 512M or 2G (default: a quarter of free memory; 0: none)",
             )
+            p.add_argument(
+                "--disk-cache",
+                default=None,
+                metavar="DIR",
+                help="keep the prefix store's K/V in this folder too, for later runs (default: none)",
+            )
+            p.add_argument(
+                "--disk-budget",
+                type=parse_bytes,
+                default=None,
+                metavar="BYTES",
+                help="the disk tier's size, e.g. 2G (default: 4G or a tenth of the free disk, the smaller; 0: off)",
+            )
 
     @classmethod
     def from_args(cls, ns: argparse.Namespace) -> LoadSpec:
@@ -91,7 +120,25 @@ class LoadSpec:
             group_size=ns.group_size,
             activations=getattr(ns, "activations", "float32"),
             cache_budget=getattr(ns, "cache_budget", None),
+            disk_cache=getattr(ns, "disk_cache", None),
+            disk_budget=getattr(ns, "disk_budget", None),
         )
+
+
+DEFAULT_DISK_BUDGET = 4 * 2**30  # the disk tier's bytes when none is given (or a tenth of the free disk, if less)
+
+
+def default_disk_budget(folder: str) -> int:
+    """DEFAULT_DISK_BUDGET, or a tenth of the disk's free space where that is less."""
+    import shutil
+
+    where = Path(folder).expanduser()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        return min(DEFAULT_DISK_BUDGET, shutil.disk_usage(where).free // 10)
+    except OSError:
+        return DEFAULT_DISK_BUDGET
 
 
 UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}

@@ -190,7 +190,7 @@ FLOORS = [
         (
             "engine.errors", "engine.events", "engine.quant", "engine.model", "engine.sampling", "engine.trace",
             "engine.config", "engine.devices", "engine.kv_cache", "engine.tokenizer", "engine.prefix_store",
-            "engine.user_cache", "engine.logprobs",
+            "engine.user_cache", "engine.logprobs", "engine.disk_store",
         ),
     ),
     ("backends", ("engine.backends",)),
