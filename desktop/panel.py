@@ -69,10 +69,11 @@ def percentile(values, q):
 def reuse_source(r: dict) -> str:
     """Where a request's reused positions came from, with the copy's cost when the store gave them."""
     source = r.get("source", "none")
-    if source == "store":
+    if source in ("store", "disk"):
+        what = "prefix store · {:,} positions copied" if source == "store" else "disk tier · {:,} positions read"
         return (
-            f"prefix store · {r.get('copied_positions', 0):,} positions copied "
-            f"({fmt_size(r.get('copied_bytes'))} in {r.get('copy_ms') or 0:,.1f} ms)"
+            what.format(r.get("copied_positions", 0))
+            + f" ({fmt_size(r.get('copied_bytes'))} in {r.get('copy_ms') or 0:,.1f} ms)"
         )
     return {
         "working": "working cache",
@@ -89,6 +90,24 @@ def dropped_words(r: dict) -> str:
         return "nothing (it fit)" if r.get("source") not in ("unknown", "server") else NOT_REPORTED
     what = messages(len(which)) if which else "tokens"
     return f"{what}, {n:,} positions ({OVERFLOW_POLICIES.get(r.get('overflow'), r.get('overflow'))})"
+
+
+def disk_words(disk: dict | None) -> str:
+    """The disk tier in a line: bytes against its budget, blocks of this model (and of all), the read rate."""
+    if not disk:
+        return "off"
+    if not disk["budget"]:
+        return "off (budget 0)"
+    text = (
+        f"{fmt_size(disk['bytes'])} of {fmt_size(disk['budget'])} · {disk['blocks_this_model']:,} blocks of this model"
+    )
+    if disk["blocks"] != disk["blocks_this_model"]:
+        text += f" ({disk['blocks']:,} in all)"
+    if disk.get("read_rate"):
+        text += f" · read at {fmt_size(disk['read_rate'])}/s"
+    if disk.get("refused"):
+        text += f" · {disk['refused'][-1]}"
+    return text
 
 
 def server_timing(trace: dict | None) -> str:
@@ -270,6 +289,7 @@ class StatsPanel(QScrollArea):
             ("storeBytesValue", "Held · budget"),
             ("storePrefixesValue", "Prefixes"),
             ("storeEvictionsValue", "Evicted"),
+            ("diskValue", "On disk"),
             ("conversationCachedValue", "This conversation"),
         ]:
             self._row(sf, name, label)
@@ -575,6 +595,7 @@ class StatsPanel(QScrollArea):
             "storePrefixesValue", f"{store['prefixes']:,} in {store['nodes']:,} blocks of {store['block']} positions"
         )
         self.set("storeEvictionsValue", f"{store['evictions']:,} blocks ({store['evicted_positions']:,} positions)")
+        self.set("diskValue", disk_words(store.get("disk")))
         if store.get("dropped"):
             self.storeTree.setToolTip(plain_tooltip(store["dropped"]))
         per = self.facts.get("kv_bytes_per_position", 0)
@@ -590,6 +611,9 @@ class StatsPanel(QScrollArea):
                 name += f" · from {starts}"  # two leaves of the same title differ here
             if seg["working"]:
                 name += "  · working cache"
+            on_disk = seg.get("disk") or 0
+            if on_disk:
+                name += "  · on disk" if on_disk >= n - n % 16 else f"  · {on_disk:,} on disk"
             size = fmt_size(seg["bytes"] if seg["bytes"] is not None else n * per)
             if seg["working"]:  # the working cache's own positions: not in the store, not counted in Held
                 size = f"({size})"
@@ -621,8 +645,13 @@ class StatsPanel(QScrollArea):
         elif "error" in seen:
             self.set("conversationCachedValue", seen["error"])
         else:
-            where = {"working": "working cache", "store": "prefix store", "none": "nothing cached"}[seen["source"]]
-            self.set("conversationCachedValue", f"{seen['cached']:,} of {seen['positions']:,} positions ({where})")
+            where = {"working": "working cache", "store": "prefix store", "none": "nothing cached", "disk": "on disk"}
+            text = f"{seen['cached']:,} of {seen['positions']:,} positions ({where[seen['source']]})"
+            if seen["source"] == "disk":  # what a return costs, both measured on this machine
+                read, prefill = seen.get("disk_read_ms"), seen.get("prefill_ms")
+                text += f": ≈ {fmt_ms(read)} to read" if read is not None else ": read time not measured yet"
+                text += f" against ≈ {fmt_ms(prefill)} to prefill" if prefill is not None else ""
+            self.set("conversationCachedValue", text)
 
     def show_summary(self, summary: dict) -> None:
         self.set("requestsValue", str(summary["requests"]))

@@ -64,7 +64,13 @@ ROW_HELP = {
     "not counted here.",
     "storePrefixesValue": "Prompts the store holds, and the blocks of 16 positions they share.",
     "storeEvictionsValue": "Blocks evicted to stay under the budget, least recently used first.",
-    "conversationCachedValue": "How much of the conversation shown is cached now: what the next Send reuses.",
+    "diskValue": "The prefix store's disk tier, in the data folder: blocks of 16 positions' K/V written after each "
+    "reply and read back when a conversation returns, after a restart too, for the same model and settings "
+    "(another model's, or this one's at another precision, are kept but never used). Bytes against its budget "
+    "(Settings, Disk cache budget; 0 turns it off), blocks of this model, and how fast reads have been here.",
+    "conversationCachedValue": "How much of the conversation shown is cached now: what the next Send reuses. When "
+    "it is on disk, what a return costs, both measured on this machine: reading those positions (at the disk's "
+    "read rate so far) against prefilling them (at this model's prefill rate, from this run or an earlier one).",
     # Model
     "modelNameValue": "The model loaded: its folder, file or the server's model id.",
     "architectureValue": "The model's architecture as its config names it.",

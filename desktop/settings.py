@@ -27,7 +27,9 @@ def data_dir() -> Path:
 # How a LoadSpec field is kept in the settings file: its key there, and the stored value that means None
 # (the engine's own default). The keys are the ones kvchat has always written.
 SPEC_KEYS = {"path": "model_dir"}
-SPEC_DEFAULTS = {"path": "", "device": "auto", "dtype": "auto", "capacity": 0, "cache_budget": -1}
+SPEC_DEFAULTS = {"path": "", "device": "auto", "dtype": "auto", "capacity": 0, "cache_budget": -1, "disk_cache": "",
+                 "disk_budget": -1}  # fmt: skip
+DISK_FOLDER = "kv-cache"  # the prefix store's disk tier, in the data folder: on unless its budget is 0
 
 
 # What each conversation keeps as its own (taken from the app's settings when it is created).
@@ -116,6 +118,8 @@ class Settings:
         """What the worker should run replies on: the local model, or the remote server."""
         if self.backend == "remote":
             return RemoteSpec(self.remote_url, self.remote_api_key, self.remote_model)
+        if self.model.disk_cache is None:  # the app keeps conversations' K/V for later runs, in its data folder
+            return dataclasses.replace(self.model, disk_cache=str(data_dir() / DISK_FOLDER))
         return self.model
 
     @property

@@ -164,6 +164,15 @@ class SettingsDialog(QDialog):
             "memory for the K/V of conversations you switched away from, shared by token prefixes; 0 keeps none"
         )
         form.addRow("Prefix store budget", self.cacheBudget)
+        disk = -1 if spec.disk_budget is None else spec.disk_budget // 2**20
+        self.diskBudget = self._spin(disk, -1, 1 << 24, "diskBudgetSpin", "automatic (4 GiB or ⅒ of free disk)")
+        self.diskBudget.setSuffix(" MiB")
+        self.diskBudget.setAccessibleName("Disk cache budget")
+        self.diskBudget.setToolTip(
+            "disk space for conversations' K/V, so that returning to one after a restart reads it instead of "
+            "computing it again; 0 turns it off"
+        )
+        form.addRow("Disk cache budget", self.diskBudget)
         self.group = self._combo(["32", "64", "128", "0"], str(spec.group_size), "groupSizeCombo")
         self.group.setToolTip("values per quantization scale; 0 = one scale per output channel")
         form.addRow("Quantization group size", self.group)
@@ -233,7 +242,12 @@ class SettingsDialog(QDialog):
         self.tabs.addTab(chat_page, "This conversation")
         self.tabs.addTab(engine_page, "Engine (all conversations)")
         self._local_rows = (self.modelDir, browse, browse_file, self.device, self.dtype, self.capacity, self.weights)
-        self._local_rows += (self.kv, self.cacheBudget, self.group)  # the local engine's own: a server has its own
+        self._local_rows += (
+            self.kv,
+            self.cacheBudget,
+            self.diskBudget,
+            self.group,
+        )  # the local engine's own: a server has its own
         self._backend_changed()
         buttons = QDialogButtonBox(QDialogButtonBox.Ok | QDialogButtonBox.Cancel)
         buttons.accepted.connect(self.accept)
@@ -364,6 +378,8 @@ class SettingsDialog(QDialog):
             group_size=int(self.group.currentText()),
             activations=self.activations.currentText(),
             cache_budget=None if self.cacheBudget.value() < 0 else self.cacheBudget.value() * 2**20,
+            disk_cache=self._original.model.disk_cache,
+            disk_budget=None if self.diskBudget.value() < 0 else self.diskBudget.value() * 2**20,
         )
         return dataclasses.replace(
             self._original,

@@ -160,6 +160,8 @@ class EngineWorker(QObject):
                     self._waiting.pop(job.rid, None)
         if self.remote:
             self.session.close()
+        elif self.session is not None:
+            self.session.flush(CLOSE_WAIT_MS / 1000 / 2)  # the disk tier's last blocks, within half the close's wait
         self.stopped.emit()
 
     def _connect(self, spec: RemoteSpec) -> None:
@@ -180,6 +182,8 @@ class EngineWorker(QObject):
         """Let the current engine go: a remote session's connection, a local model's memory."""
         if isinstance(self.session, RemoteSession):
             self.session.close()
+        elif self.session is not None:
+            self.session.flush(5.0)  # the disk tier's queued blocks, before the model goes
         self.session = self.loaded = self._other = self._spec = None
 
     @property
@@ -194,7 +198,7 @@ class EngineWorker(QObject):
         if isinstance(spec, RemoteSpec):
             return self._connect(spec)
         self.modelLoading.emit(spec.describe())
-        cache_only = ("capacity", "kv", "cache_budget")
+        cache_only = ("capacity", "kv", "cache_budget", "disk_cache", "disk_budget")
         same_weights = isinstance(self._spec, LoadSpec) and all(
             getattr(spec, f.name) == getattr(self._spec, f.name)
             for f in dataclasses.fields(spec)
@@ -204,11 +208,19 @@ class EngineWorker(QObject):
             loaded = self.loaded if same_weights else spec.load(self.modelLoadProgress.emit)
             if self.remote:
                 self._release()
+            same_disk = isinstance(self._spec, LoadSpec) and (spec.disk_cache, spec.disk_budget) == (
+                self._spec.disk_cache,
+                self._spec.disk_budget,
+            )
             if self.session is None:
-                self.session = Session(loaded, capacity=spec.capacity, kv=spec.kv, cache_budget=spec.cache_budget)
+                self.session = Session(
+                    loaded, capacity=spec.capacity, kv=spec.kv, cache_budget=spec.cache_budget, disk=spec.disk()
+                )
             else:
                 self.session.set_model(loaded, capacity=spec.capacity, kv=spec.kv)
                 self.session.set_cache_budget(spec.cache_budget)
+                if not same_disk:
+                    self.session.set_disk(spec.disk())
             self._spec, self._other = spec, (self._other if same_weights else None)
         except (EngineError, OSError, RuntimeError, MemoryError) as e:
             self.modelFailed.emit(str(e))

@@ -30,9 +30,11 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from .prefix_store import BLOCK
+from .prefix_store import DISK_FORMAT as FORMAT
+from .prefix_store import DISK_ROOT as ROOT
 
-FORMAT = "kvchat-kv/1"
 SUFFIX = ".kv"
+RATES = "prefill-rates.json"  # each fingerprint's prefill rate measured here: a return's cost before any prefill
 QUEUE_BYTES = 256 * 2**20  # blocks waiting for the writer at most; past it a block waits for a later request
 EVICT_TO = 0.9  # evicting for room frees down to this share of the budget (fewer passes over the index)
 
@@ -41,13 +43,16 @@ def fingerprint_digest(fingerprint: dict) -> str:
     return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def next_hash(h: bytes, piece) -> bytes:
+    """The chain's hash after one more block of ids."""
+    return hashlib.sha256(h + b"".join(int(i).to_bytes(4, "little", signed=True) for i in piece)).digest()
+
+
 def block_keys(ids, block: int = BLOCK) -> list[str]:
     """The hash of each whole block of `ids`, chained over every id before it."""
-    h = hashlib.sha256(FORMAT.encode()).digest()
-    keys = []
+    h, keys = ROOT, []
     for start in range(0, len(ids) - block + 1, block):
-        piece = b"".join(int(i).to_bytes(4, "little", signed=True) for i in ids[start : start + block])
-        h = hashlib.sha256(h + piece).digest()
+        h = next_hash(h, ids[start : start + block])
         keys.append(h[:16].hex())
     return keys
 
@@ -86,6 +91,7 @@ class DiskStore:
         self._idle = threading.Condition(self._lock)
         self._writer: threading.Thread | None = None
         self._scan()
+        self._rates = self._read_rates()
         with self._lock:
             self._evict(0)
 
@@ -108,6 +114,24 @@ class DiskStore:
             self.index.setdefault(digest, {})[key] = Entry(path, st.st_size, int(start), st.st_mtime)
             self.bytes += st.st_size
 
+    def _read_rates(self) -> dict[str, float]:
+        try:
+            rates = json.loads((self.dir / RATES).read_text())
+        except (OSError, ValueError):
+            return {}
+        if not isinstance(rates, dict):
+            return {}
+        return {k: float(v) for k, v in rates.items() if isinstance(k, str) and isinstance(v, (int, float)) and v > 0}
+
+    def note_prefill_rate(self, fingerprint: dict, tok_s: float) -> None:
+        """This model's prefill rate as just measured, kept (written on the writer's thread) for later runs."""
+        self._rates[fingerprint_digest(fingerprint)] = float(tok_s)
+        self._queue.put(("rates",))
+        self._start_writer()
+
+    def prefill_rate(self, fingerprint: dict) -> float | None:
+        return self._rates.get(fingerprint_digest(fingerprint))
+
     def _name(self, key: str, digest: str, start: int) -> Path:
         return self.dir / f"{key}-{digest}-{start}{SUFFIX}"
 
@@ -122,6 +146,18 @@ class DiskStore:
                     break
                 n += self.block
         return n
+
+    def chain(self, fingerprint: dict):
+        """step(hash, block ids) -> (the next hash, whether that block is on disk): walking a tree of blocks
+        from ROOT, one hash per block (the prefix store's picture marks what is on disk too)."""
+        with self._lock:
+            have = set(self.index.get(fingerprint_digest(fingerprint), {}))
+
+        def step(h: bytes, piece) -> tuple[bytes, bool]:
+            nxt = next_hash(h, piece)
+            return nxt, len(piece) == self.block and nxt[:16].hex() in have
+
+        return step
 
     def other_fingerprint(self, ids, fingerprint: dict) -> dict | None:
         """When this prompt's first block is on disk only under other settings: those settings (the caller
@@ -254,6 +290,12 @@ class DiskStore:
     def _write_loop(self) -> None:
         while True:
             job = self._queue.get()
+            if job[0] == "rates":
+                with contextlib.suppress(OSError):
+                    tmp = self.dir / f"{RATES}.tmp{os.getpid()}"
+                    tmp.write_text(json.dumps(dict(self._rates)))
+                    os.replace(tmp, self.dir / RATES)
+                continue
             digest, key = job[0], job[1]
             try:
                 self._write(*job)

@@ -12,6 +12,7 @@ copies it back into the working cache, where the decode kernels read contiguous 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import heapq
 import itertools
 import os
@@ -22,6 +23,8 @@ BLOCK = 16  # positions per stored block (vLLM's default block size)
 BUDGET_SHARE = 0.25  # the default budget: this share of the memory free when the session starts
 
 
+DISK_FORMAT = "kvchat-kv/1"  # the disk tier's files (engine.disk_store)
+DISK_ROOT = hashlib.sha256(DISK_FORMAT.encode()).digest()  # its chain of block hashes starts here
 HEAD_TOKENS = 12  # a segment's first ids in the tree's picture: the text it starts with
 
 
@@ -220,24 +223,30 @@ class PrefixStore:
         """How many distinct prefixes are stored: the tree's leaves."""
         return len(self._leaves())
 
-    def tree(self, reused: Match | None = None, working: tuple[list[int], str | None] | None = None) -> list[dict]:
+    def tree(self, reused: Match | None = None, working: tuple[list[int], str | None] | None = None,
+             disk=None) -> list[dict]:  # fmt: skip
         """The tree as nested segments (chains of single children merged): each with `label`, `start`,
         `end` (positions), `head` (its first HEAD_TOKENS ids: where it parts from its siblings), `bytes`,
         `reused` (positions of it the last request took from the store), `working` (held only by the
-        working cache) and `children`. `working` = (ids, label) adds the
-        working cache's positions past what the store holds."""
+        working cache), `disk` (positions of it also on disk: `disk` is the disk tier's chain step) and
+        `children`. `working` = (ids, label) adds the working cache's positions past what the store holds."""
         used = {id(n): min(n.end, reused.length) - n.start for n in reused.path} if reused else {}
 
         segments: dict[int, dict] = {}
 
-        def seg(n: Node) -> dict:
+        def seg(n: Node, h) -> dict:
             s = {"label": n.label, "start": n.start, "end": n.end, "bytes": n.nbytes, "reused": used.get(id(n), 0)}
             s["head"] = n.tokens[:HEAD_TOKENS]
-            s["working"], s["children"] = False, [seg(c) for c in n.children.values()]
+            held = False
+            if disk is not None and h is not None:
+                h, held = disk(h, n.tokens)
+            s["disk"] = len(n.tokens) if held else 0
+            h = h if held else None  # past a block not on disk, nothing further down is reachable there
+            s["working"], s["children"] = False, [seg(c, h) for c in n.children.values()]
             segments[id(n)] = s
             return s
 
-        top = [seg(c) for c in self.root.children.values()]
+        top = [seg(c, DISK_ROOT) for c in self.root.children.values()]
         if working and working[0]:
             ids, label = working
             m = self.match(ids, touch=False)
@@ -250,8 +259,21 @@ class PrefixStore:
                 level.append(
                     {"label": label, "start": m.length, "end": len(ids), "bytes": None, "reused": 0, "working": True}
                     | {"children": [], "head": tuple(ids[m.length : m.length + HEAD_TOKENS])}
+                    | {"disk": self._working_on_disk(ids, m.length, disk)}
                 )
         return [_merge(s) for s in top]
+
+    def _working_on_disk(self, ids, start: int, disk) -> int:
+        """Positions start..len(ids)-1 of the working cache that are on disk too (whole blocks, chained)."""
+        if disk is None:
+            return 0
+        h, held = DISK_ROOT, 0
+        for pos in range(0, len(ids) - self.block + 1, self.block):
+            h, ok = disk(h, ids[pos : pos + self.block])
+            if not ok:
+                break
+            held = pos + self.block
+        return max(0, held - start)
 
     def stats(self) -> dict:
         return {
@@ -277,6 +299,7 @@ def _merge(s: dict) -> dict:
             "end": c["end"],
             "bytes": None if s["bytes"] is None else s["bytes"] + (c["bytes"] or 0),
             "reused": s["reused"] + c["reused"],
+            "disk": s.get("disk", 0) + c.get("disk", 0),
             "working": s["working"],
             "children": c["children"],
         }

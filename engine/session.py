@@ -221,12 +221,18 @@ class Session:
         s["bytes_per_position"] = self.cache.bytes_per_position
         s["store"] = {
             **self.store.stats(),
-            "tree": self._tree_with_text(self.store.tree(self._last_match, (self.ids, self.label))),
+            "tree": self._tree_with_text(self.store.tree(self._last_match, (self.ids, self.label), self._on_disk())),
             "working_label": self.label,
         }
-        if self.disk is not None:
-            s["disk"] = self.disk.stats(self.disk_fingerprint)
+        if self.disk is not None:  # the store's disk tier
+            s["store"]["disk"] = self.disk.stats(self.disk_fingerprint)
         return s
+
+    def _on_disk(self):
+        """The tree's check of which blocks are on disk too (None without a disk tier): a chained-hash step."""
+        if self.disk is None:
+            return None
+        return self.disk.chain(self.disk_fingerprint)
 
     def _tree_with_text(self, segments: list[dict]) -> list[dict]:
         """The store's tree with each segment's first ids as `text` (what it starts with, where it parts
@@ -268,11 +274,11 @@ class Session:
     def _return_cost(self, prompt: list[int], near: int, on_disk: int) -> dict:
         """What returning to a prompt held on disk costs, both measured here: reading its positions past what
         memory holds (the disk's read rate so far, or one block read now) against prefilling them (this
-        session's median prefill rate; None before any prefill of 64 positions or more)."""
+        session's median prefill rate, or the one an earlier run measured; None before any of 64 positions)."""
         rate = self.disk.read_rate or self.disk.measure_read(prompt, self.disk_fingerprint)
         nbytes = (on_disk - near) * self.cache.bytes_per_position
         measured = (t.summary().get("prefill_tok_s") for t in self.traces if (t.computed or 0) >= 64)
-        rates = sorted(r for r in measured if r)
+        rates = sorted(r for r in measured if r) or [r for r in [self.disk.prefill_rate(self.disk_fingerprint)] if r]
         return {
             "disk_read_ms": None if not rate else round(nbytes / rate * 1000.0, 1),
             "prefill_ms": None if not rates else round((on_disk - near) / rates[len(rates) // 2] * 1000.0, 1),
@@ -623,3 +629,6 @@ class Session:
         yield Finished(reason, text, tuple(out), trace.summary(), self.cache_stats(), reuse, tail, tuple(steps))
         if self.disk is not None:  # after the reply is out: its blocks are copied, and written on the disk's thread
             self.disk.save(self.ids, self.disk_fingerprint, self.cache, len(self.ids))
+            rate = trace.summary().get("prefill_tok_s")
+            if rate and trace.computed >= 64:
+                self.disk.note_prefill_rate(self.disk_fingerprint, rate)

@@ -46,9 +46,11 @@ def test_a_new_process_reads_the_cache_back_from_disk_and_replies_as_a_fresh_run
     assert r["reused"] == min(n // 16 * 16, n - 1) > 0 and r["copied_bytes"] > 0 and r["copy_ms"] is not None
     assert "read from the disk tier" in r["reason"]
     assert second["token_ids"] == first["token_ids"] == fresh["token_ids"]
-    disk = second["cache"]["disk"]
+    disk = second["cache"]["store"]["disk"]
     assert disk["blocks_this_model"] >= n // 16 and disk["bytes"] <= disk["budget"]
-    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".kv"] * disk["blocks"]  # nothing half-written
+    files = sorted(p.name for p in tmp_path.iterdir())
+    others = [f for f in files if not f.endswith(".kv")]
+    assert set(others) <= {"prefill-rates.json"} and len(files) - len(others) == disk["blocks"]  # none half-written
 
 
 def test_entries_made_under_other_settings_are_not_used_and_the_report_says_why(tmp_path):
@@ -76,7 +78,7 @@ def test_a_damaged_or_truncated_block_is_refused_removed_and_computed_again(tmp_
     s = Session(loaded, disk=DiskStore(tmp_path, 2**30))
     want = reply(s, msgs)
     assert s.flush()
-    by_start = {int(p.name.split("-")[2].removesuffix(".kv")): p for p in tmp_path.iterdir()}
+    by_start = {int(p.name.split("-")[2].removesuffix(".kv")): p for p in tmp_path.glob("*.kv")}
     truncated, garbled = by_start[32], by_start[64]
     truncated.write_bytes(truncated.read_bytes()[:-100])  # a write cut short (what a failing disk leaves)
     data = bytearray(garbled.read_bytes())
