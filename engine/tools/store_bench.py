@@ -7,6 +7,11 @@ with the prefix store, and through one without it (budget 0), so every return's 
 prefill of the same prompt beside it. Reported per step: where the reuse came from, positions
 reused and computed, bytes copied and the copy's time, TTFT with and without the store and their
 ratio, and the bytes the store holds.
+
+Then a restart: a new session over the same disk tier (what a new run of the app finds in its data folder;
+the files in the operating system's page cache, as after a restart without a reboot) returns to each
+conversation, against a cold prefill of the same prompt: the share of a cold prefill a return costs after a
+restart, and the disk bytes per position.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ def add_arguments(p) -> None:
     p.add_argument("--message", type=int, default=24, help="positions of each new message")
     p.add_argument("--new-tokens", type=int, default=8, help="reply tokens per turn")
     p.add_argument("--cache-budget", type=int, default=None, help="the store's bytes (default: a share of free memory)")
+    p.add_argument("--disk-budget", type=int, default=8 * 2**30, help="the disk tier's bytes for the restart round")
     p.add_argument("--json", action="store_true")
 
 
@@ -43,6 +49,7 @@ def _ids(seed: int, n: int, vocab: int) -> list[int]:
 def run(ns) -> int:
     import torch
 
+    from ..disk_store import DiskStore
     from ..session import Request, Session
     from ..weights.loading import load_model
 
@@ -51,7 +58,10 @@ def run(ns) -> int:
         loaded = load_model(path, device=ns.device, dtype=ns.dtype, weights=ns.weights)
         vocab = loaded.config.vocab_size
         capacity = ns.positions + ns.rounds * (ns.message + ns.new_tokens) + 16
-        stored = Session(loaded, capacity=capacity, kv=ns.kv, cache_budget=ns.cache_budget)
+        disk_dir = Path(tmp) / "disk"
+        stored = Session(
+            loaded, capacity=capacity, kv=ns.kv, cache_budget=ns.cache_budget, disk=DiskStore(disk_dir, ns.disk_budget)
+        )
         cold = Session(loaded, capacity=capacity, kv=ns.kv, cache_budget=0)
         for s in (stored, cold):  # warm the kernels and allocator on a short prompt
             list(s.generate(Request(prompt_ids=tuple(_ids(0, 64, vocab)), max_new_tokens=2)))
@@ -70,6 +80,7 @@ def run(ns) -> int:
         steps = []
         for rnd in range(ns.rounds):
             for name, prompt in convs.items():
+                stored.flush()  # the disk's writer idle: it does not share the CPU with the request measured
                 got = ttft(stored, prompt, name)
                 ref = ttft(cold, prompt, name)
                 r = got.reuse
@@ -93,6 +104,30 @@ def run(ns) -> int:
                     }
                 )
                 prompt += list(got.token_ids) + _ids(100 * rnd + ord(name), ns.message, vocab)
+        stored.flush()
+        restart = []
+        for name, prompt in convs.items():  # a new session over the same disk tier: the app started again
+            again = Session(loaded, capacity=capacity, kv=ns.kv, cache_budget=ns.cache_budget,
+                            disk=DiskStore(disk_dir, ns.disk_budget))  # fmt: skip
+            list(again.generate(Request(prompt_ids=tuple(_ids(0, 64, vocab)), max_new_tokens=2)))  # warm, as above
+            got, ref = ttft(again, prompt, name), ttft(cold, prompt, name)
+            r = got.reuse
+            restart.append(
+                {
+                    "conversation": name,
+                    "prompt_positions": len(prompt),
+                    "source": r.source,
+                    "reused": r.reused,
+                    "computed": r.computed,
+                    "read_bytes": r.copied_bytes,
+                    "read_ms": r.copy_ms,
+                    "ttft_ms": got.trace["ttft_ms"],
+                    "ttft_without_store_ms": ref.trace["ttft_ms"],
+                    "ratio": round(got.trace["ttft_ms"] / ref.trace["ttft_ms"], 4),
+                    "same_reply": got.token_ids == ref.token_ids,
+                }
+            )
+        disk = stored.disk.stats(stored.disk_fingerprint)
         returns = [s["ratio"] for s in steps if s["turn"] > 1]
         report = {
             "model": str(ns.model or ns.shape),
@@ -107,6 +142,10 @@ def run(ns) -> int:
             "steps": steps,
             "worst_return_ratio": max(returns) if returns else None,
             "store": stored.store.stats(),
+            "restart": restart,
+            "worst_restart_ratio": max(s["ratio"] for s in restart),
+            "disk": disk,
+            "disk_bytes_per_position": round(disk["bytes_this_model"] / max(1, disk["blocks_this_model"] * 16), 1),
         }
     if ns.json:
         print(json.dumps(report, indent=2))
@@ -128,5 +167,18 @@ def run(ns) -> int:
     print(
         f"store: {st['bytes'] / 2**20:,.1f} MiB of {st['budget'] / 2**20:,.0f} MiB, {st['prefixes']} prefixes, "
         f"{st['evictions']} evictions · worst return / cold TTFT: {report['worst_return_ratio']}"
+    )
+    print("after a restart (a new session over the same disk tier):")
+    print("conv  prompt  source  reused  computed  read MiB  read ms  TTFT ms  cold ms  ratio  same")
+    for s in restart:
+        print(
+            f"{s['conversation']:>4}  {s['prompt_positions']:6d}  {s['source']:6s}  {s['reused']:6d}  "
+            f"{s['computed']:8d}  {s['read_bytes'] / 2**20:8.1f}  {s['read_ms'] or 0:7.1f}  {s['ttft_ms']:7.1f}  "
+            f"{s['ttft_without_store_ms']:7.1f}  {s['ratio']:5.3f}  {s['same_reply']}"
+        )
+    d = report["disk"]
+    print(
+        f"disk: {d['bytes'] / 2**20:,.1f} MiB in {d['blocks']} blocks, {report['disk_bytes_per_position']:,.0f} B per "
+        f"position · worst restart return / cold TTFT: {report['worst_restart_ratio']}"
     )
     return 0
