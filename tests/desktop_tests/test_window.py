@@ -876,16 +876,19 @@ def test_the_settings_dialog_fits_a_laptop_screen_and_parts_this_conversation_fr
     assert dlg.capacity.specialValueText() == "model default: min(context, 4,096)"
 
 
-def test_the_app_and_the_server_take_the_same_capacity_by_default(smollm2_gguf, tmp_path):
-    """One default for the same file: the app's settings (capacity left to the model) and `engine serve`."""
-    from desktop.settings import Settings
+def test_the_app_and_the_server_take_the_same_capacity_by_default(smollm2_gguf, tmp_path, monkeypatch):
+    """One default for the same file: the app's settings (capacity left to the model) and `engine serve`; the app
+    alone keeps a disk tier, in its data folder."""
+    from desktop.settings import DISK_FOLDER, Settings
     from desktop.settings_dialog import open_settings
     from engine.cli import parser
     from engine.spec import LoadSpec
 
+    monkeypatch.setenv("KVCHAT_DATA_DIR", str(tmp_path))
     app = dataclasses.replace(Settings.load(open_settings(tmp_path)).engine(), path=str(smollm2_gguf))
     served = LoadSpec.from_args(parser().parse_args(["serve", "--model", str(smollm2_gguf)]))
-    assert app == served  # the same spec: capacity left to the engine in both
+    assert app.disk_cache == str(tmp_path / DISK_FOLDER) and served.disk_cache is None
+    assert dataclasses.replace(app, disk_cache=None) == served  # the same spec: capacity left to the engine in both
     _, a = app.open()
     _, b = served.open()
     assert a.cache.capacity == b.cache.capacity == 4096  # min(its context 8,192, 4,096)
