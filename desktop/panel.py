@@ -103,6 +103,8 @@ def disk_words(disk: dict | None) -> str:
     )
     if disk["blocks"] != disk["blocks_this_model"]:
         text += f" ({disk['blocks']:,} in all)"
+    if disk.get("queued_blocks"):
+        text += f", {disk['queued_blocks']:,} being written"
     if disk.get("read_rate"):
         text += f" · read at {fmt_size(disk['read_rate'])}/s"
     if disk.get("refused"):
@@ -295,7 +297,7 @@ class StatsPanel(QScrollArea):
             self._row(sf, name, label)
         self.storeTree = QTreeWidget()
         self.storeTree.setObjectName("storeTree")
-        self.storeTree.setHeaderLabels(["Prefix", "Positions", "Size"])
+        self.storeTree.setHeaderLabels(["Prefix", "Positions", "Size", "Disk"])
         self.storeTree.setRootIsDecorated(True)
         self.storeTree.setIndentation(12)
         self.storeTree.setMinimumHeight(120)
@@ -304,6 +306,7 @@ class StatsPanel(QScrollArea):
         header.setSectionResizeMode(0, QHeaderView.Stretch)
         header.setSectionResizeMode(1, QHeaderView.ResizeToContents)
         header.setSectionResizeMode(2, QHeaderView.ResizeToContents)
+        header.setSectionResizeMode(3, QHeaderView.ResizeToContents)
         header.setStretchLastSection(False)
         sf.addRow(self.storeTree)
         lay.addWidget(store_box)
@@ -611,24 +614,26 @@ class StatsPanel(QScrollArea):
                 name += f" · from {starts}"  # two leaves of the same title differ here
             if seg["working"]:
                 name += "  · working cache"
-            on_disk = seg.get("disk") or 0
-            if on_disk:
-                name += "  · on disk" if on_disk >= n - n % 16 else f"  · {on_disk:,} on disk"
+            on_disk = seg.get("disk") or 0  # whole blocks only: a partial last block is never on disk
+            disk = "" if not on_disk else "all" if on_disk >= n - n % 16 else f"{on_disk:,}"
             size = fmt_size(seg["bytes"] if seg["bytes"] is not None else n * per)
             if seg["working"]:  # the working cache's own positions: not in the store, not counted in Held
                 size = f"({size})"
-            item = QTreeWidgetItem([name, f"{seg['start']:,}–{seg['end'] - 1:,}", size])
+            item = QTreeWidgetItem([name, f"{seg['start']:,}–{seg['end'] - 1:,}", size, disk])
             reused = f", {seg['reused']:,} reused by the last request" if seg["reused"] else ""
             where = "\nheld by the working cache, outside the store: not counted in Held" if seg["working"] else ""
-            item.setToolTip(0, plain_tooltip(f"{name}\n{n:,} positions from position {seg['start']:,}{reused}{where}"))
+            where += f"\n{on_disk:,} of its positions on disk too (whole blocks of 16)" if on_disk else ""
+            tip = plain_tooltip(f"{name}\n{n:,} positions from position {seg['start']:,}{reused}{where}")
+            for col in range(4):
+                item.setToolTip(col, tip)
             if seg["reused"] or seg["working"]:
                 font = QFont(item.font(0))
                 font.setBold(bool(seg["reused"]))
                 font.setItalic(seg["working"])
-                for col in range(3):
+                for col in range(4):
                     item.setFont(col, font)
                 if seg["reused"]:
-                    for col in range(3):
+                    for col in range(4):
                         item.setForeground(col, QBrush(QColor("#7fd08a")))
             parent.addChild(item) if isinstance(parent, QTreeWidgetItem) else parent.addTopLevelItem(item)
             for c in seg["children"]:

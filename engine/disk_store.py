@@ -384,6 +384,7 @@ class DiskStore:
                 "blocks_this_model": len(mine),
                 "bytes_this_model": sum(e.nbytes for e in mine.values()),
                 "evictions": self.evictions,
+                "queued_blocks": len(self._queued),  # waiting for the writer
                 "refused": list(self.refused),
                 "read_rate": self.read_rate,
             }
