@@ -46,6 +46,21 @@ def _ids(seed: int, n: int, vocab: int) -> list[int]:
     return [rnd.randrange(4, vocab) for _ in range(n)]
 
 
+def _against_cold(prompt, got, ref) -> dict:
+    """One return's figures beside the cold prefill of the same prompt (`ref`): reuse, TTFT, their ratio."""
+    r = got.reuse
+    return {
+        "prompt_positions": len(prompt),
+        "source": r.source,
+        "reused": r.reused,
+        "computed": r.computed,
+        "ttft_ms": got.trace["ttft_ms"],
+        "ttft_without_store_ms": ref.trace["ttft_ms"],
+        "ratio": round(got.trace["ttft_ms"] / ref.trace["ttft_ms"], 4),
+        "same_reply": got.token_ids == ref.token_ids,
+    }
+
+
 def run(ns) -> int:
     import torch
 
@@ -85,23 +100,9 @@ def run(ns) -> int:
                 ref = ttft(cold, prompt, name)
                 r = got.reuse
                 steps.append(
-                    {
-                        "conversation": name,
-                        "turn": rnd + 1,
-                        "prompt_positions": len(prompt),
-                        "source": r.source,
-                        "reused": r.reused,
-                        "computed": r.computed,
-                        "copied_bytes": r.copied_bytes,
-                        "copy_ms": r.copy_ms,
-                        "stashed_bytes": r.stashed_bytes,
-                        "stash_ms": r.stash_ms,
-                        "ttft_ms": got.trace["ttft_ms"],
-                        "ttft_without_store_ms": ref.trace["ttft_ms"],
-                        "ratio": round(got.trace["ttft_ms"] / ref.trace["ttft_ms"], 4),
-                        "store_bytes": stored.store.bytes,
-                        "same_reply": got.token_ids == ref.token_ids,
-                    }
+                    {"conversation": name, "turn": rnd + 1, **_against_cold(prompt, got, ref)}
+                    | {"copied_bytes": r.copied_bytes, "copy_ms": r.copy_ms, "stashed_bytes": r.stashed_bytes}
+                    | {"stash_ms": r.stash_ms, "store_bytes": stored.store.bytes}
                 )
                 prompt += list(got.token_ids) + _ids(100 * rnd + ord(name), ns.message, vocab)
         stored.flush()
@@ -111,21 +112,9 @@ def run(ns) -> int:
                             disk=DiskStore(disk_dir, ns.disk_budget))  # fmt: skip
             list(again.generate(Request(prompt_ids=tuple(_ids(0, 64, vocab)), max_new_tokens=2)))  # warm, as above
             got, ref = ttft(again, prompt, name), ttft(cold, prompt, name)
-            r = got.reuse
             restart.append(
-                {
-                    "conversation": name,
-                    "prompt_positions": len(prompt),
-                    "source": r.source,
-                    "reused": r.reused,
-                    "computed": r.computed,
-                    "read_bytes": r.copied_bytes,
-                    "read_ms": r.copy_ms,
-                    "ttft_ms": got.trace["ttft_ms"],
-                    "ttft_without_store_ms": ref.trace["ttft_ms"],
-                    "ratio": round(got.trace["ttft_ms"] / ref.trace["ttft_ms"], 4),
-                    "same_reply": got.token_ids == ref.token_ids,
-                }
+                {"conversation": name, **_against_cold(prompt, got, ref)}
+                | {"read_bytes": got.reuse.copied_bytes, "read_ms": got.reuse.copy_ms}
             )
         disk = stored.disk.stats(stored.disk_fingerprint)
         returns = [s["ratio"] for s in steps if s["turn"] > 1]

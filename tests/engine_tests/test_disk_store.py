@@ -30,6 +30,15 @@ def cli(*args) -> dict:
     return json.loads(r.stdout)
 
 
+def written(directory, messages):
+    """The demo model, and its reply to `messages` from a session whose disk tier is `directory`, flushed."""
+    loaded = load_model(None)
+    s = Session(loaded, disk=DiskStore(directory, 2**30))
+    want = reply(s, messages)
+    assert s.flush()
+    return loaded, want
+
+
 def reply(session, messages, **kw):
     final = list(session.generate(Request(messages=messages, max_new_tokens=12, **kw)))[-1]
     assert isinstance(final, Finished), final
@@ -54,11 +63,8 @@ def test_a_new_process_reads_the_cache_back_from_disk_and_replies_as_a_fresh_run
 
 
 def test_entries_made_under_other_settings_are_not_used_and_the_report_says_why(tmp_path):
-    loaded = load_model(None)
     msgs = long_conversation(3)
-    s = Session(loaded, disk=DiskStore(tmp_path, 2**30))
-    want = reply(s, msgs)
-    assert s.flush()
+    loaded, want = written(tmp_path, msgs)
     again = Session(loaded, disk=DiskStore(tmp_path, 2**30))
     assert reply(again, msgs).reuse.source == "disk"
     for kv in ("int8", "int4"):
@@ -73,11 +79,8 @@ def test_entries_made_under_other_settings_are_not_used_and_the_report_says_why(
 
 
 def test_a_damaged_or_truncated_block_is_refused_removed_and_computed_again(tmp_path):
-    loaded = load_model(None)
     msgs = long_conversation(4)
-    s = Session(loaded, disk=DiskStore(tmp_path, 2**30))
-    want = reply(s, msgs)
-    assert s.flush()
+    loaded, want = written(tmp_path, msgs)
     by_start = {int(p.name.split("-")[2].removesuffix(".kv")): p for p in tmp_path.glob("*.kv")}
     truncated, garbled = by_start[32], by_start[64]
     truncated.write_bytes(truncated.read_bytes()[:-100])  # a write cut short (what a failing disk leaves)
