@@ -1,5 +1,6 @@
-"""The Models dialog: the models already on this machine (the Hugging Face cache, LM Studio, Ollama, the
-folders a person added), as `python -m engine models` lists them, opened with a click.
+"""The Models dialog: the bundled demo model and the models already on this machine (the Hugging Face cache,
+LM Studio, Ollama, the folders a person added), as `python -m engine models` lists them, opened with a click;
+the model in use is marked.
 
 The scan runs on a thread of its own and rows appear as they are read, so the window never waits;
 a model kvchat cannot open is listed greyed, with the reason.
@@ -25,7 +26,7 @@ from PySide6.QtWidgets import (
     QVBoxLayout,
 )
 
-from engine.weights.catalog import default_cache, scan
+from engine.weights.catalog import bundled_row, default_cache, is_bundled, scan
 
 from .outside_text import plain, plain_tooltip
 from .panel import fmt_size
@@ -120,6 +121,7 @@ class ModelsDialog(QDialog):
         self.table.setRowCount(0)
         self.rows = []
         self.rescanButton.setEnabled(False)
+        self._add_row(bundled_row())  # always there: the way back to the demo model
         self._scan = _Scan()
         self._scan.row.connect(self._add_row)
         self._scan.done.connect(self._scan_done)
@@ -130,8 +132,13 @@ class ModelsDialog(QDialog):
         r = self.table.rowCount()
         self.table.insertRow(r)
         status = "ready" if found.openable else f"cannot open: {found.reason}"
-        if self.current and Path(found.path) == Path(self.current):
-            status = "open now" if found.openable else status
+        in_use = (
+            is_bundled(self.current)
+            if found.source == "bundled"
+            else self.current and Path(found.path) == Path(self.current)
+        )
+        if in_use and found.openable:
+            status = "in use"
         cells = (
             found.name,
             found.source,
@@ -147,19 +154,24 @@ class ModelsDialog(QDialog):
             item.setToolTip(plain_tooltip(f"{found.path}\n{status}"))
             if not found.openable:
                 item.setForeground(QBrush(QColor("#8a93a6")))
+            if status == "in use":  # the model loaded now, in bold
+                font = item.font()
+                font.setBold(True)
+                item.setFont(font)
             if c in (4, 6):
                 item.setTextAlignment(Qt.AlignRight | Qt.AlignVCenter)
             self.table.setItem(r, c, item)
 
     def _scan_done(self, error: str) -> None:
         self.rescanButton.setEnabled(True)
-        n, ok = len(self.rows), sum(r.openable for r in self.rows)
+        found = [r for r in self.rows if r.source != "bundled"]
+        n, ok = len(found), sum(r.openable for r in found)
         if error:
             self.note.setText(f"The scan stopped: {error}")
         elif not n:
             self.note.setText(
-                "No models found in the Hugging Face cache, LM Studio or Ollama. Add a folder, or open a "
-                "GGUF file or a model folder directly."
+                "No models found in the Hugging Face cache, LM Studio or Ollama (the bundled demo model is always "
+                "here). Add a folder, or open a GGUF file or a model folder directly."
             )
         else:
             found = f"{n} model{'s' if n != 1 else ''} found"

@@ -36,6 +36,7 @@ from PySide6.QtWidgets import (
 
 from engine.session import OVERFLOW_POLICIES
 from engine.trace import now
+from engine.weights.catalog import is_bundled
 
 from .branch_view import BranchView
 from .chat import ChatController
@@ -559,7 +560,7 @@ class MainWindow(QMainWindow):
     def _models_chosen(self, dlg: ModelsDialog, result: int) -> None:
         new = dataclasses.replace(self.settings, model_folders=os.pathsep.join(dlg.folders))
         if result == QDialog.Accepted and dlg.chosen:
-            new.model = dataclasses.replace(new.model, path=dlg.chosen)
+            new.model = dataclasses.replace(new.model, path=None if is_bundled(dlg.chosen) else dlg.chosen)
             new.backend = "local"  # a model on this computer was picked: run it here
         self.apply_settings(new)
 

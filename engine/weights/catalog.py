@@ -116,6 +116,20 @@ def _folder_row(folder: Path, name: str, source: str) -> FoundModel:
     return FoundModel(name, str(folder), source, "safetensors", arch, params, quant, size, reason is None, reason)
 
 
+def bundled_row() -> FoundModel:
+    """The bundled demo model, as a row: always there, whatever else is on the machine."""
+    from .bundled import DEMO_MODEL
+
+    return _folder_row(DEMO_MODEL, "kvchat-demo", "bundled")
+
+
+def is_bundled(path: str | None) -> bool:
+    """Whether a model path names the bundled demo model (None does: it is the default)."""
+    from .bundled import DEMO_MODEL
+
+    return path is None or Path(path).resolve() == DEMO_MODEL.resolve()
+
+
 def _gguf_row(path: Path, name: str, source: str) -> FoundModel:
     size = path.stat().st_size
     try:

@@ -495,7 +495,9 @@ def test_the_models_dialog_lists_what_is_on_disk_and_opens_one_with_a_click(
         pass
     table = dlg.table
     names = [table.item(r, 0).text() for r in range(table.rowCount())]
-    assert set(names) == NAMES
+    assert names[0] == "kvchat-demo" and table.item(0, 1).text() == "bundled"  # always listed, first
+    assert table.item(0, 7).text() == "in use" and table.item(0, 0).font().bold()  # the model loaded now
+    assert set(names[1:]) == NAMES and dlg.note.text().startswith(f"{len(NAMES)} models found")
     row = {n: r for r, n in enumerate(names)}
     cells = [table.item(row["tiny-qwen2:q8_0"], c).text() for c in range(table.columnCount())]
     assert cells[1:4] == ["ollama", "gguf", "qwen2"] and cells[5] == "Q8_0" and cells[7] == "ready"
