@@ -18,6 +18,7 @@ from engine.events import Failed, Finished, PrefillDone, PrefillProgress, Prefil
 ORIGINS = {
     "kept": "kept from the working cache",
     "copied": "copied from the prefix store",
+    "disk": "read from the disk tier",
     "computed": "computed now (prefill)",
     "generated": "decoded now (the reply)",
     "pending": "to be computed (prefill under way)",
@@ -44,7 +45,8 @@ class CacheMap:
     prompt: int = 0  # the request's prompt positions (a fork's kept reply tokens included)
     reply_from: int = 0  # where the reply's own positions start (a fork's kept tokens are the reply's)
     kept: int = 0  # [0, kept): kept from the working cache
-    reused: int = 0  # [kept, reused): copied from the prefix store
+    reused: int = 0  # [kept, reused): copied from the prefix store, or read from its disk tier
+    reused_from: str = "copied"  # which of the two
     computed_to: int = 0  # [reused, computed_to): computed so far by the prefill
     held_before: int = 0  # the working cache's length before the request: [length, held_before) was thrown away
     first_invalidated: int | None = None
@@ -77,6 +79,7 @@ class CacheMap:
             self.prompt, self.spans = ev.prompt_tokens, tuple(ev.message_spans)
             self.reply_from = self.prompt - self.forced
             self.kept, self.reused = r.reused - r.copied_positions, r.reused
+            self.reused_from = "disk" if r.source == "disk" else "copied"
             self.computed_to = self.length = r.reused
             first = r.first_invalidated_position
             self.first_invalidated = first
@@ -138,7 +141,7 @@ class CacheMap:
         live = self.filled
         runs = [
             (0, self.kept, "kept"),
-            (self.kept, self.reused, "copied"),
+            (self.kept, self.reused, self.reused_from),
             (self.reused, self.computed_to, "computed"),
             (self.computed_to, self.prompt, "pending"),
             (self.prompt, self.length, "generated"),

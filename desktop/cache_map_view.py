@@ -19,6 +19,7 @@ from .style import current_theme
 ORIGIN_COLOURS = {
     "kept": "#3f9f6b",
     "copied": "#3a83cf",
+    "disk": "#7a6fe0",
     "computed": "#e0862f",
     "generated": "#d9bd2c",
     "pending": None,  # an outline in the computed colour
@@ -207,6 +208,7 @@ class CacheMapGrid(QWidget):
 FILL_WORDS = (
     ("kept", "kept"),
     ("copied", "from the store"),
+    ("disk", "from disk"),
     ("computed", "computed now"),
     ("generated", "decoded now"),
 )

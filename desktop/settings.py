@@ -44,6 +44,7 @@ CONVERSATION_FIELDS = (
     "seed",
     "overflow",
 )
+RECENT_MODELS = 6  # the quick switcher's models
 DEFAULT_OVERFLOW = "truncate-middle"  # the app's: the system prompt, the first turn and the latest turns stay
 SYSTEM_PRESETS = {  # the Settings dialog's system prompts to start from
     "A helpful assistant": "You are a helpful assistant.",
@@ -74,6 +75,7 @@ class Settings:
     token_alternatives: int = 5  # alternatives kept per token of a reply (0: only the chosen token's figures)
     token_colours: str = "off"  # a reply's tokens coloured by: off | probability | entropy
     overflow: str = DEFAULT_OVERFLOW  # a conversation longer than the cache: engine.session.OVERFLOW_POLICIES
+    recent_models: str = ""  # the local models used lately, newest first: a JSON list of paths ("": the demo)
 
     def own_presets(self) -> dict[str, str]:
         """The person's saved system-prompt presets (a damaged value reads as none)."""
@@ -84,6 +86,22 @@ class Settings:
         if not isinstance(value, dict):
             return {}
         return {k: v for k, v in value.items() if isinstance(k, str) and isinstance(v, str) and k and v}
+
+    def recent(self) -> list[str | None]:
+        """The local models used lately, newest first (None: the bundled demo model); a damaged value reads
+        as none."""
+        try:
+            value = json.loads(self.recent_models or "[]")
+        except ValueError:
+            return []
+        if not isinstance(value, list):
+            return []
+        return [p or None for p in value if isinstance(p, str)][:RECENT_MODELS]
+
+    def remember(self, path: str | None) -> None:
+        """`path` (None: the demo model) is the newest of the recent models."""
+        kept = [p for p in self.recent() if p != path]
+        self.recent_models = json.dumps([path or "", *("" if p is None else p for p in kept)][:RECENT_MODELS])
 
     def conversation_summary(self) -> str:
         """The conversation's own system prompt and sampling in a line (shown above its messages)."""

@@ -125,11 +125,16 @@ class MessageView(QFrame):
         self.reply.firstPainted.connect(self.firstTextPainted)
         lay.addWidget(self.reply)
         self.body.setVisible(False)
+        self.modelChangeLabel = plain(QLabel())  # this reply's model is not the previous reply's
+        self.modelChangeLabel.setObjectName("modelChangeNote")
+        self.modelChangeLabel.setWordWrap(True)
+        self.modelChangeLabel.setVisible(False)
+        lay.insertWidget(0, self.modelChangeLabel)
         self.leftOutLabel = plain(QLabel())  # the last reply's prompt left this message out (the overflow policy)
         self.leftOutLabel.setObjectName("leftOutNote")
         self.leftOutLabel.setWordWrap(True)
         self.leftOutLabel.setVisible(False)
-        lay.insertWidget(1, self.leftOutLabel)
+        lay.insertWidget(2, self.leftOutLabel)  # under the role row
         self.footerLabel = plain(QLabel())  # a reply's figures (chat.reply_footer); a person's message has none
         self.footerLabel.setObjectName("replyFooter")
         self.footerLabel.setWordWrap(True)
@@ -141,6 +146,16 @@ class MessageView(QFrame):
         self.editRow: QWidget | None = None
         self.highlight: tuple[int, int] | None = None
         self.set_content(message.content, message.status, message.token_count)
+
+    def set_model(self, name: str | None, changed: str) -> None:
+        """A reply's model beside its role ("Assistant · SmolLM2…"), and the line where the model changed."""
+        role = html.escape(ROLE_NAMES.get(self.message.role, self.message.role))
+        text = f"<b>{role}</b>" + (f" <span style='font-weight:normal'>· {html.escape(name)}</span>" if name else "")
+        if self.roleLabel.text() != text:
+            self.roleLabel.setText(text)
+        if self.modelChangeLabel.text() != changed:
+            self.modelChangeLabel.setText(changed)
+            self.modelChangeLabel.setVisible(bool(changed))
 
     def set_left_out(self, note: str) -> None:
         """Marked (a note, a dashed frame) when the last reply's prompt left this message out; "" clears it."""

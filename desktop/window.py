@@ -46,6 +46,7 @@ from .context_meter import ContextMeter
 from .export_import import export_conversation, import_conversation
 from .held_banner import HeldBanner
 from .menus import build_menus
+from .model_switch import ModelSwitch, RegenerateWith
 from .models_dialog import ModelsDialog
 from .outside_text import plain, warn
 from .pacing import RedrawPacer
@@ -95,11 +96,13 @@ class MainWindow(QMainWindow):
         self._deleted: list[int] = []
         self._task: asyncio.Task | None = None
         self._closing = False
+        self._regenerate_on_load = False  # Regenerate with…: the reply is made again once the model has loaded
         self.worker_left_running = False  # closed while the worker was inside a call it cannot leave
         self.importing = None  # the import running on its own thread (export_import.py)
         self._panel_at = 0.0
         self._build()
         self.apply_theme()
+        self.show_models()
         self.chat = ChatController(self._open_store(), self.client, self.settings, self, now)
         self._show_first_conversation()
         self._update_buttons()
@@ -152,6 +155,10 @@ class MainWindow(QMainWindow):
         self.conversationSettingsLabel.setVisible(False)
         cl.addWidget(self.conversationSettingsLabel)
         tokens_row = QHBoxLayout()
+        self.modelSwitch = ModelSwitch()
+        self.modelSwitch.switchTo.connect(self.switch_model)
+        self.modelSwitch.browse.connect(self.open_models_dialog)
+        tokens_row.addWidget(self.modelSwitch)
         self.tokenColours = QComboBox()
         self.tokenColours.setObjectName("tokenColours")
         self.tokenColours.setAccessibleName("Colour each reply's tokens by")
@@ -179,6 +186,9 @@ class MainWindow(QMainWindow):
         cl.addWidget(self.transcript, 1)
         actions = QHBoxLayout()
         self.regenerateButton = button("Regenerate", "regenerateButton", self.regenerate, actions)
+        self.regenerateWith = RegenerateWith()
+        self.regenerateWith.chosen.connect(self.regenerate_with)
+        actions.addWidget(self.regenerateWith)
         self.continueButton = button("Continue", "continueButton", self.continue_reply, actions)
         self.regenerateHint = plain(QLabel())  # under greedy sampling, why Regenerate gives the same reply
         self.regenerateHint.setObjectName("regenerateHint")
@@ -387,21 +397,36 @@ class MainWindow(QMainWindow):
         """Show the current branch (branch_view.BranchView; `reveal`: from this branch index at least), and
         the panel the figures of its last reply (another conversation's or branch's never stay)."""
         self.branch.render(reveal)
-        self.mark_left_out()
+        self.mark_transcript()
         last = next((v.message.id for v in reversed(self.transcript.views) if v.message.role == "assistant"), None)
         if self.chat.follow_shown(last):
             self.pacer.mark_dirty()
 
-    def mark_left_out(self) -> None:
-        """The messages the last reply on screen did not see (its overflow policy left them out), marked."""
-        views = self.transcript.views
-        last = next((v.message for v in reversed(views) if v.message.role == "assistant" and v.message.trace), None)
-        record = last.trace if last is not None and isinstance(last.trace, dict) else {}
-        gone = set(record.get("left_out") or ())
+    def mark_transcript(self) -> None:
+        """What the transcript says beside messages, from the branch's stored replies: the model that made each
+        reply, a line where the model changed between replies, and the messages the last reply did not see
+        (its overflow policy left them out). Views drawn later (the backfill) are marked as they are made."""
+        path = [row[0] for row in self.branch.rows] or [v.message for v in self.transcript.views]
+        replies = [m for m in path if m.role == "assistant" and isinstance(m.trace, dict)]
+        record = replies[-1].trace if replies else {}
         policy = OVERFLOW_POLICIES.get((record.get("reuse") or {}).get("overflow"), "")
-        note = f"Not seen by the model for the last reply: left out to fit the cache ({policy})"
-        for v in views:
-            v.set_left_out(note if v.message.id in gone else "")
+        left_out = f"Not seen by the model for the last reply: left out to fit the cache ({policy})"
+        marks = {mid: {"left_out": left_out} for mid in record.get("left_out") or ()}
+        before = None
+        for m in replies:
+            name = (m.trace.get("made_by") or {}).get("name")
+            marks.setdefault(m.id, {})["model"] = name
+            if before is not None and name is not None and name != before:
+                marks[m.id]["changed"] = f"Model changed: {before} → {name} (a new model: its cache started empty)"
+            before = name or before
+        self._marks = marks
+        for v in self.transcript.views:
+            self._mark(v)
+
+    def _mark(self, view: MessageView) -> None:
+        mark = getattr(self, "_marks", {}).get(view.message.id, {})
+        view.set_left_out(mark.get("left_out", ""))
+        view.set_model(mark.get("model"), mark.get("changed", ""))
 
     def _fit_view(self, view: MessageView) -> None:
         """A message view's buttons as the window's state allows: no edits while a reply runs, no Compare
@@ -428,6 +453,7 @@ class MainWindow(QMainWindow):
         view.forkRequested.connect(self.fork_reply)
         view.firstTextPainted.connect(self._on_first_paint)
         self._fit_view(view)  # a view added later (a chunk of the backfill) as well as those drawn now
+        self._mark(view)
         return view
 
     def show_earlier(self) -> None:
@@ -584,10 +610,29 @@ class MainWindow(QMainWindow):
             self.statsPanel.set("reuseReasonValue", f"for the next request: {facts['cache_dropped']}")
         self.statusBar().showMessage(note, 10000)
         self.show_meter()
+        if facts.get("backend") != "remote":
+            path = self.settings.model.path
+            self.settings.remember(None if is_bundled(path) else path)  # the demo by any of its names: one entry
+            self.settings.save(self.qsettings)
+        self.show_models()
         self._update_buttons()
         self.modelReady.emit(facts)
+        if self._regenerate_on_load:
+            self._regenerate_on_load = False
+            self.regenerate(same_model=False)
+
+    def show_models(self) -> None:
+        """The model in use and the recent ones, in the switcher and in Regenerate with…"""
+        remote = None
+        if (self.facts or {}).get("backend") == "remote":
+            remote = f"{self.facts['name']} (remote)"
+        current, recent = self.settings.model.path, self.settings.recent()
+        current = None if is_bundled(current) else current
+        self.modelSwitch.show_models(current, recent, remote)
+        self.regenerateWith.show_models([p for p in recent if remote or p != current])
 
     def _on_model_failed(self, error: str) -> None:
+        self._regenerate_on_load = False
         self.loadProgress.setVisible(False)
         keep = " The previous model is still in use." if self.facts else ""
         self.show_error(f"The model could not be loaded: {error}.{keep}")
@@ -655,6 +700,7 @@ class MainWindow(QMainWindow):
         self.stopButton.setVisible(self.generating)
         self.sendButton.setEnabled(ready)
         self.regenerateButton.setEnabled(ready and self.chat.can_regenerate())
+        self.regenerateWith.setEnabled(ready and self.chat.can_regenerate())
         self.continueButton.setEnabled(ready and self.chat.can_continue())
 
     def _show_status_line(self) -> None:
@@ -693,10 +739,27 @@ class MainWindow(QMainWindow):
             self.render_transcript()
         self.composer.setFocus()  # the edited view is rebuilt: focus would fall to the search field
 
-    def regenerate(self) -> None:
+    def switch_model(self, path: str | None) -> None:
+        """Run this computer's model `path` (None: the demo model) from the next reply on; the transcript marks
+        the change at the first reply it makes."""
+        if self.generating:
+            return
+        new = dataclasses.replace(self.settings, model=dataclasses.replace(self.settings.model, path=path))
+        new.backend = "local"
+        self.apply_settings(new)
+
+    def regenerate_with(self, path: str | None) -> None:
+        """The last reply made again by model `path`, once it has loaded: a new branch, labelled with it."""
+        if self.generating or self.chat.regenerate_target() is None:
+            return
+        self._regenerate_on_load = True
+        self.switch_model(path)
+
+    def regenerate(self, same_model: bool = True) -> None:
+        """The last reply again (`same_model`: by the model that made it, which under greedy sampling repeats it)."""
         target = self.chat.regenerate_target()
         if target is not None:
-            self.regenerateHint.setVisible(self.chat.settings_for().temperature == 0)
+            self.regenerateHint.setVisible(same_model and self.chat.settings_for().temperature == 0)
             self.start_reply(target, now())
 
     def continue_reply(self) -> None:

@@ -5,6 +5,7 @@ conversation's positions back from disk; the panel's tree marks what is on disk;
 from conversations import long_conversation
 from gui import panel, send
 
+from desktop.cache_map_view import ORIGIN_COLOURS
 from desktop.settings import DISK_FOLDER
 from engine.events import Finished
 
@@ -35,6 +36,11 @@ def test_a_conversation_returns_from_disk_after_a_restart(qtbot, make_window, sp
     r = final.reuse
     assert r.source == "disk" and r.reused >= s["cached"] - 16 and r.copied_bytes > 0
     assert panel(w2, "reuseSourceValue").startswith(f"disk tier · {r.copied_positions:,} positions read")
+    runs = [x for x in w2.chat.cache_map.origins() if x[2] != "empty"]
+    assert runs[0] == (0, r.reused, "disk")  # the context map: read from disk, its own colour
+    grid = w2.statsPanel.cacheMap.grid
+    cell = grid.cell_rect(0)
+    assert grid.grab().toImage().pixelColor(cell.center().x(), cell.bottom() - 2).name() == ORIGIN_COLOURS["disk"]
     assert "blocks of this model" in panel(w2, "diskValue") and "read at" in panel(w2, "diskValue")
     tree = w2.statsPanel.storeTree
     rows = [(tree.topLevelItem(k).text(0), tree.topLevelItem(k).text(3)) for k in range(tree.topLevelItemCount())]

@@ -1,0 +1,83 @@
+"""The model in use, above the conversation, with a quick switch to the models used lately; and the menu that
+regenerates the last reply with one of them (a new branch, labelled with the model that made it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from PySide6.QtCore import Signal
+from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QMenu, QToolButton, QWidget
+
+from .outside_text import plain
+
+OTHER = "other"  # the switcher's last item: the Models dialog
+
+
+def model_name(path: str | None) -> str:
+    """A model's name as the switcher shows it: the file or folder's name (the demo: kvchat-demo)."""
+    return "kvchat-demo (bundled)" if path is None else Path(path).name or path
+
+
+class ModelSwitch(QWidget):
+    """'Model: <the model in use> ▾': the recent models, then 'Other models…'. `switchTo` carries the path
+    chosen (None: the demo model); `browse` the wish for the Models dialog."""
+
+    switchTo = Signal(object)
+    browse = Signal()
+
+    def __init__(self):
+        super().__init__()
+        lay = QHBoxLayout(self)
+        lay.setContentsMargins(0, 0, 0, 0)
+        lay.addWidget(plain(QLabel("Model:")))
+        self.combo = QComboBox()
+        self.combo.setObjectName("modelSwitch")
+        self.combo.setAccessibleName("Model in use")
+        self.combo.setToolTip("The model that answers in this conversation now; pick another one to switch to it")
+        self.combo.setSizeAdjustPolicy(QComboBox.AdjustToContents)
+        self.combo.activated.connect(self._picked)
+        lay.addWidget(self.combo)
+        self.paths: list[str | None] = []
+
+    def show_models(self, current: str | None, recent: list[str | None], remote: str | None = None) -> None:
+        """The model in use first (`remote`: a server's model, named so), then the other recent local ones."""
+        self.combo.blockSignals(True)
+        self.combo.clear()
+        self.paths = ([] if remote else [current]) + [p for p in recent if remote or p != current]
+        if remote:
+            self.combo.addItem(remote, "remote")
+        for p in self.paths:
+            self.combo.addItem(model_name(p), p)
+        self.combo.addItem("Other models…", OTHER)
+        self.combo.setCurrentIndex(0)
+        self.combo.blockSignals(False)
+
+    def _picked(self, index: int) -> None:
+        data = self.combo.itemData(index)
+        self.combo.setCurrentIndex(0)  # the model in use stays shown until the switch has loaded
+        if data == OTHER:
+            self.browse.emit()
+        elif index > 0:  # the first item is the model in use
+            self.switchTo.emit(data)
+
+
+class RegenerateWith(QToolButton):
+    """'Regenerate with…': the last reply again, by another of the recent models (`chosen` carries its path)."""
+
+    chosen = Signal(object)
+
+    def __init__(self):
+        super().__init__()
+        self.setObjectName("regenerateWithButton")
+        self.setText("Regenerate with…")
+        self.setAccessibleName("Regenerate the last reply with another model")
+        self.setToolTip("The last reply made again by another model: a new branch, labelled with the model")
+        self.setPopupMode(QToolButton.InstantPopup)
+        self.setMenu(QMenu(self))
+
+    def show_models(self, others: list[str | None]) -> None:
+        menu = self.menu()
+        menu.clear()
+        for p in others:
+            menu.addAction(model_name(p), lambda p=p: self.chosen.emit(p))
+        self.setVisible(bool(others))
