@@ -1,9 +1,10 @@
-"""`python -m engine info|generate|replay|chat|models|serve`: the engine's command line (its tools add bench,
-quality and selftest: see engine/__main__.py)."""
+"""`python -m engine info|generate|replay|chat|models|serve|search|pull`: the engine's command line (its tools
+add bench, quality and selftest: see engine/__main__.py)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -247,6 +248,46 @@ def cmd_models(ns) -> int:
     return 0
 
 
+def cmd_search(ns) -> int:
+    """Text-generation models on the Hugging Face Hub whose name matches."""
+    from .hub import search
+
+    rows = search(ns.query, ns.limit)
+    if ns.json:
+        print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
+        return 0
+    if not rows:
+        print(f"no text-generation models match {ns.query!r}")
+    for r in rows:
+        gated = " · gated" if r.gated else ""
+        print(f"{r.repo}  [{', '.join(r.formats) or '?'}{gated}]  {r.downloads:,} downloads · {r.likes:,} likes")
+    return 0
+
+
+def cmd_pull(ns) -> int:
+    """REPO[:FILE] from the Hub into its cache, resumed where an earlier try stopped; prints what --model takes."""
+    import time
+
+    from .hub import pull
+
+    started, last = time.monotonic(), [0.0]
+
+    def report(done: int, total: int, what: str) -> None:
+        now = time.monotonic()
+        if now - last[0] < 0.5 and done < total:
+            return
+        last[0] = now
+        rate = done / max(1e-6, now - started)
+        left = (total - done) / rate if rate > 0 else float("inf")
+        eta = f"{left:,.0f} s left" if left != float("inf") else "—"
+        print(f"{what}: {done / 2**20:,.1f} / {total / 2**20:,.1f} MiB · {rate / 2**20:,.1f} MiB/s · {eta}",
+              file=sys.stderr, flush=True)  # fmt: skip
+
+    path = pull(ns.spec, report)
+    print(json.dumps({"path": str(path)}) if ns.json else path)
+    return 0
+
+
 CHAT_HELP = "/edit N text · /regen · /stats · /reset · /quit"
 
 
@@ -361,6 +402,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--queue-size", type=int, default=8, help="requests that may wait before 429")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     _overflow_arg(p, ' (for a request that names none; a request\'s own "overflow" field wins)')
+    p = sub.add_parser("search", help="text-generation models on the Hugging Face Hub (HF_ENDPOINT)")
+    p.add_argument("query")
+    p.add_argument("--limit", type=int, default=30)
+    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("pull", help="download REPO or REPO:FILE from the Hub into its cache (resumable, checked)")
+    p.add_argument("spec", metavar="REPO[:FILE]")
+    p.add_argument("--json", action="store_true")
     p = sub.add_parser("chat", help="interactive terminal chat")
     LoadSpec.add_arguments(p)
     _sampling_args(p)
@@ -385,6 +433,8 @@ COMMANDS = {
     "chat": cmd_chat,
     "models": cmd_models,
     "serve": cmd_serve,
+    "search": cmd_search,
+    "pull": cmd_pull,
 }
 
 

@@ -194,7 +194,7 @@ FLOORS = [
         ),
     ),
     ("backends", ("engine.backends",)),
-    ("weights", ("engine.weights",)),
+    ("weights", ("engine.weights", "engine.hub")),
     ("runtime", ("engine.session", "engine.compare", "engine.spec")),
     ("http", ("engine.http",)),
     ("entry points", ("engine", "engine.cli", "engine.__main__")),

@@ -1,0 +1,121 @@
+"""A stand-in for the Hugging Face Hub on loopback, speaking the part of its HTTP API that huggingface_hub uses
+to search, list a repository's files and download them (HEAD and ranged GET on /resolve/, the commit and ETag
+headers, a gated repository's 401). The real Hub cannot be reached from these machines; the client code under
+test is exactly what runs against it (`HF_ENDPOINT` points it here)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import threading
+import time
+
+from servers import free_port
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+@dataclasses.dataclass
+class Repo:
+    files: dict[str, bytes]  # path -> content
+    gated: bool = False
+    served: dict[str, bytes] = dataclasses.field(default_factory=dict)  # what is sent instead (a corrupt copy)
+    tags: tuple[str, ...] = ("gguf",)
+
+
+class HubStandIn:
+    """`repos`: id -> Repo. `trickle`: (path, after this many bytes) — the rest of that file comes slowly,
+    so a test can stop a download in the middle. `ranges` records each GET's Range header, by path."""
+
+    def __init__(self, repos: dict[str, Repo], trickle: tuple[str, int] | None = None):
+        import uvicorn
+        from starlette.applications import Starlette
+        from starlette.responses import JSONResponse, Response, StreamingResponse
+        from starlette.routing import Route
+
+        self.repos, self.trickle = repos, trickle
+        self.ranges: dict[str, list[str | None]] = {}
+
+        def info(repo_id: str) -> dict:
+            r = self.repos[repo_id]
+            siblings = []
+            for path, data in r.files.items():
+                s = {"rfilename": path, "size": len(data), "blobId": hashlib.sha1(data).hexdigest()}
+                if len(data) > 64:  # an LFS file: its sha256 is what the client checks
+                    s["lfs"] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
+                siblings.append(s)
+            return {"id": repo_id, "modelId": repo_id, "sha": COMMIT, "private": False, "gated": "auto" if r.gated
+                    else False, "tags": list(r.tags), "pipeline_tag": "text-generation", "siblings": siblings,
+                    "downloads": 1000, "likes": 10}  # fmt: skip
+
+        async def models(request):
+            q = (request.query_params.get("search") or "").lower()
+            rows = [info(k) for k in self.repos if q in k.lower()]
+            return JSONResponse([{k: v for k, v in row.items() if k != "siblings"} for row in rows])
+
+        async def model_info(request):
+            repo_id = f"{request.path_params['org']}/{request.path_params['name']}"
+            if repo_id not in self.repos:
+                return JSONResponse({"error": "Repository not found"}, 404, headers={"X-Error-Code": "RepoNotFound"})
+            return JSONResponse(info(repo_id))
+
+        async def resolve(request):
+            repo_id = f"{request.path_params['org']}/{request.path_params['name']}"
+            path = request.path_params["path"]
+            r = self.repos.get(repo_id)
+            if r is None:
+                return JSONResponse({"error": "Repository not found"}, 404, headers={"X-Error-Code": "RepoNotFound"})
+            if path not in r.files:
+                return JSONResponse({"error": "Entry not found"}, 404, headers={"X-Error-Code": "EntryNotFound"})
+            if r.gated and not request.headers.get("authorization"):
+                return JSONResponse(
+                    {"error": "Access to this model is restricted"},
+                    401,
+                    headers={"X-Error-Code": "GatedRepo", "X-Error-Message": "Access to this model is restricted"},
+                )
+            data = r.served.get(path, r.files[path])
+            etag = hashlib.sha256(r.files[path]).hexdigest()
+            headers = {"X-Repo-Commit": COMMIT, "ETag": f'"{etag}"', "Accept-Ranges": "bytes"}
+            if request.method == "HEAD":
+                return Response(b"", headers={**headers, "Content-Length": str(len(data))})
+            rng = request.headers.get("range")
+            self.ranges.setdefault(path, []).append(rng)
+            start = int(rng.split("=")[1].split("-")[0]) if rng else 0
+            body = data[start:]
+            slow = self.trickle and self.trickle[0] == path and not rng  # the first try only: a resume runs at speed
+
+            async def chunks():
+                for i in range(0, len(body), 4096):
+                    if slow and start + i >= self.trickle[1]:
+                        await asyncio.sleep(0.05)
+                    yield body[i : i + 4096]
+
+            status = 206 if rng else 200
+            headers["Content-Length"] = str(len(body))
+            if rng:
+                headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
+            return StreamingResponse(chunks(), status_code=status, headers=headers)
+
+        app = Starlette(
+            routes=[
+                Route("/api/models", models),
+                Route("/api/models/{org}/{name}", model_info),
+                Route("/api/models/{org}/{name}/revision/{rev}", model_info),
+                Route("/{org}/{name}/resolve/{rev}/{path:path}", resolve, methods=["GET", "HEAD"]),
+            ]
+        )
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="critical"))
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread.start()
+        end = time.monotonic() + 20
+        while not self._server.started:
+            if time.monotonic() > end:
+                raise RuntimeError("the Hub stand-in did not start")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(10)
