@@ -87,9 +87,7 @@ def test_a_download_killed_midway_resumes_where_it_stopped_and_nothing_half_writ
     end = time.monotonic() + 120
     partial = []
     while time.monotonic() < end and not partial:
-        partial = (
-            [p for p in blobs.glob("*.partial") if p.stat().st_size >= len(gguf) // 3] if blobs.exists() else []
-        )
+        partial = [p for p in blobs.glob("*.partial") if p.stat().st_size >= len(gguf) // 3] if blobs.exists() else []
         time.sleep(0.02)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(30)
