@@ -23,11 +23,14 @@ from PySide6.QtWidgets import (
     QPushButton,
     QTableWidget,
     QTableWidgetItem,
+    QTabWidget,
     QVBoxLayout,
+    QWidget,
 )
 
 from engine.weights.catalog import bundled_row, default_cache, is_bundled, scan
 
+from .hub_tab import HubTab
 from .outside_text import plain, plain_tooltip
 from .panel import fmt_size
 
@@ -66,12 +69,22 @@ class ModelsDialog(QDialog):
 
     def __init__(self, folders: list[str], current: str | None, parent=None, env=None, home=None, cache=None):
         super().__init__(parent)
-        self.setWindowTitle("Models on this computer")
+        self.setWindowTitle("Models")
         self.resize(1120, 460)
         self.folders, self.current, self.chosen = list(folders), current, None
         self._env, self._home, self._cache = env, home, default_cache() if cache is None else cache
         self.rows: list = []
-        lay = QVBoxLayout(self)
+        outer = QVBoxLayout(self)
+        self.tabs = QTabWidget()
+        self.tabs.setObjectName("modelsTabs")
+        local = QWidget()
+        lay = QVBoxLayout(local)
+        lay.setContentsMargins(0, 0, 0, 0)
+        self.tabs.addTab(local, "On this computer")
+        self.hub = HubTab()
+        self.hub.downloaded.connect(self._downloaded)
+        self.tabs.addTab(self.hub, "Hugging Face Hub")
+        outer.addWidget(self.tabs, 1)
         self.note = plain(QLabel("Looking in the Hugging Face cache, LM Studio, Ollama and your folders…"))
         self.note.setObjectName("modelsNote")
         self.note.setWordWrap(True)
@@ -113,7 +126,8 @@ class ModelsDialog(QDialog):
         buttons.addStretch(1)
         buttons.addWidget(cancel)
         buttons.addWidget(self.openButton)
-        lay.addLayout(buttons)
+        outer.addLayout(buttons)
+        self.finished.connect(lambda _: self.hub.stop())  # a download running is paused, to go on later
         self.rescan()
 
     # --- scanning ----------------------------------------------------------------------------------
@@ -188,6 +202,11 @@ class ModelsDialog(QDialog):
         if 0 <= r < len(self.rows) and self.rows[r].openable:
             self.chosen = self.rows[r].path
             self.accept()
+
+    def _downloaded(self, path: str) -> None:
+        """A download from the Hub is whole and checked: it is the model to open."""
+        self.chosen = path
+        self.accept()
 
     def add_folder(self) -> None:
         d = QFileDialog.getExistingDirectory(self, "A folder that holds models")

@@ -49,12 +49,30 @@ class HubFile:
         return dataclasses.asdict(self)
 
 
+def endpoint() -> str:
+    """The Hub asked: HF_ENDPOINT as it is now (huggingface_hub reads it once, when first imported)."""
+    from huggingface_hub import constants
+
+    return os.environ.get("HF_ENDPOINT") or constants.ENDPOINT
+
+
+def hub_cache() -> Path:
+    """The hub cache as the environment names it now (HF_HUB_CACHE, else HF_HOME/hub, else the default)."""
+    from huggingface_hub import constants
+
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]) / "hub"
+    return Path(constants.HF_HUB_CACHE)
+
+
 def _api():
     try:
         from huggingface_hub import HfApi
     except ImportError as e:  # a dependency: only a broken install lacks it
         raise HubError(f"downloading needs huggingface_hub ({e})") from None
-    return HfApi()
+    return HfApi(endpoint=endpoint())
 
 
 def _said(e: Exception, repo: str | None = None) -> HubError:
@@ -73,9 +91,7 @@ def _said(e: Exception, repo: str | None = None) -> HubError:
     if isinstance(e, errors.EntryNotFoundError):
         return HubError(f"the file was not found in{what}")
     if isinstance(e, (errors.LocalEntryNotFoundError, OSError)) or "Connect" in name or "Timeout" in name:
-        from huggingface_hub import constants
-
-        return HubError(f"cannot reach the Hub at {constants.ENDPOINT}: {e}")
+        return HubError(f"cannot reach the Hub at {endpoint()}: {e}")
     return HubError(f"the Hub refused: {name}: {e}")
 
 
@@ -142,6 +158,30 @@ class Progress:
             self.report(self.done, self.total, self.what)
 
 
+def discard_partial(repo: str) -> int:
+    """Forget what an unfinished download of `repo` left (Cancel): its .partial files; returns how many."""
+    blobs = hub_cache() / f"models--{repo.replace('/', '--')}" / "blobs"
+    gone = 0
+    for p in blobs.glob("*.partial") if blobs.is_dir() else ():
+        try:
+            p.unlink()
+            gone += 1
+        except OSError:
+            pass
+    return gone
+
+
+def fits(size: int) -> tuple[bool, str]:
+    """Whether weights of `size` bytes fit the memory free now (with a fifth spare for the cache and the
+    rest), in words."""
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # a system that does not say
+        return True, "free memory not known"
+    ok = size <= 0.8 * free
+    return ok, f"fits ({free / 2**30:,.1f} GiB free)" if ok else f"too big for the {free / 2**30:,.1f} GiB free"
+
+
 def sha256_of(path: Path, chunk: int = 8 * 2**20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -182,12 +222,12 @@ def _download(repo: str, f: HubFile, commit: str, progress: Progress) -> Path:
     temporary files are per process, so a download it began is not resumed by the next run), and the blob is
     renamed into place only once whole and matching the Hub's SHA-256."""
     import httpx
-    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
     from huggingface_hub.utils import build_hf_headers, hf_raise_for_status
 
-    url = hf_hub_url(repo, f.path, revision=commit)
+    url = hf_hub_url(repo, f.path, revision=commit, endpoint=endpoint())
     meta = get_hf_file_metadata(url)
-    root = Path(constants.HF_HUB_CACHE) / f"models--{repo.replace('/', '--')}"
+    root = hub_cache() / f"models--{repo.replace('/', '--')}"
     blob = root / "blobs" / meta.etag
     link = root / "snapshots" / commit / f.path
     if not blob.exists():

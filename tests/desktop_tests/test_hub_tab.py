@@ -1,0 +1,85 @@
+"""The Models dialog's Hub tab, against a stand-in of the Hugging Face Hub on loopback: search, a repository's
+files with their quantization, size and whether they fit, a download paused and resumed from where it stopped
+with its progress shown, then opened; with no Hub at all, a clear message and the local models still listed."""
+
+import os
+
+import pytest
+from PySide6.QtCore import Qt
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+from hub_standin import COMMIT, HubStandIn, Repo
+from servers import free_port
+
+from engine.tools.gguf_export import write_gguf
+
+
+@pytest.fixture
+def hub(tmp_path, demo_model_dir, monkeypatch):
+    gguf = write_gguf(demo_model_dir, tmp_path / "demo.gguf", "F32", tokenizer=True).read_bytes()
+    server = HubStandIn({"kvchat/demo-GGUF": Repo({"demo-F32.gguf": gguf, "demo-Q4_K_M.gguf": gguf})},
+                        trickle=("demo-Q4_K_M.gguf", len(gguf) // 4))  # fmt: skip
+    for k in [k for k in os.environ if k.startswith("HF_")]:
+        monkeypatch.delenv(k)
+    for k, v in dict(HF_ENDPOINT=server.url, HF_HOME=str(tmp_path / "hf"), HF_HUB_CACHE=str(tmp_path / "hub"),
+                     HF_HUB_DISABLE_XET="1").items():  # fmt: skip
+        monkeypatch.setenv(k, v)
+    yield server, gguf, tmp_path / "hub"
+    server.stop()
+
+
+def test_search_pick_download_pause_resume_and_open(qtbot, make_window, spin_loop, demo_model_dir, hub):
+    server, gguf, cache = hub
+    w = make_window(demo_model_dir)
+    dlg = w.open_models_dialog()
+    tab = dlg.hub
+    dlg.tabs.setCurrentWidget(tab)
+    qtbot.keyClicks(tab.query, "kvchat")
+    with qtbot.waitSignal(tab.searched, timeout=30000):
+        qtbot.mouseClick(tab.searchButton, Qt.LeftButton)
+    assert tab.repos.rowCount() == 1 and tab.repos.item(0, 0).text() == "kvchat/demo-GGUF"
+    assert tab.repos.item(0, 1).text() == "gguf" and tab.repos.item(0, 2).text() == "1,000"
+    with qtbot.waitSignal(tab.listed, timeout=30000):
+        tab.repos.selectRow(0)
+    files = {tab.files.item(r, 0).text(): r for r in range(tab.files.rowCount())}
+    assert set(files) == {"demo-F32.gguf", "demo-Q4_K_M.gguf"}
+    row = files["demo-Q4_K_M.gguf"]
+    assert tab.files.item(row, 1).text() == "Q4_K_M" and tab.files.item(row, 4).text().startswith("fits (")
+    tab.files.selectRow(row)
+    assert tab.downloadButton.isEnabled() and not tab.pauseButton.isEnabled()
+
+    qtbot.mouseClick(tab.downloadButton, Qt.LeftButton)
+    spin_loop(lambda: 250 <= tab.progress.value() < 1000, 60)  # past a quarter: the stand-in slows down there
+    assert "MiB/s" in tab.progress.format() and tab.pauseButton.isEnabled()
+    qtbot.mouseClick(tab.pauseButton, Qt.LeftButton)
+    spin_loop(lambda: tab.proc is None, 30)
+    assert tab.note.text().startswith("Paused: kvchat/demo-GGUF:demo-Q4_K_M.gguf")
+    assert tab.downloadButton.text() == "Resume" and tab.cancelButton.isEnabled()
+    assert not list((cache / "models--kvchat--demo-GGUF" / "snapshots").glob("*/*.gguf"))  # nothing half-written
+
+    ready = []
+    w.modelReady.connect(ready.append)
+    qtbot.mouseClick(tab.downloadButton, Qt.LeftButton)
+    spin_loop(lambda: ready, 120)
+    want = cache / "models--kvchat--demo-GGUF" / "snapshots" / COMMIT / "demo-Q4_K_M.gguf"
+    assert dlg.chosen == str(want) and open(want, "rb").read() == gguf
+    assert w.facts["path"] == str(want) and w.settings.model.path == str(want)
+    resumed = server.ranges["demo-Q4_K_M.gguf"][-1]
+    assert resumed is not None and int(resumed.split("=")[1].split("-")[0]) >= len(gguf) // 4
+
+
+def test_without_a_hub_the_tab_says_so_and_the_local_models_stay(qtbot, make_window, demo_model_dir, monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{free_port()}")
+    w = make_window(demo_model_dir)
+    dlg = w.open_models_dialog()
+    with qtbot.waitSignal(dlg.scanned, timeout=60000):
+        pass
+    tab = dlg.hub
+    qtbot.keyClicks(tab.query, "smollm2")
+    with qtbot.waitSignal(tab.searched, timeout=30000):
+        qtbot.mouseClick(tab.searchButton, Qt.LeftButton)
+    assert tab.note.text().startswith(f"cannot reach the Hub at {os.environ['HF_ENDPOINT']}")
+    assert "still listed in the other tab" in tab.note.text() and tab.repos.rowCount() == 0
+    assert dlg.table.item(0, 0).text() == "kvchat-demo"  # the local list is untouched
