@@ -128,6 +128,8 @@ class ModelsDialog(QDialog):
         buttons.addWidget(self.openButton)
         outer.addLayout(buttons)
         self.finished.connect(lambda _: self.hub.stop())  # a download running is paused, to go on later
+        local_buttons = (self.addFolderButton, self.fileButton, self.rescanButton, self.openButton)
+        self.tabs.currentChanged.connect(lambda i: [b.setVisible(i == 0) for b in local_buttons])  # the Hub's own
         self.rescan()
 
     # --- scanning ----------------------------------------------------------------------------------

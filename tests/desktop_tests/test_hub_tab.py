@@ -36,6 +36,7 @@ def test_search_pick_download_pause_resume_and_open(qtbot, make_window, spin_loo
     dlg = w.open_models_dialog()
     tab = dlg.hub
     dlg.tabs.setCurrentWidget(tab)
+    assert dlg.openButton.isHidden() and dlg.rescanButton.isHidden()  # the other tab's buttons
     qtbot.keyClicks(tab.query, "kvchat")
     with qtbot.waitSignal(tab.searched, timeout=30000):
         qtbot.mouseClick(tab.searchButton, Qt.LeftButton)
