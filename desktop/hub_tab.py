@@ -26,7 +26,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.hub import HubError, choose, discard_partial, fits, repo_files, search
+from engine.hub import HubError, choose, discard_partial, fits, repo_facts, repo_files, search
 
 from .outside_text import plain
 from .panel import fmt_size, set_bar
@@ -51,6 +51,12 @@ class _Ask(QObject):
                 self.answered.emit(key, HubError(f"{type(e).__name__}: {e}"))
 
         threading.Thread(target=run, name="kvchat-hub", daemon=True).start()
+
+
+def _files_and_facts(repo: str):
+    """A repository's files and what the Hub says of its model (the list's two questions, on one thread)."""
+    commit, files = repo_files(repo)
+    return files, repo_facts(repo, commit, files)
 
 
 def _table(name: str, columns: tuple[str, ...]) -> QTableWidget:
@@ -95,7 +101,7 @@ class HubTab(QWidget):
         self.repos = _table("hubRepos", ("Repository", "Formats", "Downloads", "Likes", "Access"))
         self.repos.itemSelectionChanged.connect(self._repo_picked)
         lay.addWidget(self.repos, 1)
-        self.files = _table("hubFiles", ("File", "Quantization", "Size", "kvchat", "Memory"))
+        self.files = _table("hubFiles", ("File", "Quantization", "Size", "KV / position", "kvchat", "Memory"))
         self.files.itemSelectionChanged.connect(self._update)
         lay.addWidget(self.files, 1)
         bottom = QHBoxLayout()
@@ -140,7 +146,7 @@ class HubTab(QWidget):
             repo = self.found[r].repo
             self.files.setRowCount(0)
             self.note.setText(f"Listing the files of {repo}…")
-            self._ask.ask(("files", repo), repo_files, repo)
+            self._ask.ask(("files", repo), _files_and_facts, repo)
 
     def _answered(self, key, answer) -> None:
         kind, what = key
@@ -153,7 +159,7 @@ class HubTab(QWidget):
         if kind == "search":
             self._show_repos(what, answer)
         else:
-            self._show_files(what, answer[1])
+            self._show_files(what, *answer)
 
     def _show_repos(self, text: str, found: list) -> None:
         self.found = found
@@ -171,7 +177,7 @@ class HubTab(QWidget):
                           f"No text-generation models match “{text}”.")  # fmt: skip
         self.searched.emit()
 
-    def _show_files(self, repo: str, files: list) -> None:
+    def _show_files(self, repo: str, files: list, facts) -> None:
         shown = [f for f in files if f.kind in ("gguf", "safetensors")]
         try:
             folder = choose(repo, files, None) if any(f.kind == "safetensors" for f in shown) else None
@@ -180,18 +186,26 @@ class HubTab(QWidget):
         if folder:  # a safetensors model is one download: the folder
             size = sum(f.size for f in folder)
             shown = [f for f in shown if f.kind == "gguf"]
-            rows = [("(the whole model: safetensors folder)", "as stored", size, "yes")]
+            rows = [("(the whole model: safetensors folder)", "as stored", size)]
         else:
             rows = []
-        rows += [(f.path, f.quantization or "?", f.size, "yes") for f in shown if f.kind == "gguf"]
+        rows += [(f.path, f.quantization or "?", f.size) for f in shown if f.kind == "gguf"]
         self.listing = (repo, rows)
         self.files.setRowCount(0)
-        for path, quant, size, ok in rows:
+        kv = facts.kv_bytes_per_position
+        ok = "yes" if facts.reason is None else f"no: {facts.reason}"
+        for path, quant, size in rows:
             r = self.files.rowCount()
             self.files.insertRow(r)
-            room = fits(size)[1]
-            for c, v in enumerate((path, quant, fmt_size(size), ok, room)):
-                self.files.setItem(r, c, QTableWidgetItem(v))
+            need = size + (kv or 0) * min(facts.context or 4096, 4096)  # the weights, and a full default cache
+            room = fits(need)[1]
+            for c, v in enumerate((path, quant, fmt_size(size), fmt_size(kv) if kv else "after download", ok, room)):
+                item = QTableWidgetItem(v)
+                if c == 3 and not kv:
+                    item.setToolTip(
+                        "The Hub's summary of a GGUF file does not give its KV heads: known once it is here"
+                    )
+                self.files.setItem(r, c, item)
         self.note.setText(f"{repo}: {len(rows)} to download. Pick one and press Download." if rows else
                           f"{repo} holds no GGUF file and no safetensors model kvchat can open.")  # fmt: skip
         self._update()

@@ -126,6 +126,51 @@ def repo_files(repo: str, revision: str | None = None) -> tuple[str, list[HubFil
     return info.sha, files
 
 
+@dataclasses.dataclass(frozen=True)
+class RepoFacts:
+    """What the Hub says of a repository's model before anything is downloaded."""
+
+    architecture: str | None
+    reason: str | None  # why kvchat cannot open it; None: it can
+    kv_bytes_per_position: int | None  # 2·L·H_kv·d·b at the checkpoint's dtype; None: not known before a download
+    context: int | None
+
+
+def repo_facts(repo: str, commit: str | None = None, files: list[HubFile] = ()) -> RepoFacts:
+    """The architecture (a GGUF repository's from the Hub's summary of its files, a safetensors one's from its
+    config), whether kvchat opens it, and, where a config.json is there to read (a few KB), the KV bytes per
+    position."""
+    from huggingface_hub import hf_hub_download
+
+    from .config import SUPPORTED_ARCHITECTURES, config_from_dict, read_json
+    from .weights.gguf_file import ARCHITECTURES
+
+    try:
+        info = _api().model_info(repo, revision=commit, expand=["config", "gguf"])
+    except Exception as e:
+        raise _said(e, repo) from None
+    gguf = getattr(info, "gguf", None) or {}
+    if gguf.get("architecture"):
+        arch = gguf["architecture"]
+        reason = None if arch in ARCHITECTURES else f"GGUF architecture {arch!r} is not supported yet"
+        return RepoFacts(arch, reason, None, gguf.get("context_length"))
+    arch = ((getattr(info, "config", None) or {}).get("architectures") or [None])[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        return RepoFacts(arch, f"architecture {arch!r} is not supported yet" if arch else "no architecture given",
+                         None, None)  # fmt: skip
+    if not any(f.path == "config.json" for f in files):
+        return RepoFacts(arch, None, None, None)
+    try:
+        path = hf_hub_download(repo, "config.json", revision=commit, endpoint=endpoint(), cache_dir=hub_cache())
+        raw = read_json(Path(path))
+        cfg = config_from_dict(raw, Path(path))
+    except Exception as e:  # a config kvchat cannot read: it would not open either
+        return RepoFacts(arch, f"its config.json does not read: {e}", None, None)
+    width = {"float32": 4}.get(str(raw.get("torch_dtype") or raw.get("dtype")), 2)
+    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * width
+    return RepoFacts(arch, None, kv, cfg.max_position_embeddings)
+
+
 def choose(repo: str, files: list[HubFile], filename: str | None) -> list[HubFile]:
     """The files a pull of `repo[:filename]` downloads: that GGUF file, or a safetensors folder's weights with
     its config and tokenizer. A repository of several GGUF files needs one named."""

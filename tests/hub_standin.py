@@ -22,6 +22,7 @@ class Repo:
     gated: bool = False
     served: dict[str, bytes] = dataclasses.field(default_factory=dict)  # what is sent instead (a corrupt copy)
     tags: tuple[str, ...] = ("gguf",)
+    summary: dict = dataclasses.field(default_factory=dict)  # the Hub's `gguf` or `config` field (expand=...)
 
 
 class HubStandIn:
@@ -47,7 +48,7 @@ class HubStandIn:
                 siblings.append(s)
             return {"id": repo_id, "modelId": repo_id, "sha": COMMIT, "private": False, "gated": "auto" if r.gated
                     else False, "tags": list(r.tags), "pipeline_tag": "text-generation", "siblings": siblings,
-                    "downloads": 1000, "likes": 10}  # fmt: skip
+                    "downloads": 1000, "likes": 10, **r.summary}  # fmt: skip
 
         async def models(request):
             q = (request.query_params.get("search") or "").lower()

@@ -13,14 +13,25 @@ pytest.importorskip("uvicorn")
 from hub_standin import COMMIT, HubStandIn, Repo
 from servers import free_port
 
+from desktop.panel import fmt_size
 from engine.tools.gguf_export import write_gguf
 
 
 @pytest.fixture
 def hub(tmp_path, demo_model_dir, monkeypatch):
     gguf = write_gguf(demo_model_dir, tmp_path / "demo.gguf", "F32", tokenizer=True).read_bytes()
-    server = HubStandIn({"kvchat/demo-GGUF": Repo({"demo-F32.gguf": gguf, "demo-Q4_K_M.gguf": gguf})},
-                        trickle=("demo-Q4_K_M.gguf", len(gguf) // 4))  # fmt: skip
+    llama = {"gguf": {"architecture": "llama", "context_length": 2048}}
+    folder = {n: (demo_model_dir / n).read_bytes() for n in ("config.json", "tokenizer.json", "model.safetensors")}
+    server = HubStandIn(
+        {
+            "kvchat/demo-GGUF": Repo({"demo-F32.gguf": gguf, "demo-Q4_K_M.gguf": gguf}, summary=llama),
+            "kvchat/demo": Repo(
+                folder, tags=("safetensors",), summary={"config": {"architectures": ["LlamaForCausalLM"]}}
+            ),
+            "kvchat/new-GGUF": Repo({"new-Q4_0.gguf": gguf}, summary={"gguf": {"architecture": "gemma3"}}),
+        },
+        trickle=("demo-Q4_K_M.gguf", len(gguf) // 4),
+    )
     for k in [k for k in os.environ if k.startswith("HF_")]:
         monkeypatch.delenv(k)
     for k, v in dict(HF_ENDPOINT=server.url, HF_HOME=str(tmp_path / "hf"), HF_HUB_CACHE=str(tmp_path / "hub"),
@@ -40,14 +51,26 @@ def test_search_pick_download_pause_resume_and_open(qtbot, make_window, spin_loo
     qtbot.keyClicks(tab.query, "kvchat")
     with qtbot.waitSignal(tab.searched, timeout=30000):
         qtbot.mouseClick(tab.searchButton, Qt.LeftButton)
-    assert tab.repos.rowCount() == 1 and tab.repos.item(0, 0).text() == "kvchat/demo-GGUF"
-    assert tab.repos.item(0, 1).text() == "gguf" and tab.repos.item(0, 2).text() == "1,000"
-    with qtbot.waitSignal(tab.listed, timeout=30000):
-        tab.repos.selectRow(0)
-    files = {tab.files.item(r, 0).text(): r for r in range(tab.files.rowCount())}
+    repos = {tab.repos.item(r, 0).text(): r for r in range(tab.repos.rowCount())}
+    assert set(repos) == {"kvchat/demo-GGUF", "kvchat/demo", "kvchat/new-GGUF"}
+    g = repos["kvchat/demo-GGUF"]
+    assert tab.repos.item(g, 1).text() == "gguf" and tab.repos.item(g, 2).text() == "1,000"
+
+    def files_of(repo):
+        with qtbot.waitSignal(tab.listed, timeout=30000):
+            tab.repos.selectRow(repos[repo])
+        return {tab.files.item(r, 0).text(): [tab.files.item(r, c).text() for c in range(6)] for r in
+                range(tab.files.rowCount())}  # fmt: skip
+
+    folder = files_of("kvchat/demo")["(the whole model: safetensors folder)"]
+    assert folder[3] == fmt_size(2 * 6 * 4 * 32 * 4) and folder[4] == "yes"  # 2·L·H_kv·d·b from its config.json
+    new = files_of("kvchat/new-GGUF")["new-Q4_0.gguf"]
+    assert new[4] == "no: GGUF architecture 'gemma3' is not supported yet" and new[3] == "after download"
+    files = files_of("kvchat/demo-GGUF")
     assert set(files) == {"demo-F32.gguf", "demo-Q4_K_M.gguf"}
-    row = files["demo-Q4_K_M.gguf"]
-    assert tab.files.item(row, 1).text() == "Q4_K_M" and tab.files.item(row, 4).text().startswith("fits (")
+    cells = files["demo-Q4_K_M.gguf"]
+    assert cells[1] == "Q4_K_M" and cells[4] == "yes" and cells[5].startswith("fits (")
+    row = list(files).index("demo-Q4_K_M.gguf")
     tab.files.selectRow(row)
     assert tab.downloadButton.isEnabled() and not tab.pauseButton.isEnabled()
 
