@@ -61,6 +61,11 @@ class MessageView(QFrame):
         head = QHBoxLayout()
         self.roleLabel = rich(QLabel(f"<b>{html.escape(ROLE_NAMES.get(message.role, message.role))}</b>"))
         head.addWidget(self.roleLabel)
+        self.modelLabel = plain(QLabel())  # the model that made a reply: clipped before the row widens the transcript
+        self.modelLabel.setObjectName("replyModel")
+        self.modelLabel.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Preferred)
+        self.modelLabel.setMinimumWidth(0)
+        head.addWidget(self.modelLabel, 1)
         self.statusLabel = plain(QLabel())
         self.statusLabel.setObjectName("messageStatus")
         head.addWidget(self.statusLabel)
@@ -149,10 +154,10 @@ class MessageView(QFrame):
 
     def set_model(self, name: str | None, changed: str) -> None:
         """A reply's model beside its role ("Assistant · SmolLM2…"), and the line where the model changed."""
-        role = html.escape(ROLE_NAMES.get(self.message.role, self.message.role))
-        text = f"<b>{role}</b>" + (f" <span style='font-weight:normal'>· {html.escape(name)}</span>" if name else "")
-        if self.roleLabel.text() != text:
-            self.roleLabel.setText(text)
+        text = f"· {name}" if name else ""
+        if self.modelLabel.text() != text:
+            self.modelLabel.setText(text)
+            self.modelLabel.setToolTip(f"Made by {name}" if name else "")
         if self.modelChangeLabel.text() != changed:
             self.modelChangeLabel.setText(changed)
             self.modelChangeLabel.setVisible(bool(changed))

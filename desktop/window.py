@@ -619,7 +619,7 @@ class MainWindow(QMainWindow):
         self.modelReady.emit(facts)
         if self._regenerate_on_load:
             self._regenerate_on_load = False
-            self.regenerate(same_model=False)
+            self._regenerate(same_model=False)
 
     def show_models(self) -> None:
         """The model in use and the recent ones, in the switcher and in Regenerate with…"""
@@ -755,8 +755,12 @@ class MainWindow(QMainWindow):
         self._regenerate_on_load = True
         self.switch_model(path)
 
-    def regenerate(self, same_model: bool = True) -> None:
-        """The last reply again (`same_model`: by the model that made it, which under greedy sampling repeats it)."""
+    def regenerate(self) -> None:
+        self._regenerate(same_model=True)
+
+    def _regenerate(self, same_model: bool) -> None:
+        """The last reply again (`same_model`: by the model that made it, which under greedy sampling repeats it;
+        a button's clicked(bool) must not reach this flag)."""
         target = self.chat.regenerate_target()
         if target is not None:
             self.regenerateHint.setVisible(same_model and self.chat.settings_for().temperature == 0)

@@ -47,7 +47,7 @@ def test_a_switch_mid_conversation_is_marked_and_regenerate_with_makes_a_labelle
     second = send(qtbot, w, spin_loop, "And for 750 yuan?")
     assert second.reuse.first_invalidated_position == 0 and "cache dropped" in second.reuse.reason
     views = w.transcript.views
-    assert "kvchat-demo" in views[1].roleLabel.text() and llama_dir.name in views[3].roleLabel.text()
+    assert "kvchat-demo" in views[1].modelLabel.text() and llama_dir.name in views[3].modelLabel.text()
     assert views[1].modelChangeLabel.isHidden() and views[3].modelChangeLabel.isVisibleTo(w)
     assert views[3].modelChangeLabel.text().startswith(f"Model changed: kvchat-demo → {llama_dir.name}")
     assert first.text in views[1].message.content  # the demo's reply stays as it was
@@ -62,11 +62,11 @@ def test_a_switch_mid_conversation_is_marked_and_regenerate_with_makes_a_labelle
     views = w.transcript.views
     last = views[-1]
     assert w.facts["name"] == "kvchat-demo" and last.branchLabel.text() == "2/2"
-    assert "kvchat-demo" in last.roleLabel.text() and last.modelChangeLabel.isHidden()  # demo after demo
+    assert "kvchat-demo" in last.modelLabel.text() and last.modelChangeLabel.isHidden()  # demo after demo
     assert "kvchat-demo" in last.footerLabel.text()
     assert w.regenerateHint.isHidden()  # another model: not "the same reply again" under greedy sampling
     qtbot.mouseClick(last.prevButton, Qt.LeftButton)  # the other branch keeps its model and its figures
     spin_loop(lambda: w.transcript.views[-1].branchLabel.text() == "1/2", 10)
     other = w.transcript.views[-1]
-    assert llama_dir.name in other.roleLabel.text() and llama_dir.name in other.footerLabel.text()
+    assert llama_dir.name in other.modelLabel.text() and llama_dir.name in other.footerLabel.text()
     assert other.modelChangeLabel.isVisibleTo(w)
