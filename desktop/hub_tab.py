@@ -193,7 +193,7 @@ class HubTab(QWidget):
         self.listing = (repo, rows)
         self.files.setRowCount(0)
         kv = facts.kv_bytes_per_position
-        ok = "yes" if facts.reason is None else f"no: {facts.reason}"
+        ok = f"no: {facts.reason}" if facts.reason else "yes" if facts.architecture else "not known before download"
         for path, quant, size in rows:
             r = self.files.rowCount()
             self.files.insertRow(r)

@@ -65,7 +65,7 @@ class MessageView(QFrame):
         self.modelLabel.setObjectName("replyModel")
         self.modelLabel.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Preferred)
         self.modelLabel.setMinimumWidth(0)
-        head.addWidget(self.modelLabel, 1)
+        head.addWidget(self.modelLabel, 10)  # most of the row's free room: clipped only when the row is narrow
         self.statusLabel = plain(QLabel())
         self.statusLabel.setObjectName("messageStatus")
         head.addWidget(self.statusLabel)

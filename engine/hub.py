@@ -155,9 +155,10 @@ def repo_facts(repo: str, commit: str | None = None, files: list[HubFile] = ()) 
         reason = None if arch in ARCHITECTURES else f"GGUF architecture {arch!r} is not supported yet"
         return RepoFacts(arch, reason, None, gguf.get("context_length"))
     arch = ((getattr(info, "config", None) or {}).get("architectures") or [None])[0]
+    if arch is None:  # the Hub's summary does not say: known once the files are here
+        return RepoFacts(None, None, None, None)
     if arch not in SUPPORTED_ARCHITECTURES:
-        return RepoFacts(arch, f"architecture {arch!r} is not supported yet" if arch else "no architecture given",
-                         None, None)  # fmt: skip
+        return RepoFacts(arch, f"architecture {arch!r} is not supported yet", None, None)
     if not any(f.path == "config.json" for f in files):
         return RepoFacts(arch, None, None, None)
     try:
