@@ -19,7 +19,6 @@ from PySide6.QtWidgets import (
     QLabel,
     QLineEdit,
     QProgressBar,
-    QPushButton,
     QTableWidget,
     QTableWidgetItem,
     QVBoxLayout,
@@ -30,6 +29,7 @@ from engine.hub import HubError, choose, discard_partial, fits, repo_facts, repo
 
 from .outside_text import plain
 from .panel import fmt_size, set_bar
+from .style import button
 
 PROGRESS = re.compile(
     r"^(?P<what>.+): (?P<done>[\d,.]+) / (?P<total>[\d,.]+) MiB · (?P<rate>[\d,.]+) MiB/s · (?P<eta>.+)$"
@@ -88,11 +88,8 @@ class HubTab(QWidget):
         self.query.setPlaceholderText("Search the Hugging Face Hub, e.g. SmolLM2 GGUF")
         self.query.setAccessibleName("Search the Hugging Face Hub")
         self.query.returnPressed.connect(self.run_search)
-        self.searchButton = QPushButton("Search")
-        self.searchButton.setObjectName("hubSearchButton")
-        self.searchButton.clicked.connect(self.run_search)
         row.addWidget(self.query, 1)
-        row.addWidget(self.searchButton)
+        self.searchButton = button("Search", "hubSearchButton", lambda: self.run_search(), row)
         lay.addLayout(row)
         self.note = plain(QLabel("Models for text generation, most downloaded first."))
         self.note.setObjectName("hubNote")
@@ -110,17 +107,9 @@ class HubTab(QWidget):
         self.progress.setTextVisible(True)
         self.progress.setVisible(False)
         bottom.addWidget(self.progress, 1)
-        self.downloadButton = QPushButton("Download")
-        self.downloadButton.setObjectName("hubDownloadButton")
-        self.downloadButton.clicked.connect(self.download)
-        self.pauseButton = QPushButton("Pause")
-        self.pauseButton.setObjectName("hubPauseButton")
-        self.pauseButton.clicked.connect(self.pause)
-        self.cancelButton = QPushButton("Cancel download")
-        self.cancelButton.setObjectName("hubCancelButton")
-        self.cancelButton.clicked.connect(self.cancel)
-        for b in (self.downloadButton, self.pauseButton, self.cancelButton):
-            bottom.addWidget(b)
+        self.downloadButton = button("Download", "hubDownloadButton", lambda: self.download(), bottom)
+        self.pauseButton = button("Pause", "hubPauseButton", lambda: self.pause(), bottom)
+        self.cancelButton = button("Cancel download", "hubCancelButton", lambda: self.cancel(), bottom)
         lay.addLayout(bottom)
         self._ask = _Ask()
         self._ask.answered.connect(self._answered)

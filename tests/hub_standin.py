@@ -8,10 +8,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
-import threading
-import time
 
-from servers import free_port
+from servers import serve_in_thread, stop_thread_server
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -30,7 +28,6 @@ class HubStandIn:
     so a test can stop a download in the middle. `ranges` records each GET's Range header, by path."""
 
     def __init__(self, repos: dict[str, Repo], trickle: tuple[str, int] | None = None):
-        import uvicorn
         from starlette.applications import Starlette
         from starlette.responses import JSONResponse, Response, StreamingResponse
         from starlette.routing import Route
@@ -106,17 +103,8 @@ class HubStandIn:
                 Route("/{org}/{name}/resolve/{rev}/{path:path}", resolve, methods=["GET", "HEAD"]),
             ]
         )
-        self.port = free_port()
+        self.port, self._server, self._thread = serve_in_thread(app, "the Hub stand-in")
         self.url = f"http://127.0.0.1:{self.port}"
-        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="critical"))
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
-        self._thread.start()
-        end = time.monotonic() + 20
-        while not self._server.started:
-            if time.monotonic() > end:
-                raise RuntimeError("the Hub stand-in did not start")
-            time.sleep(0.01)
 
     def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(10)
+        stop_thread_server(self._server, self._thread)

@@ -73,7 +73,6 @@ class ScriptedServer:
     ):
         """`reply`: the text to stream (a few characters a chunk) instead of the default sentence, a chunk
         every `delay` seconds."""
-        import uvicorn
         from starlette.applications import Starlette
         from starlette.responses import JSONResponse, StreamingResponse
         from starlette.routing import Route
@@ -125,20 +124,32 @@ class ScriptedServer:
             return StreamingResponse(events(), media_type="text/event-stream")
 
         app = Starlette(routes=[Route("/v1/models", models), Route("/v1/chat/completions", chat, methods=["POST"])])
-        self.port = free_port()
+        self.port, self._server, self._thread = serve_in_thread(app, "the scripted server")
         self.url = f"http://127.0.0.1:{self.port}/v1"
-        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="critical"))
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
-        self._thread.start()
-        end = time.monotonic() + 20
-        while not self._server.started:
-            if time.monotonic() > end:
-                raise RuntimeError("the scripted server did not start")
-            time.sleep(0.01)
 
     def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(10)
+        stop_thread_server(self._server, self._thread)
+
+
+def serve_in_thread(app, what: str):
+    """An ASGI app served by uvicorn on a free loopback port, on a thread of this process: (port, server, thread)."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    end = time.monotonic() + 20
+    while not server.started:
+        if time.monotonic() > end:
+            raise RuntimeError(f"{what} did not start")
+        time.sleep(0.01)
+    return port, server, thread
+
+
+def stop_thread_server(server, thread) -> None:
+    server.should_exit = True
+    thread.join(10)
 
 
 class HostileServer:
