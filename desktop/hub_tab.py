@@ -118,6 +118,7 @@ class HubTab(QWidget):
         self.proc: QProcess | None = None
         self.spec: str | None = None  # what is being (or was last) downloaded
         self._stopping = None  # "pause" | "cancel" while a stop is under way
+        self._stderr = ""  # what the running download has said (its last "error:" line is shown)
         self._update()
 
     # --- asking the Hub -------------------------------------------------------------------------------
@@ -226,7 +227,7 @@ class HubTab(QWidget):
 
     def _progress(self) -> None:
         text = bytes(self.proc.readAllStandardError()).decode("utf-8", "replace")
-        self._stderr = getattr(self, "_stderr", "") + text
+        self._stderr += text
         for line in text.splitlines():
             m = PROGRESS.match(line.strip())
             if m:
@@ -236,7 +237,7 @@ class HubTab(QWidget):
 
     def _finished(self, code: int, _status) -> None:
         out = bytes(self.proc.readAllStandardOutput()).decode("utf-8", "replace").strip()
-        err = getattr(self, "_stderr", "")
+        err = self._stderr
         self.proc, self._stderr = None, ""
         stopping, self._stopping = self._stopping, None
         if stopping == "pause":

@@ -97,6 +97,7 @@ class MainWindow(QMainWindow):
         self._task: asyncio.Task | None = None
         self._closing = False
         self._regenerate_on_load = False  # Regenerate with…: the reply is made again once the model has loaded
+        self._marks: dict[int, dict] = {}  # the transcript's notes by message id (mark_transcript)
         self.worker_left_running = False  # closed while the worker was inside a call it cannot leave
         self.importing = None  # the import running on its own thread (export_import.py)
         self._panel_at = 0.0
@@ -424,7 +425,7 @@ class MainWindow(QMainWindow):
             self._mark(v)
 
     def _mark(self, view: MessageView) -> None:
-        mark = getattr(self, "_marks", {}).get(view.message.id, {})
+        mark = self._marks.get(view.message.id, {})
         view.set_left_out(mark.get("left_out", ""))
         view.set_model(mark.get("model"), mark.get("changed", ""))
 

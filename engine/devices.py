@@ -17,6 +17,14 @@ WITHOUT_BF16 = {"avx2", "avx2-no-vnni", "generic"}  # forced variants that stand
 
 
 @functools.cache
+def free_memory() -> int | None:
+    """Bytes of memory free now, where the OS says (Linux, macOS); None elsewhere."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags as /proc/cpuinfo names them ("flags" on x86, "Features" on ARM; empty where
     there is no such file)."""

@@ -24,14 +24,16 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from .prefix_store import BLOCK
-from .prefix_store import DISK_FORMAT as FORMAT
-from .prefix_store import DISK_ROOT as ROOT
+
+FORMAT = "kvchat-kv/1"
+ROOT = hashlib.sha256(FORMAT.encode()).digest()  # the chain of block hashes starts here, "before" position 0
 
 SUFFIX = ".kv"
 RATES = "prefill-rates.json"  # each fingerprint's prefill rate measured here: a return's cost before any prefill
@@ -43,16 +45,22 @@ def fingerprint_digest(fingerprint: dict) -> str:
     return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def next_hash(h: bytes, piece) -> bytes:
-    """The chain's hash after one more block of ids."""
-    return hashlib.sha256(h + b"".join(int(i).to_bytes(4, "little", signed=True) for i in piece)).digest()
+def _packed(ids) -> bytes:
+    """Token ids as the hash reads them: 4-byte little-endian signed integers, packed in one call."""
+    return np.asarray(ids, dtype="<i4").tobytes()
+
+
+def next_hash(h: bytes | None, piece) -> bytes:
+    """The chain's hash after one more block of ids (None: the chain's start)."""
+    return hashlib.sha256((ROOT if h is None else h) + _packed(piece)).digest()
 
 
 def block_keys(ids, block: int = BLOCK) -> list[str]:
-    """The hash of each whole block of `ids`, chained over every id before it."""
-    h, keys = ROOT, []
+    """The hash of each whole block of `ids`, chained over every id before it (the ids packed once: this
+    runs on the request's path, before its prefill)."""
+    data, h, keys = _packed(ids), ROOT, []
     for start in range(0, len(ids) - block + 1, block):
-        h = next_hash(h, ids[start : start + block])
+        h = hashlib.sha256(h + data[4 * start : 4 * (start + block)]).digest()
         keys.append(h[:16].hex())
     return keys
 
@@ -148,8 +156,9 @@ class DiskStore:
         return n
 
     def chain(self, fingerprint: dict):
-        """step(hash, block ids) -> (the next hash, whether that block is on disk): walking a tree of blocks
-        from ROOT, one hash per block (the prefix store's picture marks what is on disk too)."""
+        """step(hash, block ids) -> (the next hash, whether that block is on disk): walking a tree of blocks from
+        step(None, the first block's ids), one hash per block (the prefix store's picture marks what is on disk
+        too)."""
         with self._lock:
             have = set(self.index.get(fingerprint_digest(fingerprint), {}))
 
@@ -179,7 +188,7 @@ class DiskStore:
             if entry is None:
                 return None
             try:
-                meta = _metadata(entry.path.read_bytes())
+                meta = _metadata(_header(entry.path))
                 self._fingerprints[digest] = json.loads(meta["fingerprint"])
             except (OSError, DiskEntryError, ValueError, KeyError):
                 return None
@@ -388,6 +397,13 @@ class DiskStore:
                 "refused": list(self.refused),
                 "read_rate": self.read_rate,
             }
+
+
+def _header(path: Path) -> bytes:
+    """A safetensors file's length field and header, without its tensors (what _metadata reads)."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        return head + f.read(int.from_bytes(head, "little")) if len(head) == 8 else head
 
 
 def _metadata(data: bytes) -> dict:

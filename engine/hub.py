@@ -16,6 +16,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from .devices import free_memory
 from .errors import EngineError
 
 FOLDER_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -220,9 +221,8 @@ def discard_partial(repo: str) -> int:
 def fits(size: int) -> tuple[bool, str]:
     """Whether weights of `size` bytes fit the memory free now (with a fifth spare for the cache and the
     rest), in words."""
-    try:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # a system that does not say
+    free = free_memory()
+    if free is None:  # a system that does not say
         return True, "free memory not known"
     ok = size <= 0.8 * free
     return ok, f"fits ({free / 2**30:,.1f} GiB free)" if ok else f"too big for the {free / 2**30:,.1f} GiB free"

@@ -12,19 +12,17 @@ copies it back into the working cache, where the decode kernels read contiguous 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import heapq
 import itertools
-import os
 
 import torch
+
+from .devices import free_memory
 
 BLOCK = 16  # positions per stored block (vLLM's default block size)
 BUDGET_SHARE = 0.25  # the default budget: this share of the memory free when the session starts
 
 
-DISK_FORMAT = "kvchat-kv/1"  # the disk tier's files (engine.disk_store)
-DISK_ROOT = hashlib.sha256(DISK_FORMAT.encode()).digest()  # its chain of block hashes starts here
 HEAD_TOKENS = 12  # a segment's first ids in the tree's picture: the text it starts with
 
 
@@ -62,11 +60,8 @@ def default_budget(device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * BUDGET_SHARE)
-    try:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # not every system names available pages
-        free = 4 * 2**30
-    return int(free * BUDGET_SHARE)
+    free = free_memory()
+    return int((4 * 2**30 if free is None else free) * BUDGET_SHARE)  # 4 GiB where the OS does not say
 
 
 def common_prefix(a, b) -> int:
@@ -223,32 +218,32 @@ class PrefixStore:
         """How many distinct prefixes are stored: the tree's leaves."""
         return len(self._leaves())
 
-    def tree(self, reused: Match | None = None, working: tuple[list[int], str | None] | None = None,
+    def tree(self, reused: Match | None = None, working: tuple[list[int], str | None, int] | None = None,
              disk=None) -> list[dict]:  # fmt: skip
         """The tree as nested segments (chains of single children merged): each with `label`, `start`,
         `end` (positions), `head` (its first HEAD_TOKENS ids: where it parts from its siblings), `bytes`,
         `reused` (positions of it the last request took from the store), `working` (held only by the
-        working cache), `disk` (positions of it also on disk: `disk` is the disk tier's chain step) and
-        `children`. `working` = (ids, label) adds the working cache's positions past what the store holds."""
+        working cache), `disk` (positions of it also on disk: `disk` is the disk tier's chain step, from
+        step(None, ids)) and `children`. `working` = (ids, label, positions of them on disk) adds the working
+        cache's positions past what the store holds."""
         used = {id(n): min(n.end, reused.length) - n.start for n in reused.path} if reused else {}
 
         segments: dict[int, dict] = {}
 
-        def seg(n: Node, h) -> dict:
+        def seg(n: Node, h, reachable: bool) -> dict:
             s = {"label": n.label, "start": n.start, "end": n.end, "bytes": n.nbytes, "reused": used.get(id(n), 0)}
             s["head"] = n.tokens[:HEAD_TOKENS]
             held = False
-            if disk is not None and h is not None:
+            if disk is not None and reachable:  # past a block not on disk, nothing further down is there
                 h, held = disk(h, n.tokens)
             s["disk"] = len(n.tokens) if held else 0
-            h = h if held else None  # past a block not on disk, nothing further down is reachable there
-            s["working"], s["children"] = False, [seg(c, h) for c in n.children.values()]
+            s["working"], s["children"] = False, [seg(c, h, held) for c in n.children.values()]
             segments[id(n)] = s
             return s
 
-        top = [seg(c, DISK_ROOT) for c in self.root.children.values()]
+        top = [seg(c, None, True) for c in self.root.children.values()]
         if working and working[0]:
-            ids, label = working
+            ids, label, on_disk = working
             m = self.match(ids, touch=False)
             level = top
             for n in m.path:  # find the segment list under the last node the working cache shares whole
@@ -259,21 +254,9 @@ class PrefixStore:
                 level.append(
                     {"label": label, "start": m.length, "end": len(ids), "bytes": None, "reused": 0, "working": True}
                     | {"children": [], "head": tuple(ids[m.length : m.length + HEAD_TOKENS])}
-                    | {"disk": self._working_on_disk(ids, m.length, disk)}
+                    | {"disk": max(0, on_disk - m.length)}
                 )
         return [_merge(s) for s in top]
-
-    def _working_on_disk(self, ids, start: int, disk) -> int:
-        """Positions start..len(ids)-1 of the working cache that are on disk too (whole blocks, chained)."""
-        if disk is None:
-            return 0
-        h, held = DISK_ROOT, 0
-        for pos in range(0, len(ids) - self.block + 1, self.block):
-            h, ok = disk(h, ids[pos : pos + self.block])
-            if not ok:
-                break
-            held = pos + self.block
-        return max(0, held - start)
 
     def stats(self) -> dict:
         return {

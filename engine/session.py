@@ -221,12 +221,17 @@ class Session:
         s["bytes_per_position"] = self.cache.bytes_per_position
         s["store"] = {
             **self.store.stats(),
-            "tree": self._tree_with_text(self.store.tree(self._last_match, (self.ids, self.label), self._on_disk())),
+            "tree": self._tree_with_text(self.store.tree(self._last_match, self._working(), self._on_disk())),
             "working_label": self.label,
         }
         if self.disk is not None:  # the store's disk tier
             s["store"]["disk"] = self.disk.stats(self.disk_fingerprint)
         return s
+
+    def _working(self) -> tuple[list[int], str | None, int]:
+        """The working cache for the store's picture: its ids, its label, how many of its positions are on disk."""
+        on_disk = self.disk.held(self.ids, self.disk_fingerprint) if self.disk is not None else 0
+        return self.ids, self.label, on_disk
 
     def _on_disk(self):
         """The tree's check of which blocks are on disk too (None without a disk tier): a chained-hash step."""
@@ -323,7 +328,7 @@ class Session:
         cap = self.cache.capacity
         return req.max_new_tokens if not req.stop_on_capacity else min(req.max_new_tokens, max(1, cap // 4))
 
-    def fit(self, req: Request, chat: ChatPrompt | None = None) -> tuple[ChatPrompt, tuple[int, ...], int]:
+    def fit(self, req: Request) -> tuple[ChatPrompt, tuple[int, ...], int]:
         """The prompt the request's overflow policy makes of a conversation too long for the cache, with the
         indices of the messages it left out and the prompt positions that went with them: as few whole turns
         as it takes (a binary search over how many; each try rendered and tokenized), never the system prompt
@@ -331,7 +336,7 @@ class Session:
         fits or the policy is stop (check_capacity then refuses what does not fit)."""
         if req.overflow not in OVERFLOW_POLICIES:
             raise EngineError(f"overflow must be one of {', '.join(OVERFLOW_POLICIES)}, not {req.overflow!r}")
-        chat = chat or self._prompt(req)
+        chat = self._prompt(req)
         cap, room, forced = self.cache.capacity, self.room(req), len(req.reply_ids)
 
         def fits(c: ChatPrompt) -> bool:
@@ -483,17 +488,16 @@ class Session:
         stashed = self._stash(prompt, keep)
         stash_ms = round((tracing.now() - t0) * 1000.0, 3) if stashed else None
         reuse = dataclasses.replace(self.plan_reuse(prompt), stashed_bytes=stashed, stash_ms=stash_ms)
+        reason = reuse.reason
         if dropped or dropped_positions:
             what = f"{len(dropped)} messages" if dropped else "tokens"
-            policy = OVERFLOW_POLICIES[req.overflow]
-            note = f"{what} ({dropped_positions} positions) left out to fit the cache: {policy}"
-            reuse = dataclasses.replace(
-                reuse,
-                dropped_positions=dropped_positions,
-                dropped_messages=dropped,
-                reason=f"{note}; {reuse.reason}" if reuse.reason else note,
+            note = (
+                f"{what} ({dropped_positions} positions) left out to fit the cache: {OVERFLOW_POLICIES[req.overflow]}"
             )
-        reuse = dataclasses.replace(reuse, overflow=req.overflow)
+            reason = f"{note}; {reason}" if reason else note
+        reuse = dataclasses.replace(
+            reuse, dropped_positions=dropped_positions, dropped_messages=dropped, reason=reason, overflow=req.overflow
+        )
         self._dropped = None
         reuse = self._bring_in(prompt, reuse, keep)
         trace.prompt_tokens, trace.reused, trace.computed = len(prompt), reuse.reused, reuse.computed
@@ -626,9 +630,9 @@ class Session:
             text = text[: min(text.find(s) for s in stop_strings if s in text)]
         trace.end = tracing.now()
         trace.status = "cancelled" if reason == "cancelled" else "finished"
+        summary = trace.summary()
         if self.disk is not None:  # the reply's blocks copied (~1 ms a few blocks), written on the disk's own thread
             self.disk.save(self.ids, self.disk_fingerprint, self.cache, len(self.ids))
-            rate = trace.summary().get("prefill_tok_s")
-            if rate and trace.computed >= 64:
-                self.disk.note_prefill_rate(self.disk_fingerprint, rate)
-        yield Finished(reason, text, tuple(out), trace.summary(), self.cache_stats(), reuse, tail, tuple(steps))
+            if summary.get("prefill_tok_s") and trace.computed >= 64:
+                self.disk.note_prefill_rate(self.disk_fingerprint, summary["prefill_tok_s"])
+        yield Finished(reason, text, tuple(out), summary, self.cache_stats(), reuse, tail, tuple(steps))

@@ -10,12 +10,11 @@ serve the layouts they support, and a file's codes no torch kernel reads are deq
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..devices import free_memory
 from ..model import block_linears
 from ..quant import (
     BITS,
@@ -366,14 +365,6 @@ def quantize_head(model: nn.Module, group_size: int, embed=None, lm_head=None) -
 FLOAT_SHARE = 0.5  # the share of the memory free at load that weights dequantized for torch may take
 
 
-def _free_memory() -> int | None:
-    """Bytes of memory free now, where the OS says (Linux, macOS); None elsewhere."""
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, OSError, ValueError):
-        return None
-
-
 def dequantize_for_torch(model: nn.Module, free: int | None = -1) -> int:
     """Without kvchat's kernels, the layers no torch kernel reads (a file's codes with offsets, K-quants,
     int5, int4 off torch's groups: each product would dequantize the whole weight again, seconds a token)
@@ -388,7 +379,7 @@ def dequantize_for_torch(model: nn.Module, free: int | None = -1) -> int:
     if not layers:
         return 0
     need = sum(m.out_features * m.in_features * m.compute_dtype.itemsize for m in layers.values())
-    free = _free_memory() if free == -1 else free
+    free = free_memory() if free == -1 else free
     if free is not None and need > FLOAT_SHARE * free:
         return 0
     embed = getattr(model, "embed", None)

@@ -498,7 +498,7 @@ def test_without_kernels_a_files_codes_are_dequantized_once_and_compute_what_tra
             loaded.model(torch.tensor([ids]))[0], ref(torch.tensor([ids])).logits[0], rtol=1e-4, atol=1e-4
         )
     assert greedy(loaded, ids) == hf_greedy(ref, ids, eos=loaded.tokenizer.stop_ids)
-    monkeypatch.setattr("engine.backends.quantized._free_memory", lambda: 1 << 16)  # 64 KiB free: no room
+    monkeypatch.setattr("engine.backends.quantized.free_memory", lambda: 1 << 16)  # 64 KiB free: no room
     tight = load_model(path)
     assert tight.model.dequantized_bytes == 0 and isinstance(tight.model.layers[0].mlp.down, QuantLinear)
     assert dequantize_for_torch(tight.model, free=0) == 0
