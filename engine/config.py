@@ -1,4 +1,8 @@
-"""Model configuration, read from a checkpoint's config.json (transformers 4.x and 5.x styles)."""
+"""Model configuration, read from a checkpoint's config.json (transformers 4.x and 5.x styles).
+
+One dataclass covers every family kvchat runs: the Llama shape, and the fields by which Gemma, Phi-3,
+SmolLM3, Granite, OLMo 2 and the mixtures of experts depart from it (engine/MODELS.md, "Model families").
+"""
 
 from __future__ import annotations
 
@@ -10,24 +14,37 @@ from pathlib import Path
 
 from .errors import ModelLoadError
 
-# Architecture name in config.json -> family. The families differ only in the flags below.
+# Architecture name in config.json -> family. The families differ only in the fields below.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
+    "SmolLM3ForCausalLM": "smollm3",
+    "GraniteForCausalLM": "granite",
+    "Olmo2ForCausalLM": "olmo2",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}  # config name -> ours
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
-    type: str = "default"  # default | linear | llama3
+    type: str = "default"  # default | linear | llama3 | longrope
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     factors: tuple[float, ...] = ()  # per-frequency divisors a GGUF file carries (rope_freqs.weight)
+    short_factor: tuple[float, ...] = ()  # longrope (Phi-3): divisors up to the original context
+    long_factor: tuple[float, ...] = ()  # longrope: divisors for a context past the original
+    attention_factor: float = 1.0  # longrope: cos and sin scaled by it
+    partial: float = 1.0  # the fraction of each head's width that rotates (Phi-4-mini: 0.75)
 
     def describe(self) -> str:
         """The rotary settings in words, exact (the cache's fingerprint compares them, a cache-drop reason
@@ -40,6 +57,13 @@ class RopeConfig:
                 f", {self.type} scaling ×{_exact(self.factor)} (frequency factors {_exact(self.low_freq_factor)}–"
                 f"{_exact(self.high_freq_factor)}, original context {self.original_max_position_embeddings:,})"
             )
+        if self.type == "longrope":
+            text += (
+                f", longrope (original context {self.original_max_position_embeddings:,}, attention factor "
+                f"{_exact(self.attention_factor)})"
+            )
+        if self.partial != 1.0:
+            text += f", rotating {_exact(self.partial)} of each head"
         if self.factors:  # the values themselves are too many to show: their digest tells two sets apart
             digest = hashlib.sha256(repr(self.factors).encode()).hexdigest()[:8]
             text += f", {len(self.factors)} per-frequency factors from the file (digest {digest})"
@@ -70,26 +94,120 @@ class ModelConfig:
     qkv_bias: bool = False  # bias on q/k/v projections (Qwen2 always; Llama/Qwen3 with attention_bias)
     o_bias: bool = False  # bias on the output projection (Llama/Qwen3 with attention_bias)
     qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
-    sliding_window: int | None = None  # attend to at most this many positions back (Mistral)
+    sliding_window: int | None = None  # W: a sliding layer attends to at most this many positions back
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
+    # --- where other families depart from the Llama shape (the defaults are Llama's) ---
+    layer_types: tuple[str, ...] = ()  # "sliding" | "full" per layer; () with a window: every layer slides (Mistral)
+    rope_local: RopeConfig | None = None  # the sliding layers' own rotary settings (Gemma 3)
+    rope_layers: tuple[bool, ...] = ()  # per layer, whether it rotates q and k; () all do (SmolLM3 skips some)
+    hidden_act: str = "silu"  # silu | gelu_tanh (Gemma's GeGLU)
+    norm_offset: float = 0.0  # Gemma's norms scale by (1 + w)
+    norm_placement: str = "pre"  # pre (Llama) | sandwich (Gemma: also after attention and MLP) | post (OLMo 2)
+    qk_norm_span: str = "head"  # QK norm over each head (Qwen3, Gemma 3) | "all" heads at once (OLMo 2)
+    embed_scale: float = 1.0  # the embedding multiplied by it (Gemma: √D, Granite: embedding_multiplier)
+    residual_scale: float = 1.0  # each block's outputs multiplied by it before the residual add (Granite)
+    attention_scale: float | None = None  # the scores' factor; None: 1/√d (Gemma: query_pre_attn_scalar^-½)
+    attn_softcap: float | None = None  # scores → c·tanh(scores / c) (Gemma 2)
+    final_softcap: float | None = None  # logits → c·tanh(logits / c) (Gemma 2)
+    logits_scale: float = 1.0  # the logits divided by it (Granite's logits_scaling)
+    num_experts: int = 0  # E, routed experts per MoE layer (0: dense)
+    experts_per_token: int = 0  # k, the experts each position is routed to
+    moe_intermediate_size: int = 0  # F of one expert
+    norm_topk_prob: bool = True  # the k routing weights renormalised to sum to 1
+    moe_layers: tuple[bool, ...] = ()  # per layer, whether its MLP is the mixture; () every layer when E > 0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def window(self, layer: int) -> int | None:
+        """The sliding window layer `layer` attends within, None for a full-attention layer."""
+        if self.sliding_window is None:
+            return None
+        if not self.layer_types or self.layer_types[layer] == "sliding":
+            return self.sliding_window
+        return None
 
-def _rope_from(raw: dict) -> RopeConfig:
-    # transformers 5.x: "rope_parameters": {"rope_type": ..., "rope_theta": ..., ...}
-    # transformers 4.x: "rope_theta": ..., "rope_scaling": {"type"|"rope_type": ..., ...} or null
+    def rope_kind(self, layer: int) -> int | None:
+        """Which rotary table layer `layer` reads: 0 the global one, 1 the sliding layers' own, None no rotation."""
+        if self.rope_layers and not self.rope_layers[layer]:
+            return None
+        return 1 if self.rope_local is not None and self.window(layer) is not None else 0
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of routed experts."""
+        return self.num_experts > 0 and (not self.moe_layers or self.moe_layers[layer])
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """Each layer's window (None: full attention)."""
+        return tuple(self.window(i) for i in range(self.num_layers))
+
+    @property
+    def plain(self) -> bool:
+        """The Llama shape the one-call C decode step computes: pre-norms, SwiGLU, rotary everywhere, 1/√d,
+        one window for every layer, no scales, caps or experts."""
+        return (
+            self.hidden_act == "silu"
+            and self.norm_offset == 0.0
+            and self.norm_placement == "pre"
+            and self.qk_norm_span == "head"
+            and self.embed_scale == 1.0
+            and self.residual_scale == 1.0
+            and self.attention_scale is None
+            and self.attn_softcap is None
+            and self.final_softcap is None
+            and self.logits_scale == 1.0
+            and self.num_experts == 0
+            and self.rope_local is None
+            and len(set(self.windows)) <= 1
+            and all(self.rope_layers or (True,))
+            and self.rope.partial == 1.0
+            and self.rope.attention_factor == 1.0
+        )
+
+    def describe_attention(self) -> str:
+        """What attention computes besides its sizes, in words (part of the cache's fingerprint): windows per
+        layer kind, caps, scales, unrotated layers."""
+        parts = []
+        windows = self.windows
+        if any(w is not None for w in windows):
+            sliding = sum(w is not None for w in windows)
+            parts.append(
+                f"window {self.sliding_window:,}"
+                + ("" if sliding == self.num_layers else f" on {sliding} of {self.num_layers} layers")
+            )
+        if self.qk_norm:
+            parts.append("QK norm" + (" over all heads" if self.qk_norm_span == "all" else ""))
+        if self.attention_scale is not None:
+            parts.append(f"scores ×{_exact(self.attention_scale)}")
+        if self.attn_softcap is not None:
+            parts.append(f"scores capped at {_exact(self.attn_softcap)}")
+        if self.rope_layers and not all(self.rope_layers):
+            parts.append(f"{self.rope_layers.count(False)} layers unrotated")
+        if self.rope_local is not None:
+            parts.append(f"sliding layers' rotary {self.rope_local.describe()}")
+        return ", ".join(parts)
+
+
+def _rope_params(raw: dict, kind: str = "full_attention") -> dict:
+    """The rotary parameters of one layer kind in the transformers 5.x form ("rope_parameters", itself per layer
+    kind for Gemma 3) or 4.x form (rope_theta, rope_scaling or null)."""
     params = raw.get("rope_parameters")
-    if isinstance(params, dict) and "full_attention" in params:  # per-layer-type form
-        params = params["full_attention"]
+    if isinstance(params, dict) and kind in params:  # per-layer-type form
+        params = params[kind]
     if params is None:
         params = dict(raw.get("rope_scaling") or {})
         params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    return params
+
+
+def _rope_from(raw: dict, params: dict | None = None) -> RopeConfig:
+    params = _rope_params(raw) if params is None else params
     kind = params.get("rope_type", params.get("type", "default")) or "default"
-    if kind not in ("default", "linear", "llama3"):
-        raise ModelLoadError(f"rope type {kind!r} is not supported (supported: default, linear, llama3)")
+    kind = "longrope" if kind == "su" else kind  # Phi-3's first files name it su
+    if kind not in ("default", "linear", "llama3", "longrope"):
+        raise ModelLoadError(f"rope type {kind!r} is not supported (supported: default, linear, llama3, longrope)")
 
     def positive(key: str, value) -> float:
         """A rotary parameter: a finite number above 0 (0, negative or NaN make every position's angle garbage)."""
@@ -101,17 +219,33 @@ def _rope_from(raw: dict) -> RopeConfig:
             raise ModelLoadError(f"config.json's {key} is {value!r}: it must be a finite number above 0")
         return x
 
+    partial = positive(
+        "partial_rotary_factor", params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1))
+    )
+    original = params.get("original_max_position_embeddings", raw.get("original_max_position_embeddings", 8192))
+    original = int(positive("rope_scaling.original_max_position_embeddings", original))
+    extra = {}
+    if kind == "longrope":
+        factor = params.get("factor") or raw.get("max_position_embeddings", original) / original
+        attention = params.get("attention_factor")
+        if attention is None:
+            attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+        half = int(int(raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]) * partial) // 2
+        for key in ("short_factor", "long_factor"):
+            values = params.get(key)
+            if not isinstance(values, list) or len(values) != half:
+                raise ModelLoadError(f"config.json's longrope {key} must hold {half} numbers")
+            extra[key] = tuple(positive(f"rope_scaling.{key}", v) for v in values)
+        extra["attention_factor"] = positive("rope_scaling.attention_factor", attention)
     return RopeConfig(
         theta=positive("rope_theta", params.get("rope_theta", raw.get("rope_theta", 10000.0))),
         type=kind,
-        factor=positive("rope_scaling.factor", params.get("factor", 1.0)),
+        factor=positive("rope_scaling.factor", params.get("factor", 1.0) if kind != "longrope" else 1.0),
         low_freq_factor=positive("rope_scaling.low_freq_factor", params.get("low_freq_factor", 1.0)),
         high_freq_factor=positive("rope_scaling.high_freq_factor", params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(
-            positive(
-                "rope_scaling.original_max_position_embeddings", params.get("original_max_position_embeddings", 8192)
-            )
-        ),
+        original_max_position_embeddings=original,
+        partial=partial,
+        **extra,
     )
 
 
@@ -147,8 +281,9 @@ def config_from_dict(raw: dict, path: Path | None = None) -> ModelConfig:
     family = SUPPORTED_ARCHITECTURES[arch]
     if raw.get("mlp_bias"):
         raise ModelLoadError("mlp_bias=true is not supported", path)
-    if raw.get("hidden_act", "silu") != "silu":
-        raise ModelLoadError(f"hidden_act {raw.get('hidden_act')!r} is not supported (only silu)", path)
+    act = raw.get("hidden_activation") or raw.get("hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        raise ModelLoadError(f"hidden_act {act!r} is not supported (supported: {', '.join(ACTIVATIONS)})", path)
     try:
         for key in SIZES:
             if key in raw or key in REQUIRED_SIZES:
@@ -156,38 +291,49 @@ def config_from_dict(raw: dict, path: Path | None = None) -> ModelConfig:
         hidden = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
         kv_heads = int(raw.get("num_key_value_heads") or heads)
+        layers = int(raw["num_hidden_layers"])
         if heads % kv_heads:
             raise ModelLoadError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         if not raw.get("head_dim") and hidden % heads:
             raise ModelLoadError(f"hidden_size={hidden} is not a multiple of num_attention_heads={heads}")
-        if int(raw.get("head_dim") or hidden // heads) % 2:
-            raise ModelLoadError("the head width must be even (rotary embeddings rotate pairs)")
+        head_dim = int(raw.get("head_dim") or hidden // heads)
         eps = float(raw.get("rms_norm_eps", 1e-6))
         if not 0 < eps < 1:
             raise ModelLoadError(f"rms_norm_eps={eps} is out of range")
+        rope = _rope_from(raw)
+        if int(head_dim * rope.partial) % 2 or int(head_dim * rope.partial) < 2:
+            raise ModelLoadError("the rotating part of a head must be even (rotary embeddings rotate pairs)")
         window = raw.get("sliding_window")
-        if family == "qwen2" or family == "qwen3":
+        if family in ("qwen2", "qwen3", "qwen3_moe", "smollm3"):
             window = window if raw.get("use_sliding_window") else None
+        extra = _family_fields(family, raw, layers, hidden, window)
+        moe = family in ("qwen3_moe", "mixtral")
         return ModelConfig(
             architecture=arch,
             family=family,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
-            head_dim=int(raw.get("head_dim") or hidden // heads),
+            head_dim=head_dim,
             max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
             rms_norm_eps=eps,
-            rope=_rope_from(raw),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            rope=rope,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", family in ("gemma2", "gemma3"))),
             qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
             o_bias=family != "qwen2" and bool(raw.get("attention_bias", False)),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "olmo2"),
             sliding_window=int(window) if window else None,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=_ids(raw.get("eos_token_id")),
+            hidden_act=ACTIVATIONS[act],
+            num_experts=int(raw.get("num_experts") or raw.get("num_local_experts") or 0) if moe else 0,
+            experts_per_token=int(raw.get("num_experts_per_tok") or 0) if moe else 0,
+            moe_intermediate_size=int(raw.get("moe_intermediate_size") or raw["intermediate_size"]) if moe else 0,
+            norm_topk_prob=bool(raw.get("norm_topk_prob", True)) if family == "qwen3_moe" else True,
+            **extra,
         )
     except KeyError as e:
         raise ModelLoadError(f"config.json lacks the field {e.args[0]!r}", path) from None
@@ -195,6 +341,71 @@ def config_from_dict(raw: dict, path: Path | None = None) -> ModelConfig:
         raise ModelLoadError(f"config.json has a malformed field: {e}", path) from None
     except ModelLoadError as e:
         raise ModelLoadError(str(e), path) from None
+
+
+def _layer_types(raw: dict, layers: int, default) -> tuple[str, ...]:
+    """Per layer, "sliding" or "full": config.json's layer_types, else `default(i)` (a family's own pattern)."""
+    given = raw.get("layer_types")
+    if given is None:
+        return tuple("sliding" if default(i) else "full" for i in range(layers))
+    if not isinstance(given, list) or len(given) != layers:
+        raise ModelLoadError(f"config.json's layer_types must name each of the {layers} layers")
+    kinds = {"sliding_attention": "sliding", "full_attention": "full"}
+    if any(t not in kinds for t in given):
+        raise ModelLoadError(f"config.json's layer_types holds a kind kvchat does not run: {sorted(set(given))}")
+    return tuple(kinds[t] for t in given)
+
+
+def _family_fields(family: str, raw: dict, layers: int, hidden: int, window) -> dict:
+    """The ModelConfig fields by which `family` departs from the Llama shape, from its config.json."""
+    out: dict = {}
+    if family in ("gemma2", "gemma3"):
+        out.update(
+            norm_offset=1.0,
+            norm_placement="sandwich",
+            embed_scale=hidden**0.5,
+            attention_scale=float(raw.get("query_pre_attn_scalar") or 256) ** -0.5,
+            attn_softcap=raw.get("attn_logit_softcapping"),
+            final_softcap=raw.get("final_logit_softcapping"),
+        )
+        pattern = int(raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6)
+        slides = (lambda i: (i + 1) % 2) if family == "gemma2" else (lambda i: (i + 1) % pattern)
+        out["layer_types"] = _layer_types(raw, layers, slides) if window else ()
+        if family == "gemma3":
+            params = raw.get("rope_parameters")
+            if isinstance(params, dict) and "sliding_attention" in params:
+                local = params["sliding_attention"]
+            else:  # transformers 4.x: the local layers' own theta, no scaling
+                local = {"rope_theta": raw.get("rope_local_base_freq", 10000.0)}
+            out["rope_local"] = _rope_from(raw, local)
+    elif family == "smollm3":
+        given = raw.get("no_rope_layers")
+        interval = int(raw.get("no_rope_layer_interval") or 4)
+        rotates = [bool(v) for v in given] if given is not None else [(i + 1) % interval != 0 for i in range(layers)]
+        if len(rotates) != layers:
+            raise ModelLoadError(f"config.json's no_rope_layers must name each of the {layers} layers")
+        out["rope_layers"] = tuple(rotates)
+        if window:
+            out["layer_types"] = _layer_types(raw, layers, lambda i: not rotates[i])
+    elif family == "granite":
+        out.update(
+            embed_scale=float(raw.get("embedding_multiplier", 1.0)),
+            residual_scale=float(raw.get("residual_multiplier", 1.0)),
+            attention_scale=float(raw.get("attention_multiplier", 1.0)),
+            logits_scale=float(raw.get("logits_scaling", 1.0)),
+        )
+    elif family == "olmo2":
+        out.update(norm_placement="post", qk_norm_span="all")
+    elif family == "qwen3_moe":
+        step = int(raw.get("decoder_sparse_step") or 1)
+        dense = set(raw.get("mlp_only_layers") or [])
+        out["moe_layers"] = tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
+    elif window and raw.get("layer_types") is not None:
+        out["layer_types"] = _layer_types(raw, layers, lambda i: True)
+    for key in ("attn_softcap", "final_softcap"):
+        if out.get(key) is not None:
+            out[key] = float(out[key])
+    return out
 
 
 def read_json(path: Path, default: dict | None = None) -> dict:

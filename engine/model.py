@@ -1,11 +1,13 @@
-"""The decoder: Llama, Mistral, Qwen2 and Qwen3 in one module, written for KV-cached inference.
+"""The decoder: Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, SmolLM3, Granite, OLMo 2 and the mixtures of experts
+(Qwen3-MoE, Mixtral) in one module, written for KV-cached inference.
 
 Plain PyTorch and nothing else from the engine: the architecture as the checkpoints define it.
 How its weights are stored and multiplied on a given device (CPU layouts, quantized codes, the
 one-call decode step) is engine.backends' business, which swaps modules in after loading.
 
 Shapes: B batch, T new positions, S attended positions (cached + new), D hidden, H query heads,
-H_kv key/value heads, G = H / H_kv, d head width, F MLP width, V vocabulary.
+H_kv key/value heads, G = H / H_kv, d head width, r rotating width (d, or less with a partial rotary), F MLP
+width, E experts, k experts per position, N = B·T positions, V vocabulary.
 q/k/v and gate/up are fused into one matmul each; the checkpoint's separate tensors are
 concatenated at load and split again by `hf_state_dict`.
 """
@@ -24,9 +26,15 @@ if TYPE_CHECKING:
 
 
 # --- rotary position embeddings -----------------------------------------------------------------
-def inv_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """[d/2] float32, the same arithmetic as transformers so logits match bit for bit in float32."""
-    inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+def inv_frequencies(rope: RopeConfig, head_dim: int, length: int = 0) -> torch.Tensor:
+    """[r/2] float32, the same arithmetic as transformers so logits match bit for bit in float32. `length`: the
+    context the tables serve (longrope takes its long factors past the original context)."""
+    dim = int(head_dim * rope.partial)
+    if rope.type == "longrope":
+        long = length > rope.original_max_position_embeddings
+        ext = torch.tensor(rope.long_factor if long else rope.short_factor, dtype=torch.float32)
+        return 1.0 / (ext * rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if rope.type == "linear":
         inv = inv / rope.factor
     elif rope.type == "llama3":
@@ -44,18 +52,23 @@ def inv_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     return inv
 
 
-def cos_sin_table(rope: RopeConfig, head_dim: int, length: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, signed sin: [length, d] in `dtype`, computed in float32 then cast (as transformers does).
+def cos_sin_table(
+    rope: RopeConfig, head_dim: int, length: int, dtype, device, context: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, signed sin: [length, r] in `dtype`, computed in float32 then cast (as transformers does); `context` the
+    positions in use (longrope's choice of factors).
 
     The sin table carries the sign of the rotation, [-sin | +sin], so that with the two halves of x
     swapped (`swap_halves`) the rotation is x·cos + swap(x)·sin_signed: the same products as
     transformers' x·cos + rotate_half(x)·sin, in fewer kernels.
     """
-    inv = inv_frequencies(rope, head_dim)
-    freqs = torch.arange(length, dtype=torch.float32)[:, None] * inv[None, :]  # [T, d/2]
-    emb = torch.cat((freqs, freqs), dim=-1)  # [T, d]
-    sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
-    return emb.cos().to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
+    inv = inv_frequencies(rope, head_dim, context)
+    freqs = torch.arange(length, dtype=torch.float32)[:, None] * inv[None, :]  # [T, r/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [T, r]
+    cos, sin = emb.cos(), torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
+    if rope.attention_factor != 1.0:  # longrope scales both
+        cos, sin = cos * rope.attention_factor, sin * rope.attention_factor
+    return cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
 
 
 def swap_halves(x: torch.Tensor) -> torch.Tensor:
@@ -63,8 +76,14 @@ def swap_halves(x: torch.Tensor) -> torch.Tensor:
     return x.unflatten(-1, (2, x.shape[-1] // 2)).flip(-2).flatten(-2)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """x: [B, T, heads, d]; cos/sin_signed: [T, 1, d]. Half-split rotation (the Hugging Face layout)."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor | None, sin_signed: torch.Tensor | None) -> torch.Tensor:
+    """x: [B, T, heads, d]; cos/sin_signed: [T, 1, r] (None: a layer that does not rotate). Half-split rotation (the
+    Hugging Face layout) of the first r values of each head; the rest pass through (a partial rotary)."""
+    if cos is None:
+        return x
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :r], cos, sin_signed), x[..., r:]), dim=-1)
     return x * cos + swap_halves(x) * sin_signed
 
 
@@ -110,12 +129,19 @@ def visible(q_pos: torch.Tensor, keys: int, window: int | None) -> torch.Tensor:
 
 # --- blocks ---------------------------------------------------------------------------------------
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """x / rms(x) · w, or · (1 + w) with `offset` (Gemma, which also scales in float32 before the cast)."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.offset:
+            return (F.rms_norm(x.float(), self.weight.shape, None, self.eps) * (self.weight.float() + self.offset)).to(
+                x.dtype
+            )
         # Normalise in float32, scale in the model dtype (as transformers does, so bf16 matches).
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused kernel
@@ -123,31 +149,50 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.h, self.h_kv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.g = self.h // self.h_kv
         self.qkv = nn.Linear(cfg.hidden_size, (self.h + 2 * self.h_kv) * self.d, bias=cfg.qkv_bias)  # D -> (H+2H_kv)d
         self.o = nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.o_bias)  # Hd -> D
-        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.causal_only = cfg.sliding_window is None
-        self.window = cfg.sliding_window
+        self.qk_norm_all = cfg.qk_norm_span == "all"  # OLMo 2 normalises all of q (and of k) at once
+        q_span, k_span = (self.h * self.d, self.h_kv * self.d) if self.qk_norm_all else (self.d, self.d)
+        self.q_norm = RMSNorm(q_span, cfg.rms_norm_eps, cfg.norm_offset) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_span, cfg.rms_norm_eps, cfg.norm_offset) if cfg.qk_norm else None
+        self.window = cfg.window(layer)
+        self.causal_only = self.window is None
+        self.rope_kind = cfg.rope_kind(layer)  # which of the model's rotary tables, None: no rotation
+        self.scale = cfg.attention_scale  # None: SDPA's 1/√d
+        self.softcap = cfg.attn_softcap
         self.widen_bf16 = False  # bfloat16 attention in float32 (Transformer.widen_bf16_attention)
 
-    def forward(self, x, cos, sin, mask, cache, layer: int, start):
-        """x [B, T, D] at positions start.. (an int, or a device tensor [1] for a static-shape step);
-        the new K/V go into `cache` (any object with write/write_at) -> [B, T, D]."""
+    def project(self, x, cos, sin):
+        """x [B, T, D] -> q [B, T, H, d], k and v [B, T, H_kv, d], q and k normalised (if the family does) and
+        rotated."""
         B, T, _ = x.shape
-        h, h_kv = self.h, self.h_kv
-        qkv = self.qkv(x).view(B, T, h + 2 * h_kv, self.d)  # [B, T, H + 2H_kv, d]
+        h, h_kv, d = self.h, self.h_kv, self.d
+        qkv = self.qkv(x)  # [B, T, (H + 2H_kv)d]
+        if self.qk_norm_all:
+            q = self.q_norm(qkv[..., : h * d]).view(B, T, h, d)
+            k = self.k_norm(qkv[..., h * d : (h + h_kv) * d]).view(B, T, h_kv, d)
+            v = qkv[..., (h + h_kv) * d :].view(B, T, h_kv, d)
+            return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+        qkv = qkv.view(B, T, h + 2 * h_kv, d)  # [B, T, H + 2H_kv, d]
         if self.q_norm is None:  # rotate q and k together: one pass over H + H_kv heads
             qk = apply_rotary(qkv[:, :, : h + h_kv], cos, sin)
             q, k = qk[:, :, :h], qk[:, :, h:]
         else:
             q = apply_rotary(self.q_norm(qkv[:, :, :h]), cos, sin)
             k = apply_rotary(self.k_norm(qkv[:, :, h : h + h_kv]), cos, sin)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), qkv[:, :, h + h_kv :].transpose(1, 2)  # [B, heads, T, d]
+        return q, k, qkv[:, :, h + h_kv :]
+
+    def forward(self, x, cos, sin, mask, cache, layer: int, start):
+        """x [B, T, D] at positions start.. (an int, or a device tensor [1] for a static-shape step); cos/sin the
+        rotary rows of those positions (None: this layer does not rotate); mask the additive [T, S] mask of this
+        layer's window; the new K/V go into `cache` (any object with write/write_at) -> [B, T, D]."""
+        B, T, _ = x.shape
+        h, h_kv = self.h, self.h_kv
+        q, k, v = (t.transpose(1, 2) for t in self.project(x, cos, sin))  # [B, heads, T, d]
         if cache is not None and isinstance(start, torch.Tensor):  # static shapes (CUDA graphs)
             k, v = cache.write_at(layer, start, k, v)  # [B, H_kv, C, d], masked beyond the position
         elif cache is not None:
@@ -156,51 +201,140 @@ class Attention(nn.Module):
         # widened copies are made dense: SDPA's flash kernel needs unit-stride rows
         if attention_dtype(dtype, q.device, self.widen_bf16) != dtype:
             q, k, v = (t.to(torch.float32, memory_format=torch.contiguous_format) for t in (q, k, v))
+        if self.softcap is not None:  # capped scores: no SDPA kernel computes them
+            y = self.attend_capped(q, k, v, mask)  # [B, H, T, d]
+            return self.o(y.to(dtype).transpose(1, 2).reshape(B, T, h * self.d))
         if T > 1:  # many positions: SDPA's native GQA (its flash kernels), causal without a mask on a fresh prompt
             causal = isinstance(start, int) and start == 0 and self.causal_only
             y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=None if causal else mask, is_causal=causal, enable_gqa=self.g > 1
+                q, k, v, attn_mask=None if causal else mask, is_causal=causal, enable_gqa=self.g > 1, scale=self.scale
             )  # [B, H, T, d]
             return self.o(y.to(dtype).transpose(1, 2).reshape(B, T, h * self.d))
         # One position: the G query heads that share a KV head as rows, no copy of K/V per query head.
         q = q.reshape(B, h_kv, self.g, self.d)  # [B, H_kv, G, d]
         if mask is not None and self.g > 1:
             mask = mask.repeat(self.g, 1)  # [1, S] -> [G, S]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H_kv, G, d]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)  # [B, H_kv, G, d]
         return self.o(y.to(dtype).reshape(B, T, h * self.d))
+
+    def attend_capped(self, q, k, v, mask):
+        """q [B, H, T, d], k/v [B, H_kv, S, d] -> [B, H, T, d], the scores soft-capped (c·tanh(s/c), Gemma 2)
+        before the mask and the softmax, as the family was trained."""
+        B, H, T, d = q.shape
+        S = k.shape[2]
+        q = q.reshape(B, self.h_kv, self.g * T, d)  # the G heads sharing a KV head as rows: no copy of K/V
+        scores = q @ k.transpose(-1, -2) * (self.scale if self.scale is not None else d**-0.5)  # [B, H_kv, GT, S]
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if mask is not None:
+            scores = (scores.view(B, self.h_kv, self.g, T, S) + mask).view(B, self.h_kv, self.g * T, S)
+        y = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v  # [B, H_kv, GT, d]
+        return y.view(B, H, T, d)
+
+
+ACT = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """The gated MLP: down(act(gate(x)) · up(x)), SwiGLU or Gemma's GeGLU."""
+
+    def __init__(self, cfg: ModelConfig, width: int | None = None):
         super().__init__()
-        self.f = cfg.intermediate_size
+        self.f = width or cfg.intermediate_size
+        self.act = ACT[cfg.hidden_act]
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * self.f, bias=False)  # D -> 2F
         self.down = nn.Linear(self.f, cfg.hidden_size, bias=False)  # F -> D
 
     def forward(self, x):
-        gate, up = self.gate_up(x).split(self.f, dim=-1)  # [B, T, F] each
-        return self.down(F.silu(gate).mul_(up))  # the product into silu's fresh buffer: one [B, T, F] less
+        gate, up = self.gate_up(x).split(self.f, dim=-1)  # [..., F] each
+        return self.down(self.act(gate).mul_(up))  # the product into the activation's fresh buffer: one [.., F] less
+
+
+class MoE(nn.Module):
+    """A mixture of experts: each position goes through the k experts its router scores highest, their outputs
+    weighted by the router's softmax (renormalised over the k where the config says). One position reads only its
+    k experts' weights; many positions are grouped by expert, each expert's rows in one product."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # D -> E
+        self.experts = nn.ModuleList(MLP(cfg, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        self.k, self.normalize = cfg.experts_per_token, cfg.norm_topk_prob
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, D] -> (weights [N, k] in x's dtype, experts [N, k])."""
+        probs = torch.softmax(self.router(x), dim=-1, dtype=torch.float32)  # [N, E]
+        weights, chosen = probs.topk(self.k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), chosen
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])  # [N, D]
+        weights, chosen = self.route(flat)
+        if flat.shape[0] == 1:  # decode: the k chosen experts, nothing else read
+            out = None
+            for w, e in zip(weights[0], chosen[0].tolist()):
+                y = self.experts[e](flat) * w
+                out = y if out is None else out + y
+            return out.view(x.shape)
+        out = torch.zeros_like(flat)
+        for e in chosen.unique().tolist():  # prefill: each expert once, over the positions routed to it
+            rows, slot = (chosen == e).nonzero(as_tuple=True)
+            out.index_add_(0, rows, self.experts[e](flat[rows]) * weights[rows, slot, None])
+        return out.view(x.shape)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg)
-        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+    """Attention then MLP, each a residual branch: normalised before (Llama), before and after (Gemma's sandwich)
+    or after (OLMo 2), scaled before the add (Granite)."""
 
-    def forward(self, x, cos, sin, mask, cache, layer, start):
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask, cache, layer, start)
-        return x + self.mlp(self.mlp_norm(x))
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
+        super().__init__()
+
+        def norm(where: str):
+            return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset) if where else None
+
+        pre = "pre" if cfg.norm_placement in ("pre", "sandwich") else ""
+        post = "post" if cfg.norm_placement in ("sandwich", "post") else ""
+        self.attn_norm = norm(pre)
+        self.attn = Attention(cfg, layer)
+        self.attn_post_norm = norm(post)
+        self.mlp_norm = norm(pre)
+        self.mlp = MoE(cfg) if cfg.is_moe(layer) else MLP(cfg)
+        self.mlp_post_norm = norm(post)
+        self.residual_scale = cfg.residual_scale
+        self.plain = cfg.norm_placement == "pre" and cfg.residual_scale == 1.0
+
+    def forward(self, x, ropes, masks, cache, layer, start):
+        """ropes: the model's rotary rows [(cos, sin) per kind]; masks: additive masks by window."""
+        a = self.attn
+        cos, sin = (None, None) if a.rope_kind is None else ropes[a.rope_kind]
+        mask = masks[a.window]
+        if self.plain:
+            x = x + a(self.attn_norm(x), cos, sin, mask, cache, layer, start)
+            return x + self.mlp(self.mlp_norm(x))
+        x = x + self.branch(a(self.norm(self.attn_norm, x), cos, sin, mask, cache, layer, start), self.attn_post_norm)
+        return x + self.branch(self.mlp(self.norm(self.mlp_norm, x)), self.mlp_post_norm)
+
+    @staticmethod
+    def norm(norm, x):
+        return x if norm is None else norm(x)
+
+    def branch(self, y, post_norm):
+        """A branch's output as the residual adds it: normalised after (sandwich, post) and scaled (Granite)."""
+        y = self.norm(post_norm, y)
+        return y * self.residual_scale if self.residual_scale != 1.0 else y
 
 
 def block_linears(blocks):
-    """(parent, name, module) for every linear inside the given blocks: what a module swap replaces."""
+    """(parent, name, module) for every linear inside the given blocks, each expert's own: what a module swap
+    replaces (a router stays in the model dtype)."""
     for block in blocks:
-        for parent in (block.attn, block.mlp):
-            for name in ("qkv", "o") if parent is block.attn else ("gate_up", "down"):
-                yield parent, name, getattr(parent, name)
+        yield block.attn, "qkv", block.attn.qkv
+        yield block.attn, "o", block.attn.o
+        for mlp in block.mlp.experts if isinstance(block.mlp, MoE) else (block.mlp,):
+            yield mlp, "gate_up", mlp.gate_up
+            yield mlp, "down", mlp.down
 
 
 # --- the model ------------------------------------------------------------------------------------
@@ -212,8 +346,8 @@ class Transformer(nn.Module):
         # [V, D]; its own storage given, so no random init runs (on the meta device that init imports torch._dynamo,
         # which a first load then waits for: engine/BENCHMARKS.md, "Opening a model file")
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)  # D -> V, always a module
         if cfg.tie_word_embeddings:
             self.tie()
@@ -222,7 +356,7 @@ class Transformer(nn.Module):
         self.decode_step_refused: str | None = None  # why a backend's step failed its load-time check, if it did
         self.activations = "float32"  # what quantized layers' one-row products multiply: float32 | int8 (the loader's)
         self.widen_bf16 = False  # bfloat16 attention computed in float32 (widen_bf16_attention)
-        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rope: tuple | None = None  # (key, [(cos, sin) per rotary kind])
 
     def tie(self) -> None:
         """A tied model's head multiplies by the embedding's own matrix: the same Parameter, not a copy."""
@@ -235,19 +369,40 @@ class Transformer(nn.Module):
         for block in self.layers:
             block.attn.widen_bf16 = on
 
-    def rope_tables(self, length: int):
-        """cos, sin [≥ length, d], built once per dtype/device and doubled when a longer context comes:
-        sized by the context in use, not by max_position_embeddings."""
-        w = self.norm.weight
-        if (
-            self._rope is None
-            or self._rope[0].shape[0] < length
-            or self._rope[0].dtype != w.dtype
-            or self._rope[0].device != w.device
-        ):
+    def rope_tables(self, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """[(cos, sin) [≥ length, r]] per rotary kind (the global one, then the sliding layers' own), built once per
+        dtype/device and doubled when a longer context comes: sized by the context in use, not by
+        max_position_embeddings. A longrope model's tables change kind past its original context, as
+        transformers' do."""
+        w, rope = self.norm.weight, self.cfg.rope
+        long = rope.type == "longrope" and length > rope.original_max_position_embeddings
+        if self._rope is None or self._rope[0][0] < length or self._rope[0][1:] != (w.dtype, w.device, long):
             n = max(self.rope_length, 1 << max(10, (length - 1).bit_length()))  # a power of two, ≥ 1024
-            self._rope = cos_sin_table(self.cfg.rope, self.cfg.head_dim, n, w.dtype, w.device)
-        return self._rope
+            kinds = [rope] + ([self.cfg.rope_local] if self.cfg.rope_local is not None else [])
+            tables = [cos_sin_table(r, self.cfg.head_dim, n, w.dtype, w.device, length) for r in kinds]
+            self._rope = ((n, w.dtype, w.device, long), tables)
+        return self._rope[1]
+
+    def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [B, T] -> [B, T, D], scaled where the family scales its embedding (Gemma, Granite)."""
+        x = self.embed(ids)
+        if self.cfg.embed_scale != 1.0:
+            x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
+        return x
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The last hidden states [..., D] -> logits [..., V]: final norm, head, and the family's scale or cap."""
+        out = self.lm_head(self.norm(x))
+        if self.cfg.logits_scale != 1.0:
+            out = out / self.cfg.logits_scale
+        if self.cfg.final_softcap is not None:
+            cap = self.cfg.final_softcap
+            out = torch.tanh(out / cap) * cap
+        return out
+
+    def masks(self, start: int, t: int, dtype, device) -> dict:
+        """The additive mask of each window among the layers (None: full attention) for T new positions."""
+        return {w: additive(attention_mask(start, t, w, device), dtype) for w in set(self.cfg.windows)}
 
     def forward(self, ids: torch.Tensor, cache=None, last_only: bool = False) -> torch.Tensor:
         """ids [B, T] -> logits [B, T, V] ([B, 1, V] with last_only). With a cache, the T new positions
@@ -256,35 +411,38 @@ class Transformer(nn.Module):
         start = cache.length if cache is not None else 0
         if cache is not None and start + T > cache.capacity:
             raise ValueError(f"{start + T} positions exceed the cache capacity of {cache.capacity}")
-        cos, sin = self.rope_tables(start + T)
-        cos, sin = cos[start : start + T, None], sin[start : start + T, None]  # [T, 1, d]
-        x = self.embed(ids)  # [B, T, D]
+        ropes = [
+            (cos[start : start + T, None], sin[start : start + T, None]) for cos, sin in self.rope_tables(start + T)
+        ]
+        x = self.embed_ids(ids)  # [B, T, D]
         if B * T == 1 and self.decode_step is not None and self.decode_step.usable(cache):
             x = x.reshape(-1)  # [D], a fresh row: the blocks update it in place
+            cos, sin = ropes[0]
             self.decode_step.run(x, cache, start, cos.reshape(-1), sin.reshape(-1))
             cache.length = start + 1
-            return self.lm_head(self.norm(x.view(B, T, -1)))
-        mask = attention_mask(start, T, self.cfg.sliding_window, ids.device)
-        mask = additive(mask, attention_dtype(x.dtype, x.device, self.widen_bf16))
+            return self.logits(x.view(B, T, -1))
+        masks = self.masks(start, T, attention_dtype(x.dtype, x.device, self.widen_bf16), ids.device)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, cache, i, start)
+            x = layer(x, ropes, masks, cache, i, start)
         if cache is not None:
             cache.length = start + T
         if last_only:
             x = x[:, -1:]
-        return self.lm_head(self.norm(x))  # [B, T, V]
+        return self.logits(x)  # [B, T, V]
 
     def forward_static(self, ids: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:
         """One decode step with static shapes, for CUDA graphs: ids [B, 1], pos [1] (a device tensor, the
         position being written) -> logits [B, 1, V]. Attention runs over the whole capacity with a mask,
         so no shape depends on the position. The caller advances cache.length."""
-        cos, sin = self.rope_tables(cache.capacity)
-        cos, sin = cos.index_select(0, pos)[:, None], sin.index_select(0, pos)[:, None]  # [1, 1, d]
-        mask = visible(pos, cache.capacity, self.cfg.sliding_window)  # [1, C]
-        x = self.embed(ids)  # [B, 1, D]
+        ropes = [
+            (cos.index_select(0, pos)[:, None], sin.index_select(0, pos)[:, None])  # [1, 1, r]
+            for cos, sin in self.rope_tables(cache.capacity)
+        ]
+        masks = {w: visible(pos, cache.capacity, w) for w in set(self.cfg.windows)}  # [1, C] each
+        x = self.embed_ids(ids)  # [B, 1, D]
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, cache, i, pos)
-        return self.lm_head(self.norm(x))
+            x = layer(x, ropes, masks, cache, i, pos)
+        return self.logits(x)
 
     def parameter_count(self) -> int:
         """The model's values: its parameters, and the weights quantized layers hold as codes (a tied
@@ -292,29 +450,18 @@ class Transformer(nn.Module):
         coded = sum(getattr(m, "coded_values", 0) for m in self.modules())  # modules(): each module once
         return coded + sum(p.numel() for p in self.parameters())
 
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """Weights under the Hugging Face names, q/k/v and gate/up split apart again."""
-        c = self.cfg
-        out = {"model.embed_tokens.weight": self.embed.weight, "model.norm.weight": self.norm.weight}
-        if not c.tie_word_embeddings:
-            out["lm_head.weight"] = self.lm_head.weight
-        for i, b in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            sizes = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
-            for name, w in zip("qkv", b.attn.qkv.weight.split(sizes)):
-                out[p + f"self_attn.{name}_proj.weight"] = w
-            if b.attn.qkv.bias is not None:
-                for name, w in zip("qkv", b.attn.qkv.bias.split(sizes)):
-                    out[p + f"self_attn.{name}_proj.bias"] = w
-            out[p + "self_attn.o_proj.weight"] = b.attn.o.weight
-            if b.attn.o.bias is not None:
-                out[p + "self_attn.o_proj.bias"] = b.attn.o.bias
-            if b.attn.q_norm is not None:
-                out[p + "self_attn.q_norm.weight"] = b.attn.q_norm.weight
-                out[p + "self_attn.k_norm.weight"] = b.attn.k_norm.weight
-            gate, up = b.mlp.gate_up.weight.split(c.intermediate_size)
-            out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate, up
-            out[p + "mlp.down_proj.weight"] = b.mlp.down.weight
-            out[p + "input_layernorm.weight"] = b.attn_norm.weight
-            out[p + "post_attention_layernorm.weight"] = b.mlp_norm.weight
-        return {k: v.detach().contiguous() for k, v in out.items()}
+    def active_parameter_count(self) -> int:
+        """The values one position computes with: all of them for a dense model; for a mixture, the experts'
+        only k of E per layer (the embedding row read, not the table, is not subtracted: the head reads it all)."""
+        total = self.parameter_count()
+        for block in self.layers:
+            if isinstance(block.mlp, MoE):
+                per_expert = [_values(e) for e in block.mlp.experts]
+                total -= sum(per_expert) - block.mlp.k * max(per_expert)
+        return total
+
+
+def _values(module: nn.Module) -> int:
+    """The values a module holds: its parameters and its quantized layers' codes."""
+    coded = sum(getattr(m, "coded_values", 0) for m in module.modules())
+    return coded + sum(p.numel() for p in module.parameters())

@@ -63,6 +63,14 @@ FAMILIES = {
     "mistral": "MistralConfig",
     "qwen2": "Qwen2Config",
     "qwen3": "Qwen3Config",
+    "gemma2": "Gemma2Config",
+    "gemma3": "Gemma3TextConfig",
+    "phi3": "Phi3Config",
+    "smollm3": "SmolLM3Config",
+    "granite": "GraniteConfig",
+    "olmo2": "Olmo2Config",
+    "qwen3_moe": "Qwen3MoeConfig",
+    "mixtral": "MixtralConfig",
 }
 
 
@@ -102,9 +110,12 @@ def make_checkpoint(
         bos_token_id=0,
         eos_token_id=1,
         rms_norm_eps=1e-6,
+        pad_token_id=None,  # some families default to an id past the tiny vocabulary
     )
-    if family == "qwen3":
+    if family in ("qwen3", "qwen3_moe"):
         kw["head_dim"] = 32  # Qwen3 sets head_dim apart from hidden / heads
+    if family in ("gemma2", "gemma3"):
+        kw.update(head_dim=16, query_pre_attn_scalar=16, hidden_activation="gelu_pytorch_tanh")
     rope = overrides.pop("rope", None)  # e.g. {"rope_type": "llama3", "factor": 8.0, ...}
     kw.update(overrides)
     cfg = getattr(transformers, FAMILIES[family])(**kw)
@@ -118,7 +129,7 @@ def make_checkpoint(
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():  # larger-than-default weights so logits differ visibly between tokens
         for p in model.parameters():
-            if p.dim() == 2:
+            if p.dim() in (2, 3):  # 3: a mixture's experts, stacked
                 p.normal_(0, 0.08)
             elif p.dim() == 1:
                 p.uniform_(0.5, 1.5) if p.shape[0] in (kw["hidden_size"], kw.get("head_dim", 16)) else p.normal_(0, 0.1)

@@ -55,6 +55,19 @@ class KernelAttention(Attention):
         return super().forward(x, cos, sin, mask, cache, layer, start)
 
 
+def kernel_attends(attn: Attention, cfg) -> bool:
+    """Whether the attention kernel computes this layer's decode: rotated over the whole head, scores at 1/√d
+    and uncapped, QK norms (if any) per head without an offset."""
+    return (
+        attn.rope_kind is not None
+        and cfg.rope.partial == 1.0
+        and attn.scale is None
+        and attn.softcap is None
+        and not attn.qk_norm_all
+        and cfg.norm_offset == 0.0
+    )
+
+
 def _swap(module, cls, kernels):
     module.__class__ = cls  # same parameters, another forward
     module.kernels = kernels
@@ -65,9 +78,9 @@ def use_kernels(model, kernels) -> None:
     """Route the CPU decode step through kvchat's kernels: all the blocks in one call where every linear
     has a kernel layout (DecodeLayers), and the norms, attention and output head module by module."""
     for m in list(model.modules()):
-        if isinstance(m, RMSNorm):
+        if isinstance(m, RMSNorm) and not m.offset:
             _swap(m, KernelRMSNorm, kernels)
-        elif isinstance(m, Attention):
+        elif isinstance(m, Attention) and kernel_attends(m, model.cfg):
             _swap(m, KernelAttention, kernels)
     kernel_head(model, kernels)
     try:
@@ -150,6 +163,8 @@ class DecodeLayers:
 
     def __init__(self, kernels, model):
         cfg = model.cfg
+        if not cfg.plain:  # the C step computes the Llama shape only
+            raise ValueError(f"the {cfg.family} family's blocks are not the Llama shape the one-call step computes")
         self.dtype = model.norm.weight.dtype
         self.fn = kernels._decode[self.dtype]
         self.kept: list[torch.Tensor] = []

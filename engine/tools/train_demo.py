@@ -22,6 +22,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from ..config import config_from_dict
 from ..model import Transformer
+from ..weights.hf_names import hf_state_dict
 from . import demo_corpus
 
 SPECIALS = ["<|bos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
@@ -78,7 +79,7 @@ def encode_chat(tok: HFTokenizer, messages: list[dict]) -> tuple[list[int], list
 
 def write_checkpoint(out: Path, model: Transformer, tok: HFTokenizer, raw_cfg: dict, card: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    tensors = model.hf_state_dict()
+    tensors = hf_state_dict(model)
     tensors.pop("lm_head.weight", None)  # tied to the embedding
     save_file(
         {k: v.float().contiguous() for k, v in tensors.items()},

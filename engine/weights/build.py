@@ -21,7 +21,7 @@ from ..config import ModelConfig
 from ..devices import bf16_hardware
 from ..model import Transformer
 from ..quant import group_for
-from .hf_names import LINEARS, block_sources
+from .hf_names import block_sources, linears
 from .safetensors import Reader
 
 
@@ -66,19 +66,20 @@ def _load_block(
     (a GGUF's Q8_0 / Q4_0) keeps them; quantized (`weights`), each other linear is built from its rows a
     chunk at a time, so no float copy of the block exists."""
     sources = block_sources(cfg, i)
-    native = {path: reader.native(sources[path + ".weight"], dtype, device) for path in LINEARS}
-    swapped = [path for path in LINEARS if native[path] is not None or weights != "none"]
+    paths = linears(cfg, i)
+    native = {path: reader.native(sources[path + ".weight"], dtype, device) for path in paths}
+    swapped = [path for path in paths if native[path] is not None or weights != "none"]
     skip = {path + ".weight" for path in swapped}
     state = _block_state(reader, {k: v for k, v in sources.items() if k not in skip}, dtype, device)
     for path in swapped:
-        parent, name = path.split(".")
+        parent, name = path.rsplit(".", 1)
         bias = state.pop(path + ".bias", None)
         if native[path] is not None:
             layer = QuantLinear.from_codes(native[path], bias)
         else:
             rows = reader.rows(sources[path + ".weight"], dtype, device)
             layer = QuantLinear(rows, bias, weights, group_for(rows.shape[1], group_size))
-        setattr(getattr(block, parent), name, layer)
+        setattr(block.get_submodule(parent), name, layer)
     block.load_state_dict(state, strict=not swapped, assign=True)
 
 

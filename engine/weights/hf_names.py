@@ -1,49 +1,52 @@
-"""The Hugging Face checkpoint's names for a Llama-family model: every tensor it must hold with its shape,
-and which of them each of kvchat's fused modules (q/k/v, gate/up) is read from."""
+"""The Hugging Face checkpoint's names for every family kvchat runs: every tensor it must hold with its shape,
+which of them each of kvchat's modules is read from (several, stacked along rows, where kvchat fuses q/k/v and
+gate/up), and the way back (`hf_state_dict`)."""
 
 from __future__ import annotations
 
+import torch
+
 from ..config import ModelConfig
 
+NORMS = {  # placement -> kvchat's norm -> the checkpoint's name
+    "pre": {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"},
+    "sandwich": {
+        "attn_norm": "input_layernorm",
+        "attn_post_norm": "post_attention_layernorm",
+        "mlp_norm": "pre_feedforward_layernorm",
+        "mlp_post_norm": "post_feedforward_layernorm",
+    },
+    "post": {"attn_post_norm": "post_attention_layernorm", "mlp_post_norm": "post_feedforward_layernorm"},
+}
 
-def expected(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor the checkpoint must hold, with its shape, under Hugging Face names."""
-    D, F, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    qd, kvd = cfg.num_heads * d, cfg.num_kv_heads * d
-    out = {"model.embed_tokens.weight": (cfg.vocab_size, D), "model.norm.weight": (D,)}
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = (cfg.vocab_size, D)
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        out.update(
-            {
-                p + "self_attn.q_proj.weight": (qd, D),
-                p + "self_attn.k_proj.weight": (kvd, D),
-                p + "self_attn.v_proj.weight": (kvd, D),
-                p + "self_attn.o_proj.weight": (D, qd),
-                p + "mlp.gate_proj.weight": (F, D),
-                p + "mlp.up_proj.weight": (F, D),
-                p + "mlp.down_proj.weight": (D, F),
-                p + "input_layernorm.weight": (D,),
-                p + "post_attention_layernorm.weight": (D,),
+
+def _mlp_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
+    """Layer i's MLP tensors under kvchat's names -> the checkpoint's: one gated MLP, or a router and E experts."""
+    p = f"model.layers.{i}."
+    if not cfg.is_moe(i):
+        if cfg.family == "phi3":  # gate and up already fused in the file
+            return {
+                "mlp.gate_up.weight": [p + "mlp.gate_up_proj.weight"],
+                "mlp.down.weight": [p + "mlp.down_proj.weight"],
             }
-        )
-        if cfg.qkv_bias:
-            out.update(
-                {
-                    p + "self_attn.q_proj.bias": (qd,),
-                    p + "self_attn.k_proj.bias": (kvd,),
-                    p + "self_attn.v_proj.bias": (kvd,),
-                }
-            )
-        if cfg.o_bias:
-            out[p + "self_attn.o_proj.bias"] = (D,)
-        if cfg.qk_norm:
-            out.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
+        return {
+            "mlp.gate_up.weight": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+            "mlp.down.weight": [p + "mlp.down_proj.weight"],
+        }
+    if cfg.family == "mixtral":
+        m = p + "block_sparse_moe."
+        out = {"mlp.router.weight": [m + "gate.weight"]}
+        for j in range(cfg.num_experts):
+            e = f"{m}experts.{j}."
+            out[f"mlp.experts.{j}.gate_up.weight"] = [e + "w1.weight", e + "w3.weight"]
+            out[f"mlp.experts.{j}.down.weight"] = [e + "w2.weight"]
+        return out
+    out = {"mlp.router.weight": [p + "mlp.gate.weight"]}
+    for j in range(cfg.num_experts):
+        e = f"{p}mlp.experts.{j}."
+        out[f"mlp.experts.{j}.gate_up.weight"] = [e + "gate_proj.weight", e + "up_proj.weight"]
+        out[f"mlp.experts.{j}.down.weight"] = [e + "down_proj.weight"]
     return out
-
-
-LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # a block's linears, by module path
 
 
 def block_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
@@ -51,14 +54,14 @@ def block_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
     (several: stacked along rows, as q/k/v and gate/up are fused)."""
     p = f"model.layers.{i}."
     a = p + "self_attn."
-    out = {
-        "attn.qkv.weight": [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
-        "attn.o.weight": [a + "o_proj.weight"],
-        "mlp.gate_up.weight": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
-        "mlp.down.weight": [p + "mlp.down_proj.weight"],
-        "attn_norm.weight": [p + "input_layernorm.weight"],
-        "mlp_norm.weight": [p + "post_attention_layernorm.weight"],
-    }
+    if cfg.family == "phi3":
+        out = {"attn.qkv.weight": [a + "qkv_proj.weight"]}
+    else:
+        out = {"attn.qkv.weight": [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]}
+    out["attn.o.weight"] = [a + "o_proj.weight"]
+    out.update(_mlp_sources(cfg, i))
+    for mine, theirs in NORMS[cfg.norm_placement].items():
+        out[mine + ".weight"] = [p + theirs + ".weight"]
     if cfg.qkv_bias:
         out["attn.qkv.bias"] = [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]
     if cfg.o_bias:
@@ -66,3 +69,73 @@ def block_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
     if cfg.qk_norm:
         out["attn.q_norm.weight"], out["attn.k_norm.weight"] = [a + "q_norm.weight"], [a + "k_norm.weight"]
     return out
+
+
+def linears(cfg: ModelConfig, i: int) -> list[str]:
+    """Block i's linears by module path (each expert's own): what quantization and a file's codes replace."""
+    mlps = [f"mlp.experts.{j}" for j in range(cfg.num_experts)] if cfg.is_moe(i) else ["mlp"]
+    return ["attn.qkv", "attn.o"] + [f"{m}.{name}" for m in mlps for name in ("gate_up", "down")]
+
+
+def _shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
+    """Block i's tensors under kvchat's names -> their shapes (fused ones whole)."""
+    D, d = cfg.hidden_size, cfg.head_dim
+    qd, kvd = cfg.num_heads * d, cfg.num_kv_heads * d
+    out = {"attn.qkv.weight": (qd + 2 * kvd, D), "attn.o.weight": (D, qd), "attn.qkv.bias": (qd + 2 * kvd,)}
+    out["attn.o.bias"] = (D,)
+    out["attn.q_norm.weight"], out["attn.k_norm.weight"] = (
+        ((qd,), (kvd,)) if cfg.qk_norm_span == "all" else ((d,), (d,))
+    )
+    for mine in NORMS[cfg.norm_placement]:
+        out[mine + ".weight"] = (D,)
+    if cfg.is_moe(i):
+        F = cfg.moe_intermediate_size
+        out["mlp.router.weight"] = (cfg.num_experts, D)
+        for j in range(cfg.num_experts):
+            out[f"mlp.experts.{j}.gate_up.weight"], out[f"mlp.experts.{j}.down.weight"] = (2 * F, D), (D, F)
+    else:
+        F = cfg.intermediate_size
+        out["mlp.gate_up.weight"], out["mlp.down.weight"] = (2 * F, D), (D, F)
+    return out
+
+
+def expected(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the checkpoint must hold, with its shape, under Hugging Face names."""
+    D = cfg.hidden_size
+    out = {"model.embed_tokens.weight": (cfg.vocab_size, D), "model.norm.weight": (D,)}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = (cfg.vocab_size, D)
+    for i in range(cfg.num_layers):
+        shapes = _shapes(cfg, i)
+        for mine, theirs in block_sources(cfg, i).items():
+            whole = shapes[mine]
+            if len(theirs) == 1:
+                out[theirs[0]] = whole
+            else:  # stacked along rows: q/k/v by head counts, gate/up in halves
+                rows = _split_rows(cfg, mine, whole[0])
+                out.update({name: (r, *whole[1:]) for name, r in zip(theirs, rows)})
+    return out
+
+
+def _split_rows(cfg: ModelConfig, mine: str, rows: int) -> list[int]:
+    """How a fused tensor's rows divide among the checkpoint tensors stacked into it."""
+    if mine.startswith("attn.qkv"):
+        d = cfg.head_dim
+        return [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d]
+    return [rows // 2, rows // 2]
+
+
+def hf_state_dict(model) -> dict[str, torch.Tensor]:
+    """A model's weights under the Hugging Face names, fused tensors split apart again (the demo model's and the
+    bench shapes' checkpoints are written so)."""
+    cfg = model.cfg
+    out = {"model.embed_tokens.weight": model.embed.weight, "model.norm.weight": model.norm.weight}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = model.lm_head.weight
+    for i, block in enumerate(model.layers):
+        mine = dict(block.named_parameters())
+        for name, theirs in block_sources(cfg, i).items():
+            t = mine[name]
+            parts = [t] if len(theirs) == 1 else t.split(_split_rows(cfg, name, t.shape[0]))
+            out.update(zip(theirs, parts))
+    return {k: v.detach().contiguous() for k, v in out.items()}

@@ -76,6 +76,7 @@ def write_random_checkpoint(out: Path, shape, seed: int = 0, std: float = 0.02) 
 
     from ...config import config_from_dict
     from ...model import Transformer
+    from ...weights.hf_names import hf_state_dict
 
     raw = dict(SHAPES[shape] if isinstance(shape, str) else shape, hidden_act="silu", torch_dtype="float32")
     cfg = config_from_dict(raw)
@@ -86,7 +87,7 @@ def write_random_checkpoint(out: Path, shape, seed: int = 0, std: float = 0.02) 
         if p.dim() == 2:
             torch.nn.init.normal_(p, std=std)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = model.hf_state_dict()
+    tensors = hf_state_dict(model)
     tensors.pop("lm_head.weight", None) if cfg.tie_word_embeddings else None
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(raw))
