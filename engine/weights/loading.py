@@ -214,9 +214,15 @@ def _fingerprint(
         "activations": model.activations,
         "tokenizer": tokenizer.digest[:16],
         "rope": cfg.rope.describe(),
-        "attention": f"{cfg.num_heads} query heads, {cfg.num_kv_heads} KV heads of width {cfg.head_dim}"
-        + (f", window {cfg.sliding_window:,}" if cfg.sliding_window else "")
-        + (", QK norm" if cfg.qk_norm else ""),
+        "attention": ", ".join(
+            filter(
+                None,
+                [
+                    f"{cfg.num_heads} query heads, {cfg.num_kv_heads} KV heads of width {cfg.head_dim}",
+                    cfg.describe_attention(),
+                ],
+            )
+        ),
         "device": str(dev),
     }
 

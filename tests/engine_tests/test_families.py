@@ -1,0 +1,111 @@
+"""The families beyond the Llama shape through the whole engine: a chat's greedy reply equal to transformers'
+generate, cached equal to fresh through an edit and through the prefix store, what the model says of itself
+(windows per layer, active parameters) and the quantized forms running."""
+
+import pytest
+import torch
+
+from checkpoints import make_checkpoint
+from engine.events import Finished, PrefillStarted
+from engine.session import Request, Session
+from engine.weights.loading import load_model
+
+transformers = pytest.importorskip("transformers")
+
+FAMILIES = {
+    "gemma2": dict(
+        family="gemma2", tie=True, sliding_window=6, attn_logit_softcapping=50.0, final_logit_softcapping=30.0
+    ),
+    "gemma3": dict(
+        family="gemma3",
+        tie=True,
+        num_hidden_layers=3,
+        sliding_window=6,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+    ),
+    "phi3": dict(family="phi3", partial_rotary_factor=0.75),
+    "smollm3": dict(family="smollm3", no_rope_layer_interval=2, tie=True),
+    "granite": dict(
+        family="granite",
+        embedding_multiplier=12.0,
+        residual_multiplier=0.22,
+        attention_multiplier=0.0078,
+        logits_scaling=8.0,
+    ),
+    "olmo2": dict(family="olmo2"),
+    "qwen3_moe": dict(family="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    "mixtral": dict(family="mixtral", num_local_experts=4, num_experts_per_tok=2, sliding_window=6),
+}
+CHAT = [{"role": "user", "content": "I am planning a trip to Chengdu. My budget is 600 yuan."}]
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family_dir(request, tmp_path_factory):
+    opts = dict(FAMILIES[request.param])
+    return make_checkpoint(tmp_path_factory.mktemp(request.param), opts.pop("family"), **opts)
+
+
+def reply(session, **kw):
+    kw.setdefault("max_new_tokens", 10)
+    kw.setdefault("ignore_eos", True)
+    events = list(session.generate(Request(**kw)))
+    assert isinstance(events[-1], Finished), events[-1]
+    return events[-1], next(e for e in events if isinstance(e, PrefillStarted))
+
+
+def test_greedy_chat_reply_equals_transformers_generate(family_dir):
+    loaded = load_model(family_dir, device="cpu", dtype="float32")
+    done, start = reply(Session(loaded, capacity=128), messages=CHAT)
+    prompt = torch.tensor([list(start.prompt_token_ids)])
+    assert prompt.shape[1] > 8  # longer than the sliding windows above
+    ref = transformers.AutoModelForCausalLM.from_pretrained(family_dir, dtype=torch.float32).eval()
+    want = ref.generate(prompt, max_new_tokens=10, do_sample=False, min_new_tokens=10, pad_token_id=0)
+    assert list(done.token_ids) == want[0, prompt.shape[1] :].tolist()
+
+
+def test_cached_equals_fresh_through_an_edit_and_the_prefix_store(family_dir):
+    loaded = load_model(family_dir, device="cpu", dtype="float32")
+    session = Session(loaded, capacity=256)
+    first, _ = reply(session, messages=CHAT)
+    follow = CHAT + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "How much?"}]
+    reply(session, messages=follow)
+    edited = [{"role": "user", "content": CHAT[0]["content"].replace("600", "750")}]
+    again, start = reply(session, messages=edited)
+    assert 0 < start.reuse.reused < len(start.prompt_token_ids)  # the edit cut the cache, the head was kept
+    fresh, _ = reply(Session(loaded, capacity=256), messages=edited)
+    assert again.token_ids == fresh.token_ids
+    back, start = reply(session, messages=follow)  # the first conversation again: from the prefix store
+    assert start.reuse.source == "store" and start.reuse.copied_positions > 0
+    assert back.token_ids == reply(Session(loaded, capacity=256), messages=follow)[0].token_ids
+
+
+def test_windows_and_active_parameters_as_the_config_says(tmp_path):
+    gemma3 = load_model(make_checkpoint(tmp_path / "g", **FAMILIES["gemma3"]), device="cpu", dtype="float32")
+    assert gemma3.config.windows == (6, 6, None)
+    assert "window 6 on 2 of 3 layers" in gemma3.fingerprint["attention"]
+    moe = load_model(make_checkpoint(tmp_path / "m", **FAMILIES["qwen3_moe"]), device="cpu", dtype="float32")
+    m = moe.model
+    expert = sum(p.numel() for p in m.layers[0].mlp.experts[0].parameters())
+    assert m.parameter_count() - m.active_parameter_count() == moe.config.num_layers * (4 - 2) * expert
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_quantized_families_decode_as_they_prefill(family_dir, weights):
+    """Quantized (every expert's linears too, the router kept): a decode step on the cache equals the same
+    quantized model's whole recompute; int8 stays close to float32."""
+    from engine.kv_cache import make_cache
+
+    quant = load_model(family_dir, device="cpu", weights=weights)
+    ids = torch.arange(5, 30).view(1, -1)
+    cache = make_cache(quant.config, 64, quant.dtype, "cpu")
+    quant.model(ids[:, :-1], cache)
+    step = quant.model(ids[:, -1:], cache)[0, -1]  # one position: the decode kernels where the layers have them
+    whole = quant.model(ids)[0, -1]
+    assert float((step - whole).abs().max() / whole.abs().max()) < 2e-3
+    if weights == "int8":
+        want = load_model(family_dir, device="cpu", dtype="float32").model(ids)[0, -1]
+        assert float((whole - want).abs().max() / want.abs().max()) < 0.08
+    if quant.config.num_experts:
+        mlp = quant.model.layers[0].mlp
+        assert all(type(e.gate_up).__name__ == "QuantLinear" for e in mlp.experts)
+        assert type(mlp.router).__name__ == "Linear"
