@@ -16,9 +16,22 @@ import torch
 
 from ..config import load_config
 from ..errors import EngineError
-from ..weights.gguf_file import BLOCK_NAMES, GLOBAL_NAMES
+from ..weights.gguf_file import NORM_PLUS_ONE, PERMUTED, gguf_name
 
-ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCHES = {  # kvchat's family -> llama.cpp's architecture (Mistral and Mixtral are "llama" files)
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma2": "gemma2",
+    "gemma3": "gemma3",
+    "phi3": "phi3",
+    "smollm3": "smollm3",
+    "granite": "granite",
+    "olmo2": "olmo2",
+    "qwen3_moe": "qwen3moe",
+    "mixtral": "llama",
+}
 FTYPES = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K_M", "Q5_K_M", "Q6_K")  # quantize_gguf's
 
 
@@ -42,7 +55,7 @@ def write_gguf(model_dir, out: Path, matrices: str = "F32", tokenizer: bool = Fa
     if cfg.family not in ARCHES:
         raise EngineError(f"no GGUF mapping for the {cfg.family!r} family")
     arch = ARCHES[cfg.family]
-    if cfg.rope.type != "default":
+    if cfg.rope.type not in ("default", "longrope") and not (cfg.rope.type == "linear" and cfg.family == "gemma3"):
         raise EngineError(f"GGUF export handles default rotary scaling only, not {cfg.rope.type!r}")
     w = gguf.GGUFWriter(str(out), arch)
     w.add_name(model_dir.name)
@@ -54,9 +67,10 @@ def write_gguf(model_dir, out: Path, matrices: str = "F32", tokenizer: bool = Fa
     w.add_head_count_kv(cfg.num_kv_heads)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
-    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_dimension_count(int(cfg.head_dim * cfg.rope.partial))
     w.add_rope_freq_base(cfg.rope.theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    _family_metadata(w, cfg)
     w.add_vocab_size(cfg.vocab_size)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     if tokenizer:
@@ -69,30 +83,36 @@ def write_gguf(model_dir, out: Path, matrices: str = "F32", tokenizer: bool = Fa
         w.add_token_merges(["<t 0>"])  # llama.cpp wants merges for a "gpt2" vocabulary; never used
         w.add_add_bos_token(False)
 
-    names, per_layer = GLOBAL_NAMES, BLOCK_NAMES  # Hugging Face -> GGUF names, as the loader reads them
     from safetensors import safe_open
 
     files = weight_files(model_dir)
+    experts: dict[str, dict[int, torch.Tensor]] = {}  # a stacked experts' GGUF name -> its experts' matrices
+    tensors: list[tuple[str, torch.Tensor]] = []
     for name in sorted(files, key=_order):
-        i, rest = _split(name)
-        if i is not None:
-            if rest not in per_layer:
-                continue
-            gname = f"blk.{i}.{per_layer[rest]}"
-        elif name in names:
-            if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                continue
-            gname = names[name]
-        else:
+        gname = gguf_name(arch, name)
+        if gname is None or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
         with safe_open(str(files[name]), framework="pt", device="cpu") as f:
             t = f.get_tensor(name).float()
-        if arch == "llama" and gname.endswith(("attn_q.weight", "attn_q.bias")):
+        if arch in PERMUTED and gname.endswith(("attn_q.weight", "attn_q.bias")):
             t = _permute(t, cfg.num_heads)
-        elif arch == "llama" and gname.endswith(("attn_k.weight", "attn_k.bias")):
+        elif arch in PERMUTED and gname.endswith(("attn_k.weight", "attn_k.bias")):
             t = _permute(t, cfg.num_kv_heads)
+        if arch in NORM_PLUS_ONE and gname.endswith("norm.weight"):
+            t = t + 1  # llama.cpp's converter stores Gemma's norms as 1 + w
+        if "#" in gname:
+            stacked, j = gname.split("#")
+            experts.setdefault(stacked, {})[int(j)] = t
+        else:
+            tensors.append((gname, t))
+    tensors += [(g, torch.stack([e[j] for j in sorted(e)])) for g, e in experts.items()]  # [E, rows, cols]
+    if cfg.rope.type == "longrope":  # Phi-3's factors travel as tensors
+        tensors += [
+            (f"rope_factors_{k}.weight", torch.tensor(getattr(cfg.rope, f"{k}_factor"))) for k in ("short", "long")
+        ]
+    for gname, t in tensors:
         data = np.ascontiguousarray(t.numpy())
-        kind = (types or {}).get(gname, matrices if data.ndim == 2 else "F32")
+        kind = (types or {}).get(gname, matrices if data.ndim >= 2 else "F32")
         if isinstance(kind, tuple):  # raw blocks of a type gguf cannot quantize (K-quants), made by the caller
             kind, raw = kind
             w.add_tensor(gname, raw, raw_dtype=gguf.GGMLQuantizationType[kind])
@@ -106,6 +126,37 @@ def write_gguf(model_dir, out: Path, matrices: str = "F32", tokenizer: bool = Fa
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def _family_metadata(w, cfg) -> None:
+    """The metadata by which a family departs from Llama, under the keys llama.cpp's converter writes."""
+    import gguf
+
+    if cfg.sliding_window and ARCHES[cfg.family] != "llama":  # llama.cpp's "llama" has no window (Mistral's files)
+        w.add_sliding_window(cfg.sliding_window)
+        if cfg.layer_types:  # which layers slide, one flag each
+            w.add_sliding_window_pattern([kind == "sliding" for kind in cfg.layer_types])
+    if cfg.attn_softcap is not None:
+        w.add_attn_logit_softcapping(cfg.attn_softcap)
+    if cfg.final_softcap is not None:
+        w.add_final_logit_softcapping(cfg.final_softcap)
+    if cfg.family == "gemma3" and cfg.rope.type == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(cfg.rope.factor)
+    if cfg.family == "granite":
+        w.add_embedding_scale(cfg.embed_scale)
+        w.add_residual_scale(cfg.residual_scale)
+        w.add_attention_scale(cfg.attention_scale)
+        w.add_logit_scale(cfg.logits_scale)
+    if cfg.rope.type == "longrope":
+        w.add_rope_scaling_orig_ctx_len(cfg.rope.original_max_position_embeddings)
+        w.add_rope_scaling_attn_factors(cfg.rope.attention_factor)
+    if cfg.num_experts:
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.experts_per_token)
+        if cfg.family == "qwen3_moe":
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+            w.add_expert_weights_norm(cfg.norm_topk_prob)
 
 
 def _write_tokenizer(w, model_dir: Path, vocab_size: int) -> None:

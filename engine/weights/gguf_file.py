@@ -12,8 +12,10 @@ template runs in the tokenizer's sandbox.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import mmap
+import re
 from pathlib import Path
 
 import numpy as np
@@ -23,12 +25,24 @@ from ..errors import ModelLoadError
 from ..quant import PreQuantized
 from . import gguf_vocab
 from .gguf_blocks import INT4_PACKED, INT5, NATIVE
-from .gguf_header import StringArray, read_header
+from .gguf_header import StringArray, Tensor, read_header
 from .gguf_vocab import NUMBER
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {  # a GGUF's general.architecture -> config.json's (a "llama" file with experts is a Mixtral)
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+}
 KINDS = {str: "string", int: "whole number", NUMBER: "number"}  # how an error names what a key should hold
-PERMUTED = ("llama",)  # llama.cpp's converter interleaves q/k rows for these (rotate pairs, not halves)
+PERMUTED = ("llama", "granite", "smollm3")  # llama.cpp's converter interleaves q/k rows for these (rotate pairs)
+NORM_PLUS_ONE = ("gemma2", "gemma3")  # llama.cpp's converter stores Gemma's (1 + w) norms with the 1 added
 
 # Hugging Face tensor names -> GGUF names ("{i}": the block)
 GLOBAL_NAMES = {
@@ -52,7 +66,47 @@ BLOCK_NAMES = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    # a mixture: the router, and each expert's rows of the experts' stacked tensors ("#j": expert j)
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+    "mlp.experts.{j}.gate_proj.weight": "ffn_gate_exps.weight#{j}",
+    "mlp.experts.{j}.up_proj.weight": "ffn_up_exps.weight#{j}",
+    "mlp.experts.{j}.down_proj.weight": "ffn_down_exps.weight#{j}",
+    "block_sparse_moe.experts.{j}.w1.weight": "ffn_gate_exps.weight#{j}",
+    "block_sparse_moe.experts.{j}.w3.weight": "ffn_up_exps.weight#{j}",
+    "block_sparse_moe.experts.{j}.w2.weight": "ffn_down_exps.weight#{j}",
 }
+ARCH_BLOCK_NAMES = {  # where an architecture's names depart from BLOCK_NAMES
+    "gemma2": {
+        "post_attention_layernorm.weight": "post_attention_norm.weight",
+        "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+        "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+    },
+    "olmo2": {
+        "post_attention_layernorm.weight": "post_attention_norm.weight",
+        "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+    },
+    "phi3": {"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"},
+}
+ARCH_BLOCK_NAMES["gemma3"] = ARCH_BLOCK_NAMES["gemma2"]
+EXPERT = re.compile(r"^(mlp|block_sparse_moe)\.experts\.(\d+)\.(.+)$")
+
+
+def gguf_name(arch: str, hf: str) -> str | None:
+    """The GGUF name of a Hugging Face tensor name in a file of `arch` (an expert's: its rows of the stacked
+    tensor, "…#j"); None for a name no GGUF file holds."""
+    if hf in GLOBAL_NAMES:
+        return GLOBAL_NAMES[hf]
+    if not hf.startswith("model.layers."):
+        return None
+    i, rest = hf[len("model.layers.") :].split(".", 1)
+    expert = EXPERT.match(rest)
+    if expert:
+        rest = f"{expert[1]}.experts.{{j}}.{expert[3]}"
+    names = {**BLOCK_NAMES, **ARCH_BLOCK_NAMES.get(arch, {})}
+    if rest not in names:
+        return None
+    return f"blk.{i}.{names[rest]}".replace("{j}", expert[2] if expert else "")
 
 
 class GGUFModel:
@@ -69,6 +123,9 @@ class GGUFModel:
             raise ModelLoadError(f"not a readable GGUF file: {e}", self.path) from None
         self.fields, self.mm, self.metadata_end = header.fields, header.mm, header.metadata_end
         self.tensors = {t.name: t for t in header.tensors}
+        for t in header.tensors:  # a mixture's experts stacked in one tensor: each expert's rows by name too
+            if t.name.endswith("_exps.weight") and len(t.dims) == 3:
+                self.tensors.update({e.name: e for e in _experts(t)})
         self.arch = self.meta("general.architecture")
         if check_architecture and self.arch not in ARCHITECTURES:
             raise ModelLoadError(
@@ -120,8 +177,10 @@ class GGUFModel:
         tokens = self.meta("tokenizer.ggml.tokens")
         vocab = self._arch("vocab_size") or (len(tokens) if tokens is not None else None)
         head_dim = self._arch("attention.key_length") or (hidden // heads if hidden and heads else None)
+        experts = self._arch("expert_count", 0)
+        arch = "MixtralForCausalLM" if self.arch == "llama" and experts else ARCHITECTURES[self.arch]
         raw = {
-            "architectures": [ARCHITECTURES[self.arch]],
+            "architectures": [arch],
             "model_type": self.arch,
             "vocab_size": vocab,
             "hidden_size": hidden,
@@ -149,8 +208,68 @@ class GGUFModel:
             raise ModelLoadError(f"rope scaling {scaling!r} is not supported (supported: none, linear)", self.path)
         rope_dims = self._arch("rope.dimension_count")
         if rope_dims is not None and rope_dims != head_dim:
-            raise ModelLoadError(f"partial rotary embeddings ({rope_dims} of {head_dim}) are not supported", self.path)
+            if self.arch != "phi3":
+                raise ModelLoadError(
+                    f"partial rotary embeddings ({rope_dims} of {head_dim}) are not supported", self.path
+                )
+            raw["partial_rotary_factor"] = rope_dims / head_dim
+        raw.update(self._family_dict(raw, experts))
         return raw
+
+    def _family_dict(self, raw: dict, experts: int) -> dict:
+        """config.json's family fields, from the metadata llama.cpp's converter writes for each architecture (and
+        llama.cpp's own rules where it writes none: Gemma's query scaling and window pattern, SmolLM3's unrotated
+        layers)."""
+        out: dict = {}
+        layers = raw["num_hidden_layers"]
+        window = self._arch("attention.sliding_window")
+        if window:
+            out["sliding_window"] = window
+            out["use_sliding_window"] = True
+        if self.arch in ("gemma2", "gemma3"):
+            big = layers == (46 if self.arch == "gemma2" else 62)  # the 27B: scaled by the hidden size per head
+            out.update(
+                hidden_activation="gelu_pytorch_tanh",
+                query_pre_attn_scalar=raw["hidden_size"] // raw["num_attention_heads"] if big else raw["head_dim"],
+                attn_logit_softcapping=self._arch("attn_logit_softcapping"),
+                final_logit_softcapping=self._arch("final_logit_softcapping"),
+            )
+            pattern = self._arch("attention.sliding_window_pattern")
+            if isinstance(pattern, np.ndarray):  # one flag per layer
+                out["layer_types"] = ["sliding_attention" if v else "full_attention" for v in pattern.tolist()]
+            else:
+                out["sliding_window_pattern"] = int(pattern or (2 if self.arch == "gemma2" else 6))
+            if self.arch == "gemma3":
+                out["rope_local_base_freq"] = 10000.0  # llama.cpp's, for the sliding layers
+        elif self.arch == "phi3":
+            short, long = self.tensors.get("rope_factors_short.weight"), self.tensors.get("rope_factors_long.weight")
+            original = self._arch("rope.scaling.original_context_length")
+            if short is not None and long is not None:
+                out["rope_scaling"] = {
+                    "type": "longrope",
+                    "short_factor": self._float_rows(short).reshape(-1).tolist(),
+                    "long_factor": self._float_rows(long).reshape(-1).tolist(),
+                    "original_max_position_embeddings": original or raw["max_position_embeddings"],
+                    "attention_factor": self._arch("rope.scaling.attn_factor"),
+                }
+        elif self.arch == "granite":
+            out.update(
+                embedding_multiplier=self._arch("embedding_scale", 1.0),
+                residual_multiplier=self._arch("residual_scale", 1.0),
+                attention_multiplier=self._arch("attention.scale", 1.0),
+                logits_scaling=self._arch("logit_scale", 1.0),
+            )
+        elif self.arch == "smollm3":
+            out["no_rope_layer_interval"] = 4  # llama.cpp's: every 4th layer unrotated
+        if experts:
+            out.update(
+                num_experts=experts,
+                num_local_experts=experts,
+                num_experts_per_tok=self._arch("expert_used_count"),
+                moe_intermediate_size=self._arch("expert_feed_forward_length") or raw["intermediate_size"],
+                norm_topk_prob=bool(self._arch("expert_weights_norm", True)),
+            )
+        return out
 
     def rope_factors(self) -> tuple[float, ...]:
         """Per-frequency divisors from `rope_freqs.weight` (how Llama 3.1+ files carry their rope scaling)."""
@@ -165,26 +284,14 @@ class GGUFModel:
 
     # --- tensors -----------------------------------------------------------------------------------
     def gguf_name(self, hf: str) -> str | None:
-        if hf in GLOBAL_NAMES:
-            return GLOBAL_NAMES[hf]
-        if hf.startswith("model.layers."):
-            i, rest = hf[len("model.layers.") :].split(".", 1)
-            if rest in BLOCK_NAMES:
-                return f"blk.{i}.{BLOCK_NAMES[rest]}"
-        return None
+        return gguf_name(self.arch, hf)
 
-    def names(self) -> dict[str, str]:
-        """Every Hugging Face name this file holds -> its GGUF name."""
-        block = {v: k for k, v in BLOCK_NAMES.items()}
-        top = {v: k for k, v in GLOBAL_NAMES.items()}
+    def names(self, wanted) -> dict[str, str]:
+        """Of the Hugging Face names `wanted`, those this file holds -> their GGUF names."""
         out = {}
-        for gname in self.tensors:
-            if gname.startswith("blk."):
-                _, i, rest = gname.split(".", 2)
-                hf = f"model.layers.{i}.{block[rest]}" if rest in block else None
-            else:
-                hf = top.get(gname)
-            if hf is not None:
+        for hf in wanted:
+            gname = self.gguf_name(hf)
+            if gname is not None and gname in self.tensors:
                 out[hf] = gname
         return out
 
@@ -328,3 +435,21 @@ class GGUFModel:
         for t in self.tensors.values():
             h.update(f"{t.name}:{t.tensor_type.name}:{list(t.dims)}:{t.data_offset}".encode())
         return h.hexdigest()[:16]
+
+
+def _experts(t: Tensor) -> list[Tensor]:
+    """A stacked experts' tensor [E, rows, cols] as E tensors [rows, cols], each a view of its own rows."""
+    count = t.dims[2]
+    each = t.n_bytes // count
+    return [
+        dataclasses.replace(
+            t,
+            name=f"{t.name}#{j}",
+            dims=t.dims[:2],
+            data_offset=t.data_offset + j * each,
+            n_bytes=each,
+            n_elements=t.n_elements // count,
+            data=t.data[j],
+        )
+        for j in range(count)
+    ]

@@ -20,7 +20,7 @@ class GGUFReader(Reader):
     def __init__(self, model: GGUFModel, cfg: ModelConfig):
         self.model, self.cfg = model, cfg
         self.expected = expected(cfg)
-        have = model.names()
+        have = model.names(self.expected)
         for name, shape in self.expected.items():
             if name not in have:
                 raise ModelLoadError(f"tensor {model.gguf_name(name)!r} is missing from the GGUF file", model.path)

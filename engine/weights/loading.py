@@ -19,7 +19,7 @@ from ..quant import DEFAULT_GROUP_SIZE, check_activations, check_mode, describe
 from ..tokenizer import Tokenizer
 from .build import ReturnFreedMemory, build_model
 from .bundled import DEMO_MODEL
-from .gguf_file import GGUFModel
+from .gguf_file import NORM_PLUS_ONE, GGUFModel
 from .gguf_header import is_gguf
 from .gguf_reader import GGUFReader
 from .hf_names import expected
@@ -239,6 +239,8 @@ def _load_gguf(path: Path, device, dtype, weights, group_size, progress=None, ac
         progress(0.0, path.name)  # the metadata and the tokenizer first, then the weights block by block
     gm = GGUFModel(path)
     cfg = config_from_dict(gm.config_dict(), path)
+    if gm.arch in NORM_PLUS_ONE:  # the file's norms already hold Gemma's 1 + w
+        cfg = dataclasses.replace(cfg, norm_offset=0.0)
     factors = gm.rope_factors()
     if factors:
         if len(factors) != cfg.head_dim // 2:

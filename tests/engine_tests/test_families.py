@@ -2,6 +2,8 @@
 generate, cached equal to fresh through an edit and through the prefix store, what the model says of itself
 (windows per layer, active parameters) and the quantized forms running."""
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -24,7 +26,7 @@ FAMILIES = {
         layer_types=["sliding_attention", "sliding_attention", "full_attention"],
     ),
     "phi3": dict(family="phi3", partial_rotary_factor=0.75),
-    "smollm3": dict(family="smollm3", no_rope_layer_interval=2, tie=True),
+    "smollm3": dict(family="smollm3", num_hidden_layers=4, tie=True),  # llama.cpp: every 4th layer unrotated
     "granite": dict(
         family="granite",
         embedding_multiplier=12.0,
@@ -33,8 +35,10 @@ FAMILIES = {
         logits_scaling=8.0,
     ),
     "olmo2": dict(family="olmo2"),
-    "qwen3_moe": dict(family="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
-    "mixtral": dict(family="mixtral", num_local_experts=4, num_experts_per_tok=2, sliding_window=6),
+    "qwen3_moe": dict(
+        family="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
+    ),
+    "mixtral": dict(family="mixtral", num_local_experts=4, num_experts_per_tok=2),
 }
 CHAT = [{"role": "user", "content": "I am planning a trip to Chengdu. My budget is 600 yuan."}]
 
@@ -42,7 +46,8 @@ CHAT = [{"role": "user", "content": "I am planning a trip to Chengdu. My budget 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family_dir(request, tmp_path_factory):
     opts = dict(FAMILIES[request.param])
-    return make_checkpoint(tmp_path_factory.mktemp(request.param), opts.pop("family"), **opts)
+    # not named for the family: llama.cpp looks up Phi-3's own special tokens in a file whose name says "phi"
+    return make_checkpoint(tmp_path_factory.mktemp("tiny"), opts.pop("family"), **opts)
 
 
 def reply(session, **kw):
@@ -109,3 +114,36 @@ def test_quantized_families_decode_as_they_prefill(family_dir, weights):
         mlp = quant.model.layers[0].mlp
         assert all(type(e.gate_up).__name__ == "QuantLinear" for e in mlp.experts)
         assert type(mlp.router).__name__ == "Linear"
+
+
+def test_the_gguf_form_equals_the_folder(family_dir, tmp_path):
+    """Written as llama.cpp's converter writes the family (Gemma's norms as 1 + w, Phi-3's fused tensors and rope
+    factors, a mixture's experts stacked in one tensor each): the same logits and the same greedy reply."""
+    from engine.tools.gguf_export import write_gguf
+
+    folder = load_model(family_dir, device="cpu", dtype="float32")
+    gguf = load_model(write_gguf(family_dir, tmp_path / "m.gguf", tokenizer=True), device="cpu", dtype="float32")
+    assert gguf.config.windows == folder.config.windows and gguf.config.family == folder.config.family
+    ids = torch.arange(5, 30).view(1, -1)
+    torch.testing.assert_close(gguf.model(ids), folder.model(ids), rtol=1e-5, atol=1e-5)
+    assert (
+        reply(Session(gguf, capacity=128), messages=CHAT)[0].token_ids
+        == reply(Session(folder, capacity=128), messages=CHAT)[0].token_ids
+    )
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python (the bench extra)")
+def test_llama_cpp_greedy_tokens_on_the_same_gguf(family_dir, tmp_path):
+    from engine.tools.gguf_export import write_gguf
+    from engine.tools.llamacpp import LlamaCpp
+
+    path = write_gguf(family_dir, tmp_path / "m.gguf", tokenizer=True)
+    loaded = load_model(path, device="cpu", dtype="float32")
+    prompt = list(range(5, 45))  # longer than the windows
+    done = list(
+        Session(loaded, capacity=128).generate(Request(prompt_ids=tuple(prompt), max_new_tokens=16, ignore_eos=True))
+    )
+    lc = LlamaCpp(path, n_ctx=128, threads=1)
+    ids, _, _ = lc.generate(prompt, 16)
+    lc.close()
+    assert ids == list(done[-1].token_ids)
