@@ -402,9 +402,13 @@ class StatsPanel(QScrollArea):
         self._timing_labels(self.remote)
         self.set("serverTimingValue", unknown if self.remote else "same process")
         self.set("modelNameValue", facts.get("name", DASH))
-        self.set("architectureValue", facts.get("architecture") or unknown)
-        n = facts.get("parameters")
-        self.set("parametersValue", unknown if n is None else f"{n:,}")
+        kinds = facts.get("attention_kinds")  # windows per layer kind, caps, scales (a family's own)
+        self.set("architectureValue", (facts.get("architecture") or unknown) + (f"\n{kinds}" if kinds else ""))
+        n, active = facts.get("parameters"), facts.get("active_parameters")
+        text = unknown if n is None else f"{n:,}"
+        if facts.get("experts"):  # a mixture computes with its routed experts only
+            text += f"\n{active:,} active per token ({facts['experts']} experts)"
+        self.set("parametersValue", text)
         self.set("dtypeValue", facts.get("dtype") or unknown)
         weights = facts.get("weights", "none")
         if weights != "none" and facts.get("head_weights", "none") != "none":
@@ -412,7 +416,12 @@ class StatsPanel(QScrollArea):
         if facts.get("activations") == "int8":  # decode's products on int8 activations (a named approximation)
             weights += ", int8 activations"
         self.set("precisionValue", f"{weights} · {facts.get('kv_cache', 'none')}")
-        self.set("weightBytesValue", fmt_bytes(facts.get("weight_bytes")))
+        read = facts.get("active_weight_bytes")
+        self.set(
+            "weightBytesValue",
+            fmt_bytes(facts.get("weight_bytes"))
+            + (f"\n{fmt_bytes(read)} read per token" if facts.get("experts") and read is not None else ""),
+        )
         held = facts.get("file_tensors")  # a GGUF's tensors by type: kept as codes, or dequantized and at what cost
         self.set(
             "fileTensorsValue",

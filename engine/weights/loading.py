@@ -62,6 +62,18 @@ class LoadedModel:
     def weight_bytes(self) -> int:
         return weight_bytes(self.model)
 
+    @property
+    def active_weight_bytes(self) -> int:
+        """The weight bytes one position's decode reads: all of them for a dense model; for a mixture, k of the E
+        experts in each layer (the largest k: an upper bound where the experts are held differently)."""
+        total = self.weight_bytes
+        for block in self.model.layers:
+            experts = getattr(block.mlp, "experts", None)
+            if experts is not None:
+                sizes = sorted((weight_bytes(e) for e in experts), reverse=True)
+                total -= sum(sizes[block.mlp.k :])
+        return total
+
     def kv_bytes_per_position(self, kv: str = "none") -> int:
         """Bytes one cached position takes at KV precision `kv` (none: the model dtype)."""
         return bytes_per_position(self.config, self.dtype, kv)
@@ -113,6 +125,10 @@ class LoadedModel:
             "weights": self.quantization,
             "head_weights": self.head_quantization,
             "weight_bytes": self.weight_bytes,
+            "active_parameters": self.model.active_parameter_count(),  # what one position computes with
+            "active_weight_bytes": self.active_weight_bytes,  # what one position's decode reads
+            "experts": f"{c.experts_per_token} of {c.num_experts}" if c.num_experts else None,
+            "attention_kinds": c.describe_attention() or None,
             "decode_kernels": self.decode_kernels,
             "activations": self.activations,
             "kv_cache": kv,

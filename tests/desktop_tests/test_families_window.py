@@ -1,0 +1,53 @@
+"""The new families in the real window: a mixture of experts and a Gemma 3 checkpoint open, chat, and the panel
+says what sets them apart (active parameters and bytes read per token; windows per layer kind)."""
+
+import pytest
+from gui import BUDGET, panel, send
+
+from checkpoints import make_checkpoint
+from desktop.panel import fmt_bytes
+from engine.events import Finished
+
+pytest.importorskip("transformers")
+
+
+def test_a_mixture_of_experts_chats_and_the_panel_shows_its_active_part(qtbot, make_window, spin_loop, tmp_path):
+    path = make_checkpoint(
+        tmp_path / "moe",
+        "qwen3_moe",
+        max_position_embeddings=2048,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+    )
+    w = make_window(path)
+    facts = w.facts
+    assert facts["architecture"] == "Qwen3MoeForCausalLM" and facts["experts"] == "2 of 8"
+    assert facts["active_parameters"] < facts["parameters"]
+    assert facts["active_weight_bytes"] < facts["weight_bytes"]
+    assert panel(w, "parametersValue") == (
+        f"{facts['parameters']:,}\n{facts['active_parameters']:,} active per token (2 of 8 experts)"
+    )
+    assert panel(w, "weightBytesValue") == (
+        f"{fmt_bytes(facts['weight_bytes'])}\n{fmt_bytes(facts['active_weight_bytes'])} read per token"
+    )
+    final = send(qtbot, w, spin_loop, BUDGET)
+    assert isinstance(final, Finished) and final.token_ids
+    assert w.transcript.views[1].message.content == final.text
+
+
+def test_a_gemma_3_checkpoint_chats_and_the_panel_names_its_sliding_layers(qtbot, make_window, spin_loop, tmp_path):
+    path = make_checkpoint(
+        tmp_path / "gemma",
+        "gemma3",
+        tie=True,
+        max_position_embeddings=2048,
+        num_hidden_layers=3,
+        sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+    )
+    w = make_window(path)
+    assert panel(w, "architectureValue").startswith("Gemma3ForCausalLM\nwindow 8 on 2 of 3 layers, QK norm")
+    assert "dense" not in panel(w, "parametersValue") and "\n" not in panel(w, "parametersValue")
+    final = send(qtbot, w, spin_loop, BUDGET)
+    assert isinstance(final, Finished) and final.token_ids
