@@ -28,7 +28,10 @@ def quiet() -> None:
 
 
 class LlamaCpp:
-    def __init__(self, gguf_path: Path, n_ctx: int, threads: int, n_batch: int = 512):
+    def __init__(self, gguf_path: Path, n_ctx: int, threads: int, n_batch: int = 512, repack: bool = True):
+        """`repack`: llama.cpp's repacked CPU layouts (its default); off for a mixture of experts, whose repacked
+        product dies with SIGSEGV on a prompt batch in llama-cpp-python 0.3.36 (engine/BENCHMARKS.md, "A mixture
+        of experts")."""
         import llama_cpp as L
 
         self.L = L
@@ -36,6 +39,8 @@ class LlamaCpp:
         L.llama_backend_init()
         mp = L.llama_model_default_params()
         mp.n_gpu_layers = 0
+        if not repack:
+            mp.use_extra_bufts = False
         self.model = L.llama_model_load_from_file(str(gguf_path).encode(), mp)
         if not self.model:
             raise EngineError(f"llama.cpp could not load {gguf_path}")

@@ -210,7 +210,8 @@ def collect(ns, progress: bool | None = None) -> dict:
         if "error" in r:
             continue
         eb = r.get("embed_bytes") or embed_values * EMBED_BYTES_PER_VALUE[r["precision"]]
-        per_token = bytes_per_token(r["weight_bytes"], eb, cfg.tie_word_embeddings, r["kv_bytes_per_position"], context)
+        read = r.get("read_weight_bytes") or r["weight_bytes"]  # the bytes a token reads: k of E experts in a mixture
+        per_token = bytes_per_token(read, eb, cfg.tie_word_embeddings, r["kv_bytes_per_position"], context)
         r["bytes_per_token"] = int(per_token)
         r["roofline_tok_s"] = round(roofline_tok_s(bandwidth, per_token), 2)
         r["roofline_pct"] = (

@@ -29,10 +29,20 @@ def roofline_tok_s(bandwidth: float, per_token: float) -> float:
     return bandwidth / per_token
 
 
-def gguf_tensor_bytes(path: Path) -> tuple[int, int]:
-    """All the tensors' bytes in the file, and the embedding's."""
+def gguf_tensor_bytes(path: Path) -> tuple[int, int, int]:
+    """All the tensors' bytes in the file, the embedding's, and those one decode step reads: a mixture's stacked
+    experts' tensors count k of E (`expert_used_count` of `expert_count`)."""
     import gguf
 
-    tensors = gguf.GGUFReader(str(path)).tensors
-    embed = next((int(t.n_bytes) for t in tensors if t.name == "token_embd.weight"), 0)
-    return sum(int(t.n_bytes) for t in tensors), embed
+    reader = gguf.GGUFReader(str(path))
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+
+    def number(key: str) -> int:
+        field = reader.fields.get(f"{arch}.{key}")
+        return int(field.parts[-1][0]) if field is not None else 0
+
+    used, count = number("expert_used_count"), number("expert_count")
+    embed = next((int(t.n_bytes) for t in reader.tensors if t.name == "token_embd.weight"), 0)
+    total = sum(int(t.n_bytes) for t in reader.tensors)
+    unread = sum(int(t.n_bytes) for t in reader.tensors if "_exps." in t.name) * (1 - used / count) if count else 0
+    return total, embed, int(total - unread)

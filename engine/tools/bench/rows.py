@@ -95,6 +95,7 @@ def _measure(engine: str, precision: str, a: dict) -> dict:
 
         row.update(
             weight_bytes=loaded.weight_bytes,
+            read_weight_bytes=loaded.active_weight_bytes,  # a mixture's decode reads k of E experts
             kv_bytes_per_position=loaded.kv_bytes_per_position(),
             weights=loaded.quantization,
             activations=loaded.activations,
@@ -171,11 +172,17 @@ def _measure(engine: str, precision: str, a: dict) -> dict:
         cfg = model_config(a["model"])
         path = Path(a["gguf"][precision])
         t0 = now()
+        moe = cfg.num_experts > 0
         lc = LlamaCpp(
-            path, n_ctx=max([a["prompt_tokens"] + n_new, *contexts]) + a["plot_tokens"] + 8, threads=a["threads"]
+            path,
+            n_ctx=max([a["prompt_tokens"] + n_new, *contexts]) + a["plot_tokens"] + 8,
+            threads=a["threads"],
+            repack=not moe,
         )
         row["load_s"] = round(now() - t0, 3)
-        row["weight_bytes"], row["embed_bytes"] = gguf_tensor_bytes(path)
+        if moe:
+            row["note"] = "repack off (its repacked MoE product crashes here)"
+        row["weight_bytes"], row["embed_bytes"], row["read_weight_bytes"] = gguf_tensor_bytes(path)
         row["kv_bytes_per_position"] = bytes_per_position(cfg, torch.float16)  # its default F16 cache
         vocab = cfg.vocab_size
 

@@ -49,6 +49,27 @@ SHAPES = {
         "rms_norm_eps": 1e-6,
         "tie_word_embeddings": True,
     },
+    # Qwen3-30B-A3B's kind scaled down to 2 cores and 24 GB: 64 experts, 4 routed per token (1/16 as there),
+    # ~0.4 B parameters of which ~45 M active
+    "qwen3-moe-small": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": 768,
+        "intermediate_size": 2048,
+        "moe_intermediate_size": 256,
+        "num_experts": 64,
+        "num_experts_per_tok": 4,
+        "norm_topk_prob": True,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "vocab_size": 32000,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+    },
     # a size people run: fixed costs (tokenizer, code, prefill buffers) are a small share of its memory
     "qwen2.5-1.5b": {
         "architectures": ["Qwen2ForCausalLM"],
