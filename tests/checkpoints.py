@@ -38,6 +38,34 @@ TEXT = [
     "Emoji: 😀 🎉 👍🏽 🇨🇳 ❤️ 🚄 and numbers 0123456789 with code: def f(x): return x * 2",
 ] * 20
 
+# one tiny checkpoint per family beyond the Llama shape, its windows shorter than the tests' prompts
+FAMILY_CASES = {
+    "gemma2": dict(
+        family="gemma2", tie=True, sliding_window=6, attn_logit_softcapping=50.0, final_logit_softcapping=30.0
+    ),
+    "gemma3": dict(
+        family="gemma3",
+        tie=True,
+        num_hidden_layers=3,
+        sliding_window=6,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+    ),
+    "phi3": dict(family="phi3", partial_rotary_factor=0.75),
+    "smollm3": dict(family="smollm3", num_hidden_layers=4, tie=True),  # llama.cpp: every 4th layer unrotated
+    "granite": dict(
+        family="granite",
+        embedding_multiplier=12.0,
+        residual_multiplier=0.22,
+        attention_multiplier=0.0078,
+        logits_scaling=8.0,
+    ),
+    "olmo2": dict(family="olmo2"),
+    "qwen3_moe": dict(
+        family="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
+    ),
+    "mixtral": dict(family="mixtral", num_local_experts=4, num_experts_per_tok=2),
+}
+
 _TOKENIZER_CACHE: dict[int, str] = {}
 
 

@@ -20,6 +20,13 @@ NORMS = {  # placement -> kvchat's norm -> the checkpoint's name
 }
 
 
+# a mixture's checkpoint names: the MLP module, its router, and each expert's gate, up and down projections
+EXPERT_NAMES = {
+    "qwen3_moe": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
+    "mixtral": ("block_sparse_moe", "gate", "w1", "w3", "w2"),
+}
+
+
 def _mlp_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
     """Layer i's MLP tensors under kvchat's names -> the checkpoint's: one gated MLP, or a router and E experts."""
     p = f"model.layers.{i}."
@@ -33,19 +40,12 @@ def _mlp_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
             "mlp.gate_up.weight": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
             "mlp.down.weight": [p + "mlp.down_proj.weight"],
         }
-    if cfg.family == "mixtral":
-        m = p + "block_sparse_moe."
-        out = {"mlp.router.weight": [m + "gate.weight"]}
-        for j in range(cfg.num_experts):
-            e = f"{m}experts.{j}."
-            out[f"mlp.experts.{j}.gate_up.weight"] = [e + "w1.weight", e + "w3.weight"]
-            out[f"mlp.experts.{j}.down.weight"] = [e + "w2.weight"]
-        return out
-    out = {"mlp.router.weight": [p + "mlp.gate.weight"]}
+    mlp, router, gate, up, down = EXPERT_NAMES["mixtral" if cfg.family == "mixtral" else "qwen3_moe"]
+    out = {"mlp.router.weight": [f"{p}{mlp}.{router}.weight"]}
     for j in range(cfg.num_experts):
-        e = f"{p}mlp.experts.{j}."
-        out[f"mlp.experts.{j}.gate_up.weight"] = [e + "gate_proj.weight", e + "up_proj.weight"]
-        out[f"mlp.experts.{j}.down.weight"] = [e + "down_proj.weight"]
+        e = f"{p}{mlp}.experts.{j}."
+        out[f"mlp.experts.{j}.gate_up.weight"] = [e + gate + ".weight", e + up + ".weight"]
+        out[f"mlp.experts.{j}.down.weight"] = [e + down + ".weight"]
     return out
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from checkpoints import make_checkpoint
+from checkpoints import FAMILY_CASES, make_checkpoint
 from engine.kv_cache import KVCache
 from engine.weights.loading import load_model
 
@@ -42,18 +42,7 @@ CASES = {
     "qwen3": dict(family="qwen3"),
     "qwen3-untied-mha": dict(family="qwen3", num_key_value_heads=4),
     "sharded": dict(family="llama", shards=True),
-    # the families beyond the Llama shape (engine/MODELS.md, "Model families")
-    "gemma2": dict(
-        family="gemma2", tie=True, sliding_window=8, attn_logit_softcapping=50.0, final_logit_softcapping=30.0
-    ),
-    "gemma3": dict(
-        family="gemma3",
-        tie=True,
-        num_hidden_layers=3,
-        sliding_window=8,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-    ),
-    "phi3": dict(family="phi3"),
+    **FAMILY_CASES,  # the families beyond the Llama shape (engine/MODELS.md, "Model families")
     "phi4-mini-partial-longrope": dict(
         family="phi3",
         partial_rotary_factor=0.75,
@@ -64,16 +53,8 @@ CASES = {
             "original_max_position_embeddings": 64,
         },
     ),
-    "smollm3-no-rope-layers": dict(family="smollm3", no_rope_layer_interval=2, tie=True),
-    "granite": dict(
-        family="granite",
-        embedding_multiplier=12.0,
-        residual_multiplier=0.22,
-        attention_multiplier=0.0078125,
-        logits_scaling=8.0,
-    ),
-    "olmo2": dict(family="olmo2"),
-    "qwen3-moe": dict(
+    "smollm3-no-rope-every-2nd-layer": dict(family="smollm3", no_rope_layer_interval=2, tie=True),
+    "qwen3-moe-dense-layer": dict(
         family="qwen3_moe",
         num_experts=4,
         num_experts_per_tok=2,
@@ -84,7 +65,7 @@ CASES = {
     "qwen3-moe-unnormalised": dict(
         family="qwen3_moe", num_experts=4, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=False
     ),
-    "mixtral": dict(family="mixtral", num_local_experts=4, num_experts_per_tok=2, sliding_window=8),
+    "mixtral-sliding-window": dict(family="mixtral", num_local_experts=4, num_experts_per_tok=2, sliding_window=8),
 }
 
 
