@@ -38,6 +38,7 @@ class ReuseReport:
     dropped_positions: int = 0  # positions of the prompt left out to fit the cache (the request's overflow policy)
     dropped_messages: tuple[int, ...] = ()  # which of the request's messages were left out (their indices)
     overflow: str = "stop"  # the policy the request asked for
+    slid_out: int = 0  # prompt positions the cache matched but could not keep: gone from a sliding layer's window
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -1,4 +1,5 @@
-"""A preallocated KV cache with an explicit length: it never grows by concatenation."""
+"""A preallocated KV cache with an explicit length: it never grows by concatenation. A model with sliding-window
+layers gets `WindowedKVCache`: those layers keep a ring of the last W positions (and a spare), not the capacity."""
 
 from __future__ import annotations
 
@@ -80,11 +81,42 @@ class KVCache:
             raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
         self.length = length
 
-    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v ([B, H_kv, T, d]) at positions start..start+T-1; return views of positions 0..start+T-1."""
+    def resumable(self, n: int) -> bool:
+        """Whether the cache can go on from position n exactly (always: every position is kept)."""
+        return True
+
+    def restore_needs(self, n: int) -> int:
+        """The first position whose every buffer a copy into this cache must bring to go on from n (n: no more
+        than the positions copied; a sliding layer's ring needs its window before n too)."""
+        return n
+
+    def take(self, a: int, b: int) -> tuple[torch.Tensor | None, ...]:
+        """Copies of positions a..b-1 of every buffer ([L, B, H_kv, b−a, w] each) for the prefix store."""
+        return tuple(buf[:, :, :, a:b].clone() for buf in self.buffers())
+
+    def held_from(self, a: int, b: int) -> int:
+        """The first of positions a..b-1 from which `take` gives every buffer's values (all of them here)."""
+        return a
+
+    def give(self, a: int, b: int, tensors) -> None:
+        """Positions a..b-1 of every buffer from `tensors` (what take gave; None: a part not held, left)."""
+        for buf, t in zip(self.buffers(), tensors):
+            if t is not None:
+                buf[:, :, :, a:b].copy_(t)
+
+    def put(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v ([B, H_kv, T, d]) at slots start..start+T-1."""
         end = start + k.shape[2]
         self.k[layer, :, :, start:end] = k
         self.v[layer, :, :, start:end] = v
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v ([B, H_kv, T, d]) at positions start..start+T-1; return views of positions 0..start+T-1."""
+        self.put(layer, start, k, v)
+        return self.read(layer, start + k.shape[2])
+
+    def read(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of slots 0..end-1 of one layer, [B, H_kv, end, d] each (views)."""
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
     def write_at(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -174,10 +206,12 @@ class QuantKVCache(KVCache):
         codes = unpack_int4(codes) if self.mode == "int4" else codes
         return dequantize(codes, scale_buf[layer, :, :, :end], self.dtype)  # [B, H_kv, end, d]
 
-    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
+    def put(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self._store(self.k, self.k_scale, layer, start, k)
         self._store(self.v, self.v_scale, layer, start, v)
-        end = start + k.shape[2]
+
+    def read(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of slots 0..end-1 of one layer, dequantized to the model dtype: [B, H_kv, end, d] each."""
         return self._load(self.k, self.k_scale, layer, end), self._load(self.v, self.v_scale, layer, end)
 
 
@@ -195,8 +229,211 @@ def bytes_per_position(config, dtype: torch.dtype, kv: str = "none") -> int:
     return quantized_bytes_per_position(config.num_layers, config.num_kv_heads, config.head_dim, kv)
 
 
-def make_cache(config, capacity: int, dtype: torch.dtype, device, kv: str = "none") -> KVCache:
-    """The cache for a model config at a precision: the model dtype ("none"), or int8/int4 codes + scales."""
+def _layers_cache(layers: int, config, capacity: int, dtype, device, kv: str) -> KVCache:
+    """A cache of `layers` layers of the config's heads at a precision: the model dtype ("none") or codes + scales."""
     if kv == "none":
-        return KVCache(config.num_layers, config.num_kv_heads, config.head_dim, capacity, dtype, device)
-    return QuantKVCache(config.num_layers, config.num_kv_heads, config.head_dim, capacity, dtype, device, kv)
+        return KVCache(layers, config.num_kv_heads, config.head_dim, capacity, dtype, device)
+    return QuantKVCache(layers, config.num_kv_heads, config.head_dim, capacity, dtype, device, kv)
+
+
+RING_SPARE = 1024  # slots a sliding layer keeps past its window: an edit this recent keeps the cache (see below)
+
+
+def ring_slots(config, capacity: int, chunk: int = 0) -> int | None:
+    """The slots each sliding layer of `config` keeps in a cache of `capacity`: W + max(RING_SPARE, chunk), when that
+    is fewer than the capacity; None when every layer keeps the capacity (no window, or a window as large)."""
+    if config.sliding_window is None or all(w is None for w in config.windows):
+        return None
+    slots = config.sliding_window + max(RING_SPARE, chunk)
+    return slots if slots < capacity else None
+
+
+def make_cache(config, capacity: int, dtype: torch.dtype, device, kv: str = "none", chunk: int = 0) -> KVCache:
+    """The cache for a model config at a precision: the model dtype ("none"), or int8/int4 codes + scales. A model
+    with sliding layers whose window (and spare) is below the capacity gets a WindowedKVCache; `chunk`: the most
+    positions one forward writes (the session's prefill step)."""
+    slots = ring_slots(config, capacity, chunk)
+    if slots is not None:
+        return WindowedKVCache(config, capacity, dtype, device, kv, slots)
+    return _layers_cache(config.num_layers, config, capacity, dtype, device, kv)
+
+
+class WindowedKVCache:
+    """K/V for a model with sliding-window layers: the full-attention layers keep every position up to the capacity
+    ([L_full, B, H_kv, C, d]); each sliding layer keeps a ring of S = W + spare slots ([L_sliding, B, H_kv, S, d]),
+    position p in slot p mod S. Attention reads the whole ring with a mask of the slots' positions (the order of
+    keys does not change a softmax), so nothing is copied to put the window in order.
+
+    What an edit can keep: to go on from position n a sliding layer needs positions n−W+1..n−1, which the ring holds
+    while n ≥ length − (S − W) − 1 (`resumable`). An older edit cannot be resumed from anywhere but 0: recomputing a
+    sliding layer's K/V at an earlier position needs the layers below at positions that slid out too.
+    """
+
+    quantized = False
+    batch = 1
+
+    def __init__(self, config, capacity: int, dtype, device, kv: str, slots: int):
+        windows = config.windows
+        self.window = config.sliding_window  # W
+        self.slots = slots  # S
+        self.full_layers = [i for i, w in enumerate(windows) if w is None]
+        self.ring_layers = [i for i, w in enumerate(windows) if w is not None]
+        self.where = {i: (None, j) for j, i in enumerate(self.full_layers)} | {
+            i: ("ring", j) for j, i in enumerate(self.ring_layers)
+        }
+        self.full = (
+            _layers_cache(len(self.full_layers), config, capacity, dtype, device, kv) if self.full_layers else None
+        )
+        self.ring = _layers_cache(len(self.ring_layers), config, slots, dtype, device, kv)
+        self.quantized = self.ring.quantized
+        self.num_layers, self.num_kv_heads, self.head_dim = config.num_layers, config.num_kv_heads, config.head_dim
+        self.capacity = capacity
+        self.max_chunk = slots - self.window + 1  # positions one forward may write (the ring must not eat its window)
+        self._length = 0
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @length.setter
+    def length(self, n: int) -> None:
+        self._length = n
+        self.ring.length = min(n, self.slots)
+        if self.full is not None:
+            self.full.length = n
+
+    @property
+    def positions(self) -> int:
+        return self._length
+
+    @property
+    def bytes_per_position(self) -> int:
+        """What one position takes while every layer holds it (the full cache's figure): 2·L·H_kv·d·b."""
+        per_layer = self.ring.bytes_per_position // max(1, self.ring.num_layers)
+        return per_layer * self.num_layers
+
+    def kinds(self) -> list[dict]:
+        """Per layer kind: its layers, the positions each holds, and its payload and allocated bytes (2·L·T·H·d·b,
+        T = min(T, S) for the sliding layers)."""
+        out = []
+        for kind, cache, layers in (("full", self.full, self.full_layers), ("sliding", self.ring, self.ring_layers)):
+            if cache is None:
+                continue
+            out.append(
+                {
+                    "kind": kind,
+                    "layers": len(layers),
+                    "window": None if kind == "full" else self.window,
+                    "slots": cache.capacity,
+                    "positions": cache.length,
+                    "payload_bytes": cache.payload_bytes,
+                    "allocated_bytes": cache.allocated_bytes,
+                }
+            )
+        return out
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(k["payload_bytes"] for k in self.kinds())
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(k["allocated_bytes"] for k in self.kinds())
+
+    def readable_by_kernels(self, dtype) -> bool:
+        return False  # the kernels attend over positions in order; a ring's are not
+
+    def resumable(self, n: int) -> bool:
+        """Whether the cache can go on from position n (≤ length) exactly: the ring still holds the window before it."""
+        if n >= self._length or n == 0:
+            return True
+        return max(0, n - self.window + 1) >= max(0, self._length - self.slots)
+
+    def restore_needs(self, n: int) -> int:
+        return max(0, n - self.window + 1)
+
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """The full layers' buffers, then the ring's (positions on dimension 3; the ring's by slot)."""
+        return (self.full.buffers() if self.full is not None else ()) + self.ring.buffers()
+
+    def _slots(self, a: int, b: int) -> list[tuple[int, int, int]]:
+        """Positions a..b-1 as runs (first position, first slot, count) of the ring's slots."""
+        runs, p = [], a
+        while p < b:
+            slot = p % self.slots
+            n = min(b - p, self.slots - slot)
+            runs.append((p, slot, n))
+            p += n
+        return runs
+
+    def held_from(self, a: int, b: int) -> int:
+        """The first of positions a..b-1 the ring still holds (b: none of them)."""
+        return min(b, max(a, self._length - self.slots))
+
+    def take(self, a: int, b: int) -> tuple[torch.Tensor | None, ...]:
+        """As KVCache.take; the ring's parts hold positions held_from(a, b)..b-1 (zeros before), None when the ring
+        holds none of them."""
+        full = self.full.take(a, b) if self.full is not None else ()
+        h = self.held_from(a, b)
+        if h >= b:
+            return full + (None,) * len(self.ring.buffers())
+        ring = []
+        for buf in self.ring.buffers():
+            held = torch.cat([buf[:, :, :, slot : slot + n] for _, slot, n in self._slots(h, b)], dim=3)
+            ring.append(
+                held if h == a else torch.cat([held.new_zeros((*held.shape[:3], h - a, held.shape[4])), held], 3)
+            )
+        return full + tuple(ring)
+
+    def give(self, a: int, b: int, tensors) -> None:
+        nfull = len(self.full.buffers()) if self.full is not None else 0
+        if self.full is not None:
+            self.full.give(a, b, tensors[:nfull])
+        for buf, t in zip(self.ring.buffers(), tensors[nfull:]):
+            if t is None:
+                continue
+            for p, slot, n in self._slots(a, b):
+                buf[:, :, :, slot : slot + n].copy_(t[:, :, :, p - a : p - a + n])
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self._length:
+            raise ValueError(f"cannot truncate a cache of {self._length} positions to {length}")
+        if not self.resumable(length):
+            raise ValueError(f"position {length} slid out of the sliding layers' window: the cache cannot resume there")
+        self.length = length
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v ([B, H_kv, T, d]) at positions start..start+T-1. A full layer returns positions 0..start+T-1;
+        a sliding layer its ring's filled slots, whose positions `ring_mask` gives."""
+        which, j = self.where[layer]
+        if which is None:
+            return self.full.write(j, start, k, v)
+        T, S = k.shape[2], self.slots
+        if T > self.max_chunk:
+            raise ValueError(f"{T} positions in one step overrun a sliding layer's ring (at most {self.max_chunk})")
+        a = start
+        while a < start + T:  # at most two runs of slots: to the ring's end, then from its start
+            slot = a % S
+            b = min(start + T, a + S - slot)
+            self.ring.put(j, slot, k[:, :, a - start : b - start], v[:, :, a - start : b - start])
+            a = b
+        return self.ring.read(j, min(S, start + T))
+
+    def ring_mask(self, start: int, t: int, device) -> torch.Tensor:
+        """[T, filled] bool: which ring slots query start+i sees once positions start..start+T-1 are written: those
+        holding a position not ahead of it and within W."""
+        end, S = start + t, self.slots
+        filled = min(S, end)
+        slot = torch.arange(filled, device=device)
+        held = end - 1 - (end - 1 - slot) % S  # the position each slot holds
+        q = torch.arange(start, end, device=device)[:, None]
+        return (held[None, :] <= q) & (q - held[None, :] < self.window)
+
+    def stats(self) -> dict:
+        return {
+            "positions": self._length,
+            "capacity": self.capacity,
+            "payload_bytes": self.payload_bytes,
+            "allocated_bytes": self.allocated_bytes,
+            "layer_kinds": self.kinds(),
+        }

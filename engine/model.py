@@ -400,9 +400,13 @@ class Transformer(nn.Module):
             out = torch.tanh(out / cap) * cap
         return out
 
-    def masks(self, start: int, t: int, dtype, device) -> dict:
-        """The additive mask of each window among the layers (None: full attention) for T new positions."""
-        return {w: additive(attention_mask(start, t, w, device), dtype) for w in set(self.cfg.windows)}
+    def masks(self, start: int, t: int, dtype, device, cache=None) -> dict:
+        """The additive mask of each window among the layers (None: full attention) for T new positions; a sliding
+        layer's over its cache's ring of slots where the cache keeps one (WindowedKVCache)."""
+        out = {w: additive(attention_mask(start, t, w, device), dtype) for w in set(self.cfg.windows)}
+        if hasattr(cache, "ring_mask"):
+            out[cache.window] = additive(cache.ring_mask(start, t, device), dtype)
+        return out
 
     def forward(self, ids: torch.Tensor, cache=None, last_only: bool = False) -> torch.Tensor:
         """ids [B, T] -> logits [B, T, V] ([B, 1, V] with last_only). With a cache, the T new positions
@@ -411,6 +415,10 @@ class Transformer(nn.Module):
         start = cache.length if cache is not None else 0
         if cache is not None and start + T > cache.capacity:
             raise ValueError(f"{start + T} positions exceed the cache capacity of {cache.capacity}")
+        step = getattr(cache, "max_chunk", T)  # a sliding layer's ring takes at most this many positions a step
+        if T > step:
+            parts = [self.forward(ids[:, a : a + step], cache, last_only) for a in range(0, T, step)]
+            return parts[-1] if last_only else torch.cat(parts, dim=1)
         ropes = [
             (cos[start : start + T, None], sin[start : start + T, None]) for cos, sin in self.rope_tables(start + T)
         ]
@@ -421,7 +429,7 @@ class Transformer(nn.Module):
             self.decode_step.run(x, cache, start, cos.reshape(-1), sin.reshape(-1))
             cache.length = start + 1
             return self.logits(x.view(B, T, -1))
-        masks = self.masks(start, T, attention_dtype(x.dtype, x.device, self.widen_bf16), ids.device)
+        masks = self.masks(start, T, attention_dtype(x.dtype, x.device, self.widen_bf16), ids.device, cache)
         for i, layer in enumerate(self.layers):
             x = layer(x, ropes, masks, cache, i, start)
         if cache is not None:

@@ -29,13 +29,15 @@ HEAD_TOKENS = 12  # a segment's first ids in the tree's picture: the text it sta
 @dataclasses.dataclass(eq=False)
 class Node:
     """`tokens` (BLOCK ids, fewer only in a leaf) and their K/V: one tensor per cache buffer, each
-    [L, B, H_kv, len(tokens), w] (w: d, d/2 packed int4 codes, or 1 for a scale)."""
+    [L, B, H_kv, len(tokens), w] (w: d, d/2 packed int4 codes, or 1 for a scale); a sliding layer's ring part
+    holds positions from `whole_from` on (zeros before), or is None when taken after they all slid out of it."""
 
     tokens: tuple[int, ...]
     tensors: tuple[torch.Tensor, ...]
     parent: Node | None
     start: int  # the position of tokens[0]
     nbytes: int
+    whole_from: int = 0  # the first position whose every buffer is held (a ring's parts start later, or not at all)
     children: dict = dataclasses.field(default_factory=dict)  # tokens -> Node
     last_used: int = 0
     label: str | None = None  # who put it here last (a conversation's title): display only
@@ -116,16 +118,24 @@ class PrefixStore:
         """Write the stored K/V of positions start..end-1 (within `match`) into the working cache;
         returns the bytes copied."""
         copied = 0
-        bufs = cache.buffers()
         for node in match.path:
             lo, hi = max(start, node.start), min(end, node.end)
             if lo >= hi:
                 continue
-            for buf, t in zip(bufs, node.tensors):
-                piece = t[:, :, :, lo - node.start : hi - node.start]
-                buf[:, :, :, lo:hi].copy_(piece)
-                copied += piece.numel() * piece.element_size()
+            pieces = tuple(None if t is None else t[:, :, :, lo - node.start : hi - node.start] for t in node.tensors)
+            cache.give(lo, hi, pieces)
+            copied += sum(t.numel() * t.element_size() for t in pieces if t is not None)
         return copied
+
+    @staticmethod
+    def whole(match: Match, start: int, end: int) -> bool:
+        """Whether the match's blocks hold every buffer's values at positions start..end-1 (a sliding layer's ring
+        part lacks the positions that had slid out of it when the block was stored)."""
+        return all(
+            node.whole_from <= max(start, node.start)
+            for node in match.path
+            if max(start, node.start) < min(end, node.end)
+        )
 
     # --- writing -------------------------------------------------------------------------------
     def insert(self, ids, cache, label: str | None = None, pinned: tuple[Node, ...] = ()) -> int:
@@ -134,7 +144,6 @@ class PrefixStore:
         copied out). Returns the bytes added."""
         if self.budget == 0 or not ids:
             return 0
-        bufs = cache.buffers()
         stamp = next(self._clock)
         node, pos, added = self.root, 0, 0
         while pos < len(ids):
@@ -150,14 +159,20 @@ class PrefixStore:
                 for other in [c for c in node.children.values() if len(c.tokens) < len(piece)]:
                     if piece[: len(other.tokens)] == other.tokens and not other.children:
                         self._remove(other)  # a shorter tail this block supersedes
-                end = pos + len(piece)
-                tensors = tuple(b[:, :, :, pos:end].clone() for b in bufs)
-                nbytes = sum(t.numel() * t.element_size() for t in tensors)
-                child = Node(piece, tensors, node, pos, nbytes)
+                tensors = cache.take(pos, pos + len(piece))
+                nbytes = _nbytes(tensors)
+                child = Node(piece, tensors, node, pos, nbytes, cache.held_from(pos, pos + len(piece)))
                 node.children[piece] = child
                 self.bytes += nbytes
                 self.nodes += 1
                 added += nbytes
+            elif child.whole_from > pos and cache.held_from(pos, pos + len(child.tokens)) < child.whole_from:
+                tensors = cache.take(pos, pos + len(child.tokens))  # more of a ring's part than the block holds
+                child.tensors, child.whole_from = tensors, cache.held_from(pos, pos + len(child.tokens))
+                grown = _nbytes(tensors) - child.nbytes
+                child.nbytes += grown
+                self.bytes += grown
+                added += grown
             child.last_used = stamp
             node, pos = child, pos + len(piece)
         if node is not self.root:
@@ -269,6 +284,10 @@ class PrefixStore:
             "evicted_positions": self.evicted_positions,
             "dropped": self.dropped,
         }
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def _merge(s: dict) -> dict:

@@ -134,7 +134,7 @@ class Session:
         cache_budget: int | None = None,
         disk: DiskStore | None = None,
     ):
-        self.disk = disk  # the prefix store's disk tier (blocks written after each request, read back on a return)
+        self._disk = disk  # the prefix store's disk tier (blocks written after each request, read back on a return)
         self.prefill_chunk = prefill_chunk  # None: prefill_chunk_for the model's dtype
         # The prefix store's bytes; None: a share of the memory free now; 0: no store.
         self.store = PrefixStore(default_budget(loaded.device) if cache_budget is None else cache_budget)
@@ -178,7 +178,8 @@ class Session:
         self._graph, self.graph_error = None, None  # a captured step belongs to one model object and one cache
         if self.cache is None or reason is not None:
             self.cache = None  # free the old buffers before allocating the new
-            self.cache = make_cache(loaded.config, capacity, loaded.dtype, loaded.device, kv)
+            chunk = self.prefill_chunk or prefill_chunk_for(loaded.dtype)
+            self.cache = make_cache(loaded.config, capacity, loaded.dtype, loaded.device, kv, chunk)
             self.ids = []
         self.loaded, self._fingerprint, self.capacity_setting, self.kv = loaded, fingerprint, capacity, kv
 
@@ -204,13 +205,19 @@ class Session:
 
     def set_disk(self, disk: DiskStore | None) -> None:
         """Another disk tier (or none): what was queued for the old one is written first."""
-        if self.disk is not None and self.disk is not disk:
-            self.disk.flush(5.0)
-        self.disk = disk
+        if self._disk is not None and self._disk is not disk:
+            self._disk.flush(5.0)
+        self._disk = disk
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait for the disk tier's writer (at exit): False when it had not finished in `timeout`."""
-        return self.disk.flush(timeout) if self.disk is not None else True
+        return self._disk.flush(timeout) if self._disk is not None else True
+
+    @property
+    def disk(self) -> DiskStore | None:
+        """The disk tier where it serves this cache: not for a sliding-window cache (its files hold every layer's
+        positions; a ring's are not all there)."""
+        return None if hasattr(self.cache, "ring_mask") else self._disk
 
     def set_cache_budget(self, budget: int | None) -> None:
         """The prefix store's budget in bytes (None: the default share of free memory); evicts to fit."""
@@ -226,6 +233,8 @@ class Session:
         }
         if self.disk is not None:  # the store's disk tier
             s["store"]["disk"] = self.disk.stats(self.disk_fingerprint)
+        elif self._disk is not None:
+            s["store"]["disk_off"] = "not for a sliding-window cache: its sliding layers keep only their last positions"
         return s
 
     def _working(self) -> tuple[list[int], str | None, int]:
@@ -382,6 +391,10 @@ class Session:
         report = self._plan_working(prompt)
         match = self.store.match(prompt, touch=False) if self._dropped is None else None
         held = min(match.length, len(prompt) - 1) if match else 0
+        if held > report.reused and not self.store.whole(
+            match, max(report.reused, self.cache.restore_needs(held)), held
+        ):
+            held = 0  # a sliding layer's window before `held` is not in the store (taken after it slid out)
         on_disk = min(self.disk.held(prompt, self.disk_fingerprint), len(prompt) - 1) if self.disk else 0
         source, more = "store", held
         if on_disk > max(held, report.reused):
@@ -424,23 +437,38 @@ class Session:
             )
         cached = self.ids
         lcp = common_prefix(cached, prompt)
-        reused = min(lcp, len(prompt) - 1)
+        cut = min(lcp, len(prompt) - 1)
+        reused = self._keep(prompt)
         invalidated = len(cached) - reused
         if invalidated == 0:
             return ReuseReport(reused, len(prompt) - reused, 0, None, None, None, None)
-        if lcp == reused:
-            reason = f"prompt differs from the cache at position {reused}"
+        if lcp == cut:
+            reason = f"prompt differs from the cache at position {cut}"
         else:
-            reason = f"position {reused} is the prompt's last: recomputed for the logits of token 1"
+            reason = f"position {cut} is the prompt's last: recomputed for the logits of token 1"
+        if reused < cut:
+            c = self.cache
+            reason += (
+                f"; positions 0–{cut - 1} recomputed too: the {len(c.ring_layers)} sliding layers keep the last "
+                f"{c.slots:,} of {len(cached):,} positions (window {c.window:,}), and going on from {cut} needs "
+                f"{max(0, cut - c.window + 1):,}–{cut - 1}, which slid out"
+            )
         return ReuseReport(
             reused,
             len(prompt) - reused,
             invalidated,
-            reused,
-            {"id": cached[reused], "text": tok.token_text(cached[reused])},
-            {"id": prompt[reused], "text": tok.token_text(prompt[reused])},
+            cut,
+            {"id": cached[cut], "text": tok.token_text(cached[cut])},
+            {"id": prompt[cut], "text": tok.token_text(prompt[cut])},
             reason,
+            slid_out=cut - reused,
         )
+
+    def _keep(self, prompt: list[int]) -> int:
+        """What the working cache keeps of this prompt: the common prefix, capped at len(prompt) − 1, or 0 where a
+        sliding layer's ring no longer holds the window before that point (WindowedKVCache.resumable)."""
+        keep = min(common_prefix(self.ids, prompt), len(prompt) - 1)
+        return keep if self.cache.resumable(keep) else 0
 
     def check_capacity(self, prompt_len: int, req: Request) -> None:
         if req.max_new_tokens < 1:
@@ -483,7 +511,7 @@ class Session:
             raise EngineError("the prompt is empty")
         self.check_capacity(len(prompt), req)
         check_top_logprobs(req.top_logprobs)
-        keep = min(common_prefix(self.ids, prompt), len(prompt) - 1)  # what the working cache keeps
+        keep = self._keep(prompt)  # what the working cache keeps
         t0 = tracing.now()
         stashed = self._stash(prompt, keep)
         stash_ms = round((tracing.now() - t0) * 1000.0, 3) if stashed else None

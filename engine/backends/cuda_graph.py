@@ -22,6 +22,8 @@ class GraphDecoder:
     def __init__(self, model, cache):
         if model.cfg.num_experts:
             raise ValueError("a mixture of experts picks its experts per token: its step has no fixed graph")
+        if hasattr(cache, "ring_mask"):
+            raise ValueError("a sliding layer's ring is not captured: its step runs eagerly")
         dev = cache.k.device
         self.model, self.cache = model, cache
         self.ids = torch.zeros((1, 1), dtype=torch.long, device=dev)  # [B, 1], the token being consumed

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine.events import Finished, PrefillStarted
+from engine.kv_cache import KVCache
 from engine.prefix_store import BLOCK, PrefixStore
 from engine.session import Request, Session
 from engine.weights.loading import load_model
@@ -180,7 +181,7 @@ def test_store_partial_tails_and_supersession():
     """Unit test of the tree itself on a stand-in cache: a partial tail block is replaced by the whole
     block that extends it, matches are exact to the token, LRU evicts leaves first."""
 
-    class Cache:
+    class Cache(KVCache):  # one buffer holding each position's own number
         def __init__(self, n):
             self.k = torch.arange(n, dtype=torch.float32).reshape(1, 1, 1, n, 1).repeat(2, 1, 1, 1, 2)
 
