@@ -462,7 +462,10 @@ class StatsPanel(QScrollArea):
             self.set("cachePointValue", point)
             return
         cap = f.get("capacity")
-        payload = None if per is None else positions * per
+        kinds = f.get("kv_layer_kinds")  # a sliding-window cache: each kind holds min(positions, its slots)
+        held = [(k["layers"], min(positions, k["slots"])) for k in kinds] if kinds else [(f.get("layers"), positions)]
+        per_layer = None if per is None or not f.get("layers") else per // f["layers"]
+        payload = None if per_layer is None else sum(n * t for n, t in held) * per_layer
         of = f"{positions:,} / {cap:,}" if cap else f"{positions:,} (capacity {NOT_REPORTED})"
         set_bar(
             self.cacheBar, cap or max(positions, 1), positions, f"{of} positions" if cap else f"{positions:,} positions"
@@ -472,19 +475,19 @@ class StatsPanel(QScrollArea):
         self.set("kvAllocatedValue", NOT_REPORTED if allocated is None else fmt_bytes(allocated))
         if per is None or f.get("layers") is None:
             self.set("kvFormulaValue", NOT_REPORTED)
-        elif f.get("kv_cache", "none") == "none":
-            self.set(
-                "kvFormulaValue",
-                f"2 · {f['layers']} · {positions} · {f['kv_heads']} · {f['head_dim']} · "
-                f"{f['bytes_per_value']} = {payload:,} B",
+        else:
+            width = (  # bytes per (position, head): values, or codes plus one float32 scale (int8/int4 K/V)
+                f"{f['head_dim']} · {f['bytes_per_value']}"
+                if f.get("kv_cache", "none") == "none"
+                else f"({f['head_dim']}·{8 if f['kv_cache'] == 'int8' else 4}/8 + 4)"
             )
-        else:  # codes plus one float32 scale per (position, head) vector
-            bits = 8 if f["kv_cache"] == "int8" else 4
-            self.set(
-                "kvFormulaValue",
-                f"2 · {f['layers']} · {positions} · {f['kv_heads']} · "
-                f"({f['head_dim']}·{bits}/8 + 4) = {payload:,} B ({f['kv_cache']} + scales)",
-            )
+            terms = []
+            for (layers, t), kind in zip(held, kinds or [None]):
+                slid = kind is not None and kind["kind"] == "sliding"
+                t_text = f"min({positions}, {kind['slots']:,})" if slid else str(t)
+                terms.append(f"2 · {layers} · {t_text} · {f['kv_heads']} · {width}")
+            codes = "" if f.get("kv_cache", "none") == "none" else f" ({f['kv_cache']} + scales)"
+            self.set("kvFormulaValue", " + ".join(terms) + f" = {payload:,} B{codes}")
         self.set("cachePointValue", point)
 
     def show_reply(self, s, title: str = "") -> None:

@@ -306,6 +306,10 @@ class Session:
             "capacity": c.capacity,
             "kv_bytes_per_position": c.bytes_per_position,
             "kv_allocated_bytes": c.allocated_bytes,
+            # a sliding-window cache: the layers of each kind and the positions each keeps at most (None: one kind)
+            "kv_layer_kinds": [{k: d[k] for k in ("kind", "layers", "window", "slots")} for d in c.kinds()]
+            if hasattr(c, "kinds")
+            else None,
             "cache": self.cache_stats(),
             "fingerprint": dict(self.loaded.fingerprint),
             "cache_dropped": self.pending_drop_reason,

@@ -49,5 +49,17 @@ def test_a_gemma_3_checkpoint_chats_and_the_panel_names_its_sliding_layers(qtbot
     w = make_window(path)
     assert panel(w, "architectureValue").startswith("Gemma3ForCausalLM\nwindow 8 on 2 of 3 layers, QK norm")
     assert "dense" not in panel(w, "parametersValue") and "\n" not in panel(w, "parametersValue")
+    kinds = w.facts["kv_layer_kinds"]  # the sliding layers keep a ring of W + spare slots, not the capacity
+    assert [(k["kind"], k["layers"]) for k in kinds] == [("full", 1), ("sliding", 2)]
+    slots = kinds[1]["slots"]
+    assert slots < w.facts["capacity"]
     final = send(qtbot, w, spin_loop, BUDGET)
     assert isinstance(final, Finished) and final.token_ids
+    cache = final.cache
+    assert panel(w, "kvPayloadValue") == fmt_bytes(cache["payload_bytes"])
+    assert panel(w, "kvAllocatedValue") == fmt_bytes(cache["allocated_bytes"])
+    assert cache["allocated_bytes"] < cache["capacity"] * w.facts["kv_bytes_per_position"]
+    n = cache["positions"]
+    assert panel(w, "kvFormulaValue") == (
+        f"2 · 1 · {n} · 2 · 16 · 4 + 2 · 2 · min({n}, {slots:,}) · 2 · 16 · 4 = {cache['payload_bytes']:,} B"
+    )
