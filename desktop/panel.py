@@ -610,7 +610,7 @@ class StatsPanel(QScrollArea):
             "storePrefixesValue", f"{store['prefixes']:,} in {store['nodes']:,} blocks of {store['block']} positions"
         )
         self.set("storeEvictionsValue", f"{store['evictions']:,} blocks ({store['evicted_positions']:,} positions)")
-        self.set("diskValue", disk_words(store.get("disk")))
+        self.set("diskValue", f"off: {store['disk_off']}" if store.get("disk_off") else disk_words(store.get("disk")))
         if store.get("dropped"):
             self.storeTree.setToolTip(plain_tooltip(store["dropped"]))
         per = self.facts.get("kv_bytes_per_position", 0)

@@ -58,6 +58,7 @@ def test_a_gemma_3_checkpoint_chats_and_the_panel_names_its_sliding_layers(qtbot
     cache = final.cache
     assert panel(w, "kvPayloadValue") == fmt_bytes(cache["payload_bytes"])
     assert panel(w, "kvAllocatedValue") == fmt_bytes(cache["allocated_bytes"])
+    assert panel(w, "diskValue").startswith("off: not for a sliding-window cache")  # the app's disk tier is on
     assert cache["allocated_bytes"] < cache["capacity"] * w.facts["kv_bytes_per_position"]
     n = cache["positions"]
     assert panel(w, "kvFormulaValue") == (
