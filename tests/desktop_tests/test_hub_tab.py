@@ -28,7 +28,7 @@ def hub(tmp_path, demo_model_dir, monkeypatch):
             "kvchat/demo": Repo(
                 folder, tags=("safetensors",), summary={"config": {"architectures": ["LlamaForCausalLM"]}}
             ),
-            "kvchat/new-GGUF": Repo({"new-Q4_0.gguf": gguf}, summary={"gguf": {"architecture": "gemma3"}}),
+            "kvchat/new-GGUF": Repo({"new-Q4_0.gguf": gguf}, summary={"gguf": {"architecture": "gemma3n"}}),
         },
         trickle=("demo-Q4_K_M.gguf", len(gguf) // 4),
     )
@@ -65,7 +65,7 @@ def test_search_pick_download_pause_resume_and_open(qtbot, make_window, spin_loo
     folder = files_of("kvchat/demo")["(the whole model: safetensors folder)"]
     assert folder[3] == fmt_size(2 * 6 * 4 * 32 * 4) and folder[4] == "yes"  # 2·L·H_kv·d·b from its config.json
     new = files_of("kvchat/new-GGUF")["new-Q4_0.gguf"]
-    assert new[4] == "no: GGUF architecture 'gemma3' is not supported yet" and new[3] == "after download"
+    assert new[4] == "no: GGUF architecture 'gemma3n' is not supported yet" and new[3] == "after download"
     files = files_of("kvchat/demo-GGUF")
     assert set(files) == {"demo-F32.gguf", "demo-Q4_K_M.gguf"}
     cells = files["demo-Q4_K_M.gguf"]
