@@ -187,14 +187,17 @@ class HubTab(QWidget):
         for path, quant, size in rows:
             r = self.files.rowCount()
             self.files.insertRow(r)
-            need = size + (kv or 0) * min(facts.context or 4096, 4096)  # the weights, and a full default cache
+            need = size + (facts.kv_allocated_bytes or 0)  # the weights, and the default cache
             room = fits(need)[1]
-            for c, v in enumerate((path, quant, fmt_size(size), fmt_size(kv) if kv else "after download", ok, room)):
+            kv_text = fmt_size(kv) if kv else "after download"
+            for c, v in enumerate((path, quant, fmt_size(size), kv_text, ok, room)):
                 item = QTableWidgetItem(v)
                 if c == 3 and not kv:
                     item.setToolTip(
                         "The Hub's summary of a GGUF file does not give its KV heads: known once it is here"
                     )
+                elif c == 3 and facts.kv_layers:  # a sliding-window cache: most layers keep a ring
+                    item.setText(f"{kv_text} · {facts.kv_layers}")
                 self.files.setItem(r, c, item)
         self.note.setText(f"{repo}: {len(rows)} to download. Pick one and press Download." if rows else
                           f"{repo} holds no GGUF file and no safetensors model kvchat can open.")  # fmt: skip

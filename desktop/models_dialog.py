@@ -28,13 +28,23 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from engine.hub import fits
 from engine.weights.catalog import bundled_row, default_cache, is_bundled, scan
 
 from .hub_tab import HubTab
 from .outside_text import plain, plain_tooltip
 from .panel import fmt_size
 
-COLUMNS = ("Name", "Source", "Format", "Architecture", "Parameters", "Quantization", "Size", "Status")
+COLUMNS = ("Name", "Source", "Format", "Architecture", "Parameters", "Quantization", "Size", "KV / position", "Memory",
+           "Status")  # fmt: skip
+
+
+def kv_words(found) -> str:
+    """A row's KV bytes per position, and a sliding-window cache's layers (they keep a ring, not the capacity)."""
+    if found.kv_bytes_per_position is None:
+        return ""
+    text = fmt_size(found.kv_bytes_per_position)
+    return f"{text} · {found.kv_layers}" if found.kv_layers else text
 
 
 def fmt_params(n) -> str:
@@ -163,6 +173,8 @@ class ModelsDialog(QDialog):
             fmt_params(found.parameters),
             found.quantization or "?",
             fmt_size(found.size_bytes),
+            kv_words(found),
+            fits(found.size_bytes + (found.kv_allocated_bytes or 0))[1] if found.openable else "",
             status,
         )
         for c, text in enumerate(cells):

@@ -133,8 +133,10 @@ class RepoFacts:
 
     architecture: str | None
     reason: str | None  # why kvchat cannot open it; None: it can
-    kv_bytes_per_position: int | None  # 2·L·H_kv·d·b at the checkpoint's dtype; None: not known before a download
+    kv_bytes_per_position: int | None  # 2·L·H_kv·d·b in kvchat's dtype here; None: not known before a download
     context: int | None
+    kv_allocated_bytes: int | None = None  # the cache a session allocates by default (sliding layers: their ring)
+    kv_layers: str | None = None  # a sliding-window cache's layers in words
 
 
 def repo_facts(repo: str, commit: str | None = None, files: list[HubFile] = ()) -> RepoFacts:
@@ -144,6 +146,8 @@ def repo_facts(repo: str, commit: str | None = None, files: list[HubFile] = ()) 
     from huggingface_hub import hf_hub_download
 
     from .config import SUPPORTED_ARCHITECTURES, config_from_dict, read_json
+    from .devices import resolve_device, resolve_dtype
+    from .kv_cache import cache_plan
     from .weights.gguf_file import ARCHITECTURES
 
     try:
@@ -168,9 +172,10 @@ def repo_facts(repo: str, commit: str | None = None, files: list[HubFile] = ()) 
         cfg = config_from_dict(raw, Path(path))
     except Exception as e:  # a config kvchat cannot read: it would not open either
         return RepoFacts(arch, f"its config.json does not read: {e}", None, None)
-    width = {"float32": 4}.get(str(raw.get("torch_dtype") or raw.get("dtype")), 2)
-    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * width
-    return RepoFacts(arch, None, kv, cfg.max_position_embeddings)
+    plan = cache_plan(cfg, resolve_dtype(None, resolve_device(None)))
+    return RepoFacts(
+        arch, None, plan["bytes_per_position"], cfg.max_position_embeddings, plan["allocated_bytes"], plan["layers"]
+    )
 
 
 def choose(repo: str, files: list[HubFile], filename: str | None) -> list[HubFile]:

@@ -236,6 +236,7 @@ def _layers_cache(layers: int, config, capacity: int, dtype, device, kv: str) ->
     return QuantKVCache(layers, config.num_kv_heads, config.head_dim, capacity, dtype, device, kv)
 
 
+DEFAULT_CAPACITY = 4096  # KV positions when neither the person nor the model's context says fewer
 RING_SPARE = 1024  # slots a sliding layer keeps past its window: an edit this recent keeps the cache (see below)
 
 
@@ -437,3 +438,20 @@ class WindowedKVCache:
             "allocated_bytes": self.allocated_bytes,
             "layer_kinds": self.kinds(),
         }
+
+
+def cache_plan(config, dtype: torch.dtype, capacity: int | None = None) -> dict:
+    """What a session's cache for `config` takes, before any weight is read (the Models dialog's figures): the
+    capacity (default: min(context, DEFAULT_CAPACITY)), bytes per position while every layer holds it, the bytes
+    allocated, and, for a sliding-window cache, its layers in words."""
+    capacity = capacity or min(config.max_position_embeddings, DEFAULT_CAPACITY)
+    cache = make_cache(config, capacity, dtype, "meta")  # shapes only: nothing is allocated
+    sliding = next((k for k in cache.kinds() if k["kind"] == "sliding"), None) if hasattr(cache, "kinds") else None
+    return {
+        "capacity": capacity,
+        "bytes_per_position": cache.bytes_per_position,
+        "allocated_bytes": cache.allocated_bytes,
+        "layers": None
+        if sliding is None
+        else f"{sliding['layers']} of {config.num_layers} layers sliding: ≤ {sliding['slots']:,} positions each",
+    }

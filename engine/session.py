@@ -22,7 +22,7 @@ from .backends.cuda_graph import GraphDecoder, graphs_wanted
 from .disk_store import DiskStore
 from .errors import CapacityError, EngineError
 from .events import Failed, Finished, PrefillDone, PrefillProgress, PrefillStarted, ReuseReport, Token
-from .kv_cache import KVCache, make_cache
+from .kv_cache import DEFAULT_CAPACITY, KVCache, make_cache
 from .logprobs import check_top_logprobs, step_logprobs
 from .prefix_store import PrefixStore, common_prefix, default_budget
 from .quant import PRECISIONS
@@ -30,7 +30,6 @@ from .sampling import SamplingParams, draw
 from .tokenizer import ChatPrompt
 from .weights.loading import LoadedModel
 
-DEFAULT_CAPACITY = 4096  # KV positions when neither the person nor the model's context says fewer
 OVERFLOW_POLICIES = {
     "stop": "stop at the limit",
     "drop-oldest": "drop the oldest messages",

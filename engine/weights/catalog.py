@@ -17,12 +17,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ..config import config_from_dict, read_json
+from ..devices import resolve_device, resolve_dtype
 from ..errors import ModelLoadError
+from ..kv_cache import cache_plan
 from .gguf_file import ARCHITECTURES, GGUFModel
 from .gguf_header import is_gguf
 
 SOURCES = ("hf-cache", "lm-studio", "ollama", "folder")
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +39,9 @@ class FoundModel:
     size_bytes: int
     openable: bool
     reason: str | None = None  # why not, when it cannot be opened
+    kv_bytes_per_position: int | None = None  # 2·L·H_kv·d·b in the dtype kvchat loads it in here
+    kv_allocated_bytes: int | None = None  # the cache a session allocates by default (sliding layers: their ring)
+    kv_layers: str | None = None  # a sliding-window cache's layers in words ("22 of 26 layers sliding: ≤ 1,536 …")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -95,11 +100,11 @@ def _folder_row(folder: Path, name: str, source: str) -> FoundModel:
     files = sorted(folder.glob("*.safetensors"))
     size = sum(p.stat().st_size for p in files if p.exists())
     arch = params = quant = None
-    reason = None
+    reason, kv = None, {}
     try:
         raw = read_json(folder / "config.json")
         arch = (raw.get("architectures") or [None])[0]
-        config_from_dict(raw, folder / "config.json")
+        kv = _kv(config_from_dict(raw, folder / "config.json"))
         if not files:
             raise ModelLoadError("no safetensors weights (pickle .bin files are never opened)")
         counts: dict[str, int] = {}
@@ -113,7 +118,18 @@ def _folder_row(folder: Path, name: str, source: str) -> FoundModel:
             raise ModelLoadError("no tokenizer.json")
     except (ModelLoadError, OSError, ValueError, KeyError, TypeError) as e:
         reason = e.message if isinstance(e, ModelLoadError) else f"{type(e).__name__}: {e}"
-    return FoundModel(name, str(folder), source, "safetensors", arch, params, quant, size, reason is None, reason)
+    return FoundModel(name, str(folder), source, "safetensors", arch, params, quant, size, reason is None, reason, **kv)
+
+
+def _kv(cfg) -> dict:
+    """A row's cache figures for a config: in the dtype kvchat loads models in on this machine, at the default
+    capacity."""
+    plan = cache_plan(cfg, resolve_dtype(None, resolve_device(None)))
+    return {
+        "kv_bytes_per_position": plan["bytes_per_position"],
+        "kv_allocated_bytes": plan["allocated_bytes"],
+        "kv_layers": plan["layers"],
+    }
 
 
 def bundled_row() -> FoundModel:
@@ -138,12 +154,18 @@ def _gguf_row(path: Path, name: str, source: str) -> FoundModel:
         return FoundModel(name, str(path), source, "gguf", None, None, None, size, False, e.message)
     params = sum(int(t.n_elements) for t in gm.tensors.values())
     kind = gm.meta("tokenizer.ggml.model")
-    reason = None
+    reason, kv = None, {}
     if gm.arch not in ARCHITECTURES:
         reason = f"GGUF architecture {gm.arch!r} is not supported"
     elif kind not in ("gpt2", "llama"):
         reason = f"tokenizer model {kind!r} is not supported"
-    return FoundModel(name, str(path), source, "gguf", gm.arch, params, gm.quantization(), size, reason is None, reason)
+    else:
+        try:
+            kv = _kv(config_from_dict(gm.config_dict(), path))
+        except ModelLoadError as e:
+            reason = e.message
+    quant = gm.quantization()
+    return FoundModel(name, str(path), source, "gguf", gm.arch, params, quant, size, reason is None, reason, **kv)
 
 
 FIELDS = {f.name for f in dataclasses.fields(FoundModel)}

@@ -7,6 +7,9 @@ from gui import BUDGET, send
 from PySide6.QtCore import Qt
 
 from desktop.model_switch import model_name
+from desktop.models_dialog import COLUMNS
+
+STATUS = COLUMNS.index("Status")  # the Models dialog's status column
 
 
 def test_the_demo_model_is_listed_and_loads_back(qtbot, make_window, spin_loop, llama_dir, tmp_path, monkeypatch):
@@ -20,7 +23,7 @@ def test_the_demo_model_is_listed_and_loads_back(qtbot, make_window, spin_loop, 
     with qtbot.waitSignal(dlg.scanned, timeout=60000):
         pass
     t = dlg.table
-    assert t.rowCount() == 1 and t.item(0, 0).text() == "kvchat-demo" and t.item(0, 7).text() == "ready"
+    assert t.rowCount() == 1 and t.item(0, 0).text() == "kvchat-demo" and t.item(0, STATUS).text() == "ready"
     assert "the bundled demo model is always here" in dlg.note.text()
     ready = []
     w.modelReady.connect(ready.append)

@@ -9,9 +9,12 @@ from gui import BUDGET, BUDGET_EDITED, panel, send
 from PySide6.QtCore import Qt
 
 from desktop.chat import title_from
+from desktop.models_dialog import COLUMNS
 from desktop.panel import fmt_bytes, fmt_ms, fmt_rate, fmt_size
 from desktop.store import Store
 from engine.events import Failed, Finished
+
+STATUS = COLUMNS.index("Status")  # the Models dialog's status column
 
 
 def test_send_streams_a_reply_and_the_panel_matches_the_engine(qtbot, make_window, spin_loop, demo_model_dir):
@@ -496,12 +499,14 @@ def test_the_models_dialog_lists_what_is_on_disk_and_opens_one_with_a_click(
     table = dlg.table
     names = [table.item(r, 0).text() for r in range(table.rowCount())]
     assert names[0] == "kvchat-demo" and table.item(0, 1).text() == "bundled"  # always listed, first
-    assert table.item(0, 7).text() == "in use" and table.item(0, 0).font().bold()  # the model loaded now
+    assert table.item(0, STATUS).text() == "in use" and table.item(0, 0).font().bold()  # the model loaded now
     assert set(names[1:]) == NAMES and dlg.note.text().startswith(f"{len(NAMES)} models found")
     row = {n: r for r, n in enumerate(names)}
     cells = [table.item(row["tiny-qwen2:q8_0"], c).text() for c in range(table.columnCount())]
-    assert cells[1:4] == ["ollama", "gguf", "qwen2"] and cells[5] == "Q8_0" and cells[7] == "ready"
-    assert table.item(row["tiny-gemma"], 7).text().startswith("cannot open: unsupported architecture")
+    assert cells[1:4] == ["ollama", "gguf", "qwen2"] and cells[5] == "Q8_0" and cells[STATUS] == "ready"
+    assert cells[COLUMNS.index("KV / position")] == fmt_size(2 * 2 * 2 * 16 * 4)  # 2·L·H_kv·d·b, float32 K/V
+    assert cells[COLUMNS.index("Memory")].startswith(("fits", "free memory not known"))
+    assert table.item(row["tiny-gemma"], STATUS).text().startswith("cannot open: unsupported architecture")
     table.selectRow(row["tiny-gemma"])
     assert not dlg.openButton.isEnabled()
     progress, ready = [], []

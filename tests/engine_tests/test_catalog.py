@@ -113,3 +113,28 @@ def test_a_bad_entry_is_a_row_with_its_reason_and_the_scan_goes_on(tmp_path_fact
         assert not rows[name].openable and "manifest cannot be read" in rows[name].reason
     cache.write_text('{"version": 1, "rows": [1, 2, 3]}')  # a cache of the wrong shape: only a slower scan
     assert {r.name for r in scan([home / "models"], env=env, home=home, cache=cache)} == set(rows)
+
+
+def test_the_new_families_are_listed_openable_with_their_cache_per_layer_kind(tmp_path):
+    """A Gemma 3 folder and its GGUF, and a mixture: openable, with KV bytes per position and what the default
+    cache allocates; the sliding layers keep a ring, so the Gemma cache is smaller than a full one."""
+    from checkpoints import FAMILY_CASES, make_checkpoint
+
+    from engine.tools.gguf_export import write_gguf
+
+    opts = dict(FAMILY_CASES["gemma3"], max_position_embeddings=8192)
+    gemma = make_checkpoint(tmp_path / "models" / "gemma", opts.pop("family"), **opts)
+    write_gguf(gemma, tmp_path / "models" / "gemma.gguf", tokenizer=True)
+    opts = dict(FAMILY_CASES["qwen3_moe"])
+    make_checkpoint(tmp_path / "models" / "moe", opts.pop("family"), **opts)
+    rows = {r.name: r for r in scan(folders=[tmp_path / "models"], env={}, home=tmp_path / "nohome")}
+    assert {"gemma", "gemma.gguf", "moe"} <= set(rows)
+    for name in ("gemma", "gemma.gguf", "moe"):
+        assert rows[name].openable, rows[name].reason
+    per = 2 * 3 * 2 * 16 * 4  # 2·L·H_kv·d·b: 3 layers, 2 KV heads of 16, float32
+    for name in ("gemma", "gemma.gguf"):
+        r = rows[name]
+        assert r.kv_bytes_per_position == per
+        assert r.kv_layers == "2 of 3 layers sliding: ≤ 1,030 positions each"  # W 6 + 1,024 spare
+        assert r.kv_allocated_bytes == per // 3 * (4096 + 2 * 1030) < per * 4096
+    assert rows["moe"].kv_layers is None and rows["moe"].architecture == "Qwen3MoeForCausalLM"
