@@ -122,3 +122,28 @@ def test_llama_cpp_greedy_tokens_on_the_same_gguf(family_dir, tmp_path):
     ids, _, _ = lc.generate(prompt, 16)
     lc.close()
     assert ids == list(done[-1].token_ids)
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen3_moe"])
+def test_the_server_serves_the_family_as_the_engine_runs_it(name, serve, tmp_path):
+    """`python -m engine serve` on a Gemma 3 folder (a sliding-window cache: the capacity past W + spare) and on a
+    mixture, through the official client: the engine's reply, and a second turn's cached tokens."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    opts = dict(FAMILIES[name], max_position_embeddings=4096)
+    path = make_checkpoint(tmp_path / "m", opts.pop("family"), **opts)
+    server = serve("--model", str(path), "--capacity", "2048")
+    c = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0)
+    model = c.models.list().data[0].id
+    r = c.chat.completions.create(model=model, messages=CHAT, max_tokens=12, temperature=0)
+    loaded = load_model(path)
+    session = Session(loaded, capacity=2048)
+    want = list(session.generate(Request(messages=CHAT, max_new_tokens=12)))[-1]
+    assert r.choices[0].message.content == want.text
+    turn2 = CHAT + [{"role": "assistant", "content": want.text}, {"role": "user", "content": "How much?"}]
+    r2 = c.chat.completions.create(model=model, messages=turn2, max_tokens=4, temperature=0)
+    assert r2.usage.prompt_tokens_details.cached_tokens > 0
+    report = r2.model_extra["kvchat"]
+    if name == "gemma3":  # the sliding layers keep a ring: allocated is below the capacity's full cache
+        kinds = {k["kind"]: k for k in report["cache"]["layer_kinds"]}
+        assert kinds["sliding"]["slots"] == 6 + 1024 and report["cache"]["allocated_bytes"] < 2048 * 2 * 3 * 2 * 16 * 4
