@@ -22,6 +22,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",  # 4B and larger: its text model (the vision tower is not run)
     "Phi3ForCausalLM": "phi3",
     "SmolLM3ForCausalLM": "smollm3",
     "GraniteForCausalLM": "granite",
@@ -271,9 +272,33 @@ def _check_size(raw: dict, key: str) -> None:
         raise ModelLoadError(f"config.json's {key} is {int(value):,}: out of range (1 to {MAX_SIZE:,})")
 
 
+# Gemma3TextConfig's defaults: a Gemma 3 4B+ config.json's text_config gives only what departs from them
+GEMMA3_TEXT = {
+    "vocab_size": 262208,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "rope_local_base_freq": 10000.0,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "sliding_window_pattern": 6,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "tie_word_embeddings": True,
+}
+
+
 def config_from_dict(raw: dict, path: Path | None = None) -> ModelConfig:
     archs = raw.get("architectures") or []
     arch = archs[0] if archs else None
+    if arch == "Gemma3ForConditionalGeneration":  # the text model's config, under text_config
+        text = raw.get("text_config")
+        if not isinstance(text, dict):
+            raise ModelLoadError("config.json lacks the text model's text_config", path)
+        ids = {k: raw[k] for k in ("bos_token_id", "eos_token_id") if k in raw}
+        raw = {**GEMMA3_TEXT, **ids, **text, "architectures": [arch]}
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}", path

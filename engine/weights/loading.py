@@ -23,7 +23,7 @@ from .gguf_file import NORM_PLUS_ONE, GGUFModel
 from .gguf_header import is_gguf
 from .gguf_reader import GGUFReader
 from .hf_names import expected
-from .safetensors import Reader, check_against_headers, header_digest, weight_files
+from .safetensors import Reader, check_against_headers, header_digest, text_model_names, weight_files
 
 
 @dataclasses.dataclass
@@ -181,7 +181,12 @@ def load_model(
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     files = weight_files(model_dir)
-    check_against_headers(cfg, files)
+    stored = text_model_names(files)  # a multimodal checkpoint: its text model's tensors, by their usual names
+    if stored:
+        files = {mine: files[theirs] for mine, theirs in stored.items()} | (
+            {"lm_head.weight": files["lm_head.weight"]} if "lm_head.weight" in files else {}
+        )
+    check_against_headers(cfg, files, stored)
     tokenizer = Tokenizer.from_dir(model_dir, extra_stop_ids=cfg.eos_token_id)
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ModelLoadError(
@@ -192,7 +197,7 @@ def load_model(
     kern = kernel_library.for_dtype(dt) if dev.type == "cpu" else None  # decode kernels for this dtype
     with ReturnFreedMemory():
         model = build_model(
-            Reader(files, expected(cfg)),
+            Reader(files, expected(cfg), stored),
             cfg,
             dt,
             dev,

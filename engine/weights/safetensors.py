@@ -71,13 +71,32 @@ def read_names(path: Path) -> list[str]:
         return list(f.keys())
 
 
-def check_against_headers(cfg: ModelConfig, files: dict[str, Path]) -> None:
+TEXT_PREFIXES = ("language_model.model.", "model.language_model.")  # a multimodal checkpoint's text model
+
+
+def text_model_names(files: dict[str, Path]) -> dict[str, str]:
+    """For a checkpoint whose text model sits under another prefix (Gemma 3 4B and larger, with a vision tower:
+    language_model.model.*), each of its tensors' usual name -> the name it is stored under; {} otherwise."""
+    if "model.embed_tokens.weight" in files:
+        return {}
+    for prefix in TEXT_PREFIXES:
+        if prefix + "embed_tokens.weight" in files:
+            return {"model." + n[len(prefix) :]: n for n in files if n.startswith(prefix)}
+    return {}
+
+
+def check_against_headers(cfg: ModelConfig, files: dict[str, Path], stored: dict | None = None) -> None:
     """The config's sizes against the weights' own headers, before anything is allocated: the layer count
-    and the embedding's shape (every other tensor is checked against the config as it is read)."""
+    and the embedding's shape (every other tensor is checked against the config as it is read). `files` by the
+    usual names, `stored` the names the files use where they differ."""
+    usual = {theirs: mine for mine, theirs in (stored or {}).items()}
     shapes = {}
     for path in set(files.values()):
         with _opened(path) as f:
-            shapes.update({n: tuple(f.get_slice(n).get_shape()) for n in f.keys() if files.get(n) == path})
+            for n in f.keys():
+                mine = usual.get(n, n)
+                if files.get(mine) == path:
+                    shapes[mine] = tuple(f.get_slice(n).get_shape())
     layers = {n.split(".")[2] for n in shapes if n.startswith("model.layers.") and n.count(".") > 2}
     if len(layers) != cfg.num_layers:
         raise ModelLoadError(
@@ -115,8 +134,9 @@ class Reader:
 
     ROWS_PER_CHUNK = 4096
 
-    def __init__(self, files: dict[str, Path], expected: dict[str, tuple[int, ...]]):
-        self.files, self.expected = files, expected
+    def __init__(self, files: dict[str, Path], expected: dict[str, tuple[int, ...]], stored: dict | None = None):
+        """`stored`: a name -> the name the file holds it under, where they differ (text_model_names)."""
+        self.files, self.expected, self.stored = files, expected, stored or {}
         for name in expected:
             if name not in files:
                 where = next(iter(set(files.values())), None)
@@ -157,7 +177,7 @@ class Reader:
         )
         for a, b in spans:
             with contextlib.nullcontext(f) if f is not None else self._opened(path) as g:
-                sl = g.get_slice(name)
+                sl = g.get_slice(self.stored.get(name, name))
                 self._check(path, name, sl.get_shape())
                 dst[a - first : b - first].copy_(sl[a:b])
 
@@ -202,7 +222,7 @@ class Reader:
         """A [R, C] tensor straight into a [C, R] buffer, a few thousand rows at a time."""
         path = self.files[name]
         with self._opened(path) as f:
-            sl = f.get_slice(name)
+            sl = f.get_slice(self.stored.get(name, name))
             self._check(path, name, sl.get_shape())
             rows, cols = sl.get_shape()
             dst = torch.empty((cols, rows), dtype=dtype, device=device)  # [C, R]

@@ -119,7 +119,6 @@ def test_the_new_families_are_listed_openable_with_their_cache_per_layer_kind(tm
     """A Gemma 3 folder and its GGUF, and a mixture: openable, with KV bytes per position and what the default
     cache allocates; the sliding layers keep a ring, so the Gemma cache is smaller than a full one."""
     from checkpoints import FAMILY_CASES, make_checkpoint
-
     from engine.tools.gguf_export import write_gguf
 
     opts = dict(FAMILY_CASES["gemma3"], max_position_embeddings=8192)

@@ -147,3 +147,40 @@ def test_the_server_serves_the_family_as_the_engine_runs_it(name, serve, tmp_pat
     if name == "gemma3":  # the sliding layers keep a ring: allocated is below the capacity's full cache
         kinds = {k["kind"]: k for k in report["cache"]["layer_kinds"]}
         assert kinds["sliding"]["slots"] == 6 + 1024 and report["cache"]["allocated_bytes"] < 2048 * 2 * 3 * 2 * 16 * 4
+
+
+def test_a_gemma_3_checkpoint_with_a_vision_tower_opens_its_text_model(tmp_path):
+    """Gemma 3 4B and larger ship as Gemma3ForConditionalGeneration: the text model under language_model.model.*,
+    its config under text_config (only what departs from Gemma3TextConfig's defaults). Its text-only logits equal
+    transformers' on the whole checkpoint; the vision tower is not read."""
+    import json
+
+    from checkpoints import CHATML, tokenizer_json
+
+    text = dict(
+        vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=6,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"], max_position_embeddings=512,
+        pad_token_id=None, bos_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28)
+    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision | {"patch_size": 14}, mm_tokens_per_image=4)
+    torch.manual_seed(0)
+    ref = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0, 0.08) if p.dim() >= 2 else p.uniform_(0.5, 1.5)
+    ref.save_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_text(tokenizer_json())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "</s>"}))
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:  # the layout the Hub's files have
+        assert "language_model.model.embed_tokens.weight" in f.keys() and any("vision_tower" in k for k in f.keys())
+    loaded = load_model(tmp_path, device="cpu", dtype="float32")
+    assert loaded.config.architecture == "Gemma3ForConditionalGeneration" and loaded.config.windows == (6, 6, None)
+    ids = torch.arange(5, 40).view(1, -1)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(ids), ref(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+    done, _ = reply(Session(loaded, capacity=128), messages=CHAT)
+    assert done.token_ids
