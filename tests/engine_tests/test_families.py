@@ -6,6 +6,7 @@ import importlib.util
 
 import pytest
 import torch
+from conversations import BUDGET_CHAT, edit_the_first_message
 
 from checkpoints import FAMILY_CASES as FAMILIES
 from checkpoints import make_checkpoint
@@ -15,7 +16,7 @@ from engine.weights.loading import load_model
 
 transformers = pytest.importorskip("transformers")
 
-CHAT = [{"role": "user", "content": "I am planning a trip to Chengdu. My budget is 600 yuan."}]
+CHAT = BUDGET_CHAT
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -45,14 +46,10 @@ def test_greedy_chat_reply_equals_transformers_generate(family_dir):
 
 def test_cached_equals_fresh_through_an_edit_and_the_prefix_store(family_dir):
     loaded = load_model(family_dir, device="cpu", dtype="float32")
-    session = Session(loaded, capacity=256)
-    first, _ = reply(session, messages=CHAT)
-    follow = CHAT + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "How much?"}]
-    reply(session, messages=follow)
-    edited = [{"role": "user", "content": CHAT[0]["content"].replace("600", "750")}]
-    again, start = reply(session, messages=edited)
+    session, follow, (again, start), fresh = edit_the_first_message(
+        loaded, reply, lambda: Session(loaded, capacity=256)
+    )
     assert 0 < start.reuse.reused < len(start.prompt_token_ids)  # the edit cut the cache, the head was kept
-    fresh, _ = reply(Session(loaded, capacity=256), messages=edited)
     assert again.token_ids == fresh.token_ids
     back, start = reply(session, messages=follow)  # the first conversation again: from the prefix store
     assert start.reuse.source == "store" and start.reuse.copied_positions > 0

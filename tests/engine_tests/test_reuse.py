@@ -3,6 +3,7 @@
 import pytest
 import torch
 from conftest import DEVICES
+from conversations import BUDGET_CHAT, edit_the_first_message
 
 from engine.events import Finished, PrefillStarted
 from engine.kv_cache import KVCache
@@ -56,18 +57,12 @@ def test_chunked_prefill_equals_one_pass(llama_dir):
     assert list(a.token_ids) == greedy_uncached(loaded, list(prompt), 12)
 
 
-CHAT = [{"role": "user", "content": "I am planning a trip to Chengdu. My budget is 600 yuan."}]
+CHAT = BUDGET_CHAT
 
 
 def test_edit_then_reuse_equals_fresh_run(llama_dir):
     loaded = load_model(llama_dir, device="cpu", dtype="float32")
-    session = Session(loaded, capacity=256)
-    first, _ = reply(session, messages=CHAT)
-    follow = CHAT + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "How much?"}]
-    reply(session, messages=follow)
-    edited = [{"role": "user", "content": CHAT[0]["content"].replace("600", "750")}]
-    again, start = reply(session, messages=edited)
-    fresh, _ = reply(Session(loaded, capacity=256), messages=edited)
+    _, follow, (again, start), fresh = edit_the_first_message(loaded, reply, lambda: Session(loaded, capacity=256))
     assert again.token_ids == fresh.token_ids
     prompt = list(start.prompt_token_ids)
     old_prompt = loaded.tokenizer.apply_chat_template(follow)
