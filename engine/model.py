@@ -271,11 +271,11 @@ class MoE(nn.Module):
     def forward(self, x):
         flat = x.reshape(-1, x.shape[-1])  # [N, D]
         weights, chosen = self.route(flat)
-        if flat.shape[0] == 1:  # decode: the k chosen experts, nothing else read
+        if flat.shape[0] == 1:  # decode: the k chosen experts, nothing else read; their weights as Python numbers
             out = None
-            for w, e in zip(weights[0], chosen[0].tolist()):
-                y = self.experts[e](flat) * w
-                out = y if out is None else out + y
+            for w, e in zip(weights[0].tolist(), chosen[0].tolist()):
+                y = self.experts[e](flat).mul_(w)
+                out = y if out is None else out.add_(y)
             return out.view(x.shape)
         out = torch.zeros_like(flat)
         for e in chosen.unique().tolist():  # prefill: each expert once, over the positions routed to it
