@@ -197,7 +197,8 @@ class HubTab(QWidget):
                         "The Hub's summary of a GGUF file does not give its KV heads: known once it is here"
                     )
                 elif c == 3 and facts.kv_layers:  # a sliding-window cache: most layers keep a ring
-                    item.setText(f"{kv_text} · {facts.kv_layers}")
+                    item.setText(f"{kv_text} · {facts.kv_layers_short}")
+                    item.setToolTip(f"KV cache: {facts.kv_layers}")
                 self.files.setItem(r, c, item)
         self.note.setText(f"{repo}: {len(rows)} to download. Pick one and press Download." if rows else
                           f"{repo} holds no GGUF file and no safetensors model kvchat can open.")  # fmt: skip

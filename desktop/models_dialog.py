@@ -44,7 +44,7 @@ def kv_words(found) -> str:
     if found.kv_bytes_per_position is None:
         return ""
     text = fmt_size(found.kv_bytes_per_position)
-    return f"{text} · {found.kv_layers}" if found.kv_layers else text
+    return f"{text} · {found.kv_layers_short}" if found.kv_layers_short else text
 
 
 def fmt_params(n) -> str:
@@ -179,7 +179,8 @@ class ModelsDialog(QDialog):
         )
         for c, text in enumerate(cells):
             item = QTableWidgetItem(text)
-            item.setToolTip(plain_tooltip(f"{found.path}\n{status}"))
+            kv = f"\nKV cache: {found.kv_layers}" if found.kv_layers else ""
+            item.setToolTip(plain_tooltip(f"{found.path}\n{status}{kv}"))
             if not found.openable:
                 item.setForeground(QBrush(QColor("#8a93a6")))
             if status == "in use":  # the model loaded now, in bold

@@ -137,6 +137,7 @@ class RepoFacts:
     context: int | None
     kv_allocated_bytes: int | None = None  # the cache a session allocates by default (sliding layers: their ring)
     kv_layers: str | None = None  # a sliding-window cache's layers in words
+    kv_layers_short: str | None = None  # the same for a table's cell
 
 
 def repo_facts(repo: str, commit: str | None = None, files: list[HubFile] = ()) -> RepoFacts:
@@ -174,7 +175,13 @@ def repo_facts(repo: str, commit: str | None = None, files: list[HubFile] = ()) 
         return RepoFacts(arch, f"its config.json does not read: {e}", None, None)
     plan = cache_plan(cfg, resolve_dtype(None, resolve_device(None)))
     return RepoFacts(
-        arch, None, plan["bytes_per_position"], cfg.max_position_embeddings, plan["allocated_bytes"], plan["layers"]
+        arch,
+        None,
+        plan["bytes_per_position"],
+        cfg.max_position_embeddings,
+        plan["allocated_bytes"],
+        plan["layers"],
+        plan["layers_short"],
     )
 
 

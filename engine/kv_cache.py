@@ -454,4 +454,7 @@ def cache_plan(config, dtype: torch.dtype, capacity: int | None = None) -> dict:
         "layers": None
         if sliding is None
         else f"{sliding['layers']} of {config.num_layers} layers sliding: ≤ {sliding['slots']:,} positions each",
+        "layers_short": None
+        if sliding is None
+        else f"{sliding['layers']}/{config.num_layers} sliding ≤ {sliding['slots']:,}",
     }

@@ -24,7 +24,7 @@ from .gguf_file import ARCHITECTURES, GGUFModel
 from .gguf_header import is_gguf
 
 SOURCES = ("hf-cache", "lm-studio", "ollama", "folder")
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +42,7 @@ class FoundModel:
     kv_bytes_per_position: int | None = None  # 2·L·H_kv·d·b in the dtype kvchat loads it in here
     kv_allocated_bytes: int | None = None  # the cache a session allocates by default (sliding layers: their ring)
     kv_layers: str | None = None  # a sliding-window cache's layers in words ("22 of 26 layers sliding: ≤ 1,536 …")
+    kv_layers_short: str | None = None  # the same for a table's cell ("22/26 sliding ≤ 1,536")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -129,6 +130,7 @@ def _kv(cfg) -> dict:
         "kv_bytes_per_position": plan["bytes_per_position"],
         "kv_allocated_bytes": plan["allocated_bytes"],
         "kv_layers": plan["layers"],
+        "kv_layers_short": plan["layers_short"],
     }
 
 
