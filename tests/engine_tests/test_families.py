@@ -181,3 +181,20 @@ def test_a_gemma_3_checkpoint_with_a_vision_tower_opens_its_text_model(tmp_path)
         torch.testing.assert_close(loaded.model(ids), ref(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
     done, _ = reply(Session(loaded, capacity=128), messages=CHAT)
     assert done.token_ids
+
+
+def test_int8_kv_serves_every_family_close_to_the_full_precision_cache(family_dir):
+    """K/V held as int8 codes with a scale per position and head (a sliding-window cache's ring too): a chat
+    runs, and its logits stay within the codes' error of the model-dtype cache's."""
+    from engine.kv_cache import make_cache
+
+    loaded = load_model(family_dir, device="cpu", dtype="float32")
+    ids = torch.arange(5, 40).view(1, -1)
+    exact, coded = (make_cache(loaded.config, 64, torch.float32, "cpu", kv) for kv in ("none", "int8"))
+    want, got = loaded.model(ids, exact)[0, -1], loaded.model(ids, coded)[0, -1]
+    for token in (7, 8, 9):  # decode steps read the codes back
+        step = torch.tensor([[token]])
+        want, got = loaded.model(step, exact)[0, -1], loaded.model(step, coded)[0, -1]
+    assert float((got - want).abs().max() / want.abs().max()) < 0.05
+    done, _ = reply(Session(loaded, capacity=128, kv="int8"), messages=CHAT)
+    assert done.token_ids
