@@ -146,8 +146,14 @@ class ModelConfig:
 
     @property
     def plain(self) -> bool:
-        """The Llama shape the one-call C decode step computes: pre-norms, SwiGLU, rotary everywhere, 1/√d,
-        one window for every layer, no scales, caps or experts."""
+        """The Llama shape: pre-norms, SwiGLU, rotary everywhere, 1/√d, one window for every layer, no scales, caps
+        or experts."""
+        return self.plain_blocks and self.num_experts == 0
+
+    @property
+    def plain_blocks(self) -> bool:
+        """The blocks the one-call C decode step computes: the Llama shape, a layer's MLP possibly a mixture of
+        experts (Qwen3-MoE, Mixtral)."""
         return (
             self.hidden_act == "silu"
             and self.norm_offset == 0.0
@@ -159,7 +165,6 @@ class ModelConfig:
             and self.attn_softcap is None
             and self.final_softcap is None
             and self.logits_scale == 1.0
-            and self.num_experts == 0
             and self.rope_local is None
             and len(set(self.windows)) <= 1
             and all(self.rope_layers or (True,))

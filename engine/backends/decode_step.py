@@ -12,7 +12,7 @@ import ctypes
 
 import torch
 
-from ..model import Attention, RMSNorm
+from ..model import Attention, MoE, RMSNorm
 from .cpu_layouts import kernel_head
 
 
@@ -153,7 +153,16 @@ class _Layer(ctypes.Structure):  # kv_layer in csrc/kernels.h
         ("down", _Linear),
         ("k_cache", ctypes.c_void_p),
         ("v_cache", ctypes.c_void_p),
+        ("router", _Linear),
+        ("experts", ctypes.POINTER(_Linear)),
+        ("n_experts", ctypes.c_int64),
+        ("top_k", ctypes.c_int64),
+        ("norm_topk", ctypes.c_int64),
+        ("expert_f", ctypes.c_int64),
     ]
+
+
+MAX_EXPERTS, MAX_TOP_K = 512, 64  # KV_MAX_EXPERTS, KV_MAX_TOP_K in csrc/kernels.h
 
 
 class DecodeLayers:
@@ -163,8 +172,10 @@ class DecodeLayers:
 
     def __init__(self, kernels, model):
         cfg = model.cfg
-        if not cfg.plain:  # the C step computes the Llama shape only
+        if not cfg.plain_blocks:  # the C step computes the Llama shape (its MLP possibly a mixture) only
             raise ValueError(f"the {cfg.family} family's blocks are not the Llama shape the one-call step computes")
+        if cfg.num_experts > MAX_EXPERTS or cfg.experts_per_token > MAX_TOP_K:
+            raise ValueError(f"{cfg.num_experts} experts, {cfg.experts_per_token} a token: past what the step routes")
         self.dtype = model.norm.weight.dtype
         self.fn = kernels._decode[self.dtype]
         self.kept: list[torch.Tensor] = []
@@ -189,29 +200,48 @@ class DecodeLayers:
                 addr(w), addr(scales), addr(mins), addr(bias), m.out_features, m.in_features, group, bits, act, tiles
             )
 
+        self.expert_tables = []  # each mixture layer's kv_linear array, kept alive while the step points at it
         for layer, block in zip(self.layers, model.layers):
             a = block.attn
             layer.attn_norm, layer.mlp_norm = addr(block.attn_norm.weight), addr(block.mlp_norm.weight)
             layer.q_norm = addr(None if a.q_norm is None else a.q_norm.weight)
             layer.k_norm = addr(None if a.k_norm is None else a.k_norm.weight)
             layer.qkv, layer.o = linear(a.qkv), linear(a.o)
-            layer.gate_up, layer.down = linear(block.mlp.gate_up), linear(block.mlp.down)
+            if isinstance(block.mlp, MoE):  # a mixture: the router as a float product, each expert's two linears
+                moe = block.mlp
+                router = moe.router.weight
+                if router.dtype != self.dtype:
+                    raise ValueError("the router's weights are not of the model's dtype")
+                layer.router = _Linear(addr(router), None, None, None, router.shape[0], router.shape[1], 0, 0, 0, 0)
+                table = (_Linear * (2 * len(moe.experts)))(
+                    *[lin for e in moe.experts for lin in (linear(e.gate_up), linear(e.down))]
+                )
+                self.expert_tables.append(table)
+                layer.experts = ctypes.cast(table, ctypes.POINTER(_Linear))
+                layer.n_experts, layer.top_k, layer.norm_topk = len(moe.experts), moe.k, int(moe.normalize)
+                layer.expert_f = moe.experts[0].f
+            else:
+                layer.gate_up, layer.down = linear(block.mlp.gate_up), linear(block.mlp.down)
         self.qk_eps = cfg.rms_norm_eps if cfg.qk_norm else 0.0
         self.eps, self.window = cfg.rms_norm_eps, cfg.sliding_window
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.hidden, self.mlp = cfg.hidden_size, cfg.intermediate_size
         width = (self.heads + 2 * self.kv_heads) * self.head_dim
         linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        linears += [lin for table in self.expert_tables for lin in table]
+        linears += [layer.router for layer in self.layers if layer.n_experts]
+        widest = max([self.mlp] + [layer.expert_f for layer in self.layers])
         new = lambda n, dt=self.dtype: torch.empty(n, dtype=dt)
         self.scratch = [
             new(self.hidden),
             new(width),
             new(self.heads * self.head_dim),
+            new(max(self.hidden, cfg.num_experts)),
+            new(2 * widest),
             new(self.hidden),
-            new(2 * self.mlp),
             new(max(lin.in_ for lin in linears), torch.float32),
             new(max(lin.out for lin in linears), torch.float32),
-        ]  # h, qkv, att, t, gu, fx, fy
+        ]  # h, qkv, att, t (a router's logits too), gu, acc, fx, fy
         self.scratch_at = [t.data_ptr() for t in self.scratch]
         self.kernels = kernels
 

@@ -209,7 +209,7 @@ class Kernels:
             )
         self._decode = {
             dtype: self._declare(
-                "kv_decode_layers_" + SUFFIX[dtype], [p, i64, p, p, p, f32, f32] + [i64] * 8 + [p] * 7 + [i32]
+                "kv_decode_layers_" + SUFFIX[dtype], [p, i64, p, p, p, f32, f32] + [i64] * 8 + [p] * 8 + [i32]
             )
             for dtype in self._float
         }

@@ -136,7 +136,7 @@ static void attention_and_step(void) {
     /* one decode step through two layers: float32 weights, then int4 codes with offsets */
     static float wqkv[(H + 2 * Hkv) * d * D], wo[D * H * d], wgu[2 * F * D], wdn[D * F];
     static float an[D], mn[D], kc2[2][Hkv * cap * d], vc2[2][Hkv * cap * d];
-    static float h[MAXN], q[MAXN], att[MAXN], t[MAXN], gu[MAXN], fx[MAXN], fy[MAXN];
+    static float h[MAXN], q[MAXN], att[MAXN], t[MAXN], gu[MAXN], acc[MAXN], fx[MAXN], fy[MAXN];
     fill(wqkv, sizeof wqkv / 4, 0.2f);
     fill(wo, sizeof wo / 4, 0.2f);
     fill(wgu, sizeof wgu / 4, 0.2f);
@@ -171,7 +171,7 @@ static void attention_and_step(void) {
         float xs[D];
         seed = 777u;
         fill(xs, D, 1.0f);
-        kv_decode_layers_f32(layers, 2, xs, cs, sn, 1e-6f, 1e-6f, cap, 20, 0, H, Hkv, d, D, F, h, q, att, t, gu, fx,
+        kv_decode_layers_f32(layers, 2, xs, cs, sn, 1e-6f, 1e-6f, cap, 20, 0, H, Hkv, d, D, F, h, q, att, t, gu, acc, fx,
                              fy, 1);
         show(int4 ? "decode_step_int4" : "decode_step_f32", xs, D);
     }

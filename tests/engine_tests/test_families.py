@@ -86,6 +86,8 @@ def test_quantized_families_decode_as_they_prefill(family_dir, weights):
         mlp = quant.model.layers[0].mlp
         assert all(type(e.gate_up).__name__ == "QuantLinear" for e in mlp.experts)
         assert type(mlp.router).__name__ == "Linear"
+        # the one-call C step routes the experts itself, and agreed with the module path at load
+        assert quant.model.decode_step is not None and quant.model.decode_step_refused is None
 
 
 def test_the_gguf_form_equals_the_folder(family_dir, tmp_path):

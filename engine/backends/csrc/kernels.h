@@ -89,7 +89,14 @@ typedef struct {
     const void *attn_norm, *mlp_norm, *q_norm, *k_norm; /* q_norm, k_norm NULL without (Qwen3 has them) */
     kv_linear qkv, o, gate_up, down;
     void *k_cache, *v_cache; /* this layer's [H_kv, cap, d] */
+    /* a mixture of experts in place of the MLP (n_experts > 0): the router [E, D] (float weights), each expert's
+     * gate_up [2F', D] and down [D, F'] as experts[2e], experts[2e + 1]; top_k chosen per position, their
+     * softmax weights renormalised when norm_topk */
+    kv_linear router;
+    const kv_linear *experts;
+    int64_t n_experts, top_k, norm_topk, expert_f;
 } kv_layer;
+enum { KV_MAX_EXPERTS = 512, KV_MAX_TOP_K = 64 }; /* what the one-call step routes (more: the module path) */
 
 void kv_silu_f32(const float *g, float *y, int64_t n);
 
@@ -98,11 +105,11 @@ void kv_silu_f32(const float *g, float *y, int64_t n);
 void kv_decode_layers_f32(const kv_layer *layers, int64_t n_layers, float *x, const float *cs, const float *sn,
                           float eps, float qk_eps, int64_t cap, int64_t pos, int64_t lo, int64_t H, int64_t Hkv,
                           int64_t d, int64_t D, int64_t F, float *h, float *qkv, float *att, float *t, float *gu,
-                          float *fx, float *fy, int nt);
+                          float *acc, float *fx, float *fy, int nt);
 void kv_decode_layers_bf16(const kv_layer *layers, int64_t n_layers, uint16_t *x, const uint16_t *cs,
                            const uint16_t *sn, float eps, float qk_eps, int64_t cap, int64_t pos, int64_t lo,
                            int64_t H, int64_t Hkv, int64_t d, int64_t D, int64_t F, uint16_t *h, uint16_t *qkv,
-                           uint16_t *att, uint16_t *t, uint16_t *gu, float *fx, float *fy, int nt);
+                           uint16_t *att, uint16_t *t, uint16_t *gu, uint16_t *acc, float *fx, float *fy, int nt);
 
 #ifdef __FLT16_MAX__ /* float16 where the compiler has _Float16 */
 void kv_matvec_f16(const _Float16 *w, const _Float16 *x, _Float16 *y, int64_t out, int64_t in, int nt);
@@ -113,7 +120,7 @@ void kv_attend_f16(const _Float16 *qkv, const _Float16 *cs, const _Float16 *sn, 
 void kv_decode_layers_f16(const kv_layer *layers, int64_t n_layers, _Float16 *x, const _Float16 *cs,
                           const _Float16 *sn, float eps, float qk_eps, int64_t cap, int64_t pos, int64_t lo,
                           int64_t H, int64_t Hkv, int64_t d, int64_t D, int64_t F, _Float16 *h, _Float16 *qkv,
-                          _Float16 *att, _Float16 *t, _Float16 *gu, float *fx, float *fy, int nt);
+                          _Float16 *att, _Float16 *t, _Float16 *gu, _Float16 *acc, float *fx, float *fy, int nt);
 #endif
 
 #endif
