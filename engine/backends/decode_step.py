@@ -154,7 +154,7 @@ class _Layer(ctypes.Structure):  # kv_layer in csrc/kernels.h
         ("k_cache", ctypes.c_void_p),
         ("v_cache", ctypes.c_void_p),
         ("router", _Linear),
-        ("experts", ctypes.POINTER(_Linear)),
+        ("experts", ctypes.c_void_p),  # a kv_linear array (expert_tables holds it)
         ("n_experts", ctypes.c_int64),
         ("top_k", ctypes.c_int64),
         ("norm_topk", ctypes.c_int64),
@@ -217,7 +217,7 @@ class DecodeLayers:
                     *[lin for e in moe.experts for lin in (linear(e.gate_up), linear(e.down))]
                 )
                 self.expert_tables.append(table)
-                layer.experts = ctypes.cast(table, ctypes.POINTER(_Linear))
+                layer.experts = ctypes.addressof(table)
                 layer.n_experts, layer.top_k, layer.norm_topk = len(moe.experts), moe.k, int(moe.normalize)
                 layer.expert_f = moe.experts[0].f
             else:
