@@ -147,8 +147,7 @@ def repo_facts(repo: str, commit: str | None = None, files: list[HubFile] = ()) 
     from huggingface_hub import hf_hub_download
 
     from .config import SUPPORTED_ARCHITECTURES, config_from_dict, read_json
-    from .devices import resolve_device, resolve_dtype
-    from .kv_cache import cache_plan
+    from .weights.catalog import kv_facts
     from .weights.gguf_file import ARCHITECTURES
 
     try:
@@ -173,16 +172,7 @@ def repo_facts(repo: str, commit: str | None = None, files: list[HubFile] = ()) 
         cfg = config_from_dict(raw, Path(path))
     except Exception as e:  # a config kvchat cannot read: it would not open either
         return RepoFacts(arch, f"its config.json does not read: {e}", None, None)
-    plan = cache_plan(cfg, resolve_dtype(None, resolve_device(None)))
-    return RepoFacts(
-        arch,
-        None,
-        plan["bytes_per_position"],
-        cfg.max_position_embeddings,
-        plan["allocated_bytes"],
-        plan["layers"],
-        plan["layers_short"],
-    )
+    return RepoFacts(arch, None, context=cfg.max_position_embeddings, **kv_facts(cfg))
 
 
 def choose(repo: str, files: list[HubFile], filename: str | None) -> list[HubFile]:

@@ -409,16 +409,12 @@ class WindowedKVCache:
         which, j = self.where[layer]
         if which is None:
             return self.full.write(j, start, k, v)
-        T, S = k.shape[2], self.slots
+        T = k.shape[2]
         if T > self.max_chunk:
             raise ValueError(f"{T} positions in one step overrun a sliding layer's ring (at most {self.max_chunk})")
-        a = start
-        while a < start + T:  # at most two runs of slots: to the ring's end, then from its start
-            slot = a % S
-            b = min(start + T, a + S - slot)
-            self.ring.put(j, slot, k[:, :, a - start : b - start], v[:, :, a - start : b - start])
-            a = b
-        return self.ring.read(j, min(S, start + T))
+        for p, slot, n in self._slots(start, start + T):  # at most two runs: to the ring's end, then from its start
+            self.ring.put(j, slot, k[:, :, p - start : p - start + n], v[:, :, p - start : p - start + n])
+        return self.ring.read(j, min(self.slots, start + T))
 
     def ring_mask(self, start: int, t: int, device) -> torch.Tensor:
         """[T, filled] bool: which ring slots query start+i sees once positions start..start+T-1 are written: those

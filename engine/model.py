@@ -260,6 +260,10 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(MLP(cfg, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
         self.k, self.normalize = cfg.experts_per_token, cfg.norm_topk_prob
 
+    def unread(self, measure) -> int:
+        """What one position leaves unread of the experts, by `measure` (values, bytes): all but the k largest."""
+        return sum(sorted((measure(e) for e in self.experts), reverse=True)[self.k :])
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, D] -> (weights [N, k] in x's dtype, experts [N, k])."""
         probs = torch.softmax(self.router(x), dim=-1, dtype=torch.float32)  # [N, E]
@@ -403,8 +407,10 @@ class Transformer(nn.Module):
     def masks(self, start: int, t: int, dtype, device, cache=None) -> dict:
         """The additive mask of each window among the layers (None: full attention) for T new positions; a sliding
         layer's over its cache's ring of slots where the cache keeps one (WindowedKVCache)."""
-        out = {w: additive(attention_mask(start, t, w, device), dtype) for w in set(self.cfg.windows)}
-        if hasattr(cache, "ring_mask"):
+        ringed = hasattr(cache, "ring_mask")
+        windows = set(self.cfg.windows) - ({cache.window} if ringed else set())  # the ring's mask is its own
+        out = {w: additive(attention_mask(start, t, w, device), dtype) for w in windows}
+        if ringed:
             out[cache.window] = additive(cache.ring_mask(start, t, device), dtype)
         return out
 
@@ -461,12 +467,7 @@ class Transformer(nn.Module):
     def active_parameter_count(self) -> int:
         """The values one position computes with: all of them for a dense model; for a mixture, the experts'
         only k of E per layer (the embedding row read, not the table, is not subtracted: the head reads it all)."""
-        total = self.parameter_count()
-        for block in self.layers:
-            if isinstance(block.mlp, MoE):
-                per_expert = [_values(e) for e in block.mlp.experts]
-                total -= sum(per_expert) - block.mlp.k * max(per_expert)
-        return total
+        return self.parameter_count() - sum(b.mlp.unread(_values) for b in self.layers if isinstance(b.mlp, MoE))
 
 
 def _values(module: nn.Module) -> int:

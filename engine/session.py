@@ -441,7 +441,7 @@ class Session:
         cached = self.ids
         lcp = common_prefix(cached, prompt)
         cut = min(lcp, len(prompt) - 1)
-        reused = self._keep(prompt)
+        reused = self._keep(prompt, lcp)
         invalidated = len(cached) - reused
         if invalidated == 0:
             return ReuseReport(reused, len(prompt) - reused, 0, None, None, None, None)
@@ -467,10 +467,11 @@ class Session:
             slid_out=cut - reused,
         )
 
-    def _keep(self, prompt: list[int]) -> int:
-        """What the working cache keeps of this prompt: the common prefix, capped at len(prompt) − 1, or 0 where a
-        sliding layer's ring no longer holds the window before that point (WindowedKVCache.resumable)."""
-        keep = min(common_prefix(self.ids, prompt), len(prompt) - 1)
+    def _keep(self, prompt: list[int], lcp: int | None = None) -> int:
+        """What the working cache keeps of this prompt: the common prefix (`lcp`, when the caller has it), capped at
+        len(prompt) − 1, or 0 where a sliding layer's ring no longer holds the window before that point
+        (WindowedKVCache.resumable)."""
+        keep = min(common_prefix(self.ids, prompt) if lcp is None else lcp, len(prompt) - 1)
         return keep if self.cache.resumable(keep) else 0
 
     def check_capacity(self, prompt_len: int, req: Request) -> None:

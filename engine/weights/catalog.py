@@ -105,7 +105,7 @@ def _folder_row(folder: Path, name: str, source: str) -> FoundModel:
     try:
         raw = read_json(folder / "config.json")
         arch = (raw.get("architectures") or [None])[0]
-        kv = _kv(config_from_dict(raw, folder / "config.json"))
+        kv = kv_facts(config_from_dict(raw, folder / "config.json"))
         if not files:
             raise ModelLoadError("no safetensors weights (pickle .bin files are never opened)")
         counts: dict[str, int] = {}
@@ -122,9 +122,9 @@ def _folder_row(folder: Path, name: str, source: str) -> FoundModel:
     return FoundModel(name, str(folder), source, "safetensors", arch, params, quant, size, reason is None, reason, **kv)
 
 
-def _kv(cfg) -> dict:
-    """A row's cache figures for a config: in the dtype kvchat loads models in on this machine, at the default
-    capacity."""
+def kv_facts(cfg) -> dict:
+    """A model's cache figures before it is opened (a row here, a Hub repository's facts): in the dtype kvchat loads
+    models in on this machine, at the default capacity."""
     plan = cache_plan(cfg, resolve_dtype(None, resolve_device(None)))
     return {
         "kv_bytes_per_position": plan["bytes_per_position"],
@@ -163,7 +163,7 @@ def _gguf_row(path: Path, name: str, source: str) -> FoundModel:
         reason = f"tokenizer model {kind!r} is not supported"
     else:
         try:
-            kv = _kv(config_from_dict(gm.config_dict(), path))
+            kv = kv_facts(config_from_dict(gm.config_dict(), path))
         except ModelLoadError as e:
             reason = e.message
     quant = gm.quantization()

@@ -13,6 +13,7 @@ template runs in the tokenizer's sandbox.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import mmap
 import re
@@ -92,6 +93,12 @@ ARCH_BLOCK_NAMES["gemma3"] = ARCH_BLOCK_NAMES["gemma2"]
 EXPERT = re.compile(r"^(mlp|block_sparse_moe)\.experts\.(\d+)\.(.+)$")
 
 
+@functools.cache
+def _block_names(arch: str) -> dict[str, str]:
+    """BLOCK_NAMES with an architecture's own (built once: gguf_name runs for every tensor of a file)."""
+    return {**BLOCK_NAMES, **ARCH_BLOCK_NAMES.get(arch, {})}
+
+
 def gguf_name(arch: str, hf: str) -> str | None:
     """The GGUF name of a Hugging Face tensor name in a file of `arch` (an expert's: its rows of the stacked
     tensor, "…#j"); None for a name no GGUF file holds."""
@@ -103,7 +110,7 @@ def gguf_name(arch: str, hf: str) -> str | None:
     expert = EXPERT.match(rest)
     if expert:
         rest = f"{expert[1]}.experts.{{j}}.{expert[3]}"
-    names = {**BLOCK_NAMES, **ARCH_BLOCK_NAMES.get(arch, {})}
+    names = _block_names(arch)
     if rest not in names:
         return None
     return f"blk.{i}.{names[rest]}".replace("{j}", expert[2] if expert else "")

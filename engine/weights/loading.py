@@ -14,7 +14,7 @@ from ..config import ModelConfig, config_from_dict, load_config
 from ..devices import dtype_name, resolve_device, resolve_dtype
 from ..errors import ModelLoadError
 from ..kv_cache import bytes_per_position
-from ..model import Transformer
+from ..model import MoE, Transformer
 from ..quant import DEFAULT_GROUP_SIZE, check_activations, check_mode, describe
 from ..tokenizer import Tokenizer
 from .build import ReturnFreedMemory, build_model
@@ -66,13 +66,7 @@ class LoadedModel:
     def active_weight_bytes(self) -> int:
         """The weight bytes one position's decode reads: all of them for a dense model; for a mixture, k of the E
         experts in each layer (the largest k: an upper bound where the experts are held differently)."""
-        total = self.weight_bytes
-        for block in self.model.layers:
-            experts = getattr(block.mlp, "experts", None)
-            if experts is not None:
-                sizes = sorted((weight_bytes(e) for e in experts), reverse=True)
-                total -= sum(sizes[block.mlp.k :])
-        return total
+        return self.weight_bytes - sum(b.mlp.unread(weight_bytes) for b in self.model.layers if isinstance(b.mlp, MoE))
 
     def kv_bytes_per_position(self, kv: str = "none") -> int:
         """Bytes one cached position takes at KV precision `kv` (none: the model dtype)."""
