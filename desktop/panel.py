@@ -462,8 +462,12 @@ class StatsPanel(QScrollArea):
             self.set("cachePointValue", point)
             return
         cap = f.get("capacity")
-        kinds = f.get("kv_layer_kinds")  # a sliding-window cache: each kind holds min(positions, its slots)
-        held = [(k["layers"], min(positions, k["slots"])) for k in kinds] if kinds else [(f.get("layers"), positions)]
+        kinds = f.get("kv_layer_kinds")  # a sliding-window cache: a sliding layer's payload is min(positions, W)
+        held = (
+            [(k["layers"], positions if k["window"] is None else min(positions, k["window"])) for k in kinds]
+            if kinds
+            else [(f.get("layers"), positions)]
+        )
         per_layer = None if per is None or not f.get("layers") else per // f["layers"]
         payload = None if per_layer is None else sum(n * t for n, t in held) * per_layer
         of = f"{positions:,} / {cap:,}" if cap else f"{positions:,} (capacity {NOT_REPORTED})"
@@ -484,7 +488,7 @@ class StatsPanel(QScrollArea):
             terms = []
             for (layers, t), kind in zip(held, kinds or [None]):
                 slid = kind is not None and kind["kind"] == "sliding"
-                t_text = f"min({positions}, {kind['slots']:,})" if slid else str(t)
+                t_text = f"min({positions}, {kind['window']:,})" if slid else str(t)
                 terms.append(f"2 · {layers} · {t_text} · {f['kv_heads']} · {width}")
             codes = "" if f.get("kv_cache", "none") == "none" else f" ({f['kv_cache']} + scales)"
             self.set("kvFormulaValue", " + ".join(terms) + f" = {payload:,} B{codes}")

@@ -314,20 +314,22 @@ class WindowedKVCache:
         return per_layer * self.num_layers
 
     def kinds(self) -> list[dict]:
-        """Per layer kind: its layers, the positions each holds, and its payload and allocated bytes (2·L·T·H·d·b,
-        T = min(T, S) for the sliding layers)."""
+        """Per layer kind: its layers, the positions attention needs of each (payload: 2·L·T·H·d·b, T = min(T, W)
+        for the sliding layers), its slots, and the bytes allocated (a ring's spare slots count there, not in the
+        payload)."""
         out = []
         for kind, cache, layers in (("full", self.full, self.full_layers), ("sliding", self.ring, self.ring_layers)):
             if cache is None:
                 continue
+            needed = self._length if kind == "full" else min(self._length, self.window)
             out.append(
                 {
                     "kind": kind,
                     "layers": len(layers),
                     "window": None if kind == "full" else self.window,
                     "slots": cache.capacity,
-                    "positions": cache.length,
-                    "payload_bytes": cache.payload_bytes,
+                    "positions": needed,
+                    "payload_bytes": needed * cache.bytes_per_position,
                     "allocated_bytes": cache.allocated_bytes,
                 }
             )

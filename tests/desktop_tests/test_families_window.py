@@ -51,8 +51,8 @@ def test_a_gemma_3_checkpoint_chats_and_the_panel_names_its_sliding_layers(qtbot
     assert "dense" not in panel(w, "parametersValue") and "\n" not in panel(w, "parametersValue")
     kinds = w.facts["kv_layer_kinds"]  # the sliding layers keep a ring of W + spare slots, not the capacity
     assert [(k["kind"], k["layers"]) for k in kinds] == [("full", 1), ("sliding", 2)]
-    slots = kinds[1]["slots"]
-    assert slots < w.facts["capacity"]
+    window = kinds[1]["window"]
+    assert window == 8 and kinds[1]["slots"] < w.facts["capacity"]
     final = send(qtbot, w, spin_loop, BUDGET)
     assert isinstance(final, Finished) and final.token_ids
     cache = final.cache
@@ -61,6 +61,7 @@ def test_a_gemma_3_checkpoint_chats_and_the_panel_names_its_sliding_layers(qtbot
     assert panel(w, "diskValue").startswith("off: not for a sliding-window cache")  # the app's disk tier is on
     assert cache["allocated_bytes"] < cache["capacity"] * w.facts["kv_bytes_per_position"]
     n = cache["positions"]
+    assert cache["payload_bytes"] == 2 * (n + 2 * min(n, 8)) * 2 * 16 * 4  # a sliding layer needs at most W
     assert panel(w, "kvFormulaValue") == (
-        f"2 · 1 · {n} · 2 · 16 · 4 + 2 · 2 · min({n}, {slots:,}) · 2 · 16 · 4 = {cache['payload_bytes']:,} B"
+        f"2 · 1 · {n} · 2 · 16 · 4 + 2 · 2 · min({n}, {window}) · 2 · 16 · 4 = {cache['payload_bytes']:,} B"
     )

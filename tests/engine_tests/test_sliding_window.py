@@ -49,13 +49,14 @@ def test_the_ring_gives_the_full_caches_logits_in_a_fraction_of_its_bytes(window
         nxt = torch.tensor([[token]])
         torch.testing.assert_close(model(nxt, ring), model(nxt, full), rtol=1e-5, atol=1e-5)
     n_sliding = sum(w is not None for w in cfg.windows)
-    if kv == "none":  # 2·L·T·H·d·b per kind, T = min(T, S) for the sliding layers
+    if kv == "none":  # payload 2·L·T·H·d·b per kind, T = min(T, W) for the sliding layers; allocated: their rings
         each = lambda layers, t: payload_bytes(layers, t, cfg.num_kv_heads, cfg.head_dim, 4)
         assert ring.allocated_bytes == each(cfg.num_layers - n_sliding, 200) + each(n_sliding, W + SPARE)
-        assert ring.payload_bytes == each(cfg.num_layers - n_sliding, 72) + each(n_sliding, W + SPARE)
+        assert ring.payload_bytes == each(cfg.num_layers - n_sliding, 72) + each(n_sliding, W)
         assert full.allocated_bytes == each(cfg.num_layers, 200)
     kinds = {k["kind"]: k for k in ring.stats()["layer_kinds"]}
-    assert kinds["sliding"]["layers"] == n_sliding and kinds["sliding"]["positions"] == W + SPARE
+    assert kinds["sliding"]["layers"] == n_sliding and kinds["sliding"]["positions"] == W
+    assert kinds["sliding"]["slots"] == W + SPARE
 
 
 def test_an_edit_within_the_spare_is_kept_and_an_older_one_recomputed_from_0(windowed):
