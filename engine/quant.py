@@ -172,11 +172,14 @@ class PreQuantized:
     dtype: torch.dtype
     mins: torch.Tensor | None = None
     packed: bool = False  # int4 codes two a byte
+    tiles: int = 0  # packed int4 codes, scales and offsets already in the kernels' tiles of this many rows (tile)
 
     @property
     def shape(self) -> tuple[int, int]:
         """[N, K]: the matrix the codes stand for (int5 codes are stored packed, 20 bytes a 32 values)."""
         n, k = self.codes.shape
+        if self.tiles:
+            n, k = n * self.tiles, k // self.tiles
         if self.mode == "int5":
             return n, k // INT5_BYTES * INT5_GROUP
         return (n, 2 * k) if self.packed else (n, k)

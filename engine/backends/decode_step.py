@@ -74,9 +74,11 @@ def _swap(module, cls, kernels):
     return module
 
 
-def use_kernels(model, kernels) -> None:
+def use_kernels(model, kernels, identity: str | None = None) -> None:
     """Route the CPU decode step through kvchat's kernels: all the blocks in one call where every linear
-    has a kernel layout (DecodeLayers), and the norms, attention and output head module by module."""
+    has a kernel layout (DecodeLayers), and the norms, attention and output head module by module.
+    `identity`: what identifies the weights (their files' names, sizes, times and headers), under which an
+    earlier process's passed check is taken (step_passed_before)."""
     for m in list(model.modules()):
         if isinstance(m, RMSNorm) and not m.offset:
             _swap(m, KernelRMSNorm, kernels)
@@ -88,9 +90,38 @@ def use_kernels(model, kernels) -> None:
     except ValueError:  # a layer the C step cannot read: the module path serves it
         model.decode_step = None
     if model.decode_step is not None:
+        kept = None if identity is None else _passed(model, kernels, identity)
+        if kept is not None and kept.is_file():
+            return
         model.decode_step_refused = step_disagreement(model)
         if model.decode_step_refused is not None:  # a wrong step never writes tokens: the module path serves
             model.decode_step = None
+        elif kept is not None:
+            try:
+                kept.parent.mkdir(parents=True, exist_ok=True)
+                kept.touch()
+            except OSError:
+                pass  # only the next open's speed is at stake
+
+
+def _passed(model, kernels, identity: str):
+    """Where a passed check of this step is kept: keyed by the weights, the kernel library (its name holds
+    its build's digest), torch, and what the model computes in (dtype, codes, activations) and with (this
+    module's and the model's code). Only a pass is kept: a refusal is checked again at every open
+    (engine/BENCHMARKS.md, "Opening a model file")."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    from .. import model as model_module
+    from ..user_cache import user_cache
+
+    layout = sorted({f"{type(m).__name__}:{getattr(m, 'mode', '')}:{getattr(m, 'tiles', '')}" for m in model.modules()})
+    facts = [identity, Path(kernels.path).name, torch.__version__, str(model.norm.weight.dtype), model.activations]
+    h = hashlib.sha256(json.dumps([*facts, layout]).encode())
+    for source in (__file__, model_module.__file__):
+        h.update(Path(source).read_bytes())
+    return user_cache("step-checks") / h.hexdigest()[:32]
 
 
 STEP_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 6e-2, torch.float16: 2e-2}  # of the logits' largest

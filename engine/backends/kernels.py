@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import importlib.util
+import json
 import os
 import platform
 import shlex
@@ -187,7 +188,9 @@ class Kernels:
     """The loaded library: one-row products for float weights and for group-wise int8/int4/int5 codes (with
     float32 activations, or int8 ones: `integer_modes`, run by `int_isa`)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, verdict: dict | None = None):
+        """`verdict`: what the checks found for this very library on this CPU and torch before (checks());
+        without it every function is checked against torch now."""
         self.path = path
         self.variant = "native"  # or the variant the build was forced to (X86_VARIANTS)
         self.gguf_int4_agrees: bool | None = None  # kv_gguf_int4 against numpy: engine.weights.gguf_blocks checks it
@@ -229,9 +232,13 @@ class Kernels:
         self._tiled_dequant = self._declare("kv_dequant_q4t", [p, p, p, p, i64, i64, i64, i32])
         self._silu = self._declare("kv_silu_f32", [p, p, i64])
         self._gguf_int4 = self._declare("kv_gguf_int4", [p, i64, i64, i64, i64, i64, i64, p, p, i32])
+        self._gguf_rows = self._declare("kv_gguf_rows", [p, i64, i64, i64, p, i64, i64, p, p, p, i32])
         self._read_stream = self._declare("kv_read_stream", [p, i64, i32])
         self._read_stream.restype = ctypes.c_float
         self.lib.kv_int4_tile_rows.restype = self.lib.kv_int4_integer_tiles.restype = ctypes.c_int
+        if verdict is not None:
+            self._take(verdict)
+            return
         with torch.inference_mode():
             self.dtypes = frozenset(d for d in self._float if self._agrees(d)) if self._silu_agrees() else frozenset()
             self.modes = frozenset(m for m in self._quant if self._quant_agrees(m))
@@ -244,6 +251,29 @@ class Kernels:
                 and "int4" in self.integer_modes
                 and self._tiles_agree(rows, "int8")
             )
+
+    def checks(self) -> dict:
+        """What the load-time checks found, as kept beside the library (_load): the same build on the same CPU
+        and torch finds the same, so a later process takes it instead of checking again."""
+        return {
+            "torch": torch.__version__,
+            "dtypes": sorted(str(d).removeprefix("torch.") for d in self.dtypes),
+            "modes": sorted(self.modes),
+            "integer_modes": sorted(self.integer_modes),
+            "int4_tile_rows": self.int4_tile_rows,
+            "int4_integer_tiles": self.int4_integer_tiles,
+            "gguf_int4_agrees": self.gguf_int4_agrees,
+        }
+
+    def _take(self, v: dict) -> None:
+        self.dtypes = frozenset(d for d in self._float if str(d).removeprefix("torch.") in v["dtypes"])
+        self.modes = frozenset(m for m in self._quant if m in v["modes"])
+        self.integer_modes = frozenset(m for m in self.modes if m in v["integer_modes"])
+        self.int4_tile_rows = int(v["int4_tile_rows"]) if "int4" in self.modes else 0
+        self.int4_integer_tiles = bool(v["int4_integer_tiles"]) and bool(self.int4_tile_rows)
+        self.gguf_int4_agrees = v.get("gguf_int4_agrees")
+        if self.gguf_int4_agrees is not None:
+            self.gguf_int4_agrees = bool(self.gguf_int4_agrees)
 
     @staticmethod
     def _memory(*tensors: torch.Tensor | None) -> list[int | None]:
@@ -274,6 +304,44 @@ class Kernels:
             torch.get_num_threads(),
         )  # fmt: skip
         return codes, halves
+
+    def gguf_rows(self, raw, kind: str, order, r0: int, tile: int, codes, scales, mins) -> None:
+        """A GGUF tensor's Q4_0 / Q4_1 / Q8_0 rows, raw [n, nb · block bytes] uint8 (numpy, a view of the mapped
+        file), into rows r0 .. r0 + n of a product's codes, scales and offsets (torch, CPU, contiguous; int4 in
+        tiles of `tile` rows, 1: rows), output row r0 + r from source row order[r] (csrc/quant_products.c,
+        kv_gguf_rows)."""
+        import numpy as np
+
+        kinds = {"Q4_0": (0, 18, 16), "Q4_1": (1, 20, 16), "Q8_0": (2, 34, 32)}  # kind, block bytes, code bytes
+        code, block, per = kinds[kind]
+        n, nb = raw.shape[0], raw.shape[1] // block
+        tile = max(1, tile)
+        rows = codes.numel() // (nb * per)  # the product's rows
+        if (
+            raw.dtype != np.uint8
+            or not raw.flags.c_contiguous
+            or raw.shape[1] != nb * block
+            or codes.numel() != rows * nb * per
+            or scales.numel() != rows * nb
+            or r0 < 0
+            or r0 + n > rows
+            or rows % tile
+            or (tile > 1 and code == 2)
+            or (mins is not None and mins.numel() != rows * nb)
+            or codes.dtype not in (torch.uint8, torch.int8)
+            or scales.dtype != torch.float32
+            or (mins is not None and mins.dtype != torch.float32)
+        ):
+            raise ValueError("gguf_rows: the blocks do not fit the product's buffers")
+        if order is not None:
+            order = np.ascontiguousarray(order, dtype=np.int64)
+            if order.shape != (n,) or (n and (order.min() < 0 or order.max() >= n)):
+                raise ValueError("gguf_rows: the row order is not an order of the tensor's rows")
+        c, s, m = self._memory(codes, scales, mins)
+        self._gguf_rows(
+            raw.ctypes.data, code, n, nb, None if order is None else order.ctypes.data, r0, tile, c, s, m,
+            torch.get_num_threads(),
+        )  # fmt: skip
 
     def read_stream(self, x: torch.Tensor) -> float:
         """The sum of a float32 tensor's values, read once on torch's threads (the bench's read roofline)."""
@@ -565,12 +633,12 @@ def _load() -> Kernels:
     k = one_thread = None
     if "ziglang" not in cc:  # zig's clang takes -fopenmp but ships no OpenMP runtime to link: one thread there
         try:
-            k = Kernels(build(cc, flags))
+            k = _checked(build(cc, flags))
         except (RuntimeError, OSError) as e:  # no OpenMP (refused, or not linked): one thread; else this error
             first = e
     if k is None:
         try:
-            k = Kernels(build(cc, flags, openmp=False))
+            k = _checked(build(cc, flags, openmp=False))
         except (RuntimeError, OSError):
             if first is None:
                 raise
@@ -583,6 +651,38 @@ def _load() -> Kernels:
     if not k.dtypes:
         raise RuntimeError("the kernels disagree with torch on this CPU")
     return k
+
+
+def _verdict_path(library: Path) -> Path:
+    return library.with_name(library.name + ".checked.json")
+
+
+def _checked(library: Path) -> Kernels:
+    """The library, its functions checked against torch: by this process, or by an earlier one with the same
+    library (its name holds the digest of sources, compiler, flags and CPU) and torch, whose verdict is kept
+    beside it (engine/BENCHMARKS.md, "Opening a model file"). A verdict that is unreadable, or from another
+    torch, is checked again."""
+    path = _verdict_path(library)
+    try:
+        kept = json.loads(path.read_text(encoding="utf-8"))
+        if kept.get("torch") == torch.__version__:
+            return Kernels(library, kept)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    k = Kernels(library)
+    keep_verdict(k)
+    return k
+
+
+def keep_verdict(k: Kernels) -> None:
+    """Write what k's checks found beside its library (aside, then renamed: never half a file)."""
+    path = _verdict_path(k.path)
+    try:
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(k.checks()), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        pass  # only the next process's start is at stake
 
 
 def for_dtype(dtype: torch.dtype) -> Kernels | None:

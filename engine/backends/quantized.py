@@ -80,6 +80,11 @@ class QuantLinear(nn.Module):
         if isinstance(weight, PreQuantized):
             codes, scales = weight.codes, weight.scales.float().contiguous()
             mins = None if weight.mins is None else weight.mins.float().contiguous()
+            if weight.tiles and self.decoder is not None and self.decoder.int4_tile_rows == weight.tiles:
+                self.tiles = weight.tiles  # written in the kernels' tiles as the file was read
+            elif weight.tiles:
+                codes, scales = untile(codes, weight.tiles, 4), untile(scales, weight.tiles, 1)
+                mins = untile(mins, weight.tiles, 1)
             if mode == "int4" and (self.decoder is not None) != weight.packed:  # the kernels' layout: two a byte
                 codes = pack_int4(codes) if self.decoder is not None else unpack_int4(codes)
         else:

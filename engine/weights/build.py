@@ -60,14 +60,23 @@ def _block_state(reader: Reader, sources: dict[str, list[str]], dtype, device) -
 
 
 def _load_block(
-    reader: Reader, cfg: ModelConfig, i: int, block: nn.Module, dtype, device, weights: str, group_size: int
+    reader: Reader,
+    cfg: ModelConfig,
+    i: int,
+    block: nn.Module,
+    dtype,
+    device,
+    weights: str,
+    group_size: int,
+    tiles: int = 0,
 ) -> None:
     """Block i's weights into `block` (on the meta device until now). A linear whose codes the file holds
-    (a GGUF's Q8_0 / Q4_0) keeps them; quantized (`weights`), each other linear is built from its rows a
-    chunk at a time, so no float copy of the block exists."""
+    (a GGUF's Q8_0 / Q4_0) keeps them, int4 ones written in the kernels' tiles of `tiles` rows where the
+    reader can; quantized (`weights`), each other linear is built from its rows a chunk at a time, so no float
+    copy of the block exists."""
     sources = block_sources(cfg, i)
     paths = linears(cfg, i)
-    native = {path: reader.native(sources[path + ".weight"], dtype, device) for path in paths}
+    native = {path: reader.native(sources[path + ".weight"], dtype, device, tiles) for path in paths}
     swapped = [path for path in paths if native[path] is not None or weights != "none"]
     skip = {path + ".weight" for path in swapped}
     state = _block_state(reader, {k: v for k, v in sources.items() if k not in skip}, dtype, device)
@@ -93,6 +102,7 @@ def build_model(
     kern,
     progress=None,
     activations: str = "float32",
+    identity: str | None = None,
 ) -> Transformer:
     """The model, streamed block by block from the files into its final form: each block is read,
     fused, cast, put on the device and given its layout before the next one is read, so the peak is
@@ -100,7 +110,7 @@ def build_model(
     quantized a chunk of rows at a time as they are read. `kern`: kvchat's CPU kernels, or None;
     `progress(fraction)` is told after the embedding and head and after each block. `activations="int8"`:
     the quantized layers' one-row products on int8 activations where the kernels have them (model.activations
-    says what runs)."""
+    says what runs). `identity`: what identifies the weights (use_kernels keeps its check's pass under it)."""
     progress = progress or (lambda fraction: None)
     transposed = kern is None and device.type == "cpu" and dtype == torch.float32  # torch's fast one-row layout
     with torch.device("meta"):
@@ -125,8 +135,11 @@ def build_model(
     model.norm.weight = reader.read_one("model.norm.weight", dtype, device)
     steps = cfg.num_layers + 1
     progress(1 / steps)
+    # a file's int4 codes go straight into the tiles use_int4_tiles would lay them in (float32 activations, or
+    # int8 ones where the kernels have the tiles' integer products)
+    tiles = kern.int4_tile_rows if kern is not None and (activations == "float32" or kern.int4_integer_tiles) else 0
     for i, block in enumerate(model.layers):
-        _load_block(reader, cfg, i, block, dtype, device, weights, group_size)
+        _load_block(reader, cfg, i, block, dtype, device, weights, group_size, tiles)
         if weights == "none" and device.type == "cpu":
             fast_cpu_linears([block], dtype)
         progress((i + 2) / steps)
@@ -136,7 +149,7 @@ def build_model(
     if device.type == "cpu" and dtype == torch.bfloat16 and not bf16_hardware():
         model.widen_bf16_attention()
     if kern is not None:
-        use_kernels(model, kern)
+        use_kernels(model, kern, identity)
     elif device.type == "cpu":  # a file's codes no torch kernel reads: dequantized once, when they fit
         model.dequantized_bytes = dequantize_for_torch(model)
     return model.eval().requires_grad_(False)

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from ..backends import kernels as kernel_library
-from ..quant import pack_int5
+from ..quant import pack_int5, tile, untile
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -157,8 +157,49 @@ def _fast_int4():
             rows = raw[:, : (raw.shape[1] // block) * block]
             got, want = k.gguf_int4(rows, block, qs, block - qs, h, nh), _int4_blocks_numpy(rows, block, qs, h, nh)
             agree &= np.array_equal(got[0], want[0]) and np.array_equal(got[1].view(np.uint32), want[1].view(np.uint32))
-        k.gguf_int4_agrees = agree
+        k.gguf_int4_agrees = bool(agree and _rows_agree(k))
+        kernel_library.keep_verdict(k)
     return k if k.gguf_int4_agrees else None
+
+
+def fast_rows():
+    """kvchat's kernels for writing Q4_0 / Q4_1 / Q8_0 rows straight into a product's buffers (kv_gguf_rows),
+    when they give this module's numbers bit for bit (checked with kv_gguf_int4, once per kernel library);
+    else None."""
+    return _fast_int4()
+
+
+def _rows_agree(k) -> bool:
+    """kv_gguf_rows against this module's decoders on random blocks of each kind, with finite and subnormal
+    scales, the rows reversed, written from row 16 of 48, int4 in rows and in tiles of 16."""
+    rng = np.random.default_rng(1)
+    for kind, block, decode in (("Q4_0", 18, _q4_0), ("Q4_1", 20, _q4_1), ("Q8_0", 34, _q8_0)):
+        raw = rng.integers(0, 256, size=(32, 3 * block), dtype=np.uint8)
+        halves = rng.standard_normal((32, 3, 2)).astype(np.float16)
+        halves[0, 0, :] = np.float16(-3e-5)  # a subnormal
+        b = raw.reshape(32, 3, block)
+        b[..., : 4 if kind == "Q4_1" else 2] = halves.view(np.uint8)[..., : 4 if kind == "Q4_1" else 2]
+        order = np.arange(31, -1, -1)
+        codes, scales, mins = decode(raw[order])
+        if kind != "Q8_0":
+            codes = (codes.astype(np.int16) & 0x0F).astype(np.uint8)
+            codes = codes[:, 0::2] | (codes[:, 1::2] << 4)  # pack_int4's layout
+        for rows in (1, 16) if kind != "Q8_0" else (1,):
+            c = torch.zeros((48, codes.shape[1]), dtype=torch.uint8 if kind != "Q8_0" else torch.int8)
+            got = [c, torch.zeros((48, 3)), torch.zeros((48, 3))]
+            if rows > 1:
+                got = [tile(t, rows, unit) for t, unit in zip(got, (4, 1, 1))]
+            k.gguf_rows(raw, kind, order, 16, rows, *got)
+            if rows > 1:
+                got = [untile(t, rows, unit) for t, unit in zip(got, (4, 1, 1))]
+            want_m = np.zeros_like(scales) if mins is None else mins
+            if not (
+                np.array_equal(got[0][16:].numpy(), codes)
+                and np.array_equal(got[1][16:].numpy().view(np.uint32), scales.view(np.uint32))
+                and np.array_equal(got[2][16:].numpy().view(np.uint32), want_m.view(np.uint32))
+            ):
+                return False
+    return True
 
 
 def _int4_blocks_numpy(raw, block: int, qs: int, h: int, nh: int):

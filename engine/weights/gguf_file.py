@@ -25,7 +25,7 @@ import torch
 from ..errors import ModelLoadError
 from ..quant import PreQuantized
 from . import gguf_vocab
-from .gguf_blocks import INT4_PACKED, INT5, NATIVE
+from .gguf_blocks import INT4_PACKED, INT5, NATIVE, fast_rows
 from .gguf_header import StringArray, Tensor, read_header
 from .gguf_vocab import NUMBER
 
@@ -357,14 +357,18 @@ class GGUFModel:
             rows = rows.copy()
         return torch.from_numpy(rows).to(device=device, dtype=dtype)
 
-    def read_codes(self, hfs: list[str], cfg, dtype, device) -> PreQuantized | None:
+    def read_codes(self, hfs: list[str], cfg, dtype, device, tiles: int = 0) -> PreQuantized | None:
         """Tensors stacked along rows as their own codes, when every one is of a type the kernels compute
         (NATIVE). Tensors of different types (a Q4_K_M file's q and k in Q4_K, v in Q6_K) share the widest
         form: int8 codes if any is int8, the smallest group (a scale repeated for a larger one), offsets
-        if any has them (0 for the others): each value is the file's, only the storage widens."""
+        if any has them (0 for the others): each value is the file's, only the storage widens. `tiles`: int4
+        codes may come in the kernels' tiles of that many rows (PreQuantized.tiles says whether they do)."""
         types = [self.file_type(self.gguf_name(h)) for h in hfs]
         if not all(t in NATIVE for t in types):
             return None
+        fast = fast_rows() if device.type == "cpu" else None
+        if fast is not None and (set(types) <= {"Q4_0", "Q4_1"} or set(types) == {"Q8_0"}):
+            return self._rows_in_c(fast, hfs, types, cfg, dtype, tiles)
         if all(t in INT5 for t in types):  # their own five bits
             mode, group = "int5", 32
             decode = INT5
@@ -397,6 +401,30 @@ class GGUFModel:
         scales = stacked([s for _, s, _ in parts], np.float32)
         mins = stacked([np.zeros_like(s) if m is None else m for _, s, m in parts], np.float32) if offsets else None
         return PreQuantized(codes, scales, mode, group, dtype, mins, packed=mode == "int4")
+
+    def _rows_in_c(self, k, hfs: list[str], types: list[str], cfg, dtype, tiles: int) -> PreQuantized:
+        """read_codes for Q4_0 / Q4_1 (int4) or Q8_0 (int8) tensors: each written by the kernels straight from
+        the mapped file into the product's final buffers (kv_gguf_rows), rows reordered and int4 tiled on the
+        way, with no array in between (engine/BENCHMARKS.md, "Opening a model file")."""
+        mode = "int8" if types[0] == "Q8_0" else "int4"
+        parts = [self.tensors[self.gguf_name(h)] for h in hfs]
+        n = sum(t.data.shape[0] for t in parts)
+        groups = parts[0].n_elements // parts[0].data.shape[0] // 32  # blocks (groups of 32) a row
+        tile = tiles if mode == "int4" and tiles and n % tiles == 0 else 1
+        offsets = "Q4_1" in types
+        per = 16 if mode == "int4" else 32  # code bytes a group
+        codes = torch.empty((n // tile, tile * groups * per), dtype=torch.uint8 if mode == "int4" else torch.int8)
+        scales = torch.empty((n // tile, tile * groups), dtype=torch.float32)
+        mins = torch.empty_like(scales) if offsets else None
+        r0 = 0
+        for hf, ftype, t in zip(hfs, types, parts):
+            rows = t.data.shape[0]
+            k.gguf_rows(t.data, ftype, self.permutation(hf, cfg), r0, tile, codes, scales, mins)
+            self._release(t)
+            held = rows * groups * (per + 4 * (2 if offsets else 1))
+            self.held[t.name] = (ftype, f"{mode}/g32" + ("+min" if offsets else ""), int(t.n_bytes), held)
+            r0 += rows
+        return PreQuantized(codes, scales, mode, 32, dtype, mins, packed=mode == "int4", tiles=tile if tile > 1 else 0)
 
     def _release(self, t) -> None:
         """Drop a tensor's pages of the mapped file once it is read: they would count in the process's

@@ -42,8 +42,8 @@ class GGUFReader(Reader):
     def rows(self, names, dtype, device):
         return GGUFRows(self, names, dtype, device)
 
-    def native(self, names, dtype, device):
-        return self.model.read_codes(names, self.cfg, dtype, device)
+    def native(self, names, dtype, device, tiles: int = 0):
+        return self.model.read_codes(names, self.cfg, dtype, device, tiles)
 
 
 class GGUFRows(Rows):

@@ -41,13 +41,11 @@ def tokenizer(model, stop_extra=()):
     once per vocabulary: the built tokenizer is kept in the user cache under the digest of the file's whole
     metadata and of this builder (a second open reads it back in a few milliseconds; engine/BENCHMARKS.md,
     "Opening a model file")."""
-    from tokenizers import Tokenizer as HFTokenizer
-
     key = _cache_key(model)
     path = user_cache("tokenizers") / f"{key}.json"
     try:
         kept = json.loads(path.read_text(encoding="utf-8"))
-        tok = HFTokenizer.from_str(kept["tokenizer"])
+        tok = _from_kept(kept)
         stop = {int(i) for i in kept["stop"]} | {int(i) for i in stop_extra}
         _drop_vocabulary(model)
         return Tokenizer(tok, dict(kept["special"]), kept["template"], stop, str(kept["digest"]))
@@ -57,7 +55,7 @@ def tokenizer(model, stop_extra=()):
     try:  # written aside, then renamed: another process never reads half a file
         path.parent.mkdir(parents=True, exist_ok=True)
         kept = {
-            "tokenizer": tok.to_str(),
+            **_kept_form(tok),
             "special": special,
             "template": template,
             "stop": sorted(stop),
@@ -69,6 +67,49 @@ def tokenizer(model, stop_extra=()):
     except OSError:
         pass  # only the next open's speed is at stake
     return Tokenizer(tok, special, template, stop | {int(i) for i in stop_extra}, digest)
+
+
+BPE_OPTIONS = ("dropout", "unk_token", "continuing_subword_prefix", "end_of_word_suffix", "fuse_unk", "byte_fallback")
+
+
+def _kept_form(tok) -> dict:
+    """A built tokenizer as the user cache keeps it: its JSON without the BPE's vocabulary and merges, which go
+    beside it as a JSON object and two lists, the merges' left and right parts. Read back (_from_kept), the BPE
+    is built from those Python objects, in about half the time tokenizers takes to parse them inside its JSON
+    (engine/BENCHMARKS.md, "Opening a model file")."""
+    whole = json.loads(tok.to_str())
+    bpe = whole.get("model") or {}
+    merges = bpe.get("merges") or []
+    if bpe.get("type") != "BPE" or not all(isinstance(m, list) and len(m) == 2 for m in merges):
+        return {"tokenizer": tok.to_str()}
+    vocab = bpe["vocab"]
+    bpe["vocab"], bpe["merges"] = {}, []
+    in_order = list(vocab) if list(vocab.values()) == list(range(len(vocab))) else None
+    return {
+        "skeleton": json.dumps(whole),
+        "vocab": vocab if in_order is None else in_order,  # ids 0 .. n − 1 in order: the tokens alone
+        "left": [a for a, _ in merges],
+        "right": [b for _, b in merges],
+    }
+
+
+def _from_kept(kept: dict):
+    """_kept_form's inverse: the same tokenizer, its BPE built from the kept vocabulary and merges."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models
+
+    if "skeleton" not in kept:
+        return HFTokenizer.from_str(kept["tokenizer"])
+    tok = HFTokenizer.from_str(kept["skeleton"])
+    bpe = json.loads(kept["skeleton"])["model"]
+    options = {k: bpe[k] for k in BPE_OPTIONS if bpe.get(k) is not None}
+    vocab, merges = kept["vocab"], list(zip(kept["left"], kept["right"]))
+    if isinstance(vocab, list):
+        vocab = dict(zip(vocab, range(len(vocab))))
+    if not (isinstance(vocab, dict) and len(merges) == len(kept["left"]) == len(kept["right"])):
+        raise ValueError("a kept tokenizer's vocabulary or merges are not whole")
+    tok.model = models.BPE(vocab, merges, **options)
+    return tok
 
 
 def _cache_key(model) -> str:

@@ -189,6 +189,7 @@ def load_model(
         )
     weights, quantization = _weight_mode(weights, group_size)
     kern = kernel_library.for_dtype(dt) if dev.type == "cpu" else None  # decode kernels for this dtype
+    digest = header_digest(files.values())
     with ReturnFreedMemory():
         model = build_model(
             Reader(files, expected(cfg), stored),
@@ -200,8 +201,9 @@ def load_model(
             kern,
             _told(progress, model_dir.name),
             activations,
+            identity=f"{digest}:{weights}:{group_size}",
         )
-    fingerprint = _fingerprint(header_digest(files.values()), cfg, dt, dev, quantization, tokenizer, model)
+    fingerprint = _fingerprint(digest, cfg, dt, dev, quantization, tokenizer, model)
     return LoadedModel(model_dir, cfg, model, tokenizer, dev, dt, fingerprint, kern)
 
 
@@ -272,8 +274,9 @@ def _load_gguf(path: Path, device, dtype, weights, group_size, progress=None, ac
     kern = kernel_library.for_dtype(dt) if dev.type == "cpu" else None
     with ReturnFreedMemory():
         model = build_model(
-            GGUFReader(gm, cfg), cfg, dt, dev, weights, group_size, kern, _told(progress, path.name), activations
-        )
+            GGUFReader(gm, cfg), cfg, dt, dev, weights, group_size, kern, _told(progress, path.name), activations,
+            identity=f"{gm.digest()}:{weights}:{group_size}",
+        )  # fmt: skip
     file_quant = f"gguf {gm.quantization()}"
     quantization = file_quant if quantization == "none" else f"{file_quant}, rest {quantization}"
     fingerprint = _fingerprint(gm.digest(), cfg, dt, dev, quantization, tokenizer, model)

@@ -199,7 +199,7 @@ class Reader:
     def read_one(self, name: str, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
         return nn.Parameter(self.read([name], dtype, device)[name], requires_grad=False)
 
-    def native(self, names: list[str], dtype: torch.dtype, device: torch.device) -> PreQuantized | None:
+    def native(self, names: list[str], dtype: torch.dtype, device: torch.device, tiles: int = 0) -> PreQuantized | None:
         """The tensors' own codes, where the file holds codes kvchat computes with (safetensors: never)."""
         return None
 

@@ -582,6 +582,61 @@ def test_int4_blocks_go_to_packed_rows_in_c_bit_for_bit(block, qs, h, nh):
         k.gguf_int4(raw[:, :-1], block, qs, block - qs, h, nh)  # rows that are not whole blocks
 
 
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_q4_and_q8_rows_go_from_the_file_into_the_products_buffers_in_c_bit_for_bit(kind):
+    """kv_gguf_rows (what a load takes where the kernels build): a tensor's rows, reordered, into rows 32.. of a
+    product's buffers, int4 in rows and in tiles of 16, equal numpy's decoders' codes, scales and offsets."""
+    from engine.backends import kernels
+    from engine.quant import pack_int4, tile, untile
+    from engine.weights import gguf_blocks
+
+    k = kernels.load()
+    if k is None:
+        pytest.skip(f"no kernels: {kernels.status()}")
+    assert gguf_blocks.fast_rows() is k
+    raw = gguf.quants.quantize(
+        np.random.default_rng(4).standard_normal((96, 24 * 32)).astype(np.float32), gguf.GGMLQuantizationType[kind]
+    )
+    order = np.random.default_rng(5).permutation(96)
+    codes, scales, mins = gguf_blocks.NATIVE[kind][2](raw[order])
+    if kind != "Q8_0":
+        codes = pack_int4(torch.from_numpy(codes)).numpy()
+    for rows in (1, 16) if kind != "Q8_0" else (1,):
+        got = [
+            torch.zeros((160, codes.shape[1]), dtype=torch.int8 if kind == "Q8_0" else torch.uint8),
+            torch.zeros((160, 24)),
+            torch.zeros((160, 24)),
+        ]
+        if rows > 1:
+            got = [tile(t, rows, unit) for t, unit in zip(got, (4, 1, 1))]
+        k.gguf_rows(raw, kind, order, 32, rows, *got)
+        if rows > 1:
+            got = [untile(t, rows, unit) for t, unit in zip(got, (4, 1, 1))]
+        assert np.array_equal(got[0][32:128].numpy(), codes) and not got[0][128:].any()
+        assert np.array_equal(got[1][32:128].numpy().view(np.uint32), scales.view(np.uint32))
+        want_mins = np.zeros_like(scales) if mins is None else mins
+        assert np.array_equal(got[2][32:128].numpy().view(np.uint32), want_mins.view(np.uint32))
+    with pytest.raises(ValueError):
+        k.gguf_rows(raw, kind, order, 100, 1, *[torch.zeros((160, 24 * 32)), torch.zeros((160, 24)), None])
+
+
+@pytest.mark.parametrize("matrices", ["Q4_0", "Q4_1", "Q8_0"])
+def test_a_file_read_in_c_holds_the_codes_the_numpy_path_holds(folders, tmp_path, monkeypatch, matrices):
+    """The whole file through kv_gguf_rows (q and k rows reordered, q/k/v and gate/up stacked, int4 in tiles) and
+    through numpy's decoders: every layer dequantizes to the same weights, bit for bit."""
+    from engine.weights import gguf_file
+
+    path = write_gguf(folders["llama"], tmp_path / "m.gguf", matrices=matrices, tokenizer=True)
+    fast = load_model(path)
+    monkeypatch.setattr(gguf_file, "fast_rows", lambda: None)
+    slow = load_model(path)
+    layers = [(n, m) for n, m in fast.model.named_modules() if isinstance(m, QuantLinear)]
+    assert layers and any(m.tiles for _, m in layers) == (matrices != "Q8_0" and fast.kernels is not None)
+    others = dict(slow.model.named_modules())
+    for name, m in layers:
+        assert torch.equal(m.dequantized_weight(torch.float32), others[name].dequantized_weight(torch.float32)), name
+
+
 def test_kvchats_table_of_ggml_types_is_the_gguf_packages():
     """Opening a file reads block sizes from kvchat's own table (no gguf import): the same numbers, names
     and sizes as the gguf package's, for every type it knows."""

@@ -690,12 +690,13 @@ def test_the_neon_kernels_agree_with_plain_c_under_qemu(tmp_path):
 
 
 @needs_kernels
-def test_a_wrong_decode_step_is_caught_at_load_and_the_module_path_serves(llama_dir, monkeypatch):
+def test_a_wrong_decode_step_is_caught_at_load_and_the_module_path_serves(llama_dir, monkeypatch, tmp_path):
     """The load-time check runs the whole one-call step on the model itself (its codes, its fused layers)
     against the module path: a step that writes other numbers is refused with the reason in the Decode
     kernels row, and the tokens come from the module path."""
     from engine.backends import decode_step
 
+    monkeypatch.setenv("KVCHAT_CACHE_DIR", str(tmp_path))  # a wrong build is another build: no pass kept for it
     real = decode_step.DecodeLayers.run
 
     def wrong(self, x, cache, pos, cos, sin):
@@ -713,6 +714,57 @@ def test_a_wrong_decode_step_is_caught_at_load_and_the_module_path_serves(llama_
     good.model(ids[:, :2], cache)
     stepped = good.model(ids[:, 2:], cache)[0, -1]
     assert torch.allclose(stepped, bad.model(ids)[0, -1], rtol=1e-4, atol=1e-4)  # the refused one's tokens are right
+
+
+@needs_kernels
+def test_a_passed_step_check_is_kept_for_the_same_weights_and_build_and_a_refusal_never(
+    llama_dir, monkeypatch, tmp_path
+):
+    """The step's check runs once per weights, kernel build, torch and dtype: a later open of the same files takes
+    the kept pass (the check does not run), other files or another dtype are checked, and a refusal is never
+    kept (the next open checks again)."""
+
+    from engine.backends import decode_step
+
+    monkeypatch.setenv("KVCHAT_CACHE_DIR", str(tmp_path / "cache"))
+    ran = []
+    real = decode_step.step_disagreement
+    monkeypatch.setattr(decode_step, "step_disagreement", lambda m: ran.append(1) or real(m))
+    for _ in range(2):
+        assert load_model(llama_dir, device="cpu", dtype="float32").model.decode_step is not None
+    assert len(ran) == 1  # the second open took the kept pass
+    copy = shutil.copytree(llama_dir, tmp_path / "copy")
+    (copy / "model.safetensors").write_bytes((llama_dir / "model.safetensors").read_bytes())  # another time
+    load_model(copy, device="cpu", dtype="float32")
+    load_model(llama_dir, device="cpu", dtype="bfloat16")
+    assert len(ran) == 3
+    monkeypatch.setattr(decode_step, "step_disagreement", lambda m: ran.append(1) or "a refusal")
+    for _ in range(2):
+        assert load_model(llama_dir, device="cpu", dtype="float16").model.decode_step is None
+    assert len(ran) == 5
+
+
+@needs_kernels
+def test_the_kernels_checks_are_kept_beside_the_library_and_checked_again_when_unreadable(tmp_path, monkeypatch):
+    """A library's checks against torch run once: the verdict is kept beside it, a later process takes it (no
+    check runs) and finds the same; a verdict from another torch, or one that is not JSON, is checked again."""
+    import json
+
+    library = tmp_path / K.path.name
+    shutil.copy(K.path, library)
+    first = kernels._checked(library)
+    kept = library.with_name(library.name + ".checked.json")
+    assert json.loads(kept.read_text())["torch"] == torch.__version__
+    checked = []
+    real = kernels.Kernels._agrees
+    monkeypatch.setattr(kernels.Kernels, "_agrees", lambda self, d: checked.append(d) or real(self, d))
+    again = kernels._checked(library)
+    assert not checked and again.checks() == first.checks() and again.dtypes == first.dtypes
+    assert again.int4_tile_rows == first.int4_tile_rows and again.modes == first.modes
+    for bad in ('{"torch": "0.0", "dtypes": []}', "not json"):
+        kept.write_text(bad)
+        checked.clear()
+        assert kernels._checked(library).dtypes == first.dtypes and checked
 
 
 @needs_kernels

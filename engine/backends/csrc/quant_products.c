@@ -368,3 +368,44 @@ void kv_gguf_int4(const uint8_t *raw, int64_t n, int64_t bytes, int64_t qs, int6
         for (int64_t j = 0; j < nh; j++) halves[b * nh + j] = half_bits_to_f32(blk + 2 * j);
     }
 }
+
+/* ---- A GGUF tensor's Q4_0 / Q4_1 / Q8_0 rows straight into a product's final buffers, at load: n rows of nb
+ * blocks (kind KV_GGUF_Q4_0, _Q4_1 or _Q8_0) become rows r0 .. r0 + n of its codes (int4 two a byte as
+ * kv_gguf_int4 writes them, or Q8_0's int8 as they are), scales (d) and, where `mins` is given, offsets (Q4_1's
+ * m + 8 · d, rounded once from double: code q − 8 keeps x = d · q + m; 0 for the other kinds). Output row r0 + r
+ * reads source row order[r] (NULL: row r), undoing a converter's row permutation in the same pass. `tile`: int4
+ * rows in the kernels' tiles of that many rows (engine.quant.tile: 4 bytes of each row in turn, a scale of each
+ * row in turn); 1: plain rows. One pass, no buffer in between (engine/BENCHMARKS.md, "Opening a model file"). */
+void kv_gguf_rows(const uint8_t *raw, int64_t kind, int64_t n, int64_t nb, const int64_t *order, int64_t r0,
+                  int64_t tile, uint8_t *codes, float *scales, float *mins, int nt) {
+    const int64_t bytes = kind == KV_GGUF_Q8_0 ? 34 : kind == KV_GGUF_Q4_1 ? 20 : 18, qs = bytes - 16;
+    const int64_t row_codes = nb * (kind == KV_GGUF_Q8_0 ? 32 : 16); /* output bytes a row */
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t r = 0; r < n; r++) {
+        const uint8_t *src = raw + (order ? order[r] : r) * nb * bytes;
+        const int64_t R = r0 + r, t = R / tile, l = R % tile;
+        uint8_t *crow = codes + t * tile * row_codes + l * 4; /* unit u (4 bytes) of the row at crow + u · 4 · tile */
+        float *srow = scales + t * tile * nb + l, *mrow = mins ? mins + t * tile * nb + l : NULL;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = src + b * bytes;
+            const float d = half_bits_to_f32(blk);
+            srow[b * tile] = d;
+            if (mrow)
+                mrow[b * tile] =
+                    kind == KV_GGUF_Q4_1 ? (float)((double)half_bits_to_f32(blk + 2) + 8.0 * (double)d) : 0.0f;
+            if (kind == KV_GGUF_Q8_0) {
+                memcpy(codes + R * row_codes + b * 32, blk + 2, 32); /* never tiled */
+                continue;
+            }
+            const uint8_t *q = blk + qs;
+            for (int64_t k = 0; k < 8; k += 4) {
+                uint64_t w;
+                memcpy(&w, q + 2 * k, 8);
+                uint32_t lo = pair_nibbles(w & 0x0f0f0f0f0f0f0f0full) ^ 0x88888888u,
+                         hi = pair_nibbles((w >> 4) & 0x0f0f0f0f0f0f0f0full) ^ 0x88888888u;
+                memcpy(crow + (b * 4 + k / 4) * 4 * tile, &lo, 4);
+                memcpy(crow + (b * 4 + 2 + k / 4) * 4 * tile, &hi, 4);
+            }
+        }
+    }
+}
