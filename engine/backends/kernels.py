@@ -76,6 +76,9 @@ def target_flags(flags: tuple[str, ...], machine: str | None = None) -> tuple[st
 QUANT_FUNCS = {"int8": "kv_matvec_q8", "int4": "kv_matvec_q4", "int5": "kv_matvec_q5"}
 INTEGER_FUNCS = {mode: name + "x" for mode, name in QUANT_FUNCS.items()}  # int8 activations
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+# kv_gguf_rows' kinds (csrc/kernels.h): GGUF type -> (kind, block bytes, values a block, values per scale)
+GGUF_ROWS = {"Q4_0": (0, 18, 32, 32), "Q4_1": (1, 20, 32, 32), "Q8_0": (2, 34, 32, 32), "Q4_K": (3, 144, 256, 32)}
+GGUF_ROWS["Q6_K"] = (4, 210, 256, 16)
 
 
 def cache_dir() -> Path:
@@ -232,7 +235,7 @@ class Kernels:
         self._tiled_dequant = self._declare("kv_dequant_q4t", [p, p, p, p, i64, i64, i64, i32])
         self._silu = self._declare("kv_silu_f32", [p, p, i64])
         self._gguf_int4 = self._declare("kv_gguf_int4", [p, i64, i64, i64, i64, i64, i64, p, p, i32])
-        self._gguf_rows = self._declare("kv_gguf_rows", [p, i64, i64, i64, p, i64, i64, p, p, p, i32])
+        self._gguf_rows = self._declare("kv_gguf_rows", [p, i64, i64, i64, p, i64, i64, i64, i64, p, p, p, i32])
         self._read_stream = self._declare("kv_read_stream", [p, i64, i32])
         self._read_stream.restype = ctypes.c_float
         self.lib.kv_int4_tile_rows.restype = self.lib.kv_int4_integer_tiles.restype = ctypes.c_int
@@ -305,30 +308,35 @@ class Kernels:
         )  # fmt: skip
         return codes, halves
 
-    def gguf_rows(self, raw, kind: str, order, r0: int, tile: int, codes, scales, mins) -> None:
-        """A GGUF tensor's Q4_0 / Q4_1 / Q8_0 rows, raw [n, nb · block bytes] uint8 (numpy, a view of the mapped
-        file), into rows r0 .. r0 + n of a product's codes, scales and offsets (torch, CPU, contiguous; int4 in
-        tiles of `tile` rows, 1: rows), output row r0 + r from source row order[r] (csrc/quant_products.c,
-        kv_gguf_rows)."""
+    def gguf_rows(self, raw, kind: str, order, r0: int, tile: int, group: int, codes, scales, mins) -> None:
+        """A GGUF tensor's rows of `kind` (GGUF_ROWS), raw [n, nb · block bytes] uint8 (numpy, a view of the mapped
+        file), into rows r0 .. r0 + n of a product's codes (int4 two a byte, uint8, in tiles of `tile` rows, 1:
+        rows; or int8), scales and offsets (or None) with one per `group` values (torch, CPU, contiguous), output
+        row r0 + r from source row order[r] (csrc/quant_products.c, kv_gguf_rows)."""
         import numpy as np
 
-        kinds = {"Q4_0": (0, 18, 16), "Q4_1": (1, 20, 16), "Q8_0": (2, 34, 32)}  # kind, block bytes, code bytes
-        code, block, per = kinds[kind]
+        code, block, values, source_group = GGUF_ROWS[kind]
         n, nb = raw.shape[0], raw.shape[1] // block
+        int8 = codes.dtype == torch.int8
+        per = values if int8 else values // 2  # code bytes a block
         tile = max(1, tile)
         rows = codes.numel() // (nb * per)  # the product's rows
+        groups = nb * values // group
         if (
             raw.dtype != np.uint8
             or not raw.flags.c_contiguous
             or raw.shape[1] != nb * block
+            or codes.dtype not in (torch.uint8, torch.int8)
+            or (not int8 and code not in (0, 1, 3))
+            or group not in (16, 32)
+            or group > source_group
             or codes.numel() != rows * nb * per
-            or scales.numel() != rows * nb
+            or scales.numel() != rows * groups
             or r0 < 0
             or r0 + n > rows
             or rows % tile
-            or (tile > 1 and code == 2)
-            or (mins is not None and mins.numel() != rows * nb)
-            or codes.dtype not in (torch.uint8, torch.int8)
+            or (tile > 1 and int8)
+            or (mins is not None and mins.numel() != rows * groups)
             or scales.dtype != torch.float32
             or (mins is not None and mins.dtype != torch.float32)
         ):
@@ -339,8 +347,8 @@ class Kernels:
                 raise ValueError("gguf_rows: the row order is not an order of the tensor's rows")
         c, s, m = self._memory(codes, scales, mins)
         self._gguf_rows(
-            raw.ctypes.data, code, n, nb, None if order is None else order.ctypes.data, r0, tile, c, s, m,
-            torch.get_num_threads(),
+            raw.ctypes.data, code, n, nb, None if order is None else order.ctypes.data, r0, tile, int(int8), group,
+            c, s, m, torch.get_num_threads(),
         )  # fmt: skip
 
     def read_stream(self, x: torch.Tensor) -> float:

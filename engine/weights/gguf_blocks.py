@@ -8,7 +8,8 @@ import numpy as np
 import torch
 
 from ..backends import kernels as kernel_library
-from ..quant import pack_int5, tile, untile
+from ..backends.kernels import GGUF_ROWS
+from ..quant import pack_int4, pack_int5, tile, untile
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -170,36 +171,52 @@ def fast_rows():
 
 
 def _rows_agree(k) -> bool:
-    """kv_gguf_rows against this module's decoders on random blocks of each kind, with finite and subnormal
-    scales, the rows reversed, written from row 16 of 48, int4 in rows and in tiles of 16."""
+    """kv_gguf_rows against this module's decoders on random blocks of each kind (finite and subnormal scales),
+    the rows reversed, written from row 16 of 48: int4 in rows and in tiles of 16 where the kind is 4-bit, and
+    int8 codes at the kind's own group and, where it is 32, at 16."""
     rng = np.random.default_rng(1)
-    for kind, block, decode in (("Q4_0", 18, _q4_0), ("Q4_1", 20, _q4_1), ("Q8_0", 34, _q8_0)):
-        raw = rng.integers(0, 256, size=(32, 3 * block), dtype=np.uint8)
-        halves = rng.standard_normal((32, 3, 2)).astype(np.float16)
-        halves[0, 0, :] = np.float16(-3e-5)  # a subnormal
-        b = raw.reshape(32, 3, block)
-        b[..., : 4 if kind == "Q4_1" else 2] = halves.view(np.uint8)[..., : 4 if kind == "Q4_1" else 2]
+    for kind, (_, block, _, group) in GGUF_ROWS.items():
+        raw = _random_blocks(rng, kind, 32, 2 * block)
         order = np.arange(31, -1, -1)
-        codes, scales, mins = decode(raw[order])
-        if kind != "Q8_0":
-            codes = (codes.astype(np.int16) & 0x0F).astype(np.uint8)
-            codes = codes[:, 0::2] | (codes[:, 1::2] << 4)  # pack_int4's layout
-        for rows in (1, 16) if kind != "Q8_0" else (1,):
-            c = torch.zeros((48, codes.shape[1]), dtype=torch.uint8 if kind != "Q8_0" else torch.int8)
-            got = [c, torch.zeros((48, 3)), torch.zeros((48, 3))]
+        codes, scales, mins = NATIVE[kind][2](raw[order])
+        forms = [("int8", g) for g in (group, 16) if g <= group]
+        if kind in INT4_PACKED:
+            forms += [("int4", 1), ("int4", 16)]
+        for form, g_or_rows in forms:
+            g, rows = (32, g_or_rows) if form == "int4" else (g_or_rows, 1)
+            want_c = pack_int4(torch.from_numpy(codes)).numpy() if form == "int4" else codes
+            widen = group // g
+            want_s = scales.repeat(widen, -1)
+            want_m = (np.zeros_like(scales) if mins is None else mins).repeat(widen, -1)
+            got = [
+                torch.zeros((48, want_c.shape[1]), dtype=torch.uint8 if form == "int4" else torch.int8),
+                torch.zeros((48, want_s.shape[1])),
+                torch.zeros((48, want_s.shape[1])),
+            ]
             if rows > 1:
                 got = [tile(t, rows, unit) for t, unit in zip(got, (4, 1, 1))]
-            k.gguf_rows(raw, kind, order, 16, rows, *got)
+            k.gguf_rows(raw, kind, order, 16, rows, g, *got)
             if rows > 1:
                 got = [untile(t, rows, unit) for t, unit in zip(got, (4, 1, 1))]
-            want_m = np.zeros_like(scales) if mins is None else mins
             if not (
-                np.array_equal(got[0][16:].numpy(), codes)
-                and np.array_equal(got[1][16:].numpy().view(np.uint32), scales.view(np.uint32))
+                np.array_equal(got[0][16:].numpy(), want_c)
+                and np.array_equal(got[1][16:].numpy().view(np.uint32), want_s.view(np.uint32))
                 and np.array_equal(got[2][16:].numpy().view(np.uint32), want_m.view(np.uint32))
             ):
                 return False
     return True
+
+
+def _random_blocks(rng, kind: str, rows: int, width: int) -> np.ndarray:
+    """Random blocks of `kind` with finite float16 fields (a subnormal among them) and random codes."""
+    _, block, _, _ = GGUF_ROWS[kind]
+    raw = rng.integers(0, 256, size=(rows, width // block, block), dtype=np.uint8)
+    fields = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}[kind]
+    for at in fields:
+        halves = (rng.standard_normal(raw.shape[:2]) * 1e-2).astype(np.float16)
+        halves[0, 0] = np.float16(-3e-5)  # a subnormal
+        raw[..., at : at + 2] = halves[..., None].view(np.uint8)
+    return raw.reshape(rows, -1)
 
 
 def _int4_blocks_numpy(raw, block: int, qs: int, h: int, nh: int):
@@ -243,6 +260,7 @@ INT4_PACKED = {"Q4_0": _q4_0_packed, "Q4_1": _q4_1_packed, "Q4_K": _q4_k_packed}
 # Held as int5 codes (their own five bits) when a product is of these alone: type -> rows -> (codes in the
 # int5 layout, scales, offsets or None).
 INT5 = {"Q5_0": lambda raw: _q5_blocks(raw, 22), "Q5_1": lambda raw: _q5_blocks(raw, 24), "Q5_K": _q5_k_int5}
+OFFSETS = ("Q4_1", "Q5_1", "Q4_K", "Q5_K")  # the types whose decoders give an offset per group
 # GGUF type -> (mode its codes are held in, values per scale, decoder): computed natively by the kernels.
 NATIVE = {
     "Q8_0": ("int8", 32, _q8_0),

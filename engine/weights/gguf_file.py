@@ -22,10 +22,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..backends.kernels import GGUF_ROWS
 from ..errors import ModelLoadError
 from ..quant import PreQuantized
 from . import gguf_vocab
-from .gguf_blocks import INT4_PACKED, INT5, NATIVE, fast_rows
+from .gguf_blocks import INT4_PACKED, INT5, NATIVE, OFFSETS, fast_rows
 from .gguf_header import StringArray, Tensor, read_header
 from .gguf_vocab import NUMBER
 
@@ -367,7 +368,7 @@ class GGUFModel:
         if not all(t in NATIVE for t in types):
             return None
         fast = fast_rows() if device.type == "cpu" else None
-        if fast is not None and (set(types) <= {"Q4_0", "Q4_1"} or set(types) == {"Q8_0"}):
+        if fast is not None and all(t in GGUF_ROWS for t in types):
             return self._rows_in_c(fast, hfs, types, cfg, dtype, tiles)
         if all(t in INT5 for t in types):  # their own five bits
             mode, group = "int5", 32
@@ -403,28 +404,33 @@ class GGUFModel:
         return PreQuantized(codes, scales, mode, group, dtype, mins, packed=mode == "int4")
 
     def _rows_in_c(self, k, hfs: list[str], types: list[str], cfg, dtype, tiles: int) -> PreQuantized:
-        """read_codes for Q4_0 / Q4_1 (int4) or Q8_0 (int8) tensors: each written by the kernels straight from
-        the mapped file into the product's final buffers (kv_gguf_rows), rows reordered and int4 tiled on the
-        way, with no array in between (engine/BENCHMARKS.md, "Opening a model file")."""
-        mode = "int8" if types[0] == "Q8_0" else "int4"
+        """read_codes for tensors of the kinds the kernels convert (GGUF_ROWS: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), in
+        read_codes' form: each written by the kernels straight from the mapped file into the product's final
+        buffers (kv_gguf_rows), rows reordered, groups widened and int4 tiled on the way, with no array in between
+        (engine/BENCHMARKS.md, "Opening a model file")."""
+        mode = "int8" if any(NATIVE[t][0] == "int8" for t in types) else "int4"
+        group = min(NATIVE[t][1] for t in types)
+        offsets = any(t in OFFSETS for t in types)
         parts = [self.tensors[self.gguf_name(h)] for h in hfs]
         n = sum(t.data.shape[0] for t in parts)
-        groups = parts[0].n_elements // parts[0].data.shape[0] // 32  # blocks (groups of 32) a row
+        width = parts[0].n_elements // parts[0].data.shape[0]  # values a row
         tile = tiles if mode == "int4" and tiles and n % tiles == 0 else 1
-        offsets = "Q4_1" in types
-        per = 16 if mode == "int4" else 32  # code bytes a group
-        codes = torch.empty((n // tile, tile * groups * per), dtype=torch.uint8 if mode == "int4" else torch.int8)
-        scales = torch.empty((n // tile, tile * groups), dtype=torch.float32)
+        per = width // 2 if mode == "int4" else width  # code bytes a row
+        codes = torch.empty((n // tile, tile * per), dtype=torch.uint8 if mode == "int4" else torch.int8)
+        scales = torch.empty((n // tile, tile * width // group), dtype=torch.float32)
         mins = torch.empty_like(scales) if offsets else None
+        form = f"{mode}/g{group}" + ("+min" if offsets else "")
         r0 = 0
         for hf, ftype, t in zip(hfs, types, parts):
             rows = t.data.shape[0]
-            k.gguf_rows(t.data, ftype, self.permutation(hf, cfg), r0, tile, codes, scales, mins)
+            k.gguf_rows(t.data, ftype, self.permutation(hf, cfg), r0, tile, group, codes, scales, mins)
             self._release(t)
-            held = rows * groups * (per + 4 * (2 if offsets else 1))
-            self.held[t.name] = (ftype, f"{mode}/g32" + ("+min" if offsets else ""), int(t.n_bytes), held)
+            held = rows * (per + width // group * 4 * (2 if offsets else 1))
+            self.held[t.name] = (ftype, form, int(t.n_bytes), held)
             r0 += rows
-        return PreQuantized(codes, scales, mode, 32, dtype, mins, packed=mode == "int4", tiles=tile if tile > 1 else 0)
+        return PreQuantized(
+            codes, scales, mode, group, dtype, mins, packed=mode == "int4", tiles=tile if tile > 1 else 0
+        )
 
     def _release(self, t) -> None:
         """Drop a tensor's pages of the mapped file once it is read: they would count in the process's

@@ -582,10 +582,11 @@ def test_int4_blocks_go_to_packed_rows_in_c_bit_for_bit(block, qs, h, nh):
         k.gguf_int4(raw[:, :-1], block, qs, block - qs, h, nh)  # rows that are not whole blocks
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
-def test_q4_and_q8_rows_go_from_the_file_into_the_products_buffers_in_c_bit_for_bit(kind):
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+def test_a_files_rows_go_into_the_products_buffers_in_c_bit_for_bit(kind):
     """kv_gguf_rows (what a load takes where the kernels build): a tensor's rows, reordered, into rows 32.. of a
-    product's buffers, int4 in rows and in tiles of 16, equal numpy's decoders' codes, scales and offsets."""
+    product's buffers (int4 in rows and in tiles of 16 for the 4-bit kinds; int8 at the kind's group and at 16)
+    equal numpy's decoders' codes, scales and offsets."""
     from engine.backends import kernels
     from engine.quant import pack_int4, tile, untile
     from engine.weights import gguf_blocks
@@ -594,47 +595,70 @@ def test_q4_and_q8_rows_go_from_the_file_into_the_products_buffers_in_c_bit_for_
     if k is None:
         pytest.skip(f"no kernels: {kernels.status()}")
     assert gguf_blocks.fast_rows() is k
-    raw = gguf.quants.quantize(
-        np.random.default_rng(4).standard_normal((96, 24 * 32)).astype(np.float32), gguf.GGMLQuantizationType[kind]
-    )
+    if kind.endswith("_K"):
+        raw = _k_blocks(kind, 96, 3 * 256, 6)
+    else:
+        rnd = np.random.default_rng(4).standard_normal((96, 24 * 32)).astype(np.float32)
+        raw = gguf.quants.quantize(rnd, gguf.GGMLQuantizationType[kind])
     order = np.random.default_rng(5).permutation(96)
     codes, scales, mins = gguf_blocks.NATIVE[kind][2](raw[order])
-    if kind != "Q8_0":
-        codes = pack_int4(torch.from_numpy(codes)).numpy()
-    for rows in (1, 16) if kind != "Q8_0" else (1,):
+    group = gguf_blocks.NATIVE[kind][1]
+    forms = [("int8", g, 1) for g in (group, 16) if g <= group]
+    if kind in gguf_blocks.INT4_PACKED:
+        forms += [("int4", 32, 1), ("int4", 32, 16)]
+    for form, g, rows in forms:
+        want = pack_int4(torch.from_numpy(codes)).numpy() if form == "int4" else codes
+        want_s = scales.repeat(group // g, -1)
+        want_m = (np.zeros_like(scales) if mins is None else mins).repeat(group // g, -1)
         got = [
-            torch.zeros((160, codes.shape[1]), dtype=torch.int8 if kind == "Q8_0" else torch.uint8),
-            torch.zeros((160, 24)),
-            torch.zeros((160, 24)),
+            torch.zeros((160, want.shape[1]), dtype=torch.int8 if form == "int8" else torch.uint8),
+            torch.zeros((160, want_s.shape[1])),
+            torch.zeros((160, want_s.shape[1])),
         ]
         if rows > 1:
             got = [tile(t, rows, unit) for t, unit in zip(got, (4, 1, 1))]
-        k.gguf_rows(raw, kind, order, 32, rows, *got)
+        k.gguf_rows(raw, kind, order, 32, rows, g, *got)
         if rows > 1:
             got = [untile(t, rows, unit) for t, unit in zip(got, (4, 1, 1))]
-        assert np.array_equal(got[0][32:128].numpy(), codes) and not got[0][128:].any()
-        assert np.array_equal(got[1][32:128].numpy().view(np.uint32), scales.view(np.uint32))
-        want_mins = np.zeros_like(scales) if mins is None else mins
-        assert np.array_equal(got[2][32:128].numpy().view(np.uint32), want_mins.view(np.uint32))
-    with pytest.raises(ValueError):
-        k.gguf_rows(raw, kind, order, 100, 1, *[torch.zeros((160, 24 * 32)), torch.zeros((160, 24)), None])
+        assert np.array_equal(got[0][32:128].numpy(), want) and not got[0][128:].any(), (form, g, rows)
+        assert np.array_equal(got[1][32:128].numpy().view(np.uint32), want_s.view(np.uint32)), (form, g, rows)
+        assert np.array_equal(got[2][32:128].numpy().view(np.uint32), want_m.view(np.uint32)), (form, g, rows)
+    with pytest.raises(ValueError):  # rows past the product's end
+        k.gguf_rows(raw, kind, order, 100, 1, group, *got)
 
 
-@pytest.mark.parametrize("matrices", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("matrices", ["Q4_0", "Q4_1", "Q8_0", "Q4_K_M"])
 def test_a_file_read_in_c_holds_the_codes_the_numpy_path_holds(folders, tmp_path, monkeypatch, matrices):
-    """The whole file through kv_gguf_rows (q and k rows reordered, q/k/v and gate/up stacked, int4 in tiles) and
-    through numpy's decoders: every layer dequantizes to the same weights, bit for bit."""
+    """The whole file through kv_gguf_rows (q and k rows reordered, q/k/v and gate/up stacked, mixed types widened,
+    int4 in tiles) and through numpy's decoders: every layer holds the same form and dequantizes to the same
+    weights, bit for bit."""
     from engine.weights import gguf_file
 
-    path = write_gguf(folders["llama"], tmp_path / "m.gguf", matrices=matrices, tokenizer=True)
+    if matrices == "Q4_K_M":  # Q4_K matrices, Q6_K for v, down and the embedding
+        folder = make_checkpoint(tmp_path / "wide", "llama", hidden_size=256, intermediate_size=512)
+        layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+        shapes = {"attn_q": (256, 256), "attn_k": (128, 256), "attn_v": (128, 256), "attn_output": (256, 256)}
+        shapes |= {"ffn_gate": (512, 256), "ffn_up": (512, 256), "ffn_down": (256, 512)}
+        types = {
+            f"blk.{i}.{name}.weight": (kind, _k_blocks(kind, r, c, 10 * i + j))
+            for i in range(layers)
+            for j, (name, (r, c)) in enumerate(shapes.items())
+            for kind in ["Q6_K" if name in ("ffn_down", "attn_v") else "Q4_K"]
+        }
+        path = write_gguf(folder, tmp_path / "km.gguf", tokenizer=True, types=types)
+    else:
+        path = write_gguf(folders["llama"], tmp_path / "m.gguf", matrices=matrices, tokenizer=True)
     fast = load_model(path)
     monkeypatch.setattr(gguf_file, "fast_rows", lambda: None)
     slow = load_model(path)
+    assert fast.facts()["file_tensors"] == slow.facts()["file_tensors"]
     layers = [(n, m) for n, m in fast.model.named_modules() if isinstance(m, QuantLinear)]
     assert layers and any(m.tiles for _, m in layers) == (matrices != "Q8_0" and fast.kernels is not None)
     others = dict(slow.model.named_modules())
     for name, m in layers:
-        assert torch.equal(m.dequantized_weight(torch.float32), others[name].dequantized_weight(torch.float32)), name
+        other = others[name]
+        assert (m.mode, m.group_size, m.mins is None) == (other.mode, other.group_size, other.mins is None), name
+        assert torch.equal(m.dequantized_weight(torch.float32), other.dequantized_weight(torch.float32)), name
 
 
 def test_kvchats_table_of_ggml_types_is_the_gguf_packages():

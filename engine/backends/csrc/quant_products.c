@@ -369,43 +369,130 @@ void kv_gguf_int4(const uint8_t *raw, int64_t n, int64_t bytes, int64_t qs, int6
     }
 }
 
-/* ---- A GGUF tensor's Q4_0 / Q4_1 / Q8_0 rows straight into a product's final buffers, at load: n rows of nb
- * blocks (kind KV_GGUF_Q4_0, _Q4_1 or _Q8_0) become rows r0 .. r0 + n of its codes (int4 two a byte as
- * kv_gguf_int4 writes them, or Q8_0's int8 as they are), scales (d) and, where `mins` is given, offsets (Q4_1's
- * m + 8 · d, rounded once from double: code q − 8 keeps x = d · q + m; 0 for the other kinds). Output row r0 + r
- * reads source row order[r] (NULL: row r), undoing a converter's row permutation in the same pass. `tile`: int4
- * rows in the kernels' tiles of that many rows (engine.quant.tile: 4 bytes of each row in turn, a scale of each
- * row in turn); 1: plain rows. One pass, no buffer in between (engine/BENCHMARKS.md, "Opening a model file"). */
+/* ---- A GGUF tensor's rows straight into a product's final buffers, at load. Source kinds (KV_GGUF_*): Q4_0, Q4_1,
+ * Q8_0 (blocks of 32), Q4_K, Q6_K (super-blocks of 256). n rows of nb blocks become rows r0 .. r0 + n of the
+ * product's codes, scales and, where `mins` is given, offsets, in the product's form:
+ *   int4 (int8_out 0, Q4 kinds only): two codes a byte as kv_gguf_int4 writes them (code q − 8 as q XOR 8), one
+ *     scale and offset per 32; `tile`: rows in the kernels' tiles of that many (engine.quant.tile), 1: rows;
+ *   int8 (int8_out 1): a code a byte, centred as engine.weights.gguf_blocks centres them (Q4: q − 8, Q6_K:
+ *     q − 32), one scale (and offset) per `group` values, a source group's repeated where it is larger.
+ * Offsets keep x = s · code + m: Q4_1's m + 8 · d and Q4_K's −dmin · mn + 8 · d · sc, rounded once from double;
+ * 0 for kinds without. Output row r0 + r reads source row order[r] (NULL: row r), undoing a converter's row
+ * permutation in the same pass (engine/BENCHMARKS.md, "Opening a model file"). */
+static int64_t gguf_block_bytes(int64_t kind) {
+    static const int64_t bytes[] = {18, 20, 34, 144, 210};
+    return bytes[kind];
+}
+
+/* A block's scales and offsets per group of `gs` values (before recentring): d (Q4_0, Q8_0), d and m (Q4_1),
+ * d · sc and −dmin · mn (Q4_K, groups of 32), d · sc (Q6_K, groups of 16). Returns the groups a block. */
+static int gguf_block_groups(int64_t kind, const uint8_t *blk, float *sc, float *mn, int *gs) {
+    if (kind == KV_GGUF_Q4_K) {
+        const float d = half_bits_to_f32(blk), dmin = half_bits_to_f32(blk + 2);
+        const uint8_t *p = blk + 4;
+        for (int j = 0; j < 8; j++) { /* ggml's get_scale_min_k4 */
+            int s6, m6;
+            if (j < 4) {
+                s6 = p[j] & 63;
+                m6 = p[j + 4] & 63;
+            } else {
+                s6 = (p[j + 4] & 0x0F) | ((p[j - 4] >> 6) << 4);
+                m6 = (p[j + 4] >> 4) | ((p[j] >> 6) << 4);
+            }
+            sc[j] = d * (float)s6;
+            mn[j] = -(dmin * (float)m6);
+        }
+        *gs = 32;
+        return 8;
+    }
+    if (kind == KV_GGUF_Q6_K) {
+        const float d = half_bits_to_f32(blk + 208);
+        for (int j = 0; j < 16; j++) {
+            sc[j] = d * (float)(int8_t)blk[192 + j];
+            mn[j] = 0.0f;
+        }
+        *gs = 16;
+        return 16;
+    }
+    sc[0] = half_bits_to_f32(blk);
+    mn[0] = kind == KV_GGUF_Q4_1 ? half_bits_to_f32(blk + 2) : 0.0f;
+    *gs = 32;
+    return 1;
+}
+
+/* A block's values as the product's int8 codes (centred: Q4 kinds q − 8, Q6_K q − 32, Q8_0 as stored), in ggml's
+ * order (dequantize_row_*): loops the compiler vectorizes. */
+static void gguf_int8_codes(int64_t kind, const uint8_t *blk, int8_t *out) {
+    if (kind == KV_GGUF_Q8_0) {
+        memcpy(out, blk + 2, 32);
+    } else if (kind == KV_GGUF_Q4_K) { /* 4 chunks of 32 bytes: values 64j + i low, 64j + 32 + i high */
+        const uint8_t *q = blk + 16;
+        for (int j = 0; j < 4; j++)
+            for (int i = 0; i < 32; i++) {
+                out[64 * j + i] = (int8_t)((q[32 * j + i] & 0x0F) - 8);
+                out[64 * j + 32 + i] = (int8_t)((q[32 * j + i] >> 4) - 8);
+            }
+    } else if (kind == KV_GGUF_Q6_K) { /* two halves of 128: 64 bytes of low nibbles, 32 of high pairs */
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = blk + 64 * h, *qh = blk + 128 + 32 * h;
+            int8_t *y = out + 128 * h;
+            for (int l = 0; l < 32; l++) {
+                y[l] = (int8_t)(((ql[l] & 0x0F) | ((qh[l] >> 0) & 3) << 4) - 32);
+                y[l + 32] = (int8_t)(((ql[l + 32] & 0x0F) | ((qh[l] >> 2) & 3) << 4) - 32);
+                y[l + 64] = (int8_t)(((ql[l] >> 4) | ((qh[l] >> 4) & 3) << 4) - 32);
+                y[l + 96] = (int8_t)(((ql[l + 32] >> 4) | ((qh[l] >> 6) & 3) << 4) - 32);
+            }
+        }
+    } else { /* Q4_0, Q4_1: 16 bytes, values i low, 16 + i high */
+        const uint8_t *q = blk + (kind == KV_GGUF_Q4_1 ? 4 : 2);
+        for (int i = 0; i < 16; i++) {
+            out[i] = (int8_t)((q[i] & 0x0F) - 8);
+            out[16 + i] = (int8_t)((q[i] >> 4) - 8);
+        }
+    }
+}
+
 void kv_gguf_rows(const uint8_t *raw, int64_t kind, int64_t n, int64_t nb, const int64_t *order, int64_t r0,
-                  int64_t tile, uint8_t *codes, float *scales, float *mins, int nt) {
-    const int64_t bytes = kind == KV_GGUF_Q8_0 ? 34 : kind == KV_GGUF_Q4_1 ? 20 : 18, qs = bytes - 16;
-    const int64_t row_codes = nb * (kind == KV_GGUF_Q8_0 ? 32 : 16); /* output bytes a row */
+                  int64_t tile, int64_t int8_out, int64_t group, uint8_t *codes, float *scales, float *mins, int nt) {
+    const int64_t bytes = gguf_block_bytes(kind), values = kind >= KV_GGUF_Q4_K ? 256 : 32, k_in = nb * values;
+    const int64_t row_codes = int8_out ? k_in : k_in / 2, groups = k_in / group; /* output bytes, groups a row */
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t r = 0; r < n; r++) {
         const uint8_t *src = raw + (order ? order[r] : r) * nb * bytes;
         const int64_t R = r0 + r, t = R / tile, l = R % tile;
-        uint8_t *crow = codes + t * tile * row_codes + l * 4; /* unit u (4 bytes) of the row at crow + u · 4 · tile */
-        float *srow = scales + t * tile * nb + l, *mrow = mins ? mins + t * tile * nb + l : NULL;
+        uint8_t *crow = codes + t * tile * row_codes + l * 4; /* int4: unit u (4 bytes) at crow + u · 4 · tile */
+        float *srow = scales + t * tile * groups + l, *mrow = mins ? mins + t * tile * groups + l : NULL;
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = src + b * bytes;
-            const float d = half_bits_to_f32(blk);
-            srow[b * tile] = d;
-            if (mrow)
-                mrow[b * tile] =
-                    kind == KV_GGUF_Q4_1 ? (float)((double)half_bits_to_f32(blk + 2) + 8.0 * (double)d) : 0.0f;
-            if (kind == KV_GGUF_Q8_0) {
-                memcpy(codes + R * row_codes + b * 32, blk + 2, 32); /* never tiled */
+            float sc[16], mn[16];
+            int gs;
+            gguf_block_groups(kind, blk, sc, mn, &gs);
+            for (int64_t v = 0; v < values; v += group) { /* the product's groups in this block */
+                const int j = (int)(v / gs);
+                const int64_t g = (b * values + v) / group;
+                srow[g * tile] = sc[j];
+                if (mrow) {
+                    const int centred = kind == KV_GGUF_Q4_1 || kind == KV_GGUF_Q4_K; /* x = s · q + m, code q − 8 */
+                    mrow[g * tile] = centred ? (float)((double)mn[j] + 8.0 * (double)sc[j]) : mn[j];
+                }
+            }
+            if (int8_out) {
+                gguf_int8_codes(kind, blk, (int8_t *)codes + R * row_codes + b * values);
                 continue;
             }
+            /* int4: ggml's nibbles in chunks of h bytes (values 0..h-1 low, h..2h-1 high) -> pairs, XOR 8 */
+            const int64_t h = kind == KV_GGUF_Q4_K ? 32 : 16, qs = kind == KV_GGUF_Q4_K ? 16 : bytes - 16;
             const uint8_t *q = blk + qs;
-            for (int64_t k = 0; k < 8; k += 4) {
-                uint64_t w;
-                memcpy(&w, q + 2 * k, 8);
-                uint32_t lo = pair_nibbles(w & 0x0f0f0f0f0f0f0f0full) ^ 0x88888888u,
-                         hi = pair_nibbles((w >> 4) & 0x0f0f0f0f0f0f0f0full) ^ 0x88888888u;
-                memcpy(crow + (b * 4 + k / 4) * 4 * tile, &lo, 4);
-                memcpy(crow + (b * 4 + 2 + k / 4) * 4 * tile, &hi, 4);
-            }
+            const int64_t unit0 = b * values / 8; /* 8 values a 4-byte unit */
+            for (int64_t c = 0; c < values / 2; c += h)
+                for (int64_t k = 0; k < h / 2; k += 4) {
+                    uint64_t w;
+                    memcpy(&w, q + c + 2 * k, 8);
+                    uint32_t lo = pair_nibbles(w & 0x0f0f0f0f0f0f0f0full) ^ 0x88888888u,
+                             hi = pair_nibbles((w >> 4) & 0x0f0f0f0f0f0f0f0full) ^ 0x88888888u;
+                    memcpy(crow + (unit0 + (c + k) / 4) * 4 * tile, &lo, 4);
+                    memcpy(crow + (unit0 + (c + h / 2 + k) / 4) * 4 * tile, &hi, 4);
+                }
         }
     }
 }
