@@ -74,9 +74,9 @@ BPE_OPTIONS = ("dropout", "unk_token", "continuing_subword_prefix", "end_of_word
 
 def _kept_form(tok) -> dict:
     """A built tokenizer as the user cache keeps it: its JSON without the BPE's vocabulary and merges, which go
-    beside it as a JSON object and two lists, the merges' left and right parts. Read back (_from_kept), the BPE
-    is built from those Python objects, in about half the time tokenizers takes to parse them inside its JSON
-    (engine/BENCHMARKS.md, "Opening a model file")."""
+    beside it as a JSON object (or the tokens in id order) and two lists, the merges' left and right parts. Read
+    back (_from_kept), the BPE is built from those Python objects, quicker than tokenizers parses them inside its
+    JSON (engine/BENCHMARKS.md, "Opening a model file")."""
     whole = json.loads(tok.to_str())
     bpe = whole.get("model") or {}
     merges = bpe.get("merges") or []

@@ -661,6 +661,22 @@ def test_a_file_read_in_c_holds_the_codes_the_numpy_path_holds(folders, tmp_path
         assert torch.equal(m.dequantized_weight(torch.float32), other.dequantized_weight(torch.float32)), name
 
 
+def test_the_synthetic_large_file_tool_writes_a_q4_k_m_file_that_opens_and_decodes(tmp_path):
+    """engine.tools.synthetic_gguf (the benchmark's large files) at a tiny size: a Llama-shaped Q4_K_M file that
+    opens with Q4_K and Q6_K held as their codes and decodes a few tokens through the one-call step."""
+    from engine.tools import synthetic_gguf
+
+    path = synthetic_gguf.write(
+        tmp_path / "s.gguf", hidden=256, layers=2, intermediate=512, vocab=300, heads=4, kv_heads=2
+    )
+    loaded = load_model(path)
+    held = loaded.facts()["file_tensors"]
+    assert held["Q4_K → int4/g32+min"]["tensors"] == 2 * 3 + 1  # o, gate, up a block, and the embedding
+    assert held["Q6_K → int8/g16"]["tensors"] == 2 + 1  # down a block, and the head
+    assert loaded.config.num_layers == 2 and loaded.tokenizer.vocab_size == 300
+    assert len(greedy(loaded, [5, 6, 7], n=4)) == 4
+
+
 def test_kvchats_table_of_ggml_types_is_the_gguf_packages():
     """Opening a file reads block sizes from kvchat's own table (no gguf import): the same numbers, names
     and sizes as the gguf package's, for every type it knows."""
