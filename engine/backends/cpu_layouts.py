@@ -195,19 +195,23 @@ def many_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear of a 16-bit weight [out, in] over many rows x [..., in], computed in float32 a chunk of the
     weight's rows at a time (each widened into a reused buffer of WIDEN_CHUNK_BYTES): the CPU's float32 GEMM
-    speed, and no float32 copy of the weight. The result is rounded to x's dtype once, as F.linear's is."""
+    speed, and no float32 copy of the weight. Each chunk's product [T, chunk] is rounded to x's dtype once, as
+    F.linear's is, straight into its columns of the result (no transposed copy of the whole result after)."""
     n_out, n_in = weight.shape
     xf = x.reshape(-1, n_in).float()  # [T, in]
-    out_t = torch.empty(n_out, xf.shape[0], dtype=torch.float32)  # [out, T]: each chunk's rows are contiguous
+    out = torch.empty(xf.shape[0], n_out, dtype=x.dtype)  # [T, out]
     rows = max(64, WIDEN_CHUNK_BYTES // (4 * n_in))
+    part = torch.empty(xf.shape[0], min(rows, n_out), dtype=torch.float32)  # [T, chunk]
     for a in range(0, n_out, rows):
         b = min(n_out, a + rows)
         w = weight_scratch((b - a, n_in)).copy_(weight[a:b])  # [chunk, in] float32
+        p = part[:, : b - a]
         if bias is None:
-            torch.mm(w, xf.t(), out=out_t[a:b])
+            torch.mm(xf, w.t(), out=p)
         else:
-            torch.addmm(bias[a:b].float().unsqueeze(1), w, xf.t(), out=out_t[a:b])
-    return out_t.t().to(x.dtype).reshape(*x.shape[:-1], n_out)
+            torch.addmm(bias[a:b].float(), xf, w.t(), out=p)
+        out[:, a:b].copy_(p)
+    return out.reshape(*x.shape[:-1], n_out)
 
 
 def layout_for(dtype: torch.dtype):

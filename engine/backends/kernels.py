@@ -196,7 +196,7 @@ class Kernels:
         without it every function is checked against torch now."""
         self.path = path
         self.variant = "native"  # or the variant the build was forced to (X86_VARIANTS)
-        self.gguf_int4_agrees: bool | None = None  # kv_gguf_int4 against numpy: engine.weights.gguf_blocks checks it
+        self.gguf_rows_agree: bool | None = None  # kv_gguf_rows against numpy: engine.weights.gguf_blocks checks it
         self.one_thread: str | None = None  # why the build runs on one thread (no OpenMP), or None
         self.compiler = "cc"  # what built it, as a person reads it (compiler_name)
         self.lib = ctypes.CDLL(str(path))
@@ -234,7 +234,6 @@ class Kernels:
         self._tiled_integer = self._declare("kv_matvec_q4tx", [p, p, p, p, p, i64, i64, i64, i32])
         self._tiled_dequant = self._declare("kv_dequant_q4t", [p, p, p, p, i64, i64, i64, i32])
         self._silu = self._declare("kv_silu_f32", [p, p, i64])
-        self._gguf_int4 = self._declare("kv_gguf_int4", [p, i64, i64, i64, i64, i64, i64, p, p, i32])
         self._gguf_rows = self._declare("kv_gguf_rows", [p, i64, i64, i64, p, i64, i64, i64, i64, p, p, p, i32])
         self._read_stream = self._declare("kv_read_stream", [p, i64, i32])
         self._read_stream.restype = ctypes.c_float
@@ -265,7 +264,7 @@ class Kernels:
             "integer_modes": sorted(self.integer_modes),
             "int4_tile_rows": self.int4_tile_rows,
             "int4_integer_tiles": self.int4_integer_tiles,
-            "gguf_int4_agrees": self.gguf_int4_agrees,
+            "gguf_rows_agree": self.gguf_rows_agree,
         }
 
     def _take(self, v: dict) -> None:
@@ -274,9 +273,7 @@ class Kernels:
         self.integer_modes = frozenset(m for m in self.modes if m in v["integer_modes"])
         self.int4_tile_rows = int(v["int4_tile_rows"]) if "int4" in self.modes else 0
         self.int4_integer_tiles = bool(v["int4_integer_tiles"]) and bool(self.int4_tile_rows)
-        self.gguf_int4_agrees = v.get("gguf_int4_agrees")
-        if self.gguf_int4_agrees is not None:
-            self.gguf_int4_agrees = bool(self.gguf_int4_agrees)
+        self.gguf_rows_agree = None if v.get("gguf_rows_agree") is None else bool(v["gguf_rows_agree"])
 
     @staticmethod
     def _memory(*tensors: torch.Tensor | None) -> list[int | None]:
@@ -290,23 +287,6 @@ class Kernels:
         fn = getattr(self.lib, name)
         fn.argtypes, fn.restype = argtypes, None
         return fn
-
-    def gguf_int4(self, raw, block_bytes: int, qs: int, qn: int, h: int, nh: int):
-        """A GGUF tensor's int4 blocks, raw [N, nb · block_bytes] uint8 (numpy, e.g. a view of the mapped file),
-        -> (codes [N, nb · qn] uint8 in kvchat's packed rows, halves [N, nb, nh] float32: each block's first
-        nh float16 fields), in one pass (csrc/quant_products.c, kv_gguf_int4)."""
-        import numpy as np
-
-        raw = np.ascontiguousarray(raw, dtype=np.uint8)
-        n, nb = raw.shape[0], raw.shape[1] // block_bytes
-        if raw.shape[1] != nb * block_bytes or qs + qn > block_bytes or qn % h or h % 8 or 2 * nh > block_bytes:
-            raise ValueError("gguf_int4: the blocks' sizes do not fit their rows")
-        codes, halves = np.empty((n, nb * qn), np.uint8), np.empty((n, nb, nh), np.float32)
-        self._gguf_int4(
-            raw.ctypes.data, n * nb, block_bytes, qs, qn, h, nh, codes.ctypes.data, halves.ctypes.data,
-            torch.get_num_threads(),
-        )  # fmt: skip
-        return codes, halves
 
     def gguf_rows(self, raw, kind: str, order, r0: int, tile: int, group: int, codes, scales, mins) -> None:
         """A GGUF tensor's rows of `kind` (GGUF_ROWS), raw [n, nb · block bytes] uint8 (numpy, a view of the mapped

@@ -144,30 +144,17 @@ def _kvchat_nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([(even & 0x0F) | (odd << 4), (even >> 4) | (odd & 0xF0)], axis=-1) ^ np.uint8(0x88)
 
 
-def _fast_int4():
-    """kvchat's kernels for the int4 blocks (kv_gguf_int4) when they load and give this module's numbers, bit
-    for bit, on random blocks of each layout (checked once per kernel library); else None: numpy does it."""
+def fast_rows():
+    """kvchat's kernels for writing a file's rows straight into a product's buffers (kv_gguf_rows), when they load
+    and give this module's numbers bit for bit (checked once per kernel build, the verdict kept with the
+    kernels'); else None: numpy decodes."""
     k = kernel_library.load()
     if k is None:
         return None
-    if k.gguf_int4_agrees is None:
-        raw = np.random.default_rng(0).integers(0, 256, size=(3, 2 * 144), dtype=np.uint8)
-        raw[..., 0:2] = raw[..., 144:146] = np.frombuffer(np.float16(-3e-5).tobytes(), np.uint8)  # a subnormal
-        agree = True
-        for block, qs, h, nh in ((18, 2, 16, 1), (20, 4, 16, 2), (144, 16, 32, 2)):
-            rows = raw[:, : (raw.shape[1] // block) * block]
-            got, want = k.gguf_int4(rows, block, qs, block - qs, h, nh), _int4_blocks_numpy(rows, block, qs, h, nh)
-            agree &= np.array_equal(got[0], want[0]) and np.array_equal(got[1].view(np.uint32), want[1].view(np.uint32))
-        k.gguf_int4_agrees = bool(agree and _rows_agree(k))
+    if k.gguf_rows_agree is None:
+        k.gguf_rows_agree = _rows_agree(k)
         kernel_library.keep_verdict(k)
-    return k if k.gguf_int4_agrees else None
-
-
-def fast_rows():
-    """kvchat's kernels for writing Q4_0 / Q4_1 / Q8_0 rows straight into a product's buffers (kv_gguf_rows),
-    when they give this module's numbers bit for bit (checked with kv_gguf_int4, once per kernel library);
-    else None."""
-    return _fast_int4()
+    return k if k.gguf_rows_agree else None
 
 
 def _rows_agree(k) -> bool:
@@ -219,20 +206,12 @@ def _random_blocks(rng, kind: str, rows: int, width: int) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
-def _int4_blocks_numpy(raw, block: int, qs: int, h: int, nh: int):
+def _int4_blocks(raw, block: int, qs: int, h: int, nh: int):
+    """Blocks of `block` bytes whose nibbles run from byte qs to the end in chunks of h -> (codes [N, K/2] in
+    kvchat's packed rows, each block's first nh float16 fields [N, nb, nh] as float32)."""
     b = raw.reshape(raw.shape[0], -1, block)
     nib = b[..., qs:].reshape(*b.shape[:2], -1, h)  # [N, nb, chunks, h]
     return _kvchat_nibbles(nib).reshape(len(raw), -1), _f16(b[..., : 2 * nh])
-
-
-def _int4_blocks(raw, block: int, qs: int, h: int, nh: int):
-    """Blocks of `block` bytes whose nibbles run from byte qs to the end in chunks of h -> (codes [N, K/2] in
-    kvchat's packed rows, each block's first nh float16 fields [N, nb, nh] as float32): in C where the
-    kernels are, else numpy."""
-    k = _fast_int4()
-    if k is not None:
-        return k.gguf_int4(raw, block, qs, block - qs, h, nh)
-    return _int4_blocks_numpy(raw, block, qs, h, nh)
 
 
 def _q4_0_packed(raw):

@@ -562,26 +562,6 @@ def test_int4_blocks_go_straight_into_packed_rows():
         assert mins is None or np.array_equal(got_mins, mins), name
 
 
-@pytest.mark.parametrize("block,qs,h,nh", [(18, 2, 16, 1), (20, 4, 16, 2), (144, 16, 32, 2)])
-def test_int4_blocks_go_to_packed_rows_in_c_bit_for_bit(block, qs, h, nh):
-    """Q4_0, Q4_1 and Q4_K blocks into kvchat's packed rows: the kernels' one pass (what a load takes where
-    they build) gives numpy's codes and float16 fields exactly, over many rows and threads."""
-    from engine.backends import kernels
-    from engine.weights import gguf_blocks
-
-    k = kernels.load()
-    if k is None:
-        pytest.skip(f"no kernels: {kernels.status()}")
-    assert gguf_blocks._fast_int4() is k  # the load takes the C path here
-    raw = np.random.default_rng(block).integers(0, 256, size=(97, 24 * block), dtype=np.uint8)
-    codes, halves = k.gguf_int4(raw, block, qs, block - qs, h, nh)
-    want_codes, want_halves = gguf_blocks._int4_blocks_numpy(raw, block, qs, h, nh)
-    assert codes.shape == (97, 24 * (block - qs)) and np.array_equal(codes, want_codes)
-    assert np.array_equal(halves.view(np.uint32), want_halves.view(np.uint32))  # NaN payloads included
-    with pytest.raises(ValueError):
-        k.gguf_int4(raw[:, :-1], block, qs, block - qs, h, nh)  # rows that are not whole blocks
-
-
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
 def test_a_files_rows_go_into_the_products_buffers_in_c_bit_for_bit(kind):
     """kv_gguf_rows (what a load takes where the kernels build): a tensor's rows, reordered, into rows 32.. of a

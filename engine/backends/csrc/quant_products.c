@@ -344,35 +344,10 @@ static inline uint32_t pair_nibbles(uint64_t x) {
     return (uint32_t)(x | x >> 16);
 }
 
-/* ---- A GGUF file's int4 blocks (Q4_0, Q4_1, Q4_K) into kvchat's packed rows, at load: n blocks of `bytes`
- * bytes; from byte `qs` of each, `qn` bytes of nibbles in chunks of h (ggml's order: value i of a chunk in byte
- * i's low nibble, value h + i in its high one; h a multiple of 8) become rows of two codes a byte, value 2k in
- * byte k's low nibble, stored as q − 8 in 4-bit two's complement (q XOR 8); the block's first `nh` float16
- * fields go to halves [n, nh] as float32. engine/weights/gguf_blocks.py does the same in numpy where the kernels
- * are missing. ---- */
-void kv_gguf_int4(const uint8_t *raw, int64_t n, int64_t bytes, int64_t qs, int64_t qn, int64_t h, int64_t nh,
-                  uint8_t *codes, float *halves, int nt) {
-#pragma omp parallel for num_threads(nt) schedule(static)
-    for (int64_t b = 0; b < n; b++) {
-        const uint8_t *blk = raw + b * bytes, *q = blk + qs;
-        uint8_t *out = codes + b * qn;
-        for (int64_t c = 0; c < qn; c += h)
-            for (int64_t k = 0; k < h / 2; k += 4) { /* 8 bytes in, 4 + 4 out: nibble pairs gathered in a word */
-                uint64_t w;
-                memcpy(&w, q + c + 2 * k, 8);
-                uint32_t lo = pair_nibbles(w & 0x0f0f0f0f0f0f0f0full) ^ 0x88888888u,
-                         hi = pair_nibbles((w >> 4) & 0x0f0f0f0f0f0f0f0full) ^ 0x88888888u;
-                memcpy(out + c + k, &lo, 4); /* little-endian, as every target of these kernels */
-                memcpy(out + c + h / 2 + k, &hi, 4);
-            }
-        for (int64_t j = 0; j < nh; j++) halves[b * nh + j] = half_bits_to_f32(blk + 2 * j);
-    }
-}
-
 /* ---- A GGUF tensor's rows straight into a product's final buffers, at load. Source kinds (KV_GGUF_*): Q4_0, Q4_1,
  * Q8_0 (blocks of 32), Q4_K, Q6_K (super-blocks of 256). n rows of nb blocks become rows r0 .. r0 + n of the
  * product's codes, scales and, where `mins` is given, offsets, in the product's form:
- *   int4 (int8_out 0, Q4 kinds only): two codes a byte as kv_gguf_int4 writes them (code q − 8 as q XOR 8), one
+ *   int4 (int8_out 0, Q4 kinds only): two codes a byte, value 2k in byte k's low nibble (code q − 8 as q XOR 8), one
  *     scale and offset per 32; `tile`: rows in the kernels' tiles of that many (engine.quant.tile), 1: rows;
  *   int8 (int8_out 1): a code a byte, centred as engine.weights.gguf_blocks centres them (Q4: q − 8, Q6_K:
  *     q − 32), one scale (and offset) per `group` values, a source group's repeated where it is larger.
