@@ -78,7 +78,7 @@ INTEGER_FUNCS = {mode: name + "x" for mode, name in QUANT_FUNCS.items()}  # int8
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 # kv_gguf_rows' kinds (csrc/kernels.h): GGUF type -> (kind, block bytes, values a block, values per scale)
 GGUF_ROWS = {"Q4_0": (0, 18, 32, 32), "Q4_1": (1, 20, 32, 32), "Q8_0": (2, 34, 32, 32), "Q4_K": (3, 144, 256, 32)}
-GGUF_ROWS["Q6_K"] = (4, 210, 256, 16)
+GGUF_ROWS |= {"Q6_K": (4, 210, 256, 16), "Q5_K": (5, 176, 256, 32)}
 
 
 def cache_dir() -> Path:
@@ -288,34 +288,37 @@ class Kernels:
         fn.argtypes, fn.restype = argtypes, None
         return fn
 
-    def gguf_rows(self, raw, kind: str, order, r0: int, tile: int, group: int, codes, scales, mins) -> None:
+    def gguf_rows(self, raw, kind: str, mode: str, order, r0: int, tile: int, group: int, codes, scales, mins) -> None:
         """A GGUF tensor's rows of `kind` (GGUF_ROWS), raw [n, nb · block bytes] uint8 (numpy, a view of the mapped
-        file), into rows r0 .. r0 + n of a product's codes (int4 two a byte, uint8, in tiles of `tile` rows, 1:
-        rows; or int8), scales and offsets (or None) with one per `group` values (torch, CPU, contiguous), output
-        row r0 + r from source row order[r] (csrc/quant_products.c, kv_gguf_rows)."""
+        file), into rows r0 .. r0 + n of a product's codes in `mode` (int4: two a byte, uint8, in tiles of `tile`
+        rows, 1: rows; int8; int5: the int5 layout, uint8), scales and offsets (or None) with one per `group`
+        values (torch, CPU, contiguous), output row r0 + r from source row order[r] (csrc/quant_products.c,
+        kv_gguf_rows)."""
         import numpy as np
 
         code, block, values, source_group = GGUF_ROWS[kind]
+        form = {"int4": 0, "int8": 1, "int5": 2}[mode]
         n, nb = raw.shape[0], raw.shape[1] // block
-        int8 = codes.dtype == torch.int8
-        per = values if int8 else values // 2  # code bytes a block
+        per = {"int4": values // 2, "int8": values, "int5": values // 32 * 20}[mode]  # code bytes a block
         tile = max(1, tile)
         rows = codes.numel() // (nb * per)  # the product's rows
         groups = nb * values // group
+        fits = {"int4": code in (0, 1, 3), "int8": True, "int5": code == 5}[mode]
         if (
-            raw.dtype != np.uint8
+            not fits
+            or raw.dtype != np.uint8
             or not raw.flags.c_contiguous
             or raw.shape[1] != nb * block
-            or codes.dtype not in (torch.uint8, torch.int8)
-            or (not int8 and code not in (0, 1, 3))
+            or codes.dtype != (torch.int8 if mode == "int8" else torch.uint8)
             or group not in (16, 32)
             or group > source_group
+            or (mode == "int5" and group != 32)
             or codes.numel() != rows * nb * per
             or scales.numel() != rows * groups
             or r0 < 0
             or r0 + n > rows
             or rows % tile
-            or (tile > 1 and int8)
+            or (tile > 1 and mode != "int4")
             or (mins is not None and mins.numel() != rows * groups)
             or scales.dtype != torch.float32
             or (mins is not None and mins.dtype != torch.float32)
@@ -327,7 +330,7 @@ class Kernels:
                 raise ValueError("gguf_rows: the row order is not an order of the tensor's rows")
         c, s, m = self._memory(codes, scales, mins)
         self._gguf_rows(
-            raw.ctypes.data, code, n, nb, None if order is None else order.ctypes.data, r0, tile, int(int8), group,
+            raw.ctypes.data, code, n, nb, None if order is None else order.ctypes.data, r0, tile, form, group,
             c, s, m, torch.get_num_threads(),
         )  # fmt: skip
 

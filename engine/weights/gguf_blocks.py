@@ -159,30 +159,34 @@ def fast_rows():
 
 def _rows_agree(k) -> bool:
     """kv_gguf_rows against this module's decoders on random blocks of each kind (finite and subnormal scales),
-    the rows reversed, written from row 16 of 48: int4 in rows and in tiles of 16 where the kind is 4-bit, and
-    int8 codes at the kind's own group and, where it is 32, at 16."""
+    the rows reversed, written from row 16 of 48: int4 in rows and in tiles of 16 where the kind is 4-bit, int5
+    where it is Q5_K, and int8 codes at the kind's own group and, where it is 32, at 16."""
     rng = np.random.default_rng(1)
     for kind, (_, block, _, group) in GGUF_ROWS.items():
         raw = _random_blocks(rng, kind, 32, 2 * block)
         order = np.arange(31, -1, -1)
         codes, scales, mins = NATIVE[kind][2](raw[order])
-        forms = [("int8", g) for g in (group, 16) if g <= group]
+        forms = [("int8", g, 1) for g in (group, 16) if g <= group]
         if kind in INT4_PACKED:
-            forms += [("int4", 1), ("int4", 16)]
-        for form, g_or_rows in forms:
-            g, rows = (32, g_or_rows) if form == "int4" else (g_or_rows, 1)
-            want_c = pack_int4(torch.from_numpy(codes)).numpy() if form == "int4" else codes
-            widen = group // g
-            want_s = scales.repeat(widen, -1)
-            want_m = (np.zeros_like(scales) if mins is None else mins).repeat(widen, -1)
+            forms += [("int4", 32, 1), ("int4", 32, 16)]
+        if kind in INT5:
+            forms += [("int5", 32, 1)]
+        for form, g, rows in forms:
+            if form == "int5":
+                want_c, scales_i5, mins_i5 = INT5[kind](raw[order])
+                want_s, want_m = scales_i5, mins_i5
+            else:
+                want_c = pack_int4(torch.from_numpy(codes)).numpy() if form == "int4" else codes
+                want_s = scales.repeat(group // g, -1)
+                want_m = (np.zeros_like(scales) if mins is None else mins).repeat(group // g, -1)
             got = [
-                torch.zeros((48, want_c.shape[1]), dtype=torch.uint8 if form == "int4" else torch.int8),
+                torch.zeros((48, want_c.shape[1]), dtype=torch.int8 if form == "int8" else torch.uint8),
                 torch.zeros((48, want_s.shape[1])),
                 torch.zeros((48, want_s.shape[1])),
             ]
             if rows > 1:
                 got = [tile(t, rows, unit) for t, unit in zip(got, (4, 1, 1))]
-            k.gguf_rows(raw, kind, order, 16, rows, g, *got)
+            k.gguf_rows(raw, kind, form, order, 16, rows, g, *got)
             if rows > 1:
                 got = [untile(t, rows, unit) for t, unit in zip(got, (4, 1, 1))]
             if not (
@@ -198,7 +202,7 @@ def _random_blocks(rng, kind: str, rows: int, width: int) -> np.ndarray:
     """Random blocks of `kind` with finite float16 fields (a subnormal among them) and random codes."""
     _, block, _, _ = GGUF_ROWS[kind]
     raw = rng.integers(0, 256, size=(rows, width // block, block), dtype=np.uint8)
-    fields = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}[kind]
+    fields = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}[kind]
     for at in fields:
         halves = (rng.standard_normal(raw.shape[:2]) * 1e-2).astype(np.float16)
         halves[0, 0] = np.float16(-3e-5)  # a subnormal

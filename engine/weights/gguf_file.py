@@ -404,26 +404,29 @@ class GGUFModel:
         return PreQuantized(codes, scales, mode, group, dtype, mins, packed=mode == "int4")
 
     def _rows_in_c(self, k, hfs: list[str], types: list[str], cfg, dtype, tiles: int) -> PreQuantized:
-        """read_codes for tensors of the kinds the kernels convert (GGUF_ROWS: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), in
+        """read_codes for tensors of the kinds the kernels convert (GGUF_ROWS: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q5_K), in
         read_codes' form: each written by the kernels straight from the mapped file into the product's final
         buffers (kv_gguf_rows), rows reordered, groups widened and int4 tiled on the way, with no array in between
         (engine/BENCHMARKS.md, "Opening a model file")."""
-        mode = "int8" if any(NATIVE[t][0] == "int8" for t in types) else "int4"
-        group = min(NATIVE[t][1] for t in types)
+        if all(t in INT5 for t in types):  # their own five bits
+            mode, group = "int5", 32
+        else:
+            mode = "int8" if any(NATIVE[t][0] == "int8" for t in types) else "int4"
+            group = min(NATIVE[t][1] for t in types)
         offsets = any(t in OFFSETS for t in types)
         parts = [self.tensors[self.gguf_name(h)] for h in hfs]
         n = sum(t.data.shape[0] for t in parts)
         width = parts[0].n_elements // parts[0].data.shape[0]  # values a row
         tile = tiles if mode == "int4" and tiles and n % tiles == 0 else 1
-        per = width // 2 if mode == "int4" else width  # code bytes a row
-        codes = torch.empty((n // tile, tile * per), dtype=torch.uint8 if mode == "int4" else torch.int8)
+        per = {"int4": width // 2, "int8": width, "int5": width // 32 * 20}[mode]  # code bytes a row
+        codes = torch.empty((n // tile, tile * per), dtype=torch.int8 if mode == "int8" else torch.uint8)
         scales = torch.empty((n // tile, tile * width // group), dtype=torch.float32)
         mins = torch.empty_like(scales) if offsets else None
         form = f"{mode}/g{group}" + ("+min" if offsets else "")
         r0 = 0
         for hf, ftype, t in zip(hfs, types, parts):
             rows = t.data.shape[0]
-            k.gguf_rows(t.data, ftype, self.permutation(hf, cfg), r0, tile, group, codes, scales, mins)
+            k.gguf_rows(t.data, ftype, mode, self.permutation(hf, cfg), r0, tile, group, codes, scales, mins)
             self._release(t)
             held = rows * (per + width // group * 4 * (2 if offsets else 1))
             self.held[t.name] = (ftype, form, int(t.n_bytes), held)

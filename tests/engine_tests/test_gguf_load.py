@@ -562,11 +562,11 @@ def test_int4_blocks_go_straight_into_packed_rows():
         assert mins is None or np.array_equal(got_mins, mins), name
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q5_K"])
 def test_a_files_rows_go_into_the_products_buffers_in_c_bit_for_bit(kind):
     """kv_gguf_rows (what a load takes where the kernels build): a tensor's rows, reordered, into rows 32.. of a
-    product's buffers (int4 in rows and in tiles of 16 for the 4-bit kinds; int8 at the kind's group and at 16)
-    equal numpy's decoders' codes, scales and offsets."""
+    product's buffers (int4 in rows and in tiles of 16 for the 4-bit kinds; int5 for Q5_K; int8 at the kind's
+    group and at 16) equal numpy's decoders' codes, scales and offsets."""
     from engine.backends import kernels
     from engine.quant import pack_int4, tile, untile
     from engine.weights import gguf_blocks
@@ -586,10 +586,15 @@ def test_a_files_rows_go_into_the_products_buffers_in_c_bit_for_bit(kind):
     forms = [("int8", g, 1) for g in (group, 16) if g <= group]
     if kind in gguf_blocks.INT4_PACKED:
         forms += [("int4", 32, 1), ("int4", 32, 16)]
+    if kind in gguf_blocks.INT5:
+        forms += [("int5", 32, 1)]
     for form, g, rows in forms:
-        want = pack_int4(torch.from_numpy(codes)).numpy() if form == "int4" else codes
-        want_s = scales.repeat(group // g, -1)
-        want_m = (np.zeros_like(scales) if mins is None else mins).repeat(group // g, -1)
+        if form == "int5":
+            want, want_s, want_m = gguf_blocks.INT5[kind](raw[order])
+        else:
+            want = pack_int4(torch.from_numpy(codes)).numpy() if form == "int4" else codes
+            want_s = scales.repeat(group // g, -1)
+            want_m = (np.zeros_like(scales) if mins is None else mins).repeat(group // g, -1)
         got = [
             torch.zeros((160, want.shape[1]), dtype=torch.int8 if form == "int8" else torch.uint8),
             torch.zeros((160, want_s.shape[1])),
@@ -597,24 +602,24 @@ def test_a_files_rows_go_into_the_products_buffers_in_c_bit_for_bit(kind):
         ]
         if rows > 1:
             got = [tile(t, rows, unit) for t, unit in zip(got, (4, 1, 1))]
-        k.gguf_rows(raw, kind, order, 32, rows, g, *got)
+        k.gguf_rows(raw, kind, form, order, 32, rows, g, *got)
         if rows > 1:
             got = [untile(t, rows, unit) for t, unit in zip(got, (4, 1, 1))]
         assert np.array_equal(got[0][32:128].numpy(), want) and not got[0][128:].any(), (form, g, rows)
         assert np.array_equal(got[1][32:128].numpy().view(np.uint32), want_s.view(np.uint32)), (form, g, rows)
         assert np.array_equal(got[2][32:128].numpy().view(np.uint32), want_m.view(np.uint32)), (form, g, rows)
     with pytest.raises(ValueError):  # rows past the product's end
-        k.gguf_rows(raw, kind, order, 100, 1, group, *got)
+        k.gguf_rows(raw, kind, form, order, 100, 1, group, *got)
 
 
-@pytest.mark.parametrize("matrices", ["Q4_0", "Q4_1", "Q8_0", "Q4_K_M"])
+@pytest.mark.parametrize("matrices", ["Q4_0", "Q4_1", "Q8_0", "Q4_K_M", "Q5_K_M"])
 def test_a_file_read_in_c_holds_the_codes_the_numpy_path_holds(folders, tmp_path, monkeypatch, matrices):
     """The whole file through kv_gguf_rows (q and k rows reordered, q/k/v and gate/up stacked, mixed types widened,
     int4 in tiles) and through numpy's decoders: every layer holds the same form and dequantizes to the same
     weights, bit for bit."""
     from engine.weights import gguf_file
 
-    if matrices == "Q4_K_M":  # Q4_K matrices, Q6_K for v, down and the embedding
+    if matrices.endswith("_K_M"):  # Q4_K / Q5_K matrices, Q6_K for v and down
         folder = make_checkpoint(tmp_path / "wide", "llama", hidden_size=256, intermediate_size=512)
         layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
         shapes = {"attn_q": (256, 256), "attn_k": (128, 256), "attn_v": (128, 256), "attn_output": (256, 256)}
@@ -623,7 +628,7 @@ def test_a_file_read_in_c_holds_the_codes_the_numpy_path_holds(folders, tmp_path
             f"blk.{i}.{name}.weight": (kind, _k_blocks(kind, r, c, 10 * i + j))
             for i in range(layers)
             for j, (name, (r, c)) in enumerate(shapes.items())
-            for kind in ["Q6_K" if name in ("ffn_down", "attn_v") else "Q4_K"]
+            for kind in ["Q6_K" if name in ("ffn_down", "attn_v") else matrices.removesuffix("_M")]
         }
         path = write_gguf(folder, tmp_path / "km.gguf", tokenizer=True, types=types)
     else:
@@ -633,7 +638,8 @@ def test_a_file_read_in_c_holds_the_codes_the_numpy_path_holds(folders, tmp_path
     slow = load_model(path)
     assert fast.facts()["file_tensors"] == slow.facts()["file_tensors"]
     layers = [(n, m) for n, m in fast.model.named_modules() if isinstance(m, QuantLinear)]
-    assert layers and any(m.tiles for _, m in layers) == (matrices != "Q8_0" and fast.kernels is not None)
+    four_bit = matrices in ("Q4_0", "Q4_1", "Q4_K_M")
+    assert layers and any(m.tiles for _, m in layers) == (four_bit and fast.kernels is not None)
     others = dict(slow.model.named_modules())
     for name, m in layers:
         other = others[name]

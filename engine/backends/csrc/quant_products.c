@@ -345,24 +345,25 @@ static inline uint32_t pair_nibbles(uint64_t x) {
 }
 
 /* ---- A GGUF tensor's rows straight into a product's final buffers, at load. Source kinds (KV_GGUF_*): Q4_0, Q4_1,
- * Q8_0 (blocks of 32), Q4_K, Q6_K (super-blocks of 256). n rows of nb blocks become rows r0 .. r0 + n of the
- * product's codes, scales and, where `mins` is given, offsets, in the product's form:
- *   int4 (int8_out 0, Q4 kinds only): two codes a byte, value 2k in byte k's low nibble (code q − 8 as q XOR 8), one
- *     scale and offset per 32; `tile`: rows in the kernels' tiles of that many (engine.quant.tile), 1: rows;
- *   int8 (int8_out 1): a code a byte, centred as engine.weights.gguf_blocks centres them (Q4: q − 8, Q6_K:
- *     q − 32), one scale (and offset) per `group` values, a source group's repeated where it is larger.
- * Offsets keep x = s · code + m: Q4_1's m + 8 · d and Q4_K's −dmin · mn + 8 · d · sc, rounded once from double;
+ * Q8_0 (blocks of 32), Q4_K, Q6_K, Q5_K (super-blocks of 256). n rows of nb blocks become rows r0 .. r0 + n of the
+ * product's codes, scales and, where `mins` is given, offsets, in the product's form (KV_FORM_*):
+ *   int4 (Q4 kinds): two codes a byte, value 2k in byte k's low nibble (code q − 8 as q XOR 8), one scale and
+ *     offset per 32; `tile`: rows in the kernels' tiles of that many (engine.quant.tile), 1: rows;
+ *   int8: a code a byte as engine.weights.gguf_blocks' decoders give it (Q4 kinds q − 8, Q6_K q − 32, Q5_K q,
+ *     Q8_0 as stored), one scale (and offset) per `group` values, a source group's repeated where it is larger;
+ *   int5 (Q5_K): per 32 values 4 bytes of fifth bits and 16 of nibbles (engine.quant.unpack_int5), code q − 16.
+ * Offsets keep x = s · code + m: a Q4 kind's m + 8 · s, Q5_K's m + 16 · s in int5, rounded once from double;
  * 0 for kinds without. Output row r0 + r reads source row order[r] (NULL: row r), undoing a converter's row
  * permutation in the same pass (engine/BENCHMARKS.md, "Opening a model file"). */
 static int64_t gguf_block_bytes(int64_t kind) {
-    static const int64_t bytes[] = {18, 20, 34, 144, 210};
+    static const int64_t bytes[] = {18, 20, 34, 144, 210, 176};
     return bytes[kind];
 }
 
 /* A block's scales and offsets per group of `gs` values (before recentring): d (Q4_0, Q8_0), d and m (Q4_1),
- * d · sc and −dmin · mn (Q4_K, groups of 32), d · sc (Q6_K, groups of 16). Returns the groups a block. */
+ * d · sc and −dmin · mn (Q4_K, Q5_K: groups of 32), d · sc (Q6_K, groups of 16). Returns the groups a block. */
 static int gguf_block_groups(int64_t kind, const uint8_t *blk, float *sc, float *mn, int *gs) {
-    if (kind == KV_GGUF_Q4_K) {
+    if (kind == KV_GGUF_Q4_K || kind == KV_GGUF_Q5_K) {
         const float d = half_bits_to_f32(blk), dmin = half_bits_to_f32(blk + 2);
         const uint8_t *p = blk + 4;
         for (int j = 0; j < 8; j++) { /* ggml's get_scale_min_k4 */
@@ -407,6 +408,11 @@ static void gguf_int8_codes(int64_t kind, const uint8_t *blk, int8_t *out) {
                 out[64 * j + i] = (int8_t)((q[32 * j + i] & 0x0F) - 8);
                 out[64 * j + 32 + i] = (int8_t)((q[32 * j + i] >> 4) - 8);
             }
+    } else if (kind == KV_GGUF_Q5_K) { /* group G: nibbles of chunk G / 2 (low or high), fifth bits: bit G of qh */
+        const uint8_t *qh = blk + 16, *ql = blk + 48;
+        for (int G = 0; G < 8; G++)
+            for (int l = 0; l < 32; l++)
+                out[32 * G + l] = (int8_t)(((ql[32 * (G / 2) + l] >> (4 * (G % 2))) & 0x0F) | ((qh[l] >> G) & 1) << 4);
     } else if (kind == KV_GGUF_Q6_K) { /* two halves of 128: 64 bytes of low nibbles, 32 of high pairs */
         for (int h = 0; h < 2; h++) {
             const uint8_t *ql = blk + 64 * h, *qh = blk + 128 + 32 * h;
@@ -427,10 +433,25 @@ static void gguf_int8_codes(int64_t kind, const uint8_t *blk, int8_t *out) {
     }
 }
 
+/* Q5_K's group G in the int5 layout: bit l of the first 4 bytes is value l's fifth bit, then byte i holds
+ * values i and 16 + i in its low and high nibbles. */
+static void gguf_q5k_int5(const uint8_t *blk, int G, uint8_t *out) {
+    const uint8_t *qh = blk + 16, *ql = blk + 48 + 32 * (G / 2);
+    const int shift = 4 * (G % 2);
+    uint32_t fifth = 0;
+    for (int l = 0; l < 32; l++) fifth |= (uint32_t)((qh[l] >> G) & 1) << l;
+    memcpy(out, &fifth, 4); /* little-endian, as every target of these kernels */
+    for (int i = 0; i < 16; i++) out[4 + i] = (uint8_t)(((ql[i] >> shift) & 0x0F) | ((ql[16 + i] >> shift) & 0x0F) << 4);
+}
+
 void kv_gguf_rows(const uint8_t *raw, int64_t kind, int64_t n, int64_t nb, const int64_t *order, int64_t r0,
-                  int64_t tile, int64_t int8_out, int64_t group, uint8_t *codes, float *scales, float *mins, int nt) {
+                  int64_t tile, int64_t form, int64_t group, uint8_t *codes, float *scales, float *mins, int nt) {
     const int64_t bytes = gguf_block_bytes(kind), values = kind >= KV_GGUF_Q4_K ? 256 : 32, k_in = nb * values;
-    const int64_t row_codes = int8_out ? k_in : k_in / 2, groups = k_in / group; /* output bytes, groups a row */
+    const int64_t row_codes = form == KV_FORM_INT8 ? k_in : form == KV_FORM_INT5 ? k_in / 32 * 20 : k_in / 2;
+    const int64_t groups = k_in / group; /* output bytes and groups a row */
+    const double centre = form == KV_FORM_INT5                                   ? 16.0
+                          : (kind == KV_GGUF_Q4_1 || kind == KV_GGUF_Q4_K) ? 8.0 /* code q − 8 */
+                                                                              : 0.0;
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t r = 0; r < n; r++) {
         const uint8_t *src = raw + (order ? order[r] : r) * nb * bytes;
@@ -446,13 +467,14 @@ void kv_gguf_rows(const uint8_t *raw, int64_t kind, int64_t n, int64_t nb, const
                 const int j = (int)(v / gs);
                 const int64_t g = (b * values + v) / group;
                 srow[g * tile] = sc[j];
-                if (mrow) {
-                    const int centred = kind == KV_GGUF_Q4_1 || kind == KV_GGUF_Q4_K; /* x = s · q + m, code q − 8 */
-                    mrow[g * tile] = centred ? (float)((double)mn[j] + 8.0 * (double)sc[j]) : mn[j];
-                }
+                if (mrow) mrow[g * tile] = centre != 0.0 ? (float)((double)mn[j] + centre * (double)sc[j]) : mn[j];
             }
-            if (int8_out) {
+            if (form == KV_FORM_INT8) {
                 gguf_int8_codes(kind, blk, (int8_t *)codes + R * row_codes + b * values);
+                continue;
+            }
+            if (form == KV_FORM_INT5) {
+                for (int G = 0; G < 8; G++) gguf_q5k_int5(blk, G, codes + R * row_codes + (b * 8 + G) * 20);
                 continue;
             }
             /* int4: ggml's nibbles in chunks of h bytes (values 0..h-1 low, h..2h-1 high) -> pairs, XOR 8 */
