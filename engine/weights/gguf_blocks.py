@@ -159,43 +159,61 @@ def fast_rows():
 
 def _rows_agree(k) -> bool:
     """kv_gguf_rows against this module's decoders on random blocks of each kind (finite and subnormal scales),
-    the rows reversed, written from row 16 of 48: int4 in rows and in tiles of 16 where the kind is 4-bit, int5
-    where it is Q5_K, and int8 codes at the kind's own group and, where it is 32, at 16."""
+    the rows reversed, written from row 16 of 48, in every form it writes the kind in (row_forms)."""
     rng = np.random.default_rng(1)
-    for kind, (_, block, _, group) in GGUF_ROWS.items():
+    for kind, (_, block, _, _) in GGUF_ROWS.items():
         raw = _random_blocks(rng, kind, 32, 2 * block)
         order = np.arange(31, -1, -1)
-        codes, scales, mins = NATIVE[kind][2](raw[order])
-        forms = [("int8", g, 1) for g in (group, 16) if g <= group]
-        if kind in INT4_PACKED:
-            forms += [("int4", 32, 1), ("int4", 32, 16)]
-        if kind in INT5:
-            forms += [("int5", 32, 1)]
-        for form, g, rows in forms:
-            if form == "int5":
-                want_c, scales_i5, mins_i5 = INT5[kind](raw[order])
-                want_s, want_m = scales_i5, mins_i5
-            else:
-                want_c = pack_int4(torch.from_numpy(codes)).numpy() if form == "int4" else codes
-                want_s = scales.repeat(group // g, -1)
-                want_m = (np.zeros_like(scales) if mins is None else mins).repeat(group // g, -1)
-            got = [
-                torch.zeros((48, want_c.shape[1]), dtype=torch.int8 if form == "int8" else torch.uint8),
-                torch.zeros((48, want_s.shape[1])),
-                torch.zeros((48, want_s.shape[1])),
-            ]
-            if rows > 1:
-                got = [tile(t, rows, unit) for t, unit in zip(got, (4, 1, 1))]
-            k.gguf_rows(raw, kind, form, order, 16, rows, g, *got)
-            if rows > 1:
-                got = [untile(t, rows, unit) for t, unit in zip(got, (4, 1, 1))]
-            if not (
-                np.array_equal(got[0][16:].numpy(), want_c)
-                and np.array_equal(got[1][16:].numpy().view(np.uint32), want_s.view(np.uint32))
-                and np.array_equal(got[2][16:].numpy().view(np.uint32), want_m.view(np.uint32))
-            ):
+        for mode, group, rows in row_forms(kind):
+            got = written_rows(k, raw, kind, mode, order, 16, 48, rows, group)
+            want = numpy_rows(raw[order], kind, mode, group)
+            if not all(np.array_equal(g[16:].view(np.uint8), w.view(np.uint8)) for g, w in zip(got, want)):
                 return False
     return True
+
+
+def row_forms(kind: str) -> list[tuple[str, int, int]]:
+    """The forms kv_gguf_rows writes a kind in, as (mode, values per scale, rows a tile; 1: rows): int8 at the
+    kind's own group and, where that is 32, at 16; int4 in rows and in tiles of 16 for the 4-bit kinds; int5 for
+    Q5_K."""
+    group = GGUF_ROWS[kind][3]
+    forms = [("int8", g, 1) for g in (group, 16) if g <= group]
+    if kind in INT4_PACKED:
+        forms += [("int4", 32, 1), ("int4", 32, 16)]
+    if kind in INT5:
+        forms += [("int5", 32, 1)]
+    return forms
+
+
+def numpy_rows(raw, kind: str, mode: str, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What kv_gguf_rows writes for rows `raw` of `kind` in `mode` at `group`, by this module's decoders: codes
+    (int4 packed as pack_int4 lays them), scales and offsets (zeros for a kind without), as rows."""
+    if mode == "int5":
+        return INT5[kind](raw)
+    codes, scales, mins = NATIVE[kind][2](raw)
+    widen = NATIVE[kind][1] // group
+    if mode == "int4":
+        codes = pack_int4(torch.from_numpy(codes)).numpy()
+    return codes, scales.repeat(widen, -1), (np.zeros_like(scales) if mins is None else mins).repeat(widen, -1)
+
+
+def written_rows(k, raw, kind: str, mode: str, order, r0: int, total: int, rows: int, group: int) -> tuple:
+    """kv_gguf_rows of `raw` into zeroed buffers of `total` rows from row r0 (int4 in tiles of `rows`), read back
+    as rows: (codes, scales, offsets) numpy arrays."""
+    _, block, values, _ = GGUF_ROWS[kind]
+    width = raw.shape[1] // block * values  # values a row
+    per = {"int4": width // 2, "int8": width, "int5": width // 32 * 20}[mode]
+    got = [
+        torch.zeros((total, per), dtype=torch.int8 if mode == "int8" else torch.uint8),
+        torch.zeros((total, width // group)),
+        torch.zeros((total, width // group)),
+    ]
+    if rows > 1:
+        got = [tile(t, rows, unit) for t, unit in zip(got, (4, 1, 1))]
+    k.gguf_rows(raw, kind, mode, order, r0, rows, group, *got)
+    if rows > 1:
+        got = [untile(t, rows, unit) for t, unit in zip(got, (4, 1, 1))]
+    return tuple(t.numpy() for t in got)
 
 
 def _random_blocks(rng, kind: str, rows: int, width: int) -> np.ndarray:

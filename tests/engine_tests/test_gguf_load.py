@@ -568,7 +568,6 @@ def test_a_files_rows_go_into_the_products_buffers_in_c_bit_for_bit(kind):
     product's buffers (int4 in rows and in tiles of 16 for the 4-bit kinds; int5 for Q5_K; int8 at the kind's
     group and at 16) equal numpy's decoders' codes, scales and offsets."""
     from engine.backends import kernels
-    from engine.quant import pack_int4, tile, untile
     from engine.weights import gguf_blocks
 
     k = kernels.load()
@@ -581,35 +580,16 @@ def test_a_files_rows_go_into_the_products_buffers_in_c_bit_for_bit(kind):
         rnd = np.random.default_rng(4).standard_normal((96, 24 * 32)).astype(np.float32)
         raw = gguf.quants.quantize(rnd, gguf.GGMLQuantizationType[kind])
     order = np.random.default_rng(5).permutation(96)
-    codes, scales, mins = gguf_blocks.NATIVE[kind][2](raw[order])
-    group = gguf_blocks.NATIVE[kind][1]
-    forms = [("int8", g, 1) for g in (group, 16) if g <= group]
-    if kind in gguf_blocks.INT4_PACKED:
-        forms += [("int4", 32, 1), ("int4", 32, 16)]
-    if kind in gguf_blocks.INT5:
-        forms += [("int5", 32, 1)]
-    for form, g, rows in forms:
-        if form == "int5":
-            want, want_s, want_m = gguf_blocks.INT5[kind](raw[order])
-        else:
-            want = pack_int4(torch.from_numpy(codes)).numpy() if form == "int4" else codes
-            want_s = scales.repeat(group // g, -1)
-            want_m = (np.zeros_like(scales) if mins is None else mins).repeat(group // g, -1)
-        got = [
-            torch.zeros((160, want.shape[1]), dtype=torch.int8 if form == "int8" else torch.uint8),
-            torch.zeros((160, want_s.shape[1])),
-            torch.zeros((160, want_s.shape[1])),
-        ]
-        if rows > 1:
-            got = [tile(t, rows, unit) for t, unit in zip(got, (4, 1, 1))]
-        k.gguf_rows(raw, kind, form, order, 32, rows, g, *got)
-        if rows > 1:
-            got = [untile(t, rows, unit) for t, unit in zip(got, (4, 1, 1))]
-        assert np.array_equal(got[0][32:128].numpy(), want) and not got[0][128:].any(), (form, g, rows)
-        assert np.array_equal(got[1][32:128].numpy().view(np.uint32), want_s.view(np.uint32)), (form, g, rows)
-        assert np.array_equal(got[2][32:128].numpy().view(np.uint32), want_m.view(np.uint32)), (form, g, rows)
+    for mode, group, rows in gguf_blocks.row_forms(kind):
+        got = gguf_blocks.written_rows(k, raw, kind, mode, order, 32, 160, rows, group)
+        want = gguf_blocks.numpy_rows(raw[order], kind, mode, group)
+        for g, w in zip(got, want):  # bit for bit (float32 scales and offsets compared as their bytes)
+            assert np.array_equal(g[32:128].view(np.uint8), w.view(np.uint8)), (mode, group, rows)
+            assert not g[:32].any() and not g[128:].any(), (mode, group, rows)  # no other row written
+    modes = {m for m, _, _ in gguf_blocks.row_forms(kind)}
+    assert ("int4" in modes) == kind.startswith("Q4") and ("int5" in modes) == (kind == "Q5_K") and "int8" in modes
     with pytest.raises(ValueError):  # rows past the product's end
-        k.gguf_rows(raw, kind, form, order, 100, 1, group, *got)
+        gguf_blocks.written_rows(k, raw, kind, "int8", order, 100, 160, 1, gguf_blocks.GGUF_ROWS[kind][3])
 
 
 @pytest.mark.parametrize("matrices", ["Q4_0", "Q4_1", "Q8_0", "Q4_K_M", "Q5_K_M"])
