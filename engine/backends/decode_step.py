@@ -78,7 +78,7 @@ def use_kernels(model, kernels, identity: str | None = None) -> None:
     """Route the CPU decode step through kvchat's kernels: all the blocks in one call where every linear
     has a kernel layout (DecodeLayers), and the norms, attention and output head module by module.
     `identity`: what identifies the weights (their files' names, sizes, times and headers), under which an
-    earlier process's passed check is taken (step_passed_before)."""
+    earlier process's passed check is taken (_passed)."""
     for m in list(model.modules()):
         if isinstance(m, RMSNorm) and not m.offset:
             _swap(m, KernelRMSNorm, kernels)

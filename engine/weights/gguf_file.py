@@ -370,12 +370,10 @@ class GGUFModel:
         fast = fast_rows() if device.type == "cpu" else None
         if fast is not None and all(t in GGUF_ROWS for t in types):
             return self._rows_in_c(fast, hfs, types, cfg, dtype, tiles)
-        if all(t in INT5 for t in types):  # their own five bits
-            mode, group = "int5", 32
+        mode, group = _product_form(types)
+        if mode == "int5":  # their own five bits
             decode = INT5
         else:
-            mode = "int8" if any(NATIVE[t][0] == "int8" for t in types) else "int4"
-            group = min(NATIVE[t][1] for t in types)
             decode = INT4_PACKED if mode == "int4" else {t: NATIVE[t][2] for t in types}  # int4: two a byte
         parts = []
         for hf, ftype in zip(hfs, types):
@@ -408,11 +406,7 @@ class GGUFModel:
         read_codes' form: each written by the kernels straight from the mapped file into the product's final
         buffers (kv_gguf_rows), rows reordered, groups widened and int4 tiled on the way, with no array in between
         (engine/BENCHMARKS.md, "Opening a model file")."""
-        if all(t in INT5 for t in types):  # their own five bits
-            mode, group = "int5", 32
-        else:
-            mode = "int8" if any(NATIVE[t][0] == "int8" for t in types) else "int4"
-            group = min(NATIVE[t][1] for t in types)
+        mode, group = _product_form(types)
         offsets = any(t in OFFSETS for t in types)
         parts = [self.tensors[self.gguf_name(h)] for h in hfs]
         n = sum(t.data.shape[0] for t in parts)
@@ -479,6 +473,14 @@ class GGUFModel:
         for t in self.tensors.values():
             h.update(f"{t.name}:{t.tensor_type.name}:{list(t.dims)}:{t.data_offset}".encode())
         return h.hexdigest()[:16]
+
+
+def _product_form(types: list[str]) -> tuple[str, int]:
+    """(mode, values per scale) of a product stacking tensors of these GGUF types: int5 where all are 5-bit
+    (their own five bits), else int8 if any is held as int8, else int4; the smallest group among them."""
+    if all(t in INT5 for t in types):
+        return "int5", 32
+    return ("int8" if any(NATIVE[t][0] == "int8" for t in types) else "int4"), min(NATIVE[t][1] for t in types)
 
 
 def _experts(t: Tensor) -> list[Tensor]:
