@@ -174,13 +174,14 @@ class ModelsDialog(QDialog):
             found.quantization or "?",
             fmt_size(found.size_bytes),
             kv_words(found),
-            fits(found.size_bytes + (found.kv_allocated_bytes or 0))[1] if found.openable else "",
+            fits((found.held_bytes or found.size_bytes) + (found.kv_allocated_bytes or 0))[1] if found.openable else "",
             status,
         )
         for c, text in enumerate(cells):
             item = QTableWidgetItem(text)
             kv = f"\nKV cache: {found.kv_layers}" if found.kv_layers else ""
-            item.setToolTip(plain_tooltip(f"{found.path}\n{status}{kv}"))
+            held = f"\nWeights once loaded: {fmt_size(found.held_bytes)}" if found.held_bytes else ""
+            item.setToolTip(plain_tooltip(f"{found.path}\n{status}{kv}{held}"))
             if not found.openable:
                 item.setForeground(QBrush(QColor("#8a93a6")))
             if status == "in use":  # the model loaded now, in bold

@@ -24,7 +24,7 @@ from .gguf_file import ARCHITECTURES, GGUFModel
 from .gguf_header import is_gguf
 
 SOURCES = ("hf-cache", "lm-studio", "ollama", "folder")
-CACHE_VERSION = 3
+CACHE_VERSION = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +43,7 @@ class FoundModel:
     kv_allocated_bytes: int | None = None  # the cache a session allocates by default (sliding layers: their ring)
     kv_layers: str | None = None  # a sliding-window cache's layers in words ("22 of 26 layers sliding: ≤ 1,536 …")
     kv_layers_short: str | None = None  # the same for a table's cell ("22/26 sliding ≤ 1,536")
+    held_bytes: int | None = None  # the weights once loaded, where it differs from the file's size (a GGUF's)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -167,7 +168,10 @@ def _gguf_row(path: Path, name: str, source: str) -> FoundModel:
         except ModelLoadError as e:
             reason = e.message
     quant = gm.quantization()
-    return FoundModel(name, str(path), source, "gguf", gm.arch, params, quant, size, reason is None, reason, **kv)
+    held = gm.held_estimate()
+    return FoundModel(
+        name, str(path), source, "gguf", gm.arch, params, quant, size, reason is None, reason, **kv, held_bytes=held
+    )
 
 
 FIELDS = {f.name for f in dataclasses.fields(FoundModel)}

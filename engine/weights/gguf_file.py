@@ -458,6 +458,29 @@ class GGUFModel:
             row["held_bytes"] += held_bytes
         return out
 
+    def held_estimate(self, float_bytes: int = 4) -> int:
+        """The bytes the weights take once loaded (what the Models dialog weighs against free memory): each
+        product of tensors a layer computes in one (q/k/v, gate/up) in its form (_product_form: the widest of
+        its types), codes and a float32 scale (and offset) per group; a type the kernels do not compute held
+        dequantized, `float_bytes` a value. A file's size understates it: Q6_K's 6.56 bits a value are held
+        in 10, and q and k widen to int8 where v is Q6_K."""
+        products: dict[str, list[Tensor]] = {}
+        for t in self.tensors.values():
+            m = re.fullmatch(r"(.*)\.(attn_[qkv]|ffn_gate|ffn_up)(_exps)?\.(weight|bias)", t.name)
+            key = f"{m[1]}.{'qkv' if m[2].startswith('attn') else 'gate_up'}{m[3] or ''}.{m[4]}" if m else t.name
+            products.setdefault(key, []).append(t)
+        total = 0
+        for parts in products.values():
+            types = [t.tensor_type.name for t in parts]
+            n = sum(int(t.n_elements) for t in parts)
+            if len(parts[0].shape) < 2 or not all(t in NATIVE for t in types):
+                total += sum(int(t.n_elements) * (4 if t.tensor_type.name == "F32" else float_bytes) for t in parts)
+                continue
+            mode, group = _product_form(types)
+            codes = {"int4": n // 2, "int8": n, "int5": n // 32 * 20}[mode]
+            total += codes + n // group * 4 * (2 if any(t in OFFSETS for t in types) else 1)
+        return total
+
     def quantization(self) -> str:
         """The file's quantization as people name it (its most common tensor type among the matrices)."""
         counts: dict[str, int] = {}

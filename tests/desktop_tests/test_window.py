@@ -506,6 +506,7 @@ def test_the_models_dialog_lists_what_is_on_disk_and_opens_one_with_a_click(
     assert cells[1:4] == ["ollama", "gguf", "qwen2"] and cells[5] == "Q8_0" and cells[STATUS] == "ready"
     assert cells[COLUMNS.index("KV / position")] == fmt_size(2 * 2 * 2 * 16 * 4)  # 2·L·H_kv·d·b, float32 K/V
     assert cells[COLUMNS.index("Memory")].startswith(("fits", "free memory not known"))
+    assert "Weights once loaded: " in table.item(row["tiny-qwen2:q8_0"], 0).toolTip()  # codes and scales, not the file
     assert table.item(row["tiny-gemma"], STATUS).text().startswith("cannot open: unsupported architecture")
     table.selectRow(row["tiny-gemma"])
     assert not dlg.openButton.isEnabled()

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from model_layouts import NAMES, build
@@ -137,3 +138,32 @@ def test_the_new_families_are_listed_openable_with_their_cache_per_layer_kind(tm
         assert r.kv_layers == "2 of 3 layers sliding: ≤ 1,030 positions each"  # W 6 + 1,024 spare
         assert r.kv_allocated_bytes == per // 3 * (4096 + 2 * 1030) < per * 4096
     assert rows["moe"].kv_layers is None and rows["moe"].architecture == "Qwen3MoeForCausalLM"
+
+
+def test_a_gguf_row_says_what_its_weights_take_once_loaded(tmp_path):
+    """A GGUF's row carries the bytes its weights take once loaded (what the Models dialog weighs against free
+    memory), equal to what loading it gives: F16 held as float32, Q8_0 / Q4_0 / Q4_1 codes with their scales
+    and offsets, and a Q4_K_M mix whose q and k widen to int8 beside v's Q6_K: more than the file in each."""
+    from checkpoints import make_checkpoint
+    from engine.backends import kernels
+    from engine.tools import synthetic_gguf
+    from engine.tools.gguf_export import write_gguf
+    from engine.weights.gguf_file import GGUFModel
+
+    if kernels.load() is None:  # without them a Q4_1 file is dequantized for torch's path
+        pytest.skip(kernels.status())
+    folder = make_checkpoint(tmp_path / "llama", "llama")
+    models = tmp_path / "models"
+    models.mkdir()
+    for kind in ("F16", "Q8_0", "Q4_0", "Q4_1"):
+        write_gguf(folder, models / f"m-{kind}.gguf", matrices=kind, tokenizer=True)
+    synthetic_gguf.write(
+        models / "m-Q4_K_M.gguf", hidden=256, layers=2, intermediate=512, vocab=300, heads=4, kv_heads=2
+    )
+    rows = {r.name: r for r in scan(folders=[models], env={}, home=tmp_path / "nohome")}
+    assert len(rows) == 5
+    for name, r in rows.items():
+        assert r.openable, r.reason
+        assert r.held_bytes == load_model(r.path).facts()["weight_bytes"], name
+        in_file = sum(int(t.n_bytes) for t in GGUFModel(Path(r.path)).tensors.values())
+        assert r.held_bytes > in_file * 1.05, name  # 36/34 for Q8_0 at the least
