@@ -41,6 +41,7 @@ from ..quant import (
     pack_int4,
     pack_int5,
     quantize,
+    storage_bytes,
     tile,
 )
 from ..user_cache import user_cache
@@ -299,7 +300,7 @@ class Kernels:
         code, block, values, source_group = GGUF_ROWS[kind]
         form = {"int4": 0, "int8": 1, "int5": 2}[mode]
         n, nb = raw.shape[0], raw.shape[1] // block
-        per = {"int4": values // 2, "int8": values, "int5": values // 32 * 20}[mode]  # code bytes a block
+        per = storage_bytes(values, mode, 0)  # code bytes a block
         tile = max(1, tile)
         rows = codes.numel() // (nb * per)  # the product's rows
         groups = nb * values // group

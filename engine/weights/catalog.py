@@ -155,20 +155,20 @@ def _gguf_row(path: Path, name: str, source: str) -> FoundModel:
         gm = GGUFModel(path, check_architecture=False)
     except ModelLoadError as e:
         return FoundModel(name, str(path), source, "gguf", None, None, None, size, False, e.message)
-    params = sum(int(t.n_elements) for t in gm.tensors.values())
+    params = sum(int(t.n_elements) for t in gm.file_tensors)  # a mixture's experts once, as stored
     kind = gm.meta("tokenizer.ggml.model")
-    reason, kv = None, {}
+    reason, kv, held = None, {}, None
     if gm.arch not in ARCHITECTURES:
         reason = f"GGUF architecture {gm.arch!r} is not supported"
     elif kind not in ("gpt2", "llama"):
         reason = f"tokenizer model {kind!r} is not supported"
     else:
         try:
-            kv = kv_facts(config_from_dict(gm.config_dict(), path))
+            cfg = config_from_dict(gm.config_dict(), path)
+            kv, held = kv_facts(cfg), gm.held_estimate(cfg)
         except ModelLoadError as e:
             reason = e.message
     quant = gm.quantization()
-    held = gm.held_estimate()
     return FoundModel(
         name, str(path), source, "gguf", gm.arch, params, quant, size, reason is None, reason, **kv, held_bytes=held
     )

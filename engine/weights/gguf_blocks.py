@@ -9,7 +9,7 @@ import torch
 
 from ..backends import kernels as kernel_library
 from ..backends.kernels import GGUF_ROWS
-from ..quant import pack_int4, pack_int5, tile, untile
+from ..quant import pack_int4, pack_int5, storage_bytes, tile, untile
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -202,9 +202,8 @@ def written_rows(k, raw, kind: str, mode: str, order, r0: int, total: int, rows:
     as rows: (codes, scales, offsets) numpy arrays."""
     _, block, values, _ = GGUF_ROWS[kind]
     width = raw.shape[1] // block * values  # values a row
-    per = {"int4": width // 2, "int8": width, "int5": width // 32 * 20}[mode]
     got = [
-        torch.zeros((total, per), dtype=torch.int8 if mode == "int8" else torch.uint8),
+        torch.zeros((total, storage_bytes(width, mode, 0)), dtype=torch.int8 if mode == "int8" else torch.uint8),
         torch.zeros((total, width // group)),
         torch.zeros((total, width // group)),
     ]

@@ -24,11 +24,12 @@ import torch
 
 from ..backends.kernels import GGUF_ROWS
 from ..errors import ModelLoadError
-from ..quant import PreQuantized
+from ..quant import PreQuantized, storage_bytes
 from . import gguf_vocab
 from .gguf_blocks import INT4_PACKED, INT5, NATIVE, OFFSETS, fast_rows
 from .gguf_header import StringArray, Tensor, read_header
 from .gguf_vocab import NUMBER
+from .hf_names import block_sources, linears
 
 ARCHITECTURES = {  # a GGUF's general.architecture -> config.json's (a "llama" file with experts is a Mixtral)
     "llama": "LlamaForCausalLM",
@@ -130,6 +131,7 @@ class GGUFModel:
         except (OSError, ValueError) as e:  # unreadable, or too small to map
             raise ModelLoadError(f"not a readable GGUF file: {e}", self.path) from None
         self.fields, self.mm, self.metadata_end = header.fields, header.mm, header.metadata_end
+        self.file_tensors = header.tensors  # as the file stores them (a mixture's experts stacked): for counting
         self.tensors = {t.name: t for t in header.tensors}
         for t in header.tensors:  # a mixture's experts stacked in one tensor: each expert's rows by name too
             if t.name.endswith("_exps.weight") and len(t.dims) == 3:
@@ -412,7 +414,7 @@ class GGUFModel:
         n = sum(t.data.shape[0] for t in parts)
         width = parts[0].n_elements // parts[0].data.shape[0]  # values a row
         tile = tiles if mode == "int4" and tiles and n % tiles == 0 else 1
-        per = {"int4": width // 2, "int8": width, "int5": width // 32 * 20}[mode]  # code bytes a row
+        per = storage_bytes(width, mode, 0)  # code bytes a row
         codes = torch.empty((n // tile, tile * per), dtype=torch.int8 if mode == "int8" else torch.uint8)
         scales = torch.empty((n // tile, tile * width // group), dtype=torch.float32)
         mins = torch.empty_like(scales) if offsets else None
@@ -422,7 +424,7 @@ class GGUFModel:
             rows = t.data.shape[0]
             k.gguf_rows(t.data, ftype, mode, self.permutation(hf, cfg), r0, tile, group, codes, scales, mins)
             self._release(t)
-            held = rows * (per + width // group * 4 * (2 if offsets else 1))
+            held = storage_bytes(rows * width, mode, rows * width // group * (2 if offsets else 1))
             self.held[t.name] = (ftype, form, int(t.n_bytes), held)
             r0 += rows
         return PreQuantized(
@@ -458,33 +460,35 @@ class GGUFModel:
             row["held_bytes"] += held_bytes
         return out
 
-    def held_estimate(self, float_bytes: int = 4) -> int:
-        """The bytes the weights take once loaded (what the Models dialog weighs against free memory): each
-        product of tensors a layer computes in one (q/k/v, gate/up) in its form (_product_form: the widest of
-        its types), codes and a float32 scale (and offset) per group; a type the kernels do not compute held
-        dequantized, `float_bytes` a value. A file's size understates it: Q6_K's 6.56 bits a value are held
-        in 10, and q and k widen to int8 where v is Q6_K."""
-        products: dict[str, list[Tensor]] = {}
-        for t in self.tensors.values():
-            m = re.fullmatch(r"(.*)\.(attn_[qkv]|ffn_gate|ffn_up)(_exps)?\.(weight|bias)", t.name)
-            key = f"{m[1]}.{'qkv' if m[2].startswith('attn') else 'gate_up'}{m[3] or ''}.{m[4]}" if m else t.name
-            products.setdefault(key, []).append(t)
-        total = 0
-        for parts in products.values():
+    def held_estimate(self, cfg, float_bytes: int = 4) -> int:
+        """The bytes the weights take once loaded (what the Models dialog weighs against free memory): the
+        products whose codes the loader keeps (each block's linears as hf_names stacks them, the embedding and an
+        untied head) in their held form (_product_form: the widest of their types), codes and a float32 scale
+        (and offset) per group; every other tensor (norms, a router, a type the kernels do not compute) held
+        dequantized, `float_bytes` a value. A file's size understates it: Q6_K's 6.56 bits a value are held in
+        10, and q and k widen to int8 where v is Q6_K."""
+        products = [[h + ".weight" for h in ("model.embed_tokens",)]]
+        if not cfg.tie_word_embeddings:
+            products.append(["lm_head.weight"])
+        for i in range(cfg.num_layers):
+            sources = block_sources(cfg, i)
+            products += [sources[path + ".weight"] for path in linears(cfg, i)]
+        total, counted = 0, set()
+        for hfs in products:
+            parts = [self.tensors[g] for g in map(self.gguf_name, hfs) if g in self.tensors]
             types = [t.tensor_type.name for t in parts]
+            if len(parts) != len(hfs) or not all(t in NATIVE for t in types):
+                continue  # read as floats: counted below with the rest
             n = sum(int(t.n_elements) for t in parts)
-            if len(parts[0].shape) < 2 or not all(t in NATIVE for t in types):
-                total += sum(int(t.n_elements) * (4 if t.tensor_type.name == "F32" else float_bytes) for t in parts)
-                continue
             mode, group = _product_form(types)
-            codes = {"int4": n // 2, "int8": n, "int5": n // 32 * 20}[mode]
-            total += codes + n // group * 4 * (2 if any(t in OFFSETS for t in types) else 1)
-        return total
+            total += storage_bytes(n, mode, n // group * (2 if any(t in OFFSETS for t in types) else 1))
+            counted.update(t.name.split("#")[0] for t in parts)  # a mixture's experts: their stacked tensor
+        return total + sum(int(t.n_elements) * float_bytes for t in self.file_tensors if t.name not in counted)
 
     def quantization(self) -> str:
         """The file's quantization as people name it (its most common tensor type among the matrices)."""
         counts: dict[str, int] = {}
-        for t in self.tensors.values():
+        for t in self.file_tensors:
             if len(t.shape) > 1:
                 counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + int(t.n_elements)
         return max(counts, key=counts.get) if counts else "F32"

@@ -77,11 +77,12 @@ def _kept_form(tok) -> dict:
     beside it as a JSON object (or the tokens in id order) and two lists, the merges' left and right parts. Read
     back (_from_kept), the BPE is built from those Python objects, quicker than tokenizers parses them inside its
     JSON (engine/BENCHMARKS.md, "Opening a model file")."""
-    whole = json.loads(tok.to_str())
+    text = tok.to_str()
+    whole = json.loads(text)
     bpe = whole.get("model") or {}
     merges = bpe.get("merges") or []
     if bpe.get("type") != "BPE" or not all(isinstance(m, list) and len(m) == 2 for m in merges):
-        return {"tokenizer": tok.to_str()}
+        return {"tokenizer": text}
     vocab = bpe["vocab"]
     bpe["vocab"], bpe["merges"] = {}, []
     in_order = list(vocab) if list(vocab.values()) == list(range(len(vocab))) else None

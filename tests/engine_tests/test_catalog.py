@@ -143,8 +143,9 @@ def test_the_new_families_are_listed_openable_with_their_cache_per_layer_kind(tm
 def test_a_gguf_row_says_what_its_weights_take_once_loaded(tmp_path):
     """A GGUF's row carries the bytes its weights take once loaded (what the Models dialog weighs against free
     memory), equal to what loading it gives: F16 held as float32, Q8_0 / Q4_0 / Q4_1 codes with their scales
-    and offsets, and a Q4_K_M mix whose q and k widen to int8 beside v's Q6_K: more than the file in each."""
-    from checkpoints import make_checkpoint
+    and offsets, a Q4_K_M mix whose q and k widen to int8 beside v's Q6_K, and a mixture's stacked experts
+    (counted once, as its parameters are): more than the file in each."""
+    from checkpoints import FAMILY_CASES, make_checkpoint
     from engine.backends import kernels
     from engine.tools import synthetic_gguf
     from engine.tools.gguf_export import write_gguf
@@ -160,10 +161,14 @@ def test_a_gguf_row_says_what_its_weights_take_once_loaded(tmp_path):
     synthetic_gguf.write(
         models / "m-Q4_K_M.gguf", hidden=256, layers=2, intermediate=512, vocab=300, heads=4, kv_heads=2
     )
+    opts = dict(FAMILY_CASES["qwen3_moe"])
+    write_gguf(make_checkpoint(tmp_path / "moe", opts.pop("family"), **opts), models / "m-moe.gguf", "Q8_0", True)
     rows = {r.name: r for r in scan(folders=[models], env={}, home=tmp_path / "nohome")}
-    assert len(rows) == 5
+    assert len(rows) == 6
     for name, r in rows.items():
         assert r.openable, r.reason
-        assert r.held_bytes == load_model(r.path).facts()["weight_bytes"], name
-        in_file = sum(int(t.n_bytes) for t in GGUFModel(Path(r.path)).tensors.values())
+        loaded = load_model(r.path)
+        assert r.held_bytes == loaded.facts()["weight_bytes"], name
+        assert r.parameters == loaded.parameter_count, name
+        in_file = sum(int(t.n_bytes) for t in GGUFModel(Path(r.path)).file_tensors)
         assert r.held_bytes > in_file * 1.05, name  # 36/34 for Q8_0 at the least

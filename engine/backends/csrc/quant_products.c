@@ -361,8 +361,8 @@ static int64_t gguf_block_bytes(int64_t kind) {
 }
 
 /* A block's scales and offsets per group of `gs` values (before recentring): d (Q4_0, Q8_0), d and m (Q4_1),
- * d · sc and −dmin · mn (Q4_K, Q5_K: groups of 32), d · sc (Q6_K, groups of 16). Returns the groups a block. */
-static int gguf_block_groups(int64_t kind, const uint8_t *blk, float *sc, float *mn, int *gs) {
+ * d · sc and −dmin · mn (Q4_K, Q5_K: groups of 32), d · sc (Q6_K, groups of 16). */
+static void gguf_block_groups(int64_t kind, const uint8_t *blk, float *sc, float *mn, int *gs) {
     if (kind == KV_GGUF_Q4_K || kind == KV_GGUF_Q5_K) {
         const float d = half_bits_to_f32(blk), dmin = half_bits_to_f32(blk + 2);
         const uint8_t *p = blk + 4;
@@ -379,7 +379,7 @@ static int gguf_block_groups(int64_t kind, const uint8_t *blk, float *sc, float 
             mn[j] = -(dmin * (float)m6);
         }
         *gs = 32;
-        return 8;
+        return;
     }
     if (kind == KV_GGUF_Q6_K) {
         const float d = half_bits_to_f32(blk + 208);
@@ -388,12 +388,11 @@ static int gguf_block_groups(int64_t kind, const uint8_t *blk, float *sc, float 
             mn[j] = 0.0f;
         }
         *gs = 16;
-        return 16;
+        return;
     }
     sc[0] = half_bits_to_f32(blk);
     mn[0] = kind == KV_GGUF_Q4_1 ? half_bits_to_f32(blk + 2) : 0.0f;
     *gs = 32;
-    return 1;
 }
 
 /* A block's values as the product's int8 codes (centred: Q4 kinds q − 8, Q6_K q − 32, Q8_0 as stored), in ggml's
