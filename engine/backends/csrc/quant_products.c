@@ -5,27 +5,10 @@
 
 #if KV_LANES
 /* One group's codes . x, inputs i..end: four chains of FMAs where the group is long enough (their latency,
- * not memory, bounds a long row of int8 codes), two for a group of 32 (a GGUF's Q8_0). */
+ * not memory, bounds a long row of int8 codes), two for a group of 32 (a GGUF's Q8_0). AVX2 takes groups of
+ * whole 32s another way (q8_bytes32, q8_bytes_group). */
 static inline vf q8_group(const int8_t *r, const float *x, int64_t i, int64_t end) {
     vf p = vzero(), p1 = vzero();
-#if KV_LANES == 8 /* AVX2: eight chains of 8 lanes (an FMA's latency is four cycles, two issue a cycle) */
-    if (i + 8 * KV_LANES <= end) {
-        vf p2 = vzero(), p3 = vzero(), p4 = vzero(), p5 = vzero(), p6 = vzero(), p7 = vzero();
-        for (; i + 8 * KV_LANES <= end; i += 8 * KV_LANES) {
-            PREFETCH(r + i);
-            p = vfma(vload_i8(r + i), vload(x + i), p);
-            p1 = vfma(vload_i8(r + i + KV_LANES), vload(x + i + KV_LANES), p1);
-            p2 = vfma(vload_i8(r + i + 2 * KV_LANES), vload(x + i + 2 * KV_LANES), p2);
-            p3 = vfma(vload_i8(r + i + 3 * KV_LANES), vload(x + i + 3 * KV_LANES), p3);
-            p4 = vfma(vload_i8(r + i + 4 * KV_LANES), vload(x + i + 4 * KV_LANES), p4);
-            p5 = vfma(vload_i8(r + i + 5 * KV_LANES), vload(x + i + 5 * KV_LANES), p5);
-            p6 = vfma(vload_i8(r + i + 6 * KV_LANES), vload(x + i + 6 * KV_LANES), p6);
-            p7 = vfma(vload_i8(r + i + 7 * KV_LANES), vload(x + i + 7 * KV_LANES), p7);
-        }
-        p = vadd(vadd(p, p2), vadd(p4, p6));
-        p1 = vadd(vadd(p1, p3), vadd(p5, p7));
-    }
-#endif
     if (i + 4 * KV_LANES <= end) {
         vf p2 = vzero(), p3 = vzero();
         for (; i + 4 * KV_LANES <= end; i += 4 * KV_LANES) {
@@ -47,12 +30,64 @@ static inline vf q8_group(const int8_t *r, const float *x, int64_t i, int64_t en
     return vadd(p, p1);
 }
 #if KV_LANES == 8
-/* A group of 32 (a GGUF's Q8_0 on AVX2: four vectors) . x from input i, as two independent pairs. */
-static inline vf q8_four(const int8_t *r, const float *x, int64_t i) {
-    PREFETCH(r + i);
-    vf a = vfma(vload_i8(r + i + 8), vload(x + i + 8), vmul(vload_i8(r + i), vload(x + i)));
-    vf b = vfma(vload_i8(r + i + 24), vload(x + i + 24), vmul(vload_i8(r + i + 16), vload(x + i + 16)));
-    return vadd(a, b);
+/* AVX2, 32 codes a load: byte k of each 4-byte lane (input 4j+k of the 32) is moved to the lane's top byte by
+ * vpshufb (the rest zeroed), byte 3 masked where it lies, so that each lane reads as the code times 2^24 — exact in
+ * a float, signed with no offset — and meets x[4j+k] (xp: x rearranged once a call); the 2^-24 goes with the scale.
+ * A code costs a shuffle (or mask), a conversion and an FMA: no vpmovsxbd, three vector-pipe cycles in LLVM's model
+ * of AMD's Zen 3 (engine/BENCHMARKS.md, "int8 bytes in place"). Here: the 32 codes at r as 4 vectors, byte
+ * position k in c[k]. */
+static inline void q8_bytes_values(const int8_t *r, vf c[4]) {
+#define TOP(k) _mm256_setr_epi8(-1, -1, -1, k, -1, -1, -1, 4 + k, -1, -1, -1, 8 + k, -1, -1, -1, 12 + k, \
+                                -1, -1, -1, k, -1, -1, -1, 4 + k, -1, -1, -1, 8 + k, -1, -1, -1, 12 + k)
+    vi v = _mm256_loadu_si256((const __m256i *)r);
+    c[0] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(v, TOP(0)));
+    c[1] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(v, TOP(1)));
+    c[2] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(v, TOP(2)));
+    c[3] = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFF000000u)));
+#undef TOP
+}
+
+/* 32 codes . xp into four chains, one a byte position. */
+static inline void q8_bytes(const int8_t *r, const float *xp, vf *a0, vf *a1, vf *a2, vf *a3) {
+    vf c[4];
+    q8_bytes_values(r, c);
+    *a0 = vfma(c[0], vload(xp), *a0), *a1 = vfma(c[1], vload(xp + 8), *a1);
+    *a2 = vfma(c[2], vload(xp + 16), *a2), *a3 = vfma(c[3], vload(xp + 24), *a3);
+}
+
+/* x [in] -> xp [in], each 32 inputs as q8_bytes reads them: [byte k][lane j] = x[4j+k]. */
+static void q8_bytes_x(const float *x, float *xp, int64_t in) {
+    for (int64_t i = 0; i < in; i += 32)
+        for (int64_t k = 0; k < 4; k++)
+            for (int64_t j = 0; j < 8; j++) xp[i + 8 * k + j] = x[i + 4 * j + k];
+}
+
+/* A group of 32 (a GGUF's Q8_0, kvchat's int8 head) . xp, one chain: the groups are the chains. The lanes' sum is
+ * 2^24 times the group's product. */
+static inline vf q8_bytes32(const int8_t *r, const float *xp) {
+    vf c[4];
+    PREFETCH(r);
+    q8_bytes_values(r, c);
+    return vfma(c[3], vload(xp + 24), vfma(c[2], vload(xp + 16), vfma(c[1], vload(xp + 8), vmul(c[0], vload(xp)))));
+}
+
+/* A longer group's codes (inputs i..end, whole 32s) . xp, eight chains; the lanes' sum is 2^24 times theirs. */
+static inline vf q8_bytes_group(const int8_t *r, const float *xp, int64_t i, int64_t end) {
+    vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+    if (i + 64 <= end) {
+        vf a4 = vzero(), a5 = vzero(), a6 = vzero(), a7 = vzero();
+        for (; i + 64 <= end; i += 64) {
+            PREFETCH(r + i);
+            q8_bytes(r + i, xp + i, &a0, &a1, &a2, &a3);
+            q8_bytes(r + i + 32, xp + i + 32, &a4, &a5, &a6, &a7);
+        }
+        a0 = vadd(a0, a4), a1 = vadd(a1, a5), a2 = vadd(a2, a6), a3 = vadd(a3, a7);
+    }
+    if (i < end) {
+        PREFETCH(r + i);
+        q8_bytes(r + i, xp + i, &a0, &a1, &a2, &a3);
+    }
+    return vadd(vadd(a0, a1), vadd(a2, a3));
 }
 #endif
 /* Two vectors' codes . x from input i: one product, then one FMA onto it. */
@@ -68,6 +103,10 @@ void kv_matvec_q8(const int8_t *q, const float *s, const float *m, const float *
     int64_t groups = in / g;
     float xs[groups];
     if (m) group_sums(x, xs, groups, g);
+#if KV_LANES == 8
+    float xp[g % 32 == 0 ? in : 1];
+    if (g % 32 == 0) q8_bytes_x(x, xp, in);
+#endif
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t o = 0; o < out; o++) {
         const int8_t *r = q + o * in;
@@ -84,17 +123,22 @@ void kv_matvec_q8(const int8_t *q, const float *s, const float *m, const float *
             if (j < groups) acc0 = vfma(vset1(so[j]), q8_pair(r, x, j * g), acc0);
             a = vsum(vadd(acc0, acc1));
 #if KV_LANES == 8
-        } else if (g == 4 * KV_LANES) { /* AVX2, groups of 32: four groups a turn, a chain each */
+        } else if (g == 32) { /* AVX2, groups of 32, bytes in place: four groups a turn, a chain each */
             vf acc0 = vzero(), acc1 = vzero(), acc2 = vzero(), acc3 = vzero();
             int64_t j = 0;
             for (; j + 4 <= groups; j += 4) {
-                acc0 = vfma(vset1(so[j]), q8_four(r, x, j * g), acc0);
-                acc1 = vfma(vset1(so[j + 1]), q8_four(r, x, (j + 1) * g), acc1);
-                acc2 = vfma(vset1(so[j + 2]), q8_four(r, x, (j + 2) * g), acc2);
-                acc3 = vfma(vset1(so[j + 3]), q8_four(r, x, (j + 3) * g), acc3);
+                acc0 = vfma(vset1(so[j] * 0x1p-24f), q8_bytes32(r + j * 32, xp + j * 32), acc0);
+                acc1 = vfma(vset1(so[j + 1] * 0x1p-24f), q8_bytes32(r + j * 32 + 32, xp + j * 32 + 32), acc1);
+                acc2 = vfma(vset1(so[j + 2] * 0x1p-24f), q8_bytes32(r + j * 32 + 64, xp + j * 32 + 64), acc2);
+                acc3 = vfma(vset1(so[j + 3] * 0x1p-24f), q8_bytes32(r + j * 32 + 96, xp + j * 32 + 96), acc3);
             }
-            for (; j < groups; j++) acc0 = vfma(vset1(so[j]), q8_four(r, x, j * g), acc0);
+            for (; j < groups; j++) acc0 = vfma(vset1(so[j] * 0x1p-24f), q8_bytes32(r + j * 32, xp + j * 32), acc0);
             a = vsum(vadd(vadd(acc0, acc1), vadd(acc2, acc3)));
+        } else if (g % 32 == 0) { /* AVX2, longer groups of whole 32s, bytes in place */
+            vf acc = vzero();
+            for (int64_t j = 0; j < groups; j++)
+                acc = vfma(vset1(so[j] * 0x1p-24f), q8_bytes_group(r, xp, j * g, (j + 1) * g), acc);
+            a = vsum(acc);
 #endif
         } else if (g % KV_LANES == 0) {
             vf acc = vzero();
