@@ -32,7 +32,7 @@ static inline vf q8_group(const int8_t *r, const float *x, int64_t i, int64_t en
 #if KV_LANES == 8
 /* AVX2, 32 codes a load: byte k of each 4-byte lane (input 4j+k of the 32) is moved to the lane's top byte by
  * vpshufb (the rest zeroed), byte 3 masked where it lies, so that each lane reads as the code times 2^24 — exact in
- * a float, signed with no offset — and meets x[4j+k] (xp: x rearranged once a call); the 2^-24 goes with the scale.
+ * a float, signed with no offset — and meets x[4j+k] (xp: x rearranged once a call); the 2^-24 comes off once a row.
  * A code costs a shuffle (or mask), a conversion and an FMA: no vpmovsxbd, three vector-pipe cycles in LLVM's model
  * of AMD's Zen 3 (engine/BENCHMARKS.md, "int8 bytes in place"). Here: the 32 codes at r as 4 vectors, byte
  * position k in c[k]. */
@@ -127,18 +127,18 @@ void kv_matvec_q8(const int8_t *q, const float *s, const float *m, const float *
             vf acc0 = vzero(), acc1 = vzero(), acc2 = vzero(), acc3 = vzero();
             int64_t j = 0;
             for (; j + 4 <= groups; j += 4) {
-                acc0 = vfma(vset1(so[j] * 0x1p-24f), q8_bytes32(r + j * 32, xp + j * 32), acc0);
-                acc1 = vfma(vset1(so[j + 1] * 0x1p-24f), q8_bytes32(r + j * 32 + 32, xp + j * 32 + 32), acc1);
-                acc2 = vfma(vset1(so[j + 2] * 0x1p-24f), q8_bytes32(r + j * 32 + 64, xp + j * 32 + 64), acc2);
-                acc3 = vfma(vset1(so[j + 3] * 0x1p-24f), q8_bytes32(r + j * 32 + 96, xp + j * 32 + 96), acc3);
+                acc0 = vfma(vset1(so[j]), q8_bytes32(r + j * 32, xp + j * 32), acc0);
+                acc1 = vfma(vset1(so[j + 1]), q8_bytes32(r + j * 32 + 32, xp + j * 32 + 32), acc1);
+                acc2 = vfma(vset1(so[j + 2]), q8_bytes32(r + j * 32 + 64, xp + j * 32 + 64), acc2);
+                acc3 = vfma(vset1(so[j + 3]), q8_bytes32(r + j * 32 + 96, xp + j * 32 + 96), acc3);
             }
-            for (; j < groups; j++) acc0 = vfma(vset1(so[j] * 0x1p-24f), q8_bytes32(r + j * 32, xp + j * 32), acc0);
-            a = vsum(vadd(vadd(acc0, acc1), vadd(acc2, acc3)));
+            for (; j < groups; j++) acc0 = vfma(vset1(so[j]), q8_bytes32(r + j * 32, xp + j * 32), acc0);
+            a = vsum(vadd(vadd(acc0, acc1), vadd(acc2, acc3))) * 0x1p-24f;
         } else if (g % 32 == 0) { /* AVX2, longer groups of whole 32s, bytes in place */
             vf acc = vzero();
             for (int64_t j = 0; j < groups; j++)
-                acc = vfma(vset1(so[j] * 0x1p-24f), q8_bytes_group(r, xp, j * g, (j + 1) * g), acc);
-            a = vsum(acc);
+                acc = vfma(vset1(so[j]), q8_bytes_group(r, xp, j * g, (j + 1) * g), acc);
+            a = vsum(acc) * 0x1p-24f;
 #endif
         } else if (g % KV_LANES == 0) {
             vf acc = vzero();
