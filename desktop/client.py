@@ -1,5 +1,7 @@
-"""The engine as an async stream of event batches on the qasync loop: `async for batch in
-client.stream(request)`. The chat controller does not know a thread is behind it."""
+"""The engine as the window sees it: replies as an async stream of event batches on the qasync loop
+(`async for batch in client.stream(request)`), loads, probes and comparisons as requests whose answers
+come back as signals, and the loaded model's token text. The window talks to this and the chat
+controller only; the worker and the engine thread stay behind it."""
 
 from __future__ import annotations
 
@@ -15,12 +17,16 @@ from .worker import EngineWorker, EventBatch
 
 
 class EngineClient(QObject):
-    def __init__(self, worker: EngineWorker):
+    def __init__(self, worker: EngineWorker | None = None):
         super().__init__()
-        self.worker = worker
+        self.worker = worker or EngineWorker()
         self._ids = itertools.count(1)
         self._streams: dict[int, asyncio.Queue] = {}
-        worker.events.connect(self._on_events)
+        w = self.worker
+        self.events = w.events
+        self.modelLoading, self.modelLoadProgress, self.modelLoaded = w.modelLoading, w.modelLoadProgress, w.modelLoaded
+        self.modelFailed, self.compared, self.probed = w.modelFailed, w.compared, w.probed
+        w.events.connect(self._on_events)
 
     @Slot(object)
     def _on_events(self, batch: EventBatch) -> None:
@@ -45,3 +51,30 @@ class EngineClient(QObject):
 
     def stop(self) -> None:
         self.worker.stop_generation()
+
+    def load(self, spec) -> None:
+        """A LoadSpec or a RemoteSpec: modelLoading, then modelLoaded or modelFailed."""
+        self.worker.load(spec)
+
+    def probe(self, cid: int, messages: list, draft: str, max_new_tokens: int, overflow: str) -> None:
+        self.worker.probe(cid, messages, draft, max_new_tokens, overflow)
+
+    def compare(self, rid: int, messages: list, max_new_tokens: int) -> None:
+        self.worker.compare(rid, messages, max_new_tokens)
+
+    def token_text(self, ids: list) -> str:
+        """Token ids as text, special tokens kept ("" without a local model)."""
+        return self.worker.token_text(ids)
+
+    def count_tokens(self, text: str) -> int | None:
+        """Tokens in `text` by the local model's tokenizer; None on a remote engine."""
+        loaded = self.worker.loaded
+        return None if loaded is None else len(loaded.tokenizer.encode_text(text))
+
+    def close(self, timeout_ms: int | None = None) -> bool:
+        """Stop, end the engine thread, wait: False when it is still inside a call it cannot leave."""
+        return self.worker.close() if timeout_ms is None else self.worker.close(timeout_ms)
+
+    @property
+    def running(self) -> bool:
+        return self.worker.engine.running

@@ -61,7 +61,6 @@ from .style import THEMES, apply_style, button
 from .token_view import MODES as TOKEN_MODES
 from .token_view import TokenLegend
 from .transcript import MessageView, Transcript
-from .worker import WorkerThread
 
 PROBE_DELAY_MS = 250  # a conversation opened is probed for its cached share this long after (once drawn)
 GREEDY_HINT = (
@@ -77,7 +76,7 @@ class MainWindow(QMainWindow):
     modelReady = Signal(dict)
     conversationProbed = Signal(dict)  # how much of the conversation on screen is cached (tests wait on it)
 
-    def __init__(self, data_directory: Path, worker_thread: WorkerThread | None = None, model: str | None = None):
+    def __init__(self, data_directory: Path, client: EngineClient | None = None, model: str | None = None):
         """`model`: a model folder or GGUF file to start on (`kvchat --model PATH`), instead of the settings'."""
         super().__init__()
         self.setWindowTitle("kvchat")
@@ -89,9 +88,7 @@ class MainWindow(QMainWindow):
             self.settings.model = dataclasses.replace(self.settings.model, path=str(Path(model).expanduser()))
         self.db_path = self.data_directory / "kvchat.db"
         self.loop = asyncio.get_event_loop()
-        self.worker_thread = worker_thread or WorkerThread()
-        self.worker = self.worker_thread.worker
-        self.client = EngineClient(self.worker)
+        self.client = client or EngineClient()
         self.facts: dict | None = None
         self._deleted: list[int] = []
         self._task: asyncio.Task | None = None
@@ -107,12 +104,12 @@ class MainWindow(QMainWindow):
         self.chat = ChatController(self._open_store(), self.client, self.settings, self, now)
         self._show_first_conversation()
         self._update_buttons()
-        self.worker.modelLoading.connect(self._on_model_loading)
-        self.worker.modelLoadProgress.connect(self._on_load_progress)
-        self.worker.modelLoaded.connect(self._on_model_loaded)
-        self.worker.modelFailed.connect(self._on_model_failed)
-        self.worker.compared.connect(self._on_compared)
-        self.worker.probed.connect(self._on_probed)
+        self.client.modelLoading.connect(self._on_model_loading)
+        self.client.modelLoadProgress.connect(self._on_load_progress)
+        self.client.modelLoaded.connect(self._on_model_loaded)
+        self.client.modelFailed.connect(self._on_model_failed)
+        self.client.compared.connect(self._on_compared)
+        self.client.probed.connect(self._on_probed)
         self.load_model()
 
     @property
@@ -342,7 +339,7 @@ class MainWindow(QMainWindow):
             self.statsPanel.show_conversation_cached(None)
             return
         s = self.chat.settings_for(cid)
-        self.worker.probe(
+        self.client.probe(
             -1 if cid is None else cid, self.chat.messages(path, cid), self.composer.toPlainText().strip(),
             s.max_new_tokens, s.policy,
         )  # as Send sends it  # fmt: skip
@@ -517,8 +514,7 @@ class MainWindow(QMainWindow):
 
     def count_tokens(self, text: str) -> int | None:
         """Tokens in `text` by the local model's tokenizer (thinking blocks' counts); None on a remote engine."""
-        loaded = self.worker.loaded
-        return None if loaded is None else len(loaded.tokenizer.encode_text(text))
+        return self.client.count_tokens(text)
 
     def select_message(self, mid: int) -> None:
         if self.chat.select_message(mid) is not None:
@@ -562,7 +558,7 @@ class MainWindow(QMainWindow):
 
     # --- model -------------------------------------------------------------------------
     def load_model(self) -> None:
-        self.worker.load(self.settings.engine())
+        self.client.load(self.settings.engine())
 
     def _on_model_loading(self, what: str) -> None:
         self.loadProgress.setRange(0, 0)  # busy until the first figure arrives
@@ -596,7 +592,7 @@ class MainWindow(QMainWindow):
         self.loadProgress.setVisible(False)
         self.statsPanel.show_model(facts)
         self.chat.cache_map.loaded(facts)
-        self.statsPanel.show_cache_map(self.chat.cache_map, self.worker.token_text)
+        self.statsPanel.show_cache_map(self.chat.cache_map, self.client.token_text)
         self.transcript.show_start(facts)
         self.statsPanel.show_store(facts["cache"].get("store"))
         self.probe_conversation()
@@ -785,7 +781,7 @@ class MainWindow(QMainWindow):
         upto = self.chat.messages_until(self.store.message(mid).parent_id)
         self._compare_rid = getattr(self, "_compare_rid", 0) + 1
         self.statusBar().showMessage("Comparing with the other precision…")
-        self.worker.compare(self._compare_rid, self.chat.messages(upto), self.settings.max_new_tokens)
+        self.client.compare(self._compare_rid, self.chat.messages(upto), self.settings.max_new_tokens)
 
     def _on_compared(self, rid: int, result: dict) -> None:
         from .compare import CompareDialog
@@ -827,7 +823,7 @@ class MainWindow(QMainWindow):
         self._panel_at = now()
         self.statsPanel.show_reply(chat.stats, chat.heading())
         if not (panel and self.generating):  # token 1's own draw leaves the map to the next panel tick
-            self.statsPanel.show_cache_map(chat.cache_map, self.worker.token_text)
+            self.statsPanel.show_cache_map(chat.cache_map, self.client.token_text)
         self._update_buttons()
 
     def export_trace(self) -> None:
@@ -849,7 +845,7 @@ class MainWindow(QMainWindow):
         self.hide()  # gone from the screen at once, even while the worker finishes a model load
         self.pacer.stop()
         self.chat.save_partial()
-        self.worker_left_running = not self.worker_thread.close()
+        self.worker_left_running = not self.client.close()
         if self._task is not None and not self._task.done():
             self._task.cancel()
         self.heldBanner.timer.stop()

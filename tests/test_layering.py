@@ -195,7 +195,7 @@ FLOORS = [
     ),
     ("backends", ("engine.backends",)),
     ("weights", ("engine.weights", "engine.hub")),
-    ("runtime", ("engine.session", "engine.compare", "engine.spec")),
+    ("runtime", ("engine.session", "engine.compare", "engine.spec", "engine.scheduler")),
     ("http", ("engine.http",)),
     ("entry points", ("engine", "engine.cli", "engine.__main__")),
 ]  # fmt: skip

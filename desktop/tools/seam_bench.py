@@ -94,7 +94,8 @@ class App:
         from ..settings_dialog import open_settings
         from ..style import apply_style
         from ..window import MainWindow
-        from ..worker import BATCH_SECONDS, EngineWorker, WorkerThread
+        from ..client import EngineClient
+        from ..worker import BATCH_SECONDS, EngineWorker
 
         if refresh_ms:  # a fixed redraw interval instead of the app's adaptive one (the trade-off's other points)
             pacing.REFRESH_MS = pacing.SLOWEST_REFRESH_MS = refresh_ms
@@ -108,7 +109,14 @@ class App:
         apply_style(self.app)  # as the app runs: the style sheet is a good part of painting's cost
         self.loop = qasync.QEventLoop(self.app, already_running=False)
         asyncio.set_event_loop(self.loop)
-        self.window = MainWindow(data, WorkerThread(EngineWorker(batch_seconds or BATCH_SECONDS)))
+        class HoldingWorker(EngineWorker):  # `hold`: every token kept until the reply ends (the engine alone)
+            hold = False
+
+            def due(self, token, waited):
+                return not self.hold and super().due(token, waited)
+
+        self.worker = HoldingWorker(batch_seconds or BATCH_SECONDS)
+        self.window = MainWindow(data, EngineClient(self.worker))
         self.window.show()
         tune_process(self.window)  # as the app does
         self.ready, self.finished, self.arrivals, self.ticks = [], [], [], []
@@ -118,7 +126,7 @@ class App:
         # A QObject's slot, so that it runs on the GUI thread: a plain lambda connected to the worker's
         # signal would run on the worker thread, at emission, and time nothing of the GUI.
         self.probe = _arrival_probe(self.arrivals, now)
-        self.window.worker.events.connect(self.probe.on_events)
+        self.window.client.events.connect(self.probe.on_events)
         self.updates: list[float] = []  # when the streaming text on screen changed
         self._shown: str | None = None
         draw = self.window.pacer.draw
@@ -154,12 +162,11 @@ class App:
         """Type `text` into a new conversation, send it, wait for the whole reply (with the lag probe's
         timer running, or not). `quiet`: the engine alone inside the app — the worker holds the tokens
         back until the reply ends, so nothing reaches the GUI while it decodes."""
-        worker = self.window.worker
-        worker.hold_tokens = quiet  # read by the worker between tokens; no reply is running now
+        self.worker.hold = quiet  # read by the worker between tokens; no reply is running now
         try:
             return self._reply(text, probe, quiet)
         finally:
-            worker.hold_tokens = False
+            self.worker.hold = False
 
     def _reply(self, text: str, probe: bool, quiet: bool) -> dict:
         now = self.now

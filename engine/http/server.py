@@ -15,10 +15,8 @@ import json
 import math
 import secrets
 import sys
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -28,11 +26,11 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from .. import trace as tracing
-from ..devices import default_threads
 from ..errors import EngineError
 from ..events import Failed, Finished, PrefillStarted, Token
 from ..logprobs import MAX_TOP_LOGPROBS
 from ..sampling import SamplingParams
+from ..scheduler import END, EngineThread, Ticket
 from ..session import OVERFLOW_POLICIES, Request, Session
 from ..weights.loading import LoadedModel
 from . import wire
@@ -229,25 +227,22 @@ class Busy(Exception):
 
 
 class Job:
-    """One request on its way through the engine thread: its events arrive on the event loop's queue."""
+    """One request on its way through the engine thread: its events arrive on the event loop's queue, then None."""
 
     def __init__(self, request: Request, loop: asyncio.AbstractEventLoop):
         self.request, self.loop = request, loop
         self.events: asyncio.Queue = asyncio.Queue()
-        self.cancel = threading.Event()
-        self.cancelled_at: float | None = None  # when the client went away (trace.now)
+        self.ticket: Ticket | None = None
 
     def put(self, ev) -> None:  # from the engine thread
         self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
 
     def stop(self) -> None:
-        if not self.cancel.is_set():
-            self.cancelled_at = tracing.now()
-            self.cancel.set()
+        self.ticket.cancel()
 
 
 class EngineService:
-    """One session on one engine thread; requests run in arrival order, `queue_size` may wait."""
+    """One session on the engine thread (engine.scheduler); requests run in arrival order, `queue_size` may wait."""
 
     def __init__(
         self,
@@ -258,53 +253,45 @@ class EngineService:
         """`load()` gives the model and its session; it runs on the engine thread, so that thread is the
         only one whose OpenMP team ever runs the kernels (a second team makes both slow: engine/SERVING.md,
         "What `engine serve` costs on loopback")."""
-        self._executor = ThreadPoolExecutor(1, "kvchat-engine", initializer=self._init_thread)
-        self.loaded, self.session = self._executor.submit(load).result()
+        self.engine = EngineThread()
+        self.loaded, self.session = self.engine.call(load).result()
+        self.engine.session = self.session
         self.model_id, self.queue_size = model_id or self.loaded.name, queue_size
-        self.pending = 0  # running + waiting; touched on the event loop only
         self.created = int(time.time())
         self.last_cancel: dict | None = None  # how fast the last cancelled request stopped
         self.durations: list[float] = []  # seconds of recent requests, for Retry-After
 
-    @staticmethod
-    def _init_thread() -> None:
-        import torch
-
-        torch.set_num_threads(default_threads())  # per thread under OpenMP: set where the kernels run
+    @property
+    def pending(self) -> int:
+        """Requests running or waiting."""
+        return self.engine.pending
 
     def submit(self, request: Request) -> Job:
-        if self.pending > self.queue_size:
+        pending = self.pending
+        if pending > self.queue_size:
             mean = sum(self.durations[-8:]) / len(self.durations[-8:]) if self.durations else 1.0
-            raise Busy(max(1, math.ceil(mean * self.pending)))
-        loop = asyncio.get_running_loop()
-        job = Job(request, loop)
-        self.pending += 1
-        fut = loop.run_in_executor(self._executor, self._run, job)
-        fut.add_done_callback(lambda _: self._done())
+            raise Busy(max(1, math.ceil(mean * pending)))
+        job = Job(request, asyncio.get_running_loop())
+
+        def sink(ev) -> None:  # on the engine thread
+            ticket = job.ticket
+            if ev is END:
+                self.durations.append(ticket.seconds or 0.0)
+                del self.durations[:-32]
+            elif isinstance(ev, Finished) and ev.reason == "cancelled" and ticket.cancelled_at is not None:
+                times = self.session.traces[-1].token_times
+                self.last_cancel = {
+                    "tokens_after_cancel": sum(t > ticket.cancelled_at for t in times),
+                    "ms_to_stop": round((tracing.now() - ticket.cancelled_at) * 1000.0, 3),
+                }
+            job.put(ev)
+
+        job.ticket = self.engine.submit(request, sink, skip_if_cancelled=True)
         return job
 
-    def _done(self) -> None:
-        self.pending -= 1
-
-    def _run(self, job: Job) -> None:
-        """On the engine thread: the request's events, then None."""
-        start = time.monotonic()
-        try:
-            if not job.cancel.is_set():
-                for ev in self.session.generate(job.request, job.cancel):
-                    job.put(ev)
-                    if isinstance(ev, Finished) and ev.reason == "cancelled" and job.cancelled_at is not None:
-                        times = self.session.traces[-1].token_times
-                        self.last_cancel = {
-                            "tokens_after_cancel": sum(t > job.cancelled_at for t in times),
-                            "ms_to_stop": round((tracing.now() - job.cancelled_at) * 1000.0, 3),
-                        }
-        except BaseException as e:  # whatever native code raises: the request fails, the server stays up
-            job.put(Failed(f"internal error: {type(e).__name__}: {e}", "InternalError", {}))
-        finally:
-            self.durations.append(time.monotonic() - start)
-            del self.durations[:-32]
-            job.put(None)
+    async def cached_positions(self, request: Request) -> dict:
+        """How much of a prompt is cached now, asked on the engine thread (the session is its alone)."""
+        return await asyncio.wrap_future(self.engine.call(self.session.cached_positions, request))
 
     def model_card(self) -> dict:
         facts = self.session.facts()
@@ -327,7 +314,7 @@ class EngineService:
         }
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.engine.close(timeout=2.0)
 
 
 def _report(ev, prompt_tokens: int) -> tuple[dict, dict]:
@@ -442,9 +429,7 @@ def build_app(
             _, req, _ = await read_chat(http)
             probe = Request(messages=req.messages, add_generation_prompt=False, overflow=req.overflow,
                             max_new_tokens=req.max_new_tokens, stop_on_capacity=req.stop_on_capacity)  # fmt: skip
-            seen = await asyncio.get_running_loop().run_in_executor(
-                service._executor, service.session.cached_positions, probe
-            )
+            seen = await service.cached_positions(probe)
         except ApiError as e:
             return e.response()
         except EngineError as e:

@@ -38,7 +38,7 @@ def test_the_map_shows_a_fresh_request_an_edit_and_a_return_to_a_stored_conversa
     roles = m.roles()
     assert [r for _, _, r in roles] == ["template", "user", "template", "reply"]
     (_, _, _), (ua, ub, _), _, (ra, rb, _) = roles
-    assert w.worker.token_text(list(m.ids[ua:ub])).strip() == BUDGET and (ra, rb) == (prompt, length)
+    assert w.client.token_text(list(m.ids[ua:ub])).strip() == BUDGET and (ra, rb) == (prompt, length)
     assert painted(grid, 0) == ORIGIN_COLOURS["computed"] and painted(grid, length - 1) == ORIGIN_COLOURS["generated"]
     assert (
         painted(grid, ua, band=True) == ROLE_COLOURS["user"] and painted(grid, ra, band=True) == ROLE_COLOURS["reply"]
@@ -71,7 +71,7 @@ def test_the_map_shows_a_fresh_request_an_edit_and_a_return_to_a_stored_conversa
     for _ in range(first):
         qtbot.keyClick(grid, Qt.Key_Right)
     said = grid.accessibleDescription()
-    token = w.worker.token_text([m.ids[first]])
+    token = w.client.token_text([m.ids[first]])
     assert said.startswith(f"Position {first}: “{token}”") and "Message 1 of 1 (your message)" in said
     assert "computed now" in said and f"The first invalidated position ({first})" in said
     assert f"{r.cached_token['text']!r} → {r.new_token['text']!r}" in said

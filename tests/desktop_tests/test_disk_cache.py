@@ -20,7 +20,7 @@ def test_a_conversation_returns_from_disk_after_a_restart(qtbot, make_window, sp
     disk = final.cache["store"]["disk"]
     assert disk["directory"] == str(data / DISK_FOLDER) and disk["budget"] > 0
     w.close()
-    assert not w.worker_thread.thread.isRunning()
+    assert not w.client.running
     assert len(list((data / DISK_FOLDER).glob("*.kv"))) >= final.cache["positions"] // 16  # flushed at close
 
     w2 = make_window(demo_model_dir, data=data, max_new_tokens=16)

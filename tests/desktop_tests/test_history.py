@@ -123,6 +123,10 @@ def test_what_is_done_while_a_long_branch_is_being_read_lands_in_its_place(
 def test_only_the_latest_probe_is_answered(qtbot):
     """Switching through long conversations asks the worker for each one's cached share; the questions
     a later one makes stale are dropped, not tokenized ahead of the person's next reply."""
+    import threading
+
+    from PySide6.QtCore import Qt
+
     from desktop.worker import EngineWorker
 
     class Session:
@@ -133,17 +137,19 @@ def test_only_the_latest_probe_is_answered(qtbot):
             return {"positions": 1}
 
     w = EngineWorker()
-    w.session = Session()
+    w.engine.session = Session()
     answered = []
-    w.probed.connect(lambda cid, seen: answered.append(cid))
+    w.probed.connect(lambda cid, seen: answered.append(cid), Qt.DirectConnection)
+    release = threading.Event()
+    w.engine.call(release.wait, 30)  # the engine thread busy with a reply meanwhile
     for cid in (1, 2, 3):
         w.probe(cid, [{"role": "user", "content": f"conversation {cid}"}])
-    while not w._jobs.empty():  # what the worker thread does with its queue
-        w._probe(w._jobs.get())
+    release.set()
+    w.engine.call(lambda: None).result(30)
     conversation = [{"role": "user", "content": "conversation 3"}]
     assert answered == [3] and Session.asked == [conversation, [*conversation, {"role": "user", "content": ""}]]
     w.probe(3, conversation, "Hello")  # typing: only the draft changed, the conversation is not asked again
-    w._probe(w._jobs.get())
+    assert w.close()
     assert Session.asked[2:] == [[*conversation, {"role": "user", "content": "Hello"}]] and answered == [3, 3]
 
 

@@ -298,7 +298,7 @@ def test_closing_while_the_engine_is_stuck_in_a_load_hides_the_window_at_once(qt
         w.close()
         took = time.monotonic() - t0
         assert not w.isVisible() and w.worker_left_running and took < CLOSE_WAIT_MS / 1000 + 1.5
-        assert w.worker_thread.thread.wait(15000)  # it ends at the model list's deadline, on its own
+        assert w.client.worker.engine.join(15)  # it ends at the model list's deadline, on its own
     finally:
         server.stop()
 

@@ -73,7 +73,7 @@ def test_the_thinking_block_counts_its_tokens_with_the_local_tokenizer(qtbot, ma
     view = MessageView(Message(1, 1, None, "assistant", "<think>\nplan the trip\n</think>\n\nOK"), 0, 1, w.count_tokens)
     qtbot.addWidget(view)
     thinking = view.findChild(QFrame, "thinkingBlock")
-    n = len(w.worker.loaded.tokenizer.encode_text("plan the trip"))
+    n = len(w.client.worker.loaded.tokenizer.encode_text("plan the trip"))
     assert thinking.toggle.text() == f"Thinking · {n:,} tokens"
 
 

@@ -3,6 +3,8 @@
 import asyncio
 import threading
 
+from PySide6.QtCore import Qt
+
 from desktop.worker import EngineWorker, EventBatch
 from engine.events import Finished, PrefillStarted, Token
 
@@ -50,16 +52,14 @@ def test_async_stream_yields_batches_until_finished(qapp, loop, llama_dir):
 
     from desktop.chat import Accounting
     from desktop.client import EngineClient
-    from desktop.worker import WorkerThread
     from engine.session import Request
     from engine.spec import LoadSpec
 
-    wt = WorkerThread()
+    client = EngineClient()
     try:
-        client = EngineClient(wt.worker)
         loaded = []
-        wt.worker.modelLoaded.connect(loaded.append)
-        wt.worker.load(LoadSpec(str(llama_dir), capacity=256))
+        client.modelLoaded.connect(loaded.append)
+        client.load(LoadSpec(str(llama_dir), capacity=256))
 
         async def run():
             while not loaded:
@@ -74,7 +74,7 @@ def test_async_stream_yields_batches_until_finished(qapp, loop, llama_dir):
         assert kinds[0] is PrefillStarted and kinds[-2] is Finished and kinds[-1] is Accounting and tokens == 40
         assert loaded[0]["capacity"] == 256 and loaded[0]["architecture"] == "LlamaForCausalLM"
     finally:
-        assert wt.close()
+        assert client.close()
 
 
 def test_events_cross_the_thread_as_frozen_records(llama_dir):
@@ -198,18 +198,22 @@ def test_redraw_interval_adapts_to_the_gui_cpu_budget(qtbot, make_window, llama_
 
 def test_stop_reaches_a_reply_still_waiting_in_the_queue(qapp, llama_dir):
     """Stop pressed while the request waits behind another job (a model reload) stops it at its first
-    token: each request has its own cancel flag, not one the worker clears when it starts a job."""
+    token: each request has its own cancel flag, not one the engine thread clears when it starts a job."""
     from engine.events import Finished
     from engine.session import Request, Session
     from engine.weights.loading import load_model
 
     w = EngineWorker()
-    w.session = Session(load_model(llama_dir), capacity=64)
+    w.engine.session = Session(load_model(llama_dir), capacity=64)
     got = []
-    w.events.connect(lambda batch: got.extend(batch.events))
+    w.events.connect(lambda batch: got.extend(batch.events), Qt.DirectConnection)
+    busy, release = threading.Event(), threading.Event()
+    w.engine.call(lambda: (busy.set(), release.wait(30)))  # a load in the way
+    assert busy.wait(10)
     w.generate(1, Request(prompt_ids=(5, 6, 7), max_new_tokens=50))
     w.stop_generation()  # the job has not started
-    w._generate(w._jobs.get())
+    release.set()
+    assert w.close()
     final = next(e for e in got if isinstance(e, Finished))
     assert final.reason == "cancelled" and len(final.token_ids) == 1
 
@@ -225,8 +229,8 @@ def test_the_worker_survives_what_native_code_raises(qapp, llama_dir):
         pass
 
     w = EngineWorker()
-    w.session = Session(load_model(llama_dir), capacity=64)
-    real = w.session.generate
+    session = w.engine.session = Session(load_model(llama_dir), capacity=64)
+    real = session.generate
     calls = []
 
     def generate(request, cancel):
@@ -235,14 +239,14 @@ def test_the_worker_survives_what_native_code_raises(qapp, llama_dir):
             raise PanicException("tokenizer panicked")
         return real(request, cancel)
 
-    w.session.generate = generate
+    session.generate = generate
     got, stopped = [], []
-    w.events.connect(lambda batch: got.append(batch))
-    w.stopped.connect(lambda: stopped.append(True))
+    w.events.connect(lambda batch: got.append(batch), Qt.DirectConnection)
+    w.stopped.connect(lambda: stopped.append(True), Qt.DirectConnection)
     for rid in (1, 2):
         w.generate(rid, Request(prompt_ids=(5, 6, 7), max_new_tokens=3))
-    w.shutdown()
-    w.run()  # here, on this thread: both jobs, then the shutdown
+    assert w.engine.call(lambda: None).result(60) is None  # both jobs done, the thread alive
+    assert w.close()  # then the shutdown
     first = [e for b in got if b.rid == 1 for e in b.events]
     second = [e for b in got if b.rid == 2 for e in b.events]
     assert isinstance(first[0], Failed) and "PanicException: tokenizer panicked" in first[0].error
@@ -257,11 +261,12 @@ def test_token_1_crosses_at_once(qapp, llama_dir):
     from engine.weights.loading import load_model
 
     w = EngineWorker(batch_seconds=60)
-    w.session = Session(load_model(llama_dir), capacity=64)
+    w.engine.session = Session(load_model(llama_dir), capacity=64)
     batches = []
-    w.events.connect(lambda batch: batches.append(batch.events))
+    w.events.connect(lambda batch: batches.append(batch.events), Qt.DirectConnection)
     w.generate(1, Request(prompt_ids=(5, 6, 7), max_new_tokens=12))
-    w._generate(w._jobs.get())
+    w.engine.call(lambda: None).result(60)  # after the reply
+    assert w.close()
     with_tokens = [b for b in batches if any(isinstance(e, Token) for e in b)]
     assert [e.index for e in with_tokens[0]] == [1]
     assert len(with_tokens) == 2 and isinstance(with_tokens[1][-2], Finished)  # the rest, with the end

@@ -209,7 +209,7 @@ def test_close_mid_generation_then_reopen_restores_everything(qtbot, make_window
     qtbot.mouseClick(w.sendButton, Qt.LeftButton)
     spin_loop(lambda: w.stats.tokens >= 5)
     w.close()
-    assert not w.worker_thread.thread.isRunning()
+    assert not w.client.running
     store = Store(data / "kvchat.db")
     conv = store.conversations()[0]
     path = store.branch(conv.id)
@@ -418,7 +418,7 @@ def test_the_prefix_store_budget_is_a_setting_that_keeps_the_weights(qtbot, make
 
     w = make_window(demo_model_dir)
     send(qtbot, w, spin_loop, BUDGET)
-    weights = w.worker.loaded
+    weights = w.client.worker.loaded
     dialog = SettingsDialog(w.settings, w.db_path, w)
     assert dialog.cacheBudget.text() == "automatic (¼ of free memory)"
     dialog.cacheBudget.setValue(1)  # MiB
@@ -428,7 +428,7 @@ def test_the_prefix_store_budget_is_a_setting_that_keeps_the_weights(qtbot, make
     w.modelReady.connect(ready.append)
     w.apply_settings(new)
     spin_loop(lambda: ready, 120)
-    assert w.worker.loaded is weights  # only the cache's settings changed: no reload
+    assert w.client.worker.loaded is weights  # only the cache's settings changed: no reload
     assert w.statsPanel.storeBar.format().endswith("of 1.0 MiB")
     w.apply_settings(replace(new, model=replace(new.model, cache_budget=4096)))  # less than one conversation
     spin_loop(lambda: len(ready) == 2, 120)
@@ -511,7 +511,7 @@ def test_the_models_dialog_lists_what_is_on_disk_and_opens_one_with_a_click(
     table.selectRow(row["tiny-gemma"])
     assert not dlg.openButton.isEnabled()
     progress, ready = [], []
-    w.worker.modelLoadProgress.connect(lambda f, what: progress.append((f, what)))
+    w.client.modelLoadProgress.connect(lambda f, what: progress.append((f, what)))
     w.modelReady.connect(ready.append)
     item = table.item(row["tiny-qwen2:q8_0"], 0)
     at = table.visualItemRect(item).center()
@@ -776,7 +776,7 @@ def test_the_context_meter_counts_what_the_next_send_needs_and_warns_before_the_
     draft, plus the reply's tokens) against the capacity; near the limit it warns, over it it says Send
     will be refused, and Send is refused with the same number (under the policy that stops at the limit)."""
     w = make_window(demo_model_dir, capacity=160, max_new_tokens=16, overflow="stop")
-    tok = w.worker.loaded.tokenizer
+    tok = w.client.worker.loaded.tokenizer
     probed = []
     w.conversationProbed.connect(probed.append)
 
