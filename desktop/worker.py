@@ -72,7 +72,8 @@ class EngineWorker(QObject):
         self._queue(self._load, spec, on_error=self.modelFailed.emit)
 
     def compare(self, rid: int, messages: list, max_new_tokens: int) -> None:
-        self._queue(self._compare, rid, messages, max_new_tokens, on_error=lambda e: self.compared.emit(rid, {"error": e}))
+        on_error = lambda e: self.compared.emit(rid, {"error": e})
+        self._queue(self._compare, rid, messages, max_new_tokens, on_error=on_error)
 
     def probe(
         self, cid: int, messages: list, draft: str = "", max_new_tokens: int = 256, overflow: str = "stop"

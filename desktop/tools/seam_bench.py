@@ -90,11 +90,11 @@ class App:
 
         from .. import pacing
         from ..app import tune_process
+        from ..client import EngineClient
         from ..settings import Settings
         from ..settings_dialog import open_settings
         from ..style import apply_style
         from ..window import MainWindow
-        from ..client import EngineClient
         from ..worker import BATCH_SECONDS, EngineWorker
 
         if refresh_ms:  # a fixed redraw interval instead of the app's adaptive one (the trade-off's other points)
@@ -109,6 +109,7 @@ class App:
         apply_style(self.app)  # as the app runs: the style sheet is a good part of painting's cost
         self.loop = qasync.QEventLoop(self.app, already_running=False)
         asyncio.set_event_loop(self.loop)
+
         class HoldingWorker(EngineWorker):  # `hold`: every token kept until the reply ends (the engine alone)
             hold = False
 

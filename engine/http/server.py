@@ -30,7 +30,7 @@ from ..errors import EngineError
 from ..events import Failed, Finished, PrefillStarted, Token
 from ..logprobs import MAX_TOP_LOGPROBS
 from ..sampling import SamplingParams
-from ..scheduler import END, EngineThread, Ticket
+from ..scheduler import EngineThread, Ticket
 from ..session import OVERFLOW_POLICIES, Request, Session
 from ..weights.loading import LoadedModel
 from . import wire
@@ -275,7 +275,7 @@ class EngineService:
 
         def sink(ev) -> None:  # on the engine thread
             ticket = job.ticket
-            if ev is END:
+            if ev is None:  # the scheduler's END
                 self.durations.append(ticket.seconds or 0.0)
                 del self.durations[:-32]
             elif isinstance(ev, Finished) and ev.reason == "cancelled" and ticket.cancelled_at is not None:
