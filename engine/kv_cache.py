@@ -21,6 +21,7 @@ class KVCache:
     """
 
     quantized = False  # K/V held in the model dtype, as the attention kernels read them
+    windowed = False  # every layer keeps every position (WindowedKVCache: sliding layers keep a ring)
 
     def __init__(
         self,
@@ -32,17 +33,18 @@ class KVCache:
         device,
         batch: int = 1,
     ):
+        self._shape(num_layers, num_kv_heads, head_dim, capacity, batch)
         shape = (num_layers, batch, num_kv_heads, capacity, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, H_kv, C, d]
         self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, H_kv, C, d]
-        self.num_layers, self.batch, self.num_kv_heads, self.capacity, self.head_dim = (
-            num_layers,
-            batch,
-            num_kv_heads,
-            capacity,
-            head_dim,
-        )
-        self.length = 0
+
+    def _shape(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, batch: int) -> None:
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.capacity, self.batch, self.length = capacity, batch, 0
+
+    def kinds(self) -> list[dict] | None:
+        """The layers of each kind and the positions each keeps at most; None: one kind, every position."""
+        return None
 
     @property
     def positions(self) -> int:
@@ -157,13 +159,7 @@ class QuantKVCache(KVCache):
     ):
         check_mode(mode)
         self.mode, self.dtype = mode, dtype
-        self.num_layers, self.batch, self.num_kv_heads, self.capacity, self.head_dim = (
-            num_layers,
-            batch,
-            num_kv_heads,
-            capacity,
-            head_dim,
-        )
+        self._shape(num_layers, num_kv_heads, head_dim, capacity, batch)
         width = head_dim // 2 if mode == "int4" else head_dim
         code_dtype = torch.uint8 if mode == "int4" else torch.int8
         shape = (num_layers, batch, num_kv_heads, capacity, width)
@@ -173,7 +169,6 @@ class QuantKVCache(KVCache):
         self.k_scale = torch.ones(sshape, dtype=torch.float32, device=device)  # [L, B, H_kv, C, 1]
         self.v_scale = torch.ones(sshape, dtype=torch.float32, device=device)
         self.bits = BITS[mode]
-        self.length = 0
 
     def buffers(self) -> tuple[torch.Tensor, ...]:
         return self.k, self.v, self.k_scale, self.v_scale
@@ -271,6 +266,7 @@ class WindowedKVCache:
     """
 
     quantized = False
+    windowed = True
     batch = 1
 
     def __init__(self, config, capacity: int, dtype, device, kv: str, slots: int):
@@ -444,7 +440,7 @@ def cache_plan(config, dtype: torch.dtype, capacity: int | None = None) -> dict:
     allocated, and, for a sliding-window cache, its layers in words."""
     capacity = capacity or min(config.max_position_embeddings, DEFAULT_CAPACITY)
     cache = make_cache(config, capacity, dtype, "meta")  # shapes only: nothing is allocated
-    sliding = next((k for k in cache.kinds() if k["kind"] == "sliding"), None) if hasattr(cache, "kinds") else None
+    sliding = next((k for k in cache.kinds() or () if k["kind"] == "sliding"), None)
     return {
         "capacity": capacity,
         "bytes_per_position": cache.bytes_per_position,

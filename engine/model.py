@@ -407,7 +407,7 @@ class Transformer(nn.Module):
     def masks(self, start: int, t: int, dtype, device, cache=None) -> dict:
         """The additive mask of each window among the layers (None: full attention) for T new positions; a sliding
         layer's over its cache's ring of slots where the cache keeps one (WindowedKVCache)."""
-        ringed = hasattr(cache, "ring_mask")
+        ringed = cache is not None and cache.windowed
         windows = set(self.cfg.windows) - ({cache.window} if ringed else set())  # the ring's mask is its own
         out = {w: additive(attention_mask(start, t, w, device), dtype) for w in windows}
         if ringed:

@@ -190,12 +190,12 @@ FLOORS = [
         (
             "engine.errors", "engine.events", "engine.quant", "engine.model", "engine.sampling", "engine.trace",
             "engine.config", "engine.devices", "engine.kv_cache", "engine.tokenizer", "engine.prefix_store",
-            "engine.user_cache", "engine.logprobs", "engine.disk_store",
+            "engine.user_cache", "engine.logprobs", "engine.disk_store", "engine.request", "engine.kv_tiers",
         ),
     ),
     ("backends", ("engine.backends",)),
     ("weights", ("engine.weights", "engine.hub")),
-    ("runtime", ("engine.session", "engine.compare", "engine.spec", "engine.scheduler")),
+    ("runtime", ("engine.generation", "engine.session", "engine.compare", "engine.spec", "engine.scheduler")),
     ("http", ("engine.http",)),
     ("entry points", ("engine", "engine.cli", "engine.__main__")),
 ]  # fmt: skip

@@ -22,7 +22,7 @@ class GraphDecoder:
     def __init__(self, model, cache):
         if model.cfg.num_experts:
             raise ValueError("a mixture of experts picks its experts per token: its step has no fixed graph")
-        if hasattr(cache, "ring_mask"):
+        if cache.windowed:
             raise ValueError("a sliding layer's ring is not captured: its step runs eagerly")
         dev = cache.k.device
         self.model, self.cache = model, cache

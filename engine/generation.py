@@ -1,0 +1,111 @@
+"""Generation as named steps, as gpt-fast and nanochat name theirs: `prefill` (the prompt's uncached positions,
+a chunk a forward), `Decoder.step` (consume one token, through a CUDA graph where one works) and `decode`
+(select token k from the last logits, stream it, stop or consume it for k+1)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import torch
+
+from . import trace as tracing
+from .backends.cuda_graph import GraphDecoder, graphs_wanted
+from .events import Token
+from .logprobs import step_logprobs
+from .sampling import draw
+
+# Why 256 positions: engine/BENCHMARKS.md, "Decisions, and what was measured for them".
+PREFILL_CHUNK = 256  # float32 positions per prefill step: progress and Stop act between steps
+
+
+def prefill_chunk_for(dtype: torch.dtype) -> int:
+    """Positions per prefill step: the activation bytes of PREFILL_CHUNK float32 positions, so a 16-bit
+    model takes steps of 512 (its GEMMs run further below their speed on fewer rows)."""
+    return PREFILL_CHUNK * 4 // dtype.itemsize
+
+
+def prefill(model, cache, ids: list[int], tokens: list[int], chunk: int, device) -> Iterator[tuple[int, torch.Tensor]]:
+    """Consume `tokens` after the cache's positions, `chunk` of them a forward: after each, (how many are
+    consumed, the logits of the last [1, 1, V]); `ids` gains each chunk as the cache does."""
+    done = 0
+    while done < len(tokens):
+        piece = tokens[done : done + chunk]
+        logits = model(torch.tensor([piece], device=device), cache, last_only=True)  # [1, T, V] -> [1, 1, V]
+        ids.extend(piece)
+        done += len(piece)
+        yield done, logits
+
+
+class Decoder:
+    """One decode step on one cache: consume a token ([1, 1]) and give the logits for the next ([1, 1, V]),
+    through a captured CUDA graph where one works (`error` says why not), else the eager forward."""
+
+    def __init__(self, loaded, cache):
+        self.loaded, self.cache = loaded, cache
+        self._graph: GraphDecoder | None = None
+        self.error: str | None = None
+
+    def step(self, token: int) -> torch.Tensor:
+        loaded = self.loaded
+        if self._graph is None and self.error is None and graphs_wanted(loaded.device, self.cache):
+            try:
+                self._graph = GraphDecoder(loaded.model, self.cache)
+            except Exception as e:  # capture unsupported here: stay eager, keep the reason
+                self.error = f"{type(e).__name__}: {e}"
+        if self._graph is not None:
+            try:
+                return self._graph.step(token)
+            except RuntimeError as e:
+                self._graph, self.error = None, str(e)
+        return loaded.model(torch.tensor([[token]], device=loaded.device), self.cache, last_only=True)
+
+    @property
+    def path(self) -> str:
+        return "cuda-graph" if self._graph is not None else "eager"
+
+
+def decode(req, logits: torch.Tensor, decoder: Decoder, ids: list[int], tok, stream, trace, cancel: threading.Event):
+    """The decode loop: token k selected from `logits` ([1, 1, V]), streamed as a Token event, then consumed
+    for k+1 unless the request stops there. Returns (the stop reason, the tokens, their StepLogprobs)."""
+    cache = decoder.cache
+    gen = None
+    if not req.sampling.greedy:
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(req.sampling.seed if req.sampling.seed is not None else torch.seed())
+    use_penalty = req.sampling.repetition_penalty != 1.0
+    out: list[int] = []
+    steps = []  # each token's StepLogprobs, when asked for
+    reason = "max_new_tokens"
+    for k in range(1, req.max_new_tokens + 1):
+        row = logits[0, -1].float().cpu() if gen is not None or use_penalty else logits[0, -1]  # [V]
+        seen = torch.tensor(ids, dtype=torch.long, device=row.device) if use_penalty else None
+        token, drawn = draw(row, req.sampling, gen, seen)
+        if token in tok.stop_ids and not req.ignore_eos:
+            reason = "eos"
+            break
+        weighed = None
+        if req.logprobs:
+            greedy = req.sampling.greedy
+            weighed = step_logprobs(
+                row, drawn, token, req.top_logprobs, greedy, tok.token_text, greedy and not use_penalty
+            )
+            steps.append(weighed)
+        t = tracing.now()
+        trace.token_times.append(t)
+        out.append(token)
+        yield Token(k, token, stream.push(token), t, cache.length, weighed)
+        if req.stop_strings and any(s in stream.new_text for s in req.stop_strings):
+            reason = "stop_string"
+            break
+        if k == req.max_new_tokens:
+            break
+        if cancel.is_set():
+            reason = "cancelled"
+            break
+        if cache.length >= cache.capacity:
+            reason = "capacity"
+            break
+        logits = decoder.step(token)  # [1, 1, V]
+        ids.append(token)
+    return reason, out, steps
