@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from engine import trace as figures
-from engine.events import Failed, Finished, PrefillDone, PrefillProgress, PrefillStarted, Token
+from engine.events import STOP_REASONS, Failed, Finished, PrefillDone, PrefillProgress, PrefillStarted, Token
 from engine.logprobs import MAX_TOP_LOGPROBS, reply_confidence
 from engine.session import Request
 
@@ -23,21 +23,9 @@ from .store import Message, Store
 from .store_file import StoreError
 
 SAVE_EVERY_S = 0.25  # partial replies reach the database this often while streaming
-STATUS_BY_REASON = {
-    "eos": "complete",
-    "stop_string": "complete",
-    "max_new_tokens": "length",
-    "capacity": "length",
-    "cancelled": "stopped",
-}  # a message's status from the engine's stop reason (else "failed")
+STATUS_BY_REASON = {k: r.status for k, r in STOP_REASONS.items()}  # a message's status (else "failed")
 CONTINUABLE = ("length", "stopped", "incomplete")  # statuses a reply can be continued from
-STOP_NAMES = {
-    "eos": "stop token",
-    "stop_string": "stop string",
-    "max_new_tokens": "token limit",
-    "capacity": "cache full",
-    "cancelled": "stopped",
-}  # the engine's stop reasons as a reply's footer names them
+STOP_NAMES = {k: r.words for k, r in STOP_REASONS.items()}  # the stop reasons as a reply's footer names them
 MADE_BY = (
     "name", "backend", "server", "server_kind", "dtype", "weights", "head_weights", "activations", "kv_cache",
     "device", "capacity", "kv_bytes_per_position", "kv_source", "layers", "kv_heads", "head_dim", "bytes_per_value",

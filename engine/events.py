@@ -99,4 +99,22 @@ class Failed:
 
 
 Event = PrefillStarted | PrefillProgress | PrefillDone | Token | Finished | Failed
-STOP_REASONS = ("eos", "stop_string", "max_new_tokens", "capacity", "cancelled")
+
+
+@dataclasses.dataclass(frozen=True)
+class StopReason:
+    """How one of the engine's stop reasons is told: the reply's status in the app, its words in a reply's
+    footer, and OpenAI's finish_reason on the wire (None: OpenAI has none for a stopped reply)."""
+
+    status: str
+    words: str
+    finish: str | None
+
+
+STOP_REASONS = {
+    "eos": StopReason("complete", "stop token", "stop"),
+    "stop_string": StopReason("complete", "stop string", "stop"),
+    "max_new_tokens": StopReason("length", "token limit", "length"),
+    "capacity": StopReason("length", "cache full", "length"),
+    "cancelled": StopReason("stopped", "stopped", None),
+}  # every reason a Finished event may carry

@@ -47,37 +47,6 @@ class StepLogprobs:
         return {**dataclasses.asdict(self), "top": [a.to_dict() for a in self.top]}
 
 
-def _num(d: dict, key: str) -> float | None:
-    v = d.get(key)
-    return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
-
-
-def from_openai(entry: dict) -> StepLogprobs | None:
-    """One entry of an OpenAI response's `logprobs.content` (kvchat's own figures where a kvchat server sent
-    them beside it); None when it is not one."""
-    if not isinstance(entry, dict) or _num(entry, "logprob") is None:
-        return None
-    mine = entry.get("kvchat") if isinstance(entry.get("kvchat"), dict) else {}
-    theirs = mine.get("top") if isinstance(mine.get("top"), list) else []
-    theirs = [x if isinstance(x, dict) else {} for x in theirs]
-    top = []
-    for j, a in enumerate(x for x in entry.get("top_logprobs") or () if isinstance(x, dict)):
-        if _num(a, "logprob") is not None:
-            extra = theirs[j] if j < len(theirs) else {}
-            token_id = extra.get("token_id") if type(extra.get("token_id")) is int else -1
-            top.append(Alternative(token_id, str(a.get("token", "")), a["logprob"], _num(extra, "sampled_logprob")))
-    rank = mine.get("rank") if type(mine.get("rank")) is int else None
-    return StepLogprobs(
-        str(entry.get("token", "")),
-        entry["logprob"],
-        _num(mine, "sampled_logprob"),
-        _num(mine, "entropy"),
-        _num(mine, "sampled_entropy"),
-        rank,
-        tuple(top),
-    )
-
-
 def check_top_logprobs(k: int) -> None:
     if not 0 <= k <= MAX_TOP_LOGPROBS:
         raise ValueError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, not {k}")

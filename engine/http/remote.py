@@ -25,8 +25,7 @@ from urllib.parse import urlsplit
 from .. import trace as tracing
 from ..errors import EngineError
 from ..events import Failed, Finished, PrefillDone, PrefillStarted, ReuseReport, Token
-from ..logprobs import from_openai
-from . import wire
+from . import openai_chat as wire
 
 POLL_S = 0.5  # how often a reply whose server says nothing looks at its Stop flag (stop() acts at once)
 CONNECT_TIMEOUT_S = 5.0  # a model list or a cache probe: the whole answer, not one read
@@ -293,36 +292,7 @@ class RemoteSession:
     def body(self, req) -> dict:
         if req.messages is None:
             raise RemoteError("a remote engine takes chat messages, not raw prompts or token ids")
-        s = req.sampling
-        body = {
-            "model": self.model_id,
-            "messages": list(req.messages),
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "max_tokens": req.max_new_tokens,
-            "temperature": s.temperature,
-            "top_p": s.top_p,
-        }
-        # Extensions (vLLM, SGLang, llama-server, kvchat) only when asked: OpenAI's own API refuses them.
-        for name, value, off in (
-            ("top_k", s.top_k, 0),
-            ("min_p", s.min_p, 0.0),
-            ("repetition_penalty", s.repetition_penalty, 1.0),
-            ("seed", s.seed, None),
-        ):
-            if value != off:
-                body[name] = value
-        if req.stop_strings:
-            body["stop"] = list(req.stop_strings)
-        if req.ignore_eos:
-            body["ignore_eos"] = True
-        if req.logprobs:  # OpenAI's own fields: vLLM, SGLang, llama-server and kvchat answer them
-            body.update(logprobs=True, top_logprobs=req.top_logprobs)
-        if req.continue_final_message:  # vLLM's and kvchat's names; llama-server continues a last assistant turn
-            body.update(continue_final_message=True, add_generation_prompt=False)
-        if req.overflow != "stop" and (self._facts or {}).get("server_kind") == "kvchat":
-            body["overflow"] = req.overflow  # kvchat's own: another server keeps its own rule for a long prompt
-        return body
+        return wire.chat_body(req, self.model_id, (self._facts or {}).get("server_kind") == "kvchat")
 
     async def _post(self, body: dict, out: queue.Queue) -> None:
         """On the loop's thread: stream the response's server-sent events into `out` as
@@ -492,7 +462,7 @@ class _Reply:
         if isinstance(mine, dict):
             if wire.REUSE in mine and wire.TRACE not in mine and not self.started:  # the first chunk: the reuse report
                 self.prompt_tokens = mine.get(wire.PROMPT_TOKENS)
-                yield from self._start(_reuse(mine[wire.REUSE]))
+                yield from self._start(wire.reuse_from(mine[wire.REUSE]))
             elif wire.TRACE in mine:
                 self.report = mine
         if isinstance(obj.get("usage"), dict):
@@ -509,7 +479,7 @@ class _Reply:
                 self.reason = choice["finish_reason"]
             weighed = choice.get("logprobs") if isinstance(choice.get("logprobs"), dict) else {}
             if isinstance(weighed.get("content"), list):
-                self.steps += [s for s in map(from_openai, weighed["content"]) if s is not None]
+                self.steps += [s for s in map(wire.step_from, weighed["content"]) if s is not None]
             if isinstance(content, str) and content and self.tokens >= self.req.max_new_tokens:
                 self.over = True  # more text than max_tokens allows: not taken
                 return
@@ -547,7 +517,7 @@ class _Reply:
         trace = self.trace
         trace.end = tracing.now()
         trace.status = "cancelled" if cancelled else "finished"
-        reason = "cancelled" if cancelled else wire.STOP_REASONS.get(self.reason, "eos")
+        reason = "cancelled" if cancelled else wire.STOP_REASONS_BY_FINISH.get(self.reason, "eos")
         if self.report and self.report.get(wire.TRACE, {}).get("status") == "cancelled":
             reason = "cancelled"
         usage = self.usage or self._usage_from_timings()
@@ -587,7 +557,7 @@ class _Reply:
 
     def _reuse(self, prompt: int | None, usage: dict) -> ReuseReport:
         if self.report and wire.REUSE in self.report:
-            return _reuse(self.report[wire.REUSE])
+            return wire.reuse_from(self.report[wire.REUSE])
         details = usage.get("prompt_tokens_details") or {}
         cached = details.get("cached_tokens")
         how = details.get("from", "usage: cached_tokens")
@@ -612,8 +582,3 @@ class _Reply:
 
 class _StreamError(RemoteError):
     """The server put an error object into the stream."""
-
-
-def _reuse(d: dict) -> ReuseReport:
-    names = {f.name for f in dataclasses.fields(ReuseReport)}
-    return ReuseReport(**{k: v for k, v in d.items() if k in names})

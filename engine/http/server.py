@@ -28,197 +28,22 @@ from starlette.routing import Route
 from .. import trace as tracing
 from ..errors import EngineError
 from ..events import Failed, Finished, PrefillStarted, Token
-from ..logprobs import MAX_TOP_LOGPROBS
-from ..sampling import SamplingParams
+from ..request import Request
 from ..scheduler import EngineThread, Ticket
-from ..session import OVERFLOW_POLICIES, Request, Session
+from ..session import Session
 from ..weights.loading import LoadedModel
-from . import wire
+from . import openai_chat as wire
+from .openai_chat import ApiError, chunk, completion, failure, parse_chat, reply_logprobs, report, sse
 
 MAX_TOKENS_PER_CHUNK = 32  # tokens already made that one streamed chunk may carry
 END = object()  # the end of a job's events, when it was taken while gathering tokens
 QUEUE_SIZE = 8  # requests that may wait behind the running one before the server answers 429
-STATUS_BY_KIND = {"CapacityError": 413, "TemplateError": 400, "EngineError": 400, "ValueError": 400}
 # What one client may send or hold (a slow or hostile client cannot tie the server up or grow it).
 BODY_BYTES = 16 << 20  # a request's body
 BODY_SECONDS = 30.0  # to send it, once its head has come
 HEAD_SECONDS = 10.0  # to send a request's head (line and headers) after connecting
 MAX_CONNECTIONS = 64  # open at once; past it uvicorn answers 503
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
-
-NUMBER, INTEGER = "number", "integer"
-# The request fields kvchat reads and the JSON type each must have (None allowed for all); others are ignored.
-FIELDS = {
-    "model": str,
-    "messages": list,
-    "stream": bool,
-    "stream_options": dict,
-    "temperature": NUMBER,
-    "top_p": NUMBER,
-    "top_k": INTEGER,
-    "min_p": NUMBER,
-    "repetition_penalty": NUMBER,
-    "max_tokens": INTEGER,
-    "max_completion_tokens": INTEGER,
-    "stop": (str, list),
-    "seed": INTEGER,
-    "n": INTEGER,
-    "add_generation_prompt": bool,  # vLLM's names: continue the last (assistant) message instead of a new one
-    "continue_final_message": bool,
-    "ignore_eos": bool,  # vLLM's: run to max_tokens past the stop tokens (benchmarks)
-    "logprobs": bool,
-    "top_logprobs": INTEGER,
-    "overflow": str,  # kvchat's: a prompt longer than the cache allows (engine.session.OVERFLOW_POLICIES)
-}
-# Fields kvchat does not implement: accepted only at the value that means "off".
-UNSUPPORTED = {
-    "n": 1,
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
-    "tools": [],
-    "tool_choice": "none",
-    "functions": [],
-    "function_call": "none",
-    "logit_bias": {},
-    "response_format": {"type": "text"},
-}
-ROLES = ("system", "developer", "user", "assistant")
-
-
-class ApiError(Exception):
-    """An OpenAI-style error: HTTP status, message, type, the offending parameter, a code."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param=None, code=None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-    def response(self, headers: dict | None = None) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status, headers=headers)
-
-
-def _type_ok(value, want) -> bool:
-    if value is None:
-        return True
-    if want == NUMBER:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if want == INTEGER:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, want) and (want is not int or not isinstance(value, bool))
-
-
-def _type_name(want) -> str:
-    names = {str: "a string", list: "an array", dict: "an object", bool: "a boolean", NUMBER: "a number"}
-    if isinstance(want, tuple):
-        return " or ".join(_type_name(w) for w in want)
-    return names.get(want, "an integer")
-
-
-def _text(content, i: int) -> str:
-    """A message's content as text: a string, or OpenAI's list of text parts."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ApiError(400, f"messages[{i}].content: only text parts are supported", param="messages")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise ApiError(400, f"messages[{i}].content must be a string or an array of text parts", param="messages")
-
-
-def parse_chat(body, max_new_default: int, overflow_default: str = "stop") -> tuple[Request, dict]:
-    """A chat-completions body → the engine's Request and the response options (stream, usage)."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    for name, want in FIELDS.items():
-        if name in body and not _type_ok(body[name], want):
-            raise ApiError(400, f"'{name}' must be {_type_name(want)}, not {json.dumps(body[name])}", param=name)
-    for name, off in UNSUPPORTED.items():
-        if body.get(name) not in (None, off):
-            raise ApiError(400, f"'{name}' is not supported by kvchat (only {json.dumps(off)})", param=name)
-    msgs = body.get("messages")
-    if not msgs:
-        raise ApiError(400, "'messages' must be a non-empty array", param="messages")
-    messages = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise ApiError(400, f"messages[{i}] needs a role among {', '.join(ROLES)}", param="messages")
-        role = "system" if m["role"] == "developer" else m["role"]
-        messages.append({"role": role, "content": _text(m.get("content"), i)})
-    stop = body.get("stop") or ()
-    stop = (stop,) if isinstance(stop, str) else tuple(stop)
-    if not all(isinstance(s, str) and s for s in stop):
-        raise ApiError(400, "'stop' must be a string or an array of non-empty strings", param="stop")
-    limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    if limit is not None and limit < 1:
-        raise ApiError(400, "'max_tokens' must be at least 1", param="max_tokens")
-    try:
-        sampling = SamplingParams(
-            temperature=_or(body, "temperature", 1.0),
-            top_p=_or(body, "top_p", 1.0),
-            top_k=_or(body, "top_k", 0),
-            min_p=_or(body, "min_p", 0.0),
-            repetition_penalty=_or(body, "repetition_penalty", 1.0),
-            seed=body.get("seed"),
-        )
-    except ValueError as e:
-        raise ApiError(400, str(e)) from None
-    logprobs, top = bool(body.get("logprobs")), body.get("top_logprobs")
-    if top is not None and not logprobs:
-        raise ApiError(400, "'top_logprobs' needs 'logprobs' set to true", param="top_logprobs")
-    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
-        raise ApiError(400, f"'top_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}", param="top_logprobs")
-    overflow = _or(body, "overflow", overflow_default)
-    if overflow not in OVERFLOW_POLICIES:
-        raise ApiError(400, f"'overflow' must be one of {', '.join(OVERFLOW_POLICIES)}", param="overflow")
-    cont = bool(body.get("continue_final_message"))
-    req = Request(
-        messages=messages,
-        sampling=sampling,
-        max_new_tokens=limit or max_new_default,
-        stop_strings=stop,
-        stop_on_capacity=limit is None,  # no limit asked: stop when the cache is full
-        arrival=tracing.now(),
-        add_generation_prompt=_or(body, "add_generation_prompt", not cont),
-        continue_final_message=cont,
-        ignore_eos=bool(body.get("ignore_eos")),
-        logprobs=logprobs,
-        top_logprobs=top or 0,
-        overflow=overflow,
-    )
-    options = body.get("stream_options") or {}
-    return req, {"stream": bool(body.get("stream")), "usage": bool(options.get("include_usage"))}
-
-
-def _or(body: dict, name: str, default):
-    value = body.get(name)
-    return default if value is None else value
-
-
-def _token_entry(text: str, logprob: float) -> dict:
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-
-def logprobs_content(steps, token_ids) -> list[dict]:
-    """Steps (StepLogprobs) of the tokens `token_ids` in OpenAI's shape, `logprobs.content`: each token's raw
-    log-probability and its top alternatives; kvchat's own figures (the sampled distribution's, the entropy,
-    the rank, the ids) beside them."""
-    out = []
-    for s, token_id in zip(steps, token_ids):
-        entry = _token_entry(s.text, s.logprob)
-        entry["top_logprobs"] = [_token_entry(a.text, a.logprob) for a in s.top]
-        entry[wire.EXTENSION] = {
-            "sampled_logprob": s.sampled_logprob,
-            "entropy": s.entropy,
-            "sampled_entropy": s.sampled_entropy,
-            "rank": s.rank,
-            "token_id": token_id,
-            "top": [{"token_id": a.token_id, "sampled_logprob": a.sampled_logprob} for a in s.top],
-        }
-        out.append(entry)
-    return out
 
 
 class Busy(Exception):
@@ -317,35 +142,6 @@ class EngineService:
         self.engine.close(timeout=2.0)
 
 
-def _report(ev, prompt_tokens: int) -> tuple[dict, dict]:
-    """usage and the kvchat report of a request's last event."""
-    if isinstance(ev, Finished):
-        cache = {k: v for k, v in ev.cache.items() if k != "store"}
-        report = {
-            wire.REUSE: ev.reuse.to_dict(),
-            wire.TRACE: ev.trace,
-            wire.CACHE: cache,
-            wire.STORE: ev.cache.get("store"),
-        }
-        completion, cached = len(ev.token_ids), ev.reuse.reused
-    else:
-        report, completion, cached = {wire.TRACE: ev.trace, wire.ERROR: ev.error}, 0, 0
-    report[wire.PROMPT_TOKENS] = prompt_tokens
-    usage = {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion,
-        "total_tokens": prompt_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }
-    return usage, report
-
-
-def _failure(ev: Failed) -> ApiError:
-    status = STATUS_BY_KIND.get(ev.kind, 500)
-    code = "context_length_exceeded" if ev.kind == "CapacityError" else None
-    return ApiError(status, ev.error, "invalid_request_error" if status < 500 else "server_error", code=code)
-
-
 async def _watch_disconnect(http: HttpRequest, job: Job) -> None:
     """Cancel the job when the client goes away (whatever the response is doing meanwhile)."""
     while True:
@@ -389,31 +185,14 @@ def build_app(
     names = {service.model_id, str(service.loaded.path), service.loaded.name}
     default_new = max_new_tokens or service.session.cache.capacity
 
-    def check_key(http: HttpRequest) -> None:
-        if api_key is None:
-            return
-        given = http.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise ApiError(401, "a valid API key is needed: Authorization: Bearer KEY", "authentication_error",
-                           code="invalid_api_key")  # fmt: skip
-
-    async def models(http: HttpRequest):
-        try:
-            check_key(http)
-        except ApiError as e:
-            return e.response()
+    async def models(_http: HttpRequest):
         return JSONResponse({"object": "list", "data": [service.model_card()]})
 
-    async def stats(http: HttpRequest):
-        try:
-            check_key(http)
-        except ApiError as e:
-            return e.response()
+    async def stats(_http: HttpRequest):
         return JSONResponse(service.stats())
 
     async def read_chat(http: HttpRequest) -> tuple[dict, Request, dict]:
-        """The key checked, the body parsed as a chat request: (body, request, response options)."""
-        check_key(http)
+        """The body parsed as a chat request: (body, request, response options)."""
         raw = await _read_body(http)
         try:
             body = json.loads(raw, parse_constant=_no_constant)
@@ -462,7 +241,7 @@ def build_app(
             watcher.cancel()
             await _drain(job)
             if isinstance(first, Failed):
-                return _failure(first).response()
+                return failure(first).response()
             return ApiError(500, "the engine ended the request without a reply", "server_error").response()
         meta = {"id": rid, "created": int(time.time()), "model": service.model_id}
         if opts["stream"]:
@@ -486,7 +265,7 @@ def build_app(
             Route("/kvchat/cached", cached, methods=["POST"]),
             Route("/health", health, methods=["GET"]),
         ],
-        middleware=[Middleware(_Errors), Middleware(_Guard, loopback=loopback)],
+        middleware=[Middleware(_Errors), Middleware(_Guard, loopback=loopback, api_key=api_key)],
         exception_handlers={HTTPException: _http_error},
         lifespan=lifespan,
     )
@@ -510,10 +289,11 @@ class _Guard:
     """What a request must be before the routes see it: a body no larger than BODY_BYTES (by its declared
     length); on loopback, a Host that names this machine and no web page's Origin but this machine's; and
     anywhere, no page of another origin posting a body that is not JSON (the kind a browser sends across
-    origins without asking first: JSON needs the asking, which this server never answers)."""
+    origins without asking first: JSON needs the asking, which this server never answers); and with an API key,
+    that key on every route but /health."""
 
-    def __init__(self, app, loopback: bool):
-        self.app, self.loopback = app, loopback
+    def __init__(self, app, loopback: bool, api_key: str | None = None):
+        self.app, self.loopback, self.api_key = app, loopback, api_key
 
     def refusal(self, scope) -> ApiError | None:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
@@ -530,6 +310,11 @@ class _Guard:
             json_body = headers.get("content-type", "").split(";")[0].strip() == "application/json"
             if (self.loopback and page not in LOOPBACK_NAMES) or (not json_body and page != host):
                 return ApiError(403, f"requests from other web pages ({origin}) are refused", "permission_error")
+        if self.api_key is not None and scope.get("path") != "/health":
+            given = headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                return ApiError(401, "a valid API key is needed: Authorization: Bearer KEY", "authentication_error",
+                                code="invalid_api_key")  # fmt: skip
         return None
 
     async def __call__(self, scope, receive, send):
@@ -578,45 +363,16 @@ async def _complete(job: Job, first: PrefillStarted, meta: dict, watcher: asynci
     finally:
         watcher.cancel()
     if isinstance(last, Failed) or last is None:
-        return _failure(last or Failed("no reply", "InternalError", {})).response()
-    usage, report = _report(last, first.prompt_tokens)
-    return JSONResponse(
-        {
-            **meta,
-            "object": "chat.completion",
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": last.text},
-                    "logprobs": _reply_logprobs(job.request, last.logprobs, last.token_ids),
-                    "finish_reason": wire.FINISH_REASONS.get(last.reason, "stop"),
-                }
-            ],
-            "usage": usage,
-            wire.EXTENSION: report,
-        }
-    )
-
-
-def _reply_logprobs(request: Request, steps, token_ids) -> dict | None:
-    """A choice's `logprobs`: None unless the request asked for them."""
-    if not request.logprobs:
-        return None
-    return {"content": logprobs_content(steps, token_ids), "refusal": None}
-
-
-def _sse(obj) -> str:
-    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+        return failure(last or Failed("no reply", "InternalError", {})).response()
+    return JSONResponse(completion(meta, job.request, last, first.prompt_tokens))
 
 
 async def _stream(job: Job, first: PrefillStarted, meta: dict, include_usage: bool, watcher: asyncio.Task):
     """Server-sent events in OpenAI's chunk format; the first chunk carries the reuse report, the last one
     the whole kvchat report; `[DONE]` ends it. A client gone cancels the job."""
-    chunk = {**meta, "object": "chat.completion.chunk"}
 
     def delta(d: dict, finish=None, logprobs=None, **extra) -> str:
-        choice = {"index": 0, "delta": d, "logprobs": logprobs, "finish_reason": finish}
-        return _sse({**chunk, "choices": [choice], **extra})
+        return sse(chunk(meta, d, finish, logprobs, **extra))
 
     done = False
     try:
@@ -636,25 +392,26 @@ async def _stream(job: Job, first: PrefillStarted, meta: dict, include_usage: bo
                         break
                     text, n = text + nxt.text, n + 1
                     made.append(nxt)
-                weighed = _reply_logprobs(job.request, [t.logprobs for t in made], [t.token_id for t in made])
+                weighed = reply_logprobs(job.request, [t.logprobs for t in made], [t.token_id for t in made])
                 if text or n > 1 or weighed:
                     extra = {wire.EXTENSION: {wire.TOKENS: n}} if n > 1 else {}
                     yield delta({"content": text}, logprobs=weighed, **extra)
                 if held is END:
                     break
             elif isinstance(ev, Finished):
-                usage, report = _report(ev, first.prompt_tokens)
+                usage, extension = report(ev, first.prompt_tokens)
                 if ev.tail:
                     yield delta({"content": ev.tail})
                 finish = wire.FINISH_REASONS.get(ev.reason, "stop")
                 if include_usage:
                     yield delta({}, finish)
-                    yield _sse({**chunk, "choices": [], "usage": usage, wire.EXTENSION: report})
+                    yield sse({**meta, "object": "chat.completion.chunk", "choices": [], "usage": usage,
+                               wire.EXTENSION: extension})  # fmt: skip
                 else:
-                    yield delta({}, finish, kvchat=report)
+                    yield delta({}, finish, kvchat=extension)
             elif isinstance(ev, Failed):
-                error = _failure(ev)
-                yield _sse({"error": {"message": error.message, "type": error.type, "code": error.code}})
+                error = failure(ev)
+                yield sse({"error": {"message": error.message, "type": error.type, "code": error.code}})
         else:
             done = True
         if held is END:
