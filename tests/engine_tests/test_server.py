@@ -16,8 +16,8 @@ pytest.importorskip("uvicorn")
 from conversations import long_conversation  # noqa: E402
 from servers import free_port  # noqa: E402
 
-from engine.http.remote import RemoteError, RemoteSession, RemoteSpec  # noqa: E402
 from engine.http.openai_chat import ApiError, parse_chat  # noqa: E402
+from engine.http.remote import RemoteError, RemoteSession, RemoteSpec  # noqa: E402
 from engine.session import Request, Session  # noqa: E402
 from engine.weights.loading import load_model  # noqa: E402
 
