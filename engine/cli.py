@@ -8,7 +8,7 @@ import dataclasses
 import json
 import sys
 
-from .backends.kernels import variants as kernel_variants
+from .backends.kernel_build import variants as kernel_variants
 from .devices import default_threads
 from .errors import EngineError
 from .events import Failed, Finished, PrefillStarted, Token

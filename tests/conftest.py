@@ -80,21 +80,22 @@ def scripted_server():
 
 
 def _variants() -> list[str]:
-    from engine.backends import kernels
+    from engine.backends import kernel_build
 
-    return kernels.variants()
+    return kernel_build.variants()
 
 
 @pytest.fixture(params=_variants())
 def kernel_variant(request, monkeypatch):
-    """Each instruction-set variant of the kernels this CPU can execute (engine.backends.kernels.variants:
+    """Each instruction-set variant of the kernels this CPU can execute (engine.backends.kernel_build.variants:
     AVX-512 and its parts, AVX2, plain C on x86): the model loads in the test run on that build
     (KVCHAT_KERNELS_VARIANT), so the end-to-end parity tests hold every path a user's CPU may take, not
     only this machine's best. The variant's build is checked as the app checks it, and must pass; the
     fixture's value is the loaded kernels (their `variant` names it)."""
+    from engine import devices
     from engine.backends import kernels
 
-    monkeypatch.setenv(kernels.VARIANT_ENV, request.param)
+    monkeypatch.setenv(devices.VARIANT_ENV, request.param)
     monkeypatch.setattr(kernels, "_loaded", None)
     monkeypatch.setattr(kernels, "_reason", None)
     k = kernels.load()

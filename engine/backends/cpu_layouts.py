@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..devices import bf16_hardware
 from ..model import block_linears
 from . import kernels as kernel_library
 
@@ -184,7 +185,7 @@ def many_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     instructions, computed in float32 (torch's many-row products of those are slow there, and float32 is
     exact for their inputs)."""
     if x.device.type == "cpu" and (
-        weight.dtype == torch.float16 or (weight.dtype == torch.bfloat16 and not kernel_library.bf16_hardware())
+        weight.dtype == torch.float16 or (weight.dtype == torch.bfloat16 and not bf16_hardware())
     ):
         return widened_linear(x, weight, bias)
     if weight.dtype == torch.float32 and x.device.type == "cpu" and onednn_works(torch.float32, packed=False):

@@ -291,7 +291,7 @@ class DecodeLayers:
                 layer.k_cache, layer.v_cache = cache.k[i, 0].data_ptr(), cache.v[i, 0].data_ptr()
             self.cache_at = at
         lo = 0 if self.window is None else max(0, pos - self.window + 1)
-        x_, cos_, sin_ = self.kernels._memory(x, cos, sin)
+        x_, cos_, sin_ = self.kernels.memory(x, cos, sin)
         self.fn(
             self.layers,
             len(self.layers),

@@ -7,9 +7,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..backends import kernel_verdicts
 from ..backends import kernels as kernel_library
-from ..backends.kernels import GGUF_ROWS
 from ..quant import pack_int4, pack_int5, storage_bytes, tile, untile
+from .gguf_header import GGUF_ROWS
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -153,7 +154,7 @@ def fast_rows():
         return None
     if k.gguf_rows_agree is None:
         k.gguf_rows_agree = _rows_agree(k)
-        kernel_library.keep_verdict(k)
+        kernel_verdicts.keep_verdict(k)
     return k if k.gguf_rows_agree else None
 
 
@@ -209,7 +210,7 @@ def written_rows(k, raw, kind: str, mode: str, order, r0: int, total: int, rows:
     ]
     if rows > 1:
         got = [tile(t, rows, unit) for t, unit in zip(got, (4, 1, 1))]
-    k.gguf_rows(raw, kind, mode, order, r0, rows, group, *got)
+    k.gguf_rows(raw, GGUF_ROWS[kind], mode, order, r0, rows, group, *got)
     if rows > 1:
         got = [untile(t, rows, unit) for t, unit in zip(got, (4, 1, 1))]
     return tuple(t.numpy() for t in got)

@@ -22,12 +22,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..backends.kernels import GGUF_ROWS
 from ..errors import ModelLoadError
 from ..quant import PreQuantized, storage_bytes
 from . import gguf_vocab
 from .gguf_blocks import INT4_PACKED, INT5, NATIVE, OFFSETS, fast_rows
-from .gguf_header import StringArray, Tensor, read_header
+from .gguf_header import GGUF_ROWS, StringArray, Tensor, read_header
 from .gguf_vocab import NUMBER
 from .hf_names import block_sources, linears
 
@@ -422,7 +421,7 @@ class GGUFModel:
         r0 = 0
         for hf, ftype, t in zip(hfs, types, parts):
             rows = t.data.shape[0]
-            k.gguf_rows(t.data, ftype, mode, self.permutation(hf, cfg), r0, tile, group, codes, scales, mins)
+            k.gguf_rows(t.data, GGUF_ROWS[ftype], mode, self.permutation(hf, cfg), r0, tile, group, codes, scales, mins)
             self._release(t)
             held = storage_bytes(rows * width, mode, rows * width // group * (2 if offsets else 1))
             self.held[t.name] = (ftype, form, int(t.n_bytes), held)

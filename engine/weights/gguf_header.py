@@ -54,6 +54,16 @@ GGML_TYPES = {
     29: ("IQ1_M", 256, 56), 30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66),
     39: ("MXFP4", 32, 17), 40: ("NVFP4", 64, 36), 41: ("Q1_0", 128, 18),
 }  # fmt: skip
+_BY_NAME = {name: (values, nbytes) for name, values, nbytes in GGML_TYPES.values()}
+# The block kinds the kernels write straight into a product's buffers (kv_gguf_rows, csrc/gguf_rows.c): name ->
+# (its number in kernels.h's KV_GGUF_ enum, bytes a block, values a block, values one of its scales covers). The
+# geometry is GGML_TYPES'; a test holds the numbers to the C header's enum.
+GGUF_ROWS = {
+    name: (code, _BY_NAME[name][1], _BY_NAME[name][0], group)
+    for code, (name, group) in enumerate(
+        (("Q4_0", 32), ("Q4_1", 32), ("Q8_0", 32), ("Q4_K", 32), ("Q6_K", 16), ("Q5_K", 32))
+    )
+}
 
 
 class GGMLType(int):

@@ -78,3 +78,19 @@ def test_llama_cpp_greedy_tokens_equal_kvchat_per_family(tmp_path, family):
     ids, _, _ = lc.generate(prompt, 24)
     lc.close()
     assert ids == list(last.token_ids)
+
+
+def test_the_c_headers_gguf_kinds_and_block_sizes_are_the_weights_sides():
+    """GGUF block geometry is defined once (engine.weights.gguf_header.GGUF_ROWS, from GGML_TYPES): the C side's
+    enum of kinds and its block sizes must be the same numbers, in the same order."""
+    import re
+    from pathlib import Path
+
+    from engine.weights.gguf_header import GGUF_ROWS
+
+    csrc = Path(__file__).resolve().parents[2] / "engine" / "backends" / "csrc"
+    enum = re.search(r"enum \{ (KV_GGUF_[^}]*)\}", (csrc / "kernels.h").read_text()).group(1)
+    names = [n.strip().removeprefix("KV_GGUF_") for n in enum.split(",") if n.strip()]
+    assert names == sorted(GGUF_ROWS, key=lambda k: GGUF_ROWS[k][0])
+    sizes = re.search(r"bytes\[\] = \{([^}]*)\}", (csrc / "gguf_rows.c").read_text()).group(1)
+    assert [int(b) for b in sizes.split(",")] == [GGUF_ROWS[n][1] for n in names]

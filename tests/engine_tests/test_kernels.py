@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from checkpoints import make_checkpoint
-from engine.backends import kernels, quantized
+from engine import devices
+from engine.backends import kernel_build, kernel_checks, kernel_verdicts, kernels, quantized
 from engine.backends.cpu_layouts import KernelHead, KernelLinear, PackedLinear
 from engine.backends.decode_step import KernelAttention, KernelRMSNorm
 from engine.backends.quantized import QuantLinear
@@ -28,7 +29,7 @@ from engine.weights.loading import load_model
 
 K = kernels.load()
 needs_kernels = pytest.mark.skipif(K is None, reason=f"no kernels here: {kernels.status()}")
-X86 = kernels.X86
+X86 = kernel_build.X86
 
 
 @pytest.fixture
@@ -49,7 +50,7 @@ def test_kernels_build_and_serve_every_type():
     assert kernels.status().startswith("kvchat kernels (")
     assert K.int4_tile_rows == (16 if K.isa in ("avx512", "avx2") else 0)  # AVX-512's and AVX2's tiles pass their check
     assert K.int4_integer_tiles == (K.isa == "avx512" and K.int_isa == "avx512-vnni")
-    assert len(kernels._openmp_runtimes()) == 1  # torch's OpenMP pool, shared
+    assert len(kernel_build.openmp_runtimes()) == 1  # torch's OpenMP pool, shared
 
 
 @needs_kernels
@@ -368,7 +369,7 @@ def test_a_compiler_without_openmp_builds_kernels_for_one_thread_and_says_so(tmp
     assert r.returncode == 0, r.stderr
     status, loaded = r.stdout.splitlines()[-2:]
     assert status.startswith("kvchat kernels (") and f"one thread: {cc} has no OpenMP" in status
-    assert loaded.startswith("<engine.backends.kernels.Kernels")
+    assert loaded.startswith("<engine.backends.kernel_binding.Kernels")
 
 
 @needs_kernels
@@ -391,7 +392,7 @@ def test_a_machine_without_a_c_compiler_builds_the_kernels_with_zig_cc_and_says_
     assert r.returncode == 0, r.stderr
     status, loaded = r.stdout.splitlines()[-2:]
     assert status.startswith("kvchat kernels (") and "built by zig cc" in status, status
-    assert "one thread: zig cc has no OpenMP" in status and loaded.startswith("<engine.backends.kernels.Kernels")
+    assert "one thread: zig cc has no OpenMP" in status and loaded.startswith("<engine.backends.kernel_binding.Kernels")
 
 
 @needs_kernels
@@ -403,7 +404,7 @@ def test_a_forced_variant_is_built_and_said_and_an_unknown_one_is_refused(tmp_pa
     assert r.returncode == 0 and "kvchat kernels (generic;" in r.stdout and "forced variant generic" in r.stdout
     r = _run(STATUS, KVCHAT_CACHE_DIR=str(tmp_path), KVCHAT_KERNELS_VARIANT="sse9")
     assert "no kvchat kernels" in r.stdout and "KVCHAT_KERNELS_VARIANT='sse9' is not a variant here" in r.stdout
-    assert kernels.variants()[0] == "native" and kernels.variants()[-1] == "generic"
+    assert kernel_build.variants()[0] == "native" and kernel_build.variants()[-1] == "generic"
 
 
 @pytest.mark.skipif(not (X86 and shutil.which("gcc")), reason="instruction-set variants are built with gcc on x86")
@@ -421,11 +422,11 @@ def test_a_forced_variant_is_built_and_said_and_an_unknown_one_is_refused(tmp_pa
 def test_each_instruction_set_variant_agrees_with_torch(tmp_path, variant, isa):
     """The AVX-512, AVX2 and plain-C paths, and each integer-product path, pass the self-check (each that
     this CPU can run)."""
-    flags = kernels.X86_VARIANTS[variant]
-    path = kernels.build("gcc", flags, tmp_path)
-    assert kernels.build("gcc", flags, tmp_path) == path and len(list(tmp_path.iterdir())) == 1  # cached
+    flags = kernel_build.X86_VARIANTS[variant]
+    path = kernel_build.build("gcc", flags, tmp_path)
+    assert kernel_build.build("gcc", flags, tmp_path) == path and len(list(tmp_path.iterdir())) == 1  # cached
     k = kernels.Kernels(path)
-    cpu = kernels.cpu_flags()
+    cpu = devices.cpu_flags()
     if isa == "avx2" and not {"avx2", "fma", "f16c"} <= cpu:
         isa = "generic"
     if isa is not None:
@@ -433,7 +434,7 @@ def test_each_instruction_set_variant_agrees_with_torch(tmp_path, variant, isa):
     assert k.dtypes == {torch.float32, torch.bfloat16, torch.float16} and k.modes == {"int8", "int4", "int5"}
     assert k.integer_modes == k.modes
     assert k.int4_tile_rows == (16 if k.isa in ("avx512", "avx2") else 0)
-    assert k._tiles_agree(16)  # the tiled product's AVX-512, AVX2 and plain-C bodies (plain C: never chosen)
+    assert kernel_checks.tiles_agree(k, 16)  # the tiled product's AVX-512, AVX2 and plain-C bodies (plain C: never chosen)
     assert k.int4_integer_tiles == (k.isa == "avx512" and k.int_isa == "avx512-vnni")
     if "-mno-avxvnni" in flags or isa == "generic":
         assert k.int_isa == isa
@@ -474,16 +475,16 @@ def test_16_bit_prefill_computes_in_float32_a_chunk_of_rows_at_a_time(monkeypatc
         assert (got == want).float().mean() > 0.95  # nearly every value exactly as F.linear's rounded once
     calls = []
     monkeypatch.setattr(cpu_layouts, "widened_linear", lambda *a: calls.append(1) or F.linear(*a))
-    for variant in ("avx2", "native") if kernels.X86 else ("native",):
-        monkeypatch.setenv(kernels.VARIANT_ENV, variant)
-        assert kernels.bf16_hardware() == (variant == "native" and bool(kernels.cpu_flags() & kernels.BF16_FLAGS))
+    for variant in ("avx2", "native") if kernel_build.X86 else ("native",):
+        monkeypatch.setenv(devices.VARIANT_ENV, variant)
+        assert devices.bf16_hardware() == (variant == "native" and bool(devices.cpu_flags() & devices.BF16_FLAGS))
         calls.clear()
         cpu_layouts.many_rows_linear(x, w, b)
-        assert calls == [1] * (dtype == torch.float16 or not kernels.bf16_hardware()), (variant, dtype)
+        assert calls == [1] * (dtype == torch.float16 or not devices.bf16_hardware()), (variant, dtype)
 
 
 # --- The ABI: csrc/kernels.h is what Python calls ------------------------------------------------------------
-HEADER = kernels.SOURCES / "kernels.h"
+HEADER = kernel_build.SOURCES / "kernels.h"
 C_TYPES = {"int64_t": ctypes.c_int64, "int": ctypes.c_int, "float": ctypes.c_float}
 
 
@@ -580,10 +581,10 @@ def test_the_kernels_compile_and_link_for_other_targets(tmp_path, target):
         if os.environ.get("CI") == "true":
             pytest.fail("ziglang (the test extra) is missing: CI must cross-compile the kernels")
         pytest.skip("ziglang is not installed (pip install -e '.[test]')")
-    sources = [str(p) for p in kernels.sources() if p.suffix == ".c"]
+    sources = [str(p) for p in kernel_build.sources() if p.suffix == ".c"]
     out = tmp_path / "kernels.bin"
     cmd = [sys.executable, "-m", "ziglang", "cc", "-target", target, "-O3", *CROSS_TARGETS[target]]
-    cmd += ["-shared", "-fPIC", "-std=gnu11", "-Werror", f"-I{kernels.SOURCES}", *sources, "-o", str(out)]
+    cmd += ["-shared", "-fPIC", "-std=gnu11", "-Werror", f"-I{kernel_build.SOURCES}", *sources, "-o", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert out.stat().st_size > 10_000
@@ -622,12 +623,12 @@ def pe_exports(b: bytes) -> set[str]:
 def test_the_build_names_the_host_cpu_as_each_architecture_s_compilers_expect():
     """-march=native on x86; -mcpu=native on ARM (Apple's clang and zig refuse -march=native there); the
     library's file named as each system loads it; ARM's variants are NEON and plain C."""
-    assert "-march=native" in kernels.target_flags(kernels.FLAGS, "x86_64")
-    arm = kernels.target_flags(kernels.FLAGS, "arm64")
+    assert "-march=native" in kernel_build.target_flags(kernel_build.FLAGS, "x86_64")
+    arm = kernel_build.target_flags(kernel_build.FLAGS, "arm64")
     assert "-mcpu=native" in arm and "-march=native" not in arm
-    assert kernels.target_flags(kernels.FLAGS, "aarch64") == arm
-    assert kernels.ARM_VARIANTS == {"native": (), "generic": ("-DKV_GENERIC",)}
-    assert kernels.LIBRARY_SUFFIX == {"Linux": ".so", "Darwin": ".dylib", "Windows": ".dll"}[platform.system()]
+    assert kernel_build.target_flags(kernel_build.FLAGS, "aarch64") == arm
+    assert kernel_build.ARM_VARIANTS == {"native": (), "generic": ("-DKV_GENERIC",)}
+    assert kernel_build.LIBRARY_SUFFIX == {"Linux": ".so", "Darwin": ".dylib", "Windows": ".dll"}[platform.system()]
 
 
 def test_the_loader_no_longer_refuses_a_system_that_is_not_linux(monkeypatch, tmp_path):
@@ -664,12 +665,13 @@ def test_the_neon_kernels_agree_with_plain_c_under_qemu(tmp_path):
     qemu = shutil.which("qemu-aarch64") or shutil.which("qemu-aarch64-static")
     if qemu is None:
         pytest.skip("qemu-aarch64 is not installed (apt-get install qemu-user; .ci/run installs it)")
-    sources = [str(p) for p in kernels.sources() if p.suffix == ".c"]
+    sources = [str(p) for p in kernel_build.sources() if p.suffix == ".c"]
     outputs = {}
     for name, flags in ARM_BUILDS.items():
         exe = tmp_path / f"selfcheck-{name}"
         cmd = [sys.executable, "-m", "ziglang", "cc", "-target", "aarch64-linux-musl", "-O2", "-static", *flags]
-        cmd += ["-std=gnu11", "-Wall", "-Werror", f"-I{kernels.SOURCES}", *sources, SELFCHECK, "-lm", "-o", str(exe)]
+        include = f"-I{kernel_build.SOURCES}"
+        cmd += ["-std=gnu11", "-Wall", "-Werror", include, *sources, SELFCHECK, "-lm", "-o", str(exe)]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
         run = subprocess.run([qemu, "-cpu", "max", str(exe)], capture_output=True, text=True, timeout=300)
@@ -752,19 +754,19 @@ def test_the_kernels_checks_are_kept_beside_the_library_and_checked_again_when_u
 
     library = tmp_path / K.path.name
     shutil.copy(K.path, library)
-    first = kernels._checked(library)
+    first = kernel_verdicts.checked(library)
     kept = library.with_name(library.name + ".checked.json")
     assert json.loads(kept.read_text())["torch"] == torch.__version__
     checked = []
-    real = kernels.Kernels._agrees
-    monkeypatch.setattr(kernels.Kernels, "_agrees", lambda self, d: checked.append(d) or real(self, d))
-    again = kernels._checked(library)
+    real = kernel_checks.agrees
+    monkeypatch.setattr(kernel_checks, "agrees", lambda k, d: checked.append(d) or real(k, d))
+    again = kernel_verdicts.checked(library)
     assert not checked and again.checks() == first.checks() and again.dtypes == first.dtypes
     assert again.int4_tile_rows == first.int4_tile_rows and again.modes == first.modes
     for bad in ('{"torch": "0.0", "dtypes": []}', "not json"):
         kept.write_text(bad)
         checked.clear()
-        assert kernels._checked(library).dtypes == first.dtypes and checked
+        assert kernel_verdicts.checked(library).dtypes == first.dtypes and checked
 
 
 @needs_kernels

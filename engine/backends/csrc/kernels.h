@@ -41,6 +41,8 @@ void kv_dequant_q5(const uint8_t *q, const float *s, const float *m, float *w, i
                    int nt);
 void kv_quantize(const float *w, int8_t *codes, uint8_t *packed, float *s, int64_t out, int64_t in, int64_t g,
                  int qmax, int nt);
+/* gguf_rows.c: a GGUF tensor's rows into a product's buffers. The kinds' numbers are engine.weights.gguf_header's
+ * GGUF_ROWS (a test holds the two, and the block sizes, equal) */
 enum { KV_GGUF_Q4_0, KV_GGUF_Q4_1, KV_GGUF_Q8_0, KV_GGUF_Q4_K, KV_GGUF_Q6_K, KV_GGUF_Q5_K }; /* kv_gguf_rows' kinds */
 enum { KV_FORM_INT4, KV_FORM_INT8, KV_FORM_INT5 };                                          /* and forms */
 void kv_gguf_rows(const uint8_t *raw, int64_t kind, int64_t n, int64_t nb, const int64_t *order, int64_t r0,

@@ -146,9 +146,10 @@ def file_read_seconds(model_dir) -> float:
 def cpu_info() -> dict:
     """The CPU the run measured: its model name, the instruction sets that matter to the kernels, and
     what kvchat's kernels were built for."""
+    from ... import devices
     from ...backends import kernels
 
-    name, flags = platform.processor() or platform.machine(), kernels.cpu_flags()
+    name, flags = platform.processor() or platform.machine(), devices.cpu_flags()
     try:
         models = [ln.partition(":")[2].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                   if ln.partition(":")[0].strip() == "model name"]  # fmt: skip

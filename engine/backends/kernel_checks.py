@@ -1,0 +1,192 @@
+"""The kernels' checks against torch and against the definitions in engine.quant: every function of a loaded
+library on awkward shapes (vector tails, GQA, windows, groups that are not whole 32s) before the engine uses it,
+and what they found, kept and taken back (verdict_of, take)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..model import RMSNorm, swap_halves
+from ..quant import (
+    ACTIVATION_BLOCK,
+    INT5_GROUP,
+    QMAX,
+    dequantize,
+    integer_product,
+    pack_int4,
+    pack_int5,
+    quantize,
+    tile,
+)
+
+
+def silu_agrees(k) -> bool:
+    """The decode step's silu against torch's over every magnitude a gate can take: its e^x overflows past
+    x = 88.7 and underflows below -87.3, where a vector exponent built by hand goes wrong first."""
+    edges = torch.tensor([-1e30, -200.0, -100.0, -88.8, -88.72, -88.5, -88.0, -87.4, -87.2, -20.0, 0.0, 1e-3])
+    x = torch.cat([edges, -edges, torch.linspace(-120, 120, 997)])  # vector bodies and a scalar tail
+    got, want = k.silu(x), F.silu(x)
+    return bool(torch.allclose(got, want, rtol=1e-5, atol=1e-30) and torch.isfinite(got).all())
+
+
+def agrees(k, dtype: torch.dtype) -> bool:
+    """Each kernel of `dtype` against torch on awkward sizes (vector tails, GQA, a window, q/k norms)."""
+    g = torch.Generator().manual_seed(0)
+
+    def close(got, want, tol):
+        return torch.allclose(got.float(), want.float(), rtol=tol, atol=tol * float(want.float().abs().max()))
+
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for out, n in ((7, 64), (33, 131), (96, 576)):
+        w = torch.randn(out, n, generator=g).to(dtype)
+        x = torch.randn(n, generator=g).to(dtype)
+        if not close(k.matvec(w, x), w.float() @ x.float(), tol):
+            return False
+        norm = RMSNorm(n, 1e-6).to(dtype)
+        norm.weight.data = torch.rand(n, generator=g).to(dtype) + 0.5
+        if not close(k.rms_norm(x, norm.weight, 1e-6), norm(x), tol):
+            return False
+    for heads, h_kv, d, pos, window, qk_norm in ((4, 2, 64, 9, None, False), (6, 3, 40, 20, 8, True)):
+        qkv = torch.randn((heads + 2 * h_kv) * d, generator=g).to(dtype)
+        cos, sin = torch.rand(d, generator=g).to(dtype), torch.rand(d, generator=g).to(dtype)
+        qn = kn = None
+        if qk_norm:
+            qn, kn = torch.rand(d, generator=g).to(dtype) + 0.5, torch.rand(d, generator=g).to(dtype) + 0.5
+        kc, vc = torch.randn(2, h_kv, pos + 3, d, generator=g).to(dtype)
+        got = k.attend(qkv, cos, sin, qn, kn, 1e-6, kc, vc, pos, window, heads)
+
+        def rotate(x, w, d=d, cos=cos, sin=sin):  # x [heads, d] -> [heads, d]
+            if w is not None:
+                x = w * F.rms_norm(x.float(), (d,), None, 1e-6).to(dtype)
+            return x * cos + swap_halves(x) * sin
+
+        q = rotate(qkv[: heads * d].view(heads, d), qn)
+        key = rotate(qkv[heads * d : (heads + h_kv) * d].view(h_kv, d), kn)
+        if not (close(kc[:, pos], key, tol) and torch.equal(vc[:, pos], qkv[(heads + h_kv) * d :].view(h_kv, d))):
+            return False
+        lo = 0 if window is None else max(0, pos - window + 1)
+        keys = kc[:, lo : pos + 1].float().repeat_interleave(heads // h_kv, 0)  # [H, S, d]
+        values = vc[:, lo : pos + 1].float().repeat_interleave(heads // h_kv, 0)
+        want = F.scaled_dot_product_attention(q.float()[:, None], keys, values)  # [H, 1, d]
+        if not close(got, want.reshape(-1), tol):
+            return False
+    return True
+
+
+def quant_agrees(k, mode: str, activations: str = "float32") -> bool:
+    """The products of `mode`'s codes (and their quantization and dequantization) against the definition,
+    at the given activations, on awkward shapes (vector tails, groups that are not whole 32s)."""
+    g = torch.Generator().manual_seed(0)
+    if mode == "int5":  # a file's codes only: random ones in its layout
+        return int5_agrees(k, g, activations)
+    for out, n, group in (
+        (5, 64, 64),
+        (19, 192, 32),
+        (40, 576, 64),
+        (8, 96, 48),
+        (6, 128, 16),
+        (7, 160, 160),
+        (3, 96, 32),
+    ):
+        w = torch.randn(out, n, generator=g)
+        w[0, :group] = 0  # an all-zero group
+        w[1, :8] = torch.tensor([QMAX[mode], 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5])  # s = 1: exact halves, to even
+        codes, scales = quantize(w, mode, group)
+        x = torch.randn(n, generator=g)
+        stored = pack_int4(codes) if mode == "int4" else codes
+        if activations == "float32":  # the quantizer once: the integer pass reuses what it checked
+            mine = k.quantize(mode, w, group)
+            if not (torch.equal(mine[0], stored) and torch.equal(mine[1], scales)):
+                return False
+        mins = torch.randn(scales.shape, generator=g)  # offsets: weights s · q + m
+        if not all(codes_agree(k, mode, stored, codes, scales, x, group, m, activations) for m in (None, mins)):
+            return False
+    return True
+
+
+def tiles_agree(k, rows: int, activations: str = "float32") -> bool:
+    """The tiled int4 product (at `activations`) and dequantization against the row layout's definition."""
+    g = torch.Generator().manual_seed(1)
+    for out, n, group in ((rows, 64, 32), (3 * rows, 576, 64), (2 * rows, 96, 8), (rows, 160, 160)):
+        w, x = torch.randn(out, n, generator=g), torch.randn(n, generator=g)
+        codes, scales = quantize(w, "int4", group)
+        mins = torch.randn(scales.shape, generator=g)
+        stored = tile(pack_int4(codes), rows, 4)
+        for m in (None, mins):
+            if not codes_agree(k, "int4", stored, codes, scales, x, group, m, activations, rows):
+                return False
+    return True
+
+
+def int5_agrees(k, g: torch.Generator, activations: str) -> bool:
+    """The int5 products and dequantization against the definition, with and without offsets."""
+    for out, n in ((5, 64), (19, 576), (8, 896), (3, 96)):
+        codes = torch.randint(-16, 16, (out, n), generator=g, dtype=torch.int8)
+        codes[0, :INT5_GROUP] = torch.arange(-16, 16)  # every code once
+        scales, mins = torch.rand(out, n // INT5_GROUP, generator=g), torch.randn(out, n // INT5_GROUP, generator=g)
+        x, stored = torch.randn(n, generator=g), pack_int5(codes)
+        for m in (None, mins):
+            if not codes_agree(k, "int5", stored, codes, scales, x, INT5_GROUP, m, activations):
+                return False
+    return True
+
+
+def codes_agree(k, mode, stored, codes, scales, x, group, mins, activations="float32", tiles=0) -> bool:
+    """The one-row product and the dequantization of `stored` codes against the definition, s · q (+ m):
+    s · q is exact in float32 (equal), s · q + m is one rounding in C (FMA) against torch's two. Under int8
+    activations, the product against engine.quant.integer_product where the shape is whole blocks. `tiles`:
+    `stored` is int4 in tiles of that many rows, and scales and offsets are tiled to go with it."""
+    want_w = dequantize(codes, scales, mins=mins)
+    want = want_w @ x
+    if activations != "float32" and x.numel() % ACTIVATION_BLOCK == 0 and group % ACTIVATION_BLOCK == 0:
+        want = integer_product(codes, scales, x, mins).float()
+    kept_scales, kept_mins = (tile(scales, tiles, 1), tile(mins, tiles, 1)) if tiles else (scales, mins)
+    got = k._product(mode, stored, kept_scales, x, group, kept_mins, activations, bool(tiles))
+    if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
+        return False
+    if activations != "float32":
+        return True  # the dequantization is the float path's, checked there
+    mine = k.dequantize(mode, stored, kept_scales, x.numel(), group, None, kept_mins, bool(tiles))
+    return torch.equal(mine, want_w) if mins is None else torch.allclose(mine, want_w, rtol=2**-22, atol=2**-22)
+
+
+def check_all(k) -> None:
+    """Every function of the loaded library `k` against torch: which float dtypes, code modes, integer (int8
+    activation) modes and int4 tile layouts it may serve; what fails is not used."""
+    with torch.inference_mode():
+        k.dtypes = frozenset(d for d in k.float_dtypes if agrees(k, d)) if silu_agrees(k) else frozenset()
+        k.modes = frozenset(m for m in k.code_modes if quant_agrees(k, m))
+        k.integer_modes = frozenset(m for m in k.modes if quant_agrees(k, m, "int8"))
+        rows = k.lib.kv_int4_tile_rows()  # 0 where rows are as fast (no 16-lane vectors)
+        k.int4_tile_rows = rows if rows and "int4" in k.modes and tiles_agree(k, rows) else 0
+        k.int4_integer_tiles = bool(  # the tiles' integer products with int8 activations (512-bit VNNI)
+            k.int4_tile_rows
+            and k.lib.kv_int4_integer_tiles()
+            and "int4" in k.integer_modes
+            and tiles_agree(k, rows, "int8")
+        )
+
+
+def verdict_of(k) -> dict:
+    """What the checks found, as kept beside the library (engine.backends.kernel_verdicts): the same build on the
+    same CPU and torch finds the same, so a later process takes it instead of checking again."""
+    return {
+        "torch": torch.__version__,
+        "dtypes": sorted(str(d).removeprefix("torch.") for d in k.dtypes),
+        "modes": sorted(k.modes),
+        "integer_modes": sorted(k.integer_modes),
+        "int4_tile_rows": k.int4_tile_rows,
+        "int4_integer_tiles": k.int4_integer_tiles,
+        "gguf_rows_agree": k.gguf_rows_agree,
+    }
+
+
+def take(k, v: dict) -> None:
+    """What an earlier process's checks found (verdict_of), taken instead of checking again."""
+    k.dtypes = frozenset(d for d in k.float_dtypes if str(d).removeprefix("torch.") in v["dtypes"])
+    k.modes = frozenset(m for m in k.code_modes if m in v["modes"])
+    k.integer_modes = frozenset(m for m in k.modes if m in v["integer_modes"])
+    k.int4_tile_rows = int(v["int4_tile_rows"]) if "int4" in k.modes else 0
+    k.int4_integer_tiles = bool(v["int4_integer_tiles"]) and bool(k.int4_tile_rows)
+    k.gguf_rows_agree = None if v.get("gguf_rows_agree") is None else bool(v["gguf_rows_agree"])
