@@ -7,7 +7,7 @@ import html
 from PySide6.QtWidgets import QDialog, QDialogButtonBox, QGridLayout, QLabel, QTextBrowser, QVBoxLayout
 
 from .outside_text import plain, rich
-from .panel import GapChart
+from .panel_parts import GapChart
 
 
 def _tokens_html(tokens: list[str], diverge: int | None) -> str:

@@ -8,12 +8,9 @@ from PySide6.QtWidgets import QLabel
 from engine.session import OVERFLOW_POLICIES, positions_needed
 
 from .outside_text import plain, plain_tooltip
+from .panel_words import messages
 
 NEAR = 0.85  # from this share of the capacity on, the meter warns
-
-
-def messages(n: int) -> str:
-    return f"{n:,} message" + ("" if n == 1 else "s")
 
 
 def reading(seen: dict | None, capacity: int | None, max_new_tokens: int) -> tuple[str, str, str]:

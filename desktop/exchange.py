@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import sqlite3
 
-from .chat import reply_footer
+from .replies import reply_footer
 from .store import Conversation, Store
 
 FORMAT, VERSION = "kvchat-conversation", 1

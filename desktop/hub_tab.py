@@ -28,7 +28,8 @@ from PySide6.QtWidgets import (
 from engine.hub import HubError, choose, discard_partial, fits, repo_facts, repo_files, search
 
 from .outside_text import plain
-from .panel import fmt_size, set_bar
+from .panel_parts import set_bar
+from .panel_words import fmt_size
 from .style import button
 
 PROGRESS = re.compile(

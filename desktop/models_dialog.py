@@ -33,7 +33,7 @@ from engine.weights.catalog import bundled_row, default_cache, is_bundled, scan
 
 from .hub_tab import HubTab
 from .outside_text import plain, plain_tooltip
-from .panel import fmt_size
+from .panel_words import fmt_size
 
 COLUMNS = ("Name", "Source", "Format", "Architecture", "Parameters", "Quantization", "Size", "KV / position", "Memory",
            "Status")  # fmt: skip

@@ -1,12 +1,12 @@
 """The inference panel: timing, the KV cache in positions and bytes, reuse after an edit, token gaps.
 
-It only shows a plain `ReplyStats` (chat.py) it is handed; the window decides when.
+It only shows a plain `ReplyStats` (replies.py) it is handed, in the words of panel_words.py; the window decides
+when.
 """
 
 from __future__ import annotations
 
-from PySide6.QtCore import QRectF, Qt, Signal
-from PySide6.QtGui import QBrush, QColor, QFont, QPainter, QPen
+from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
     QFormLayout,
     QGroupBox,
@@ -16,167 +16,30 @@ from PySide6.QtWidgets import (
     QPushButton,
     QScrollArea,
     QTreeWidget,
-    QTreeWidgetItem,
     QVBoxLayout,
     QWidget,
 )
 
-from engine.session import OVERFLOW_POLICIES
-
 from .cache_map_view import CacheMapView
-from .context_meter import messages
 from .outside_text import breakable, plain, plain_tooltip
 from .panel_help import ROW_HELP
+from .panel_parts import GapChart, add_store_segment, set_bar
+from .panel_words import (
+    DASH,
+    NOT_REPORTED,
+    cached_words,
+    disk_words,
+    dropped_words,
+    fmt_bytes,
+    fmt_ms,
+    fmt_rate,
+    fmt_size,
+    percentile,
+    reuse_source,
+    server_timing,
+)
 
-DASH = "—"
 PANEL_WORD = 16  # characters: a value's word longer than this gets places to wrap (the panel never scrolls sideways)
-NOT_REPORTED = "not reported by this server"
-
-
-def fmt_ms(v) -> str:
-    return DASH if v is None else f"{v:,.1f} ms"
-
-
-def fmt_rate(v, unit="tok/s") -> str:
-    return DASH if v is None else f"{v:,.1f} {unit}"
-
-
-def fmt_size(n) -> str:
-    """A short size: 88.2 MiB."""
-    if n is None:
-        return DASH
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:,.1f} {unit}"
-    return f"{n:,} B"
-
-
-def fmt_bytes(n) -> str:
-    """The exact count and the short size: 92,471,296 B (88.2 MiB)."""
-    short = fmt_size(n)
-    return short if n is None or n < 2**10 else f"{n:,} B ({short})"
-
-
-def percentile(values, q):
-    if not values:
-        return None
-    s = sorted(values)
-    k = (len(s) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
-def reuse_source(r: dict) -> str:
-    """Where a request's reused positions came from, with the copy's cost when the store gave them."""
-    source = r.get("source", "none")
-    if source in ("store", "disk"):
-        what = "prefix store · {:,} positions copied" if source == "store" else "disk tier · {:,} positions read"
-        return (
-            what.format(r.get("copied_positions", 0))
-            + f" ({fmt_size(r.get('copied_bytes'))} in {r.get('copy_ms') or 0:,.1f} ms)"
-        )
-    return {
-        "working": "working cache",
-        "none": "nothing (all computed)",
-        "server": "the server's cache (as it reports it)",
-        "unknown": NOT_REPORTED,
-    }.get(source, source)
-
-
-def dropped_words(r: dict) -> str:
-    """What a request's overflow policy left out, in words ("nothing" when the conversation fit)."""
-    n, which = r.get("dropped_positions") or 0, r.get("dropped_messages") or ()
-    if not n:
-        return "nothing (it fit)" if r.get("source") not in ("unknown", "server") else NOT_REPORTED
-    what = messages(len(which)) if which else "tokens"
-    return f"{what}, {n:,} positions ({OVERFLOW_POLICIES.get(r.get('overflow'), r.get('overflow'))})"
-
-
-def disk_words(disk: dict | None) -> str:
-    """The disk tier in a line: bytes against its budget, blocks of this model (and of all), the read rate."""
-    if not disk:
-        return "off"
-    if not disk["budget"]:
-        return "off (budget 0)"
-    text = (
-        f"{fmt_size(disk['bytes'])} of {fmt_size(disk['budget'])} · {disk['blocks_this_model']:,} blocks of this model"
-    )
-    if disk["blocks"] != disk["blocks_this_model"]:
-        text += f" ({disk['blocks']:,} in all)"
-    if disk.get("queued_blocks"):
-        text += f", {disk['queued_blocks']:,} being written"
-    if disk.get("read_rate"):
-        text += f" · read at {fmt_size(disk['read_rate'])}/s"
-    if disk.get("refused"):
-        text += f" · {disk['refused'][-1]}"
-    return text
-
-
-def server_timing(trace: dict | None) -> str:
-    """What the server says its own timings were: kvchat's trace, or llama.cpp's `timings`."""
-    server = (trace or {}).get("server")
-    if not server:
-        return NOT_REPORTED
-    t = server.get("llama.cpp timings")
-    if t is not None:
-        return (
-            f"prompt {t.get('prompt_n', '?')} positions in {t.get('prompt_ms', 0):,.1f} ms "
-            f"(cached {t.get('cache_n', '?')}) · {t.get('predicted_n', '?')} tokens in "
-            f"{t.get('predicted_ms', 0):,.1f} ms"
-        )
-    return (
-        f"TTFT {fmt_ms(server.get('ttft_ms'))} · TPOT {fmt_ms(server.get('tpot_ms'))} · "
-        f"{fmt_rate(server.get('decode_tok_s'))} · prefill {fmt_ms(server.get('ttft_prefill_ms'))}"
-    )
-
-
-class GapChart(QWidget):
-    """A strip of the gaps between tokens: one bar per gap, the p50 and p95 as lines."""
-
-    def __init__(self):
-        super().__init__()
-        self.setObjectName("gapChart")
-        self.setMinimumHeight(56)
-        self.gaps: list[float] = []
-
-    def set_gaps(self, gaps):
-        self.gaps = list(gaps)[-200:]
-        self.update()
-
-    def paintEvent(self, _):
-        p = QPainter(self)
-        p.fillRect(self.rect(), QColor("#1f2430"))
-        if not self.gaps:
-            p.setPen(QColor("#8a93a6"))
-            p.drawText(self.rect(), Qt.AlignCenter, "gaps between tokens appear here")
-            return
-        top = max(self.gaps) or 1.0
-        w, h = self.width(), self.height() - 4
-        bw = w / max(len(self.gaps), 1)
-        p.setPen(Qt.NoPen)
-        p.setBrush(QColor("#5ab0f0"))
-        for i, g in enumerate(self.gaps):
-            bh = max(1.0, g / top * h)
-            p.drawRect(QRectF(i * bw, h - bh + 2, max(bw - 1, 1), bh))
-        for q, color in ((0.5, "#f0c05a"), (0.95, "#f06a5a")):
-            y = h - percentile(self.gaps, q) / top * h + 2
-            p.setPen(QPen(QColor(color), 1, Qt.DashLine))
-            p.drawLine(0, int(y), w, int(y))
-
-
-def set_bar(bar: QProgressBar, maximum: int, value: int, text: str) -> None:
-    """A progress bar's range, value and text, painted with the rest of the window: QProgressBar
-    repaints itself at once on setValue, which under a style sheet costs a paint of its own."""
-    if (bar.maximum(), bar.value(), bar.format()) == (maximum, value, text):
-        return
-    bar.setUpdatesEnabled(False)
-    try:
-        bar.setRange(0, maximum)
-        bar.setValue(value)
-        bar.setFormat(text)
-    finally:
-        bar.setUpdatesEnabled(True)  # schedules the one paint
-        bar.update()
 
 
 SAME_CACHE = ("name", "backend", "server", "capacity", "dtype", "kv_cache")  # facts that, equal, mean one cache
@@ -620,59 +483,13 @@ class StatsPanel(QScrollArea):
         per = self.facts.get("kv_bytes_per_position", 0)
         self.storeTree.clear()
 
-        def add(parent, seg):
-            n = seg["end"] - seg["start"]
-            kids = len(seg["children"])
-            text = " ".join(str(seg.get("text") or "").split())  # what it starts with: where it parts from its siblings
-            starts = f"“{text[:40]}{'…' if len(text) > 40 else ''}”" if text else ""
-            name = seg["label"] or (f"shared by {kids} prefixes" if kids > 1 else starts or "a prompt without a title")
-            if seg["start"] > 0 and starts and starts not in name:
-                name += f" · from {starts}"  # two leaves of the same title differ here
-            if seg["working"]:
-                name += "  · working cache"
-            on_disk = seg.get("disk") or 0  # whole blocks only: a partial last block is never on disk
-            disk = "" if not on_disk else "all" if on_disk >= n - n % 16 else f"{on_disk:,}"
-            size = fmt_size(seg["bytes"] if seg["bytes"] is not None else n * per)
-            if seg["working"]:  # the working cache's own positions: not in the store, not counted in Held
-                size = f"({size})"
-            item = QTreeWidgetItem([name, f"{seg['start']:,}–{seg['end'] - 1:,}", size, disk])
-            reused = f", {seg['reused']:,} reused by the last request" if seg["reused"] else ""
-            where = "\nheld by the working cache, outside the store: not counted in Held" if seg["working"] else ""
-            where += f"\n{on_disk:,} of its positions on disk too (whole blocks of 16)" if on_disk else ""
-            tip = plain_tooltip(f"{name}\n{n:,} positions from position {seg['start']:,}{reused}{where}")
-            for col in range(4):
-                item.setToolTip(col, tip)
-            if seg["reused"] or seg["working"]:
-                font = QFont(item.font(0))
-                font.setBold(bool(seg["reused"]))
-                font.setItalic(seg["working"])
-                for col in range(4):
-                    item.setFont(col, font)
-                if seg["reused"]:
-                    for col in range(4):
-                        item.setForeground(col, QBrush(QColor("#7fd08a")))
-            parent.addChild(item) if isinstance(parent, QTreeWidgetItem) else parent.addTopLevelItem(item)
-            for c in seg["children"]:
-                add(item, c)
-
         for seg in store.get("tree", []):
-            add(self.storeTree, seg)
+            add_store_segment(self.storeTree, seg, per)
         self.storeTree.expandAll()
 
     def show_conversation_cached(self, seen: dict | None) -> None:
         """How much of the conversation on screen is cached, asked when it was opened."""
-        if not seen:
-            self.set("conversationCachedValue", DASH)
-        elif "error" in seen:
-            self.set("conversationCachedValue", seen["error"])
-        else:
-            where = {"working": "working cache", "store": "prefix store", "none": "nothing cached", "disk": "on disk"}
-            text = f"{seen['cached']:,} of {seen['positions']:,} positions ({where[seen['source']]})"
-            if seen["source"] == "disk":  # what a return costs, both measured on this machine
-                read, prefill = seen.get("disk_read_ms"), seen.get("prefill_ms")
-                text += f": ≈ {fmt_ms(read)} to read" if read is not None else ": read time not measured yet"
-                text += f" against ≈ {fmt_ms(prefill)} to prefill" if prefill is not None else ""
-            self.set("conversationCachedValue", text)
+        self.set("conversationCachedValue", cached_words(seen))
 
     def show_summary(self, summary: dict) -> None:
         self.set("requestsValue", str(summary["requests"]))

@@ -50,7 +50,8 @@ from .model_switch import ModelSwitch, RegenerateWith
 from .models_dialog import ModelsDialog
 from .outside_text import plain, warn
 from .pacing import RedrawPacer
-from .panel import StatsPanel, set_bar
+from .panel import StatsPanel
+from .panel_parts import set_bar
 from .reply_widgets import CodeBlock
 from .settings import Settings
 from .settings_dialog import SettingsDialog, open_settings

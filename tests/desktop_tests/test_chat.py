@@ -7,7 +7,8 @@ import dataclasses
 
 import pytest
 
-from desktop.chat import Accounting, ChatController, ReplyStats
+from desktop.chat import ChatController
+from desktop.replies import Accounting, ReplyStats
 from desktop.settings import Settings
 from desktop.store import Store
 from engine.events import Failed, Finished, PrefillDone, PrefillStarted, ReuseReport, Token

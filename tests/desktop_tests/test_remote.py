@@ -12,7 +12,7 @@ from PySide6.QtCore import Qt
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
-from desktop.panel import NOT_REPORTED, fmt_bytes, fmt_ms
+from desktop.panel_words import NOT_REPORTED, fmt_bytes, fmt_ms
 from desktop.settings import Settings
 from desktop.settings_dialog import SettingsDialog
 from engine.events import Failed, Finished

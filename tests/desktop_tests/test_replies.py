@@ -11,8 +11,8 @@ from PySide6.QtWidgets import QFrame
 
 pytest.importorskip("starlette")
 
-from desktop.chat import reply_footer
 from desktop.markdown import code_blocks
+from desktop.replies import reply_footer
 from desktop.reply_widgets import MarkdownLabel
 from desktop.transcript import DEMO_HINT
 from engine.events import Finished

@@ -50,8 +50,8 @@ def test_thousands_of_signal_emits_from_a_thread(qapp, loop, spin_loop):
 def test_async_stream_yields_batches_until_finished(qapp, loop, llama_dir):
     import asyncio
 
-    from desktop.chat import Accounting
     from desktop.client import EngineClient
+    from desktop.replies import Accounting
     from engine.session import Request
     from engine.spec import LoadSpec
 

@@ -8,9 +8,9 @@ import pytest
 from gui import BUDGET, BUDGET_EDITED, panel, send
 from PySide6.QtCore import Qt
 
-from desktop.chat import title_from
 from desktop.models_dialog import COLUMNS
-from desktop.panel import fmt_bytes, fmt_ms, fmt_rate, fmt_size
+from desktop.panel_words import fmt_bytes, fmt_ms, fmt_rate, fmt_size
+from desktop.replies import title_from
 from desktop.store import Store
 from engine.events import Failed, Finished
 
@@ -697,8 +697,8 @@ def test_the_panel_never_shows_a_negative_seam_a_no_change_change_or_another_rep
     """A reply shown after one with a reuse report, with none of its own (it failed before its prefill),
     shows no reuse figures; a "change" of a token for itself is no change; a first paint measured before the
     engine's first token (a Continue's) is no seam below zero."""
-    from desktop.chat import ReplyStats
     from desktop.panel import DASH
+    from desktop.replies import ReplyStats
 
     w = make_window(demo_model_dir)
     p = w.statsPanel

@@ -434,7 +434,9 @@ def test_each_instruction_set_variant_agrees_with_torch(tmp_path, variant, isa):
     assert k.dtypes == {torch.float32, torch.bfloat16, torch.float16} and k.modes == {"int8", "int4", "int5"}
     assert k.integer_modes == k.modes
     assert k.int4_tile_rows == (16 if k.isa in ("avx512", "avx2") else 0)
-    assert kernel_checks.tiles_agree(k, 16)  # the tiled product's AVX-512, AVX2 and plain-C bodies (plain C: never chosen)
+    assert kernel_checks.tiles_agree(
+        k, 16
+    )  # the tiled product's AVX-512, AVX2 and plain-C bodies (plain C: never chosen)
     assert k.int4_integer_tiles == (k.isa == "avx512" and k.int_isa == "avx512-vnni")
     if "-mno-avxvnni" in flags or isa == "generic":
         assert k.int_isa == isa

@@ -1,0 +1,99 @@
+"""Small widgets the panel and its neighbours draw with: the chart of a reply's token gaps, and a progress bar
+set without a paint of its own."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QRectF, Qt
+from PySide6.QtGui import QBrush, QColor, QFont, QPainter, QPen
+from PySide6.QtWidgets import QProgressBar, QTreeWidgetItem, QWidget
+
+from .outside_text import plain_tooltip
+from .panel_words import fmt_size, percentile
+
+
+class GapChart(QWidget):
+    """A strip of the gaps between tokens: one bar per gap, the p50 and p95 as lines."""
+
+    def __init__(self):
+        super().__init__()
+        self.setObjectName("gapChart")
+        self.setMinimumHeight(56)
+        self.gaps: list[float] = []
+
+    def set_gaps(self, gaps):
+        self.gaps = list(gaps)[-200:]
+        self.update()
+
+    def paintEvent(self, _):
+        p = QPainter(self)
+        p.fillRect(self.rect(), QColor("#1f2430"))
+        if not self.gaps:
+            p.setPen(QColor("#8a93a6"))
+            p.drawText(self.rect(), Qt.AlignCenter, "gaps between tokens appear here")
+            return
+        top = max(self.gaps) or 1.0
+        w, h = self.width(), self.height() - 4
+        bw = w / max(len(self.gaps), 1)
+        p.setPen(Qt.NoPen)
+        p.setBrush(QColor("#5ab0f0"))
+        for i, g in enumerate(self.gaps):
+            bh = max(1.0, g / top * h)
+            p.drawRect(QRectF(i * bw, h - bh + 2, max(bw - 1, 1), bh))
+        for q, color in ((0.5, "#f0c05a"), (0.95, "#f06a5a")):
+            y = h - percentile(self.gaps, q) / top * h + 2
+            p.setPen(QPen(QColor(color), 1, Qt.DashLine))
+            p.drawLine(0, int(y), w, int(y))
+
+
+def set_bar(bar: QProgressBar, maximum: int, value: int, text: str) -> None:
+    """A progress bar's range, value and text, painted with the rest of the window: QProgressBar
+    repaints itself at once on setValue, which under a style sheet costs a paint of its own."""
+    if (bar.maximum(), bar.value(), bar.format()) == (maximum, value, text):
+        return
+    bar.setUpdatesEnabled(False)
+    try:
+        bar.setRange(0, maximum)
+        bar.setValue(value)
+        bar.setFormat(text)
+    finally:
+        bar.setUpdatesEnabled(True)  # schedules the one paint
+        bar.update()
+
+
+def add_store_segment(parent, seg: dict, per: int) -> None:
+    """One segment of the prefix store's tree and its children as rows under `parent` (a tree or an item): the part
+    the last request took from the store in bold, the working cache's own positions in italics; `per`: bytes a
+    position."""
+    n = seg["end"] - seg["start"]
+    kids = len(seg["children"])
+    text = " ".join(str(seg.get("text") or "").split())  # what it starts with: where it parts from its siblings
+    starts = f"“{text[:40]}{'…' if len(text) > 40 else ''}”" if text else ""
+    name = seg["label"] or (f"shared by {kids} prefixes" if kids > 1 else starts or "a prompt without a title")
+    if seg["start"] > 0 and starts and starts not in name:
+        name += f" · from {starts}"  # two leaves of the same title differ here
+    if seg["working"]:
+        name += "  · working cache"
+    on_disk = seg.get("disk") or 0  # whole blocks only: a partial last block is never on disk
+    disk = "" if not on_disk else "all" if on_disk >= n - n % 16 else f"{on_disk:,}"
+    size = fmt_size(seg["bytes"] if seg["bytes"] is not None else n * per)
+    if seg["working"]:  # the working cache's own positions: not in the store, not counted in Held
+        size = f"({size})"
+    item = QTreeWidgetItem([name, f"{seg['start']:,}–{seg['end'] - 1:,}", size, disk])
+    reused = f", {seg['reused']:,} reused by the last request" if seg["reused"] else ""
+    where = "\nheld by the working cache, outside the store: not counted in Held" if seg["working"] else ""
+    where += f"\n{on_disk:,} of its positions on disk too (whole blocks of 16)" if on_disk else ""
+    tip = plain_tooltip(f"{name}\n{n:,} positions from position {seg['start']:,}{reused}{where}")
+    for col in range(4):
+        item.setToolTip(col, tip)
+    if seg["reused"] or seg["working"]:
+        font = QFont(item.font(0))
+        font.setBold(bool(seg["reused"]))
+        font.setItalic(seg["working"])
+        for col in range(4):
+            item.setFont(col, font)
+        if seg["reused"]:
+            for col in range(4):
+                item.setForeground(col, QBrush(QColor("#7fd08a")))
+    parent.addChild(item) if isinstance(parent, QTreeWidgetItem) else parent.addTopLevelItem(item)
+    for c in seg["children"]:
+        add_store_segment(item, c, per)

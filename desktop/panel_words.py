@@ -1,0 +1,125 @@
+"""The panel's figures in words, Qt-free: times, rates, sizes and bytes as the panel writes them, where reused
+positions came from, what an overflow policy left out, the disk tier's state, a server's own timings."""
+
+from __future__ import annotations
+
+from engine.request import OVERFLOW_POLICIES
+
+DASH = "—"
+NOT_REPORTED = "not reported by this server"
+
+
+def messages(n: int) -> str:
+    return f"{n:,} message" + ("" if n == 1 else "s")
+
+
+def fmt_ms(v) -> str:
+    return DASH if v is None else f"{v:,.1f} ms"
+
+
+def fmt_rate(v, unit="tok/s") -> str:
+    return DASH if v is None else f"{v:,.1f} {unit}"
+
+
+def fmt_size(n) -> str:
+    """A short size: 88.2 MiB."""
+    if n is None:
+        return DASH
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{n:,} B"
+
+
+def fmt_bytes(n) -> str:
+    """The exact count and the short size: 92,471,296 B (88.2 MiB)."""
+    short = fmt_size(n)
+    return short if n is None or n < 2**10 else f"{n:,} B ({short})"
+
+
+def percentile(values, q):
+    if not values:
+        return None
+    s = sorted(values)
+    k = (len(s) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def reuse_source(r: dict) -> str:
+    """Where a request's reused positions came from, with the copy's cost when the store gave them."""
+    source = r.get("source", "none")
+    if source in ("store", "disk"):
+        what = "prefix store · {:,} positions copied" if source == "store" else "disk tier · {:,} positions read"
+        return (
+            what.format(r.get("copied_positions", 0))
+            + f" ({fmt_size(r.get('copied_bytes'))} in {r.get('copy_ms') or 0:,.1f} ms)"
+        )
+    return {
+        "working": "working cache",
+        "none": "nothing (all computed)",
+        "server": "the server's cache (as it reports it)",
+        "unknown": NOT_REPORTED,
+    }.get(source, source)
+
+
+def dropped_words(r: dict) -> str:
+    """What a request's overflow policy left out, in words ("nothing" when the conversation fit)."""
+    n, which = r.get("dropped_positions") or 0, r.get("dropped_messages") or ()
+    if not n:
+        return "nothing (it fit)" if r.get("source") not in ("unknown", "server") else NOT_REPORTED
+    what = messages(len(which)) if which else "tokens"
+    return f"{what}, {n:,} positions ({OVERFLOW_POLICIES.get(r.get('overflow'), r.get('overflow'))})"
+
+
+def disk_words(disk: dict | None) -> str:
+    """The disk tier in a line: bytes against its budget, blocks of this model (and of all), the read rate."""
+    if not disk:
+        return "off"
+    if not disk["budget"]:
+        return "off (budget 0)"
+    text = (
+        f"{fmt_size(disk['bytes'])} of {fmt_size(disk['budget'])} · {disk['blocks_this_model']:,} blocks of this model"
+    )
+    if disk["blocks"] != disk["blocks_this_model"]:
+        text += f" ({disk['blocks']:,} in all)"
+    if disk.get("queued_blocks"):
+        text += f", {disk['queued_blocks']:,} being written"
+    if disk.get("read_rate"):
+        text += f" · read at {fmt_size(disk['read_rate'])}/s"
+    if disk.get("refused"):
+        text += f" · {disk['refused'][-1]}"
+    return text
+
+
+def server_timing(trace: dict | None) -> str:
+    """What the server says its own timings were: kvchat's trace, or llama.cpp's `timings`."""
+    server = (trace or {}).get("server")
+    if not server:
+        return NOT_REPORTED
+    t = server.get("llama.cpp timings")
+    if t is not None:
+        return (
+            f"prompt {t.get('prompt_n', '?')} positions in {t.get('prompt_ms', 0):,.1f} ms "
+            f"(cached {t.get('cache_n', '?')}) · {t.get('predicted_n', '?')} tokens in "
+            f"{t.get('predicted_ms', 0):,.1f} ms"
+        )
+    return (
+        f"TTFT {fmt_ms(server.get('ttft_ms'))} · TPOT {fmt_ms(server.get('tpot_ms'))} · "
+        f"{fmt_rate(server.get('decode_tok_s'))} · prefill {fmt_ms(server.get('ttft_prefill_ms'))}"
+    )
+
+
+def cached_words(seen: dict | None) -> str:
+    """How much of a conversation is cached (the worker's probe), and for one on disk what a return costs."""
+    if not seen:
+        return DASH
+    if "error" in seen:
+        return seen["error"]
+    where = {"working": "working cache", "store": "prefix store", "none": "nothing cached", "disk": "on disk"}
+    text = f"{seen['cached']:,} of {seen['positions']:,} positions ({where[seen['source']]})"
+    if seen["source"] == "disk":  # what a return costs, both measured on this machine
+        read, prefill = seen.get("disk_read_ms"), seen.get("prefill_ms")
+        text += f": ≈ {fmt_ms(read)} to read" if read is not None else ": read time not measured yet"
+        text += f" against ≈ {fmt_ms(prefill)} to prefill" if prefill is not None else ""
+    return text
