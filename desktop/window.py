@@ -3,76 +3,41 @@
 It shows what the chat controller (chat.py) holds and forwards what the person does to it. While
 a reply streams, a timer redraws the growing text and the panel from that state, never per token,
 and adapts its interval so the GUI thread stays within a small CPU budget (pacing.py; desktop/README.md,
-"The seam"). The conversations' list is sidebar.py, the branch drawn into the transcript branch_view.py,
-the menus menus.py.
+"The seam"). Its widgets are built in window_layout.py, its side of the engine and the settings is
+window_models.py; the conversations' list is sidebar.py, the branch drawn into the transcript branch_view.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import html
-import json
-import os
 from pathlib import Path
 
 from PySide6.QtCore import Qt, QTimer, Signal
-from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import (
-    QApplication,
-    QComboBox,
-    QDialog,
-    QFileDialog,
-    QHBoxLayout,
     QInputDialog,
-    QLabel,
     QMainWindow,
-    QMessageBox,
-    QProgressBar,
-    QSplitter,
-    QVBoxLayout,
-    QWidget,
 )
 
 from engine.session import OVERFLOW_POLICIES
 from engine.trace import now
-from engine.weights.catalog import is_bundled
 
-from .branch_view import BranchView
 from .chat import ChatController
 from .client import EngineClient
-from .composer import Composer
-from .context_meter import ContextMeter
-from .export_import import export_conversation, import_conversation
-from .held_banner import HeldBanner
-from .menus import build_menus
-from .model_switch import ModelSwitch, RegenerateWith
-from .models_dialog import ModelsDialog
-from .outside_text import plain, warn
-from .pacing import RedrawPacer
-from .panel import StatsPanel
-from .panel_parts import set_bar
-from .reply_widgets import CodeBlock
+from .outside_text import warn
 from .settings import Settings
-from .settings_dialog import SettingsDialog, open_settings
-from .sidebar import Sidebar
+from .settings_dialog import open_settings
 from .store import Store
 from .store_file import StoreError
-from .style import THEMES, apply_style, button
 from .token_view import MODES as TOKEN_MODES
-from .token_view import TokenLegend
-from .transcript import MessageView, Transcript
+from .transcript import MessageView
+from .window_layout import WindowLayout
+from .window_models import ModelSide
 
-PROBE_DELAY_MS = 250  # a conversation opened is probed for its cached share this long after (once drawn)
-GREEDY_HINT = (
-    "Greedy sampling (temperature 0): Regenerate gives the same reply again. Raise the temperature "
-    "(kvchat → Settings…, This conversation) for a different one."
-)
-SIDEBAR_SHARE, PANEL_SHARE = 0.2, 0.3  # of the window's width, at most, when it is too narrow for all three
 PANEL_EVERY_S = 0.5  # the panel's figures twice a second while a reply streams (and once at its end)
 
 
-class MainWindow(QMainWindow):
+class MainWindow(ModelSide, WindowLayout, QMainWindow):
     replyFinished = Signal(object)  # the last event of each reply, Finished or Failed (tests and tools wait on it)
     modelReady = Signal(dict)
     conversationProbed = Signal(dict)  # how much of the conversation on screen is cached (tests wait on it)
@@ -124,145 +89,6 @@ class MainWindow(QMainWindow):
     @property
     def generating(self) -> bool:
         return self.chat.generating
-
-    # --- layout ------------------------------------------------------------------------
-    def _build(self) -> None:
-        self.sidebar = Sidebar(self)
-        self.sidebar.searchChanged.connect(self._fill_conversations)
-        self.sidebar.picked.connect(self._on_conversation_picked)
-        self.search, self.conversationList = self.sidebar.search, self.sidebar.list  # the window's parts, by name
-        for name in ("newButton", "renameButton", "deleteButton", "exportButton", "importButton", "undoButton"):
-            setattr(self, name, getattr(self.sidebar, name))
-
-        center = QWidget()
-        cl = QVBoxLayout(center)
-        self.banner = plain(QLabel())
-        self.banner.setObjectName("errorBanner")
-        self.banner.setWordWrap(True)
-        self.banner.setVisible(False)
-        cl.addWidget(self.banner)
-        self.heldBanner = HeldBanner(lambda: self.store, self.show_error, self.statusBar().showMessage)
-        cl.addWidget(self.heldBanner)
-        self.probeTimer = QTimer(self)
-        self.probeTimer.setSingleShot(True)
-        self.probeTimer.setInterval(PROBE_DELAY_MS)
-        self.probeTimer.timeout.connect(self._probe_now)
-        self.conversationSettingsLabel = plain(QLabel())
-        self.conversationSettingsLabel.setObjectName("conversationSettingsLabel")
-        self.conversationSettingsLabel.setWordWrap(True)
-        self.conversationSettingsLabel.setToolTip("This conversation's own settings (kvchat → Settings… changes them)")
-        self.conversationSettingsLabel.setVisible(False)
-        cl.addWidget(self.conversationSettingsLabel)
-        tokens_row = QHBoxLayout()
-        self.modelSwitch = ModelSwitch()
-        self.modelSwitch.switchTo.connect(self.switch_model)
-        self.modelSwitch.browse.connect(self.open_models_dialog)
-        tokens_row.addWidget(self.modelSwitch)
-        self.tokenColours = QComboBox()
-        self.tokenColours.setObjectName("tokenColours")
-        self.tokenColours.setAccessibleName("Colour each reply's tokens by")
-        self.tokenColours.setToolTip(
-            "Show finished replies token by token, coloured by the chosen token's probability or by the entropy "
-            "at its step; hover a token, or click it and use Left/Right, for what else the model weighed"
-        )
-        for mode, words in TOKEN_MODES.items():
-            self.tokenColours.addItem(words, mode)
-        mode = self.settings.token_colours if self.settings.token_colours in TOKEN_MODES else "off"
-        self.tokenColours.setCurrentIndex(list(TOKEN_MODES).index(mode))
-        self.tokenColours.currentIndexChanged.connect(lambda _: self.set_token_colours(self.tokenColours.currentData()))
-        tokens_row.addWidget(self.tokenColours)
-        self.tokenLegend = TokenLegend()
-        self.tokenLegend.show_mode(mode)
-        tokens_row.addWidget(self.tokenLegend)
-        tokens_row.addStretch(1)
-        cl.addLayout(tokens_row)
-        self.transcript = Transcript()
-        self.branch = BranchView(
-            self.transcript, lambda: self.chat, self._message_view, self._fit_view, self._update_buttons,
-            lambda: self._closing,
-        )  # fmt: skip
-        self.pacer = RedrawPacer(self, self._redraw, lambda: self.generating)
-        cl.addWidget(self.transcript, 1)
-        actions = QHBoxLayout()
-        self.regenerateButton = button("Regenerate", "regenerateButton", self.regenerate, actions)
-        self.regenerateWith = RegenerateWith()
-        self.regenerateWith.chosen.connect(self.regenerate_with)
-        actions.addWidget(self.regenerateWith)
-        self.continueButton = button("Continue", "continueButton", self.continue_reply, actions)
-        self.regenerateHint = plain(QLabel())  # under greedy sampling, why Regenerate gives the same reply
-        self.regenerateHint.setObjectName("regenerateHint")
-        self.regenerateHint.setWordWrap(True)
-        self.regenerateHint.setVisible(False)
-        actions.addWidget(self.regenerateHint, 1)
-        actions.addStretch(1)
-        cl.addLayout(actions)
-        comp = QHBoxLayout()
-        self.composer = Composer()
-        self.composer.setObjectName("composer")
-        self.composer.setPlaceholderText("Message the model (Enter sends, Shift+Enter for a new line)")
-        self.composer.setMaximumHeight(110)
-        self.composer.setTabChangesFocus(True)  # Tab leaves the composer, as in any form
-        self.composer.setAccessibleName("Message to the model")
-        self.composer.submitted.connect(self.send)
-        self.composer.stopRequested.connect(self.stop)
-        comp.addWidget(self.composer, 1)
-        self.sendButton = button("Send", "sendButton", self.send, comp)
-        self.stopButton = button("Stop", "stopButton", self.stop, comp)
-        self.stopButton.setVisible(False)
-        cl.addLayout(comp)
-        self.contextMeter = ContextMeter()
-        cl.addWidget(self.contextMeter)
-        self.seen: dict | None = None  # the last probe's answer: the conversation's cached share, the next Send's size
-        self.composer.textChanged.connect(self.probe_conversation)  # the meter follows what is typed
-
-        self.statsPanel = StatsPanel()
-        self.statsPanel.exportRequested.connect(self.export_trace)
-        split = QSplitter()
-        split.addWidget(self.sidebar)
-        split.addWidget(center)
-        split.addWidget(self.statsPanel)
-        split.setSizes([210, 780, 390])
-        split.setStretchFactor(1, 1)
-        split.setChildrenCollapsible(False)  # a drag stops at each side's minimum: the panel cannot be lost
-        split.setHandleWidth(6)  # a handle a person can find and grab
-        self.splitter = split
-        self.setCentralWidget(split)
-
-        self.statusLine = plain(QLabel())  # what is in use, under any passing message (never a blank bar)
-        self.statusLine.setObjectName("statusLine")
-        self.statusBar().addWidget(self.statusLine, 1)
-        self.loadProgress = QProgressBar()
-        self.loadProgress.setObjectName("loadProgress")
-        self.loadProgress.setRange(0, 0)
-        self.loadProgress.setMaximumWidth(160)
-        self.loadProgress.setVisible(False)
-        self.statusBar().addPermanentWidget(self.loadProgress)
-        self.themeSwitch = QComboBox()
-        self.themeSwitch.setObjectName("themeSwitch")
-        self.themeSwitch.setAccessibleName("Theme")
-        names = {"system": "Theme: as the system", "dark": "Dark", "light": "Light"}
-        for choice in THEMES:
-            self.themeSwitch.addItem(names[choice], choice)
-        self.themeSwitch.setCurrentIndex(THEMES.index(self.settings.theme) if self.settings.theme in THEMES else 0)
-        self.themeSwitch.currentIndexChanged.connect(lambda _: self.set_theme(self.themeSwitch.currentData()))
-        self.statusBar().addPermanentWidget(self.themeSwitch)
-        QGuiApplication.styleHints().colorSchemeChanged.connect(lambda _: self.apply_theme())
-        build_menus(self)
-
-    def resizeEvent(self, e) -> None:
-        super().resizeEvent(e)
-        self._fit_splitter()
-
-    def _fit_splitter(self) -> None:
-        """In a narrow window the list and the panel give way to the conversation, down to their minimum
-        widths (never wider than a share of the window: the transcript keeps room for a message's row)."""
-        side, center, panel = self.splitter.sizes()
-        total = side + center + panel
-        side_max = max(self.sidebar.minimumSizeHint().width(), int(SIDEBAR_SHARE * total))
-        panel_max = max(self.statsPanel.minimumWidth(), int(PANEL_SHARE * total))
-        if side > side_max or panel > panel_max:
-            side, panel = min(side, side_max), min(panel, panel_max)
-            self.splitter.setSizes([side, total - side - panel, panel])
 
     # --- store and conversations --------------------------------------------------------
     def _open_store(self) -> Store:
@@ -459,12 +285,6 @@ class MainWindow(QMainWindow):
         """Earlier messages above those shown (Ctrl+Up at the top, or the transcript's button)."""
         self.branch.show_earlier()
 
-    def export_conversation(self, path: str | None = None) -> None:
-        export_conversation(self, path)
-
-    def import_conversation(self, path: str | None = None) -> None:
-        import_conversation(self, path)
-
     def previous_message(self) -> None:
         self._step_message(-1)
 
@@ -489,29 +309,8 @@ class MainWindow(QMainWindow):
         if view.message.role == "assistant":
             self.select_message(view.message.id)
 
-    def set_theme(self, choice: str) -> None:
-        """Dark, light, or as the system says (kept in the settings)."""
-        self.settings.theme = self.chat.settings.theme = choice
-        self.settings.save(self.qsettings)
-        self.apply_theme()
-
-    def apply_theme(self) -> None:
-        app = QApplication.instance()
-        if app is None:
-            return
-        apply_style(app, self.settings.theme)
-        for block in self.findChildren(CodeBlock):
-            block.rehighlight()
-
     def focus_search(self) -> None:
         self.sidebar.focus_search()
-
-    def copy_last_reply(self) -> None:
-        """The newest reply on the branch shown, to the clipboard (Ctrl+Shift+C)."""
-        replies = [v.message for v in self.transcript.views if v.message.role == "assistant"]
-        if replies:
-            QGuiApplication.clipboard().setText(replies[-1].content)
-            self.statusBar().showMessage("The last reply is on the clipboard.", 3000)
 
     def count_tokens(self, text: str) -> int | None:
         """Tokens in `text` by the local model's tokenizer (thinking blocks' counts); None on a remote engine."""
@@ -556,137 +355,6 @@ class MainWindow(QMainWindow):
         self.pacer.mark_dirty()
         self.pacer.tick()
         self.replyFinished.emit(final)
-
-    # --- model -------------------------------------------------------------------------
-    def load_model(self) -> None:
-        self.client.load(self.settings.engine())
-
-    def _on_model_loading(self, what: str) -> None:
-        self.loadProgress.setRange(0, 0)  # busy until the first figure arrives
-        self.loadProgress.setVisible(True)
-        self.statusBar().showMessage(f"Loading {what}…")
-        self._update_buttons()
-
-    def _on_load_progress(self, fraction: float, what: str) -> None:
-        """The weights being read: a percentage, with the file's name."""
-        pct = int(round(fraction * 100))
-        set_bar(self.loadProgress, 100, pct, f"{pct}%")
-        self.loadProgress.setTextVisible(True)
-        self.statusBar().showMessage(f"Loading {what}: {pct}%")
-
-    def open_models_dialog(self) -> ModelsDialog:
-        """The models on this computer; the one picked is loaded (and kept in the settings)."""
-        dlg = ModelsDialog(self.settings.folders, self.settings.model.path, self)
-        dlg.finished.connect(lambda result: self._models_chosen(dlg, result))
-        dlg.open()
-        return dlg
-
-    def _models_chosen(self, dlg: ModelsDialog, result: int) -> None:
-        new = dataclasses.replace(self.settings, model_folders=os.pathsep.join(dlg.folders))
-        if result == QDialog.Accepted and dlg.chosen:
-            new.model = dataclasses.replace(new.model, path=None if is_bundled(dlg.chosen) else dlg.chosen)
-            new.backend = "local"  # a model on this computer was picked: run it here
-        self.apply_settings(new)
-
-    def _on_model_loaded(self, facts: dict) -> None:
-        self.facts = self.chat.engine_facts = facts
-        self.loadProgress.setVisible(False)
-        self.statsPanel.show_model(facts)
-        self.chat.cache_map.loaded(facts)
-        self.statsPanel.show_cache_map(self.chat.cache_map, self.client.token_text)
-        self.transcript.show_start(facts)
-        self.statsPanel.show_store(facts["cache"].get("store"))
-        self.probe_conversation()
-        if facts.get("backend") == "remote":
-            note = f"Connected: {facts['name']} at {facts['server']} ({facts.get('server_kind')} server)."
-        else:
-            note = f"Model {facts['name']} ready on {facts['device']} ({facts['dtype']})."
-        if self.chat.stats.status != "idle":  # the reply shown keeps its own figures, made where it was made
-            self.statsPanel.show_reply(self.chat.stats, self.chat.heading())
-        if facts.get("cache_dropped"):
-            note += f" {facts['cache_dropped']}."
-            self.statsPanel.set("reuseReasonValue", f"for the next request: {facts['cache_dropped']}")
-        self.statusBar().showMessage(note, 10000)
-        self.show_meter()
-        if facts.get("backend") != "remote":
-            path = self.settings.model.path
-            self.settings.remember(None if is_bundled(path) else path)  # the demo by any of its names: one entry
-            self.settings.save(self.qsettings)
-        self.show_models()
-        self._update_buttons()
-        self.modelReady.emit(facts)
-        if self._regenerate_on_load:
-            self._regenerate_on_load = False
-            self._regenerate(same_model=False)
-
-    def show_models(self) -> None:
-        """The model in use and the recent ones, in the switcher and in Regenerate with…"""
-        remote = None
-        if (self.facts or {}).get("backend") == "remote":
-            remote = f"{self.facts['name']} (remote)"
-        current, recent = self.settings.model.path, self.settings.recent()
-        current = None if is_bundled(current) else current
-        self.modelSwitch.show_models(current, recent, remote)
-        self.regenerateWith.show_models([p for p in recent if remote or p != current])
-
-    def _on_model_failed(self, error: str) -> None:
-        self._regenerate_on_load = False
-        self.loadProgress.setVisible(False)
-        keep = " The previous model is still in use." if self.facts else ""
-        self.show_error(f"The model could not be loaded: {error}.{keep}")
-        self._update_buttons()
-        self.modelReady.emit({"error": error})
-
-    def open_settings_dialog(self) -> None:
-        dlg = SettingsDialog(self.chat.settings_for(), self.db_path, self)
-        if dlg.exec():
-            self.apply_settings(dlg.result_settings(), conversation=True)
-
-    def apply_settings(self, new: Settings, conversation: bool = False) -> None:
-        """New settings for the app; with `conversation`, the system prompt and sampling are also the
-        conversation's own (the Settings dialog edits those of the conversation shown)."""
-        cid = self.chat.current_cid
-        if conversation and cid is not None:
-            self.chat.guard(self.store.set_settings, cid, new.conversation_part())
-        reload = new.engine() != self.settings.engine()
-        self.settings = self.chat.settings = new
-        new.save(self.qsettings)
-        self.show_conversation_settings()
-        self.show_meter()  # max new tokens may have changed
-        self.probe_conversation()  # and the overflow policy: what Send would leave out
-        if reload:
-            self.load_model()
-
-    def show_conversation_settings(self) -> None:
-        """The conversation's own system prompt and sampling, above its messages; and what Regenerate does
-        under them (greedy sampling repeats the reply: its tooltip, and the hint after a click, say so)."""
-        own = self.chat.settings_for()
-        greedy = own.temperature == 0
-        self.regenerateButton.setToolTip(
-            GREEDY_HINT if greedy else "Run the last reply again: a new version ‹n/n› beside the others"
-        )
-        self.regenerateHint.setText(GREEDY_HINT)
-        if not greedy:
-            self.regenerateHint.setVisible(False)
-        if self.chat.current_cid is None:
-            self.conversationSettingsLabel.setVisible(False)
-            return
-        self.conversationSettingsLabel.setText(own.conversation_summary())
-        self.conversationSettingsLabel.setVisible(True)
-
-    def show_about(self) -> None:
-        QMessageBox.about(
-            self,
-            "About kvchat",
-            f"<b>kvchat</b> — a local chat that shows inference as it happens.<br><br>"
-            f"Conversations: {html.escape(str(self.db_path))}<br>"
-            f"Settings: {html.escape(str(self.data_directory / 'settings.ini'))}",
-        )
-
-    def show_error(self, text: str) -> None:
-        self.banner.setText(text)
-        self.banner.setVisible(True)
-        self.statusBar().showMessage(text, 15000)
 
     # --- chatting ----------------------------------------------------------------------
     def _update_buttons(self) -> None:
@@ -737,22 +405,6 @@ class MainWindow(QMainWindow):
             self.render_transcript()
         self.composer.setFocus()  # the edited view is rebuilt: focus would fall to the search field
 
-    def switch_model(self, path: str | None) -> None:
-        """Run this computer's model `path` (None: the demo model) from the next reply on; the transcript marks
-        the change at the first reply it makes."""
-        if self.generating:
-            return
-        new = dataclasses.replace(self.settings, model=dataclasses.replace(self.settings.model, path=path))
-        new.backend = "local"
-        self.apply_settings(new)
-
-    def regenerate_with(self, path: str | None) -> None:
-        """The last reply made again by model `path`, once it has loaded: a new branch, labelled with it."""
-        if self.generating or self.chat.regenerate_target() is None:
-            return
-        self._regenerate_on_load = True
-        self.switch_model(path)
-
     def regenerate(self) -> None:
         self._regenerate(same_model=True)
 
@@ -774,23 +426,6 @@ class MainWindow(QMainWindow):
         fork = self.chat.fork_target(mid, index, token)
         if fork is not None:
             self.start_reply(self.store.message(mid).parent_id, now(), fork=fork)
-
-    def compare_reply(self, mid: int) -> None:
-        """Rerun the prompt of this reply at the other precision (in the worker) and show both."""
-        if self.generating or self.facts is None:
-            return
-        upto = self.chat.messages_until(self.store.message(mid).parent_id)
-        self._compare_rid = getattr(self, "_compare_rid", 0) + 1
-        self.statusBar().showMessage("Comparing with the other precision…")
-        self.client.compare(self._compare_rid, self.chat.messages(upto), self.settings.max_new_tokens)
-
-    def _on_compared(self, rid: int, result: dict) -> None:
-        from .compare import CompareDialog
-
-        self.statusBar().clearMessage()
-        self.last_comparison = result
-        self.compareDialog = CompareDialog(result, self)
-        self.compareDialog.show()
 
     def stop(self) -> None:
         self.chat.stop()
@@ -826,15 +461,6 @@ class MainWindow(QMainWindow):
         if not (panel and self.generating):  # token 1's own draw leaves the map to the next panel tick
             self.statsPanel.show_cache_map(chat.cache_map, self.client.token_text)
         self._update_buttons()
-
-    def export_trace(self) -> None:
-        path, _ = QFileDialog.getSaveFileName(self, "Export trace", "kvchat-trace.json", "JSON (*.json)")
-        if path:
-            self.write_trace(Path(path))
-
-    def write_trace(self, path: Path) -> None:
-        record = {"message_id": self.chat.selected_mid, **self.stats.to_json(), "model": self.facts}
-        path.write_text(json.dumps(record, indent=2, ensure_ascii=False))
 
     # --- closing -----------------------------------------------------------------------
     def closeEvent(self, e) -> None:
