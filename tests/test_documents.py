@@ -125,6 +125,23 @@ def test_readme_is_short_and_names_the_documents_beside_the_code():
         assert f"]({doc})" in readme, doc
 
 
+def test_the_readmes_layout_names_every_product_module():
+    """README.md's Layout is the map of the house: every product module (engine/ and desktop/, their C sources,
+    not the tools) is named there by its name."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    layout = readme[readme.index("## Layout") : readme.index("## Documents")]
+    words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_.]*", layout))
+    modules = [
+        p
+        for top in ("engine", "desktop")
+        for p in (ROOT / top).rglob("*")
+        if p.suffix in (".py", ".c", ".h") and "tools" not in p.parts and p.stem not in ("__init__", "__main__")
+    ]
+    missing = [str(p.relative_to(ROOT)) for p in modules if p.stem not in words and p.name not in words]
+    assert missing == []
+    assert len(modules) > 80
+
+
 def test_every_test_a_document_names_exists():
     """The failure table and the documents cite tests by name: each is a test that exists (a name cut with
     '…' is a prefix of one)."""

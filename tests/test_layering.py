@@ -158,11 +158,17 @@ def test_the_model_and_the_quantization_codes_stand_alone():
     assert g["engine.quant"] == set()  # the codes' definition: nothing from the engine
 
 
-def test_the_chat_controller_and_the_settings_are_qt_free():
-    """Nothing desktop.chat reaches, directly or through other modules, imports Qt: a test drives it
-    with a fake client and no window."""
+QT_FREE = (
+    "desktop.chat", "desktop.replies", "desktop.settings", "desktop.store", "desktop.store_file", "desktop.exchange",
+    "desktop.markdown", "desktop.cache_map", "desktop.panel_words", "desktop.panel_help",
+)  # fmt: skip
+
+
+def test_the_chat_controller_and_the_desktops_models_are_qt_free():
+    """Nothing the Qt-free rooms reach, directly or through other modules, imports Qt: a test drives the
+    controller with a fake client and no window, and the panel's words are plain functions."""
     g, imps = graph(), all_imports()
-    for name in ("desktop.chat", "desktop.settings", "desktop.store", "desktop.store_file", "desktop.exchange"):
+    for name in QT_FREE:
         reach, todo = set(), [name]
         while todo:
             m = todo.pop()
@@ -212,17 +218,34 @@ def floor_of(name: str) -> int | None:
     return None if best is None else best[0]
 
 
+def upward(g: dict[str, set[str]]) -> list[str]:
+    """Every import in `g` from an engine module to a module on a higher floor."""
+    engine = [m for m in g if m.startswith("engine") and not m.startswith("engine.tools")]
+    return [
+        f"{m} ({FLOORS[floor_of(m)][0]}) imports {d} ({FLOORS[floor_of(d)][0]})"
+        for m in engine
+        for d in g[m]
+        if floor_of(d) is not None and floor_of(m) is not None and floor_of(d) > floor_of(m)
+    ]
+
+
 def test_every_engine_module_is_on_a_floor_and_imports_only_downward():
     g = graph()
     engine = [m for m in g if m.startswith("engine") and not m.startswith("engine.tools")]
     assert [m for m in engine if floor_of(m) is None] == []
-    up = [
-        f"{m} ({FLOORS[floor_of(m)][0]}) imports {d} ({FLOORS[floor_of(d)][0]})"
-        for m in engine
-        for d in g[m]
-        if floor_of(d) is not None and floor_of(d) > floor_of(m)
+    assert upward(g) == []
+
+
+def test_the_floor_rule_refuses_a_synthetic_upward_import():
+    """The rule above on a graph with one import planted upward (the model-file side reaching the scheduler, the
+    kv tiers reaching the HTTP server): each is found, and nothing else."""
+    g = {m: set(d) for m, d in graph().items()}
+    g["engine.weights.loading"].add("engine.scheduler")
+    g["engine.kv_tiers"].add("engine.http.server")
+    assert sorted(upward(g)) == [
+        "engine.kv_tiers (core) imports engine.http.server (http)",
+        "engine.weights.loading (weights) imports engine.scheduler (runtime)",
     ]
-    assert up == []
 
 
 def test_the_floor_rule_sees_an_import_upward():
