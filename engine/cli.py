@@ -360,7 +360,7 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m engine",
         description="kvchat's inference engine",
-        epilog="tools: python -m engine bench|store-bench|quality|selftest --help",
+        epilog="the Hub: search, pull; tools: python -m engine bench|store-bench|serve-bench|quality|selftest --help",
     )
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("info", help="model facts: architecture, parameters, KV bytes per position")

@@ -16,7 +16,8 @@ import torch
 
 from ..config import load_config
 from ..errors import EngineError
-from ..weights.gguf_file import NORM_PLUS_ONE, PERMUTED, gguf_name
+from ..weights.gguf_file import NORM_PLUS_ONE, PERMUTED
+from ..weights.gguf_names import gguf_name
 
 ARCHES = {  # kvchat's family -> llama.cpp's architecture (Mistral and Mixtral are "llama" files)
     "llama": "llama",

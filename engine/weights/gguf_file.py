@@ -2,10 +2,10 @@
 package's definitions and kvchat's own header reader (gguf_header): the config from the metadata, the
 tokenizer from `tokenizer.ggml.*` built as a `tokenizers` tokenizer, and the weights from their own codes.
 
-Q8_0 and Q4_0 blocks are exactly kvchat's int8 / int4 with one scale per 32 values (Q4_0's codes run
-−8..7, and −8 is kept), so those tensors keep their codes and run on the quantized kernels. Every
-other type is dequantized at load into the model dtype with `gguf.quants.dequantize` (llama.cpp's
-definitions), and `summary()` says which tensors and what that costs. The file is untrusted: every
+Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K blocks keep their codes, in the forms engine.weights.gguf_blocks
+and engine/MODELS.md list, and run on the quantized kernels; every other type is dequantized at load into
+the model dtype with `gguf.quants.dequantize` (llama.cpp's definitions), and `summary()` says which
+tensors and what that costs. The file is untrusted: every
 tensor's extent is checked against the file's size, shapes against the metadata, and the chat
 template runs in the tokenizer's sandbox.
 """
@@ -13,10 +13,8 @@ template runs in the tokenizer's sandbox.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import mmap
-import re
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +25,7 @@ from ..quant import PreQuantized, storage_bytes
 from . import gguf_vocab
 from .gguf_blocks import INT4_PACKED, INT5, NATIVE, OFFSETS, fast_rows
 from .gguf_header import GGUF_ROWS, StringArray, Tensor, read_header
+from .gguf_names import gguf_name
 from .gguf_vocab import NUMBER
 from .hf_names import block_sources, linears
 
@@ -45,76 +44,6 @@ ARCHITECTURES = {  # a GGUF's general.architecture -> config.json's (a "llama" f
 KINDS = {str: "string", int: "whole number", NUMBER: "number"}  # how an error names what a key should hold
 PERMUTED = ("llama", "granite", "smollm3")  # llama.cpp's converter interleaves q/k rows for these (rotate pairs)
 NORM_PLUS_ONE = ("gemma2", "gemma3")  # llama.cpp's converter stores Gemma's (1 + w) norms with the 1 added
-
-# Hugging Face tensor names -> GGUF names ("{i}": the block)
-GLOBAL_NAMES = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
-BLOCK_NAMES = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_proj.bias": "attn_q.bias",
-    "self_attn.k_proj.bias": "attn_k.bias",
-    "self_attn.v_proj.bias": "attn_v.bias",
-    "self_attn.o_proj.bias": "attn_output.bias",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-    # a mixture: the router, and each expert's rows of the experts' stacked tensors ("#j": expert j)
-    "mlp.gate.weight": "ffn_gate_inp.weight",
-    "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
-    "mlp.experts.{j}.gate_proj.weight": "ffn_gate_exps.weight#{j}",
-    "mlp.experts.{j}.up_proj.weight": "ffn_up_exps.weight#{j}",
-    "mlp.experts.{j}.down_proj.weight": "ffn_down_exps.weight#{j}",
-    "block_sparse_moe.experts.{j}.w1.weight": "ffn_gate_exps.weight#{j}",
-    "block_sparse_moe.experts.{j}.w3.weight": "ffn_up_exps.weight#{j}",
-    "block_sparse_moe.experts.{j}.w2.weight": "ffn_down_exps.weight#{j}",
-}
-ARCH_BLOCK_NAMES = {  # where an architecture's names depart from BLOCK_NAMES
-    "gemma2": {
-        "post_attention_layernorm.weight": "post_attention_norm.weight",
-        "pre_feedforward_layernorm.weight": "ffn_norm.weight",
-        "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
-    },
-    "olmo2": {
-        "post_attention_layernorm.weight": "post_attention_norm.weight",
-        "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
-    },
-    "phi3": {"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"},
-}
-ARCH_BLOCK_NAMES["gemma3"] = ARCH_BLOCK_NAMES["gemma2"]
-EXPERT = re.compile(r"^(mlp|block_sparse_moe)\.experts\.(\d+)\.(.+)$")
-
-
-@functools.cache
-def _block_names(arch: str) -> dict[str, str]:
-    """BLOCK_NAMES with an architecture's own (built once: gguf_name runs for every tensor of a file)."""
-    return {**BLOCK_NAMES, **ARCH_BLOCK_NAMES.get(arch, {})}
-
-
-def gguf_name(arch: str, hf: str) -> str | None:
-    """The GGUF name of a Hugging Face tensor name in a file of `arch` (an expert's: its rows of the stacked
-    tensor, "…#j"); None for a name no GGUF file holds."""
-    if hf in GLOBAL_NAMES:
-        return GLOBAL_NAMES[hf]
-    if not hf.startswith("model.layers."):
-        return None
-    i, rest = hf[len("model.layers.") :].split(".", 1)
-    expert = EXPERT.match(rest)
-    if expert:
-        rest = f"{expert[1]}.experts.{{j}}.{expert[3]}"
-    names = _block_names(arch)
-    if rest not in names:
-        return None
-    return f"blk.{i}.{names[rest]}".replace("{j}", expert[2] if expert else "")
 
 
 class GGUFModel:

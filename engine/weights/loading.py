@@ -250,8 +250,9 @@ def _told(progress, what: str):
 
 
 def _load_gguf(path: Path, device, dtype, weights, group_size, progress=None, activations="float32") -> LoadedModel:
-    """A GGUF file: config and tokenizer from its metadata, weights from its tensors (Q8_0 and Q4_0 as their
-    own codes; other types dequantized into `dtype`; float ones quantized when `weights` asks)."""
+    """A GGUF file: config and tokenizer from its metadata, weights from its tensors (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K
+    and Q6_K as their own codes, engine.weights.gguf_blocks; other types dequantized into `dtype`; float ones
+    quantized when `weights` asks)."""
     if progress is not None:
         progress(0.0, path.name)  # the metadata and the tokenizer first, then the weights block by block
     gm = GGUFModel(path)
