@@ -8,7 +8,6 @@ changed, the reply progressed, the reply finished, an error to show.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import AsyncIterator
 from typing import Protocol
 
@@ -57,7 +56,6 @@ class Listener(Protocol):
     def show_error(self, text: str) -> None: ...
 
 
-@dataclasses.dataclass
 class ChatController:
     """One conversation at a time over the store; at most one reply streaming."""
 

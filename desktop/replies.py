@@ -100,6 +100,7 @@ class Accounting:
     summary: dict
 
 
+@dataclasses.dataclass
 class ReplyStats:
     """Everything the panel shows for one reply, from engine events (live) or a stored trace. Figures
     come from engine.trace, the one place that computes them."""
