@@ -15,7 +15,6 @@ import dataclasses
 
 from . import trace as tracing
 from .disk_store import DiskStore
-from .errors import EngineError
 from .events import ReuseReport
 from .kv_cache import KVCache, make_cache
 from .prefix_store import PrefixStore, common_prefix
@@ -200,8 +199,6 @@ class KVTiers:
         """Everything before prefill: the store takes what the working cache is about to lose, the reuse is
         planned over the three tiers, the working cache is cut where it stops matching and what the store or
         the disk holds beyond that is copied in. `fitted`: what the overflow policy left out."""
-        if not prompt:
-            raise EngineError("the prompt is empty")
         keep = self.keep(prompt)  # what the working cache keeps
         t0 = tracing.now()
         stashed = self._stash(prompt, keep)

@@ -64,7 +64,6 @@ class EngineThread:
         self._open: list[Ticket] = []  # generations submitted and not ended
         self._pending = 0  # jobs submitted and not ended, calls included
         self._at_exit = at_exit
-        self._closing = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -104,7 +103,6 @@ class EngineThread:
     def close(self, timeout: float | None = None) -> bool:
         """Cancel every generation, end the loop after the jobs queued, wait up to `timeout` seconds: False when
         the thread is still inside a call it cannot leave (a model load, a read from disk)."""
-        self._closing = True
         self.cancel_all()
         self._jobs.put(None)
         self._thread.join(timeout)

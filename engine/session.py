@@ -14,7 +14,7 @@ import torch
 
 from . import trace as tracing
 from .disk_store import DiskStore
-from .errors import EngineError
+from .errors import CapacityError, EngineError
 from .events import Failed, Finished, PrefillDone, PrefillProgress, PrefillStarted, ReuseReport
 from .generation import PREFILL_CHUNK, Decoder, decode, prefill, prefill_chunk_for
 from .kv_cache import DEFAULT_CAPACITY, KVCache
@@ -165,7 +165,7 @@ class Session:
         and `dropped_positions` say what it leaves out (a prompt that cannot fit even so: `error`)."""
         try:
             fitted = self.fit(req)
-        except EngineError as e:
+        except CapacityError as e:
             return {"error": str(e)}
         out = self.tiers.held(fitted.ids, self._prefill_rates())
         if fitted.dropped_positions:
