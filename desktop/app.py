@@ -39,8 +39,8 @@ def main(argv=None) -> int:
     from PySide6.QtGui import QIcon
     from PySide6.QtWidgets import QApplication
 
+    from .core.settings import data_dir
     from .outside_text import warn
-    from .settings import data_dir
     from .single_instance import SingleInstance
     from .style import apply_style, icon_path
     from .window import MainWindow

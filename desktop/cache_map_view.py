@@ -12,7 +12,7 @@ from PySide6.QtCore import QPoint, QRect, Qt
 from PySide6.QtGui import QColor, QPainter, QPen, QPixmap
 from PySide6.QtWidgets import QLabel, QSizePolicy, QToolTip, QVBoxLayout, QWidget
 
-from .cache_map import ORIGINS, ROLES, CacheMap, cell_size
+from .core.cache_map import ORIGINS, ROLES, CacheMap, cell_size
 from .outside_text import plain, plain_tooltip
 from .style import current_theme
 

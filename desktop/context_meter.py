@@ -7,8 +7,8 @@ from PySide6.QtWidgets import QLabel
 
 from engine.session import OVERFLOW_POLICIES, positions_needed
 
+from .core.panel_words import messages
 from .outside_text import plain, plain_tooltip
-from .panel_words import messages
 
 NEAR = 0.85  # from this share of the capacity on, the meter warns
 

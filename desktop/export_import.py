@@ -10,8 +10,8 @@ from pathlib import Path
 from PySide6.QtCore import QObject, Qt, Signal
 from PySide6.QtWidgets import QFileDialog, QProgressDialog
 
-from .exchange import ExchangeError, from_json, read_json, to_json, to_markdown
-from .store_file import StoreError
+from .core.exchange import ExchangeError, from_json, read_json, to_json, to_markdown
+from .core.store_file import StoreError
 
 
 def file_name(title: str) -> str:

@@ -9,8 +9,8 @@ from collections.abc import Callable
 from PySide6.QtCore import QTimer
 from PySide6.QtWidgets import QFileDialog, QHBoxLayout, QLabel, QWidget
 
+from .core.store_file import StoreError
 from .outside_text import plain
-from .store_file import StoreError
 from .style import button
 
 HELD_RETRY_MS = 1000  # how often changes a lock held back are tried again

@@ -27,9 +27,9 @@ from PySide6.QtWidgets import (
 
 from engine.hub import HubError, choose, discard_partial, fits, repo_facts, repo_files, search
 
+from .core.panel_words import fmt_size
 from .outside_text import plain
 from .panel_parts import set_bar
-from .panel_words import fmt_size
 from .style import button
 
 PROGRESS = re.compile(

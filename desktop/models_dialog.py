@@ -31,9 +31,9 @@ from PySide6.QtWidgets import (
 from engine.hub import fits
 from engine.weights.catalog import bundled_row, default_cache, is_bundled, scan
 
+from .core.panel_words import fmt_size
 from .hub_tab import HubTab
 from .outside_text import plain, plain_tooltip
-from .panel_words import fmt_size
 
 COLUMNS = ("Name", "Source", "Format", "Architecture", "Parameters", "Quantization", "Size", "KV / position", "Memory",
            "Status")  # fmt: skip

@@ -21,10 +21,8 @@ from PySide6.QtWidgets import (
 )
 
 from .cache_map_view import CacheMapView
-from .outside_text import breakable, plain, plain_tooltip
-from .panel_help import ROW_HELP
-from .panel_parts import GapChart, add_store_segment, set_bar
-from .panel_words import (
+from .core.panel_help import ROW_HELP
+from .core.panel_words import (
     DASH,
     NOT_REPORTED,
     cached_words,
@@ -38,6 +36,8 @@ from .panel_words import (
     reuse_source,
     server_timing,
 )
+from .outside_text import breakable, plain, plain_tooltip
+from .panel_parts import GapChart, add_store_segment, set_bar
 
 PANEL_WORD = 16  # characters: a value's word longer than this gets places to wrap (the panel never scrolls sideways)
 

@@ -7,8 +7,8 @@ from PySide6.QtCore import QRectF, Qt
 from PySide6.QtGui import QBrush, QColor, QFont, QPainter, QPen
 from PySide6.QtWidgets import QProgressBar, QTreeWidgetItem, QWidget
 
+from .core.panel_words import fmt_size, percentile
 from .outside_text import plain_tooltip
-from .panel_words import fmt_size, percentile
 
 
 class GapChart(QWidget):

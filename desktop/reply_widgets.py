@@ -22,7 +22,7 @@ from PySide6.QtWidgets import (
 
 from engine.trace import now
 
-from .markdown import Piece, pieces
+from .core.markdown import Piece, pieces
 from .outside_text import markdown_html, open_link, plain, too_big_for_markdown
 from .style import code_style
 

@@ -36,8 +36,8 @@ from engine.quant import ACTIVATIONS, PRECISIONS
 from engine.session import DEFAULT_CAPACITY, OVERFLOW_POLICIES
 from engine.spec import LoadSpec
 
+from .core.settings import DEFAULT_OVERFLOW, SYSTEM_PRESETS, Settings
 from .outside_text import plain, plain_tooltip, rich
-from .settings import DEFAULT_OVERFLOW, SYSTEM_PRESETS, Settings
 
 OVERFLOW_HELP = (
     "What Send does when the conversation, with the reply's max new tokens, no longer fits the KV cache. "

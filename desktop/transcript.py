@@ -19,8 +19,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from .core.replies import reply_footer
 from .outside_text import plain, rich
-from .replies import reply_footer
 from .reply_widgets import ReplyBody, StreamView, WrapLabel
 from .token_view import ForkRow, TokenView
 

@@ -22,13 +22,13 @@ from PySide6.QtWidgets import (
 from engine.session import OVERFLOW_POLICIES
 from engine.trace import now
 
-from .chat import ChatController
 from .client import EngineClient
+from .core.chat import ChatController
+from .core.settings import Settings
+from .core.store import Store
+from .core.store_file import StoreError
 from .outside_text import warn
-from .settings import Settings
 from .settings_dialog import open_settings
-from .store import Store
-from .store_file import StoreError
 from .token_view import MODES as TOKEN_MODES
 from .transcript import MessageView
 from .window_layout import WindowLayout

@@ -15,11 +15,11 @@ from PySide6.QtWidgets import QApplication, QDialog, QFileDialog, QMessageBox
 
 from engine.weights.catalog import is_bundled
 
+from .core.settings import Settings
 from .export_import import export_conversation, import_conversation
 from .models_dialog import ModelsDialog
 from .panel_parts import set_bar
 from .reply_widgets import CodeBlock
-from .settings import Settings
 from .settings_dialog import SettingsDialog
 from .style import apply_style
 

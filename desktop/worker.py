@@ -21,7 +21,7 @@ from engine.scheduler import END, EngineThread
 from engine.spec import LoadSpec
 from engine.trace import summarize
 
-from .replies import Accounting
+from .core.replies import Accounting
 
 BATCH_SECONDS = 0.05  # tokens are sent to the GUI thread at most this often
 CLOSE_WAIT_MS = 3000  # how long closing waits for the engine thread to finish what it is in

@@ -158,16 +158,17 @@ def test_the_model_and_the_quantization_codes_stand_alone():
     assert g["engine.quant"] == set()  # the codes' definition: nothing from the engine
 
 
-QT_FREE = (
-    "desktop.chat", "desktop.replies", "desktop.settings", "desktop.store", "desktop.store_file", "desktop.exchange",
-    "desktop.markdown", "desktop.cache_map", "desktop.panel_words", "desktop.panel_help",
-)  # fmt: skip
+# desktop/core is the app's Qt-free floor (napari's components/ beside its _qt/): the controller and the models.
+QT_FREE = tuple(sorted(module_name(p) for p in (ROOT / "desktop" / "core").glob("*.py")))
 
 
 def test_the_chat_controller_and_the_desktops_models_are_qt_free():
     """Nothing the Qt-free rooms reach, directly or through other modules, imports Qt: a test drives the
     controller with a fake client and no window, and the panel's words are plain functions."""
     g, imps = graph(), all_imports()
+    assert {"desktop.core.chat", "desktop.core.replies", "desktop.core.panel_words", "desktop.core.markdown"} <= set(
+        QT_FREE
+    )
     for name in QT_FREE:
         reach, todo = set(), [name]
         while todo:
@@ -178,9 +179,17 @@ def test_the_chat_controller_and_the_desktops_models_are_qt_free():
         assert not [f"{m}: {i}" for m in reach for i in imps.get(m, ()) if i.split(".")[0] in QT], name
 
 
+def test_the_desktops_core_floor_imports_no_widget():
+    """desktop/core imports the engine and itself, never a desktop module above it (the widgets, the seam)."""
+    g = graph()
+    up = [f"{m}: {i}" for m in QT_FREE for i in g[m] if i.startswith("desktop.") and not i.startswith("desktop.core")]
+    assert up == []
+    assert any(i.startswith("desktop.core") for i in g["desktop.window"])  # the checker sees the desktop's imports
+
+
 def test_importing_engine_loads_no_qt():
     code = (
-        "import sys, engine, engine.session, engine.cli, engine.spec, engine.weights.loading, desktop.chat;"
+        "import sys, engine, engine.session, engine.cli, engine.spec, engine.weights.loading, desktop.core.chat;"
         "print([m for m in sys.modules if m.split('.')[0] in ('PySide6','qasync','shiboken6')]);"
         "print([m for m in sys.modules if m.startswith(('engine.tools', 'desktop.tools'))])"
     )

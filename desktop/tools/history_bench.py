@@ -38,7 +38,7 @@ def _text(rnd: random.Random, chars: int) -> str:
 def fill(path: Path, messages: int, chars: int) -> dict:
     """A database with a short conversation and a long one of `messages` messages (user and assistant in
     turn, each `chars` characters, every reply with a trace as the app stores it)."""
-    from ..store import Store
+    from ..core.store import Store
 
     rnd = random.Random(7)
     st = Store(path)
@@ -76,7 +76,7 @@ class Probe:
         from engine.spec import LoadSpec
         from engine.trace import now
 
-        from ..settings import Settings
+        from ..core.settings import Settings
         from ..settings_dialog import open_settings
         from ..style import apply_style
 

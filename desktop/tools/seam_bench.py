@@ -91,7 +91,7 @@ class App:
         from .. import pacing
         from ..app import tune_process
         from ..client import EngineClient
-        from ..settings import Settings
+        from ..core.settings import Settings
         from ..settings_dialog import open_settings
         from ..style import apply_style
         from ..window import MainWindow

@@ -44,7 +44,7 @@ def spin(loop, predicate, timeout=60.0):
 @pytest.fixture
 def make_window(qtbot, loop, tmp_path, monkeypatch):
     """A real MainWindow on its own data directory, model loaded."""
-    from desktop.settings import Settings
+    from desktop.core.settings import Settings
     from desktop.settings_dialog import open_settings
     from desktop.window import MainWindow
     from engine.spec import LoadSpec

@@ -5,8 +5,8 @@ painted pixels, the first invalidated position marked, and a cell's words on the
 from gui import BUDGET, BUDGET_EDITED, edit, send
 from PySide6.QtCore import Qt
 
-from desktop.cache_map import CacheMap
 from desktop.cache_map_view import BAND, MARK, ORIGIN_COLOURS, QUIET, ROLE_COLOURS
+from desktop.core.cache_map import CacheMap
 from desktop.style import current_theme
 from engine.events import PrefillDone, PrefillProgress, PrefillStarted, ReuseReport, Token
 

@@ -7,10 +7,10 @@ import dataclasses
 
 import pytest
 
-from desktop.chat import ChatController
-from desktop.replies import Accounting, ReplyStats
-from desktop.settings import Settings
-from desktop.store import Store
+from desktop.core.chat import ChatController
+from desktop.core.replies import Accounting, ReplyStats
+from desktop.core.settings import Settings
+from desktop.core.store import Store
 from engine.events import Failed, Finished, PrefillDone, PrefillStarted, ReuseReport, Token
 
 
@@ -240,7 +240,7 @@ def test_a_stream_that_ends_without_a_last_event_fails_cleanly(chat):
 
 
 def test_a_locked_database_is_a_message_not_a_crash(chat):
-    from desktop.store_file import StoreError
+    from desktop.core.store_file import StoreError
 
     def locked(*a, **k):
         raise StoreError("the conversation database is locked by another program; your last change was not saved")

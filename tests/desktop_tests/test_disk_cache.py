@@ -6,7 +6,7 @@ from conversations import long_conversation
 from gui import panel, send
 
 from desktop.cache_map_view import ORIGIN_COLOURS
-from desktop.settings import DISK_FOLDER
+from desktop.core.settings import DISK_FOLDER
 from engine.events import Finished
 
 

@@ -5,7 +5,7 @@ import pytest
 from gui import BUDGET, panel, send
 
 from checkpoints import make_checkpoint
-from desktop.panel_words import fmt_bytes
+from desktop.core.panel_words import fmt_bytes
 from engine.events import Finished
 
 pytest.importorskip("transformers")

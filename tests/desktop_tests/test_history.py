@@ -6,7 +6,7 @@ import threading
 from PySide6.QtCore import Qt
 
 from desktop.branch_view import EARLIER, WINDOW
-from desktop.store import Store
+from desktop.core.store import Store
 
 N = 150  # messages: more than three windows
 

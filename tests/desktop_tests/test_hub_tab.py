@@ -13,7 +13,7 @@ pytest.importorskip("uvicorn")
 from hub_standin import COMMIT, HubStandIn, Repo
 from servers import free_port
 
-from desktop.panel_words import fmt_size
+from desktop.core.panel_words import fmt_size
 from engine.tools.gguf_export import write_gguf
 
 

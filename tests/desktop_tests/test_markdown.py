@@ -1,6 +1,6 @@
 """A reply cut into text, code and thinking: what the transcript draws, and what stays open while it streams."""
 
-from desktop.markdown import Piece, code_blocks, pieces
+from desktop.core.markdown import Piece, code_blocks, pieces
 
 REPLY = """Here is the function:
 

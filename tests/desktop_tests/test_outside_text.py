@@ -11,9 +11,9 @@ from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QDesktopServices
 from PySide6.QtWidgets import QApplication, QLabel, QMessageBox
 
+from desktop.core.store import Store
 from desktop.outside_text import markdown_html
 from desktop.reply_widgets import MarkdownLabel, PlainBlock
-from desktop.store import Store
 
 
 class Tripwire:
@@ -135,7 +135,7 @@ def click_link(qtbot, label, answer):
 def test_a_link_that_is_not_a_web_link_is_shown_never_opened(qtbot, monkeypatch, href):
     opened = []
     monkeypatch.setattr(QDesktopServices, "openUrl", lambda url: opened.append(url) or True)
-    from desktop.markdown import Piece
+    from desktop.core.markdown import Piece
 
     label = MarkdownLabel(Piece("text", f"Run [this]({href}) now."))
     qtbot.addWidget(label)
@@ -147,7 +147,7 @@ def test_a_link_that_is_not_a_web_link_is_shown_never_opened(qtbot, monkeypatch,
 def test_a_web_link_opens_after_the_person_sees_the_whole_address_and_agrees(qtbot, monkeypatch):
     opened = []
     monkeypatch.setattr(QDesktopServices, "openUrl", lambda url: opened.append(url.toString()) or True)
-    from desktop.markdown import Piece
+    from desktop.core.markdown import Piece
 
     href = "https://docs.python.org/3/library/html.html?q=escape#html.escape"
     label = MarkdownLabel(Piece("text", f"See [the docs]({href})."))
@@ -193,7 +193,7 @@ def test_a_piece_that_fails_to_render_is_shown_as_plain_text_with_a_note(
 
     monkeypatch.setattr(reply_widgets, "markdown_html", broken)
     w = make_window(demo_model_dir)
-    from desktop.store import Message
+    from desktop.core.store import Message
     from desktop.transcript import MessageView
 
     view = MessageView(Message(1, 1, None, "assistant", "**bold** and a [link](https://x.org)"), 0, 1)

@@ -7,7 +7,7 @@ from conversations import question
 from gui import panel, send
 from PySide6.QtCore import Qt
 
-from desktop.settings import DEFAULT_OVERFLOW
+from desktop.core.settings import DEFAULT_OVERFLOW
 from desktop.settings_dialog import SettingsDialog
 from engine.events import Finished
 

@@ -12,8 +12,8 @@ from PySide6.QtCore import Qt
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
-from desktop.panel_words import NOT_REPORTED, fmt_bytes, fmt_ms
-from desktop.settings import Settings
+from desktop.core.panel_words import NOT_REPORTED, fmt_bytes, fmt_ms
+from desktop.core.settings import Settings
 from desktop.settings_dialog import SettingsDialog
 from engine.events import Failed, Finished
 from engine.session import Request, Session
@@ -281,7 +281,7 @@ def test_closing_while_the_engine_is_stuck_in_a_load_hides_the_window_at_once(qt
 
     from servers import HostileServer
 
-    from desktop.settings import Settings
+    from desktop.core.settings import Settings
     from desktop.settings_dialog import open_settings
     from desktop.window import MainWindow
     from desktop.worker import CLOSE_WAIT_MS

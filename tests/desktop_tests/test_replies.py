@@ -11,8 +11,8 @@ from PySide6.QtWidgets import QFrame
 
 pytest.importorskip("starlette")
 
-from desktop.markdown import code_blocks
-from desktop.replies import reply_footer
+from desktop.core.markdown import code_blocks
+from desktop.core.replies import reply_footer
 from desktop.reply_widgets import MarkdownLabel
 from desktop.transcript import DEMO_HINT
 from engine.events import Finished
@@ -66,7 +66,7 @@ def test_a_code_reply_is_a_highlighted_block_whose_copy_button_copies_exactly_th
 
 
 def test_the_thinking_block_counts_its_tokens_with_the_local_tokenizer(qtbot, make_window, demo_model_dir):
-    from desktop.store import Message
+    from desktop.core.store import Message
     from desktop.transcript import MessageView
 
     w = make_window(demo_model_dir)
@@ -284,7 +284,7 @@ def test_the_theme_switch_changes_the_sheet_and_the_code_colours_and_is_kept(
     from gui import send
     from PySide6.QtWidgets import QApplication
 
-    from desktop.settings import Settings
+    from desktop.core.settings import Settings
     from desktop.style import style_sheet
 
     remote = scripted_server(reply="```python\nprint('hi')\n```")
@@ -336,7 +336,7 @@ def test_a_system_prompt_saved_as_a_preset_is_there_in_every_conversation_and_ca
 ):
     from PySide6.QtWidgets import QInputDialog
 
-    from desktop.settings import Settings
+    from desktop.core.settings import Settings
     from desktop.settings_dialog import SettingsDialog
 
     w = make_window(demo_model_dir)
@@ -423,7 +423,7 @@ def test_a_long_import_runs_off_the_gui_thread_with_progress_and_a_failure_halfw
     assert w.store.conversation(w.chat.current_cid).title == "long" and len(w.store.branch(w.chat.current_cid)) == n
     assert seen and seen[-1][1] == n and len(ticks) > 5  # the window's own timer kept ticking meanwhile
 
-    import desktop.store as store_module
+    import desktop.core.store as store_module
 
     real = store_module.Store.add_message
     calls = []
@@ -443,8 +443,8 @@ def test_a_long_import_runs_off_the_gui_thread_with_progress_and_a_failure_halfw
 
 
 def test_a_markdown_export_quotes_what_it_holds_so_no_reply_can_forge_a_turn(tmp_path):
-    from desktop.exchange import to_markdown
-    from desktop.store import Store
+    from desktop.core.exchange import to_markdown
+    from desktop.core.store import Store
 
     st = Store(tmp_path / "kvchat.db")
     c = st.new_conversation("trip")

@@ -51,7 +51,7 @@ def test_async_stream_yields_batches_until_finished(qapp, loop, llama_dir):
     import asyncio
 
     from desktop.client import EngineClient
-    from desktop.replies import Accounting
+    from desktop.core.replies import Accounting
     from engine.session import Request
     from engine.spec import LoadSpec
 

@@ -9,8 +9,8 @@ import sqlite3
 
 import pytest
 
-from desktop.store import Store
-from desktop.store_file import SCHEMA_VERSION, StoreError
+from desktop.core.store import Store
+from desktop.core.store_file import SCHEMA_VERSION, StoreError
 
 
 def digest(path):
@@ -111,7 +111,7 @@ def test_a_broken_file_that_cannot_be_moved_is_left_alone(tmp_path, monkeypatch)
     def refuse(*_):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr("desktop.store_file.os.replace", refuse)
+    monkeypatch.setattr("desktop.core.store_file.os.replace", refuse)
     st = Store(path)
     assert digest(path) == before and st.moved_aside is None
     assert "cannot be moved aside (Permission denied); it was left as it is" in st.notice

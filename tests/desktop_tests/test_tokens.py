@@ -118,8 +118,8 @@ def test_a_fork_from_a_token_reuses_every_position_before_it(qtbot, make_window,
 
 
 def test_a_server_that_sends_no_logprobs_is_said_so_and_one_that_does_is_read(qtbot):
+    from desktop.core.replies import ReplyStats
     from desktop.panel import NOT_REPORTED_LOGPROBS, StatsPanel
-    from desktop.replies import ReplyStats
     from engine.events import ReuseReport, Token
     from engine.logprobs import StepLogprobs
 

@@ -2,8 +2,8 @@
 
 import math
 
+from desktop.core.store import Message
 from desktop.reply_widgets import MarkdownLabel, WrapLabel
-from desktop.store import Message
 from desktop.transcript import MessageView
 
 WORDS = "the cache keeps every position it has seen and drops none of them until the prompt changes "

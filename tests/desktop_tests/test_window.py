@@ -8,10 +8,10 @@ import pytest
 from gui import BUDGET, BUDGET_EDITED, panel, send
 from PySide6.QtCore import Qt
 
+from desktop.core.panel_words import fmt_bytes, fmt_ms, fmt_rate, fmt_size
+from desktop.core.replies import title_from
+from desktop.core.store import Store
 from desktop.models_dialog import COLUMNS
-from desktop.panel_words import fmt_bytes, fmt_ms, fmt_rate, fmt_size
-from desktop.replies import title_from
-from desktop.store import Store
 from engine.events import Failed, Finished
 
 STATUS = COLUMNS.index("Status")  # the Models dialog's status column
@@ -697,8 +697,8 @@ def test_the_panel_never_shows_a_negative_seam_a_no_change_change_or_another_rep
     """A reply shown after one with a reuse report, with none of its own (it failed before its prefill),
     shows no reuse figures; a "change" of a token for itself is no change; a first paint measured before the
     engine's first token (a Continue's) is no seam below zero."""
+    from desktop.core.replies import ReplyStats
     from desktop.panel import DASH
-    from desktop.replies import ReplyStats
 
     w = make_window(demo_model_dir)
     p = w.statsPanel
@@ -756,7 +756,7 @@ def test_every_panel_row_says_what_it_measures(qtbot, make_window, demo_model_di
 
     from PySide6.QtWidgets import QFormLayout
 
-    from desktop.panel_help import ROW_HELP
+    from desktop.core.panel_help import ROW_HELP
 
     w = make_window(demo_model_dir)
     values = w.statsPanel.values
@@ -871,7 +871,7 @@ def test_regenerate_under_greedy_sampling_says_why_it_repeats(qtbot, make_window
 
 
 def test_the_settings_dialog_fits_a_laptop_screen_and_parts_this_conversation_from_the_engine(qtbot, tmp_path):
-    from desktop.settings import Settings
+    from desktop.core.settings import Settings
     from desktop.settings_dialog import SettingsDialog
 
     dlg = SettingsDialog(Settings(), tmp_path / "kvchat.db")
@@ -887,7 +887,7 @@ def test_the_settings_dialog_fits_a_laptop_screen_and_parts_this_conversation_fr
 def test_the_app_and_the_server_take_the_same_capacity_by_default(smollm2_gguf, tmp_path, monkeypatch):
     """One default for the same file: the app's settings (capacity left to the model) and `engine serve`; the app
     alone keeps a disk tier, in its data folder."""
-    from desktop.settings import DISK_FOLDER, Settings
+    from desktop.core.settings import DISK_FOLDER, Settings
     from desktop.settings_dialog import open_settings
     from engine.cli import parser
     from engine.spec import LoadSpec
