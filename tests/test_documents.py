@@ -19,6 +19,10 @@ CODE = sorted(
 )
 # `path.md, "Heading"`: the way code and documents point at a section (the heading may wrap across lines)
 POINTER = re.compile(r"([\w./-]*\b[\w-]+\.md),[\s#*]+\"([^\"]+)\"")
+# `path.md, *Heading*` or `[path.md](path.md), *Heading*`: the form the documents use in prose
+POINTER_EM = re.compile(r"([\w./-]*\b[\w-]+\.md)\)?,[ \t\n]+\*([^*\n]+(?:\n[^*\n]+)?)\*")
+# what the repository cannot hold: the workplace's issue numbers and commit hashes, its shared folder
+CITED = re.compile(r"\bissue #?\d+|\bcommit [0-9a-f]{7,40}\b|\((?=\d*[a-f])[0-9a-f]{7,12}\b[,)]|\bshared/", flags=re.I)
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 REPO_PATH = re.compile(r"`((?:engine|desktop|tests|resources|\.ci)/[\w./-]*)`")
 
@@ -50,7 +54,8 @@ def resolve(name: str, where: Path) -> Path | None:
 
 def pointers(path: Path) -> list[tuple[str, str]]:
     text = path.read_text(encoding="utf-8")
-    return [(doc, re.sub(r"[\s#*]+", " ", heading).strip()) for doc, heading in POINTER.findall(text)]
+    found = POINTER.findall(text) + POINTER_EM.findall(text)
+    return [(doc, re.sub(r"[\s#*]+", " ", heading).strip()) for doc, heading in found]
 
 
 def test_the_checks_read_pointers_links_and_headings(tmp_path):
@@ -63,6 +68,10 @@ def test_the_checks_read_pointers_links_and_headings(tmp_path):
     assert pointers(src) == [("GUIDE.md", "The seam, measured")]
     assert slug("What `engine serve` costs on loopback") == "what-engine-serve-costs-on-loopback"
     assert LINK.findall("see [the seam](desktop/README.md#the-seam).") == ["desktop/README.md#the-seam"]
+    prose = tmp_path / "y.md"
+    prose.write_text("figures ([GUIDE.md](GUIDE.md), *The seam,\nmeasured*) and GUIDE.md, *No such*.\n", encoding="utf-8")
+    assert pointers(prose) == [("GUIDE.md", "The seam, measured"), ("GUIDE.md", "No such")]
+    assert CITED.findall("fixed in issue #12, see commit 5e1d5d2; issue 48") == ["issue #12", "commit 5e1d5d2", "issue 48"]
 
 
 @pytest.mark.parametrize("path", CODE + DOCS, ids=lambda p: str(p.relative_to(ROOT)))
@@ -108,12 +117,10 @@ def test_every_link_and_path_a_document_names_is_in_the_repository(doc):
     assert bad == []
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
-def test_no_document_cites_what_is_outside_the_repository(doc):
-    """No issue numbers, commit hashes or files of the workplace outside the checkout."""
-    text = doc.read_text(encoding="utf-8")
-    cited = re.findall(r"\bissue \d+|\(\b[0-9a-f]{7,12}\b[,)]|\bshared/", text, flags=re.I)
-    assert cited == []
+@pytest.mark.parametrize("path", CODE + DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_nothing_cites_what_is_outside_the_repository(path):
+    """No issue numbers, commit hashes or files of the workplace outside the checkout, in code or documents."""
+    assert CITED.findall(path.read_text(encoding="utf-8")) == []
 
 
 def test_readme_is_short_and_names_the_documents_beside_the_code():
