@@ -69,9 +69,10 @@ def test_the_checks_read_pointers_links_and_headings(tmp_path):
     assert slug("What `engine serve` costs on loopback") == "what-engine-serve-costs-on-loopback"
     assert LINK.findall("see [the seam](desktop/README.md#the-seam).") == ["desktop/README.md#the-seam"]
     prose = tmp_path / "y.md"
-    prose.write_text("figures ([GUIDE.md](GUIDE.md), *The seam,\nmeasured*) and GUIDE.md, *No such*.\n", encoding="utf-8")
+    prose.write_text("see ([GUIDE.md](GUIDE.md), *The seam,\nmeasured*) and GUIDE.md, *No such*.\n", encoding="utf-8")
     assert pointers(prose) == [("GUIDE.md", "The seam, measured"), ("GUIDE.md", "No such")]
-    assert CITED.findall("fixed in issue #12, see commit 5e1d5d2; issue 48") == ["issue #12", "commit 5e1d5d2", "issue 48"]
+    cited = CITED.findall("fixed in issue #12, see commit 5e1d5d2; issue 48")
+    assert cited == ["issue #12", "commit 5e1d5d2", "issue 48"]
 
 
 @pytest.mark.parametrize("path", CODE + DOCS, ids=lambda p: str(p.relative_to(ROOT)))

@@ -52,53 +52,16 @@ def test_generate_json_fields(llama_dir):
 
 
 def test_generate_raw_and_sampling_seed_is_reproducible(llama_dir):
-    a = json.loads(
-        run(
-            "generate",
-            "--model",
-            llama_dir,
-            "--prompt",
-            "Hi",
-            "--raw",
-            "--temperature",
-            1.0,
-            "--top-k",
-            50,
-            "--top-p",
-            0.9,
-            "--min-p",
-            0.01,
-            "--seed",
-            7,
-            "--max-new-tokens",
-            8,
-            "--json",
-        ).stdout
-    )
-    b = json.loads(
-        run(
-            "generate",
-            "--model",
-            llama_dir,
-            "--prompt",
-            "Hi",
-            "--raw",
-            "--temperature",
-            1.0,
-            "--top-k",
-            50,
-            "--top-p",
-            0.9,
-            "--min-p",
-            0.01,
-            "--seed",
-            7,
-            "--max-new-tokens",
-            8,
-            "--json",
-        ).stdout
-    )
-    assert a["token_ids"] == b["token_ids"]
+    """The same seed gives the same tokens at temperature 1; another seed other tokens (so the seed is used)."""
+
+    def sample(seed):
+        argv = ["generate", "--model", llama_dir, "--prompt", "Hi", "--raw", "--temperature", 1.0, "--top-k", 50]
+        argv += ["--top-p", 0.9, "--min-p", 0.01, "--seed", seed, "--max-new-tokens", 8, "--json"]
+        return json.loads(run(*argv).stdout)["token_ids"]
+
+    a = sample(7)
+    assert len(a) == 8 and sample(7) == a
+    assert sample(8) != a
 
 
 def test_generate_over_capacity_is_a_clear_error(llama_dir):
@@ -133,7 +96,8 @@ def test_replay_shows_the_edit(llama_dir, tmp_path):
     p0, p1 = lines[0]["prompt_token_ids"], lines[1]["prompt_token_ids"]
     diff = next(i for i, (a, b) in enumerate(zip(p0, p1)) if a != b)
     assert r["first_invalidated_position"] == diff == r["reused"]
-    assert r["cached_token"]["text"].strip() == "6" or r["cached_token"]["text"].strip().startswith("6")
+    assert (r["cached_token"]["id"], r["new_token"]["id"]) == (p0[diff], p1[diff])  # the token that was, and is
+    assert r["cached_token"]["text"].strip().startswith("6") and r["new_token"]["text"].strip().startswith("7")
 
 
 def test_replay_mixes_conversations_and_reuse_follows_the_tokens(llama_dir, tmp_path):

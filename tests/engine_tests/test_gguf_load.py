@@ -112,7 +112,9 @@ def test_a_4_bit_gguf_file_computes_the_same_without_the_kernels(folders, tmp_pa
     bf16 = getattr(down, "kernel", None) == "int4pack"  # that kernel multiplies bfloat16 activations and scales
     tol = 4e-2 * float(want.abs().max()) if bf16 else 1e-4
     torch.testing.assert_close(got, want, rtol=1e-4 if not bf16 else 4e-2, atol=tol)
-    assert bf16 or got.argmax(-1).tolist() == want.argmax(-1).tolist()
+    top2 = want.topk(2, dim=-1).values  # [T, 2]
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * tol if bf16 else torch.ones(len(ids), dtype=torch.bool)  # [T]
+    assert got.argmax(-1)[clear].tolist() == want.argmax(-1)[clear].tolist()  # greedy agrees where the margin is clear
 
 
 def test_q4_0_keeps_its_codes_minus_8_included(folders, tmp_path):

@@ -35,20 +35,25 @@ def test_bodies_that_are_too_deep_too_big_or_not_numbers_are_refused(serve):
         s.sendall(b"Content-Length: %d\r\n\r\n" % (BODY_BYTES + 1))
         assert s.recv(4096).startswith(b"HTTP/1.1 413")
 
-    def chunks():  # chunked: no length declared, 64 MiB on the way
-        for _ in range(64):
-            yield b" " * (1 << 20)
-
-    try:
-        big = httpx.post(
-            server.url + "/chat/completions", content=chunks(), headers={"content-type": "application/json"}, timeout=30
-        )
-        assert big.status_code == 413
-    except httpx.TransportError:  # the server answered and closed while the client was still sending
-        pass
-    for name, value in (("response_format", {"type": "json_object"}), ("tool_choice", "auto"), ("top_logprobs", 3)):
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:  # chunked: no length, past the limit
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n")
+        s.sendall(b"Transfer-Encoding: chunked\r\n\r\n")
+        piece = b" " * (1 << 20)
+        for _ in range(BODY_BYTES // len(piece) + 1):  # one MiB past the limit, then nothing: no end chunk
+            s.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+        assert s.recv(4096).startswith(b"HTTP/1.1 413")  # answered at the limit, not after a body that never ends
+    for name, value in (("response_format", {"type": "json_object"}), ("tool_choice", "auto")):
         r = httpx.post(server.url + "/chat/completions", json={"model": MODEL, "messages": TURN1, name: value})
         assert r.status_code == 400 and r.json()["error"]["param"] == name
+        assert "is not supported by kvchat" in r.json()["error"]["message"]
+    alone = httpx.post(server.url + "/chat/completions", json={"model": MODEL, "messages": TURN1, "top_logprobs": 3})
+    assert alone.status_code == 400 and "needs 'logprobs'" in alone.json()["error"]["message"]
+    many = {"model": MODEL, "messages": TURN1, "logprobs": True, "top_logprobs": 99}
+    r = httpx.post(server.url + "/chat/completions", json=many)
+    assert r.status_code == 400 and "between 0 and" in r.json()["error"]["message"]
+    some = httpx.post(server.url + "/chat/completions", json={**many, "top_logprobs": 3, "max_tokens": 2})
+    assert some.status_code == 200
+    assert [len(e["top_logprobs"]) for e in some.json()["choices"][0]["logprobs"]["content"]] == [3, 3]
     ok = httpx.post(server.url + "/chat/completions", json={"model": MODEL, "messages": TURN1, "max_tokens": 2})
     assert ok.status_code == 200 and "Traceback" not in server.output()
 
