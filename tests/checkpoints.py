@@ -11,6 +11,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from engine.tools.bench.shapes import TINY
+
 SPECIAL_TOKENS = [
     "<s>",
     "</s>",
@@ -126,13 +128,10 @@ def make_checkpoint(
     tok_str = tokenizer_json()
     (out / "tokenizer.json").write_text(tok_str)
     vocab = Tokenizer.from_str(tok_str).get_vocab_size()
+    sizes = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
     kw = dict(
         vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **{k: TINY[k] for k in sizes},  # the tools' tiny shape (engine/tools/bench/shapes.py)
         max_position_embeddings=256,
         tie_word_embeddings=tie,
         bos_token_id=0,

@@ -17,35 +17,13 @@ from pathlib import Path
 
 import torch
 
+from .bench.shapes import tiny
+
+# wider than the bench's tiny shape so bfloat16 and float16 have something to disagree on
+_WIDER = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, max_position_embeddings=512)
 TINY = {
-    "llama": {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 128,
-        "intermediate_size": 256,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": 512,
-        "max_position_embeddings": 512,
-        "rope_theta": 10000.0,
-        "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": False,
-    },
-    "qwen2": {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
-        "hidden_size": 128,
-        "intermediate_size": 256,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": 512,
-        "max_position_embeddings": 512,
-        "rope_theta": 1000000.0,
-        "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": True,
-    },
+    "llama": tiny("llama", **_WIDER, tie_word_embeddings=False),
+    "qwen2": tiny("qwen2", **_WIDER, rope_theta=1000000.0, rms_norm_eps=1e-6),
 }
 
 

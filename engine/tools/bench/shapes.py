@@ -6,21 +6,31 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+# The tiny shape every tool and test starts from (random weights, a few layers); `tiny(...)` varies it.
+TINY = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 4096,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": True,
+}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def tiny(model_type: str = "llama", **over) -> dict:
+    """The tiny shape as `model_type` (its architectures named), with `over` replacing keys."""
+    return {**TINY, "model_type": model_type, "architectures": [ARCHITECTURES[model_type]], **over}
+
+
 SHAPES = {
-    "tiny": {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": 512,
-        "max_position_embeddings": 4096,
-        "rope_theta": 10000.0,
-        "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": True,
-    },  # for tests
+    "tiny": tiny(),  # for tests
     "smollm2-135m": {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
