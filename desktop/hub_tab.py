@@ -26,12 +26,14 @@ from PySide6.QtWidgets import (
 )
 
 from engine.hub import HubError, choose, discard_partial, fits, repo_facts, repo_files, search
+from engine.hub_transfer import one_line
 
 from .core.panel_words import fmt_size
 from .outside_text import plain
 from .panel_parts import set_bar
 from .style import button
 
+MAX_ROWS = 1000  # a repository's files shown; the rest are counted in the note
 PROGRESS = re.compile(
     r"^(?P<what>.+): (?P<done>[\d,.]+) / (?P<total>[\d,.]+) MiB · (?P<rate>[\d,.]+) MiB/s · (?P<eta>.+)$"
 )
@@ -49,7 +51,7 @@ class _Ask(QObject):
             except HubError as e:
                 self.answered.emit(key, e)
             except Exception as e:  # a broken answer is said, never a crash of the dialog
-                self.answered.emit(key, HubError(f"{type(e).__name__}: {e}"))
+                self.answered.emit(key, HubError(one_line(f"{type(e).__name__}: {e}")))
 
         threading.Thread(target=run, name="kvchat-hub", daemon=True).start()
 
@@ -144,7 +146,8 @@ class HubTab(QWidget):
         if kind == "search":
             self.searchButton.setEnabled(True)
         if isinstance(answer, HubError):
-            self.note.setText(f"{answer} — the models on this computer are still listed in the other tab.")
+            said = one_line(str(answer))
+            self.note.setText(f"{said} — the models on this computer are still listed in the other tab.")
             (self.searched if kind == "search" else self.listed).emit()
             return
         if kind == "search":
@@ -181,6 +184,7 @@ class HubTab(QWidget):
         else:
             rows = []
         rows += [(f.path, f.quantization or "?", f.size) for f in shown if f.kind == "gguf"]
+        left_out, rows = max(0, len(rows) - MAX_ROWS), rows[:MAX_ROWS]
         self.listing = (repo, rows)
         self.files.setRowCount(0)
         kv = facts.kv_bytes_per_position
@@ -201,7 +205,8 @@ class HubTab(QWidget):
                     item.setText(f"{kv_text} · {facts.kv_layers_short}")
                     item.setToolTip(f"KV cache: {facts.kv_layers}")
                 self.files.setItem(r, c, item)
-        self.note.setText(f"{repo}: {len(rows)} to download. Pick one and press Download." if rows else
+        more = f" ({left_out:,} more not shown: name one as {repo}:FILE in `engine pull`)" if left_out else ""
+        self.note.setText(f"{repo}: {len(rows):,} to download{more}. Pick one and press Download." if rows else
                           f"{repo} holds no GGUF file and no safetensors model kvchat can open.")  # fmt: skip
         self._update()
         self.listed.emit()

@@ -1,6 +1,7 @@
 """Models from the Hugging Face Hub: search, a repository's files with what kvchat can open, and a download into
 the standard hub cache (other tools see the files too): resolved by `huggingface_hub`, resumed after a restart,
 each LFS file's SHA-256 checked against the Hub's before it is offered, nothing half-written in a snapshot.
+What the Hub answers is bounded and checked before it is used (engine/hub_transfer.py).
 
 The endpoint is huggingface_hub's own (`HF_ENDPOINT`), and so is the token for gated repositories (`HF_TOKEN`
 or `hf auth login`). The code here is what runs against the real Hub; the tests run it against a stand-in on
@@ -10,22 +11,35 @@ loopback that speaks the same HTTP API.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import os
 import re
 from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import quote
 
 from .devices import free_memory
-from .errors import EngineError
+from .hub_transfer import (
+    REPO,
+    HubError,
+    check_commit,
+    check_etag,
+    get_json,
+    inside,
+    is_file_name,
+    one_line,
+    transfer,
+)
 
 FOLDER_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                 "special_tokens_map.json", "chat_template.jinja", "model.safetensors.index.json")  # fmt: skip
 QUANT = re.compile(r"(?i)(?:^|[-_.])((?:I?Q\d(?:_[A-Z0-9]+)*)|F16|BF16|F32)(?=[-_.]|$)")
-
-
-class HubError(EngineError):
-    """The Hub could not be asked, or refused: a message a person can act on."""
+MAX_FILES = 20_000  # a repository's files listed; the rest are left out, and said
+CONFIG_BYTES = 1 << 20  # a config.json read before a download
+SHA256 = re.compile(r"[0-9a-f]{64}")
+__all__ = ["HubError", "HubFile", "HubModel", "RepoFacts", "choose", "discard_partial", "fits", "pull", "repo_facts",
+           "repo_files", "search"]  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,20 +82,16 @@ def hub_cache() -> Path:
     return Path(constants.HF_HUB_CACHE)
 
 
-def _api():
-    try:
-        from huggingface_hub import HfApi
-    except ImportError as e:  # a dependency: only a broken install lacks it
-        raise HubError(f"downloading needs huggingface_hub ({e})") from None
-    return HfApi(endpoint=endpoint())
-
-
 def _said(e: Exception, repo: str | None = None) -> HubError:
     """A huggingface_hub or network error as a message a person can act on."""
     from huggingface_hub import errors
 
     name = type(e).__name__
     what = f" {repo}" if repo else ""
+    if isinstance(e, HubError):
+        return HubError(one_line(str(e)))
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return HubError(f"disk full: {one_line(str(e))}")
     if isinstance(e, errors.GatedRepoError):
         return HubError(
             f"the repository{what} is gated: accept its terms on the Hub, then log in (`hf auth login`, or set "
@@ -92,39 +102,68 @@ def _said(e: Exception, repo: str | None = None) -> HubError:
     if isinstance(e, errors.EntryNotFoundError):
         return HubError(f"the file was not found in{what}")
     if isinstance(e, (errors.LocalEntryNotFoundError, OSError)) or "Connect" in name or "Timeout" in name:
-        return HubError(f"cannot reach the Hub at {endpoint()}: {e}")
-    return HubError(f"the Hub refused: {name}: {e}")
+        return HubError(one_line(f"cannot reach the Hub at {endpoint()}: {e}"))
+    return HubError(one_line(f"the Hub refused: {name}: {e}"))
+
+
+def _count(v) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
+
+
+def _ask(path: str, params: dict | None = None, what: str = "the answer", cap: int | None = None):
+    """The Hub's JSON at `path` under its endpoint (bounded, redirects without the token elsewhere)."""
+    home = endpoint().rstrip("/")
+    try:
+        return get_json(f"{home}{path}", home, params, cap, what)
+    except Exception as e:  # huggingface_hub raises its own, httpx's and OSError
+        raise _said(e) from None
 
 
 def search(query: str, limit: int = 30) -> list[HubModel]:
     """Text-generation models whose name matches `query`, most downloaded first."""
-    try:
-        found = list(_api().list_models(search=query, pipeline_tag="text-generation", sort="downloads", limit=limit))
-    except Exception as e:  # huggingface_hub raises its own, httpx's and OSError
-        raise _said(e) from None
+    params = {"search": query, "pipeline_tag": "text-generation", "sort": "downloads", "direction": -1, "limit": limit}
+    found = _ask("/api/models", params, "the search's answer")
     out = []
-    for m in found:
-        tags = set(m.tags or ())
+    for m in found if isinstance(found, list) else ():
+        repo = m.get("id") if isinstance(m, dict) else None
+        if not isinstance(repo, str) or not REPO.fullmatch(repo):
+            continue  # not a repository's name: never shown, never asked for
+        tags = set(t for t in m.get("tags") or () if isinstance(t, str)) if isinstance(m.get("tags"), list) else set()
         formats = tuple(f for f in ("gguf", "safetensors") if f in tags)
-        out.append(HubModel(m.id, m.downloads or 0, m.likes or 0, formats, bool(m.gated), m.pipeline_tag))
+        pipeline = m.get("pipeline_tag") if isinstance(m.get("pipeline_tag"), str) else None
+        out.append(HubModel(repo, _count(m.get("downloads")), _count(m.get("likes")), formats, bool(m.get("gated")),
+                            pipeline))  # fmt: skip
+        if len(out) >= limit:
+            break
     return out
 
 
+def _info_path(repo: str, revision: str | None) -> str:
+    if not REPO.fullmatch(repo):
+        raise HubError(f"not a repository: {one_line(repr(repo), 120)} (write it as owner/name)")
+    return f"/api/models/{repo}" + (f"/revision/{quote(revision, safe='')}" if revision else "")
+
+
 def repo_files(repo: str, revision: str | None = None) -> tuple[str, list[HubFile]]:
-    """(the revision's commit, its files with sizes, checksums and what each is)."""
-    try:
-        info = _api().model_info(repo, revision=revision, files_metadata=True)
-    except Exception as e:
-        raise _said(e, repo) from None
+    """(the revision's commit, its files with sizes, checksums and what each is). A name that is not a
+    relative file name is left out; past MAX_FILES the listing stops."""
+    info = _ask(_info_path(repo, revision), {"blobs": "true"}, f"the file list of {repo}")
+    if not isinstance(info, dict):
+        raise HubError(f"the Hub's answer for {repo} is not a repository's description")
+    commit = check_commit(info.get("sha"))
     files = []
-    for s in info.siblings or ():
-        name = s.rfilename
+    for s in info.get("siblings") or () if isinstance(info.get("siblings"), list) else ():
+        name = s.get("rfilename") if isinstance(s, dict) else None
+        if not is_file_name(name):
+            continue
         kind = "gguf" if name.endswith(".gguf") else "safetensors" if name.endswith(".safetensors") else "other"
         q = QUANT.search(Path(name).stem) if kind == "gguf" else None
-        lfs = s.lfs
-        sha = getattr(lfs, "sha256", None) if lfs is not None else None
-        files.append(HubFile(name, s.size or 0, sha, kind, q.group(1).upper() if q else None))
-    return info.sha, files
+        lfs = s.get("lfs") if isinstance(s.get("lfs"), dict) else {}
+        sha = lfs.get("sha256") if isinstance(lfs.get("sha256"), str) and SHA256.fullmatch(lfs["sha256"]) else None
+        files.append(HubFile(name, _count(s.get("size")), sha, kind, q.group(1).upper() if q else None))
+        if len(files) >= MAX_FILES:
+            break
+    return commit, files
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,34 +183,36 @@ def repo_facts(repo: str, commit: str | None = None, files: list[HubFile] = ()) 
     """The architecture (a GGUF repository's from the Hub's summary of its files, a safetensors one's from its
     config), whether kvchat opens it, and, where a config.json is there to read (a few KB), the KV bytes per
     position."""
-    from huggingface_hub import hf_hub_download
+    from huggingface_hub import hf_hub_url
 
-    from .config import SUPPORTED_ARCHITECTURES, config_from_dict, read_json
+    from .config import SUPPORTED_ARCHITECTURES, config_from_dict
     from .weights.catalog import kv_facts
     from .weights.gguf_file import ARCHITECTURES
 
-    try:
-        info = _api().model_info(repo, revision=commit, expand=["config", "gguf"])
-    except Exception as e:
-        raise _said(e, repo) from None
-    gguf = getattr(info, "gguf", None) or {}
-    if gguf.get("architecture"):
-        arch = gguf["architecture"]
+    info = _ask(_info_path(repo, commit), {"expand": ["config", "gguf"]}, f"the summary of {repo}")
+    info = info if isinstance(info, dict) else {}
+    gguf = info.get("gguf") if isinstance(info.get("gguf"), dict) else {}
+    if isinstance(gguf.get("architecture"), str):
+        arch = one_line(gguf["architecture"], 80)
         reason = None if arch in ARCHITECTURES else f"GGUF architecture {arch!r} is not supported yet"
-        return RepoFacts(arch, reason, None, gguf.get("context_length"))
-    arch = ((getattr(info, "config", None) or {}).get("architectures") or [None])[0]
+        context = gguf.get("context_length")
+        return RepoFacts(arch, reason, None, context if isinstance(context, int) and context > 0 else None)
+    config = info.get("config") if isinstance(info.get("config"), dict) else {}
+    archs = config.get("architectures") if isinstance(config.get("architectures"), list) else [None]
+    arch = archs[0] if archs and isinstance(archs[0], str) else None
     if arch is None:  # the Hub's summary does not say: known once the files are here
         return RepoFacts(None, None, None, None)
     if arch not in SUPPORTED_ARCHITECTURES:
-        return RepoFacts(arch, f"architecture {arch!r} is not supported yet", None, None)
+        return RepoFacts(one_line(arch, 80), f"architecture {one_line(arch, 80)!r} is not supported yet", None, None)
     if not any(f.path == "config.json" for f in files):
         return RepoFacts(arch, None, None, None)
-    try:
-        path = hf_hub_download(repo, "config.json", revision=commit, endpoint=endpoint(), cache_dir=hub_cache())
-        raw = read_json(Path(path))
-        cfg = config_from_dict(raw, Path(path))
+    home = endpoint().rstrip("/")
+    try:  # read into memory, a megabyte at most: nothing is written before a download is asked for
+        url = hf_hub_url(repo, "config.json", revision=commit, endpoint=home)
+        raw = get_json(url, home, cap=CONFIG_BYTES, what=f"the config.json of {repo}")
+        cfg = config_from_dict(raw, Path("config.json"))
     except Exception as e:  # a config kvchat cannot read: it would not open either
-        return RepoFacts(arch, f"its config.json does not read: {e}", None, None)
+        return RepoFacts(arch, one_line(f"its config.json does not read: {e}"), None, None)
     return RepoFacts(arch, None, context=cfg.max_position_embeddings, **kv_facts(cfg))
 
 
@@ -190,7 +231,8 @@ def choose(repo: str, files: list[HubFile], filename: str | None) -> list[HubFil
     if len(ggufs) == 1:
         return ggufs
     if ggufs:
-        names = ", ".join(f"{f.path} ({f.size / 2**30:,.2f} GiB)" for f in ggufs)
+        names = ", ".join(f"{one_line(f.path, 80)} ({f.size / 2**30:,.2f} GiB)" for f in ggufs[:8])
+        names += f" and {len(ggufs) - 8:,} more" if len(ggufs) > 8 else ""
         raise HubError(f"{repo} holds several GGUF files; name one as {repo}:FILE — {names}")
     raise HubError(f"{repo} holds neither a safetensors model (config.json and weights) nor a GGUF file")
 
@@ -243,7 +285,7 @@ def pull(spec: str, report: Callable[[int, int, str], None] | None = None) -> Pa
     A download stopped by a dropped connection or a closed app goes on from where it stopped; each LFS file's
     SHA-256 is checked before it is put where models are looked for."""
     repo, _, filename = spec.partition(":")
-    if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo):
+    if not REPO.fullmatch(repo):
         raise HubError(f"not a repository: {repo!r} (write it as owner/name, or owner/name:FILE)")
     commit, files = repo_files(repo)
     wanted = choose(repo, files, filename or None)
@@ -265,47 +307,38 @@ def pull(spec: str, report: Callable[[int, int, str], None] | None = None) -> Pa
 
 def _download(repo: str, f: HubFile, commit: str, progress: Progress) -> Path:
     """One file into the hub cache's layout (blobs/<etag>, snapshots/<commit>/<path> linked to it, refs/main).
-    huggingface_hub resolves it (the commit, the ETag, a token for a gated repository, its errors); the bytes
-    go into blobs/<etag>.partial with a ranged GET from what an earlier try left (huggingface_hub's own
-    temporary files are per process, so a download it began is not resumed by the next run), and the blob is
-    renamed into place only once whole and matching the Hub's SHA-256."""
-    import httpx
+    huggingface_hub resolves it (the ETag, its size, its errors); every name it gives is checked and every path
+    proved inside the repository's folder; the bytes go into blobs/<etag>.partial (engine/hub_transfer.py: a
+    resume from what an earlier try left, stopped at the declared size), and the blob is renamed into place
+    only once whole and matching the Hub's SHA-256."""
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
-    from huggingface_hub.utils import build_hf_headers, hf_raise_for_status
 
-    url = hf_hub_url(repo, f.path, revision=commit, endpoint=endpoint())
+    home = endpoint().rstrip("/")
+    check_commit(commit)
+    if not is_file_name(f.path):
+        raise HubError(f"refused: {one_line(repr(f.path), 120)} is not a file name inside a repository")
+    url = hf_hub_url(repo, f.path, revision=commit, endpoint=home)
     meta = get_hf_file_metadata(url)
+    etag = check_etag(meta.etag)
+    size = meta.size if isinstance(meta.size, int) and meta.size >= 0 else f.size
+    if f.size and size != f.size:
+        raise HubError(f"{f.path}: the Hub lists {f.size:,} bytes and serves {size:,}: refused")
     root = hub_cache() / f"models--{repo.replace('/', '--')}"
-    blob = root / "blobs" / meta.etag
+    (root / "blobs").mkdir(parents=True, exist_ok=True)
+    blob = inside(root, root / "blobs" / etag)
     link = root / "snapshots" / commit / f.path
+    link.parent.mkdir(parents=True, exist_ok=True)
+    inside(root, link.parent)
     if not blob.exists():
-        blob.parent.mkdir(parents=True, exist_ok=True)
-        part = blob.with_name(blob.name + ".partial")
-        have = part.stat().st_size if part.exists() else 0
-        headers = build_hf_headers()
-        if have:
-            headers["Range"] = f"bytes={have}-"
-        with httpx.stream("GET", meta.location or url, headers=headers, follow_redirects=True, timeout=60) as r:
-            if r.status_code >= 400:
-                r.read()
-                hf_raise_for_status(r)
-            if have and r.status_code != 206:  # the server sent it all again: start over
-                have = 0
-            progress.add(have)
-            with open(part, "ab" if have else "wb") as out:
-                for chunk in r.iter_bytes():  # as it arrives: the progress and the partial file follow closely
-                    out.write(chunk)
-                    progress.add(len(chunk))
-                out.flush()
-                os.fsync(out.fileno())
-        size = part.stat().st_size
-        if meta.size is not None and size != meta.size:
-            raise HubError(f"{f.path}: the connection dropped at {size:,} of {meta.size:,} bytes; pull again to go on")
+        part = inside(root, blob.with_name(blob.name + ".partial"))
+        transfer(meta.location or url, home, part, size, progress.add, f.path)
+        got = part.stat().st_size
+        if got != size:
+            raise HubError(f"{f.path}: the connection dropped at {got:,} of {size:,} bytes; pull again to go on")
         if f.sha256 and sha256_of(part) != f.sha256:
             part.unlink()
             raise HubError(f"{f.path} from {repo} does not match the Hub's checksum: it was refused and removed")
         os.replace(part, blob)
-    link.parent.mkdir(parents=True, exist_ok=True)
     if not link.exists():
         try:
             os.symlink(os.path.relpath(blob, link.parent), link)

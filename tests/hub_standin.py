@@ -21,11 +21,18 @@ class Repo:
     served: dict[str, bytes] = dataclasses.field(default_factory=dict)  # what is sent instead (a corrupt copy)
     tags: tuple[str, ...] = ("gguf",)
     summary: dict = dataclasses.field(default_factory=dict)  # the Hub's `gguf` or `config` field (expand=...)
+    lies: dict = dataclasses.field(default_factory=dict)  # what a hostile Hub says instead (HubStandIn's doc)
 
 
 class HubStandIn:
     """`repos`: id -> Repo. `trickle`: (path, after this many bytes) — the rest of that file comes slowly,
-    so a test can stop a download in the middle. `ranges` records each GET's Range header, by path."""
+    so a test can stop a download in the middle. `ranges` records each GET's Range header, by path, and
+    `tokens` each Authorization header a GET brought.
+
+    A repository's `lies` make the Hub hostile: `sha` (the commit it names), `etag`, `siblings` (more rows, as
+    given), `endless` (a file's GET never ends, whatever its HEAD said), `drip` (a file comes one byte every
+    that many seconds), `from_zero` (a resume is answered 206 from byte 0), `redirect` (a file's GET and HEAD
+    are sent to that URL base, another host)."""
 
     def __init__(self, repos: dict[str, Repo], trickle: tuple[str, int] | None = None):
         from starlette.applications import Starlette
@@ -34,6 +41,7 @@ class HubStandIn:
 
         self.repos, self.trickle = repos, trickle
         self.ranges: dict[str, list[str | None]] = {}
+        self.tokens: list[str | None] = []
 
         def info(repo_id: str) -> dict:
             r = self.repos[repo_id]
@@ -43,7 +51,9 @@ class HubStandIn:
                 if len(data) > 64:  # an LFS file: its sha256 is what the client checks
                     s["lfs"] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
                 siblings.append(s)
-            return {"id": repo_id, "modelId": repo_id, "sha": COMMIT, "private": False, "gated": "auto" if r.gated
+            siblings += r.lies.get("siblings", [])
+            sha = r.lies.get("sha", COMMIT)
+            return {"id": repo_id, "modelId": repo_id, "sha": sha, "private": False, "gated": "auto" if r.gated
                     else False, "tags": list(r.tags), "pipeline_tag": "text-generation", "siblings": siblings,
                     "downloads": 1000, "likes": 10, **r.summary}  # fmt: skip
 
@@ -73,24 +83,37 @@ class HubStandIn:
                     headers={"X-Error-Code": "GatedRepo", "X-Error-Message": "Access to this model is restricted"},
                 )
             data = r.served.get(path, r.files[path])
-            etag = hashlib.sha256(r.files[path]).hexdigest()
-            headers = {"X-Repo-Commit": COMMIT, "ETag": f'"{etag}"', "Accept-Ranges": "bytes"}
+            etag = r.lies.get("etag", hashlib.sha256(r.files[path]).hexdigest())
+            headers = {"X-Repo-Commit": r.lies.get("sha", COMMIT), "ETag": f'"{etag}"', "Accept-Ranges": "bytes"}
+            if "redirect" in r.lies and not request.query_params.get("moved"):
+                where = f"{r.lies['redirect']}{request.url.path}?moved=1"
+                linked = {"X-Linked-Size": str(len(data)), "X-Linked-Etag": f'"{etag}"', "Location": where}
+                return Response(b"", 302, headers={**headers, **linked})
             if request.method == "HEAD":
                 return Response(b"", headers={**headers, "Content-Length": str(len(data))})
+            self.tokens.append(request.headers.get("authorization"))
             rng = request.headers.get("range")
             self.ranges.setdefault(path, []).append(rng)
-            start = int(rng.split("=")[1].split("-")[0]) if rng else 0
+            start = 0 if r.lies.get("from_zero") else int(rng.split("=")[1].split("-")[0]) if rng else 0
             body = data[start:]
             slow = self.trickle and self.trickle[0] == path and not rng  # the first try only: a resume runs at speed
+            drip = r.lies.get("drip")
 
             async def chunks():
-                for i in range(0, len(body), 4096):
+                if r.lies.get("endless") == path:
+                    while True:
+                        yield b"\0" * 65536
+                        await asyncio.sleep(0)
+                for i in range(0, len(body), 1 if drip else 4096):
                     if slow and start + i >= self.trickle[1]:
                         await asyncio.sleep(0.05)
-                    yield body[i : i + 4096]
+                    if drip:
+                        await asyncio.sleep(drip)
+                    yield body[i : i + (1 if drip else 4096)]
 
             status = 206 if rng else 200
-            headers["Content-Length"] = str(len(body))
+            if r.lies.get("endless") != path:
+                headers["Content-Length"] = str(len(body))
             if rng:
                 headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
             return StreamingResponse(chunks(), status_code=status, headers=headers)

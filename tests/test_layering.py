@@ -209,7 +209,7 @@ FLOORS = [
         ),
     ),
     ("backends", ("engine.backends",)),
-    ("weights", ("engine.weights", "engine.hub")),
+    ("weights", ("engine.weights", "engine.hub", "engine.hub_transfer")),
     ("runtime", ("engine.generation", "engine.session", "engine.compare", "engine.spec", "engine.scheduler")),
     ("http", ("engine.http",)),
     ("entry points", ("engine", "engine.cli", "engine.__main__")),

@@ -107,3 +107,31 @@ def test_without_a_hub_the_tab_says_so_and_the_local_models_stay(qtbot, make_win
     assert tab.note.text().startswith(f"cannot reach the Hub at {os.environ['HF_ENDPOINT']}")
     assert "still listed in the other tab" in tab.note.text() and tab.repos.rowCount() == 0
     assert dlg.table.item(0, 0).text() == "kvchat-demo"  # the local list is untouched
+
+
+def test_a_repository_of_200000_files_lists_a_page_and_says_the_rest(qtbot, make_window, demo_model_dir, tmp_path,
+                                                                      monkeypatch):  # fmt: skip
+    """The probe's listing: 200,000 GGUF files. The tab shows the first MAX_ROWS and counts the rest in a note
+    of one line; the dialog answers meanwhile (the listing is read on a thread)."""
+    from desktop.hub_tab import MAX_ROWS
+
+    many = [{"rfilename": f"shard-{i:06d}-Q4_0.gguf", "size": 1 << 20} for i in range(200_000)]
+    server = HubStandIn({"evil/huge-GGUF": Repo({"a.gguf": b"GGUF"}, lies={"siblings": many})})
+    try:
+        for k in [k for k in os.environ if k.startswith("HF_")]:
+            monkeypatch.delenv(k)
+        monkeypatch.setenv("HF_ENDPOINT", server.url)
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+        w = make_window(demo_model_dir)
+        tab = w.open_models_dialog().hub
+        qtbot.keyClicks(tab.query, "huge")
+        with qtbot.waitSignal(tab.searched, timeout=30000):
+            qtbot.mouseClick(tab.searchButton, Qt.LeftButton)
+        with qtbot.waitSignal(tab.listed, timeout=60000):
+            tab.repos.selectRow(0)
+        assert tab.files.rowCount() == MAX_ROWS
+        note = tab.note.text()
+        assert "\n" not in note and len(note) < 300 and "more not shown" in note
+        assert tab.files.item(1, 0).text() == "shard-000000-Q4_0.gguf" and tab.files.item(1, 1).text() == "Q4_0"
+    finally:
+        server.stop()
