@@ -6,43 +6,59 @@ block from position 0 up to and including it (K/V at a position depend on all th
 with a digest of the fingerprint the K/V are valid under: weights, dtype, precisions, tokenizer, rotary and
 attention settings, device, and the decode kernels that computed them. A prefix shared by conversations is
 stored once. Files are safetensors (no pickle); each holds its block's ids, position and fingerprint, and
-all of them are checked against the prompt and the cache's layout before a byte is used. A file that does
-not read back whole is refused and removed. Writes go to a temporary file and are renamed into place, so a
-kill at any moment loses at most the block being written; a byte budget is kept by evicting the least
-recently used blocks (the deepest first among those used together), and is never exceeded.
+all of them are checked against the prompt and the cache's layout before a byte is used. The folder is
+trusted no more than a download: only regular files of at most a block's size are opened (never a link, a
+FIFO or a device), a header's length is bounded before it is read, and a file that does not read back whole
+and finite is refused and removed, with the reason. Writes go to a temporary file of the tier's own name and
+are renamed into place, so a kill at any moment loses at most the block being written; a byte budget is kept
+by evicting the least recently used blocks (the deepest first among those used together), across processes
+sharing the folder (a lock file, and the folder counted again before each write), and is never exceeded.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import hashlib
 import json
 import os
 import queue
+import re
+import stat
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
-import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
+from .disk_files import (
+    FORMAT,
+    HEADER_BYTES,
+    DiskEntryError,
+    block_bytes,
+    check_block,
+    fingerprint_digest,
+    folder_lock,
+    metadata,
+    read_header,
+    read_regular,
+    said,
+)
 from .prefix_store import BLOCK
 
-FORMAT = "kvchat-kv/1"
 ROOT = hashlib.sha256(FORMAT.encode()).digest()  # the chain of block hashes starts here, "before" position 0
 
 SUFFIX = ".kv"
 RATES = "prefill-rates.json"  # each fingerprint's prefill rate measured here: a return's cost before any prefill
 QUEUE_BYTES = 256 * 2**20  # blocks waiting for the writer at most; past it a block waits for a later request
 EVICT_TO = 0.9  # evicting for room frees down to this share of the budget (fewer passes over the index)
-
-
-def fingerprint_digest(fingerprint: dict) -> str:
-    return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
+RATES_BYTES = 1 << 20
+LOCK = ".kvchat-lock"  # the processes sharing a folder write one at a time
+BLOCK_NAME = re.compile(r"([0-9a-f]{32})-([0-9a-f]{16})-(\d{1,12})" + re.escape(SUFFIX))
+OWN_TEMPORARY = re.compile(rf"(?:{BLOCK_NAME.pattern}|{re.escape(RATES)})\.tmp\d+")  # what a killed write left
 
 
 def _packed(ids) -> bytes:
@@ -73,10 +89,6 @@ class Entry:
     used: float  # when it was last written or read (the file's mtime)
 
 
-class DiskEntryError(Exception):
-    """A file that cannot be used: damaged, truncated, or not what its name says."""
-
-
 class DiskStore:
     """Blocks of K/V in `directory`, at most `budget` bytes. Reading happens on the caller's thread; writing
     on a thread of its own, so a request never waits for the disk."""
@@ -87,45 +99,70 @@ class DiskStore:
         self.dir, self.budget, self.block = Path(directory), budget, block
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
+        self.refused: list[str] = []  # files refused and removed, with the reason (the newest last)
         self.index: dict[str, dict[str, Entry]] = {}  # fingerprint digest -> block key -> entry
         self.bytes = 0
         self.evictions = 0
-        self.refused: list[str] = []  # files refused and removed, with the reason (the newest last)
         self.read_bytes, self.read_s = 0, 0.0  # what reads took: the rate a return is estimated from
         self.written = 0
         self._fingerprints: dict[str, dict] = {}  # digest -> the fingerprint, as files under it say
         self._queue: queue.Queue = queue.Queue()
         self._queued: dict[tuple[str, str], int] = {}  # (digest, key) -> bytes, waiting to be written
+        self._jobs = 0  # jobs put and not yet done (blocks and the rates file): what flush() waits for
         self._idle = threading.Condition(self._lock)
         self._writer: threading.Thread | None = None
         self._scan()
         self._rates = self._read_rates()
         with self._lock:
             self._evict(0)
+        atexit.register(_close_at_exit, weakref.ref(self))  # the writer joined before the interpreter ends
 
     # --- the index -----------------------------------------------------------------------------------
     def _scan(self) -> None:
-        """The files already here (a temporary file is what a killed write left: removed)."""
-        for path in self.dir.iterdir():
-            if ".tmp" in path.name:
+        """The blocks already here. A temporary file of the tier's own name is what a killed write left: removed
+        (another program's files are never touched); a block's name on what is not a regular file (a link, a
+        FIFO, a device) is refused and removed."""
+        index, total = self._listing(clean=True)
+        self.index, self.bytes = index, total
+
+    def _listing(self, clean: bool = False) -> tuple[dict[str, dict[str, Entry]], int]:
+        """The folder's blocks as they are now (another process may have written or evicted), and their bytes."""
+        index: dict[str, dict[str, Entry]] = {}
+        total = 0
+        try:
+            names = os.listdir(self.dir)
+        except OSError:
+            return index, 0
+        for name in names:
+            path = self.dir / name
+            if clean and OWN_TEMPORARY.fullmatch(name):
                 with contextlib.suppress(OSError):
-                    path.unlink()
+                    if stat.S_ISREG(os.lstat(path).st_mode):
+                        path.unlink()
                 continue
-            parts = path.name.removesuffix(SUFFIX).split("-")
-            if not path.name.endswith(SUFFIX) or len(parts) != 3 or not parts[2].isdigit():
+            m = BLOCK_NAME.fullmatch(name)
+            if m is None:
                 continue
             try:
-                st = path.stat()
+                st = os.lstat(path)
             except OSError:
                 continue
-            key, digest, start = parts
-            self.index.setdefault(digest, {})[key] = Entry(path, st.st_size, int(start), st.st_mtime)
-            self.bytes += st.st_size
+            if not stat.S_ISREG(st.st_mode):
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                self.refused = [*self.refused[-9:], f"{name} is not a regular file: removed"]
+                continue
+            key, digest, start = m.groups()
+            old = self.index.get(digest, {}).get(key) if hasattr(self, "index") else None
+            used = max(st.st_mtime, old.used) if old is not None else st.st_mtime
+            index.setdefault(digest, {})[key] = Entry(path, st.st_size, int(start), used)
+            total += st.st_size
+        return index, total
 
     def _read_rates(self) -> dict[str, float]:
         try:
-            rates = json.loads((self.dir / RATES).read_text())
-        except (OSError, ValueError):
+            rates = json.loads(read_regular(self.dir / RATES, RATES_BYTES))
+        except (OSError, ValueError, RecursionError, DiskEntryError):
             return {}
         if not isinstance(rates, dict):
             return {}
@@ -134,8 +171,7 @@ class DiskStore:
     def note_prefill_rate(self, fingerprint: dict, tok_s: float) -> None:
         """This model's prefill rate as just measured, kept (written on the writer's thread) for later runs."""
         self._rates[fingerprint_digest(fingerprint)] = float(tok_s)
-        self._queue.put(("rates",))
-        self._start_writer()
+        self._put(("rates",))
 
     def prefill_rate(self, fingerprint: dict) -> float | None:
         return self._rates.get(fingerprint_digest(fingerprint))
@@ -188,9 +224,15 @@ class DiskStore:
             if entry is None:
                 return None
             try:
-                meta = _metadata(_header(entry.path))
-                self._fingerprints[digest] = json.loads(meta["fingerprint"])
-            except (OSError, DiskEntryError, ValueError, KeyError):
+                meta = metadata(read_header(entry.path))
+                fingerprint = json.loads(meta["fingerprint"])
+                if not isinstance(fingerprint, dict):
+                    raise DiskEntryError("its fingerprint is not a record")
+                self._fingerprints[digest] = fingerprint
+            except Exception as e:  # any way a planted file fails: refused and removed, never raised to a request
+                key = next((k for k, v in self.index.get(digest, {}).items() if v is entry), None)
+                if key is not None:
+                    self._forget(digest, key, f"{entry.path.name} was refused and removed ({said(e)})")
                 return None
         return self._fingerprints[digest]
 
@@ -211,10 +253,10 @@ class DiskStore:
             if entry is None:
                 break
             try:
-                data = entry.path.read_bytes()
-                tensors = _check(data, ids[pos : pos + self.block], pos, digest, bufs)
-            except (OSError, DiskEntryError) as e:
-                why = f"a disk block at position {pos} was refused and removed ({e})"
+                data = read_regular(entry.path, block_bytes(bufs, self.block) + 8 + HEADER_BYTES)
+                tensors = check_block(data, ids[pos : pos + self.block], pos, digest, bufs)
+            except Exception as e:  # any way a planted or damaged file fails: refused and removed, with the reason
+                why = f"a disk block at position {pos} was refused and removed ({said(e)})"
                 self._forget(digest, keys[k], why)
                 break
             lo, hi = max(start, pos), min(end, pos + self.block)
@@ -251,8 +293,8 @@ class DiskStore:
             return None
         t0 = time.perf_counter()
         try:
-            n = len(entry.path.read_bytes())
-        except OSError:
+            n = len(read_regular(entry.path, entry.nbytes))
+        except (OSError, DiskEntryError):
             return None
         self.read_bytes += n
         self.read_s += time.perf_counter() - t0
@@ -285,42 +327,60 @@ class DiskStore:
                 break
             with self._lock:
                 self._queued[(digest, key)] = n
-            self._queue.put((digest, key, s, tuple(ids[s : s + self.block]), tensors, fingerprint))
+            self._put((digest, key, s, tuple(ids[s : s + self.block]), tensors, fingerprint))
             queued += n
-        if queued:
-            self._start_writer()
         return queued
 
-    def _start_writer(self) -> None:
-        if self._writer is None or not self._writer.is_alive():
-            self._writer = threading.Thread(target=self._write_loop, name="kvchat-disk-writer", daemon=True)
-            self._writer.start()
+    def _put(self, job) -> None:
+        with self._lock:
+            self._jobs += 1
+            if self._writer is None or not self._writer.is_alive():
+                self._writer = threading.Thread(target=self._write_loop, name="kvchat-disk-writer", daemon=True)
+                self._writer.start()
+        self._queue.put(job)
 
     def _write_loop(self) -> None:
         while True:
             job = self._queue.get()
-            if job[0] == "rates":
-                with contextlib.suppress(OSError):
-                    tmp = self.dir / f"{RATES}.tmp{os.getpid()}"
-                    tmp.write_text(json.dumps(dict(self._rates)))
-                    os.replace(tmp, self.dir / RATES)
-                continue
-            digest, key = job[0], job[1]
+            if job is None:  # close(): every job before it is done
+                return
             try:
-                self._write(*job)
+                if job[0] == "rates":
+                    with contextlib.suppress(OSError):
+                        tmp = self.dir / f"{RATES}.tmp{os.getpid()}"
+                        tmp.write_text(json.dumps(dict(self._rates)))
+                        os.replace(tmp, self.dir / RATES)
+                else:
+                    self._write(*job)
             except OSError as e:  # a full or read-only disk: the block stays in memory's tiers only
                 self.refused = [*self.refused[-9:], f"a block could not be written: {e}"]
             finally:
                 with self._lock:
-                    self._queued.pop((digest, key), None)
-                    if not self._queued:
+                    if job[0] != "rates":
+                        self._queued.pop((job[0], job[1]), None)
+                    self._jobs -= 1
+                    if not self._jobs:
                         self._idle.notify_all()
+
+    def close(self, timeout: float = 30.0) -> bool:
+        """Write what is queued and end the writer (at exit: a thread killed mid-write aborts the process)."""
+        done = self.flush(timeout)
+        writer = self._writer
+        if writer is not None and writer.is_alive():
+            self._queue.put(None)
+            writer.join(timeout if done else 1.0)
+        return done
 
     def _write(self, digest, key, start, ids, tensors, fingerprint) -> None:
         meta = {"format": FORMAT, "fingerprint": json.dumps(fingerprint, sort_keys=True), "ids": json.dumps(ids),
                 "start": str(start)}  # fmt: skip
         data = save_tensors({f"t{i}": t for i, t in enumerate(tensors)}, metadata=meta)
+        with folder_lock(self.dir / LOCK):  # one writer at a time among the processes sharing the folder
+            self._write_locked(digest, key, start, data, fingerprint)
+
+    def _write_locked(self, digest, key, start, data: bytes, fingerprint) -> None:
         with self._lock:
+            self.index, self.bytes = self._listing()  # as the folder is now: another process may have written
             if key in self.index.get(digest, {}):
                 return
             self._evict(len(data))
@@ -365,10 +425,10 @@ class DiskStore:
                 e.path.unlink()
 
     def flush(self, timeout: float = 30.0) -> bool:
-        """Wait until every queued block is written (at exit); False when `timeout` ran out first."""
+        """Wait until every queued block (and the rates file) is written; False when `timeout` ran out first."""
         end = time.monotonic() + timeout
         with self._lock:
-            while self._queued:
+            while self._jobs:
                 left = end - time.monotonic()
                 if left <= 0:
                     return False
@@ -399,50 +459,7 @@ class DiskStore:
             }
 
 
-def _header(path: Path) -> bytes:
-    """A safetensors file's length field and header, without its tensors (what _metadata reads)."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        return head + f.read(int.from_bytes(head, "little")) if len(head) == 8 else head
-
-
-def _metadata(data: bytes) -> dict:
-    """A safetensors file's metadata, from its header alone."""
-    if len(data) < 8:
-        raise DiskEntryError("shorter than a header")
-    n = int.from_bytes(data[:8], "little")
-    if n > len(data) - 8:
-        raise DiskEntryError("the header runs past the file's end")
-    try:
-        return json.loads(data[8 : 8 + n]).get("__metadata__") or {}
-    except ValueError as e:
-        raise DiskEntryError(f"a damaged header: {e}") from None
-
-
-def _check(data: bytes, ids, start: int, digest: str, bufs) -> tuple[torch.Tensor, ...]:
-    """The block's tensors, once the file is whole and says it holds these ids at this position, under this
-    fingerprint, in the working cache's layout."""
-    meta = _metadata(data)
-    if meta.get("format") != FORMAT:
-        raise DiskEntryError(f"not a {FORMAT} file")
-    try:
-        fingerprint = json.loads(meta["fingerprint"])
-        held_ids, held_start = json.loads(meta["ids"]), int(meta["start"])
-    except (KeyError, ValueError) as e:
-        raise DiskEntryError(f"its metadata does not read: {e}") from None
-    if fingerprint_digest(fingerprint) != digest or held_ids != list(ids) or held_start != start:
-        raise DiskEntryError("it holds other tokens, another position or other settings than its name says")
-    try:
-        tensors = load_tensors(data)
-    except (SafetensorError, ValueError, RuntimeError) as e:
-        raise DiskEntryError(f"it does not read whole: {e}") from None
-    out = []
-    for i, buf in enumerate(bufs):
-        t = tensors.get(f"t{i}")
-        want = (*buf.shape[:3], len(ids), buf.shape[4])
-        if t is None or tuple(t.shape) != want or t.dtype != buf.dtype:
-            raise DiskEntryError(f"tensor {i} is not the cache's layout {want} {buf.dtype}")
-        out.append(t)
-    if len(tensors) != len(bufs):
-        raise DiskEntryError("it holds more tensors than the cache has")
-    return tuple(out)
+def _close_at_exit(ref) -> None:
+    store = ref()
+    if store is not None:
+        store.close(10.0)

@@ -205,7 +205,8 @@ FLOORS = [
         (
             "engine.errors", "engine.events", "engine.quant", "engine.model", "engine.sampling", "engine.trace",
             "engine.config", "engine.devices", "engine.kv_cache", "engine.tokenizer", "engine.prefix_store",
-            "engine.user_cache", "engine.logprobs", "engine.disk_store", "engine.request", "engine.kv_tiers",
+            "engine.user_cache", "engine.logprobs", "engine.disk_store", "engine.disk_files", "engine.request",
+            "engine.kv_tiers",
         ),
     ),
     ("backends", ("engine.backends",)),

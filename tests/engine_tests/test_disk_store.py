@@ -59,7 +59,8 @@ def test_a_new_process_reads_the_cache_back_from_disk_and_replies_as_a_fresh_run
     assert disk["blocks_this_model"] >= n // 16 and disk["bytes"] <= disk["budget"]
     files = sorted(p.name for p in tmp_path.iterdir())
     others = [f for f in files if not f.endswith(".kv")]
-    assert set(others) <= {"prefill-rates.json"} and len(files) - len(others) == disk["blocks"]  # none half-written
+    assert set(others) <= {"prefill-rates.json", ".kvchat-lock"}
+    assert len(files) - len(others) == disk["blocks"]  # none half-written
 
 
 def test_entries_made_under_other_settings_are_not_used_and_the_report_says_why(tmp_path):
