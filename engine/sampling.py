@@ -57,6 +57,7 @@ def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     sorted_logits, order = torch.sort(logits, descending=True)
     cum = sorted_logits.softmax(-1).cumsum(-1)
     drop_sorted = (cum - sorted_logits.softmax(-1)) >= p  # mass before this token already reaches p
+    drop_sorted[0] = False  # the most likely token stays, even for a p that rounds to 0 in float32
     drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
 
@@ -78,7 +79,9 @@ def sampling_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Te
         logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
     if params.greedy:
         return logits
-    logits = logits / params.temperature
+    # shifted so the top logit is 0 before the division: a temperature that underflows (1e-40) sends the others to
+    # -inf, never the top one to inf (the same distribution: softmax and the filters ignore a shift)
+    logits = (logits - logits.max()) / params.temperature
     return filter_min_p(filter_top_p(filter_top_k(logits, params.top_k), params.top_p), params.min_p)
 
 

@@ -22,7 +22,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .. import trace as tracing
@@ -236,10 +236,16 @@ def build_app(
             return ApiError(429, msg, "rate_limit_error").response({"Retry-After": str(e.retry_after)})
         rid = f"chatcmpl-{secrets.token_hex(12)}"
         watcher = asyncio.create_task(_watch_disconnect(http, job))
-        first = await job.events.get()  # PrefillStarted, or Failed before any output (status not sent yet)
+        first_event = asyncio.ensure_future(job.events.get())  # PrefillStarted, or Failed before any output
+        await asyncio.wait({first_event, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not first_event.done():  # the client left while queued: its job is cancelled (the engine skips it)
+            first_event.cancel()
+            return Response(status_code=499)  # read by no one; the handler and its connection are free now
+        first = first_event.result()
         if not isinstance(first, PrefillStarted):
             watcher.cancel()
-            await _drain(job)
+            if first is not None:  # None: the scheduler's END already, nothing more comes
+                await _drain(job)
             if isinstance(first, Failed):
                 return failure(first).response()
             return ApiError(500, "the engine ended the request without a reply", "server_error").response()

@@ -50,3 +50,16 @@ def test_bad_settings_are_refused():
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError):
         SamplingParams(top_p=0)
+
+
+def test_temperatures_and_top_p_that_underflow_still_draw_the_top_token():
+    """A temperature of 1e-40 (the logits over it overflow) and a top-p of 1e-300 (0 in float32) drew from
+    NaN probabilities; both are sampling that keeps only the most likely token, which they now draw."""
+    from engine.sampling import SamplingParams, draw
+
+    logits = torch.tensor([1.0, 3.0, 2.5, -1.0])
+    g = torch.Generator().manual_seed(0)
+    for params in (SamplingParams(temperature=1e-40), SamplingParams(temperature=1.0, top_p=1e-300),
+                   SamplingParams(temperature=1e-40, top_p=1e-300, min_p=1.0)):  # fmt: skip
+        token, drawn = draw(logits, params, g)
+        assert token == 1 and not torch.isnan(drawn.softmax(-1)).any()

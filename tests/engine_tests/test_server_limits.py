@@ -104,3 +104,30 @@ def test_serving_beyond_loopback_without_a_key_warns(serve):
     assert post(server, body, host="kvchat.lan:8000").status_code == 200  # any name, off loopback
     cross = post(server, body, **{"content-type": "text/plain", "origin": "http://evil.example"})
     assert cross.status_code == 403
+
+
+def test_clients_that_give_up_while_queued_free_their_handlers(serve):
+    """Clients that leave while their request waits behind a running stream: ten rounds of eight (more than the
+    64 connections uvicorn admits, were each to keep its handler), then a request is still answered."""
+    import json as _json
+
+    server = serve()
+    port = int(server.root.rsplit(":", 1)[1])
+    body = _json.dumps({"model": MODEL, "messages": TURN1, "max_tokens": 8}).encode()
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    post = head + b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    hold = {"model": MODEL, "messages": TURN1, "max_tokens": 4000, "stream": True}
+    for _ in range(10):
+        with httpx.stream("POST", server.url + "/chat/completions", json=hold, timeout=60) as running:
+            next(running.iter_lines())  # the engine is busy with this one
+            queued = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(8)]
+            for s in queued:
+                s.sendall(post)
+            time.sleep(0.2)
+            for s in queued:  # they give up while waiting
+                s.close()
+            time.sleep(0.1)
+    time.sleep(0.5)
+    ok = httpx.post(server.url + "/chat/completions", json={"model": MODEL, "messages": TURN1, "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+    assert httpx.get(server.root + "/health").status_code == 200
