@@ -277,6 +277,38 @@ def _check_size(raw: dict, key: str) -> None:
         raise ModelLoadError(f"config.json's {key} is {int(value):,}: out of range (1 to {MAX_SIZE:,})")
 
 
+MAX_EXPERTS = 1024  # routed experts per layer: real mixtures have 8 to 512
+
+
+def _whole(value, low: int, high: int) -> bool:
+    """A whole number from low to high (a float only when it is whole: never NaN or inf)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return (not isinstance(value, float) or value.is_integer()) and low <= value <= high
+
+
+def _check_counts(raw: dict, moe: bool, window) -> None:
+    """Counts something is sized from, checked before anything is: a mixture's experts and experts per token,
+    a sliding window, the soft caps (a value out of range is a clear error when the model is listed)."""
+    if window and not _whole(window, 1, MAX_SIZE):
+        raise ModelLoadError(f"config.json's sliding_window is {window!r}: out of range (1 to {MAX_SIZE:,})")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        v = raw.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf")):
+            raise ModelLoadError(f"config.json's {key} is {v!r}: a soft cap is a positive number")
+    if not moe:
+        return
+    experts = raw.get("num_experts") or raw.get("num_local_experts") or 0
+    if not _whole(experts, 1, MAX_EXPERTS):
+        raise ModelLoadError(f"the model's expert count is {experts!r}: out of range (1 to {MAX_EXPERTS:,})")
+    per = raw.get("num_experts_per_tok") or 0
+    if not _whole(per, 1, int(experts)):
+        raise ModelLoadError(f"the model routes each token to {per!r} experts: out of range (1 to {int(experts)})")
+    inner = raw.get("moe_intermediate_size")
+    if inner is not None and not _whole(inner, 1, MAX_SIZE):
+        raise ModelLoadError(f"config.json's moe_intermediate_size is {inner!r}: out of range (1 to {MAX_SIZE:,})")
+
+
 # Gemma3TextConfig's defaults: a Gemma 3 4B+ config.json's text_config gives only what departs from them
 GEMMA3_TEXT = {
     "vocab_size": 262208,
@@ -336,8 +368,9 @@ def config_from_dict(raw: dict, path: Path | None = None) -> ModelConfig:
         window = raw.get("sliding_window")
         if family in ("qwen2", "qwen3", "qwen3_moe", "smollm3"):
             window = window if raw.get("use_sliding_window") else None
-        extra = _family_fields(family, raw, layers, hidden, window)
         moe = family in ("qwen3_moe", "mixtral")
+        _check_counts(raw, moe, window)
+        extra = _family_fields(family, raw, layers, hidden, window)
         return ModelConfig(
             architecture=arch,
             family=family,

@@ -2,8 +2,10 @@
 
 import json
 import pickle
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -200,3 +202,36 @@ def test_a_shard_index_naming_a_file_outside_the_folder_is_refused(tmp_path, nam
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ModelLoadError, match="points outside the model folder"):
         load_model(path)
+
+
+MIXTURE = dict(architectures=["MixtralForCausalLM"], vocab_size=64, hidden_size=32, intermediate_size=64,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+               num_experts_per_tok=2)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "over, said",
+    [
+        ({"num_local_experts": 10**9}, "expert count is 1000000000"),
+        ({"num_experts_per_tok": 0}, "to 0 experts"),
+        ({"num_experts_per_tok": 5}, "to 5 experts"),
+        ({"num_experts_per_tok": float("nan")}, "to nan experts"),
+        ({"sliding_window": -1}, "sliding_window is -1"),
+        ({"moe_intermediate_size": 10**12}, "moe_intermediate_size is 1000000000000"),
+    ],
+)
+def test_counts_a_model_is_sized_from_are_checked_before_anything_is_built(over, said, tmp_path):
+    """An expert count of 10^9 built a name per expert (3.4 GB, then MemoryError); experts per token of 0 or
+    above the count, a window of −1, an intermediate size of 10^12 loaded and failed later or silently. Each is
+    now refused where the config is read, so `engine models` lists it as not openable with the reason."""
+    from engine.config import config_from_dict
+    from engine.weights.catalog import scan
+
+    with pytest.raises(ModelLoadError, match=re.escape(said)):
+        config_from_dict({**MIXTURE, **over})
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**MIXTURE, **over}))
+    (folder / "model.safetensors").write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00{}")
+    rows = [r for r in scan([tmp_path], env={}, home=tmp_path / "home") if Path(r.path) == folder]
+    assert len(rows) == 1 and not rows[0].openable and said in rows[0].reason
