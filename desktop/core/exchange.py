@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sqlite3
 
+from .records import clean_record
 from .replies import reply_footer
 from .store import Conversation, Store
 
@@ -109,8 +110,8 @@ def _write_tree(store: Store, title: str, msgs: list, leaf, progress) -> Convers
             tokens = m.get("token_count") if _integer(m.get("token_count")) and m["token_count"] >= 0 else None
             parent = new_ids.get(m.get("parent_id"))
             added = store.add_message(conv.id, parent, m["role"], m["content"], status, tokens)
-            if isinstance(m.get("trace"), dict):
-                store.update_message(added.id, trace=m["trace"])
+            if isinstance(m.get("trace"), dict):  # checked and cut to size before it is kept (core/records.py)
+                store.update_message(added.id, trace=clean_record(m["trace"]))
             new_ids[m["id"]] = added.id
         store.set_leaf(conv.id, new_ids.get(leaf, added.id))
     return conv

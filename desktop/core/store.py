@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from types import MappingProxyType
 
+from .records import clean_record
 from .store_file import StoreFile
 
 
@@ -246,7 +247,7 @@ class Store(StoreFile):
             r["status"],
             r["token_count"],
             r["created"],
-            json.loads(r["trace"]) if r["trace"] else None,
+            _record(r["trace"]),
         )
 
     def message(self, mid: int) -> Message:
@@ -460,3 +461,13 @@ class Store(StoreFile):
             if r is None:
                 return mid
             mid = r["id"]
+
+
+def _record(text: str | None) -> dict | None:
+    """A message's stored record, read as data (core/records.py): one that does not parse is unreadable."""
+    if not text:
+        return None
+    try:
+        return clean_record(json.loads(text))
+    except (ValueError, RecursionError):
+        return {"unreadable": ["record"]}

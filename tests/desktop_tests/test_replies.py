@@ -508,3 +508,54 @@ def test_a_narrow_window_and_a_long_word_never_scroll_the_transcript_sideways(
     qtbot.wait(100)
     assert w.transcript.horizontalScrollBar().maximum() == 0
     assert w.statsPanel.width() >= w.statsPanel.minimumWidth() and w.transcript.width() >= 400
+
+
+def _hostile_reply(i: int) -> dict:
+    """A reply whose record is not what kvchat writes, one way per reply (the probe's cases)."""
+    step = {"shown": "a", "token_id": 5, "text": "a", "logprob": -0.1, "sampled_logprob": -0.1, "entropy": 0.3,
+            "sampled_entropy": 0.0, "rank": 1, "top": [{"text": "a", "logprob": -0.1}]}  # fmt: skip
+    records = [
+        {"made_by": [1], "tokens": [step]},
+        {"cache": [1, 2], "made_by": {"name": "m", "kv_bytes_per_position": "lots", "layers": "2"}},
+        {"reuse": "everything", "trace": {"tokens": "many", "ttft_ms": "soon"}},
+        {"tokens": [{**step, "logprob": 1000.0}]},
+        {"tokens": [{**step, "entropy": float("nan")}]},
+        {"tokens": [{**step, "entropy": -1.0, "top": []}]},
+        {"error": "x" * 10_000_000, "made_by": {"name": "y" * 10_000_000}, "status": "failed"},
+        {"tokens": [{**step, "text": "z" * 10_000_000, "shown": "z" * 10_000_000}]},
+    ]
+    return records[i]
+
+
+def test_imported_records_that_are_not_kvchats_are_shown_as_unreadable_never_raised(
+    qtbot, make_window, demo_model_dir, tmp_path
+):
+    """The probe's records (made_by [1], a cache given as a list, reuse as a string, `//` on a string, a
+    logprob of 1000, NaN or negative entropy, 10 MB strings): imported with token colours on and each reply
+    opened in the panel; no slot raises (pytest-qt fails the test if one does), and the big strings are cut
+    before they are stored."""
+    msgs = [{"id": 0, "role": "user", "content": "hi"}]
+    for i in range(8):
+        msgs.append(
+            {"id": 2 * i + 1, "parent_id": 2 * i, "role": "assistant", "content": "a", "trace": _hostile_reply(i)}
+        )
+        msgs.append({"id": 2 * i + 2, "parent_id": 2 * i + 1, "role": "user", "content": "again"})
+    path = tmp_path / "hostile.json"
+    path.write_text(json.dumps({"format": "kvchat-conversation", "version": 1, "title": "hostile", "messages": msgs}))
+    w = make_window(demo_model_dir)
+    w.import_conversation(str(path))
+    qtbot.waitUntil(lambda: w.importing is None, timeout=60000)
+    cid = w.chat.current_cid
+    assert w.store.conversation(cid).title == "hostile"
+    replies = [m for m in w.store.branch(cid) if m.role == "assistant"]
+    assert len(replies) == 8
+    for m in replies:
+        assert len(json.dumps(m.trace)) < 1_000_000  # cut at import: no 10 MB string reached the store
+    assert "made_by" in replies[0].trace["unreadable"] and "tokens" in replies[3].trace["unreadable"]
+    assert replies[0].trace["tokens"] and replies[3].trace["tokens"] == []  # a readable step kept, a lie not
+    w.tokenColours.setCurrentIndex(1)  # tokens by probability: every reply's tokens drawn in colour
+    for m in replies:  # each reply to the panel, as Ctrl+Up/Down does
+        w.select_message(m.id)
+        qtbot.wait(20)
+    w.select_conversation(cid)  # drawn again from the store: the cleaned records, read back
+    qtbot.wait(100)

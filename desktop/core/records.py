@@ -1,0 +1,203 @@
+"""A reply's stored record (its trace, reuse, cache, made_by and tokens) as data the app can show: every field
+checked for its type, range and size where it is read from the store or an import, so a hostile or damaged
+record is shown as unreadable, never raised in a slot, and a big one is cut before it reaches a widget."""
+
+from __future__ import annotations
+
+import math
+
+STRING_CHARS = 2000  # an error, a reason, a model's name
+TOKEN_CHARS = 200  # one token's text
+LIST_ITEMS = 100_000  # a trace's lists (token times, gaps)
+MAX_TOKENS = 65_536  # a reply's token records
+MAX_TOP = 20  # alternatives per token (engine.logprobs.MAX_TOP_LOGPROBS)
+MAX_KEYS = 200
+DEPTH = 4
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63
+
+
+def _cut(s: str, n: int) -> str:
+    return s if len(s) <= n else s[: n - 1] + "…"
+
+
+def plain(value, depth: int = 0):
+    """JSON data bounded: finite numbers (others None), strings cut, lists and objects capped, depth limited."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)):
+        return value if math.isfinite(value) else None
+    if isinstance(value, str):
+        return _cut(value, STRING_CHARS)
+    if depth >= DEPTH:
+        return None
+    if isinstance(value, list):
+        return [plain(v, depth + 1) for v in value[:LIST_ITEMS]]
+    if isinstance(value, dict):
+        items = [(k, v) for k, v in value.items() if isinstance(k, str)][:MAX_KEYS]
+        return {_cut(k, 200): plain(v, depth + 1) for k, v in items}
+    return None
+
+
+def _numbers(d) -> dict:
+    """Of a dict, its finite, non-negative numbers (a cache's positions and bytes)."""
+    if not isinstance(d, dict):
+        return {}
+    return {k: v for k, v in d.items() if isinstance(k, str) and _finite(v) and v >= 0}
+
+
+REUSE_COUNTS = ("reused", "computed", "invalidated", "first_invalidated_position", "stored_prefix",
+                "copied_positions", "copied_bytes", "dropped_positions", "kept_positions")  # fmt: skip
+
+
+def _reuse(r) -> dict | None:
+    if not isinstance(r, dict):
+        return None
+    out = plain(r)
+    for k in REUSE_COUNTS:
+        if k in out and out[k] is not None and not _count(out[k]):
+            out[k] = None
+    for k in ("cached_token", "new_token"):
+        if k not in out:
+            continue
+        t = out[k]
+        ok = isinstance(t, dict) and _count(t.get("id")) and isinstance(t.get("text"), str)
+        out[k] = {"id": t["id"], "text": _cut(t["text"], TOKEN_CHARS)} if ok else None
+    if "dropped_messages" in out:
+        dropped = out["dropped_messages"]
+        out["dropped_messages"] = [i for i in dropped if _count(i)] if isinstance(dropped, list) else []
+    for k in ("reason", "source", "overflow"):
+        if k in out and not isinstance(out[k], (str, type(None))):
+            out[k] = None
+    if "copy_ms" in out and not (out["copy_ms"] is None or (_finite(out["copy_ms"]) and out["copy_ms"] >= 0)):
+        out["copy_ms"] = None
+    return out
+
+
+MADE_COUNTS = ("capacity", "kv_bytes_per_position", "layers", "kv_heads", "head_dim", "bytes_per_value")
+
+
+def _made_by(m) -> dict | None:
+    """The engine and model facts a reply was stamped with: words as words, counts as counts, the cache's
+    layer kinds as {kind, layers, window, slots} rows."""
+    if not isinstance(m, dict):
+        return None
+    out = {}
+    for k, v in m.items():
+        if not isinstance(k, str) or k == "kv_layer_kinds":
+            continue
+        if k in MADE_COUNTS:
+            out[k] = v if _count(v) and (v > 0 or k != "layers") else None
+        elif isinstance(v, str):
+            out[k] = _cut(v, STRING_CHARS)
+        elif v is None or isinstance(v, bool) or _finite(v):
+            out[k] = v
+    kinds = m.get("kv_layer_kinds")
+    if isinstance(kinds, list) and kinds:
+        rows = [
+            {"kind": d["kind"], "layers": d["layers"], "window": d.get("window"), "slots": d.get("slots")}
+            for d in kinds[:8]
+            if isinstance(d, dict)
+            and isinstance(d.get("kind"), str)
+            and _count(d.get("layers"))
+            and all(d.get(x) is None or _count(d.get(x)) for x in ("window", "slots"))
+        ]
+        out["kv_layer_kinds"] = rows if len(rows) == len(kinds) else None
+    return out
+
+
+def _logprob(v) -> bool:
+    return _finite(v) and v <= 0
+
+
+def _step(s) -> dict | None:
+    """One token's record, or None when a field is out of its range (a log-probability above 0, an entropy
+    below it, a rank of 0)."""
+    if not isinstance(s, dict) or not isinstance(s.get("shown"), str) or not isinstance(s.get("text"), str):
+        return None
+    token_id = s.get("token_id", -1)
+    if not isinstance(token_id, int) or isinstance(token_id, bool) or not -1 <= token_id < 2**31:
+        return None
+    if not _logprob(s.get("logprob")):
+        return None
+    for k in ("sampled_logprob",):
+        if s.get(k) is not None and not _logprob(s[k]):
+            return None
+    for k in ("entropy", "sampled_entropy"):
+        if s.get(k) is not None and not (_finite(s[k]) and s[k] >= 0):
+            return None
+    if s.get("rank") is not None and not (_count(s["rank"]) and s["rank"] >= 1):
+        return None
+    top = s.get("top") or []
+    if not isinstance(top, list):
+        return None
+    alts = []
+    for a in top[:MAX_TOP]:
+        if not isinstance(a, dict) or not isinstance(a.get("text"), str) or not _logprob(a.get("logprob")):
+            return None
+        alts.append({"text": _cut(a["text"], TOKEN_CHARS), "logprob": float(a["logprob"])})
+    return {
+        "shown": _cut(s["shown"], TOKEN_CHARS),
+        "token_id": token_id,
+        "text": _cut(s["text"], TOKEN_CHARS),
+        "logprob": float(s["logprob"]),
+        "sampled_logprob": s.get("sampled_logprob"),
+        "entropy": s.get("entropy"),
+        "sampled_entropy": s.get("sampled_entropy"),
+        "rank": s.get("rank"),
+        "top": alts,
+    }
+
+
+def clean_record(record) -> dict | None:
+    """A reply's record as the app may read it; `unreadable` names the fields left out because they were not
+    what kvchat writes (the panel says so)."""
+    if not isinstance(record, dict):
+        return None
+    out, bad = plain(record), []
+    for k in ("status", "reason", "error"):
+        if out.get(k) is not None and not isinstance(out[k], str):
+            out[k], bad = None, [*bad, k]
+    if out.get("on_screen_ms") is not None and not (_finite(out["on_screen_ms"]) and out["on_screen_ms"] >= 0):
+        out["on_screen_ms"], bad = None, [*bad, "on_screen_ms"]
+    if record.get("trace") is not None and not isinstance(record.get("trace"), dict):
+        out["trace"], bad = None, [*bad, "trace"]
+    elif isinstance(out.get("trace"), dict):
+        t = out["trace"]
+        for k, v in list(t.items()):
+            if isinstance(v, (str, list, dict)) or v is None or _finite(v):
+                continue
+            t[k] = None
+        for k in ("tokens", "prompt_tokens", "reused", "computed"):
+            if k in t and t[k] is not None and not _count(t[k]):
+                t[k], bad = None, [*bad, f"trace.{k}"]
+    if record.get("made_by") is not None:
+        out["made_by"] = _made_by(record["made_by"])
+        bad += [] if out["made_by"] is not None else ["made_by"]
+    if record.get("reuse") is not None:
+        out["reuse"] = _reuse(record["reuse"])
+        bad += [] if out["reuse"] is not None else ["reuse"]
+    if record.get("cache") is not None:
+        bad += [] if isinstance(record["cache"], dict) else ["cache"]
+        out["cache"] = _numbers(record["cache"])
+    tokens = record.get("tokens")
+    if tokens is not None:
+        steps = [_step(s) for s in tokens[:MAX_TOKENS]] if isinstance(tokens, list) else [None]
+        if any(s is None for s in steps):  # one it cannot read: none is shown as a probability
+            out["tokens"], out["tokens_reported"], bad = [], False, [*bad, "tokens"]
+        else:
+            out["tokens"] = steps
+    if out.get("tokens_reported") is not None and not isinstance(out["tokens_reported"], bool):
+        out["tokens_reported"] = None
+    if "left_out" in out:
+        left = out["left_out"]
+        out["left_out"] = [i for i in left if _count(i)] if isinstance(left, list) else []
+    if bad:
+        out["unreadable"] = bad
+    return out
