@@ -149,4 +149,7 @@ def parse_bytes(text: str) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", str(text), re.IGNORECASE)
     if not m:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (write e.g. 512M or 2G)")
-    return int(float(m.group(1)) * UNITS[m.group(2).lower()])
+    value = float(m.group(1)) * UNITS[m.group(2).lower()]
+    if not value < 2**60:  # an exbibyte: no disk holds it (and 400 nines is inf as a float)
+        raise argparse.ArgumentTypeError(f"not a size this machine can hold: {text[:40]!r}")
+    return int(value)

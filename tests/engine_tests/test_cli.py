@@ -333,3 +333,8 @@ def test_overflow_policies_on_the_command_line(tmp_path):
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert chat.returncode == 0 and "left out to fit the cache (drop-oldest): messages 1, 2" in chat.stdout
+
+
+def test_a_size_too_big_to_be_a_disk_is_a_usage_error_not_a_traceback(llama_dir):
+    r = run("generate", "--model", llama_dir, "--prompt", "Hi", "--disk-budget", "9" * 400, check=False)
+    assert r.returncode == 2 and "not a size this machine can hold" in r.stderr and "Traceback" not in r.stderr
