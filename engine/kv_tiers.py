@@ -325,10 +325,12 @@ class KVTiers:
             got, nbytes, why = self.disk.load(prompt, self.disk_fingerprint, self.cache, keep, reuse.reused)
             self.cache.length = got
             self.ids.extend(prompt[keep:got])
-            if why:
-                reuse = dataclasses.replace(
-                    reuse, reused=got, computed=len(prompt) - got, reason=f"{reuse.reason}; {why}"
-                )
+            if why:  # the plan's words say what was read, not what was planned
+                planned = f"positions {keep}–{reuse.reused - 1} read from the disk tier"
+                read = f"positions {keep}–{got - 1} read from the disk tier" if got > keep else ""
+                words = [w for w in (reuse.reason or "").split("; ") if w and w != planned]
+                reason = "; ".join([*words, *([read] if read else []), why])
+                reuse = dataclasses.replace(reuse, reused=got, computed=len(prompt) - got, reason=reason)
             copy_ms = round((tracing.now() - t0) * 1000.0, 3)
             self.store.evict()
             return dataclasses.replace(reuse, copied_positions=got - keep, copied_bytes=nbytes, copy_ms=copy_ms)

@@ -92,12 +92,19 @@ def test_a_damaged_or_truncated_block_is_refused_removed_and_computed_again(tmp_
     final = reply(again, msgs)
     r = final.reuse
     assert r.source == "disk" and r.reused == 32 and "a disk block at position 32 was refused and removed" in r.reason
+    assert "positions 0–31 read from the disk tier" in r.reason  # what was read, not what was planned
     assert not truncated.exists() and garbled.exists()  # only what was read is judged; the chain stopped at 32
     assert final.token_ids == want.token_ids
     assert again.flush()  # the block is written again, whole, after the reply
     third = Session(loaded, disk=DiskStore(tmp_path, 2**30))
     final = reply(third, msgs)
     assert final.reuse.reused == 64 and "refused" in final.reuse.reason and not garbled.exists()
+    first = min(int(p.name.split("-")[2].removesuffix(".kv")) for p in tmp_path.glob("*.kv"))
+    zero = next(p for p in tmp_path.glob("*.kv") if p.name.endswith(f"-{first}.kv"))
+    zero.write_bytes(b"\0" * 10)  # the first block refused: nothing is read from the disk tier
+    r = reply(Session(loaded, disk=DiskStore(tmp_path, 2**30)), msgs).reuse
+    assert r.reused == 0 and "a disk block at position 0 was refused" in r.reason
+    assert "read from the disk" not in r.reason
     assert final.token_ids == want.token_ids
 
 
