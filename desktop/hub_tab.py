@@ -25,8 +25,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from engine.errors import one_line
 from engine.hub import HubError, choose, discard_partial, fits, repo_facts, repo_files, search
-from engine.hub_transfer import one_line
 
 from .core.panel_words import fmt_size
 from .outside_text import plain

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import stat
 from pathlib import Path
@@ -15,6 +16,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
+
+from .errors import cut
 
 FORMAT = "kvchat-kv/1"
 HEADER_BYTES = 1 << 20  # a block's safetensors header (its ids and fingerprint): a longer one is refused
@@ -45,19 +48,14 @@ def folder_lock(path: Path):
 
 
 def said(e: Exception) -> str:
-    text = str(e) or type(e).__name__
-    return text if len(text) <= 200 else text[:199] + "…"
+    """An exception's words for a refusal's reason, cut to 200 characters."""
+    return cut(str(e) or type(e).__name__, 200)
 
 
 def block_bytes(bufs, block: int) -> int:
-    """A block's K/V payload in the working cache's layout: the most a block's file holds besides its header."""
-    total = 0
-    for b in bufs:
-        per = b.element_size() * b.shape[4] * block
-        for d in b.shape[:3]:
-            per *= d
-        total += per
-    return total
+    """A block's K/V payload in the working cache's layout: the most a block's file holds besides its header.
+    Each buffer is [L, B, H_kv, C, d]: a block is its [L, B, H_kv, block, d]."""
+    return sum(b.element_size() * math.prod(b.shape[:3]) * block * b.shape[4] for b in bufs)
 
 
 def _open_regular(path: Path) -> tuple[int, int]:
@@ -96,7 +94,7 @@ def read_regular(path: Path, most: int) -> bytes:
 
 
 def read_header(path: Path) -> bytes:
-    """A safetensors file's length field and header, without its tensors (what _metadata reads): the length
+    """A safetensors file's length field and header, without its tensors (what `metadata` reads): the length
     bounded by HEADER_BYTES and by the file before it is read."""
     fd, size = _open_regular(path)
     try:

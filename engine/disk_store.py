@@ -112,6 +112,7 @@ class DiskStore:
         self._idle = threading.Condition(self._lock)
         self._writer: threading.Thread | None = None
         self._scan()
+        self._stamp = self._folder_stamp()  # what the folder was when last counted (_write_locked)
         self._rates = self._read_rates()
         with self._lock:
             self._evict(0)
@@ -153,7 +154,7 @@ class DiskStore:
                 self.refused = [*self.refused[-9:], f"{name} is not a regular file: removed"]
                 continue
             key, digest, start = m.groups()
-            old = self.index.get(digest, {}).get(key) if hasattr(self, "index") else None
+            old = self.index.get(digest, {}).get(key)
             used = max(st.st_mtime, old.used) if old is not None else st.st_mtime
             index.setdefault(digest, {})[key] = Entry(path, st.st_size, int(start), used)
             total += st.st_size
@@ -378,9 +379,21 @@ class DiskStore:
         with folder_lock(self.dir / LOCK):  # one writer at a time among the processes sharing the folder
             self._write_locked(digest, key, start, data, fingerprint)
 
+    def _folder_stamp(self) -> int | None:
+        """The folder's modification time (ns): it changes when any process adds or removes a file there."""
+        try:
+            return os.stat(self.dir).st_mtime_ns
+        except OSError:
+            return None
+
     def _write_locked(self, digest, key, start, data: bytes, fingerprint) -> None:
+        stamp = self._folder_stamp()
+        coarse = stamp is None or stamp % 1_000_000_000 == 0  # a filesystem of whole seconds cannot tell: count
+        if coarse or stamp != self._stamp:  # another process wrote or evicted since our last write: count again
+            index, total = self._listing()  # off the request thread's lock: a folder of thousands of blocks
+            with self._lock:
+                self.index, self.bytes = index, total
         with self._lock:
-            self.index, self.bytes = self._listing()  # as the folder is now: another process may have written
             if key in self.index.get(digest, {}):
                 return
             self._evict(len(data))
@@ -405,6 +418,7 @@ class DiskStore:
             self.index.setdefault(digest, {})[key] = Entry(final, len(data), start, time.time())
             self._fingerprints.setdefault(digest, fingerprint)
             self.written += len(data)
+        self._stamp = self._folder_stamp()  # still under the folder's lock: this write and its evictions included
 
     def _evict(self, room: int) -> None:
         """With the lock held: remove the least recently used blocks (deepest first among those used at the

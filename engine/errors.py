@@ -1,4 +1,16 @@
-"""Errors the engine raises for bad input: each names the problem and, where there is one, the file."""
+"""Errors the engine raises for bad input: each names the problem and, where there is one, the file; and the
+cutting of words from outside (a Hub's, a file's) to a size an error message may carry."""
+
+
+def cut(text: str, limit: int) -> str:
+    """`text` of at most `limit` characters, an ellipsis marking a cut."""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def one_line(text, limit: int = 300) -> str:
+    """The first line of `text`, at most `limit` characters: outside words shown in a note or on stderr."""
+    stripped = str(text).strip()
+    return cut(stripped.splitlines()[0] if stripped else "", limit)
 
 
 class EngineError(Exception):

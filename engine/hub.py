@@ -20,17 +20,8 @@ from pathlib import Path
 from urllib.parse import quote
 
 from .devices import free_memory
-from .hub_transfer import (
-    REPO,
-    HubError,
-    check_commit,
-    check_etag,
-    get_json,
-    inside,
-    is_file_name,
-    one_line,
-    transfer,
-)
+from .errors import one_line
+from .hub_transfer import REPO, HubError, check_commit, check_etag, get_json, inside, is_file_name, transfer
 
 FOLDER_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                 "special_tokens_map.json", "chat_template.jinja", "model.safetensors.index.json")  # fmt: skip
@@ -324,11 +315,11 @@ def _download(repo: str, f: HubFile, commit: str, progress: Progress) -> Path:
     if f.size and size != f.size:
         raise HubError(f"{f.path}: the Hub lists {f.size:,} bytes and serves {size:,}: refused")
     root = hub_cache() / f"models--{repo.replace('/', '--')}"
-    (root / "blobs").mkdir(parents=True, exist_ok=True)
-    blob = inside(root, root / "blobs" / etag)
+    blob = inside(root, root / "blobs" / etag)  # proved before any folder is made for it
     link = root / "snapshots" / commit / f.path
-    link.parent.mkdir(parents=True, exist_ok=True)
     inside(root, link.parent)
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    link.parent.mkdir(parents=True, exist_ok=True)
     if not blob.exists():
         part = inside(root, blob.with_name(blob.name + ".partial"))
         transfer(meta.location or url, home, part, size, progress.add, f.path)

@@ -15,9 +15,9 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from urllib.parse import urljoin, urlsplit
+from urllib.parse import urlencode, urljoin, urlsplit
 
-from .errors import EngineError
+from .errors import EngineError, one_line
 
 JSON_BYTES = 32 << 20  # a listing, a search or a config: an answer past this is refused
 ERROR_BYTES = 64 << 10  # what is read of an error's body
@@ -26,7 +26,6 @@ STALL_BYTES = 64 << 10
 CONNECT_SECONDS = 30.0
 MAX_REDIRECTS = 5
 DISK_SPARE = 64 << 20  # free space kept beyond what a download needs
-LINE = 300  # characters of a message from the Hub that are shown
 NAME_CHARS = 1024  # a file name's length
 
 COMMIT = re.compile(r"[0-9a-f]{40}")
@@ -36,12 +35,6 @@ REPO = re.compile(r"[\w.-]{1,96}/[\w.-]{1,96}")
 
 class HubError(EngineError):
     """The Hub could not be asked, or refused, or answered what kvchat does not take: words a person can act on."""
-
-
-def one_line(text: str, limit: int = LINE) -> str:
-    """The first line of `text`, at most `limit` characters: a Hub's words shown in a note or on stderr."""
-    first = str(text).strip().splitlines()[0] if str(text).strip() else ""
-    return first if len(first) <= limit else first[: limit - 1] + "…"
 
 
 def check_commit(commit) -> str:
@@ -98,13 +91,21 @@ def _raise_for(r) -> None:
 
     httpx = _http()
 
-    body = b""
-    for chunk in r.iter_bytes():
-        body += chunk
-        if len(body) >= ERROR_BYTES:
-            break
-    r.close()
-    hf_raise_for_status(httpx.Response(r.status_code, headers=r.headers, content=body[:ERROR_BYTES], request=r.request))
+    body = _body(r, ERROR_BYTES)[:ERROR_BYTES]
+    hf_raise_for_status(httpx.Response(r.status_code, headers=r.headers, content=body, request=r.request))
+
+
+def _body(r, cap: int) -> bytes:
+    """A streamed answer's bytes, read until past `cap` at most (so a longer one shows as cap + more), closed."""
+    body = bytearray()
+    try:
+        for chunk in r.iter_bytes():
+            body += chunk
+            if len(body) > cap:
+                break
+    finally:
+        r.close()
+    return bytes(body)
 
 
 def open_stream(client, url: str, home: str, headers: dict | None = None):
@@ -132,19 +133,11 @@ def get_json(url: str, home: str, params: dict | None = None, cap: int | None = 
     """The JSON at `url`, read up to `cap` bytes (more is refused before it is parsed)."""
     cap = JSON_BYTES if cap is None else cap
     if params:
-        from urllib.parse import urlencode
-
         url = f"{url}?{urlencode(params, doseq=True)}"
     with _client() as client:
-        r = open_stream(client, url, home)
-        body = bytearray()
-        try:
-            for chunk in r.iter_bytes():
-                body += chunk
-                if len(body) > cap:
-                    raise HubError(f"{what} from the Hub is over {cap / 2**20:,.0f} MiB: refused, not read")
-        finally:
-            r.close()
+        body = _body(open_stream(client, url, home), cap)
+    if len(body) > cap:
+        raise HubError(f"{what} from the Hub is over {cap / 2**20:,.0f} MiB: refused, not read")
     try:
         return json.loads(body)
     except (ValueError, RecursionError) as e:
