@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+from engine.errors import cut
+
 STRING_CHARS = 2000  # an error, a reason, a model's name
 TOKEN_CHARS = 200  # one token's text
 LIST_ITEMS = 100_000  # a trace's lists (token times, gaps)
@@ -23,10 +25,6 @@ def _count(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63
 
 
-def _cut(s: str, n: int) -> str:
-    return s if len(s) <= n else s[: n - 1] + "…"
-
-
 def plain(value, depth: int = 0):
     """JSON data bounded: finite numbers (others None), strings cut, lists and objects capped, depth limited."""
     if value is None or isinstance(value, bool):
@@ -34,14 +32,14 @@ def plain(value, depth: int = 0):
     if isinstance(value, (int, float)):
         return value if math.isfinite(value) else None
     if isinstance(value, str):
-        return _cut(value, STRING_CHARS)
+        return cut(value, STRING_CHARS)
     if depth >= DEPTH:
         return None
     if isinstance(value, list):
         return [plain(v, depth + 1) for v in value[:LIST_ITEMS]]
     if isinstance(value, dict):
         items = [(k, v) for k, v in value.items() if isinstance(k, str)][:MAX_KEYS]
-        return {_cut(k, 200): plain(v, depth + 1) for k, v in items}
+        return {cut(k, 200): plain(v, depth + 1) for k, v in items}
     return None
 
 
@@ -57,26 +55,26 @@ REUSE_COUNTS = ("reused", "computed", "invalidated", "first_invalidated_position
 
 
 def _reuse(r) -> dict | None:
+    """A reuse report: a count that is not one, a word that is not a string, a copy time that is not a time
+    are left out (their readers' defaults apply); a token named without an id and text is None."""
     if not isinstance(r, dict):
         return None
     out = plain(r)
-    for k in REUSE_COUNTS:
-        if k in out and out[k] is not None and not _count(out[k]):
-            out[k] = None
+    wrong = [k for k in REUSE_COUNTS if k in out and out[k] is not None and not _count(out[k])]
+    wrong += [k for k in ("reason", "source", "overflow") if k in out and not isinstance(out[k], (str, type(None)))]
+    if "copy_ms" in out and not (out["copy_ms"] is None or (_finite(out["copy_ms"]) and out["copy_ms"] >= 0)):
+        wrong.append("copy_ms")
+    for k in wrong:
+        del out[k]
     for k in ("cached_token", "new_token"):
         if k not in out:
             continue
         t = out[k]
         ok = isinstance(t, dict) and _count(t.get("id")) and isinstance(t.get("text"), str)
-        out[k] = {"id": t["id"], "text": _cut(t["text"], TOKEN_CHARS)} if ok else None
+        out[k] = {"id": t["id"], "text": cut(t["text"], TOKEN_CHARS)} if ok else None
     if "dropped_messages" in out:
         dropped = out["dropped_messages"]
         out["dropped_messages"] = [i for i in dropped if _count(i)] if isinstance(dropped, list) else []
-    for k in ("reason", "source", "overflow"):
-        if k in out and not isinstance(out[k], (str, type(None))):
-            out[k] = None
-    if "copy_ms" in out and not (out["copy_ms"] is None or (_finite(out["copy_ms"]) and out["copy_ms"] >= 0)):
-        out["copy_ms"] = None
     return out
 
 
@@ -95,7 +93,7 @@ def _made_by(m) -> dict | None:
         if k in MADE_COUNTS:
             out[k] = v if _count(v) and (v > 0 or k != "layers") else None
         elif isinstance(v, str):
-            out[k] = _cut(v, STRING_CHARS)
+            out[k] = cut(v, STRING_CHARS)
         elif v is None or isinstance(v, bool) or _finite(v):
             out[k] = v
     kinds = m.get("kv_layer_kinds")
@@ -141,11 +139,11 @@ def _step(s) -> dict | None:
     for a in top[:MAX_TOP]:
         if not isinstance(a, dict) or not isinstance(a.get("text"), str) or not _logprob(a.get("logprob")):
             return None
-        alts.append({"text": _cut(a["text"], TOKEN_CHARS), "logprob": float(a["logprob"])})
+        alts.append({"text": cut(a["text"], TOKEN_CHARS), "logprob": float(a["logprob"])})
     return {
-        "shown": _cut(s["shown"], TOKEN_CHARS),
+        "shown": cut(s["shown"], TOKEN_CHARS),
         "token_id": token_id,
-        "text": _cut(s["text"], TOKEN_CHARS),
+        "text": cut(s["text"], TOKEN_CHARS),
         "logprob": float(s["logprob"]),
         "sampled_logprob": s.get("sampled_logprob"),
         "entropy": s.get("entropy"),
@@ -155,12 +153,35 @@ def _step(s) -> dict | None:
     }
 
 
+TRACE_COUNTS = ("tokens", "prompt_tokens", "reused", "computed")
+
+
+def _figures(t: dict) -> list[str]:
+    """A trace's figures made numbers, in place: a time (`*_ms`, `*_s`) a finite number, a count a count, a
+    list of times finite numbers; what was not is left out (its readers' defaults apply) and named."""
+    bad = []
+    for k, v in list(t.items()):
+        if k in TRACE_COUNTS:
+            ok = v is None or _count(v)
+        elif k.endswith(("_ms", "_s")) and isinstance(v, list):
+            ok = all(_finite(x) for x in v)
+        elif k.endswith(("_ms", "_s")):
+            ok = v is None or _finite(v)
+        else:
+            continue
+        if not ok:
+            del t[k]
+            bad.append(k)
+    return bad
+
+
 def clean_record(record) -> dict | None:
     """A reply's record as the app may read it; `unreadable` names the fields left out because they were not
     what kvchat writes (the panel says so)."""
     if not isinstance(record, dict):
         return None
-    out, bad = plain(record), []
+    # the token records are checked one by one below (_step), not copied here first
+    out, bad = plain({k: v for k, v in record.items() if k != "tokens"}), []
     for k in ("status", "reason", "error"):
         if out.get(k) is not None and not isinstance(out[k], str):
             out[k], bad = None, [*bad, k]
@@ -169,14 +190,9 @@ def clean_record(record) -> dict | None:
     if record.get("trace") is not None and not isinstance(record.get("trace"), dict):
         out["trace"], bad = None, [*bad, "trace"]
     elif isinstance(out.get("trace"), dict):
-        t = out["trace"]
-        for k, v in list(t.items()):
-            if isinstance(v, (str, list, dict)) or v is None or _finite(v):
-                continue
-            t[k] = None
-        for k in ("tokens", "prompt_tokens", "reused", "computed"):
-            if k in t and t[k] is not None and not _count(t[k]):
-                t[k], bad = None, [*bad, f"trace.{k}"]
+        bad += [f"trace.{k}" for k in _figures(out["trace"])]
+        server = out["trace"].get("server")
+        bad += [f"trace.server.{k}" for k in _figures(server)] if isinstance(server, dict) else []
     if record.get("made_by") is not None:
         out["made_by"] = _made_by(record["made_by"])
         bad += [] if out["made_by"] is not None else ["made_by"]

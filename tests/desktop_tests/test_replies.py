@@ -553,6 +553,7 @@ def test_imported_records_that_are_not_kvchats_are_shown_as_unreadable_never_rai
         assert len(json.dumps(m.trace)) < 1_000_000  # cut at import: no 10 MB string reached the store
     assert "made_by" in replies[0].trace["unreadable"] and "tokens" in replies[3].trace["unreadable"]
     assert replies[0].trace["tokens"] and replies[3].trace["tokens"] == []  # a readable step kept, a lie not
+    assert "ttft_ms" not in replies[2].trace["trace"] and "trace.ttft_ms" in replies[2].trace["unreadable"]
     w.tokenColours.setCurrentIndex(1)  # tokens by probability: every reply's tokens drawn in colour
     for m in replies:  # each reply to the panel, as Ctrl+Up/Down does
         w.select_message(m.id)
