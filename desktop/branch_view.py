@@ -45,17 +45,21 @@ class BranchView(QObject):
     def store(self):
         return self.chat().store
 
-    def render(self, reveal: int | None = None) -> None:
+    def render(self, reveal: int | None = None, wait: bool = False) -> None:
         """Show the current branch: a conversation opens with its last WINDOW messages (earlier ones on
         request; `reveal`: from this branch index at least). Views that still show the same message at
         the same branch position are kept (their text updated if it changed), so sending, finishing or
         editing lays out only the messages that changed, not a long conversation from the top. A long
-        conversation not read yet opens from its end at once while a thread reads the rest of it."""
+        conversation not read yet opens from its end at once while a thread reads the rest of it, and is
+        drawn again when that read ends (`wait`: read it here now instead)."""
         cid = self.chat().current_cid
+        reading = cid is not None and self.reading == cid == self.shown_cid and not self.store().kept(cid)
+        if reading and reveal is None and not wait:
+            return  # drawn from its tail: the thread reading the rest draws it when done
         if cid is not None and cid != self.shown_cid and not self.store().kept(cid):
             tail = self.chat().guard(self.store().tail, cid, WINDOW)
             if tail:
-                self._draw(tail, more=True)
+                self._draw(tail, more=tail[0][0].parent_id is not None)
                 self._read_branch(cid)
                 return
         rows = self.chat().rows()
@@ -86,7 +90,7 @@ class BranchView(QObject):
         if fut is not None and fut.exception() is None:
             self.store().adopt(fut.result())  # not if a message was written meanwhile: then read here
         if self.reading == cid == self.chat().current_cid:
-            self.render()
+            self.render(wait=True)
 
     def _place_tail(self, rows: list) -> None:
         """The views drawn from the tail, given their places in the whole branch (the earlier button
@@ -104,7 +108,7 @@ class BranchView(QObject):
     def whole_branch(self) -> None:
         """The branch read whole now if it is being read on a thread (what follows counts in it)."""
         if self.reading is not None and self.reading == self.chat().current_cid:
-            self.render()
+            self.render(wait=True)
 
     def _draw(self, rows: list, reveal: int | None = None, more: bool = False) -> None:
         """The transcript's views for `rows` (the branch, or its tail while the rest is read: `more`)."""

@@ -277,11 +277,14 @@ class MarkdownLabel(WrapLabel):
 
 
 PLAIN_LINES = 2_000  # a piece shown as plain text shows this many lines at a time
+PLAIN_CHARS = 100_000  # or this many characters, where its lines are long (a 10 MB line is drawn in pages too)
+PLAIN_WHOLE = 2_000_000  # a message longer is one plain block, never parsed into pieces (0.7 s for 10 MB)
 
 
 class PlainBlock(QFrame):
     """A piece past what the window draws as Markdown (outside_text.too_big_for_markdown), or one that failed
-    to render: its text as plain text, PLAIN_LINES at a time (*Show more*), under a note that says why."""
+    to render: its text as plain text, a page at a time (PLAIN_LINES lines or PLAIN_CHARS characters, *Show
+    more*), under a note that says why."""
 
     def __init__(self, piece: Piece, why: str):
         super().__init__()
@@ -308,24 +311,37 @@ class PlainBlock(QFrame):
         self.set_piece(piece)
 
     def set_piece(self, piece: Piece) -> None:
-        self.piece = piece
-        self.lines = piece.text.split("\n")
-        self.shown = min(len(self.lines), PLAIN_LINES)
-        self.view.setPlainText("\n".join(self.lines[: self.shown]))
-        self._update()
+        self.piece, self.text = piece, piece.text
+        self.lines = self.text.count("\n") + 1
+        self.end = 0  # text[:end] is shown; a page ends before a newline, the next begins with it
+        self.view.clear()
+        self.show_more()
+
+    def _page_end(self) -> int:
+        """Where the page after text[:end] ends: PLAIN_LINES more line ends, or PLAIN_CHARS on."""
+        limit = min(len(self.text), self.end + PLAIN_CHARS)
+        at = self.end + (1 if self.end else 0)  # past the newline the page begins with
+        for _ in range(PLAIN_LINES):
+            nl = self.text.find("\n", at, limit)
+            if nl < 0:
+                return limit
+            at = nl + 1
+        return at - 1
 
     def show_more(self) -> None:
-        more = self.lines[self.shown : self.shown + PLAIN_LINES]
+        end = self._page_end()
         cursor = QTextCursor(self.view.document())
         cursor.movePosition(QTextCursor.End)
-        cursor.insertText("\n" + "\n".join(more))
-        self.shown += len(more)
-        self._update()
-
-    def _update(self) -> None:
-        left = len(self.lines) - self.shown
-        self.note.setText(f"Shown as plain text: {self.why}." + (f" {len(self.lines):,} lines." if left else ""))
-        self.moreButton.setText(f"Show {min(left, PLAIN_LINES):,} more lines ({left:,} not shown)")
+        cursor.insertText(self.text[self.end : end])
+        self.end = end
+        self.shown = self.text.count("\n", 0, end) + 1  # lines shown, the last maybe in part
+        left = len(self.text) - end
+        self.note.setText(f"Shown as plain text: {self.why}." + (f" {self.lines:,} lines." if left else ""))
+        if self.lines > self.shown:
+            more = self.lines - self.shown
+            self.moreButton.setText(f"Show {min(more, PLAIN_LINES):,} more lines ({more:,} not shown)")
+        else:
+            self.moreButton.setText(f"Show more of this line ({left:,} characters not shown)")
         self.moreButton.setVisible(left > 0)
 
 
@@ -348,6 +364,7 @@ class ReplyBody(QWidget):
         self.widgets: list[QWidget] = []
         self.waiting_for_paint = False
         self.text = ""
+        self.streaming: bool | None = None
 
     @property
     def stream(self) -> StreamView | None:
@@ -356,23 +373,32 @@ class ReplyBody(QWidget):
         return last if isinstance(last, StreamView) else None
 
     def show_reply(self, text: str, streaming: bool) -> None:
+        if (text, streaming) == (self.text, self.streaming):
+            return  # drawn already (a 10 MB message is 0.7 s of parsing into pieces)
+        self.streaming = streaming
         if streaming and text and not self.text.strip("…") and text != "…":
             self.waiting_for_paint = True
         self.text = text
         waiting = text == "…"  # the reply's placeholder until its first text: an open paragraph
+        if len(text) > PLAIN_WHOLE and not streaming:  # not parsed into pieces: a second a 10 MB message
+            self._show_pieces([])
+            why = f"{len(text):,} characters is past what the window draws as Markdown ({PLAIN_WHOLE:,})"
+            self._show_pieces([Piece("text", text, closed=True)], why)
+            return
         try:
             self._show_pieces([Piece("text", "…", closed=False)] if waiting else pieces(text, streaming, self.thinking))
         except Exception as e:  # whatever a message holds, it is shown: as plain text, with what went wrong
             self._show_pieces([])
             self._show_pieces([Piece("text", text, closed=not streaming)], f"it could not be drawn ({e!r})")
 
-    def _show_pieces(self, shown: list[Piece], failed: str | None = None) -> None:
+    def _show_pieces(self, shown: list[Piece], plain_why: str | None = None) -> None:
+        """Draw `shown`, keeping the widgets of pieces that did not change; with `plain_why`, as plain text."""
         for i, piece in enumerate(shown):
             w = self.widgets[i] if i < len(self.widgets) else None
             if w is not None and getattr(w, "piece", None) == piece:
                 continue
-            kind, why = (PlainBlock, failed) if failed else self._form(piece)
-            if failed is None and isinstance(w, kind):
+            kind, why = (PlainBlock, plain_why) if plain_why else self._form(piece)
+            if plain_why is None and isinstance(w, kind):
                 if why:
                     w.why = why
                 w.set_piece(piece)

@@ -26,6 +26,7 @@ BINS = {
                 (3.0, "#9a5cd6", "≥ 3 nats")),
 }  # fmt: skip
 ALPHA = 120  # of 255: translucent over the theme's background
+TOKEN_PAGE = 5_000  # tokens drawn at a time (a reply of 65,536 is drawn a page at a time: show_more)
 FORK_COLUMNS = 3  # fork buttons a row
 
 
@@ -75,6 +76,7 @@ class TokenView(FitTextEdit):
     """A finished reply's tokens, coloured (BINS); hover or Left/Right shows a token's figures."""
 
     tokenFocused = Signal(int)  # the token the keyboard moved to
+    pageDrawn = Signal(int, int)  # tokens drawn, tokens in the reply
 
     def __init__(self):
         super().__init__()
@@ -87,21 +89,32 @@ class TokenView(FitTextEdit):
         self.starts: list[int] = []  # each shown token's first character; tokens that show nothing are skipped
         self.at: list[int] = []  # the token index of each entry of starts
         self.mode = "off"
+        self.drawn = 0  # steps[:drawn] are in the document (a page at a time)
         self.current: int | None = None  # the token the keyboard is on
 
     def set_tokens(self, steps: list[dict], mode: str) -> None:
         if steps is self.steps and mode == self.mode:
             return
         self.steps, self.mode, self.starts, self.at = steps, mode, [], []
+        self.drawn = 0
         self.clear()
+        self.current = None
+        self.show_more()
+
+    def show_more(self) -> None:
+        """Draw the next TOKEN_PAGE tokens, in one edit of the document (Qt lays it out once, not per token)."""
         cursor = QTextCursor(self.document())
-        for i, step in enumerate(steps):
+        cursor.movePosition(QTextCursor.End)
+        cursor.beginEditBlock()
+        end = min(len(self.steps), self.drawn + TOKEN_PAGE)
+        for i in range(self.drawn, end):
+            step = self.steps[i]
             shown = str(step.get("shown", step.get("text", "")))
             if not shown:
                 continue
             fmt = QTextCharFormat()
-            b = bin_of(step, mode) if mode in BINS else None
-            colour = BINS[mode][b][1] if b is not None else None
+            b = bin_of(step, self.mode) if self.mode in BINS else None
+            colour = BINS[self.mode][b][1] if b is not None else None
             if colour:
                 c = QColor(colour)
                 c.setAlpha(ALPHA)
@@ -109,7 +122,14 @@ class TokenView(FitTextEdit):
             self.starts.append(cursor.position())
             self.at.append(i)
             cursor.insertText(shown, fmt)
-        self.current = None
+        cursor.endEditBlock()
+        self.drawn = end
+        self.pageDrawn.emit(self.drawn, len(self.steps))
+
+    def _entry(self, index: int | None) -> int | None:
+        """Where token `index` is in starts/at (None: it shows nothing, or is not drawn yet)."""
+        k = bisect.bisect_left(self.at, index) if index is not None else len(self.at)
+        return k if k < len(self.at) and self.at[k] == index else None
 
     def index_at_position(self, position: int) -> int | None:
         """The token whose text holds character `position`."""
@@ -142,7 +162,8 @@ class TokenView(FitTextEdit):
         if not self.at:
             return
         self.current = index
-        k = self.at.index(index) if index in self.at else 0
+        k = self._entry(index)
+        k = k if k is not None else 0
         start = self.starts[k]
         end = self.starts[k + 1] if k + 1 < len(self.starts) else self.document().characterCount() - 1
         sel = QTextEdit.ExtraSelection()
@@ -163,7 +184,10 @@ class TokenView(FitTextEdit):
     def keyPressEvent(self, e) -> None:
         if e.key() in (Qt.Key_Left, Qt.Key_Right) and self.at and not e.modifiers() & Qt.ControlModifier:
             step = 1 if e.key() == Qt.Key_Right else -1
-            k = self.at.index(self.current) if self.current in self.at else (-1 if step > 0 else len(self.at))
+            k = self._entry(self.current)
+            k = k if k is not None else (-1 if step > 0 else len(self.at))
+            if k + step >= len(self.at) and self.drawn < len(self.steps):
+                self.show_more()  # Right past the page drawn: the next page
             k = max(0, min(len(self.at) - 1, k + step))
             self.move_to(self.at[k])
             return

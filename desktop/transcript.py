@@ -22,7 +22,7 @@ from PySide6.QtWidgets import (
 from .core.replies import reply_footer
 from .outside_text import plain, rich
 from .reply_widgets import ReplyBody, StreamView, WrapLabel
-from .token_view import ForkRow, TokenView
+from .token_view import TOKEN_PAGE, ForkRow, TokenView
 
 DEMO_HINT = (
     "Ask the demo model to plan a trip, for example:<br><i>I am planning a trip to Chengdu "
@@ -195,9 +195,15 @@ class MessageView(QFrame):
             if self.tokenView is None:
                 self.tokenView = TokenView()
                 self.forkRow = ForkRow()
+                self.tokenMore = QPushButton()  # the next page of a long reply's tokens
+                self.tokenMore.setObjectName("tokenMoreButton")
+                self.tokenMore.setFlat(True)
+                self.tokenMore.clicked.connect(self.tokenView.show_more)
+                self.tokenView.pageDrawn.connect(self._token_page)
                 at = self.layout().indexOf(self.reply) + 1
                 self.layout().insertWidget(at, self.tokenView)
-                self.layout().insertWidget(at + 1, self.forkRow)
+                self.layout().insertWidget(at + 1, self.tokenMore, 0, Qt.AlignLeft)
+                self.layout().insertWidget(at + 2, self.forkRow)
                 self.tokenView.tokenFocused.connect(lambda i: self.forkRow.show_token(i, self.tokenView.steps[i]))
                 self.forkRow.forkRequested.connect(lambda i, a: self.forkRequested.emit(self.message.id, i, a))
             self.tokenView.set_tokens(steps, self.token_mode)
@@ -205,6 +211,7 @@ class MessageView(QFrame):
             self.tokenView.setVisible(bool(steps) and not self.editing)
             if not steps:
                 self.forkRow.setVisible(False)
+            self._token_page(self.tokenView.drawn, len(self.tokenView.steps))
         self.reply.setVisible(self.highlight is None and not self.editing and not steps)
         self.body.setVisible(self.highlight is not None and not self.editing and not steps)
         self.statusLabel.setText(STATUS_NOTES.get(status, ""))
@@ -213,6 +220,11 @@ class MessageView(QFrame):
         footer = "" if status == "streaming" or self.message.role != "assistant" else reply_footer(self.message.trace)
         self.footerLabel.setText(footer)
         self.footerLabel.setVisible(bool(footer))
+
+    def _token_page(self, drawn: int, total: int) -> None:
+        left = total - drawn
+        self.tokenMore.setText(f"Show {min(left, TOKEN_PAGE):,} more tokens ({drawn:,} of {total:,} shown)")
+        self.tokenMore.setVisible(left > 0 and self.tokenView.isVisibleTo(self))
 
     def token_steps(self, status: str) -> list[dict]:
         """The reply's tokens when it is shown token by token: the colours on, a finished reply that kept them."""
@@ -223,8 +235,11 @@ class MessageView(QFrame):
 
     def set_token_mode(self, mode: str) -> None:
         """Colour this reply's tokens by probability or entropy, or show it as Markdown again ("off")."""
-        if mode != self.token_mode:
-            self.token_mode = mode
+        if mode == self.token_mode:
+            return
+        shown = bool(self.token_steps(self.message.status))
+        self.token_mode = mode
+        if shown or self.token_steps(self.message.status):  # a view without tokens looks the same either way
             self.set_content(self.message.content, self.message.status, self.message.token_count)
 
     def can_show(self, message, branch_index: int, branch_count: int) -> bool:

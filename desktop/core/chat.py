@@ -94,11 +94,11 @@ class ChatController:
         return [(m, *versions[m.id]) for m in self.branch()]
 
     def last_message(self) -> Message | None:
-        """The branch's last message (its leaf: one read, however long the conversation)."""
+        """The branch's last message, without its record (its leaf: one read, however long the conversation)."""
         if self.current_cid is None:
             return None
         leaf = self.store.conversation(self.current_cid).leaf_id
-        return None if leaf is None else self.store.message(leaf)
+        return None if leaf is None else self.store.head(leaf)
 
     def can_regenerate(self) -> bool:
         """A reply can be run again, or run at all for a user message left without one (a crash right
@@ -139,13 +139,14 @@ class ChatController:
         self.guard(self.store.set_leaf, self.current_cid, self.store.deepest_leaf(mid))
         return True
 
-    def select_message(self, mid: int) -> ReplyStats | None:
-        """The stats of a reply (live, or from its stored trace) become the panel's."""
+    def select_message(self, mid: int, wait: bool = True) -> ReplyStats | None:
+        """The stats of a reply (live, or from its stored trace) become the panel's; with `wait` False, None
+        while the store reads a big record on a thread (Store.message)."""
         self.selected_mid = mid
         st = self.stats_by_message.get(mid)
         if st is None:
-            m = self.store.message(mid)
-            if m.trace:
+            m = self.store.message(mid, wait)
+            if m is not None and m.trace:
                 st = self.stats_by_message[mid] = ReplyStats.from_record(m.trace, m.status)
         if st is not None:
             self.stats = st
@@ -160,7 +161,7 @@ class ChatController:
             return False
         if mid is not None and mid == self.selected_mid and self.stats is self.stats_by_message.get(mid):
             return False
-        if mid is not None and self.select_message(mid) is not None:
+        if mid is not None and self.select_message(mid, wait=False) is not None:
             return True
         changed = self.stats.status != "idle" or self.selected_mid != mid
         self.selected_mid, self.stats = mid, ReplyStats()  # a reply with no figures (an import), or no reply

@@ -20,6 +20,10 @@ from types import MappingProxyType
 from .records import clean_record
 from .store_file import StoreFile
 
+HEAD_COLUMNS = "id, conversation_id, parent_id, role, content, status, token_count, created"
+RECORDS_AT_ONCE = 1_000_000  # characters of records tail() reads on the GUI thread (more: read_later reads them)
+RECORDS_KEPT = 32  # messages whose checked record the store keeps (Store._record)
+
 
 def _conversation(r) -> Conversation:
     try:
@@ -136,6 +140,9 @@ class Store(StoreFile):
     def __init__(self, path: Path | str, connect_only: bool = False):
         self._branches: dict[int, _Kept] = {}  # conversation id -> its branch as read, kept up to date
         self._message_writes = 0  # add_message and update_message calls (a branch read before one is stale)
+        self._records: dict[int, tuple[str, dict | None]] = {}  # message id -> (stored text, record as read)
+        self._records_lock = threading.Lock()  # read_later's thread reads records too
+        self._reading = 0  # read_later's threads still reading
         super().__init__(path, connect_only)
 
     def for_thread(self) -> Store | None:
@@ -236,7 +243,7 @@ class Store(StoreFile):
         held = self.held.get((table, row["id"])) if self.held and row is not None else None
         return {k: held.get(k, row[k]) for k in row.keys()} if held else row
 
-    def _message(self, r) -> Message:
+    def _message(self, r, record: bool = True) -> Message:
         r = self._held_over(r, "messages")
         return Message(
             r["id"],
@@ -247,11 +254,42 @@ class Store(StoreFile):
             r["status"],
             r["token_count"],
             r["created"],
-            _record(r["trace"]),
+            self._record(r["id"], r["trace"]) if record else None,
         )
 
-    def message(self, mid: int) -> Message:
-        return self._message(self.db.execute("SELECT * FROM messages WHERE id=?", (mid,)).fetchone())
+    def _record(self, mid: int, text: str | None) -> dict | None:
+        """A message's record as read, kept for the RECORDS_KEPT read last: the leaf is read for each button
+        and each redraw of the panel, and checking a record of 65,536 tokens takes a third of a second."""
+        if not text:
+            return None
+        with self._records_lock:
+            hit = self._records.get(mid)
+        if hit is not None and hit[0] == text:
+            return hit[1]
+        record = _record(text)
+        with self._records_lock:
+            self._records.pop(mid, None)
+            self._records[mid] = (text, record)
+            while len(self._records) > RECORDS_KEPT:
+                del self._records[next(iter(self._records))]
+        return record
+
+    def message(self, mid: int, wait: bool = True) -> Message | None:
+        """The message with its record; with `wait` False, None instead of reading a record past
+        RECORDS_AT_ONCE that read_later is reading now (it is kept when read: ask again then)."""
+        row = self.db.execute("SELECT * FROM messages WHERE id=?", (mid,)).fetchone()
+        text = row["trace"] if row is not None else None
+        if not wait and self._reading and text and len(text) > RECORDS_AT_ONCE:
+            with self._records_lock:
+                hit = self._records.get(mid)
+            if hit is None or hit[0] != text:
+                return None
+        return self._message(row)
+
+    def head(self, mid: int) -> Message:
+        """A message without its record (trace None): what the buttons ask of the leaf, however big its record."""
+        row = self.db.execute(f"SELECT {HEAD_COLUMNS}, NULL AS trace FROM messages WHERE id=?", (mid,)).fetchone()
+        return self._message(row)
 
     def add_message(
         self,
@@ -316,21 +354,23 @@ class Store(StoreFile):
 
     def tail(self, cid: int, n: int) -> list[tuple[Message, int, int]] | None:
         """The branch's last `n` messages with their places among their versions, read at once however
-        long the conversation (a long one is drawn from its end while read_later reads the rest); None
-        when the branch is no longer than that (branch() reads it whole as cheaply)."""
+        long the conversation (a long one is drawn from its end while read_later reads the rest); past
+        RECORDS_AT_ONCE of records, without them (read_later reads those too). None when the branch is no
+        longer than that and its records small (branch() reads it whole as cheaply)."""
         leaf = self.conversation(cid).leaf_id
         if leaf is None:
             return None
-        last = [self._message(r) for r in self.db.execute(WALK_UP + "ORDER BY path.depth DESC", (leaf, n))]
-        if len(last) <= n:
+        rows = self.db.execute(WALK_UP + "ORDER BY path.depth DESC", (leaf, n)).fetchall()
+        big = sum(len(r["trace"] or "") for r in rows) > RECORDS_AT_ONCE
+        if len(rows) <= n and not big:
             return None
-        last = last[1:]
+        last = [self._message(r, record=not big) for r in (rows[1:] if len(rows) > n else rows)]
         parents = {m.parent_id for m in last}
         marks = ",".join("?" * len(parents))
         groups = _version_groups(
             self.db.execute(
-                f"SELECT id, parent_id, role FROM messages WHERE conversation_id=? AND parent_id IN ({marks}) "
-                "ORDER BY id",
+                f"SELECT id, parent_id, role FROM messages WHERE conversation_id=? AND (parent_id IN ({marks}) "
+                "OR parent_id IS NULL) ORDER BY id",
                 (cid, *parents),
             )
         )
@@ -350,12 +390,18 @@ class Store(StoreFile):
             try:
                 db = self._open_read_only()
                 try:
-                    fut.set_result((cid, started, self._read_kept(db, cid, leaf)))
+                    kept = self._read_kept(db, cid, leaf)
                 finally:
                     db.close()
             except Exception as e:  # the GUI thread reads it itself then
-                fut.set_exception(e)
+                kept = e
+            finally:
+                with self._records_lock:
+                    self._reading -= 1
+            fut.set_exception(kept) if isinstance(kept, Exception) else fut.set_result((cid, started, kept))
 
+        with self._records_lock:
+            self._reading += 1
         threading.Thread(target=read, name="kvchat-branch-read", daemon=True).start()
         return fut
 
@@ -463,10 +509,8 @@ class Store(StoreFile):
             mid = r["id"]
 
 
-def _record(text: str | None) -> dict | None:
+def _record(text: str) -> dict | None:
     """A message's stored record, read as data (core/records.py): one that does not parse is unreadable."""
-    if not text:
-        return None
     try:
         return clean_record(json.loads(text))
     except (ValueError, RecursionError):

@@ -22,9 +22,12 @@ from ..errors import ModelLoadError
 from ..kv_cache import cache_plan
 from .gguf_file import ARCHITECTURES, GGUFModel
 from .gguf_header import is_gguf
+from .gguf_reader import check_gguf_shapes
+from .hf_names import check_shapes
+from .safetensors import text_model_names
 
 SOURCES = ("hf-cache", "lm-studio", "ollama", "folder")
-CACHE_VERSION = 4
+CACHE_VERSION = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,16 +109,24 @@ def _folder_row(folder: Path, name: str, source: str) -> FoundModel:
     try:
         raw = read_json(folder / "config.json")
         arch = (raw.get("architectures") or [None])[0]
-        kv = kv_facts(config_from_dict(raw, folder / "config.json"))
+        cfg = config_from_dict(raw, folder / "config.json")
+        kv = kv_facts(cfg)
         if not files:
             raise ModelLoadError("no safetensors weights (pickle .bin files are never opened)")
         counts: dict[str, int] = {}
+        shapes: dict[str, tuple[int, ...]] = {}
         for p in files:
             for key, t in _safetensors_header(p).items():
                 if key != "__metadata__":
                     counts[t["dtype"]] = counts.get(t["dtype"], 0) + math.prod(t["shape"])
+                    shapes[key] = tuple(t["shape"])
         params = sum(counts.values())
         quant = max(counts, key=counts.get).lower() if counts else None
+        stored = text_model_names(dict.fromkeys(shapes))  # a multimodal checkpoint's text model
+        usual = {mine: shapes[theirs] for mine, theirs in stored.items()} | {
+            k: v for k, v in shapes.items() if not stored or k == "lm_head.weight"
+        }
+        check_shapes(cfg, usual, lambda name: stored.get(name, name))
         if not (folder / "tokenizer.json").is_file():
             raise ModelLoadError("no tokenizer.json")
     except (ModelLoadError, OSError, ValueError, KeyError, TypeError) as e:
@@ -165,6 +176,7 @@ def _gguf_row(path: Path, name: str, source: str) -> FoundModel:
     else:
         try:
             cfg = config_from_dict(gm.config_dict(), path)
+            check_gguf_shapes(gm, cfg)
             kv, held = kv_facts(cfg), gm.held_estimate(cfg)
         except ModelLoadError as e:
             reason = e.message

@@ -7,10 +7,16 @@ import math
 import torch
 
 from ..config import ModelConfig
-from ..errors import ModelLoadError
 from .gguf_file import GGUFModel
-from .hf_names import expected
+from .hf_names import check_shapes, expected
 from .safetensors import Reader, Rows
+
+
+def check_gguf_shapes(model: GGUFModel, cfg: ModelConfig) -> None:
+    """The metadata's sizes against the file's tensor table (hf_names.check_shapes), by GGUF name."""
+    have = model.names(expected(cfg))
+    shapes = {hf: model.shape(model.tensors[g]) for hf, g in have.items()}
+    check_shapes(cfg, shapes, lambda hf: have.get(hf) or model.gguf_name(hf), model.path)
 
 
 class GGUFReader(Reader):
@@ -20,15 +26,7 @@ class GGUFReader(Reader):
     def __init__(self, model: GGUFModel, cfg: ModelConfig):
         self.model, self.cfg = model, cfg
         self.expected = expected(cfg)
-        have = model.names(self.expected)
-        for name, shape in self.expected.items():
-            if name not in have:
-                raise ModelLoadError(f"tensor {model.gguf_name(name)!r} is missing from the GGUF file", model.path)
-            got = model.shape(model.tensors[have[name]])
-            if got != shape:
-                raise ModelLoadError(
-                    f"tensor {have[name]!r} has shape {list(got)}, the metadata implies {list(shape)}", model.path
-                )
+        check_gguf_shapes(model, cfg)
 
     def read(self, names, dtype, device):
         return {n: self.model.read_float(n, self.cfg, dtype, device) for n in names}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
+from ..errors import ModelLoadError
 
 NORMS = {  # placement -> kvchat's norm -> the checkpoint's name
     "pre": {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"},
@@ -115,6 +116,20 @@ def expected(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                 rows = _split_rows(cfg, mine, whole[0])
                 out.update({name: (r, *whole[1:]) for name, r in zip(theirs, rows)})
     return out
+
+
+def check_shapes(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], stored=lambda name: name, where=None) -> None:
+    """Every tensor the config implies against the shapes the file's own header gives (each checked against the
+    file's size as it was read), before anything is sized from the config: an expert count, an intermediate size,
+    a head count the file does not bear out is an error when the model is listed, not at its first request.
+    `stored` names a tensor as the file does (its GGUF name), for the message."""
+    for name, shape in expected(cfg).items():
+        got = shapes.get(name)
+        if got is None:
+            raise ModelLoadError(f"tensor {stored(name)!r} is missing from the weights", where)
+        if tuple(got) != shape:
+            implied = f"the config implies {list(shape)}"
+            raise ModelLoadError(f"tensor {stored(name)!r} has shape {list(got)}, {implied}", where)
 
 
 def _split_rows(cfg: ModelConfig, mine: str, rows: int) -> list[int]:

@@ -381,4 +381,5 @@ def test_each_request_is_labelled_with_its_conversation_and_branch(chat):
     say(chat, "Another trip")
     assert chat.client.requests[-1].label == "Another trip"
     assert chat.store_state == store  # the panel shows the session's store...
-    assert chat.last_message().trace["cache"] == {"positions": 5}  # ...and the saved reply keeps its own figures
+    saved = chat.store.message(chat.last_message().id)
+    assert saved.trace["cache"] == {"positions": 5}  # ...and the saved reply keeps its own figures

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from model_layouts import NAMES, build
 
+from engine.errors import ModelLoadError
 from engine.weights.catalog import scan
 from engine.weights.loading import load_model
 
@@ -172,3 +173,36 @@ def test_a_gguf_row_says_what_its_weights_take_once_loaded(tmp_path):
         assert r.parameters == loaded.parameter_count, name
         in_file = sum(int(t.n_bytes) for t in GGUFModel(Path(r.path)).file_tensors)
         assert r.held_bytes > in_file * 1.05, name  # 36/34 for Q8_0 at the least
+
+
+@pytest.mark.parametrize("over", [{"num_experts": 8}, {"moe_intermediate_size": 48}, {"hidden_size": 48}])
+def test_a_size_the_weights_do_not_bear_out_is_refused_when_listed(tmp_path, monkeypatch, over):
+    """A mixture whose config.json (or GGUF metadata) names more experts, or other sizes, than its tensors hold
+    was listed as openable and failed when opened; each is now a row that names the tensor and both shapes,
+    from the headers alone. The untouched files are listed openable beside them."""
+    import gguf
+
+    from checkpoints import FAMILY_CASES, make_checkpoint
+    from engine.tools.gguf_export import write_gguf
+
+    opts = dict(FAMILY_CASES["qwen3_moe"])
+    good = make_checkpoint(tmp_path / "models" / "good", opts.pop("family"), **opts)
+    bad = tmp_path / "models" / "bad"
+    bad.mkdir()
+    for f in good.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    config = json.loads((good / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, **over}))
+    write_gguf(good, tmp_path / "models" / "good.gguf", tokenizer=True)
+    if "num_experts" in over:  # the GGUF's metadata says 8 experts over tensors stacking 4
+        monkeypatch.setattr(
+            gguf.GGUFWriter, "add_expert_count", lambda w, n, f=gguf.GGUFWriter.add_expert_count: f(w, 8)
+        )
+        write_gguf(good, tmp_path / "models" / "bad.gguf", tokenizer=True)
+    rows = {r.name: r for r in scan(folders=[tmp_path / "models"], env={}, home=tmp_path / "nohome")}
+    assert rows["good"].openable and rows["good.gguf"].openable
+    for name in ("bad", "bad.gguf") if "num_experts" in over else ("bad",):
+        r = rows[name]
+        assert not r.openable and "tensor" in r.reason and ("the config implies" in r.reason or "missing" in r.reason)
+        with pytest.raises(ModelLoadError):  # and it does not open
+            load_model(r.path)
