@@ -43,6 +43,17 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
 
 
+def _at_least_one(text: str) -> int:
+    """A count of 1 or more, as argparse reads one (a usage error otherwise)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 1 <= n <= 256:
+        raise argparse.ArgumentTypeError(f"{n} is out of range (1 to 256)")
+    return n
+
+
 def _overflow_arg(p: argparse.ArgumentParser, what: str = "") -> None:
     p.add_argument(
         "--overflow",
@@ -399,7 +410,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on every request")
     p.add_argument("--served-model-name", default=None, help="the model's id in the API (default: its name)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="a reply's limit when a request sets none")
-    p.add_argument("--queue-size", type=int, default=8, help="requests that may wait before 429")
+    p.add_argument("--parallel", type=_at_least_one, default=4, help="requests that run at once (default 4)")
+    p.add_argument("--queue-size", type=int, default=8, help="requests that may wait behind them before 429")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     _overflow_arg(p, ' (for a request that names none; a request\'s own "overflow" field wins)')
     p = sub.add_parser("search", help="text-generation models on the Hugging Face Hub (HF_ENDPOINT)")

@@ -1,6 +1,8 @@
 """Generation as named steps, as gpt-fast and nanochat name theirs: `prefill` (the prompt's uncached positions,
 a chunk a forward), `Decoder.step` (consume one token, through a CUDA graph where one works) and `decode`
-(select token k from the last logits, stream it, stop or consume it for k+1)."""
+(select token k from the last logits, stream it, stop or consume it for k+1). `decode` does not run its own
+steps: it yields a `StepWanted` and is sent the logits, so that one scheduler can run the steps of many
+sequences together (engine.batching); `alone` answers them one by one for a generation on its own."""
 
 from __future__ import annotations
 
@@ -65,9 +67,51 @@ class Decoder:
         return "cuda-graph" if self._graph is not None else "eager"
 
 
+class StepWanted:
+    """What `decode` yields to have `token` consumed on `decoder`'s cache: it is sent the logits ([1, 1, V])."""
+
+    __slots__ = ("decoder", "token")
+
+    def __init__(self, decoder: Decoder, token: int):
+        self.decoder, self.token = decoder, token
+
+
+def step_all(wanted: list[StepWanted]) -> list[torch.Tensor]:
+    """The decode steps of several sequences, one turn of the engine: the logits ([1, 1, V]) for each, in order.
+    Sequences of one model whose backend takes them together run in one call (Transformer.forward_many: the
+    weights read once for all); the others one by one. Either way each is computed as it would be alone, so
+    a request's tokens never depend on what runs beside it."""
+    if len(wanted) > 1:
+        loaded = wanted[0].decoder.loaded
+        if all(w.decoder.loaded is loaded and w.decoder.path == "eager" for w in wanted):
+            out = loaded.model.forward_many([w.token for w in wanted], [w.decoder.cache for w in wanted])
+            if out is not None:
+                return out
+    return [w.decoder.step(w.token) for w in wanted]
+
+
+def alone(steps: Iterator) -> Iterator:
+    """A generation's events with its decode steps run as they are asked for (a batch of one)."""
+    answer = None
+    try:
+        while True:
+            try:
+                item = steps.send(answer)
+            except StopIteration:
+                return
+            if isinstance(item, StepWanted):
+                answer = item.decoder.step(item.token)
+            else:
+                answer = None
+                yield item
+    finally:
+        steps.close()
+
+
 def decode(req, logits: torch.Tensor, decoder: Decoder, ids: list[int], tok, stream, trace, cancel: threading.Event):
     """The decode loop: token k selected from `logits` ([1, 1, V]), streamed as a Token event, then consumed
-    for k+1 unless the request stops there. Returns (the stop reason, the tokens, their StepLogprobs)."""
+    for k+1 (a StepWanted) unless the request stops there. Returns (the stop reason, the tokens, their
+    StepLogprobs)."""
     cache = decoder.cache
     gen = None
     if not req.sampling.greedy:
@@ -106,6 +150,6 @@ def decode(req, logits: torch.Tensor, decoder: Decoder, ids: list[int], tok, str
         if cache.length >= cache.capacity:
             reason = "capacity"
             break
-        logits = decoder.step(token)  # [1, 1, V]
+        logits = yield StepWanted(decoder, token)  # [1, 1, V]
         ids.append(token)
     return reason, out, steps

@@ -52,8 +52,8 @@ class KVTiers:
     """The working cache, the prefix store and the disk tier of one session, and the ids the cache holds
     (len(ids) == cache.length)."""
 
-    def __init__(self, budget: int, disk: DiskStore | None = None):
-        self.store = PrefixStore(budget)
+    def __init__(self, budget: int, disk: DiskStore | None = None, store: PrefixStore | None = None):
+        self.store = store if store is not None else PrefixStore(budget)  # given: shared with other sessions' tiers
         self._disk = disk  # the store's disk tier (blocks written after each request, read back on a return)
         self.cache: KVCache | None = None
         self.ids: list[int] = []  # token ids whose K/V are in the cache
@@ -115,6 +115,11 @@ class KVTiers:
         """The disk tier where it serves this cache: not for a sliding-window cache (its files hold every layer's
         positions; a ring's are not all there)."""
         return None if self.cache.windowed else self._disk
+
+    @property
+    def disk_tier(self) -> DiskStore | None:
+        """The disk tier set (`disk`: where it serves this cache)."""
+        return self._disk
 
     def set_disk(self, disk: DiskStore | None) -> None:
         """Another disk tier (or none): what was queued for the old one is written first."""

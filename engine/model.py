@@ -396,7 +396,10 @@ class Transformer(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The last hidden states [..., D] -> logits [..., V]: final norm, head, and the family's scale or cap."""
-        out = self.lm_head(self.norm(x))
+        return self.scaled(self.lm_head(self.norm(x)))
+
+    def scaled(self, out: torch.Tensor) -> torch.Tensor:
+        """The head's output [..., V] as logits: the family's scale or cap applied."""
         if self.cfg.logits_scale != 1.0:
             out = out / self.cfg.logits_scale
         if self.cfg.final_softcap is not None:
@@ -443,6 +446,30 @@ class Transformer(nn.Module):
         if last_only:
             x = x[:, -1:]
         return self.logits(x)  # [B, T, V]
+
+    def forward_many(self, tokens: list[int], caches: list) -> list[torch.Tensor] | None:
+        """B sequences' next positions, a token each on a cache of its own at its own length, in one call of the
+        backend's decode step (every weight read once for all B): the logits [1, 1, V] of each, each computed as
+        `forward` computes it alone. None where that step cannot take them (no such step, a cache it cannot
+        read, a longrope model, whose tables depend on each context's length)."""
+        step = self.decode_step
+        if step is None or not getattr(step, "batches", False) or self.cfg.rope.type == "longrope":
+            return None
+        if any(not step.usable(c) or c.length >= c.capacity for c in caches):
+            return None
+        device = self.norm.weight.device
+        x = self.embed_ids(torch.tensor([[t] for t in tokens], device=device))  # [B, 1, D]
+        x = x.reshape(len(tokens), -1).contiguous()  # [B, D], updated in place
+        cos, sin = self.rope_tables(max(c.length for c in caches) + 1)[0]
+        at = torch.tensor([c.length for c in caches], device=device)
+        step.run_batch(x, caches, cos.index_select(0, at).contiguous(), sin.index_select(0, at).contiguous())
+        for c in caches:
+            c.length += 1
+        normed = torch.cat([self.norm(x[b].view(1, -1)) for b in range(len(tokens))])  # [B, D], a row as alone
+        head = step.head_rows(normed) if hasattr(step, "head_rows") else None
+        if head is None:
+            return [self.logits(x[b].view(1, 1, -1)) for b in range(len(tokens))]
+        return [self.scaled(head[b].view(1, 1, -1)) for b in range(len(tokens))]
 
     def forward_static(self, ids: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:
         """One decode step with static shapes, for CUDA graphs: ids [B, 1], pos [1] (a device tensor, the

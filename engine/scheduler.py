@@ -3,8 +3,10 @@
 One thread owns the engine (its session, its kernels' OpenMP team) for its whole life. Work reaches it
 through one queue, in arrival order: calls (a load, a probe, a comparison) and generations, whose events
 go to the submitter's sink as they are made. Each generation has a Ticket whose cancel flag the engine
-checks between prefill chunks and between tokens. The desktop worker and `engine serve` both schedule
-through this class; nothing else starts an engine thread. Batch 1 for now: one generation runs at a time.
+checks between prefill chunks and between tokens. Up to `parallel` generations run at once, each on a lane
+of its own, their decode steps together each turn (engine.batching); a call waits until none runs, unless
+it only reads (`barrier=False`: it runs between turns). The desktop worker and `engine serve` both schedule
+through this class; nothing else starts an engine thread.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import traceback
 from collections.abc import Callable
 
 from . import trace as tracing
+from .batching import Lanes
 from .events import Failed
 
 END = None  # what a sink receives after a generation's last event
@@ -31,6 +34,7 @@ class Ticket:
         self.cancelled_at: float | None = None  # when cancel() was first called
         self.started: float | None = None  # when the engine took it (monotonic seconds)
         self.ended: float | None = None
+        self.trace = None  # its RequestTrace, once the engine took it
 
     def cancel(self) -> None:
         """Stop at the engine's next check (between prefill chunks, between tokens), or before it starts."""
@@ -48,17 +52,21 @@ class Ticket:
 
 
 class _Call:
-    def __init__(self, fn: Callable, args: tuple):
-        self.fn, self.args = fn, args
+    def __init__(self, fn: Callable, args: tuple, barrier: bool = True):
+        self.fn, self.args, self.barrier = fn, args, barrier
         self.future: concurrent.futures.Future = concurrent.futures.Future()
+
+
+_STOP = object()  # close(): end the loop once nothing runs
 
 
 class EngineThread:
     """The engine's thread and its queue. `session` is what generations run on; only work on this thread
     (a call or a generation) replaces it. `at_exit(session)` runs on the thread after the last job."""
 
-    def __init__(self, name: str = "kvchat-engine", at_exit: Callable[[object], None] | None = None):
-        self.session = None  # a Session or a RemoteSession: anything with generate(request, cancel)
+    def __init__(self, name: str = "kvchat-engine", at_exit: Callable[[object], None] | None = None, parallel: int = 1):
+        self.session = None  # a Session or a RemoteSession: anything with steps(request, cancel, trace)
+        self.lanes = Lanes(lambda: self.session, parallel, self._ended)
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._open: list[Ticket] = []  # generations submitted and not ended
@@ -68,9 +76,10 @@ class EngineThread:
         self._thread.start()
 
     # --- from any thread -------------------------------------------------------------------
-    def call(self, fn: Callable, *args) -> concurrent.futures.Future:
-        """Run `fn(*args)` on the engine thread after what is queued; its result or exception in the future."""
-        job = _Call(fn, args)
+    def call(self, fn: Callable, *args, barrier: bool = True) -> concurrent.futures.Future:
+        """Run `fn(*args)` on the engine thread after what is queued, once no generation runs (`barrier` False:
+        between two turns of those running, for what only reads); its result or exception in the future."""
+        job = _Call(fn, args, barrier)
         self._put(job)
         return job.future
 
@@ -104,7 +113,7 @@ class EngineThread:
         """Cancel every generation, end the loop after the jobs queued, wait up to `timeout` seconds: False when
         the thread is still inside a call it cannot leave (a model load, a read from disk)."""
         self.cancel_all()
-        self._jobs.put(None)
+        self._jobs.put(_STOP)
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
@@ -117,6 +126,10 @@ class EngineThread:
             self._pending += 1
         self._jobs.put(job)
 
+    @property
+    def parallel(self) -> int:
+        return self.lanes.parallel
+
     # --- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:
         import torch
@@ -124,15 +137,33 @@ class EngineThread:
         from .devices import default_threads
 
         torch.set_num_threads(default_threads())  # per thread under OpenMP: set where the kernels run
-        while (job := self._jobs.get()) is not None:
-            try:
-                if isinstance(job, Ticket):
-                    self._generate(job)
-                else:
+        held = None  # the next job, taken from the queue, waiting for a lane or for the lanes to empty
+        while True:
+            busy = self.lanes.busy
+            if held is None:
+                try:
+                    held = self._jobs.get(block=not busy)
+                except queue.Empty:
+                    held = None
+            if held is _STOP and not busy:
+                break
+            if isinstance(held, Ticket) and self.lanes.can_admit():
+                job, held = held, None
+                self._admit(job)
+                continue
+            if isinstance(held, _Call) and (not busy or not held.barrier):
+                job, held = held, None
+                try:
                     self._call(job)
-            finally:
-                with self._lock:
-                    self._pending -= 1
+                finally:
+                    with self._lock:
+                        self._pending -= 1
+                continue
+            if busy:
+                try:
+                    self.lanes.turn()
+                except BaseException:  # never let the thread die: each lane's own failures are its request's
+                    traceback.print_exc()
         try:
             if self._at_exit is not None:
                 self._at_exit(self.session)
@@ -148,24 +179,23 @@ class EngineThread:
         except BaseException as e:  # whatever native code raises: the caller hears of it, the thread goes on
             job.future.set_exception(e)
 
-    def _generate(self, ticket: Ticket) -> None:
-        ticket.started = time.monotonic()
+    def _admit(self, ticket: Ticket) -> None:
         try:
-            if ticket.cancelled and ticket.skip_if_cancelled:
-                return
-            if self.session is None:
-                ticket.sink(Failed("no model is loaded", "EngineError", {}))
-                return
-            for ev in self.session.generate(ticket.request, ticket.cancel_event):
-                ticket.sink(ev)
-        except BaseException as e:  # never let the thread die, whatever native code raises: report, go on
+            self.lanes.admit(ticket)
+        except BaseException as e:  # a lane that cannot be made (out of memory): this request fails, not the thread
             traceback.print_exc()
             ticket.sink(Failed(f"internal error: {type(e).__name__}: {e}", "InternalError", {}))
-        finally:
+            self._ended(ticket)
+
+    def _ended(self, ticket: Ticket) -> None:
+        """A generation's end: its END sent, its count gone."""
+        if ticket.ended is None:
             ticket.ended = time.monotonic()
-            with self._lock:
+        with self._lock:
+            if ticket in self._open:
                 self._open.remove(ticket)
-            try:
-                ticket.sink(END)
-            except Exception:
-                traceback.print_exc()
+            self._pending -= 1
+        try:
+            ticket.sink(END)
+        except Exception:
+            traceback.print_exc()

@@ -16,7 +16,7 @@ from . import trace as tracing
 from .disk_store import DiskStore
 from .errors import CapacityError, EngineError
 from .events import Failed, Finished, PrefillDone, PrefillProgress, PrefillStarted, ReuseReport
-from .generation import PREFILL_CHUNK, Decoder, decode, prefill, prefill_chunk_for
+from .generation import PREFILL_CHUNK, Decoder, alone, decode, prefill, prefill_chunk_for
 from .kv_cache import DEFAULT_CAPACITY, KVCache
 from .kv_tiers import FINGERPRINT_NAMES, KVTiers, fingerprint_change
 from .logprobs import check_top_logprobs
@@ -47,16 +47,35 @@ class Session:
         kv: str = "none",
         cache_budget: int | None = None,
         disk: DiskStore | None = None,
+        store: PrefixStore | None = None,
+        traces: list | None = None,
     ):
         self.prefill_chunk = prefill_chunk  # None: prefill_chunk_for the model's dtype
         # The prefix store's bytes; None: a share of the memory free now; 0: no store.
-        self.tiers = KVTiers(default_budget(loaded.device) if cache_budget is None else cache_budget, disk)
+        budget = 0 if store is not None else default_budget(loaded.device) if cache_budget is None else cache_budget
+        self.tiers = KVTiers(budget, disk, store)
         self.kv = kv  # KV cache precision: none (the model dtype) | int8 | int4
         self.capacity_setting = capacity
-        self.traces: list[tracing.RequestTrace] = []
+        self.traces: list[tracing.RequestTrace] = [] if traces is None else traces
         self.loaded: LoadedModel | None = None
         self._decoder: Decoder | None = None
         self.set_model(loaded, capacity)
+
+    def sibling(self) -> Session:
+        """Another session on this one's model, capacity, precision and chunk, with a working cache of its own
+        and this one's prefix store, disk tier and traces: a sequence of its own beside this one's (a lane of
+        engine.batching)."""
+        return Session(self.loaded, self.capacity_setting, self.prefill_chunk, self.kv, disk=self.tiers.disk_tier,
+                       store=self.store, traces=self.traces)  # fmt: skip
+
+    def same_setup(self, other: Session) -> bool:
+        """Whether `other` runs this session's model, capacity, KV precision and chunk over its store and disk
+        tier (a sibling made before a change of them is made again)."""
+        same = (self.loaded, self.store, self.tiers.disk_tier)
+        if any(a is not b for a, b in zip(same, (other.loaded, other.store, other.tiers.disk_tier))):
+            return False
+        return (self.capacity_setting, self.kv, self.prefill_chunk) == (other.capacity_setting, other.kv,
+                                                                        other.prefill_chunk)  # fmt: skip
 
     # --- model and cache ------------------------------------------------------------
     def set_model(self, loaded: LoadedModel, capacity: int | None = None, kv: str | None = None) -> None:
@@ -180,7 +199,16 @@ class Session:
     # --- generation -------------------------------------------------------------------
     @torch.inference_mode()
     def generate(self, req: Request, cancel: threading.Event | None = None) -> Iterator:
-        trace = tracing.RequestTrace(arrival=req.arrival if req.arrival is not None else tracing.now())
+        """The request's events, its decode steps run one by one as they come (a generation on its own)."""
+        yield from alone(self.steps(req, cancel))
+
+    @torch.inference_mode()
+    def steps(self, req: Request, cancel: threading.Event | None = None, trace=None) -> Iterator:
+        """The request's events and, between them, a StepWanted for each decode step, to be sent its logits: what
+        a scheduler running many sequences' steps together drives (engine.batching). `trace`: the request's
+        RequestTrace, when the scheduler made it (its queue wait began before this call)."""
+        if trace is None:
+            trace = tracing.RequestTrace(arrival=req.arrival if req.arrival is not None else tracing.now())
         trace.started = tracing.now()
         self.traces.append(trace)
         cancel = cancel or threading.Event()
@@ -211,6 +239,7 @@ class Session:
         logits = None  # [1, 1, V]: the prompt's last position's, which select token 1
         for done, last in prefill(loaded.model, tiers.cache, tiers.ids, prompt[reuse.reused :], chunk, loaded.device):
             logits = last
+            trace.prefill_chunks += 1
             if done < reuse.computed:
                 yield PrefillProgress(done, reuse.computed, tiers.cache.length)
                 if cancel.is_set():

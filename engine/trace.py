@@ -60,6 +60,9 @@ class RequestTrace:
     reused: int = 0  # prompt positions whose K/V came from the cache
     computed: int = 0  # prompt positions the prefill computed
     error: str | None = None
+    batch_sizes: list[int] = dataclasses.field(default_factory=list)  # sequences in each of its decode steps
+    prefill_chunks: int = 0  # the forwards its prefill took (other requests' steps ran between them)
+    lane: int | None = None  # which of the engine's lanes ran it (engine.batching)
 
     # --- derived -------------------------------------------------------------------
     @property
@@ -136,6 +139,9 @@ class RequestTrace:
             "computed": self.computed,
             "gaps_ms": self.gaps_ms,
             "error": self.error,
+            "batch_sizes": list(self.batch_sizes),
+            "prefill_chunks": self.prefill_chunks,
+            "lane": self.lane,
         }
 
 

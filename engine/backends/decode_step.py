@@ -275,10 +275,67 @@ class DecodeLayers:
         ]  # h, qkv, att, t (a router's logits too), gu, acc, fx, fy
         self.scratch_at = [t.data_ptr() for t in self.scratch]
         self.kernels = kernels
+        self.batch_fn = kernels._decode_batch[self.dtype]
+        self.rows_fn = kernels._linear_rows[self.dtype]
+        try:  # the output head as kv_linear_rows reads it: several sequences' logits in one pass over it
+            self.head = linear(model.lm_head)
+        except ValueError:
+            self.head = None
+        self.widest, self.experts = widest, cfg.num_experts
+        self._batch_scratch: tuple[int, list[torch.Tensor]] | None = None  # (rows, the scratch for that many)
 
     def usable(self, cache) -> bool:
         """Whether this step can run on `cache`: batch 1, K/V in the model's dtype on the CPU."""
         return cache is not None and cache.readable_by_kernels(self.dtype)
+
+    @property
+    def batches(self) -> bool:
+        """Whether several sequences' steps may run in one call: the library's products of several rows gave
+        each row's one-row product when it was checked (kernel_checks.rows_agree)."""
+        return bool(self.kernels.batch_rows)
+
+    def run_batch(self, x: torch.Tensor, caches: list, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """x [B, D] (B sequences' embedded tokens, updated in place), each row at its cache's length and its K/V
+        written there; cos, sin [B, d] each row's rotation. Each row computed as `run` computes it alone."""
+        B = len(caches)
+        if any(not self.usable(c) or c.capacity != caches[0].capacity or c.length >= c.capacity for c in caches):
+            raise ValueError("a batch's caches must be the step's, of one capacity, with room")
+        rows_of = (x.shape == (B, self.hidden), cos.shape == sin.shape == (B, self.head_dim))
+        if not all(rows_of) or {x.dtype, cos.dtype, sin.dtype} != {self.dtype}:
+            raise ValueError("a batch's rows must be [B, D] and its rotations [B, d], in the model's dtype")
+        if self._batch_scratch is None or self._batch_scratch[0] < B:
+            ts, gs = max(self.hidden, self.experts), 2 * self.widest
+            sizes = [self.hidden, self.scratch[1].numel(), self.heads * self.head_dim, ts, gs, self.hidden]
+            rows = [torch.empty(B * n, dtype=self.dtype) for n in sizes]
+            rows += [torch.empty(B * t.numel(), dtype=torch.float32) for t in self.scratch[6:]]  # fx, fy
+            self._batch_scratch = (B, rows)
+        rows = self._batch_scratch[1]
+        pos = [c.length for c in caches]
+        lo = [0 if self.window is None else max(0, p - self.window + 1) for p in pos]
+        n = len(self.layers)
+        kc = (ctypes.c_void_p * (B * n))(*[c.k[i, 0].data_ptr() for c in caches for i in range(n)])
+        vc = (ctypes.c_void_p * (B * n))(*[c.v[i, 0].data_ptr() for c in caches for i in range(n)])
+        x_, cos_, sin_ = self.kernels.memory(x, cos, sin)
+        self.batch_fn(
+            self.layers, n, B, x_, cos_, sin_, self.eps, self.qk_eps, caches[0].capacity,
+            (ctypes.c_int64 * B)(*pos), (ctypes.c_int64 * B)(*lo), kc, vc, self.heads, self.kv_heads,
+            self.head_dim, self.hidden, self.mlp, max(self.hidden, self.experts), 2 * self.widest,
+            *[t.data_ptr() for t in rows], torch.get_num_threads(),
+        )  # fmt: skip
+
+    def head_rows(self, h: torch.Tensor) -> torch.Tensor | None:
+        """The output head on B normalised rows h [B, D] -> [B, V] in the model's dtype, each row as the head's
+        one-row product gives it; None where the head has no kernel layout."""
+        if self.head is None:
+            return None
+        B = h.shape[0]
+        if h.shape != (B, self.hidden) or h.dtype != self.dtype:
+            raise ValueError("the head's rows must be [B, D] in the model's dtype")
+        y = torch.empty(B, self.head.out, dtype=self.dtype)
+        fx, fy = (torch.empty(B * n, dtype=torch.float32) for n in (self.head.in_, self.head.out))
+        h_, y_, fx_, fy_ = self.kernels.memory(h.contiguous(), y, fx, fy)
+        self.rows_fn(ctypes.byref(self.head), B, h_, y_, fx_, fy_, torch.get_num_threads())
+        return y
 
     def run(self, x: torch.Tensor, cache, pos: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """x [D] (the embedded token, updated in place to the last block's output); writes the position's

@@ -50,6 +50,20 @@ class Kernels:
             )
             for dtype in self._float
         }
+        self._decode_batch = {  # several sequences' steps in one call (engine.batching)
+            dtype: self._declare(
+                "kv_decode_batch_" + SUFFIX[dtype],
+                [p, i64, i64, p, p, p, f32, f32, i64, p, p, p, p] + [i64] * 7 + [p] * 8 + [i32],
+            )
+            for dtype in self._float
+        }
+        self._f32_rows = self._declare("kv_matvec_f32_rows", [p, p, i64, p, i64, i64, i64, i64, i32])
+        self._q8_rows = self._declare("kv_matvec_q8_rows", [p, p, p, p, p, i64, i64, i64, i64, i32])
+        self._q4t_rows = self._declare("kv_matvec_q4t_rows", [p, p, p, p, p, i64, i64, i64, i64, i32])
+        self.batch_rows = False  # whether the products of several rows give each row's one-row product (checked)
+        self._linear_rows = {
+            dtype: self._declare("kv_linear_rows_" + SUFFIX[dtype], [p, i64, p, p, p, p, i32]) for dtype in self._float
+        }
         self._quant = {
             mode: self._declare(name, [p, p, p, p, p, i64, i64, i64, i32]) for mode, name in QUANT_FUNCS.items()
         }
@@ -158,6 +172,34 @@ class Kernels:
         out, n = weight.shape
         y = torch.empty(out, dtype=weight.dtype)
         self._float[weight.dtype](*self.memory(weight, x.contiguous(), y), out, n, torch.get_num_threads())
+        return y
+
+    def rows(
+        self,
+        mode: str,
+        weight: torch.Tensor,
+        x: torch.Tensor,
+        scales=None,
+        group: int = 0,
+        mins=None,
+        tiled: bool = False,
+    ) -> torch.Tensor:
+        """Several rows' products at once, x [B, in] float32 -> y [B, out] float32: float32 weights [out, in]
+        (`mode` "float32"), int8 codes, or int4 codes in tiles (`tiled`), each row as matvec / qmatvec (float32
+        activations) gives it."""
+        B, n = x.shape
+        x = x.contiguous()
+        if mode == "float32":
+            out = weight.shape[0]
+            y = torch.empty(B, out, dtype=torch.float32)
+            self._f32_rows(*self.memory(weight, x), n, y.data_ptr(), out, out, n, B, torch.get_num_threads())
+            return y
+        if (mode, tiled) not in (("int8", False), ("int4", True)):
+            raise ValueError("several rows at once: float32 weights, int8 codes or int4 tiles")
+        out = scales.numel() * group // n
+        y = torch.empty(B, out, dtype=torch.float32)
+        fn = self._q8_rows if mode == "int8" else self._q4t_rows
+        fn(*self.memory(weight, scales, mins, x, y), out, n, group, B, torch.get_num_threads())
         return y
 
     def qmatvec(

@@ -151,6 +151,36 @@ def codes_agree(k, mode, stored, codes, scales, x, group, mins, activations="flo
     return torch.equal(mine, want_w) if mins is None else torch.allclose(mine, want_w, rtol=2**-22, atol=2**-22)
 
 
+def rows_agree(k) -> bool:
+    """The products of several rows at once (engine.batching's decode steps) against each row's one-row product,
+    bit for bit (a request's tokens must not depend on its batch-mates): float32 weights, int8 codes (groups of
+    32, longer groups, offsets) and int4 tiles, on awkward sizes and 1 to 7 rows."""
+    g = torch.Generator().manual_seed(2)
+    for B in (1, 2, 3, 4, 5, 7):
+        for out, n in ((7, 64), (33, 131), (96, 576)):
+            w, x = torch.randn(out, n, generator=g), torch.randn(B, n, generator=g)
+            if not torch.equal(k.rows("float32", w, x), torch.stack([k.matvec(w, r) for r in x])):
+                return False
+        for out, n, group in ((19, 192, 32), (40, 576, 64), (6, 128, 16), (7, 160, 160)):
+            w, x = torch.randn(out, n, generator=g), torch.randn(B, n, generator=g)
+            codes, scales = quantize(w, "int8", group)
+            for m in (None, torch.randn(scales.shape, generator=g)):
+                want = torch.stack([k._product("int8", codes, scales, r, group, m, "float32", False) for r in x])
+                if not torch.equal(k.rows("int8", codes, x, scales, group, m), want):
+                    return False
+        rows = k.int4_tile_rows
+        for out, n, group in ((rows, 64, 32), (3 * rows, 576, 64), (2 * rows, 96, 8)) if rows else ():
+            w, x = torch.randn(out, n, generator=g), torch.randn(B, n, generator=g)
+            codes, scales = quantize(w, "int4", group)
+            stored = tile(pack_int4(codes), rows, 4)
+            for m in (None, torch.randn(scales.shape, generator=g)):
+                sc, mn = tile(scales, rows, 1), None if m is None else tile(m, rows, 1)
+                want = torch.stack([k._product("int4", stored, sc, r, group, mn, "float32", True) for r in x])
+                if not torch.equal(k.rows("int4", stored, x, sc, group, mn, tiled=True), want):
+                    return False
+    return True
+
+
 def check_all(k) -> None:
     """Every function of the loaded library `k` against torch: which float dtypes, code modes, integer (int8
     activation) modes and int4 tile layouts it may serve; what fails is not used."""
@@ -166,6 +196,7 @@ def check_all(k) -> None:
             and "int4" in k.integer_modes
             and tiles_agree(k, rows, "int8")
         )
+        k.batch_rows = torch.float32 in k.dtypes and {"int8", "int4"} <= k.modes and rows_agree(k)
 
 
 def verdict_of(k) -> dict:
@@ -179,6 +210,7 @@ def verdict_of(k) -> dict:
         "int4_tile_rows": k.int4_tile_rows,
         "int4_integer_tiles": k.int4_integer_tiles,
         "gguf_rows_agree": k.gguf_rows_agree,
+        "batch_rows": k.batch_rows,
     }
 
 
@@ -190,3 +222,8 @@ def take(k, v: dict) -> None:
     k.int4_tile_rows = int(v["int4_tile_rows"]) if "int4" in k.modes else 0
     k.int4_integer_tiles = bool(v["int4_integer_tiles"]) and bool(k.int4_tile_rows)
     k.gguf_rows_agree = None if v.get("gguf_rows_agree") is None else bool(v["gguf_rows_agree"])
+    if "batch_rows" in v:
+        k.batch_rows = bool(v["batch_rows"])
+    else:  # kept by a kvchat before the check existed: checked now
+        with torch.inference_mode():
+            k.batch_rows = torch.float32 in k.dtypes and {"int8", "int4"} <= k.modes and rows_agree(k)

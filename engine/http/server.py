@@ -1,10 +1,11 @@
 """`python -m engine serve`: the engine behind the OpenAI HTTP API (Starlette on uvicorn), so that any
 OpenAI client — and kvchat's own remote backend — can use it.
 
-Requests run one at a time on one engine thread, through one session and its prefix store (batch 1
-is the product); a bounded queue answers 429 when full. Every reply carries the engine's own report
-(reuse, trace, cache, store) as an extra `kvchat` object; a client that goes away cancels its
-generation at the next token. Bad input is an OpenAI-style error object, never a traceback.
+Requests run on one engine thread, up to `--parallel` at once (engine.batching: a lane each, over one
+prefix store), their decode steps together; a bounded queue waits behind them and answers 429 when full.
+Every reply carries the engine's own report (reuse, trace, cache, store) as an extra `kvchat` object; a
+client that goes away cancels its generation at the next token. Bad input is an OpenAI-style error object,
+never a traceback.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .. import trace as tracing
+from ..batching import POLICY
 from ..errors import EngineError
 from ..events import Failed, Finished, PrefillStarted, Token
 from ..request import Request
@@ -37,7 +39,8 @@ from .openai_chat import ApiError, chunk, completion, failure, parse_chat, reply
 
 MAX_TOKENS_PER_CHUNK = 32  # tokens already made that one streamed chunk may carry
 END = object()  # the end of a job's events, when it was taken while gathering tokens
-QUEUE_SIZE = 8  # requests that may wait behind the running one before the server answers 429
+QUEUE_SIZE = 8  # requests that may wait behind the running ones before the server answers 429
+PARALLEL = 4  # requests that run at once (engine serve --parallel)
 # What one client may send or hold (a slow or hostile client cannot tie the server up or grow it).
 BODY_BYTES = 16 << 20  # a request's body
 BODY_SECONDS = 30.0  # to send it, once its head has come
@@ -74,11 +77,12 @@ class EngineService:
         load: Callable[[], tuple[LoadedModel, Session]],
         model_id: str | None = None,
         queue_size: int = QUEUE_SIZE,
+        parallel: int = PARALLEL,
     ):
         """`load()` gives the model and its session; it runs on the engine thread, so that thread is the
         only one whose OpenMP team ever runs the kernels (a second team makes both slow: engine/SERVING.md,
         "What `engine serve` costs on loopback")."""
-        self.engine = EngineThread()
+        self.engine = EngineThread(parallel=parallel)
         self.loaded, self.session = self.engine.call(load).result()
         self.engine.session = self.session
         self.model_id, self.queue_size = model_id or self.loaded.name, queue_size
@@ -93,7 +97,7 @@ class EngineService:
 
     def submit(self, request: Request) -> Job:
         pending = self.pending
-        if pending > self.queue_size:
+        if pending >= self.engine.parallel + self.queue_size:
             mean = sum(self.durations[-8:]) / len(self.durations[-8:]) if self.durations else 1.0
             raise Busy(max(1, math.ceil(mean * pending)))
         job = Job(request, asyncio.get_running_loop())
@@ -104,7 +108,7 @@ class EngineService:
                 self.durations.append(ticket.seconds or 0.0)
                 del self.durations[:-32]
             elif isinstance(ev, Finished) and ev.reason == "cancelled" and ticket.cancelled_at is not None:
-                times = self.session.traces[-1].token_times
+                times = ticket.trace.token_times
                 self.last_cancel = {
                     "tokens_after_cancel": sum(t > ticket.cancelled_at for t in times),
                     "ms_to_stop": round((tracing.now() - ticket.cancelled_at) * 1000.0, 3),
@@ -116,7 +120,7 @@ class EngineService:
 
     async def cached_positions(self, request: Request) -> dict:
         """How much of a prompt is cached now, asked on the engine thread (the session is its alone)."""
-        return await asyncio.wrap_future(self.engine.call(self.session.cached_positions, request))
+        return await asyncio.wrap_future(self.engine.call(self.session.cached_positions, request, barrier=False))
 
     def model_card(self) -> dict:
         facts = self.session.facts()
@@ -134,7 +138,13 @@ class EngineService:
         return {
             "summary": tracing.summarize(self.session.traces),
             "cache": self.session.cache_stats(),
-            "queue": {"pending": self.pending, "size": self.queue_size},
+            "queue": {
+                "pending": self.pending,
+                "size": self.queue_size,
+                "parallel": self.engine.parallel,
+                "running": self.engine.lanes.running,
+                "policy": POLICY,
+            },  # fmt: skip
             "last_cancel": self.last_cancel,
         }
 
@@ -440,13 +450,14 @@ def serve(ns, load: Callable[[], tuple[LoadedModel, Session]]) -> int:
             file=sys.stderr,
             flush=True,
         )
-    service = EngineService(load, ns.served_model_name, queue_size=ns.queue_size)
+    service = EngineService(load, ns.served_model_name, queue_size=ns.queue_size, parallel=ns.parallel)
     loaded, session, model_id = service.loaded, service.session, service.model_id
     app = build_app(
         service, api_key=ns.api_key, max_new_tokens=ns.max_new_tokens, loopback=loopback, overflow=ns.overflow
     )
     print(
-        f"kvchat serving {model_id!r} ({loaded.device}, capacity {session.cache.capacity}) on "
+        f"kvchat serving {model_id!r} ({loaded.device}, capacity {session.cache.capacity}, "
+        f"{ns.parallel} at once) on "
         f"http://{ns.host}:{ns.port}/v1" + (" (API key required)" if ns.api_key else ""),
         flush=True,
     )

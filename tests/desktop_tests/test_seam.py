@@ -230,16 +230,16 @@ def test_the_worker_survives_what_native_code_raises(qapp, llama_dir):
 
     w = EngineWorker()
     session = w.engine.session = Session(load_model(llama_dir), capacity=64)
-    real = session.generate
+    real = session.steps  # what the engine thread drives
     calls = []
 
-    def generate(request, cancel):
+    def steps(request, cancel, trace=None):
         calls.append(request)
         if len(calls) == 1:
             raise PanicException("tokenizer panicked")
-        return real(request, cancel)
+        return real(request, cancel, trace)
 
-    session.generate = generate
+    session.steps = steps
     got, stopped = [], []
     w.events.connect(lambda batch: got.append(batch), Qt.DirectConnection)
     w.stopped.connect(lambda: stopped.append(True), Qt.DirectConnection)

@@ -171,10 +171,58 @@ static void attention_and_step(void) {
         float xs[D];
         seed = 777u;
         fill(xs, D, 1.0f);
+        static float kept_k[2][Hkv * cap * d], kept_v[2][Hkv * cap * d];
+        memcpy(kept_k, kc2, sizeof kept_k);
+        memcpy(kept_v, vc2, sizeof kept_v);
         kv_decode_layers_f32(layers, 2, xs, cs, sn, 1e-6f, 1e-6f, cap, 20, 0, H, Hkv, d, D, F, h, q, att, t, gu, acc, fx,
                              fy, 1);
         show(int4 ? "decode_step_int4" : "decode_step_f32", xs, D);
+        /* the same step for two sequences in one call (the second at position 21, over a cache of its own): the
+         * first's output against the step alone, the count of values that differ (0) */
+        static float bk[2][2][Hkv * cap * d], bv[2][2][Hkv * cap * d], bx[2 * D], bcs[2 * d], bsn[2 * d];
+        for (int b = 0; b < 2; b++) memcpy(bk[b], kept_k, sizeof kept_k), memcpy(bv[b], kept_v, sizeof kept_v);
+        void *bkc[4] = {bk[0][0], bk[0][1], bk[1][0], bk[1][1]}, *bvc[4] = {bv[0][0], bv[0][1], bv[1][0], bv[1][1]};
+        seed = 777u;
+        fill(bx, D, 1.0f);
+        fill(bx + D, D, 1.0f);
+        memcpy(bcs, cs, sizeof cs), memcpy(bcs + d, cs, sizeof cs), memcpy(bsn, sn, sizeof sn), memcpy(bsn + d, sn, sizeof sn);
+        int64_t pos[2] = {20, 21}, lo[2] = {0, 0};
+        kv_decode_batch_f32(layers, 2, 2, bx, bcs, bsn, 1e-6f, 1e-6f, cap, pos, lo, bkc, bvc, H, Hkv, d, D, F, D, 2 * F,
+                            h, q, att, t, gu, acc, fx, fy, 1);
+        float differ = 0;
+        for (int i = 0; i < D; i++) differ += bx[i] != xs[i];
+        show(int4 ? "decode_batch_int4_differs" : "decode_batch_f32_differs", &differ, 1);
+        show(int4 ? "decode_batch_int4" : "decode_batch_f32", bx, 2 * D);
     }
+}
+
+/* several rows of x at once against each row alone: the count of outputs that differ (0), and the outputs */
+static void batch_rows(void) {
+    static float w[OUT * IN], x[3 * IN], y[3 * OUT], one[OUT], s[OUT * IN / 32], m[OUT * IN / 32];
+    static int8_t q8[OUT * IN];
+    fill(w, OUT * IN, 1.0f);
+    fill(x, 3 * IN, 1.0f);
+    for (int i = 0; i < OUT * IN; i++) q8[i] = (int8_t)rnd_byte();
+    float differ[5] = {0};
+    kv_matvec_f32_rows(w, x, 100, y, OUT, OUT, 100, 3, 1);
+    for (int b = 0; b < 3; b++) {
+        kv_matvec_f32(w, x + b * 100, one, OUT, 100, 1);
+        for (int o = 0; o < OUT; o++) differ[0] += one[o] != y[b * OUT + o];
+    }
+    show("matvec_f32_rows", y, 3 * OUT);
+    for (int k = 0; k < 4; k++) { /* groups of 32 and 64, with and without offsets */
+        int64_t g = k & 1 ? 64 : 32;
+        const float *mm = k & 2 ? m : NULL;
+        fill(s, OUT * IN / g, 0.05f);
+        fill(m, OUT * IN / g, 0.5f);
+        kv_matvec_q8_rows(q8, s, mm, x, y, OUT, IN, g, 3, 1);
+        for (int b = 0; b < 3; b++) {
+            kv_matvec_q8(q8, s, mm, x + b * IN, one, OUT, IN, g, 1);
+            for (int o = 0; o < OUT; o++) differ[1 + k] += one[o] != y[b * OUT + o];
+        }
+    }
+    show("matvec_q8_rows", y, 3 * OUT);
+    show("rows_differ", differ, 5);
 }
 
 int main(void) {
@@ -182,5 +230,6 @@ int main(void) {
     float_products();
     code_products();
     attention_and_step();
+    batch_rows();
     return 0;
 }

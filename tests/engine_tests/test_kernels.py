@@ -235,6 +235,39 @@ def test_quantized_layers_decode_through_the_kernels(llama_dir, weights, group, 
 
 
 @needs_kernels
+@pytest.mark.parametrize(
+    "weights,group,dtype",
+    [("none", 0, "float32"), ("int8", 32, "float32"), ("int4", 32, "float32"), ("int4", 64, "bfloat16"),
+     ("int8", 0, "bfloat16")],
+)  # fmt: skip
+def test_several_sequences_decode_in_one_call_each_as_it_would_alone(llama_dir, weights, group, dtype, kernel_variant):
+    """Continuous batching's step (Transformer.forward_many: every block of B sequences' steps in one C call,
+    the head once for all): each sequence's logits equal its own one-call step's bit for bit, whatever its
+    batch-mates, their lengths and their number, on every instruction-set variant this CPU runs."""
+    loaded = load_model(llama_dir, weights=weights, group_size=group, dtype=dtype)
+    cfg, model = loaded.config, loaded.model
+    assert model.decode_step is not None and model.decode_step.batches and kernel_variant.batch_rows
+
+    def caches():
+        made = [KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 48, loaded.dtype, "cpu") for _ in range(5)]
+        for i, c in enumerate(made):
+            model(torch.arange(3, 8 + 3 * i)[None] % cfg.vocab_size, c)
+        return made
+
+    with torch.inference_mode():
+        alone, together = caches(), caches()
+        for step in range(3):
+            for n in (5, 2, 3):  # batch sizes change from step to step, as requests come and go
+                tokens = [(11 * i + step + n) % cfg.vocab_size for i in range(n)]
+                want = [model(torch.tensor([[t]]), c, last_only=True) for t, c in zip(tokens, alone[:n])]
+                got = model.forward_many(tokens, together[:n])
+                assert all(torch.equal(a, b) for a, b in zip(got, want)), (step, n)
+        assert [c.length for c in together] == [c.length for c in alone]
+        for a, b in zip(alone, together):
+            assert torch.equal(a.k[:, :, :, : a.length], b.k[:, :, :, : b.length])
+
+
+@needs_kernels
 @pytest.mark.skipif(not (K and K.int4_tile_rows), reason="int4 tiles need the AVX-512 or AVX2 kernels")
 @pytest.mark.parametrize("offsets", [False, True])
 def test_int4_tiles_hold_the_same_weight_as_rows(offsets):
@@ -683,6 +716,9 @@ def test_the_neon_kernels_agree_with_plain_c_under_qemu(tmp_path):
     assert outputs["generic"][0] == "isa generic int generic"
     ref = outputs["generic"][1]
     assert len(ref) >= 40 and sum(len(v) for v in ref.values()) > 9_000
+    for name, (_, cases) in outputs.items():  # several rows at once give each row's own product, bit for bit
+        differs = {case: v for case, v in cases.items() if "differ" in case}
+        assert len(differs) == 3 and all(x == 0 for v in differs.values() for x in v), (name, differs)
     for name in ("neon", "neon-dotprod"):
         got = outputs[name][1]
         assert got.keys() == ref.keys()

@@ -101,7 +101,7 @@ def test_a_client_that_disconnects_cancels_its_generation_within_one_token(serve
 
 
 def test_a_full_queue_answers_429_with_retry_after(serve):
-    server = serve("--queue-size", "0")
+    server = serve("--queue-size", "0", "--parallel", "1")
     body = {"model": MODEL, "messages": TURN1, "max_tokens": 1500, "temperature": 0, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", server.url + "/chat/completions", json=body, timeout=30) as r:
         lines = r.iter_lines()  # held: a dropped iterator closes the response, which cancels the request

@@ -100,8 +100,137 @@ static void quant_matvec(const kv_linear *l, const float *x, float *y, int nt) {
         }                                                                                                   \
     }
 
+/* ---- Several sequences' decode steps in one call (continuous batching) ----
+ * Every product reads its weights a chunk of rows at a time for all B rows (from the thread's cache after the
+ * first), each row through the same one-row product as a sequence alone: a row's values never depend on the
+ * other rows, so a request's tokens never depend on what runs beside it. */
+enum { KV_CHUNK_BYTES = 192 * 1024 }; /* a thread's share of a chunk of weight rows */
+
+/* The bytes of one weight row with its scales (and offsets). */
+static int64_t row_bytes(const kv_linear *l, int64_t elem) {
+    if (l->mode == KV_FLOAT) return l->in * elem;
+    int64_t g = l->mode == KV_INT5 ? Q5_GROUP : l->group;
+    int64_t codes = l->mode == KV_INT8 ? l->in : l->mode == KV_INT4 ? l->in / 2 : l->in / Q5_GROUP * Q5_BYTES;
+    return codes + l->in / g * 4 * (l->mins ? 2 : 1);
+}
+
+/* Rows per chunk: what nt threads' shares of KV_CHUNK_BYTES hold, whole tiles (16 rows where not tiled). */
+static int64_t chunk_rows(const kv_linear *l, int64_t elem, int nt) {
+    int64_t unit = l->tiles ? l->tiles : 16;
+    int64_t r = (int64_t)KV_CHUNK_BYTES * (nt > 0 ? nt : 1) / row_bytes(l, elem) / unit * unit;
+    if (r < unit) r = unit;
+    return r >= l->out ? l->out : r;
+}
+
+/* Rows o0..o0+n-1 of a linear layer, as a layer of its own (rows and tiles of 16 lie in order). */
+static kv_linear rows_of(const kv_linear *l, int64_t o0, int64_t n, int64_t elem) {
+    kv_linear s = *l;
+    s.out = n;
+    if (l->mode == KV_FLOAT) {
+        s.w = (const char *)l->w + o0 * l->in * elem;
+    } else {
+        int64_t g = l->mode == KV_INT5 ? Q5_GROUP : l->group;
+        int64_t codes = l->mode == KV_INT8 ? l->in : l->mode == KV_INT4 ? l->in / 2 : l->in / Q5_GROUP * Q5_BYTES;
+        s.w = (const uint8_t *)l->w + o0 * codes;
+        s.scales = l->scales + o0 * (l->in / g);
+        s.mins = l->mins ? l->mins + o0 * (l->in / g) : NULL;
+    }
+    s.bias = l->bias ? (const void *)((const char *)l->bias + o0 * elem) : NULL;
+    return s;
+}
+
+/* float weights' products of B rows at once, where a kernel shares each weight's load among them (float32):
+ * 1 when done (the bias added as linear_ adds it), 0 to take the rows one by one */
+static int float_rows_f32(const kv_linear *l, int64_t B, const float *x, int64_t xs, float *y, int64_t ys, int nt) {
+    kv_matvec_f32_rows((const float *)l->w, x, xs, y, ys, l->out, l->in, B, nt);
+    if (l->bias)
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t i = 0; i < l->out; i++) y[b * ys + i] = y[b * ys + i] + ((const float *)l->bias)[i];
+    return 1;
+}
+static int float_rows_bf16(const kv_linear *l, int64_t B, const uint16_t *x, int64_t xs, uint16_t *y, int64_t ys,
+                           int nt) {
+    (void)l, (void)B, (void)x, (void)xs, (void)y, (void)ys, (void)nt;
+    return 0;
+}
+#ifdef __FLT16_MAX__
+static int float_rows_f16(const kv_linear *l, int64_t B, const _Float16 *x, int64_t xs, _Float16 *y, int64_t ys,
+                          int nt) {
+    (void)l, (void)B, (void)x, (void)xs, (void)y, (void)ys, (void)nt;
+    return 0;
+}
+#endif
+
+#define DECODE_BATCH(SUF, T, TO_F32, FROM_F32)                                                                  \
+    /* y [B, out] (rows ys apart) = W x for x [B, in] (rows xs apart), a chunk of W's rows for all B at a time */ \
+    static void rows_##SUF(const kv_linear *l, int64_t B, const T *x, int64_t xs, T *y, int64_t ys, float *fx,    \
+                           float *fy, int nt) {                                                                   \
+        if (B > 1 && l->mode == KV_FLOAT && float_rows_##SUF(l, B, x, xs, y, ys, nt)) return;                     \
+        const int tiled = l->mode == KV_INT4 && l->tiles, q8 = l->mode == KV_INT8;                               \
+        if (B > 1 && !l->act && (tiled || q8)) { /* products that take the B rows at once */                    \
+            for (int64_t b = 0; b < B; b++)                                                                       \
+                for (int64_t i = 0; i < l->in; i++) fx[b * l->in + i] = TO_F32(x[b * xs + i]);                   \
+            if (tiled) kv_matvec_q4t_rows(l->w, l->scales, l->mins, fx, fy, l->out, l->in, l->group, B, nt);     \
+            else kv_matvec_q8_rows(l->w, l->scales, l->mins, fx, fy, l->out, l->in, l->group, B, nt);            \
+            for (int64_t b = 0; b < B; b++) { /* rounded, and the bias added, as linear_ does for one row */     \
+                T *yb = y + b * ys;                                                                               \
+                for (int64_t i = 0; i < l->out; i++) yb[i] = FROM_F32(fy[b * l->out + i]);                        \
+                if (l->bias)                                                                                      \
+                    for (int64_t i = 0; i < l->out; i++)                                                          \
+                        yb[i] = FROM_F32(TO_F32(yb[i]) + TO_F32(((const T *)l->bias)[i]));                        \
+            }                                                                                                     \
+            return;                                                                                               \
+        }                                                                                                         \
+        const int64_t R = chunk_rows(l, (int64_t)sizeof(T), nt);                                                 \
+        for (int64_t o0 = 0; o0 < l->out; o0 += R) {                                                              \
+            kv_linear sub = rows_of(l, o0, R < l->out - o0 ? R : l->out - o0, (int64_t)sizeof(T));               \
+            for (int64_t b = 0; b < B; b++) linear_##SUF(&sub, x + b * xs, y + b * ys + o0, fx, fy, nt);        \
+        }                                                                                                         \
+    }                                                                                                             \
+    void kv_linear_rows_##SUF(const kv_linear *l, int64_t B, const T *x, T *y, float *fx, float *fy, int nt) {    \
+        rows_##SUF(l, B, x, l->in, y, l->out, fx, fy, nt);                                                       \
+    }                                                                                                             \
+    void kv_decode_batch_##SUF(const kv_layer *layers, int64_t n_layers, int64_t B, T *x, const T *cs, const T *sn, \
+                               float eps, float qk_eps, int64_t cap, const int64_t *pos, const int64_t *lo,       \
+                               void *const *kc, void *const *vc, int64_t H, int64_t Hkv, int64_t d, int64_t D,    \
+                               int64_t F, int64_t ts, int64_t gs, T *h, T *qkv, T *att, T *t, T *gu, T *acc,     \
+                               float *fx, float *fy, int nt) {                                                    \
+        const int64_t W = (H + 2 * Hkv) * d, A = H * d;                                                         \
+        for (int64_t n = 0; n < n_layers; n++) {                                                                \
+            const kv_layer *L = layers + n;                                                                     \
+            for (int64_t b = 0; b < B; b++) kv_rmsnorm_##SUF(x + b * D, L->attn_norm, h + b * D, D, eps);       \
+            rows_##SUF(&L->qkv, B, h, D, qkv, W, fx, fy, nt);                                                   \
+            for (int64_t b = 0; b < B; b++)                                                                     \
+                kv_attend_##SUF(qkv + b * W, cs + b * d, sn + b * d, L->q_norm, L->k_norm, qk_eps,              \
+                                kc[b * n_layers + n], vc[b * n_layers + n], cap, pos[b], lo[b], H, Hkv, d,      \
+                                1.0f / sqrtf((float)d), att + b * A, nt);                                       \
+            rows_##SUF(&L->o, B, att, A, t, ts, fx, fy, nt);                                                    \
+            for (int64_t b = 0; b < B; b++)                                                                     \
+                for (int64_t i = 0; i < D; i++) x[b * D + i] = FROM_F32(TO_F32(x[b * D + i]) + TO_F32(t[b * ts + i])); \
+            for (int64_t b = 0; b < B; b++) kv_rmsnorm_##SUF(x + b * D, L->mlp_norm, h + b * D, D, eps);        \
+            if (L->n_experts) { /* each row its own experts */                                                 \
+                for (int64_t b = 0; b < B; b++)                                                                 \
+                    moe_##SUF(L, h + b * D, x + b * D, gu + b * gs, t + b * ts, acc + b * D, fx, fy, D, nt);    \
+                continue;                                                                                       \
+            }                                                                                                   \
+            rows_##SUF(&L->gate_up, B, h, D, gu, gs, fx, fy, nt);                                               \
+            for (int64_t b = 0; b < B; b++) { /* silu(gate) * up, rounded as mlp_ rounds it */                 \
+                T *g = gu + b * gs;                                                                             \
+                for (int64_t i = 0; i < F; i++) fx[i] = TO_F32(g[i]);                                           \
+                silu_f32(fx, fx, F);                                                                            \
+                for (int64_t i = 0; i < F; i++) g[i] = FROM_F32(TO_F32(FROM_F32(fx[i])) * TO_F32(g[F + i]));    \
+            }                                                                                                   \
+            rows_##SUF(&L->down, B, gu, gs, t, ts, fx, fy, nt);                                                 \
+            for (int64_t b = 0; b < B; b++)                                                                     \
+                for (int64_t i = 0; i < D; i++) x[b * D + i] = FROM_F32(TO_F32(x[b * D + i]) + TO_F32(t[b * ts + i])); \
+        }                                                                                                       \
+    }
+
 DECODE(f32, float, f32_id, F32_TO)
+DECODE_BATCH(f32, float, f32_id, F32_TO)
 DECODE(bf16, uint16_t, bf16_to_f32, BF16_TO)
+DECODE_BATCH(bf16, uint16_t, bf16_to_f32, BF16_TO)
 #ifdef __FLT16_MAX__
 DECODE(f16, _Float16, f16_to_f32, F16_TO)
+DECODE_BATCH(f16, _Float16, f16_to_f32, F16_TO)
 #endif

@@ -11,6 +11,60 @@ void kv_matvec_f32(const float *w, const float *x, float *y, int64_t out, int64_
     for (int64_t o = 0; o < out; o++) y[o] = dot_f32(w + o * in, x, in);
 }
 
+/* float32 weights for several rows of x at once (B sequences' decode steps): x [B, in] rows xs apart, y [B, out]
+ * rows ys apart. Each weight vector is loaded once for up to four rows of x, each row's two chains and scalar
+ * tail as dot_f32 keeps them, so every row's outputs are its one-row product's bit for bit while the weights
+ * are read from memory once. */
+#define F32_ROWS(NB)                                                                                              \
+    static void f32_rows##NB(const float *restrict r, const float *restrict x, int64_t xs, float *a, int64_t in) { \
+        int64_t i = 0;                                                                                           \
+        for (int b = 0; b < NB; b++) a[b] = 0;                                                                   \
+        F32_ROWS_SIMD(NB)                                                                                        \
+        for (; i < in; i++)                                                                                      \
+            for (int b = 0; b < NB; b++) a[b] += r[i] * x[b * xs + i];                                           \
+    }
+#if KV_LANES
+#define F32_ROWS_SIMD(NB)                                                                                        \
+    vf a0[NB], a1[NB];                                                                                           \
+    for (int b = 0; b < NB; b++) a0[b] = a1[b] = vzero();                                                       \
+    for (; i + 2 * KV_LANES <= in; i += 2 * KV_LANES) {                                                          \
+        PREFETCH(r + i);                                                                                         \
+        if (sizeof(*r) * 2 * KV_LANES > 64) PREFETCH((const char *)(r + i) + 64);                                \
+        vf w0 = vload(r + i), w1 = vload(r + i + KV_LANES);                                                      \
+        for (int b = 0; b < NB; b++) {                                                                           \
+            a0[b] = vfma(w0, vload(x + b * xs + i), a0[b]);                                                      \
+            a1[b] = vfma(w1, vload(x + b * xs + i + KV_LANES), a1[b]);                                           \
+        }                                                                                                        \
+    }                                                                                                            \
+    for (int b = 0; b < NB; b++) a[b] = vsum(vadd(a0[b], a1[b]));
+#else
+#define F32_ROWS_SIMD(NB)
+#endif
+F32_ROWS(1)
+F32_ROWS(2)
+F32_ROWS(3)
+F32_ROWS(4)
+
+void kv_matvec_f32_rows(const float *w, const float *x, int64_t xs, float *y, int64_t ys, int64_t out, int64_t in,
+                        int64_t B, int nt) {
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t o = 0; o < out; o++) {
+        const float *r = w + o * in;
+        for (int64_t b0 = 0; b0 < B; b0 += 4) {
+            float a[4];
+            int64_t nb = B - b0 < 4 ? B - b0 : 4;
+            const float *xb = x + b0 * xs;
+            switch (nb) {
+            case 1: f32_rows1(r, xb, xs, a, in); break;
+            case 2: f32_rows2(r, xb, xs, a, in); break;
+            case 3: f32_rows3(r, xb, xs, a, in); break;
+            default: f32_rows4(r, xb, xs, a, in);
+            }
+            for (int64_t b = 0; b < nb; b++) y[(b0 + b) * ys + o] = a[b];
+        }
+    }
+}
+
 #if KV_LANES == 16 && defined(__AVX512BF16__)
 /* A bfloat16 row . bfloat16 x: vdpbf16ps multiplies 32 pairs (exact in float32) and adds each two into a lane. */
 static inline float dot_bf16_bf16(const uint16_t *restrict r, const uint16_t *restrict xh, const float *restrict x,

@@ -23,6 +23,8 @@ int kv_int4_integer_tiles(void); /* 1 where the tiles' integer products run (512
 /* float_products.c: y [out] = W [out, in] x [in], x and y in W's type */
 void kv_matvec_f32(const float *w, const float *x, float *y, int64_t out, int64_t in, int nt);
 void kv_matvec_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t out, int64_t in, int nt);
+void kv_matvec_f32_rows(const float *w, const float *x, int64_t xs, float *y, int64_t ys, int64_t out, int64_t in,
+                        int64_t B, int nt); /* x [B, in] (rows xs apart) -> y [B, out] (ys apart), each as f32 */
 float kv_read_stream(const float *x, int64_t n, int nt); /* the sum of x [n]: the bench's read roofline */
 
 /* quant_products.c: y [out] = W x with float32 activations; W = s·q (+ m) back as float32 rows [out, in];
@@ -33,6 +35,8 @@ void kv_matvec_q4(const uint8_t *q, const float *s, const float *m, const float 
                   int64_t in, int64_t g, int nt);
 void kv_matvec_q5(const uint8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
                   int64_t in, int64_t g, int nt);
+void kv_matvec_q8_rows(const int8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
+                       int64_t in, int64_t g, int64_t B, int nt); /* x [B, in] -> y [B, out], each row as q8 */
 void kv_dequant_q8(const int8_t *q, const float *s, const float *m, float *w, int64_t out, int64_t in, int64_t g,
                    int nt);
 void kv_dequant_q4(const uint8_t *q, const float *s, const float *m, float *w, int64_t out, int64_t in, int64_t g,
@@ -54,6 +58,8 @@ void kv_matvec_q4t(const uint8_t *q, const float *s, const float *m, const float
                    int64_t in, int64_t g, int nt);
 void kv_dequant_q4t(const uint8_t *q, const float *s, const float *m, float *w, int64_t out, int64_t in, int64_t g,
                     int nt);
+void kv_matvec_q4t_rows(const uint8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
+                        int64_t in, int64_t g, int64_t B, int nt); /* x [B, in] -> y [B, out], each row as q4t */
 
 /* integer_products.c: the same products with x quantized to int8 per 32 inputs (engine.quant.integer_product),
  * where the shape is whole blocks; the float32 products otherwise */
@@ -116,6 +122,23 @@ void kv_decode_layers_bf16(const kv_layer *layers, int64_t n_layers, uint16_t *x
                            int64_t H, int64_t Hkv, int64_t d, int64_t D, int64_t F, uint16_t *h, uint16_t *qkv,
                            uint16_t *att, uint16_t *t, uint16_t *gu, uint16_t *acc, float *fx, float *fy, int nt);
 
+/* B sequences' decode steps in one call: x [B, D] (row b at position pos[b], keys lo[b]..pos[b], over the caches
+ * kc[b * n_layers + n], vc[...] of layer n), cs, sn [B, d]; every scratch B rows (t ts apart, gu gs apart).
+ * kv_linear_rows: y [B, out] = W x for x [B, in], W read a chunk of rows for all B at a time; fx, fy B rows. */
+void kv_decode_batch_f32(const kv_layer *layers, int64_t n_layers, int64_t B, float *x, const float *cs,
+                         const float *sn, float eps, float qk_eps, int64_t cap, const int64_t *pos, const int64_t *lo,
+                         void *const *kc, void *const *vc, int64_t H, int64_t Hkv, int64_t d, int64_t D, int64_t F,
+                         int64_t ts, int64_t gs, float *h, float *qkv, float *att, float *t, float *gu, float *acc,
+                         float *fx, float *fy, int nt);
+void kv_decode_batch_bf16(const kv_layer *layers, int64_t n_layers, int64_t B, uint16_t *x, const uint16_t *cs,
+                          const uint16_t *sn, float eps, float qk_eps, int64_t cap, const int64_t *pos,
+                          const int64_t *lo, void *const *kc, void *const *vc, int64_t H, int64_t Hkv, int64_t d,
+                          int64_t D, int64_t F, int64_t ts, int64_t gs, uint16_t *h, uint16_t *qkv, uint16_t *att,
+                          uint16_t *t, uint16_t *gu, uint16_t *acc, float *fx, float *fy, int nt);
+void kv_linear_rows_f32(const kv_linear *l, int64_t B, const float *x, float *y, float *fx, float *fy, int nt);
+void kv_linear_rows_bf16(const kv_linear *l, int64_t B, const uint16_t *x, uint16_t *y, float *fx, float *fy,
+                         int nt);
+
 #ifdef __FLT16_MAX__ /* float16 where the compiler has _Float16 */
 void kv_matvec_f16(const _Float16 *w, const _Float16 *x, _Float16 *y, int64_t out, int64_t in, int nt);
 void kv_rmsnorm_f16(const _Float16 *x, const _Float16 *w, _Float16 *y, int64_t n, float eps);
@@ -126,6 +149,13 @@ void kv_decode_layers_f16(const kv_layer *layers, int64_t n_layers, _Float16 *x,
                           const _Float16 *sn, float eps, float qk_eps, int64_t cap, int64_t pos, int64_t lo,
                           int64_t H, int64_t Hkv, int64_t d, int64_t D, int64_t F, _Float16 *h, _Float16 *qkv,
                           _Float16 *att, _Float16 *t, _Float16 *gu, _Float16 *acc, float *fx, float *fy, int nt);
+void kv_decode_batch_f16(const kv_layer *layers, int64_t n_layers, int64_t B, _Float16 *x, const _Float16 *cs,
+                         const _Float16 *sn, float eps, float qk_eps, int64_t cap, const int64_t *pos,
+                         const int64_t *lo, void *const *kc, void *const *vc, int64_t H, int64_t Hkv, int64_t d,
+                         int64_t D, int64_t F, int64_t ts, int64_t gs, _Float16 *h, _Float16 *qkv, _Float16 *att,
+                         _Float16 *t, _Float16 *gu, _Float16 *acc, float *fx, float *fy, int nt);
+void kv_linear_rows_f16(const kv_linear *l, int64_t B, const _Float16 *x, _Float16 *y, float *fx, float *fy,
+                        int nt);
 #endif
 
 #endif

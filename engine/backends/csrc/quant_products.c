@@ -150,6 +150,130 @@ void kv_matvec_q8(const int8_t *q, const float *s, const float *m, const float *
         y[o] = m ? a + dot_f32(m + o * groups, xs, groups) : a;
     }
 }
+/* int8 codes for several rows of x at once: x [B, in], y [B, out]. With 16-lane vectors and groups of 32 (a GGUF's
+ * Q8_0: the output head) a row's codes are converted once for all B rows of x, each row's two chains as
+ * kv_matvec_q8 keeps them, so every row's outputs are its one-row product's bit for bit. Elsewhere each row
+ * runs kv_matvec_q8. */
+#if KV_LANES == 16
+#define Q8_ROWS(NB)                                                                                              \
+    static void q8_row_pairs##NB(const int8_t *r, const float *so, const float *x, float *a, int64_t in,        \
+                                 int64_t groups) {                                                               \
+        vf acc0[NB], acc1[NB];                                                                                   \
+        for (int b = 0; b < NB; b++) acc0[b] = acc1[b] = vzero();                                               \
+        int64_t j = 0;                                                                                           \
+        for (; j + 2 <= groups; j += 2) {                                                                        \
+            const int64_t i = j * 32, k = i + 32;                                                                \
+            PREFETCH(r + i);                                                                                     \
+            vf w0 = vload_i8(r + i), w1 = vload_i8(r + i + 16);                                                  \
+            PREFETCH(r + k);                                                                                     \
+            vf w2 = vload_i8(r + k), w3 = vload_i8(r + k + 16);                                                  \
+            for (int b = 0; b < NB; b++) {                                                                       \
+                const float *xb = x + b * in;                                                                    \
+                acc0[b] = vfma(vset1(so[j]), vfma(w0, vload(xb + i), vmul(w1, vload(xb + i + 16))), acc0[b]);     \
+                acc1[b] = vfma(vset1(so[j + 1]), vfma(w2, vload(xb + k), vmul(w3, vload(xb + k + 16))), acc1[b]); \
+            }                                                                                                    \
+        }                                                                                                        \
+        if (j < groups) {                                                                                        \
+            const int64_t i = j * 32;                                                                            \
+            PREFETCH(r + i);                                                                                     \
+            vf w0 = vload_i8(r + i), w1 = vload_i8(r + i + 16);                                                  \
+            for (int b = 0; b < NB; b++) {                                                                       \
+                const float *xb = x + b * in;                                                                    \
+                acc0[b] = vfma(vset1(so[j]), vfma(w0, vload(xb + i), vmul(w1, vload(xb + i + 16))), acc0[b]);     \
+            }                                                                                                    \
+        }                                                                                                        \
+        for (int b = 0; b < NB; b++) a[b] = vsum(vadd(acc0[b], acc1[b]));                                        \
+    }
+Q8_ROWS(1)
+Q8_ROWS(2)
+Q8_ROWS(3)
+Q8_ROWS(4)
+/* Longer groups (whole vectors): q8_group's chains for each row of x, the codes converted once for all. */
+#define Q8G_ROWS(NB)                                                                                             \
+    static void q8_row_groups##NB(const int8_t *r, const float *so, const float *x, float *a, int64_t in,       \
+                                  int64_t groups, int64_t g) {                                                   \
+        vf acc[NB];                                                                                              \
+        for (int b = 0; b < NB; b++) acc[b] = vzero();                                                          \
+        for (int64_t j = 0; j < groups; j++) {                                                                   \
+            int64_t i = j * g, end = i + g;                                                                      \
+            vf p[NB][4];                                                                                         \
+            for (int b = 0; b < NB; b++) p[b][0] = p[b][1] = vzero();                                           \
+            if (i + 4 * KV_LANES <= end) {                                                                       \
+                for (int b = 0; b < NB; b++) p[b][2] = p[b][3] = vzero();                                       \
+                for (; i + 4 * KV_LANES <= end; i += 4 * KV_LANES) {                                             \
+                    PREFETCH(r + i);                                                                             \
+                    vf w0 = vload_i8(r + i), w1 = vload_i8(r + i + KV_LANES);                                    \
+                    vf w2 = vload_i8(r + i + 2 * KV_LANES), w3 = vload_i8(r + i + 3 * KV_LANES);                 \
+                    for (int b = 0; b < NB; b++) {                                                               \
+                        const float *xb = x + b * in;                                                            \
+                        p[b][0] = vfma(w0, vload(xb + i), p[b][0]);                                              \
+                        p[b][1] = vfma(w1, vload(xb + i + KV_LANES), p[b][1]);                                   \
+                        p[b][2] = vfma(w2, vload(xb + i + 2 * KV_LANES), p[b][2]);                               \
+                        p[b][3] = vfma(w3, vload(xb + i + 3 * KV_LANES), p[b][3]);                               \
+                    }                                                                                            \
+                }                                                                                                \
+                for (int b = 0; b < NB; b++) p[b][0] = vadd(p[b][0], p[b][2]), p[b][1] = vadd(p[b][1], p[b][3]); \
+            }                                                                                                    \
+            for (; i + 2 * KV_LANES <= end; i += 2 * KV_LANES) {                                                 \
+                PREFETCH(r + i);                                                                                 \
+                vf w0 = vload_i8(r + i), w1 = vload_i8(r + i + KV_LANES);                                        \
+                for (int b = 0; b < NB; b++) {                                                                   \
+                    p[b][0] = vfma(w0, vload(x + b * in + i), p[b][0]);                                          \
+                    p[b][1] = vfma(w1, vload(x + b * in + i + KV_LANES), p[b][1]);                               \
+                }                                                                                                \
+            }                                                                                                    \
+            for (; i < end; i += KV_LANES) {                                                                     \
+                vf w0 = vload_i8(r + i);                                                                         \
+                for (int b = 0; b < NB; b++) p[b][0] = vfma(w0, vload(x + b * in + i), p[b][0]);                 \
+            }                                                                                                    \
+            for (int b = 0; b < NB; b++) acc[b] = vfma(vset1(so[j]), vadd(p[b][0], p[b][1]), acc[b]);           \
+        }                                                                                                        \
+        for (int b = 0; b < NB; b++) a[b] = vsum(acc[b]);                                                       \
+    }
+Q8G_ROWS(1)
+Q8G_ROWS(2)
+Q8G_ROWS(3)
+Q8G_ROWS(4)
+#endif
+
+void kv_matvec_q8_rows(const int8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
+                       int64_t in, int64_t g, int64_t B, int nt) {
+#if KV_LANES == 16
+    if (g % KV_LANES == 0) { /* the one-row product's paths for 16 lanes: pairs of groups of 32, longer groups */
+        int64_t groups = in / g;
+        float xs[m ? B * groups : 1];
+        if (m)
+            for (int64_t b = 0; b < B; b++) group_sums(x + b * in, xs + b * groups, groups, g);
+#pragma omp parallel for num_threads(nt) schedule(static)
+        for (int64_t o = 0; o < out; o++) {
+            const int8_t *r = q + o * in;
+            const float *so = s + o * groups;
+            for (int64_t b0 = 0; b0 < B; b0 += 4) {
+                float a[4];
+                const float *xb = x + b0 * in;
+                int64_t nb = B - b0 < 4 ? B - b0 : 4;
+                if (g == 2 * KV_LANES) switch (nb) {
+                    case 1: q8_row_pairs1(r, so, xb, a, in, groups); break;
+                    case 2: q8_row_pairs2(r, so, xb, a, in, groups); break;
+                    case 3: q8_row_pairs3(r, so, xb, a, in, groups); break;
+                    default: q8_row_pairs4(r, so, xb, a, in, groups);
+                    }
+                else switch (nb) {
+                    case 1: q8_row_groups1(r, so, xb, a, in, groups, g); break;
+                    case 2: q8_row_groups2(r, so, xb, a, in, groups, g); break;
+                    case 3: q8_row_groups3(r, so, xb, a, in, groups, g); break;
+                    default: q8_row_groups4(r, so, xb, a, in, groups, g);
+                    }
+                for (int64_t b = 0; b < nb; b++)
+                    y[(b0 + b) * out + o] = m ? a[b] + dot_f32(m + o * groups, xs + (b0 + b) * groups, groups) : a[b];
+            }
+        }
+        return;
+    }
+#endif
+    for (int64_t b = 0; b < B; b++) kv_matvec_q8(q, s, m, x + b * in, y + b * out, out, in, g, nt);
+}
+
 #if KV_LANES == 16
 /* 32 inputs of an int4 row (16 bytes of codes) against x's even and odd entries: each nibble becomes its weight
  * through `table` (vpermps reads index bits 0-3), low nibbles into *a, high ones into *b. */

@@ -128,6 +128,96 @@ void kv_matvec_q4t(const uint8_t *q, const float *s, const float *m, const float
 #endif
 }
 
+/* ---- Several rows of x at once (B sequences' decode steps): x [B, in], y [B, out] ----
+ * With 16-lane vectors a tile's nibbles become weights once for up to four rows of x, each row's four FMA
+ * chains as kv_matvec_q4t keeps them, so every row's outputs are its one-row product's bit for bit while the
+ * conversions, the loads and the memory traffic are shared. Elsewhere each row runs kv_matvec_q4t. */
+#if KV_LANES == 16
+#if defined(__AVX512VBMI__)
+#define HIGH_BYTE(v, k) _mm512_permutexvar_epi8((k) == 2 ? byte2 : byte3, v)
+#else
+#define HIGH_BYTE(v, k) _mm512_srli_epi32(v, 8 * (k))
+#endif
+#define Q4T_ROWS(NB)                                                                                              \
+    static void q4t_tile_rows##NB(const uint8_t *r, const float *st, const float *mt, const float *x,            \
+                                  const float *xs, float *y, int64_t in, int64_t out, int64_t g, int64_t groups) { \
+        const vf values = int4_values();                                                                         \
+        Q4T_LANE_BYTES                                                                                           \
+        vf acc[NB];                                                                                              \
+        for (int b = 0; b < NB; b++) acc[b] = vzero();                                                          \
+        for (int64_t j = 0; j < groups; j++) {                                                                   \
+            vf p[NB][4];                                                                                         \
+            for (int b = 0; b < NB; b++) p[b][0] = p[b][1] = p[b][2] = p[b][3] = vzero();                      \
+            for (int64_t i = j * g; i < (j + 1) * g; i += 8) {                                                   \
+                const uint8_t *bt = r + TILE_STEP(i);                                                            \
+                PREFETCH(bt);                                                                                    \
+                vi v = _mm512_loadu_si512(bt), v4 = _mm512_srli_epi32(v, 4);                                    \
+                vf w0 = _mm512_permutexvar_ps(v, values), w1 = _mm512_permutexvar_ps(v4, values);               \
+                vf w2 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8), values);                                  \
+                vf w3 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 12), values);                                 \
+                vf w4 = _mm512_permutexvar_ps(HIGH_BYTE(v, 2), values), w5 = _mm512_permutexvar_ps(HIGH_BYTE(v4, 2), values); \
+                vf w6 = _mm512_permutexvar_ps(HIGH_BYTE(v, 3), values), w7 = _mm512_permutexvar_ps(HIGH_BYTE(v4, 3), values); \
+                for (int b = 0; b < NB; b++) {                                                                   \
+                    const float *xb = x + b * in;                                                                \
+                    p[b][0] = vfma(w0, vset1(xb[i]), p[b][0]);                                                   \
+                    p[b][1] = vfma(w1, vset1(xb[i + 1]), p[b][1]);                                               \
+                    p[b][2] = vfma(w2, vset1(xb[i + 2]), p[b][2]);                                               \
+                    p[b][3] = vfma(w3, vset1(xb[i + 3]), p[b][3]);                                               \
+                    p[b][0] = vfma(w4, vset1(xb[i + 4]), p[b][0]);                                               \
+                    p[b][1] = vfma(w5, vset1(xb[i + 5]), p[b][1]);                                               \
+                    p[b][2] = vfma(w6, vset1(xb[i + 6]), p[b][2]);                                               \
+                    p[b][3] = vfma(w7, vset1(xb[i + 7]), p[b][3]);                                               \
+                }                                                                                                \
+            }                                                                                                    \
+            for (int b = 0; b < NB; b++) {                                                                       \
+                acc[b] = vfma(vload(st + j * TILE_ROWS), vadd(vadd(p[b][0], p[b][1]), vadd(p[b][2], p[b][3])), acc[b]); \
+                if (mt) acc[b] = vfma(vload(mt + j * TILE_ROWS), vset1(xs[b * groups + j]), acc[b]);            \
+            }                                                                                                    \
+        }                                                                                                        \
+        for (int b = 0; b < NB; b++) _mm_storeu_acc(y + b * out, acc[b]);                                       \
+    }
+#if defined(__AVX512VBMI__)
+#define Q4T_LANE_BYTES                                                                                           \
+    const vi lane_bytes = _mm512_mullo_epi32(                                                                    \
+        _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60), _mm512_set1_epi32(0x01010101)); \
+    const vi byte2 = _mm512_add_epi8(lane_bytes, _mm512_set1_epi8(2)), byte3 = _mm512_add_epi8(lane_bytes, _mm512_set1_epi8(3));
+#else
+#define Q4T_LANE_BYTES
+#endif
+Q4T_ROWS(1)
+Q4T_ROWS(2)
+Q4T_ROWS(3)
+Q4T_ROWS(4)
+#undef HIGH_BYTE
+#endif
+
+void kv_matvec_q4t_rows(const uint8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
+                        int64_t in, int64_t g, int64_t B, int nt) {
+#if KV_LANES == 16
+    int64_t groups = in / g, tiles = out / TILE_ROWS;
+    float xs[m ? B * groups : 1];
+    if (m)
+        for (int64_t b = 0; b < B; b++) group_sums(x + b * in, xs + b * groups, groups, g);
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const uint8_t *r = q + t * TILE_ROWS * in / 2;
+        const float *st = s + t * TILE_ROWS * groups, *mt = m ? m + t * TILE_ROWS * groups : NULL;
+        for (int64_t b0 = 0; b0 < B; b0 += 4) { /* four rows of x a pass over the tile (what the registers hold) */
+            const float *xb = x + b0 * in, *xsb = m ? xs + b0 * groups : NULL;
+            float *yb = y + b0 * out + t * TILE_ROWS;
+            switch (B - b0 < 4 ? B - b0 : 4) {
+            case 1: q4t_tile_rows1(r, st, mt, xb, xsb, yb, in, out, g, groups); break;
+            case 2: q4t_tile_rows2(r, st, mt, xb, xsb, yb, in, out, g, groups); break;
+            case 3: q4t_tile_rows3(r, st, mt, xb, xsb, yb, in, out, g, groups); break;
+            default: q4t_tile_rows4(r, st, mt, xb, xsb, yb, in, out, g, groups);
+            }
+        }
+    }
+#else
+    for (int64_t b = 0; b < B; b++) kv_matvec_q4t(q, s, m, x + b * in, y + b * out, out, in, g, nt);
+#endif
+}
+
 /* Tiled int4 codes -> float32 rows [out, in] = s·q (+ m): what prefill multiplies by. */
 void kv_dequant_q4t(const uint8_t *q, const float *s, const float *m, float *w, int64_t out, int64_t in, int64_t g,
                     int nt) {

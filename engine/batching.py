@@ -1,0 +1,175 @@
+"""Continuous batching: several generations on the engine thread at once, each on a lane of its own — a session
+with its own working cache beside the first session's prefix store, disk tier and traces — their decode steps
+run together each turn, and prompts prefilled a chunk at a time between those steps.
+
+The policy (engine/SERVING.md, "Many requests at once"): a request takes a free lane in arrival order (the one
+whose cache holds the longest prefix of its prompt), joins at the next turn and leaves when it ends. Each turn
+runs first one decode step for every lane that waits on one (decode first), then one prefill chunk of the
+oldest lane still prefilling (the turn's token budget), so streams already running keep their pace while a
+long prompt arrives. No lane is preempted; a request waits for a lane in the engine's queue.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Callable
+
+from . import trace as tracing
+from .events import Failed, PrefillProgress
+from .generation import StepWanted, step_all
+from .prefix_store import common_prefix
+from .request import Request
+
+POLICY = "first come first served, decode first, one prefill chunk a turn"
+
+
+class Lane:
+    """One sequence's place on the engine: its session (working cache, ids), and the generation running on it."""
+
+    def __init__(self, index: int, session):
+        self.index, self.session = index, session
+        self.ticket = None  # the scheduler's Ticket running here (None: free)
+        self.steps = None  # its generator (Session.steps)
+        self.answer = None  # what to send it next (a StepWanted's logits)
+        self.waiting: StepWanted | None = None  # the decode step it waits on
+        self.admitted = 0  # turn order: the lower, the older
+
+    @property
+    def free(self) -> bool:
+        return self.ticket is None
+
+
+class Lanes:
+    """Up to `parallel` lanes over the engine's session (`session()`: lane 0's, whatever it is now), made when
+    a request finds every lane busy; `ended(ticket)` is told when a generation ends (its END is sent)."""
+
+    def __init__(self, session: Callable[[], object], parallel: int, ended: Callable[[object], None]):
+        if parallel < 1:
+            raise ValueError("parallel must be at least 1")
+        self.session, self.parallel, self.ended = session, parallel, ended
+        self.lanes: list[Lane] = []
+        self._admitted = 0
+
+    @property
+    def busy(self) -> bool:
+        return any(not lane.free for lane in self.lanes)
+
+    @property
+    def running(self) -> int:
+        return sum(not lane.free for lane in self.lanes)
+
+    def can_admit(self) -> bool:
+        return self.running < self.parallel
+
+    def admit(self, ticket) -> None:
+        """Start `ticket` on a free lane (there is one: can_admit)."""
+        ticket.started = time.monotonic()
+        main = self.session()
+        if ticket.cancelled and ticket.skip_if_cancelled:  # its client is gone: nothing to run
+            return self._end(ticket)
+        if main is None:
+            ticket.sink(Failed("no model is loaded", "EngineError", {}))
+            return self._end(ticket)
+        lane = self._lane_for(main, ticket.request)
+        arrival = ticket.request.arrival
+        trace = tracing.RequestTrace(arrival=arrival if arrival is not None else tracing.now())
+        trace.lane = lane.index
+        ticket.trace = trace
+        steps = getattr(lane.session, "steps", None)  # a remote server's session streams its own events
+        gen = (
+            steps(ticket.request, ticket.cancel_event, trace)
+            if steps is not None
+            else lane.session.generate(ticket.request, ticket.cancel_event)
+        )  # what raises here fails this request (the scheduler's), the lane stays free
+        self._admitted += 1
+        lane.ticket, lane.steps, lane.answer, lane.waiting, lane.admitted = ticket, gen, None, None, self._admitted
+
+    def _lane_for(self, main, request: Request) -> Lane:
+        """The free lane whose working cache holds the longest prefix of the request's prompt, or a new lane when
+        none is free. Lane 0 runs the engine's session itself; another lane made before a change of model or
+        cache is made again when it is chosen."""
+        if not self.lanes:
+            self.lanes.append(Lane(0, main))
+        if self.lanes[0].free:
+            self.lanes[0].session = main
+        free = [lane for lane in self.lanes if lane.free]
+        if not free:
+            lane = Lane(len(self.lanes), main.sibling())
+            self.lanes.append(lane)
+            return lane
+        lane = free[0]
+        if len(free) > 1:
+            try:
+                prompt = main.fit(request).ids
+            except Exception:  # it fails where it runs, with its reason
+                prompt = []
+            current = [x for x in free if x.session is main or main.same_setup(x.session)]
+            lane = max(current or free, key=lambda x: common_prefix(x.session.ids, prompt) if x in current else -1)
+        if lane.session is not main and not main.same_setup(lane.session):
+            lane.session = main.sibling()
+        return lane
+
+    def turn(self) -> None:
+        """One decode step for every lane waiting on one, then one prefill chunk of the oldest lane prefilling
+        (lanes just admitted start here)."""
+        decoding = [lane for lane in self.lanes if lane.waiting is not None]
+        if decoding:
+            try:
+                logits = step_all([lane.waiting for lane in decoding])
+            except BaseException as e:  # the step fails for all of them: each hears why
+                for lane in decoding:
+                    self._fail(lane, e)
+                decoding = []
+            for lane, out in zip(decoding, logits if decoding else ()):
+                lane.ticket.trace.batch_sizes.append(len(decoding))
+                lane.answer, lane.waiting = out, None
+                self._advance(lane)
+        prefilling = [lane for lane in self.lanes if not lane.free and lane.waiting is None]
+        if prefilling:
+            self._advance(min(prefilling, key=lambda lane: lane.admitted))
+
+    def cancel_all(self) -> None:
+        for lane in self.lanes:
+            if lane.ticket is not None:
+                lane.ticket.cancel()
+
+    def _advance(self, lane: Lane) -> None:
+        """Run the lane's generation to its next decode step, its next prefill chunk, or its end; its events to
+        its sink."""
+        while True:
+            try:
+                item = lane.steps.send(lane.answer)
+            except StopIteration:
+                return self._release(lane)
+            except BaseException as e:  # never let the thread die, whatever native code raises: report, go on
+                return self._fail(lane, e)
+            lane.answer = None
+            if isinstance(item, StepWanted):
+                lane.waiting = item
+                return
+            try:
+                lane.ticket.sink(item)
+            except BaseException as e:
+                return self._fail(lane, e)
+            if isinstance(item, PrefillProgress):  # a chunk done: the others' turn
+                return
+
+    def _fail(self, lane: Lane, e: BaseException) -> None:
+        traceback.print_exception(e)
+        try:
+            lane.ticket.sink(Failed(f"internal error: {type(e).__name__}: {e}", "InternalError", {}))
+        except Exception:
+            traceback.print_exc()
+        if lane.steps is not None:
+            lane.steps.close()
+        self._release(lane)
+
+    def _release(self, lane: Lane) -> None:
+        ticket = lane.ticket
+        lane.ticket, lane.steps, lane.answer, lane.waiting = None, None, None, None
+        self._end(ticket)
+
+    def _end(self, ticket) -> None:
+        ticket.ended = time.monotonic()
+        self.ended(ticket)

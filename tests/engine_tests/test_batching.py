@@ -1,0 +1,206 @@
+"""Many requests at once (engine.batching): each request's tokens equal its run alone whatever runs beside it,
+streams overlap (decode steps shared, prompts prefilled between them), a request that leaves frees its lane,
+and `engine serve --parallel 4` answers 16 concurrent streams of the official client, each as it would alone."""
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from engine.events import Finished, Token
+from engine.scheduler import END, EngineThread
+from engine.session import Request, Session
+from engine.weights.loading import load_model
+
+PROMPTS = [f"Trip {i}: plan {i + 1} nights in Chengdu on {300 + 50 * i} yuan." for i in range(16)]
+
+
+def _request(i: int, **kw) -> Request:
+    sampling = kw.pop("sampling", None)
+    extra = {"sampling": sampling} if sampling is not None else {}
+    return Request(messages=[{"role": "user", "content": PROMPTS[i]}], max_new_tokens=kw.pop("n", 6 + 3 * (i % 5)),
+                   ignore_eos=True, **extra, **kw)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model(None)
+
+
+def _alone(loaded, requests) -> list[Finished]:
+    """Each request on a fresh session of its own, one after another."""
+    return [list(Session(loaded).generate(r))[-1] for r in requests]
+
+
+def _together(engine: EngineThread, requests) -> tuple[list[list], list]:
+    """Every request submitted at once; (the events of each, their tickets), when all have ended."""
+    events = [[] for _ in requests]
+    done = threading.Semaphore(0)
+
+    def sink_for(i):
+        def sink(ev):
+            if ev is END:
+                done.release()
+            else:
+                events[i].append(ev)
+
+        return sink
+
+    tickets = [engine.submit(r, sink_for(i)) for i, r in enumerate(requests)]
+    for _ in requests:
+        assert done.acquire(timeout=120)
+    return events, tickets
+
+
+def test_each_request_equals_its_run_alone_and_their_decode_steps_are_shared(loaded):
+    """Eight requests of different prompts and lengths through an engine running 4 at once: each one's tokens
+    and text equal its run alone, its steps ran beside others (batch sizes above 1, at most 4), at most 4
+    lanes were made, and a lane's second request reuses what the prefix store holds."""
+    requests = [_request(i) for i in range(8)]
+    alone = _alone(loaded, requests)
+    engine = EngineThread(parallel=4)
+    engine.session = engine.call(Session, loaded).result()
+    events, tickets = _together(engine, requests)
+    for i, evs in enumerate(events):
+        fin = evs[-1]
+        assert isinstance(fin, Finished) and fin.reason == "max_new_tokens", fin
+        assert fin.token_ids == alone[i].token_ids and fin.text == alone[i].text, i
+        assert [e.token_id for e in evs if isinstance(e, Token)] == list(fin.token_ids)
+        sizes = fin.trace["batch_sizes"]
+        assert len(sizes) == len(fin.token_ids) - 1 and max(sizes) <= 4  # a step for each token after the first
+    assert max(max(t.trace.batch_sizes) for t in tickets) == 4  # four ran side by side
+    assert {t.trace.lane for t in tickets} == {0, 1, 2, 3} and len(engine.lanes.lanes) == 4
+    assert engine.pending == 0 and not engine.lanes.busy
+    engine.close(10)
+
+
+def test_seeded_sampling_does_not_depend_on_its_batch_mates(loaded):
+    from engine.sampling import SamplingParams
+
+    sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=7)
+    requests = [_request(i, sampling=sampling, n=10) for i in range(5)]
+    alone = _alone(loaded, requests)
+    engine = EngineThread(parallel=3)
+    engine.session = engine.call(Session, loaded).result()
+    events, _ = _together(engine, requests)
+    assert [evs[-1].token_ids for evs in events] == [f.token_ids for f in alone]
+    engine.close(10)
+
+
+def test_a_long_prompt_is_prefilled_between_the_steps_of_streams_already_running(loaded):
+    """Decode first: a 600-position prompt arriving while two streams run is prefilled a chunk a turn, and the
+    streams go on between its chunks (their tokens keep coming while it prefills)."""
+    engine = EngineThread(parallel=3)
+    engine.session = engine.call(Session, loaded, None, 64).result()  # chunks of 64 positions
+    long = Request(messages=[{"role": "user", "content": " ".join(["budget"] * 600)}], max_new_tokens=2)
+    order = []
+    done = threading.Semaphore(0)
+
+    def sink_for(name):
+        def sink(ev):
+            if ev is END:
+                done.release()
+            elif type(ev).__name__ in ("Token", "PrefillProgress"):
+                order.append((name, type(ev).__name__))
+
+        return sink
+
+    for name in ("a", "b"):
+        engine.submit(_request(0 if name == "a" else 1, n=60), sink_for(name))
+    engine.submit(long, sink_for("long"))
+    for _ in range(3):
+        assert done.acquire(timeout=120)
+    chunks = [k for k, (name, kind) in enumerate(order) if name == "long" and kind == "PrefillProgress"]
+    assert len(chunks) >= 5
+    between = [name for name, kind in order[chunks[0] : chunks[-1]] if kind == "Token"]
+    assert between.count("a") >= len(chunks) - 2 and between.count("b") >= len(chunks) - 2
+    engine.close(10)
+
+
+def test_a_cancelled_request_frees_its_lane_and_the_others_go_on(loaded):
+    requests = [_request(i, n=40) for i in range(3)]
+    alone = _alone(loaded, requests)
+    engine = EngineThread(parallel=2)
+    engine.session = engine.call(Session, loaded).result()
+    events = [[] for _ in range(4)]
+    done = threading.Semaphore(0)
+
+    def sink_for(i):
+        def sink(ev):
+            if ev is END:
+                done.release()
+                return
+            events[i].append(ev)
+            if i == 0 and isinstance(ev, Token) and ev.index == 5:
+                tickets[0].cancel()  # as a client that goes away mid-batch
+
+        return sink
+
+    tickets = []
+    for i, r in enumerate(requests):
+        tickets.append(engine.submit(r, sink_for(i)))
+    for _ in range(3):
+        assert done.acquire(timeout=120)
+    assert events[0][-1].reason == "cancelled" and len(events[0][-1].token_ids) <= 6
+    assert events[1][-1].token_ids == alone[1].token_ids and events[2][-1].token_ids == alone[2].token_ids
+    assert tickets[2].trace.lane == 0  # the third took the lane the cancelled one freed
+    assert engine.pending == 0
+    engine.close(10)
+
+
+def test_engine_serve_parallel_4_answers_16_concurrent_streams_each_as_alone(serve, loaded):
+    """The official `openai` client, 16 streams at once against `engine serve --parallel 4 --queue-size 12`:
+    each stream's text equals the request's run alone in this process; their reports say they ran 4 at a time."""
+    openai = pytest.importorskip("openai")
+    server = serve("--parallel", "4", "--queue-size", "12")
+    api = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=120)
+    alone = _alone(loaded, [_request(i) for i in range(16)])
+    texts, reports = [None] * 16, [None] * 16
+
+    def run(i):
+        req = _request(i)
+        stream = api.chat.completions.create(
+            model="kvchat-demo", messages=list(req.messages), max_tokens=req.max_new_tokens, temperature=0,
+            stream=True, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        parts = []
+        for ch in stream:
+            if ch.choices and ch.choices[0].delta.content:
+                parts.append(ch.choices[0].delta.content)
+            extra = (ch.model_extra or {}).get("kvchat")
+            if extra:
+                reports[i] = extra
+        texts[i] = "".join(parts)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert texts == [f.text for f in alone]
+    sizes = [max(r["trace"]["batch_sizes"] or [1]) for r in reports]
+    assert max(sizes) == 4 and all(s <= 4 for s in sizes)
+    stats = httpx.get(server.root + "/kvchat/stats").json()
+    assert stats["summary"]["finished"] == 16 and stats["queue"]["parallel"] == 4 and stats["queue"]["running"] == 0
+    waited = [r["trace"]["ttft_queue_ms"] for r in reports]
+    assert max(waited) > 5 * min(waited)  # the last four waited behind the first twelve: TTFT says so
+
+
+def test_a_stream_that_disconnects_mid_batch_frees_its_lane(serve):
+    server = serve("--parallel", "2", "--queue-size", "0")
+    body = {"model": "kvchat-demo", "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 1500,
+            "temperature": 0, "stream": True, "ignore_eos": True}  # fmt: skip
+    with httpx.stream("POST", server.url + "/chat/completions", json=body, timeout=60) as long:
+        lines = (line for line in long.iter_lines() if line)
+        assert next(lines).startswith("data:")
+        with httpx.stream("POST", server.url + "/chat/completions", json=body, timeout=60) as gone:
+            assert next(line for line in gone.iter_lines() if line).startswith("data:")  # both lanes busy now
+        end = time.monotonic() + 20  # the second client left: its lane comes free
+        while httpx.get(server.root + "/kvchat/stats").json()["queue"]["running"] != 1:
+            assert time.monotonic() < end
+            time.sleep(0.05)
+        short = dict(body, max_tokens=3, stream=False)
+        r = httpx.post(server.url + "/chat/completions", json=short, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        assert next(lines).startswith("data:")  # the first stream goes on
