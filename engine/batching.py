@@ -1,12 +1,13 @@
 """Continuous batching: several generations on the engine thread at once, each on a lane of its own — a session
 with its own working cache beside the first session's prefix store, disk tier and traces — their decode steps
-run together each turn, and prompts prefilled a chunk at a time between those steps.
+run together each turn, and prompts prefilled a forward at a time between those steps.
 
 The policy (engine/SERVING.md, "Many requests at once"): a request takes a free lane in arrival order (the one
 whose cache holds the longest prefix of its prompt), joins at the next turn and leaves when it ends. Each turn
-runs first one decode step for every lane that waits on one (decode first), then one prefill chunk of the
-oldest lane still prefilling (the turn's token budget), so streams already running keep their pace while a
-long prompt arrives. No lane is preempted; a request waits for a lane in the engine's queue.
+runs first one decode step for every lane that waits on one (decode first), then one prefill forward of the
+oldest lane still prefilling, of as many positions as take one decode turn's time while others decode (the
+turn's token budget), so streams already running keep their pace while a long prompt arrives. No lane is
+preempted; a request waits for a lane in the engine's queue.
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ import traceback
 from collections.abc import Callable
 
 from . import trace as tracing
-from .events import Failed, PrefillProgress
+from .events import Failed, PrefillDone, PrefillProgress
 from .generation import StepWanted, step_all
 from .prefix_store import common_prefix
 from .request import Request
 
-POLICY = "first come first served, decode first, one prefill chunk a turn"
+POLICY = "first come first served, decode first, a prefill forward a turn of at most one decode step's time"
+MIN_TURN_POSITIONS = 16  # the least a turn's prefill forward takes while others decode (it makes some progress)
 
 
 class Lane:
@@ -34,6 +36,7 @@ class Lane:
         self.answer = None  # what to send it next (a StepWanted's logits)
         self.waiting: StepWanted | None = None  # the decode step it waits on
         self.admitted = 0  # turn order: the lower, the older
+        self.prefilled = 0  # prompt positions its prefill has computed so far
 
     @property
     def free(self) -> bool:
@@ -50,6 +53,9 @@ class Lanes:
         self.session, self.parallel, self.ended = session, parallel, ended
         self.lanes: list[Lane] = []
         self._admitted = 0
+        self.on_turn: Callable[[int], None] | None = None  # told the positions each turn computed (the metrics)
+        self.step_seconds: float | None = None  # a decode turn's time, recently
+        self.position_seconds: float | None = None  # a prompt position's prefill time, recently
 
     @property
     def busy(self) -> bool:
@@ -74,7 +80,7 @@ class Lanes:
         lane = self._lane_for(main, ticket.request)
         arrival = ticket.request.arrival
         trace = tracing.RequestTrace(arrival=arrival if arrival is not None else tracing.now())
-        trace.lane = lane.index
+        trace.lane, trace.policy = lane.index, POLICY
         ticket.trace = trace
         steps = getattr(lane.session, "steps", None)  # a remote server's session streams its own events
         gen = (
@@ -82,8 +88,24 @@ class Lanes:
             if steps is not None
             else lane.session.generate(ticket.request, ticket.cancel_event)
         )  # what raises here fails this request (the scheduler's), the lane stays free
+        lane.session.turn_budget = self.budget
         self._admitted += 1
         lane.ticket, lane.steps, lane.answer, lane.waiting, lane.admitted = ticket, gen, None, None, self._admitted
+        lane.prefilled = 0
+
+    def budget(self) -> int | None:
+        """Prompt positions for the next prefill forward: None (the whole chunk) while no other lane decodes,
+        else as many as take the time of one decode turn (measured), so a running stream's token gap at most
+        doubles while a prompt arrives; at least MIN_TURN_POSITIONS."""
+        if not any(lane.waiting is not None for lane in self.lanes):
+            return None
+        if self.step_seconds is None or not self.position_seconds:
+            return MIN_TURN_POSITIONS
+        return max(MIN_TURN_POSITIONS, int(self.step_seconds / self.position_seconds))
+
+    @staticmethod
+    def _recent(old: float | None, new: float) -> float:
+        return new if old is None else 0.5 * old + 0.5 * new
 
     def _lane_for(self, main, request: Request) -> Lane:
         """The free lane whose working cache holds the longest prefix of the request's prompt, or a new lane when
@@ -114,46 +136,62 @@ class Lanes:
         """One decode step for every lane waiting on one, then one prefill chunk of the oldest lane prefilling
         (lanes just admitted start here)."""
         decoding = [lane for lane in self.lanes if lane.waiting is not None]
+        computed = len(decoding)
         if decoding:
+            began = time.perf_counter()
             try:
                 logits = step_all([lane.waiting for lane in decoding])
+                self.step_seconds = self._recent(self.step_seconds, time.perf_counter() - began)
             except BaseException as e:  # the step fails for all of them: each hears why
                 for lane in decoding:
                     self._fail(lane, e)
-                decoding = []
+                decoding, computed = [], 0
             for lane, out in zip(decoding, logits if decoding else ()):
                 lane.ticket.trace.batch_sizes.append(len(decoding))
                 lane.answer, lane.waiting = out, None
                 self._advance(lane)
         prefilling = [lane for lane in self.lanes if not lane.free and lane.waiting is None]
         if prefilling:
-            self._advance(min(prefilling, key=lambda lane: lane.admitted))
+            began = time.perf_counter()
+            positions = self._advance(min(prefilling, key=lambda lane: lane.admitted))
+            if positions > 0:
+                spent = (time.perf_counter() - began) / positions
+                self.position_seconds = self._recent(self.position_seconds, spent)
+            computed += positions
+        if computed and self.on_turn is not None:
+            self.on_turn(computed)
 
     def cancel_all(self) -> None:
         for lane in self.lanes:
             if lane.ticket is not None:
                 lane.ticket.cancel()
 
-    def _advance(self, lane: Lane) -> None:
+    def _advance(self, lane: Lane) -> int:
         """Run the lane's generation to its next decode step, its next prefill chunk, or its end; its events to
-        its sink."""
+        its sink. The prompt positions it computed on the way."""
+        before = lane.prefilled
         while True:
             try:
                 item = lane.steps.send(lane.answer)
             except StopIteration:
-                return self._release(lane)
+                self._release(lane)
+                return lane.prefilled - before
             except BaseException as e:  # never let the thread die, whatever native code raises: report, go on
-                return self._fail(lane, e)
+                self._fail(lane, e)
+                return 0
             lane.answer = None
             if isinstance(item, StepWanted):
                 lane.waiting = item
-                return
+                return lane.prefilled - before
+            if isinstance(item, (PrefillProgress, PrefillDone)):
+                lane.prefilled = item.done if isinstance(item, PrefillProgress) else item.computed
             try:
                 lane.ticket.sink(item)
             except BaseException as e:
-                return self._fail(lane, e)
+                self._fail(lane, e)
+                return 0
             if isinstance(item, PrefillProgress):  # a chunk done: the others' turn
-                return
+                return lane.prefilled - before
 
     def _fail(self, lane: Lane, e: BaseException) -> None:
         traceback.print_exception(e)

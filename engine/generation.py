@@ -27,12 +27,13 @@ def prefill_chunk_for(dtype: torch.dtype) -> int:
     return PREFILL_CHUNK * 4 // dtype.itemsize
 
 
-def prefill(model, cache, ids: list[int], tokens: list[int], chunk: int, device) -> Iterator[tuple[int, torch.Tensor]]:
-    """Consume `tokens` after the cache's positions, `chunk` of them a forward: after each, (how many are
-    consumed, the logits of the last [1, 1, V]); `ids` gains each chunk as the cache does."""
+def prefill(model, cache, ids: list[int], tokens: list[int], chunk, device) -> Iterator[tuple[int, torch.Tensor]]:
+    """Consume `tokens` after the cache's positions, `chunk` of them a forward (a count, or a function asked
+    before each forward: the scheduler's budget for the turn): after each, (how many are consumed, the logits of
+    the last [1, 1, V]); `ids` gains each chunk as the cache does."""
     done = 0
     while done < len(tokens):
-        piece = tokens[done : done + chunk]
+        piece = tokens[done : done + max(1, chunk() if callable(chunk) else chunk)]
         logits = model(torch.tensor([piece], device=device), cache, last_only=True)  # [1, T, V] -> [1, 1, V]
         ids.extend(piece)
         done += len(piece)

@@ -57,6 +57,7 @@ class Session:
         self.kv = kv  # KV cache precision: none (the model dtype) | int8 | int4
         self.capacity_setting = capacity
         self.traces: list[tracing.RequestTrace] = [] if traces is None else traces
+        self.turn_budget = None  # the scheduler's prompt positions for a prefill forward now (None: the chunk)
         self.loaded: LoadedModel | None = None
         self._decoder: Decoder | None = None
         self.set_model(loaded, capacity)
@@ -235,7 +236,9 @@ class Session:
         yield PrefillStarted(len(prompt), reuse, tuple(prompt), stream.text, fitted.chat.spans)
 
         trace.prefill_start = tracing.now()
-        chunk = self.prefill_chunk or prefill_chunk_for(loaded.dtype)
+        full = self.prefill_chunk or prefill_chunk_for(loaded.dtype)
+        budget = self.turn_budget
+        chunk = (lambda: min(full, budget() or full)) if budget is not None else full
         logits = None  # [1, 1, V]: the prompt's last position's, which select token 1
         for done, last in prefill(loaded.model, tiers.cache, tiers.ids, prompt[reuse.reused :], chunk, loaded.device):
             logits = last

@@ -63,6 +63,7 @@ class RequestTrace:
     batch_sizes: list[int] = dataclasses.field(default_factory=list)  # sequences in each of its decode steps
     prefill_chunks: int = 0  # the forwards its prefill took (other requests' steps ran between them)
     lane: int | None = None  # which of the engine's lanes ran it (engine.batching)
+    policy: str | None = None  # the scheduler's policy it ran under (engine.batching.POLICY)
 
     # --- derived -------------------------------------------------------------------
     @property
@@ -142,6 +143,7 @@ class RequestTrace:
             "batch_sizes": list(self.batch_sizes),
             "prefill_chunks": self.prefill_chunks,
             "lane": self.lane,
+            "policy": self.policy,
         }
 
 

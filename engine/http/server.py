@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import math
 import secrets
 import sys
 import time
@@ -26,130 +25,24 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .. import trace as tracing
-from ..batching import POLICY
 from ..errors import EngineError
 from ..events import Failed, Finished, PrefillStarted, Token
 from ..request import Request
-from ..scheduler import EngineThread, Ticket
 from ..session import Session
 from ..weights.loading import LoadedModel
 from . import openai_chat as wire
+from .metrics import CONTENT_TYPE as METRICS_TYPE
 from .openai_chat import ApiError, chunk, completion, failure, parse_chat, reply_logprobs, report, sse
+from .service import Busy, EngineService, Job
 
 MAX_TOKENS_PER_CHUNK = 32  # tokens already made that one streamed chunk may carry
 END = object()  # the end of a job's events, when it was taken while gathering tokens
-QUEUE_SIZE = 8  # requests that may wait behind the running ones before the server answers 429
-PARALLEL = 4  # requests that run at once (engine serve --parallel)
 # What one client may send or hold (a slow or hostile client cannot tie the server up or grow it).
 BODY_BYTES = 16 << 20  # a request's body
 BODY_SECONDS = 30.0  # to send it, once its head has come
 HEAD_SECONDS = 10.0  # to send a request's head (line and headers) after connecting
 MAX_CONNECTIONS = 64  # open at once; past it uvicorn answers 503
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
-
-
-class Busy(Exception):
-    def __init__(self, retry_after: int):
-        self.retry_after = retry_after
-
-
-class Job:
-    """One request on its way through the engine thread: its events arrive on the event loop's queue, then None."""
-
-    def __init__(self, request: Request, loop: asyncio.AbstractEventLoop):
-        self.request, self.loop = request, loop
-        self.events: asyncio.Queue = asyncio.Queue()
-        self.ticket: Ticket | None = None
-
-    def put(self, ev) -> None:  # from the engine thread
-        self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
-
-    def stop(self) -> None:
-        self.ticket.cancel()
-
-
-class EngineService:
-    """One session on the engine thread (engine.scheduler); requests run in arrival order, `queue_size` may wait."""
-
-    def __init__(
-        self,
-        load: Callable[[], tuple[LoadedModel, Session]],
-        model_id: str | None = None,
-        queue_size: int = QUEUE_SIZE,
-        parallel: int = PARALLEL,
-    ):
-        """`load()` gives the model and its session; it runs on the engine thread, so that thread is the
-        only one whose OpenMP team ever runs the kernels (a second team makes both slow: engine/SERVING.md,
-        "What `engine serve` costs on loopback")."""
-        self.engine = EngineThread(parallel=parallel)
-        self.loaded, self.session = self.engine.call(load).result()
-        self.engine.session = self.session
-        self.model_id, self.queue_size = model_id or self.loaded.name, queue_size
-        self.created = int(time.time())
-        self.last_cancel: dict | None = None  # how fast the last cancelled request stopped
-        self.durations: list[float] = []  # seconds of recent requests, for Retry-After
-
-    @property
-    def pending(self) -> int:
-        """Requests running or waiting."""
-        return self.engine.pending
-
-    def submit(self, request: Request) -> Job:
-        pending = self.pending
-        if pending >= self.engine.parallel + self.queue_size:
-            mean = sum(self.durations[-8:]) / len(self.durations[-8:]) if self.durations else 1.0
-            raise Busy(max(1, math.ceil(mean * pending)))
-        job = Job(request, asyncio.get_running_loop())
-
-        def sink(ev) -> None:  # on the engine thread
-            ticket = job.ticket
-            if ev is None:  # the scheduler's END
-                self.durations.append(ticket.seconds or 0.0)
-                del self.durations[:-32]
-            elif isinstance(ev, Finished) and ev.reason == "cancelled" and ticket.cancelled_at is not None:
-                times = ticket.trace.token_times
-                self.last_cancel = {
-                    "tokens_after_cancel": sum(t > ticket.cancelled_at for t in times),
-                    "ms_to_stop": round((tracing.now() - ticket.cancelled_at) * 1000.0, 3),
-                }
-            job.put(ev)
-
-        job.ticket = self.engine.submit(request, sink, skip_if_cancelled=True)
-        return job
-
-    async def cached_positions(self, request: Request) -> dict:
-        """How much of a prompt is cached now, asked on the engine thread (the session is its alone)."""
-        return await asyncio.wrap_future(self.engine.call(self.session.cached_positions, request, barrier=False))
-
-    def model_card(self) -> dict:
-        facts = self.session.facts()
-        facts["cache"] = {k: v for k, v in facts["cache"].items() if k != "store"}
-        return {
-            "id": self.model_id,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "kvchat",
-            "max_model_len": self.session.cache.capacity,
-            wire.EXTENSION: facts,
-        }
-
-    def stats(self) -> dict:
-        return {
-            "summary": tracing.summarize(self.session.traces),
-            "cache": self.session.cache_stats(),
-            "queue": {
-                "pending": self.pending,
-                "size": self.queue_size,
-                "parallel": self.engine.parallel,
-                "running": self.engine.lanes.running,
-                "policy": POLICY,
-            },  # fmt: skip
-            "last_cancel": self.last_cancel,
-        }
-
-    def close(self) -> None:
-        self.engine.close(timeout=2.0)
 
 
 async def _watch_disconnect(http: HttpRequest, job: Job) -> None:
@@ -225,6 +118,10 @@ def build_app(
             return ApiError(400, str(e)).response()
         return JSONResponse(seen)
 
+    async def metrics(_http: HttpRequest):
+        """Prometheus' text format, under vLLM's names (engine/http/metrics.py)."""
+        return Response(service.metrics.text(), media_type=METRICS_TYPE)
+
     async def health(_http: HttpRequest):
         return JSONResponse({"status": "ok", "model": service.model_id})
 
@@ -280,6 +177,7 @@ def build_app(
             Route("/kvchat/stats", stats, methods=["GET"]),
             Route("/kvchat/cached", cached, methods=["POST"]),
             Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
         ],
         middleware=[Middleware(_Errors), Middleware(_Guard, loopback=loopback, api_key=api_key)],
         exception_handlers={HTTPException: _http_error},

@@ -31,6 +31,12 @@ def add_arguments(p) -> None:
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=5, help="requests per side (after one warm-up each)")
+    p.add_argument(
+        "--concurrency",
+        default=None,
+        metavar="1,2,4,8",
+        help="many requests at once through the engine's scheduler instead (engine.tools.concurrency_bench)",
+    )
     p.add_argument("--json", action="store_true")
 
 
@@ -75,6 +81,10 @@ def start_server(cmd: list[str], ready_url: str, timeout: float = 300.0, **popen
 
 
 def run(ns) -> int:
+    if ns.concurrency:
+        from .concurrency_bench import run_concurrency
+
+        return run_concurrency(ns)
     import torch
 
     from ..http.remote import RemoteSession, RemoteSpec

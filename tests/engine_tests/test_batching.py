@@ -185,6 +185,29 @@ def test_engine_serve_parallel_4_answers_16_concurrent_streams_each_as_alone(ser
     assert stats["summary"]["finished"] == 16 and stats["queue"]["parallel"] == 4 and stats["queue"]["running"] == 0
     waited = [r["trace"]["ttft_queue_ms"] for r in reports]
     assert max(waited) > 5 * min(waited)  # the last four waited behind the first twelve: TTFT says so
+    _metrics_count_what_was_sent(server, reports, [_request(i).max_new_tokens for i in range(16)])
+
+
+def _metrics_count_what_was_sent(server, reports, lengths):
+    """/metrics in Prometheus' text format, read by prometheus-client's own parser, under vLLM's names: its
+    counts are what the requests' reports say (prompt positions, reused ones, tokens, requests)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(server.root + "/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    samples = {s.name: s.value for f in text_string_to_metric_families(r.text) for s in f.samples}
+    prompt = sum(rep["prompt_tokens"] for rep in reports)
+    assert samples["vllm:prefix_cache_queries_total"] == samples["vllm:prompt_tokens_total"] == prompt
+    assert samples["vllm:prefix_cache_hits_total"] == sum(rep["reuse"]["reused"] for rep in reports)
+    assert samples["vllm:generation_tokens_total"] == sum(lengths)
+    assert samples["vllm:e2e_request_latency_seconds_count"] == samples["vllm:time_to_first_token_seconds_count"] == 16
+    assert samples["vllm:inter_token_latency_seconds_count"] == sum(lengths) - 16
+    assert samples["vllm:num_requests_running"] == samples["vllm:num_requests_waiting"] == 0
+    assert samples["vllm:num_preemptions_total"] == 0 and samples["kvchat:lanes"] == 4
+    computed = sum(rep["reuse"]["computed"] for rep in reports)  # each turn's positions: prefill and decode
+    assert samples["vllm:iteration_tokens_total_sum"] == computed + sum(lengths) - 16
+    held = samples["kvchat:kv_cache_payload_bytes"]
+    assert 0 < held <= samples["kvchat:kv_cache_allocated_bytes"] and 0 < samples["vllm:kv_cache_usage_perc"] < 1
 
 
 def test_a_stream_that_disconnects_mid_batch_frees_its_lane(serve):
