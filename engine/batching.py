@@ -23,7 +23,7 @@ from .prefix_store import common_prefix
 from .request import Request
 
 POLICY = "first come first served, decode first, a prefill forward a turn of at most one decode step's time"
-MIN_TURN_POSITIONS = 16  # the least a turn's prefill forward takes while others decode (it makes some progress)
+MIN_TURN_POSITIONS = 1  # the least a turn's prefill forward takes while others decode
 
 
 class Lane:
@@ -55,7 +55,7 @@ class Lanes:
         self._admitted = 0
         self.on_turn: Callable[[int], None] | None = None  # told the positions each turn computed (the metrics)
         self.step_seconds: float | None = None  # a decode turn's time, recently
-        self.position_seconds: float | None = None  # a prompt position's prefill time, recently
+        self.turn_positions = MIN_TURN_POSITIONS  # a prefill forward's positions while others decode (budget)
 
     @property
     def busy(self) -> bool:
@@ -95,13 +95,22 @@ class Lanes:
 
     def budget(self) -> int | None:
         """Prompt positions for the next prefill forward: None (the whole chunk) while no other lane decodes,
-        else as many as take the time of one decode turn (measured), so a running stream's token gap at most
-        doubles while a prompt arrives; at least MIN_TURN_POSITIONS."""
+        else the turn's budget, kept at about one decode turn's time (_adjust), so a running stream's token gap
+        at most doubles while a prompt arrives."""
         if not any(lane.waiting is not None for lane in self.lanes):
             return None
-        if self.step_seconds is None or not self.position_seconds:
-            return MIN_TURN_POSITIONS
-        return max(MIN_TURN_POSITIONS, int(self.step_seconds / self.position_seconds))
+        return self.turn_positions
+
+    def _adjust(self, positions: int, seconds: float) -> None:
+        """After a prefill forward of the budget's size beside decoding lanes: twice the positions when it took
+        well under a decode turn, half when it took more (what a forward of k positions costs is not k times
+        one position's: it is measured, not modelled)."""
+        if self.step_seconds is None or positions < self.turn_positions:
+            return
+        if seconds < 0.7 * self.step_seconds:
+            self.turn_positions = min(self.turn_positions * 2, 4096)
+        elif seconds > self.step_seconds:
+            self.turn_positions = max(MIN_TURN_POSITIONS, self.turn_positions // 2)
 
     @staticmethod
     def _recent(old: float | None, new: float) -> float:
@@ -152,11 +161,11 @@ class Lanes:
                 self._advance(lane)
         prefilling = [lane for lane in self.lanes if not lane.free and lane.waiting is None]
         if prefilling:
+            beside = any(lane.waiting is not None for lane in self.lanes)  # its forward took the turn's budget
             began = time.perf_counter()
             positions = self._advance(min(prefilling, key=lambda lane: lane.admitted))
-            if positions > 0:
-                spent = (time.perf_counter() - began) / positions
-                self.position_seconds = self._recent(self.position_seconds, spent)
+            if beside and positions > 0:
+                self._adjust(positions, time.perf_counter() - began)
             computed += positions
         if computed and self.on_turn is not None:
             self.on_turn(computed)

@@ -82,6 +82,9 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
+FEW_ROWS = 4  # rows a product takes through the kernels' several-rows products (their pass), not torch's GEMM
+
+
 class KernelLinear(nn.Linear):
     """A Linear whose one-row products (decode) run kvchat's kernel on the checkpoint's [out, in]
     layout; many rows (prefill) run torch's (many_rows_linear)."""
@@ -91,6 +94,10 @@ class KernelLinear(nn.Linear):
     def forward(self, x):
         if x.numel() == self.in_features:  # one row: decode
             return kernel_linear(self.kernels, x, self.weight, self.bias)
+        rows = x.numel() // self.in_features
+        if 1 < rows <= FEW_ROWS and self.weight.dtype == torch.float32 and self.kernels.batch_rows:
+            y = self.kernels.rows("float32", self.weight, x.reshape(rows, -1)).view(*x.shape[:-1], -1)
+            return y if self.bias is None else y + self.bias  # a few positions, each as decode computes it
         return self.many_rows(x)
 
     def many_rows(self, x):

@@ -32,7 +32,7 @@ from ..quant import (
     untile,
 )
 from . import kernels as kernel_library
-from .cpu_layouts import EmbeddingT, LinearT, many_rows_linear, weight_scratch
+from .cpu_layouts import FEW_ROWS, EmbeddingT, LinearT, many_rows_linear, weight_scratch
 
 SCRATCH_VALUES = 4 * 2**20  # weight values a many-row product dequantizes at once (16 MiB in float32)
 HEAD_MODE = "int8"  # the output head and embedding under either weight mode (see quantize_head)
@@ -256,6 +256,22 @@ class QuantLinear(nn.Module):
             )
             y = y.view(*x.shape[:-1], self.out_features).to(x.dtype)
             return y if self.bias is None else y + self.bias
+        rows = x.numel() // self.in_features
+        if 1 < rows <= FEW_ROWS and self._rows_at_once():  # a few positions (a prefill forward between decode
+            y = (
+                self.decoder.rows(  # turns): each row as decode computes it, the codes read once for all
+                    self.mode,
+                    self.codes,
+                    x.reshape(rows, -1).float(),
+                    self.scales,
+                    self.group_size,
+                    self.mins,
+                    tiled=bool(self.tiles),
+                )
+                .view(*x.shape[:-1], self.out_features)
+                .to(x.dtype)
+            )
+            return y if self.bias is None else y + self.bias
         if self.kernel is not None:
             shape = x.shape
             xk = x.reshape(-1, shape[-1]).to(KERNEL_DTYPE)  # [B·T, K]
@@ -276,6 +292,14 @@ class QuantLinear(nn.Module):
                 x, self._float_rows(a, b, x.dtype), None if self.bias is None else self.bias[a:b]
             )
         return y
+
+    def _rows_at_once(self) -> bool:
+        """Whether the kernels' products of several rows serve this layer (float32 activations, int8 codes in
+        rows or int4 in tiles, checked to give each row's one-row product)."""
+        d = self.decoder
+        if d is None or not d.batch_rows or self.activations != "float32":
+            return False
+        return (self.mode == "int8" and not self.tiles) or (self.mode == "int4" and bool(self.tiles))
 
     def _float_rows(self, a: int, b: int, dtype) -> torch.Tensor:
         """Weight rows a:b as s · q in dtype, [b - a, K]: with the kernels, dequantized in one pass into

@@ -100,13 +100,16 @@ def run_concurrency(ns) -> int:
     from ..trace import now
     from ..weights.loading import load_model
 
-    levels = sorted({int(c) for c in ns.concurrency.split(",")})
+    levels = sorted({int(c) for c in ns.concurrency.split(",")} | {3})  # 3: the arrival row's two and one
     if not levels or levels[0] < 1:
         raise SystemExit("error: --concurrency takes counts of 1 or more, as 1,2,4,8")
     rnd = random.Random(0)
     with tempfile.TemporaryDirectory() as tmp:
         path = str(ns.model or write_random_checkpoint(Path(tmp) / ns.shape, ns.shape))
-        loaded = load_model(path, weights=ns.weights)
+        # loaded on the engine's own thread, the only one whose OpenMP team runs the kernels (a second team
+        # makes both slow: engine/SERVING.md, "What `engine serve` costs on loopback"); one engine for every row
+        engine = EngineThread(parallel=max(levels))
+        loaded = engine.call(lambda: load_model(path, weights=ns.weights)).result()
         vocab = loaded.config.vocab_size
         capacity = max(ns.prompt_tokens, 512) + ns.new_tokens + 8
 
@@ -118,10 +121,9 @@ def run_concurrency(ns) -> int:
             ]  # fmt: skip
 
         rows, arrival = [], None
-        levels = sorted(set(levels) | {3})
+        engine.session = engine.call(lambda: Session(loaded, capacity=capacity, cache_budget=0)).result()
         for c in levels:
-            engine = EngineThread(parallel=c)
-            engine.session = engine.call(lambda: Session(loaded, capacity=capacity, cache_budget=0)).result()
+            engine.lanes.parallel = c  # nothing runs between rows
             _round(engine, requests(c))  # warm: every lane made, the step's scratch sized
             rates, tpots, ttfts, sizes = [], [], [], []
             for _ in range(ns.rounds):
@@ -133,7 +135,6 @@ def run_concurrency(ns) -> int:
                 sizes += [s for t in traces for s in t.batch_sizes]
             if c == 3:  # two streams and a newcomer: what its prefill does to their pace
                 arrival = _arrival(engine, requests, 512)
-            engine.close(30)
             rate = statistics.median(r for r in rates if r) if any(rates) else None
             rows.append({
                 "concurrency": c,
@@ -142,6 +143,7 @@ def run_concurrency(ns) -> int:
                 "ttft_ms_p50": _quantile(ttfts, 0.5), "ttft_ms_p95": _quantile(ttfts, 0.95),
                 "mean_batch": round(statistics.mean(sizes), 2) if sizes else None,
             })  # fmt: skip
+        engine.close(30)
     base = rows[0]["aggregate_decode_tok_s"] if rows[0]["concurrency"] == 1 else None
     for r in rows:
         r["ratio_to_1"] = round(r["aggregate_decode_tok_s"] / base, 3) if base and r["aggregate_decode_tok_s"] else None

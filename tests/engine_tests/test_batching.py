@@ -57,7 +57,7 @@ def test_each_request_equals_its_run_alone_and_their_decode_steps_are_shared(loa
     """Eight requests of different prompts and lengths through an engine running 4 at once: each one's tokens
     and text equal its run alone, its steps ran beside others (batch sizes above 1, at most 4), at most 4
     lanes were made, and a lane's second request reuses what the prefix store holds."""
-    requests = [_request(i) for i in range(8)]
+    requests = [_request(i, n=40 + 3 * i) for i in range(8)]  # long enough to overlap while prompts come in
     alone = _alone(loaded, requests)
     engine = EngineThread(parallel=4)
     engine.session = engine.call(Session, loaded).result()
@@ -65,6 +65,7 @@ def test_each_request_equals_its_run_alone_and_their_decode_steps_are_shared(loa
     for i, evs in enumerate(events):
         fin = evs[-1]
         assert isinstance(fin, Finished) and fin.reason == "max_new_tokens", fin
+        assert fin.trace["policy"] and fin.trace["prefill_chunks"] >= 1
         assert fin.token_ids == alone[i].token_ids and fin.text == alone[i].text, i
         assert [e.token_id for e in evs if isinstance(e, Token)] == list(fin.token_ids)
         sizes = fin.trace["batch_sizes"]
@@ -107,14 +108,15 @@ def test_a_long_prompt_is_prefilled_between_the_steps_of_streams_already_running
         return sink
 
     for name in ("a", "b"):
-        engine.submit(_request(0 if name == "a" else 1, n=60), sink_for(name))
+        engine.submit(_request(0 if name == "a" else 1, n=400), sink_for(name))
     engine.submit(long, sink_for("long"))
     for _ in range(3):
         assert done.acquire(timeout=120)
-    chunks = [k for k, (name, kind) in enumerate(order) if name == "long" and kind == "PrefillProgress"]
+    ends = min(max(k for k, (name, _) in enumerate(order) if name == s) for s in ("a", "b"))  # both still run
+    chunks = [k for k, (name, kind) in enumerate(order[:ends]) if name == "long" and kind == "PrefillProgress"]
     assert len(chunks) >= 5
-    between = [name for name, kind in order[chunks[0] : chunks[-1]] if kind == "Token"]
-    assert between.count("a") >= len(chunks) - 2 and between.count("b") >= len(chunks) - 2
+    for a, b in zip(chunks, chunks[1:]):  # between any two of its forwards, both streams made a token
+        assert {"a", "b"} <= {name for name, kind in order[a:b] if kind == "Token"}
     engine.close(10)
 
 
@@ -155,11 +157,11 @@ def test_engine_serve_parallel_4_answers_16_concurrent_streams_each_as_alone(ser
     openai = pytest.importorskip("openai")
     server = serve("--parallel", "4", "--queue-size", "12")
     api = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=120)
-    alone = _alone(loaded, [_request(i) for i in range(16)])
+    alone = _alone(loaded, [_request(i, n=40 + i) for i in range(16)])
     texts, reports = [None] * 16, [None] * 16
 
     def run(i):
-        req = _request(i)
+        req = _request(i, n=40 + i)
         stream = api.chat.completions.create(
             model="kvchat-demo", messages=list(req.messages), max_tokens=req.max_new_tokens, temperature=0,
             stream=True, extra_body={"ignore_eos": True},
@@ -185,7 +187,7 @@ def test_engine_serve_parallel_4_answers_16_concurrent_streams_each_as_alone(ser
     assert stats["summary"]["finished"] == 16 and stats["queue"]["parallel"] == 4 and stats["queue"]["running"] == 0
     waited = [r["trace"]["ttft_queue_ms"] for r in reports]
     assert max(waited) > 5 * min(waited)  # the last four waited behind the first twelve: TTFT says so
-    _metrics_count_what_was_sent(server, reports, [_request(i).max_new_tokens for i in range(16)])
+    _metrics_count_what_was_sent(server, reports, [40 + i for i in range(16)])
 
 
 def _metrics_count_what_was_sent(server, reports, lengths):
