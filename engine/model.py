@@ -455,7 +455,7 @@ class Transformer(nn.Module):
         step = self.decode_step
         if step is None or not getattr(step, "batches", False) or self.cfg.rope.type == "longrope":
             return None
-        if any(not step.usable(c) or c.length >= c.capacity for c in caches):
+        if any(not step.usable(c) or c.length >= c.capacity or c.capacity != caches[0].capacity for c in caches):
             return None
         device = self.norm.weight.device
         x = self.embed_ids(torch.tensor([[t] for t in tokens], device=device))  # [B, 1, D]
