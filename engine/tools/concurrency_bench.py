@@ -15,7 +15,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from .bench.machine import cpu_info
+from .bench.machine import served_facts
 from .bench.shapes import write_random_checkpoint
 
 
@@ -81,18 +81,18 @@ def _arrival(engine, make, long_tokens: int) -> dict:
     for _ in range(3):
         done.acquire()
     start, first = newcomer.trace.arrival, newcomer.trace.token_times[0]
+    both = max(t.trace.token_times[0] for t in streams)  # "before": while both decode, neither prefilling
     before, during = [], []
     for t in streams:
         times = t.trace.token_times
         for a, b in zip(times, times[1:]):
-            (during if start < b <= first else before if b <= start else []).append((b - a) * 1000)
+            (during if start < b <= first else before if both <= a and b <= start else []).append((b - a) * 1000)
     p95_before, p95_during = _quantile(before, 0.95), _quantile(during, 0.95)
     return {"prompt_tokens": long_tokens, "gap_p95_ms_before": p95_before, "gap_p95_ms_during": p95_during,
             "ratio": round(p95_during / p95_before, 3) if p95_before and p95_during else None}  # fmt: skip
 
 
 def run_concurrency(ns) -> int:
-    import torch
 
     from ..request import Request
     from ..scheduler import EngineThread
@@ -148,13 +148,7 @@ def run_concurrency(ns) -> int:
     for r in rows:
         r["ratio_to_1"] = round(r["aggregate_decode_tok_s"] / base, 3) if base and r["aggregate_decode_tok_s"] else None
     report = {
-        "model": str(ns.model or ns.shape),
-        "weights": ns.weights,
-        "device": str(loaded.device),
-        "cpu": cpu_info() if loaded.device.type == "cpu" else None,
-        "threads": torch.get_num_threads(),
-        "prompt_tokens": ns.prompt_tokens,
-        "new_tokens": ns.new_tokens,
+        **served_facts(ns, loaded),
         "rounds": ns.rounds,
         "rows": rows,
         "arrival": arrival,

@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .bench.machine import cpu_info
+from .bench.machine import served_facts
 from .bench.shapes import SHAPES, write_random_checkpoint
 
 
@@ -85,7 +85,6 @@ def run(ns) -> int:
         from .concurrency_bench import run_concurrency
 
         return run_concurrency(ns)
-    import torch
 
     from ..http.remote import RemoteSession, RemoteSpec
     from ..session import Request, Session
@@ -150,13 +149,7 @@ def run(ns) -> int:
         return statistics.median(r[key] for r in rows)
 
     report = {
-        "model": str(ns.model or ns.shape),
-        "weights": ns.weights,
-        "device": str(loaded.device),
-        "cpu": cpu_info() if loaded.device.type == "cpu" else None,
-        "threads": torch.get_num_threads(),
-        "prompt_tokens": ns.prompt_tokens,
-        "new_tokens": ns.new_tokens,
+        **served_facts(ns, loaded),
         "rounds": rows,
         "in_process_tok_s": med("in_process_tok_s"),
         "served_tok_s": med("served_tok_s"),

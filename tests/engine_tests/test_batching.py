@@ -229,3 +229,25 @@ def test_a_stream_that_disconnects_mid_batch_frees_its_lane(serve):
         r = httpx.post(server.url + "/chat/completions", json=short, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         assert next(lines).startswith("data:")  # the first stream goes on
+
+
+def test_serve_bench_concurrency_reports_each_level_and_the_arrival_of_a_long_prompt():
+    """`python -m engine serve-bench --concurrency 1,2`: a row per level (its aggregate decode rate, its ratio to
+    one, TPOT and TTFT quantiles, the batch its steps ran in) and the arrival probe's gaps, as JSON."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "engine", "serve-bench", "--concurrency", "1,2", "--shape", "tiny", "--prompt-tokens",
+         "16", "--new-tokens", "40", "--rounds", "1", "--json"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    rows = {r["concurrency"]: r for r in report["rows"]}
+    assert set(rows) == {1, 2, 3} and rows[1]["ratio_to_1"] == 1.0 and rows[1]["mean_batch"] == 1
+    assert rows[2]["mean_batch"] > 1 and rows[2]["tpot_ms_p50"] <= rows[2]["tpot_ms_p95"]
+    a = report["arrival"]
+    assert a["prompt_tokens"] == 512 and a["gap_p95_ms_during"] > 0 and a["gap_p95_ms_before"] > 0
+    assert report["reference"]["error"]  # llama.cpp's parallel row: not run, and said

@@ -157,3 +157,19 @@ def cpu_info() -> dict:
     except OSError:
         pass
     return {"model": name, "instruction_sets": [f for f in CPU_FLAGS if f in flags], "kernels": kernels.status()}
+
+
+def served_facts(ns, loaded) -> dict:
+    """What a serving benchmark ran on, the head of its report: the model, its weights, the device (and CPU),
+    the threads and the request lengths."""
+    import torch
+
+    return {
+        "model": str(ns.model or ns.shape),
+        "weights": ns.weights,
+        "device": str(loaded.device),
+        "cpu": cpu_info() if loaded.device.type == "cpu" else None,
+        "threads": torch.get_num_threads(),
+        "prompt_tokens": ns.prompt_tokens,
+        "new_tokens": ns.new_tokens,
+    }
