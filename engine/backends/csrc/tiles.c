@@ -1,5 +1,6 @@
 #include "simd.h"
 #include "kernels.h"
+#include <stdlib.h>
 
 /* ---- int4 codes in tiles of 16 rows, for one-row products (float32 activations here, int8 ones in integer_products.c) ----
  * A row's 32 inputs against its 16 bytes of codes leave the vector unit converting nibbles more than
@@ -36,6 +37,37 @@ static inline vf q4t_half_group(const uint8_t *b, const float *xk, int64_t steps
 #undef NIB
     }
     return vadd(vadd(a0, a1), vadd(a2, a3));
+}
+
+/* q4t_half_group for two rows of x at once (xa, xb; the same row twice where there is one): each lane's nibbles
+ * masked and converted once, each row's four chains as q4t_half_group keeps them. */
+static inline void q4t_half_group2(const uint8_t *b, const float *xa, const float *xb, int64_t steps, vf p[2]) {
+    vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero(), b0 = vzero(), b1 = vzero(), b2 = vzero(), b3 = vzero();
+    for (int64_t n = 0; n < steps; n++, b += TILE_ROWS * 4, xa += 8, xb += 8) {
+        PREFETCH(b);
+        vi v = _mm256_loadu_si256((const __m256i *)b);
+        vi u = _mm256_xor_si256(v, _mm256_set1_epi32((int)0x88888888u));
+#define NIB(k) _mm256_cvtepi32_ps(_mm256_and_si256(u, _mm256_set1_epi32(15 << (4 * (k)))))
+        vf c = NIB(0);
+        a0 = vfma(c, vset1(xa[0]), a0), b0 = vfma(c, vset1(xb[0]), b0);
+        c = NIB(1);
+        a1 = vfma(c, vset1(xa[1]), a1), b1 = vfma(c, vset1(xb[1]), b1);
+        c = NIB(2);
+        a2 = vfma(c, vset1(xa[2]), a2), b2 = vfma(c, vset1(xb[2]), b2);
+        c = NIB(3);
+        a3 = vfma(c, vset1(xa[3]), a3), b3 = vfma(c, vset1(xb[3]), b3);
+        c = NIB(4);
+        a0 = vfma(c, vset1(xa[4]), a0), b0 = vfma(c, vset1(xb[4]), b0);
+        c = NIB(5);
+        a1 = vfma(c, vset1(xa[5]), a1), b1 = vfma(c, vset1(xb[5]), b1);
+        c = NIB(6);
+        a2 = vfma(c, vset1(xa[6]), a2), b2 = vfma(c, vset1(xb[6]), b2);
+        c = _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 28));
+        a3 = vfma(c, vset1(xa[7]), a3), b3 = vfma(c, vset1(xb[7]), b3);
+#undef NIB
+    }
+    p[0] = vadd(vadd(a0, a1), vadd(a2, a3));
+    p[1] = vadd(vadd(b0, b1), vadd(b2, b3));
 }
 #endif
 
@@ -213,6 +245,50 @@ void kv_matvec_q4t_rows(const uint8_t *q, const float *s, const float *m, const 
             }
         }
     }
+#elif KV_LANES == 8 /* AVX2: two rows of x a pass, the nibbles converted once for both (q4t_half_group's chains) */
+    int64_t groups = in / g, tiles = out / TILE_ROWS;
+    static const float step[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.0f};
+    float *xk = malloc(sizeof(float) * (size_t)(B * in + B * groups + (m ? B * groups : 1)));
+    if (!xk) {
+        for (int64_t b = 0; b < B; b++) kv_matvec_q4t(q, s, m, x + b * in, y + b * out, out, in, g, nt);
+        return;
+    }
+    float *x8 = xk + B * in, *xs = x8 + B * groups;
+    for (int64_t b = 0; b < B; b++) { /* each row's inputs as kv_matvec_q4t prepares them */
+        for (int64_t i = 0; i < in; i++) xk[b * in + i] = x[b * in + i] * step[i % 8];
+        for (int64_t j = 0; j < groups; j++) {
+            float a = 0;
+            for (int64_t i = j * g; i < (j + 1) * g; i++) a += (i % 8 == 7) ? 0.0f : x[b * in + i];
+            x8[b * groups + j] = 8 * a;
+        }
+        if (m) group_sums(x + b * in, xs + b * groups, groups, g);
+    }
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const uint8_t *r = q + t * TILE_ROWS * in / 2;
+        const float *st = s + t * TILE_ROWS * groups, *mt = m ? m + t * TILE_ROWS * groups : NULL;
+        for (int64_t b0 = 0; b0 < B; b0 += 2) {
+            const int two = B - b0 >= 2;
+            vf acc[2][2] = {{vzero(), vzero()}, {vzero(), vzero()}}; /* [row of x][rows 0-7, 8-15 of the tile] */
+            for (int64_t j = 0; j < groups; j++) {
+                const uint8_t *bt = r + TILE_STEP(j * g);
+                for (int half = 0; half < 2; half++) {
+                    vf p[2];
+                    q4t_half_group2(bt + 32 * half, xk + b0 * in + j * g, xk + (b0 + two) * in + j * g, g / 8, p);
+                    for (int k = 0; k <= two; k++) {
+                        vf pk = vsub(p[k], vset1(x8[(b0 + k) * groups + j]));
+                        acc[k][half] = vfma(vload(st + j * TILE_ROWS + 8 * half), pk, acc[k][half]);
+                        if (mt) acc[k][half] = vfma(vload(mt + j * TILE_ROWS + 8 * half), vset1(xs[(b0 + k) * groups + j]), acc[k][half]);
+                    }
+                }
+            }
+            for (int k = 0; k <= two; k++) {
+                _mm_storeu_acc(y + (b0 + k) * out + t * TILE_ROWS, acc[k][0]);
+                _mm_storeu_acc(y + (b0 + k) * out + t * TILE_ROWS + 8, acc[k][1]);
+            }
+        }
+    }
+    free(xk);
 #else /* each row by the one-row product, a chunk of tiles for all rows while it is in the threads' caches */
     int64_t groups = in / g, tiles = out / TILE_ROWS;
     int64_t tile_bytes = TILE_ROWS * (in / 2 + groups * 4 * (m ? 2 : 1));
