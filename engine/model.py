@@ -448,22 +448,19 @@ class Transformer(nn.Module):
         return self.logits(x)  # [B, T, V]
 
     def forward_many(self, tokens: list[int], caches: list) -> list[torch.Tensor] | None:
-        """B sequences' next positions, a token each on a cache of its own at its own length, in one call of the
-        backend's decode step (every weight read once for all B): the logits [1, 1, V] of each, each computed as
-        `forward` computes it alone. None where that step cannot take them (no such step, a cache it cannot
-        read, a longrope model, whose tables depend on each context's length)."""
-        step = self.decode_step
-        if step is None or not getattr(step, "batches", False) or self.cfg.rope.type == "longrope":
+        """B sequences' next positions (a token each, each cache at its own length) in one call of the backend's
+        step, every weight read once for all: the logits [1, 1, V] of each, as `forward` computes it alone. None
+        where that step cannot take them (a cache it cannot read; longrope, whose tables depend on the length)."""
+        step, cap = self.decode_step, caches[0].capacity
+        ready = step is not None and getattr(step, "batches", False) and self.cfg.rope.type != "longrope"
+        if not ready or any(not step.usable(c) or c.length >= c.capacity or c.capacity != cap for c in caches):
             return None
-        if any(not step.usable(c) or c.length >= c.capacity or c.capacity != caches[0].capacity for c in caches):
-            return None
-        device = self.norm.weight.device
-        x = self.embed_ids(torch.tensor([[t] for t in tokens], device=device))  # [B, 1, D]
+        x = self.embed_ids(torch.tensor([[t] for t in tokens], device=self.norm.weight.device))  # [B, 1, D]
         x = x.reshape(len(tokens), -1).contiguous()  # [B, D], updated in place
         cos, sin = self.rope_tables(max(c.length for c in caches) + 1)[0]
-        at = torch.tensor([c.length for c in caches], device=device)
+        at = torch.tensor([c.length for c in caches], device=x.device)
         step.run_batch(x, caches, cos.index_select(0, at).contiguous(), sin.index_select(0, at).contiguous())
-        for c in caches:
+        for c in caches:  # each one position longer
             c.length += 1
         normed = torch.cat([self.norm(x[b].view(1, -1)) for b in range(len(tokens))])  # [B, D], a row as alone
         head = step.head_rows(normed) if hasattr(step, "head_rows") else None

@@ -4,7 +4,9 @@ record is shown as unreadable, never raised in a slot, and a big one is cut befo
 
 from __future__ import annotations
 
+import json
 import math
+import threading
 
 from engine.errors import cut
 
@@ -15,6 +17,7 @@ MAX_TOKENS = 65_536  # a reply's token records
 MAX_TOP = 20  # alternatives per token (engine.logprobs.MAX_TOP_LOGPROBS)
 MAX_KEYS = 200
 DEPTH = 4
+RECORDS_KEPT = 32  # records a store keeps checked (CheckedRecords)
 
 
 def _finite(v) -> bool:
@@ -217,3 +220,48 @@ def clean_record(record) -> dict | None:
     if bad:
         out["unreadable"] = bad
     return out
+
+
+def read_record(text: str) -> dict | None:
+    """A message's stored record, read as data: one that does not parse is unreadable."""
+    try:
+        return clean_record(json.loads(text))
+    except (ValueError, RecursionError):
+        return {"unreadable": ["record"]}
+
+
+class CheckedRecords:
+    """The records a store read last, by message id, with the text each was read from: a record is checked once
+    while its text stays the same (the leaf is read for each button and each redraw of the panel, and checking
+    65,536 token records takes a third of a second). Thread-safe: the store's reader thread reads too, and
+    `readers` counts those reading now."""
+
+    def __init__(self, kept: int = RECORDS_KEPT):
+        self.kept, self.readers = kept, 0
+        self._by_id: dict[int, tuple[str, dict | None]] = {}
+        self._lock = threading.Lock()
+
+    def held(self, mid: int, text: str) -> bool:
+        with self._lock:
+            hit = self._by_id.get(mid)
+        return hit is not None and hit[0] == text
+
+    def read(self, mid: int, text: str | None) -> dict | None:
+        """The record of message `mid` stored as `text`, checked (or as checked before)."""
+        if not text:
+            return None
+        with self._lock:
+            hit = self._by_id.get(mid)
+        if hit is not None and hit[0] == text:
+            return hit[1]
+        record = read_record(text)
+        with self._lock:
+            self._by_id.pop(mid, None)
+            self._by_id[mid] = (text, record)
+            while len(self._by_id) > self.kept:
+                del self._by_id[next(iter(self._by_id))]
+        return record
+
+    def reading(self, change: int) -> None:
+        with self._lock:
+            self.readers += change

@@ -17,12 +17,11 @@ from concurrent.futures import Future
 from pathlib import Path
 from types import MappingProxyType
 
-from .records import clean_record
+from .records import CheckedRecords
 from .store_file import StoreFile
 
 HEAD_COLUMNS = "id, conversation_id, parent_id, role, content, status, token_count, created"
 RECORDS_AT_ONCE = 1_000_000  # characters of records tail() reads on the GUI thread (more: read_later reads them)
-RECORDS_KEPT = 32  # messages whose checked record the store keeps (Store._record)
 
 
 def _conversation(r) -> Conversation:
@@ -140,9 +139,7 @@ class Store(StoreFile):
     def __init__(self, path: Path | str, connect_only: bool = False):
         self._branches: dict[int, _Kept] = {}  # conversation id -> its branch as read, kept up to date
         self._message_writes = 0  # add_message and update_message calls (a branch read before one is stale)
-        self._records: dict[int, tuple[str, dict | None]] = {}  # message id -> (stored text, record as read)
-        self._records_lock = threading.Lock()  # read_later's thread reads records too
-        self._reading = 0  # read_later's threads still reading
+        self._records = CheckedRecords()  # the records read last, checked once
         super().__init__(path, connect_only)
 
     def for_thread(self) -> Store | None:
@@ -254,35 +251,16 @@ class Store(StoreFile):
             r["status"],
             r["token_count"],
             r["created"],
-            self._record(r["id"], r["trace"]) if record else None,
+            self._records.read(r["id"], r["trace"]) if record else None,
         )
-
-    def _record(self, mid: int, text: str | None) -> dict | None:
-        """A message's record as read, kept for the RECORDS_KEPT read last: the leaf is read for each button
-        and each redraw of the panel, and checking a record of 65,536 tokens takes a third of a second."""
-        if not text:
-            return None
-        with self._records_lock:
-            hit = self._records.get(mid)
-        if hit is not None and hit[0] == text:
-            return hit[1]
-        record = _record(text)
-        with self._records_lock:
-            self._records.pop(mid, None)
-            self._records[mid] = (text, record)
-            while len(self._records) > RECORDS_KEPT:
-                del self._records[next(iter(self._records))]
-        return record
 
     def message(self, mid: int, wait: bool = True) -> Message | None:
         """The message with its record; with `wait` False, None instead of reading a record past
         RECORDS_AT_ONCE that read_later is reading now (it is kept when read: ask again then)."""
         row = self.db.execute("SELECT * FROM messages WHERE id=?", (mid,)).fetchone()
         text = row["trace"] if row is not None else None
-        if not wait and self._reading and text and len(text) > RECORDS_AT_ONCE:
-            with self._records_lock:
-                hit = self._records.get(mid)
-            if hit is None or hit[0] != text:
+        if not wait and self._records.readers and text and len(text) > RECORDS_AT_ONCE:
+            if not self._records.held(mid, text):
                 return None
         return self._message(row)
 
@@ -396,12 +374,10 @@ class Store(StoreFile):
             except Exception as e:  # the GUI thread reads it itself then
                 kept = e
             finally:
-                with self._records_lock:
-                    self._reading -= 1
+                self._records.reading(-1)
             fut.set_exception(kept) if isinstance(kept, Exception) else fut.set_result((cid, started, kept))
 
-        with self._records_lock:
-            self._reading += 1
+        self._records.reading(+1)
         threading.Thread(target=read, name="kvchat-branch-read", daemon=True).start()
         return fut
 
@@ -507,11 +483,3 @@ class Store(StoreFile):
             if r is None:
                 return mid
             mid = r["id"]
-
-
-def _record(text: str) -> dict | None:
-    """A message's stored record, read as data (core/records.py): one that does not parse is unreadable."""
-    try:
-        return clean_record(json.loads(text))
-    except (ValueError, RecursionError):
-        return {"unreadable": ["record"]}

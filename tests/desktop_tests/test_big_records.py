@@ -34,9 +34,8 @@ def test_a_reply_of_65536_tokens_is_checked_off_the_gui_thread_and_coloured_a_pa
             checked_on.append(threading.current_thread().name)
         return clean(record)
 
-    monkeypatch.setattr(records, "clean_record", watched)
-    monkeypatch.setattr("desktop.core.store.clean_record", watched)
-    monkeypatch.setattr("desktop.core.exchange.clean_record", watched)
+    monkeypatch.setattr(records, "clean_record", watched)  # the store's reads (records.read_record)
+    monkeypatch.setattr("desktop.core.exchange.clean_record", watched)  # and the import's
     n = records.MAX_TOKENS
     reply = {"id": 1, "parent_id": 0, "role": "assistant", "content": "ab " * n, "trace": {"tokens": [STEP] * n}}
     msgs = [{"id": 0, "role": "user", "content": "Count."}, reply]

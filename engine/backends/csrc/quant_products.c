@@ -150,10 +150,9 @@ void kv_matvec_q8(const int8_t *q, const float *s, const float *m, const float *
         y[o] = m ? a + dot_f32(m + o * groups, xs, groups) : a;
     }
 }
-/* int8 codes for several rows of x at once: x [B, in], y [B, out]. With 16-lane vectors and groups of 32 (a GGUF's
- * Q8_0: the output head) a row's codes are converted once for all B rows of x, each row's two chains as
- * kv_matvec_q8 keeps them, so every row's outputs are its one-row product's bit for bit. Elsewhere each row
- * runs kv_matvec_q8. */
+/* int8 codes for several rows of x at once (x [B, in], y [B, out]): with 16-lane vectors a row's codes are converted
+ * once for up to four rows of x, each row's chains as kv_matvec_q8 keeps them (bit for bit its one-row product);
+ * elsewhere each row runs kv_matvec_q8 a chunk of rows at a time. */
 #if KV_LANES == 16
 #define Q8_ROWS(NB)                                                                                              \
     static void q8_row_pairs##NB(const int8_t *r, const float *so, const float *x, float *a, int64_t in,        \
