@@ -39,6 +39,12 @@ static inline vf q4t_half_group(const uint8_t *b, const float *xk, int64_t steps
     return vadd(vadd(a0, a1), vadd(a2, a3));
 }
 
+/* One converted lane of weights c into a chain of each of two rows of x. */
+static inline void both(vf c, float xa, float xb, vf *a, vf *b) {
+    *a = vfma(c, vset1(xa), *a);
+    *b = vfma(c, vset1(xb), *b);
+}
+
 /* q4t_half_group for two rows of x at once (xa, xb; the same row twice where there is one): each lane's nibbles
  * masked and converted once, each row's four chains as q4t_half_group keeps them. */
 static inline void q4t_half_group2(const uint8_t *b, const float *xa, const float *xb, int64_t steps, vf p[2]) {
@@ -48,22 +54,14 @@ static inline void q4t_half_group2(const uint8_t *b, const float *xa, const floa
         vi v = _mm256_loadu_si256((const __m256i *)b);
         vi u = _mm256_xor_si256(v, _mm256_set1_epi32((int)0x88888888u));
 #define NIB(k) _mm256_cvtepi32_ps(_mm256_and_si256(u, _mm256_set1_epi32(15 << (4 * (k)))))
-        vf c = NIB(0);
-        a0 = vfma(c, vset1(xa[0]), a0), b0 = vfma(c, vset1(xb[0]), b0);
-        c = NIB(1);
-        a1 = vfma(c, vset1(xa[1]), a1), b1 = vfma(c, vset1(xb[1]), b1);
-        c = NIB(2);
-        a2 = vfma(c, vset1(xa[2]), a2), b2 = vfma(c, vset1(xb[2]), b2);
-        c = NIB(3);
-        a3 = vfma(c, vset1(xa[3]), a3), b3 = vfma(c, vset1(xb[3]), b3);
-        c = NIB(4);
-        a0 = vfma(c, vset1(xa[4]), a0), b0 = vfma(c, vset1(xb[4]), b0);
-        c = NIB(5);
-        a1 = vfma(c, vset1(xa[5]), a1), b1 = vfma(c, vset1(xb[5]), b1);
-        c = NIB(6);
-        a2 = vfma(c, vset1(xa[6]), a2), b2 = vfma(c, vset1(xb[6]), b2);
-        c = _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 28));
-        a3 = vfma(c, vset1(xa[7]), a3), b3 = vfma(c, vset1(xb[7]), b3);
+        both(NIB(0), xa[0], xb[0], &a0, &b0);
+        both(NIB(1), xa[1], xb[1], &a1, &b1);
+        both(NIB(2), xa[2], xb[2], &a2, &b2);
+        both(NIB(3), xa[3], xb[3], &a3, &b3);
+        both(NIB(4), xa[4], xb[4], &a0, &b0);
+        both(NIB(5), xa[5], xb[5], &a1, &b1);
+        both(NIB(6), xa[6], xb[6], &a2, &b2);
+        both(_mm256_cvtepi32_ps(_mm256_srai_epi32(v, 28)), xa[7], xb[7], &a3, &b3);
 #undef NIB
     }
     p[0] = vadd(vadd(a0, a1), vadd(a2, a3));
