@@ -78,8 +78,7 @@ class Lanes:
             ticket.sink(Failed("no model is loaded", "EngineError", {}))
             return self._end(ticket)
         lane = self._lane_for(main, ticket.request)
-        arrival = ticket.request.arrival
-        trace = tracing.RequestTrace(arrival=arrival if arrival is not None else tracing.now())
+        trace = tracing.RequestTrace.of(ticket.request)
         trace.lane, trace.policy = lane.index, POLICY
         ticket.trace = trace
         steps = getattr(lane.session, "steps", None)  # a remote server's session streams its own events

@@ -451,9 +451,9 @@ class Transformer(nn.Module):
         """B sequences' next positions (a token each, each cache at its own length) in one call of the backend's
         step, every weight read once for all: the logits [1, 1, V] of each, as `forward` computes it alone. None
         where that step cannot take them (a cache it cannot read; longrope, whose tables depend on the length)."""
-        step, cap = self.decode_step, caches[0].capacity
+        step = self.decode_step
         ready = step is not None and getattr(step, "batches", False) and self.cfg.rope.type != "longrope"
-        if not ready or any(not step.usable(c) or c.length >= c.capacity or c.capacity != cap for c in caches):
+        if not ready or not step.takes(caches):
             return None
         x = self.embed_ids(torch.tensor([[t] for t in tokens], device=self.norm.weight.device))  # [B, 1, D]
         x = x.reshape(len(tokens), -1).contiguous()  # [B, D], updated in place

@@ -209,7 +209,7 @@ class Session:
         a scheduler running many sequences' steps together drives (engine.batching). `trace`: the request's
         RequestTrace, when the scheduler made it (its queue wait began before this call)."""
         if trace is None:
-            trace = tracing.RequestTrace(arrival=req.arrival if req.arrival is not None else tracing.now())
+            trace = tracing.RequestTrace.of(req)
         trace.started = tracing.now()
         self.traces.append(trace)
         cancel = cancel or threading.Event()

@@ -65,6 +65,11 @@ class RequestTrace:
     lane: int | None = None  # which of the engine's lanes ran it (engine.batching)
     policy: str | None = None  # the scheduler's policy it ran under (engine.batching.POLICY)
 
+    @classmethod
+    def of(cls, request) -> RequestTrace:
+        """A request's trace from its arrival (when Send was pressed; now when it does not say)."""
+        return cls(arrival=request.arrival if request.arrival is not None else now())
+
     # --- derived -------------------------------------------------------------------
     @property
     def tokens(self) -> int:

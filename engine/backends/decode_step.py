@@ -281,7 +281,7 @@ class DecodeLayers:
             self.head = linear(model.lm_head)
         except ValueError:
             self.head = None
-        self.widest, self.experts = widest, cfg.num_experts
+        self.t_stride, self.gu_stride = max(self.hidden, cfg.num_experts), 2 * widest  # a batch's scratch rows
         self._batch_scratch: tuple[int, list[torch.Tensor]] | None = None  # (rows, the scratch for that many)
 
     def usable(self, cache) -> bool:
@@ -294,18 +294,22 @@ class DecodeLayers:
         each row's one-row product when it was checked (kernel_checks.rows_agree)."""
         return bool(self.kernels.batch_rows)
 
+    def takes(self, caches: list) -> bool:
+        """Whether run_batch takes these caches: the step's, of one capacity, each with room for a position."""
+        return all(self.usable(c) and c.capacity == caches[0].capacity and c.length < c.capacity for c in caches)
+
     def run_batch(self, x: torch.Tensor, caches: list, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """x [B, D] (B sequences' embedded tokens, updated in place), each row at its cache's length and its K/V
         written there; cos, sin [B, d] each row's rotation. Each row computed as `run` computes it alone."""
         B = len(caches)
-        if any(not self.usable(c) or c.capacity != caches[0].capacity or c.length >= c.capacity for c in caches):
+        if not self.takes(caches):
             raise ValueError("a batch's caches must be the step's, of one capacity, with room")
         rows_of = (x.shape == (B, self.hidden), cos.shape == sin.shape == (B, self.head_dim))
         if not all(rows_of) or {x.dtype, cos.dtype, sin.dtype} != {self.dtype}:
             raise ValueError("a batch's rows must be [B, D] and its rotations [B, d], in the model's dtype")
         if self._batch_scratch is None or self._batch_scratch[0] < B:
-            ts, gs = max(self.hidden, self.experts), 2 * self.widest
-            sizes = [self.hidden, self.scratch[1].numel(), self.heads * self.head_dim, ts, gs, self.hidden]
+            sizes = [self.hidden, self.scratch[1].numel(), self.heads * self.head_dim, self.t_stride, self.gu_stride,
+                     self.hidden]  # fmt: skip
             rows = [torch.empty(B * n, dtype=self.dtype) for n in sizes]
             rows += [torch.empty(B * t.numel(), dtype=torch.float32) for t in self.scratch[6:]]  # fx, fy
             self._batch_scratch = (B, rows)
@@ -319,7 +323,7 @@ class DecodeLayers:
         self.batch_fn(
             self.layers, n, B, x_, cos_, sin_, self.eps, self.qk_eps, caches[0].capacity,
             (ctypes.c_int64 * B)(*pos), (ctypes.c_int64 * B)(*lo), kc, vc, self.heads, self.kv_heads,
-            self.head_dim, self.hidden, self.mlp, max(self.hidden, self.experts), 2 * self.widest,
+            self.head_dim, self.hidden, self.mlp, self.t_stride, self.gu_stride,
             *[t.data_ptr() for t in rows], torch.get_num_threads(),
         )  # fmt: skip
 

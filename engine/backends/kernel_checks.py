@@ -196,7 +196,13 @@ def check_all(k) -> None:
             and "int4" in k.integer_modes
             and tiles_agree(k, rows, "int8")
         )
-        k.batch_rows = torch.float32 in k.dtypes and {"int8", "int4"} <= k.modes and rows_agree(k)
+        k.batch_rows = batches_rows(k)
+
+
+def batches_rows(k) -> bool:
+    """Whether the library's products of several rows serve batched decode steps: the float32 and int8/int4
+    products it serves at all, and each row's result its one-row product's (rows_agree)."""
+    return torch.float32 in k.dtypes and {"int8", "int4"} <= k.modes and rows_agree(k)
 
 
 def verdict_of(k) -> dict:
@@ -226,4 +232,4 @@ def take(k, v: dict) -> None:
         k.batch_rows = bool(v["batch_rows"])
     else:  # kept by a kvchat before the check existed: checked now
         with torch.inference_mode():
-            k.batch_rows = torch.float32 in k.dtypes and {"int8", "int4"} <= k.modes and rows_agree(k)
+            k.batch_rows = batches_rows(k)

@@ -158,7 +158,7 @@ class RemoteSession:
             out.put(("error", f"{type(e).__name__}: {e}"))
 
     def generate(self, req, cancel: threading.Event | None = None) -> Iterator:
-        trace = tracing.RequestTrace(arrival=req.arrival if req.arrival is not None else tracing.now())
+        trace = tracing.RequestTrace.of(req)
         self.traces.append(trace)
         cancel = cancel or threading.Event()
         try:

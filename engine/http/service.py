@@ -44,7 +44,8 @@ class Job:
 
 
 class EngineService:
-    """One session on the engine thread (engine.scheduler); requests run in arrival order, `queue_size` may wait."""
+    """The engine thread (engine.scheduler) and its session: up to `parallel` requests run at once, taking lanes
+    in arrival order, and `queue_size` more may wait behind them."""
 
     def __init__(
         self,

@@ -104,14 +104,16 @@ static void quant_matvec(const kv_linear *l, const float *x, float *y, int nt) {
  * Every product reads its weights a chunk of rows at a time for all B rows (from the thread's cache after the
  * first), each row through the same one-row product as a sequence alone: a row's values never depend on the
  * other rows, so a request's tokens never depend on what runs beside it. */
-enum { KV_CHUNK_BYTES = 192 * 1024 }; /* a thread's share of a chunk of weight rows */
+/* A row of codes' bytes and its scales' count (a linear layer of codes: not KV_FLOAT). */
+static int64_t code_bytes(const kv_linear *l) {
+    return l->mode == KV_INT8 ? l->in : l->mode == KV_INT4 ? l->in / 2 : l->in / Q5_GROUP * Q5_BYTES;
+}
+static int64_t row_groups(const kv_linear *l) { return l->in / (l->mode == KV_INT5 ? Q5_GROUP : l->group); }
 
 /* The bytes of one weight row with its scales (and offsets). */
 static int64_t row_bytes(const kv_linear *l, int64_t elem) {
     if (l->mode == KV_FLOAT) return l->in * elem;
-    int64_t g = l->mode == KV_INT5 ? Q5_GROUP : l->group;
-    int64_t codes = l->mode == KV_INT8 ? l->in : l->mode == KV_INT4 ? l->in / 2 : l->in / Q5_GROUP * Q5_BYTES;
-    return codes + l->in / g * 4 * (l->mins ? 2 : 1);
+    return code_bytes(l) + row_groups(l) * 4 * (l->mins ? 2 : 1);
 }
 
 /* Rows per chunk: what nt threads' shares of KV_CHUNK_BYTES hold, whole tiles (16 rows where not tiled). */
@@ -129,11 +131,9 @@ static kv_linear rows_of(const kv_linear *l, int64_t o0, int64_t n, int64_t elem
     if (l->mode == KV_FLOAT) {
         s.w = (const char *)l->w + o0 * l->in * elem;
     } else {
-        int64_t g = l->mode == KV_INT5 ? Q5_GROUP : l->group;
-        int64_t codes = l->mode == KV_INT8 ? l->in : l->mode == KV_INT4 ? l->in / 2 : l->in / Q5_GROUP * Q5_BYTES;
-        s.w = (const uint8_t *)l->w + o0 * codes;
-        s.scales = l->scales + o0 * (l->in / g);
-        s.mins = l->mins ? l->mins + o0 * (l->in / g) : NULL;
+        s.w = (const uint8_t *)l->w + o0 * code_bytes(l);
+        s.scales = l->scales + o0 * row_groups(l);
+        s.mins = l->mins ? l->mins + o0 * row_groups(l) : NULL;
     }
     s.bias = l->bias ? (const void *)((const char *)l->bias + o0 * elem) : NULL;
     return s;

@@ -272,7 +272,7 @@ void kv_matvec_q8_rows(const int8_t *q, const float *s, const float *m, const fl
 #endif
     /* each row by the one-row product, a chunk of rows for all rows while it is in the threads' caches */
     int64_t groups = in / g, row_bytes = in + groups * 4 * (m ? 2 : 1);
-    int64_t step = 192 * 1024 * (nt > 0 ? nt : 1) / row_bytes;
+    int64_t step = KV_CHUNK_BYTES * (nt > 0 ? nt : 1) / row_bytes;
     if (step < 1) step = 1;
     for (int64_t o0 = 0; o0 < out; o0 += step) {
         int64_t n = out - o0 < step ? out - o0 : step;

@@ -276,6 +276,10 @@ static inline void q5_group(const uint8_t *b, int q[32]) {
 /* int4 tiles (engine.quant.tile): 16 rows side by side, 8 inputs of each in 4 bytes (tiles.c says why) */
 #define TILE_ROWS 16
 #define TILE_STEP(i) ((i) / 8 * TILE_ROWS * 4) /* bytes of a tile before the 8-input step holding input i */
+/* Several rows of x against one weight matrix (continuous batching): where a product cannot share a weight's
+ * conversion among the rows, each row runs the one-row product a chunk of weight rows at a time, about this many
+ * bytes a thread, so the chunk is read from the thread's cache for every row after the first. */
+#define KV_CHUNK_BYTES (192 * 1024)
 
 /* Storage types to float32 and back, and the rounding of a float32 to a 16-bit type (torch's eager ops
  * round there). */

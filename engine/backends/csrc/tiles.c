@@ -290,7 +290,7 @@ void kv_matvec_q4t_rows(const uint8_t *q, const float *s, const float *m, const 
 #else /* each row by the one-row product, a chunk of tiles for all rows while it is in the threads' caches */
     int64_t groups = in / g, tiles = out / TILE_ROWS;
     int64_t tile_bytes = TILE_ROWS * (in / 2 + groups * 4 * (m ? 2 : 1));
-    int64_t step = 192 * 1024 * (nt > 0 ? nt : 1) / tile_bytes;
+    int64_t step = KV_CHUNK_BYTES * (nt > 0 ? nt : 1) / tile_bytes;
     if (step < 1) step = 1;
     for (int64_t t0 = 0; t0 < tiles; t0 += step) {
         int64_t n = (tiles - t0 < step ? tiles - t0 : step) * TILE_ROWS, at = t0 * TILE_ROWS;
