@@ -56,8 +56,8 @@ class EngineClient(QObject):
         """A LoadSpec or a RemoteSpec: modelLoading, then modelLoaded or modelFailed."""
         self.worker.load(spec)
 
-    def probe(self, cid: int, messages: list, draft: str, max_new_tokens: int, overflow: str) -> None:
-        self.worker.probe(cid, messages, draft, max_new_tokens, overflow)
+    def probe(self, cid: int, messages: list, draft: str, max_new_tokens: int, overflow: str, asked=None) -> None:
+        self.worker.probe(cid, messages, draft, max_new_tokens, overflow, asked)
 
     def compare(self, rid: int, messages: list, max_new_tokens: int) -> None:
         self.worker.compare(rid, messages, max_new_tokens)

@@ -59,6 +59,26 @@ def reading(seen: dict | None, capacity: int | None, max_new_tokens: int) -> tup
     return text, level, f"{formula} = {total:,}, against a capacity of {capacity:,} positions. {advice}".strip()
 
 
+def refusal(seen: dict | None, capacity: int | None, max_new_tokens: int) -> str:
+    """Why Send refuses the draft a probe's answer describes, before anything is stored ("" when it fits, or
+    when the engine will leave turns out to make it fit)."""
+    seen = seen or {}
+    if seen.get("next_error"):
+        return f"Not sent: {seen['next_error']} Your message is still in the box."
+    prompt = seen.get("next_positions")
+    if not capacity or not isinstance(prompt, int) or seen.get("next_dropped"):
+        return ""
+    total = positions_needed(prompt, max_new_tokens)
+    if total <= capacity:
+        return ""
+    return (
+        f"Not sent: the conversation with your message needs {total:,} cache positions (a prompt of {prompt:,} and "
+        f"up to {max_new_tokens:,} new tokens), over the capacity of {capacity:,}; this conversation stops at the "
+        "limit. Your message is still in the box: shorten it or the conversation, lower max new tokens, raise the "
+        "capacity, or choose another policy in Settings (When the cache is full)."
+    )
+
+
 class ContextMeter(QLabel):
     """One line under the message box; its `level` property colours it (the style sheets)."""
 

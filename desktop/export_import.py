@@ -21,19 +21,34 @@ def file_name(title: str) -> str:
     return " ".join(words)[:80].strip() or "conversation"
 
 
+EXPORT_TYPES = {  # the save dialog's file types: the one chosen decides the format, and its extension is added
+    "Markdown, the branch shown (*.md)": ".md",
+    "JSON, every branch, importable (*.json)": ".json",
+}
+
+
+def with_extension(path: str, extension: str) -> str:
+    """`path` ending in `extension` (added unless it ends so already, in any case)."""
+    return path if path.lower().endswith(extension) else path + extension
+
+
 def export_conversation(window, path: str | None = None) -> None:
-    """The conversation shown, to a file: Markdown (.md, the branch shown) or JSON (every branch)."""
+    """The conversation shown, to a file: Markdown (.md, the branch shown) or JSON (every branch). Asked with
+    the save dialog, the file type chosen there decides; given a `path`, its extension does."""
     cid = window.chat.current_cid
     if cid is None:
         window.show_error("There is no conversation to export yet.")
         return
     if path is None:
-        path, _ = QFileDialog.getSaveFileName(
-            window, "Export the conversation", f"{file_name(window.store.conversation(cid).title)}.md",
-            "Markdown, the branch shown (*.md);;JSON, every branch, importable (*.json)",
-        )  # fmt: skip
-        if not path:
+        dialog = QFileDialog(window, "Export the conversation")
+        dialog.setObjectName("exportDialog")
+        dialog.setAcceptMode(QFileDialog.AcceptSave)
+        dialog.setNameFilters(list(EXPORT_TYPES))
+        dialog.selectFile(f"{file_name(window.store.conversation(cid).title)}.md")
+        dialog.filterSelected.connect(lambda f: _retype(dialog, EXPORT_TYPES.get(f, ".md")))
+        if not dialog.exec() or not dialog.selectedFiles():
             return
+        path = with_extension(dialog.selectedFiles()[0], EXPORT_TYPES.get(dialog.selectedNameFilter(), ".md"))
     try:
         if path.lower().endswith(".json"):
             text = json.dumps(to_json(window.store, cid), ensure_ascii=False, indent=2)
@@ -44,6 +59,15 @@ def export_conversation(window, path: str | None = None) -> None:
         window.show_error(f"The conversation could not be written to {path}: {e.strerror or e}.")
         return
     window.statusBar().showMessage(f"Exported to {path}.", 5000)
+
+
+def _retype(dialog: QFileDialog, extension: str) -> None:
+    """The name typed so far given the extension of the file type just chosen (…/title.md → …/title.json)."""
+    names = dialog.selectedFiles()
+    if names:
+        stem = Path(names[0])
+        if stem.suffix.lower() in EXPORT_TYPES.values():
+            dialog.selectFile(stem.with_suffix(extension).name)
 
 
 class _Import(QObject):

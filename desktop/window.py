@@ -23,6 +23,7 @@ from engine.session import OVERFLOW_POLICIES
 from engine.trace import now
 
 from .client import EngineClient
+from .context_meter import refusal
 from .core.chat import ChatController
 from .core.settings import Settings
 from .core.store import Store
@@ -64,6 +65,8 @@ class MainWindow(ModelSide, WindowLayout, QMainWindow):
         self.worker_left_running = False  # closed while the worker was inside a call it cannot leave
         self.importing = None  # the import running on its own thread (export_import.py)
         self._panel_at = 0.0
+        self._asked = 0  # the probes asked (the meter's reading says which it answers)
+        self._send_when_probed: float | None = None  # a Send waiting for the reading of its draft
         self._build()
         self.apply_theme()
         self.show_models()
@@ -127,6 +130,7 @@ class MainWindow(ModelSide, WindowLayout, QMainWindow):
         self.branch.whole_branch()
         if self.chat.reveal(mid):
             self.render_transcript()
+            self.probe_conversation()
         at = next((i for i, (m, _, _) in enumerate(self.branch.rows) if m.id == mid), None)  # the branch as drawn
         if at is not None and at < self.transcript.first:
             self.render_transcript(reveal=at)
@@ -166,9 +170,10 @@ class MainWindow(ModelSide, WindowLayout, QMainWindow):
             self.statsPanel.show_conversation_cached(None)
             return
         s = self.chat.settings_for(cid)
+        self._asked += 1
         self.client.probe(
             -1 if cid is None else cid, self.chat.messages(path, cid), self.composer.toPlainText().strip(),
-            s.max_new_tokens, s.policy,
+            s.max_new_tokens, s.policy, self._asked,
         )  # as Send sends it  # fmt: skip
 
     def _on_probed(self, cid: int, seen: dict) -> None:
@@ -178,6 +183,14 @@ class MainWindow(ModelSide, WindowLayout, QMainWindow):
         self.statsPanel.show_conversation_cached(seen if self.chat.branch() else None)
         self.show_meter()
         self.conversationProbed.emit(seen)
+        if self._send_when_probed is not None and self._reading_is_current():
+            arrival, self._send_when_probed = self._send_when_probed, None
+            self._send(arrival)
+
+    def _reading_is_current(self) -> bool:
+        """Whether the meter's reading answers the last question asked (the draft and the conversation on
+        screen now: a change since starts the probe's timer again)."""
+        return (self.seen or {}).get("asked") == self._asked and not self.probeTimer.isActive()
 
     def show_meter(self) -> None:
         """The positions the next Send would need against the capacity (context_meter.py)."""
@@ -323,6 +336,7 @@ class MainWindow(ModelSide, WindowLayout, QMainWindow):
     def switch_branch(self, mid: int, delta: int) -> None:
         if self.chat.switch_branch(mid, delta):
             self.render_transcript()
+            self.probe_conversation()  # the meter and This conversation's rows follow the branch shown
             self.composer.setFocus()  # the clicked arrow's view is rebuilt: keystrokes go on to the message box
 
     # --- the chat controller's listener ------------------------------------------------------
@@ -383,9 +397,23 @@ class MainWindow(ModelSide, WindowLayout, QMainWindow):
             self.statusLine.setText(text)
 
     def send(self) -> None:
-        if self.facts is None or self.generating:
+        self._send(now())  # the moment Send was pressed: TTFT counts from here
+
+    def _send(self, arrival: float) -> None:
+        """Send the draft, once the meter's reading is of this draft: one that cannot fit is refused before
+        anything is stored (the draft stays in the box), under the policy that stops at the limit, or when
+        leaving turns out cannot make it fit."""
+        if self.facts is None or self.generating or not self.composer.toPlainText().strip():
             return
-        arrival = now()  # the moment Send was pressed: TTFT counts from here
+        if not self._reading_is_current():
+            self._send_when_probed = arrival  # asked now; sent when the answer comes (_on_probed)
+            self.probeTimer.stop()
+            self._probe_now()
+            return
+        why = refusal(self.seen, (self.facts or {}).get("capacity"), self.chat.settings_for().max_new_tokens)
+        if why:
+            self.show_error(why)
+            return
         user = self.chat.send(self.composer.toPlainText(), arrival)
         if user is None:
             return
@@ -403,6 +431,7 @@ class MainWindow(ModelSide, WindowLayout, QMainWindow):
             self.start_reply(regenerate, arrival)
         else:
             self.render_transcript()
+            self.probe_conversation()
         self.composer.setFocus()  # the edited view is rebuilt: focus would fall to the search field
 
     def regenerate(self) -> None:

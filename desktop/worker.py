@@ -76,14 +76,15 @@ class EngineWorker(QObject):
         self._queue(self._compare, rid, messages, max_new_tokens, on_error=on_error)
 
     def probe(
-        self, cid: int, messages: list, draft: str = "", max_new_tokens: int = 256, overflow: str = "stop"
+        self, cid: int, messages: list, draft: str = "", max_new_tokens: int = 256, overflow: str = "stop", asked=None
     ) -> None:
         """Ask how many positions of a conversation are cached, before anything is sent, and how many the
         next Send of `draft` would prompt with (only the latest question is answered: switching through
-        long conversations does not queue their tokenizing ahead of a reply)."""
-        job = (cid, messages, draft, max_new_tokens, overflow)
+        long conversations does not queue their tokenizing ahead of a reply). The answer carries `asked`
+        back as its "asked" (which question it answers)."""
+        job = (cid, messages, draft, max_new_tokens, overflow, asked)
         self._latest_probe = job
-        self._queue(self._probe, job, on_error=lambda e: self.probed.emit(cid, {"error": e}))
+        self._queue(self._probe, job, on_error=lambda e: self.probed.emit(cid, {"error": e, "asked": asked}))
 
     def generate(self, rid: int, request) -> None:
         self.engine.submit(request, self._sink(rid, request))
@@ -208,7 +209,7 @@ class EngineWorker(QObject):
     def _probe(self, job: tuple) -> None:
         from engine.session import Request
 
-        cid, messages, draft, max_new_tokens, overflow = job
+        cid, messages, draft, max_new_tokens, overflow, asked = job
         session = self.engine.session
         if session is None or job is not self._latest_probe:
             return
@@ -239,7 +240,7 @@ class EngineWorker(QObject):
                     seen["next_error"] = sent["error"]
         except (EngineError, ValueError) as e:
             seen = {"error": str(e)}
-        self.probed.emit(cid, seen)
+        self.probed.emit(cid, {**seen, "asked": asked})
 
     def _compare(self, rid: int, messages: list, max_new_tokens: int) -> None:
         """Rerun the prompt at the other precision: full if this one is quantized, else int8 weights and KV."""

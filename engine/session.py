@@ -80,8 +80,10 @@ class Session:
 
     # --- model and cache ------------------------------------------------------------
     def set_model(self, loaded: LoadedModel, capacity: int | None = None, kv: str | None = None) -> None:
-        """Use another model (or dtype/device/precision): the next request reports the cache dropped and why."""
-        capacity = capacity or self.capacity_setting or min(loaded.config.max_position_embeddings, DEFAULT_CAPACITY)
+        """Use another model (or dtype/device/precision): the next request reports the cache dropped and why.
+        `capacity` None or 0 is the model's default (never the capacity asked before: that was a setting)."""
+        asked = capacity or None
+        capacity = asked or min(loaded.config.max_position_embeddings, DEFAULT_CAPACITY)
         if capacity < 2:
             raise EngineError("KV capacity must be at least 2 positions")
         kv = kv or self.kv
@@ -89,7 +91,7 @@ class Session:
             raise EngineError(f"KV precision {kv!r} is not supported (supported: {', '.join(PRECISIONS)})")
         self.tiers.set_model(loaded, capacity, kv, self.prefill_chunk or prefill_chunk_for(loaded.dtype))
         self._decoder = Decoder(loaded, self.tiers.cache)  # a captured step belongs to one model and one cache
-        self.loaded, self.capacity_setting, self.kv = loaded, capacity, kv
+        self.loaded, self.capacity_setting, self.kv = loaded, asked, kv
 
     @property
     def cache(self) -> KVCache:

@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import json
+import math
 import sqlite3
 
 from .records import clean_record
 from .replies import reply_footer
+from .settings import CONVERSATION_FIELDS, Settings
 from .store import Conversation, Store
 
 FORMAT, VERSION = "kvchat-conversation", 1
@@ -23,11 +25,32 @@ def _quoted(text: str) -> str:
     return "\n".join(">" + (" " + line if line else "") for line in text.split("\n"))
 
 
+TITLE_CHARS = 200  # a Markdown export's heading: the first message's first line up to this, when the title was cut
+
+
+def heading(conv: Conversation, branch: list) -> str:
+    """A conversation's title for a document: the title as given, or, where the app cut it from the first
+    message ("… a trip to Chengdu for 3 nights. My…"), that message's first line whole."""
+    title = " ".join(conv.title.split())
+    first = next((m.content for m in branch if m.role == "user"), "")
+    line = " ".join(first.strip().split("\n", 1)[0].split())
+    if title.endswith("…") and line.startswith(title[:-1].rstrip()):
+        return line[:TITLE_CHARS] + ("…" if len(line) > TITLE_CHARS else "")
+    return title
+
+
 def to_markdown(store: Store, cid: int) -> str:
-    """The branch on screen as a readable Markdown document: a heading per turn, its text quoted."""
+    """The branch on screen as a readable Markdown document: a heading per turn, its text quoted; where
+    other branches exist, a line says so (the JSON export holds them all)."""
     conv = store.conversation(cid)
-    parts = [f"# {' '.join(conv.title.split())}"]
-    for m in store.branch(cid):
+    branch = store.branch(cid)
+    parts = [f"# {heading(conv, branch)}"]
+    versions = store.versions(cid)
+    edited = sum(1 for m in branch if versions.get(m.id, (0, 1))[1] > 1)
+    if edited:
+        some = "1 of its messages has" if edited == 1 else f"{edited} of its messages have"
+        parts.append(f"*The branch shown: {some} other versions, on other branches (the JSON export holds them all).*")
+    for m in branch:
         note = "" if m.status == "complete" else f" ({m.status})"
         parts.append(f"**{NAMES.get(m.role, m.role)}**{note}\n\n{_quoted(m.content)}")
         figures = reply_footer(m.trace) if m.role == "assistant" else ""
@@ -43,6 +66,7 @@ def to_json(store: Store, cid: int) -> dict:
         "format": FORMAT,
         "version": VERSION,
         "title": conv.title,
+        "settings": conversation_settings(conv.settings),
         "created": conv.created,
         "leaf_id": conv.leaf_id,
         "messages": [
@@ -59,6 +83,24 @@ def to_json(store: Store, cid: int) -> dict:
             for m in store.all_messages(cid)
         ],
     }
+
+
+def conversation_settings(own) -> dict | None:
+    """A conversation's own settings as an export carries them and an import takes them: the system prompt,
+    the sampling, max new tokens and the overflow policy, each of its type (anything else is dropped)."""
+    if not isinstance(own, dict):
+        return None
+    kinds = {k: type(getattr(Settings(), k)) for k in CONVERSATION_FIELDS}
+    kept = {k: kinds[k](v) for k, v in own.items() if k in kinds and _of_kind(v, kinds[k])}
+    return kept or None
+
+
+def _of_kind(v, kind) -> bool:
+    if kind is float:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if kind is int:
+        return _integer(v)
+    return isinstance(v, kind) and (kind is not str or _text(v))
 
 
 class ExchangeError(ValueError):
@@ -93,15 +135,15 @@ def from_json(store: Store, data, progress=None) -> Conversation:
     if any(c.title == title for c in store.conversations()):  # told apart from the original in the list
         title += " (imported)"
     try:
-        conv = _write_tree(store, title, msgs, leaf, progress)
+        conv = _write_tree(store, title, conversation_settings(data.get("settings")), msgs, leaf, progress)
     except (ValueError, OverflowError, TypeError, sqlite3.Error) as e:  # rolled back: nothing was added
         raise ExchangeError(f"it could not be written ({type(e).__name__}: {e}); nothing was added") from None
     return store.conversation(conv.id)
 
 
-def _write_tree(store: Store, title: str, msgs: list, leaf, progress) -> Conversation:
+def _write_tree(store: Store, title: str, settings: dict | None, msgs: list, leaf, progress) -> Conversation:
     with store.transaction():  # all of it, or none: a file that fails halfway (or a kill) adds nothing
-        conv = store.new_conversation(title)
+        conv = store.new_conversation(title, settings)
         new_ids: dict[int, int] = {}
         for i, m in enumerate(msgs):
             if progress is not None and i % PROGRESS_EVERY == 0:

@@ -808,8 +808,11 @@ def test_the_context_meter_counts_what_the_next_send_needs_and_warns_before_the_
     over = next(k for k in range(words, 400) if need(history, "word " * k) > 160)
     text, level = reads("word " * over)
     assert level == "over" and "Send will be refused" in text
-    final = send(qtbot, w, spin_loop, "")
-    assert isinstance(final, Failed) and f"needs {need(history, 'word ' * over)} cache positions" in final.error
+    before = w.store.branch(w.chat.current_cid)
+    qtbot.keyClick(w.composer, Qt.Key_Return)  # refused before anything is stored: the draft stays, and why
+    assert w.banner.isVisible() and f"needs {need(history, 'word ' * over):,} cache positions" in w.banner.text()
+    assert w.composer.toPlainText() == "word " * over and not w.generating
+    assert w.store.branch(w.chat.current_cid) == before
 
 
 @pytest.mark.parametrize("theme", ["dark", "light"])

@@ -1,0 +1,99 @@
+"""The everyday flow as a new user met it: the branch arrows, the capacity setting, a Send that cannot fit,
+exports, hovering tokens, the window's size, the sidebar and the panel after a change (the real window)."""
+
+import dataclasses
+import json
+
+from gui import BUDGET, edit, panel, send
+from PySide6.QtCore import Qt, QTimer
+from PySide6.QtWidgets import QApplication, QFileDialog, QLineEdit
+
+LONG_EDIT = BUDGET + " I would like to see pandas, eat hotpot, walk the old streets, and take the train back on Sunday."
+
+
+def probed_now(qtbot, w, spin_loop):
+    """Wait for the answer to the probe the window asks next; it is returned."""
+    got = []
+    w.conversationProbed.connect(got.append)
+    spin_loop(lambda: got and got[-1].get("asked") == w._asked and not w.probeTimer.isActive())
+    w.conversationProbed.disconnect(got.append)
+    return got[-1]
+
+
+def test_the_branch_arrows_bring_back_that_branchs_meter_and_cached_rows(qtbot, make_window, spin_loop, demo_model_dir):
+    w = make_window(demo_model_dir, max_new_tokens=4)
+    send(qtbot, w, spin_loop, BUDGET)
+    probed_now(qtbot, w, spin_loop)
+    first = w.contextMeter.text(), panel(w, "conversationCachedValue")
+    edit(qtbot, w, spin_loop, w.transcript.views[0], LONG_EDIT)
+    probed_now(qtbot, w, spin_loop)
+    second = w.contextMeter.text(), panel(w, "conversationCachedValue")
+    assert second[0] != first[0]
+    qtbot.mouseClick(w.transcript.views[0].prevButton, Qt.LeftButton)  # back to branch 1, nothing typed
+    of = first[1].split(" of ")[1]  # "28 of 30 positions (working cache)": branch 1's length (its share cached
+    # now is what branch 2 left in the working cache: their common prefix)
+    qtbot.waitUntil(lambda: w.contextMeter.text() == first[0] and of in panel(w, "conversationCachedValue"), timeout=5000)
+    qtbot.mouseClick(w.transcript.views[0].nextButton, Qt.LeftButton)
+    qtbot.waitUntil(lambda: w.contextMeter.text() == second[0], timeout=5000)
+
+
+def test_the_capacity_set_back_to_the_model_default_is_the_default(qtbot, make_window, spin_loop, demo_model_dir):
+    w = make_window(demo_model_dir)
+    default = w.facts["capacity"]
+    loaded = []
+    w.modelReady.connect(loaded.append)
+    w.apply_settings(dataclasses.replace(w.settings, model=dataclasses.replace(w.settings.model, capacity=384)))
+    spin_loop(lambda: loaded)
+    assert w.facts["capacity"] == 384 and "capacity 384 positions" in w.statusLine.text()
+    loaded.clear()
+    w.apply_settings(dataclasses.replace(w.settings, model=dataclasses.replace(w.settings.model, capacity=0)))
+    spin_loop(lambda: loaded)
+    assert w.facts["capacity"] == default and f"capacity {default:,} positions" in w.statusLine.text()
+
+
+def test_a_send_over_the_capacity_under_stop_is_refused_before_anything_is_stored(
+    qtbot, make_window, spin_loop, demo_model_dir
+):
+    """Typed and sent at once (before the meter's reading of the draft): the Send waits for it, refuses with
+    the reason, keeps the draft and stores nothing; after a restart there is nothing either."""
+    w = make_window(demo_model_dir, capacity=64, max_new_tokens=16, overflow="stop")
+    send(qtbot, w, spin_loop, "Hi")
+    cid, before = w.chat.current_cid, [m.id for m in w.store.branch(w.chat.current_cid)]
+    draft = "word " * 80
+    w.composer.setPlainText(draft)
+    qtbot.keyClick(w.composer, Qt.Key_Return)  # the probe's timer has not fired: the Send asks and waits
+    spin_loop(lambda: w.banner.isVisible())
+    assert "Not sent" in w.banner.text() and "over the capacity of 64" in w.banner.text()
+    assert w.composer.toPlainText() == draft and not w.generating and w._task.done()
+    assert [m.id for m in w.store.branch(cid)] == before and not w.chat.can_continue()
+    w.composer.setPlainText("Hi again")  # one that fits is sent as before
+    assert isinstance(send(qtbot, w, spin_loop, ""), object) and len(w.store.branch(cid)) == len(before) + 2
+
+
+def test_export_writes_the_file_type_chosen_in_the_dialog(qtbot, make_window, spin_loop, demo_model_dir, tmp_path):
+    w = make_window(demo_model_dir, max_new_tokens=4, system_prompt="Be brief.", temperature=0.5)
+    send(qtbot, w, spin_loop, BUDGET)
+
+    def save_as(kind: str, name: str):
+        def answer():
+            d = QApplication.activeModalWidget()
+            if not isinstance(d, QFileDialog):
+                QTimer.singleShot(20, answer)
+                return
+            d.setDirectory(str(tmp_path))
+            d.selectNameFilter(kind)
+            d.filterSelected.emit(kind)
+            box = d.findChild(QLineEdit, "fileNameEdit")
+            box.setText(name)
+            d.accept()
+
+        QTimer.singleShot(20, answer)
+        w.exportButton.click()
+
+    save_as("JSON, every branch, importable (*.json)", "trip")
+    data = json.loads((tmp_path / "trip.json").read_text(encoding="utf-8"))
+    assert data["format"] == "kvchat-conversation" and not (tmp_path / "trip").exists()
+    assert data["settings"]["system_prompt"] == "Be brief." and data["settings"]["temperature"] == 0.5
+    save_as("Markdown, the branch shown (*.md)", "trip notes")
+    text = (tmp_path / "trip notes.md").read_text(encoding="utf-8")
+    assert text.startswith(f"# {BUDGET}\n")  # the title whole, not the list's cut one
