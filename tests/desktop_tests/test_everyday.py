@@ -32,7 +32,7 @@ def test_the_branch_arrows_bring_back_that_branchs_meter_and_cached_rows(qtbot, 
     qtbot.mouseClick(w.transcript.views[0].prevButton, Qt.LeftButton)  # back to branch 1, nothing typed
     of = first[1].split(" of ")[1]  # "28 of 30 positions (working cache)": branch 1's length (its share cached
     # now is what branch 2 left in the working cache: their common prefix)
-    qtbot.waitUntil(lambda: w.contextMeter.text() == first[0] and of in panel(w, "conversationCachedValue"), timeout=5000)
+    qtbot.waitUntil(lambda: (w.contextMeter.text(), of in panel(w, "conversationCachedValue")) == (first[0], True))
     qtbot.mouseClick(w.transcript.views[0].nextButton, Qt.LeftButton)
     qtbot.waitUntil(lambda: w.contextMeter.text() == second[0], timeout=5000)
 
