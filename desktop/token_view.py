@@ -137,7 +137,29 @@ class TokenView(FitTextEdit):
         return self.at[k] if 0 <= k < len(self.at) else None
 
     def index_at(self, point: QPoint) -> int | None:
-        return self.index_at_position(self.cursorForPosition(point).position())
+        """The token under `point` (the viewport's): the character the pointer is on, not the caret position
+        nearest to it (on a character's right half that is the next character, the next token's)."""
+        at = self.character_at(point)
+        return None if at is None else self.index_at_position(at)
+
+    def character_at(self, point: QPoint) -> int | None:
+        """The document position of the character under `point`, None between lines or past a line's end."""
+        near = self.cursorForPosition(point).position()
+        cursor = QTextCursor(self.document())
+        for c in (near - 1, near):
+            if c < 0 or c + 1 >= self.document().characterCount():
+                continue
+            cursor.setPosition(c)
+            left = self.cursorRect(cursor)
+            cursor.setPosition(c + 1)
+            right = self.cursorRect(cursor)
+            if (
+                left.top() == right.top()
+                and left.x() <= point.x() < right.x()
+                and left.top() <= point.y() <= left.bottom()
+            ):
+                return c
+        return None
 
     def details(self, index: int) -> str:
         lines = token_words(self.steps[index], index)

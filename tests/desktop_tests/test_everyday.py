@@ -97,3 +97,37 @@ def test_export_writes_the_file_type_chosen_in_the_dialog(qtbot, make_window, sp
     save_as("Markdown, the branch shown (*.md)", "trip notes")
     text = (tmp_path / "trip notes.md").read_text(encoding="utf-8")
     assert text.startswith(f"# {BUDGET}\n")  # the title whole, not the list's cut one
+
+
+def test_the_pointer_picks_the_token_under_it_to_the_right_edge_of_its_last_character(
+    qtbot, make_window, spin_loop, demo_model_dir
+):
+    from PySide6.QtCore import QPoint
+    from PySide6.QtGui import QTextCursor
+
+    w = make_window(demo_model_dir, max_new_tokens=24)
+    send(qtbot, w, spin_loop, BUDGET)
+    w.tokenColours.setCurrentIndex(w.tokenColours.findData("probability"))
+    view = w.transcript.views[1].tokenView
+    qtbot.waitUntil(lambda: view.isVisible() and bool(view.at))
+
+    def edge(position: int, share: float) -> QPoint:
+        c = QTextCursor(view.document())
+        c.setPosition(position)
+        a = view.cursorRect(c)
+        c.setPosition(position + 1)
+        b = view.cursorRect(c)
+        return QPoint(int(a.x() + share * (b.x() - a.x())), a.center().y()) if a.top() == b.top() else None
+
+    checked = 0
+    for k, i in enumerate(view.at[:-1]):
+        last = view.starts[k + 1] - 1  # the token's last character
+        right, left = edge(last, 0.8), edge(view.starts[k], 0.2)
+        if right is None or left is None or right.x() <= left.x():
+            continue  # a wrapped line, or a character with no width
+        assert (view.index_at(right), view.index_at(left)) == (i, i)
+        checked += 1
+    assert checked >= 10
+    k = len(view.at) // 2
+    qtbot.mouseClick(view.viewport(), Qt.LeftButton, pos=edge(view.starts[k + 1] - 1, 0.8))
+    assert view.current == view.at[k]
