@@ -239,14 +239,14 @@ def cmd_replay(ns) -> int:
 
 
 def cmd_models(ns) -> int:
-    from .weights.catalog import default_cache, scan
+    """The bundled demo model first (what `generate` runs without --model, as the app's Models dialog lists
+    it), then what is on this machine."""
+    from .weights.catalog import bundled_row, default_cache, scan
 
-    rows = [r.to_dict() for r in scan(ns.folder, cache=None if ns.no_cache else default_cache())]
+    found = list(scan(ns.folder, cache=None if ns.no_cache else default_cache()))
+    rows = [r.to_dict() for r in [bundled_row(), *found]]
     if ns.json:
         print(json.dumps(rows, indent=2))
-        return 0
-    if not rows:
-        print("no models found (looked in the Hugging Face cache, LM Studio and Ollama; add folders with --folder)")
         return 0
     for r in rows:
         n = r["parameters"]
@@ -256,6 +256,8 @@ def cmd_models(ns) -> int:
             f"{r['name']}  [{r['source']}, {r['format']}, {r['architecture'] or '?'}, {params} params, "
             f"{r['quantization'] or '?'}, {r['size_bytes'] / 2**20:,.1f} MiB]  {state}\n    {r['path']}"
         )
+    if not found:
+        print("no other models found (looked in the Hugging Face cache, LM Studio and Ollama; add folders with --folder)")
     return 0
 
 

@@ -27,7 +27,9 @@ def test_models_lists_every_source_with_its_facts(home):
     cmd = [sys.executable, "-m", "engine", "models", "--json", "--folder", str(home / "models")]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
-    rows = {row["name"]: row for row in json.loads(r.stdout)}
+    listed = json.loads(r.stdout)
+    assert (listed[0]["name"], listed[0]["source"], listed[0]["openable"]) == ("kvchat-demo", "bundled", True)
+    rows = {row["name"]: row for row in listed[1:]}  # the bundled demo model first, as the Models dialog lists it
     assert set(rows) == NAMES
     hf = rows["kvchat/tiny-llama"]
     assert (hf["source"], hf["format"], hf["architecture"], hf["quantization"]) == (
