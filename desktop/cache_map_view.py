@@ -253,7 +253,8 @@ class CacheMapView(QWidget):
         lay.addWidget(self.legend)
         self._theme = current_theme()
 
-    def show_map(self, m: CacheMap, name: Callable[[list], str] | None) -> None:
+    def show_map(self, m: CacheMap, name: Callable[[list], str] | None) -> bool:
+        """Show `m`; True when the caption's words changed (the box around is laid out again: Refit)."""
         self.grid.name = name
         if self._theme != current_theme():  # the theme changed: the free cells' outline with it
             self._theme = current_theme()
@@ -261,9 +262,11 @@ class CacheMapView(QWidget):
             self.grid._seen = (-1, -1, -1)
         self.grid.show_map(m)
         text = self.caption_text(m)
-        if self.caption.text() != text:
+        changed = self.caption.text() != text
+        if changed:
             self.caption.setText(text)
         self.legend.setVisible(m.reported)
+        return changed
 
     def caption_text(self, m: CacheMap) -> str:
         if not m.reported:

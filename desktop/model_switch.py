@@ -5,17 +5,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from PySide6.QtCore import Signal
+from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import QComboBox, QHBoxLayout, QLabel, QMenu, QToolButton, QWidget
 
 from .outside_text import plain
 
 OTHER = "other"  # the switcher's last item: the Models dialog
+NAME_CHARS = 22  # the switcher's width in characters: a longer model name is cut there, whole in the tooltip
 
 
 def model_name(path: str | None) -> str:
     """A model's name as the switcher shows it: the file or folder's name (the demo: kvchat-demo)."""
     return "kvchat-demo (bundled)" if path is None else Path(path).name or path
+
+
+TIP = "the model that answers in this conversation now; pick another one to switch to it"
 
 
 class ModelSwitch(QWidget):
@@ -33,8 +37,10 @@ class ModelSwitch(QWidget):
         self.combo = QComboBox()
         self.combo.setObjectName("modelSwitch")
         self.combo.setAccessibleName("Model in use")
-        self.combo.setToolTip("The model that answers in this conversation now; pick another one to switch to it")
-        self.combo.setSizeAdjustPolicy(QComboBox.AdjustToContents)
+        self.combo.setToolTip(TIP)
+        self.combo.setSizeAdjustPolicy(QComboBox.AdjustToMinimumContentsLengthWithIcon)  # a long file name is cut
+        self.combo.setMinimumContentsLength(NAME_CHARS)  # (the tooltip has it whole), never the window's width
+        self.combo.setMinimumWidth(self.combo.fontMetrics().averageCharWidth() * NAME_CHARS // 2)  # narrower still
         self.combo.activated.connect(self._picked)
         lay.addWidget(self.combo)
         self.paths: list[str | None] = []
@@ -48,8 +54,10 @@ class ModelSwitch(QWidget):
             self.combo.addItem(remote, "remote")
         for p in self.paths:
             self.combo.addItem(model_name(p), p)
+            self.combo.setItemData(self.combo.count() - 1, p or model_name(p), Qt.ToolTipRole)
         self.combo.addItem("Other models…", OTHER)
         self.combo.setCurrentIndex(0)
+        self.combo.setToolTip(f"{self.combo.itemText(0)}: {TIP}")
         self.combo.blockSignals(False)
 
     def _picked(self, index: int) -> None:

@@ -22,25 +22,12 @@ from PySide6.QtWidgets import (
 
 from .cache_map_view import CacheMapView
 from .core.panel_help import ROW_HELP
-from .core.panel_words import (
-    DASH,
-    NOT_REPORTED,
-    cached_words,
-    disk_words,
-    dropped_words,
-    fmt_bytes,
-    fmt_ms,
-    fmt_rate,
-    fmt_size,
-    percentile,
-    reuse_source,
-    server_timing,
-)
+from .core.panel_words import (DASH, NOT_REPORTED, cached_words, disk_words, dropped_words, fmt_bytes, fmt_ms,
+                               fmt_rate, fmt_size, percentile, reuse_source, server_timing)  # fmt: skip
 from .outside_text import breakable, plain, plain_tooltip
-from .panel_parts import GapChart, add_store_segment, set_bar
+from .panel_parts import GapChart, Refit, add_store_segment, set_bar
 
 PANEL_WORD = 16  # characters: a value's word longer than this gets places to wrap (the panel never scrolls sideways)
-
 
 SAME_CACHE = ("name", "backend", "server", "capacity", "dtype", "kv_cache")  # facts that, equal, mean one cache
 NOT_REPORTED_LOGPROBS = "not reported by this server"  # a remote server that sends no logprobs
@@ -69,6 +56,7 @@ class StatsPanel(QScrollArea):
         self.setWidget(body)
         lay = QVBoxLayout(body)
         self.values: dict[str, QLabel] = {}
+        self.refit = Refit(body)
 
         self.heading = plain(QLabel("No reply yet"))
         self.heading.setObjectName("panelHeading")
@@ -246,6 +234,7 @@ class StatsPanel(QScrollArea):
         text = breakable(text, PANEL_WORD)
         if label.text() != text:  # an unchanged label costs no relayout (the GUI shares the CPU with the engine)
             label.setText(text)
+            self.refit.mark()
 
     # --- what is shown -------------------------------------------------------------------
     @property
@@ -439,7 +428,8 @@ class StatsPanel(QScrollArea):
 
     def show_cache_map(self, m, name=None) -> None:
         """The context map: the cache now, as the last request (or the one streaming) left it."""
-        self.cacheMap.show_map(m, name)
+        if self.cacheMap.show_map(m, name):
+            self.refit.mark()
 
     def show_confidence(self, s) -> None:
         """The reply's mean log-probability, perplexity and low-confidence tokens, as its tokens come."""

@@ -1,14 +1,56 @@
-"""Small widgets the panel and its neighbours draw with: the chart of a reply's token gaps, and a progress bar
-set without a paint of its own."""
+"""Small widgets the panel and its neighbours draw with: the chart of a reply's token gaps, a progress bar
+set without a paint of its own, and the relayout of boxes whose wrapped words changed."""
 
 from __future__ import annotations
 
-from PySide6.QtCore import QRectF, Qt
+from PySide6.QtCore import QEvent, QObject, QRectF, Qt, QTimer
 from PySide6.QtGui import QBrush, QColor, QFont, QPainter, QPen
-from PySide6.QtWidgets import QProgressBar, QTreeWidgetItem, QWidget
+from PySide6.QtWidgets import QFormLayout, QLabel, QProgressBar, QTreeWidgetItem, QWidget
 
 from .core.panel_words import fmt_size, percentile
 from .outside_text import plain_tooltip
+
+
+class Refit(QObject):
+    """The panel's boxes (a QFormLayout each) laid out again once this turn of the event loop ends, after their
+    words changed or the panel's width did: a QFormLayout keeps the heights it computed for a width, so a value
+    that grew from one line to three, or a box narrowed by the scroll bar appearing, was drawn in the old
+    heights (cut) until the next resize."""
+
+    TRIES = 4
+
+    def __init__(self, body: QWidget):
+        super().__init__(body)
+        self.body, self.tries = body, 0
+        self.timer = QTimer(self)
+        self.timer.setSingleShot(True)
+        self.timer.setInterval(0)
+        self.timer.timeout.connect(self.refit)
+        body.installEventFilter(self)
+
+    def eventFilter(self, obj, e) -> bool:
+        if e.type() == QEvent.Resize and e.size().width() != e.oldSize().width():
+            self.mark()
+        return False
+
+    def mark(self) -> None:
+        self.tries = 0
+        self.timer.start()
+
+    def refit(self) -> None:
+        """Lay the boxes out again, and again next turn while a wrapped label is still cut (a relayout can move
+        the scroll bar, and with it every width: at most TRIES times)."""
+        for form in self.body.findChildren(QFormLayout):
+            form.invalidate()
+        self.body.layout().invalidate()
+        self.tries += 1
+        if self.tries < self.TRIES:
+            QTimer.singleShot(0, lambda: self.cut() and self.refit())
+
+    def cut(self) -> list[QLabel]:
+        """The visible word-wrapped labels drawn shorter than their words need."""
+        labels = self.body.findChildren(QLabel)
+        return [x for x in labels if x.wordWrap() and x.isVisible() and x.height() < x.heightForWidth(x.width())]
 
 
 class GapChart(QWidget):

@@ -11,9 +11,9 @@ import math
 
 from PySide6.QtCore import QPoint, Qt, Signal
 from PySide6.QtGui import QColor, QTextCharFormat, QTextCursor
-from PySide6.QtWidgets import QGridLayout, QHBoxLayout, QLabel, QPushButton, QTextEdit, QToolTip, QWidget
+from PySide6.QtWidgets import QGridLayout, QLabel, QPushButton, QTextEdit, QToolTip, QWidget
 
-from .outside_text import plain
+from .outside_text import plain, rich
 from .reply_widgets import FitTextEdit
 
 MODES = {"off": "Tokens: plain", "probability": "Tokens by probability", "entropy": "Tokens by entropy"}
@@ -262,32 +262,28 @@ class ForkRow(QWidget):
         self.buttons.append(button)
 
 
-class TokenLegend(QWidget):
-    """What the colours of the token view mean, for the mode in use."""
+class TokenLegend(QLabel):
+    """What the colours of the token view mean, for the mode in use: one label of the app's own words that
+    wraps in a narrow window (a row of swatches once set the window's minimum width)."""
 
     def __init__(self):
         super().__init__()
+        rich(self)
         self.setObjectName("tokenLegend")
-        self.lay = QHBoxLayout(self)
-        self.lay.setContentsMargins(0, 0, 0, 0)
-        self.labels: list[QLabel] = []
+        self.setWordWrap(True)
 
     def show_mode(self, mode: str) -> None:
-        for w in self.labels:
-            w.setParent(None)
-            w.deleteLater()
-        self.labels = []
+        words = []
         if mode in BINS:
-            title = "chosen token's probability (raw):" if mode == "probability" else "entropy at the step:"
-            for text, colour in ((title, None), *((words, c) for _, c, words in BINS[mode])):
-                label = plain(QLabel(text))
-                if colour:
-                    c = QColor(colour)
-                    rgba = f"rgba({c.red()},{c.green()},{c.blue()},{ALPHA})"
-                    label.setStyleSheet(f"background: {rgba}; padding: 0 4px; border-radius: 3px")
-                elif text != title:
-                    label.setStyleSheet("padding: 0 4px; border: 1px solid palette(mid); border-radius: 3px")
-                self.lay.addWidget(label)
-                self.labels.append(label)
-        self.setAccessibleDescription(" ".join(w.text() for w in self.labels))
+            words = ["chosen token's probability (raw):" if mode == "probability" else "entropy at the step:"]
+            swatches = []
+            for _, colour, text in BINS[mode]:
+                c = QColor(colour or "#00000000")
+                look = f"background-color: rgba({c.red()},{c.green()},{c.blue()},{ALPHA})" if colour else ""
+                swatches.append(f'<span style="{look}">&nbsp;{html.escape(text)}&nbsp;</span>')
+                words.append(text)
+            self.setText(f"{html.escape(words[0])} " + " ".join(swatches))
+        else:
+            self.clear()
+        self.setAccessibleDescription(" ".join(words))
         self.setVisible(mode in BINS)

@@ -147,6 +147,7 @@ class MainWindow(ModelSide, WindowLayout, QMainWindow):
 
     def select_conversation(self, cid: int | None) -> None:
         self.chat.current_cid = cid
+        self.regenerateHint.setVisible(False)  # it was about the reply regenerated in the one left
         self._fill_conversations()
         self.render_transcript()
         self.show_conversation_settings()

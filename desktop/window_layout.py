@@ -83,11 +83,11 @@ class WindowLayout:
         self.tokenColours.setCurrentIndex(list(TOKEN_MODES).index(mode))
         self.tokenColours.currentIndexChanged.connect(lambda _: self.set_token_colours(self.tokenColours.currentData()))
         tokens_row.addWidget(self.tokenColours)
-        self.tokenLegend = TokenLegend()
-        self.tokenLegend.show_mode(mode)
-        tokens_row.addWidget(self.tokenLegend)
         tokens_row.addStretch(1)
         cl.addLayout(tokens_row)
+        self.tokenLegend = TokenLegend()  # its own line, wrapped in a narrow window
+        self.tokenLegend.show_mode(mode)
+        cl.addWidget(self.tokenLegend)
         self.transcript = Transcript()
         self.branch = BranchView(
             self.transcript, lambda: self.chat, self._message_view, self._fit_view, self._update_buttons,
@@ -105,9 +105,9 @@ class WindowLayout:
         self.regenerateHint.setObjectName("regenerateHint")
         self.regenerateHint.setWordWrap(True)
         self.regenerateHint.setVisible(False)
-        actions.addWidget(self.regenerateHint, 1)
         actions.addStretch(1)
         cl.addLayout(actions)
+        cl.addWidget(self.regenerateHint)  # its own line, the transcript's width: never a column beside the buttons
         comp = QHBoxLayout()
         self.composer = Composer()
         self.composer.setObjectName("composer")
@@ -164,6 +164,10 @@ class WindowLayout:
     def resizeEvent(self, e) -> None:
         super().resizeEvent(e)
         self._fit_splitter()
+
+    def showEvent(self, e) -> None:
+        super().showEvent(e)
+        QTimer.singleShot(0, self._fit_splitter)  # the splitter shares out its width at the first show, after resizes
 
     def _fit_splitter(self) -> None:
         """In a narrow window the list and the panel give way to the conversation, down to their minimum

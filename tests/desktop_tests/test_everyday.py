@@ -131,3 +131,61 @@ def test_the_pointer_picks_the_token_under_it_to_the_right_edge_of_its_last_char
     k = len(view.at) // 2
     qtbot.mouseClick(view.viewport(), Qt.LeftButton, pos=edge(view.starts[k + 1] - 1, 0.8))
     assert view.current == view.at[k]
+
+
+def cut_labels(w):
+    """The panel's word-wrapped labels drawn shorter than their words need (the last lines cut off)."""
+    from PySide6.QtWidgets import QLabel
+
+    labels = w.statsPanel.widget().findChildren(QLabel)
+    return [
+        x.objectName() for x in labels if x.wordWrap() and x.isVisible() and x.height() < x.heightForWidth(x.width())
+    ]
+
+
+def test_the_window_fits_1000_by_700_with_tokens_coloured_and_a_long_model_name(
+    qtbot, make_window, spin_loop, smollm2_gguf
+):
+    w = make_window(smollm2_gguf, max_new_tokens=24)
+    w.resize(1000, 700)
+    send(qtbot, w, spin_loop, BUDGET)
+    for mode in ("off", "probability", "entropy"):
+        w.tokenColours.setCurrentIndex(w.tokenColours.findData(mode))
+        w.resize(1000, 700)
+        qtbot.wait(50)
+        assert (w.width(), w.height()) == (1000, 700), mode
+        assert not w.transcript.horizontalScrollBar().isVisible()  # every message's row in view
+        assert w.statsPanel.width() <= w.statsPanel.minimumWidth() + 10
+    assert "SmolLM2-135M-Instruct.Q4_1.gguf" in w.modelSwitch.combo.toolTip()  # cut in the box, whole here
+
+
+def test_after_a_model_switch_the_panel_shows_every_line_of_its_words(qtbot, make_window, spin_loop, demo_model_dir,
+                                                                      smollm2_gguf):  # fmt: skip
+    w = make_window(demo_model_dir, max_new_tokens=8)
+    send(qtbot, w, spin_loop, BUDGET)
+    loaded = []
+    w.modelReady.connect(loaded.append)
+    w.switch_model(str(smollm2_gguf))
+    spin_loop(lambda: loaded)
+    assert "cache dropped" in w.statsPanel.cacheMap.caption.text()
+    qtbot.waitUntil(lambda: not cut_labels(w), timeout=2000)
+    qtbot.wait(300)  # and it stays so
+    assert not cut_labels(w)
+
+
+def test_the_greedy_hint_is_one_line_under_the_buttons_and_stays_with_its_conversation(
+    qtbot, make_window, spin_loop, demo_model_dir
+):
+    w = make_window(demo_model_dir, max_new_tokens=4)
+    w.resize(1000, 700)
+    send(qtbot, w, spin_loop, BUDGET)
+    got = []
+    w.replyFinished.connect(got.append)
+    qtbot.mouseClick(w.regenerateButton, Qt.LeftButton)
+    spin_loop(lambda: got)
+    qtbot.wait(50)
+    assert w.regenerateHint.isVisible()
+    assert w.regenerateHint.height() <= 4 * w.regenerateHint.fontMetrics().height()  # three lines, not fifteen
+    assert w.transcript.height() >= 250
+    qtbot.mouseClick(w.newButton, Qt.LeftButton)
+    assert not w.regenerateHint.isVisible()
