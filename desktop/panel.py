@@ -22,8 +22,20 @@ from PySide6.QtWidgets import (
 
 from .cache_map_view import CacheMapView
 from .core.panel_help import ROW_HELP
-from .core.panel_words import (DASH, NOT_REPORTED, cached_words, disk_words, dropped_words, fmt_bytes, fmt_ms,
-                               fmt_rate, fmt_size, percentile, reuse_source, server_timing)  # fmt: skip
+from .core.panel_words import (
+    DASH,
+    NOT_REPORTED,
+    cached_words,
+    disk_words,
+    dropped_words,
+    fmt_bytes,
+    fmt_ms,
+    fmt_rate,
+    fmt_size,
+    percentile,
+    reuse_source,
+    server_timing,
+)
 from .outside_text import breakable, plain, plain_tooltip
 from .panel_parts import GapChart, Refit, add_store_segment, set_bar
 

@@ -257,7 +257,7 @@ def cmd_models(ns) -> int:
             f"{r['quantization'] or '?'}, {r['size_bytes'] / 2**20:,.1f} MiB]  {state}\n    {r['path']}"
         )
     if not found:
-        print("no other models found (looked in the Hugging Face cache, LM Studio and Ollama; add folders with --folder)")
+        print("no other models found (looked in the Hugging Face cache, LM Studio, Ollama; add folders with --folder)")
     return 0
 
 
