@@ -120,7 +120,7 @@ class MainWindow(ModelSide, WindowLayout, QMainWindow):
         """Open another conversation, also while a reply streams (it goes on into its own); a search
         result opens at the message that matched."""
         if cid != self.chat.current_cid:
-            self.select_conversation(cid)
+            self.select_conversation(cid, refill=False)  # the list is not re-sorted under the pointer or the keys
         if found is not None:
             self.show_found(found)
 
@@ -145,10 +145,12 @@ class MainWindow(ModelSide, WindowLayout, QMainWindow):
                 0, lambda: view in self.transcript.views and self.transcript.ensureWidgetVisible(view, 0, 40)
             )
 
-    def select_conversation(self, cid: int | None) -> None:
+    def select_conversation(self, cid: int | None, refill: bool = True) -> None:
+        """Show conversation `cid`; `refill`: the list drawn again (new titles, a new order) with it current."""
         self.chat.current_cid = cid
         self.regenerateHint.setVisible(False)  # it was about the reply regenerated in the one left
-        self._fill_conversations()
+        if refill:
+            self._fill_conversations()
         self.render_transcript()
         self.show_conversation_settings()
         self.probe_conversation()

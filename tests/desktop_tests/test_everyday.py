@@ -189,3 +189,35 @@ def test_the_greedy_hint_is_one_line_under_the_buttons_and_stays_with_its_conver
     assert w.transcript.height() >= 250
     qtbot.mouseClick(w.newButton, Qt.LeftButton)
     assert not w.regenerateHint.isVisible()
+
+
+def test_a_click_in_the_list_opens_the_conversation_under_the_pointer(qtbot, make_window, spin_loop, demo_model_dir):
+    """After a Regenerate in the older conversation (its time now the newest), a click on the other one opens
+    that one and highlights it: the list is not re-sorted between the press and the release."""
+    w = make_window(demo_model_dir, max_new_tokens=4)
+    send(qtbot, w, spin_loop, "The older conversation")
+    older = w.chat.current_cid
+    qtbot.mouseClick(w.newButton, Qt.LeftButton)
+    send(qtbot, w, spin_loop, "The newer conversation")
+    newer = w.chat.current_cid
+    lst = w.conversationList
+
+    def click_on(cid):  # as a hand clicks: press, the pointer moves a pixel, release
+        from PySide6.QtCore import QPoint
+
+        row = next(i for i in range(lst.count()) if lst.item(i).data(Qt.UserRole) == cid)
+        at = lst.visualItemRect(lst.item(row)).center()
+        qtbot.mousePress(lst.viewport(), Qt.LeftButton, pos=at)
+        qtbot.mouseMove(lst.viewport(), at + QPoint(1, 1))
+        qtbot.mouseRelease(lst.viewport(), Qt.LeftButton, pos=at + QPoint(1, 1))
+
+    click_on(older)
+    assert w.chat.current_cid == older
+    got = []
+    w.replyFinished.connect(got.append)
+    qtbot.mouseClick(w.regenerateButton, Qt.LeftButton)
+    spin_loop(lambda: got)
+    click_on(newer)
+    qtbot.wait(50)
+    assert w.chat.current_cid == newer and lst.currentItem().data(Qt.UserRole) == newer
+    assert "newer" in w.transcript.views[0].message.content
