@@ -393,7 +393,7 @@ class StatsPanel(QScrollArea):
         self.set("tpotValue", fmt_ms(s.figure("tpot_ms")))
         self.set("tokensPerSecondValue", fmt_rate(s.figure("decode_tok_s")))
         self.set("e2eValue", fmt_ms(s.figure("e2e_ms")))
-        self.set("tokensValue", str(s.tokens))
+        self.set("tokensValue", s.tokens_words)
         self.show_confidence(s)
         if remote:
             self.set("serverTimingValue", server_timing(s.trace) if s.trace is not None else "after the reply")

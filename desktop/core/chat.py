@@ -304,7 +304,7 @@ class ChatController:
         self.streaming_mid = assistant.id
         self.stream_text = prefix
         stats = self.stats = self.stats_by_message[assistant.id] = ReplyStats(
-            arrival=arrival, status="prefill", made_by=made_by(self.engine_facts), steps=carried
+            arrival=arrival, status="prefill", made_by=made_by(self.engine_facts), steps=carried, carried=old_tokens
         )  # its own: the panel may show another reply meanwhile (another conversation opened)
         self.selected_mid = assistant.id
         title = self.store.conversation(cid).title
@@ -353,6 +353,7 @@ class ChatController:
             "made_by": stats.made_by,
             "tokens": stats.steps,
             "tokens_reported": stats.steps_reported,
+            "carried_tokens": old_tokens,
             "left_out": left_out(req.messages or (), upto, stats.reuse),
         }
         self.guard(

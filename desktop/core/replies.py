@@ -57,6 +57,16 @@ def model_words(made: dict | None) -> str:
     return f"{made['name']}" + (f" ({inside})" if inside else "") + f" · {where}"
 
 
+def tokens_words(carried: int, made: int, unit: str = "") -> str:
+    """A reply's token count: "106", or "106 (103 made now)" for one that went on from 3 kept tokens (`unit`
+    after the total: "106 tokens (103 made now)")."""
+    return f"{carried + made:,}{unit} ({made:,} made now)" if carried else f"{made:,}{unit}"
+
+
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
 def reply_footer(record: dict | None) -> str:
     """A reply's figures in one line, under it and in exports: tokens, tok/s, TTFT, why it stopped, which
     model made it. Read from the stored record (an import's may hold anything: what is not a number is left
@@ -66,7 +76,8 @@ def reply_footer(record: dict | None) -> str:
     trace = record.get("trace") if isinstance(record.get("trace"), dict) else {}
     parts = []
     if _number(trace.get("tokens")):
-        parts.append(f"{trace['tokens']:,} tokens")
+        carried = record["carried_tokens"] if _count(record.get("carried_tokens")) else 0
+        parts.append(tokens_words(carried, trace["tokens"], " tokens"))
     if _number(trace.get("decode_tok_s")):
         parts.append(f"{trace['decode_tok_s']:,.1f} tok/s after the first")  # 1000/TPOT, not the whole request's mean
     if _number(trace.get("ttft_ms")):
@@ -122,6 +133,7 @@ class ReplyStats:
     allocated_bytes: int | None = None  # the cache's allocation when it ended; None: not known
     steps: list = dataclasses.field(default_factory=list)  # each token's figures (token_record), as they come
     steps_reported: bool | None = None  # False: the engine (a remote server) sent none; None: not known yet
+    carried: int = 0  # the reply's tokens from before this request (a fork's kept ones, a continued reply's)
 
     @classmethod
     def from_record(cls, record: dict, status: str) -> ReplyStats:
@@ -143,11 +155,18 @@ class ReplyStats:
             if isinstance(record.get("tokens"), list)
             else [],
             steps_reported=record.get("tokens_reported"),
+            carried=record["carried_tokens"] if _count(record.get("carried_tokens")) else 0,
         )
 
     @property
     def tokens(self) -> int:
+        """The tokens this request made."""
         return len(self.token_times) if self.trace is None else self.trace.get("tokens", 0)
+
+    @property
+    def tokens_words(self) -> str:
+        """The reply's tokens, and, where it went on from earlier ones (a fork, Continue), how many were made now."""
+        return tokens_words(self.carried, self.tokens)
 
     @property
     def on_screen_ms(self) -> float | None:

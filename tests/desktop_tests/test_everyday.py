@@ -221,3 +221,28 @@ def test_a_click_in_the_list_opens_the_conversation_under_the_pointer(qtbot, mak
     qtbot.wait(50)
     assert w.chat.current_cid == newer and lst.currentItem().data(Qt.UserRole) == newer
     assert "newer" in w.transcript.views[0].message.content
+
+
+def test_after_a_fork_the_header_footer_panel_and_confidence_count_the_same_tokens(
+    qtbot, make_window, spin_loop, demo_model_dir
+):
+    w = make_window(demo_model_dir, max_new_tokens=24)
+    send(qtbot, w, spin_loop, BUDGET)
+    w.tokenColours.setCurrentIndex(w.tokenColours.findData("probability"))
+    view = w.transcript.views[1].tokenView
+    kept = w.transcript.views[1].message.trace["tokens"]
+    i = next(k for k in range(3, len(kept)) if len(kept[k]["top"]) > 1)
+    view.move_to(i)
+    button = w.transcript.views[1].forkRow.buttons[0]
+    got = []
+    w.replyFinished.connect(got.append)
+    qtbot.mouseClick(button, Qt.LeftButton)
+    spin_loop(lambda: got)
+    forked = w.transcript.views[1]
+    total = len(forked.message.trace["tokens"])
+    made = got[0].trace["tokens"]
+    assert total > made  # the tokens before the fork were kept, not made again
+    assert forked.tokensLabel.text() == f"{total} tokens"
+    assert forked.footerLabel.text().startswith(f"{total} tokens ({made} made now) · ")
+    assert panel(w, "tokensValue") == f"{total} ({made} made now)"
+    assert f"over {total} tokens" in panel(w, "meanLogprobValue")
