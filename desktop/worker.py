@@ -236,7 +236,7 @@ class EngineWorker(QObject):
                     seen.update(
                         next_dropped=len(sent["dropped_messages"]), next_dropped_positions=sent["dropped_positions"]
                     )
-                if "error" in sent:  # too long even with turns left out
+                if sent.get("refused"):  # too long even with turns left out (not: a server that does not say)
                     seen["next_error"] = sent["error"]
         except (EngineError, ValueError) as e:
             seen = {"error": str(e)}

@@ -184,11 +184,12 @@ class Session:
         """How much of a request's prompt is cached now, without running it: `positions` of the prompt,
         `cached` (the longest prefix held), `source` (working | store | disk | none). For a conversation
         shown again before anything is sent. Under an overflow policy, the prompt it would send: `dropped_messages`
-        and `dropped_positions` say what it leaves out (a prompt that cannot fit even so: `error`)."""
+        and `dropped_positions` say what it leaves out (a prompt that cannot fit even so: `error`, and `refused`: Send
+        would be refused, not merely unanswered)."""
         try:
             fitted = self.fit(req)
         except CapacityError as e:
-            return {"error": str(e)}
+            return {"error": str(e), "refused": True}
         out = self.tiers.held(fitted.ids, self._prefill_rates())
         if fitted.dropped_positions:
             out.update(dropped_messages=list(fitted.dropped), dropped_positions=fitted.dropped_positions)

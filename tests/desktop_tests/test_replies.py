@@ -157,7 +157,7 @@ def test_search_finds_a_word_from_a_message_body_and_opens_at_that_message(
 def test_export_then_import_gives_the_same_tree(qtbot, make_window, spin_loop, demo_model_dir, tmp_path, monkeypatch):
     import json
 
-    from gui import send_then_edit
+    from gui import save_as, send_then_edit
     from PySide6.QtWidgets import QFileDialog
 
     w = make_window(demo_model_dir)
@@ -171,13 +171,11 @@ def test_export_then_import_gives_the_same_tree(qtbot, make_window, spin_loop, d
         return [(index.get(m.parent_id), m.role, m.content, m.status, m.trace) for m in msgs], shown
 
     out = tmp_path / "trip.json"
-    monkeypatch.setattr(QFileDialog, "getSaveFileName", lambda *a, **k: (str(out), ""))
-    qtbot.mouseClick(w.exportButton, Qt.LeftButton)
+    save_as(w.exportButton, tmp_path, "JSON, every branch, importable (*.json)", "trip")
     data = json.loads(out.read_text())
     assert data["format"] == "kvchat-conversation" and len(data["messages"]) == 4
     md = tmp_path / "trip.md"
-    monkeypatch.setattr(QFileDialog, "getSaveFileName", lambda *a, **k: (str(md), ""))
-    qtbot.mouseClick(w.exportButton, Qt.LeftButton)
+    save_as(w.exportButton, tmp_path, "Markdown, the branch shown (*.md)", "trip")
     text = md.read_text()
     assert "750 yuan" in text and "600 yuan" not in text and text.startswith("# ")  # the branch shown
     reply = w.store.branch(cid)[-1]
