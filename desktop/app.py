@@ -28,12 +28,24 @@ def tune_process(window) -> None:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(prog="kvchat", description="A local chat app that shows inference as it happens.")
+    ap = argparse.ArgumentParser(
+        prog="kvchat",
+        description="A local chat app that shows inference as it happens.",
+        epilog="Conversations, settings and the disk cache live in KVCHAT_DATA_DIR when it is set, else in the "
+        "platform's user data folder (on Linux ~/.local/share/kvchat). Qt's own options (-platform, -style, ...) "
+        "are passed on to Qt.",
+    )
     ap.add_argument(
         "--check", action="store_true", help="start, load the model, print what loaded (or why not) as JSON, and quit"
     )
     ap.add_argument("--model", default=None, help="start on this model folder or GGUF file")
     ns, qt_args = ap.parse_known_args(argv)
+    from .platform_libs import uses_xcb, xcb_problem
+
+    problem = xcb_problem() if uses_xcb() and "-platform" not in qt_args else None
+    if problem:  # Qt would abort with a line that names only its plugin
+        print(problem, file=sys.stderr)
+        return 1
 
     import qasync
     from PySide6.QtGui import QIcon

@@ -272,6 +272,7 @@ class CacheMapView(QWidget):
         if not m.reported:
             return m.caption
         held = f"{m.length:,} / {m.capacity:,} positions" if m.capacity else f"{m.length:,} positions"
+        held = f"in the cache now: {held}"  # the bar above may be a reply's figure: this is the live cache
         per = self.grid.per
         cell = " · a cell is 1 position" if per == 1 else f" · a cell is {per} positions"
         return f"{held}{cell}\n{m.caption}" if m.caption else held + cell

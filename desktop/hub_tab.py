@@ -7,6 +7,7 @@ whole and checked (engine/hub.py). Searching and listing run on a thread, so the
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import threading
@@ -14,6 +15,7 @@ import threading
 from PySide6.QtCore import QObject, QProcess, Signal
 from PySide6.QtWidgets import (
     QAbstractItemView,
+    QCheckBox,
     QHBoxLayout,
     QHeaderView,
     QLabel,
@@ -26,13 +28,14 @@ from PySide6.QtWidgets import (
 )
 
 from engine.errors import one_line
-from engine.hub import HubError, choose, discard_partial, fits, repo_facts, repo_files, search
+from engine.hub import HubError, choose, discard_partial, fits, offline, repo_facts, repo_files, search
 
 from .core.panel_words import fmt_size
 from .outside_text import plain
 from .panel_parts import set_bar
 from .style import button
 
+OFFLINE = "Offline: the Hub is not asked. The models on this computer are listed in the other tab."
 MAX_ROWS = 1000  # a repository's files shown; the rest are counted in the note
 PROGRESS = re.compile(
     r"^(?P<what>.+): (?P<done>[\d,.]+) / (?P<total>[\d,.]+) MiB · (?P<rate>[\d,.]+) MiB/s · (?P<eta>.+)$"
@@ -93,8 +96,16 @@ class HubTab(QWidget):
         self.query.returnPressed.connect(self.run_search)
         row.addWidget(self.query, 1)
         self.searchButton = button("Search", "hubSearchButton", lambda: self.run_search(), row)
+        self.offline = QCheckBox("Offline")
+        self.offline.setObjectName("hubOffline")
+        self.offline.setToolTip(
+            "Never ask the Hub (huggingface_hub's HF_HUB_OFFLINE, for this run and the downloads it starts)"
+        )
+        self.offline.setChecked(offline())
+        self.offline.toggled.connect(self._set_offline)
+        row.addWidget(self.offline)
         lay.addLayout(row)
-        self.note = plain(QLabel("Models for text generation, most downloaded first."))
+        self.note = plain(QLabel(OFFLINE if offline() else "Models for text generation, most downloaded first."))
         self.note.setObjectName("hubNote")
         self.note.setWordWrap(True)
         lay.addWidget(self.note)
@@ -122,15 +133,26 @@ class HubTab(QWidget):
         self.spec: str | None = None  # what is being (or was last) downloaded
         self._stopping = None  # "pause" | "cancel" while a stop is under way
         self._stderr = ""  # what the running download has said (its last "error:" line is shown)
+        self._searching = False
+        self._at: tuple[float, float] | None = None  # MiB done and in all, as the download last said
         self._update()
 
     # --- asking the Hub -------------------------------------------------------------------------------
+    def _set_offline(self, on: bool) -> None:
+        if on:
+            os.environ["HF_HUB_OFFLINE"] = "1"
+        else:
+            os.environ.pop("HF_HUB_OFFLINE", None)
+        self.note.setText(OFFLINE if on else "Models for text generation, most downloaded first.")
+        self._update()
+
     def run_search(self) -> None:
         text = self.query.text().strip()
-        if not text:
+        if not text or offline():
             return
         self.note.setText(f"Searching the Hub for “{text}”…")
-        self.searchButton.setEnabled(False)
+        self._searching = True
+        self._update()
         self._ask.ask(("search", text), search, text)
 
     def _repo_picked(self) -> None:
@@ -144,10 +166,12 @@ class HubTab(QWidget):
     def _answered(self, key, answer) -> None:
         kind, what = key
         if kind == "search":
-            self.searchButton.setEnabled(True)
+            self._searching = False
+            self._update()
         if isinstance(answer, HubError):
             said = one_line(str(answer))
-            self.note.setText(f"{said} — the models on this computer are still listed in the other tab.")
+            switch = " Tick Offline to stop asking." if said.startswith("cannot reach") else ""
+            self.note.setText(f"{said}.{switch} The models on this computer are still listed in the other tab.")
             (self.searched if kind == "search" else self.listed).emit()
             return
         if kind == "search":
@@ -224,13 +248,19 @@ class HubTab(QWidget):
         spec = self.chosen_spec() if self.proc is None else None
         if spec is None:
             return
+        resuming = spec == self.spec and self._at is not None and self.progress.isVisible()
         self.spec, self._stopping = spec, None
         self.proc = QProcess(self)
         self.proc.setProgram(sys.executable)
         self.proc.setArguments(["-m", "engine", "pull", spec, "--json"])
         self.proc.readyReadStandardError.connect(self._progress)
         self.proc.finished.connect(self._finished)
-        set_bar(self.progress, 1000, 0, f"{spec}: starting…")
+        if resuming:  # the bar stays where the pause left it until the download says more
+            done, total = self._at
+            set_bar(self.progress, 1000, self.progress.value(), f"{spec}: resuming at {done:,.1f} of {total:,.1f} MiB…")
+        else:
+            self._at = None
+            set_bar(self.progress, 1000, 0, f"{spec}: starting…")
         self.progress.setVisible(True)
         self.proc.start()
         self._update()
@@ -242,6 +272,7 @@ class HubTab(QWidget):
             m = PROGRESS.match(line.strip())
             if m:
                 done, total = (float(m[k].replace(",", "")) for k in ("done", "total"))
+                self._at = (done, total)
                 words = f"{m['what']}: {done:,.1f} of {total:,.1f} MiB · {m['rate']} MiB/s · {m['eta']}"
                 set_bar(self.progress, 1000, int(1000 * done / total) if total else 0, words)
 
@@ -252,11 +283,14 @@ class HubTab(QWidget):
         stopping, self._stopping = self._stopping, None
         if stopping == "pause":
             self.note.setText(f"Paused: {self.spec}. Download goes on from where it stopped, now or after a restart.")
+            at = f"{self._at[0]:,.1f} of {self._at[1]:,.1f} MiB" if self._at else "the start"
+            set_bar(self.progress, 1000, self.progress.value(), f"{self.spec}: paused at {at}")
         elif stopping == "cancel":
             repo = self.spec.partition(":")[0]
             discard_partial(repo)
             self.progress.setVisible(False)
             self.note.setText(f"Cancelled: {self.spec}; what had come was discarded.")
+            self._at = None
         elif code == 0 and out:
             path = json.loads(out.splitlines()[-1])["path"]
             set_bar(self.progress, 1000, 1000, f"{self.spec}: downloaded and checked")
@@ -266,6 +300,8 @@ class HubTab(QWidget):
             said = [ln for ln in err.splitlines() if ln.startswith("error:")]
             self.note.setText(said[-1].removeprefix("error: ") if said else f"the download stopped (exit {code})")
         self._update()
+        if stopping == "pause" and (self.cancelButton.hasFocus() or self.pauseButton.hasFocus()):
+            self.downloadButton.setFocus()  # on Resume, not on Cancel: a stray Enter goes on, never discards
 
     def pause(self) -> None:
         if self.proc is not None:
@@ -285,6 +321,8 @@ class HubTab(QWidget):
 
     def _update(self) -> None:
         running = self.proc is not None
+        self.query.setEnabled(not offline())
+        self.searchButton.setEnabled(not offline() and not self._searching)
         self.downloadButton.setEnabled(not running and self.chosen_spec() is not None)
         paused = not running and self.spec is not None and self.spec == self.chosen_spec()
         paused = paused and self.progress.isVisible() and self.progress.value() < 1000

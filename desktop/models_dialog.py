@@ -35,8 +35,10 @@ from .core.panel_words import fmt_size
 from .hub_tab import HubTab
 from .outside_text import plain, plain_tooltip
 
-COLUMNS = ("Name", "Source", "Format", "Architecture", "Parameters", "Quantization", "Size", "KV / position", "Memory",
-           "Status")  # fmt: skip
+# What a person looks for first (is it loaded, does it fit) comes right after the name, in view at the default size.
+COLUMNS = ("Name", "Status", "Memory", "Source", "Format", "Architecture", "Parameters", "Quantization", "Size",
+           "KV / position")  # fmt: skip
+RIGHT_ALIGNED = ("Parameters", "Size")
 
 
 def kv_words(found) -> str:
@@ -109,7 +111,9 @@ class ModelsDialog(QDialog):
         header = self.table.horizontalHeader()
         header.setSectionResizeMode(QHeaderView.ResizeToContents)
         header.setSectionResizeMode(0, QHeaderView.Interactive)
-        self.table.setColumnWidth(0, 380)
+        self.table.setColumnWidth(0, 240)  # a long name is cut here and whole in its tooltip
+        header.setSectionResizeMode(COLUMNS.index("Status"), QHeaderView.Interactive)
+        self.table.setColumnWidth(COLUMNS.index("Status"), 150)  # "cannot open: …" is whole in the tooltip
         header.setSectionResizeMode(len(COLUMNS) - 1, QHeaderView.Stretch)
         self.table.itemDoubleClicked.connect(lambda item: self.open_row(item.row()))
         self.table.itemSelectionChanged.connect(self._selection_changed)
@@ -165,19 +169,22 @@ class ModelsDialog(QDialog):
         )
         if in_use and found.openable:
             status = "in use"
-        cells = (
-            found.name,
-            found.source,
-            found.format,
-            found.architecture or "?",
-            fmt_params(found.parameters),
-            found.quantization or "?",
-            fmt_size(found.size_bytes),
-            kv_words(found),
-            fits((found.held_bytes or found.size_bytes) + (found.kv_allocated_bytes or 0))[1] if found.openable else "",
-            status,
-        )
-        for c, text in enumerate(cells):
+        cells = {
+            "Name": found.name,
+            "Status": status,
+            "Memory": fits((found.held_bytes or found.size_bytes) + (found.kv_allocated_bytes or 0))[1]
+            if found.openable
+            else "",
+            "Source": found.source,
+            "Format": found.format,
+            "Architecture": found.architecture or "?",
+            "Parameters": fmt_params(found.parameters),
+            "Quantization": found.quantization or "?",
+            "Size": fmt_size(found.size_bytes),
+            "KV / position": kv_words(found),
+        }
+        for c, column in enumerate(COLUMNS):
+            text = cells[column]
             item = QTableWidgetItem(text)
             kv = f"\nKV cache: {found.kv_layers}" if found.kv_layers else ""
             held = f"\nWeights once loaded: {fmt_size(found.held_bytes)}" if found.held_bytes else ""
@@ -188,7 +195,7 @@ class ModelsDialog(QDialog):
                 font = item.font()
                 font.setBold(True)
                 item.setFont(font)
-            if c in (4, 6):
+            if column in RIGHT_ALIGNED:
                 item.setTextAlignment(Qt.AlignRight | Qt.AlignVCenter)
             self.table.setItem(r, c, item)
 

@@ -307,10 +307,11 @@ class StatsPanel(QScrollArea):
             self.show_store(None)
         self.show_cache(facts["cache"]["positions"], "after loading" if not self.remote else "connected")
 
-    def show_cache(self, positions: int, point: str, made_by: dict | None = None, allocated: int | None = None) -> None:
+    def show_cache(self, positions: int, point: str, made_by=None, allocated=None, whose="in the cache") -> None:
         """The cache rows at `positions`, read against the facts of the model that made them (`made_by`, a
         reply's; else the model loaded now) and its allocation (`allocated`; not known: the loaded cache's,
-        when that is the cache the reply was made in)."""
+        when that is the cache the reply was made in). The bar says `whose` figure it is (the selected reply's,
+        or the cache's now), as the map's caption below it is always the cache now."""
         f = made_by or self.facts
         if not f:
             return
@@ -335,9 +336,8 @@ class StatsPanel(QScrollArea):
         per_layer = None if per is None or not f.get("layers") else per // f["layers"]
         payload = None if per_layer is None else sum(n * t for n, t in held) * per_layer
         of = f"{positions:,} / {cap:,}" if cap else f"{positions:,} (capacity {NOT_REPORTED})"
-        set_bar(
-            self.cacheBar, cap or max(positions, 1), positions, f"{of} positions" if cap else f"{positions:,} positions"
-        )
+        shown = f"{of} positions" if cap else f"{positions:,} positions"
+        set_bar(self.cacheBar, cap or max(positions, 1), positions, f"{whose}: {shown}")
         self.set("cachePositionsValue", of)
         self.set("kvPayloadValue", NOT_REPORTED if payload is None else fmt_bytes(payload))
         self.set("kvAllocatedValue", NOT_REPORTED if allocated is None else fmt_bytes(allocated))
@@ -409,7 +409,7 @@ class StatsPanel(QScrollArea):
         )
         if s.reason == "eos":
             point = f"all {n} reply tokens consumed; the stop token was not"
-        self.show_cache(s.cache_positions, point, s.made_by, s.allocated_bytes)
+        self.show_cache(s.cache_positions, point, s.made_by, s.allocated_bytes, whose="at this reply")
         r = s.reuse
         if r:
             first = r.get("first_invalidated_position")

@@ -324,6 +324,11 @@ class MessageView(QFrame):
         self.editRow.setVisible(True)
         self.shown_body.setVisible(False)
         self.editor.setFocus()
+        area = self.parentWidget()
+        while area is not None and not isinstance(area, Transcript):
+            area = area.parentWidget()
+        if area is not None:
+            area.show_whole(self)  # the "You" header and the editor's first lines in sight, not the end
 
     def end_edit(self) -> None:
         if self.editor is None:
@@ -447,6 +452,23 @@ class Transcript(QScrollArea):
         self.lay.insertWidget(self.lay.count() - 1, view)
         self.views.append(view)
         self.hint.setVisible(False)
+
+    def show_whole(self, view: MessageView) -> None:
+        """Scroll `view` into sight once laid out, its top first when it is taller than the viewport; the end is
+        no longer followed (an editor opened on an early message would otherwise be scrolled past)."""
+        self._follow = False
+
+        def scroll():
+            if view not in self.views:
+                return
+            bar, height = self.verticalScrollBar(), self.viewport().height()
+            top, bottom = view.y() - 8, view.y() + view.height() + 8
+            if top < bar.value() or bottom - top > height:
+                bar.setValue(top)
+            elif bottom > bar.value() + height:
+                bar.setValue(bottom - height)
+
+        QTimer.singleShot(0, scroll)
 
     def view_for(self, mid: int) -> MessageView | None:
         return next((v for v in self.views if v.message.id == mid), None)

@@ -15,9 +15,11 @@ import errno
 import hashlib
 import os
 import re
+import socket
+import threading
 from collections.abc import Callable
 from pathlib import Path
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 from .devices import free_memory
 from .errors import one_line
@@ -29,6 +31,7 @@ QUANT = re.compile(r"(?i)(?:^|[-_.])((?:I?Q\d(?:_[A-Z0-9]+)*)|F16|BF16|F32)(?=[-
 MAX_FILES = 20_000  # a repository's files listed; the rest are left out, and said
 CONFIG_BYTES = 1 << 20  # a config.json read before a download
 SHA256 = re.compile(r"[0-9a-f]{64}")
+REACH_SECONDS = 3.0  # the Hub's name resolved and its port answering within this, or it is said unreachable at once
 __all__ = ["HubError", "HubFile", "HubModel", "RepoFacts", "choose", "discard_partial", "fits", "pull", "repo_facts",
            "repo_files", "search"]  # fmt: skip
 
@@ -93,8 +96,40 @@ def _said(e: Exception, repo: str | None = None) -> HubError:
     if isinstance(e, errors.EntryNotFoundError):
         return HubError(f"the file was not found in{what}")
     if isinstance(e, (errors.LocalEntryNotFoundError, OSError)) or "Connect" in name or "Timeout" in name:
-        return HubError(one_line(f"cannot reach the Hub at {endpoint()}: {e}"))
+        return HubError(one_line(f"cannot reach the Hugging Face Hub at {endpoint()}: {e}"))
     return HubError(one_line(f"the Hub refused: {name}: {e}"))
+
+
+def offline() -> bool:
+    """huggingface_hub's switch (HF_HUB_OFFLINE), read as it is now: the Hub is not asked at all."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def reach(timeout: float = REACH_SECONDS) -> None:
+    """A HubError at once when the Hub's host does not resolve or its port does not answer within `timeout`
+    seconds (a computer without a network otherwise waits on the resolver for tens of seconds)."""
+    home = endpoint()
+    if offline():
+        raise HubError("offline (HF_HUB_OFFLINE is set): the Hub is not asked")
+    parts = urlsplit(home)
+    host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+    said: list = []
+
+    def connect():
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            said.append(None)
+        except socket.gaierror:
+            said.append(f"{host} does not resolve (no network, or no name server)")
+        except OSError as e:
+            said.append(e)
+
+    t = threading.Thread(target=connect, name="kvchat-hub-reach", daemon=True)  # the resolver has no timeout
+    t.start()
+    t.join(timeout)
+    why = said[0] if said else f"no answer in {timeout:g} s"
+    if why is not None:
+        raise HubError(one_line(f"cannot reach the Hugging Face Hub at {home}: {why}"))
 
 
 def _count(v) -> int:
@@ -103,6 +138,7 @@ def _count(v) -> int:
 
 def _ask(path: str, params: dict | None = None, what: str = "the answer", cap: int | None = None):
     """The Hub's JSON at `path` under its endpoint (bounded, redirects without the token elsewhere)."""
+    reach()
     home = endpoint().rstrip("/")
     try:
         return get_json(f"{home}{path}", home, params, cap, what)

@@ -45,7 +45,8 @@ def test_the_map_shows_a_fresh_request_an_edit_and_a_return_to_a_stored_conversa
     )
     assert painted(grid, length) != ORIGIN_COLOURS["generated"]  # free: an outline only
     caption = w.statsPanel.cacheMap.caption.text()
-    assert caption.startswith(f"{length:,} / 256 positions · a cell is 1 position") and "message 2" in caption
+    assert caption.startswith(f"in the cache now: {length:,} / 256 positions · a cell is 1 position")
+    assert "message 2" in caption and w.statsPanel.cacheBar.text() == f"at this reply: {length:,} / 256 positions"
 
     # An edit: kept up to the first changed position, computed from there, the rest of the old cache thrown away.
     old_length = length
@@ -91,6 +92,12 @@ def test_the_map_shows_a_fresh_request_an_edit_and_a_return_to_a_stored_conversa
                                              "template", "reply"]  # fmt: skip
     said = grid.describe(kept)
     assert "copied from the prefix store" in said and "Message 1 of 3" in said
+
+    # One box, two figures, each named: the bar the selected reply's (the first, shorter), the map the cache now.
+    qtbot.mouseClick(w.transcript.views[1], Qt.LeftButton)
+    at = w.transcript.views[1].message.trace["cache"]["positions"]
+    spin_loop(lambda: w.statsPanel.cacheBar.text() == f"at this reply: {at:,} / 256 positions", 5)
+    assert at < length and w.statsPanel.cacheMap.caption.text().startswith(f"in the cache now: {length:,} / 256")
 
     # The theme's own quiet colour for free cells, in both themes.
     for theme in ("light", "dark"):

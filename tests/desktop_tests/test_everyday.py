@@ -4,9 +4,9 @@ exports, hovering tokens, the window's size, the sidebar and the panel after a c
 import dataclasses
 import json
 
-from gui import BUDGET, edit, panel, send
-from PySide6.QtCore import Qt, QTimer
-from PySide6.QtWidgets import QApplication, QFileDialog, QLineEdit
+from gui import BUDGET, edit, panel, save_as, send
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QApplication
 
 LONG_EDIT = BUDGET + " I would like to see pandas, eat hotpot, walk the old streets, and take the train back on Sunday."
 
@@ -74,27 +74,11 @@ def test_export_writes_the_file_type_chosen_in_the_dialog(qtbot, make_window, sp
     w = make_window(demo_model_dir, max_new_tokens=4, system_prompt="Be brief.", temperature=0.5)
     send(qtbot, w, spin_loop, BUDGET)
 
-    def save_as(kind: str, name: str):
-        def answer():
-            d = QApplication.activeModalWidget()
-            if not isinstance(d, QFileDialog):
-                QTimer.singleShot(20, answer)
-                return
-            d.setDirectory(str(tmp_path))
-            d.selectNameFilter(kind)
-            d.filterSelected.emit(kind)
-            box = d.findChild(QLineEdit, "fileNameEdit")
-            box.setText(name)
-            d.accept()
-
-        QTimer.singleShot(20, answer)
-        w.exportButton.click()
-
-    save_as("JSON, every branch, importable (*.json)", "trip")
+    save_as(w.exportButton, tmp_path, "JSON, every branch, importable (*.json)", "trip")
     data = json.loads((tmp_path / "trip.json").read_text(encoding="utf-8"))
     assert data["format"] == "kvchat-conversation" and not (tmp_path / "trip").exists()
     assert data["settings"]["system_prompt"] == "Be brief." and data["settings"]["temperature"] == 0.5
-    save_as("Markdown, the branch shown (*.md)", "trip notes")
+    save_as(w.exportButton, tmp_path, "Markdown, the branch shown (*.md)", "trip notes")
     text = (tmp_path / "trip notes.md").read_text(encoding="utf-8")
     assert text.startswith(f"# {BUDGET}\n")  # the title whole, not the list's cut one
 
@@ -246,3 +230,57 @@ def test_after_a_fork_the_header_footer_panel_and_confidence_count_the_same_toke
     assert forked.footerLabel.text().startswith(f"{total} tokens ({made} made now) · ")
     assert panel(w, "tokensValue") == f"{total} ({made} made now)"
     assert f"over {total} tokens" in panel(w, "meanLogprobValue")
+
+
+def test_editing_an_early_message_shows_its_header_and_editor_not_the_end(
+    qtbot, make_window, spin_loop, demo_model_dir
+):
+    w = make_window(demo_model_dir, max_new_tokens=48)
+    w.resize(1000, 700)
+    w.show()
+    for text in (BUDGET, "What should I eat?", "And where should I stay?", "How do I get there?"):
+        send(qtbot, w, spin_loop, text)
+    bar = w.transcript.verticalScrollBar()
+    qtbot.waitUntil(lambda: bar.maximum() > 0 and bar.value() == bar.maximum())  # following the end
+    first = w.transcript.views[0]
+    qtbot.mouseClick(first.editButton, Qt.LeftButton)
+    top = first.mapTo(w.transcript.widget(), first.rect().topLeft()).y()
+    height = w.transcript.viewport().height()
+    qtbot.waitUntil(lambda: bar.value() <= top)  # the "You" header in sight
+    editor = first.editor.mapTo(w.transcript.widget(), first.editor.rect().topLeft()).y()
+    assert editor + 40 <= bar.value() + height and w.focusWidget() is first.editor  # and the editor's first lines
+    QApplication.processEvents()
+    assert bar.value() <= top  # it stays there as the layout settles
+
+
+def test_kvchat_help_names_the_data_folder_and_a_missing_x11_library_is_one_install_line(tmp_path):
+    """`kvchat --help` says where the data lives; where Qt's xcb support cannot load for a missing system
+    library, the app says which and the one apt line, instead of Qt's abort naming only its plugin."""
+    import shutil
+    import subprocess
+    import sys
+
+    from desktop.platform_libs import INSTALL, advice, uses_xcb, xcb_problem
+
+    shown = subprocess.run([sys.executable, "-m", "desktop", "--help"], capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0 and "KVCHAT_DATA_DIR" in shown.stdout
+    said = advice("libxcb-cursor.so.0: cannot open shared object file: No such file or directory")
+    assert "libxcb-cursor.so.0 (package libxcb-cursor0)" in said and INSTALL in said and "libxcb-cursor0" in INSTALL
+    assert advice("invalid ELF header") is None
+    assert uses_xcb({"DISPLAY": ":0"}, "linux") and uses_xcb({"DISPLAY": ":0", "QT_QPA_PLATFORM": "xcb"}, "linux")
+    assert not uses_xcb({"DISPLAY": ":0", "QT_QPA_PLATFORM": "offscreen"}, "linux")
+    assert not uses_xcb({"DISPLAY": ":0", "WAYLAND_DISPLAY": "wayland-0"}, "linux") and not uses_xcb({}, "linux")
+    assert not uses_xcb({"DISPLAY": ":0"}, "darwin")
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return
+    # A library that links one which is then gone: the loader's own error, read as a person needs it.
+    (tmp_path / "ghost.c").write_text("int ghost(void) { return 1; }\n")
+    (tmp_path / "needs.c").write_text("int ghost(void);\nint needs(void) { return ghost(); }\n")
+    subprocess.run([cc, "-shared", "-fPIC", "-o", tmp_path / "libghost.so", tmp_path / "ghost.c"], check=True)
+    subprocess.run([cc, "-shared", "-fPIC", "-o", tmp_path / "libneeds.so", tmp_path / "needs.c",
+                    f"-L{tmp_path}", "-lghost"], check=True)  # fmt: skip
+    (tmp_path / "libghost.so").unlink()
+    problem = xcb_problem(tmp_path / "libneeds.so")
+    assert problem is not None and "needs libghost.so, which is not installed" in problem
+    assert xcb_problem(tmp_path / "nothing-here.so") is None

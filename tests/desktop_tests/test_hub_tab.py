@@ -81,11 +81,15 @@ def test_search_pick_download_pause_resume_and_open(qtbot, make_window, spin_loo
     spin_loop(lambda: tab.proc is None, 30)
     assert tab.note.text().startswith("Paused: kvchat/demo-GGUF:demo-Q4_K_M.gguf")
     assert tab.downloadButton.text() == "Resume" and tab.cancelButton.isEnabled()
+    paused_at = tab.progress.value()
+    assert "paused at" in tab.progress.format() and "MiB/s" not in tab.progress.format()  # no rate, no time left
+    assert not tab.cancelButton.hasFocus()  # a stray Enter does not discard what came
     assert not list((cache / "models--kvchat--demo-GGUF" / "snapshots").glob("*/*.gguf"))  # nothing half-written
 
     ready = []
     w.modelReady.connect(ready.append)
     qtbot.mouseClick(tab.downloadButton, Qt.LeftButton)
+    assert tab.progress.value() == paused_at and "resuming at" in tab.progress.format()  # not back to 0
     spin_loop(lambda: ready, 120)
     want = cache / "models--kvchat--demo-GGUF" / "snapshots" / COMMIT / "demo-Q4_K_M.gguf"
     assert dlg.chosen == str(want) and open(want, "rb").read() == gguf
@@ -104,9 +108,29 @@ def test_without_a_hub_the_tab_says_so_and_the_local_models_stay(qtbot, make_win
     qtbot.keyClicks(tab.query, "smollm2")
     with qtbot.waitSignal(tab.searched, timeout=30000):
         qtbot.mouseClick(tab.searchButton, Qt.LeftButton)
-    assert tab.note.text().startswith(f"cannot reach the Hub at {os.environ['HF_ENDPOINT']}")
+    assert tab.note.text().startswith(f"cannot reach the Hugging Face Hub at {os.environ['HF_ENDPOINT']}")
+    assert "Tick Offline" in tab.note.text()
     assert "still listed in the other tab" in tab.note.text() and tab.repos.rowCount() == 0
     assert dlg.table.item(0, 0).text() == "kvchat-demo"  # the local list is untouched
+
+
+def test_without_a_network_the_tab_says_so_at_once_and_offline_stops_asking(
+    qtbot, make_window, demo_model_dir, monkeypatch
+):
+    monkeypatch.setenv("HF_ENDPOINT", "https://kvchat-no-such-host.invalid")  # never resolves
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # restored after the switch below sets it
+    w = make_window(demo_model_dir)
+    tab = w.open_models_dialog().hub
+    qtbot.keyClicks(tab.query, "smollm2")
+    with qtbot.waitSignal(tab.searched, timeout=10000):  # the resolver alone could wait 24 s here
+        qtbot.mouseClick(tab.searchButton, Qt.LeftButton)
+    assert tab.note.text().startswith("cannot reach the Hugging Face Hub at https://kvchat-no-such-host.invalid")
+    assert "Tick Offline" in tab.note.text() and tab.searchButton.isEnabled()
+    tab.offline.setChecked(True)
+    assert os.environ["HF_HUB_OFFLINE"] == "1" and not tab.searchButton.isEnabled() and not tab.query.isEnabled()
+    assert tab.note.text().startswith("Offline: the Hub is not asked")
+    tab.offline.setChecked(False)
+    assert "HF_HUB_OFFLINE" not in os.environ and tab.searchButton.isEnabled()
 
 
 def test_a_repository_of_200000_files_lists_a_page_and_says_the_rest(qtbot, make_window, demo_model_dir, tmp_path,

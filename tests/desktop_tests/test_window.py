@@ -174,16 +174,30 @@ def test_a_corrupt_model_folder_shows_the_error_and_keeps_the_old_model(
 
 
 def test_over_capacity_prompt_is_explained_and_the_panel_shows_the_failed_request(
-    qtbot, make_window, spin_loop, demo_model_dir
+    qtbot, make_window, spin_loop, demo_model_dir, monkeypatch
 ):
-    """A request that fails shows its own figures (where it failed, nothing reused), never the previous
-    reply's; its footer says it failed; the previous reply keeps its own."""
+    """A prompt that cannot fit even with turns left out is refused before anything is stored (the draft kept,
+    the panel on the previous reply). Where the probe could not say so (a server that does not report), the
+    engine's own refusal is a failed request showing its own figures (where it failed, nothing reused), never
+    the previous reply's; its footer says it failed; the previous reply keeps its own."""
     from desktop.panel import REUSE_ROWS
+    from engine.session import Session
 
     w = make_window(demo_model_dir, capacity=64, max_new_tokens=32)
     ok = send(qtbot, w, spin_loop, "Hi")
     assert isinstance(ok, Finished) and panel(w, "reusedValue") != "—"
-    final = send(qtbot, w, spin_loop, BUDGET + " " + BUDGET)
+    long = BUDGET + " " + BUDGET
+    qtbot.keyClicks(w.composer, long)
+    qtbot.mouseClick(w.sendButton, Qt.LeftButton)
+    spin_loop(lambda: w.banner.isVisible())
+    assert "Not sent: even with only the system prompt and the last turn" in w.banner.text()
+    assert w.composer.toPlainText() == long and len(w.transcript.views) == 2
+    assert panel(w, "tokensValue") == str(ok.trace["tokens"])  # still the reply before
+    w.composer.clear()
+
+    monkeypatch.setattr(Session, "cached_positions", lambda self, req: {"error": "not reported"})
+    w.client.worker._conversation_seen = None  # the conversation as stored is asked again
+    final = send(qtbot, w, spin_loop, long)
     assert isinstance(final, Failed) and "capacity is 64" in final.error
     assert "capacity is 64" in w.banner.text() and w.banner.isVisible()
     failed = w.transcript.views[-1]
@@ -491,19 +505,25 @@ def test_the_models_dialog_lists_what_is_on_disk_and_opens_one_with_a_click(
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.setenv("XDG_CACHE_HOME", str(home / ".cache"))
-    w = make_window(demo_model_dir, model_folders=str(home / "models"))
+    w = make_window(demo_model_dir, model_folders=str(home / "models"), max_new_tokens=16)  # the tiny models hold 256
     dlg = w.open_models_dialog()
     assert w.isEnabled() and dlg.isVisible()  # not modal on the scan: the window is not waiting
     with qtbot.waitSignal(dlg.scanned, timeout=60000):
         pass
     table = dlg.table
     names = [table.item(r, 0).text() for r in range(table.rowCount())]
-    assert names[0] == "kvchat-demo" and table.item(0, 1).text() == "bundled"  # always listed, first
+    assert names[0] == "kvchat-demo" and table.item(0, COLUMNS.index("Source")).text() == "bundled"  # listed first
     assert table.item(0, STATUS).text() == "in use" and table.item(0, 0).font().bold()  # the model loaded now
     assert set(names[1:]) == NAMES and dlg.note.text().startswith(f"{len(NAMES)} models found")
     row = {n: r for r, n in enumerate(names)}
     cells = [table.item(row["tiny-qwen2:q8_0"], c).text() for c in range(table.columnCount())]
-    assert cells[1:4] == ["ollama", "gguf", "qwen2"] and cells[5] == "Q8_0" and cells[STATUS] == "ready"
+    assert [cells[COLUMNS.index(c)] for c in ("Source", "Format", "Architecture", "Quantization")] == [
+        "ollama", "gguf", "qwen2", "Q8_0"]  # fmt: skip
+    assert cells[STATUS] == "ready"
+    view = table.viewport().width()  # at the default size, what a person looks for first is in view
+    for column in ("Name", "Status", "Memory"):
+        c = COLUMNS.index(column)
+        assert table.horizontalHeader().sectionViewportPosition(c) + table.columnWidth(c) <= view, column
     assert cells[COLUMNS.index("KV / position")] == fmt_size(2 * 2 * 2 * 16 * 4)  # 2·L·H_kv·d·b, float32 K/V
     assert cells[COLUMNS.index("Memory")].startswith(("fits", "free memory not known"))
     assert "Weights once loaded: " in table.item(row["tiny-qwen2:q8_0"], 0).toolTip()  # codes and scales, not the file

@@ -117,5 +117,5 @@ def test_a_corrupt_file_a_gated_repository_and_no_hub_are_said_clearly(hub):
     assert missing.returncode == 2 and "was not found on the Hub" in missing.stderr
     nowhere = dict(env, HF_ENDPOINT=f"http://127.0.0.1:{free_port()}")
     down = engine(nowhere, "search", "demo")
-    assert down.returncode == 2 and f"cannot reach the Hub at {nowhere['HF_ENDPOINT']}" in down.stderr
+    assert down.returncode == 2 and f"cannot reach the Hugging Face Hub at {nowhere['HF_ENDPOINT']}" in down.stderr
     assert engine(nowhere, "pull", "owner").returncode == 2  # not a repository: said before anything is asked
