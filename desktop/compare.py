@@ -66,7 +66,7 @@ class CompareDialog(QDialog):
         self.summary.setWordWrap(True)
         lay.addWidget(self.summary)
         lay.addWidget(plain(QLabel("KL divergence per reply token (full ‖ quantized)")))
-        self.klChart = GapChart()
+        self.klChart = GapChart("each reply token's KL divergence, full against quantized", "nats", 3)
         self.klChart.set_gaps(result["kl_per_token"])
         lay.addWidget(self.klChart)
         buttons = QDialogButtonBox(QDialogButtonBox.Close)

@@ -118,6 +118,7 @@ class HubTab(QWidget):
         bottom = QHBoxLayout()
         self.progress = QProgressBar()
         self.progress.setObjectName("hubProgress")
+        self.progress.setToolTip("The download: MiB fetched of the files chosen, its rate and the time left")
         self.progress.setTextVisible(True)
         self.progress.setVisible(False)
         bottom.addWidget(self.progress, 1)

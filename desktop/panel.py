@@ -21,7 +21,7 @@ from PySide6.QtWidgets import (
 )
 
 from .cache_map_view import CacheMapView
-from .core.panel_help import ROW_HELP
+from .core.panel_help import PICTURE_HELP, ROW_HELP
 from .core.panel_words import (
     DASH,
     NOT_REPORTED,
@@ -29,12 +29,14 @@ from .core.panel_words import (
     disk_words,
     dropped_words,
     fmt_bytes,
+    fmt_figure,
     fmt_ms,
     fmt_rate,
     fmt_size,
     percentile,
     reuse_source,
     server_timing,
+    ttft_parts,
 )
 from .outside_text import breakable, plain, plain_tooltip
 from .panel_parts import GapChart, Refit, add_store_segment, set_bar
@@ -165,6 +167,8 @@ class StatsPanel(QScrollArea):
         self.storeTree.setIndentation(12)
         self.storeTree.setMinimumHeight(120)
         self.storeTree.setUniformRowHeights(True)
+        for w in (self.cacheBar, self.storeBar, self.storeTree):  # what each picture shows, in words
+            w.setToolTip(plain_tooltip(PICTURE_HELP[w.objectName()]))
         header = self.storeTree.header()
         header.setSectionResizeMode(0, QHeaderView.Stretch)
         header.setSectionResizeMode(1, QHeaderView.ResizeToContents)
@@ -377,10 +381,7 @@ class StatsPanel(QScrollArea):
                 queue, ttft = s.trace.get("ttft_queue_ms") or 0.0, s.trace.get("ttft_ms")
                 rest = None if server is None or ttft is None else ttft - queue - server
                 parts = {"send": queue, "server": server, "network": rest}
-            self.set(  # each number named: "queue 21.8 · template 0.4 · prefill 31.4 · 1st token 0.8 ms"
-                "ttftPartsValue",
-                " · ".join(f"{k} {DASH if v is None else f'{v:,.1f}'}" for k, v in parts.items()) + " ms",
-            )
+            self.set("ttftPartsValue", ttft_parts(parts, s.status in ("failed", "cancelled")))
             self.set("meanInclWaitValue", fmt_ms(s.trace.get("mean_ms_per_token_incl_wait")))
             self.set("prefillRateValue", fmt_rate(s.trace.get("prefill_tok_s"), "pos/s"))
         else:
@@ -447,7 +448,7 @@ class StatsPanel(QScrollArea):
         """The reply's mean log-probability, perplexity and low-confidence tokens, as its tokens come."""
         c = s.confidence
         if c["tokens"]:
-            self.set("meanLogprobValue", f"{c['mean_logprob']:.3f} nats over {c['tokens']:,} tokens")
+            self.set("meanLogprobValue", f"{fmt_figure(c['mean_logprob'])} nats over {c['tokens']:,} tokens")
             self.set("perplexityValue", f"{c['perplexity']:,.2f}")
             share = c["low_confidence"] / c["tokens"]
             self.set("lowConfidenceValue", f"{c['low_confidence']:,} of {c['tokens']:,} ({share:.0%})")
@@ -480,8 +481,7 @@ class StatsPanel(QScrollArea):
         )
         self.set("storeEvictionsValue", f"{store['evictions']:,} blocks ({store['evicted_positions']:,} positions)")
         self.set("diskValue", f"off: {store['disk_off']}" if store.get("disk_off") else disk_words(store.get("disk")))
-        if store.get("dropped"):
-            self.storeTree.setToolTip(plain_tooltip(store["dropped"]))
+        self.storeTree.setToolTip(plain_tooltip(store.get("dropped") or PICTURE_HELP["storeTree"]))
         per = self.facts.get("kv_bytes_per_position", 0)
         self.storeTree.clear()
 

@@ -9,6 +9,7 @@ from PySide6.QtWidgets import QFormLayout, QLabel, QProgressBar, QTreeWidgetItem
 
 from .core.panel_words import fmt_size, percentile
 from .outside_text import plain_tooltip
+from .style import current_theme
 
 
 class Refit(QObject):
@@ -53,38 +54,65 @@ class Refit(QObject):
         return [x for x in labels if x.wordWrap() and x.isVisible() and x.height() < x.heightForWidth(x.width())]
 
 
-class GapChart(QWidget):
-    """A strip of the gaps between tokens: one bar per gap, the p50 and p95 as lines."""
+CHART_COLOURS = {  # the chart's background, words, bars and its p50 and p95 lines, in each theme
+    "dark": {"back": "#1f2430", "words": "#8a93a6", "bar": "#5ab0f0", 0.5: "#f0c05a", 0.95: "#f06a5a"},
+    "light": {"back": "#f3f5f9", "words": "#5b6475", "bar": "#2f7fc0", 0.5: "#a87400", 0.95: "#c8372a"},
+}
 
-    def __init__(self):
+
+class GapChart(QWidget):
+    """A strip of a reply's per-token figures (the gaps between tokens, or a comparison's KL per token): one
+    bar each, the p50 and p95 as dashed lines that the legend in its corner and its tooltip name."""
+
+    def __init__(self, what: str = "the gap before each token", unit: str = "ms", digits: int = 1):
         super().__init__()
         self.setObjectName("gapChart")
         self.setMinimumHeight(56)
+        self.what, self.unit, self.digits = what, unit, digits
         self.gaps: list[float] = []
+        self.setToolTip(plain_tooltip(f"A bar for {what} (the last 200). Nothing yet."))
 
     def set_gaps(self, gaps):
         self.gaps = list(gaps)[-200:]
+        if self.gaps:
+            p50, p95 = (self.figure(percentile(self.gaps, q)) for q in (0.5, 0.95))
+            self.setToolTip(plain_tooltip(
+                f"A bar for {self.what} (the last 200, tallest = {self.figure(max(self.gaps))}). "
+                f"The dashed lines: the median (p50, {p50}, yellow) and the 95th percentile (p95, {p95}, red); "
+                "bars far above p95 are stalls."
+            ))  # fmt: skip
         self.update()
 
+    def figure(self, v: float) -> str:
+        return f"{v:.{self.digits}f} {self.unit}".rstrip()
+
     def paintEvent(self, _):
+        colours = CHART_COLOURS[current_theme()]
         p = QPainter(self)
-        p.fillRect(self.rect(), QColor("#1f2430"))
+        p.fillRect(self.rect(), QColor(colours["back"]))
         if not self.gaps:
-            p.setPen(QColor("#8a93a6"))
+            p.setPen(QColor(colours["words"]))
             p.drawText(self.rect(), Qt.AlignCenter, "gaps between tokens appear here")
             return
         top = max(self.gaps) or 1.0
         w, h = self.width(), self.height() - 4
         bw = w / max(len(self.gaps), 1)
         p.setPen(Qt.NoPen)
-        p.setBrush(QColor("#5ab0f0"))
+        p.setBrush(QColor(colours["bar"]))
         for i, g in enumerate(self.gaps):
             bh = max(1.0, g / top * h)
             p.drawRect(QRectF(i * bw, h - bh + 2, max(bw - 1, 1), bh))
-        for q, color in ((0.5, "#f0c05a"), (0.95, "#f06a5a")):
+        font = QFont(p.font())
+        font.setPointSizeF(max(6.0, font.pointSizeF() * 0.8))
+        p.setFont(font)
+        x = w - 4
+        for q, name in ((0.95, "p95"), (0.5, "p50")):  # the legend, right to left
             y = h - percentile(self.gaps, q) / top * h + 2
-            p.setPen(QPen(QColor(color), 1, Qt.DashLine))
+            p.setPen(QPen(QColor(colours[q]), 1, Qt.DashLine))
             p.drawLine(0, int(y), w, int(y))
+            label = f"╌ {name}"
+            x -= p.fontMetrics().horizontalAdvance(label) + 6
+            p.drawText(int(x), p.fontMetrics().ascent() + 1, label)
 
 
 def set_bar(bar: QProgressBar, maximum: int, value: int, text: str) -> None:

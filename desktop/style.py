@@ -15,7 +15,9 @@ _current = {"theme": "dark"}
 
 
 def style_sheet(theme: str = "dark") -> str:
-    return resource("styles", SHEETS[theme]).read_text(encoding="utf-8")
+    """The theme's sheet, its images (the spin boxes' arrows) named by where the styles folder is."""
+    sheet = resource("styles", SHEETS[theme]).read_text(encoding="utf-8")
+    return sheet.replace("@STYLES@", resource("styles").as_posix())
 
 
 def resolve(choice: str) -> str:

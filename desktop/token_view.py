@@ -13,6 +13,7 @@ from PySide6.QtCore import QPoint, Qt, Signal
 from PySide6.QtGui import QColor, QTextCharFormat, QTextCursor
 from PySide6.QtWidgets import QGridLayout, QLabel, QPushButton, QTextEdit, QToolTip, QWidget
 
+from .core.panel_words import fmt_figure
 from .outside_text import plain, rich
 from .reply_widgets import FitTextEdit
 
@@ -62,7 +63,9 @@ def token_words(step: dict, index: int) -> list[str]:
     lines.append(head + (f" · {_pct(sampled)} as sampled" if sampled is not None else " · sampled: not reported"))
     if isinstance(step.get("entropy"), (int, float)):
         rank = step.get("rank")
-        lines.append(f"entropy {step['entropy']:.2f} nats" + (f" · rank {rank}" if isinstance(rank, int) else ""))
+        lines.append(
+            f"entropy {fmt_figure(step['entropy'], 2)} nats" + (f" · rank {rank}" if isinstance(rank, int) else "")
+        )
     top = step.get("top") or []
     if top:
         lines.append("Alternatives (raw · as sampled):")

@@ -147,6 +147,7 @@ class WindowLayout:
         self.loadProgress.setObjectName("loadProgress")
         self.loadProgress.setRange(0, 0)
         self.loadProgress.setMaximumWidth(160)
+        self.loadProgress.setToolTip("Loading the model: the share of its weights read so far")
         self.loadProgress.setVisible(False)
         self.statusBar().addPermanentWidget(self.loadProgress)
         self.themeSwitch = QComboBox()

@@ -92,3 +92,11 @@ ROW_HELP = {
     "medianTtftValue": "The median TTFT over this session's requests.",
     "medianTpotValue": "The median TPOT over this session's requests.",
 }
+
+PICTURE_HELP = {  # the pictures beside the rows: a tooltip each
+    "cacheBar": "The selected reply's cache: positions it had consumed when it ended, of the capacity (after a "
+    "load: the cache now). The map below is always the cache now.",
+    "storeBar": "How full the prefix store is: the bytes its blocks hold, of its budget.",
+    "storeTree": "The prompts the prefix store holds, as a tree: a shared beginning once, each branch below it; "
+    "each row's positions, bytes and whether it is also on disk. A new prompt reuses the longest path it matches.",
+}
