@@ -3,7 +3,7 @@ the menus; the splitter kept to the window's width. A part of MainWindow (deskto
 
 from __future__ import annotations
 
-from PySide6.QtCore import QTimer
+from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import (
     QComboBox,
@@ -11,6 +11,7 @@ from PySide6.QtWidgets import (
     QLabel,
     QProgressBar,
     QSplitter,
+    QStatusBar,
     QVBoxLayout,
     QWidget,
 )
@@ -34,11 +35,38 @@ PROBE_DELAY_MS = 250  # a conversation opened is probed for its cached share thi
 SIDEBAR_SHARE, PANEL_SHARE = 0.2, 0.3  # of the window's width, at most, when it is too narrow for all three
 
 
+class StatusBar(QStatusBar):
+    """The status bar, whose passing messages end where its permanent widgets (the load bar, the theme box)
+    begin: a long one is cut with "…" and said whole in its tooltip, not drawn under them."""
+
+    def __init__(self):
+        super().__init__()
+        self.permanent: list[QWidget] = []
+        self.whole, self.cut = "", ""
+
+    def addPermanentWidget(self, widget, stretch=0):
+        self.permanent.append(widget)
+        super().addPermanentWidget(widget, stretch)
+
+    def showMessage(self, text: str, timeout: int = 0) -> None:
+        room = self.width() - sum(w.width() + 8 for w in self.permanent if w.isVisible()) - 16
+        cut = self.fontMetrics().elidedText(text, Qt.ElideRight, max(room, 80)) if self.isVisible() else text
+        self.whole, self.cut = text, cut
+        self.setToolTip(text if cut != text else "")
+        super().showMessage(cut, timeout)
+
+    def currentMessage(self) -> str:
+        """The message whole, as it was given (the bar may show it cut)."""
+        shown = super().currentMessage()
+        return self.whole if shown and shown == self.cut else shown
+
+
 class WindowLayout:
     """MainWindow's building of its widgets (mixed into it: `self` is the window)."""
 
     # --- layout ------------------------------------------------------------------------
     def _build(self) -> None:
+        self.setStatusBar(StatusBar())
         self.sidebar = Sidebar(self)
         self.sidebar.searchChanged.connect(self._fill_conversations)
         self.sidebar.picked.connect(self._on_conversation_picked)

@@ -3,6 +3,7 @@ exports, hovering tokens, the window's size, the sidebar and the panel after a c
 
 import dataclasses
 import json
+from pathlib import Path
 
 from gui import BUDGET, edit, panel, save_as, send
 from PySide6.QtCore import Qt
@@ -284,3 +285,40 @@ def test_kvchat_help_names_the_data_folder_and_a_missing_x11_library_is_one_inst
     problem = xcb_problem(tmp_path / "libneeds.so")
     assert problem is not None and "needs libghost.so, which is not installed" in problem
     assert xcb_problem(tmp_path / "nothing-here.so") is None
+
+
+def test_the_small_things_read_right_figures_tooltips_arrows_and_long_status_messages(
+    qtbot, make_window, demo_model_dir
+):
+    import html
+    import re
+
+    from PySide6.QtWidgets import QStatusBar
+
+    from desktop.core.panel_words import fmt_figure, ttft_parts
+    from desktop.style import style_sheet
+
+    assert fmt_figure(-0.0004) == "0.000" and fmt_figure(-0.5) == "-0.500" and fmt_figure(-0.004, 2) == "0.00"
+    parts = {"queue": 0.1, "template": 0.4, "prefill": None, "1st token": None}
+    assert ttft_parts(parts, True) == "queue 0.1 · template 0.4 ms · not reached: prefill, 1st token"
+    assert ttft_parts(parts, False) == "queue 0.1 · template 0.4 · prefill — · 1st token — ms"
+    for theme in ("dark", "light"):  # the spin boxes' arrows: images that are there, in each theme's colour
+        sheet = style_sheet(theme)
+        arrows = re.findall(r"url\(([^)]+)\)", sheet)
+        assert "@STYLES@" not in sheet and len(arrows) == 4 and all(Path(a).is_file() for a in arrows)
+
+    w = make_window(demo_model_dir)
+    w.resize(1000, 700)
+    w.show()
+    qtbot.waitExposed(w)
+    p = w.statsPanel
+    for widget in (p.cacheBar, p.storeBar, p.storeTree, w.loadProgress, p.gapChart):
+        assert len(html.unescape(widget.toolTip())) > 30, widget.objectName()
+    p.gapChart.set_gaps([10.0, 10.0, 10.0, 12.0, 80.0])
+    assert "the median (p50, 10.0 ms, yellow)" in html.unescape(p.gapChart.toolTip())
+    said = "The model could not be loaded: " + "a reason that goes on " * 30
+    bar = w.statusBar()
+    bar.showMessage(said)
+    shown = QStatusBar.currentMessage(bar)  # what is drawn: cut before the theme box
+    assert shown.endswith("…") and bar.fontMetrics().horizontalAdvance(shown) < bar.width() - w.themeSwitch.width()
+    assert bar.currentMessage() == said and bar.toolTip() == said  # and whole where it is asked for
