@@ -79,7 +79,10 @@ class RegenerateWith(QToolButton):
         self.setObjectName("regenerateWithButton")
         self.setText("Regenerate with…")
         self.setAccessibleName("Regenerate the last reply with another model")
-        self.setToolTip("The last reply made again by another model: a new branch, labelled with the model")
+        self.setToolTip(
+            "The last reply made again by another model: a new branch, labelled with the model. The app then stays "
+            "on that model for what follows; Model: above switches back."
+        )
         self.setPopupMode(QToolButton.InstantPopup)
         self.setMenu(QMenu(self))
 
@@ -87,5 +90,5 @@ class RegenerateWith(QToolButton):
         menu = self.menu()
         menu.clear()
         for p in others:
-            menu.addAction(model_name(p), lambda p=p: self.chosen.emit(p))
+            menu.addAction(f"{model_name(p)} (and keep it loaded)", lambda p=p: self.chosen.emit(p))
         self.setVisible(bool(others))

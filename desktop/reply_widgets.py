@@ -78,6 +78,7 @@ class FitTextEdit(QTextEdit):
             self.setLineWrapMode(QTextEdit.NoWrap)
         self.setSizePolicy(QSizePolicy.Preferred, QSizePolicy.Fixed)
         self.setTextInteractionFlags(Qt.TextSelectableByMouse | Qt.TextSelectableByKeyboard)
+        self.setFocusPolicy(Qt.ClickFocus)  # selectable, not a tab stop: the message is (its Copy copies it)
         self.document().setDocumentMargin(4)
         self.document().documentLayout().documentSizeChanged.connect(self._fit)
 
@@ -273,7 +274,11 @@ class MarkdownLabel(WrapLabel):
 
     def set_piece(self, piece: Piece) -> None:
         self.piece = piece
-        self.setText(markdown_html(piece.text))
+        text = markdown_html(piece.text)
+        self.setText(text)
+        # A tab stop only where it has a link to reach by keyboard; a paragraph is selectable by mouse, and the
+        # message around it is the tab stop (Copy copies it).
+        self.setFocusPolicy(Qt.StrongFocus if "<a " in text else Qt.ClickFocus)
 
 
 PLAIN_LINES = 2_000  # a piece shown as plain text shows this many lines at a time

@@ -32,13 +32,13 @@ from .outside_text import warn
 from .settings_dialog import open_settings
 from .token_view import MODES as TOKEN_MODES
 from .transcript import MessageView
-from .window_layout import WindowLayout
+from .window_layout import TabOrder, WindowLayout
 from .window_models import ModelSide
 
 PANEL_EVERY_S = 0.5  # the panel's figures twice a second while a reply streams (and once at its end)
 
 
-class MainWindow(ModelSide, WindowLayout, QMainWindow):
+class MainWindow(ModelSide, WindowLayout, TabOrder, QMainWindow):
     replyFinished = Signal(object)  # the last event of each reply, Finished or Failed (tests and tools wait on it)
     modelReady = Signal(dict)
     conversationProbed = Signal(dict)  # how much of the conversation on screen is cached (tests wait on it)
@@ -72,6 +72,7 @@ class MainWindow(ModelSide, WindowLayout, QMainWindow):
         self.show_models()
         self.chat = ChatController(self._open_store(), self.client, self.settings, self, now)
         self._show_first_conversation()
+        self.composer.setFocus()  # where a person types first, after a restart too
         self._update_buttons()
         self.client.modelLoading.connect(self._on_model_loading)
         self.client.modelLoadProgress.connect(self._on_load_progress)
@@ -470,6 +471,7 @@ class MainWindow(ModelSide, WindowLayout, QMainWindow):
         self._task = self.loop.create_task(run)
         self._task.add_done_callback(self._reply_done)
         self._update_buttons()
+        self.composer.setFocus()  # a fork or regenerate rebuilt the views: not the search box, the message box
 
     def _reply_done(self, task: asyncio.Task) -> None:
         """A bug in the reply code must not leave the window stuck in 'generating'."""

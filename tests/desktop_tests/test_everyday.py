@@ -322,3 +322,52 @@ def test_the_small_things_read_right_figures_tooltips_arrows_and_long_status_mes
     shown = QStatusBar.currentMessage(bar)  # what is drawn: cut before the theme box
     assert shown.endswith("…") and bar.fontMetrics().horizontalAdvance(shown) < bar.width() - w.themeSwitch.width()
     assert bar.currentMessage() == said and bar.toolTip() == said  # and whole where it is asked for
+
+
+def test_tab_follows_the_screen_and_the_message_box_has_the_focus_after_a_fork_and_a_restart(
+    qtbot, make_window, spin_loop, demo_model_dir, tmp_path
+):
+    w = make_window(demo_model_dir, max_new_tokens=24)
+    w.resize(1200, 800)
+    w.activateWindow()
+    qtbot.waitUntil(lambda: w.isActiveWindow())
+    assert QApplication.focusWidget() is w.composer  # a fresh start: where a person types
+    send(qtbot, w, spin_loop, BUDGET)
+    stops = w.tab_stops()
+    views = w.transcript.views
+    order = [w.search, w.conversationList, w.newButton, w.modelSwitch.combo, w.tokenColours, views[0], views[1],
+             w.regenerateButton, w.composer, w.sendButton]  # fmt: skip
+    at = [stops.index(s) for s in order]
+    assert at == sorted(at) and at[0] == 0 and stops[-1] is w.themeSwitch
+    panel_stops = [i for i, s in enumerate(stops) if w.statsPanel.isAncestorOf(s)]
+    assert panel_stops and at[-1] < min(panel_stops) and max(panel_stops) < len(stops) - 1
+    assert not any(s.objectName() == "replyText" for s in stops)  # a paragraph is not a tab stop of its own
+    w.activateWindow()  # the offscreen platform drops the active window while a reply streams
+    qtbot.waitUntil(lambda: w.isActiveWindow())
+    w.composer.setFocus()
+    qtbot.keyClick(w.composer, Qt.Key_Tab)  # the real key, from the message box on
+    assert QApplication.focusWidget() is w.sendButton
+    qtbot.keyClick(w.sendButton, Qt.Key_Tab)
+    assert QApplication.focusWidget() is stops[panel_stops[0]]
+    w.search.setFocus()
+    qtbot.keyClick(w.search, Qt.Key_Backtab, Qt.ShiftModifier)  # and back round from the first to the last
+    assert QApplication.focusWidget() is w.themeSwitch
+
+    # A fork from a token: the views are rebuilt, and the focus goes to the message box, not the search box.
+    w.tokenColours.setCurrentIndex(w.tokenColours.findData("probability"))
+    kept = w.transcript.views[1].message.trace["tokens"]
+    i = next(k for k in range(1, len(kept)) if len(kept[k]["top"]) > 1)
+    w.transcript.views[1].tokenView.move_to(i)
+    row = w.transcript.views[1].forkRow
+    done = []
+    w.replyFinished.connect(done.append)
+    qtbot.mouseClick(row.buttons[-1], Qt.LeftButton)
+    spin_loop(lambda: done)
+    w.activateWindow()
+    qtbot.waitUntil(lambda: w.isActiveWindow())
+    assert w.transcript.views[1].branchLabel.text() == "2/2" and QApplication.focusWidget() is w.composer
+    w.close()
+    again = make_window(demo_model_dir, data=tmp_path / "data")  # a restart on the same data
+    again.activateWindow()
+    qtbot.waitUntil(lambda: again.isActiveWindow())
+    assert again.transcript.views and QApplication.focusWidget() is again.composer

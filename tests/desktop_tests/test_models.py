@@ -57,7 +57,12 @@ def test_a_switch_mid_conversation_is_marked_and_regenerate_with_makes_a_labelle
 
     # Regenerate with the demo model: the last reply made again, a new branch, labelled with its model.
     menu = w.regenerateWith.menu()
-    assert [a.text() for a in menu.actions()] == [model_name(None)]
+    assert [a.text() for a in menu.actions()] == [f"{model_name(None)} (and keep it loaded)"]
+    assert "stays on that model" in w.regenerateWith.toolTip()  # it says it switches the app for good
+    w.regenerateWith.setEnabled(False)
+    off = w.regenerateWith.grab().toImage()
+    w.regenerateWith.setEnabled(True)
+    assert off != w.regenerateWith.grab().toImage()  # disabled, it looks it
     done = []
     w.replyFinished.connect(done.append)
     menu.actions()[0].trigger()
