@@ -3,6 +3,9 @@ conversation's title) and the buttons that make, rename, delete, export and impo
 
 from __future__ import annotations
 
+import time
+from collections import Counter
+
 from PySide6.QtCore import QEvent, Qt, Signal
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QLineEdit, QListWidget, QListWidgetItem, QVBoxLayout, QWidget
 
@@ -61,13 +64,17 @@ class Sidebar(QWidget):
         the one shown made current; no `picked` is said for it."""
         self.list.blockSignals(True)
         self.list.clear()
+        conversations = list(conversations)
+        same = Counter(c.title for c in conversations)
         for c in conversations:
             hit = hits.get(c.id)
-            item = QListWidgetItem(c.title if hit is None else f"{c.title}\n{hit.snippet}")
+            title = c.title if same[c.title] == 1 else f"{c.title}\n{told_apart(c, conversations)}"
+            item = QListWidgetItem(title if hit is None else f"{title}\n{hit.snippet}")
             item.setData(Qt.UserRole, c.id)
+            item.setToolTip(plain_tooltip(c.title))
             if hit is not None:  # a message matched: its words under the title; picking it shows that message
                 item.setData(FOUND_ROLE, hit.message_id)
-                item.setToolTip(plain_tooltip(hit.snippet))
+                item.setToolTip(plain_tooltip(f"{c.title}\n{hit.snippet}"))
             self.list.addItem(item)
             if c.id == current:
                 self.list.setCurrentItem(item)
@@ -95,3 +102,14 @@ class Sidebar(QWidget):
     def focus_search(self) -> None:
         self.search.setFocus()
         self.search.selectAll()
+
+
+def told_apart(c, conversations) -> str:
+    """The line under a title that others share (two trips to Chengdu cut to the same words): when it was
+    started, to the minute, or to the second where that is the same too (and its number, where even that is)."""
+    twins = [o for o in conversations if o.title == c.title and o.id != c.id]
+    for shape in ("%d %b %H:%M", "%d %b %H:%M:%S"):
+        when = time.strftime(shape, time.localtime(c.created))
+        if all(time.strftime(shape, time.localtime(o.created)) != when for o in twins):
+            return f"started {when}"
+    return f"started {when} · no. {c.id}"

@@ -2,6 +2,7 @@
 exports, hovering tokens, the window's size, the sidebar and the panel after a change (the real window)."""
 
 import dataclasses
+import html
 import json
 from pathlib import Path
 
@@ -290,7 +291,6 @@ def test_kvchat_help_names_the_data_folder_and_a_missing_x11_library_is_one_inst
 def test_the_small_things_read_right_figures_tooltips_arrows_and_long_status_messages(
     qtbot, make_window, demo_model_dir
 ):
-    import html
     import re
 
     from PySide6.QtWidgets import QStatusBar
@@ -371,3 +371,20 @@ def test_tab_follows_the_screen_and_the_message_box_has_the_focus_after_a_fork_a
     again.activateWindow()
     qtbot.waitUntil(lambda: again.isActiveWindow())
     assert again.transcript.views and QApplication.focusWidget() is again.composer
+
+
+def test_two_conversations_whose_titles_cut_the_same_are_told_apart_in_the_sidebar(
+    qtbot, make_window, spin_loop, demo_model_dir
+):
+    w = make_window(demo_model_dir, max_new_tokens=4)
+    send(qtbot, w, spin_loop, BUDGET)
+    qtbot.mouseClick(w.newButton, Qt.LeftButton)
+    send(qtbot, w, spin_loop, BUDGET.replace("600", "900"))  # the same first 48 characters: the same title
+    qtbot.mouseClick(w.newButton, Qt.LeftButton)
+    send(qtbot, w, spin_loop, "Hi")
+    items = [w.conversationList.item(i) for i in range(w.conversationList.count())]
+    title = BUDGET[:48] + "…"
+    twins = [it.text() for it in items if it.text().startswith(title)]
+    assert len(twins) == 2 and twins[0] != twins[1] and all(t.split("\n")[1].startswith("started ") for t in twins)
+    assert [it.text() for it in items if it.text().startswith("Hi")] == ["Hi"]  # a title of its own: one line
+    assert all(title in html.unescape(it.toolTip()) for it in items if it.text().startswith(title))
