@@ -7,6 +7,7 @@ import math
 from gui import BUDGET, panel, send
 from PySide6.QtCore import Qt
 
+from desktop.core.panel_words import fmt_figure
 from desktop.token_view import BINS, bin_of
 from engine.events import Finished
 from engine.logprobs import LOW_CONFIDENCE
@@ -20,7 +21,7 @@ def test_a_reply_carries_each_tokens_figures_and_the_panel_sums_them(qtbot, make
     lps = [s.logprob for s in final.logprobs]
     mean = sum(lps) / len(lps)
     low = sum(lp < math.log(LOW_CONFIDENCE) for lp in lps)
-    assert panel(w, "meanLogprobValue") == f"{mean:.3f} nats over {len(lps):,} tokens"
+    assert panel(w, "meanLogprobValue") == f"{fmt_figure(mean)} nats over {len(lps):,} tokens"  # never -0.000
     assert panel(w, "perplexityValue") == f"{math.exp(-mean):,.2f}"
     assert panel(w, "lowConfidenceValue").startswith(f"{low:,} of {len(lps):,}")
     assert all(len(s.top) == 5 for s in final.logprobs)  # the settings' default alternatives
