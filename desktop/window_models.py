@@ -76,6 +76,8 @@ class ModelSide:
             note = f"Connected: {facts['name']} at {facts['server']} ({facts.get('server_kind')} server)."
         else:
             note = f"Model {facts['name']} ready on {facts['device']} ({facts['dtype']})."
+            if facts.get("warm_up_ms") is not None:  # paid here, at load, not by the first reply
+                note = note[:-1] + f", warmed up in {facts['warm_up_ms']:,.0f} ms."
         if self.chat.stats.status != "idle":  # the reply shown keeps its own figures, made where it was made
             self.statsPanel.show_reply(self.chat.stats, self.chat.heading())
         if facts.get("cache_dropped"):

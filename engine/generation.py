@@ -14,6 +14,7 @@ import torch
 from . import trace as tracing
 from .backends.cuda_graph import GraphDecoder, graphs_wanted
 from .events import Token
+from .kv_cache import make_cache
 from .logprobs import step_logprobs
 from .sampling import draw
 
@@ -38,6 +39,27 @@ def prefill(model, cache, ids: list[int], tokens: list[int], chunk, device) -> I
         ids.extend(piece)
         done += len(piece)
         yield done, logits
+
+
+WARM_POSITIONS = 24  # the warm-up's prompt: a prefill forward of this many positions, then two decode steps
+
+
+@torch.inference_mode()
+def warm_up(loaded, kv: str) -> float:
+    """A short prefill and two decode steps on a scratch cache of the model just loaded, and its chat template
+    rendered once, so that the first request does not pay what a first forward costs (the weights' pages read
+    in, the kernels' threads started, torch's first dispatch of each op). Nothing a request sees is touched: not
+    the working cache, the prefix store nor the traces. Returns how long it took, in ms."""
+    start = tracing.now()
+    loaded.tokenizer.chat_prompt([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+    n = min(WARM_POSITIONS, loaded.config.max_position_embeddings - 2, loaded.config.vocab_size)
+    scratch = make_cache(loaded.config, n + 2, loaded.dtype, loaded.device, kv, n)
+    device = loaded.device
+    loaded.model(torch.arange(n, device=device)[None], scratch, last_only=True)  # [1, n] -> [1, 1, V]
+    for t in (1, 2):
+        logits = loaded.model(torch.tensor([[t]], device=device), scratch, last_only=True)  # [1, 1] -> [1, 1, V]
+    logits.float().sum().item()  # waits for the device
+    return (tracing.now() - start) * 1000
 
 
 class Decoder:

@@ -16,7 +16,7 @@ from . import trace as tracing
 from .disk_store import DiskStore
 from .errors import CapacityError, EngineError
 from .events import Failed, Finished, PrefillDone, PrefillProgress, PrefillStarted, ReuseReport
-from .generation import PREFILL_CHUNK, Decoder, alone, decode, prefill, prefill_chunk_for
+from .generation import PREFILL_CHUNK, Decoder, alone, decode, prefill, prefill_chunk_for, warm_up
 from .kv_cache import DEFAULT_CAPACITY, KVCache
 from .kv_tiers import FINGERPRINT_NAMES, KVTiers, fingerprint_change
 from .logprobs import check_top_logprobs
@@ -92,6 +92,12 @@ class Session:
         self.tiers.set_model(loaded, capacity, kv, self.prefill_chunk or prefill_chunk_for(loaded.dtype))
         self._decoder = Decoder(loaded, self.tiers.cache)  # a captured step belongs to one model and one cache
         self.loaded, self.capacity_setting, self.kv = loaded, asked, kv
+        self.warm_up_ms: float | None = None
+
+    def warm_up(self) -> float:
+        """Run the model once off any request (generation.warm_up): the first request's TTFT is then its own."""
+        self.warm_up_ms = warm_up(self.loaded, self.kv)
+        return self.warm_up_ms
 
     @property
     def cache(self) -> KVCache:
@@ -164,6 +170,7 @@ class Session:
             "cache": self.cache_stats(),
             "fingerprint": dict(self.loaded.fingerprint),
             "cache_dropped": self.pending_drop_reason,
+            "warm_up_ms": self.warm_up_ms,
         }
 
     # --- the request against this cache -------------------------------------------------

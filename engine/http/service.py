@@ -60,6 +60,7 @@ class EngineService:
         self.engine = EngineThread(parallel=parallel)
         self.loaded, self.session = self.engine.call(load).result()
         self.engine.session = self.session
+        self.engine.call(self.session.warm_up).result()  # the first request's TTFT is its own (on this thread too)
         self.model_id, self.queue_size = model_id or self.loaded.name, queue_size
         self.created = int(time.time())
         self.metrics = ServeMetrics(self.model_id, self.engine.lanes, lambda: self.engine.pending)

@@ -388,3 +388,10 @@ def test_two_conversations_whose_titles_cut_the_same_are_told_apart_in_the_sideb
     assert len(twins) == 2 and twins[0] != twins[1] and all(t.split("\n")[1].startswith("started ") for t in twins)
     assert [it.text() for it in items if it.text().startswith("Hi")] == ["Hi"]  # a title of its own: one line
     assert all(title in html.unescape(it.toolTip()) for it in items if it.text().startswith(title))
+
+
+def test_the_model_is_warmed_up_at_load_and_the_status_bar_says_so(qtbot, make_window, spin_loop, demo_model_dir):
+    w = make_window(demo_model_dir, max_new_tokens=4)
+    assert w.facts["warm_up_ms"] > 0 and "warmed up in" in w.statusBar().currentMessage()
+    first = send(qtbot, w, spin_loop, BUDGET)
+    assert first.trace["computed"] == first.trace["prompt_tokens"]  # the warm-up left the working cache empty

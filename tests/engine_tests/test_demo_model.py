@@ -80,3 +80,16 @@ def test_sampling_with_a_seed_is_reproducible(demo_model_dir):
     a = reply(session, [{"role": "user", "content": BUDGET}], sampling=p)[1]
     b = reply(session, [{"role": "user", "content": BUDGET}], sampling=p)[1]
     assert a.token_ids == b.token_ids
+
+
+@pytest.mark.parametrize("kv", ["none", "int8"])
+def test_the_warm_up_at_load_runs_the_model_and_leaves_what_a_request_sees_untouched(demo_model_dir, kv):
+    session = Session(load_model(demo_model_dir), kv=kv)
+    assert session.facts()["warm_up_ms"] is None
+    ms = session.warm_up()
+    assert ms > 0 and session.facts()["warm_up_ms"] == ms
+    assert session.cache.length == 0 and session.ids == [] and not session.traces and session.store.nodes == 0
+    start, first = reply(session, [{"role": "user", "content": BUDGET}])
+    assert start.reuse.reused == 0 and "600 yuan" in first.text  # the first request is as it would be without it
+    session.set_model(load_model(demo_model_dir), kv=kv)
+    assert session.facts()["warm_up_ms"] is None  # another load: to be warmed again
