@@ -1,6 +1,7 @@
-"""When the window redraws while a reply streams: at most every REFRESH_MS, stretching to SLOWEST_REFRESH_MS
-while the GUI thread takes more than its CPU budget, and only when something changed (desktop/README.md,
-"The seam", has the measurements behind each figure)."""
+"""When the window redraws while a reply streams: at most every REFRESH_MS, stretching to STEADY_REFRESH_MS
+while the GUI thread takes more than its CPU budget, past it (to SLOWEST_REFRESH_MS) only while it takes more
+than its ceiling, and only when something changed (desktop/README.md, "The seam", has the measurements behind
+each figure)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from PySide6.QtCore import QObject, QTimer
 from engine.trace import now
 
 REFRESH_MS = 60  # the fastest the streaming text redraws (≥ 15 updates a second)
-SLOWEST_REFRESH_MS = 400  # the slowest, when redraws cost more than the budget
-GUI_CPU_BUDGET = 0.08  # share of one core the GUI thread may take while a reply streams
+STEADY_REFRESH_MS = 100  # the slowest while the GUI thread stays under its ceiling: a stream reads as flowing
+SLOWEST_REFRESH_MS = 400  # the slowest, when redraws cost more than the ceiling (a long transcript, a slow paint)
+GUI_CPU_BUDGET = 0.08  # share of one core the GUI thread aims at while a reply streams
+GUI_CPU_CEILING = 0.2  # the share past which the text redraws less than 10 times a second
 
 
 class RedrawPacer(QObject):
@@ -52,8 +55,9 @@ class RedrawPacer(QObject):
         self.draw(panel)
 
     def adapt(self) -> None:
-        """Stretch the interval while the GUI thread uses more than its budget, shrink it back when it uses
-        less (measured with the thread's own CPU clock, over at least half a second)."""
+        """Stretch the interval while the GUI thread uses more than its budget (to STEADY_REFRESH_MS; past it only
+        over the ceiling), shrink it back when it uses less (measured with the thread's own CPU clock, over at
+        least half a second)."""
         wall, cpu = now(), time.thread_time()
         span = wall - self.cpu_mark[0]
         if span < 0.5:
@@ -63,8 +67,11 @@ class RedrawPacer(QObject):
         interval = self.timer.interval()
         if not self.streaming():
             interval = REFRESH_MS
-        elif busy > GUI_CPU_BUDGET:
+        elif busy > GUI_CPU_CEILING:
             interval = min(SLOWEST_REFRESH_MS, int(interval * 1.5))
+        elif busy > GUI_CPU_BUDGET:  # towards the steady cadence, from either side
+            interval = min(STEADY_REFRESH_MS, int(interval * 1.5)) if interval < STEADY_REFRESH_MS else max(
+                STEADY_REFRESH_MS, int(interval / 1.5))  # fmt: skip
         elif busy < GUI_CPU_BUDGET / 2:
             interval = max(REFRESH_MS, int(interval / 1.5))
         if interval != self.timer.interval():

@@ -98,7 +98,7 @@ class App:
         from ..worker import BATCH_SECONDS, EngineWorker
 
         if refresh_ms:  # a fixed redraw interval instead of the app's adaptive one (the trade-off's other points)
-            pacing.REFRESH_MS = pacing.SLOWEST_REFRESH_MS = refresh_ms
+            pacing.REFRESH_MS = pacing.STEADY_REFRESH_MS = pacing.SLOWEST_REFRESH_MS = refresh_ms
 
         self.now, self.tick_ms = now, tick_ms
         os.environ["KVCHAT_DATA_DIR"] = str(data)

@@ -187,9 +187,19 @@ def test_redraw_interval_adapts_to_the_gui_cpu_budget(qtbot, make_window, llama_
         w.pacer.cpu_mark = (now() - 1.0, time.thread_time() - 0.5)
         w.pacer.adapt()
     assert w.pacer.timer.interval() == win.SLOWEST_REFRESH_MS
+    between = (win.GUI_CPU_BUDGET + win.GUI_CPU_CEILING) / 2  # over the budget, under the ceiling
+    for _ in range(20):  # from the slowest back to the steady cadence, and no further
+        w.pacer.cpu_mark = (now() - 1.0, time.thread_time() - between)
+        w.pacer.adapt()
+    assert w.pacer.timer.interval() == win.STEADY_REFRESH_MS <= 100  # a stream that flows: ≥ 10 updates a second
+    w.pacer.timer.setInterval(win.REFRESH_MS)
+    for _ in range(20):  # and from the fastest up to it, and no further
+        w.pacer.cpu_mark = (now() - 1.0, time.thread_time() - between)
+        w.pacer.adapt()
+    assert w.pacer.timer.interval() == win.STEADY_REFRESH_MS
     w.pacer.cpu_mark = (now() - 1.0, time.thread_time())  # idle: back toward the fastest
     w.pacer.adapt()
-    assert w.pacer.timer.interval() < win.SLOWEST_REFRESH_MS
+    assert w.pacer.timer.interval() < win.STEADY_REFRESH_MS
     w.chat.generating = False
     w.pacer.cpu_mark = (now() - 1.0, time.thread_time())
     w.pacer.adapt()
