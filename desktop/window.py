@@ -28,17 +28,18 @@ from .core.chat import ChatController
 from .core.settings import Settings
 from .core.store import Store
 from .core.store_file import StoreError
+from .keyboard import Keyboard
 from .outside_text import warn
 from .settings_dialog import open_settings
 from .token_view import MODES as TOKEN_MODES
 from .transcript import MessageView
-from .window_layout import TabOrder, WindowLayout
+from .window_layout import WindowLayout
 from .window_models import ModelSide
 
 PANEL_EVERY_S = 0.5  # the panel's figures twice a second while a reply streams (and once at its end)
 
 
-class MainWindow(ModelSide, WindowLayout, TabOrder, QMainWindow):
+class MainWindow(ModelSide, WindowLayout, Keyboard, QMainWindow):
     replyFinished = Signal(object)  # the last event of each reply, Finished or Failed (tests and tools wait on it)
     modelReady = Signal(dict)
     conversationProbed = Signal(dict)  # how much of the conversation on screen is cached (tests wait on it)
@@ -301,33 +302,6 @@ class MainWindow(ModelSide, WindowLayout, TabOrder, QMainWindow):
     def show_earlier(self) -> None:
         """Earlier messages above those shown (Ctrl+Up at the top, or the transcript's button)."""
         self.branch.show_earlier()
-
-    def previous_message(self) -> None:
-        self._step_message(-1)
-
-    def next_message(self) -> None:
-        self._step_message(+1)
-
-    def _step_message(self, delta: int) -> None:
-        """Move the focus (and the panel, for replies) to the message above or below (Ctrl+Up/Down)."""
-        self.branch.whole_branch()
-        views = self.transcript.views
-        if not views:
-            return
-        at = next((i for i, v in enumerate(views) if v.hasFocus()), None)
-        if at == 0 and delta < 0 and self.transcript.first > 0:  # above the first shown: show earlier ones
-            before = self.transcript.first
-            self.show_earlier()
-            views, at = self.transcript.views, before - self.transcript.first
-        i = (len(views) - 1 if delta < 0 else 0) if at is None else max(0, min(len(views) - 1, at + delta))
-        view = views[i]
-        view.setFocus()
-        QTimer.singleShot(0, lambda: view in self.transcript.views and self.transcript.ensureWidgetVisible(view))
-        if view.message.role == "assistant":
-            self.select_message(view.message.id)
-
-    def focus_search(self) -> None:
-        self.sidebar.focus_search()
 
     def count_tokens(self, text: str) -> int | None:
         """Tokens in `text` by the local model's tokenizer (thinking blocks' counts); None on a remote engine."""

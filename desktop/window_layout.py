@@ -6,7 +6,6 @@ from __future__ import annotations
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import (
-    QApplication,
     QComboBox,
     QHBoxLayout,
     QLabel,
@@ -209,36 +208,3 @@ class WindowLayout:
         if side > side_max or panel > panel_max:
             side, panel = min(side, side_max), min(panel, panel_max)
             self.splitter.setSizes([side, total - side - panel, panel])
-
-
-class TabOrder:
-    """Tab and Shift+Tab in the order things are on screen (mixed into the window): the sidebar, the middle
-    column top to bottom (the switcher, each message, the reply's actions, the message box and Send), the
-    panel, the status bar. Qt's own chain follows when widgets were made, and a message drawn later (every
-    reply) would come after the theme box."""
-
-    ROW = 12  # px: tab stops whose tops are this close count as one row, read left to right
-
-    def tab_stops(self) -> list[QWidget]:
-        zones = [self.sidebar, self.centerColumn, self.statsPanel, self.statusBar()]
-        found, w = [], self.nextInFocusChain()
-        while w is not None and w is not self:
-            if w.focusPolicy() & Qt.TabFocus and w.isVisible() and w.isEnabled() and not w.focusProxy():
-                zone = next((i for i, z in enumerate(zones) if z.isAncestorOf(w)), None)
-                if zone is not None:
-                    at = w.mapTo(self, w.rect().topLeft())
-                    found.append(((zone, at.y() // self.ROW, at.x()), w))
-            w = w.nextInFocusChain()
-        return [w for _, w in sorted(found, key=lambda kw: kw[0])]
-
-    def focusNextPrevChild(self, forward: bool) -> bool:
-        stops = self.tab_stops()
-        if not stops:
-            return super().focusNextPrevChild(forward)
-        now = QApplication.focusWidget()
-        here = next((i for i, w in enumerate(stops) if w is now or (now is not None and w.isAncestorOf(now))), None)
-        i = (0 if forward else len(stops) - 1) if here is None else (here + (1 if forward else -1)) % len(stops)
-        stops[i].setFocus(Qt.TabFocusReason if forward else Qt.BacktabFocusReason)
-        if self.transcript.isAncestorOf(stops[i]):
-            self.transcript.ensureWidgetVisible(stops[i])
-        return True
