@@ -85,16 +85,21 @@ def test_export_writes_the_file_type_chosen_in_the_dialog(qtbot, make_window, sp
     assert text.startswith(f"# {BUDGET}\n")  # the title whole, not the list's cut one
 
 
+def coloured_reply(qtbot, make_window, spin_loop, demo_model_dir):
+    """The demo's reply to BUDGET, its tokens coloured by probability: the window and the reply's token view."""
+    w = make_window(demo_model_dir, max_new_tokens=24)
+    send(qtbot, w, spin_loop, BUDGET)
+    w.tokenColours.setCurrentIndex(w.tokenColours.findData("probability"))
+    return w, w.transcript.views[1].tokenView
+
+
 def test_the_pointer_picks_the_token_under_it_to_the_right_edge_of_its_last_character(
     qtbot, make_window, spin_loop, demo_model_dir
 ):
     from PySide6.QtCore import QPoint
     from PySide6.QtGui import QTextCursor
 
-    w = make_window(demo_model_dir, max_new_tokens=24)
-    send(qtbot, w, spin_loop, BUDGET)
-    w.tokenColours.setCurrentIndex(w.tokenColours.findData("probability"))
-    view = w.transcript.views[1].tokenView
+    w, view = coloured_reply(qtbot, make_window, spin_loop, demo_model_dir)
     qtbot.waitUntil(lambda: view.isVisible() and bool(view.at))
 
     def edge(position: int, share: float) -> QPoint:
@@ -212,10 +217,7 @@ def test_a_click_in_the_list_opens_the_conversation_under_the_pointer(qtbot, mak
 def test_after_a_fork_the_header_footer_panel_and_confidence_count_the_same_tokens(
     qtbot, make_window, spin_loop, demo_model_dir
 ):
-    w = make_window(demo_model_dir, max_new_tokens=24)
-    send(qtbot, w, spin_loop, BUDGET)
-    w.tokenColours.setCurrentIndex(w.tokenColours.findData("probability"))
-    view = w.transcript.views[1].tokenView
+    w, view = coloured_reply(qtbot, make_window, spin_loop, demo_model_dir)
     kept = w.transcript.views[1].message.trace["tokens"]
     i = next(k for k in range(3, len(kept)) if len(kept[k]["top"]) > 1)
     view.move_to(i)
