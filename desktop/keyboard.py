@@ -31,7 +31,9 @@ class Keyboard:
         if not stops:
             return super().focusNextPrevChild(forward)
         now = QApplication.focusWidget()
-        here = next((i for i, w in enumerate(stops) if w is now or (now is not None and w.isAncestorOf(now))), None)
+        here = next((i for i, w in enumerate(stops) if w is now), None)  # the stop itself, else the one holding it
+        if here is None and now is not None:
+            here = next((i for i in range(len(stops) - 1, -1, -1) if stops[i].isAncestorOf(now)), None)
         i = (0 if forward else len(stops) - 1) if here is None else (here + (1 if forward else -1)) % len(stops)
         stops[i].setFocus(Qt.TabFocusReason if forward else Qt.BacktabFocusReason)
         if self.transcript.isAncestorOf(stops[i]):
