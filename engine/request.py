@@ -37,6 +37,7 @@ class Request:
     top_logprobs: int = 5  # with logprobs: the alternatives per step (0: none)
     reply_ids: tuple[int, ...] = ()  # tokens the reply starts with, after the prompt (a fork from a token)
     overflow: str = "stop"  # a prompt too long for the cache: refused (stop), or messages left out (OVERFLOW_POLICIES)
+    share_prompt: bool = False  # once prefilled, its prompt's K/V go to the prefix store for requests beside it
 
 
 @dataclasses.dataclass(frozen=True)

@@ -258,6 +258,8 @@ class Session:
                 if cancel.is_set():
                     return (yield from self._finish(trace, "cancelled", [], stream, reuse))
         trace.prefill_end = tracing.now()
+        if req.share_prompt:  # the n choices of one request: the others copy this prefill from the store
+            self.store.insert(tiers.ids, tiers.cache, req.label)
         yield PrefillDone(reuse.reused, reuse.computed, trace.prefill_end - trace.prefill_start, tiers.cache.length)
 
         reason, out, steps = yield from decode(

@@ -58,7 +58,6 @@ FIELDS = {
 }
 # Fields kvchat does not implement: accepted only at the value that means "off".
 UNSUPPORTED = {
-    "n": 1,
     "presence_penalty": 0,
     "frequency_penalty": 0,
     "tools": [],
@@ -69,6 +68,7 @@ UNSUPPORTED = {
     "response_format": {"type": "text"},
 }
 ROLES = ("system", "developer", "user", "assistant")
+MAX_CHOICES = 16  # `n`: choices of one prompt a request may ask for (they share one prefill: engine/http/answers.py)
 
 
 class ApiError(Exception):
@@ -192,8 +192,11 @@ def parse_chat(body, max_new_default: int, overflow_default: str = "stop") -> tu
         top_logprobs=top or 0,
         overflow=overflow,
     )
+    n = _or(body, "n", 1)
+    if not 1 <= n <= MAX_CHOICES:
+        raise ApiError(400, f"'n' must be between 1 and {MAX_CHOICES}", param="n")
     options = body.get("stream_options") or {}
-    return req, {"stream": bool(body.get("stream")), "usage": bool(options.get("include_usage"))}
+    return req, {"stream": bool(body.get("stream")), "usage": bool(options.get("include_usage")), "n": n}
 
 
 # --- Request -> a request body (the client) --------------------------------------------------------------
@@ -281,21 +284,19 @@ def report(ev: Finished | Failed, prompt_tokens: int) -> tuple[dict, dict]:
     return usage, out
 
 
-def completion(meta: dict, request: Request, last: Finished, prompt_tokens: int) -> dict:
-    """A whole (not streamed) reply: `chat.completion` with its choice, usage and the kvchat report."""
-    usage, extension = report(last, prompt_tokens)
-    choice = {
-        "index": 0,
+def choice_of(index: int, request: Request, last: Finished) -> dict:
+    """One choice of a whole (not streamed) reply: its message, log-probabilities and why it stopped."""
+    return {
+        "index": index,
         "message": {"role": "assistant", "content": last.text},
         "logprobs": reply_logprobs(request, last.logprobs, last.token_ids),
         "finish_reason": FINISH_REASONS.get(last.reason, "stop"),
     }
-    return {**meta, "object": "chat.completion", "choices": [choice], "usage": usage, EXTENSION: extension}
 
 
-def chunk(meta: dict, delta: dict, finish=None, logprobs=None, **extra) -> dict:
-    """One `chat.completion.chunk` of a stream, with one choice."""
-    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+def chunk(meta: dict, delta: dict, finish=None, logprobs=None, index: int = 0, **extra) -> dict:
+    """One `chat.completion.chunk` of a stream, for one choice (`index`)."""
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     return {**meta, "object": "chat.completion.chunk", "choices": [choice], **extra}
 
 

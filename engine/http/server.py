@@ -26,32 +26,21 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..errors import EngineError
-from ..events import Failed, Finished, PrefillStarted, Token
+from ..events import PrefillStarted
 from ..request import Request
 from ..session import Session
 from ..weights.loading import LoadedModel
-from . import openai_chat as wire
+from . import answers
 from .metrics import CONTENT_TYPE as METRICS_TYPE
-from .openai_chat import ApiError, chunk, completion, failure, parse_chat, reply_logprobs, report, sse
-from .service import Busy, EngineService, Job
+from .openai_chat import ApiError, parse_chat
+from .service import Busy, EngineService
 
-MAX_TOKENS_PER_CHUNK = 32  # tokens already made that one streamed chunk may carry
-END = object()  # the end of a job's events, when it was taken while gathering tokens
 # What one client may send or hold (a slow or hostile client cannot tie the server up or grow it).
 BODY_BYTES = 16 << 20  # a request's body
 BODY_SECONDS = 30.0  # to send it, once its head has come
 HEAD_SECONDS = 10.0  # to send a request's head (line and headers) after connecting
 MAX_CONNECTIONS = 64  # open at once; past it uvicorn answers 503
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
-
-
-async def _watch_disconnect(http: HttpRequest, job: Job) -> None:
-    """Cancel the job when the client goes away (whatever the response is doing meanwhile)."""
-    while True:
-        message = await http.receive()
-        if message["type"] == "http.disconnect":
-            job.stop()
-            return
 
 
 def _no_constant(name: str):
@@ -135,35 +124,45 @@ def build_app(
                     code="model_not_found",
                     param="model",
                 )
-            job = service.submit(req)
+            choices = answers.choice_requests(req, opts["n"])
+            if len(choices) > 1 and service.pending + len(choices) > service.engine.parallel + service.queue_size:
+                raise Busy(max(1, len(choices)))
+            job = service.submit(choices[0])
         except ApiError as e:
             return e.response()
         except Busy as e:
             msg = f"the server is busy: {service.pending} requests running or waiting; retry in {e.retry_after} s"
             return ApiError(429, msg, "rate_limit_error").response({"Retry-After": str(e.retry_after)})
         rid = f"chatcmpl-{secrets.token_hex(12)}"
-        watcher = asyncio.create_task(_watch_disconnect(http, job))
-        first_event = asyncio.ensure_future(job.events.get())  # PrefillStarted, or Failed before any output
-        await asyncio.wait({first_event, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if not first_event.done():  # the client left while queued: its job is cancelled (the engine skips it)
-            first_event.cancel()
+        jobs = [job]
+        watcher = asyncio.create_task(answers.watch_disconnect(http, jobs))
+        first = await answers.first_event(job, watcher)
+        if first is None and not watcher.done():  # the engine's END already: nothing more comes
+            watcher.cancel()
+            return answers.refused(first)
+        if first is None:  # the client left while queued: its job is cancelled (the engine skips it)
             return Response(status_code=499)  # read by no one; the handler and its connection are free now
-        first = first_event.result()
         if not isinstance(first, PrefillStarted):
             watcher.cancel()
-            if first is not None:  # None: the scheduler's END already, nothing more comes
-                await _drain(job)
-            if isinstance(first, Failed):
-                return failure(first).response()
-            return ApiError(500, "the engine ended the request without a reply", "server_error").response()
+            await answers.drain(job)
+            return answers.refused(first)
+        firsts = [first]
+        if len(choices) > 1:  # the others, once the first's prefill is in the prefix store
+            more = await answers.start_others(service, jobs, choices[1:], watcher)
+            if more is None:
+                return Response(status_code=499)
+            if not isinstance(more, list):
+                watcher.cancel()
+                return more
+            firsts += more
         meta = {"id": rid, "created": int(time.time()), "model": service.model_id}
         if opts["stream"]:
             return StreamingResponse(
-                _stream(job, first, meta, opts["usage"], watcher),
+                answers.stream(jobs, firsts, meta, opts["usage"], watcher),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        return await _complete(job, first, meta, watcher)
+        return await answers.complete(jobs, firsts, meta, watcher)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -261,80 +260,6 @@ class _Errors:
             await ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error").response()(
                 scope, receive, send
             )
-
-
-async def _drain(job: Job) -> None:
-    while await job.events.get() is not None:
-        pass
-
-
-async def _complete(job: Job, first: PrefillStarted, meta: dict, watcher: asyncio.Task) -> JSONResponse:
-    try:
-        last = None
-        while (ev := await job.events.get()) is not None:
-            if isinstance(ev, (Finished, Failed)):
-                last = ev
-    finally:
-        watcher.cancel()
-    if isinstance(last, Failed) or last is None:
-        return failure(last or Failed("no reply", "InternalError", {})).response()
-    return JSONResponse(completion(meta, job.request, last, first.prompt_tokens))
-
-
-async def _stream(job: Job, first: PrefillStarted, meta: dict, include_usage: bool, watcher: asyncio.Task):
-    """Server-sent events in OpenAI's chunk format; the first chunk carries the reuse report, the last one
-    the whole kvchat report; `[DONE]` ends it. A client gone cancels the job."""
-
-    def delta(d: dict, finish=None, logprobs=None, **extra) -> str:
-        return sse(chunk(meta, d, finish, logprobs, **extra))
-
-    done = False
-    try:
-        started = {wire.PROMPT_TOKENS: first.prompt_tokens, wire.REUSE: first.reuse.to_dict()}
-        yield delta({"role": "assistant", "content": ""}, kvchat=started)
-        held = None  # an event taken while gathering tokens, to handle next
-        while (ev := held or await job.events.get()) is not None:
-            held = None
-            if isinstance(ev, Token):
-                # Tokens the engine made while the last chunk was being sent go out as one chunk (`kvchat.tokens`
-                # says how many): when the engine outruns the network, per-chunk costs stop adding up per token.
-                text, n, made = ev.text, 1, [ev]
-                while n < MAX_TOKENS_PER_CHUNK and not job.events.empty():
-                    nxt = job.events.get_nowait()
-                    if not isinstance(nxt, Token):
-                        held = nxt if nxt is not None else END
-                        break
-                    text, n = text + nxt.text, n + 1
-                    made.append(nxt)
-                weighed = reply_logprobs(job.request, [t.logprobs for t in made], [t.token_id for t in made])
-                if text or n > 1 or weighed:
-                    extra = {wire.EXTENSION: {wire.TOKENS: n}} if n > 1 else {}
-                    yield delta({"content": text}, logprobs=weighed, **extra)
-                if held is END:
-                    break
-            elif isinstance(ev, Finished):
-                usage, extension = report(ev, first.prompt_tokens)
-                if ev.tail:
-                    yield delta({"content": ev.tail})
-                finish = wire.FINISH_REASONS.get(ev.reason, "stop")
-                if include_usage:
-                    yield delta({}, finish)
-                    yield sse({**meta, "object": "chat.completion.chunk", "choices": [], "usage": usage,
-                               wire.EXTENSION: extension})  # fmt: skip
-                else:
-                    yield delta({}, finish, kvchat=extension)
-            elif isinstance(ev, Failed):
-                error = failure(ev)
-                yield sse({"error": {"message": error.message, "type": error.type, "code": error.code}})
-        else:
-            done = True
-        if held is END:
-            done = True
-        yield "data: [DONE]\n\n"
-    finally:
-        if not done:  # the client went away: the response was cancelled or closed mid-stream
-            job.stop()
-        watcher.cancel()
 
 
 def serve(ns, load: Callable[[], tuple[LoadedModel, Session]]) -> int:

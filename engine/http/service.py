@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from .. import trace as tracing
 from ..batching import POLICY
-from ..events import Finished
+from ..events import Failed, Finished, PrefillDone
 from ..request import Request
 from ..scheduler import EngineThread, Ticket
 from ..session import Session
@@ -35,6 +35,7 @@ class Job:
         self.request, self.loop = request, loop
         self.events: asyncio.Queue = asyncio.Queue()
         self.ticket: Ticket | None = None
+        self.prefilled = asyncio.Event()  # set once its prefill is done (or it ended before): n choices wait on it
 
     def put(self, ev) -> None:  # from the engine thread
         self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
@@ -93,6 +94,8 @@ class EngineService:
                     "ms_to_stop": round((tracing.now() - ticket.cancelled_at) * 1000.0, 3),
                 }
             job.put(ev)
+            if ev is None or isinstance(ev, (PrefillDone, Finished, Failed)):
+                job.loop.call_soon_threadsafe(job.prefilled.set)
 
         job.ticket = self.engine.submit(request, sink, skip_if_cancelled=True)
         return job

@@ -251,3 +251,40 @@ def test_serve_bench_concurrency_reports_each_level_and_the_arrival_of_a_long_pr
     a = report["arrival"]
     assert a["prompt_tokens"] == 512 and a["gap_p95_ms_during"] > 0 and a["gap_p95_ms_before"] > 0
     assert report["reference"]["error"]  # llama.cpp's parallel row: not run, and said
+
+
+def test_n_choices_share_one_prefill_and_each_equals_its_seed_alone(serve, loaded):
+    """`n` > 1 through the official client, whole and streamed: one prefill (the first choice's, put into the
+    prefix store; the others copy it and compute at most a block of positions), each choice sampled with the
+    request's seed plus its index and equal to that request alone, usage counting the prompt once."""
+    openai = pytest.importorskip("openai")
+    from engine.sampling import SamplingParams
+
+    server = serve("--parallel", "4")
+    api = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": " ".join(PROMPTS[:6])}]  # a prompt of several store blocks
+    ask = dict(model="kvchat-demo", messages=messages, max_tokens=12, temperature=0.9, top_p=0.95, seed=7,
+               extra_body={"ignore_eos": True})  # fmt: skip
+    alone = _alone(loaded, [Request(messages=messages, max_new_tokens=12, ignore_eos=True,
+                                    sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=7 + i))
+                            for i in range(3)])  # fmt: skip
+
+    r = api.chat.completions.create(n=3, **ask)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.message.content for c in r.choices] == [f.text for f in alone]
+    prompt, reports = r.usage.prompt_tokens, r.model_extra["kvchat"]["choices"]
+    block = reports[0]["store"]["block"]
+    assert prompt > 2 * block and reports[0]["reuse"]["computed"] == prompt  # the one prefill
+    for rep in reports[1:]:
+        assert rep["reuse"]["source"] == "store" and rep["reuse"]["computed"] <= block  # copied, not computed
+    assert r.usage.completion_tokens == 36 and r.usage.total_tokens == prompt + 36
+
+    parts, usage = {}, None
+    for ch in api.chat.completions.create(n=2, stream=True, stream_options={"include_usage": True}, **ask):
+        for c in ch.choices:
+            parts[c.index] = parts.get(c.index, "") + (c.delta.content or "")
+        usage = ch.usage or usage
+    assert parts == {0: alone[0].text, 1: alone[1].text} and usage.completion_tokens == 24
+
+    bad = httpx.post(server.url + "/chat/completions", json={**ask, "n": 17, "extra_body": None})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "n"

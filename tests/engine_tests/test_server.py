@@ -146,7 +146,8 @@ def test_bad_requests_get_openai_error_objects_and_the_server_keeps_serving(serv
         ({"model": MODEL, "messages": TURN1, "max_tokens": True}, 400, "max_tokens"),
         ({"model": MODEL, "messages": []}, 400, "messages"),
         ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
-        ({"model": MODEL, "messages": TURN1, "n": 2}, 400, "n"),
+        ({"model": MODEL, "messages": TURN1, "n": 17}, 400, "n"),
+        ({"model": MODEL, "messages": TURN1, "n": 0}, 400, "n"),
         ({"model": "gpt-9", "messages": TURN1}, 404, "model"),
         ({"model": MODEL, "messages": TURN1, "max_tokens": 100000}, 413, None),
         ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 3000}], "max_tokens": 4}, 413, None),
@@ -188,7 +189,7 @@ def test_parse_chat_reads_openai_bodies():
     assert req.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"}]
     assert req.max_new_tokens == 7 and req.stop_strings == ("END",) and not req.stop_on_capacity
     assert (req.sampling.seed, req.sampling.temperature, req.sampling.top_k) == (3, 0.5, 40)
-    assert opts == {"stream": True, "usage": True}
+    assert opts == {"stream": True, "usage": True, "n": 1}
     req, _ = parse_chat({"model": MODEL, "messages": TURN1}, 100)
     assert req.max_new_tokens == 100 and req.stop_on_capacity and req.sampling.temperature == 1.0
     req, _ = parse_chat(
