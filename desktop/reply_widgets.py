@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from PySide6.QtCore import QEvent, QSize, Qt, Signal
-from PySide6.QtGui import QFontDatabase, QGuiApplication, QTextCursor
+from PySide6.QtGui import QFontDatabase, QGuiApplication, QPainter, QTextCursor
 from PySide6.QtWidgets import (
     QFrame,
     QHBoxLayout,
@@ -25,6 +25,18 @@ from engine.trace import now
 from .core.markdown import Piece, pieces
 from .outside_text import markdown_html, open_link, plain, too_big_for_markdown
 from .style import code_style
+
+
+class ElidedLabel(QLabel):
+    """One line that ends in "…" where its room is too narrow for it (a long model name beside a reply's role),
+    rather than being clipped mid-letter; the whole text is its tooltip's business."""
+
+    def paintEvent(self, _):
+        p = QPainter(self)
+        p.setPen(self.palette().color(self.foregroundRole()))
+        room = self.contentsRect()
+        p.drawText(room, Qt.AlignVCenter | Qt.AlignLeft, self.fontMetrics().elidedText(self.text(), Qt.ElideRight,
+                                                                                       room.width()))  # fmt: skip
 
 
 class WrapLabel(QLabel):

@@ -21,7 +21,7 @@ from PySide6.QtWidgets import (
 
 from .core.replies import reply_footer
 from .outside_text import plain, rich
-from .reply_widgets import ReplyBody, StreamView, WrapLabel
+from .reply_widgets import ElidedLabel, ReplyBody, StreamView, WrapLabel
 from .token_view import TOKEN_PAGE, ForkRow, TokenView
 
 DEMO_HINT = (
@@ -61,7 +61,7 @@ class MessageView(QFrame):
         head = QHBoxLayout()
         self.roleLabel = rich(QLabel(f"<b>{html.escape(ROLE_NAMES.get(message.role, message.role))}</b>"))
         head.addWidget(self.roleLabel)
-        self.modelLabel = plain(QLabel())  # the model that made a reply: clipped before the row widens the transcript
+        self.modelLabel = plain(ElidedLabel())  # the reply's model: cut ("…") before the row widens the transcript
         self.modelLabel.setObjectName("replyModel")
         self.modelLabel.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Preferred)
         self.modelLabel.setMinimumWidth(0)

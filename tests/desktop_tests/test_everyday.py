@@ -148,6 +148,11 @@ def test_the_window_fits_1000_by_700_with_tokens_coloured_and_a_long_model_name(
         assert not w.transcript.horizontalScrollBar().isVisible()  # every message's row in view
         assert w.statsPanel.width() <= w.statsPanel.minimumWidth() + 10
     assert "SmolLM2-135M-Instruct.Q4_1.gguf" in w.modelSwitch.combo.toolTip()  # cut in the box, whole here
+    label = w.transcript.views[1].modelLabel  # beside "Assistant": cut with "…", not mid-letter, whole in its tooltip
+    room = label.contentsRect().width()
+    assert label.fontMetrics().horizontalAdvance(label.text()) > room
+    assert label.fontMetrics().elidedText(label.text(), Qt.ElideRight, room).endswith("…")
+    assert type(label).__name__ == "ElidedLabel" and "SmolLM2-135M-Instruct.Q4_1.gguf" in label.toolTip()
 
 
 def test_after_a_model_switch_the_panel_shows_every_line_of_its_words(qtbot, make_window, spin_loop, demo_model_dir,
