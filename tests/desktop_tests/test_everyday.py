@@ -4,6 +4,7 @@ exports, hovering tokens, the window's size, the sidebar and the panel after a c
 import dataclasses
 import html
 import json
+import os
 from pathlib import Path
 
 from gui import BUDGET, edit, panel, save_as, send
@@ -402,3 +403,24 @@ def test_the_model_is_warmed_up_at_load_and_the_status_bar_says_so(qtbot, make_w
     assert w.facts["warm_up_ms"] > 0 and "warmed up in" in w.statusBar().currentMessage()
     first = send(qtbot, w, spin_loop, BUDGET)
     assert first.trace["computed"] == first.trace["prompt_tokens"]  # the warm-up left the working cache empty
+
+
+def test_the_screenshot_tool_takes_every_picture_from_the_real_window(tmp_path):
+    """`python -m desktop.tools.screenshots OUT`, offscreen: each picture written, the window at 1000×700."""
+    import subprocess
+    import sys
+
+    from PySide6.QtGui import QImage
+
+    run = subprocess.run([sys.executable, "-m", "desktop.tools.screenshots", str(tmp_path), "--new-tokens", "8"],
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "QT_QPA_PLATFORM": "offscreen"})  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    names = sorted(Path(line).name for line in run.stdout.split())
+    assert names == sorted(["reply-footer-meter-dark-1000.png", "reply-footer-meter-light-1000.png",
+                            "settings-sampling.png", "settings-sampling-light.png", "models-dialog.png",
+                            "hub-offline.png"])  # fmt: skip
+    shot = QImage(str(tmp_path / "reply-footer-meter-light-1000.png"))
+    assert (shot.width(), shot.height()) == (1000, 700)
+    dark = QImage(str(tmp_path / "reply-footer-meter-dark-1000.png"))
+    assert dark.pixelColor(5, 690) != shot.pixelColor(5, 690)  # the two themes

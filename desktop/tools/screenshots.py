@@ -1,0 +1,112 @@
+"""`python -m desktop.tools.screenshots OUT`: some of the pictures desktop/README.md shows, taken from the real
+window driven as a person would (two messages sent, the tokens coloured by probability), in both themes: the
+window at 1000×700 (reply-footer-meter-*-1000.png), the Settings dialog's sampling, the Models dialog at its
+default size and its Hub tab offline. Run it under a display (Xvfb: what a person sees) into
+resources/screenshots; offscreen works too (Qt's own raster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MESSAGES = ("I am planning a trip to Chengdu for 3 nights. My budget is 600 yuan.", "What should I eat?")
+WINDOW = (1000, 700)
+
+
+def take(out: Path, model: str | None, new_tokens: int) -> list[Path]:
+    """Every picture, into `out`; the paths written."""
+    import qasync
+    from PySide6.QtWidgets import QApplication
+
+    from engine.spec import LoadSpec
+
+    from ..core.settings import Settings
+    from ..settings_dialog import SettingsDialog, open_settings
+    from ..style import apply_style
+    from ..window import MainWindow
+
+    out.mkdir(parents=True, exist_ok=True)
+    data = Path(tempfile.mkdtemp(prefix="kvchat-shots-"))
+    os.environ["KVCHAT_DATA_DIR"] = str(data)
+    Settings(model=LoadSpec(path=model), max_new_tokens=new_tokens).save(open_settings(data))
+    app = QApplication.instance() or QApplication(["kvchat"])
+    apply_style(app)
+    loop = qasync.QEventLoop(app, already_running=False)
+    asyncio.set_event_loop(loop)
+    written: list[Path] = []
+
+    def save(name: str, widget) -> None:
+        app.processEvents()
+        path = out / f"{name}.png"
+        if not widget.grab().save(str(path)):
+            raise RuntimeError(f"could not write {path}")
+        written.append(path)
+
+    async def wait(pred, timeout=300.0):
+        end = time.monotonic() + timeout
+        while not pred():
+            if time.monotonic() > end:
+                raise TimeoutError("the window did not get there in time")
+            await asyncio.sleep(0.02)
+
+    async def run() -> None:
+        w = MainWindow(data)
+        w.resize(*WINDOW)
+        w.show()
+        ready: list = []
+        w.modelReady.connect(ready.append)
+        await wait(lambda: ready)
+        if ready[0].get("error"):
+            raise RuntimeError(ready[0]["error"])
+        for text in MESSAGES:
+            done: list = []
+            w.replyFinished.connect(done.append)
+            w.composer.setPlainText(text)
+            w.send()
+            await wait(lambda done=done: done)
+            w.replyFinished.disconnect(done.append)
+        w.tokenColours.setCurrentIndex(w.tokenColours.findData("probability"))
+        settings = SettingsDialog(w.chat.settings_for(), w.db_path, w)
+        models = w.open_models_dialog()
+        await wait(lambda: models.table.rowCount() > 0, 60)
+        for theme in ("dark", "light"):
+            w.set_theme(theme)
+            await asyncio.sleep(0.3)
+            save(f"reply-footer-meter-{theme}-1000", w)
+            settings.show()
+            save("settings-sampling" if theme == "dark" else "settings-sampling-light", settings)
+            settings.hide()
+        w.set_theme("dark")
+        models.tabs.setCurrentIndex(0)
+        save("models-dialog", models)
+        models.tabs.setCurrentIndex(1)
+        models.hub.offline.setChecked(True)
+        save("hub-offline", models)
+        models.close()
+        w.close()
+
+    with loop:
+        loop.run_until_complete(run())
+    return written
+
+
+def main(argv=None) -> int:
+    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen" if not os.environ.get("DISPLAY") else "xcb")
+    ap = argparse.ArgumentParser(prog="python -m desktop.tools.screenshots", description=__doc__.split("\n")[0])
+    ap.add_argument("out", type=Path, help="the folder the PNG files go to (resources/screenshots for the READMEs)")
+    ap.add_argument("--model", default=None, help="a model folder or GGUF file (default: the bundled demo model)")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ns = ap.parse_args(argv)
+    for path in take(ns.out, ns.model, ns.new_tokens):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
