@@ -29,14 +29,20 @@ from .style import code_style
 
 class ElidedLabel(QLabel):
     """One line that ends in "…" where its room is too narrow for it (a long model name beside a reply's role),
-    rather than being clipped mid-letter; the whole text is its tooltip's business."""
+    rather than being clipped mid-letter, and shows nothing where fewer than MIN_CHARS of it would be left; the
+    whole text is its tooltip's business."""
+
+    MIN_CHARS = 4
+
+    def shown(self) -> str:
+        """What is painted at the label's width now."""
+        cut = self.fontMetrics().elidedText(self.text(), Qt.ElideRight, self.contentsRect().width())
+        return "" if cut != self.text() and len(cut) - 1 < self.MIN_CHARS else cut
 
     def paintEvent(self, _):
         p = QPainter(self)
         p.setPen(self.palette().color(self.foregroundRole()))
-        room = self.contentsRect()
-        p.drawText(room, Qt.AlignVCenter | Qt.AlignLeft, self.fontMetrics().elidedText(self.text(), Qt.ElideRight,
-                                                                                       room.width()))  # fmt: skip
+        p.drawText(self.contentsRect(), Qt.AlignVCenter | Qt.AlignLeft, self.shown())
 
 
 class WrapLabel(QLabel):

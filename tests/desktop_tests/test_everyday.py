@@ -150,10 +150,18 @@ def test_the_window_fits_1000_by_700_with_tokens_coloured_and_a_long_model_name(
         assert w.statsPanel.width() <= w.statsPanel.minimumWidth() + 10
     assert "SmolLM2-135M-Instruct.Q4_1.gguf" in w.modelSwitch.combo.toolTip()  # cut in the box, whole here
     label = w.transcript.views[1].modelLabel  # beside "Assistant": cut with "…", not mid-letter, whole in its tooltip
-    room = label.contentsRect().width()
-    assert label.fontMetrics().horizontalAdvance(label.text()) > room
-    assert label.fontMetrics().elidedText(label.text(), Qt.ElideRight, room).endswith("…")
-    assert type(label).__name__ == "ElidedLabel" and "SmolLM2-135M-Instruct.Q4_1.gguf" in label.toolTip()
+    assert label.fontMetrics().horizontalAdvance(label.text()) > label.contentsRect().width()
+    assert label.shown() in ("", label.shown()[:-1] + "…") and label.shown() != label.text()
+    assert "SmolLM2-135M-Instruct.Q4_1.gguf" in label.toolTip()
+    from desktop.reply_widgets import ElidedLabel
+
+    alone = ElidedLabel("· SmolLM2-135M-Instruct.Q4_1.gguf")
+    qtbot.addWidget(alone)
+    widths = {}
+    for px in (12, 110, 1000):
+        alone.resize(px, 20)
+        widths[px] = alone.shown()
+    assert widths[12] == "" and widths[110].endswith("…") and len(widths[110]) > 4 and widths[1000] == alone.text()
 
 
 def test_after_a_model_switch_the_panel_shows_every_line_of_its_words(qtbot, make_window, spin_loop, demo_model_dir,
