@@ -73,7 +73,7 @@ class BranchView(QObject):
         self.reading = cid
         fut = self.store().read_later(cid)
         if fut is None:  # it cannot be read elsewhere: here, once this turn has drawn the tail
-            QTimer.singleShot(0, lambda: self._on_branch_read(cid, None))
+            QTimer.singleShot(0, self.transcript, lambda: self._on_branch_read(cid, None))  # dropped if it is gone
             return
 
         def done(f):
@@ -121,7 +121,7 @@ class BranchView(QObject):
             self.backfill_to = max(0, len(rows) - WINDOW)
             tr.clear(max(self.backfill_to, len(rows) - CHUNK), more)
             if tr.first > self.backfill_to:
-                QTimer.singleShot(0, self._backfill)
+                QTimer.singleShot(0, tr, self._backfill)  # with the transcript's life: a closed window's never runs
         if reveal is not None and reveal < tr.first:
             tr.prepend([self.make_view(*row) for row in rows[reveal : tr.first]])
         first, views = tr.first, tr.views
@@ -150,7 +150,7 @@ class BranchView(QObject):
         start = max(self.backfill_to, first - CHUNK)
         tr.prepend([self.make_view(*row) for row in rows[start:first]])
         if start > self.backfill_to:
-            QTimer.singleShot(0, self._backfill)
+            QTimer.singleShot(0, tr, self._backfill)
 
     def show_earlier(self) -> None:
         """The EARLIER messages before those shown (the transcript's button, or Ctrl+Up at the top)."""

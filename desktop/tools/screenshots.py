@@ -99,7 +99,7 @@ def take(out: Path, model: str | None, new_tokens: int) -> list[Path]:
 def main(argv=None) -> int:
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen" if not os.environ.get("DISPLAY") else "xcb")
     ap = argparse.ArgumentParser(prog="python -m desktop.tools.screenshots", description=__doc__.split("\n")[0])
-    ap.add_argument("out", type=Path, help="the folder the PNG files go to (resources/screenshots for the READMEs)")
+    ap.add_argument("out", type=Path, help="where the PNG files go (resources/screenshots for desktop/README.md)")
     ap.add_argument("--model", default=None, help="a model folder or GGUF file (default: the bundled demo model)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ns = ap.parse_args(argv)
