@@ -17,6 +17,7 @@ import os
 import re
 import socket
 import threading
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import quote, urlsplit
@@ -113,6 +114,8 @@ def reach(timeout: float = REACH_SECONDS) -> None:
         raise HubError("offline (HF_HUB_OFFLINE is set): the Hub is not asked")
     parts = urlsplit(home)
     host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+    if urllib.request.getproxies() and not urllib.request.proxy_bypass(host):
+        return  # through a proxy: a direct connection proves nothing; the request itself will say
     said: list = []
 
     def connect():

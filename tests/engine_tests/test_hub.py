@@ -119,3 +119,20 @@ def test_a_corrupt_file_a_gated_repository_and_no_hub_are_said_clearly(hub):
     down = engine(nowhere, "search", "demo")
     assert down.returncode == 2 and f"cannot reach the Hugging Face Hub at {nowhere['HF_ENDPOINT']}" in down.stderr
     assert engine(nowhere, "pull", "owner").returncode == 2  # not a repository: said before anything is asked
+
+
+def test_the_reach_check_says_at_once_where_the_hub_has_no_address_and_leaves_a_proxy_to_the_request(monkeypatch):
+    from engine import hub as hubs
+
+    for name in ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY", "https_proxy", "http_proxy", "all_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "https://kvchat-no-such-host.invalid")
+    began = time.monotonic()
+    with pytest.raises(hubs.HubError, match="cannot reach the Hugging Face Hub at https://kvchat-no-such-host"):  # fast
+        hubs.reach(2.0)
+    assert time.monotonic() - began < 2.5
+    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")  # behind a proxy a direct connection proves nothing
+    hubs.reach(2.0)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(hubs.HubError, match="offline"):
+        hubs.reach(2.0)
