@@ -119,6 +119,8 @@ def test_without_a_network_the_tab_says_so_at_once_and_offline_stops_asking(
 ):
     monkeypatch.setenv("HF_ENDPOINT", "https://kvchat-no-such-host.invalid")  # never resolves
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # restored after the switch below sets it
+    for name in ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY", "https_proxy", "http_proxy", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)  # a machine with no network, not one behind a proxy
     w = make_window(demo_model_dir)
     tab = w.open_models_dialog().hub
     qtbot.keyClicks(tab.query, "smollm2")
