@@ -169,6 +169,33 @@ class Lanes:
         if computed and self.on_turn is not None:
             self.on_turn(computed)
 
+    def in_flight(self) -> list[dict]:
+        """Every request running on a lane now, for a Requests view (`/kvchat/stats`): its lane, how long it
+        waited for it, its prefill's progress, its tokens, the K/V its lane's cache holds for it (each lane's
+        own: payload = positions × bytes per position, summed over lanes, is the KV formula over requests) and
+        the batch size of its last decode step. Read from another thread between turns: a snapshot, not a lock."""
+        out = []
+        for lane in list(self.lanes):
+            ticket = lane.ticket
+            trace = getattr(ticket, "trace", None)
+            cache = getattr(lane.session, "cache", None)  # a remote server's session holds none here
+            if ticket is None or trace is None or cache is None:
+                continue
+            computed = trace.computed or 0
+            out.append({
+                "lane": lane.index,
+                "state": "decoding" if trace.token_times else "prefilling",
+                "queue_ms": None if trace.started is None else round((trace.started - trace.arrival) * 1000, 3),
+                "prompt_positions": trace.prompt_tokens,
+                "prefill": {"done": min(lane.prefilled, computed), "of": computed, "reused": trace.reused},
+                "tokens": len(trace.token_times),
+                "cache_positions": cache.length,
+                "kv_payload_bytes": cache.payload_bytes,
+                "kv_allocated_bytes": cache.allocated_bytes,
+                "batch_size": trace.batch_sizes[-1] if trace.batch_sizes else None,
+            })  # fmt: skip
+        return out
+
     def cancel_all(self) -> None:
         for lane in self.lanes:
             if lane.ticket is not None:

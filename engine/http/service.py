@@ -126,7 +126,9 @@ class EngineService:
                 "parallel": self.engine.parallel,
                 "running": self.engine.lanes.running,
                 "policy": POLICY,
+                "waiting": max(0, self.pending - self.engine.lanes.running),
             },  # fmt: skip
+            "requests": self.engine.lanes.in_flight(),
             "last_cancel": self.last_cancel,
         }
 

@@ -288,3 +288,39 @@ def test_n_choices_share_one_prefill_and_each_equals_its_seed_alone(serve, loade
 
     bad = httpx.post(server.url + "/chat/completions", json={**ask, "n": 17, "extra_body": None})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "n"
+
+
+def test_kvchat_stats_lists_the_requests_in_flight_with_their_share_of_the_kv_cache(serve):
+    """Three long streams against `--parallel 2`: /kvchat/stats lists the two running (lane, state, prefill,
+    tokens, their lane's K/V: payload = positions × bytes per position, summed over requests) and one waiting;
+    none once all have ended."""
+    server = serve("--parallel", "2")
+    per = httpx.get(server.url + "/models").json()["data"][0]["kvchat"]["kv_bytes_per_position"]
+    body = {"model": "kvchat-demo", "max_tokens": 1500, "temperature": 0, "ignore_eos": True, "stream": True}
+
+    def run(i):
+        msgs = [{"role": "user", "content": PROMPTS[i]}]
+        with httpx.stream("POST", server.url + "/chat/completions", json={**body, "messages": msgs}, timeout=120) as r:
+            for _ in r.iter_lines():
+                pass
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    seen = None
+    end = time.monotonic() + 60
+    while time.monotonic() < end and seen is None:
+        stats = httpx.get(server.root + "/kvchat/stats").json()
+        running = [r for r in stats["requests"] if r["state"] == "decoding" and r["tokens"] > 0]
+        if len(running) == 2 and stats["queue"]["waiting"] == 1:
+            seen = stats
+        time.sleep(0.01)
+    for t in threads:
+        t.join(120)
+    assert seen is not None, "never saw two requests decoding and one waiting"
+    reqs = seen["requests"]
+    assert sorted(r["lane"] for r in reqs) == [0, 1] and all(r["batch_size"] in (1, 2) for r in reqs)
+    for r in reqs:
+        assert r["prefill"]["done"] == r["prefill"]["of"] and r["prompt_positions"] > 0 and r["queue_ms"] >= 0
+        assert r["kv_payload_bytes"] == r["cache_positions"] * per <= r["kv_allocated_bytes"]
+    assert httpx.get(server.root + "/kvchat/stats").json()["requests"] == []
