@@ -35,6 +35,7 @@ from .outside_text import plain
 from .panel_parts import set_bar
 from .style import button
 
+ONLINE = "Models for text generation, most downloaded first."
 OFFLINE = "Offline: the Hub is not asked. The models on this computer are listed in the other tab."
 MAX_ROWS = 1000  # a repository's files shown; the rest are counted in the note
 PROGRESS = re.compile(
@@ -105,7 +106,7 @@ class HubTab(QWidget):
         self.offline.toggled.connect(self._set_offline)
         row.addWidget(self.offline)
         lay.addLayout(row)
-        self.note = plain(QLabel(OFFLINE if offline() else "Models for text generation, most downloaded first."))
+        self.note = plain(QLabel(OFFLINE if offline() else ONLINE))
         self.note.setObjectName("hubNote")
         self.note.setWordWrap(True)
         lay.addWidget(self.note)
@@ -144,7 +145,7 @@ class HubTab(QWidget):
             os.environ["HF_HUB_OFFLINE"] = "1"
         else:
             os.environ.pop("HF_HUB_OFFLINE", None)
-        self.note.setText(OFFLINE if on else "Models for text generation, most downloaded first.")
+        self.note.setText(OFFLINE if on else ONLINE)
         self._update()
 
     def run_search(self) -> None:
@@ -257,8 +258,7 @@ class HubTab(QWidget):
         self.proc.readyReadStandardError.connect(self._progress)
         self.proc.finished.connect(self._finished)
         if resuming:  # the bar stays where the pause left it until the download says more
-            done, total = self._at
-            set_bar(self.progress, 1000, self.progress.value(), f"{spec}: resuming at {done:,.1f} of {total:,.1f} MiB…")
+            set_bar(self.progress, 1000, self.progress.value(), f"{spec}: resuming at {mib(*self._at)}…")
         else:
             self._at = None
             set_bar(self.progress, 1000, 0, f"{spec}: starting…")
@@ -274,7 +274,7 @@ class HubTab(QWidget):
             if m:
                 done, total = (float(m[k].replace(",", "")) for k in ("done", "total"))
                 self._at = (done, total)
-                words = f"{m['what']}: {done:,.1f} of {total:,.1f} MiB · {m['rate']} MiB/s · {m['eta']}"
+                words = f"{m['what']}: {mib(done, total)} · {m['rate']} MiB/s · {m['eta']}"
                 set_bar(self.progress, 1000, int(1000 * done / total) if total else 0, words)
 
     def _finished(self, code: int, _status) -> None:
@@ -284,7 +284,7 @@ class HubTab(QWidget):
         stopping, self._stopping = self._stopping, None
         if stopping == "pause":
             self.note.setText(f"Paused: {self.spec}. Download goes on from where it stopped, now or after a restart.")
-            at = f"{self._at[0]:,.1f} of {self._at[1]:,.1f} MiB" if self._at else "the start"
+            at = mib(*self._at) if self._at else "the start"
             set_bar(self.progress, 1000, self.progress.value(), f"{self.spec}: paused at {at}")
         elif stopping == "cancel":
             repo = self.spec.partition(":")[0]
@@ -337,3 +337,8 @@ class HubTab(QWidget):
             self._stopping = "pause"
             self.proc.kill()
             self.proc.waitForFinished(3000)
+
+
+def mib(done: float, total: float) -> str:
+    """A download's place, as its bar says it: "3.2 of 93.0 MiB"."""
+    return f"{done:,.1f} of {total:,.1f} MiB"

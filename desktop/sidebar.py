@@ -4,7 +4,7 @@ conversation's title) and the buttons that make, rename, delete, export and impo
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 
 from PySide6.QtCore import QEvent, Qt, Signal
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QLineEdit, QListWidget, QListWidgetItem, QVBoxLayout, QWidget
@@ -65,10 +65,13 @@ class Sidebar(QWidget):
         self.list.blockSignals(True)
         self.list.clear()
         conversations = list(conversations)
-        same = Counter(c.title for c in conversations)
+        by_title = defaultdict(list)
+        for c in conversations:
+            by_title[c.title].append(c)
+        stamps = {t: starts(same) for t, same in by_title.items() if len(same) > 1}  # once a title, not per item
         for c in conversations:
             hit = hits.get(c.id)
-            title = c.title if same[c.title] == 1 else f"{c.title}\n{told_apart(c, conversations)}"
+            title = c.title if c.title not in stamps else f"{c.title}\n{told_apart(c, stamps[c.title])}"
             item = QListWidgetItem(title if hit is None else f"{title}\n{hit.snippet}")
             item.setData(Qt.UserRole, c.id)
             item.setToolTip(plain_tooltip(c.title))
@@ -104,12 +107,20 @@ class Sidebar(QWidget):
         self.search.selectAll()
 
 
-def told_apart(c, conversations) -> str:
-    """The line under a title that others share (two trips to Chengdu cut to the same words): when it was
-    started, to the minute, or to the second where that is the same too (and its number, where even that is)."""
-    twins = [o for o in conversations if o.title == c.title and o.id != c.id]
-    for shape in ("%d %b %H:%M", "%d %b %H:%M:%S"):
+STARTS = ("%d %b %H:%M", "%d %b %H:%M:%S")  # when a conversation was started, to the minute, then the second
+
+
+def starts(same_title: list) -> list[Counter]:
+    """How many of the conversations sharing a title were started at each minute, and at each second."""
+    return [Counter(time.strftime(shape, time.localtime(c.created)) for c in same_title) for shape in STARTS]
+
+
+def told_apart(c, counts: list[Counter]) -> str:
+    """The line under a title that others share (two trips to Chengdu cut to the same words; `counts`: their
+    starts): when it was started, to the minute, or to the second where that is the same too (and its number,
+    where even that is)."""
+    for shape, seen in zip(STARTS, counts):
         when = time.strftime(shape, time.localtime(c.created))
-        if all(time.strftime(shape, time.localtime(o.created)) != when for o in twins):
+        if seen[when] == 1:
             return f"started {when}"
     return f"started {when} · no. {c.id}"

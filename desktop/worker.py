@@ -199,8 +199,7 @@ class EngineWorker(QObject):
                 if old is None or (spec.disk_cache, spec.disk_budget) != (old.disk_cache, old.disk_budget):
                     session.set_disk(spec.disk())
             self._spec, self._other = spec, (self._other if same_weights else None)
-            if not same_weights or session.warm_up_ms is None:  # the first request's TTFT is then its own
-                session.warm_up()
+            session.warm_up()  # every load (set_model above): the first request's TTFT is then its own
         except (EngineError, OSError, RuntimeError, MemoryError) as e:
             self.modelFailed.emit(str(e))
             return

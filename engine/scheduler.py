@@ -106,6 +106,11 @@ class EngineThread:
         return self._pending
 
     @property
+    def waiting(self) -> int:
+        """Jobs queued behind the lanes (calls included): pending, less those running on a lane."""
+        return max(0, self._pending - self.lanes.running)
+
+    @property
     def running(self) -> bool:
         return self._thread.is_alive()
 

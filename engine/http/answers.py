@@ -62,6 +62,12 @@ async def drain(job: Job) -> None:
         pass
 
 
+def busy(service: EngineService, e: Busy) -> JSONResponse:
+    """The 429 of a request the queue has no room for, with when to try again."""
+    msg = f"the server is busy: {service.pending} requests running or waiting; retry in {e.retry_after} s"
+    return ApiError(429, msg, "rate_limit_error").response({"Retry-After": str(e.retry_after)})
+
+
 def refused(first) -> JSONResponse:
     """The answer to a job whose first event was not PrefillStarted."""
     if isinstance(first, Failed):
@@ -84,8 +90,7 @@ async def start_others(service: EngineService, jobs: list[Job], rest: list[Reque
     except Busy as e:
         for job in jobs:
             job.stop()
-        msg = f"the server is busy: {service.pending} requests running or waiting; retry in {e.retry_after} s"
-        return ApiError(429, msg, "rate_limit_error").response({"Retry-After": str(e.retry_after)})
+        return busy(service, e)
     for job in jobs[1:]:
         first = await first_event(job, watcher)
         if not isinstance(first, PrefillStarted):

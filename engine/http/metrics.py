@@ -21,9 +21,9 @@ class ServeMetrics:
     """The server's metrics, in a registry of their own; `lanes` is the engine's (engine.batching.Lanes), read
     when scraped; `observe(trace)` counts a request that ended, `turn(tokens)` one turn of the engine."""
 
-    def __init__(self, model_name: str, lanes, pending):
+    def __init__(self, model_name: str, lanes, waiting):
         self.registry = CollectorRegistry(auto_describe=True)
-        self.lanes, self.pending = lanes, pending
+        self.lanes = lanes
         labels, m = ["model_name"], model_name
         r = self.registry
 
@@ -32,7 +32,7 @@ class ServeMetrics:
             g.labels(m).set_function(fn)
 
         gauge("vllm:num_requests_running", "Requests running on the engine's lanes.", lambda: lanes.running)
-        gauge("vllm:num_requests_waiting", "Requests waiting for a lane.", lambda: max(0, pending() - lanes.running))
+        gauge("vllm:num_requests_waiting", "Requests waiting for a lane.", waiting)
         gauge("vllm:kv_cache_usage_perc", "KV positions held over the lanes' capacity (0 to 1).", self._usage)
         gauge("kvchat:kv_cache_payload_bytes", "Bytes of the K/V the lanes' caches hold now.", self._payload)
         gauge("kvchat:kv_cache_allocated_bytes", "Bytes the lanes' caches take.", self._allocated)

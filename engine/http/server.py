@@ -131,8 +131,7 @@ def build_app(
         except ApiError as e:
             return e.response()
         except Busy as e:
-            msg = f"the server is busy: {service.pending} requests running or waiting; retry in {e.retry_after} s"
-            return ApiError(429, msg, "rate_limit_error").response({"Retry-After": str(e.retry_after)})
+            return answers.busy(service, e)
         rid = f"chatcmpl-{secrets.token_hex(12)}"
         jobs = [job]
         watcher = asyncio.create_task(answers.watch_disconnect(http, jobs))

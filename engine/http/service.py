@@ -64,7 +64,7 @@ class EngineService:
         self.engine.call(self.session.warm_up).result()  # the first request's TTFT is its own (on this thread too)
         self.model_id, self.queue_size = model_id or self.loaded.name, queue_size
         self.created = int(time.time())
-        self.metrics = ServeMetrics(self.model_id, self.engine.lanes, lambda: self.engine.pending)
+        self.metrics = ServeMetrics(self.model_id, self.engine.lanes, lambda: self.engine.waiting)
         self.engine.lanes.on_turn = self.metrics.turn
         self.last_cancel: dict | None = None  # how fast the last cancelled request stopped
         self.durations: list[float] = []  # seconds of recent requests, for Retry-After
@@ -126,7 +126,7 @@ class EngineService:
                 "parallel": self.engine.parallel,
                 "running": self.engine.lanes.running,
                 "policy": POLICY,
-                "waiting": max(0, self.pending - self.engine.lanes.running),
+                "waiting": self.engine.waiting,
             },  # fmt: skip
             "requests": self.engine.lanes.in_flight(),
             "last_cancel": self.last_cancel,
