@@ -172,8 +172,9 @@ class Lanes:
     def in_flight(self) -> list[dict]:
         """Every request running on a lane now, for a Requests view (`/kvchat/stats`): its lane, how long it
         waited for it, its prefill's progress, its tokens, the K/V its lane's cache holds for it (each lane's
-        own: payload = positions × bytes per position, summed over lanes, is the KV formula over requests) and
-        the batch size of its last decode step. Read from another thread between turns: a snapshot, not a lock."""
+        own payload, 2·L·T·H_kv·d·b as the cache counts it, scales and sliding windows included: summed over
+        lanes, the KV formula with Σ T) and the batch size of its last decode step. Read from another thread
+        between turns: a snapshot, not a lock."""
         out = []
         for lane in list(self.lanes):
             ticket = lane.ticket
