@@ -22,6 +22,7 @@ class EngineClient(QObject):
         self.worker = worker or EngineWorker()
         self._ids = itertools.count(1)
         self._streams: dict[int, asyncio.Queue] = {}
+        self._rids: dict[int, int] = {}  # id() of a request streaming → its request id (stop one reply)
         w = self.worker
         self.events = w.events
         self.modelLoading, self.modelLoadProgress, self.modelLoaded = w.modelLoading, w.modelLoadProgress, w.modelLoaded
@@ -38,7 +39,7 @@ class EngineClient(QObject):
         """Yields tuples of engine events until the request finishes or fails."""
         rid = next(self._ids)
         q: asyncio.Queue = asyncio.Queue()
-        self._streams[rid] = q
+        self._streams[rid], self._rids[id(request)] = q, rid
         self.worker.generate(rid, request)
         try:
             while True:
@@ -48,9 +49,18 @@ class EngineClient(QObject):
                     return
         finally:
             self._streams.pop(rid, None)
+            self._rids.pop(id(request), None)
 
-    def stop(self) -> None:
-        self.worker.stop_generation()
+    def stop(self, request=None) -> None:
+        """Stop the reply to `request` (None: every reply) at its next token."""
+        if request is None:
+            self.worker.stop_generation()
+        elif id(request) in self._rids:
+            self.worker.stop_generation(self._rids[id(request)])
+
+    def in_flight(self) -> list[dict]:
+        """The local engine's requests running now (EngineWorker.in_flight)."""
+        return self.worker.in_flight()
 
     def load(self, spec) -> None:
         """A LoadSpec or a RemoteSpec: modelLoading, then modelLoaded or modelFailed."""

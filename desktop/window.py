@@ -19,12 +19,12 @@ from PySide6.QtWidgets import (
     QMainWindow,
 )
 
-from engine.session import OVERFLOW_POLICIES
 from engine.trace import now
 
 from .client import EngineClient
 from .context_meter import refusal
 from .core.chat import ChatController
+from .core.replies import transcript_marks
 from .core.settings import Settings
 from .core.store import Store
 from .core.store_file import StoreError
@@ -37,6 +37,13 @@ from .window_layout import WindowLayout
 from .window_models import ModelSide
 
 PANEL_EVERY_S = 0.5  # the panel's figures twice a second while a reply streams (and once at its end)
+ALTERNATIVES_TIP = (
+    "Several replies to the last message at once, each a branch of its own (‹ › between them): one batch on the "
+    "engine, the prompt prefilled once and shared. Each samples with its own seed."
+)
+ALTERNATIVES_GREEDY = (
+    "Alternatives need sampling: at temperature 0 they would all be the same reply (Settings → Sampling)"
+)
 
 
 class MainWindow(ModelSide, WindowLayout, Keyboard, QMainWindow):
@@ -59,7 +66,8 @@ class MainWindow(ModelSide, WindowLayout, Keyboard, QMainWindow):
         self.client = client or EngineClient()
         self.facts: dict | None = None
         self._deleted: list[int] = []
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task | None = None  # the reply started last
+        self._tasks: set[asyncio.Task] = set()  # every reply running (one a conversation, or its alternatives)
         self._closing = False
         self._regenerate_on_load = False  # Regenerate with…: the reply is made again once the model has loaded
         self._marks: dict[int, dict] = {}  # the transcript's notes by message id (mark_transcript)
@@ -156,6 +164,7 @@ class MainWindow(ModelSide, WindowLayout, Keyboard, QMainWindow):
         self.render_transcript()
         self.show_conversation_settings()
         self.probe_conversation()
+        self._update_buttons()  # Send or Stop: this conversation's own reply, whatever streams in another
 
     def probe_conversation(self) -> None:
         """Ask the engine how much of the conversation on screen is still cached (shown before anything
@@ -250,18 +259,7 @@ class MainWindow(ModelSide, WindowLayout, Keyboard, QMainWindow):
         reply, a line where the model changed between replies, and the messages the last reply did not see
         (its overflow policy left them out). Views drawn later (the backfill) are marked as they are made."""
         path = [row[0] for row in self.branch.rows] or [v.message for v in self.transcript.views]
-        replies = [m for m in path if m.role == "assistant" and isinstance(m.trace, dict)]
-        record = replies[-1].trace if replies else {}
-        policy = OVERFLOW_POLICIES.get((record.get("reuse") or {}).get("overflow"), "")
-        left_out = f"Not seen by the model for the last reply: left out to fit the cache ({policy})"
-        marks = {mid: {"left_out": left_out} for mid in record.get("left_out") or ()}
-        before = None
-        for m in replies:
-            name = (m.trace.get("made_by") or {}).get("name")
-            marks.setdefault(m.id, {})["model"] = name
-            if before is not None and name is not None and name != before:
-                marks[m.id]["changed"] = f"Model changed: {before} → {name} (a new model: its cache started empty)"
-            before = name or before
+        marks = transcript_marks(path)
         self._marks = marks
         for v in self.transcript.views:
             self._mark(v)
@@ -294,7 +292,7 @@ class MainWindow(ModelSide, WindowLayout, Keyboard, QMainWindow):
         view.selected.connect(self.select_message)
         view.compareRequested.connect(self.compare_reply)
         view.forkRequested.connect(self.fork_reply)
-        view.firstTextPainted.connect(self._on_first_paint)
+        view.firstTextPainted.connect(lambda t, mid=m.id: self._on_first_paint(mid, t))
         self._fit_view(view)  # a view added later (a chunk of the backfill) as well as those drawn now
         self._mark(view)
         return view
@@ -328,8 +326,9 @@ class MainWindow(ModelSide, WindowLayout, Keyboard, QMainWindow):
         """Token 1 is drawn at once, text and panel, not at the next tick of the throttled redraw."""
         self.pacer.draw_now()
 
-    def _on_first_paint(self, t: float) -> None:
-        stats = self.chat.streaming_stats
+    def _on_first_paint(self, mid: int, t: float) -> None:
+        stream = self.chat.streams.get(mid)
+        stats = None if stream is None else stream.stats
         if stats is not None and stats.first_paint is None:
             stats.first_paint = t
             self._panel_at = 0.0  # the panel says so at the next redraw
@@ -359,20 +358,10 @@ class MainWindow(ModelSide, WindowLayout, Keyboard, QMainWindow):
         self.sendButton.setEnabled(ready)
         self.regenerateButton.setEnabled(ready and self.chat.can_regenerate())
         self.regenerateWith.setEnabled(ready and self.chat.can_regenerate())
+        greedy = self.chat.settings_for().temperature == 0
+        self.alternativesButton.setEnabled(ready and self.chat.can_regenerate() and not greedy)
+        self.alternativesButton.setToolTip(ALTERNATIVES_GREEDY if greedy else ALTERNATIVES_TIP)
         self.continueButton.setEnabled(ready and self.chat.can_continue())
-
-    def _show_status_line(self) -> None:
-        """The engine and model in use and the conversation's share of the cache, in the status bar."""
-        f = self.facts
-        if f is None:
-            text = "Loading the model…" if self.loadProgress.isVisible() else "No model loaded"
-        else:
-            where = f"at {f['server']}" if f.get("backend") == "remote" else f"on {f['device']}"
-            cap = f.get("capacity")
-            text = f"{'Replying' if self.generating else 'Ready'} · {f['name']} {where}"
-            text += f" · capacity {cap:,} positions" if cap else ""
-        if self.statusLine.text() != text:
-            self.statusLine.setText(text)
 
     def send(self) -> None:
         self._send(now())  # the moment Send was pressed: TTFT counts from here
@@ -423,6 +412,12 @@ class MainWindow(ModelSide, WindowLayout, Keyboard, QMainWindow):
             self.regenerateHint.setVisible(same_model and self.chat.settings_for().temperature == 0)
             self.start_reply(target, now())
 
+    def alternatives(self, n: int) -> None:
+        """`n` replies to the last message at once, in one batch: new branches sharing the prompt's prefill."""
+        target = self.chat.regenerate_target()
+        if target is not None:
+            self.start_reply(target, now(), alternatives=n)
+
     def continue_reply(self) -> None:
         target = self.chat.continue_target()
         if target is not None:
@@ -437,18 +432,21 @@ class MainWindow(ModelSide, WindowLayout, Keyboard, QMainWindow):
     def stop(self) -> None:
         self.chat.stop()
 
-    def start_reply(self, parent_id: int, arrival: float, continue_mid: int | None = None, fork=None) -> None:
-        run = self.chat.start(parent_id, arrival, continue_mid, fork)  # None: a reply is already running
+    def start_reply(self, parent_id: int, arrival: float, continue_mid=None, fork=None, alternatives: int = 1) -> None:
+        run = self.chat.start(parent_id, arrival, continue_mid, fork, alternatives)  # None: this conversation's runs
         if run is None:
             return
         self.banner.setVisible(False)
         self._task = self.loop.create_task(run)
+        self._tasks.add(self._task)
         self._task.add_done_callback(self._reply_done)
         self._update_buttons()
         self.composer.setFocus()  # a fork or regenerate rebuilt the views: not the search box, the message box
 
     def _reply_done(self, task: asyncio.Task) -> None:
         """A bug in the reply code must not leave the window stuck in 'generating'."""
+        self._tasks.discard(task)
+        self._update_buttons()
         if task.cancelled() or task.exception() is None:
             return
         self.show_error(f"Internal error while replying: {task.exception()!r}")
@@ -458,15 +456,17 @@ class MainWindow(ModelSide, WindowLayout, Keyboard, QMainWindow):
         """What the pacer's redraw shows: the streaming message's text, and the panel at most every
         PANEL_EVERY_S (`panel`: now)."""
         chat = self.chat
-        if chat.streaming_mid is not None:
-            view = self.transcript.view_for(chat.streaming_mid)
+        for stream in chat.streams_in(chat.current_cid):  # those on screen (alternatives: the branch shown)
+            view = self.transcript.view_for(stream.mid)
             if view is not None:
-                view.set_content(chat.stream_text, "streaming", chat.streaming_stats.tokens)
-        if self.generating and now() - self._panel_at < PANEL_EVERY_S and not panel:
+                view.set_content(stream.text, "streaming", stream.stats.tokens)
+        if chat.busy and now() - self._panel_at < PANEL_EVERY_S and not panel:
             return
         self._panel_at = now()
         self.statsPanel.show_reply(chat.stats, chat.heading())
-        if not (panel and self.generating):  # token 1's own draw leaves the map to the next panel tick
+        if chat.busy or self.requestsView.listed:
+            self.requestsView.show_streams(chat, self.client.in_flight() if chat.busy else [])
+        if not (panel and chat.busy):  # token 1's own draw leaves the map to the next panel tick
             self.statsPanel.show_cache_map(chat.cache_map, self.client.token_text)
         self._update_buttons()
 
@@ -481,8 +481,8 @@ class MainWindow(ModelSide, WindowLayout, Keyboard, QMainWindow):
         self.pacer.stop()
         self.chat.save_partial()
         self.worker_left_running = not self.client.close()
-        if self._task is not None and not self._task.done():
-            self._task.cancel()
+        for task in list(self._tasks):
+            task.cancel()
         self.heldBanner.timer.stop()
         self.probeTimer.stop()
         if not self.store.close():

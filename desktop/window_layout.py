@@ -9,9 +9,12 @@ from PySide6.QtWidgets import (
     QComboBox,
     QHBoxLayout,
     QLabel,
+    QMenu,
     QProgressBar,
     QSplitter,
     QStatusBar,
+    QTabWidget,
+    QToolButton,
     QVBoxLayout,
     QWidget,
 )
@@ -25,6 +28,7 @@ from .model_switch import ModelSwitch, RegenerateWith
 from .outside_text import plain
 from .pacing import RedrawPacer
 from .panel import StatsPanel
+from .requests_view import RequestsView
 from .sidebar import Sidebar
 from .style import THEMES, button
 from .token_view import MODES as TOKEN_MODES
@@ -32,6 +36,7 @@ from .token_view import TokenLegend
 from .transcript import Transcript
 
 PROBE_DELAY_MS = 250  # a conversation opened is probed for its cached share this long after (once drawn)
+ALTERNATIVES = (2, 3, 4)  # the Alternatives menu's counts (the app runs up to 4 replies at once)
 SIDEBAR_SHARE, PANEL_SHARE = 0.2, 0.3  # of the window's width, at most, when it is too narrow for all three
 
 
@@ -121,13 +126,21 @@ class WindowLayout:
             self.transcript, lambda: self.chat, self._message_view, self._fit_view, self._update_buttons,
             lambda: self._closing,
         )  # fmt: skip
-        self.pacer = RedrawPacer(self, self._redraw, lambda: self.generating)
+        self.pacer = RedrawPacer(self, self._redraw, lambda: self.chat.busy)  # a reply streams, in any conversation
         cl.addWidget(self.transcript, 1)
         actions = QHBoxLayout()
         self.regenerateButton = button("Regenerate", "regenerateButton", self.regenerate, actions)
         self.regenerateWith = RegenerateWith()
         self.regenerateWith.chosen.connect(self.regenerate_with)
         actions.addWidget(self.regenerateWith)
+        self.alternativesButton = QToolButton()  # Alternatives ×N: N replies at once, in one batch
+        self.alternativesButton.setObjectName("alternativesButton")
+        self.alternativesButton.setText("Alternatives")
+        self.alternativesButton.setPopupMode(QToolButton.InstantPopup)
+        self.alternativesButton.setMenu(QMenu(self.alternativesButton))
+        for n in ALTERNATIVES:
+            self.alternativesButton.menu().addAction(f"×{n}", lambda n=n: self.alternatives(n))
+        actions.addWidget(self.alternativesButton)
         self.continueButton = button("Continue", "continueButton", self.continue_reply, actions)
         self.regenerateHint = plain(QLabel())  # under greedy sampling, why Regenerate gives the same reply
         self.regenerateHint.setObjectName("regenerateHint")
@@ -157,10 +170,16 @@ class WindowLayout:
 
         self.statsPanel = StatsPanel()
         self.statsPanel.exportRequested.connect(self.export_trace)
+        self.requestsView = RequestsView()  # every request in flight on the engine, side by side
+        self.panelTabs = QTabWidget()
+        self.panelTabs.setObjectName("panelTabs")
+        self.panelTabs.addTab(self.statsPanel, "This reply")
+        self.panelTabs.addTab(self.requestsView, "Requests")
+        self.panelTabs.setTabToolTip(1, "Every request in flight: queue, prefill, tokens, KV share, batch, timeline")
         split = QSplitter()
         split.addWidget(self.sidebar)
         split.addWidget(center)
-        split.addWidget(self.statsPanel)
+        split.addWidget(self.panelTabs)
         split.setSizes([210, 780, 390])
         split.setStretchFactor(1, 1)
         split.setChildrenCollapsible(False)  # a drag stops at each side's minimum: the panel cannot be lost

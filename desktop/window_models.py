@@ -67,7 +67,8 @@ class ModelSide:
         self.facts = self.chat.engine_facts = facts
         self.loadProgress.setVisible(False)
         self.statsPanel.show_model(facts)
-        self.chat.cache_map.loaded(facts)
+        self.requestsView.show_model(facts)
+        self.chat.lane_maps.loaded(facts)
         self.statsPanel.show_cache_map(self.chat.cache_map, self.client.token_text)
         self.transcript.show_start(facts)
         self.statsPanel.show_store(facts["cache"].get("store"))
@@ -160,6 +161,21 @@ class ModelSide:
             f"Settings: {html.escape(str(self.data_directory / 'settings.ini'))}",
         )
 
+    def _show_status_line(self) -> None:
+        """The engine and model in use and the conversation's share of the cache, in the status bar."""
+        f = self.facts
+        if f is None:
+            text = "Loading the model…" if self.loadProgress.isVisible() else "No model loaded"
+        else:
+            where = f"at {f['server']}" if f.get("backend") == "remote" else f"on {f['device']}"
+            cap = f.get("capacity")
+            text = f"{'Replying' if self.generating else 'Ready'} · {f['name']} {where}"
+            text += f" · capacity {cap:,} positions" if cap else ""
+            n = len(self.chat.streams)
+            text += f" · {n} replies streaming" if n > 1 or (n and not self.generating) else ""
+        if self.statusLine.text() != text:
+            self.statusLine.setText(text)
+
     def show_error(self, text: str) -> None:
         self.banner.setText(text)
         self.banner.setVisible(True)
@@ -168,7 +184,7 @@ class ModelSide:
     def switch_model(self, path: str | None) -> None:
         """Run this computer's model `path` (None: the demo model) from the next reply on; the transcript marks
         the change at the first reply it makes."""
-        if self.generating:
+        if self.chat.busy:  # a reply in any conversation runs on the model loaded now
             return
         new = dataclasses.replace(self.settings, model=dataclasses.replace(self.settings.model, path=path))
         new.backend = "local"
@@ -176,7 +192,7 @@ class ModelSide:
 
     def regenerate_with(self, path: str | None) -> None:
         """The last reply made again by model `path`, once it has loaded: a new branch, labelled with it."""
-        if self.generating or self.chat.regenerate_target() is None:
+        if self.chat.busy or self.chat.regenerate_target() is None:
             return
         self._regenerate_on_load = True
         self.switch_model(path)

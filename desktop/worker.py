@@ -26,6 +26,7 @@ from .core.replies import Accounting
 BATCH_SECONDS = 0.05  # tokens are sent to the GUI thread at most this often
 CLOSE_WAIT_MS = 3000  # how long closing waits for the engine thread to finish what it is in
 CACHE_ONLY = ("capacity", "kv", "cache_budget", "disk_cache", "disk_budget")  # settings that keep the weights
+APP_PARALLEL = 4  # replies that stream at once (engine serve's default): more wait in the engine's queue
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +49,7 @@ class EngineWorker(QObject):
     events = Signal(object)  # an EventBatch
     stopped = Signal()
 
-    def __init__(self, batch_seconds: float = BATCH_SECONDS):
+    def __init__(self, batch_seconds: float = BATCH_SECONDS, parallel: int = APP_PARALLEL):
         super().__init__()
         self.batch_seconds = batch_seconds
         self._latest_probe = None  # the one probe worth answering
@@ -56,7 +57,8 @@ class EngineWorker(QObject):
         self.loaded = None  # the local model (engine thread's; the GUI reads only the facts it was sent)
         self._spec: LoadSpec | RemoteSpec | None = None
         self._other = None  # the other-precision model for comparisons, loaded on first use
-        self.engine = EngineThread(at_exit=self._at_exit)
+        self._tickets: dict[int, object] = {}  # request id → its engine Ticket, until its END
+        self.engine = EngineThread(at_exit=self._at_exit, parallel=parallel)
 
     @property
     def session(self):
@@ -84,16 +86,27 @@ class EngineWorker(QObject):
         back as its "asked" (which question it answers)."""
         job = (cid, messages, draft, max_new_tokens, overflow, asked)
         self._latest_probe = job
-        self._queue(self._probe, job, on_error=lambda e: self.probed.emit(cid, {"error": e, "asked": asked}))
+        on_error = lambda e: self.probed.emit(cid, {"error": e, "asked": asked})
+        self._queue(self._probe, job, on_error=on_error, barrier=False)  # it only reads: between streams' turns
 
     def generate(self, rid: int, request) -> None:
-        self.engine.submit(request, self._sink(rid, request))
+        self._tickets[rid] = self.engine.submit(request, self._sink(rid, request))
 
-    def stop_generation(self) -> None:
-        """Stop the running reply at its next token, and any reply still waiting behind a load."""
-        self.engine.cancel_all()
-        if self.remote:
-            self.engine.session.stop()  # closes the stream at once, whether or not the server is sending
+    def stop_generation(self, rid: int | None = None) -> None:
+        """Stop reply `rid` (None: every reply) at its next token, also one still waiting for a lane or a load."""
+        ticket = self._tickets.get(rid)
+        if rid is None:
+            self.engine.cancel_all()
+        elif ticket is not None:
+            ticket.cancel()
+        running = rid is None or (ticket is not None and ticket.started is not None)
+        if self.remote and running:  # one reply at a time there: its stream closed at once, whether the server sends
+            self.engine.session.stop()
+
+    def in_flight(self) -> list[dict]:
+        """The local engine's requests running now, each lane's (engine.batching.Lanes.in_flight: a snapshot read
+        between turns); none on a remote engine."""
+        return [] if self.remote else self.engine.lanes.in_flight()
 
     def close(self, timeout_ms: int = CLOSE_WAIT_MS) -> bool:
         """Stop a reply, end the engine thread after its queue, wait a little: False when it is still inside a
@@ -103,7 +116,7 @@ class EngineWorker(QObject):
         return self.engine.close(timeout_ms / 1000)
 
     # --- on the engine thread -------------------------------------------------------------
-    def _queue(self, fn, *args, on_error) -> None:
+    def _queue(self, fn, *args, on_error, barrier: bool = True) -> None:
         def guarded():
             try:
                 fn(*args)
@@ -111,7 +124,7 @@ class EngineWorker(QObject):
                 traceback.print_exc()
                 on_error(f"internal error: {type(e).__name__}: {e}")
 
-        self.engine.call(guarded)
+        self.engine.call(guarded, barrier=barrier)
 
     def _at_exit(self, session) -> None:
         if isinstance(session, RemoteSession):
@@ -129,6 +142,7 @@ class EngineWorker(QObject):
             nonlocal batch, last
             self._conversation_seen = None  # a reply changes what is cached
             if ev is END:
+                self._tickets.pop(rid, None)
                 if batch:
                     self.events.emit(EventBatch(rid, tuple(batch)))
                     batch = []
@@ -214,7 +228,7 @@ class EngineWorker(QObject):
         session = self.engine.session
         if session is None or job is not self._latest_probe:
             return
-        ask = session.cached_positions
+        ask = self.engine.lanes.cached_positions  # the lane that would run it (the engine's session's, or another's)
         try:
             last = self._conversation_seen
             if last is not None and last[0] == messages:  # only the draft changed (typing): asked already

@@ -66,7 +66,10 @@ class Lanes:
         return sum(not lane.free for lane in self.lanes)
 
     def can_admit(self) -> bool:
-        return self.running < self.parallel
+        """Whether a request can start now: a lane free, or room for another. A remote server's session streams
+        a whole reply in one call (no decode steps to share), so it runs one request at a time here."""
+        local = hasattr(self.session(), "sibling")
+        return self.running < (self.parallel if local else 1)
 
     def admit(self, ticket) -> None:
         """Start `ticket` on a free lane (there is one: can_admit)."""
@@ -185,6 +188,7 @@ class Lanes:
             computed = trace.computed or 0
             out.append({
                 "lane": lane.index,
+                "label": ticket.request.label,
                 "state": "decoding" if trace.token_times else "prefilling",
                 "queue_ms": None if trace.started is None else round((trace.started - trace.arrival) * 1000, 3),
                 "prompt_positions": trace.prompt_tokens,
@@ -196,6 +200,17 @@ class Lanes:
                 "batch_size": trace.batch_sizes[-1] if trace.batch_sizes else None,
             })  # fmt: skip
         return out
+
+    def cached_positions(self, req: Request) -> dict:
+        """How much of a request's prompt is cached now (Session.cached_positions) on the lane that would run
+        it: the one whose working cache holds the most of it (_lane_for's choice among free lanes)."""
+        main = self.session()
+        if not hasattr(main, "sibling"):  # a remote server's session: its own answer
+            return main.cached_positions(req)
+        others = [lane.session for lane in self.lanes if lane.session is not main and main.same_setup(lane.session)]
+        answers = [s.cached_positions(req) for s in (main, *others)]
+        held = [a for a in answers if "error" not in a]
+        return max(held, key=lambda a: a.get("cached", 0)) if held else answers[0]
 
     def cancel_all(self) -> None:
         for lane in self.lanes:

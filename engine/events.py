@@ -51,6 +51,7 @@ class PrefillStarted:
     prompt_token_ids: tuple[int, ...]
     reply_prefix: str = ""  # the text of the request's reply_ids: the reply starts with it
     message_spans: tuple[tuple[int, int], ...] = ()  # each request message's own text as positions [first, end)
+    lane: int | None = None  # which of the engine's lanes runs it (engine.batching): whose working cache it fills
 
 
 @dataclasses.dataclass(frozen=True)

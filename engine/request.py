@@ -40,6 +40,18 @@ class Request:
     share_prompt: bool = False  # once prefilled, its prompt's K/V go to the prefix store for requests beside it
 
 
+def choice_requests(req: Request, n: int) -> list[Request]:
+    """The requests of `n` choices of one prompt (a server's `n`, the app's Alternatives ×N): choice i seeded with
+    seed + i (unseeded: each draws its own), the first sharing its prefill with the others through the prefix
+    store (the others are sent once it is prefilled, and copy the prompt from there)."""
+    seed = req.sampling.seed
+    out = []
+    for i in range(n):
+        sampling = req.sampling if seed is None else dataclasses.replace(req.sampling, seed=seed + i)
+        out.append(dataclasses.replace(req, sampling=sampling, share_prompt=n > 1 and i == 0))
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class Fitted:
     """A request's prompt as it will run: the template's rendering (`chat`), the reply's forced start after it

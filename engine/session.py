@@ -243,7 +243,7 @@ class Session:
         reuse = tiers.prepare(prompt, req.label, fitted, req.overflow)
         trace.prompt_tokens, trace.reused, trace.computed = len(prompt), reuse.reused, reuse.computed
         stream = loaded.tokenizer.stream(req.reply_ids)  # a forced start: the reply's text goes on from it
-        yield PrefillStarted(len(prompt), reuse, tuple(prompt), stream.text, fitted.chat.spans)
+        yield PrefillStarted(len(prompt), reuse, tuple(prompt), stream.text, fitted.chat.spans, trace.lane)
 
         trace.prefill_start = tracing.now()
         full = self.prefill_chunk or prefill_chunk_for(loaded.dtype)

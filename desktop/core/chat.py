@@ -3,19 +3,23 @@ conversation store, the request each builds, and what each engine event does to 
 
 The window drives a ChatController and shows what it holds; tests drive it with a fake client.
 The controller talks back through a listener (the window) with four calls: the transcript
-changed, the reply progressed, the reply finished, an error to show.
+changed, the reply progressed, the reply finished, an error to show. Replies in different
+conversations stream at once (the engine runs them side by side, engine.batching); one
+conversation runs one reply at a time, or one set of alternatives of one prompt.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from engine.events import Failed, Finished, PrefillStarted, Token
-from engine.logprobs import MAX_TOP_LOGPROBS
+from engine.events import Failed, Finished, PrefillDone, PrefillStarted, Token
+from engine.request import choice_requests
 from engine.session import Request
 
 from .cache_map import CacheMap
+from .prompts import Prompts
 from .replies import (
     CONTINUABLE,
     STATUS_BY_REASON,
@@ -32,6 +36,7 @@ from .replies import (
 from .settings import Settings
 from .store import Message, Store
 from .store_file import StoreError
+from .streams import LaneMaps, Stream
 
 SAVE_EVERY_S = 0.25  # partial replies reach the database this often while streaming
 
@@ -41,7 +46,7 @@ class Client(Protocol):
 
     def stream(self, request: Request) -> AsyncIterator[tuple]: ...
 
-    def stop(self) -> None: ...
+    def stop(self, request: Request | None = None) -> None: ...
 
 
 class Listener(Protocol):
@@ -56,15 +61,14 @@ class Listener(Protocol):
     def show_error(self, text: str) -> None: ...
 
 
-class ChatController:
-    """One conversation at a time over the store; at most one reply streaming."""
+class ChatController(Prompts):
+    """One conversation shown at a time over the store; replies streaming in any of them."""
 
     def __init__(self, store: Store, client: Client, settings: Settings, listener: Listener, clock):
         self.store, self.client, self.settings, self.listener, self.clock = store, client, settings, listener, clock
         self.current_cid: int | None = None
-        self.generating = False
-        self.streaming_mid: int | None = None
-        self.stream_text = ""  # the streaming reply's text so far
+        self.runs: dict[int, int] = {}  # conversation id → its replies claimed and not ended (start() claims at once)
+        self.streams: dict[int, Stream] = {}  # message id → the reply streaming into it, in the order they started
         self.stats = ReplyStats()  # the reply the panel shows
         self.engine_facts: dict | None = None  # the engine and model in use (the window's, once loaded)
         self.stats_by_message: dict[int, ReplyStats] = {}
@@ -72,7 +76,43 @@ class ChatController:
         self.summary: dict | None = None  # the session's figures after the last reply
         self.store_state: dict | None = None  # the prefix store after the last reply or probe
         self._edit: tuple[int, int] | None = None  # (new message id, first changed character) of an edit
-        self.cache_map = CacheMap()  # the KV cache now: what each position holds and where it came from
+        self._lead: dict[int, int] = {}  # conversation id → the first alternative's message, while they start
+        self.lane_maps = LaneMaps()  # each engine lane's cache now: what each position holds, where it came from
+
+    # --- what streams ----------------------------------------------------------------------------
+    @property
+    def generating(self) -> bool:
+        """Whether the conversation shown has a reply streaming (another conversation's does not stop this one's
+        Send)."""
+        return self.current_cid is not None and self.current_cid in self.runs
+
+    @property
+    def busy(self) -> bool:
+        """Whether any reply streams, in any conversation."""
+        return bool(self.runs)
+
+    def streams_in(self, cid: int | None) -> list[Stream]:
+        return [st for st in self.streams.values() if st.cid == cid]
+
+    @property
+    def streaming_mid(self) -> int | None:
+        """The newest reply streaming in the conversation shown."""
+        here = self.streams_in(self.current_cid)
+        return here[-1].mid if here else None
+
+    @property
+    def stream_text(self) -> str:
+        mid = self.streaming_mid
+        return "" if mid is None else self.streams[mid].text
+
+    @property
+    def cache_map(self) -> CacheMap:
+        """The context map the panel shows: the lane of the reply it describes while that streams, else the
+        lane the last reply filled."""
+        st = self.streams.get(self.selected_mid)
+        if st is not None and st.lane is not None:
+            return self.lane_maps.of(st.lane)
+        return self.lane_maps.shown
 
     # --- the store, guarded --------------------------------------------------------------------
     def guard(self, fn, *args, **kw):
@@ -112,8 +152,7 @@ class ChatController:
 
     # --- conversations -------------------------------------------------------------------------
     def new_conversation(self) -> bool:
-        if self.generating:
-            return False
+        """A new conversation shown (a reply streaming in the one left goes on there)."""
         conv = self.guard(self.store.new_conversation, "New chat", self.settings.conversation_part())
         if conv is None:
             return False
@@ -121,9 +160,8 @@ class ChatController:
         return True
 
     def switch_branch(self, mid: int, delta: int) -> bool:
-        """Show the sibling `delta` away from message `mid` (‹ ›), down to that branch's newest leaf."""
-        if self.generating:
-            return False
+        """Show the sibling `delta` away from message `mid` (‹ ›), down to that branch's newest leaf; also while
+        replies stream (alternatives: each into its own branch, drawn when shown)."""
         sibs = self.store.siblings(self.store.message(mid))
         i = next(k for k, s in enumerate(sibs) if s.id == mid) + delta
         if not 0 <= i < len(sibs):
@@ -157,7 +195,7 @@ class ChatController:
         none), unless the reply streaming now is one of the branch's messages. Its own figures (live, or
         stored with it), or none at all ("No reply yet"); never another reply's. True when that changed
         what the panel shows."""
-        if self.streaming_mid is not None and self.streaming_mid == mid:
+        if mid is not None and mid in self.streams:
             return False
         if mid is not None and mid == self.selected_mid and self.stats is self.stats_by_message.get(mid):
             return False
@@ -166,37 +204,6 @@ class ChatController:
         changed = self.stats.status != "idle" or self.selected_mid != mid
         self.selected_mid, self.stats = mid, ReplyStats()  # a reply with no figures (an import), or no reply
         return changed
-
-    # --- requests ------------------------------------------------------------------------------
-    def settings_for(self, cid: int | None = None) -> Settings:
-        """The app's settings with the conversation's own system prompt and sampling over them."""
-        cid = self.current_cid if cid is None else cid
-        own = self.store.conversation(cid).settings if cid is not None else None
-        return self.settings.with_conversation(own)
-
-    def messages(self, upto: list[Message], cid: int | None = None) -> list[dict]:
-        """What the model sees: the conversation's system prompt, then the messages of the branch up to here."""
-        prompt = self.settings_for(cid).system_prompt
-        system = [{"role": "system", "content": prompt}] if prompt else []
-        return system + [{"role": m.role, "content": m.content} for m in upto]
-
-    def request(self, messages: list[dict], arrival: float, cid: int | None = None, **kw) -> Request:
-        s = self.settings_for(cid)
-        top = max(0, min(MAX_TOP_LOGPROBS, s.token_alternatives))
-        return Request(messages=messages, sampling=s.sampling(), max_new_tokens=s.max_new_tokens, arrival=arrival,
-                       logprobs=True, top_logprobs=top, overflow=s.policy, **kw)  # fmt: skip
-
-    def label(self, cid: int, upto: list[Message]) -> str:
-        """A name for a prompt in the prefix store's picture: the conversation's title, and the branch
-        (‹2/3›) of the deepest edited message on the way, if any."""
-        title = self.store.conversation(cid).title
-        mark = branch_mark(self.store.versions(cid), upto)
-        return f"{title} {mark}" if mark else title
-
-    def messages_until(self, mid: int) -> list[Message]:
-        """The current branch from the root to message `mid`, included."""
-        path = self.branch()
-        return path[: next(i for i, m in enumerate(path) if m.id == mid) + 1]
 
     # --- what a person does --------------------------------------------------------------------
     def send(self, text: str, arrival: float) -> int | None:
@@ -245,28 +252,24 @@ class ChatController:
         return last.parent_id, (last.id if last.content else None)
 
     def stop(self) -> None:
-        self.client.stop()
+        """Stop the replies streaming in the conversation shown (those in others go on)."""
+        for st in self.streams_in(self.current_cid):
+            self.client.stop(st.request)
 
-    def fork_target(self, mid: int, index: int, token: dict | None) -> Fork | None:
-        """A fork of reply `mid` at its token `index`: the new branch keeps the tokens before it and goes on
-        with `token` (one of that step's alternatives) or, None, a token drawn again there."""
+    def start(self, parent_id: int, arrival: float, continue_mid: int | None = None, fork: Fork | None = None,
+              alternatives: int = 1):  # fmt: skip
+        """Claim the conversation's reply slot at once and return the coroutine that streams the reply to message
+        `parent_id` (or extends reply `continue_mid`; or `alternatives` replies to it, side by side); None when
+        one is already running in this conversation, so that two clicks in one event-loop turn start one. The
+        reply stays in this conversation whatever the person opens while it streams."""
         if self.generating:
             return None
-        m = self.store.message(mid)
-        steps = (m.trace or {}).get("tokens") if isinstance(m.trace, dict) else None
-        if m.role != "assistant" or not isinstance(steps, list) or not 0 <= index < len(steps):
-            return None
-        return Fork(mid, index, token)
-
-    def start(self, parent_id: int, arrival: float, continue_mid: int | None = None, fork: Fork | None = None):
-        """Claim the one reply slot at once and return the coroutine that streams the reply to message
-        `parent_id` (or extends reply `continue_mid`); None when a reply is already running, so that
-        two clicks in one event-loop turn start one reply. The reply stays in this conversation
-        whatever the person opens while it streams."""
-        if self.generating:
-            return None
-        self.generating = True
-        return self._run(self.current_cid, self.messages_until(parent_id), parent_id, arrival, continue_mid, fork)
+        cid = self.current_cid
+        self.runs[cid] = self.runs.get(cid, 0) + max(1, alternatives)  # each reply gives its claim back as it ends
+        upto = self.messages_until(parent_id)
+        if alternatives > 1:
+            return self._alternatives(cid, upto, parent_id, arrival, alternatives)
+        return self._reply(cid, upto, parent_id, arrival, continue_mid, fork)
 
     async def reply(self, parent_id: int, arrival: float, continue_mid: int | None = None) -> None:
         """start() and wait for the reply to end."""
@@ -274,14 +277,49 @@ class ChatController:
         if run is not None:
             await run
 
-    async def _run(self, cid, upto, parent_id, arrival, continue_mid, fork=None) -> None:
-        try:
-            await self._reply(cid, upto, parent_id, arrival, continue_mid, fork)
-        finally:
-            self.generating = False
-            self.streaming_mid = None
+    def _release(self, cid: int, n: int = 1) -> None:
+        """Replies of conversation `cid` that ended (or will not start): at none left, it takes a Send again."""
+        self.runs[cid] = self.runs.get(cid, 0) - n
+        if self.runs[cid] <= 0:
+            del self.runs[cid]
 
-    async def _reply(self, cid: int, upto: list[Message], parent_id: int, arrival: float, continue_mid, fork=None):
+    async def _alternatives(self, cid: int, upto: list[Message], parent_id: int, arrival: float, n: int) -> None:
+        """`n` replies to one prompt in one batch: the first's prefill goes to the prefix store
+        (Request.share_prompt), and the others start once it is done, copying that prompt from there; each samples
+        with its own seed (choice_requests). The branch shown is the first's."""
+        base = self.request(self.messages(upto, cid), arrival, cid, label=self.label(cid, upto))
+        requests = choice_requests(base, n)
+        prefilled = asyncio.Event()
+        first = asyncio.ensure_future(
+            self._reply(cid, upto, parent_id, arrival, None, None, requests[0], (1, n), prefilled)
+        )
+        waiting = asyncio.ensure_future(prefilled.wait())
+        await asyncio.wait({first, waiting}, return_when=asyncio.FIRST_COMPLETED)
+        waiting.cancel()
+        others = []
+        if prefilled.is_set():
+            others = [self._reply(cid, upto, parent_id, arrival, None, None, r, (i + 1, n)) for i, r in
+                      enumerate(requests[1:], 1)]  # fmt: skip
+        else:  # the first ended before its prefill did (it failed, or was stopped): the others are not run
+            self._release(cid, n - 1)
+        try:
+            await asyncio.gather(first, *others)
+        finally:
+            self._lead.pop(cid, None)
+
+    async def _reply(self, cid: int, upto: list[Message], parent_id: int, arrival: float, continue_mid, fork=None,
+                     req: Request | None = None, alternative=None, prefilled: asyncio.Event | None = None):  # fmt: skip
+        stream = None
+        try:
+            stream = await self._start_reply(cid, upto, parent_id, arrival, continue_mid, fork, req, alternative,
+                                             prefilled)  # fmt: skip
+        finally:
+            if stream is not None:
+                self.streams.pop(stream.mid, None)
+            if stream is None or not stream.released:  # it ended some other way (cancelled, a bug): claim back
+                self._release(cid)
+
+    async def _start_reply(self, cid, upto, parent_id, arrival, continue_mid, fork, req, alternative, prefilled):
         carried: list[dict] = []  # a fork's tokens before it (and the token it forks with)
         if fork is not None:
             req, prefix, carried = self._fork_request(cid, upto, arrival, fork)
@@ -299,17 +337,30 @@ class ChatController:
             )
         else:
             prefix, old_tokens = "", 0
-            req = self.request(self.messages(upto, cid), arrival, cid, label=self.label(cid, upto))
+            req = req or self.request(self.messages(upto, cid), arrival, cid, label=self.label(cid, upto))
         assistant = self.store.add_message(cid, parent_id, "assistant", prefix, status="streaming")
-        self.streaming_mid = assistant.id
-        self.stream_text = prefix
-        stats = self.stats = self.stats_by_message[assistant.id] = ReplyStats(
+        stats = self.stats_by_message[assistant.id] = ReplyStats(
             arrival=arrival, status="prefill", made_by=made_by(self.engine_facts), steps=carried, carried=old_tokens
         )  # its own: the panel may show another reply meanwhile (another conversation opened)
-        self.selected_mid = assistant.id
         title = self.store.conversation(cid).title
-        self.cache_map.start(req.messages or [], len(req.reply_ids), f"the reply to “{title}”, message {len(upto) + 1}")
+        stream = self.streams[assistant.id] = Stream(cid, assistant.id, req, stats, title, prefix,
+                                                     alternative=alternative)  # fmt: skip
+        if alternative is None or alternative[0] == 1:  # the panel follows it (the first of alternatives)
+            self.stats, self.selected_mid = stats, assistant.id
+        caption = f"the reply to “{title}”, message {len(upto) + 1}"
+        if alternative is not None:
+            caption += f", alternative {alternative[0]} of {alternative[1]}"
+        if alternative is not None and alternative[0] == 1:
+            self._lead[cid] = assistant.id
+        elif alternative is not None and self._lead.get(cid) is not None:  # the first alternative stays on screen
+            self.guard(self.store.set_leaf, cid, self._lead[cid])
         self.listener.transcript_changed()
+        await self._stream(stream, upto, prefix, old_tokens, carried, fork, caption, prefilled)
+        return stream
+
+    async def _stream(self, stream: Stream, upto, prefix: str, old_tokens: int, carried, fork, caption, prefilled):
+        """The reply's events into its message, its figures and its lane's context map, then its record."""
+        req, stats, cid, assistant = stream.request, stream.stats, stream.cid, self.store.message(stream.mid)
         highlight, self._edit = self._edit, None
         text, saved, last_save, final = prefix, prefix, self.clock(), None
         async for batch in self.client.stream(req):
@@ -318,16 +369,25 @@ class ChatController:
                 if isinstance(ev, Accounting):
                     self._count_tokens(upto, ev)
                     continue
-                if isinstance(ev, PrefillStarted) and ev.reply_prefix and fork is not None and text == prefix:
-                    text = self._forked_prefix(ev.reply_prefix, carried, fork)  # the engine's own decode of it
-                    prefix = saved = text
+                if isinstance(ev, PrefillStarted):
+                    if ev.reply_prefix and fork is not None and text == prefix:
+                        text = self._forked_prefix(ev.reply_prefix, carried, fork)  # the engine's own decode of it
+                        prefix = saved = text
+                    stream.lane, stream.prefill_at = ev.lane or 0, self.clock()
+                    cache_map = self.lane_maps.of(ev.lane)
+                    cache_map.start(req.messages or [], len(req.reply_ids), caption)
+                    if self.selected_mid == stream.mid or stream.mid == next(reversed(self.streams)):
+                        self.lane_maps.shown = cache_map
                 text += stats.apply(ev)
-                self.cache_map.apply(ev)
+                if stream.lane is not None:
+                    self.lane_maps.of(stream.lane).apply(ev)
+                if isinstance(ev, PrefillDone) and prefilled is not None:
+                    prefilled.set()  # its prompt is in the prefix store: the other alternatives start
                 first = first or (isinstance(ev, Token) and ev.index == 1)
                 if isinstance(ev, (Finished, Failed)):
                     final = ev
                     self.store_state = (ev.cache or {}).get("store", self.store_state)
-            self.stream_text = text
+            stream.text = text
             # The first text at once (a crash in the first interval must not lose it), then every interval.
             if final is None and text != saved and (saved == prefix or self.clock() - last_save >= SAVE_EVERY_S):
                 saved = text
@@ -366,8 +426,9 @@ class ChatController:
         )
         if isinstance(final, Failed):
             self.listener.show_error(f"The reply failed: {final.error}")
-        self.stream_text = text
-        self.generating, self.streaming_mid = False, None
+        stream.text, stream.released = text, True
+        self.streams.pop(stream.mid, None)
+        self._release(cid)
         self.listener.transcript_changed()
         mark = None
         reuse = stats.reuse or {}
@@ -375,45 +436,6 @@ class ChatController:
             width = len((reuse.get("new_token") or {}).get("text", "").strip()) or 1
             mark = (highlight[0], highlight[1], highlight[1] + width)  # (message, first, end character)
         self.listener.reply_finished(final, mark)
-
-    def _fork_request(self, cid: int, upto: list[Message], arrival: float, fork: Fork):
-        """(the request, the reply's text so far, its tokens so far) of a fork. A local engine is given the
-        token ids, so that every position before the fork is reused and the fork's token alone computed; a
-        remote one, which takes only messages, the text to continue."""
-        steps = self.store.message(fork.mid).trace["tokens"]
-        kept = [dict(s) for s in steps[: fork.index]]
-        carried = list(kept)
-        if fork.token is not None:
-            at = steps[fork.index]
-            top = at.get("top") or []
-            place = next((k for k, a in enumerate(top) if a.get("token_id") == fork.token.get("token_id")), None)
-            carried.append({
-                "shown": str(fork.token.get("text", "")), "token_id": fork.token.get("token_id", -1),
-                "text": str(fork.token.get("text", "")), "logprob": fork.token.get("logprob"),
-                "sampled_logprob": fork.token.get("sampled_logprob"), "entropy": at.get("entropy"),
-                "sampled_entropy": at.get("sampled_entropy"), "rank": None if place is None else place + 1,
-                "top": top, "forked": True,
-            })  # fmt: skip
-        ids = [s.get("token_id", -1) for s in carried]
-        prefix = "".join(str(s.get("shown", "")) for s in carried)
-        remote = (self.engine_facts or {}).get("backend") == "remote" or any(type(i) is not int or i < 0 for i in ids)
-        label = self.label(cid, upto)
-        if remote:
-            messages = self.messages(upto, cid) + [{"role": "assistant", "content": prefix}]
-            req = self.request(messages, arrival, cid, continue_final_message=True, add_generation_prompt=False,
-                               label=label)  # fmt: skip
-        else:
-            req = self.request(self.messages(upto, cid), arrival, cid, reply_ids=tuple(ids), label=label)
-        return req, prefix, carried
-
-    @staticmethod
-    def _forked_prefix(decoded: str, carried: list[dict], fork: Fork) -> str:
-        """The fork's text as the engine decodes its tokens; the forked token shows what it adds to it."""
-        if fork.token is not None and carried:
-            before = "".join(str(s.get("shown", "")) for s in carried[:-1])
-            if decoded.startswith(before):
-                carried[-1]["shown"] = decoded[len(before) :]
-        return decoded
 
     def _count_tokens(self, upto: list[Message], acc: Accounting) -> None:
         """Each message's token count, for the transcript (only those not counted yet)."""
@@ -425,7 +447,7 @@ class ChatController:
 
     @property
     def streaming_stats(self) -> ReplyStats | None:
-        """The figures of the reply streaming now (whichever the panel shows)."""
+        """The figures of the newest reply streaming in the conversation shown (whichever the panel shows)."""
         return None if self.streaming_mid is None else self.stats_by_message.get(self.streaming_mid)
 
     def heading(self) -> str:
@@ -447,13 +469,9 @@ class ChatController:
         return f"{st.title}\n{where}\nby {model_words(st.made_by)}"
 
     def save_partial(self) -> None:
-        """On close mid-reply: what streamed so far is kept, marked stopped."""
-        if self.generating and self.streaming_mid is not None:
+        """On close mid-reply: what every reply streamed so far is kept, marked stopped."""
+        if self.streams:
             self.client.stop()
-            self.guard(
-                self.store.update_message,
-                self.streaming_mid,
-                content=self.stream_text,
-                status="stopped",
-                token_count=self.streaming_stats.tokens,
-            )
+        for st in list(self.streams.values()):
+            self.guard(self.store.update_message, st.mid, content=st.text, status="stopped",
+                       token_count=st.stats.tokens)  # fmt: skip

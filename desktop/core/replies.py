@@ -9,6 +9,7 @@ import dataclasses
 from engine import trace as figures
 from engine.events import STOP_REASONS, Failed, Finished, PrefillDone, PrefillProgress, PrefillStarted, Token
 from engine.logprobs import reply_confidence
+from engine.request import OVERFLOW_POLICIES
 
 from .store import Message
 
@@ -294,3 +295,22 @@ def title_from(text: str) -> str:
 def first_difference(a: str, b: str) -> int:
     n = min(len(a), len(b))
     return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def transcript_marks(path: list[Message]) -> dict[int, dict]:
+    """What the transcript says beside a branch's messages, from its stored replies, by message id: the model that
+    made each reply (`model`), a line where the model changed between replies (`changed`), and the messages the
+    last reply did not see (`left_out`: its overflow policy left them out)."""
+    replies = [m for m in path if m.role == "assistant" and isinstance(m.trace, dict)]
+    record = replies[-1].trace if replies else {}
+    policy = OVERFLOW_POLICIES.get((record.get("reuse") or {}).get("overflow"), "")
+    left = f"Not seen by the model for the last reply: left out to fit the cache ({policy})"
+    marks = {mid: {"left_out": left} for mid in record.get("left_out") or ()}
+    before = None
+    for m in replies:
+        name = (m.trace.get("made_by") or {}).get("name")
+        marks.setdefault(m.id, {})["model"] = name
+        if before is not None and name is not None and name != before:
+            marks[m.id]["changed"] = f"Model changed: {before} → {name} (a new model: its cache started empty)"
+        before = name or before
+    return marks

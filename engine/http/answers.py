@@ -9,7 +9,6 @@ seeded request answers the same whatever runs beside it.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import AsyncIterator
 
 from starlette.responses import JSONResponse
@@ -22,17 +21,6 @@ from .service import Busy, EngineService, Job
 
 MAX_TOKENS_PER_CHUNK = 32  # tokens already made that one streamed chunk may carry
 END = object()  # the end of a job's events, when it was taken while gathering tokens
-
-
-def choice_requests(req: Request, n: int) -> list[Request]:
-    """The requests of `n` choices: choice i seeded with seed + i (unseeded: each draws its own), the first
-    sharing its prefill with the others through the prefix store."""
-    seed = req.sampling.seed
-    out = []
-    for i in range(n):
-        sampling = req.sampling if seed is None else dataclasses.replace(req.sampling, seed=seed + i)
-        out.append(dataclasses.replace(req, sampling=sampling, share_prompt=n > 1 and i == 0))
-    return out
 
 
 async def watch_disconnect(http, jobs: list[Job]) -> None:

@@ -27,7 +27,7 @@ from starlette.routing import Route
 
 from ..errors import EngineError
 from ..events import PrefillStarted
-from ..request import Request
+from ..request import Request, choice_requests
 from ..session import Session
 from ..weights.loading import LoadedModel
 from . import answers
@@ -124,7 +124,7 @@ def build_app(
                     code="model_not_found",
                     param="model",
                 )
-            choices = answers.choice_requests(req, opts["n"])
+            choices = choice_requests(req, opts["n"])
             if len(choices) > 1 and service.pending + len(choices) > service.engine.parallel + service.queue_size:
                 raise Busy(max(1, len(choices)))
             job = service.submit(choices[0])

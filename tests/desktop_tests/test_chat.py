@@ -63,7 +63,7 @@ class FakeClient:
             await asyncio.sleep(0)
             yield batch
 
-    def stop(self):
+    def stop(self, request=None):
         self.stopped += 1
 
 

@@ -179,7 +179,7 @@ def test_redraw_interval_adapts_to_the_gui_cpu_budget(qtbot, make_window, llama_
 
     w = make_window(llama_dir)
     assert w.pacer.timer.interval() == win.REFRESH_MS
-    w.chat.generating = True
+    w.chat.runs[0] = 1  # a reply streams
     w.pacer.cpu_mark = (now() - 1.0, time.thread_time() - 0.5)  # half a core over the last second
     w.pacer.adapt()
     assert w.pacer.timer.interval() == int(win.REFRESH_MS * 1.5)
@@ -200,7 +200,7 @@ def test_redraw_interval_adapts_to_the_gui_cpu_budget(qtbot, make_window, llama_
     w.pacer.cpu_mark = (now() - 1.0, time.thread_time())  # idle: back toward the fastest
     w.pacer.adapt()
     assert w.pacer.timer.interval() < win.STEADY_REFRESH_MS
-    w.chat.generating = False
+    w.chat.runs.clear()
     w.pacer.cpu_mark = (now() - 1.0, time.thread_time())
     w.pacer.adapt()
     assert w.pacer.timer.interval() == win.REFRESH_MS

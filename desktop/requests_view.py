@@ -1,0 +1,260 @@
+"""The Requests view: every reply in flight on the engine (and the last few that ended) — its queue wait, prefill
+progress, tokens, its lane's share of the KV bytes, the batch its decode steps ran in — the KV formula summed over
+them, and a timeline of their tokens that shows what a newcomer's prefill does to the others' token gaps.
+
+Drawn from the chat controller's streams (their own events) and the engine's lanes (`in_flight`, a snapshot read
+between turns); the window calls `show_streams` at the panel's cadence.
+"""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QRectF, Qt
+from PySide6.QtGui import QColor, QPainter, QPen
+from PySide6.QtWidgets import QHeaderView, QLabel, QTreeWidget, QTreeWidgetItem, QVBoxLayout, QWidget
+
+from engine.trace import now
+
+from .core.panel_words import DASH, fmt_ms, fmt_size, percentile
+from .core.streams import Stream
+from .outside_text import plain
+from .style import current_theme
+
+KEEP_ENDED = 6  # replies that ended stay listed (and on the timeline) until this many newer ones came
+COLUMNS = ("Request", "State", "Queue", "Prefill", "Tokens", "KV share", "Batch")
+STATE_WORDS = {"prefill": "prefilling", "decoding": "decoding", "finished": "finished", "cancelled": "stopped",
+               "failed": "failed"}  # fmt: skip
+TIMELINE_COLOURS = {  # waiting, prefilling, a token, the bands where a prompt was prefilled beside decoding
+    "dark": {"back": "#1f2430", "wait": "#4a5162", "prefill": "#f0c05a", "token": "#5ab0f0", "band": "#3a3422",
+             "words": "#8a93a6"},
+    "light": {"back": "#f3f5f9", "wait": "#c3c8d2", "prefill": "#d09a20", "token": "#2f7fc0", "band": "#f5ead0",
+              "words": "#5b6475"},
+}  # fmt: skip
+
+
+def state_of(st: Stream) -> str:
+    """waiting (for a lane: no prefill yet), prefilling, decoding, or how it ended."""
+    if st.stats.status == "prefill":
+        return "prefilling" if st.lane is not None else "waiting"
+    return STATE_WORDS.get(st.stats.status, st.stats.status)
+
+
+def queue_ms(st: Stream) -> float | None:
+    """Its wait for a lane: the engine's own figure once it ended, else from Send to its prefill's start."""
+    trace = st.stats.trace or {}
+    if trace.get("ttft_queue_ms") is not None:
+        return trace["ttft_queue_ms"]
+    if st.prefill_at is None or st.stats.arrival is None:
+        return None
+    return (st.prefill_at - st.stats.arrival) * 1000
+
+
+def gaps_beside(streams: list[Stream], newcomer: Stream) -> tuple[float, float] | None:
+    """The other replies' median token gap (ms) while `newcomer`'s prompt was prefilled, and in as long a window
+    just before it; None when no other reply decoded on both sides."""
+    start = newcomer.prefill_at
+    end = newcomer.stats.token_times[0] if newcomer.stats.token_times else now()
+    if start is None or end <= start:
+        return None
+    during, before = [], []
+    back = start - max(end - start, 1.0)  # "before": as long as the prefill, and at least a second
+    for st in streams:
+        if st is newcomer:
+            continue
+        times = st.stats.token_times
+        for a, b in zip(times, times[1:]):
+            if start < b <= end:  # a gap that ended while the prompt was prefilled (one it began in included)
+                during.append((b - a) * 1000)
+            elif back <= a and b <= start:
+                before.append((b - a) * 1000)
+    if not during or not before:
+        return None
+    return percentile(during, 0.5), percentile(before, 0.5)
+
+
+def sum_formula(facts: dict, positions: list[int]) -> str:
+    """The KV formula with the sum over requests: 2·L·(T₁ + T₂ + …)·H_kv·d·b, for a cache of the model's dtype
+    without sliding layers (else the lanes' own counts say it)."""
+    if not facts or facts.get("kv_layer_kinds") or facts.get("kv_cache", "none") != "none" or not positions:
+        return ""
+    need = ("layers", "kv_heads", "head_dim", "bytes_per_value")
+    if any(facts.get(k) is None for k in need):
+        return ""
+    total = sum(positions)
+    terms = " + ".join(f"{t:,}" for t in positions)
+    per = 2 * facts["layers"] * facts["kv_heads"] * facts["head_dim"] * facts["bytes_per_value"]
+    return (f"2 · {facts['layers']} · ({terms}) · {facts['kv_heads']} · {facts['head_dim']} · "
+            f"{facts['bytes_per_value']} = {per * total:,} B")  # fmt: skip
+
+
+class Timeline(QWidget):
+    """One row a request: its wait (grey), its prefill (amber), a tick at each token; shaded, the spans where a
+    prompt was prefilled while another request decoded — where the others' ticks spread apart."""
+
+    ROW = 16
+
+    def __init__(self):
+        super().__init__()
+        self.setObjectName("requestsTimeline")
+        self.streams: list[Stream] = []
+        self.setMinimumHeight(self.ROW * 3 + 20)
+        self.setToolTip(
+            "Each row is a request, in the table's order, from Send (left) to now (right): grey while it waits "
+            "for a lane, amber while its prompt is prefilled, a tick at each token. The shaded spans are prefills "
+            "beside running streams: their ticks spread there, the token gaps a newcomer's prompt stretches."
+        )
+
+    def show(self, streams: list[Stream]) -> None:
+        self.streams = streams
+        self.setMinimumHeight(self.ROW * max(3, len(streams)) + 20)
+        self.update()
+
+    def span(self) -> tuple[float, float]:
+        starts = [st.stats.arrival for st in self.streams if st.stats.arrival is not None]
+        ends = [st.stats.token_times[-1] for st in self.streams if st.stats.token_times]
+        live = any(st.stats.status in ("prefill", "decoding") for st in self.streams)
+        t1 = now() if live or not ends else max(ends)
+        t0 = min(starts) if starts else t1 - 1
+        return t0, max(t1, t0 + 1e-3)
+
+    def paintEvent(self, e) -> None:
+        colours = TIMELINE_COLOURS["light" if current_theme() == "light" else "dark"]
+        p = QPainter(self)
+        p.fillRect(self.rect(), QColor(colours["back"]))
+        if not self.streams:
+            p.setPen(QColor(colours["words"]))
+            p.drawText(self.rect(), Qt.AlignCenter, "no request yet")
+            return
+        t0, t1 = self.span()
+        w = self.width() - 8
+
+        def x(t: float) -> float:
+            return 4 + (t - t0) / (t1 - t0) * w
+
+        for st in self.streams:  # prefills beside decoding: bands over every row
+            first = (
+                st.stats.token_times[0] if st.stats.token_times else (now() if st.stats.status == "prefill" else None)
+            )
+            if st.prefill_at is not None and first is not None and gaps_beside(self.streams, st) is not None:
+                p.fillRect(QRectF(x(st.prefill_at), 0, max(1.0, x(first) - x(st.prefill_at)), self.height() - 16),
+                           QColor(colours["band"]))  # fmt: skip
+        for row, st in enumerate(self.streams):
+            y = row * self.ROW + 3
+            s = st.stats
+            begin = st.prefill_at if st.prefill_at is not None else (now() if s.status == "prefill" else None)
+            if s.arrival is not None and begin is not None:
+                p.fillRect(QRectF(x(s.arrival), y + 4, max(1.0, x(begin) - x(s.arrival)), 4), QColor(colours["wait"]))
+            if st.prefill_at is not None:
+                end = s.token_times[0] if s.token_times else now()
+                p.fillRect(QRectF(x(st.prefill_at), y + 2, max(1.0, x(end) - x(st.prefill_at)), 8),
+                           QColor(colours["prefill"]))  # fmt: skip
+            p.setPen(QPen(QColor(colours["token"]), 1))
+            for t in s.token_times:
+                p.drawLine(int(x(t)), y, int(x(t)), y + 12)
+        p.setPen(QColor(colours["words"]))
+        p.drawText(QRectF(4, self.height() - 15, w, 14), Qt.AlignLeft, "Send")
+        p.drawText(QRectF(4, self.height() - 15, w, 14), Qt.AlignRight, f"{(t1 - t0):.2f} s later")
+
+
+class RequestsView(QWidget):
+    """The panel's Requests tab."""
+
+    def __init__(self):
+        super().__init__()
+        self.setObjectName("requestsView")
+        lay = QVBoxLayout(self)
+        self.summary = plain(QLabel("No request in flight"))
+        self.summary.setObjectName("requestsSummary")
+        self.summary.setWordWrap(True)
+        lay.addWidget(self.summary)
+        self.formula = plain(QLabel(""))
+        self.formula.setObjectName("requestsFormula")
+        self.formula.setWordWrap(True)
+        self.formula.setToolTip(
+            "The KV cache of every request at once: the seed's formula with the sum of the positions each request's "
+            "cache holds in place of B·T (each request runs on a lane of its own, with its own cache)."
+        )
+        lay.addWidget(self.formula)
+        self.table = QTreeWidget()
+        self.table.setObjectName("requestsTable")
+        self.table.setHeaderLabels(list(COLUMNS))
+        self.table.setRootIsDecorated(False)
+        self.table.setUniformRowHeights(True)
+        self.table.header().setSectionResizeMode(QHeaderView.ResizeToContents)
+        self.table.header().setSectionResizeMode(0, QHeaderView.Stretch)
+        self.table.setMinimumHeight(120)
+        lay.addWidget(self.table)
+        self.timeline = Timeline()
+        lay.addWidget(self.timeline)
+        self.gapNote = plain(QLabel(""))
+        self.gapNote.setObjectName("requestsGapNote")
+        self.gapNote.setWordWrap(True)
+        lay.addWidget(self.gapNote)
+        lay.addStretch(1)
+        self.facts: dict = {}
+        self.listed: dict[int, Stream] = {}  # message id → stream, in the order they started (ended ones kept)
+
+    def show_model(self, facts: dict) -> None:
+        self.facts = facts or {}
+
+    def show_streams(self, chat, in_flight: list[dict]) -> None:
+        """The replies streaming now (chat.streams) and the last that ended; `in_flight`: the engine's lanes."""
+        for mid, st in chat.streams.items():
+            self.listed.setdefault(mid, st)
+        ended = [mid for mid, st in self.listed.items() if mid not in chat.streams]
+        for mid in ended[: max(0, len(ended) - KEEP_ENDED)]:
+            del self.listed[mid]
+        streams = list(self.listed.values())
+        lanes = {r["lane"]: r for r in in_flight}
+        running = [st for st in streams if st.mid in chat.streams]
+        live = [lanes[st.lane] for st in running if st.lane in lanes]
+        payload = sum(r["kv_payload_bytes"] for r in live)
+        allocated = sum(r["kv_allocated_bytes"] for r in live)
+        waiting = sum(1 for st in running if state_of(st) == "waiting")
+        batch = max((r["batch_size"] or 0 for r in live), default=0)
+        if running:
+            self.summary.setText(
+                f"{len(running)} in flight ({waiting} waiting for a lane) · decode batch {batch or DASH} · "
+                f"KV {fmt_size(payload)} payload, {fmt_size(allocated)} allocated"
+            )
+        else:
+            self.summary.setText("No request in flight" + (" · the last ones below" if streams else ""))
+        formula = sum_formula(self.facts, [r["cache_positions"] for r in live])
+        self.formula.setText(f"Σ over requests: {formula}" if formula and len(live) > 1 else formula)
+        self._fill(streams, lanes, payload, chat)
+        self.timeline.show(streams)
+        self._note(streams)
+
+    def _fill(self, streams: list[Stream], lanes: dict, payload: int, chat) -> None:
+        self.table.setUpdatesEnabled(False)
+        self.table.clear()
+        for st in streams:
+            s, lane = st.stats, lanes.get(st.lane) if st.mid in chat.streams else None
+            name = f"“{st.title}”" + (
+                f" · alternative {st.alternative[0]}/{st.alternative[1]}" if st.alternative else ""
+            )
+            q = queue_ms(st)
+            reused = (s.reuse or {}).get("reused", 0)
+            prefill = f"{s.prefill_done:,}/{s.prefill_total:,}" + (f" (+{reused:,} reused)" if reused else "")
+            share = DASH
+            if lane is not None:
+                part = lane["kv_payload_bytes"]
+                share = fmt_size(part) + (f" ({part / payload:.0%})" if payload else "")
+            sizes = (s.trace or {}).get("batch_sizes") or []
+            batch = str(lane["batch_size"]) if lane and lane.get("batch_size") else (
+                f"{sum(sizes) / len(sizes):.1f} mean" if sizes else DASH)  # fmt: skip
+            row = [name, state_of(st), DASH if q is None else fmt_ms(q), prefill, f"{s.tokens:,}", share, batch]
+            self.table.addTopLevelItem(QTreeWidgetItem(row))
+        self.table.setUpdatesEnabled(True)
+
+    def _note(self, streams: list[Stream]) -> None:
+        """The chapter's effect in words: the newest prefill beside running streams, and their gaps then."""
+        for st in reversed(streams):
+            got = gaps_beside(streams, st)
+            if got is not None:
+                during, before = got
+                self.gapNote.setText(
+                    f"While “{st.title}” was prefilled, the other streams' token gaps were {fmt_ms(during)} "
+                    f"(median) against {fmt_ms(before)} just before: {during / before:.1f}×."
+                )
+                return
+        self.gapNote.setText("")
