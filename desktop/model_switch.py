@@ -69,10 +69,16 @@ class ModelSwitch(QWidget):
             self.switchTo.emit(data)
 
 
+ALTERNATIVES = (2, 3, 4)  # Alternatives ×N: the counts offered (the app runs up to 4 replies at once)
+ALTERNATIVES_GREEDY = "need a temperature above 0: greedy, they would all be one reply (Settings → Sampling)"
+
+
 class RegenerateWith(QToolButton):
-    """'Regenerate with…': the last reply again, by another of the recent models (`chosen` carries its path)."""
+    """'Regenerate with…': the last reply again as N alternatives at once (`alternatives` carries N: one batch, the
+    prompt prefilled once), or by another of the recent models (`chosen` carries its path)."""
 
     chosen = Signal(object)
+    alternatives = Signal(int)
 
     def __init__(self):
         super().__init__()
@@ -80,15 +86,36 @@ class RegenerateWith(QToolButton):
         self.setText("Regenerate with…")
         self.setAccessibleName("Regenerate the last reply with another model")
         self.setToolTip(
-            "The last reply made again by another model: a new branch, labelled with the model. The app then stays "
-            "on that model for what follows; Model: above switches back."
+            "The last reply made again: as 2–4 alternatives at once (each a branch of its own, ‹ › between them; one "
+            "batch on the engine, the prompt prefilled once, each sampled with its own seed), or by another model: a "
+            "new branch, labelled with the model. The app then stays on that model for what follows; Model: above "
+            "switches back."
         )
         self.setPopupMode(QToolButton.InstantPopup)
         self.setMenu(QMenu(self))
 
+        self.menu().setToolTipsVisible(True)
+        self.greedy = False
+        self.show_models([])
+
     def show_models(self, others: list[str | None]) -> None:
         menu = self.menu()
         menu.clear()
+        menu.addSection("This model, several at once")
+        for n in ALTERNATIVES:
+            action = menu.addAction(f"{n} alternatives", lambda n=n: self.alternatives.emit(n))
+            action.setEnabled(not self.greedy)
+            action.setToolTip(f"Alternatives {ALTERNATIVES_GREEDY}" if self.greedy else f"{n} replies in one batch")
+        if others:
+            menu.addSection("Another model")
         for p in others:
             menu.addAction(f"{model_name(p)} (and keep it loaded)", lambda p=p: self.chosen.emit(p))
-        self.setVisible(bool(others))
+
+    def set_greedy(self, greedy: bool) -> None:
+        """Under greedy sampling the alternatives would be one reply N times: offered, greyed, saying why."""
+        if greedy != self.greedy:
+            self.greedy = greedy
+            for action in self.menu().actions():
+                if action.text().endswith("alternatives"):
+                    action.setEnabled(not greedy)
+                    action.setToolTip(f"Alternatives {ALTERNATIVES_GREEDY}" if greedy else action.text())

@@ -20,7 +20,7 @@ from .outside_text import plain
 from .style import current_theme
 
 KEEP_ENDED = 6  # replies that ended stay listed (and on the timeline) until this many newer ones came
-COLUMNS = ("Request", "State", "Queue", "Prefill", "Tokens", "KV share", "Batch")
+COLUMNS = ("Queue", "Prefill", "Tokens", "KV", "Batch")  # under each request's name and state
 STATE_WORDS = {"prefill": "prefilling", "decoding": "decoding", "finished": "finished", "cancelled": "stopped",
                "failed": "failed"}  # fmt: skip
 TIMELINE_COLOURS = {  # waiting, prefilling, a token, the bands where a prompt was prefilled beside decoding
@@ -178,9 +178,11 @@ class RequestsView(QWidget):
         self.table.setObjectName("requestsTable")
         self.table.setHeaderLabels(list(COLUMNS))
         self.table.setRootIsDecorated(False)
+        self.table.setIndentation(0)
         self.table.setUniformRowHeights(True)
         self.table.header().setSectionResizeMode(QHeaderView.ResizeToContents)
-        self.table.header().setSectionResizeMode(0, QHeaderView.Stretch)
+        self.table.header().setStretchLastSection(True)
+        self.table.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
         self.table.setMinimumHeight(120)
         lay.addWidget(self.table)
         self.timeline = Timeline()
@@ -225,25 +227,34 @@ class RequestsView(QWidget):
         self._note(streams)
 
     def _fill(self, streams: list[Stream], lanes: dict, payload: int, chat) -> None:
+        """Two lines a request: its conversation and state (the whole width), then its figures under the columns."""
         self.table.setUpdatesEnabled(False)
         self.table.clear()
         for st in streams:
             s, lane = st.stats, lanes.get(st.lane) if st.mid in chat.streams else None
-            name = f"“{st.title}”" + (
-                f" · alternative {st.alternative[0]}/{st.alternative[1]}" if st.alternative else ""
-            )
+            alt = st.alternative
+            name = f"“{st.title}”" + (f" · alternative {alt[0]}/{alt[1]}" if alt else "")
+            head = QTreeWidgetItem([f"{state_of(st)} · {name}"])  # the state first: a long name is cut, not it
             q = queue_ms(st)
             reused = (s.reuse or {}).get("reused", 0)
-            prefill = f"{s.prefill_done:,}/{s.prefill_total:,}" + (f" (+{reused:,} reused)" if reused else "")
-            share = DASH
+            share, share_tip = DASH, "its lane's K/V: not held now"
             if lane is not None:
                 part = lane["kv_payload_bytes"]
-                share = fmt_size(part) + (f" ({part / payload:.0%})" if payload else "")
+                share = fmt_size(part)
+                share_tip = f"{part:,} B of K/V in its lane's cache ({lane['cache_positions']:,} positions)" + (
+                    f", {part / payload:.0%} of all requests'" if payload else "")  # fmt: skip
             sizes = (s.trace or {}).get("batch_sizes") or []
             batch = str(lane["batch_size"]) if lane and lane.get("batch_size") else (
-                f"{sum(sizes) / len(sizes):.1f} mean" if sizes else DASH)  # fmt: skip
-            row = [name, state_of(st), DASH if q is None else fmt_ms(q), prefill, f"{s.tokens:,}", share, batch]
-            self.table.addTopLevelItem(QTreeWidgetItem(row))
+                f"{sum(sizes) / len(sizes):.1f}" if sizes else DASH)  # fmt: skip
+            prefill = f"{s.prefill_done:,}/{s.prefill_total:,}"
+            row = QTreeWidgetItem([DASH if q is None else f"{q:,.0f} ms", prefill, f"{s.tokens:,}", share, batch])
+            row.setToolTip(1, f"prompt positions computed of those to compute; {reused:,} reused")
+            row.setToolTip(3, share_tip)
+            row.setToolTip(4, "sequences in its last decode step" if lane else "mean sequences a decode step")
+            head.addChild(row)
+            self.table.addTopLevelItem(head)
+            head.setFirstColumnSpanned(True)
+            head.setExpanded(True)
         self.table.setUpdatesEnabled(True)
 
     def _note(self, streams: list[Stream]) -> None:

@@ -37,13 +37,6 @@ from .window_layout import WindowLayout
 from .window_models import ModelSide
 
 PANEL_EVERY_S = 0.5  # the panel's figures twice a second while a reply streams (and once at its end)
-ALTERNATIVES_TIP = (
-    "Several replies to the last message at once, each a branch of its own (‹ › between them): one batch on the "
-    "engine, the prompt prefilled once and shared. Each samples with its own seed."
-)
-ALTERNATIVES_GREEDY = (
-    "Alternatives need sampling: at temperature 0 they would all be the same reply (Settings → Sampling)"
-)
 
 
 class MainWindow(ModelSide, WindowLayout, Keyboard, QMainWindow):
@@ -358,9 +351,7 @@ class MainWindow(ModelSide, WindowLayout, Keyboard, QMainWindow):
         self.sendButton.setEnabled(ready)
         self.regenerateButton.setEnabled(ready and self.chat.can_regenerate())
         self.regenerateWith.setEnabled(ready and self.chat.can_regenerate())
-        greedy = self.chat.settings_for().temperature == 0
-        self.alternativesButton.setEnabled(ready and self.chat.can_regenerate() and not greedy)
-        self.alternativesButton.setToolTip(ALTERNATIVES_GREEDY if greedy else ALTERNATIVES_TIP)
+        self.regenerateWith.set_greedy(self.chat.settings_for().temperature == 0)
         self.continueButton.setEnabled(ready and self.chat.can_continue())
 
     def send(self) -> None:

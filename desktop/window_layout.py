@@ -9,12 +9,10 @@ from PySide6.QtWidgets import (
     QComboBox,
     QHBoxLayout,
     QLabel,
-    QMenu,
     QProgressBar,
     QSplitter,
     QStatusBar,
     QTabWidget,
-    QToolButton,
     QVBoxLayout,
     QWidget,
 )
@@ -36,7 +34,6 @@ from .token_view import TokenLegend
 from .transcript import Transcript
 
 PROBE_DELAY_MS = 250  # a conversation opened is probed for its cached share this long after (once drawn)
-ALTERNATIVES = (2, 3, 4)  # the Alternatives menu's counts (the app runs up to 4 replies at once)
 SIDEBAR_SHARE, PANEL_SHARE = 0.2, 0.3  # of the window's width, at most, when it is too narrow for all three
 
 
@@ -132,15 +129,8 @@ class WindowLayout:
         self.regenerateButton = button("Regenerate", "regenerateButton", self.regenerate, actions)
         self.regenerateWith = RegenerateWith()
         self.regenerateWith.chosen.connect(self.regenerate_with)
+        self.regenerateWith.alternatives.connect(self.alternatives)
         actions.addWidget(self.regenerateWith)
-        self.alternativesButton = QToolButton()  # Alternatives ×N: N replies at once, in one batch
-        self.alternativesButton.setObjectName("alternativesButton")
-        self.alternativesButton.setText("Alternatives")
-        self.alternativesButton.setPopupMode(QToolButton.InstantPopup)
-        self.alternativesButton.setMenu(QMenu(self.alternativesButton))
-        for n in ALTERNATIVES:
-            self.alternativesButton.menu().addAction(f"×{n}", lambda n=n: self.alternatives(n))
-        actions.addWidget(self.alternativesButton)
         self.continueButton = button("Continue", "continueButton", self.continue_reply, actions)
         self.regenerateHint = plain(QLabel())  # under greedy sampling, why Regenerate gives the same reply
         self.regenerateHint.setObjectName("regenerateHint")

@@ -1,8 +1,9 @@
 """`python -m desktop.tools.screenshots OUT`: some of the pictures desktop/README.md shows, taken from the real
 window driven as a person would (two messages sent, the tokens coloured by probability), in both themes: the
 window at 1000×700 (reply-footer-meter-*-1000.png), the Settings dialog's sampling, the Models dialog at its
-default size and its Hub tab offline. Run it under a display (Xvfb: what a person sees) into
-resources/screenshots; offscreen works too (Qt's own raster).
+default size and its Hub tab offline; with `--only requests`, the Requests tab with three replies in flight
+(requests-three-in-flight.png: a model slow enough to catch them, e.g. the SmolLM2 GGUF). Run it under a
+display (Xvfb: what a person sees) into resources/screenshots; offscreen works too (Qt's own raster).
 """
 
 from __future__ import annotations
@@ -19,8 +20,15 @@ MESSAGES = ("I am planning a trip to Chengdu for 3 nights. My budget is 600 yuan
 WINDOW = (1000, 700)
 
 
-def take(out: Path, model: str | None, new_tokens: int) -> list[Path]:
-    """Every picture, into `out`; the paths written."""
+REQUESTS = (
+    "Plan three nights in Chengdu on 600 yuan.",
+    "Explain a KV cache to a child.",
+    "Tell me a long story about a lighthouse keeper.",
+)
+
+
+def take(out: Path, model: str | None, new_tokens: int, only: str = "all") -> list[Path]:
+    """Every picture (`only`: "requests", that one alone), into `out`; the paths written."""
     import qasync
     from PySide6.QtWidgets import QApplication
 
@@ -64,6 +72,8 @@ def take(out: Path, model: str | None, new_tokens: int) -> list[Path]:
         await wait(lambda: ready)
         if ready[0].get("error"):
             raise RuntimeError(ready[0]["error"])
+        if only == "requests":
+            return await in_flight(w)
         for text in MESSAGES:
             done: list = []
             w.replyFinished.connect(done.append)
@@ -91,6 +101,29 @@ def take(out: Path, model: str | None, new_tokens: int) -> list[Path]:
         models.close()
         w.close()
 
+    async def in_flight(w) -> None:
+        """Three conversations sent one after another; the Requests tab once all three stream (or, on a model too
+        fast to catch them, once they ended: the view keeps them)."""
+        w.resize(1400, 860)
+        for i, text in enumerate(REQUESTS):
+            if i:
+                w.new_conversation()
+            w.composer.setPlainText(text)
+            w.send()
+            await wait(lambda n=i + 1: len(w.requestsView.listed) >= n or len(w.chat.streams) >= n, 120)
+            await asyncio.sleep(0.4)  # a few tokens each, so that the next one's prefill lands beside them
+        w.panelTabs.setCurrentWidget(w.requestsView)
+
+        def three_decode() -> bool:
+            return sum(st.stats.status == "decoding" for st in w.chat.streams.values()) == 3
+
+        await wait(lambda: three_decode() or not w.chat.busy, 120)
+        await asyncio.sleep(0.6)
+        w.pacer.draw_now()
+        await asyncio.sleep(0.1)
+        save("requests-three-in-flight", w)
+        w.close()  # the replies stop, what streamed is kept
+
     with loop:
         loop.run_until_complete(run())
     return written
@@ -102,8 +135,9 @@ def main(argv=None) -> int:
     ap.add_argument("out", type=Path, help="where the PNG files go (resources/screenshots for desktop/README.md)")
     ap.add_argument("--model", default=None, help="a model folder or GGUF file (default: the bundled demo model)")
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--only", choices=("all", "requests"), default="all", help="requests: the Requests tab alone")
     ns = ap.parse_args(argv)
-    for path in take(ns.out, ns.model, ns.new_tokens):
+    for path in take(ns.out, ns.model, ns.new_tokens, ns.only):
         print(path)
     return 0
 

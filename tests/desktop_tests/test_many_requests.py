@@ -1,9 +1,8 @@
 """Many requests at once in the real window: two conversations streaming side by side, each with its own
 figures; Alternatives ×3 as one batch sharing the prompt's prefill; the Requests view over them."""
 
-from PySide6.QtCore import Qt
-
 from gui import send
+from PySide6.QtCore import Qt
 
 
 def tokens_of(w, mid):
@@ -39,8 +38,10 @@ def test_two_conversations_stream_at_once_each_with_its_own_figures(qtbot, make_
     w.pacer.draw_now()
     spin_loop(lambda: w.requestsView.table.topLevelItemCount() == 2 and "2 in flight" in w.requestsView.summary.text())
     rows = [w.requestsView.table.topLevelItem(i) for i in range(2)]
-    assert [r.text(0) for r in rows] == ["“The first conversation”", f"“{w.store.conversation(b_cid).title}”"]
-    assert all(r.text(1) == "decoding" for r in rows)
+    b_title = w.store.conversation(b_cid).title
+    assert [r.text(0) for r in rows] == ["decoding · “The first conversation”", f"decoding · “{b_title}”"]
+    prefills = [r.child(0).text(1).split("/") for r in rows]
+    assert all(done == of and int(of) > 0 for done, of in prefills)  # decoding: their prefills done
     lanes = w.client.in_flight()
     assert sorted(r["lane"] for r in lanes) == [0, 1]
     formula = w.requestsView.formula.text()
@@ -77,7 +78,8 @@ def test_two_conversations_stream_at_once_each_with_its_own_figures(qtbot, make_
     w.pacer.draw_now()
     assert w.statsPanel.values["tokensValue"].text().startswith(f"{b_msg.token_count:,}")
     w.pacer.draw_now()
-    states = [w.requestsView.table.topLevelItem(i).text(1) for i in range(w.requestsView.table.topLevelItemCount())]
+    table = w.requestsView.table
+    states = [table.topLevelItem(i).text(0).split(" · ", 1)[0] for i in range(table.topLevelItemCount())]
     assert states == ["stopped", "stopped"]  # the ended ones stay listed, for their timeline
 
 
@@ -85,10 +87,10 @@ def test_alternatives_x3_are_three_branches_from_one_prefill(qtbot, make_window,
     w = make_window(llama_dir, max_new_tokens=300, capacity=2000, temperature=0.8, seed=7)
     send(qtbot, w, spin_loop, "Tell me about the cache")
     user = w.chat.last_message().parent_id
-    assert w.alternativesButton.isEnabled()
+    three = next(a for a in w.regenerateWith.menu().actions() if a.text() == "3 alternatives")
+    assert w.regenerateWith.isVisible() and w.regenerateWith.isEnabled() and three.isEnabled()
     finals = []
     w.replyFinished.connect(finals.append)
-    three = next(a for a in w.alternativesButton.menu().actions() if a.text() == "×3")
     three.trigger()
     assert w.chat.generating and w.stopButton.isVisible()
     w.panelTabs.setCurrentWidget(w.requestsView)
@@ -105,10 +107,11 @@ def test_alternatives_x3_are_three_branches_from_one_prefill(qtbot, make_window,
     assert len({m.content for m in alts}) > 1  # seeds 7, 8, 9: not one reply three times
     w.pacer.draw_now()
     names = [w.requestsView.table.topLevelItem(i).text(0) for i in range(w.requestsView.table.topLevelItemCount())]
-    assert [n.rsplit("· ", 1)[1] for n in names[-3:]] == ["alternative 1/3", "alternative 2/3", "alternative 3/3"]
+    assert [n.split(" · ")[2] for n in names[-3:]] == ["alternative 1/3", "alternative 2/3", "alternative 3/3"]
 
 
 def test_alternatives_are_off_under_greedy_sampling_and_say_why(make_window, demo_model_dir, qtbot, spin_loop):
     w = make_window(demo_model_dir, max_new_tokens=4)
     send(qtbot, w, spin_loop, "Hi")
-    assert not w.alternativesButton.isEnabled() and "temperature 0" in w.alternativesButton.toolTip()
+    three = next(a for a in w.regenerateWith.menu().actions() if a.text() == "3 alternatives")
+    assert w.regenerateWith.isEnabled() and not three.isEnabled() and "temperature above 0" in three.toolTip()

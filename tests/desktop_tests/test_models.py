@@ -57,7 +57,8 @@ def test_a_switch_mid_conversation_is_marked_and_regenerate_with_makes_a_labelle
 
     # Regenerate with the demo model: the last reply made again, a new branch, labelled with its model.
     menu = w.regenerateWith.menu()
-    assert [a.text() for a in menu.actions()] == [f"{model_name(None)} (and keep it loaded)"]
+    items = [a.text() for a in menu.actions() if not a.isSeparator()]
+    assert items == [*(f"{n} alternatives" for n in (2, 3, 4)), f"{model_name(None)} (and keep it loaded)"]
     assert "stays on that model" in w.regenerateWith.toolTip()  # it says it switches the app for good
     w.regenerateWith.setEnabled(False)
     off = w.regenerateWith.grab().toImage()
@@ -65,7 +66,7 @@ def test_a_switch_mid_conversation_is_marked_and_regenerate_with_makes_a_labelle
     assert off != w.regenerateWith.grab().toImage()  # disabled, it looks it
     done = []
     w.replyFinished.connect(done.append)
-    menu.actions()[0].trigger()
+    menu.actions()[-1].trigger()
     spin_loop(lambda: done, 120)
     views = w.transcript.views
     last = views[-1]
