@@ -58,6 +58,10 @@ class EngineClient(QObject):
         elif id(request) in self._rids:
             self.worker.stop_generation(self._rids[id(request)])
 
+    def server_load(self) -> dict | None:
+        """A remote server's own report of what it runs (EngineWorker.server_load)."""
+        return self.worker.server_load()
+
     def in_flight(self) -> list[dict]:
         """The local engine's requests running now (EngineWorker.in_flight)."""
         return self.worker.in_flight()

@@ -8,7 +8,7 @@ between turns); the window calls `show_streams` at the panel's cadence.
 
 from __future__ import annotations
 
-from PySide6.QtCore import QRectF, Qt
+from PySide6.QtCore import QRectF, Qt, QTimer
 from PySide6.QtGui import QColor, QPainter, QPen
 from PySide6.QtWidgets import QHeaderView, QLabel, QTreeWidget, QTreeWidgetItem, QVBoxLayout, QWidget
 
@@ -19,6 +19,7 @@ from .core.streams import Stream
 from .outside_text import plain
 from .style import current_theme
 
+SERVER_EVERY_MS = 1000  # a remote server's own report is asked for this often while the tab is shown
 KEEP_ENDED = 6  # replies that ended stay listed (and on the timeline) until this many newer ones came
 COLUMNS = ("Queue", "Prefill", "Tokens", "KV", "Batch")  # under each request's name and state
 STATE_WORDS = {"prefill": "prefilling", "decoding": "decoding", "finished": "finished", "cancelled": "stopped",
@@ -187,6 +188,22 @@ class RequestsView(QWidget):
         lay.addWidget(self.table)
         self.timeline = Timeline()
         lay.addWidget(self.timeline)
+        self.serverLine = plain(QLabel(""))  # a remote server's own report of what it runs (all its clients)
+        self.serverLine.setObjectName("requestsServer")
+        self.serverLine.setWordWrap(True)
+        self.serverLine.setVisible(False)
+        lay.addWidget(self.serverLine)
+        self.serverTable = QTreeWidget()
+        self.serverTable.setObjectName("requestsServerTable")
+        self.serverTable.setHeaderLabels(list(COLUMNS))
+        self.serverTable.setRootIsDecorated(False)
+        self.serverTable.setIndentation(0)
+        self.serverTable.setVisible(False)
+        lay.addWidget(self.serverTable)
+        self.provider = None  # a remote server's load report, latest (EngineClient.server_load); None: local
+        self.serverTimer = QTimer(self)
+        self.serverTimer.setInterval(SERVER_EVERY_MS)
+        self.serverTimer.timeout.connect(self.show_server)
         self.gapNote = plain(QLabel(""))
         self.gapNote.setObjectName("requestsGapNote")
         self.gapNote.setWordWrap(True)
@@ -195,8 +212,65 @@ class RequestsView(QWidget):
         self.facts: dict = {}
         self.listed: dict[int, Stream] = {}  # message id → stream, in the order they started (ended ones kept)
 
-    def show_model(self, facts: dict) -> None:
-        self.facts = facts or {}
+    def show_model(self, facts: dict, provider=None) -> None:
+        """The engine in use; `provider`: a remote server's load report (None: a local engine)."""
+        self.facts, self.provider = facts or {}, provider
+        remote = provider is not None
+        self.serverLine.setVisible(remote)
+        self.serverTable.setVisible(False)
+        if remote:
+            self.serverLine.setText(f"{self.facts.get('server_kind', 'the server')}'s own report: asking…")
+            if self.isVisible():
+                self.serverTimer.start()
+        else:
+            self.serverTimer.stop()
+
+    def showEvent(self, e) -> None:
+        super().showEvent(e)
+        if self.provider is not None:  # asked only while someone looks
+            self.show_server()
+            self.serverTimer.start()
+
+    def hideEvent(self, e) -> None:
+        super().hideEvent(e)
+        self.serverTimer.stop()
+
+    def show_server(self) -> None:
+        """What the remote server says it runs, for all its clients (engine.http.server_load)."""
+        report = None if self.provider is None else self.provider()
+        if report is None:
+            return
+        kind = self.facts.get("server_kind", "the server")
+        if report.get("error"):
+            self.serverLine.setText(f"{kind}'s own report: not available ({report['error']})")
+            self.serverTable.setVisible(False)
+            return
+        parts = []
+        if report.get("running") is not None:
+            of = f" of {report['parallel']}" if report.get("parallel") else ""
+            parts.append(f"{report['running']}{of} running")
+        if report.get("waiting") is not None:
+            parts.append(f"{report['waiting']} waiting")
+        if report.get("kv_usage") is not None:
+            parts.append(f"KV cache {report['kv_usage']:.0%} used")
+        said = ", ".join(parts) or "nothing kvchat reads"
+        self.serverLine.setText(f"{kind}'s own report ({report['source']}), all its clients: {said}")
+        rows = report.get("requests") or []
+        self.serverTable.clear()
+        for r in rows:
+            head = QTreeWidgetItem([f"{r.get('state', '?')} · {r.get('label', '?')}"])
+            prefill = r.get("prefill") or (None, None)
+            q = r.get("queue_ms")
+            cells = [DASH if q is None else f"{q:,.0f} ms",
+                     DASH if prefill[1] is None else f"{prefill[0] or 0:,}/{prefill[1]:,}",
+                     DASH if r.get("tokens") is None else f"{r['tokens']:,}",
+                     DASH if r.get("kv_payload_bytes") is None else fmt_size(r["kv_payload_bytes"]),
+                     DASH if not r.get("batch_size") else str(r["batch_size"])]  # fmt: skip
+            head.addChild(QTreeWidgetItem(cells))
+            self.serverTable.addTopLevelItem(head)
+            head.setFirstColumnSpanned(True)
+            head.setExpanded(True)
+        self.serverTable.setVisible(bool(rows))
 
     def show_streams(self, chat, in_flight: list[dict]) -> None:
         """The replies streaming now (chat.streams) and the last that ended; `in_flight`: the engine's lanes."""

@@ -67,7 +67,7 @@ class ModelSide:
         self.facts = self.chat.engine_facts = facts
         self.loadProgress.setVisible(False)
         self.statsPanel.show_model(facts)
-        self.requestsView.show_model(facts)
+        self.requestsView.show_model(facts, self.client.server_load if facts.get("backend") == "remote" else None)
         self.chat.lane_maps.loaded(facts)
         self.statsPanel.show_cache_map(self.chat.cache_map, self.client.token_text)
         self.transcript.show_start(facts)

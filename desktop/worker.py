@@ -17,6 +17,7 @@ from PySide6.QtCore import QObject, Signal
 from engine.errors import EngineError
 from engine.events import Failed, Finished, Token
 from engine.http.remote import RemoteSession, RemoteSpec
+from engine.http.server_load import LoadWatch, server_load
 from engine.scheduler import END, EngineThread
 from engine.spec import LoadSpec
 from engine.trace import summarize
@@ -57,6 +58,7 @@ class EngineWorker(QObject):
         self.loaded = None  # the local model (engine thread's; the GUI reads only the facts it was sent)
         self._spec: LoadSpec | RemoteSpec | None = None
         self._other = None  # the other-precision model for comparisons, loaded on first use
+        self._load_watch = None  # a remote server's load reports (LoadWatch), while one is in use
         self._tickets: dict[int, object] = {}  # request id → its engine Ticket, until its END
         self.engine = EngineThread(at_exit=self._at_exit, parallel=parallel)
 
@@ -102,6 +104,12 @@ class EngineWorker(QObject):
         running = rid is None or (ticket is not None and ticket.started is not None)
         if self.remote and running:  # one reply at a time there: its stream closed at once, whether the server sends
             self.engine.session.stop()
+
+    def server_load(self) -> dict | None:
+        """A remote server's own report of the requests it runs (engine.http.server_load: kvchat's stats,
+        llama.cpp's slots, /metrics), refreshed off this thread; None on a local engine or before the first."""
+        watch = self._load_watch if self.remote else None
+        return None if watch is None else watch.latest()
 
     def in_flight(self) -> list[dict]:
         """The local engine's requests running now, each lane's (engine.batching.Lanes.in_flight: a snapshot read
@@ -183,6 +191,8 @@ class EngineWorker(QObject):
             return
         self._release()
         self.engine.session, self._spec = remote, spec
+        kind = facts.get("server_kind", "unknown")
+        self._load_watch = LoadWatch(lambda: server_load(remote.spec, kind))
         self.modelLoaded.emit(facts)
 
     def _load(self, spec: LoadSpec | RemoteSpec) -> None:

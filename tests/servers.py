@@ -74,11 +74,12 @@ class ScriptedServer:
         """`reply`: the text to stream (a few characters a chunk) instead of the default sentence, a chunk
         every `delay` seconds."""
         from starlette.applications import Starlette
-        from starlette.responses import JSONResponse, StreamingResponse
+        from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
         from starlette.routing import Route
 
         self.model, self.mode = model, mode
         self.requests: list[dict] = []
+        self.streaming = 0  # replies streaming now: what its /metrics and /slots report
         self.disconnected = threading.Event()
 
         def chunk(delta: dict, finish=None, **extra) -> str:
@@ -100,6 +101,7 @@ class ScriptedServer:
                 words = [reply[i : i + 3] for i in range(0, len(reply), 3)]
 
             async def events():
+                self.streaming += 1
                 try:
                     yield chunk({"role": "assistant", "content": ""})
                     for i in range(400 if self.mode == "slow" else len(words)):
@@ -120,10 +122,44 @@ class ScriptedServer:
                 except asyncio.CancelledError:
                     self.disconnected.set()
                     raise
+                finally:
+                    self.streaming -= 1
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        app = Starlette(routes=[Route("/v1/models", models), Route("/v1/chat/completions", chat, methods=["POST"])])
+        async def metrics(_r):  # vLLM's names (llama-server's under `llamacpp`), as each writes them
+            if self.mode == "llamacpp":
+                page = f"# TYPE llamacpp:requests_processing gauge\nllamacpp:requests_processing {self.streaming}\n"
+            else:
+                page = (
+                    "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+                    "# TYPE vllm:num_requests_running gauge\n"
+                    f'vllm:num_requests_running{{model_name="{self.model}"}} {self.streaming}.0\n'
+                    "# TYPE vllm:num_requests_waiting gauge\n"
+                    f'vllm:num_requests_waiting{{model_name="{self.model}"}} 0.0\n'
+                    "# TYPE vllm:kv_cache_usage_perc gauge\n"
+                    f'vllm:kv_cache_usage_perc{{model_name="{self.model}"}} {0.25 * self.streaming}\n'
+                )
+            return PlainTextResponse(page, media_type="text/plain; version=0.0.4")
+
+        async def slots(_r):  # llama-server's, one slot busy per reply streaming, of two
+            return JSONResponse(
+                [
+                    {
+                        "id": i,
+                        "n_ctx": 4096,
+                        "is_processing": i < self.streaming,
+                        "next_token": [{"n_decoded": 7 if i < self.streaming else 0}],
+                    }
+                    for i in range(2)
+                ]
+            )
+
+        routes = [Route("/v1/models", models), Route("/v1/chat/completions", chat, methods=["POST"]),
+                  Route("/metrics", metrics)]  # fmt: skip
+        if self.mode == "llamacpp":
+            routes.append(Route("/slots", slots))
+        app = Starlette(routes=routes)
         self.port, self._server, self._thread = serve_in_thread(app, "the scripted server")
         self.url = f"http://127.0.0.1:{self.port}/v1"
 

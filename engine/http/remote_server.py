@@ -98,9 +98,9 @@ def _run(coro):
         return pool.submit(asyncio.run, coro).result()
 
 
-def fetch_json(spec: RemoteSpec, method: str, url: str, body=None, seconds: float = CONNECT_TIMEOUT_S):
-    """One small JSON answer, whole within `seconds` (a server that trickles a byte at a time is cut off at
-    the deadline, not kept alive by each byte) and at most EVENT_BYTES; the decoded JSON."""
+def fetch(spec: RemoteSpec, method: str, url: str, body=None, seconds: float = CONNECT_TIMEOUT_S) -> bytes:
+    """One small answer, whole within `seconds` (a server that trickles a byte at a time is cut off at the
+    deadline, not kept alive by each byte) and at most EVENT_BYTES; its bytes (an error status raises)."""
     import httpx
 
     async def ask():
@@ -112,7 +112,7 @@ def fetch_json(spec: RemoteSpec, method: str, url: str, body=None, seconds: floa
                 got = await read_some(r)
                 if r.status_code >= 400:
                     raise RemoteError(error_text(r.status_code, got))
-                return json.loads(got)
+                return got
 
     try:
         return _run(asyncio.wait_for(ask(), seconds))
@@ -120,6 +120,13 @@ def fetch_json(spec: RemoteSpec, method: str, url: str, body=None, seconds: floa
         raise RemoteError(f"{url} did not answer within {seconds:g} s") from None
     except httpx.HTTPError as e:
         raise RemoteError(f"cannot reach {url}: {type(e).__name__}: {e}") from None
+
+
+def fetch_json(spec: RemoteSpec, method: str, url: str, body=None, seconds: float = CONNECT_TIMEOUT_S):
+    """One small JSON answer (fetch's bounds); the decoded JSON."""
+    got = fetch(spec, method, url, body, seconds)
+    try:
+        return json.loads(got)
     except (ValueError, RecursionError):
         raise RemoteError(f"{url} did not answer with JSON") from None
 

@@ -28,7 +28,7 @@ class FakeClient:
 
     def __init__(self, clock, words=("Hello", " there"), reason="eos", error=None, batches=1):
         self.clock, self.words, self.reason, self.error, self.batches = clock, list(words), reason, error, batches
-        self.requests, self.stopped = [], 0
+        self.requests, self.stopped, self.stopped_requests = [], 0, []
 
     async def stream(self, request):
         self.requests.append(request)
@@ -65,6 +65,7 @@ class FakeClient:
 
     def stop(self, request=None):
         self.stopped += 1
+        self.stopped_requests.append(request)
 
 
 class Listener:
@@ -383,3 +384,47 @@ def test_each_request_is_labelled_with_its_conversation_and_branch(chat):
     assert chat.store_state == store  # the panel shows the session's store...
     saved = chat.store.message(chat.last_message().id)
     assert saved.trace["cache"] == {"positions": 5}  # ...and the saved reply keeps its own figures
+
+
+def test_a_second_conversation_sends_while_the_first_streams_and_stop_is_its_own(chat):
+    """Replies in two conversations stream at once; Stop in the one shown stops its own reply alone."""
+    chat.client.batches = 6
+    a_mid = chat.send("In A", chat.clock())
+    a = chat.current_cid
+
+    async def both():
+        first = asyncio.ensure_future(chat.start(a_mid, chat.clock()))
+        while not chat.stream_text:
+            await asyncio.sleep(0)
+        assert chat.generating and chat.new_conversation()  # a new conversation, while A streams
+        assert not chat.generating and chat.busy  # B takes a Send; a reply streams elsewhere
+        b_mid = chat.send("In B", chat.clock())
+        second = chat.start(b_mid, chat.clock())
+        assert second is not None and chat.start(b_mid, chat.clock()) is None  # one reply a conversation
+        second = asyncio.ensure_future(second)
+        while len(chat.streams) < 2:
+            await asyncio.sleep(0)
+        assert {st.cid for st in chat.streams.values()} == {a, chat.current_cid}
+        chat.stop()
+        await asyncio.gather(first, second)
+        return chat.current_cid
+
+    b = run(both())
+    assert chat.client.stopped_requests == [chat.client.requests[1]]  # B's request, not A's
+    assert not chat.busy and not chat.runs and not chat.streams
+    assert [m.content for m in chat.store.branch(a)] == ["In A", "Hello there"]
+    assert [m.content for m in chat.store.branch(b)] == ["In B", "Hello there"]
+
+
+def test_alternatives_are_one_prompt_n_seeds_the_first_sharing_its_prefill(chat):
+    import dataclasses
+
+    chat.settings = dataclasses.replace(chat.settings, temperature=0.7, seed=5)
+    mid = say(chat, "Hi")
+    run(chat.start(mid, chat.clock(), alternatives=3))
+    reqs = chat.client.requests[1:]
+    assert [r.sampling.seed for r in reqs] == [5, 6, 7] and [r.share_prompt for r in reqs] == [True, False, False]
+    assert len({tuple(map(str, r.messages)) for r in reqs}) == 1  # one prompt
+    replies = [m for m in chat.store.siblings(chat.last_message()) if m.role == "assistant"]
+    assert len(replies) == 4 and chat.last_message().id == replies[1].id  # the first alternative shown
+    assert not chat.busy and not chat.runs

@@ -345,3 +345,62 @@ def test_a_reply_keeps_its_engine_and_figures_after_an_engine_switch_and_a_resta
     assert w.transcript.views[1].footerLabel.text().endswith(maker[3:])
     qtbot.mouseClick(w.transcript.views[1], Qt.LeftButton)
     shows_the_remote_reply()
+
+
+def test_the_requests_tab_shows_what_a_kvchat_server_runs_for_all_its_clients(qtbot, make_window, spin_loop, serve):
+    """The server's own /kvchat/stats, read at the tab's pace: two requests another client streams there appear
+    with their state, tokens and K/V bytes, beside this window's own (none)."""
+    import threading
+
+    import httpx
+
+    server = serve("--parallel", "4")
+    w = make_window(backend="remote", remote_url=server.url)
+    w.panelTabs.setCurrentWidget(w.requestsView)
+    view = w.requestsView
+    spin_loop(lambda: "0 of 4 running" in view.serverLine.text(), 30)
+    assert view.serverLine.text().startswith("kvchat's own report (/kvchat/stats), all its clients:")
+
+    def other_client(i):  # another program using the same server
+        body = {"model": "kvchat-demo", "messages": [{"role": "user", "content": f"Story {i}"}], "stream": True,
+                "max_tokens": 1500, "ignore_eos": True}  # fmt: skip
+        with httpx.stream("POST", server.url + "/chat/completions", json=body, timeout=120) as r:
+            for _ in r.iter_lines():
+                pass
+
+    threads = [threading.Thread(target=other_client, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    spin_loop(lambda: view.serverTable.topLevelItemCount() == 2, 60)
+    heads = [view.serverTable.topLevelItem(i) for i in range(2)]
+    assert all(h.text(0).split(" · ")[0] in ("prefilling", "decoding") for h in heads)
+    assert "2 of 4 running" in view.serverLine.text()
+    spin_loop(lambda: all(view.serverTable.topLevelItem(i).child(0).text(3) != "—" for i in range(2)), 30)  # K/V
+    for t in threads:
+        t.join(120)
+    spin_loop(lambda: "0 of 4 running" in view.serverLine.text() and not view.serverTable.isVisibleTo(w), 30)
+
+
+@pytest.mark.parametrize(
+    "mode, said",
+    [("ok", "vLLM's own report (/metrics), all its clients: 1 running, 0 waiting, KV cache 25% used"),
+     ("llamacpp", "llama-server's own report (/slots), all its clients: 1 of 2 running")],
+)  # fmt: skip
+def test_the_requests_tab_reads_vllm_metrics_and_llama_server_slots(qtbot, make_window, spin_loop, scripted_server,
+                                                                    mode, said):  # fmt: skip
+    server = scripted_server(mode=mode, reply="word " * 120, delay=0.03)
+    w = make_window(backend="remote", remote_url=server.url)
+    w.panelTabs.setCurrentWidget(w.requestsView)
+    view = w.requestsView
+    idle = said.replace("1 running", "0 running").replace("1 of 2", "0 of 2").replace("25%", "0%")
+    spin_loop(lambda: view.serverLine.text() == idle, 30)
+    finals = []
+    w.replyFinished.connect(finals.append)
+    qtbot.keyClicks(w.composer, "Hi")
+    qtbot.mouseClick(w.sendButton, Qt.LeftButton)
+    spin_loop(lambda: view.serverLine.text() == said, 30)
+    if mode == "llamacpp":  # a row a slot: the busy one with its tokens, the idle one
+        heads = [view.serverTable.topLevelItem(i).text(0) for i in range(view.serverTable.topLevelItemCount())]
+        assert heads == ["running · slot 0", "idle · slot 1"]
+        assert view.serverTable.topLevelItem(0).child(0).text(2) == "7"
+    spin_loop(lambda: finals, 60)
