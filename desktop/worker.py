@@ -95,15 +95,21 @@ class EngineWorker(QObject):
         self._tickets[rid] = self.engine.submit(request, self._sink(rid, request))
 
     def stop_generation(self, rid: int | None = None) -> None:
-        """Stop reply `rid` (None: every reply) at its next token, also one still waiting for a lane or a load."""
+        """Stop reply `rid` (None: every reply) at its next token, also one still waiting for a lane or a load; a
+        remote reply's stream is closed within a poll of its lane (remote.IO_POLL_S), every one at once for None."""
         ticket = self._tickets.get(rid)
         if rid is None:
             self.engine.cancel_all()
+            for session in self._remote_sessions():
+                session.stop()  # closes its stream at once, whether or not the server is sending
         elif ticket is not None:
             ticket.cancel()
-        running = rid is None or (ticket is not None and ticket.started is not None)
-        if self.remote and running:  # one reply at a time there: its stream closed at once, whether the server sends
-            self.engine.session.stop()
+
+    def _remote_sessions(self) -> list:
+        """The remote engine's sessions: the engine's and its lanes' (a stream each)."""
+        sessions = [self.engine.session] + [lane.session for lane in list(self.engine.lanes.lanes)]
+        unique = {id(s): s for s in sessions if isinstance(s, RemoteSession)}
+        return list(unique.values())
 
     def server_load(self) -> dict | None:
         """A remote server's own report of the requests it runs (engine.http.server_load: kvchat's stats,
@@ -119,8 +125,8 @@ class EngineWorker(QObject):
     def close(self, timeout_ms: int = CLOSE_WAIT_MS) -> bool:
         """Stop a reply, end the engine thread after its queue, wait a little: False when it is still inside a
         call it cannot leave (a model load, a read from disk); the app then ends without it (app.main)."""
-        if self.remote:
-            self.engine.session.stop()
+        for session in self._remote_sessions():
+            session.stop()
         return self.engine.close(timeout_ms / 1000)
 
     # --- on the engine thread -------------------------------------------------------------
@@ -136,7 +142,8 @@ class EngineWorker(QObject):
 
     def _at_exit(self, session) -> None:
         if isinstance(session, RemoteSession):
-            session.close()
+            for s in self._remote_sessions():
+                s.close()
         elif session is not None:
             session.flush(CLOSE_WAIT_MS / 1000 / 2)  # the disk tier's last blocks, within half the close's wait
         self.stopped.emit()
@@ -174,9 +181,11 @@ class EngineWorker(QObject):
         """Let the current engine go: a remote session's connection, a local model's memory."""
         session = self.engine.session
         if isinstance(session, RemoteSession):
-            session.close()
+            for s in self._remote_sessions():
+                s.close()
         elif session is not None:
             session.flush(5.0)  # the disk tier's queued blocks, before the model goes
+        self.engine.lanes.lanes.clear()  # no reply runs (a load waits for them): the lanes are made again
         self.engine.session = self.loaded = self._other = self._spec = None
 
     def _connect(self, spec: RemoteSpec) -> None:

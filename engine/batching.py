@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Callable
 
 from . import trace as tracing
-from .events import Failed, PrefillDone, PrefillProgress
+from .events import WAITING, Failed, PrefillDone, PrefillProgress
 from .generation import StepWanted, step_all
 from .prefix_store import common_prefix
 from .request import Request
@@ -37,6 +37,7 @@ class Lane:
         self.waiting: StepWanted | None = None  # the decode step it waits on
         self.admitted = 0  # turn order: the lower, the older
         self.prefilled = 0  # prompt positions its prefill has computed so far
+        self.io = False  # its session waits on I/O (a remote server's stream), not on decode steps: turned each turn
 
     @property
     def free(self) -> bool:
@@ -66,10 +67,8 @@ class Lanes:
         return sum(not lane.free for lane in self.lanes)
 
     def can_admit(self) -> bool:
-        """Whether a request can start now: a lane free, or room for another. A remote server's session streams
-        a whole reply in one call (no decode steps to share), so it runs one request at a time here."""
-        local = hasattr(self.session(), "sibling")
-        return self.running < (self.parallel if local else 1)
+        """Whether a request can start now: a lane free, or room for another."""
+        return self.running < self.parallel
 
     def admit(self, ticket) -> None:
         """Start `ticket` on a free lane (there is one: can_admit)."""
@@ -84,16 +83,11 @@ class Lanes:
         trace = tracing.RequestTrace.of(ticket.request)
         trace.lane, trace.policy = lane.index, POLICY
         ticket.trace = trace
-        steps = getattr(lane.session, "steps", None)  # a remote server's session streams its own events
-        gen = (
-            steps(ticket.request, ticket.cancel_event, trace)
-            if steps is not None
-            else lane.session.generate(ticket.request, ticket.cancel_event)
-        )  # what raises here fails this request (the scheduler's), the lane stays free
+        gen = lane.session.steps(ticket.request, ticket.cancel_event, trace)  # what raises fails this request alone
         lane.session.turn_budget = self.budget
         self._admitted += 1
         lane.ticket, lane.steps, lane.answer, lane.waiting, lane.admitted = ticket, gen, None, None, self._admitted
-        lane.prefilled = 0
+        lane.prefilled, lane.io = 0, getattr(lane.session, "remote", False)
 
     def budget(self) -> int | None:
         """Prompt positions for the next prefill forward: None (the whole chunk) while no other lane decodes,
@@ -132,7 +126,7 @@ class Lanes:
             self.lanes.append(lane)
             return lane
         lane = free[0]
-        if len(free) > 1:
+        if len(free) > 1 and not getattr(main, "remote", False):  # a remote server's cache is its own
             try:
                 prompt = main.fit(request).ids
             except Exception:  # it fails where it runs, with its reason
@@ -161,7 +155,9 @@ class Lanes:
                 lane.ticket.trace.batch_sizes.append(len(decoding))
                 lane.answer, lane.waiting = out, None
                 self._advance(lane)
-        prefilling = [lane for lane in self.lanes if not lane.free and lane.waiting is None]
+        for lane in [lane for lane in self.lanes if not lane.free and lane.io]:  # each to its server's next chunk
+            self._advance(lane)
+        prefilling = [lane for lane in self.lanes if not lane.free and lane.waiting is None and not lane.io]
         if prefilling:
             beside = any(lane.waiting is not None for lane in self.lanes)  # its forward took the turn's budget
             began = time.perf_counter()
@@ -205,7 +201,7 @@ class Lanes:
         """How much of a request's prompt is cached now (Session.cached_positions) on the lane that would run
         it: the one whose working cache holds the most of it (_lane_for's choice among free lanes)."""
         main = self.session()
-        if not hasattr(main, "sibling"):  # a remote server's session: its own answer
+        if getattr(main, "remote", False):  # a remote server's session: its own answer
             return main.cached_positions(req)
         others = [lane.session for lane in self.lanes if lane.session is not main and main.same_setup(lane.session)]
         answers = [s.cached_positions(req) for s in (main, *others)]
@@ -231,6 +227,8 @@ class Lanes:
                 self._fail(lane, e)
                 return 0
             lane.answer = None
+            if item is WAITING:  # its server has sent nothing new: the other lanes' turn
+                return 0
             if isinstance(item, StepWanted):
                 lane.waiting = item
                 return lane.prefilled - before

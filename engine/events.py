@@ -70,6 +70,15 @@ class PrefillDone:
 
 
 @dataclasses.dataclass(frozen=True)
+class Waiting:
+    """A generation waiting on I/O (a remote server's next chunk): the scheduler runs the other lanes meanwhile
+    (engine.batching). Never sent to a sink."""
+
+
+WAITING = Waiting()
+
+
+@dataclasses.dataclass(frozen=True)
 class Token:
     index: int  # 1-based: token 1 is the first output token
     token_id: int

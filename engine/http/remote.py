@@ -19,7 +19,7 @@ import threading
 from collections.abc import Iterator
 
 from .. import trace as tracing
-from ..events import Failed, Finished, PrefillDone, PrefillStarted, ReuseReport, Token
+from ..events import WAITING, Failed, Finished, PrefillDone, PrefillStarted, ReuseReport, Token
 from . import openai_chat as wire
 from .remote_server import (
     CONNECT_TIMEOUT_S,
@@ -40,12 +40,18 @@ from .remote_server import (
 __all__ = ["CONNECT_TIMEOUT_S", "LINE_BYTES", "RemoteError", "RemoteSession", "RemoteSpec", "list_models"]
 
 
-class RemoteSession:
-    """Requests to one model on one server, one at a time, as engine events."""
+IO_POLL_S = 0.02  # beside other lanes, how long a reply waits for its server's next chunk before their turn
 
-    def __init__(self, spec: RemoteSpec):
+
+class RemoteSession:
+    """Requests to one model on one server, one at a time, as engine events. The scheduler runs several at once on
+    siblings (each a stream of its own), their replies read between the turns of the others (`steps`)."""
+
+    remote = True  # its replies wait on I/O, not on decode steps (engine.batching turns every such lane)
+
+    def __init__(self, spec: RemoteSpec, traces: list | None = None):
         self.spec = dataclasses.replace(spec, url=normalize_url(spec.url))
-        self.traces: list[tracing.RequestTrace] = []
+        self.traces: list[tracing.RequestTrace] = [] if traces is None else traces
         self.card: dict | None = None
         self._facts: dict | None = None
         self._loop = asyncio.new_event_loop()
@@ -74,6 +80,16 @@ class RemoteSession:
 
     def facts(self) -> dict:
         return dict(self._facts or {})
+
+    def sibling(self) -> RemoteSession:
+        """Another session on the same server and model, with a connection of its own and this one's traces: a
+        second reply streaming beside this one's (a lane of engine.batching)."""
+        other = RemoteSession(self.spec, self.traces)
+        other.card, other._facts = self.card, self._facts
+        return other
+
+    def same_setup(self, other) -> bool:
+        return isinstance(other, RemoteSession) and other.spec == self.spec and other.card == self.card
 
     @property
     def model_id(self) -> str:
@@ -158,7 +174,14 @@ class RemoteSession:
             out.put(("error", f"{type(e).__name__}: {e}"))
 
     def generate(self, req, cancel: threading.Event | None = None) -> Iterator:
-        trace = tracing.RequestTrace.of(req)
+        """The reply's events, waiting for each (a generation on its own)."""
+        yield from (ev for ev in self.steps(req, cancel, poll=POLL_S) if ev is not WAITING)
+
+    def steps(self, req, cancel: threading.Event | None = None, trace=None, poll: float = IO_POLL_S) -> Iterator:
+        """The reply's events and, each time its server has sent nothing for `poll` seconds, WAITING: a scheduler
+        then runs its other lanes (engine.batching). `trace`: the request's RequestTrace, when the scheduler made
+        it (its queue wait began before this call)."""
+        trace = trace if trace is not None else tracing.RequestTrace.of(req)
         self.traces.append(trace)
         cancel = cancel or threading.Event()
         try:
@@ -176,10 +199,11 @@ class RemoteSession:
         reply = _Reply(self, req, trace)
         while True:
             try:
-                item = out.get(timeout=POLL_S)
+                item = out.get(timeout=poll)
             except queue.Empty:
                 if cancel.is_set() and not future.cancelled():
                     future.cancel()  # closes the stream, even while the server says nothing
+                yield WAITING
                 continue
             kind = item[0]
             if kind == "data":

@@ -404,3 +404,33 @@ def test_the_requests_tab_reads_vllm_metrics_and_llama_server_slots(qtbot, make_
         assert heads == ["running · slot 0", "idle · slot 1"]
         assert view.serverTable.topLevelItem(0).child(0).text(2) == "7"
     spin_loop(lambda: finals, 60)
+
+
+def test_two_conversations_stream_at_once_from_one_remote_server(qtbot, make_window, spin_loop, scripted_server):
+    """A remote server runs its own batch: the app streams a reply in each of two conversations at once, a
+    connection each, and Stop in one closes that one's stream alone."""
+    server = scripted_server(mode="slow")
+    w = make_window(backend="remote", remote_url=server.url)
+    finals = []
+    w.replyFinished.connect(finals.append)
+    qtbot.keyClicks(w.composer, "First")
+    qtbot.mouseClick(w.sendButton, Qt.LeftButton)
+    spin_loop(lambda: w.chat.streaming_mid is not None and w.chat.streaming_stats.tokens >= 2, 30)
+    a_mid = w.chat.streaming_mid
+    qtbot.mouseClick(w.sidebar.newButton, Qt.LeftButton)
+    qtbot.keyClicks(w.composer, "Second")
+    qtbot.mouseClick(w.sendButton, Qt.LeftButton)
+    spin_loop(lambda: w.chat.streaming_mid not in (None, a_mid) and w.chat.streaming_stats.tokens >= 2, 30)
+    b_mid = w.chat.streaming_mid
+    spin_loop(lambda: server.streaming == 2, 30)  # two streams open on the server at once
+    a_then = w.chat.streams[a_mid].stats.tokens
+    spin_loop(lambda: w.chat.streams[a_mid].stats.tokens >= a_then + 3, 30)  # A goes on while B streams
+    qtbot.mouseClick(w.stopButton, Qt.LeftButton)  # B's Stop
+    spin_loop(lambda: len(finals) == 1, 30)
+    assert finals[0].reason == "cancelled" and a_mid in w.chat.streams and b_mid not in w.chat.streams
+    spin_loop(lambda: server.streaming == 1, 30)  # B's stream closed, A's open
+    a_now = w.chat.streams[a_mid].stats.tokens
+    spin_loop(lambda: w.chat.streams[a_mid].stats.tokens >= a_now + 3, 30)
+    w.select_conversation(w.store.message(a_mid).conversation_id)
+    qtbot.mouseClick(w.stopButton, Qt.LeftButton)
+    spin_loop(lambda: len(finals) == 2 and server.streaming == 0, 30)
