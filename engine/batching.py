@@ -24,6 +24,7 @@ from .request import Request
 
 POLICY = "first come first served, decode first, a prefill forward a turn of at most one decode step's time"
 MIN_TURN_POSITIONS = 1  # the least a turn's prefill forward takes while others decode
+LANE_SHARE = 0.5  # a new lane's cache may take at most this share of the memory free now; past it, requests wait
 
 
 class Lane:
@@ -57,6 +58,8 @@ class Lanes:
         self.on_turn: Callable[[int], None] | None = None  # told the positions each turn computed (the metrics)
         self.step_seconds: float | None = None  # a decode turn's time, recently
         self.turn_positions = MIN_TURN_POSITIONS  # a prefill forward's positions while others decode (budget)
+        self.memory_waits = 0  # times a request waited for a lane because a new one's cache would not fit
+        self._short = False  # the last can_admit found no room for a new lane (counted once a wait)
 
     @property
     def busy(self) -> bool:
@@ -67,8 +70,32 @@ class Lanes:
         return sum(not lane.free for lane in self.lanes)
 
     def can_admit(self) -> bool:
-        """Whether a request can start now: a lane free, or room for another."""
-        return self.running < self.parallel
+        """Whether a request can start now: a lane free, or room for another — a new lane's working cache (the
+        capacity's allocation, as the engine's session holds it) within LANE_SHARE of the memory free now: past it
+        the request waits for a lane to free (counted in memory_waits), never a cache the machine cannot hold."""
+        if self.running >= self.parallel:
+            return False
+        if not self.lanes or any(lane.free for lane in self.lanes):
+            self._short = False
+            return True
+        fits = self._new_lane_fits()
+        if not fits and not self._short:
+            self.memory_waits += 1
+        self._short = not fits
+        return fits
+
+    def _new_lane_fits(self) -> bool:
+        main = self.session()
+        cache = getattr(main, "cache", None)
+        if cache is None:  # a remote server's session: a connection, no cache here
+            return True
+        import torch
+
+        from .devices import free_memory
+
+        device = torch.device(main.loaded.device)
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else free_memory()
+        return free is None or cache.allocated_bytes <= LANE_SHARE * free
 
     def admit(self, ticket) -> None:
         """Start `ticket` on a free lane (there is one: can_admit)."""

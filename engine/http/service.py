@@ -127,6 +127,7 @@ class EngineService:
                 "running": self.engine.lanes.running,
                 "policy": POLICY,
                 "waiting": self.engine.waiting,
+                "memory_waits": self.engine.lanes.memory_waits,
             },  # fmt: skip
             "requests": self.engine.lanes.in_flight(),
             "last_cancel": self.last_cancel,

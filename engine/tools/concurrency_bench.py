@@ -3,7 +3,9 @@
 random prompts of the same length, replies run to --new-tokens past any stop token) on an engine running C at
 once. Reported per row: the aggregate decode rate (tokens emitted while all C decode, over that window), its
 ratio to concurrency 1 in the same run, each request's TPOT and TTFT (p50, p95; the queue included) and the
-batch sizes its steps ran in.
+batch sizes its steps ran in. llama.cpp runs the same counts of sequences at once in the same run (its batch API, a
+sequence id each, in a child process: a crash is a row with its error) on the same weights: the GGUF file itself,
+or a random shape written as GGUF (F32; its own quantizer's Q8_0 or Q4_0 for int8 or int4 weights).
 """
 
 from __future__ import annotations
@@ -47,12 +49,72 @@ def _round(engine, requests) -> list:
     return [t.trace for t in tickets]
 
 
-def _decode_window(traces) -> tuple[int, float]:
-    """Tokens emitted while every request decodes (after the last first token, up to the first last token)."""
-    lo = max(t.token_times[0] for t in traces)
-    hi = min(t.token_times[-1] for t in traces)
-    n = sum(sum(lo < x <= hi for x in t.token_times) for t in traces)
+def _decode_window(times: list[list[float]]) -> tuple[int, float]:
+    """Tokens emitted while every request decodes (after the last first token, up to the first last token), of
+    each request's token times."""
+    lo = max(t[0] for t in times)
+    hi = min(t[-1] for t in times)
+    n = sum(sum(lo < x <= hi for x in t) for t in times)
     return n, hi - lo
+
+
+LLAMA_TYPES = {"none": "F32", "int8": "Q8_0", "int4": "Q4_0"}  # kvchat's weights → the GGUF llama.cpp runs
+
+
+def llama_rows(gguf: str, levels: list[int], prompt_tokens: int, new_tokens: int, rounds: int, vocab: int,
+               threads: int) -> list[dict]:  # fmt: skip
+    """llama.cpp with C sequences at once for each C of `levels` (LlamaCpp.parallel), measured as kvchat's rows
+    are: rounds of C new random prompts together, the aggregate over the window all C decode."""
+    from .llamacpp import LlamaCpp
+
+    rnd = random.Random(1)
+    lc = LlamaCpp(Path(gguf), n_ctx=max(levels) * (prompt_tokens + new_tokens + 8), threads=threads,
+                  sequences=max(levels))  # fmt: skip
+    rows = []
+    try:
+        for c in levels:
+
+            def prompts(c=c) -> list[list[int]]:
+                return [[rnd.randrange(4, vocab) for _ in range(prompt_tokens)] for _ in range(c)]
+
+            lc.parallel(prompts(), 8)  # warm
+            rates, tpots, ttfts = [], [], []
+            for _ in range(rounds):
+                start, times = lc.parallel(prompts(), new_tokens)
+                n, seconds = _decode_window(times)
+                rates.append(n / seconds if seconds > 0 else None)
+                tpots += [(b - a) * 1000 for t in times for a, b in zip(t, t[1:])]
+                ttfts += [(t[0] - start) * 1000 for t in times]
+            rate = statistics.median(r for r in rates if r) if any(rates) else None
+            rows.append({"concurrency": c, "aggregate_decode_tok_s": round(rate, 2) if rate else None,
+                         "tpot_ms_p50": _quantile(tpots, 0.5), "tpot_ms_p95": _quantile(tpots, 0.95),
+                         "ttft_ms_p50": _quantile(ttfts, 0.5), "ttft_ms_p95": _quantile(ttfts, 0.95)})  # fmt: skip
+    finally:
+        lc.close()
+    return rows
+
+
+def reference(ns, path: str, levels: list[int], vocab: int, threads: int, tmp: Path) -> dict:
+    """llama.cpp's rows on the same weights, in a child process; {"error": ...} when it cannot run or dies."""
+    from .bench.isolation import run_isolated
+
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError as e:
+        return {"engine": "llama.cpp", "error": f"not run: llama-cpp-python is not installed ({e})"}
+    if path.endswith(".gguf"):
+        gguf = path
+    else:
+        from .gguf_export import quantize_gguf, write_gguf
+
+        gguf = str(write_gguf(path, tmp / "f32.gguf"))
+        kind = LLAMA_TYPES[ns.weights]
+        if kind != "F32":
+            gguf = str(quantize_gguf(Path(gguf), tmp / f"{kind}.gguf", kind, threads))
+    args = (gguf, levels, ns.prompt_tokens, ns.new_tokens, ns.rounds, vocab, threads)
+    rows = run_isolated(llama_rows, args)
+    out = {"engine": "llama.cpp", "gguf": Path(gguf).name, "sequences": "a sequence id each, one batch a step"}
+    return {**out, **rows} if isinstance(rows, dict) else {**out, "rows": rows}
 
 
 def _arrival(engine, make, long_tokens: int) -> dict:
@@ -128,7 +190,7 @@ def run_concurrency(ns) -> int:
             rates, tpots, ttfts, sizes = [], [], [], []
             for _ in range(ns.rounds):
                 traces = _round(engine, requests(c))
-                n, seconds = _decode_window(traces)
+                n, seconds = _decode_window([t.token_times for t in traces])
                 rates.append(n / seconds if seconds > 0 else None)
                 tpots += [t.tpot_ms for t in traces if t.tpot_ms is not None]
                 ttfts += [t.ttft_ms for t in traces if t.ttft_ms is not None]
@@ -144,16 +206,17 @@ def run_concurrency(ns) -> int:
                 "mean_batch": round(statistics.mean(sizes), 2) if sizes else None,
             })  # fmt: skip
         engine.close(30)
+        from ..devices import default_threads
+
+        ref = reference(ns, path, levels, vocab, default_threads(), Path(tmp))
     base = rows[0]["aggregate_decode_tok_s"] if rows[0]["concurrency"] == 1 else None
+    theirs = {r["concurrency"]: r["aggregate_decode_tok_s"] for r in ref.get("rows", [])}
     for r in rows:
-        r["ratio_to_1"] = round(r["aggregate_decode_tok_s"] / base, 3) if base and r["aggregate_decode_tok_s"] else None
-    report = {
-        **served_facts(ns, loaded),
-        "rounds": ns.rounds,
-        "rows": rows,
-        "arrival": arrival,
-        "reference": {"engine": "llama.cpp", "error": "not run: the same-run parallel reference is not wired here"},
-    }
+        mine = r["aggregate_decode_tok_s"]
+        r["ratio_to_1"] = round(mine / base, 3) if base and mine else None
+        r["llama_cpp_tok_s"] = theirs.get(r["concurrency"])
+        r["vs_llama_cpp"] = round(mine / theirs[r["concurrency"]], 3) if mine and theirs.get(r["concurrency"]) else None
+    report = {**served_facts(ns, loaded), "rounds": ns.rounds, "rows": rows, "arrival": arrival, "reference": ref}
     if ns.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -161,12 +224,19 @@ def run_concurrency(ns) -> int:
     print(f"{report['model']} (weights {ns.weights}) on {report['device']} · {cpu.get('model', '')} · "
           f"{report['threads']} threads · {ns.prompt_tokens} prompt tokens, {ns.new_tokens} new, "
           f"{ns.rounds} rounds")  # fmt: skip
-    print("concurrent  aggregate decode tok/s  × 1   TPOT p50/p95 ms   TTFT p50/p95 ms   mean batch")
+    print(
+        "concurrent  aggregate decode tok/s  × 1   TPOT p50/p95 ms   TTFT p50/p95 ms   mean batch"
+        "   llama.cpp  kvchat/it"
+    )
     for r in rows:
         ratio = f"{r['ratio_to_1']:.2f}" if r["ratio_to_1"] else "—"
+        lc = f"{r['llama_cpp_tok_s']:9.1f}" if r["llama_cpp_tok_s"] else "        —"
+        vs = f"{r['vs_llama_cpp']:.2f}" if r["vs_llama_cpp"] else "—"
         print(f"{r['concurrency']:10d}  {r['aggregate_decode_tok_s'] or 0:22.1f}  {ratio:>4}   "
               f"{r['tpot_ms_p50']:6.1f} / {r['tpot_ms_p95']:6.1f}   {r['ttft_ms_p50']:7.1f} / {r['ttft_ms_p95']:7.1f}"
-              f"   {r['mean_batch']}")  # fmt: skip
+              f"   {r['mean_batch']!s:>10}   {lc}  {vs}")  # fmt: skip
+    if ref.get("error"):
+        print(f"llama.cpp: {ref['error']}")
     a = report["arrival"]
     print(f"a {a['prompt_tokens']}-token prompt arriving beside two streams: their p95 gap "
           f"{a['gap_p95_ms_during']:.1f} ms while it is prefilled, {a['gap_p95_ms_before']:.1f} ms before "

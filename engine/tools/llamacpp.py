@@ -28,10 +28,11 @@ def quiet() -> None:
 
 
 class LlamaCpp:
-    def __init__(self, gguf_path: Path, n_ctx: int, threads: int, n_batch: int = 512, repack: bool = True):
+    def __init__(self, gguf_path: Path, n_ctx: int, threads: int, n_batch: int = 512, repack: bool = True,
+                 sequences: int = 1):  # fmt: skip
         """`repack`: llama.cpp's repacked CPU layouts (its default); off for a mixture of experts, whose repacked
         product dies with SIGSEGV on a prompt batch in llama-cpp-python 0.3.36 (engine/BENCHMARKS.md, "A mixture
-        of experts")."""
+        of experts"). `sequences`: how many run at once (`parallel`; n_ctx is then shared among them)."""
         import llama_cpp as L
 
         self.L = L
@@ -47,6 +48,7 @@ class LlamaCpp:
         cp = L.llama_context_default_params()
         cp.n_ctx, cp.n_batch, cp.n_ubatch = n_ctx, n_batch, n_batch
         cp.n_threads, cp.n_threads_batch = threads, threads
+        cp.n_seq_max = sequences
         self.ctx = L.llama_init_from_model(self.model, cp)
         if not self.ctx:
             raise EngineError("llama.cpp could not create a context")
@@ -76,6 +78,48 @@ class LlamaCpp:
             out.append(tok)
             times.append(now())
         return out, start, times
+
+    def parallel(self, prompts: list[list[int]], n_new: int) -> tuple[float, list[list[float]]]:
+        """Greedy for several sequences at once, a sequence id each (llama.cpp's batch API, as its server's
+        parallel slots run them): each prompt prefilled in batches of its own, then every decode step one batch of
+        a token per sequence. (start time, each sequence's token times) on trace.now."""
+        L, c = self.L, len(prompts)
+        L.llama_memory_clear(L.llama_get_memory(self.ctx), True)
+        batch = L.llama_batch_init(max(self.n_batch, c), 0, c)
+        try:
+            start = now()
+            nxt, pos, times = [], [], [[] for _ in range(c)]
+            for i, p in enumerate(prompts):
+                for a in range(0, len(p), self.n_batch):
+                    part = p[a : a + self.n_batch]
+                    self._run(batch, [(t, a + j, i, a + j == len(p) - 1) for j, t in enumerate(part)])
+                nxt.append(self._argmax(batch.n_tokens - 1))
+                pos.append(len(p))
+                times[i].append(now())
+            while len(times[0]) < n_new:
+                self._run(batch, [(nxt[i], pos[i], i, True) for i in range(c)])
+                t = now()
+                for i in range(c):
+                    nxt[i], pos[i] = self._argmax(i), pos[i] + 1
+                    times[i].append(t)
+            return start, times
+        finally:
+            L.llama_batch_free(batch)
+
+    def _run(self, batch, rows: list[tuple[int, int, int, bool]]) -> None:
+        """Decode one batch of (token, position, sequence id, wants logits)."""
+        batch.n_tokens = len(rows)
+        for j, (tok, p, seq, logits) in enumerate(rows):
+            batch.token[j], batch.pos[j], batch.n_seq_id[j] = tok, p, 1
+            batch.seq_id[j][0], batch.logits[j] = seq, 1 if logits else 0
+        rc = self.L.llama_decode(self.ctx, batch)
+        if rc != 0:
+            raise EngineError(f"llama_decode failed with code {rc}")
+
+    def _argmax(self, j: int) -> int:
+        ptr = self.L.llama_get_logits_ith(self.ctx, j)
+        logits = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(self.n_vocab,))
+        return int(np.argmax(logits))
 
     def close(self) -> None:
         self.L.llama_free(self.ctx)

@@ -250,7 +250,15 @@ def test_serve_bench_concurrency_reports_each_level_and_the_arrival_of_a_long_pr
     assert rows[2]["mean_batch"] > 1 and rows[2]["tpot_ms_p50"] <= rows[2]["tpot_ms_p95"]
     a = report["arrival"]
     assert a["prompt_tokens"] == 512 and a["gap_p95_ms_during"] > 0 and a["gap_p95_ms_before"] > 0
-    assert report["reference"]["error"]  # llama.cpp's parallel row: not run, and said
+    ref = report["reference"]
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        assert ref["error"].startswith("not run: llama-cpp-python is not installed")  # not run, and said
+    else:  # the same counts of sequences at once on llama.cpp, the same weights written as GGUF
+        assert [r["concurrency"] for r in ref["rows"]] == [1, 2, 3] and all(r["aggregate_decode_tok_s"] for r in
+                                                                            ref["rows"])  # fmt: skip
+        assert rows[2]["vs_llama_cpp"] and rows[2]["llama_cpp_tok_s"] == ref["rows"][1]["aggregate_decode_tok_s"]
 
 
 def test_n_choices_share_one_prefill_and_each_equals_its_seed_alone(serve, loaded):
@@ -324,3 +332,24 @@ def test_kvchat_stats_lists_the_requests_in_flight_with_their_share_of_the_kv_ca
         assert r["prefill"]["done"] == r["prefill"]["of"] and r["prompt_positions"] > 0 and r["queue_ms"] >= 0
         assert r["kv_payload_bytes"] == r["cache_positions"] * per <= r["kv_allocated_bytes"]
     assert httpx.get(server.root + "/kvchat/stats").json()["requests"] == []
+
+
+def test_a_lane_the_memory_cannot_hold_is_not_made_the_request_waits(loaded, monkeypatch):
+    """A second lane's working cache past the share of the memory free now: the request waits for the first
+    lane to free (counted), runs there, and equals its run alone; with room, a lane of its own."""
+    import engine.batching as batching
+
+    requests = [_request(i, n=30) for i in range(3)]
+    alone = _alone(loaded, requests)
+    monkeypatch.setattr(batching, "LANE_SHARE", 0.0)  # no room for a second cache
+    engine = EngineThread(parallel=4)
+    engine.session = engine.call(Session, loaded).result()
+    events, tickets = _together(engine, requests)
+    assert [evs[-1].token_ids for evs in events] == [a.token_ids for a in alone]
+    assert {t.trace.lane for t in tickets} == {0} and len(engine.lanes.lanes) == 1  # one after another
+    assert all(max(t.trace.batch_sizes) == 1 for t in tickets)
+    assert engine.lanes.memory_waits == 2 and tickets[2].trace.started >= tickets[1].trace.end  # in turn
+    monkeypatch.setattr(batching, "LANE_SHARE", 0.5)
+    events, tickets = _together(engine, requests[:2])
+    assert {t.trace.lane for t in tickets} == {0, 1} and engine.lanes.memory_waits == 2
+    engine.close(10)
