@@ -156,6 +156,38 @@ class Timeline(QWidget):
         p.drawText(QRectF(4, self.height() - 15, w, 14), Qt.AlignRight, f"{(t1 - t0):.2f} s later")
 
 
+def _label(name: str, text: str = "") -> QLabel:
+    label = plain(QLabel(text))
+    label.setObjectName(name)
+    label.setWordWrap(True)
+    return label
+
+
+def _table(name: str) -> QTreeWidget:
+    """Two lines a request: its state and name across the columns, then its figures under them (`_add`)."""
+    table = QTreeWidget()
+    table.setObjectName(name)
+    table.setHeaderLabels(list(COLUMNS))
+    table.setRootIsDecorated(False)
+    table.setIndentation(0)
+    table.setUniformRowHeights(True)
+    table.header().setSectionResizeMode(QHeaderView.ResizeToContents)
+    table.header().setStretchLastSection(True)
+    table.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
+    return table
+
+
+def _add(table: QTreeWidget, head: str, cells: list[str]) -> QTreeWidgetItem:
+    """A request's two lines; its figures' line, for tooltips."""
+    top = QTreeWidgetItem([head])
+    row = QTreeWidgetItem(cells)
+    top.addChild(row)
+    table.addTopLevelItem(top)
+    top.setFirstColumnSpanned(True)
+    top.setExpanded(True)
+    return row
+
+
 class RequestsView(QWidget):
     """The panel's Requests tab."""
 
@@ -163,50 +195,30 @@ class RequestsView(QWidget):
         super().__init__()
         self.setObjectName("requestsView")
         lay = QVBoxLayout(self)
-        self.summary = plain(QLabel("No request in flight"))
-        self.summary.setObjectName("requestsSummary")
-        self.summary.setWordWrap(True)
+        self.summary = _label("requestsSummary", "No request in flight")
         lay.addWidget(self.summary)
-        self.formula = plain(QLabel(""))
-        self.formula.setObjectName("requestsFormula")
-        self.formula.setWordWrap(True)
+        self.formula = _label("requestsFormula")
         self.formula.setToolTip(
             "The KV cache of every request at once: the seed's formula with the sum of the positions each request's "
             "cache holds in place of B·T (each request runs on a lane of its own, with its own cache)."
         )
         lay.addWidget(self.formula)
-        self.table = QTreeWidget()
-        self.table.setObjectName("requestsTable")
-        self.table.setHeaderLabels(list(COLUMNS))
-        self.table.setRootIsDecorated(False)
-        self.table.setIndentation(0)
-        self.table.setUniformRowHeights(True)
-        self.table.header().setSectionResizeMode(QHeaderView.ResizeToContents)
-        self.table.header().setStretchLastSection(True)
-        self.table.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
+        self.table = _table("requestsTable")
         self.table.setMinimumHeight(120)
         lay.addWidget(self.table)
         self.timeline = Timeline()
         lay.addWidget(self.timeline)
-        self.serverLine = plain(QLabel(""))  # a remote server's own report of what it runs (all its clients)
-        self.serverLine.setObjectName("requestsServer")
-        self.serverLine.setWordWrap(True)
+        self.serverLine = _label("requestsServer")  # a remote server's own report of what it runs (all its clients)
         self.serverLine.setVisible(False)
         lay.addWidget(self.serverLine)
-        self.serverTable = QTreeWidget()
-        self.serverTable.setObjectName("requestsServerTable")
-        self.serverTable.setHeaderLabels(list(COLUMNS))
-        self.serverTable.setRootIsDecorated(False)
-        self.serverTable.setIndentation(0)
+        self.serverTable = _table("requestsServerTable")
         self.serverTable.setVisible(False)
         lay.addWidget(self.serverTable)
         self.provider = None  # a remote server's load report, latest (EngineClient.server_load); None: local
         self.serverTimer = QTimer(self)
         self.serverTimer.setInterval(SERVER_EVERY_MS)
         self.serverTimer.timeout.connect(self.show_server)
-        self.gapNote = plain(QLabel(""))
-        self.gapNote.setObjectName("requestsGapNote")
-        self.gapNote.setWordWrap(True)
+        self.gapNote = _label("requestsGapNote")
         lay.addWidget(self.gapNote)
         lay.addStretch(1)
         self.facts: dict = {}
@@ -258,7 +270,6 @@ class RequestsView(QWidget):
         rows = report.get("requests") or []
         self.serverTable.clear()
         for r in rows:
-            head = QTreeWidgetItem([f"{r.get('state', '?')} · {r.get('label', '?')}"])
             prefill = r.get("prefill") or (None, None)
             q = r.get("queue_ms")
             cells = [DASH if q is None else f"{q:,.0f} ms",
@@ -266,10 +277,7 @@ class RequestsView(QWidget):
                      DASH if r.get("tokens") is None else f"{r['tokens']:,}",
                      DASH if r.get("kv_payload_bytes") is None else fmt_size(r["kv_payload_bytes"]),
                      DASH if not r.get("batch_size") else str(r["batch_size"])]  # fmt: skip
-            head.addChild(QTreeWidgetItem(cells))
-            self.serverTable.addTopLevelItem(head)
-            head.setFirstColumnSpanned(True)
-            head.setExpanded(True)
+            _add(self.serverTable, f"{r.get('state', '?')} · {r.get('label', '?')}", cells)
         self.serverTable.setVisible(bool(rows))
 
     def show_streams(self, chat, in_flight: list[dict]) -> None:
@@ -301,14 +309,12 @@ class RequestsView(QWidget):
         self._note(streams)
 
     def _fill(self, streams: list[Stream], lanes: dict, payload: int, chat) -> None:
-        """Two lines a request: its conversation and state (the whole width), then its figures under the columns."""
         self.table.setUpdatesEnabled(False)
         self.table.clear()
         for st in streams:
             s, lane = st.stats, lanes.get(st.lane) if st.mid in chat.streams else None
             alt = st.alternative
             name = f"“{st.title}”" + (f" · alternative {alt[0]}/{alt[1]}" if alt else "")
-            head = QTreeWidgetItem([f"{state_of(st)} · {name}"])  # the state first: a long name is cut, not it
             q = queue_ms(st)
             reused = (s.reuse or {}).get("reused", 0)
             share, share_tip = DASH, "its lane's K/V: not held now"
@@ -321,14 +327,11 @@ class RequestsView(QWidget):
             batch = str(lane["batch_size"]) if lane and lane.get("batch_size") else (
                 f"{sum(sizes) / len(sizes):.1f}" if sizes else DASH)  # fmt: skip
             prefill = f"{s.prefill_done:,}/{s.prefill_total:,}"
-            row = QTreeWidgetItem([DASH if q is None else f"{q:,.0f} ms", prefill, f"{s.tokens:,}", share, batch])
+            cells = [DASH if q is None else f"{q:,.0f} ms", prefill, f"{s.tokens:,}", share, batch]
+            row = _add(self.table, f"{state_of(st)} · {name}", cells)  # the state first: a long name is cut, not it
             row.setToolTip(1, f"prompt positions computed of those to compute; {reused:,} reused")
             row.setToolTip(3, share_tip)
             row.setToolTip(4, "sequences in its last decode step" if lane else "mean sequences a decode step")
-            head.addChild(row)
-            self.table.addTopLevelItem(head)
-            head.setFirstColumnSpanned(True)
-            head.setExpanded(True)
         self.table.setUpdatesEnabled(True)
 
     def _note(self, streams: list[Stream]) -> None:
