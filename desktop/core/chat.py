@@ -195,8 +195,11 @@ class ChatController(Prompts):
         none), unless the reply streaming now is one of the branch's messages. Its own figures (live, or
         stored with it), or none at all ("No reply yet"); never another reply's. True when that changed
         what the panel shows."""
-        if mid is not None and mid in self.streams:
-            return False
+        if mid is not None and mid in self.streams:  # streaming: its live figures (another's may be shown)
+            if self.selected_mid == mid and self.stats is self.streams[mid].stats:
+                return False
+            self.selected_mid, self.stats = mid, self.streams[mid].stats
+            return True
         if mid is not None and mid == self.selected_mid and self.stats is self.stats_by_message.get(mid):
             return False
         if mid is not None and self.select_message(mid, wait=False) is not None:

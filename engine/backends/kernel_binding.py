@@ -30,6 +30,8 @@ class Kernels:
         self.gguf_rows_agree: bool | None = None  # kv_gguf_rows against numpy: engine.weights.gguf_blocks checks it
         self.one_thread: str | None = None  # why the build runs on one thread (no OpenMP), or None
         self.compiler = "cc"  # what built it, as a person reads it (compiler_name)
+        self.build: dict = {}  # its build's report (kernel_build.report): version, each file's level, fallbacks
+        self.fell_through: str | None = None  # the system compiler failed outright and the next built it: why
         self.lib = ctypes.CDLL(str(path))
         self.lib.kv_isa.restype = self.lib.kv_int_isa.restype = ctypes.c_char_p
         self.isa = self.lib.kv_isa().decode()

@@ -15,7 +15,17 @@ import threading
 import torch
 
 from .kernel_binding import Kernels
-from .kernel_build import VARIANTS, build, compiler, compiler_name, openmp_runtimes, variant
+from .kernel_build import (
+    VARIANTS,
+    build,
+    compiler,
+    compiler_name,
+    openmp_runtimes,
+    report,
+    report_words,
+    variant,
+    zig_cc,
+)
 from .kernel_verdicts import checked
 
 _lock = threading.Lock()
@@ -43,8 +53,27 @@ def _load() -> Kernels:
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC, or pip install ziglang for zig cc)")
-    flags, first = VARIANTS[forced], None
-    k = one_thread = None
+    flags = VARIANTS[forced]
+    try:
+        k = _built(cc, flags)
+    except (RuntimeError, OSError) as e:  # the system's compiler failed outright: the next one, where there is one
+        zig = zig_cc()
+        if zig is None or "ziglang" in cc or os.environ.get("CC"):  # CC names the one compiler to use
+            raise
+        k = _built(zig, flags)
+        k.fell_through = f"{compiler_name(cc)} failed ({e}), so zig cc built them"
+    k.variant = forced
+    after = openmp_runtimes()
+    if len(after) > max(1, len(before)):  # ours brought its own OpenMP: two thread pools on the same cores
+        raise RuntimeError(f"the kernels would run a second OpenMP runtime ({', '.join(sorted(after))})")
+    if not k.dtypes:
+        raise RuntimeError("the kernels disagree with torch on this CPU")
+    return k
+
+
+def _built(cc: list[str], flags: tuple[str, ...]) -> Kernels:
+    """The library `cc` builds and checks: with OpenMP, else (refused, or not linked) on one thread."""
+    first = k = one_thread = None
     if "ziglang" not in cc:  # zig's clang takes -fopenmp but ships no OpenMP runtime to link: one thread there
         try:
             k = checked(build(cc, flags))
@@ -58,12 +87,7 @@ def _load() -> Kernels:
                 raise
             raise first from None
         one_thread = f"one thread: {compiler_name(cc)} has no OpenMP"
-    k.variant, k.one_thread, k.compiler = forced, one_thread, compiler_name(cc)
-    after = openmp_runtimes()
-    if len(after) > max(1, len(before)):  # ours brought its own OpenMP: two thread pools on the same cores
-        raise RuntimeError(f"the kernels would run a second OpenMP runtime ({', '.join(sorted(after))})")
-    if not k.dtypes:
-        raise RuntimeError("the kernels disagree with torch on this CPU")
+    k.one_thread, k.compiler, k.build = one_thread, compiler_name(cc), report(k.path)
     return k
 
 
@@ -88,4 +112,11 @@ def status() -> str:
     integer = f"; int8 activations: {k.int_isa}" if k.integer_modes else ""
     forced = f"; forced variant {k.variant}" if k.variant != "native" else ""
     threads = f"; {k.one_thread}" if k.one_thread else ""
-    return f"kvchat kernels ({k.isa}; {types}{integer}{forced}{threads}; built by {k.compiler})"
+    return f"kvchat kernels ({k.isa}; {types}{integer}{forced}{threads}; {built(k)})"
+
+
+def built(k: Kernels) -> str:
+    """What built the kernels, in words: the compiler and its version, each file that fell back a level with the
+    compiler's first error there, and a system compiler that failed outright."""
+    through = f"; {k.fell_through}" if k.fell_through else ""
+    return f"built by {k.compiler}{report_words(k.build)}{through}"

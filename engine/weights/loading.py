@@ -80,6 +80,7 @@ class LoadedModel:
             notes = f"; int4 in {tiles}-row tiles" if tiles else ""
             if self.model.decode_step_refused:  # the one-call step failed its load-time check
                 notes += f"; layer by layer: {self.model.decode_step_refused}"
+            notes += f"; {kernel_library.built(self.kernels)}"
             if self.activations == "int8":
                 return f"kvchat ({self.kernels.isa}; int8 activations: {self.kernels.int_isa}{notes})"
             return f"kvchat ({self.kernels.isa}{notes})"

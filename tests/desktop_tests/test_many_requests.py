@@ -31,7 +31,8 @@ def test_two_conversations_stream_at_once_each_with_its_own_figures(qtbot, make_
     assert b_cid != a_cid == w.store.message(a_mid).conversation_id
     a_then = tokens_of(w, a_mid)
     spin_loop(lambda: tokens_of(w, a_mid) >= a_then + 5 and tokens_of(w, b_mid) >= 8)  # both stream, at once
-    assert w.stopButton.isVisible() and "2 replies streaming" in w.statusLine.text()
+    assert w.stopButton.isVisible()
+    spin_loop(lambda: "2 replies streaming" in w.statusLine.text())  # at the panel's next redraw
 
     # The Requests tab: both in flight, on lanes of their own, decoding in one batch; the KV formula summed.
     w.panelTabs.setCurrentWidget(w.requestsView)
@@ -63,9 +64,11 @@ def test_two_conversations_stream_at_once_each_with_its_own_figures(qtbot, make_
     b_trace = finals[0].trace
     assert b_trace["lane"] == 1 and 2 in b_trace["batch_sizes"]  # its decode steps ran beside A's
 
-    # Back in A: its reply still streams there, its Stop stops it; each reply's panel shows its own figures.
+    # Back in A: its reply still streams there, the panel follows it (live), its Stop stops it.
     w.select_conversation(a_cid)
-    assert w.stopButton.isVisible()
+    assert w.stopButton.isVisible() and w.chat.stats is w.chat.streams[a_mid].stats
+    w.pacer.draw_now()
+    assert "The first conversation" in w.statsPanel.heading.text()
     qtbot.mouseClick(w.stopButton, Qt.LeftButton)
     spin_loop(lambda: len(finals) == 2 and not w.chat.busy)
     a_msg, b_msg = w.store.message(a_mid), w.store.message(b_mid)

@@ -149,7 +149,8 @@ def test_model_settings_change_drops_the_cache_with_its_reason(qtbot, make_windo
     from engine.backends import kernels
 
     k = kernels.load()  # what decodes is said: kvchat's kernels where they build, else torch and why
-    assert panel(w, "kernelsValue") == (f"kvchat ({k.isa})" if k else kernels.status()) == w.facts["decode_kernels"]
+    want = f"kvchat ({k.isa}; {kernels.built(k)})" if k else kernels.status()
+    assert panel(w, "kernelsValue") == want == w.facts["decode_kernels"]
 
 
 def test_a_corrupt_model_folder_shows_the_error_and_keeps_the_old_model(
@@ -477,7 +478,7 @@ def test_int8_activations_are_chosen_in_the_settings_dialog_and_shown_in_the_pan
     w.apply_settings(dialog.result_settings())
     spin_loop(lambda: ready, 120)
     assert panel(w, "precisionValue") == "int8/g32, head int8/g32, int8 activations · none"
-    assert panel(w, "kernelsValue") == f"kvchat ({k.isa}; int8 activations: {k.int_isa})"
+    assert panel(w, "kernelsValue") == f"kvchat ({k.isa}; int8 activations: {k.int_isa}; {kernels.built(k)})"
     final = send(qtbot, w, spin_loop, BUDGET)
     assert final.token_ids and w.transcript.views[-1].message.status == "complete"
     dialog = SettingsDialog(w.settings, w.db_path, w)
