@@ -450,6 +450,7 @@ class Transcript(QScrollArea):
 
     def add(self, view: MessageView) -> None:
         self.lay.insertWidget(self.lay.count() - 1, view)
+        view.show()  # now, not at the layout's next pass (a queued show): what is in `views` is on screen
         self.views.append(view)
         self.hint.setVisible(False)
 
