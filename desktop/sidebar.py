@@ -1,5 +1,6 @@
 """The conversations beside the transcript: a search field, the list (a search's match shown under its
-conversation's title) and the buttons that make, rename, delete, export and import conversations."""
+conversation's title; a dot beside those where a reply streams now) and the buttons that make, rename, delete,
+export and import conversations."""
 
 from __future__ import annotations
 
@@ -7,12 +8,27 @@ import time
 from collections import Counter, defaultdict
 
 from PySide6.QtCore import QEvent, Qt, Signal
+from PySide6.QtGui import QColor, QIcon, QPainter, QPixmap
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QLineEdit, QListWidget, QListWidgetItem, QVBoxLayout, QWidget
 
 from .outside_text import plain, plain_tooltip
 from .style import button
 
 FOUND_ROLE = Qt.UserRole + 1  # a conversation list item's search match: the message id
+STREAMING = "a reply is streaming here"  # the dot's words (tooltip, and the item's accessible description)
+
+
+def dot(colour: str = "#5ab0f0", size: int = 10) -> QIcon:
+    """The mark of a conversation whose reply streams now."""
+    pixmap = QPixmap(size, size)
+    pixmap.fill(Qt.transparent)
+    p = QPainter(pixmap)
+    p.setRenderHint(QPainter.Antialiasing)
+    p.setBrush(QColor(colour))
+    p.setPen(Qt.NoPen)
+    p.drawEllipse(1, 1, size - 2, size - 2)
+    p.end()
+    return QIcon(pixmap)
 
 
 class Sidebar(QWidget):
@@ -46,6 +62,8 @@ class Sidebar(QWidget):
         self.list.itemClicked.connect(self._picked)  # a hit in the one shown
         self.list.itemActivated.connect(self._picked)  # Enter, from the keyboard
         ll.addWidget(self.list)
+        self.streaming: set[int] = set()  # conversations whose reply streams now (mark_streaming)
+        self._dot, self._blank = dot(), dot("#00000000")
         row = QHBoxLayout()
         self.newButton = button("New", "newButton", window.new_conversation, row)
         self.renameButton = button("Rename", "renameButton", window.rename_conversation, row)
@@ -83,6 +101,22 @@ class Sidebar(QWidget):
                 self.list.setCurrentItem(item)
         self.list.blockSignals(False)
         self.noResults.setVisible(bool(self.search.text().strip()) and not conversations)
+        self.mark_streaming(self.streaming, force=True)
+
+    def mark_streaming(self, cids: set, force: bool = False) -> None:
+        """A dot beside each conversation whose reply streams now (`cids`) and, while any does, an empty space
+        beside the others, so that titles stay in line; only when that changed."""
+        if set(cids) == self.streaming and not force:
+            return
+        self.streaming = set(cids)
+        empty = self._blank if self.streaming else QIcon()
+        for i in range(self.list.count()):
+            item = self.list.item(i)
+            on = item.data(Qt.UserRole) in self.streaming
+            item.setIcon(self._dot if on else empty)
+            item.setData(Qt.AccessibleDescriptionRole, STREAMING if on else "")
+            tip = item.toolTip().removesuffix(f"\n({STREAMING})")
+            item.setToolTip(f"{tip}\n({STREAMING})" if on else tip)
 
     def _picked(self, item, _prev=None) -> None:
         if item is not None:

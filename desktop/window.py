@@ -348,6 +348,7 @@ class MainWindow(ModelSide, WindowLayout, Keyboard, QMainWindow):
         self._show_status_line()
         self.sendButton.setVisible(not self.generating)
         self.stopButton.setVisible(self.generating)
+        self.sidebar.mark_streaming(set(self.chat.runs))  # a dot where a reply streams, in any conversation
         self.sendButton.setEnabled(ready)
         self.regenerateButton.setEnabled(ready and self.chat.can_regenerate())
         self.regenerateWith.setEnabled(ready and self.chat.can_regenerate())

@@ -118,3 +118,26 @@ def test_alternatives_are_off_under_greedy_sampling_and_say_why(make_window, dem
     send(qtbot, w, spin_loop, "Hi")
     three = next(a for a in w.regenerateWith.menu().actions() if a.text() == "3 alternatives")
     assert w.regenerateWith.isEnabled() and not three.isEnabled() and "temperature above 0" in three.toolTip()
+
+
+def test_the_list_marks_each_conversation_whose_reply_streams(qtbot, make_window, spin_loop, llama_dir):
+    w = make_window(llama_dir, max_new_tokens=3000, capacity=4000)
+    qtbot.keyClicks(w.composer, "Streams a while")
+    qtbot.mouseClick(w.sendButton, Qt.LeftButton)
+    spin_loop(lambda: w.chat.streaming_mid is not None)
+    a_cid = w.chat.streams[w.chat.streaming_mid].cid
+    qtbot.mouseClick(w.sidebar.newButton, Qt.LeftButton)  # B, idle, shown
+
+    def marked():
+        items = [w.sidebar.list.item(i) for i in range(w.sidebar.list.count())]
+        return {it.data(Qt.UserRole): (not it.icon().isNull(), it.data(Qt.AccessibleDescriptionRole)) for it in items}
+
+    spin_loop(lambda: marked().get(a_cid, (False,))[1] == "a reply is streaming here")
+    b_cid = w.chat.current_cid
+    assert marked()[b_cid] == (True, "")  # a blank beside it: the titles stay in line
+    assert "a reply is streaming here" in next(w.sidebar.list.item(i) for i in range(w.sidebar.list.count()) if
+                                               w.sidebar.list.item(i).data(Qt.UserRole) == a_cid).toolTip()  # fmt: skip
+    w.select_conversation(a_cid)
+    qtbot.mouseClick(w.stopButton, Qt.LeftButton)
+    spin_loop(lambda: not w.chat.busy)
+    spin_loop(lambda: all(v == (False, "") for v in marked().values()))  # none streams: no dots, no indent
