@@ -141,3 +141,29 @@ def test_the_list_marks_each_conversation_whose_reply_streams(qtbot, make_window
     qtbot.mouseClick(w.stopButton, Qt.LeftButton)
     spin_loop(lambda: not w.chat.busy)
     spin_loop(lambda: all(v == (False, "") for v in marked().values()))  # none streams: no dots, no indent
+
+
+def test_each_streaming_reply_shows_the_context_map_of_its_own_lane(qtbot, make_window, spin_loop, llama_dir):
+    """Two replies at once fill two lanes' caches: the panel's map is the lane of the reply it describes."""
+    w = make_window(llama_dir, max_new_tokens=3000, capacity=4000)
+    qtbot.keyClicks(w.composer, "Lane zero")
+    qtbot.mouseClick(w.sendButton, Qt.LeftButton)
+    spin_loop(lambda: w.chat.streaming_mid is not None and w.chat.streaming_stats.tokens >= 2)
+    a_mid = w.chat.streaming_mid
+    qtbot.mouseClick(w.sidebar.newButton, Qt.LeftButton)
+    qtbot.keyClicks(w.composer, "Lane one")
+    qtbot.mouseClick(w.sendButton, Qt.LeftButton)
+    spin_loop(lambda: w.chat.streaming_mid not in (None, a_mid) and w.chat.streaming_stats.tokens >= 2)
+    b_mid = w.chat.streaming_mid
+    assert (w.chat.streams[a_mid].lane, w.chat.streams[b_mid].lane) == (0, 1)
+    w.pacer.draw_now()
+    spin_loop(lambda: "Lane one" in w.statsPanel.cacheMap.caption.text())  # B's reply, B's lane
+    assert w.chat.cache_map is w.chat.lane_maps.of(1) and "Lane zero" not in w.statsPanel.cacheMap.caption.text()
+    w.select_conversation(w.store.message(a_mid).conversation_id)
+    w.pacer.draw_now()
+    spin_loop(lambda: "Lane zero" in w.statsPanel.cacheMap.caption.text())  # A's reply, A's lane
+    assert w.chat.cache_map is w.chat.lane_maps.of(0)
+    w.chat.stop()
+    w.select_conversation(w.store.message(b_mid).conversation_id)
+    w.chat.stop()
+    spin_loop(lambda: not w.chat.busy)
