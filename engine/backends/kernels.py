@@ -9,8 +9,10 @@ engine runs torch's kernels instead; `status()` says which and why.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
+from pathlib import Path
 
 import torch
 
@@ -64,7 +66,7 @@ def _load() -> Kernels:
         k.fell_through = f"{compiler_name(cc)} failed ({e}), so zig cc built them"
     k.variant = forced
     after = openmp_runtimes()
-    if len(after) > max(1, len(before)):  # ours brought its own OpenMP: two thread pools on the same cores
+    if not k.one_thread and len(after) > max(1, len(before)):  # its own OpenMP: two thread pools on the cores
         raise RuntimeError(f"the kernels would run a second OpenMP runtime ({', '.join(sorted(after))})")
     if not k.dtypes:
         raise RuntimeError("the kernels disagree with torch on this CPU")
@@ -72,11 +74,22 @@ def _load() -> Kernels:
 
 
 def _built(cc: list[str], flags: tuple[str, ...]) -> Kernels:
-    """The library `cc` builds and checks: with OpenMP, else (refused, or not linked) on one thread."""
+    """The library `cc` builds and checks: with OpenMP, else on one thread — where the compiler refuses OpenMP or
+    cannot link it, or where its OpenMP runtime is not the one torch runs (clang's libomp beside torch's libgomp:
+    two thread pools would fight over the cores; the library is opened, nothing in it run, before it is used)."""
     first = k = one_thread = None
     if "ziglang" not in cc:  # zig's clang takes -fopenmp but ships no OpenMP runtime to link: one thread there
         try:
-            k = checked(build(cc, flags))
+            before = openmp_runtimes()
+            path = build(cc, flags)
+            ctypes.CDLL(str(path))  # maps the OpenMP runtime it needs; runs nothing of it
+            after = openmp_runtimes()
+            if len(after) > max(1, len(before)):
+                theirs = ", ".join(sorted(Path(p).name for p in after - before))
+                ours = ", ".join(sorted(Path(p).name for p in before)) or "none"
+                one_thread = f"one thread: {compiler_name(cc)}'s OpenMP runtime ({theirs}) is not torch's ({ours})"
+            else:
+                k = checked(path)
         except (RuntimeError, OSError) as e:  # no OpenMP (refused, or not linked): one thread; else this error
             first = e
     if k is None:
@@ -86,7 +99,7 @@ def _built(cc: list[str], flags: tuple[str, ...]) -> Kernels:
             if first is None:
                 raise
             raise first from None
-        one_thread = f"one thread: {compiler_name(cc)} has no OpenMP"
+        one_thread = one_thread or f"one thread: {compiler_name(cc)} has no OpenMP"
     k.one_thread, k.compiler, k.build = one_thread, compiler_name(cc), report(k.path)
     return k
 

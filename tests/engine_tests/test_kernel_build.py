@@ -113,3 +113,26 @@ def test_debian_12s_gcc_for_aarch64_builds_neon_with_sdot_that_agrees_under_qemu
         assert len(got[case]) == len(want) and worst < 1e-5, (case, worst)
     version = subprocess.run([CROSS_GCC, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
     print(f"aarch64 with {version}: levels {said['neon'][0]}, fallbacks {said['neon'][1]}", file=sys.stderr)
+
+
+@pytest.mark.skipif(not X86, reason="the x86 build with clang")
+def test_clang_builds_the_kernels_and_its_openmp_never_runs_beside_torchs(tmp_path):
+    """clang (the system compiler on some desktops) builds and checks the kernels; where its OpenMP runtime is
+    libomp beside torch's libgomp, they run on one thread and say why, never with two thread pools (before: torch
+    ran instead)."""
+    if shutil.which("clang") is None:
+        if os.environ.get("CI") == "true" and shutil.which("apt-get"):
+            pytest.fail("clang is installed by .ci/run where apt is available")
+        pytest.skip("clang is not installed (apt-get install clang libomp-dev)")
+    code = ("import torch; from engine.backends import kernels, kernel_build; k = kernels.load(); "
+            "print(kernels.status()); print(k is not None and bool(k.dtypes) and sorted(k.modes)); "
+            "print(sorted(kernel_build.openmp_runtimes()))")  # fmt: skip
+    env = {**os.environ, "CC": "clang", "KVCHAT_CACHE_DIR": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    status, modes, runtimes = r.stdout.strip().splitlines()[-3:]
+    assert status.startswith("kvchat kernels (") and "built by clang (" in status, status
+    assert modes == "['int4', 'int5', 'int8']"
+    if "libomp" in runtimes and "libgomp" in runtimes:  # both mapped: ours must not run its pool
+        assert "one thread: clang's OpenMP runtime (libomp" in status and "is not torch's (libgomp" in status
+    print(status, file=sys.stderr)
