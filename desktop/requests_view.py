@@ -104,7 +104,7 @@ class Timeline(QWidget):
             "beside running streams: their ticks spread there, the token gaps a newcomer's prompt stretches."
         )
 
-    def show(self, streams: list[Stream]) -> None:
+    def show_streams(self, streams: list[Stream]) -> None:
         self.streams = streams
         self.setMinimumHeight(self.ROW * max(3, len(streams)) + 20)
         self.update()
@@ -305,7 +305,7 @@ class RequestsView(QWidget):
         formula = sum_formula(self.facts, [r["cache_positions"] for r in live])
         self.formula.setText(f"Σ over requests: {formula}" if formula and len(live) > 1 else formula)
         self._fill(streams, lanes, payload, chat)
-        self.timeline.show(streams)
+        self.timeline.show_streams(streams)
         self._note(streams)
 
     def _fill(self, streams: list[Stream], lanes: dict, payload: int, chat) -> None:
