@@ -17,6 +17,7 @@ import traceback
 from collections.abc import Callable
 
 from . import trace as tracing
+from .devices import free_on
 from .events import WAITING, Failed, PrefillDone, PrefillProgress
 from .generation import StepWanted, step_all
 from .prefix_store import common_prefix
@@ -89,12 +90,7 @@ class Lanes:
         cache = getattr(main, "cache", None)
         if cache is None:  # a remote server's session: a connection, no cache here
             return True
-        import torch
-
-        from .devices import free_memory
-
-        device = torch.device(main.loaded.device)
-        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else free_memory()
+        free = free_on(main.loaded.device)
         return free is None or cache.allocated_bytes <= LANE_SHARE * free
 
     def admit(self, ticket) -> None:

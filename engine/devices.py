@@ -16,7 +16,6 @@ BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # x86's AVX-512 BF16 and AMX-B
 WITHOUT_BF16 = {"avx2", "avx2-no-vnni", "generic"}  # forced variants that stand for a CPU without them
 
 
-@functools.cache
 def free_memory() -> int | None:
     """Bytes of memory free now, where the OS says (Linux, macOS); None elsewhere."""
     try:
@@ -25,6 +24,15 @@ def free_memory() -> int | None:
         return None
 
 
+def free_on(device) -> int | None:
+    """Bytes free now where `device`'s tensors live: the GPU's memory on CUDA, else the machine's (free_memory)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return free_memory()
+
+
+@functools.cache
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags as /proc/cpuinfo names them ("flags" on x86, "Features" on ARM; empty where
     there is no such file)."""

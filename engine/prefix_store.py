@@ -17,7 +17,7 @@ import itertools
 
 import torch
 
-from .devices import free_memory
+from .devices import free_on
 
 BLOCK = 16  # positions per stored block (vLLM's default block size)
 BUDGET_SHARE = 0.25  # the default budget: this share of the memory free when the session starts
@@ -58,11 +58,7 @@ class Match:
 
 def default_budget(device) -> int:
     """BUDGET_SHARE of the memory free now: the GPU's on CUDA, the machine's available RAM elsewhere."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * BUDGET_SHARE)
-    free = free_memory()
+    free = free_on(device)
     return int((4 * 2**30 if free is None else free) * BUDGET_SHARE)  # 4 GiB where the OS does not say
 
 
