@@ -39,11 +39,15 @@ class Lane:
         self.waiting: StepWanted | None = None  # the decode step it waits on
         self.admitted = 0  # turn order: the lower, the older
         self.prefilled = 0  # prompt positions its prefill has computed so far
-        self.io = False  # its session waits on I/O (a remote server's stream), not on decode steps: turned each turn
 
     @property
     def free(self) -> bool:
         return self.ticket is None
+
+    @property
+    def io(self) -> bool:
+        """Its session waits on I/O (a remote server's stream), not on decode steps: turned every turn."""
+        return getattr(self.session, "remote", False)
 
 
 class Lanes:
@@ -110,7 +114,7 @@ class Lanes:
         lane.session.turn_budget = self.budget
         self._admitted += 1
         lane.ticket, lane.steps, lane.answer, lane.waiting, lane.admitted = ticket, gen, None, None, self._admitted
-        lane.prefilled, lane.io = 0, getattr(lane.session, "remote", False)
+        lane.prefilled = 0
 
     def budget(self) -> int | None:
         """Prompt positions for the next prefill forward: None (the whole chunk) while no other lane decodes,

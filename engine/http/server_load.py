@@ -8,6 +8,8 @@ and llama.cpp (how many run and wait, the KV cache's use). Every answer is bound
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 from .remote_server import RemoteError, RemoteSpec, fetch, normalize_url
 
@@ -123,8 +125,6 @@ class LoadWatch:
     (None before the first) and asks again on a thread of its own when it is older than `every` seconds."""
 
     def __init__(self, ask, every: float = 1.0):
-        import threading
-
         self.ask, self.every = ask, every
         self.report: dict | None = None
         self.at = float("-inf")  # when the last question was sent (time.monotonic)
@@ -132,9 +132,6 @@ class LoadWatch:
         self._asking = False
 
     def latest(self) -> dict | None:
-        import threading
-        import time
-
         with self._lock:
             due = not self._asking and time.monotonic() - self.at >= self.every
             if due:

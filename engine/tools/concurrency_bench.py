@@ -58,6 +58,14 @@ def _decode_window(times: list[list[float]]) -> tuple[int, float]:
     return n, hi - lo
 
 
+def _row(c: int, rates: list, tpots: list[float], ttfts: list[float]) -> dict:
+    """One concurrency's row, either engine's: the median aggregate rate of its rounds, TPOT and TTFT quantiles."""
+    rate = statistics.median(r for r in rates if r) if any(rates) else None
+    return {"concurrency": c, "aggregate_decode_tok_s": round(rate, 2) if rate else None,
+            "tpot_ms_p50": _quantile(tpots, 0.5), "tpot_ms_p95": _quantile(tpots, 0.95),
+            "ttft_ms_p50": _quantile(ttfts, 0.5), "ttft_ms_p95": _quantile(ttfts, 0.95)}  # fmt: skip
+
+
 LLAMA_TYPES = {"none": "F32", "int8": "Q8_0", "int4": "Q4_0"}  # kvchat's weights → the GGUF llama.cpp runs
 
 
@@ -85,10 +93,7 @@ def llama_rows(gguf: str, levels: list[int], prompt_tokens: int, new_tokens: int
                 rates.append(n / seconds if seconds > 0 else None)
                 tpots += [(b - a) * 1000 for t in times for a, b in zip(t, t[1:])]
                 ttfts += [(t[0] - start) * 1000 for t in times]
-            rate = statistics.median(r for r in rates if r) if any(rates) else None
-            rows.append({"concurrency": c, "aggregate_decode_tok_s": round(rate, 2) if rate else None,
-                         "tpot_ms_p50": _quantile(tpots, 0.5), "tpot_ms_p95": _quantile(tpots, 0.95),
-                         "ttft_ms_p50": _quantile(ttfts, 0.5), "ttft_ms_p95": _quantile(ttfts, 0.95)})  # fmt: skip
+            rows.append(_row(c, rates, tpots, ttfts))
     finally:
         lc.close()
     return rows
@@ -197,14 +202,8 @@ def run_concurrency(ns) -> int:
                 sizes += [s for t in traces for s in t.batch_sizes]
             if c == 3:  # two streams and a newcomer: what its prefill does to their pace
                 arrival = _arrival(engine, requests, 512)
-            rate = statistics.median(r for r in rates if r) if any(rates) else None
-            rows.append({
-                "concurrency": c,
-                "aggregate_decode_tok_s": round(rate, 2) if rate else None,
-                "tpot_ms_p50": _quantile(tpots, 0.5), "tpot_ms_p95": _quantile(tpots, 0.95),
-                "ttft_ms_p50": _quantile(ttfts, 0.5), "ttft_ms_p95": _quantile(ttfts, 0.95),
-                "mean_batch": round(statistics.mean(sizes), 2) if sizes else None,
-            })  # fmt: skip
+            rows.append({**_row(c, rates, tpots, ttfts),
+                         "mean_batch": round(statistics.mean(sizes), 2) if sizes else None})  # fmt: skip
         engine.close(30)
         from ..devices import default_threads
 
