@@ -96,16 +96,15 @@ class RegenerateWith(QToolButton):
 
         self.menu().setToolTipsVisible(True)
         self.greedy = False
+        self.counts: list = []  # the menu's alternatives actions (set_greedy greys them)
         self.show_models([])
 
     def show_models(self, others: list[str | None]) -> None:
         menu = self.menu()
         menu.clear()
         menu.addSection("This model, several at once")
-        for n in ALTERNATIVES:
-            action = menu.addAction(f"{n} alternatives", lambda n=n: self.alternatives.emit(n))
-            action.setEnabled(not self.greedy)
-            action.setToolTip(f"Alternatives {ALTERNATIVES_GREEDY}" if self.greedy else f"{n} replies in one batch")
+        self.counts = [menu.addAction(f"{n} alternatives", lambda n=n: self.alternatives.emit(n)) for n in ALTERNATIVES]
+        self._fit_counts()
         if others:
             menu.addSection("Another model")
         for p in others:
@@ -115,7 +114,9 @@ class RegenerateWith(QToolButton):
         """Under greedy sampling the alternatives would be one reply N times: offered, greyed, saying why."""
         if greedy != self.greedy:
             self.greedy = greedy
-            for action in self.menu().actions():
-                if action.text().endswith("alternatives"):
-                    action.setEnabled(not greedy)
-                    action.setToolTip(f"Alternatives {ALTERNATIVES_GREEDY}" if greedy else action.text())
+            self._fit_counts()
+
+    def _fit_counts(self) -> None:
+        for n, action in zip(ALTERNATIVES, self.counts):
+            action.setEnabled(not self.greedy)
+            action.setToolTip(f"Alternatives {ALTERNATIVES_GREEDY}" if self.greedy else f"{n} replies in one batch")

@@ -111,6 +111,10 @@ class EngineWorker(QObject):
         unique = {id(s): s for s in sessions if isinstance(s, RemoteSession)}
         return list(unique.values())
 
+    def _close_remote(self) -> None:
+        for session in self._remote_sessions():
+            session.close()
+
     def server_load(self) -> dict | None:
         """A remote server's own report of the requests it runs (engine.http.server_load: kvchat's stats,
         llama.cpp's slots, /metrics), refreshed off this thread; None on a local engine or before the first."""
@@ -142,8 +146,7 @@ class EngineWorker(QObject):
 
     def _at_exit(self, session) -> None:
         if isinstance(session, RemoteSession):
-            for s in self._remote_sessions():
-                s.close()
+            self._close_remote()
         elif session is not None:
             session.flush(CLOSE_WAIT_MS / 1000 / 2)  # the disk tier's last blocks, within half the close's wait
         self.stopped.emit()
@@ -181,8 +184,7 @@ class EngineWorker(QObject):
         """Let the current engine go: a remote session's connection, a local model's memory."""
         session = self.engine.session
         if isinstance(session, RemoteSession):
-            for s in self._remote_sessions():
-                s.close()
+            self._close_remote()
         elif session is not None:
             session.flush(5.0)  # the disk tier's queued blocks, before the model goes
         self.engine.lanes.lanes.clear()  # no reply runs (a load waits for them): the lanes are made again
