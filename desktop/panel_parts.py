@@ -12,6 +12,18 @@ from .outside_text import plain_tooltip
 from .style import current_theme
 
 
+def chart_painter(widget: QWidget, colours: dict, empty: str | None) -> QPainter | None:
+    """A chart's painter on its background; with `empty` (nothing to draw yet), those words in the middle instead,
+    and None."""
+    p = QPainter(widget)
+    p.fillRect(widget.rect(), QColor(colours["back"]))
+    if empty is None:
+        return p
+    p.setPen(QColor(colours["words"]))
+    p.drawText(widget.rect(), Qt.AlignCenter, empty)
+    return None
+
+
 class Refit(QObject):
     """The panel's boxes (a QFormLayout each) laid out again once this turn of the event loop ends, after their
     words changed or the panel's width did: a QFormLayout keeps the heights it computed for a width, so a value
@@ -88,11 +100,8 @@ class GapChart(QWidget):
 
     def paintEvent(self, _):
         colours = CHART_COLOURS[current_theme()]
-        p = QPainter(self)
-        p.fillRect(self.rect(), QColor(colours["back"]))
-        if not self.gaps:
-            p.setPen(QColor(colours["words"]))
-            p.drawText(self.rect(), Qt.AlignCenter, "gaps between tokens appear here")
+        p = chart_painter(self, colours, None if self.gaps else "gaps between tokens appear here")
+        if p is None:
             return
         top = max(self.gaps) or 1.0
         w, h = self.width(), self.height() - 4

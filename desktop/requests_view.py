@@ -9,7 +9,7 @@ between turns); the window calls `show_streams` at the panel's cadence.
 from __future__ import annotations
 
 from PySide6.QtCore import QRectF, Qt, QTimer
-from PySide6.QtGui import QColor, QPainter, QPen
+from PySide6.QtGui import QColor, QPen
 from PySide6.QtWidgets import QHeaderView, QLabel, QTreeWidget, QTreeWidgetItem, QVBoxLayout, QWidget
 
 from engine.trace import now
@@ -17,6 +17,7 @@ from engine.trace import now
 from .core.panel_words import DASH, fmt_ms, fmt_size, percentile
 from .core.streams import Stream
 from .outside_text import plain
+from .panel_parts import CHART_COLOURS, chart_painter
 from .style import current_theme
 
 SERVER_EVERY_MS = 1000  # a remote server's own report is asked for this often while the tab is shown
@@ -24,12 +25,13 @@ KEEP_ENDED = 6  # replies that ended stay listed (and on the timeline) until thi
 COLUMNS = ("Queue", "Prefill", "Tokens", "KV", "Batch")  # under each request's name and state
 STATE_WORDS = {"prefill": "prefilling", "decoding": "decoding", "finished": "finished", "cancelled": "stopped",
                "failed": "failed"}  # fmt: skip
-TIMELINE_COLOURS = {  # waiting, prefilling, a token, the bands where a prompt was prefilled beside decoding
-    "dark": {"back": "#1f2430", "wait": "#4a5162", "prefill": "#f0c05a", "token": "#5ab0f0", "band": "#3a3422",
-             "words": "#8a93a6"},
-    "light": {"back": "#f3f5f9", "wait": "#c3c8d2", "prefill": "#d09a20", "token": "#2f7fc0", "band": "#f5ead0",
-              "words": "#5b6475"},
-}  # fmt: skip
+TIMELINE_COLOURS = {  # the gap chart's background, words and bars (a token); waiting, prefilling, and the bands
+    theme: {"back": c["back"], "words": c["words"], "token": c["bar"], **own}  # where a prefill ran beside decoding
+    for theme, c, own in (
+        ("dark", CHART_COLOURS["dark"], {"wait": "#4a5162", "prefill": "#f0c05a", "band": "#3a3422"}),
+        ("light", CHART_COLOURS["light"], {"wait": "#c3c8d2", "prefill": "#d09a20", "band": "#f5ead0"}),
+    )
+}
 
 
 def state_of(st: Stream) -> str:
@@ -49,13 +51,23 @@ def queue_ms(st: Stream) -> float | None:
     return (st.prefill_at - st.stats.arrival) * 1000
 
 
+def prefill_span(st: Stream) -> tuple[float, float] | None:
+    """When its prompt was prefilled (trace.now): from its prefill's start to its first token, or to now while it
+    still prefills; None before it started, and for one that ended without a token."""
+    if st.prefill_at is None:
+        return None
+    if st.stats.token_times:
+        return st.prefill_at, st.stats.token_times[0]
+    return (st.prefill_at, now()) if st.stats.status == "prefill" else None
+
+
 def gaps_beside(streams: list[Stream], newcomer: Stream) -> tuple[float, float] | None:
     """The other replies' median token gap (ms) while `newcomer`'s prompt was prefilled, and in as long a window
     just before it; None when no other reply decoded on both sides."""
-    start = newcomer.prefill_at
-    end = newcomer.stats.token_times[0] if newcomer.stats.token_times else now()
-    if start is None or end <= start:
+    span = prefill_span(newcomer)
+    if span is None or span[1] <= span[0]:
         return None
+    start, end = span
     during, before = [], []
     back = start - max(end - start, 1.0)  # "before": as long as the prefill, and at least a second
     for st in streams:
@@ -97,6 +109,7 @@ class Timeline(QWidget):
         super().__init__()
         self.setObjectName("requestsTimeline")
         self.streams: list[Stream] = []
+        self.bands: list[tuple[float, float]] = []  # prefill spans beside decoding streams (gaps_beside said so)
         self.setMinimumHeight(self.ROW * 3 + 20)
         self.setToolTip(
             "Each row is a request, in the table's order, from Send (left) to now (right): grey while it waits "
@@ -104,8 +117,8 @@ class Timeline(QWidget):
             "beside running streams: their ticks spread there, the token gaps a newcomer's prompt stretches."
         )
 
-    def show_streams(self, streams: list[Stream]) -> None:
-        self.streams = streams
+    def show_streams(self, streams: list[Stream], bands: list[tuple[float, float]]) -> None:
+        self.streams, self.bands = streams, bands
         self.setMinimumHeight(self.ROW * max(3, len(streams)) + 20)
         self.update()
 
@@ -118,12 +131,9 @@ class Timeline(QWidget):
         return t0, max(t1, t0 + 1e-3)
 
     def paintEvent(self, e) -> None:
-        colours = TIMELINE_COLOURS["light" if current_theme() == "light" else "dark"]
-        p = QPainter(self)
-        p.fillRect(self.rect(), QColor(colours["back"]))
-        if not self.streams:
-            p.setPen(QColor(colours["words"]))
-            p.drawText(self.rect(), Qt.AlignCenter, "no request yet")
+        colours = TIMELINE_COLOURS[current_theme()]
+        p = chart_painter(self, colours, None if self.streams else "no request yet")
+        if p is None:
             return
         t0, t1 = self.span()
         w = self.width() - 8
@@ -131,23 +141,17 @@ class Timeline(QWidget):
         def x(t: float) -> float:
             return 4 + (t - t0) / (t1 - t0) * w
 
-        for st in self.streams:  # prefills beside decoding: bands over every row
-            first = (
-                st.stats.token_times[0] if st.stats.token_times else (now() if st.stats.status == "prefill" else None)
-            )
-            if st.prefill_at is not None and first is not None and gaps_beside(self.streams, st) is not None:
-                p.fillRect(QRectF(x(st.prefill_at), 0, max(1.0, x(first) - x(st.prefill_at)), self.height() - 16),
-                           QColor(colours["band"]))  # fmt: skip
+        for a, b in self.bands:  # prefills beside decoding: bands over every row
+            p.fillRect(QRectF(x(a), 0, max(1.0, x(b) - x(a)), self.height() - 16), QColor(colours["band"]))
         for row, st in enumerate(self.streams):
             y = row * self.ROW + 3
             s = st.stats
             begin = st.prefill_at if st.prefill_at is not None else (now() if s.status == "prefill" else None)
             if s.arrival is not None and begin is not None:
                 p.fillRect(QRectF(x(s.arrival), y + 4, max(1.0, x(begin) - x(s.arrival)), 4), QColor(colours["wait"]))
-            if st.prefill_at is not None:
-                end = s.token_times[0] if s.token_times else now()
-                p.fillRect(QRectF(x(st.prefill_at), y + 2, max(1.0, x(end) - x(st.prefill_at)), 8),
-                           QColor(colours["prefill"]))  # fmt: skip
+            span = prefill_span(st)
+            if span is not None:
+                p.fillRect(QRectF(x(span[0]), y + 2, max(1.0, x(span[1]) - x(span[0])), 8), QColor(colours["prefill"]))
             p.setPen(QPen(QColor(colours["token"]), 1))
             for t in s.token_times:
                 p.drawLine(int(x(t)), y, int(x(t)), y + 12)
@@ -305,8 +309,9 @@ class RequestsView(QWidget):
         formula = sum_formula(self.facts, [r["cache_positions"] for r in live])
         self.formula.setText(f"Σ over requests: {formula}" if formula and len(live) > 1 else formula)
         self._fill(streams, lanes, payload, chat)
-        self.timeline.show_streams(streams)
-        self._note(streams)
+        beside = [(st, gaps_beside(streams, st)) for st in streams]  # once a redraw, for the bands and the note
+        self.timeline.show_streams(streams, [prefill_span(st) for st, gaps in beside if gaps is not None])
+        self._note(beside)
 
     def _fill(self, streams: list[Stream], lanes: dict, payload: int, chat) -> None:
         self.table.setUpdatesEnabled(False)
@@ -334,10 +339,9 @@ class RequestsView(QWidget):
             row.setToolTip(4, "sequences in its last decode step" if lane else "mean sequences a decode step")
         self.table.setUpdatesEnabled(True)
 
-    def _note(self, streams: list[Stream]) -> None:
+    def _note(self, beside: list[tuple[Stream, tuple[float, float] | None]]) -> None:
         """The chapter's effect in words: the newest prefill beside running streams, and their gaps then."""
-        for st in reversed(streams):
-            got = gaps_beside(streams, st)
+        for st, got in reversed(beside):
             if got is not None:
                 during, before = got
                 self.gapNote.setText(
