@@ -231,9 +231,14 @@ class Lanes:
         if getattr(main, "remote", False):  # a remote server's session: its own answer
             return main.cached_positions(req)
         others = [lane.session for lane in self.lanes if lane.session is not main and main.same_setup(lane.session)]
-        answers = [s.cached_positions(req) for s in (main, *others)]
-        held = [a for a in answers if "error" not in a]
-        return max(held, key=lambda a: a.get("cached", 0)) if held else answers[0]
+        if not others:
+            return main.cached_positions(req)
+        try:
+            fitted = main.fit(req)  # once: the lanes share the model, capacity and template
+        except Exception:  # refused, or failing: the engine's session answers with its reason
+            return main.cached_positions(req)
+        answers = [s.cached_positions(req, fitted) for s in (main, *others)]
+        return max(answers, key=lambda a: a.get("cached", 0))
 
     def cancel_all(self) -> None:
         for lane in self.lanes:

@@ -187,14 +187,15 @@ class Session:
     def plan_reuse(self, prompt: list[int]) -> ReuseReport:
         return self.tiers.plan(prompt)
 
-    def cached_positions(self, req: Request) -> dict:
+    def cached_positions(self, req: Request, fitted: Fitted | None = None) -> dict:
         """How much of a request's prompt is cached now, without running it: `positions` of the prompt,
         `cached` (the longest prefix held), `source` (working | store | disk | none). For a conversation
         shown again before anything is sent. Under an overflow policy, the prompt it would send: `dropped_messages`
         and `dropped_positions` say what it leaves out (a prompt that cannot fit even so: `error`, and `refused`: Send
-        would be refused, not merely unanswered)."""
+        would be refused, not merely unanswered). `fitted`: the request already fitted by a session of this one's
+        setup (a sibling lane's: the same prompt, not tokenized again)."""
         try:
-            fitted = self.fit(req)
+            fitted = fitted or self.fit(req)
         except CapacityError as e:
             return {"error": str(e), "refused": True}
         out = self.tiers.held(fitted.ids, self._prefill_rates())

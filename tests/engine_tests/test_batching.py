@@ -353,3 +353,21 @@ def test_a_lane_the_memory_cannot_hold_is_not_made_the_request_waits(loaded, mon
     events, tickets = _together(engine, requests[:2])
     assert {t.trace.lane for t in tickets} == {0, 1} and engine.lanes.memory_waits == 2
     engine.close(10)
+
+
+def test_the_probe_answers_from_the_lane_holding_the_conversation_and_fits_it_once(loaded, monkeypatch):
+    """After two requests ran side by side, a conversation's probe says what the lane that holds it keeps (the one
+    the next request would take), and renders and tokenizes the conversation once for all the lanes."""
+    requests = [_request(i, n=20) for i in range(2)]
+    engine = EngineThread(parallel=2)
+    engine.session = engine.call(lambda: Session(loaded, cache_budget=0)).result()  # no store: the lanes' own caches
+    events, tickets = _together(engine, requests)
+    assert {t.trace.lane for t in tickets} == {0, 1}
+    second = [*requests[1].messages, {"role": "assistant", "content": events[1][-1].text}]
+    fits = []
+    real = Session.fit
+    monkeypatch.setattr(Session, "fit", lambda self, req: fits.append(self) or real(self, req))
+    seen = engine.call(engine.lanes.cached_positions, Request(messages=second, add_generation_prompt=False)).result()
+    lane = engine.lanes.lanes[tickets[1].trace.lane].session
+    assert len(fits) == 1 and seen["source"] == "working" and seen["cached"] >= len(lane.ids) - 1 > 20
+    engine.close(10)
