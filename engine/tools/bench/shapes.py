@@ -95,6 +95,21 @@ SHAPES = {
         "rms_norm_eps": 1e-6,
         "tie_word_embeddings": True,
     },
+    # the size a 24 GiB card is bought for: its memory plan (selftest --fake), no benchmark on 2 cores
+    "llama-3.1-8b": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rope_theta": 500000.0,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+    },
 }
 
 
