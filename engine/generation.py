@@ -99,6 +99,7 @@ class StepWanted:
         self.decoder, self.token = decoder, token
 
 
+@torch.inference_mode()  # called by the scheduler's turn, outside the generators' own inference mode
 def step_all(wanted: list[StepWanted]) -> list[torch.Tensor]:
     """The decode steps of several sequences, one turn of the engine: the logits ([1, 1, V]) for each, in order.
     Sequences of one model whose backend takes them together run in one call (Transformer.forward_many: the

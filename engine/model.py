@@ -1,7 +1,8 @@
 """The decoder: Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, SmolLM3, Granite, OLMo 2 and the mixtures of experts
 (Qwen3-MoE, Mixtral) in one module, written for KV-cached inference.
 
-Plain PyTorch and nothing else from the engine: the architecture as the checkpoints define it.
+Plain PyTorch and nothing else from the engine but its feed-forward halves (engine.feedforward): the
+architecture as the checkpoints define it.
 How its weights are stored and multiplied on a given device (CPU layouts, quantized codes, the
 one-call decode step) is engine.backends' business, which swaps modules in after loading.
 
@@ -20,6 +21,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .feedforward import MLP, MoE
 
 if TYPE_CHECKING:
     from .config import ModelConfig, RopeConfig
@@ -229,63 +232,6 @@ class Attention(nn.Module):
             scores = (scores.view(B, self.h_kv, self.g, T, S) + mask).view(B, self.h_kv, self.g * T, S)
         y = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v  # [B, H_kv, GT, d]
         return y.view(B, H, T, d)
-
-
-ACT = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
-
-
-class MLP(nn.Module):
-    """The gated MLP: down(act(gate(x)) · up(x)), SwiGLU or Gemma's GeGLU."""
-
-    def __init__(self, cfg: ModelConfig, width: int | None = None):
-        super().__init__()
-        self.f = width or cfg.intermediate_size
-        self.act = ACT[cfg.hidden_act]
-        self.gate_up = nn.Linear(cfg.hidden_size, 2 * self.f, bias=False)  # D -> 2F
-        self.down = nn.Linear(self.f, cfg.hidden_size, bias=False)  # F -> D
-
-    def forward(self, x):
-        gate, up = self.gate_up(x).split(self.f, dim=-1)  # [..., F] each
-        return self.down(self.act(gate).mul_(up))  # the product into the activation's fresh buffer: one [.., F] less
-
-
-class MoE(nn.Module):
-    """A mixture of experts: each position goes through the k experts its router scores highest, their outputs
-    weighted by the router's softmax (renormalised over the k where the config says). One position reads only its
-    k experts' weights; many positions are grouped by expert, each expert's rows in one product."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # D -> E
-        self.experts = nn.ModuleList(MLP(cfg, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
-        self.k, self.normalize = cfg.experts_per_token, cfg.norm_topk_prob
-
-    def unread(self, measure) -> int:
-        """What one position leaves unread of the experts, by `measure` (values, bytes): all but the k largest."""
-        return sum(sorted((measure(e) for e in self.experts), reverse=True)[self.k :])
-
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, D] -> (weights [N, k] in x's dtype, experts [N, k])."""
-        probs = torch.softmax(self.router(x), dim=-1, dtype=torch.float32)  # [N, E]
-        weights, chosen = probs.topk(self.k, dim=-1)
-        if self.normalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(x.dtype), chosen
-
-    def forward(self, x):
-        flat = x.reshape(-1, x.shape[-1])  # [N, D]
-        weights, chosen = self.route(flat)
-        if flat.shape[0] == 1:  # decode: the k chosen experts, nothing else read; their weights as Python numbers
-            out = None
-            for w, e in zip(weights[0].tolist(), chosen[0].tolist()):
-                y = self.experts[e](flat).mul_(w)
-                out = y if out is None else out.add_(y)
-            return out.view(x.shape)
-        out = torch.zeros_like(flat)
-        for e in chosen.unique().tolist():  # prefill: each expert once, over the positions routed to it
-            rows, slot = (chosen == e).nonzero(as_tuple=True)
-            out.index_add_(0, rows, self.experts[e](flat[rows]) * weights[rows, slot, None])
-        return out.view(x.shape)
 
 
 class Block(nn.Module):

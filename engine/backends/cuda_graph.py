@@ -12,6 +12,8 @@ import os
 
 import torch
 
+from ..feedforward import MoE
+
 
 def graphs_wanted(device: torch.device, cache) -> bool:
     """On CUDA, over a cache in the model dtype, unless KVCHAT_CUDA_GRAPHS=0."""
@@ -20,8 +22,8 @@ def graphs_wanted(device: torch.device, cache) -> bool:
 
 class GraphDecoder:
     def __init__(self, model, cache):
-        if model.cfg.num_experts:
-            raise ValueError("a mixture of experts picks its experts per token: its step has no fixed graph")
+        if any(isinstance(b.mlp, MoE) and b.mlp.stacked is None for b in model.layers):
+            raise ValueError("a mixture's experts are not stacked (quantized): its step picks them on the host")
         if cache.windowed:
             raise ValueError("a sliding layer's ring is not captured: its step runs eagerly")
         dev = cache.k.device

@@ -12,7 +12,8 @@ import ctypes
 
 import torch
 
-from ..model import Attention, MoE, RMSNorm
+from ..feedforward import MoE
+from ..model import Attention, RMSNorm
 from .cpu_layouts import kernel_head
 
 

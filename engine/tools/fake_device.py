@@ -4,9 +4,10 @@ Fake tensors carry device, dtype and shape through every operator without values
 where no GPU is: an operator that mixes devices fails as it would on the GPU, and every read of a value (`.item()`,
 `int(t)`, `.tolist()`, a copy to the host) is seen by `Watch`, which records where in the engine it happened and
 answers it (the sampled token from a script: the one value the run needs). Two things a CPU-only torch lacks are
-lent for the run and given back after: a device guard for the fake device (a no-op, the one upstream torch gives a
-build without CUDA since 2.10's export work; built here from ten lines of C++), and `torch.cuda`'s queries (the
-GPU's memory is the named GPU's, CUDA graphs' streams are stand-ins and the capture itself stops the run there).
+lent for the run and given back after: a device guard for the fake device (c10's no-op guard, which a CPU-only
+build registers for no GPU type; built once here from a few lines of C++ against torch's headers), and
+`torch.cuda`'s queries (the GPU's memory is the named GPU's, CUDA graphs' streams are stand-ins and the capture
+itself stops the run there).
 """
 
 from __future__ import annotations
@@ -149,6 +150,18 @@ def _all_unique(x, sorted=True, return_inverse=False, return_counts=False):
 WORST_CASE = {aten.nonzero.default: _all_nonzero, aten._unique2.default: _all_unique}  # value-shaped outputs
 
 
+def _mps_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """SDPA on a fake `mps` tensor: a CPU-only build's SDPA picks its kernel for MPS from a table it lacks, so the
+    attention runs as torch's math attention (what MPS runs where it has no fused kernel), after the checks
+    SDPA itself makes: one dtype for q, k and v, a mask boolean or in that dtype."""
+    if not q.dtype == k.dtype == v.dtype:
+        raise RuntimeError(f"Expected query, key, and value to have the same dtype: {q.dtype}, {k.dtype}, {v.dtype}")
+    if attn_mask is not None and attn_mask.dtype not in (torch.bool, q.dtype):
+        raise RuntimeError(f"Expected attn_mask dtype to be bool or {q.dtype}, got {attn_mask.dtype}")
+    math = aten._scaled_dot_product_attention_math.default
+    return math(q, k, v, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)[0]
+
+
 class Watch(FakeTensorMode):
     """FakeTensorMode that also records every value read and host-device copy with its place, answers each read (the
     sampled token from `script` where sampling reads it; 0, 0.0 or True elsewhere), and keeps the bytes live on
@@ -166,32 +179,32 @@ class Watch(FakeTensorMode):
         self.live = 0
         self.peak = 0
         self.sampled: list[int] = []
-        self._source = None  # the tensor the last read was of
+        self._computed = True  # whether an operator made a new tensor since the last event
 
     def reset_peak(self) -> int:
         self.peak = self.live
         return self.live
 
     def _record(self, kind: str, t, nbytes: int) -> None:
-        """One event; the values of one tensor read one after another (a .tolist()) are one transfer."""
+        """One event; values read one after another at one place with nothing computed between (a .tolist(), whose
+        elements are views: under inference_mode a view keeps no `_base` to tell its tensor by) are one transfer."""
         place, device = engine_place(), _dev(t)
-        source = id(t._base if isinstance(t, torch.Tensor) and t._base is not None else t)
         last = self.events[-1] if self.events else None
         if (
             kind == "read"
             and last is not None
-            and (last.kind, last.place, last.phase, self._source)
+            and not self._computed
+            and (last.kind, last.place, last.phase)
             == (
                 kind,
                 place,
                 self.phase,
-                source,
             )
         ):
             last.count += 1
             last.nbytes += nbytes
             return
-        self._source = source
+        self._computed = False
         self.events.append(Event(kind, place, device, nbytes, self.phase))
 
     def _answer(self, t: torch.Tensor):
@@ -205,6 +218,7 @@ class Watch(FakeTensorMode):
 
     def _track(self, func, out) -> None:
         """Count the new device tensors `func` made (not its views, nor what it wrote in place) until they die."""
+        self._computed = self._computed or not (func.is_view or func is aten.item.default)  # item: the read itself
         returns = func._schema.returns
         outs = out if isinstance(out, (tuple, list)) else (out,)
         for i, t in enumerate(outs):
@@ -230,6 +244,9 @@ class Watch(FakeTensorMode):
             t = args[0]
             self._record("read", t, t.element_size())
             return self._answer(t)
+        if func is aten.scaled_dot_product_attention.default and args[0].device.type == "mps":
+            with self:
+                return _mps_attention(*args, **kwargs)
         if func in WORST_CASE:  # its output's shape depends on the values: the host waits for them
             self._record("read", args[0], 0)
             with self:  # the handler runs with the mode popped: made again under it, the tensors are fake

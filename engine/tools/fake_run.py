@@ -51,6 +51,7 @@ FAMILIES = {  # one of each kind of layer the GPU path runs: dense (tied or not,
 CAPACITY = 2048  # past a sliding window plus the ring's spare (1024): gemma2's sliding layers keep a ring
 PROMPT = tuple(range(5, 45))  # 40 positions, prefilled in chunks of 16
 STEPS = 6
+LANE_STEPS = 40  # long enough that the three overlap while the later ones prefill beside the first
 PLAN_SHAPES = ("qwen2.5-0.5b", "qwen2.5-1.5b", "llama-3.1-8b")
 PLAN_CHUNK = 512  # a 16-bit model's prefill step (engine.generation.prefill_chunk_for)
 DEVICE_DTYPE = {"cuda": "bfloat16", "mps": "float16"}
@@ -66,7 +67,8 @@ class Check:
     decode_path: str | None = None
     notes: list[str] = dataclasses.field(default_factory=list)
     syncs_per_step: dict[str, int] | None = None  # place -> GPU values the host waited for, in a decode step
-    uploads_per_step: dict[str, int] | None = None  # place -> copies to the device, in a decode step
+    uploads_per_step: dict[str, int] | None = None  # place -> copies to the device, in a steady decode step
+    waits_allowed: int = 1  # the sampled token; more only where the path is known to read more (and says why)
 
     def fail(self, why: str) -> None:
         self.ok = False
@@ -87,15 +89,15 @@ def _failure(e: BaseException) -> str:
     return f"{type(e).__name__}: {first[:300]} (at {engine_line(e)})"
 
 
-def _tally(watch: Watch, phases: list[str], device: str) -> tuple[dict[str, int], dict[str, int]]:
-    """The most syncs and uploads any one decode step made, by place."""
+def _tally(watch: Watch, phases: list[str]) -> tuple[Counter, Counter]:
+    """The most syncs and uploads any one of these decode steps made, by place."""
     syncs: Counter = Counter()
     uploads: Counter = Counter()
     for phase in phases:
         step = [e for e in watch.events if e.phase == phase]
         syncs |= Counter(e.place for e in step if e.sync)
         uploads |= Counter(e.place for e in step if e.kind == "to device" and e.device == "cpu")
-    return dict(syncs), dict(uploads)
+    return syncs, uploads
 
 
 def _audit_cache(check: Check, cache, dtype: torch.dtype, device: str) -> None:
@@ -123,7 +125,13 @@ def run_request(watch: Watch, session, request, check: Check, device: str) -> li
         if isinstance(ev, Failed):
             check.fail(f"{ev.kind}: {ev.error.strip().splitlines()[0][:300]}")
     watch.phase = "finish"
-    check.syncs_per_step, check.uploads_per_step = _tally(watch, phases[:-1], device)
+    syncs, _ = _tally(watch, phases[:-1])  # every step that fed the next (the last one's token ends the request)
+    _, steady = _tally(watch, phases[1:-1])
+    _, first = _tally(watch, phases[:1])
+    check.syncs_per_step, check.uploads_per_step = dict(syncs), dict(steady)
+    once = ", ".join(f"{n}× {p}" for p, n in (first - steady).items())
+    if once:
+        check.notes.append(f"the first decode step also copies to the device (once): {once}")
     return events
 
 
@@ -140,6 +148,7 @@ def _load(watch, path, device, dtype, check, **kw):
 
 
 def _generation_checks(watch: Watch, root: Path, device: str, dtype: str) -> list[Check]:
+    from ..feedforward import MoE
     from ..sampling import SamplingParams
     from ..session import Request, Session
 
@@ -148,6 +157,7 @@ def _generation_checks(watch: Watch, root: Path, device: str, dtype: str) -> lis
     cases += [("llama", "none", kv, False) for kv in ("int8", "int4")]
     cases += [("llama", w, "none", False) for w in ("int8", "int4")]
     cases += [("llama", "none", "none", True)]  # sampled, with the panel's probabilities
+    cases += [("qwen3_moe", "int8", "none", False)]  # quantized experts: not stacked, picked on the host
     for family, weights, kv, sampled in cases:
         label = f"{family} {dtype}, weights {weights}, KV {kv}" + (", sampled with probabilities" if sampled else "")
         check = Check(label)
@@ -158,6 +168,13 @@ def _generation_checks(watch: Watch, root: Path, device: str, dtype: str) -> lis
             _audit_cache(check, session.cache, loaded.dtype, device)
             sampling = SamplingParams(temperature=0.8, top_p=0.9, seed=1) if sampled else SamplingParams()
             req = Request(prompt_ids=PROMPT, max_new_tokens=STEPS, sampling=sampling, logprobs=sampled, top_logprobs=3)
+            mixtures = sum(isinstance(b.mlp, MoE) and b.mlp.stacked is None for b in loaded.model.layers)
+            if mixtures:
+                check.waits_allowed += mixtures
+                check.notes.append(
+                    f"known: the experts are not stacked ({weights} codes), so each of {mixtures} mixture layers "
+                    "reads its router's choice once a step"
+                )
             run_request(watch, session, req, check, device)
             check.decode_path = session.decode_path
             if session.graph_error:
@@ -232,7 +249,7 @@ def _lanes_check(watch: Watch, root: Path, device: str, dtype: str) -> Check:
         for i in range(3):
             prompt = tuple(range(5 + 7 * i, 45 + 7 * i))
             sink = functools.partial(_collect, events[i])
-            tickets.append(Ticket(Request(prompt_ids=prompt, max_new_tokens=STEPS + i), sink))
+            tickets.append(Ticket(Request(prompt_ids=prompt, max_new_tokens=LANE_STEPS + i), sink))
         watch.phase = "lanes"
         for t in tickets:
             lanes.admit(t)
@@ -347,9 +364,9 @@ def fake_report(device: str = "cuda", plans: bool = True) -> dict:
                         except Exception as e:
                             mem.append({"shape": shape, "weights": weights, "error": _failure(e)})
     for c in checks:
-        extra = {p: n for p, n in (c.syncs_per_step or {}).items() if n > 1}
-        if c.syncs_per_step is not None and (len(c.syncs_per_step) > 1 or extra):
-            c.fail(f"a decode step waits for the GPU {sum(c.syncs_per_step.values())} times: {c.syncs_per_step}")
+        waits = sum((c.syncs_per_step or {}).values())
+        if waits > c.waits_allowed:
+            c.fail(f"a decode step waits for the GPU {waits} times (at most {c.waits_allowed}): {c.syncs_per_step}")
     return {
         "device": f"{device}:0 (fake tensors)",
         "dtype": dtype,

@@ -3,7 +3,8 @@
 Short (a few minutes) so it fits a small time budget: cached == uncached decoding (float32
 exactly; bfloat16 and float16 by token agreement), logits parity with transformers where it is
 installed, which decode path ran (CUDA graph or eager, and why), and the benchmark on the
-Qwen2.5-0.5B shape in bfloat16 against transformers' dynamic and static caches.
+Qwen2.5-0.5B shape in bfloat16 against transformers' dynamic and static caches. `--fake` runs the GPU path on
+fake tensors where no GPU is (engine.tools.fake_run): a floor for CI, never a substitute for this run.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -85,7 +87,15 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--no-bench", action="store_true", help="checks only")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--fake",
+        action="store_true",
+        help="the GPU path on fake tensors, where no GPU is: --device cuda or mps (engine/tools/fake_run.py)",
+    )
+    ap.add_argument("--no-plans", action="store_true", help="with --fake: without the memory plans")
     ns = ap.parse_args(argv)
+    if ns.fake:
+        return fake(ns)
     from ..devices import resolve_device
     from .bench import collect
     from .bench.shapes import write_random_checkpoint
@@ -143,4 +153,25 @@ def main(argv=None) -> int:
 
             print_report(report["bench"])
         print(f"{'passed' if report['pass'] else 'FAILED'} in {report['seconds']} s")
+    return 0 if report["pass"] else 1
+
+
+def fake(ns) -> int:
+    """`--fake`: every check of engine.tools.fake_run on a fake cuda or mps device; 0 when all pass."""
+    from .fake_device import FakeDeviceUnavailable
+    from .fake_run import fake_report, print_report
+
+    device = ns.device or "cuda"
+    if device not in ("cuda", "mps"):
+        print(f"selftest --fake: --device must be cuda or mps, not {device!r}", file=sys.stderr)
+        return 2
+    try:
+        report = fake_report(device, plans=not ns.no_plans)
+    except FakeDeviceUnavailable as e:
+        print(f"selftest --fake: {e}", file=sys.stderr)
+        return 2
+    if ns.json:
+        print(json.dumps(report))
+    else:
+        print_report(report)
     return 0 if report["pass"] else 1

@@ -19,6 +19,7 @@ from ..backends.quantized import (
 )
 from ..config import ModelConfig
 from ..devices import bf16_hardware
+from ..feedforward import MoE
 from ..model import Transformer
 from ..quant import group_for
 from .hf_names import block_sources, linears
@@ -142,6 +143,8 @@ def build_model(
         _load_block(reader, cfg, i, block, dtype, device, weights, group_size, tiles)
         if weights == "none" and device.type == "cpu":
             fast_cpu_linears([block], dtype)
+        elif device.type != "cpu" and isinstance(block.mlp, MoE):  # a GPU's decode step picks experts on the device
+            block.mlp.stack_experts()
         progress((i + 2) / steps)
     if activations == "int8" and use_integer_activations(model):
         model.activations = "int8"

@@ -13,8 +13,9 @@ from ..backends.quantized import QuantLinear, weight_bytes
 from ..config import ModelConfig, config_from_dict, load_config
 from ..devices import dtype_name, resolve_device, resolve_dtype
 from ..errors import ModelLoadError
+from ..feedforward import MoE
 from ..kv_cache import bytes_per_position
-from ..model import MoE, Transformer
+from ..model import Transformer
 from ..quant import DEFAULT_GROUP_SIZE, check_activations, check_mode, describe
 from ..tokenizer import Tokenizer
 from .build import ReturnFreedMemory, build_model
