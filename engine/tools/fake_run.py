@@ -148,44 +148,49 @@ def _load(watch, path, device, dtype, check, **kw):
 
 
 def _generation_checks(watch: Watch, root: Path, device: str, dtype: str) -> list[Check]:
-    from ..feedforward import MoE
-    from ..sampling import SamplingParams
-    from ..session import Request, Session
-
-    checks = []
     cases = [(f, "none", "none", False) for f in FAMILIES]
     cases += [("llama", "none", kv, False) for kv in ("int8", "int4")]
     cases += [("llama", w, "none", False) for w in ("int8", "int4")]
     cases += [("llama", "none", "none", True)]  # sampled, with the panel's probabilities
     cases += [("qwen3_moe", "int8", "none", False)]  # quantized experts: not stacked, picked on the host
-    for family, weights, kv, sampled in cases:
-        label = f"{family} {dtype}, weights {weights}, KV {kv}" + (", sampled with probabilities" if sampled else "")
-        check = Check(label)
-        checks.append(check)
-        try:
-            loaded = _load(watch, root / family, device, dtype, check, weights=weights)
-            session = Session(loaded, capacity=CAPACITY, kv=kv, prefill_chunk=16)
-            _audit_cache(check, session.cache, loaded.dtype, device)
-            sampling = SamplingParams(temperature=0.8, top_p=0.9, seed=1) if sampled else SamplingParams()
-            req = Request(prompt_ids=PROMPT, max_new_tokens=STEPS, sampling=sampling, logprobs=sampled, top_logprobs=3)
-            mixtures = sum(isinstance(b.mlp, MoE) and b.mlp.stacked is None for b in loaded.model.layers)
-            if mixtures:
-                check.waits_allowed += mixtures
-                check.notes.append(
-                    f"known: the experts are not stacked ({weights} codes), so each of {mixtures} mixture layers "
-                    "reads its router's choice once a step"
-                )
-            run_request(watch, session, req, check, device)
-            check.decode_path = session.decode_path
-            if session.graph_error:
-                check.notes.append(f"CUDA graph: {session.graph_error}")
-            if family == "gemma2":
-                check.notes.append(f"cache: {type(session.cache).__name__}")
-            if family == "llama" and weights == kv == "none" and not sampled:
-                _store_check(watch, session, check, device)
-        except Exception as e:  # a mismatch (FakeTensorDeviceMismatchError, a dtype error): the check says where
-            check.fail(_failure(e))
-    return checks
+    return [generation_check(watch, root, device, dtype, *case) for case in cases]
+
+
+def generation_check(
+    watch: Watch, root: Path, device: str, dtype: str, family: str, weights: str, kv: str, sampled: bool
+) -> Check:
+    """One family at one weight and KV precision, loaded onto the fake device, a request through its session (greedy,
+    or sampled with the panel's probabilities), the cache's buffers audited, the prefix store tried on llama."""
+    from ..feedforward import MoE
+    from ..sampling import SamplingParams
+    from ..session import Request, Session
+
+    label = f"{family} {dtype}, weights {weights}, KV {kv}" + (", sampled with probabilities" if sampled else "")
+    check = Check(label)
+    try:
+        loaded = _load(watch, root / family, device, dtype, check, weights=weights)
+        session = Session(loaded, capacity=CAPACITY, kv=kv, prefill_chunk=16)
+        _audit_cache(check, session.cache, loaded.dtype, device)
+        sampling = SamplingParams(temperature=0.8, top_p=0.9, seed=1) if sampled else SamplingParams()
+        req = Request(prompt_ids=PROMPT, max_new_tokens=STEPS, sampling=sampling, logprobs=sampled, top_logprobs=3)
+        mixtures = sum(isinstance(b.mlp, MoE) and b.mlp.stacked is None for b in loaded.model.layers)
+        if mixtures:
+            check.waits_allowed += mixtures
+            check.notes.append(
+                f"known: the experts are not stacked ({weights} codes), so each of {mixtures} mixture layers "
+                "reads its router's choice once a step"
+            )
+        run_request(watch, session, req, check, device)
+        check.decode_path = session.decode_path
+        if session.graph_error:
+            check.notes.append(f"CUDA graph: {session.graph_error}")
+        if family == "gemma2":
+            check.notes.append(f"cache: {type(session.cache).__name__}")
+        if family == "llama" and weights == kv == "none" and not sampled:
+            _store_check(watch, session, check, device)
+    except Exception as e:  # a mismatch (FakeTensorDeviceMismatchError, a dtype error): the check says where
+        check.fail(_failure(e))
+    return check
 
 
 def _store_check(watch: Watch, session, check: Check, device: str) -> None:
@@ -364,9 +369,7 @@ def fake_report(device: str = "cuda", plans: bool = True) -> dict:
                         except Exception as e:
                             mem.append({"shape": shape, "weights": weights, "error": _failure(e)})
     for c in checks:
-        waits = sum((c.syncs_per_step or {}).values())
-        if waits > c.waits_allowed:
-            c.fail(f"a decode step waits for the GPU {waits} times (at most {c.waits_allowed}): {c.syncs_per_step}")
+        judge(c)
     return {
         "device": f"{device}:0 (fake tensors)",
         "dtype": dtype,
@@ -375,6 +378,25 @@ def fake_report(device: str = "cuda", plans: bool = True) -> dict:
         "memory_plans": mem,
         "pass": all(c.ok for c in checks) and not any("error" in p for p in mem),
     }
+
+
+def judge(check: Check) -> Check:
+    """Fail a check whose decode step waited for the GPU more often than its path allows."""
+    waits = sum((check.syncs_per_step or {}).values())
+    if waits > check.waits_allowed:
+        check.fail(
+            f"a decode step waits for the GPU {waits} times (at most {check.waits_allowed}): {check.syncs_per_step}"
+        )
+    return check
+
+
+def fake_check(device: str, family: str = "llama", weights: str = "none", kv: str = "none", sampled=False) -> Check:
+    """One generation check on its own (a family's checkpoint written for it): what a test runs with a bug planted."""
+    with tempfile.TemporaryDirectory(prefix="kvchat-fake-") as tmp:
+        write_random_checkpoint(Path(tmp) / family, FAMILIES[family], std=0.2)
+        with fake_device(device, "h200", itertools.count(7)) as watch:
+            check = generation_check(watch, Path(tmp), device, DEVICE_DTYPE[device], family, weights, kv, sampled)
+    return judge(check)
 
 
 def _gib(n: int) -> str:
@@ -406,4 +428,4 @@ def print_report(report: dict) -> None:
     print("passed" if report["pass"] else "FAILED")
 
 
-__all__ = ["CaptureReached", "fake_report", "memory_plan", "print_report"]
+__all__ = ["CaptureReached", "fake_check", "fake_report", "memory_plan", "print_report"]
