@@ -66,6 +66,10 @@ class EngineClient(QObject):
         """The local engine's requests running now (EngineWorker.in_flight)."""
         return self.worker.in_flight()
 
+    def kv_pool(self) -> dict | None:
+        """The local engine's KV pool under them (EngineWorker.kv_pool)."""
+        return self.worker.kv_pool()
+
     def load(self, spec) -> None:
         """A LoadSpec or a RemoteSpec: modelLoading, then modelLoaded or modelFailed."""
         self.worker.load(spec)

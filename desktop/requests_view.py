@@ -84,16 +84,17 @@ def gaps_beside(streams: list[Stream], newcomer: Stream) -> tuple[float, float] 
     return percentile(during, 0.5), percentile(before, 0.5)
 
 
-def sum_formula(facts: dict, positions: list[int]) -> str:
-    """The KV formula with the sum over requests: 2·L·(T₁ + T₂ + …)·H_kv·d·b, for a cache of the model's dtype
-    without sliding layers (else the lanes' own counts say it)."""
+def sum_formula(facts: dict, positions: list[int], shared: int = 0) -> str:
+    """The KV formula with the sum over requests: 2·L·(T₁ + T₂ + … − S)·H_kv·d·b, S the positions the KV pool holds
+    once for several of them (a shared prompt's blocks), for a cache of the model's dtype without sliding layers
+    (else the lanes' own counts say it)."""
     if not facts or facts.get("kv_layer_kinds") or facts.get("kv_cache", "none") != "none" or not positions:
         return ""
     need = ("layers", "kv_heads", "head_dim", "bytes_per_value")
     if any(facts.get(k) is None for k in need):
         return ""
-    total = sum(positions)
-    terms = " + ".join(f"{t:,}" for t in positions)
+    total = sum(positions) - shared
+    terms = " + ".join(f"{t:,}" for t in positions) + (f" − {shared:,} shared" if shared else "")
     per = 2 * facts["layers"] * facts["kv_heads"] * facts["head_dim"] * facts["bytes_per_value"]
     return (f"2 · {facts['layers']} · ({terms}) · {facts['kv_heads']} · {facts['head_dim']} · "
             f"{facts['bytes_per_value']} = {per * total:,} B")  # fmt: skip
@@ -284,8 +285,9 @@ class RequestsView(QWidget):
             _add(self.serverTable, f"{r.get('state', '?')} · {r.get('label', '?')}", cells)
         self.serverTable.setVisible(bool(rows))
 
-    def show_streams(self, chat, in_flight: list[dict]) -> None:
-        """The replies streaming now (chat.streams) and the last that ended; `in_flight`: the engine's lanes."""
+    def show_streams(self, chat, in_flight: list[dict], pool: dict | None = None) -> None:
+        """The replies streaming now (chat.streams) and the last that ended; `in_flight`: the engine's lanes; `pool`:
+        the KV pool under them (Lanes.pool_stats: a block several hold counted once), None without one."""
         for mid, st in chat.streams.items():
             self.listed.setdefault(mid, st)
         ended = [mid for mid, st in self.listed.items() if mid not in chat.streams]
@@ -295,18 +297,21 @@ class RequestsView(QWidget):
         lanes = {r["lane"]: r for r in in_flight}
         running = [st for st in streams if st.mid in chat.streams]
         live = [lanes[st.lane] for st in running if st.lane in lanes]
-        payload = sum(r["kv_payload_bytes"] for r in live)
-        allocated = sum(r["kv_allocated_bytes"] for r in live)
+        shared = pool["shared_positions"] if pool and live else 0
+        payload = pool["payload_bytes"] if pool and live else sum(r["kv_payload_bytes"] for r in live)
+        allocated = pool["held_bytes"] if pool and live else sum(r["kv_allocated_bytes"] for r in live)
         waiting = sum(1 for st in running if state_of(st) == "waiting")
         batch = max((r["batch_size"] or 0 for r in live), default=0)
         if running:
+            held = f" in {allocated // pool['block_bytes']:,} blocks of the pool" if pool and live else " allocated"
+            once = f" ({shared:,} positions shared, held once)" if shared else ""
             self.summary.setText(
                 f"{len(running)} in flight ({waiting} waiting for a lane) · decode batch {batch or DASH} · "
-                f"KV {fmt_size(payload)} payload, {fmt_size(allocated)} allocated"
+                f"KV {fmt_size(payload)} payload{once}, {fmt_size(allocated)}{held}"
             )
         else:
             self.summary.setText("No request in flight" + (" · the last ones below" if streams else ""))
-        formula = sum_formula(self.facts, [r["cache_positions"] for r in live])
+        formula = sum_formula(self.facts, [r["cache_positions"] for r in live], shared)
         self.formula.setText(f"Σ over requests: {formula}" if formula and len(live) > 1 else formula)
         self._fill(streams, lanes, payload, chat)
         beside = [(st, gaps_beside(streams, st)) for st in streams]  # once a redraw, for the bands and the note
@@ -326,8 +331,10 @@ class RequestsView(QWidget):
             if lane is not None:
                 part = lane["kv_payload_bytes"]
                 share = fmt_size(part)
+                common = lane.get("shared_positions") or 0
                 share_tip = f"{part:,} B of K/V in its lane's cache ({lane['cache_positions']:,} positions)" + (
-                    f", {part / payload:.0%} of all requests'" if payload else "")  # fmt: skip
+                    f", {common:,} of them in blocks held once for it and others" if common else "") + (
+                    f"; all requests' together: {payload:,} B" if payload else "")  # fmt: skip
             sizes = (s.trace or {}).get("batch_sizes") or []
             batch = str(lane["batch_size"]) if lane and lane.get("batch_size") else (
                 f"{sum(sizes) / len(sizes):.1f}" if sizes else DASH)  # fmt: skip

@@ -457,7 +457,10 @@ class MainWindow(ModelSide, WindowLayout, Keyboard, QMainWindow):
         self._panel_at = now()
         self.statsPanel.show_reply(chat.stats, chat.heading())
         if chat.busy or self.requestsView.listed:
-            self.requestsView.show_streams(chat, self.client.in_flight() if chat.busy else [])
+            busy = chat.busy
+            self.requestsView.show_streams(
+                chat, self.client.in_flight() if busy else [], self.client.kv_pool() if busy else None
+            )
         if not (panel and chat.busy):  # token 1's own draw leaves the map to the next panel tick
             self.statsPanel.show_cache_map(chat.cache_map, self.client.token_text)
         self._update_buttons()

@@ -126,6 +126,10 @@ class EngineWorker(QObject):
         between turns); none on a remote engine."""
         return [] if self.remote else self.engine.lanes.in_flight()
 
+    def kv_pool(self) -> dict | None:
+        """The local engine's KV pool under the requests running now (Lanes.pool_stats), None on a remote engine."""
+        return None if self.remote else self.engine.lanes.pool_stats()
+
     def close(self, timeout_ms: int = CLOSE_WAIT_MS) -> bool:
         """Stop a reply, end the engine thread after its queue, wait a little: False when it is still inside a
         call it cannot leave (a model load, a read from disk); the app then ends without it (app.main)."""

@@ -6,8 +6,10 @@ The policy (engine/SERVING.md, "Many requests at once"): a request takes a free 
 whose cache holds the longest prefix of its prompt), joins at the next turn and leaves when it ends. Each turn
 runs first one decode step for every lane that waits on one (decode first), then one prefill forward of the
 oldest lane still prefilling, of as many positions as take one decode turn's time while others decode (the
-turn's token budget), so streams already running keep their pace while a long prompt arrives. No lane is
-preempted; a request waits for a lane in the engine's queue.
+turn's token budget), so streams already running keep their pace while a long prompt arrives. Every lane's K/V
+are blocks of one KV pool (engine.kv_pool): a request is admitted only while the pool has room for every block
+it may need (its prompt and its reply at most) beside what the running ones may need, else it waits — no lane
+is ever preempted, so none recomputes; a request waits for a lane, or the pool's room, in the engine's queue.
 """
 
 from __future__ import annotations
@@ -20,10 +22,14 @@ from . import trace as tracing
 from .devices import free_on
 from .events import WAITING, Failed, PrefillDone, PrefillProgress
 from .generation import StepWanted, step_all
+from .kv_pool import BLOCK, blocks_for
 from .prefix_store import common_prefix
 from .request import Request
 
-POLICY = "first come first served, decode first, a prefill forward a turn of at most one decode step's time"
+POLICY = (
+    "first come first served, decode first, a prefill forward a turn of at most one decode step's time; "
+    "admitted while the KV pool has room for its blocks, else it waits (no preemption)"
+)
 MIN_TURN_POSITIONS = 1  # the least a turn's prefill forward takes while others decode
 LANE_SHARE = 0.5  # a new lane's cache may take at most this share of the memory free now; past it, requests wait
 
@@ -39,6 +45,7 @@ class Lane:
         self.waiting: StepWanted | None = None  # the decode step it waits on
         self.admitted = 0  # turn order: the lower, the older
         self.prefilled = 0  # prompt positions its prefill has computed so far
+        self.blocks = 0  # the KV pool's blocks its request was admitted with (what it may hold at most)
 
     @property
     def free(self) -> bool:
@@ -64,6 +71,8 @@ class Lanes:
         self.step_seconds: float | None = None  # a decode turn's time, recently
         self.turn_positions = MIN_TURN_POSITIONS  # a prefill forward's positions while others decode (budget)
         self.memory_waits = 0  # times a request waited for a lane because a new one's cache would not fit
+        self.pool_waits = 0  # times a request waited for the KV pool's room (its blocks beside the running ones')
+        self.pool_positions: int | None = None  # the KV pool's size in positions (None: parallel × capacity)
         self._short = False  # the last can_admit found no room for a new lane (counted once a wait)
 
     @property
@@ -74,12 +83,17 @@ class Lanes:
     def running(self) -> int:
         return sum(not lane.free for lane in self.lanes)
 
-    def can_admit(self) -> bool:
-        """Whether a request can start now: a lane free, or room for another — a new lane's working cache (the
-        capacity's allocation, as the engine's session holds it) within LANE_SHARE of the memory free now: past it
-        the request waits for a lane to free (counted in memory_waits), never a cache the machine cannot hold."""
+    def can_admit(self, ticket=None) -> bool:
+        """Whether `ticket`'s request can start now. Over a KV pool: while the pool has room for the blocks it may
+        need beside those the running requests may need (pool_room), else it waits (counted in pool_waits). A
+        lane's cache of its own (a sliding-window model): a lane free, or room for another — a new lane's working
+        cache within LANE_SHARE of the memory free now: past it the request waits for a lane to free (counted in
+        memory_waits), never a cache the machine cannot hold."""
         if self.running >= self.parallel:
             return False
+        main = self.session()
+        if getattr(main, "pool", None) is not None and ticket is not None:
+            return self._pool_room(main, ticket)
         if not self.lanes or any(lane.free for lane in self.lanes):
             self._short = False
             return True
@@ -87,6 +101,54 @@ class Lanes:
         if not fits and not self._short:
             self.memory_waits += 1
         self._short = not fits
+        return fits
+
+    def size_pool(self, main) -> None:
+        """The KV pool's limit: pool_positions, or a whole capacity for each of `parallel` sequences; the idle lanes
+        lend it their caches' blocks back when it is full."""
+        per = blocks_for(main.cache.capacity)
+        main.pool.limit = max(per, blocks_for(self.pool_positions) if self.pool_positions else self.parallel * per)
+        main.pool.lend(self)
+
+    def give_back(self, pool, n: int) -> int:
+        """The pool is full: the idle lanes' working caches go to the prefix store (by reference) and are emptied,
+        the least recently admitted first, until the store has given back n blocks (or every idle cache is parked).
+        A lane's next request then finds its conversation in the store. How many blocks came free."""
+        before = pool.free_blocks
+        idle = [lane for lane in self.lanes if lane.free and getattr(lane.session, "pool", None) is pool]
+        idle.sort(key=lambda x: x.admitted)
+        for lane in idle:
+            if not lane.session.ids:
+                continue
+            lane.session.tiers.park()
+            lane.session.store.give_back(pool, n)
+            if pool.free_blocks - before >= n:
+                break
+        return pool.free_blocks - before
+
+    def blocks_needed(self, main, ticket) -> int:
+        """The pool's blocks a request may hold at most: its prompt and its reply, within the capacity (a prompt
+        that cannot be fitted needs none: it fails at its start, with its reason). Measured once a request."""
+        if ticket.fitted is None or ticket.fitted[0] is not main:
+            try:
+                ticket.fitted = (main, main.fit(ticket.request))
+            except Exception:  # it fails where it runs, with its reason
+                ticket.fitted = (main, None)
+        fitted = ticket.fitted[1]
+        if fitted is None:
+            return 0
+        return blocks_for(min(main.cache.capacity, len(fitted.ids) + ticket.request.max_new_tokens))
+
+    def _pool_room(self, main, ticket) -> bool:
+        """Room in the pool for `ticket` beside the running requests' blocks (each counted whole, shared or not:
+        none can run out); the first request runs whatever the pool says (a prompt it cannot hold fails alone)."""
+        self.size_pool(main)
+        ticket.blocks = self.blocks_needed(main, ticket)
+        promised = sum(lane.blocks for lane in self.lanes if not lane.free)
+        fits = self.running == 0 or promised + ticket.blocks <= main.pool.room()
+        if not fits and ticket.pool_refused is None:
+            ticket.pool_refused = tracing.now()
+            self.pool_waits += 1
         return fits
 
     def _new_lane_fits(self) -> bool:
@@ -109,12 +171,17 @@ class Lanes:
         lane = self._lane_for(main, ticket.request)
         trace = tracing.RequestTrace.of(ticket.request)
         trace.lane, trace.policy = lane.index, POLICY
+        if ticket.pool_refused is not None:
+            trace.pool_wait_ms = round((tracing.now() - ticket.pool_refused) * 1000.0, 3)
+        trace.kv_blocks_promised = ticket.blocks
         ticket.trace = trace
-        gen = lane.session.steps(ticket.request, ticket.cancel_event, trace)  # what raises fails this request alone
+        fitted = ticket.fitted[1] if ticket.fitted and lane.session.same_setup(ticket.fitted[0]) else None
+        more = {"fitted": fitted} if fitted is not None else {}  # the prompt fitted at admission, not again
+        gen = lane.session.steps(ticket.request, ticket.cancel_event, trace, **more)  # what raises fails it alone
         lane.session.turn_budget = self.budget
         self._admitted += 1
         lane.ticket, lane.steps, lane.answer, lane.waiting, lane.admitted = ticket, gen, None, None, self._admitted
-        lane.prefilled = 0
+        lane.prefilled, lane.blocks = 0, ticket.blocks or 0
 
     def budget(self) -> int | None:
         """Prompt positions for the next prefill forward: None (the whole chunk) while no other lane decodes,
@@ -218,11 +285,43 @@ class Lanes:
                 "prefill": {"done": min(lane.prefilled, computed), "of": computed, "reused": trace.reused},
                 "tokens": len(trace.token_times),
                 "cache_positions": cache.length,
+                "shared_positions": cache.shared_positions,
                 "kv_payload_bytes": cache.payload_bytes,
                 "kv_allocated_bytes": cache.allocated_bytes,
                 "batch_size": trace.batch_sizes[-1] if trace.batch_sizes else None,
+                "pool_wait_ms": trace.pool_wait_ms,
             })  # fmt: skip
         return out
+
+    def pool_stats(self, running: bool = True) -> dict | None:
+        """The KV pool under the running requests (every lane's cache with `running` False), None without a pool (a
+        remote server's lanes, a sliding-window model's caches of their own): its blocks (held, shared, free, its
+        limit), and their positions summed (ΣT) and counted once where a block is shared (`distinct_positions`:
+        the payload is these × bytes per position, `held_bytes` the blocks they lie in). A snapshot read between
+        turns."""
+        main = self.session()
+        pool = getattr(main, "pool", None)
+        if pool is None:
+            return None
+        used: dict[int, int] = {}  # block -> the positions of it the running requests use
+        total = 0
+        for lane in list(self.lanes):
+            cache = getattr(lane.session, "cache", None)
+            if (running and lane.ticket is None) or getattr(cache, "pool", None) is not pool:
+                continue
+            total += cache.length
+            for i, b in enumerate(cache.table[: blocks_for(cache.length)]):
+                used[b] = max(used.get(b, 0), min(BLOCK, cache.length - i * BLOCK))
+        distinct = sum(used.values())
+        return {
+            **pool.stats(),
+            "positions": total,
+            "distinct_positions": distinct,
+            "shared_positions": total - distinct,
+            "payload_bytes": distinct * pool.bytes_per_position,
+            "held_bytes": len(used) * pool.block_bytes,
+            "waits": self.pool_waits,
+        }
 
     def cached_positions(self, req: Request) -> dict:
         """How much of a request's prompt is cached now (Session.cached_positions) on the lane that would run

@@ -413,6 +413,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="the model's id in the API (default: its name)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="a reply's limit when a request sets none")
     p.add_argument("--parallel", type=_at_least_one, default=4, help="requests that run at once (default 4)")
+    p.add_argument("--kv-pool", type=_at_least_one, default=None, metavar="POSITIONS",
+                   help="the KV pool's size in positions, shared by every request (default: parallel × capacity); "
+                        "a request waits while its blocks would not fit beside the running ones'")  # fmt: skip
     p.add_argument("--queue-size", type=int, default=8, help="requests that may wait behind them before 429")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     _overflow_arg(p, ' (for a request that names none; a request\'s own "overflow" field wins)')

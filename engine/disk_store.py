@@ -261,8 +261,7 @@ class DiskStore:
                 self._forget(digest, keys[k], why)
                 break
             lo, hi = max(start, pos), min(end, pos + self.block)
-            for buf, t in zip(bufs, tensors):
-                buf[:, :, :, lo:hi].copy_(t[:, :, :, lo - pos : hi - pos])
+            cache.give(lo, hi, tuple(t[:, :, :, lo - pos : hi - pos] for t in tensors))
             read += len(data)
             self._touch(entry)
             pos += self.block
@@ -313,7 +312,6 @@ class DiskStore:
         if self.budget == 0:
             return 0
         digest = fingerprint_digest(fingerprint)
-        bufs = cache.buffers()
         queued = 0
         with self._lock:
             have = self.index.get(digest, {})
@@ -322,7 +320,7 @@ class DiskStore:
             if key in have or (digest, key) in self._queued:
                 continue
             s = k * self.block
-            tensors = tuple(b[:, :, :, s : s + self.block].to("cpu", copy=True).contiguous() for b in bufs)
+            tensors = tuple(t.to("cpu").contiguous() for t in cache.take(s, s + self.block))  # copies already
             n = sum(t.numel() * t.element_size() for t in tensors)
             if waiting + queued + n > QUEUE_BYTES or n > self.budget:
                 break

@@ -15,9 +15,11 @@ class ReuseReport:
     invalidated: positions of the working cache thrown away; first_invalidated_position: where the
     working cache was cut (None when nothing was thrown away), with the cached and the new token there.
     source: where the reused positions came from (working: the working cache; store: the prefix
-    store, copied in; none); stored_prefix: the prompt positions the store held; copied_bytes and
-    copy_ms: the copy from the store; stashed_bytes and stash_ms: what the store took of the
-    working cache before it was cut (kept, not lost), and the time that took. dropped_positions and
+    store; disk: the disk tier; none); stored_prefix: the prompt positions the store held; copied_positions:
+    the positions brought in from the store or the disk, of which shared_positions were taken by reference (the
+    KV pool's blocks themselves: nothing copied); copied_bytes and copy_ms: the bytes the rest took to copy, and
+    the time it all took; stashed_bytes and stash_ms: what the store took of the working cache before it was cut
+    (kept, not lost: by reference, or copied), and the time that took. dropped_positions and
     dropped_messages: what the request's overflow policy left out of a prompt too long for the cache.
     """
 
@@ -32,6 +34,7 @@ class ReuseReport:
     stored_prefix: int = 0
     copied_positions: int = 0
     copied_bytes: int = 0
+    shared_positions: int = 0
     copy_ms: float | None = None
     stashed_bytes: int = 0
     stash_ms: float | None = None

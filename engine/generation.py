@@ -73,6 +73,10 @@ class Decoder:
 
     def step(self, token: int) -> torch.Tensor:
         loaded = self.loaded
+        if self._graph is not None:
+            self.cache.reserve(self.cache.length, self.cache.length + 1)  # a pool's block, maybe a growth, first
+            if self._graph.moved:  # the KV pool grew: captured again over its new buffers
+                self._graph = None
         if self._graph is None and self.error is None and graphs_wanted(loaded.device, self.cache):
             try:
                 self._graph = GraphDecoder(loaded.model, self.cache)

@@ -69,6 +69,11 @@ class KVCache:
         """What the buffers really take: the whole capacity, whatever the length."""
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 
+    @property
+    def full_bytes(self) -> int:
+        """What it takes at its capacity: what it takes now, its buffers being the capacity's."""
+        return self.allocated_bytes
+
     def buffers(self) -> tuple[torch.Tensor, ...]:
         """Every tensor that holds a position, each [L, B, H_kv, C, w] (the prefix store copies these)."""
         return self.k, self.v
@@ -77,11 +82,24 @@ class KVCache:
         """Whether a CPU kernel can attend over this cache in place: one sequence, K/V of `dtype` in memory."""
         return not self.quantized and self.batch == 1 and self.k.dtype == dtype and self.k.is_cpu
 
+    shared_positions = 0  # a cache of its own shares no position (engine.kv_pool.PagedKVCache can)
+
+    def kernel_table(self) -> None:
+        """A cache of its own holds position j in slot j: no block table for the kernels."""
+        return None
+
+    def reserve(self, start: int, end: int) -> None:
+        """Positions start..end-1 are writable: always, within the capacity (the model checks it)."""
+
     def truncate(self, length: int) -> None:
         """Forget positions from `length` on; their slots are overwritten by later writes."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
         self.length = length
+
+    def release(self) -> None:
+        """Done with it: nothing to give back, its buffers are its own."""
+        self.length = 0
 
     def resumable(self, n: int) -> bool:
         """Whether the cache can go on from position n exactly (always: every position is kept)."""
@@ -339,6 +357,10 @@ class WindowedKVCache:
     def allocated_bytes(self) -> int:
         return sum(k["allocated_bytes"] for k in self.kinds())
 
+    @property
+    def full_bytes(self) -> int:
+        return self.allocated_bytes
+
     def readable_by_kernels(self, dtype) -> bool:
         return False  # the kernels attend over positions in order; a ring's are not
 
@@ -393,6 +415,14 @@ class WindowedKVCache:
                 continue
             for p, slot, n in self._slots(a, b):
                 buf[:, :, :, slot : slot + n].copy_(t[:, :, :, p - a : p - a + n])
+
+    shared_positions = 0
+
+    def reserve(self, start: int, end: int) -> None:
+        """Positions start..end-1 are writable: always (write checks the ring's chunk)."""
+
+    def release(self) -> None:
+        self.length = 0
 
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self._length:

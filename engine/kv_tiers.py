@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from . import trace as tracing
 from .disk_store import DiskStore
 from .events import ReuseReport
-from .kv_cache import KVCache, make_cache
+from .kv_cache import KVCache, make_cache, ring_slots
+from .kv_pool import BlockPool, PagedKVCache, blocks_for
 from .prefix_store import PrefixStore, common_prefix
 from .request import Fitted
 
@@ -52,8 +55,10 @@ class KVTiers:
     """The working cache, the prefix store and the disk tier of one session, and the ids the cache holds
     (len(ids) == cache.length)."""
 
-    def __init__(self, budget: int, disk: DiskStore | None = None, store: PrefixStore | None = None):
+    def __init__(self, budget: int, disk: DiskStore | None = None, store: PrefixStore | None = None,
+                 pool: BlockPool | None = None):  # fmt: skip
         self.store = store if store is not None else PrefixStore(budget)  # given: shared with other sessions' tiers
+        self.pool = pool  # the KV pool the working cache takes its blocks from (given: shared with other sessions')
         self._disk = disk  # the store's disk tier (blocks written after each request, read back on a return)
         self.cache: KVCache | None = None
         self.ids: list[int] = []  # token ids whose K/V are in the cache
@@ -83,17 +88,42 @@ class KVTiers:
                 self._dropped = (reason, list(self.ids))
         # Same weights, dtype, tokenizer, rotary/attention settings, device and capacity: the K/V stay valid.
         if self.cache is None or reason is not None:
+            if self.cache is not None:
+                self.cache.release()  # its blocks back to the pool (those the store took stay held there)
             self.cache = None  # free the old buffers before allocating the new
-            self.cache = make_cache(loaded.config, capacity, loaded.dtype, loaded.device, kv, chunk)
+            if not self._pool_serves(loaded, kv) or fingerprint_change(self._fingerprint, fingerprint):
+                self.pool = None
+            if ring_slots(loaded.config, capacity, chunk) is not None:  # a sliding layer's ring: a cache of its own
+                self.cache = make_cache(loaded.config, capacity, loaded.dtype, loaded.device, kv, chunk)
+            else:
+                if self.pool is None:
+                    self.pool = BlockPool(loaded.config, loaded.dtype, loaded.device, kv)
+                self.pool.limit = max(self.pool.limit or 0, blocks_for(capacity))  # one sequence at least
+                self.pool.lend(self.store)
+                self.cache = PagedKVCache(self.pool, capacity)
             self.ids = []
         k = loaded.kernels
         self._kernels = f"{k.isa}/{k.int_isa}/{k.variant}" if k is not None else "torch"
         self.tok, self._fingerprint = loaded.tokenizer, fingerprint
 
+    def _pool_serves(self, loaded, kv: str) -> bool:
+        """Whether the pool held holds K/V of this model's shape, dtype, device and precision."""
+        p = self.pool
+        return p is not None and (p.config, p.dtype, p.device, p.kv) == (loaded.config, loaded.dtype,
+                                                                         torch.device(loaded.device), kv)  # fmt: skip
+
     @property
     def pending_drop_reason(self) -> str | None:
         """Why the cache was emptied by the last model change (reported with the next request)."""
         return self._dropped[0] if self._dropped else None
+
+    def park(self) -> None:
+        """The working cache's positions to the store (a pool's blocks by reference), the cache emptied: its blocks
+        are the store's to keep or give back. The next request finds them there."""
+        if self.ids and self.store.budget:
+            self.store.insert(self.ids, self.cache, self.label)
+        self.cache.truncate(0)
+        self.ids = []
 
     def reset(self) -> None:
         """Empty the cache and the store; the next request prefills from scratch."""
@@ -240,7 +270,7 @@ class KVTiers:
         if on_disk > max(held, report.reused):
             source, more = "disk", on_disk
         if more > report.reused:
-            where = "copied from the prefix store" if source == "store" else "read from the disk tier"
+            where = "taken from the prefix store" if source == "store" else "read from the disk tier"
             return dataclasses.replace(
                 report,
                 reused=more,
@@ -320,8 +350,9 @@ class KVTiers:
 
     def _bring_in(self, prompt: list[int], reuse: ReuseReport, keep: int) -> ReuseReport:
         """Cut the working cache at `keep`, where it stops matching the prompt, and, when the store or its
-        disk tier holds more of the prompt, copy those positions in; the report gains the copy's bytes and
-        time (a disk block that does not read back whole is removed, and its positions computed)."""
+        disk tier holds more of the prompt, bring those positions in (the store's pool blocks by reference, the
+        rest copied); the report gains what was shared, the copy's bytes and the time (a disk block that does not
+        read back whole is removed, and its positions computed)."""
         self.cache.truncate(keep)
         del self.ids[keep:]
         self._last_match = None
@@ -344,10 +375,15 @@ class KVTiers:
             return reuse
         t0 = tracing.now()
         match = self.store.match(prompt)
-        copied = self.store.copy_into(self.cache, match, keep, reuse.reused)
+        copied, shared = self.store.copy_into(self.cache, match, keep, reuse.reused)
         self.cache.length = reuse.reused  # positions keep..reused-1 now hold the stored K/V
         self.ids.extend(prompt[keep : reuse.reused])
         self._last_match = match
         self.store.evict()  # the budget again, now that the prefix is copied out
         copy_ms = round((tracing.now() - t0) * 1000.0, 3)
-        return dataclasses.replace(reuse, copied_positions=reuse.reused - keep, copied_bytes=copied, copy_ms=copy_ms)
+        n = reuse.reused - keep
+        how = f"{shared:,} by reference, {n - shared:,} copied" if shared < n else f"all {n:,} by reference"
+        planned = f"positions {keep}–{reuse.reused - 1} taken from the prefix store"
+        reason = (reuse.reason or "").replace(planned, f"{planned} ({how})") if shared else reuse.reason
+        return dataclasses.replace(reuse, copied_positions=n, copied_bytes=copied, shared_positions=shared,
+                                   copy_ms=copy_ms, reason=reason)  # fmt: skip

@@ -374,6 +374,8 @@ class Transformer(nn.Module):
         if T > step:
             parts = [self.forward(ids[:, a : a + step], cache, last_only) for a in range(0, T, step)]
             return parts[-1] if last_only else torch.cat(parts, dim=1)
+        if cache is not None:
+            cache.reserve(start, start + T)  # a pool's blocks for the new positions, none shared (copy on write)
         ropes = [
             (cos[start : start + T, None], sin[start : start + T, None]) for cos, sin in self.rope_tables(start + T)
         ]
@@ -401,6 +403,8 @@ class Transformer(nn.Module):
         ready = step is not None and getattr(step, "batches", False) and self.cfg.rope.type != "longrope"
         if not ready or not step.takes(caches):
             return None
+        for c in caches:
+            c.reserve(c.length, c.length + 1)
         x = self.embed_ids(torch.tensor([[t] for t in tokens], device=self.norm.weight.device))  # [B, 1, D]
         x = x.reshape(len(tokens), -1).contiguous()  # [B, D], updated in place
         cos, sin = self.rope_tables(max(c.length for c in caches) + 1)[0]

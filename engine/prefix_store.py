@@ -5,8 +5,11 @@ K/V at a position depend only on the token ids up to it (causal attention), so a
 from the root is valid for any prompt that starts with those ids, whichever conversation it came
 from: reuse is by tokens, never by a conversation id. A common prefix (a system prompt) is one
 path, stored once. Any node's first j positions may be reused, so a match is exact to the token.
-The store keeps what the working cache would otherwise throw away (session.py decides when) and
-copies it back into the working cache, where the decode kernels read contiguous memory.
+The store keeps what the working cache would otherwise throw away (session.py decides when). Where the working
+cache is a sequence of the KV pool (engine.kv_pool), a stored block is that pool block itself, held by reference:
+keeping a prefix and bringing it back copy nothing, and a prefix several sequences run on is held once. When the
+pool needs room, the blocks only the store holds are given back as copies of the store's own (`give_back`).
+Elsewhere (a sliding layer's ring) the store keeps copies and copies them back.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import itertools
 import torch
 
 from .devices import free_on
+from .kv_pool import BLOCK as POOL_BLOCK
+from .kv_pool import BlockPool
 
 BLOCK = 16  # positions per stored block (vLLM's default block size)
 BUDGET_SHARE = 0.25  # the default budget: this share of the memory free when the session starts
@@ -28,9 +33,10 @@ HEAD_TOKENS = 12  # a segment's first ids in the tree's picture: the text it sta
 
 @dataclasses.dataclass(eq=False)
 class Node:
-    """`tokens` (BLOCK ids, fewer only in a leaf) and their K/V: one tensor per cache buffer, each
-    [L, B, H_kv, len(tokens), w] (w: d, d/2 packed int4 codes, or 1 for a scale); a sliding layer's ring part
-    holds positions from `whole_from` on (zeros before), or is None when taken after they all slid out of it."""
+    """`tokens` (BLOCK ids, fewer only in a leaf) and their K/V: a block of the KV pool `pool` held by reference
+    (`block`), or one tensor per cache buffer, each [L, B, H_kv, len(tokens), w] (w: d, d/2 packed int4 codes, or 1
+    for a scale); a sliding layer's ring part holds positions from `whole_from` on (zeros before), or is None when
+    taken after they all slid out of it."""
 
     tokens: tuple[int, ...]
     tensors: tuple[torch.Tensor, ...]
@@ -41,10 +47,19 @@ class Node:
     children: dict = dataclasses.field(default_factory=dict)  # tokens -> Node
     last_used: int = 0
     label: str | None = None  # who put it here last (a conversation's title): display only
+    block: int | None = None  # its K/V as a block of `pool`, held by reference (tensors empty)
+    pool: BlockPool | None = None
 
     @property
     def end(self) -> int:
         return self.start + len(self.tokens)
+
+    def parts(self, a: int, b: int) -> tuple[torch.Tensor | None, ...]:
+        """Its positions start+a..start+b-1 as tensors per cache buffer, [L, B, H_kv, b-a, w] (views of its copies,
+        or copies of its pool block)."""
+        if self.block is not None:
+            return self.pool.read_block(self.block, a, b)
+        return tuple(None if t is None else t[:, :, :, a:b] for t in self.tensors)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,18 +125,27 @@ class PrefixStore:
                 n_.last_used = stamp
         return Match(pos, tuple(path))
 
-    def copy_into(self, cache, match: Match, start: int, end: int) -> int:
-        """Write the stored K/V of positions start..end-1 (within `match`) into the working cache;
-        returns the bytes copied."""
-        copied = 0
+    def copy_into(self, cache, match: Match, start: int, end: int) -> tuple[int, int]:
+        """Bring the stored K/V of positions start..end-1 (within `match`) into the working cache: a pool block the
+        cache can hold whole as its next block is shared by reference, anything else copied. Returns (bytes
+        copied, positions shared by reference)."""
+        copied = shared = 0
         for node in match.path:
             lo, hi = max(start, node.start), min(end, node.end)
             if lo >= hi:
                 continue
-            pieces = tuple(None if t is None else t[:, :, :, lo - node.start : hi - node.start] for t in node.tensors)
+            if (
+                node.block is not None
+                and getattr(cache, "pool", None) is node.pool
+                and lo == node.start == len(cache.table) * POOL_BLOCK
+            ):  # the cache's next block: the stored one itself
+                cache.adopt(node.block)
+                shared += hi - lo
+                continue
+            pieces = node.parts(lo - node.start, hi - node.start)
             cache.give(lo, hi, pieces)
             copied += sum(t.numel() * t.element_size() for t in pieces if t is not None)
-        return copied
+        return copied, shared
 
     @staticmethod
     def whole(match: Match, start: int, end: int) -> bool:
@@ -155,9 +179,15 @@ class PrefixStore:
                 for other in [c for c in node.children.values() if len(c.tokens) < len(piece)]:
                     if piece[: len(other.tokens)] == other.tokens and not other.children:
                         self._remove(other)  # a shorter tail this block supersedes
-                tensors = cache.take(pos, pos + len(piece))
-                nbytes = _nbytes(tensors)
-                child = Node(piece, tensors, node, pos, nbytes, cache.held_from(pos, pos + len(piece)))
+                if self._by_reference(cache, pos):  # the pool block itself, one more holder of it
+                    block = cache.table[pos // POOL_BLOCK]
+                    cache.pool.ref(block)
+                    nbytes = len(piece) * cache.bytes_per_position
+                    child = Node(piece, (), node, pos, nbytes, pos, block=block, pool=cache.pool)
+                else:
+                    tensors = cache.take(pos, pos + len(piece))
+                    nbytes = _nbytes(tensors)
+                    child = Node(piece, tensors, node, pos, nbytes, cache.held_from(pos, pos + len(piece)))
                 node.children[piece] = child
                 self.bytes += nbytes
                 self.nodes += 1
@@ -176,10 +206,30 @@ class PrefixStore:
         self.evict(pinned)
         return added
 
+    def _by_reference(self, cache, pos: int) -> bool:
+        """Whether the store holds the cache's block at `pos` by reference: a pool's sequence, blocks the store's."""
+        return getattr(cache, "pool", None) is not None and self.block == POOL_BLOCK and pos % POOL_BLOCK == 0
+
     def _remove(self, node: Node) -> None:
         del node.parent.children[node.tokens]
         self.bytes -= node.nbytes
         self.nodes -= 1
+        if node.block is not None:
+            node.pool.release(node.block)
+            node.block = None
+
+    # --- the KV pool's blocks ------------------------------------------------------------------
+    def give_back(self, pool: BlockPool, n: int) -> int:
+        """Up to n blocks of `pool` that only the store holds, least recently used first, given back to the pool:
+        the store keeps a copy of each (its budget counts the same bytes). Returns how many were given back."""
+        alone = [x for x in self._walk() if x.pool is pool and x.block is not None and not pool.shared(x.block)]
+        given = 0
+        for node in heapq.nsmallest(n, alone, key=lambda x: x.last_used):
+            node.tensors = pool.read_block(node.block, 0, len(node.tokens))
+            pool.release(node.block)
+            node.block, node.pool = None, None
+            given += 1
+        return given
 
     def evict(self, pinned: tuple[Node, ...] = ()) -> None:
         """Drop least-recently-used leaves until the store fits its budget (a parent left without
@@ -205,6 +255,10 @@ class PrefixStore:
         if self.nodes:
             what = f"{self.prefixes} stored prefixes ({self.bytes:,} B) dropped"
             self.dropped = f"{what}: {reason}" if reason else what
+        for n in self._walk():
+            if n.block is not None:
+                n.pool.release(n.block)
+                n.block = None
         self.root.children.clear()
         self.bytes = self.nodes = 0
         return what
@@ -272,6 +326,7 @@ class PrefixStore:
     def stats(self) -> dict:
         return {
             "bytes": self.bytes,
+            "by_reference": sum(n.nbytes for n in self._walk() if n.block is not None),  # of them, pool blocks
             "budget": self.budget,
             "prefixes": self.prefixes,
             "nodes": self.nodes,

@@ -35,6 +35,9 @@ class Ticket:
         self.started: float | None = None  # when the engine took it (monotonic seconds)
         self.ended: float | None = None
         self.trace = None  # its RequestTrace, once the engine took it
+        self.fitted = None  # (the session, its Fitted prompt): what admitting it measured, for the run to reuse
+        self.blocks: int | None = None  # the KV pool's blocks it needs at most (engine.batching)
+        self.pool_refused: float | None = None  # when it was first held back for the pool's room (trace.now)
 
     def cancel(self) -> None:
         """Stop at the engine's next check (between prefill chunks, between tokens), or before it starts."""
@@ -152,7 +155,7 @@ class EngineThread:
                     held = None
             if held is _STOP and not busy:
                 break
-            if isinstance(held, Ticket) and self.lanes.can_admit():
+            if isinstance(held, Ticket) and self.lanes.can_admit(held):
                 job, held = held, None
                 self._admit(job)
                 continue

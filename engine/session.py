@@ -18,6 +18,7 @@ from .errors import CapacityError, EngineError
 from .events import Failed, Finished, PrefillDone, PrefillProgress, PrefillStarted, ReuseReport
 from .generation import PREFILL_CHUNK, Decoder, alone, decode, prefill, prefill_chunk_for, warm_up
 from .kv_cache import DEFAULT_CAPACITY, KVCache
+from .kv_pool import BlockPool
 from .kv_tiers import FINGERPRINT_NAMES, KVTiers, fingerprint_change
 from .logprobs import check_top_logprobs
 from .prefix_store import PrefixStore, default_budget
@@ -49,11 +50,12 @@ class Session:
         disk: DiskStore | None = None,
         store: PrefixStore | None = None,
         traces: list | None = None,
+        pool: BlockPool | None = None,
     ):
         self.prefill_chunk = prefill_chunk  # None: prefill_chunk_for the model's dtype
         # The prefix store's bytes; None: a share of the memory free now; 0: no store.
         budget = 0 if store is not None else default_budget(loaded.device) if cache_budget is None else cache_budget
-        self.tiers = KVTiers(budget, disk, store)
+        self.tiers = KVTiers(budget, disk, store, pool)
         self.kv = kv  # KV cache precision: none (the model dtype) | int8 | int4
         self.capacity_setting = capacity
         self.traces: list[tracing.RequestTrace] = [] if traces is None else traces
@@ -64,16 +66,16 @@ class Session:
 
     def sibling(self) -> Session:
         """Another session on this one's model, capacity, precision and chunk, with a working cache of its own
-        and this one's prefix store, disk tier and traces: a sequence of its own beside this one's (a lane of
-        engine.batching)."""
+        over this one's KV pool, prefix store, disk tier and traces: a sequence of its own beside this one's (a lane
+        of engine.batching), whose blocks a prompt they share is held in once."""
         return Session(self.loaded, self.capacity_setting, self.prefill_chunk, self.kv, disk=self.tiers.disk_tier,
-                       store=self.store, traces=self.traces)  # fmt: skip
+                       store=self.store, traces=self.traces, pool=self.pool)  # fmt: skip
 
     def same_setup(self, other: Session) -> bool:
         """Whether `other` runs this session's model, capacity, KV precision and chunk over its store and disk
         tier (a sibling made before a change of them is made again)."""
-        same = (self.loaded, self.store, self.tiers.disk_tier)
-        if any(a is not b for a, b in zip(same, (other.loaded, other.store, other.tiers.disk_tier))):
+        same = (self.loaded, self.store, self.tiers.disk_tier, self.pool)
+        if any(a is not b for a, b in zip(same, (other.loaded, other.store, other.tiers.disk_tier, other.pool))):
             return False
         return (self.capacity_setting, self.kv, self.prefill_chunk) == (other.capacity_setting, other.kv,
                                                                         other.prefill_chunk)  # fmt: skip
@@ -102,6 +104,11 @@ class Session:
     @property
     def cache(self) -> KVCache:
         return self.tiers.cache
+
+    @property
+    def pool(self) -> BlockPool | None:
+        """The KV pool the working cache's blocks come from (None: a sliding-window cache of its own)."""
+        return self.tiers.pool
 
     @property
     def ids(self) -> list[int]:
@@ -162,7 +169,8 @@ class Session:
             **self.loaded.facts(self.kv),
             "capacity": c.capacity,
             "kv_bytes_per_position": c.bytes_per_position,
-            "kv_allocated_bytes": c.allocated_bytes,
+            "kv_allocated_bytes": c.full_bytes,  # at its capacity (a pool's sequence: its blocks then)
+            "kv_pool": None if self.pool is None else self.pool.stats(),
             # a sliding-window cache: the layers of each kind and the positions each keeps at most (None: one kind)
             "kv_layer_kinds": [{k: d[k] for k in ("kind", "layers", "window", "slots")} for d in kinds]
             if kinds is not None
@@ -215,26 +223,27 @@ class Session:
         yield from alone(self.steps(req, cancel))
 
     @torch.inference_mode()
-    def steps(self, req: Request, cancel: threading.Event | None = None, trace=None) -> Iterator:
+    def steps(self, req: Request, cancel: threading.Event | None = None, trace=None, fitted: Fitted | None = None):
         """The request's events and, between them, a StepWanted for each decode step, to be sent its logits: what
         a scheduler running many sequences' steps together drives (engine.batching). `trace`: the request's
-        RequestTrace, when the scheduler made it (its queue wait began before this call)."""
+        RequestTrace, when the scheduler made it (its queue wait began before this call); `fitted`: its prompt as
+        the scheduler fitted it to admit it (a session of this one's setup), not fitted again."""
         if trace is None:
             trace = tracing.RequestTrace.of(req)
         trace.started = tracing.now()
         self.traces.append(trace)
         cancel = cancel or threading.Event()
         try:
-            yield from self._generate(req, cancel, trace)
+            yield from self._generate(req, cancel, trace, fitted)
         except (EngineError, ValueError, RuntimeError, MemoryError) as e:
             trace.status, trace.end, trace.error = "failed", tracing.now(), str(e)
             if isinstance(e, RuntimeError) and "out of memory" in str(e).lower():
                 trace.error = f"out of memory: {e}"
             yield Failed(trace.error, type(e).__name__, trace.summary(), self.cache_stats())
 
-    def _generate(self, req: Request, cancel: threading.Event, trace: tracing.RequestTrace):
+    def _generate(self, req: Request, cancel: threading.Event, trace: tracing.RequestTrace, fitted: Fitted | None):
         loaded, tiers = self.loaded, self.tiers
-        fitted = self.fit(req)
+        fitted = fitted or self.fit(req)
         prompt = fitted.ids
         trace.tokenized = tracing.now()
         if not prompt:

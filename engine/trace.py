@@ -64,6 +64,8 @@ class RequestTrace:
     prefill_chunks: int = 0  # the forwards its prefill took (other requests' steps ran between them)
     lane: int | None = None  # which of the engine's lanes ran it (engine.batching)
     policy: str | None = None  # the scheduler's policy it ran under (engine.batching.POLICY)
+    pool_wait_ms: float | None = None  # of its queue wait, the time it waited for the KV pool's room
+    kv_blocks_promised: int | None = None  # the pool's blocks it was admitted with (prompt and reply at most)
 
     @classmethod
     def of(cls, request) -> RequestTrace:
@@ -149,6 +151,8 @@ class RequestTrace:
             "prefill_chunks": self.prefill_chunks,
             "lane": self.lane,
             "policy": self.policy,
+            "pool_wait_ms": self.pool_wait_ms,
+            "kv_blocks_promised": self.kv_blocks_promised,
         }
 
 

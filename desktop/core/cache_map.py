@@ -1,5 +1,5 @@
 """The context map's content, without Qt: what each position of the KV cache holds after the last request
-(or during it), where that request got it — kept from the working cache, copied from the prefix store,
+(or during it), where that request got it — kept from the working cache, taken from the prefix store,
 computed now, decoded now — what it threw away, and which message each position belongs to.
 
 It is filled from the streaming request's own engine events (the reuse report, prefill progress, tokens), so
@@ -17,7 +17,7 @@ from engine.events import Failed, Finished, PrefillDone, PrefillProgress, Prefil
 
 ORIGINS = {
     "kept": "kept from the working cache",
-    "copied": "copied from the prefix store",
+    "copied": "taken from the prefix store",
     "disk": "read from the disk tier",
     "computed": "computed now (prefill)",
     "generated": "decoded now (the reply)",
@@ -45,7 +45,7 @@ class CacheMap:
     prompt: int = 0  # the request's prompt positions (a fork's kept reply tokens included)
     reply_from: int = 0  # where the reply's own positions start (a fork's kept tokens are the reply's)
     kept: int = 0  # [0, kept): kept from the working cache
-    reused: int = 0  # [kept, reused): copied from the prefix store, or read from its disk tier
+    reused: int = 0  # [kept, reused): taken from the prefix store, or read from its disk tier
     reused_from: str = "copied"  # which of the two
     computed_to: int = 0  # [reused, computed_to): computed so far by the prefill
     held_before: int = 0  # the working cache's length before the request: [length, held_before) was thrown away

@@ -3,7 +3,9 @@
 At batch 1 a small model's decode step on a GPU is bound by kernel launches: the step is captured
 once (static shapes: `Transformer.forward_static`, the token and its position in device tensors)
 and replayed for every token. The first replay is checked against the same step
-run eagerly; any failure or mismatch leaves the session on the eager path, with the reason kept.
+run eagerly; any failure or mismatch leaves the session on the eager path, with the reason kept. Over the KV
+pool the step reads each position's slot from the cache's slot map (a device tensor updated in place when a
+block is added), and a pool that grew has moved its buffers: the graph is captured again.
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ class GraphDecoder:
             raise ValueError("a sliding layer's ring is not captured: its step runs eagerly")
         dev = cache.k.device
         self.model, self.cache = model, cache
+        self.at = self._addresses()  # the buffers the graph reads and writes (a pool's growth moves them)
         self.ids = torch.zeros((1, 1), dtype=torch.long, device=dev)  # [B, 1], the token being consumed
         self.pos = torch.full((1,), cache.length, dtype=torch.long, device=dev)  # its position
         model.rope_tables(cache.capacity)  # built before capture: no allocation inside the graph
+        cache.reserve(cache.length, cache.length + 1)  # the warm-up's slot (a pool's block, before capture)
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
@@ -42,9 +46,20 @@ class GraphDecoder:
             self.logits = model.forward_static(self.ids, self.pos, cache)  # [1, 1, V], rewritten by each replay
         self.checked = False
 
+    def _addresses(self) -> tuple[int, ...]:
+        return tuple(b.data_ptr() for b in self.cache.buffers())
+
+    @property
+    def moved(self) -> bool:
+        """Whether the cache's buffers are no longer where the graph was captured (a KV pool grew)."""
+        return self._addresses() != self.at
+
     def step(self, token: int) -> torch.Tensor:
         """Consume `token` at position cache.length; returns the logits for the next one."""
         cache = self.cache
+        cache.reserve(cache.length, cache.length + 1)  # its block (a copy of a shared one) before the replay
+        if self.moved:
+            raise RuntimeError("the KV pool's buffers moved after the graph was captured")
         self.ids.fill_(token)
         self.pos.fill_(cache.length)
         self.graph.replay()

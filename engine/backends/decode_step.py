@@ -15,6 +15,7 @@ import torch
 from ..feedforward import MoE
 from ..model import Attention, RMSNorm
 from .cpu_layouts import kernel_head
+from .kernel_binding import check_slots
 
 
 class KernelRMSNorm(RMSNorm):
@@ -51,6 +52,7 @@ class KernelAttention(Attention):
                 start,
                 self.window,
                 self.h,
+                cache.kernel_table(),
             )  # [H d]
             return self.o(y.view(B, T, self.h * self.d))
         return super().forward(x, cos, sin, mask, cache, layer, start)
@@ -286,7 +288,8 @@ class DecodeLayers:
         self._batch_scratch: tuple[int, list[torch.Tensor]] | None = None  # (rows, the scratch for that many)
 
     def usable(self, cache) -> bool:
-        """Whether this step can run on `cache`: batch 1, K/V in the model's dtype on the CPU."""
+        """Whether this step can run on `cache`: batch 1, K/V in the model's dtype on the CPU (a cache of its own,
+        or a sequence's blocks of the KV pool)."""
         return cache is not None and cache.readable_by_kernels(self.dtype)
 
     @property
@@ -296,8 +299,10 @@ class DecodeLayers:
         return bool(self.kernels.batch_rows)
 
     def takes(self, caches: list) -> bool:
-        """Whether run_batch takes these caches: the step's, of one capacity, each with room for a position."""
-        return all(self.usable(c) and c.capacity == caches[0].capacity and c.length < c.capacity for c in caches)
+        """Whether run_batch takes these caches: the step's, of one size of buffers (one pool's sequences, or caches
+        of one capacity), each with room for a position."""
+        slots = caches[0].k.shape[3]
+        return all(self.usable(c) and c.k.shape[3] == slots and c.length < c.capacity for c in caches)
 
     def run_batch(self, x: torch.Tensor, caches: list, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """x [B, D] (B sequences' embedded tokens, updated in place), each row at its cache's length and its K/V
@@ -317,13 +322,17 @@ class DecodeLayers:
         rows = self._batch_scratch[1]
         pos = [c.length for c in caches]
         lo = [0 if self.window is None else max(0, p - self.window + 1) for p in pos]
-        n = len(self.layers)
+        n, slots = len(self.layers), caches[0].k.shape[3]
+        tables = [c.kernel_table() for c in caches]
+        for p, t in zip(pos, tables):
+            check_slots(p, slots, t)
         kc = (ctypes.c_void_p * (B * n))(*[c.k[i, 0].data_ptr() for c in caches for i in range(n)])
         vc = (ctypes.c_void_p * (B * n))(*[c.v[i, 0].data_ptr() for c in caches for i in range(n)])
+        tb = (ctypes.c_void_p * B)(*self.kernels.memory(*tables))
         x_, cos_, sin_ = self.kernels.memory(x, cos, sin)
         self.batch_fn(
-            self.layers, n, B, x_, cos_, sin_, self.eps, self.qk_eps, caches[0].capacity,
-            (ctypes.c_int64 * B)(*pos), (ctypes.c_int64 * B)(*lo), kc, vc, self.heads, self.kv_heads,
+            self.layers, n, B, x_, cos_, sin_, self.eps, self.qk_eps, slots,
+            (ctypes.c_int64 * B)(*pos), (ctypes.c_int64 * B)(*lo), tb, kc, vc, self.heads, self.kv_heads,
             self.head_dim, self.hidden, self.mlp, self.t_stride, self.gu_stride,
             *[t.data_ptr() for t in rows], torch.get_num_threads(),
         )  # fmt: skip
@@ -347,6 +356,8 @@ class DecodeLayers:
         K/V into `cache`; cos, sin [d] the rope tables' row for `pos`."""
         if not 0 <= pos < cache.capacity:
             raise ValueError(f"position {pos} is outside the cache's {cache.capacity}")
+        table, slots = cache.kernel_table(), cache.k.shape[3]
+        check_slots(pos, slots, table)
         at = (cache.k.data_ptr(), cache.v.data_ptr(), tuple(cache.k.shape))
         if at != self.cache_at:  # another cache (or another one at the same address): point every layer at it
             for i, layer in enumerate(self.layers):
@@ -362,9 +373,10 @@ class DecodeLayers:
             sin_,
             self.eps,
             self.qk_eps,
-            cache.capacity,
+            slots,
             pos,
             lo,
+            self.kernels.memory(table)[0],
             self.heads,
             self.kv_heads,
             self.head_dim,

@@ -9,12 +9,30 @@ from pathlib import Path
 
 import torch
 
+from ..kv_pool import BLOCK  # KV_BLOCK in csrc/kernels.h: positions a block of the KV pool holds
 from ..quant import QMAX, check_activations, storage_bytes
 from .kernel_checks import check_all, take, verdict_of
 
 QUANT_FUNCS = {"int8": "kv_matvec_q8", "int4": "kv_matvec_q4", "int5": "kv_matvec_q5"}
 INTEGER_FUNCS = {mode: name + "x" for mode, name in QUANT_FUNCS.items()}  # int8 activations
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+
+
+def check_slots(pos: int, cap: int, table: torch.Tensor | None) -> None:
+    """Before C writes position `pos` and reads 0..pos: every slot they map to lies inside the cache's `cap` —
+    slot j itself without a table, else block table[j / BLOCK] (an int32 CPU row, one entry a block)."""
+    if table is None:
+        if not 0 <= pos < cap:
+            raise ValueError(f"position {pos} is outside the cache's {cap}")
+        return
+    blocks = pos // BLOCK + 1
+    if pos < 0 or table.dtype != torch.int32 or table.dim() != 1 or table.numel() < blocks:
+        raise ValueError(f"position {pos} is outside the block table's {table.numel()} blocks")
+    used = table[:blocks]
+    if int(used.min()) < 0 or (int(used.max()) + 1) * BLOCK > cap:
+        raise ValueError(f"a block of the table lies outside the pool's {cap} slots")
+
+
 # kv_gguf_rows' kinds (csrc/kernels.h): GGUF type -> (kind, block bytes, values a block, values per scale)
 
 
@@ -44,18 +62,19 @@ class Kernels:
             self._float[dtype] = self._declare("kv_matvec_" + suffix, [p, p, p, i64, i64, i32])
             self._norm[dtype] = self._declare("kv_rmsnorm_" + suffix, [p, p, p, i64, f32])
             self._attend[dtype] = self._declare(
-                "kv_attend_" + suffix, [p] * 5 + [f32, p, p] + [i64] * 6 + [f32, p, i32]
+                "kv_attend_" + suffix, [p] * 5 + [f32, p, p] + [i64] * 3 + [p] + [i64] * 3 + [f32, p, i32]
             )
         self._decode = {
             dtype: self._declare(
-                "kv_decode_layers_" + SUFFIX[dtype], [p, i64, p, p, p, f32, f32] + [i64] * 8 + [p] * 8 + [i32]
+                "kv_decode_layers_" + SUFFIX[dtype],
+                [p, i64, p, p, p, f32, f32] + [i64] * 3 + [p] + [i64] * 5 + [p] * 8 + [i32],
             )
             for dtype in self._float
         }
         self._decode_batch = {  # several sequences' steps in one call (engine.batching)
             dtype: self._declare(
                 "kv_decode_batch_" + SUFFIX[dtype],
-                [p, i64, i64, p, p, p, f32, f32, i64, p, p, p, p] + [i64] * 7 + [p] * 8 + [i32],
+                [p, i64, i64, p, p, p, f32, f32, i64, p, p, p, p, p] + [i64] * 7 + [p] * 8 + [i32],
             )
             for dtype in self._float
         }
@@ -305,18 +324,20 @@ class Kernels:
         pos: int,
         window: int | None,
         heads: int,
+        table: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of one new position, batch 1: qkv [(H + 2 H_kv) d] packed q|k|v; cos, sin [d] (the
         signed-sin table's row for `pos`); q_norm/k_norm [d] weights or None; k_cache, v_cache
-        [H_kv, C, d] (contiguous), into which the rotated k and v are written at `pos` -> y [H d]."""
+        [H_kv, C, d] (contiguous), into which the rotated k and v are written at `pos` -> y [H d]. `table`: the
+        block pool's table of this sequence (int32 [≥ pos/16 + 1], position j in slot table[j/16]·16 + j%16),
+        None for a cache of its own (position j in slot j)."""
         h_kv, cap, d = k_cache.shape
         lo = 0 if window is None else max(0, pos - window + 1)
-        if not 0 <= pos < cap:
-            raise ValueError(f"position {pos} is outside the cache's {cap}")
+        check_slots(pos, cap, table)
         y = torch.empty(heads * d, dtype=qkv.dtype)
-        qkv, cos, sin, qn, kn, kc, vc, out = self.memory(qkv, cos, sin, q_norm, k_norm, k_cache, v_cache, y)
+        qkv, cos, sin, qn, kn, kc, vc, out, tb = self.memory(qkv, cos, sin, q_norm, k_norm, k_cache, v_cache, y, table)
         self._attend[y.dtype](
-            qkv, cos, sin, qn, kn, eps, kc, vc, cap, pos, lo, heads, h_kv, d, d**-0.5, out, torch.get_num_threads()
+            qkv, cos, sin, qn, kn, eps, kc, vc, cap, pos, lo, tb, heads, h_kv, d, d**-0.5, out, torch.get_num_threads()
         )
         return y
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kv_pool import BLOCK
 from ..model import RMSNorm, swap_halves
 from ..quant import (
     ACTIVATION_BLOCK,
@@ -71,7 +72,21 @@ def agrees(k, dtype: torch.dtype) -> bool:
         want = F.scaled_dot_product_attention(q.float()[:, None], keys, values)  # [H, 1, d]
         if not close(got, want.reshape(-1), tol):
             return False
+        if not torch.equal(paged_attend(k, qkv, cos, sin, qn, kn, kc, vc, pos, window, heads), got):
+            return False
     return True
+
+
+def paged_attend(k, qkv, cos, sin, qn, kn, kc, vc, pos, window, heads):
+    """The same attention over a block pool: the cache's positions ([H_kv, S, d]) laid out in blocks of
+    BLOCK slots in reverse order (a table), the result to equal the cache's own, bit for bit."""
+    h_kv, S, d = kc.shape
+    n = -(-S // BLOCK)
+    table = torch.arange(n - 1, -1, -1, dtype=torch.int32)  # block i of the sequence in slot block n-1-i
+    slots = (table.long()[:, None] * BLOCK + torch.arange(BLOCK)).reshape(-1)[:S]  # [S]
+    pk, pv = kc.new_zeros(h_kv, n * BLOCK, d), vc.new_zeros(h_kv, n * BLOCK, d)
+    pk[:, slots], pv[:, slots] = kc, vc
+    return k.attend(qkv, cos, sin, qn, kn, 1e-6, pk, pv, pos, window, heads, table)
 
 
 def quant_agrees(k, mode: str, activations: str = "float32") -> bool:

@@ -272,14 +272,16 @@ def serve(ns, load: Callable[[], tuple[LoadedModel, Session]]) -> int:
             file=sys.stderr,
             flush=True,
         )
-    service = EngineService(load, ns.served_model_name, queue_size=ns.queue_size, parallel=ns.parallel)
+    service = EngineService(
+        load, ns.served_model_name, queue_size=ns.queue_size, parallel=ns.parallel, kv_pool=ns.kv_pool
+    )
     loaded, session, model_id = service.loaded, service.session, service.model_id
     app = build_app(
         service, api_key=ns.api_key, max_new_tokens=ns.max_new_tokens, loopback=loopback, overflow=ns.overflow
     )
     print(
         f"kvchat serving {model_id!r} ({loaded.device}, capacity {session.cache.capacity}, "
-        f"{ns.parallel} at once) on "
+        f"{ns.parallel} at once, a KV pool of {ns.kv_pool or ns.parallel * session.cache.capacity:,} positions) on "
         f"http://{ns.host}:{ns.port}/v1" + (" (API key required)" if ns.api_key else ""),
         flush=True,
     )

@@ -54,11 +54,13 @@ class EngineService:
         model_id: str | None = None,
         queue_size: int = QUEUE_SIZE,
         parallel: int = PARALLEL,
+        kv_pool: int | None = None,
     ):
         """`load()` gives the model and its session; it runs on the engine thread, so that thread is the
         only one whose OpenMP team ever runs the kernels (a second team makes both slow: engine/SERVING.md,
         "What `engine serve` costs on loopback")."""
         self.engine = EngineThread(parallel=parallel)
+        self.engine.lanes.pool_positions = kv_pool  # None: parallel × capacity
         self.loaded, self.session = self.engine.call(load).result()
         self.engine.session = self.session
         self.engine.call(self.session.warm_up).result()  # the first request's TTFT is its own (on this thread too)
@@ -128,8 +130,10 @@ class EngineService:
                 "policy": POLICY,
                 "waiting": self.engine.waiting,
                 "memory_waits": self.engine.lanes.memory_waits,
+                "pool_waits": self.engine.lanes.pool_waits,
             },  # fmt: skip
             "requests": self.engine.lanes.in_flight(),
+            "pool": self.engine.lanes.pool_stats(),
             "last_cancel": self.last_cancel,
         }
 

@@ -91,7 +91,7 @@ def test_the_map_shows_a_fresh_request_an_edit_and_a_return_to_a_stored_conversa
     assert [x for _, _, x in m.roles()] == ["template", "user", "template", "assistant", "template", "user",
                                              "template", "reply"]  # fmt: skip
     said = grid.describe(kept)
-    assert "copied from the prefix store" in said and "Message 1 of 3" in said
+    assert "taken from the prefix store" in said and "Message 1 of 3" in said
 
     # One box, two figures, each named: the bar the selected reply's (the first, shorter), the map the cache now.
     qtbot.mouseClick(w.transcript.views[1], Qt.LeftButton)

@@ -120,8 +120,25 @@ static void attention_and_step(void) {
     for (int lo = 0; lo <= 7; lo += 7) { /* the whole context, and a window from position 7 */
         char name[32];
         snprintf(name, sizeof name, "attend_f32_lo%d", lo);
-        kv_attend_f32(qkv, cs, sn, NULL, NULL, 1e-6f, kc, vc, cap, 20, lo, H, Hkv, d, 0.125f, y, 1);
+        kv_attend_f32(qkv, cs, sn, NULL, NULL, 1e-6f, kc, vc, cap, 20, lo, NULL, H, Hkv, d, 0.125f, y, 1);
         show(name, y, H * d);
+    }
+    { /* the same position through a block pool: positions 0..47 in blocks 2, 0, 3 of 4 (a table), bit for bit */
+        static float pk[Hkv * 64 * d], pv[Hkv * 64 * d], py[H * d];
+        const int32_t table[3] = {2, 0, 3};
+        fill(pk, Hkv * 64 * d, 1.0f), fill(pv, Hkv * 64 * d, 1.0f);
+        for (int h = 0; h < Hkv; h++)
+            for (int j = 0; j < cap; j++)
+                for (int i = 0; i < d; i++) {
+                    int64_t slot = KV_SLOT(table, j);
+                    pk[(h * 64 + slot) * d + i] = kc[(h * cap + j) * d + i];
+                    pv[(h * 64 + slot) * d + i] = vc[(h * cap + j) * d + i];
+                }
+        kv_attend_f32(qkv, cs, sn, NULL, NULL, 1e-6f, kc, vc, cap, 20, 0, NULL, H, Hkv, d, 0.125f, y, 1);
+        kv_attend_f32(qkv, cs, sn, NULL, NULL, 1e-6f, pk, pv, 64, 20, 0, table, H, Hkv, d, 0.125f, py, 1);
+        float differ = 0;
+        for (int i = 0; i < H * d; i++) differ += py[i] != y[i];
+        show("attend_f32_paged_differs", &differ, 1);
     }
     fill(x, D, 3.0f);
     fill(nw, D, 1.0f);
@@ -174,7 +191,7 @@ static void attention_and_step(void) {
         static float kept_k[2][Hkv * cap * d], kept_v[2][Hkv * cap * d];
         memcpy(kept_k, kc2, sizeof kept_k);
         memcpy(kept_v, vc2, sizeof kept_v);
-        kv_decode_layers_f32(layers, 2, xs, cs, sn, 1e-6f, 1e-6f, cap, 20, 0, H, Hkv, d, D, F, h, q, att, t, gu, acc, fx,
+        kv_decode_layers_f32(layers, 2, xs, cs, sn, 1e-6f, 1e-6f, cap, 20, 0, NULL, H, Hkv, d, D, F, h, q, att, t, gu, acc, fx,
                              fy, 1);
         show(int4 ? "decode_step_int4" : "decode_step_f32", xs, D);
         /* the same step for two sequences in one call (the second at position 21, over a cache of its own): the
@@ -187,7 +204,8 @@ static void attention_and_step(void) {
         fill(bx + D, D, 1.0f);
         memcpy(bcs, cs, sizeof cs), memcpy(bcs + d, cs, sizeof cs), memcpy(bsn, sn, sizeof sn), memcpy(bsn + d, sn, sizeof sn);
         int64_t pos[2] = {20, 21}, lo[2] = {0, 0};
-        kv_decode_batch_f32(layers, 2, 2, bx, bcs, bsn, 1e-6f, 1e-6f, cap, pos, lo, bkc, bvc, H, Hkv, d, D, F, D, 2 * F,
+        const int32_t *tbs[2] = {NULL, NULL};
+        kv_decode_batch_f32(layers, 2, 2, bx, bcs, bsn, 1e-6f, 1e-6f, cap, pos, lo, tbs, bkc, bvc, H, Hkv, d, D, F, D, 2 * F,
                             h, q, att, t, gu, acc, fx, fy, 1);
         float differ = 0;
         for (int i = 0; i < D; i++) differ += bx[i] != xs[i];

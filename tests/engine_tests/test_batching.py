@@ -334,16 +334,23 @@ def test_kvchat_stats_lists_the_requests_in_flight_with_their_share_of_the_kv_ca
     assert httpx.get(server.root + "/kvchat/stats").json()["requests"] == []
 
 
-def test_a_lane_the_memory_cannot_hold_is_not_made_the_request_waits(loaded, monkeypatch):
-    """A second lane's working cache past the share of the memory free now: the request waits for the first
-    lane to free (counted), runs there, and equals its run alone; with room, a lane of its own."""
+def test_a_lane_the_memory_cannot_hold_is_not_made_the_request_waits(tmp_path, monkeypatch):
+    """A sliding-window model's lanes keep caches of their own (rings, outside the pool): a second lane's cache past
+    the share of the memory free now is not made — the request waits for the first lane to free (counted), runs
+    there, and equals its run alone; with room, a lane of its own."""
     import engine.batching as batching
+    import engine.kv_cache as kv_cache
+    from checkpoints import FAMILY_CASES, make_checkpoint
 
-    requests = [_request(i, n=30) for i in range(3)]
-    alone = _alone(loaded, requests)
+    monkeypatch.setattr(kv_cache, "RING_SPARE", 8)
+    opts = dict(FAMILY_CASES["gemma3"])
+    windowed = load_model(make_checkpoint(tmp_path, opts.pop("family"), **opts), device="cpu", dtype="float32")
+    requests = [Request(prompt_ids=tuple(range(5 + i, 40 + i)), max_new_tokens=30, ignore_eos=True) for i in range(3)]
+    alone = [list(Session(windowed, prefill_chunk=8).generate(r))[-1] for r in requests]
     monkeypatch.setattr(batching, "LANE_SHARE", 0.0)  # no room for a second cache
     engine = EngineThread(parallel=4)
-    engine.session = engine.call(Session, loaded).result()
+    engine.session = engine.call(Session, windowed, None, 8).result()
+    assert engine.session.pool is None and engine.session.cache.windowed
     events, tickets = _together(engine, requests)
     assert [evs[-1].token_ids for evs in events] == [a.token_ids for a in alone]
     assert {t.trace.lane for t in tickets} == {0} and len(engine.lanes.lanes) == 1  # one after another
@@ -352,6 +359,29 @@ def test_a_lane_the_memory_cannot_hold_is_not_made_the_request_waits(loaded, mon
     monkeypatch.setattr(batching, "LANE_SHARE", 0.5)
     events, tickets = _together(engine, requests[:2])
     assert {t.trace.lane for t in tickets} == {0, 1} and engine.lanes.memory_waits == 2
+    engine.close(10)
+
+
+def test_a_full_kv_pool_makes_a_request_wait_and_every_request_still_equals_its_run_alone(loaded):
+    """A pool with room for two requests' blocks (their prompts and replies at most): of three sent at once, the
+    third waits for the pool (counted, its wait in its trace) while two run beside each other, and starts once one
+    has ended and given its blocks back; each equals its run alone, and the pool never held more than its limit."""
+    requests = [_request(i, n=40) for i in range(3)]
+    alone = _alone(loaded, requests)
+    engine = EngineThread(parallel=4)
+    engine.session = engine.call(Session, loaded, 64, None, "none", 0).result()  # no store: blocks are the pool's
+    assert max(len(engine.session.fit(r).ids) + r.max_new_tokens for r in requests) in range(49, 65)  # 4 blocks
+    engine.lanes.pool_positions = 2 * 64  # room for two at once, not three
+    events, tickets = _together(engine, requests)
+    for evs, a in zip(events, alone):
+        assert evs[-1].token_ids == a.token_ids and evs[-1].text == a.text
+    late = max(tickets, key=lambda t: t.trace.started)
+    assert engine.lanes.pool_waits == 1 and late.trace.pool_wait_ms > 0
+    assert late.trace.started >= min(t.trace.end for t in tickets if t is not late)  # after one gave its blocks back
+    assert max(max(t.trace.batch_sizes) for t in tickets) == 2  # two ran side by side, never three
+    assert "KV pool" in late.trace.policy and late.trace.kv_blocks_promised > 0
+    pool = engine.session.pool
+    assert pool.peak_held <= pool.limit == engine.lanes.pool_positions // 16
     engine.close(10)
 
 
@@ -370,4 +400,105 @@ def test_the_probe_answers_from_the_lane_holding_the_conversation_and_fits_it_on
     seen = engine.call(engine.lanes.cached_positions, Request(messages=second, add_generation_prompt=False)).result()
     lane = engine.lanes.lanes[tickets[1].trace.lane].session
     assert len(fits) == 1 and seen["source"] == "working" and seen["cached"] >= len(lane.ids) - 1 > 20
+    engine.close(10)
+
+
+def test_a_request_cancelled_mid_batch_gives_its_blocks_back_and_the_others_go_on(loaded):
+    """Of three requests in a pool with room for two, the first is cancelled after a few tokens (its client gone):
+    the one waiting for the pool starts once it has ended, the other runs on, each of the two equals its run alone,
+    and no block is left held by anyone but the lanes' caches."""
+    requests = [_request(i, n=40) for i in range(3)]
+    alone = _alone(loaded, requests[1:])
+    engine = EngineThread(parallel=4)
+    engine.session = engine.call(Session, loaded, 64, None, "none", 0).result()  # no store: blocks are the lanes'
+    engine.lanes.pool_positions = 2 * 64  # room for two at once
+    events, tickets = [[], [], []], []
+    done = threading.Semaphore(0)
+
+    def sink_for(i):
+        def sink(ev):
+            if ev is END:
+                done.release()
+                return
+            events[i].append(ev)
+            if i == 0 and isinstance(ev, Token) and ev.index == 5:
+                tickets[0].cancel()  # on the engine thread, between two steps
+
+        return sink
+
+    for i, r in enumerate(requests):
+        tickets.append(engine.submit(r, sink_for(i)))
+    for _ in requests:
+        assert done.acquire(timeout=120)
+    assert events[0][-1].reason == "cancelled" and len(events[0][-1].token_ids) == 5
+    assert [e[-1].token_ids for e in events[1:]] == [a.token_ids for a in alone]
+    third = tickets[2].trace
+    assert third.pool_wait_ms > 0 and third.started >= tickets[0].trace.end  # it ran in the cancelled one's room
+    pool = engine.session.pool
+    lanes_hold = sum(len(lane.session.cache.table) for lane in engine.lanes.lanes)
+    assert pool.held == lanes_hold and pool.peak_held <= pool.limit == 8
+    engine.close(10)
+
+
+def test_a_full_pool_takes_an_idle_lanes_blocks_back(loaded):
+    """Three short requests leave three lanes each holding their blocks; then two long ones need the whole pool: the
+    third, idle lane's cache is given back (to the store, which has no room: freed), and both equal their runs
+    alone."""
+    short = [_request(i, n=8) for i in range(3)]
+    long = [_request(i + 3, n=40) for i in range(2)]
+    alone = _alone(loaded, long)
+    engine = EngineThread(parallel=4)
+    engine.session = engine.call(Session, loaded, 64, None, "none", 0).result()
+    engine.lanes.pool_positions = 2 * 64  # 8 blocks: the long ones need 4 each
+    _together(engine, short)
+    pool = engine.session.pool
+    idle = [lane for lane in engine.lanes.lanes if lane.session.ids]
+    assert len(idle) == 3 and pool.held == 6  # 23 + 8 positions: 2 blocks each, held while idle
+    events, _ = _together(engine, long)
+    assert [e[-1].token_ids for e in events] == [a.token_ids for a in alone]
+    assert pool.peak_held <= 8 and sum(1 for lane in engine.lanes.lanes if not lane.session.ids) >= 1  # one parked
+    engine.close(10)
+
+
+def test_three_choices_of_one_prompt_hold_its_blocks_once_and_the_kv_accounting_is_exact(loaded):
+    """n = 3 choices of a 100-position prompt: the first prefills it and puts it in the store, the others take its
+    blocks by reference. While all three decode, the pool holds the prompt's six whole blocks once: the payload of
+    the three is 2·L·(ΣT − the positions shared)·H_kv·d·b, each request's own payload its positions × bytes per
+    position, and every choice equals its run alone."""
+    from engine.events import PrefillDone
+    from engine.request import choice_requests
+
+    prompt = tuple(range(300, 400))
+    choices = choice_requests(Request(prompt_ids=prompt, max_new_tokens=12, ignore_eos=True), 3)
+    alone = [list(Session(loaded).generate(r))[-1] for r in choices]
+    engine = EngineThread(parallel=4)
+    engine.session = engine.call(Session, loaded).result()
+    seen, events, done = [], [[], [], []], threading.Semaphore(0)
+
+    def sink_for(i):
+        def sink(ev):
+            if ev is END:
+                done.release()
+                return
+            events[i].append(ev)
+            if i == 0 and isinstance(ev, PrefillDone):
+                for j in (1, 2):
+                    engine.submit(choices[j], sink_for(j))
+            tokens = [sum(isinstance(e, Token) for e in evs) for evs in events]
+            if not seen and min(tokens) >= 3:  # on the engine thread: between two turns
+                seen.append((engine.lanes.pool_stats(), engine.lanes.in_flight()))
+
+        return sink
+
+    engine.submit(choices[0], sink_for(0))
+    for _ in range(3):
+        assert done.acquire(timeout=120)
+    assert [e[-1].token_ids for e in events] == [a.token_ids for a in alone]
+    pool, rows = seen[0]
+    per = engine.session.cache.bytes_per_position
+    assert len(rows) == 3 and pool["positions"] == sum(r["cache_positions"] for r in rows)
+    assert all(r["shared_positions"] == 96 and r["kv_payload_bytes"] == r["cache_positions"] * per for r in rows)
+    assert pool["shared_positions"] == 2 * 96  # six whole blocks, held by all three: counted once, not three times
+    assert pool["payload_bytes"] == (pool["positions"] - 2 * 96) * per
+    assert pool["held_bytes"] == (6 + 3) * pool["block_bytes"]  # the shared six, and each one's own last block
     engine.close(10)

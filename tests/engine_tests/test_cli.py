@@ -18,7 +18,8 @@ def test_info(llama_dir):
     out = json.loads(run("info", "--model", llama_dir, "--json", "--capacity", 100).stdout)
     assert out["architecture"] == "LlamaForCausalLM" and out["capacity"] == 100
     assert out["kv_bytes_per_position"] == 2 * 2 * 2 * 16 * 4  # K+V, 2 layers, 2 KV heads, d=16, float32
-    assert out["kv_allocated_bytes"] == 100 * out["kv_bytes_per_position"]
+    assert out["kv_allocated_bytes"] == 112 * out["kv_bytes_per_position"]  # at capacity: 7 blocks of 16 positions
+    assert out["kv_pool"]["block"] == 16 and out["kv_pool"]["held"] == 0  # nothing held before a request
 
 
 def test_generate_json_fields(llama_dir):

@@ -62,7 +62,8 @@ def test_alternating_conversations_come_back_from_the_store(loaded):
         assert reuse.source == "store", (name, r, reuse)
         assert reuse.reused >= n - 9 - 1 - 1 and reuse.computed <= 11
         assert reuse.copied_positions == reuse.reused - reuse.first_invalidated_position
-        assert reuse.copied_bytes == reuse.copied_positions * session.cache.bytes_per_position
+        # the KV pool's blocks themselves, held by reference: nothing copied
+        assert reuse.shared_positions == reuse.copied_positions and reuse.copied_bytes == 0
         assert reuse.copy_ms is not None and reuse.stored_prefix >= reuse.reused
     assert session.store.stats()["prefixes"] >= 1 and session.store.evictions == 0
 
@@ -77,7 +78,7 @@ def test_a_return_to_an_earlier_branch_after_an_edit(loaded):
     out, reuse = run(session, back)  # ‹1/2›: back to the first branch, with a new message
     assert reuse.source == "store" and reuse.first_invalidated_position == 20
     assert reuse.reused == len(base) + len(first) - 1  # the last reply token was never consumed
-    assert "copied from the prefix store" in reuse.reason
+    assert "taken from the prefix store" in reuse.reason and "by reference" in reuse.reason
     assert out == fresh(loaded, back)
 
 
@@ -200,7 +201,7 @@ def test_store_partial_tails_and_supersession():
     out = Cache(13)
     out.k.zero_()
     m = store.match(longer)
-    assert store.copy_into(out, m, 0, 13) == 13 * 2 * 2 * 4
+    assert store.copy_into(out, m, 0, 13) == (13 * 2 * 2 * 4, 0)  # bytes copied, none shared (no pool)
     assert torch.equal(out.k, Cache(13).k)
     store.insert([1, 2, 3, 4, 5], Cache(5), "y")
     store.set_budget(store.bytes - 1)  # one leaf must go: the least recently used

@@ -39,14 +39,16 @@
 
 /* Attention of the new position `pos`: q, k, v come packed in one row qkv [(H + 2 Hkv) d]; k (rotated)
  * and v are stored into the layer's cache kc, vc [Hkv, cap, d]; each query head attends to keys lo..pos
- * of its group's KV head with a one-pass (online) softmax; y [H d]. */
+ * of its group's KV head with a one-pass (online) softmax; y [H d]. Position j lies in slot KV_SLOT(tb, j):
+ * j itself in a cache of its own (tb NULL), else in block tb[j / KV_BLOCK] of a pool shared by many. */
 #define ATTEND(NAME, ROT, DOT, AXPY, T, TO_F32, FROM_F32, ROUND)                                              \
     void NAME(const T *qkv, const T *cs, const T *sn, const T *qn, const T *kn, float eps, T *kc, T *vc, \
-              int64_t cap, int64_t pos, int64_t lo, int64_t H, int64_t Hkv, int64_t d, float scale, T *y, int nt) { \
+              int64_t cap, int64_t pos, int64_t lo, const int32_t *tb, int64_t H, int64_t Hkv, int64_t d,  \
+              float scale, T *y, int nt) {                                                                \
         for (int64_t h = 0; h < Hkv; h++) {                                                         \
             float k[d];                                                                             \
             ROT(qkv + (H + h) * d, kn, eps, cs, sn, k, d);                                          \
-            T *kd = kc + (h * cap + pos) * d, *vd = vc + (h * cap + pos) * d;                       \
+            T *kd = kc + (h * cap + KV_SLOT(tb, pos)) * d, *vd = vc + (h * cap + KV_SLOT(tb, pos)) * d; \
             const T *v = qkv + (H + Hkv + h) * d;                                                   \
             for (int64_t i = 0; i < d; i++) { kd[i] = FROM_F32(k[i]); vd[i] = v[i]; }               \
         }                                                                                           \
@@ -62,7 +64,7 @@
                 int64_t n = pos + 1 - j0 < ATTEND_CHUNK ? pos + 1 - j0 : ATTEND_CHUNK;              \
                 float mc = -INFINITY;                                                               \
                 for (int64_t j = 0; j < n; j++) { /* scores: independent dot products */            \
-                    s[j] = DOT(K + (j0 + j) * d, q, d) * scale;                                     \
+                    s[j] = DOT(K + KV_SLOT(tb, j0 + j) * d, q, d) * scale;                          \
                     mc = s[j] > mc ? s[j] : mc;                                                     \
                 }                                                                                   \
                 if (mc > m) { /* a new maximum: rescale what was summed so far */                   \
@@ -74,7 +76,7 @@
                 exp_shifted(s, s, n, m);                                                            \
                 for (int64_t j = 0; j < n; j++) {                                                   \
                     l += s[j];                                                                      \
-                    AXPY(acc, 1.0f, s[j], V + (j0 + j) * d, d);                                     \
+                    AXPY(acc, 1.0f, s[j], V + KV_SLOT(tb, j0 + j) * d, d);                          \
                 }                                                                                   \
             }                                                                                       \
             for (int64_t i = 0; i < d; i++) y[h * d + i] = FROM_F32(acc[i] / l);                    \

@@ -79,15 +79,15 @@ static void quant_matvec(const kv_linear *l, const float *x, float *y, int nt) {
         for (int64_t i = 0; i < D; i++) x[i] = FROM_F32(TO_F32(x[i]) + TO_F32(acc[i]));                        \
     }                                                                                                           \
     void kv_decode_layers_##SUF(const kv_layer *layers, int64_t n_layers, T *x, const T *cs, const T *sn,   \
-                                float eps, float qk_eps, int64_t cap, int64_t pos, int64_t lo, int64_t H,   \
-                                int64_t Hkv, int64_t d, int64_t D, int64_t F, T *h, T *qkv, T *att, T *t,   \
-                                T *gu, T *acc, float *fx, float *fy, int nt) {                              \
+                                float eps, float qk_eps, int64_t cap, int64_t pos, int64_t lo,              \
+                                const int32_t *tb, int64_t H, int64_t Hkv, int64_t d, int64_t D, int64_t F, \
+                                T *h, T *qkv, T *att, T *t, T *gu, T *acc, float *fx, float *fy, int nt) {  \
         for (int64_t n = 0; n < n_layers; n++) {                                                            \
             const kv_layer *L = layers + n;                                                                 \
             kv_rmsnorm_##SUF(x, L->attn_norm, h, D, eps);                                                   \
             linear_##SUF(&L->qkv, h, qkv, fx, fy, nt);                                                      \
             kv_attend_##SUF(qkv, cs, sn, L->q_norm, L->k_norm, qk_eps, L->k_cache, L->v_cache, cap, pos, lo, \
-                            H, Hkv, d, 1.0f / sqrtf((float)d), att, nt);                                    \
+                            tb, H, Hkv, d, 1.0f / sqrtf((float)d), att, nt);                                \
             linear_##SUF(&L->o, att, t, fx, fy, nt);                                                        \
             for (int64_t i = 0; i < D; i++) x[i] = FROM_F32(TO_F32(x[i]) + TO_F32(t[i]));                   \
             kv_rmsnorm_##SUF(x, L->mlp_norm, h, D, eps);                                                    \
@@ -192,9 +192,9 @@ static int float_rows_f16(const kv_linear *l, int64_t B, const _Float16 *x, int6
     }                                                                                                             \
     void kv_decode_batch_##SUF(const kv_layer *layers, int64_t n_layers, int64_t B, T *x, const T *cs, const T *sn, \
                                float eps, float qk_eps, int64_t cap, const int64_t *pos, const int64_t *lo,       \
-                               void *const *kc, void *const *vc, int64_t H, int64_t Hkv, int64_t d, int64_t D,    \
-                               int64_t F, int64_t ts, int64_t gs, T *h, T *qkv, T *att, T *t, T *gu, T *acc,     \
-                               float *fx, float *fy, int nt) {                                                    \
+                               const int32_t *const *tb, void *const *kc, void *const *vc, int64_t H,             \
+                               int64_t Hkv, int64_t d, int64_t D, int64_t F, int64_t ts, int64_t gs, T *h, T *qkv, \
+                               T *att, T *t, T *gu, T *acc, float *fx, float *fy, int nt) {                       \
         const int64_t W = (H + 2 * Hkv) * d, A = H * d;                                                         \
         for (int64_t n = 0; n < n_layers; n++) {                                                                \
             const kv_layer *L = layers + n;                                                                     \
@@ -202,7 +202,7 @@ static int float_rows_f16(const kv_linear *l, int64_t B, const _Float16 *x, int6
             rows_##SUF(&L->qkv, B, h, D, qkv, W, fx, fy, nt);                                                   \
             for (int64_t b = 0; b < B; b++)                                                                     \
                 kv_attend_##SUF(qkv + b * W, cs + b * d, sn + b * d, L->q_norm, L->k_norm, qk_eps,              \
-                                kc[b * n_layers + n], vc[b * n_layers + n], cap, pos[b], lo[b], H, Hkv, d,      \
+                                kc[b * n_layers + n], vc[b * n_layers + n], cap, pos[b], lo[b], tb[b], H, Hkv, d, \
                                 1.0f / sqrtf((float)d), att + b * A, nt);                                       \
             rows_##SUF(&L->o, B, att, A, t, ts, fx, fy, nt);                                                    \
             for (int64_t b = 0; b < B; b++)                                                                     \

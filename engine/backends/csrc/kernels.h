@@ -72,16 +72,22 @@ void kv_matvec_q5x(const uint8_t *q, const float *s, const float *m, const float
 void kv_matvec_q4tx(const uint8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
                     int64_t in, int64_t g, int nt);
 
+/* A cache's positions in slots: a sequence's own cache holds position j in slot j (table NULL); the block pool
+ * (engine/kv_pool.py) holds it in block table[j / KV_BLOCK], KV_BLOCK slots a block, shared by every sequence. */
+enum { KV_BLOCK = 16 };
+#define KV_SLOT(table, j) ((table) ? (int64_t)(table)[(j) / KV_BLOCK] * KV_BLOCK + (j) % KV_BLOCK : (int64_t)(j))
+
 /* attention.c: RMSNorm of one row; attention of the new position `pos` over keys lo..pos (the packed row
- * qkv [(H + 2 Hkv) d] in; k rotated and v written into the layer's cache kc, vc [Hkv, cap, d]; y [H d] out) */
+ * qkv [(H + 2 Hkv) d] in; k rotated and v written into the layer's cache kc, vc [Hkv, cap, d], cap slots a head,
+ * position j in slot KV_SLOT(tb, j); y [H d] out) */
 void kv_rmsnorm_f32(const float *x, const float *w, float *y, int64_t n, float eps);
 void kv_rmsnorm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t n, float eps);
 void kv_attend_f32(const float *qkv, const float *cs, const float *sn, const float *qn, const float *kn, float eps,
-                   float *kc, float *vc, int64_t cap, int64_t pos, int64_t lo, int64_t H, int64_t Hkv, int64_t d,
-                   float scale, float *y, int nt);
+                   float *kc, float *vc, int64_t cap, int64_t pos, int64_t lo, const int32_t *tb, int64_t H,
+                   int64_t Hkv, int64_t d, float scale, float *y, int nt);
 void kv_attend_bf16(const uint16_t *qkv, const uint16_t *cs, const uint16_t *sn, const uint16_t *qn,
                     const uint16_t *kn, float eps, uint16_t *kc, uint16_t *vc, int64_t cap, int64_t pos, int64_t lo,
-                    int64_t H, int64_t Hkv, int64_t d, float scale, uint16_t *y, int nt);
+                    const int32_t *tb, int64_t H, int64_t Hkv, int64_t d, float scale, uint16_t *y, int nt);
 
 /* decode_step.c: silu over float32 values (the MLP's gate); a decode step's layers in one call. A linear layer, and a block's weights and cache. */
 typedef struct {
@@ -111,30 +117,34 @@ enum { KV_MAX_EXPERTS = 512, KV_MAX_TOP_K = 64 }; /* what the one-call step rout
 
 void kv_silu_f32(const float *g, float *y, int64_t n);
 
-/* x [D] is the residual stream, updated in place through n_layers blocks at position `pos`; cs, sn [d] the
- * rotation's row for pos; h, qkv, att, t, gu and fx, fy are scratch rows of the sizes their names imply. */
+/* x [D] is the residual stream, updated in place through n_layers blocks at position `pos` (in slot
+ * KV_SLOT(tb, pos) of each layer's cache); cs, sn [d] the rotation's row for pos; h, qkv, att, t, gu and fx, fy
+ * are scratch rows of the sizes their names imply. */
 void kv_decode_layers_f32(const kv_layer *layers, int64_t n_layers, float *x, const float *cs, const float *sn,
-                          float eps, float qk_eps, int64_t cap, int64_t pos, int64_t lo, int64_t H, int64_t Hkv,
-                          int64_t d, int64_t D, int64_t F, float *h, float *qkv, float *att, float *t, float *gu,
-                          float *acc, float *fx, float *fy, int nt);
+                          float eps, float qk_eps, int64_t cap, int64_t pos, int64_t lo, const int32_t *tb, int64_t H,
+                          int64_t Hkv, int64_t d, int64_t D, int64_t F, float *h, float *qkv, float *att, float *t,
+                          float *gu, float *acc, float *fx, float *fy, int nt);
 void kv_decode_layers_bf16(const kv_layer *layers, int64_t n_layers, uint16_t *x, const uint16_t *cs,
                            const uint16_t *sn, float eps, float qk_eps, int64_t cap, int64_t pos, int64_t lo,
-                           int64_t H, int64_t Hkv, int64_t d, int64_t D, int64_t F, uint16_t *h, uint16_t *qkv,
-                           uint16_t *att, uint16_t *t, uint16_t *gu, uint16_t *acc, float *fx, float *fy, int nt);
+                           const int32_t *tb, int64_t H, int64_t Hkv, int64_t d, int64_t D, int64_t F, uint16_t *h,
+                           uint16_t *qkv, uint16_t *att, uint16_t *t, uint16_t *gu, uint16_t *acc, float *fx,
+                           float *fy, int nt);
 
 /* B sequences' decode steps in one call: x [B, D] (row b at position pos[b], keys lo[b]..pos[b], over the caches
- * kc[b * n_layers + n], vc[...] of layer n), cs, sn [B, d]; every scratch B rows (t ts apart, gu gs apart).
+ * kc[b * n_layers + n], vc[...] of layer n, its positions in slots KV_SLOT(tb[b], j)), cs, sn [B, d]; every
+ * scratch B rows (t ts apart, gu gs apart).
  * kv_linear_rows: y [B, out] = W x for x [B, in], W read a chunk of rows for all B at a time; fx, fy B rows. */
 void kv_decode_batch_f32(const kv_layer *layers, int64_t n_layers, int64_t B, float *x, const float *cs,
                          const float *sn, float eps, float qk_eps, int64_t cap, const int64_t *pos, const int64_t *lo,
-                         void *const *kc, void *const *vc, int64_t H, int64_t Hkv, int64_t d, int64_t D, int64_t F,
-                         int64_t ts, int64_t gs, float *h, float *qkv, float *att, float *t, float *gu, float *acc,
-                         float *fx, float *fy, int nt);
+                         const int32_t *const *tb, void *const *kc, void *const *vc, int64_t H, int64_t Hkv,
+                         int64_t d, int64_t D, int64_t F, int64_t ts, int64_t gs, float *h, float *qkv, float *att,
+                         float *t, float *gu, float *acc, float *fx, float *fy, int nt);
 void kv_decode_batch_bf16(const kv_layer *layers, int64_t n_layers, int64_t B, uint16_t *x, const uint16_t *cs,
                           const uint16_t *sn, float eps, float qk_eps, int64_t cap, const int64_t *pos,
-                          const int64_t *lo, void *const *kc, void *const *vc, int64_t H, int64_t Hkv, int64_t d,
-                          int64_t D, int64_t F, int64_t ts, int64_t gs, uint16_t *h, uint16_t *qkv, uint16_t *att,
-                          uint16_t *t, uint16_t *gu, uint16_t *acc, float *fx, float *fy, int nt);
+                          const int64_t *lo, const int32_t *const *tb, void *const *kc, void *const *vc, int64_t H,
+                          int64_t Hkv, int64_t d, int64_t D, int64_t F, int64_t ts, int64_t gs, uint16_t *h,
+                          uint16_t *qkv, uint16_t *att, uint16_t *t, uint16_t *gu, uint16_t *acc, float *fx,
+                          float *fy, int nt);
 void kv_linear_rows_f32(const kv_linear *l, int64_t B, const float *x, float *y, float *fx, float *fy, int nt);
 void kv_linear_rows_bf16(const kv_linear *l, int64_t B, const uint16_t *x, uint16_t *y, float *fx, float *fy,
                          int nt);
@@ -144,16 +154,18 @@ void kv_matvec_f16(const _Float16 *w, const _Float16 *x, _Float16 *y, int64_t ou
 void kv_rmsnorm_f16(const _Float16 *x, const _Float16 *w, _Float16 *y, int64_t n, float eps);
 void kv_attend_f16(const _Float16 *qkv, const _Float16 *cs, const _Float16 *sn, const _Float16 *qn,
                    const _Float16 *kn, float eps, _Float16 *kc, _Float16 *vc, int64_t cap, int64_t pos, int64_t lo,
-                   int64_t H, int64_t Hkv, int64_t d, float scale, _Float16 *y, int nt);
+                   const int32_t *tb, int64_t H, int64_t Hkv, int64_t d, float scale, _Float16 *y, int nt);
 void kv_decode_layers_f16(const kv_layer *layers, int64_t n_layers, _Float16 *x, const _Float16 *cs,
                           const _Float16 *sn, float eps, float qk_eps, int64_t cap, int64_t pos, int64_t lo,
-                          int64_t H, int64_t Hkv, int64_t d, int64_t D, int64_t F, _Float16 *h, _Float16 *qkv,
-                          _Float16 *att, _Float16 *t, _Float16 *gu, _Float16 *acc, float *fx, float *fy, int nt);
+                          const int32_t *tb, int64_t H, int64_t Hkv, int64_t d, int64_t D, int64_t F, _Float16 *h,
+                          _Float16 *qkv, _Float16 *att, _Float16 *t, _Float16 *gu, _Float16 *acc, float *fx,
+                          float *fy, int nt);
 void kv_decode_batch_f16(const kv_layer *layers, int64_t n_layers, int64_t B, _Float16 *x, const _Float16 *cs,
                          const _Float16 *sn, float eps, float qk_eps, int64_t cap, const int64_t *pos,
-                         const int64_t *lo, void *const *kc, void *const *vc, int64_t H, int64_t Hkv, int64_t d,
-                         int64_t D, int64_t F, int64_t ts, int64_t gs, _Float16 *h, _Float16 *qkv, _Float16 *att,
-                         _Float16 *t, _Float16 *gu, _Float16 *acc, float *fx, float *fy, int nt);
+                         const int64_t *lo, const int32_t *const *tb, void *const *kc, void *const *vc, int64_t H,
+                         int64_t Hkv, int64_t d, int64_t D, int64_t F, int64_t ts, int64_t gs, _Float16 *h,
+                         _Float16 *qkv, _Float16 *att, _Float16 *t, _Float16 *gu, _Float16 *acc, float *fx,
+                         float *fy, int nt);
 void kv_linear_rows_f16(const kv_linear *l, int64_t B, const _Float16 *x, _Float16 *y, float *fx, float *fy,
                         int nt);
 #endif
