@@ -212,7 +212,8 @@ class Lanes:
         cache is made again when it is chosen."""
         if not self.lanes:
             self.lanes.append(Lane(0, main))
-        if self.lanes[0].free:
+        if self.lanes[0].free and self.lanes[0].session is not main:
+            _retire(self.lanes[0].session)
             self.lanes[0].session = main
         free = [lane for lane in self.lanes if lane.free]
         if not free:
@@ -228,6 +229,7 @@ class Lanes:
             current = [x for x in free if x.session is main or main.same_setup(x.session)]
             lane = max(current or free, key=lambda x: common_prefix(x.session.ids, prompt) if x in current else -1)
         if lane.session is not main and not main.same_setup(lane.session):
+            _retire(lane.session)
             lane.session = main.sibling()
         return lane
 
@@ -391,3 +393,11 @@ class Lanes:
     def _end(self, ticket) -> None:
         ticket.ended = time.monotonic()
         self.ended(ticket)
+
+
+def _retire(session) -> None:
+    """A lane's session made before a change of model or cache, replaced: its working cache's blocks go back to
+    their pool (one it may share with the sessions made since, after a change of capacity alone)."""
+    cache = getattr(session, "cache", None)
+    if cache is not None:
+        cache.release()

@@ -164,7 +164,8 @@ class BlockPool:
         return self.blocks + self._growable()
 
     def _growable(self) -> int:
-        """Blocks a growth could add now: to the limit, within GROWTH_SHARE of the memory free."""
+        """Blocks a growth could add now: to the limit, and while the whole new buffer (the old one is copied into
+        it, then freed) takes at most GROWTH_SHARE of the memory free now."""
         room = (self.limit if self.limit is not None else 1 << 30) - self.blocks
         free = free_on(self.device)
         if free is not None:

@@ -2,10 +2,12 @@
 (engine.batching), in this process. For each concurrency C, rounds of C requests submitted together (new
 random prompts of the same length, replies run to --new-tokens past any stop token) on an engine running C at
 once. Reported per row: the aggregate decode rate (tokens emitted while all C decode, over that window), its
-ratio to concurrency 1 in the same run, each request's TPOT and TTFT (p50, p95; the queue included) and the
-batch sizes its steps ran in. llama.cpp runs the same counts of sequences at once in the same run (its batch API, a
-sequence id each, in a child process: a crash is a row with its error) on the same weights: the GGUF file itself,
-or a random shape written as GGUF (F32; its own quantizer's Q8_0 or Q4_0 for int8 or int4 weights).
+ratio to concurrency 1 in the same run, each request's TPOT and TTFT (p50, p95; the queue included), the
+batch sizes its steps ran in, and the KV memory: the most the pool's blocks held at once, its buffers, and what
+C caches of their own (a whole capacity each) would have taken. llama.cpp runs the same counts of sequences at
+once in the same run (its batch API, a sequence id each, in a child process: a crash is a row with its error) on
+the same weights: the GGUF file itself, or a random shape written as GGUF (F32; its own quantizer's Q8_0 or Q4_0
+for int8 or int4 weights).
 """
 
 from __future__ import annotations
@@ -159,6 +161,22 @@ def _arrival(engine, make, long_tokens: int) -> dict:
             "ratio": round(p95_during / p95_before, 3) if p95_before and p95_during else None}  # fmt: skip
 
 
+def _mib(n: int | None) -> str:
+    return "—" if n is None else f"{n / 2**20:,.1f}"
+
+
+def _memory(engine, c: int) -> dict:
+    """The KV memory of a level: the most the pool's blocks held at once (lanes and store), the pool's buffers, and
+    C working caches of a whole capacity each (what lanes of their own took before the pool)."""
+    session = engine.session
+    pool, cache = session.pool, session.cache
+    whole = c * cache.full_bytes
+    if pool is None:
+        return {"kv_whole_caches_bytes": whole}
+    return {"kv_held_peak_bytes": pool.peak_held * pool.block_bytes, "kv_pool_bytes": pool.allocated_bytes,
+            "kv_whole_caches_bytes": whole}  # fmt: skip
+
+
 def run_concurrency(ns) -> int:
 
     from ..request import Request
@@ -192,6 +210,9 @@ def run_concurrency(ns) -> int:
         for c in levels:
             engine.lanes.parallel = c  # nothing runs between rows
             _round(engine, requests(c))  # warm: every lane made, the step's scratch sized
+            pool = engine.session.pool
+            if pool is not None:
+                pool.peak_held = pool.held
             rates, tpots, ttfts, sizes = [], [], [], []
             for _ in range(ns.rounds):
                 traces = _round(engine, requests(c))
@@ -202,8 +223,8 @@ def run_concurrency(ns) -> int:
                 sizes += [s for t in traces for s in t.batch_sizes]
             if c == 3:  # two streams and a newcomer: what its prefill does to their pace
                 arrival = _arrival(engine, requests, 512)
-            rows.append({**_row(c, rates, tpots, ttfts),
-                         "mean_batch": round(statistics.mean(sizes), 2) if sizes else None})  # fmt: skip
+            mean = round(statistics.mean(sizes), 2) if sizes else None
+            rows.append({**_row(c, rates, tpots, ttfts), "mean_batch": mean, **_memory(engine, c)})
         engine.close(30)
         from ..devices import default_threads
 
@@ -225,7 +246,7 @@ def run_concurrency(ns) -> int:
           f"{ns.rounds} rounds")  # fmt: skip
     print(
         "concurrent  aggregate decode tok/s  × 1   TPOT p50/p95 ms   TTFT p50/p95 ms   mean batch"
-        "   llama.cpp  kvchat/it"
+        "   llama.cpp  kvchat/it   KV held at most / whole caches MiB"
     )
     for r in rows:
         ratio = f"{r['ratio_to_1']:.2f}" if r["ratio_to_1"] else "—"
@@ -233,7 +254,8 @@ def run_concurrency(ns) -> int:
         vs = f"{r['vs_llama_cpp']:.2f}" if r["vs_llama_cpp"] else "—"
         print(f"{r['concurrency']:10d}  {r['aggregate_decode_tok_s'] or 0:22.1f}  {ratio:>4}   "
               f"{r['tpot_ms_p50']:6.1f} / {r['tpot_ms_p95']:6.1f}   {r['ttft_ms_p50']:7.1f} / {r['ttft_ms_p95']:7.1f}"
-              f"   {r['mean_batch']!s:>10}   {lc}  {vs}")  # fmt: skip
+              f"   {r['mean_batch']!s:>10}   {lc}  {vs}   {_mib(r.get('kv_held_peak_bytes'))} / "
+              f"{_mib(r['kv_whole_caches_bytes'])}")  # fmt: skip
     if ref.get("error"):
         print(f"llama.cpp: {ref['error']}")
     a = report["arrival"]

@@ -243,11 +243,11 @@ def test_the_worker_survives_what_native_code_raises(qapp, llama_dir):
     real = session.steps  # what the engine thread drives
     calls = []
 
-    def steps(request, cancel, trace=None):
+    def steps(request, cancel, trace=None, fitted=None):
         calls.append(request)
         if len(calls) == 1:
             raise PanicException("tokenizer panicked")
-        return real(request, cancel, trace)
+        return real(request, cancel, trace, fitted)
 
     session.steps = steps
     got, stopped = [], []
