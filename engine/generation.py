@@ -106,16 +106,27 @@ class StepWanted:
 @torch.inference_mode()  # called by the scheduler's turn, outside the generators' own inference mode
 def step_all(wanted: list[StepWanted]) -> list[torch.Tensor]:
     """The decode steps of several sequences, one turn of the engine: the logits ([1, 1, V]) for each, in order.
-    Sequences of one model whose backend takes them together run in one call (Transformer.forward_many: the
-    weights read once for all); the others one by one. Either way each is computed as it would be alone, so
-    a request's tokens never depend on what runs beside it."""
+    Sequences of one model whose backend takes them together run in one call (Transformer.forward_many, kvchat's
+    kernels: the weights read once for all, each row bit for bit its step alone); where there are no kernels (a
+    GPU, a CPU that cannot build them) torch's products take the rows together (Transformer.forward_rows, each
+    row its step alone up to the products' order of summation); the others one by one."""
     if len(wanted) > 1:
         loaded = wanted[0].decoder.loaded
+        tokens, caches = [w.token for w in wanted], [w.decoder.cache for w in wanted]
         if all(w.decoder.loaded is loaded and w.decoder.path == "eager" for w in wanted):
-            out = loaded.model.forward_many([w.token for w in wanted], [w.decoder.cache for w in wanted])
+            out = loaded.model.forward_many(tokens, caches)
             if out is not None:
                 return out
+        if all(w.decoder.loaded is loaded for w in wanted) and rows_together(loaded):
+            logits = loaded.model.forward_rows(tokens, caches)  # [B, 1, V]
+            return [logits[b : b + 1] for b in range(len(wanted))]
     return [w.decoder.step(w.token) for w in wanted]
+
+
+def rows_together(loaded) -> bool:
+    """Whether torch's products take several sequences' steps at once: where kvchat's kernels do not run decode (a
+    GPU; a CPU without them). Where they do, a step they cannot batch (a quantized KV cache) runs alone, exact."""
+    return loaded.device.type != "cpu" or loaded.kernels is None
 
 
 def alone(steps: Iterator) -> Iterator:

@@ -192,33 +192,43 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, mask, cache, layer: int, start):
         """x [B, T, D] at positions start.. (an int, or a device tensor [1] for a static-shape step); cos/sin the
         rotary rows of those positions (None: this layer does not rotate); mask the additive [T, S] mask of this
-        layer's window; the new K/V go into `cache` (any object with write/write_at) -> [B, T, D]."""
-        B, T, _ = x.shape
-        h, h_kv = self.h, self.h_kv
+        layer's window; the new K/V go into `cache` (any object with write/write_at) -> [B, T, D]. B sequences'
+        next positions (T = 1) each over a cache of its own: `cache` and `start` lists, `mask` a list (rows)."""
+        B = x.shape[0]
         q, k, v = (t.transpose(1, 2) for t in self.project(x, cos, sin))  # [B, heads, T, d]
+        if isinstance(cache, list):  # one row a sequence, each attending over its own positions
+            rows = [self.attend(q[b : b + 1], *cache[b].write(layer, start[b], k[b : b + 1], v[b : b + 1]), mask[b],
+                                start[b]) for b in range(B)]  # fmt: skip
+            return self.o(torch.cat(rows))  # [B, 1, H d] -> [B, 1, D]
         if cache is not None and isinstance(start, torch.Tensor):  # static shapes (CUDA graphs)
             k, v = cache.write_at(layer, start, k, v)  # [B, H_kv, C, d], masked beyond the position
         elif cache is not None:
             k, v = cache.write(layer, start, k, v)  # [B, H_kv, S, d]
+        return self.o(self.attend(q, k, v, mask, start))
+
+    def attend(self, q, k, v, mask, start):
+        """q [B, H, T, d] at positions start.. over k, v [B, H_kv, S, d] (mask the additive [T, S], or None) ->
+        [B, T, H d] in q's dtype."""
+        B, h, T, _ = q.shape
         dtype = q.dtype
         # widened copies are made dense: SDPA's flash kernel needs unit-stride rows
         if attention_dtype(dtype, q.device, self.widen_bf16) != dtype:
             q, k, v = (t.to(torch.float32, memory_format=torch.contiguous_format) for t in (q, k, v))
         if self.softcap is not None:  # capped scores: no SDPA kernel computes them
             y = self.attend_capped(q, k, v, mask)  # [B, H, T, d]
-            return self.o(y.to(dtype).transpose(1, 2).reshape(B, T, h * self.d))
+            return y.to(dtype).transpose(1, 2).reshape(B, T, h * self.d)
         if T > 1:  # many positions: SDPA's native GQA (its flash kernels), causal without a mask on a fresh prompt
             causal = isinstance(start, int) and start == 0 and self.causal_only
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=None if causal else mask, is_causal=causal, enable_gqa=self.g > 1, scale=self.scale
             )  # [B, H, T, d]
-            return self.o(y.to(dtype).transpose(1, 2).reshape(B, T, h * self.d))
+            return y.to(dtype).transpose(1, 2).reshape(B, T, h * self.d)
         # One position: the G query heads that share a KV head as rows, no copy of K/V per query head.
-        q = q.reshape(B, h_kv, self.g, self.d)  # [B, H_kv, G, d]
+        q = q.reshape(B, self.h_kv, self.g, self.d)  # [B, H_kv, G, d]
         if mask is not None and self.g > 1:
             mask = mask.repeat(self.g, 1)  # [1, S] -> [G, S]
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)  # [B, H_kv, G, d]
-        return self.o(y.to(dtype).reshape(B, T, h * self.d))
+        return y.to(dtype).reshape(B, T, h * self.d)
 
     def attend_capped(self, q, k, v, mask):
         """q [B, H, T, d], k/v [B, H_kv, S, d] -> [B, H, T, d], the scores soft-capped (c·tanh(s/c), Gemma 2)
@@ -417,6 +427,32 @@ class Transformer(nn.Module):
         if head is None:
             return [self.logits(x[b].view(1, 1, -1)) for b in range(len(tokens))]
         return [self.scaled(head[b].view(1, 1, -1)) for b in range(len(tokens))]
+
+    def forward_rows(self, tokens: list[int], caches: list) -> torch.Tensor:
+        """B sequences' next positions (a token each, each cache at its own length) in one pass through the blocks:
+        every product takes the B rows at once, so torch reads each weight once for all of them (a GPU; a CPU
+        without kvchat's kernels), and attention is each sequence's own, over its own cache and window. Logits
+        [B, 1, V]; each row as `forward` computes it alone, up to the products' order of summation."""
+        device = self.norm.weight.device
+        starts = [c.length for c in caches]
+        for c, s in zip(caches, starts):
+            if s + 1 > c.capacity:
+                raise ValueError(f"{s + 1} positions exceed the cache capacity of {c.capacity}")
+            c.reserve(s, s + 1)
+        at = torch.tensor(starts, device=device)  # [B]
+        ropes = [  # each row's own position: [B, 1, 1, r]
+            (cos.index_select(0, at)[:, None, None], sin.index_select(0, at)[:, None, None])
+            for cos, sin in self.rope_tables(max(starts) + 1)
+        ]
+        x = self.embed_ids(torch.tensor([[t] for t in tokens], device=device))  # [B, 1, D]
+        dtype = attention_dtype(x.dtype, x.device, self.widen_bf16)
+        rows = [self.masks(s, 1, dtype, device, c) for s, c in zip(starts, caches)]
+        masks = {w: [m[w] for m in rows] for w in rows[0]}  # each window's mask of each row
+        for i, layer in enumerate(self.layers):
+            x = layer(x, ropes, masks, caches, i, starts)
+        for c, s in zip(caches, starts):
+            c.length = s + 1
+        return self.logits(x)  # [B, 1, V]
 
     def forward_static(self, ids: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:
         """One decode step with static shapes, for CUDA graphs: ids [B, 1], pos [1] (a device tensor, the

@@ -11,6 +11,7 @@ block is added), and a pool that grew has moved its buffers: the graph is captur
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 
@@ -46,13 +47,13 @@ class GraphDecoder:
             self.logits = model.forward_static(self.ids, self.pos, cache)  # [1, 1, V], rewritten by each replay
         self.checked = False
 
-    def _addresses(self) -> tuple[int, ...]:
-        return tuple(b.data_ptr() for b in self.cache.buffers())
+    def _addresses(self) -> tuple[weakref.ref, ...]:
+        return tuple(weakref.ref(b) for b in self.cache.buffers())
 
     @property
     def moved(self) -> bool:
-        """Whether the cache's buffers are no longer where the graph was captured (a KV pool grew)."""
-        return self._addresses() != self.at
+        """Whether the cache's buffers are no longer those the graph was captured on (a KV pool grew)."""
+        return any(ref() is not b for ref, b in zip(self.at, self.cache.buffers()))
 
     def step(self, token: int) -> torch.Tensor:
         """Consume `token` at position cache.length; returns the logits for the next one."""

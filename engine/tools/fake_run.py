@@ -267,9 +267,12 @@ def _lanes_check(watch: Watch, root: Path, device: str, dtype: str) -> Check:
             failed = [str(ev[-1]) for ev in events.values() if ev and not isinstance(ev[-1], Finished)]
             check.fail(f"{len(done)} of {len(tickets)} finished: {'; '.join(failed)[:400]}")
         sizes = sorted({b for d in done for b in d.trace.get("batch_sizes", [])})
-        batched = loaded.model.decode_step is not None
-        how = "in one batched step" if batched else "one sequence at a time (no batched torch step on this device yet)"
-        check.notes.append(f"decode turns of {sizes} sequences, {how}")
+        if max(sizes, default=1) < 2:
+            check.fail(f"the lanes' decode steps never ran together (batch sizes {sizes})")
+        how = "kvchat's batched step" if loaded.model.decode_step is not None else "torch's batched rows"
+        pool = main.pool
+        shared = f", the KV pool {pool.peak_held} blocks held at most" if pool is not None else ""
+        check.notes.append(f"decode turns of {sizes} sequences, in {how}{shared}")
         check.decode_path = main.decode_path
     except Exception as e:
         check.fail(_failure(e))

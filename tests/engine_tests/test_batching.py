@@ -7,6 +7,7 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from engine.events import Finished, Token
 from engine.scheduler import END, EngineThread
@@ -501,4 +502,60 @@ def test_three_choices_of_one_prompt_hold_its_blocks_once_and_the_kv_accounting_
     assert pool["shared_positions"] == 2 * 96  # six whole blocks, held by all three: counted once, not three times
     assert pool["payload_bytes"] == (pool["positions"] - 2 * 96) * per
     assert pool["held_bytes"] == (6 + 3) * pool["block_bytes"]  # the shared six, and each one's own last block
+    engine.close(10)
+
+
+@pytest.mark.parametrize("family,kv", [("llama", "none"), ("llama", "int8"), ("gemma2", "none"), ("gemma3", "none"),
+                                       ("phi3", "none"), ("qwen3_moe", "none"), ("olmo2", "none")])  # fmt: skip
+def test_torchs_batched_rows_give_each_sequence_its_step_alone(tmp_path, monkeypatch, family, kv):
+    """Where kvchat's kernels do not run decode (a GPU; here a CPU without them), the scheduler's batched step is
+    torch's products over B rows at once (Transformer.forward_rows): three sequences at different lengths (one
+    of them past a sliding window, through its ring), each row's logits within 1e-4 of its own step alone, over
+    ten steps, and the same greedy token."""
+    import engine.backends.kernels as kernels
+    import engine.kv_cache as kv_cache
+    from checkpoints import FAMILY_CASES, make_checkpoint
+
+    monkeypatch.setattr(kernels, "load", lambda: None)
+    monkeypatch.setattr(kv_cache, "RING_SPARE", 8)
+    opts = dict(FAMILY_CASES.get(family, {"family": family}))
+    model = load_model(make_checkpoint(tmp_path, opts.pop("family"), **opts), device="cpu", dtype="float32")
+    assert model.kernels is None
+    from engine.generation import rows_together
+
+    assert rows_together(model)
+    rows, alone = (
+        [Session(model, 64, 8, kv).cache for _ in range(3)],
+        [Session(model, 64, 8, kv).cache for _ in range(3)],
+    )
+    for i, (a, b) in enumerate(zip(rows, alone)):
+        prompt = torch.arange(5 + i, 5 + i + 9 + 7 * i)[None]  # 9, 16 and 23 positions
+        model.model(prompt, a)
+        model.model(prompt, b)
+    tokens = [7, 8, 9]
+    for _ in range(10):
+        together = model.model.forward_rows(tokens, rows)  # [3, 1, V]
+        each = [model.model(torch.tensor([[t]]), c, last_only=True) for t, c in zip(tokens, alone)]
+        for b in range(3):
+            scale = float(each[b].abs().max())
+            assert float((together[b] - each[b][0]).abs().max()) <= 1e-4 * scale, (family, b)
+            assert int(together[b, -1].argmax()) == int(each[b][0, -1].argmax())
+        tokens = [int(together[b, -1].argmax()) for b in range(3)]
+    assert [c.length for c in rows] == [c.length for c in alone] == [19, 26, 33]
+
+
+def test_without_kernels_the_scheduler_batches_torchs_rows_and_each_request_equals_its_run_alone(monkeypatch):
+    """The engine where the kernels cannot run decode (a GPU's path, here on the CPU): four requests at once decode
+    in steps of up to four rows, and each one's greedy tokens equal its run alone."""
+    import engine.backends.kernels as kernels
+
+    monkeypatch.setattr(kernels, "load", lambda: None)
+    model = load_model(None)
+    requests = [_request(i, n=80) for i in range(4)]
+    alone = _alone(model, requests)
+    engine = EngineThread(parallel=4)
+    engine.session = engine.call(Session, model).result()
+    events, tickets = _together(engine, requests)
+    assert [e[-1].token_ids for e in events] == [a.token_ids for a in alone]
+    assert max(max(t.trace.batch_sizes) for t in tickets) == 4
     engine.close(10)
