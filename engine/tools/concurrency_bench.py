@@ -196,7 +196,7 @@ def run_concurrency(ns) -> int:
         engine = EngineThread(parallel=max(levels))
         loaded = engine.call(lambda: load_model(path, weights=ns.weights)).result()
         vocab = loaded.config.vocab_size
-        capacity = max(ns.prompt_tokens, 512) + ns.new_tokens + 8
+        capacity = ns.capacity or max(ns.prompt_tokens, 512) + ns.new_tokens + 8
 
         def requests(c: int, n: int | None = None):
             return [

@@ -37,6 +37,12 @@ def add_arguments(p) -> None:
         metavar="1,2,4,8",
         help="many requests at once through the engine's scheduler instead (engine.tools.concurrency_bench)",
     )
+    p.add_argument(
+        "--capacity",
+        type=int,
+        default=None,
+        help="with --concurrency: each request's KV capacity (default: what the prompts and replies need)",
+    )
     p.add_argument("--json", action="store_true")
 
 

@@ -92,12 +92,29 @@ def test_alternatives_x3_are_three_branches_from_one_prefill(qtbot, make_window,
     user = w.chat.last_message().parent_id
     three = next(a for a in w.regenerateWith.menu().actions() if a.text() == "3 alternatives")
     assert w.regenerateWith.isVisible() and w.regenerateWith.isEnabled() and three.isEnabled()
-    finals = []
+    finals, shown = [], []
     w.replyFinished.connect(finals.append)
+    draw = w.requestsView.show_streams
+
+    def drawn(*args):  # what the Requests tab said at each of its redraws
+        draw(*args)
+        shown.append((w.requestsView.summary.text(), w.requestsView.formula.text()))
+
+    w.requestsView.show_streams = drawn
     three.trigger()
     assert w.chat.generating and w.stopButton.isVisible()
     w.panelTabs.setCurrentWidget(w.requestsView)
     spin_loop(lambda: len(finals) == 3 and not w.chat.busy, 120)
+    # While they streamed, the prompt's blocks were held once for the three: said, and the Σ formula subtracts them.
+    together = [(s, f) for s, f in shown if "3 in flight" in s and "shared, held once" in s]
+    assert together, shown[-5:]
+    summary, formula = together[-1]
+    terms, shared = formula.split("(")[1].split(")")[0].split(" − ")
+    ts = [int(t.replace(",", "")) for t in terms.split(" + ")]
+    s = int(shared.split()[0].replace(",", ""))
+    per = w.facts["kv_bytes_per_position"]
+    assert len(ts) == 3 and s > 0 and s % 16 == 0 and f"{s:,} positions shared" in summary
+    assert int(formula.rsplit("= ", 1)[1].split(" B")[0].replace(",", "")) == per * (sum(ts) - s)
     replies = [m for m in w.store.siblings(w.store.message(w.chat.last_message().id)) if m.role == "assistant"]
     assert len(replies) == 4 and {m.parent_id for m in replies} == {user}  # the first reply and three alternatives
     alts = sorted(replies, key=lambda m: m.id)[1:]
