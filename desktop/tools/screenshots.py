@@ -2,7 +2,9 @@
 window driven as a person would (two messages sent, the tokens coloured by probability), in both themes: the
 window at 1000×700 (reply-footer-meter-*-1000.png), the Settings dialog's sampling, the Models dialog at its
 default size and its Hub tab offline; with `--only requests`, the Requests tab with three replies in flight
-(requests-three-in-flight.png: a model slow enough to catch them, e.g. the SmolLM2 GGUF). Run it under a
+(requests-three-in-flight.png: a model slow enough to catch them, e.g. the SmolLM2 GGUF); with `--only
+alternatives`, the same tab while three alternatives of one reply stream on the prompt's blocks, held once
+(requests-alternatives-shared.png). Run it under a
 display (Xvfb: what a person sees) into resources/screenshots; offscreen works too (Qt's own raster).
 """
 
@@ -42,7 +44,8 @@ def take(out: Path, model: str | None, new_tokens: int, only: str = "all") -> li
     out.mkdir(parents=True, exist_ok=True)
     data = Path(tempfile.mkdtemp(prefix="kvchat-shots-"))
     os.environ["KVCHAT_DATA_DIR"] = str(data)
-    Settings(model=LoadSpec(path=model), max_new_tokens=new_tokens).save(open_settings(data))
+    sampled = {"temperature": 0.8, "seed": 7} if only == "alternatives" else {}  # alternatives draw, not argmax
+    Settings(model=LoadSpec(path=model), max_new_tokens=new_tokens, **sampled).save(open_settings(data))
     app = QApplication.instance() or QApplication(["kvchat"])
     apply_style(app)
     loop = qasync.QEventLoop(app, already_running=False)
@@ -74,6 +77,8 @@ def take(out: Path, model: str | None, new_tokens: int, only: str = "all") -> li
             raise RuntimeError(ready[0]["error"])
         if only == "requests":
             return await in_flight(w)
+        if only == "alternatives":
+            return await alternatives(w)
         for text in MESSAGES:
             done: list = []
             w.replyFinished.connect(done.append)
@@ -124,6 +129,24 @@ def take(out: Path, model: str | None, new_tokens: int, only: str = "all") -> li
         save("requests-three-in-flight", w)
         w.close()  # the replies stop, what streamed is kept
 
+    async def alternatives(w) -> None:
+        """One reply, then Regenerate with… → 3 alternatives; the Requests tab once all three decode."""
+        w.resize(1400, 860)
+        done: list = []
+        w.replyFinished.connect(done.append)
+        w.composer.setPlainText(REQUESTS[0])
+        w.send()
+        await wait(lambda: done, 120)
+        three = next(a for a in w.regenerateWith.menu().actions() if a.text() == "3 alternatives")
+        three.trigger()
+        w.panelTabs.setCurrentWidget(w.requestsView)
+        await wait(lambda: sum(st.stats.status == "decoding" for st in w.chat.streams.values()) == 3, 120)
+        await asyncio.sleep(0.8)
+        w.pacer.draw_now()
+        await asyncio.sleep(0.1)
+        save("requests-alternatives-shared", w)
+        w.close()
+
     with loop:
         loop.run_until_complete(run())
     return written
@@ -135,7 +158,8 @@ def main(argv=None) -> int:
     ap.add_argument("out", type=Path, help="where the PNG files go (resources/screenshots for desktop/README.md)")
     ap.add_argument("--model", default=None, help="a model folder or GGUF file (default: the bundled demo model)")
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--only", choices=("all", "requests"), default="all", help="requests: the Requests tab alone")
+    ap.add_argument("--only", choices=("all", "requests", "alternatives"), default="all",
+                    help="requests, alternatives: the Requests tab alone")  # fmt: skip
     ns = ap.parse_args(argv)
     for path in take(ns.out, ns.model, ns.new_tokens, ns.only):
         print(path)
