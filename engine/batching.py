@@ -53,8 +53,11 @@ class Lane:
 
     @property
     def io(self) -> bool:
-        """Its session waits on I/O (a remote server's stream), not on decode steps: turned every turn."""
-        return getattr(self.session, "remote", False)
+        """Its session waits on I/O (a remote server's stream), or its request drafts (a speculative round runs in
+        its generator between the others' steps), not only on decode steps: turned every turn."""
+        return getattr(self.session, "remote", False) or (
+            self.ticket is not None and bool(self.ticket.request.speculative)
+        )
 
 
 class Lanes:
@@ -251,8 +254,8 @@ class Lanes:
                 lane.ticket.trace.batch_sizes.append(len(decoding))
                 lane.answer, lane.waiting = out, None
                 self._advance(lane)
-        for lane in [lane for lane in self.lanes if not lane.free and lane.io]:  # each to its server's next chunk
-            self._advance(lane)
+        for lane in [lane for lane in self.lanes if not lane.free and lane.io and lane.waiting is None]:
+            self._advance(lane)  # to its server's next chunk, or through its next speculative round
         prefilling = [lane for lane in self.lanes if not lane.free and lane.waiting is None and not lane.io]
         if prefilling:
             beside = any(lane.waiting is not None for lane in self.lanes)  # its forward took the turn's budget

@@ -16,6 +16,7 @@ from .logprobs import reply_confidence
 from .sampling import SamplingParams
 from .session import OVERFLOW_POLICIES, Request
 from .spec import LoadSpec
+from .speculative import draft_line
 
 TRACE_FIELDS = (
     "ttft_ms",
@@ -41,6 +42,20 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
+    _draft_args(p)
+
+
+def _draft_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative", default=None, metavar="int4|lookup|PATH",
+                   help="speculative decoding: drafts from the model itself in int4, from n-grams of the conversation "
+                        "(lookup), or from a smaller model with the same tokenizer (PATH)")  # fmt: skip
+    p.add_argument("--draft-tokens", type=_at_least_one, default=4, metavar="K",
+                   help="tokens drafted a round at most (default 4; fewer while drafts are rejected)")  # fmt: skip
+
+
+def _drafting(ns) -> dict:
+    """A request's speculative settings from the command line."""
+    return {"speculative": ns.speculative, "draft_tokens": ns.draft_tokens}
 
 
 def _at_least_one(text: str) -> int:
@@ -166,7 +181,8 @@ def cmd_info(ns) -> int:
 
 def cmd_generate(ns) -> int:
     loaded, session = _open(ns)
-    weighed = dict(logprobs=ns.logprobs is not None, top_logprobs=ns.logprobs or 0, overflow=ns.overflow)
+    weighed = dict(logprobs=ns.logprobs is not None, top_logprobs=ns.logprobs or 0, overflow=ns.overflow,
+                   **_drafting(ns))  # fmt: skip
     if ns.raw:
         req = Request(prompt=ns.prompt, sampling=_sampling(ns), max_new_tokens=ns.max_new_tokens, **weighed)
     else:
@@ -183,6 +199,8 @@ def cmd_generate(ns) -> int:
             f"cache {result['cache']['positions']}/{result['cache']['capacity']}",
             file=sys.stderr,
         )
+        if t.get("speculative"):
+            print(draft_line(t["speculative"]), file=sys.stderr)
         if "confidence" in result:
             c = result["confidence"]
             mean = "—" if c["mean_logprob"] is None else f"{c['mean_logprob']:.3f}"
@@ -216,6 +234,7 @@ def cmd_replay(ns) -> int:
             sampling=_sampling(ns, overrides),
             max_new_tokens=step.get("max_new_tokens", ns.max_new_tokens),
             overflow=step.get("overflow", ns.overflow),
+            **_drafting(ns),
         )
         if "messages" in step:
             req = Request(messages=step["messages"], **common)
@@ -313,7 +332,7 @@ def cmd_chat(ns) -> int:
     def reply():
         nonlocal last
         req = Request(messages=list(msgs), sampling=_sampling(ns), max_new_tokens=ns.max_new_tokens,
-                      overflow=ns.overflow)  # fmt: skip
+                      overflow=ns.overflow, **_drafting(ns))  # fmt: skip
         print("assistant> ", end="", flush=True)
         last = run_request(session, req, stream_to=sys.stdout)
         if "error" in last:
@@ -417,6 +436,7 @@ def parser() -> argparse.ArgumentParser:
                    help="the KV pool's size in positions, shared by every request (default: parallel × capacity); "
                         "a request waits while its blocks would not fit beside the running ones'")  # fmt: skip
     p.add_argument("--queue-size", type=int, default=8, help="requests that may wait behind them before 429")
+    _draft_args(p)
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     _overflow_arg(p, ' (for a request that names none; a request\'s own "overflow" field wins)')
     p = sub.add_parser("search", help="text-generation models on the Hugging Face Hub (HF_ENDPOINT)")

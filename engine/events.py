@@ -89,6 +89,8 @@ class Token:
     time: float  # emission time on trace.now
     cache_positions: int | None  # consumed positions when this token was emitted (it is not); None: not known
     logprobs: StepLogprobs | None = None  # what the model weighed at this step; None: not asked for
+    draft: str = ""  # speculative decoding: "accepted" (drafted, and the target agreed), "corrected" (the target's
+    # own where it rejected a draft), "target" (its own, nothing drafted there); "" without drafts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +103,7 @@ class Finished:
     reuse: ReuseReport
     tail: str = ""  # text the streamed deltas had not yet shown (a character cut at the end)
     logprobs: tuple[StepLogprobs, ...] = ()  # each output token's, when the request asked for them
+    drafts: tuple[str, ...] = ()  # each output token's part in speculative decoding (Token.draft); () without
 
 
 @dataclasses.dataclass(frozen=True)

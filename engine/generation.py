@@ -13,7 +13,7 @@ import torch
 
 from . import trace as tracing
 from .backends.cuda_graph import GraphDecoder, graphs_wanted
-from .events import Token
+from .events import WAITING, Token
 from .kv_cache import make_cache
 from .logprobs import step_logprobs
 from .sampling import draw
@@ -140,6 +140,8 @@ def alone(steps: Iterator) -> Iterator:
                 return
             if isinstance(item, StepWanted):
                 answer = item.decoder.step(item.token)
+            elif item is WAITING:  # a speculative round's end: nothing else runs beside it here
+                answer = None
             else:
                 answer = None
                 yield item
@@ -147,48 +149,87 @@ def alone(steps: Iterator) -> Iterator:
         steps.close()
 
 
-def decode(req, logits: torch.Tensor, decoder: Decoder, ids: list[int], tok, stream, trace, cancel: threading.Event):
-    """The decode loop: token k selected from `logits` ([1, 1, V]), streamed as a Token event, then consumed
-    for k+1 (a StepWanted) unless the request stops there. Returns (the stop reason, the tokens, their
-    StepLogprobs)."""
-    cache = decoder.cache
-    gen = None
-    if not req.sampling.greedy:
-        gen = torch.Generator(device="cpu")
-        gen.manual_seed(req.sampling.seed if req.sampling.seed is not None else torch.seed())
-    use_penalty = req.sampling.repetition_penalty != 1.0
-    out: list[int] = []
-    steps = []  # each token's StepLogprobs, when asked for
-    reason = "max_new_tokens"
-    for k in range(1, req.max_new_tokens + 1):
-        row = logits[0, -1].float().cpu() if gen is not None or use_penalty else logits[0, -1]  # [V]
-        seen = torch.tensor(ids, dtype=torch.long, device=row.device) if use_penalty else None
-        token, drawn = draw(row, req.sampling, gen, seen)
-        if token in tok.stop_ids and not req.ignore_eos:
-            reason = "eos"
-            break
+class Reply:
+    """The tokens of one reply as they are chosen: each drawn from a step's logits under the request's sampling (its
+    own seeded generator), told as a Token event, and checked against the request's stops — a stop token, a stop
+    string, its token limit, Stop, the cache's capacity (`reason` says which). The decode loop and the speculative
+    one both choose their tokens through it."""
+
+    def __init__(self, req, tok, stream, trace, cache, cancel: threading.Event):
+        self.req, self.tok, self.stream, self.trace, self.cache, self.cancel = req, tok, stream, trace, cache, cancel
+        self.generator = None
+        if not req.sampling.greedy:
+            self.generator = torch.Generator(device="cpu")
+            self.generator.manual_seed(req.sampling.seed if req.sampling.seed is not None else torch.seed())
+        self.penalty = req.sampling.repetition_penalty != 1.0
+        self.out: list[int] = []
+        self.steps = []  # each token's StepLogprobs, when asked for
+        self.drafts: list[str] = []  # each token's part in speculative decoding ("" without)
+        self.reason = "max_new_tokens"
+
+    def row(self, logits: torch.Tensor) -> torch.Tensor:
+        """A step's logits [V] where the sampler reads them (the host, for a generator or a penalty)."""
+        return logits.float().cpu() if self.generator is not None or self.penalty else logits
+
+    def seen(self, ids: list[int], row: torch.Tensor) -> torch.Tensor | None:
+        """The ids a repetition penalty weighs (None without one)."""
+        return torch.tensor(ids, dtype=torch.long, device=row.device) if self.penalty else None
+
+    def choose(self, row: torch.Tensor, ids: list[int]) -> tuple[int, torch.Tensor]:
+        """The next token from a step's logits `row` [V] after `ids`, and the logits it was drawn from."""
+        return draw(row, self.req.sampling, self.generator, self.seen(ids, row))
+
+    def emit(self, token: int, row: torch.Tensor, drawn: torch.Tensor, positions: int, draft: str = "") -> Token | None:
+        """The Token event for `token` (chosen from `row`, drawn from `drawn`; `positions` consumed when it was
+        chosen), or None where it is a stop token: the reply ends there (reason eos)."""
+        req = self.req
+        if token in self.tok.stop_ids and not req.ignore_eos:
+            self.reason = "eos"
+            return None
         weighed = None
         if req.logprobs:
             greedy = req.sampling.greedy
             weighed = step_logprobs(
-                row, drawn, token, req.top_logprobs, greedy, tok.token_text, greedy and not use_penalty
+                row, drawn, token, req.top_logprobs, greedy, self.tok.token_text, greedy and not self.penalty
             )
-            steps.append(weighed)
+            self.steps.append(weighed)
         t = tracing.now()
-        trace.token_times.append(t)
-        out.append(token)
-        yield Token(k, token, stream.push(token), t, cache.length, weighed)
-        if req.stop_strings and any(s in stream.new_text for s in req.stop_strings):
-            reason = "stop_string"
+        self.trace.token_times.append(t)
+        self.out.append(token)
+        self.drafts.append(draft)
+        return Token(len(self.out), token, self.stream.push(token), t, positions, weighed, draft)
+
+    def done(self, positions: int) -> bool:
+        """Whether the reply stops after its last token (`reason` says why), `positions` consumed then."""
+        req = self.req
+        if req.stop_strings and any(s in self.stream.new_text for s in req.stop_strings):
+            self.reason = "stop_string"
+        elif len(self.out) == req.max_new_tokens:
+            self.reason = "max_new_tokens"
+        elif self.cancel.is_set():
+            self.reason = "cancelled"
+        elif positions >= self.cache.capacity:
+            self.reason = "capacity"
+        else:
+            return False
+        return True
+
+
+def decode(req, logits: torch.Tensor, decoder: Decoder, ids: list[int], tok, stream, trace, cancel: threading.Event):
+    """The decode loop: token k selected from `logits` ([1, 1, V]), streamed as a Token event, then consumed
+    for k+1 (a StepWanted) unless the request stops there. Returns the Reply (its stop reason, tokens, their
+    StepLogprobs)."""
+    cache = decoder.cache
+    reply = Reply(req, tok, stream, trace, cache, cancel)
+    for _ in range(req.max_new_tokens):
+        row = reply.row(logits[0, -1])  # [V]
+        token, drawn = reply.choose(row, ids)
+        event = reply.emit(token, row, drawn, cache.length)
+        if event is None:
             break
-        if k == req.max_new_tokens:
-            break
-        if cancel.is_set():
-            reason = "cancelled"
-            break
-        if cache.length >= cache.capacity:
-            reason = "capacity"
+        yield event
+        if reply.done(cache.length):
             break
         logits = yield StepWanted(decoder, token)  # [1, 1, V]
         ids.append(token)
-    return reason, out, steps
+    return reply

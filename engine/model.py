@@ -428,6 +428,31 @@ class Transformer(nn.Module):
             return [self.logits(x[b].view(1, 1, -1)) for b in range(len(tokens))]
         return [self.scaled(head[b].view(1, 1, -1)) for b in range(len(tokens))]
 
+    def forward_span(self, tokens: list[int], cache) -> torch.Tensor:
+        """`tokens` at positions cache.length.. of one sequence in one pass (a speculative verify): logits [n, V],
+        row i the logits after token i. Where the backend's one-call step takes them, each position is a row of its
+        batched step — the weights read once for all, each row bit for bit the decode step there alone (a row's
+        attention sees the rows before it: they wrote their K/V first); elsewhere a forward of the n positions,
+        as prefill computes them."""
+        start, n = cache.length, len(tokens)
+        step = self.decode_step
+        ready = step is not None and getattr(step, "batches", False) and self.cfg.rope.type != "longrope"
+        if n > 1 and ready and step.usable(cache) and start + n <= cache.capacity:
+            cache.reserve(start, start + n)
+            x = self.embed_ids(torch.tensor([[t] for t in tokens], device=self.norm.weight.device))  # [n, 1, D]
+            x = x.reshape(n, -1).contiguous()  # [n, D], updated in place
+            cos, sin = self.rope_tables(start + n)[0]
+            step.run_batch(x, [cache] * n, cos[start : start + n].contiguous(), sin[start : start + n].contiguous(),
+                           list(range(start, start + n)))  # fmt: skip
+            cache.length = start + n
+            normed = torch.cat([self.norm(x[b].view(1, -1)) for b in range(n)])  # [n, D], a row as alone
+            head = step.head_rows(normed) if hasattr(step, "head_rows") else None
+            if head is not None:
+                return self.scaled(head)  # [n, V]
+            return torch.cat([self.logits(x[b].view(1, 1, -1))[0] for b in range(n)])
+        ids = torch.tensor([tokens], device=self.norm.weight.device)  # [1, n]
+        return self.forward(ids, cache)[0]  # [1, n, V] -> [n, V]
+
     def forward_rows(self, tokens: list[int], caches: list) -> torch.Tensor:
         """B sequences' next positions (a token each, each cache at its own length) in one pass through the blocks:
         every product takes the B rows at once, so torch reads each weight once for all of them (a GPU; a CPU

@@ -38,6 +38,9 @@ class Request:
     reply_ids: tuple[int, ...] = ()  # tokens the reply starts with, after the prompt (a fork from a token)
     overflow: str = "stop"  # a prompt too long for the cache: refused (stop), or messages left out (OVERFLOW_POLICIES)
     share_prompt: bool = False  # once prefilled, its prompt's K/V go to the prefix store for requests beside it
+    speculative: str | None = None  # drafts: "int4" (the model itself in int4), "lookup" (n-grams of the context),
+    # or a model file or folder with the model's tokenizer (engine.speculative); None: none
+    draft_tokens: int = 4  # tokens drafted a round at most (fewer while drafts are rejected)
 
 
 def choice_requests(req: Request, n: int) -> list[Request]:

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import torch
 
 from . import trace as tracing
+from .devices import dtype_name
 from .disk_store import DiskStore
 from .errors import CapacityError, EngineError
 from .events import Failed, Finished, PrefillDone, PrefillProgress, PrefillStarted, ReuseReport
@@ -24,7 +25,8 @@ from .logprobs import check_top_logprobs
 from .prefix_store import PrefixStore, default_budget
 from .quant import PRECISIONS
 from .request import OVERFLOW_POLICIES, Fitted, Request, check_capacity, fit, positions_needed, render, turns
-from .weights.loading import LoadedModel
+from .speculative import check_tokens, open_drafter, speculate
+from .weights.loading import LoadedModel, load_model
 
 __all__ = [
     "FINGERPRINT_NAMES",
@@ -51,6 +53,7 @@ class Session:
         store: PrefixStore | None = None,
         traces: list | None = None,
         pool: BlockPool | None = None,
+        draft_models: dict | None = None,
     ):
         self.prefill_chunk = prefill_chunk  # None: prefill_chunk_for the model's dtype
         # The prefix store's bytes; None: a share of the memory free now; 0: no store.
@@ -60,6 +63,8 @@ class Session:
         self.capacity_setting = capacity
         self.traces: list[tracing.RequestTrace] = [] if traces is None else traces
         self.turn_budget = None  # the scheduler's prompt positions for a prefill forward now (None: the chunk)
+        self._drafter = None  # (kind, the model it drafts for, the drafter) of speculative requests
+        self.draft_models = {} if draft_models is None else draft_models  # (path, weights) -> (for, draft model)
         self.loaded: LoadedModel | None = None
         self._decoder: Decoder | None = None
         self.set_model(loaded, capacity)
@@ -69,7 +74,8 @@ class Session:
         over this one's KV pool, prefix store, disk tier and traces: a sequence of its own beside this one's (a lane
         of engine.batching), whose blocks a prompt they share is held in once."""
         return Session(self.loaded, self.capacity_setting, self.prefill_chunk, self.kv, disk=self.tiers.disk_tier,
-                       store=self.store, traces=self.traces, pool=self.pool)  # fmt: skip
+                       store=self.store, traces=self.traces, pool=self.pool,
+                       draft_models=self.draft_models)  # fmt: skip
 
     def same_setup(self, other: Session) -> bool:
         """Whether `other` runs this session's model, capacity, KV precision and chunk over its store and disk
@@ -93,6 +99,9 @@ class Session:
             raise EngineError(f"KV precision {kv!r} is not supported (supported: {', '.join(PRECISIONS)})")
         self.tiers.set_model(loaded, capacity, kv, self.prefill_chunk or prefill_chunk_for(loaded.dtype))
         self._decoder = Decoder(loaded, self.tiers.cache)  # a captured step belongs to one model and one cache
+        self.release_drafter()
+        if any(held[0] is not loaded for held in getattr(self, "draft_models", {}).values()):
+            self.draft_models.clear()  # drafts for another model
         self.loaded, self.capacity_setting, self.kv = loaded, asked, kv
         self.warm_up_ms: float | None = None
 
@@ -250,6 +259,12 @@ class Session:
             raise EngineError("the prompt is empty")
         self.check_capacity(len(prompt), req)
         check_top_logprobs(req.top_logprobs)
+        drafter = None
+        if req.speculative:  # refused before anything is computed: a draft that cannot draft says why
+            check_tokens(req.draft_tokens)
+            t0 = tracing.now()
+            drafter = self.drafter(req.speculative)
+            trace.draft_load_ms = round((tracing.now() - t0) * 1000.0, 3)
         reuse = tiers.prepare(prompt, req.label, fitted, req.overflow)
         trace.prompt_tokens, trace.reused, trace.computed = len(prompt), reuse.reused, reuse.computed
         stream = loaded.tokenizer.stream(req.reply_ids)  # a forced start: the reply's text goes on from it
@@ -272,12 +287,41 @@ class Session:
             self.store.insert(tiers.ids, tiers.cache, req.label)
         yield PrefillDone(reuse.reused, reuse.computed, trace.prefill_end - trace.prefill_start, tiers.cache.length)
 
-        reason, out, steps = yield from decode(
-            req, logits, self._decoder, tiers.ids, loaded.tokenizer, stream, trace, cancel
-        )
-        yield from self._finish(trace, reason, out, stream, reuse, req.stop_strings, steps)
+        args = (req, logits, self._decoder, tiers.ids, loaded.tokenizer, stream, trace, cancel)
+        if drafter is not None:
+            reply = yield from speculate(*args, drafter, req.draft_tokens)
+        else:
+            reply = yield from decode(*args)
+        yield from self._finish(trace, reply.reason, reply.out, stream, reuse, req.stop_strings, reply.steps,
+                                reply.drafts if drafter is not None else ())  # fmt: skip
 
-    def _finish(self, trace, reason, out, stream, reuse, stop_strings=(), steps=()):
+    def drafter(self, kind: str):
+        """The drafter for speculative requests of `kind` (engine.speculative.open_drafter), made once and kept while
+        the model stays: an int4 copy or a draft model is loaded on its first request, on this (the engine's)
+        thread."""
+        if self._drafter is not None and self._drafter[0] == kind and self._drafter[1] is self.loaded:
+            return self._drafter[2]
+        self.release_drafter()
+        loaded = self.loaded
+
+        def load(path, weights):  # one draft model for every lane of this model (each drafts on a cache of its own)
+            key = (str(path), weights)
+            held = self.draft_models.get(key)
+            if held is None or held[0] is not loaded:
+                held = (loaded, load_model(path, str(loaded.device), dtype_name(loaded.dtype), weights))
+                self.draft_models[key] = held
+            return held[1]
+
+        made = open_drafter(kind, loaded, self.cache.capacity, load)
+        self._drafter = (kind, loaded, made)
+        return made
+
+    def release_drafter(self) -> None:
+        if self._drafter is not None:
+            self._drafter[2].release()
+            self._drafter = None
+
+    def _finish(self, trace, reason, out, stream, reuse, stop_strings=(), steps=(), drafts=()):
         tail = stream.finish()
         text = stream.new_text
         if reason == "stop_string":  # the reply ends before the stop string
@@ -286,4 +330,4 @@ class Session:
         trace.status = "cancelled" if reason == "cancelled" else "finished"
         summary = trace.summary()
         self.tiers.save(summary.get("prefill_tok_s"), trace.computed)
-        yield Finished(reason, text, tuple(out), summary, self.cache_stats(), reuse, tail, tuple(steps))
+        yield Finished(reason, text, tuple(out), summary, self.cache_stats(), reuse, tail, tuple(steps), tuple(drafts))

@@ -64,6 +64,8 @@ class RequestTrace:
     prefill_chunks: int = 0  # the forwards its prefill took (other requests' steps ran between them)
     lane: int | None = None  # which of the engine's lanes ran it (engine.batching)
     policy: str | None = None  # the scheduler's policy it ran under (engine.batching.POLICY)
+    speculative: object = None  # its drafting's counts (engine.speculative.SpecStats), with drafts
+    draft_load_ms: float | None = None  # the draft model's load, inside its TTFT (its first speculative request)
     pool_wait_ms: float | None = None  # of its queue wait, the time it waited for the KV pool's room
     kv_blocks_promised: int | None = None  # the pool's blocks it was admitted with (prompt and reply at most)
 
@@ -153,7 +155,14 @@ class RequestTrace:
             "policy": self.policy,
             "pool_wait_ms": self.pool_wait_ms,
             "kv_blocks_promised": self.kv_blocks_promised,
+            "draft_load_ms": self.draft_load_ms,
+            "speculative": None if self.speculative is None else self.speculative.to_dict(*self._decode_span()),
         }
+
+    def _decode_span(self) -> tuple[int, float | None]:
+        """Tokens after the first, and the seconds they took (what drafting speeds up)."""
+        times = self.token_times
+        return len(times) - 1, (times[-1] - times[0]) if len(times) > 1 else None
 
 
 def summarize(traces: list[RequestTrace]) -> dict:

@@ -304,11 +304,13 @@ class DecodeLayers:
         slots = caches[0].k.shape[3]
         return all(self.usable(c) and c.k.shape[3] == slots and c.length < c.capacity for c in caches)
 
-    def run_batch(self, x: torch.Tensor, caches: list, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """x [B, D] (B sequences' embedded tokens, updated in place), each row at its cache's length and its K/V
+    def run_batch(self, x: torch.Tensor, caches: list, cos: torch.Tensor, sin: torch.Tensor, positions=None) -> None:
+        """x [B, D] (B sequences' embedded tokens, updated in place), each row at its cache's length (or at
+        `positions`: rows of one sequence at consecutive positions, each attending to those before it) and its K/V
         written there; cos, sin [B, d] each row's rotation. Each row computed as `run` computes it alone."""
         B = len(caches)
-        if not self.takes(caches):
+        pos = [c.length for c in caches] if positions is None else list(positions)
+        if not self.takes(caches) or any(p >= c.capacity for p, c in zip(pos, caches)):
             raise ValueError("a batch's caches must be the step's, of one capacity, with room")
         rows_of = (x.shape == (B, self.hidden), cos.shape == sin.shape == (B, self.head_dim))
         if not all(rows_of) or {x.dtype, cos.dtype, sin.dtype} != {self.dtype}:
@@ -320,7 +322,6 @@ class DecodeLayers:
             rows += [torch.empty(B * t.numel(), dtype=torch.float32) for t in self.scratch[6:]]  # fx, fy
             self._batch_scratch = (B, rows)
         rows = self._batch_scratch[1]
-        pos = [c.length for c in caches]
         lo = [0 if self.window is None else max(0, p - self.window + 1) for p in pos]
         n, slots = len(self.layers), caches[0].k.shape[3]
         tables = [c.kernel_table() for c in caches]

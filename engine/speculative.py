@@ -1,0 +1,384 @@
+"""Speculative decoding: a cheap drafter proposes the next few tokens, the model (the target) checks them all in one
+pass over its weights, keeps those it agrees with and corrects the first it does not. Three drafters: the loaded
+model quantized to int4 (its own draft: the same tokenizer, no second file), a smaller model with the same
+tokenizer, and n-gram lookup in the conversation itself (what an edit, a rewrite or code already holds).
+
+Under greedy sampling the output is token for token the target's alone: on kvchat's kernels the verify pass is the
+target's own decode step for each drafted position (rows of one sequence in the batched step), bit for bit. Under
+sampling the accept/reject rule of Leviathan et al. (2023) and Chen et al. (2023) keeps the target's
+distribution. Rejected positions are rolled back in both caches before anything stores them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from .errors import EngineError
+from .events import WAITING
+from .generation import Decoder, Reply, StepWanted
+from .kv_cache import make_cache
+from .sampling import sampling_logits
+
+KINDS = ("int4", "lookup")  # besides a path to a draft model with the target's tokenizer
+DEFAULT_TOKENS = 4  # tokens drafted a round
+MAX_TOKENS = 16
+LOOKUP_NGRAM = (3, 2, 1)  # the n-gram lengths prompt lookup tries, longest first (llama.cpp's default max is 3)
+ADAPT_WINDOW = 8  # rounds of acceptance the adaptive k looks back over
+PROBE_EVERY = 16  # rounds without drafting after which a model drafter tries again
+
+
+def check_kind(kind: str) -> None:
+    """`kind` names a drafter: int4, lookup, or a model file or folder that exists."""
+    if kind in KINDS:
+        return
+    path = Path(kind).expanduser()
+    if not path.exists():
+        raise EngineError(f"speculative draft {kind!r} is neither {' nor '.join(KINDS)} nor a model file or folder")
+
+
+def check_tokens(k: int) -> None:
+    if not 1 <= k <= MAX_TOKENS:
+        raise EngineError(f"draft tokens must be between 1 and {MAX_TOKENS}, not {k}")
+
+
+def same_tokenizer(target, draft) -> str | None:
+    """Why a draft model cannot draft for the target (another tokenizer), in words; None when it can."""
+    a = target.tokenizer.tok.get_vocab(with_added_tokens=True)
+    b = draft.tokenizer.tok.get_vocab(with_added_tokens=True)
+    if a == b:
+        return None
+    if len(a) != len(b):
+        return f"its tokenizer has {len(b):,} tokens, the model's {len(a):,}"
+    differ = sorted(set(a.items()) ^ set(b.items()), key=lambda kv: kv[1])
+    token, at = differ[0]
+    return f"its tokenizer maps {token!r} to another id than the model's (near id {at:,})"
+
+
+@dataclasses.dataclass
+class Draft:
+    """Up to k proposed tokens and, for a model's drafts under sampling, the distribution each was drawn from
+    ([V] probabilities; None: a point mass, as lookup's and greedy drafts are)."""
+
+    tokens: list[int]
+    probs: list[torch.Tensor | None]
+
+
+class LookupDrafter:
+    """Prompt lookup: the tokens that followed the last earlier occurrence of the context's final n-gram (n = 3,
+    2, 1, the longest that occurs), copied as the draft. Costs nothing where nothing matches."""
+
+    name = "lookup"
+    label = "n-gram lookup in the conversation"
+
+    def propose(self, context: list[int], k: int, params, generator) -> Draft:
+        n_ctx = len(context)
+        for n in LOOKUP_NGRAM:
+            if n_ctx <= n:
+                continue
+            tail = context[-n:]
+            for start in range(n_ctx - n - 1, -1, -1):  # the most recent earlier occurrence first
+                if context[start : start + n] == tail:
+                    got = context[start + n : start + n + k]
+                    if got:
+                        return Draft(got, [None] * len(got))
+        return Draft([], [])
+
+    def accepted(self, context: list[int]) -> None:
+        """Nothing to keep in step: the lookup reads the context afresh."""
+
+    def release(self) -> None:
+        pass
+
+
+class ModelDrafter:
+    """A draft model's greedy (or, under sampling, drawn) continuation of the context, k tokens, decoded on a cache
+    of its own that follows the target's accepted tokens (what it drafted and the target rejected is rolled back)."""
+
+    def __init__(self, loaded, name: str, label: str, capacity: int):
+        self.loaded, self.name, self.label = loaded, name, label
+        self.cache = make_cache(loaded.config, capacity, loaded.dtype, loaded.device)
+        self.ids: list[int] = []  # what its cache holds
+
+    def _sync(self, context: list[int]) -> torch.Tensor:
+        """Its cache holds context[:-1] and the logits after context[-1] come back ([V])."""
+        keep = 0
+        for a, b in zip(self.ids, context[:-1]):
+            if a != b:
+                break
+            keep += 1
+        if keep >= len(context):
+            keep = len(context) - 1
+        self.cache.truncate(keep)
+        del self.ids[keep:]
+        device, model = self.loaded.device, self.loaded.model
+        logits = None
+        rest = context[keep:]
+        for a in range(0, len(rest), 256):
+            piece = rest[a : a + 256]
+            logits = model(torch.tensor([piece], device=device), self.cache, last_only=True)  # [1, 1, V]
+            self.ids.extend(piece)
+        return logits[0, -1]
+
+    def propose(self, context: list[int], k: int, params, generator) -> Draft:
+        room = self.cache.capacity - len(context) - 1
+        k = min(k, room)
+        if k <= 0:
+            return Draft([], [])
+        row = self._sync(context)
+        out, probs = [], []
+        device, model = self.loaded.device, self.loaded.model
+        for i in range(k):
+            drawn = sampling_logits(row, params)  # the draft samples as the target does (no penalty: cheaper)
+            if params.greedy:
+                token, p = int(torch.argmax(drawn)), None
+            else:
+                p = drawn.softmax(-1)
+                token = int(torch.multinomial(p, 1, generator=generator))
+            out.append(token)
+            probs.append(p)
+            if i + 1 < k:
+                row = model(torch.tensor([[token]], device=device), self.cache, last_only=True)[0, -1]
+                self.ids.append(token)
+        return Draft(out, probs)
+
+    def accepted(self, context: list[int]) -> None:
+        """The target kept `context`: drafts past it are rolled back at the next proposal (its cache follows)."""
+        keep = 0
+        for a, b in zip(self.ids, context):
+            if a != b:
+                break
+            keep += 1
+        if keep < len(self.ids):
+            self.cache.truncate(keep)
+            del self.ids[keep:]
+
+    def release(self) -> None:
+        self.cache.release()
+        self.ids = []
+
+
+def open_drafter(kind: str, target, capacity: int, load: Callable) -> LookupDrafter | ModelDrafter:
+    """The drafter `kind` names for the target model (`load(path, weights)`: the engine's loader, on the engine's
+    thread): int4 — the target's own weights quantized to int4 (its float or int8 weights: a file's own 4- or
+    5-bit codes are refused, with the reason); lookup; or a model with the target's tokenizer (refused with the
+    reason otherwise)."""
+    check_kind(kind)
+    if kind == "lookup":
+        return LookupDrafter()
+    if kind == "int4":
+        held = target.quantization
+        if held != "none" and not held.startswith("int8"):
+            raise EngineError(f"an int4 draft is the model's float (or int8) weights in int4; this one holds {held}: "
+                              "draft with lookup, or with a smaller model of the same tokenizer")  # fmt: skip
+        return ModelDrafter(load(target.path, "int4"), "int4", "the model itself in int4", capacity)
+    draft = load(Path(kind).expanduser(), "none")
+    why = same_tokenizer(target, draft)
+    if why is not None:
+        raise EngineError(f"{Path(kind).name} cannot draft for {target.name}: {why}")
+    return ModelDrafter(draft, Path(kind).name, draft.name, capacity)
+
+
+def accept_or_correct(p: torch.Tensor, q: torch.Tensor | None, token: int, generator) -> tuple[int, bool]:
+    """Leviathan et al.'s rule for one drafted token: p [V] the target's probabilities, q [V] the draft's (None: a
+    point mass on `token`). Accept with probability min(1, p(x)/q(x)); else draw from max(0, p − q) normalised.
+    The token that comes out is distributed as p, whatever q was. Returns (the token, whether the draft's)."""
+    qx = 1.0 if q is None else float(q[token])
+    px = float(p[token])
+    u = float(torch.rand((), generator=generator))
+    if qx > 0 and u < min(1.0, px / qx):
+        return token, True
+    rest = p.clone()
+    if q is None:
+        rest[token] = 0.0
+    else:
+        rest = torch.clamp(rest - q, min=0.0)
+    total = float(rest.sum())
+    if total <= 0:  # p ≤ q everywhere but where they are equal: any token of p's support
+        rest = p
+    return int(torch.multinomial(rest / rest.sum(), 1, generator=generator)), False
+
+
+class Adaptive:
+    """How many tokens to draft: k while drafts are taken, fewer as acceptance falls, none while they would cost more
+    than they save (a model drafter then tries again every PROBE_EVERY rounds); lookup drafts cost nothing, so they
+    always draft what they find."""
+
+    def __init__(self, k: int, adaptive: bool, free: bool):
+        self.k, self.adaptive, self.free = k, adaptive, free
+        self.recent: list[float] = []
+        self.idle = 0
+
+    def now(self) -> int:
+        if not self.adaptive or self.free or len(self.recent) < 2:
+            return self.k
+        rate = sum(self.recent) / len(self.recent)
+        if rate < 0.25:
+            self.idle += 1
+            if self.idle < PROBE_EVERY:
+                return 0
+            self.idle, self.recent = 0, []
+            return self.k
+        return max(1, min(self.k, round(self.k * rate / 0.75)))
+
+    def round(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            self.recent = [*self.recent[-(ADAPT_WINDOW - 1) :], accepted / drafted]
+
+
+@dataclasses.dataclass
+class SpecStats:
+    """A reply's drafting, as the panel, the trace and the server's report count it."""
+
+    draft: str
+    label: str
+    k: int
+    rounds: int = 0  # verify passes that checked one or more drafted tokens
+    drafted: int = 0
+    accepted: int = 0
+    by_position: list[int] = dataclasses.field(default_factory=list)  # accepted at draft position i (of rounds)
+    offered: list[int] = dataclasses.field(default_factory=list)  # drafted at position i
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    target_step_ms: float | None = None  # one plain decode step of the target, measured in this reply
+    rolled_back: int = 0  # drafted positions written and then thrown away
+
+    def add(self, drafted: int, accepted: int) -> None:
+        self.rounds += drafted > 0
+        self.drafted += drafted
+        self.accepted += accepted
+        for i in range(drafted):
+            while len(self.offered) <= i:
+                self.offered.append(0)
+                self.by_position.append(0)
+            self.offered[i] += 1
+            self.by_position[i] += i < accepted
+
+    def to_dict(self, tokens: int, seconds: float | None) -> dict:
+        rate = self.accepted / self.drafted if self.drafted else None
+        per_token = seconds / tokens * 1000 if seconds and tokens else None
+        speedup = self.target_step_ms / per_token if self.target_step_ms and per_token else None
+        return {
+            "draft": self.draft,
+            "label": self.label,
+            "k": self.k,
+            "rounds": self.rounds,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance": rate,
+            "acceptance_by_position": [a / o if o else None for a, o in zip(self.by_position, self.offered)],
+            "draft_ms": round(self.draft_ms, 3),
+            "verify_ms": round(self.verify_ms, 3),
+            "rolled_back": self.rolled_back,
+            "target_step_ms": self.target_step_ms,
+            "ms_per_token": per_token,
+            "speedup": speedup,
+        }
+
+
+def _ms_since(t0: float) -> float:
+    return (time.perf_counter() - t0) * 1000.0
+
+
+def speculate(req, logits: torch.Tensor, decoder: Decoder, ids: list[int], tok, stream, trace,
+              cancel: threading.Event, drafter, k: int):  # fmt: skip
+    """The decode loop with drafts. Token 1 comes from the prompt's `logits` ([1, 1, V]) and one plain step of the
+    target follows (timed: what the drafting is weighed against). Then each round: the drafter proposes up to k
+    tokens after the last chosen one; the target consumes that token and the drafts in one pass (forward_span)
+    and chooses, position by position, the token it would have chosen there — a draft it agrees with is accepted
+    (under sampling: accepted or replaced by accept_or_correct), the first it does not is corrected, and the
+    positions written for the drafts after it are rolled back. Where nothing is drafted the round is a plain
+    decode step (a StepWanted, batched with other requests'). Between rounds, WAITING lets a scheduler run the
+    others. Returns the Reply; `trace.speculative` holds the counts."""
+    cache, model, params = decoder.cache, decoder.loaded.model, req.sampling
+    reply = Reply(req, tok, stream, trace, cache, cancel)
+    stats = trace.speculative = SpecStats(drafter.name, drafter.label, k)
+    plan = Adaptive(k, True, isinstance(drafter, LookupDrafter))
+    kind = "target"
+    row = reply.row(logits[0, -1])  # [V]
+    token, drawn = reply.choose(row, ids)
+    plain = True  # the first step after token 1 is a plain one, timed
+    while True:
+        event = reply.emit(token, row, drawn, cache.length, kind)
+        if event is None:
+            return reply
+        yield event
+        if reply.done(cache.length):
+            return reply
+        room = min(plan.now(), cache.capacity - cache.length - 1, req.max_new_tokens - len(reply.out) - 1)
+        draft = Draft([], [])
+        if room > 0 and not plain:
+            t0 = time.perf_counter()
+            draft = drafter.propose(ids + [token], room, params, reply.generator)
+            stats.draft_ms += _ms_since(t0)
+        if not draft.tokens:
+            t0 = time.perf_counter()
+            logits = yield StepWanted(decoder, token)  # [1, 1, V]
+            ids.append(token)
+            row = reply.row(logits[0, -1])
+            token, drawn = reply.choose(row, ids)
+            if plain:
+                stats.target_step_ms, plain = round(_ms_since(t0), 3), False
+            kind = "target"
+            continue
+        t0 = time.perf_counter()
+        rows = model.forward_span([token, *draft.tokens], cache)  # [j + 1, V]
+        ids.append(token)
+        p, j = len(ids), len(draft.tokens)  # positions consumed through the chosen token; drafts
+        accepted = 0
+        for i in range(j + 1):
+            row = reply.row(rows[i])
+            seen = ids + draft.tokens[:i]
+            if i < j and params.greedy:
+                token, drawn = reply.choose(row, seen)
+                ok = token == draft.tokens[i]
+            elif i < j:
+                drawn = sampling_logits(row, params, reply.seen(seen, row))
+                token, ok = accept_or_correct(drawn.softmax(-1), draft.probs[i], draft.tokens[i], reply.generator)
+            else:
+                token, drawn = reply.choose(row, seen)
+                ok = False
+            if i == 0:
+                stats.verify_ms += _ms_since(t0)  # the choice of the first reads the logits: the pass has run
+            kind = "accepted" if ok else "corrected" if i < j else "target"
+            if not ok:
+                break
+            accepted += 1
+            event = reply.emit(token, row, drawn, p + i, kind)
+            if event is not None:
+                yield event
+            if event is None or reply.done(p + i):
+                _keep(cache, p + i, stats)
+                ids.extend(draft.tokens[:i])
+                stats.add(j, accepted)
+                return reply
+        stats.add(j, accepted)
+        _keep(cache, p + accepted, stats)  # the chosen token and the accepted drafts; the rest rolled back
+        ids.extend(draft.tokens[:accepted])
+        drafter.accepted(ids)
+        plan.round(j, accepted)
+        yield WAITING
+
+
+def _keep(cache, n: int, stats: SpecStats) -> None:
+    """Keep n consumed positions: those written for rejected drafts are rolled back (their blocks given back)."""
+    if cache.length > n:
+        stats.rolled_back += cache.length - n
+        cache.truncate(n)
+
+
+def draft_line(s: dict) -> str:
+    """A reply's drafting in one line (the CLI's): what drafted, how much the target took, by position, the
+    costs, and the speed against the target's own step measured in the reply."""
+    if not s.get("drafted"):
+        return f"drafts ({s['label']}): none this reply"
+    by = " ".join("—" if r is None else f"{r:.0%}" for r in s["acceptance_by_position"])
+    speed = f" · {s['speedup']:.2f}× the model alone ({s['target_step_ms']:.1f} ms a step)" if s.get("speedup") else ""
+    return (f"drafts ({s['label']}): {s['accepted']:,} of {s['drafted']:,} accepted ({s['acceptance']:.0%}; by "
+            f"position {by}) in {s['rounds']:,} rounds · drafting {s['draft_ms']:,.0f} ms, verifying "
+            f"{s['verify_ms']:,.0f} ms{speed}")  # fmt: skip

@@ -1,0 +1,168 @@
+"""Speculative decoding (engine.speculative): under greedy sampling a reply with drafts — the model itself in int4,
+n-gram lookup, a smaller model with the same tokenizer — is token for token the model's alone, at every weight
+precision, across the prefix store and an edit; the accept/reject rule keeps the target's distribution; rejected
+drafts leave nothing in the working cache, the store or the disk tier; a draft with another tokenizer is refused
+with the reason; and a drafting request runs beside others on the engine's lanes."""
+
+import collections
+import threading
+
+import pytest
+import torch
+
+from checkpoints import make_checkpoint
+from engine.disk_store import DiskStore
+from engine.events import Failed, Finished, PrefillStarted, Token
+from engine.scheduler import END, EngineThread
+from engine.session import Request, Session
+from engine.speculative import LookupDrafter, accept_or_correct, same_tokenizer
+from engine.weights.loading import load_model
+
+REPEAT = list(range(40, 72))  # a prompt that holds its own continuation: lookup finds drafts there
+
+
+@pytest.fixture(scope="module", params=["none", "int8", "int4"])
+def target(request, llama_dir):
+    return load_model(llama_dir, device="cpu", dtype="float32", weights=request.param)
+
+
+@pytest.fixture(scope="module")
+def small_draft(tmp_path_factory):
+    """A draft model in a folder of its own with the target's tokenizer: the tiny llama's own weights (seed 0), in
+    float32 — so it agrees with the float target and mostly with its int8 and int4 copies."""
+    return make_checkpoint(tmp_path_factory.mktemp("draft"), "llama", seed=0)
+
+
+def reply(session, ids, n=40, **kw):
+    events = list(session.generate(Request(prompt_ids=tuple(ids), max_new_tokens=n, ignore_eos=True, **kw)))
+    assert isinstance(events[-1], Finished), events[-1]
+    return events
+
+
+def drafts_of(events) -> str:
+    return "".join({"accepted": "a", "corrected": "c", "target": "t"}[e.draft] for e in events if isinstance(e, Token))
+
+
+def test_greedy_replies_with_every_kind_of_draft_are_the_models_alone(target, small_draft):
+    """A conversation of three turns — a new message, an edit of the first, a return to the first branch through
+    the prefix store — with no drafts, with the int4 copy (refused for an int4 model: its weights are 4-bit
+    already), with lookup, and with a draft model: the same tokens, every turn, and the drafts really ran."""
+    prompt = REPEAT + REPEAT[:9]
+    kinds = [None, "lookup", str(small_draft)] + ([] if target.quantization.startswith("int4") else ["int4"])
+    got = {}
+    for kind in kinds:
+        session = Session(target, capacity=512)
+        first = reply(session, prompt, speculative=kind)
+        edit = reply(session, [7, 8] + prompt[2:], speculative=kind)
+        back = reply(session, prompt + list(first[-1].token_ids) + [9, 10], speculative=kind)
+        got[kind] = [e[-1].token_ids for e in (first, edit, back)]
+        if kind is not None:
+            said = [e[-1].trace["speculative"] for e in (first, edit, back)]
+            assert sum(s["drafted"] for s in said) > 0 and sum(s["accepted"] for s in said) > 0, (kind, said)
+            assert "a" in drafts_of(first) + drafts_of(back), kind
+        start = next(e for e in back if isinstance(e, PrefillStarted))
+        assert start.reuse.source == "store" and start.reuse.reused > len(prompt), kind  # the first branch, back
+    for kind in kinds[1:]:
+        assert got[kind] == got[None], (target.quantization, kind)
+
+
+def test_an_int4_draft_is_refused_for_a_model_already_4_bit(llama_dir):
+    model = load_model(llama_dir, device="cpu", dtype="float32", weights="int4")
+    events = list(Session(model).generate(Request(prompt_ids=(5, 6, 7), max_new_tokens=4, speculative="int4")))
+    assert isinstance(events[-1], Failed) and "int4" in events[-1].error and "lookup" in events[-1].error
+    assert not any(isinstance(e, PrefillStarted) for e in events)  # refused before anything was computed
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused_with_the_reason(llama_dir, demo_model_dir):
+    model = load_model(llama_dir, device="cpu", dtype="float32")
+    events = list(Session(model).generate(Request(prompt_ids=(5, 6, 7), max_new_tokens=4,
+                                                 speculative=str(demo_model_dir))))  # fmt: skip
+    assert isinstance(events[-1], Failed), events[-1]
+    assert "cannot draft for" in events[-1].error and "tokenizer" in events[-1].error
+    assert same_tokenizer(model, model) is None
+
+
+def test_rejected_drafts_leave_nothing_in_the_cache_the_store_or_the_disk(llama_dir, tmp_path):
+    """A reply whose drafts are mostly rejected (a random draft model): the working cache holds exactly the
+    prompt and the reply's consumed tokens, each position's K/V bit for bit those of a reply without drafts, and
+    the prefix store and the disk tier hold the same blocks, the same values."""
+    model = load_model(llama_dir, device="cpu", dtype="float32")
+    draft = make_checkpoint(tmp_path / "draft", "llama", seed=11)
+    prompt = list(range(100, 160))
+    plain = Session(model, capacity=256, disk=DiskStore(tmp_path / "plain", 10**9))
+    spec = Session(model, capacity=256, disk=DiskStore(tmp_path / "spec", 10**9))
+    a = reply(plain, prompt, n=50)[-1]
+    b = reply(spec, prompt, n=50, speculative=str(draft))[-1]
+    s = b.trace["speculative"]
+    assert a.token_ids == b.token_ids and s["rolled_back"] > 0 and s["accepted"] < s["drafted"]
+    n = len(prompt) + len(a.token_ids) - 1  # the last token is never consumed
+    assert plain.cache.length == spec.cache.length == len(spec.ids) == n
+    for x, y in zip(plain.cache.take(0, n), spec.cache.take(0, n)):
+        assert torch.equal(x, y)
+    other = list(range(5, 40))
+    reply(plain, other, n=2)
+    reply(spec, other, n=2)  # the first conversation goes to the store
+    m1, m2 = plain.store.match(prompt), spec.store.match(prompt)
+    assert m1.length == m2.length == len(prompt)
+    for n1, n2 in zip(m1.path, m2.path):
+        assert n1.tokens == n2.tokens and all(torch.equal(x, y) for x, y in zip(n1.parts(0, 16), n2.parts(0, 16)))
+    plain.flush(), spec.flush()
+    assert plain.disk.stats(plain.disk_fingerprint)["blocks"] == spec.disk.stats(spec.disk_fingerprint)["blocks"]
+
+
+def test_the_accept_reject_rule_keeps_the_targets_distribution():
+    """Draw a draft token from q, keep it or replace it by the rule, 40,000 times: the tokens that come out are
+    distributed as p (a chi-square test), for a model's draft (q a distribution) and for lookup's (a point mass)."""
+    gen = torch.Generator().manual_seed(0)
+    p = torch.tensor([0.05, 0.30, 0.10, 0.25, 0.02, 0.28])
+    q = torch.tensor([0.30, 0.10, 0.20, 0.20, 0.15, 0.05])
+    trials = 40_000
+    for draft in (q, None):
+        counts = collections.Counter()
+        for _ in range(trials):
+            token = 3 if draft is None else int(torch.multinomial(draft, 1, generator=gen))
+            counts[accept_or_correct(p, draft, token, gen)[0]] += 1
+        observed = torch.tensor([counts[i] for i in range(6)], dtype=torch.float64)
+        expected = p.double() * trials
+        chi2 = float(((observed - expected) ** 2 / expected).sum())
+        assert chi2 < 20.5, (draft, observed / trials)  # 5 degrees of freedom: p > 0.001
+
+
+def test_sampled_replies_with_drafts_run_and_are_the_same_for_the_same_seed(llama_dir):
+    from engine.sampling import SamplingParams
+
+    model = load_model(llama_dir, device="cpu", dtype="float32")
+    sampling = SamplingParams(temperature=0.9, seed=3)
+    a = reply(Session(model), REPEAT, n=30, sampling=sampling, speculative="lookup")[-1]
+    b = reply(Session(model), REPEAT, n=30, sampling=sampling, speculative="lookup")[-1]
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 30 and a.trace["speculative"]["drafted"] > 0
+
+
+def test_lookup_copies_what_followed_the_last_match_of_the_context():
+    d = LookupDrafter()
+    assert d.propose([1, 2, 3, 4, 5, 1, 2, 3], 3, None, None).tokens == [4, 5, 1]
+    assert d.propose([9, 8, 7], 3, None, None).tokens == []
+    assert d.propose([1, 2, 9, 5, 1, 2], 2, None, None).tokens == [9, 5]  # the longest n-gram: [1, 2]
+
+
+def test_a_drafting_request_runs_beside_others_on_the_lanes(llama_dir):
+    """Three requests at once, the second drafting with lookup: each equals its run alone, the others' decode steps
+    batched, the drafting one's rounds between them."""
+    model = load_model(llama_dir, device="cpu", dtype="float32")
+    requests = [Request(prompt_ids=tuple(REPEAT[i:] + REPEAT), max_new_tokens=40, ignore_eos=True,
+                        speculative="lookup" if i == 1 else None) for i in range(3)]  # fmt: skip
+    alone = [list(Session(model).generate(r))[-1].token_ids for r in requests]
+    engine = EngineThread(parallel=4)
+    engine.session = engine.call(Session, model).result()
+    events, done = [[], [], []], threading.Semaphore(0)
+
+    def sink_for(i):
+        return lambda ev: done.release() if ev is END else events[i].append(ev)
+
+    tickets = [engine.submit(r, sink_for(i)) for i, r in enumerate(requests)]
+    for _ in requests:
+        assert done.acquire(timeout=120)
+    assert [e[-1].token_ids for e in events] == alone
+    assert events[1][-1].trace["speculative"]["accepted"] > 0
+    assert max(max(t.trace.batch_sizes or [1]) for t in (tickets[0], tickets[2])) == 2
+    engine.close(10)
