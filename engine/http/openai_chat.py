@@ -275,6 +275,9 @@ def report(ev: Finished | Failed, prompt_tokens: int) -> tuple[dict, dict]:
     else:
         out, completion, cached = {TRACE: ev.trace, ERROR: ev.error}, 0, 0
     out[PROMPT_TOKENS] = prompt_tokens
+    drafted = (out[TRACE] or {}).get("speculative")
+    if drafted:  # llama.cpp's names for a reply's drafts (its server's `timings`)
+        out["draft_n"], out["draft_n_accepted"] = drafted["drafted"], drafted["accepted"]
     usage = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import secrets
 import sys
@@ -70,10 +71,12 @@ def build_app(
     max_new_tokens: int | None = None,
     loopback: bool = True,
     overflow: str = "stop",
+    drafting: dict | None = None,
 ) -> Starlette:
     """The ASGI application over one EngineService. `loopback`: served on this machine only, so a request
     must name this machine as its Host and come from no other web page's Origin (a page in a browser, or
-    a DNS name rebound to 127.0.0.1, cannot reach it). `overflow`: the policy of a request that names none."""
+    a DNS name rebound to 127.0.0.1, cannot reach it). `overflow`: the policy of a request that names none.
+    `drafting`: every request's speculative decoding (Request.speculative, draft_tokens), None: none."""
     names = {service.model_id, str(service.loaded.path), service.loaded.name}
     default_new = max_new_tokens or service.session.cache.capacity
 
@@ -92,7 +95,10 @@ def build_app(
             raise ApiError(400, f"the request body is not valid JSON: {e}") from None
         except RecursionError:
             raise ApiError(400, "the request body is nested too deeply") from None
-        return body, *parse_chat(body, default_new, overflow)
+        req, opts = parse_chat(body, default_new, overflow)
+        if drafting and drafting.get("speculative"):
+            req = dataclasses.replace(req, **drafting)
+        return body, req, opts
 
     async def cached(http: HttpRequest):
         """How many positions of a conversation's prompt are cached now (the app's probe on opening one)."""
@@ -276,8 +282,21 @@ def serve(ns, load: Callable[[], tuple[LoadedModel, Session]]) -> int:
         load, ns.served_model_name, queue_size=ns.queue_size, parallel=ns.parallel, kv_pool=ns.kv_pool
     )
     loaded, session, model_id = service.loaded, service.session, service.model_id
+    drafting = {"speculative": ns.speculative, "draft_tokens": ns.draft_tokens} if ns.speculative else None
+    if drafting:  # the draft made (an int4 copy, a draft model loaded) before the first request: refused at once
+        try:
+            service.engine.call(service.session.drafter, ns.speculative).result()
+        except EngineError as e:
+            service.close()
+            print(f"error: --speculative {ns.speculative}: {e}", file=sys.stderr)
+            return 2
     app = build_app(
-        service, api_key=ns.api_key, max_new_tokens=ns.max_new_tokens, loopback=loopback, overflow=ns.overflow
+        service,
+        api_key=ns.api_key,
+        max_new_tokens=ns.max_new_tokens,
+        loopback=loopback,
+        overflow=ns.overflow,
+        drafting=drafting,
     )
     print(
         f"kvchat serving {model_id!r} ({loaded.device}, capacity {session.cache.capacity}, "

@@ -166,3 +166,42 @@ def test_a_drafting_request_runs_beside_others_on_the_lanes(llama_dir):
     assert events[1][-1].trace["speculative"]["accepted"] > 0
     assert max(max(t.trace.batch_sizes or [1]) for t in (tickets[0], tickets[2])) == 2
     engine.close(10)
+
+
+def test_engine_serve_drafts_every_reply_and_counts_them_under_vllms_and_llama_cpps_names(llama_dir, tmp_path):
+    """`engine serve --speculative int4`: each reply's kvchat report carries draft_n and draft_n_accepted (llama.cpp's
+    names) and the trace's speculative counts; /metrics counts them under vLLM's names, parsed by prometheus-client;
+    a draft that cannot draft (an int4 copy of a 4-bit model) stops the server at once with the reason."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from servers import engine_serve
+
+    server = engine_serve(tmp_path, "--model", str(llama_dir), "--speculative", "int4", "--draft-tokens", "3")
+    try:
+        drafted = accepted = 0
+        for i in range(2):
+            body = {"model": llama_dir.name, "messages": [{"role": "user", "content": f"go {i}"}], "max_tokens": 24,
+                    "ignore_eos": True}  # fmt: skip
+            r = httpx.post(server.url + "/chat/completions", json=body, timeout=60).json()
+            mine = r["kvchat"]
+            spec = mine["trace"]["speculative"]
+            assert spec["draft"] == "int4" and spec["k"] == 3 and mine["draft_n"] == spec["drafted"] > 0
+            assert mine["draft_n_accepted"] == spec["accepted"] <= mine["draft_n"]
+            drafted, accepted = drafted + mine["draft_n"], accepted + mine["draft_n_accepted"]
+        text = httpx.get(server.root + "/metrics", timeout=10).text
+        samples = {s.name + str(sorted(s.labels.items())): s.value for f in text_string_to_metric_families(text)
+                   for s in f.samples}  # fmt: skip
+        total = {k.split("[")[0]: v for k, v in samples.items() if "position" not in k}
+        assert total["vllm:spec_decode_num_draft_tokens_total"] == drafted
+        assert total["vllm:spec_decode_num_accepted_tokens_total"] == accepted
+        per = [v for k, v in samples.items() if k.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total")]
+        assert sum(per) == accepted and len(per) == 3
+    finally:
+        server.stop()
+    import subprocess
+    import sys
+
+    refused = subprocess.run([sys.executable, "-m", "engine", "serve", "--model", str(llama_dir), "--weights", "int4",
+                              "--speculative", "int4"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert refused.returncode == 2 and "--speculative int4" in refused.stderr and "lookup" in refused.stderr
