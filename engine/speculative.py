@@ -29,8 +29,10 @@ KINDS = ("int4", "lookup")  # besides a path to a draft model with the target's 
 DEFAULT_TOKENS = 4  # tokens drafted a round
 MAX_TOKENS = 16
 LOOKUP_NGRAM = (3, 2, 1)  # the n-gram lengths prompt lookup tries, longest first (llama.cpp's default max is 3)
-ADAPT_WINDOW = 8  # rounds of acceptance the adaptive k looks back over
-PROBE_EVERY = 16  # rounds without drafting after which a model drafter tries again
+ADAPT_WINDOW = 8  # drafting rounds the adaptive k weighs
+PROBE_EVERY = 16  # plain rounds after drafting stopped paying, before it tries again (doubling, to MAX_IDLE)
+MAX_IDLE = 256
+CATCH_UP = 8  # tokens a draft model consumes one decode step at a time (more: a prefill, as a prompt is)
 
 
 def check_kind(kind: str) -> None:
@@ -119,8 +121,9 @@ class ModelDrafter:
         device, model = self.loaded.device, self.loaded.model
         logits = None
         rest = context[keep:]
-        for a in range(0, len(rest), 256):
-            piece = rest[a : a + 256]
+        step = 1 if len(rest) <= CATCH_UP else 256  # a round's few tokens through the one-row step, a prompt in chunks
+        for a in range(0, len(rest), step):
+            piece = rest[a : a + step]
             logits = model(torch.tensor([piece], device=device), self.cache, last_only=True)  # [1, 1, V]
             self.ids.extend(piece)
         return logits[0, -1]
@@ -205,30 +208,49 @@ def accept_or_correct(p: torch.Tensor, q: torch.Tensor | None, token: int, gener
 
 
 class Adaptive:
-    """How many tokens to draft: k while drafts are taken, fewer as acceptance falls, none while they would cost more
-    than they save (a model drafter then tries again every PROBE_EVERY rounds); lookup drafts cost nothing, so they
-    always draft what they find."""
+    """How many tokens to draft, from what drafting has cost: a drafting round's time per token it gave (its drafts,
+    its verify) against a plain step of the model. Unless drafting saves a tenth, k falls by one; at one and still
+    no cheaper, nothing is drafted for a while (plain steps: PROBE_EVERY rounds, twice as long after each probe that
+    fails, up to MAX_IDLE), then k tries again from two; well cheaper, k grows back to what was asked. So text where
+    drafts fail costs about what the model alone costs."""
 
-    def __init__(self, k: int, adaptive: bool, free: bool):
-        self.k, self.adaptive, self.free = k, adaptive, free
-        self.recent: list[float] = []
-        self.idle = 0
+    def __init__(self, k: int):
+        self.k = self.asked = k
+        self.target_ms: float | None = None  # a plain step's time, recently
+        self.recent: list[tuple[float, int]] = []  # (ms, tokens) of recent drafting rounds
+        self.idle = 0  # plain rounds left before drafting again
+        self.backoff = PROBE_EVERY
 
     def now(self) -> int:
-        if not self.adaptive or self.free or len(self.recent) < 2:
-            return self.k
-        rate = sum(self.recent) / len(self.recent)
-        if rate < 0.25:
-            self.idle += 1
-            if self.idle < PROBE_EVERY:
-                return 0
-            self.idle, self.recent = 0, []
-            return self.k
-        return max(1, min(self.k, round(self.k * rate / 0.75)))
+        """Tokens to draft this round (0: a plain step)."""
+        if self.idle:
+            self.idle -= 1
+            return 0
+        return self.k
 
-    def round(self, drafted: int, accepted: int) -> None:
-        if drafted:
-            self.recent = [*self.recent[-(ADAPT_WINDOW - 1) :], accepted / drafted]
+    def plain(self, ms: float) -> None:
+        self.target_ms = ms if self.target_ms is None else 0.8 * self.target_ms + 0.2 * ms
+
+    def round(self, drafted: int, tokens: int, ms: float) -> None:
+        """A drafting round of `drafted` tokens gave `tokens` (the accepted and the target's own) in `ms`."""
+        if not drafted:
+            return
+        self.recent = [*self.recent[-(ADAPT_WINDOW - 1) :], (ms, tokens)]
+        if self.target_ms is None or len(self.recent) < 3:
+            return
+        per_token = sum(m for m, _ in self.recent) / sum(t for _, t in self.recent)
+        if per_token > 0.9 * self.target_ms:
+            self.recent = []
+            if self.k > 1:
+                self.k -= 1
+            else:
+                self.idle, self.k = self.backoff, min(2, self.asked)
+                self.backoff = min(MAX_IDLE, 2 * self.backoff)
+        elif per_token < 0.7 * self.target_ms:
+            self.backoff = PROBE_EVERY
+            if self.k < self.asked:
+                self.k += 1
+                self.recent = []
 
 
 @dataclasses.dataclass
@@ -298,7 +320,7 @@ def speculate(req, logits: torch.Tensor, decoder: Decoder, ids: list[int], tok, 
     cache, model, params = decoder.cache, decoder.loaded.model, req.sampling
     reply = Reply(req, tok, stream, trace, cache, cancel)
     stats = trace.speculative = SpecStats(drafter.name, drafter.label, k)
-    plan = Adaptive(k, True, isinstance(drafter, LookupDrafter))
+    plan = Adaptive(k)
     kind = "target"
     row = reply.row(logits[0, -1])  # [V]
     token, drawn = reply.choose(row, ids)
@@ -312,16 +334,17 @@ def speculate(req, logits: torch.Tensor, decoder: Decoder, ids: list[int], tok, 
             return reply
         room = min(plan.now(), cache.capacity - cache.length - 1, req.max_new_tokens - len(reply.out) - 1)
         draft = Draft([], [])
+        began = time.perf_counter()
         if room > 0 and not plain:
-            t0 = time.perf_counter()
             draft = drafter.propose(ids + [token], room, params, reply.generator)
-            stats.draft_ms += _ms_since(t0)
+            stats.draft_ms += _ms_since(began)
         if not draft.tokens:
             t0 = time.perf_counter()
             logits = yield StepWanted(decoder, token)  # [1, 1, V]
             ids.append(token)
             row = reply.row(logits[0, -1])
             token, drawn = reply.choose(row, ids)
+            plan.plain(_ms_since(t0))
             if plain:
                 stats.target_step_ms, plain = round(_ms_since(t0), 3), False
             kind = "target"
@@ -361,7 +384,7 @@ def speculate(req, logits: torch.Tensor, decoder: Decoder, ids: list[int], tok, 
         _keep(cache, p + accepted, stats)  # the chosen token and the accepted drafts; the rest rolled back
         ids.extend(draft.tokens[:accepted])
         drafter.accepted(ids)
-        plan.round(j, accepted)
+        plan.round(j, accepted + 1, _ms_since(began))
         yield WAITING
 
 
