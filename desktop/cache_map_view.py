@@ -24,6 +24,7 @@ ORIGIN_COLOURS = {
     "generated": "#d9bd2c",
     "pending": None,  # an outline in the computed colour
     "invalidated": None,  # an outline in the marker colour, crossed
+    "rejected": None,  # drafted and rejected: thrown away too, drawn so
     "empty": None,  # an outline in the theme's quiet colour
 }
 ROLE_COLOURS = {
@@ -129,11 +130,11 @@ class CacheMapGrid(QWidget):
                 if colour:
                     p.fillRect(r, QColor(colour))
                 else:
-                    edge = {"pending": ORIGIN_COLOURS["computed"], "invalidated": MARK}.get(origin)
+                    edge = {"pending": ORIGIN_COLOURS["computed"], "invalidated": MARK, "rejected": MARK}.get(origin)
                     p.setPen(QPen(QColor(edge) if edge else quiet, 1))
                     p.setBrush(Qt.NoBrush)
                     p.drawRect(r.adjusted(0, 0, -1, -1))
-                    if origin == "invalidated":
+                    if origin in ("invalidated", "rejected"):
                         p.drawLine(r.bottomLeft(), r.topRight())
                 if role:
                     p.fillRect(QRect(r.x(), r.y(), r.width(), BAND), QColor(ROLE_COLOURS[role]))

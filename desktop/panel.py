@@ -27,6 +27,7 @@ from .core.panel_words import (
     NOT_REPORTED,
     cached_words,
     disk_words,
+    draft_rows,
     dropped_words,
     fmt_bytes,
     fmt_figure,
@@ -45,6 +46,13 @@ PANEL_WORD = 16  # characters: a value's word longer than this gets places to wr
 
 SAME_CACHE = ("name", "backend", "server", "capacity", "dtype", "kv_cache")  # facts that, equal, mean one cache
 NOT_REPORTED_LOGPROBS = "not reported by this server"  # a remote server that sends no logprobs
+DRAFT_ROWS = [
+    ("draftValue", "Draft"),
+    ("acceptedValue", "Accepted"),
+    ("byPositionValue", "By draft position"),
+    ("draftCostValue", "Drafting · verifying"),
+    ("speedupValue", "Against the model alone"),
+]
 REUSE_ROWS = (
     "firstInvalidatedValue",
     "tokenChangeValue",
@@ -108,6 +116,8 @@ class StatsPanel(QScrollArea):
             ],
         )
         self.confidenceBox.setObjectName("confidenceBox")
+        self.draftsBox = self._group(lay, "Speculative decoding", DRAFT_ROWS)
+        self.draftsBox.setObjectName("draftsBox")
 
         cache_box = QGroupBox("KV cache")
         form = QFormLayout(cache_box)
@@ -221,6 +231,7 @@ class StatsPanel(QScrollArea):
         lay.addWidget(self.exportButton)
         lay.addStretch(1)
         self.facts: dict = {}
+        self.drafting = ""  # the draft the settings name now (Settings.speculative), for a reply made without one
 
     def _row(self, form, name, label):
         v = plain(QLabel(DASH))
@@ -396,6 +407,8 @@ class StatsPanel(QScrollArea):
         self.set("e2eValue", fmt_ms(s.figure("e2e_ms")))
         self.set("tokensValue", s.tokens_words)
         self.show_confidence(s)
+        for name, text in draft_rows((s.trace or {}).get("speculative"), s.steps, self.drafting).items():
+            self.set(name, text)
         if remote:
             self.set("serverTimingValue", server_timing(s.trace) if s.trace is not None else "after the reply")
         else:

@@ -35,6 +35,7 @@ from engine.http.remote import RemoteSpec, list_models
 from engine.quant import ACTIVATIONS, PRECISIONS
 from engine.session import DEFAULT_CAPACITY, OVERFLOW_POLICIES
 from engine.spec import LoadSpec
+from engine.speculative import MAX_TOKENS
 
 from .core.settings import DEFAULT_OVERFLOW, SYSTEM_PRESETS, Settings
 from .outside_text import plain, plain_tooltip, rich
@@ -47,6 +48,15 @@ OVERFLOW_HELP = (
     "transcript marks what the model no longer sees, and the panel says how many positions went."
 )
 
+DRAFT_CHOICES = (("Off", ""), ("The model itself in int4", "int4"), ("Lookup in the conversation", "lookup"),
+                 ("A draft model…", "model"))  # fmt: skip
+DRAFT_HELP = (
+    "Speculative decoding: a cheap draft proposes the next few tokens and the model checks them all in one pass, "
+    "keeping those it would have chosen itself (a greedy reply is the same token for token). The int4 copy of the "
+    "model drafts for its float or int8 weights; lookup copies what followed the same words earlier in the "
+    "conversation (edits, rewrites, code); a draft model must have the model's tokenizer. Tokens by drafts, above "
+    "the transcript, colours what was drafted and what the model corrected."
+)
 OWN_PRESET_ROLE = Qt.UserRole + 1  # a presets combo item's name when the preset is the person's own
 
 
@@ -184,6 +194,8 @@ class SettingsDialog(QDialog):
             "of positions and perplexity rises 0.3%)"
         )
         form.addRow("Activations (quantized weights)", self.activations)
+        drafts_page = QWidget()
+        self._drafting_rows(QFormLayout(drafts_page), settings)
         engine_form = form
         form = QFormLayout(chat_page)
         self.system = QPlainTextEdit(settings.system_prompt)
@@ -241,18 +253,54 @@ class SettingsDialog(QDialog):
         engine_form.addRow("Data", where)
         self.tabs.addTab(chat_page, "This conversation")
         self.tabs.addTab(engine_page, "Engine (all conversations)")
+        self.tabs.addTab(drafts_page, "Drafts (all conversations)")
         self._local_rows = (self.modelDir, browse, browse_file, self.device, self.dtype, self.capacity, self.weights)
         self._local_rows += (
             self.kv,
             self.cacheBudget,
             self.diskBudget,
             self.group,
+            self.speculative,
+            self.draftPath,
+            self.draftTokens,
         )  # the local engine's own: a server has its own
         self._backend_changed()
         buttons = QDialogButtonBox(QDialogButtonBox.Ok | QDialogButtonBox.Cancel)
         buttons.accepted.connect(self.accept)
         buttons.rejected.connect(self.reject)
         outer.addWidget(buttons)
+
+    def _drafting_rows(self, form, settings: Settings) -> None:
+        """Speculative decoding: off, the model itself in int4, lookup in the conversation, or a draft model's file
+        or folder (engine.speculative); and the tokens a round drafts at most."""
+        self.speculative = QComboBox()
+        self.speculative.setObjectName("speculativeCombo")
+        self.speculative.setAccessibleName("Speculative decoding")
+        for words, key in DRAFT_CHOICES:
+            self.speculative.addItem(words, key)
+        chosen = settings.speculative if settings.speculative in ("", "int4", "lookup") else "model"
+        self.speculative.setCurrentIndex(max(0, self.speculative.findData(chosen)))
+        self.speculative.setToolTip(plain_tooltip(DRAFT_HELP))
+        form.addRow("Speculative decoding", self.speculative)
+        self.draftPath = QLineEdit(settings.speculative if chosen == "model" else "")
+        self.draftPath.setObjectName("draftPathEdit")
+        self.draftPath.setAccessibleName("Draft model (folder or GGUF file)")
+        self.draftPath.setPlaceholderText("a smaller model with the same tokenizer: folder or GGUF file")
+        form.addRow("Draft model", self.draftPath)
+        self.draftTokens = self._spin(settings.draft_tokens, 1, MAX_TOKENS, "draftTokensSpin")
+        self.draftTokens.setToolTip("tokens drafted a round at most: fewer while drafts are rejected")
+        form.addRow("Draft tokens a round", self.draftTokens)
+
+        def chosen_changed() -> None:
+            self.draftPath.setEnabled(self.speculative.currentData() == "model")
+
+        self.speculative.currentIndexChanged.connect(lambda _: chosen_changed())
+        chosen_changed()
+
+    def _drafting(self) -> str:
+        """The settings' `speculative`: "", int4, lookup, or the draft model's path ("" where none is given)."""
+        key = self.speculative.currentData()
+        return self.draftPath.text().strip() if key == "model" else key
 
     @staticmethod
     def _combo(items, value, name):
@@ -399,4 +447,6 @@ class SettingsDialog(QDialog):
             remote_api_key=self.remoteKey.text().strip(),
             remote_model=self.remoteModel.currentText().strip(),
             user_presets=json.dumps(self._own_presets, ensure_ascii=False) if self._own_presets else "",
+            speculative=self._drafting(),
+            draft_tokens=self.draftTokens.value(),
         )

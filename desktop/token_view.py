@@ -1,5 +1,6 @@
-"""A reply token by token: each token's text on a background coloured by its probability or by the entropy at
-its step, and what the model weighed there (the chosen token raw against sampled, the alternatives) on hover
+"""A reply token by token: each token's text on a background coloured by its probability, by the entropy at its
+step or by its part in speculative decoding (drafted and accepted, corrected by the model), and what the model
+weighed there (the chosen token raw against sampled, the alternatives) on hover
 or when the keyboard moves to it (Left/Right). The colours are translucent over the theme's own background, so
 the text keeps the theme's contrast in both themes."""
 
@@ -17,7 +18,8 @@ from .core.panel_words import fmt_figure
 from .outside_text import plain, rich
 from .reply_widgets import FitTextEdit
 
-MODES = {"off": "Tokens: plain", "probability": "Tokens by probability", "entropy": "Tokens by entropy"}
+MODES = {"off": "Tokens: plain", "probability": "Tokens by probability", "entropy": "Tokens by entropy",
+         "drafts": "Tokens by drafts"}  # fmt: skip
 # (lower bound, colour or None, words), most confident first: probability of the chosen token (raw), and the
 # entropy of the step's distribution in nats
 BINS = {
@@ -25,7 +27,13 @@ BINS = {
                     (0.0, "#e0524a", "< 20%")),
     "entropy": ((0.0, None, "< 0.5 nats"), (0.5, "#6fa8e6", "0.5–1.5"), (1.5, "#4a6fd4", "1.5–3"),
                 (3.0, "#9a5cd6", "≥ 3 nats")),
+    "drafts": (("accepted", "#4fb36a", "drafted, accepted"), ("corrected", "#e0524a", "corrected by the model"),
+               ("target", None, "the model's own")),  # each token's part in speculative decoding (Token.draft)
 }  # fmt: skip
+DRAFT_WORDS = {"accepted": "drafted, and the model agreed: accepted", "corrected": "the model's own where it "
+               "rejected a draft: corrected", "target": "the model's own: nothing drafted here"}  # fmt: skip
+LEGEND_HEADS = {"probability": "chosen token's probability (raw):", "entropy": "entropy at the step:",
+                "drafts": "speculative decoding:"}  # fmt: skip
 ALPHA = 120  # of 255: translucent over the theme's background
 TOKEN_PAGE = 5_000  # tokens drawn at a time (a reply of 65,536 is drawn a page at a time: show_more)
 FORK_COLUMNS = 3  # fork buttons a row
@@ -42,6 +50,8 @@ def step_value(step: dict, mode: str) -> float | None:
 
 def bin_of(step: dict, mode: str) -> int | None:
     """The index in BINS[mode] a token falls in (None: its figure is not known)."""
+    if mode == "drafts":
+        return next((i for i, (kind, _, _) in enumerate(BINS[mode]) if kind == step.get("draft")), None)
     value = step_value(step, mode)
     if value is None:
         return None
@@ -61,6 +71,8 @@ def token_words(step: dict, index: int) -> list[str]:
     lp, sampled = step.get("logprob"), step.get("sampled_logprob")
     head = f"p {_pct(lp)} raw (log-probability {lp:.3f})" if isinstance(lp, (int, float)) else "p not known"
     lines.append(head + (f" · {_pct(sampled)} as sampled" if sampled is not None else " · sampled: not reported"))
+    if step.get("draft") in DRAFT_WORDS:
+        lines.append(DRAFT_WORDS[step["draft"]])
     if isinstance(step.get("entropy"), (int, float)):
         rank = step.get("rank")
         lines.append(
@@ -278,7 +290,7 @@ class TokenLegend(QLabel):
     def show_mode(self, mode: str) -> None:
         words = []
         if mode in BINS:
-            words = ["chosen token's probability (raw):" if mode == "probability" else "entropy at the step:"]
+            words = [LEGEND_HEADS[mode]]
             swatches = []
             for _, colour, text in BINS[mode]:
                 c = QColor(colour or "#00000000")

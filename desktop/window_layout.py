@@ -160,6 +160,7 @@ class WindowLayout:
 
         self.statsPanel = StatsPanel()
         self.statsPanel.exportRequested.connect(self.export_trace)
+        self.statsPanel.drafting = self.settings.speculative  # a reply made without drafts says what is set now
         self.requestsView = RequestsView()  # every request in flight on the engine, side by side
         self.panelTabs = QTabWidget()
         self.panelTabs.setObjectName("panelTabs")

@@ -128,6 +128,7 @@ class ModelSide:
             self.chat.guard(self.store.set_settings, cid, new.conversation_part())
         reload = new.engine() != self.settings.engine()
         self.settings = self.chat.settings = new
+        self.statsPanel.drafting = new.speculative
         new.save(self.qsettings)
         self.show_conversation_settings()
         self.show_meter()  # max new tokens may have changed

@@ -91,6 +91,7 @@ class Token:
     logprobs: StepLogprobs | None = None  # what the model weighed at this step; None: not asked for
     draft: str = ""  # speculative decoding: "accepted" (drafted, and the target agreed), "corrected" (the target's
     # own where it rejected a draft), "target" (its own, nothing drafted there); "" without drafts
+    rejected: int = 0  # drafted positions its round wrote and threw away: cache_positions.. onwards, rolled back
 
 
 @dataclasses.dataclass(frozen=True)

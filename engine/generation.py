@@ -179,9 +179,11 @@ class Reply:
         """The next token from a step's logits `row` [V] after `ids`, and the logits it was drawn from."""
         return draw(row, self.req.sampling, self.generator, self.seen(ids, row))
 
-    def emit(self, token: int, row: torch.Tensor, drawn: torch.Tensor, positions: int, draft: str = "") -> Token | None:
+    def emit(self, token: int, row: torch.Tensor, drawn: torch.Tensor, positions: int, draft: str = "",
+             rejected: int = 0) -> Token | None:  # fmt: skip
         """The Token event for `token` (chosen from `row`, drawn from `drawn`; `positions` consumed when it was
-        chosen), or None where it is a stop token: the reply ends there (reason eos)."""
+        chosen; `draft` and `rejected` as Token has them), or None where it is a stop token: the reply ends there
+        (reason eos)."""
         req = self.req
         if token in self.tok.stop_ids and not req.ignore_eos:
             self.reason = "eos"
@@ -197,7 +199,7 @@ class Reply:
         self.trace.token_times.append(t)
         self.out.append(token)
         self.drafts.append(draft)
-        return Token(len(self.out), token, self.stream.push(token), t, positions, weighed, draft)
+        return Token(len(self.out), token, self.stream.push(token), t, positions, weighed, draft, rejected)
 
     def done(self, positions: int) -> bool:
         """Whether the reply stops after its last token (`reason` says why), `positions` consumed then."""

@@ -321,12 +321,12 @@ def speculate(req, logits: torch.Tensor, decoder: Decoder, ids: list[int], tok, 
     reply = Reply(req, tok, stream, trace, cache, cancel)
     stats = trace.speculative = SpecStats(drafter.name, drafter.label, k)
     plan = Adaptive(k)
-    kind = "target"
+    kind, rejected = "target", 0
     row = reply.row(logits[0, -1])  # [V]
     token, drawn = reply.choose(row, ids)
     plain = True  # the first step after token 1 is a plain one, timed
     while True:
-        event = reply.emit(token, row, drawn, cache.length, kind)
+        event = reply.emit(token, row, drawn, cache.length, kind, rejected)
         if event is None:
             return reply
         yield event
@@ -347,7 +347,7 @@ def speculate(req, logits: torch.Tensor, decoder: Decoder, ids: list[int], tok, 
             plan.plain(_ms_since(t0))
             if plain:
                 stats.target_step_ms, plain = round(_ms_since(t0), 3), False
-            kind = "target"
+            kind, rejected = "target", 0
             continue
         t0 = time.perf_counter()
         rows = model.forward_span([token, *draft.tokens], cache)  # [j + 1, V]
@@ -381,6 +381,7 @@ def speculate(req, logits: torch.Tensor, decoder: Decoder, ids: list[int], tok, 
                 stats.add(j, accepted)
                 return reply
         stats.add(j, accepted)
+        rejected = j - accepted
         _keep(cache, p + accepted, stats)  # the chosen token and the accepted drafts; the rest rolled back
         ids.extend(draft.tokens[:accepted])
         drafter.accepted(ids)

@@ -23,6 +23,7 @@ ORIGINS = {
     "generated": "decoded now (the reply)",
     "pending": "to be computed (prefill under way)",
     "invalidated": "thrown away (invalidated, not refilled)",
+    "rejected": "thrown away: drafted, rejected by the model (its last round)",
     "empty": "free",
 }  # where a position's K/V came from in the last request, in words
 ROLES = {
@@ -58,6 +59,7 @@ class CacheMap:
     caption: str = "empty: nothing cached yet"  # which request left the cache so
     running: bool = False
     forced: int = 0  # the running request's reply starts with this many given tokens (a fork)
+    rejected: int = 0  # [length, length + rejected): drafted positions the last round wrote and threw away
     next_caption: str = ""  # the caption once the running request's prefill starts
     reported: bool = True  # False: a remote server, whose cache is its own
     version: int = 0  # bumped on every change: the view redraws only then
@@ -96,6 +98,7 @@ class CacheMap:
             self.ids.append(ev.token_id)
             if ev.cache_positions is not None:
                 self.length = ev.cache_positions
+            self.rejected = ev.rejected  # for the step that held them: the next token's round writes there
         elif isinstance(ev, (Finished, Failed)):
             self.running = False
             if self.reported:
@@ -134,7 +137,7 @@ class CacheMap:
     @property
     def extent(self) -> int:
         """Positions the map has anything to say about (the capacity, or more when a request ran past it)."""
-        return max(self.capacity, self.filled, self.held_before)
+        return max(self.capacity, self.filled, self.held_before, self.filled + self.rejected)
 
     def origins(self) -> list[tuple[int, int, str]]:
         """The positions as runs [start, end) of one origin, in order, over the extent."""
@@ -147,9 +150,12 @@ class CacheMap:
             (self.prompt, self.length, "generated"),
         ]
         out = [(a, min(b, live), o) for a, b, o in runs if min(b, live) > a]
-        if self.held_before > live:
-            out.append((live, self.held_before, "invalidated"))
-        end = max(live, self.held_before)
+        gone = live + self.rejected if self.running else live
+        if gone > live:
+            out.append((live, gone, "rejected"))
+        if self.held_before > gone:
+            out.append((gone, self.held_before, "invalidated"))
+        end = max(gone, self.held_before)
         if self.extent > end:
             out.append((end, self.extent, "empty"))
         return out

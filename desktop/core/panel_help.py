@@ -22,6 +22,21 @@ ROW_HELP = {
     "tokensValue": "Tokens this reply has (the stop token not counted).",
     "serverTimingValue": "Where the timing was measured: in this process, or a remote server's own figures when "
     "it reports them.",
+    # Speculative decoding
+    "draftValue": "What drafted this reply's tokens: the model itself quantized to int4, n-grams looked up in the "
+    "conversation, or a smaller model with the same tokenizer (Settings → Speculative decoding); and how many it "
+    "drafts a round at most (fewer while drafts are rejected, none while drafting does not pay).",
+    "acceptedValue": "Drafted tokens the model accepted: it checked each in one pass over its weights and kept "
+    "those it would have chosen itself (greedy), the first it would not replaced by its own. Accepted / drafted "
+    "is the acceptance rate; for the int4 draft, how often 4-bit weights agree with the full ones on the next "
+    "token.",
+    "byPositionValue": "The acceptance at each place in a draft: the 2nd token counts only where the 1st was "
+    "accepted, and so on.",
+    "draftCostValue": "The time this reply spent drafting (the draft's own steps, or the lookup) and verifying "
+    "(the model's passes over the drafted positions).",
+    "speedupValue": "A token's time with drafts (from token 1 to the last, over the tokens after the first) "
+    "against one plain decode step of the model, both measured in this reply on this machine: above 1× the "
+    "drafts paid.",
     # Confidence
     "meanLogprobValue": "The mean, over this reply's tokens, of each chosen token's log-probability under the "
     "model's own distribution (softmax of its logits at temperature 1, before any sampling setting). 0 is "

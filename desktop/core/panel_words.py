@@ -140,3 +140,51 @@ def cached_words(seen: dict | None) -> str:
         text += f": ≈ {fmt_ms(read)} to read" if read is not None else ": read time not measured yet"
         text += f" against ≈ {fmt_ms(prefill)} to prefill" if prefill is not None else ""
     return text
+
+
+ORDINALS = ("1st", "2nd", "3rd")
+INT4_MEANING = "the share of next tokens on which the 4-bit weights agree with the full ones"
+
+
+def draft_rows(spec: dict | None, steps: list[dict], asked: str = "") -> dict[str, str]:
+    """The Speculative decoding rows of one reply: its finished trace's counts (`spec`: engine.speculative's, or a
+    server's), or, while it streams, what its tokens say so far (`steps`' parts in the drafts); `asked`: the
+    draft the settings name (for a reply made without one)."""
+    kinds = [s.get("draft") for s in steps if isinstance(s, dict) and s.get("draft")]
+    if not spec and not kinds:
+        none = f"none for this reply (the settings now: {asked})" if asked else "none (Settings → Speculative decoding)"
+        return {"draftValue": none, **dict.fromkeys(("acceptedValue", "byPositionValue", "draftCostValue",
+                                                     "speedupValue"), DASH)}  # fmt: skip
+    if not spec:  # streaming: the tokens so far
+        took = kinds.count("accepted")
+        return {"draftValue": "drafting…", "acceptedValue": f"{took:,} of {len(kinds):,} tokens so far from drafts",
+                "byPositionValue": DASH, "draftCostValue": DASH, "speedupValue": DASH}  # fmt: skip
+    label = str(spec.get("label") or spec.get("draft") or "?")
+    k = spec.get("k")
+    out = {"draftValue": label + (f" · up to {k} a round" if isinstance(k, int) else "")}
+    n, ok, rate = spec.get("drafted"), spec.get("accepted"), spec.get("acceptance")
+    if not n:
+        out["acceptedValue"] = "nothing drafted (the drafts did not pay on this text: the model ran alone)"
+    else:
+        rounds = spec.get("rounds")
+        accepted = f"{ok:,} of {n:,} drafted ({rate:.0%})" + (f" in {rounds:,} rounds" if rounds else "")
+        if spec.get("draft") == "int4":
+            accepted += f": {INT4_MEANING}"
+        out["acceptedValue"] = accepted
+    by = spec.get("acceptance_by_position") or []
+    out["byPositionValue"] = (
+        " · ".join(
+            f"{ORDINALS[i] if i < 3 else f'{i + 1}th'} {DASH if r is None else f'{r:.0%}'}" for i, r in enumerate(by)
+        )
+        or NOT_REPORTED
+    )
+    d, v = spec.get("draft_ms"), spec.get("verify_ms")
+    out["draftCostValue"] = NOT_REPORTED if d is None or v is None else f"drafting {fmt_ms(d)} · verifying {fmt_ms(v)}"
+    speed, step, per = spec.get("speedup"), spec.get("target_step_ms"), spec.get("ms_per_token")
+    out["speedupValue"] = (
+        NOT_REPORTED
+        if speed is None
+        else f"{speed:.2f}× the model alone: {fmt_ms(per)} a token against {fmt_ms(step)} a step, both measured "
+        "in this reply"
+    )
+    return out

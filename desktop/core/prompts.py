@@ -29,8 +29,9 @@ class Prompts:
     def request(self, messages: list[dict], arrival: float, cid: int | None = None, **kw) -> Request:
         s = self.settings_for(cid)
         top = max(0, min(MAX_TOP_LOGPROBS, s.token_alternatives))
+        drafts = {"speculative": s.speculative or None, "draft_tokens": s.draft_tokens} if s.speculative else {}
         return Request(messages=messages, sampling=s.sampling(), max_new_tokens=s.max_new_tokens, arrival=arrival,
-                       logprobs=True, top_logprobs=top, overflow=s.policy, **kw)  # fmt: skip
+                       logprobs=True, top_logprobs=top, overflow=s.policy, **drafts, **kw)  # fmt: skip
 
     def label(self, cid: int, upto: list[Message]) -> str:
         """A name for a prompt in the prefix store's picture: the conversation's title, and the branch

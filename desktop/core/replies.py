@@ -87,6 +87,10 @@ def reply_footer(record: dict | None) -> str:
         parts.append(f"failed: {record.get('error') or 'unknown error'}")
     elif record.get("reason") in STOP_NAMES:
         parts.append(STOP_NAMES[record["reason"]])
+    spec = trace.get("speculative") if isinstance(trace.get("speculative"), dict) else None
+    if spec and isinstance(spec.get("draft"), str):
+        rate = spec.get("acceptance")
+        parts.append(f"drafts: {spec['draft']}" + (f", {rate:.0%} accepted" if _number(rate) else ""))
     if record.get("made_by"):
         parts.append(model_words(record["made_by"]))
     return " · ".join(parts)
@@ -207,7 +211,7 @@ class ReplyStats:
             self.token_times.append(ev.time)
             self.cache_positions = ev.cache_positions
             if ev.logprobs is not None:
-                self.steps.append(token_record(ev.text, ev.token_id, ev.logprobs))
+                self.steps.append(token_record(ev.text, ev.token_id, ev.logprobs, ev.draft))
             return ev.text
         elif isinstance(ev, Finished):
             self.trace, self.reuse, self.reason = ev.trace, ev.reuse.to_dict(), ev.reason
@@ -280,11 +284,11 @@ def left_out(messages, upto: list[Message], reuse: dict | None) -> list[int]:
     return [upto[i - first].id for i in dropped if 0 <= i - first < len(upto)]
 
 
-def token_record(shown: str, token_id: int, step) -> dict:
+def token_record(shown: str, token_id: int, step, draft: str = "") -> dict:
     """One token of a reply as it is kept with the reply: the text it added on screen (`shown`; a token inside
-    a character shows nothing, the next shows the character), its id (-1: a server that does not say) and
-    what the model weighed at its step (engine.logprobs.StepLogprobs)."""
-    return {"shown": shown, "token_id": token_id, **step.to_dict()}
+    a character shows nothing, the next shows the character), its id (-1: a server that does not say), what
+    the model weighed at its step (engine.logprobs.StepLogprobs) and, with drafts, its part in them (Token.draft)."""
+    return {"shown": shown, "token_id": token_id, **step.to_dict(), **({"draft": draft} if draft else {})}
 
 
 def title_from(text: str) -> str:

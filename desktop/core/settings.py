@@ -73,7 +73,9 @@ class Settings:
     theme: str = "system"  # system (the OS's colour scheme) | dark | light
     user_presets: str = ""  # the person's own system-prompt presets: a JSON object, name -> prompt
     token_alternatives: int = 5  # alternatives kept per token of a reply (0: only the chosen token's figures)
-    token_colours: str = "off"  # a reply's tokens coloured by: off | probability | entropy
+    token_colours: str = "off"  # a reply's tokens coloured by: off | probability | entropy | drafts
+    speculative: str = ""  # drafts for a local model's replies: "" none | int4 | lookup | a draft model's path
+    draft_tokens: int = 4  # tokens drafted a round at most (engine.speculative)
     overflow: str = DEFAULT_OVERFLOW  # a conversation longer than the cache: engine.session.OVERFLOW_POLICIES
     recent_models: str = ""  # the local models used lately, newest first: a JSON list of paths ("": the demo)
 

@@ -4,8 +4,10 @@ window at 1000×700 (reply-footer-meter-*-1000.png), the Settings dialog's sampl
 default size and its Hub tab offline; with `--only requests`, the Requests tab with three replies in flight
 (requests-three-in-flight.png: a model slow enough to catch them, e.g. the SmolLM2 GGUF); with `--only
 alternatives`, the same tab while three alternatives of one reply stream on the prompt's blocks, held once
-(requests-alternatives-shared.png). Run it under a
-display (Xvfb: what a person sees) into resources/screenshots; offscreen works too (Qt's own raster).
+(requests-alternatives-shared.png); with `--only drafts`, a code rewrite drafted by lookup in the conversation,
+its tokens coloured by their part in the drafts and the panel's Speculative decoding rows (tokens-drafts.png).
+Run it under a display (Xvfb: what a person sees) into resources/screenshots; offscreen works too (Qt's own
+raster).
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ MESSAGES = ("I am planning a trip to Chengdu for 3 nights. My budget is 600 yuan
 WINDOW = (1000, 700)
 
 
+REWRITE = (
+    "Rewrite this function with `prices` renamed to `amounts`, nothing else changed:\n\n"
+    "def total(prices, tax):\n    result = 0\n    for p in prices:\n        result = result + p * (1 + tax)\n"
+    "    return result"
+)
 REQUESTS = (
     "Plan three nights in Chengdu on 600 yuan.",
     "Explain a KV cache to a child.",
@@ -44,8 +51,10 @@ def take(out: Path, model: str | None, new_tokens: int, only: str = "all") -> li
     out.mkdir(parents=True, exist_ok=True)
     data = Path(tempfile.mkdtemp(prefix="kvchat-shots-"))
     os.environ["KVCHAT_DATA_DIR"] = str(data)
-    sampled = {"temperature": 0.8, "seed": 7} if only == "alternatives" else {}  # alternatives draw, not argmax
-    Settings(model=LoadSpec(path=model), max_new_tokens=new_tokens, **sampled).save(open_settings(data))
+    extra = {"temperature": 0.8, "seed": 7} if only == "alternatives" else {}  # alternatives draw, not argmax
+    if only == "drafts":
+        extra = {"speculative": "lookup", "token_colours": "drafts"}
+    Settings(model=LoadSpec(path=model), max_new_tokens=new_tokens, **extra).save(open_settings(data))
     app = QApplication.instance() or QApplication(["kvchat"])
     apply_style(app)
     loop = qasync.QEventLoop(app, already_running=False)
@@ -79,6 +88,8 @@ def take(out: Path, model: str | None, new_tokens: int, only: str = "all") -> li
             return await in_flight(w)
         if only == "alternatives":
             return await alternatives(w)
+        if only == "drafts":
+            return await drafted(w)
         for text in MESSAGES:
             done: list = []
             w.replyFinished.connect(done.append)
@@ -147,6 +158,22 @@ def take(out: Path, model: str | None, new_tokens: int, only: str = "all") -> li
         save("requests-alternatives-shared", w)
         w.close()
 
+    async def drafted(w) -> None:
+        """A code rewrite with lookup drafts: the reply coloured by its drafts, the panel's rows beside it."""
+        w.resize(1400, 900)
+        done: list = []
+        w.replyFinished.connect(done.append)
+        w.composer.setPlainText(REWRITE)
+        w.send()
+        await wait(lambda: done, 300)
+        w.select_message(w.chat.last_message().id)
+        w.pacer.draw_now()
+        await asyncio.sleep(0.3)
+        w.statsPanel.ensureWidgetVisible(w.statsPanel.draftsBox)
+        await asyncio.sleep(0.1)
+        save("tokens-drafts", w)
+        w.close()
+
     with loop:
         loop.run_until_complete(run())
     return written
@@ -158,8 +185,12 @@ def main(argv=None) -> int:
     ap.add_argument("out", type=Path, help="where the PNG files go (resources/screenshots for desktop/README.md)")
     ap.add_argument("--model", default=None, help="a model folder or GGUF file (default: the bundled demo model)")
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--only", choices=("all", "requests", "alternatives"), default="all",
-                    help="requests, alternatives: the Requests tab alone")  # fmt: skip
+    ap.add_argument(
+        "--only",
+        choices=("all", "requests", "alternatives", "drafts"),
+        default="all",
+        help="requests, alternatives: the Requests tab alone; drafts: a reply coloured by its drafts",
+    )
     ns = ap.parse_args(argv)
     for path in take(ns.out, ns.model, ns.new_tokens, ns.only):
         print(path)

@@ -362,7 +362,21 @@ class _Reply:
         summary = self.session._summary(self.trace, server, self.chunks)
         if usage.get("completion_tokens") is not None:
             summary["completion_tokens"] = usage["completion_tokens"]
+        summary["speculative"] = self._drafts(server)
         return summary
+
+    def _drafts(self, server: dict | None) -> dict | None:
+        """The server's own drafting for this reply: a kvchat server's counts, or llama.cpp's `draft_n` and
+        `draft_n_accepted` (checked: counts, accepted within drafted); None where it reports none."""
+        mine = (server or {}).get("speculative") if isinstance(server, dict) else None
+        if isinstance(mine, dict) and type(mine.get("drafted")) is int and type(mine.get("accepted")) is int:
+            return {k: v for k, v in mine.items() if k not in ("speedup", "target_step_ms", "ms_per_token")}
+        t = self.timings or {}
+        n, ok = t.get("draft_n"), t.get("draft_n_accepted")
+        if type(n) is not int or type(ok) is not int or not 0 <= ok <= n or n == 0:
+            return None
+        return {"draft": "the server's", "label": "the server's own draft (llama.cpp's draft_n)", "drafted": n,
+                "accepted": ok, "acceptance": ok / n}  # fmt: skip
 
     def _reuse(self, prompt: int | None, usage: dict) -> ReuseReport:
         if self.report and wire.REUSE in self.report:

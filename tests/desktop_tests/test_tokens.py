@@ -1,6 +1,7 @@
 """A reply token by token in the real window: the panel's confidence figures against the engine's own, the
 token colours switched on, a token's figures on the keyboard, and the figures kept with the reply."""
 
+import dataclasses
 import json
 import math
 
@@ -143,3 +144,47 @@ def test_a_server_that_sends_no_logprobs_is_said_so_and_one_that_does_is_read(qt
     p.show_confidence(told)
     assert p.values["lowConfidenceValue"].text() == "1 of 1 (100%)"
     assert p.values["perplexityValue"].text() == "4.00"
+
+
+def test_a_reply_with_drafts_shows_them_token_by_token_and_in_the_panel(qtbot, make_window, spin_loop, llama_dir):
+    """Drafts from the model itself in int4 (Settings' Drafts tab): the reply is the model's own token for token
+    (Regenerate without drafts gives the same), its footer names the draft, the panel's Speculative decoding rows
+    give the engine's counts and what the acceptance means, and *Tokens by drafts* colours each token by its part
+    in them, with the legend."""
+    from desktop.token_view import DRAFT_WORDS
+
+    w = make_window(llama_dir, max_new_tokens=60, speculative="int4", draft_tokens=3)
+    final = send(qtbot, w, spin_loop, "the cache the cache the cache")
+    spec = final.trace["speculative"]
+    assert spec["draft"] == "int4" and spec["k"] == 3 and spec["drafted"] > 0 and spec["accepted"] > 0
+    assert panel(w, "draftValue") == "the model itself in int4 · up to 3 a round"
+    accepted = panel(w, "acceptedValue")
+    assert accepted.startswith(f"{spec['accepted']:,} of {spec['drafted']:,} drafted ({spec['acceptance']:.0%})")
+    assert "4-bit weights agree with the full ones" in accepted
+    assert panel(w, "byPositionValue").startswith("1st ") and "drafting " in panel(w, "draftCostValue")
+    assert panel(w, "speedupValue").endswith("both measured in this reply")
+    reply = w.transcript.views[1]
+    assert f"drafts: int4, {spec['acceptance']:.0%} accepted" in reply.footerLabel.text()
+    kept = reply.message.trace["tokens"]
+    assert {t["draft"] for t in kept} <= {"accepted", "corrected", "target"} and any(
+        t["draft"] == "accepted" for t in kept
+    )
+    w.tokenColours.setCurrentIndex(w.tokenColours.findData("drafts"))
+    view = reply.tokenView
+    assert "drafted, accepted" in w.tokenLegend.accessibleDescription()
+    for k, i in enumerate(view.at):
+        cursor = view.textCursor()
+        cursor.setPosition(view.starts[k] + 1)
+        brush = cursor.charFormat().background()
+        want = BINS["drafts"][bin_of(kept[i], "drafts")][1]
+        assert (brush.color().name() if brush.style() != Qt.NoBrush else None) == want
+    first = next(k for k, i in enumerate(view.at) if kept[i]["draft"] == "accepted")
+    assert DRAFT_WORDS["accepted"] in view.details(view.at[first])
+
+    got = []
+    w.replyFinished.connect(got.append)
+    w.apply_settings(dataclasses.replace(w.settings, speculative=""))
+    qtbot.mouseClick(w.regenerateButton, Qt.LeftButton)
+    spin_loop(lambda: got)
+    assert got[0].token_ids == final.token_ids and got[0].trace["speculative"] is None  # greedy: the same reply
+    assert panel(w, "draftValue") == "none (Settings → Speculative decoding)"

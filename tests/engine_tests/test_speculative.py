@@ -174,7 +174,6 @@ def test_engine_serve_drafts_every_reply_and_counts_them_under_vllms_and_llama_c
     a draft that cannot draft (an int4 copy of a 4-bit model) stops the server at once with the reason."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
-
     from servers import engine_serve
 
     server = engine_serve(tmp_path, "--model", str(llama_dir), "--speculative", "int4", "--draft-tokens", "3")
