@@ -91,6 +91,9 @@ class LookupDrafter:
                         return Draft(got, [None] * len(got))
         return Draft([], [])
 
+    def prepare(self, ids: list[int]) -> None:
+        """Nothing to prepare: the lookup reads the context afresh."""
+
     def accepted(self, context: list[int]) -> None:
         """Nothing to keep in step: the lookup reads the context afresh."""
 
@@ -107,26 +110,28 @@ class ModelDrafter:
         self.cache = make_cache(loaded.config, capacity, loaded.dtype, loaded.device)
         self.ids: list[int] = []  # what its cache holds
 
-    def _sync(self, context: list[int]) -> torch.Tensor:
-        """Its cache holds context[:-1] and the logits after context[-1] come back ([V])."""
-        keep = 0
-        for a, b in zip(self.ids, context[:-1]):
-            if a != b:
-                break
-            keep += 1
-        if keep >= len(context):
-            keep = len(context) - 1
-        self.cache.truncate(keep)
-        del self.ids[keep:]
+    def prepare(self, ids: list[int]) -> None:
+        """Its cache holds `ids` (the prompt, before token 1: its prefill is then part of TTFT, not of decode);
+        what it held past their common prefix is rolled back."""
+        self.accepted(ids)
+        self._consume(ids[len(self.ids) :])
+
+    def _consume(self, tokens: list[int]) -> torch.Tensor | None:
+        """`tokens` into its cache — a round's few through the one-row step, a prompt in chunks; the logits after
+        the last ([V]), None for none."""
         device, model = self.loaded.device, self.loaded.model
         logits = None
-        rest = context[keep:]
-        step = 1 if len(rest) <= CATCH_UP else 256  # a round's few tokens through the one-row step, a prompt in chunks
-        for a in range(0, len(rest), step):
-            piece = rest[a : a + step]
+        step = 1 if len(tokens) <= CATCH_UP else 256
+        for a in range(0, len(tokens), step):
+            piece = tokens[a : a + step]
             logits = model(torch.tensor([piece], device=device), self.cache, last_only=True)  # [1, 1, V]
             self.ids.extend(piece)
-        return logits[0, -1]
+        return None if logits is None else logits[0, -1]
+
+    def _sync(self, context: list[int]) -> torch.Tensor:
+        """Its cache holds context[:-1] and the logits after context[-1] come back ([V])."""
+        self.prepare(context[:-1])
+        return self._consume(context[-1:])
 
     def propose(self, context: list[int], k: int, params, generator) -> Draft:
         room = self.cache.capacity - len(context) - 1
@@ -267,6 +272,7 @@ class SpecStats:
     offered: list[int] = dataclasses.field(default_factory=list)  # drafted at position i
     draft_ms: float = 0.0
     verify_ms: float = 0.0
+    draft_prefill_ms: float = 0.0  # the draft model's own prefill of the prompt, before token 1
     target_step_ms: float | None = None  # one plain decode step of the target, measured in this reply
     rolled_back: int = 0  # drafted positions written and then thrown away
 
@@ -295,6 +301,7 @@ class SpecStats:
             "acceptance": rate,
             "acceptance_by_position": [a / o if o else None for a, o in zip(self.by_position, self.offered)],
             "draft_ms": round(self.draft_ms, 3),
+            "draft_prefill_ms": self.draft_prefill_ms,
             "verify_ms": round(self.verify_ms, 3),
             "rolled_back": self.rolled_back,
             "target_step_ms": self.target_step_ms,
@@ -322,6 +329,9 @@ def speculate(req, logits: torch.Tensor, decoder: Decoder, ids: list[int], tok, 
     stats = trace.speculative = SpecStats(drafter.name, drafter.label, k)
     plan = Adaptive(k)
     kind, rejected = "target", 0
+    t0 = time.perf_counter()
+    drafter.prepare(ids)  # a draft model's own prefill of the prompt: inside TTFT, not inside decode
+    stats.draft_prefill_ms = round(_ms_since(t0), 3)
     row = reply.row(logits[0, -1])  # [V]
     token, drawn = reply.choose(row, ids)
     plain = True  # the first step after token 1 is a plain one, timed

@@ -93,6 +93,15 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--threads", type=int, default=None, help="threads for every engine (default: physical cores)")
     p.add_argument(
+        "--speculative",
+        default=None,
+        metavar="int4,lookup,PATH",
+        help="speculative decoding instead: each kind of draft against the model alone on a text, an edit and a "
+        "code rewrite (engine.tools.spec_bench), llama.cpp's prompt lookup beside lookup where it is installed",
+    )
+    p.add_argument("--draft-tokens", type=int, default=4, help="with --speculative: tokens drafted a round")
+    p.add_argument("--rounds", type=int, default=3, help="with --speculative: runs of each, alternating")
+    p.add_argument(
         "--plot",
         default=None,
         metavar="FILE.png",
@@ -134,6 +143,10 @@ def _runs(ns, device_type: str, have_llama: bool, have_hf: bool) -> list[tuple[s
 
 
 def run(ns) -> int:
+    if ns.speculative:
+        from ..spec_bench import run as speculative
+
+        return speculative(ns)
     if ns.plot and importlib.util.find_spec("matplotlib") is None:
         print("error: --plot needs matplotlib (pip install -e '.[bench]')", file=sys.stderr)
         return 2
