@@ -126,10 +126,11 @@ def run(ns) -> int:
                     continue
                 rate = statistics.median(r for r in got["rates"] if r)
                 s = got["last"].trace["speculative"]
-                rows.append({"task": task, "draft": kind, "decode_tok_s": round(rate, 2),
-                             "ratio": round(rate / base, 3), "acceptance": s["acceptance"], "by_position": s["acceptance_by_position"],
-                             "same_tokens": got["last"].token_ids == alone_ids,
-                             "tokens": len(got["last"].token_ids)})  # fmt: skip
+                rows.append({
+                    "task": task, "draft": kind, "decode_tok_s": round(rate, 2), "ratio": round(rate / base, 3),
+                    "acceptance": s["acceptance"], "by_position": s["acceptance_by_position"],
+                    "same_tokens": got["last"].token_ids == alone_ids, "tokens": len(got["last"].token_ids),
+                })  # fmt: skip
         reference = {"error": "not run: the model is not a GGUF file (llama.cpp reads GGUF)"}
         if str(path).endswith(".gguf"):
             try:
