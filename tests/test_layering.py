@@ -214,8 +214,8 @@ FLOORS = [
     ),
     ("backends", ("engine.backends",)),
     ("weights", ("engine.weights", "engine.hub", "engine.hub_transfer")),
-    ("runtime", ("engine.generation", "engine.session", "engine.compare", "engine.spec", "engine.batching",
-                 "engine.scheduler")),
+    ("runtime", ("engine.generation", "engine.speculative", "engine.session", "engine.compare", "engine.spec",
+                 "engine.batching", "engine.scheduler")),
     ("http", ("engine.http",)),
     ("entry points", ("engine", "engine.cli", "engine.__main__")),
 ]  # fmt: skip
