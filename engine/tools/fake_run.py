@@ -280,6 +280,34 @@ def _lanes_check(watch: Watch, root: Path, device: str, dtype: str) -> Check:
     return check
 
 
+def _drafts_check(watch: Watch, root: Path, device: str, dtype: str) -> Check:
+    """A reply with lookup drafts over a prompt that repeats itself: the verify pass (the model's forward over the
+    chosen token and the drafts) and the rollback of rejected positions, on the device."""
+    from ..session import Request, Session
+
+    check = Check(f"speculative decoding (lookup drafts), llama {dtype}")
+    script, watch.script = watch.script, itertools.cycle(PROMPT)  # the model "chooses" the prompt again: drafts agree
+    try:
+        loaded = _load(watch, root / "llama", device, dtype, check)
+        session = Session(loaded, capacity=CAPACITY, prefill_chunk=16)
+        req = Request(prompt_ids=PROMPT + PROMPT, max_new_tokens=LANE_STEPS, speculative="lookup", ignore_eos=True)
+        events = run_request(watch, session, req, check, device)
+        spec = (events[-1].trace or {}).get("speculative") if events else None
+        if not spec or not spec["drafted"]:
+            check.fail("nothing was drafted: the verify pass never ran")
+        else:
+            check.notes.append(f"{spec['drafted']} drafted in {spec['rounds']} verify passes, {spec['rolled_back']} "
+                               "positions rolled back")  # fmt: skip
+        if session.cache.length != len(session.ids):
+            check.fail(f"the cache holds {session.cache.length} positions for {len(session.ids)} ids")
+        check.decode_path = session.decode_path
+    except Exception as e:
+        check.fail(_failure(e))
+    finally:
+        watch.script = script
+    return check
+
+
 class ShapeReader:
     """A checkpoint's tensors as shapes only (empty tensors on the device): the product's build path for a memory
     plan of a model no file of which is here."""
@@ -361,6 +389,7 @@ def fake_report(device: str = "cuda", plans: bool = True) -> dict:
             checks = _generation_checks(watch, root, device, dtype)
             checks.append(_gguf_check(watch, root, device, dtype))
             checks.append(_lanes_check(watch, root, device, dtype))
+            checks.append(_drafts_check(watch, root, device, dtype))
             graph = [c for c in checks if any("CaptureReached" in n for n in c.notes)]
             if device == "cuda" and not graph:
                 checks.append(Check("CUDA graph's capture path", ok=False, error="the capture was never reached"))
