@@ -28,7 +28,7 @@ from .sampling import sampling_logits
 KINDS = ("int4", "lookup")  # besides a path to a draft model with the target's tokenizer
 DEFAULT_TOKENS = 4  # tokens drafted a round
 MAX_TOKENS = 16
-LOOKUP_NGRAM = (3, 2, 1)  # the n-gram lengths prompt lookup tries, longest first (llama.cpp's default max is 3)
+LOOKUP_NGRAM = (3, 2)  # the n-gram lengths prompt lookup tries, longest first (a single token matches too much)
 ADAPT_WINDOW = 8  # drafting rounds the adaptive k weighs
 PROBE_EVERY = 16  # plain rounds after drafting stopped paying, before it tries again (doubling, to MAX_IDLE)
 MAX_IDLE = 256
@@ -72,8 +72,8 @@ class Draft:
 
 
 class LookupDrafter:
-    """Prompt lookup: the tokens that followed the last earlier occurrence of the context's final n-gram (n = 3,
-    2, 1, the longest that occurs), copied as the draft. Costs nothing where nothing matches."""
+    """Prompt lookup: the tokens that followed the last earlier occurrence of the context's final n-gram (n = 3 or
+    2, the longest that occurs), copied as the draft. Costs nothing where nothing matches."""
 
     name = "lookup"
     label = "n-gram lookup in the conversation"
@@ -214,7 +214,7 @@ def accept_or_correct(p: torch.Tensor, q: torch.Tensor | None, token: int, gener
 
 class Adaptive:
     """How many tokens to draft, from what drafting has cost: a drafting round's time per token it gave (its drafts,
-    its verify) against a plain step of the model. Unless drafting saves a tenth, k falls by one; at one and still
+    its verify) against a plain step of the model. Unless drafting saves a tenth, k halves; at one and still
     no cheaper, nothing is drafted for a while (plain steps: PROBE_EVERY rounds, twice as long after each probe that
     fails, up to MAX_IDLE), then k tries again from two; well cheaper, k grows back to what was asked. So text where
     drafts fail costs about what the model alone costs."""
@@ -247,7 +247,7 @@ class Adaptive:
         if per_token > 0.9 * self.target_ms:
             self.recent = []
             if self.k > 1:
-                self.k -= 1
+                self.k //= 2
             else:
                 self.idle, self.k = self.backoff, min(2, self.asked)
                 self.backoff = min(MAX_IDLE, 2 * self.backoff)
