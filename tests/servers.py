@@ -110,7 +110,8 @@ class ScriptedServer:
                         await asyncio.sleep(0.05 if self.mode == "slow" else delay)
                         yield chunk({"content": words[i % len(words)]})
                     if self.mode == "llamacpp":  # llama-server: timings on the last chunk, no usage
-                        timings = {"cache_n": 30, "prompt_n": 10, "prompt_ms": 12.5, "predicted_n": 11}
+                        timings = {"cache_n": 30, "prompt_n": 10, "prompt_ms": 12.5, "predicted_n": 11,
+                                   "draft_n": 8, "draft_n_accepted": 5}  # fmt: skip  # a server with a draft model
                         yield chunk({}, "stop", timings={**timings, "predicted_ms": 80.0})
                         yield "data: [DONE]\n\n"
                         return

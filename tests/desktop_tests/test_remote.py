@@ -216,6 +216,11 @@ def test_llama_server_timings_show_as_the_server_side_figures(qtbot, make_window
     assert "timings: cache_n" in panel(w, "reuseReasonValue")
     assert panel(w, "serverTimingValue") == "prompt 10 positions in 12.5 ms (cached 30) · 11 tokens in 80.0 ms"
     assert panel(w, "kvPerPositionValue") == NOT_REPORTED and panel(w, "cachePositionsValue").startswith("50 ")
+    # its drafts, under llama.cpp's names: the same rows as kvchat's own; what it does not report said so
+    assert final.trace["speculative"]["drafted"] == 8 and final.trace["speculative"]["accepted"] == 5
+    assert panel(w, "draftValue") == "the server's own draft (llama.cpp's draft_n)"
+    assert panel(w, "acceptedValue") == "5 of 8 drafted (62%)"
+    assert panel(w, "draftCostValue") == panel(w, "speedupValue") == NOT_REPORTED
 
 
 def test_the_app_on_llama_cpp_python_s_server(qtbot, make_window, spin_loop, tmp_path, demo_model_dir):
