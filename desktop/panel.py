@@ -34,6 +34,7 @@ from .core.panel_words import (
     fmt_ms,
     fmt_rate,
     fmt_size,
+    kv_formula,
     percentile,
     reuse_source,
     server_timing,
@@ -46,13 +47,8 @@ PANEL_WORD = 16  # characters: a value's word longer than this gets places to wr
 
 SAME_CACHE = ("name", "backend", "server", "capacity", "dtype", "kv_cache")  # facts that, equal, mean one cache
 NOT_REPORTED_LOGPROBS = "not reported by this server"  # a remote server that sends no logprobs
-DRAFT_ROWS = [
-    ("draftValue", "Draft"),
-    ("acceptedValue", "Accepted"),
-    ("byPositionValue", "By draft position"),
-    ("draftCostValue", "Drafting · verifying"),
-    ("speedupValue", "Against the model alone"),
-]
+DRAFT_ROWS = [("draftValue", "Draft"), ("acceptedValue", "Accepted"), ("byPositionValue", "By draft position"),
+              ("draftCostValue", "Drafting · verifying"), ("speedupValue", "Against the model alone")]  # fmt: skip
 REUSE_ROWS = (
     "firstInvalidatedValue",
     "tokenChangeValue",
@@ -356,21 +352,8 @@ class StatsPanel(QScrollArea):
         self.set("cachePositionsValue", of)
         self.set("kvPayloadValue", NOT_REPORTED if payload is None else fmt_bytes(payload))
         self.set("kvAllocatedValue", NOT_REPORTED if allocated is None else fmt_bytes(allocated))
-        if per is None or f.get("layers") is None:
-            self.set("kvFormulaValue", NOT_REPORTED)
-        else:
-            width = (  # bytes per (position, head): values, or codes plus one float32 scale (int8/int4 K/V)
-                f"{f['head_dim']} · {f['bytes_per_value']}"
-                if f.get("kv_cache", "none") == "none"
-                else f"({f['head_dim']}·{8 if f['kv_cache'] == 'int8' else 4}/8 + 4)"
-            )
-            terms = []
-            for (layers, t), kind in zip(held, kinds or [None]):
-                slid = kind is not None and kind["kind"] == "sliding"
-                t_text = f"min({positions}, {kind['window']:,})" if slid else str(t)
-                terms.append(f"2 · {layers} · {t_text} · {f['kv_heads']} · {width}")
-            codes = "" if f.get("kv_cache", "none") == "none" else f" ({f['kv_cache']} + scales)"
-            self.set("kvFormulaValue", " + ".join(terms) + f" = {payload:,} B{codes}")
+        known = per is not None and f.get("layers") is not None
+        self.set("kvFormulaValue", kv_formula(f, held, kinds, positions, payload) if known else NOT_REPORTED)
         self.set("cachePointValue", point)
 
     def show_reply(self, s, title: str = "") -> None:

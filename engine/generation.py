@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import torch
 
+from . import passes
 from . import trace as tracing
 from .backends.cuda_graph import GraphDecoder, graphs_wanted
 from .events import WAITING, Token
@@ -108,7 +109,7 @@ def step_all(wanted: list[StepWanted]) -> list[torch.Tensor]:
     """The decode steps of several sequences, one turn of the engine: the logits ([1, 1, V]) for each, in order.
     Sequences of one model whose backend takes them together run in one call (Transformer.forward_many, kvchat's
     kernels: the weights read once for all, each row bit for bit its step alone); where there are no kernels (a
-    GPU, a CPU that cannot build them) torch's products take the rows together (Transformer.forward_rows, each
+    GPU, a CPU that cannot build them) torch's products take the rows together (engine.passes.rows, each
     row its step alone up to the products' order of summation); the others one by one."""
     if len(wanted) > 1:
         loaded = wanted[0].decoder.loaded
@@ -118,7 +119,7 @@ def step_all(wanted: list[StepWanted]) -> list[torch.Tensor]:
             if out is not None:
                 return out
         if all(w.decoder.loaded is loaded for w in wanted) and rows_together(loaded):
-            logits = loaded.model.forward_rows(tokens, caches)  # [B, 1, V]
+            logits = passes.rows(loaded.model, tokens, caches)  # [B, 1, V]
             return [logits[b : b + 1] for b in range(len(wanted))]
     return [w.decoder.step(w.token) for w in wanted]
 

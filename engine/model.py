@@ -428,57 +428,6 @@ class Transformer(nn.Module):
             return [self.logits(x[b].view(1, 1, -1)) for b in range(len(tokens))]
         return [self.scaled(head[b].view(1, 1, -1)) for b in range(len(tokens))]
 
-    def forward_span(self, tokens: list[int], cache) -> torch.Tensor:
-        """`tokens` at positions cache.length.. of one sequence in one pass (a speculative verify): logits [n, V],
-        row i the logits after token i. Where the backend's one-call step takes them, each position is a row of its
-        batched step — the weights read once for all, each row bit for bit the decode step there alone (a row's
-        attention sees the rows before it: they wrote their K/V first); elsewhere a forward of the n positions,
-        as prefill computes them."""
-        start, n = cache.length, len(tokens)
-        step = self.decode_step
-        ready = step is not None and getattr(step, "batches", False) and self.cfg.rope.type != "longrope"
-        if n > 1 and ready and step.usable(cache) and start + n <= cache.capacity:
-            cache.reserve(start, start + n)
-            x = self.embed_ids(torch.tensor([[t] for t in tokens], device=self.norm.weight.device))  # [n, 1, D]
-            x = x.reshape(n, -1).contiguous()  # [n, D], updated in place
-            cos, sin = self.rope_tables(start + n)[0]
-            step.run_batch(x, [cache] * n, cos[start : start + n].contiguous(), sin[start : start + n].contiguous(),
-                           list(range(start, start + n)))  # fmt: skip
-            cache.length = start + n
-            normed = torch.cat([self.norm(x[b].view(1, -1)) for b in range(n)])  # [n, D], a row as alone
-            head = step.head_rows(normed) if hasattr(step, "head_rows") else None
-            if head is not None:
-                return self.scaled(head)  # [n, V]
-            return torch.cat([self.logits(x[b].view(1, 1, -1))[0] for b in range(n)])
-        ids = torch.tensor([tokens], device=self.norm.weight.device)  # [1, n]
-        return self.forward(ids, cache)[0]  # [1, n, V] -> [n, V]
-
-    def forward_rows(self, tokens: list[int], caches: list) -> torch.Tensor:
-        """B sequences' next positions (a token each, each cache at its own length) in one pass through the blocks:
-        every product takes the B rows at once, so torch reads each weight once for all of them (a GPU; a CPU
-        without kvchat's kernels), and attention is each sequence's own, over its own cache and window. Logits
-        [B, 1, V]; each row as `forward` computes it alone, up to the products' order of summation."""
-        device = self.norm.weight.device
-        starts = [c.length for c in caches]
-        for c, s in zip(caches, starts):
-            if s + 1 > c.capacity:
-                raise ValueError(f"{s + 1} positions exceed the cache capacity of {c.capacity}")
-            c.reserve(s, s + 1)
-        at = torch.tensor(starts, device=device)  # [B]
-        ropes = [  # each row's own position: [B, 1, 1, r]
-            (cos.index_select(0, at)[:, None, None], sin.index_select(0, at)[:, None, None])
-            for cos, sin in self.rope_tables(max(starts) + 1)
-        ]
-        x = self.embed_ids(torch.tensor([[t] for t in tokens], device=device))  # [B, 1, D]
-        dtype = attention_dtype(x.dtype, x.device, self.widen_bf16)
-        rows = [self.masks(s, 1, dtype, device, c) for s, c in zip(starts, caches)]
-        masks = {w: [m[w] for m in rows] for w in rows[0]}  # each window's mask of each row
-        for i, layer in enumerate(self.layers):
-            x = layer(x, ropes, masks, caches, i, starts)
-        for c, s in zip(caches, starts):
-            c.length = s + 1
-        return self.logits(x)  # [B, 1, V]
-
     def forward_static(self, ids: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:
         """One decode step with static shapes, for CUDA graphs: ids [B, 1], pos [1] (a device tensor, the
         position being written) -> logits [B, 1, V]. Attention runs over the whole capacity with a mask,

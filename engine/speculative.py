@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from . import passes
 from .errors import EngineError
 from .events import WAITING
 from .generation import Decoder, Reply, StepWanted
@@ -217,10 +218,13 @@ class Adaptive:
     its verify) against a plain step of the model. Unless drafting saves a tenth, k halves; at one and still
     no cheaper, nothing is drafted for a while (plain steps: PROBE_EVERY rounds, twice as long after each probe that
     fails, up to MAX_IDLE), then k tries again from two; well cheaper, k grows back to what was asked. So text where
-    drafts fail costs about what the model alone costs."""
+    drafts fail costs about what the model alone costs. A sampled reply with a seed keeps k (`fixed`): its random
+    draws, drafts' and accept tests', then come in one order whatever the machine's timings, and the seed gives
+    the same reply."""
 
-    def __init__(self, k: int):
+    def __init__(self, k: int, fixed: bool = False):
         self.k = self.asked = k
+        self.fixed = fixed  # a seeded sampled reply: the same draws in the same order, whatever the timings
         self.target_ms: float | None = None  # a plain step's time, recently
         self.recent: list[tuple[float, int]] = []  # (ms, tokens) of recent drafting rounds
         self.idle = 0  # plain rounds left before drafting again
@@ -238,7 +242,7 @@ class Adaptive:
 
     def round(self, drafted: int, tokens: int, ms: float) -> None:
         """A drafting round of `drafted` tokens gave `tokens` (the accepted and the target's own) in `ms`."""
-        if not drafted:
+        if not drafted or self.fixed:
             return
         self.recent = [*self.recent[-(ADAPT_WINDOW - 1) :], (ms, tokens)]
         if self.target_ms is None or len(self.recent) < 3:
@@ -318,7 +322,7 @@ def speculate(req, logits: torch.Tensor, decoder: Decoder, ids: list[int], tok, 
               cancel: threading.Event, drafter, k: int):  # fmt: skip
     """The decode loop with drafts. Token 1 comes from the prompt's `logits` ([1, 1, V]) and one plain step of the
     target follows (timed: what the drafting is weighed against). Then each round: the drafter proposes up to k
-    tokens after the last chosen one; the target consumes that token and the drafts in one pass (forward_span)
+    tokens after the last chosen one; the target consumes that token and the drafts in one pass (passes.span)
     and chooses, position by position, the token it would have chosen there — a draft it agrees with is accepted
     (under sampling: accepted or replaced by accept_or_correct), the first it does not is corrected, and the
     positions written for the drafts after it are rolled back. Where nothing is drafted the round is a plain
@@ -327,7 +331,7 @@ def speculate(req, logits: torch.Tensor, decoder: Decoder, ids: list[int], tok, 
     cache, model, params = decoder.cache, decoder.loaded.model, req.sampling
     reply = Reply(req, tok, stream, trace, cache, cancel)
     stats = trace.speculative = SpecStats(drafter.name, drafter.label, k)
-    plan = Adaptive(k)
+    plan = Adaptive(k, fixed=not params.greedy and params.seed is not None)
     kind, rejected = "target", 0
     t0 = time.perf_counter()
     drafter.prepare(ids)  # a draft model's own prefill of the prompt: inside TTFT, not inside decode
@@ -360,7 +364,7 @@ def speculate(req, logits: torch.Tensor, decoder: Decoder, ids: list[int], tok, 
             kind, rejected = "target", 0
             continue
         t0 = time.perf_counter()
-        rows = model.forward_span([token, *draft.tokens], cache)  # [j + 1, V]
+        rows = passes.span(model, [token, *draft.tokens], cache)  # [j + 1, V]
         ids.append(token)
         p, j = len(ids), len(draft.tokens)  # positions consumed through the chosen token; drafts
         accepted = 0

@@ -206,7 +206,7 @@ FLOORS = [
         (
             "engine.errors", "engine.events", "engine.quant", "engine.model", "engine.feedforward",
             "engine.sampling", "engine.trace",
-            "engine.config", "engine.devices", "engine.kv_cache", "engine.kv_pool", "engine.tokenizer",
+            "engine.config", "engine.devices", "engine.kv_cache", "engine.kv_pool", "engine.passes", "engine.tokenizer",
             "engine.prefix_store",
             "engine.user_cache", "engine.logprobs", "engine.disk_store", "engine.disk_files", "engine.request",
             "engine.kv_tiers",

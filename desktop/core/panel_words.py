@@ -188,3 +188,21 @@ def draft_rows(spec: dict | None, steps: list[dict], asked: str = "") -> dict[st
         "in this reply"
     )
     return out
+
+
+def kv_formula(f: dict, held: list[tuple[int, int]], kinds: list[dict] | None, positions: int, payload: int) -> str:
+    """The payload's formula with the reply's figures: 2 · L · T · H_kv · d · b for each kind of layer (`held`: its
+    layers and the positions they hold, a sliding layer's min(T, W)), codes plus their scales for a quantized
+    cache, `f` the facts of the model that made it."""
+    width = (  # bytes per (position, head): values, or codes plus one float32 scale (int8/int4 K/V)
+        f"{f['head_dim']} · {f['bytes_per_value']}"
+        if f.get("kv_cache", "none") == "none"
+        else f"({f['head_dim']}·{8 if f['kv_cache'] == 'int8' else 4}/8 + 4)"
+    )
+    terms = []
+    for (layers, t), kind in zip(held, kinds or [None]):
+        slid = kind is not None and kind["kind"] == "sliding"
+        t_text = f"min({positions}, {kind['window']:,})" if slid else str(t)
+        terms.append(f"2 · {layers} · {t_text} · {f['kv_heads']} · {width}")
+    codes = "" if f.get("kv_cache", "none") == "none" else f" ({f['kv_cache']} + scales)"
+    return " + ".join(terms) + f" = {payload:,} B{codes}"

@@ -54,6 +54,30 @@ def _together(engine: EngineThread, requests) -> tuple[list[list], list]:
     return events, tickets
 
 
+def _first_cancelled_at_5(engine: EngineThread, requests) -> tuple[list[list], list]:
+    """Every request submitted at once, the first cancelled at its 5th token (on the engine thread, between two
+    steps: a client that goes away mid-batch); (the events of each, their tickets), when all have ended."""
+    events, tickets = [[] for _ in requests], []
+    done = threading.Semaphore(0)
+
+    def sink_for(i):
+        def sink(ev):
+            if ev is END:
+                done.release()
+                return
+            events[i].append(ev)
+            if i == 0 and isinstance(ev, Token) and ev.index == 5:
+                tickets[0].cancel()
+
+        return sink
+
+    for i, r in enumerate(requests):
+        tickets.append(engine.submit(r, sink_for(i)))
+    for _ in requests:
+        assert done.acquire(timeout=120)
+    return events, tickets
+
+
 def test_each_request_equals_its_run_alone_and_their_decode_steps_are_shared(loaded):
     """Eight requests of different prompts and lengths through an engine running 4 at once: each one's tokens
     and text equal its run alone, its steps ran beside others (batch sizes above 1, at most 4), at most 4
@@ -126,25 +150,7 @@ def test_a_cancelled_request_frees_its_lane_and_the_others_go_on(loaded):
     alone = _alone(loaded, requests)
     engine = EngineThread(parallel=2)
     engine.session = engine.call(Session, loaded).result()
-    events = [[] for _ in range(4)]
-    done = threading.Semaphore(0)
-
-    def sink_for(i):
-        def sink(ev):
-            if ev is END:
-                done.release()
-                return
-            events[i].append(ev)
-            if i == 0 and isinstance(ev, Token) and ev.index == 5:
-                tickets[0].cancel()  # as a client that goes away mid-batch
-
-        return sink
-
-    tickets = []
-    for i, r in enumerate(requests):
-        tickets.append(engine.submit(r, sink_for(i)))
-    for _ in range(3):
-        assert done.acquire(timeout=120)
+    events, tickets = _first_cancelled_at_5(engine, requests)
     assert events[0][-1].reason == "cancelled" and len(events[0][-1].token_ids) <= 6
     assert events[1][-1].token_ids == alone[1].token_ids and events[2][-1].token_ids == alone[2].token_ids
     assert tickets[2].trace.lane == 0  # the third took the lane the cancelled one freed
@@ -413,24 +419,7 @@ def test_a_request_cancelled_mid_batch_gives_its_blocks_back_and_the_others_go_o
     engine = EngineThread(parallel=4)
     engine.session = engine.call(Session, loaded, 64, None, "none", 0).result()  # no store: blocks are the lanes'
     engine.lanes.pool_positions = 2 * 64  # room for two at once
-    events, tickets = [[], [], []], []
-    done = threading.Semaphore(0)
-
-    def sink_for(i):
-        def sink(ev):
-            if ev is END:
-                done.release()
-                return
-            events[i].append(ev)
-            if i == 0 and isinstance(ev, Token) and ev.index == 5:
-                tickets[0].cancel()  # on the engine thread, between two steps
-
-        return sink
-
-    for i, r in enumerate(requests):
-        tickets.append(engine.submit(r, sink_for(i)))
-    for _ in requests:
-        assert done.acquire(timeout=120)
+    events, tickets = _first_cancelled_at_5(engine, requests)
     assert events[0][-1].reason == "cancelled" and len(events[0][-1].token_ids) == 5
     assert [e[-1].token_ids for e in events[1:]] == [a.token_ids for a in alone]
     third = tickets[2].trace
@@ -509,12 +498,13 @@ def test_three_choices_of_one_prompt_hold_its_blocks_once_and_the_kv_accounting_
                                        ("phi3", "none"), ("qwen3_moe", "none"), ("olmo2", "none")])  # fmt: skip
 def test_torchs_batched_rows_give_each_sequence_its_step_alone(tmp_path, monkeypatch, family, kv):
     """Where kvchat's kernels do not run decode (a GPU; here a CPU without them), the scheduler's batched step is
-    torch's products over B rows at once (Transformer.forward_rows): three sequences at different lengths (one
+    torch's products over B rows at once (engine.passes.rows): three sequences at different lengths (one
     of them past a sliding window, through its ring), each row's logits within 1e-4 of its own step alone, over
     ten steps, and the same greedy token."""
     import engine.backends.kernels as kernels
     import engine.kv_cache as kv_cache
     from checkpoints import FAMILY_CASES, make_checkpoint
+    from engine import passes
 
     monkeypatch.setattr(kernels, "load", lambda: None)
     monkeypatch.setattr(kv_cache, "RING_SPARE", 8)
@@ -534,7 +524,7 @@ def test_torchs_batched_rows_give_each_sequence_its_step_alone(tmp_path, monkeyp
         model.model(prompt, b)
     tokens = [7, 8, 9]
     for _ in range(10):
-        together = model.model.forward_rows(tokens, rows)  # [3, 1, V]
+        together = passes.rows(model.model, tokens, rows)  # [3, 1, V]
         each = [model.model(torch.tensor([[t]]), c, last_only=True) for t, c in zip(tokens, alone)]
         for b in range(3):
             scale = float(each[b].abs().max())
