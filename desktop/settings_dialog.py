@@ -286,13 +286,26 @@ class SettingsDialog(QDialog):
         self.draftPath.setObjectName("draftPathEdit")
         self.draftPath.setAccessibleName("Draft model (folder or GGUF file)")
         self.draftPath.setPlaceholderText("a smaller model with the same tokenizer: folder or GGUF file")
-        form.addRow("Draft model", self.draftPath)
+        choose = QPushButton("GGUF file…")
+        choose.setAccessibleName("Choose the draft model's GGUF file")
+        choose.clicked.connect(lambda: self._choose_file(self.draftPath, "Choose the draft model's GGUF file"))
+        row = QWidget()
+        h = QHBoxLayout(row)
+        h.setContentsMargins(0, 0, 0, 0)
+        h.addWidget(self.draftPath, 1)
+        h.addWidget(choose)
+        form.addRow("Draft model", row)
         self.draftTokens = self._spin(settings.draft_tokens, 1, MAX_TOKENS, "draftTokensSpin")
         self.draftTokens.setToolTip("tokens drafted a round at most: fewer while drafts are rejected")
         form.addRow("Draft tokens a round", self.draftTokens)
+        said = plain(QLabel(DRAFT_HELP))
+        said.setObjectName("draftHelpLabel")
+        said.setWordWrap(True)
+        form.addRow(said)
 
         def chosen_changed() -> None:
             self.draftPath.setEnabled(self.speculative.currentData() == "model")
+            choose.setEnabled(self.draftPath.isEnabled())
 
         self.speculative.currentIndexChanged.connect(lambda _: chosen_changed())
         chosen_changed()
@@ -336,9 +349,12 @@ class SettingsDialog(QDialog):
             self.modelDir.setText(d)
 
     def _browse_file(self):
-        path, _ = QFileDialog.getOpenFileName(self, "Choose a GGUF model file", self.modelDir.text(), "GGUF (*.gguf)")
+        self._choose_file(self.modelDir, "Choose a GGUF model file")
+
+    def _choose_file(self, edit: QLineEdit, title: str) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, title, edit.text(), "GGUF (*.gguf)")
         if path:
-            self.modelDir.setText(path)
+            edit.setText(path)
 
     def _fill_presets(self, current: str = "") -> None:
         """The built-in presets, then the person's own (marked as theirs), `current` chosen."""

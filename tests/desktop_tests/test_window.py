@@ -906,6 +906,15 @@ def test_the_settings_dialog_fits_a_laptop_screen_and_parts_this_conversation_fr
     assert tabs.widget(0).isAncestorOf(dlg.temperature) and tabs.widget(0).isAncestorOf(dlg.system)
     assert tabs.widget(1).isAncestorOf(dlg.capacity) and tabs.widget(1).isAncestorOf(dlg.backend)
     assert tabs.widget(2).isAncestorOf(dlg.speculative) and tabs.widget(2).isAncestorOf(dlg.draftTokens)
+    # the Drafts tab: off by default; lookup; a draft model's path, typed where "A draft model…" is chosen
+    assert dlg.result_settings().speculative == "" and not dlg.draftPath.isEnabled()
+    dlg.speculative.setCurrentIndex(dlg.speculative.findData("lookup"))
+    dlg.draftTokens.setValue(8)
+    assert (dlg.result_settings().speculative, dlg.result_settings().draft_tokens) == ("lookup", 8)
+    dlg.speculative.setCurrentIndex(dlg.speculative.findData("model"))
+    assert dlg.draftPath.isEnabled()
+    qtbot.keyClicks(dlg.draftPath, "/models/small.gguf")
+    assert dlg.result_settings().speculative == "/models/small.gguf"
     assert dlg.sizeHint().height() <= 700  # was ~980 px, one long form
     assert dlg.capacity.specialValueText() == "model default: min(context, 4,096)"
 
