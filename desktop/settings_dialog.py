@@ -261,7 +261,6 @@ class SettingsDialog(QDialog):
             self.diskBudget,
             self.group,
             self.speculative,
-            self.draftPath,
             self.draftTokens,
         )  # the local engine's own: a server has its own
         self._backend_changed()
