@@ -112,8 +112,6 @@ class StatsPanel(QScrollArea):
             ],
         )
         self.confidenceBox.setObjectName("confidenceBox")
-        self.draftsBox = self._group(lay, "Speculative decoding", DRAFT_ROWS)
-        self.draftsBox.setObjectName("draftsBox")
 
         cache_box = QGroupBox("KV cache")
         form = QFormLayout(cache_box)
@@ -192,6 +190,8 @@ class StatsPanel(QScrollArea):
         self.gapStats.setObjectName("gapStatsValue")
         gl.addWidget(self.gapStats)
         lay.addWidget(gaps_box)
+        self.draftsBox = self._group(lay, "Speculative decoding", DRAFT_ROWS)
+        self.draftsBox.setObjectName("draftsBox")
 
         self._group(
             lay,

@@ -321,7 +321,7 @@ class PagedKVCache:
         if end > self.capacity:
             raise ValueError(f"{end} positions exceed the cache capacity of {self.capacity}")
         changed = False
-        for i in range(start // BLOCK, blocks_for(end)):
+        for i in range(min(start // BLOCK, len(self.table)), blocks_for(end)):  # no gap: blocks in position order
             if i < len(self.table):
                 old = self.table[i]
                 if self.pool.shared(old):  # copy on write: the others keep the block as it is

@@ -142,3 +142,11 @@ def test_a_cache_of_its_own_needs_no_table():
     cache = KVCache(1, 1, 2, 8, torch.float32, "cpu")
     cache.reserve(0, 8)
     assert cache.kernel_table() is None and cache.shared_positions == 0
+
+
+def test_a_write_past_the_blocks_held_takes_the_blocks_before_it_too(loaded):
+    """Positions are in blocks in order: writable positions 64–79 of an empty sequence are its 5th block, the four
+    before it held too (never a table with a hole)."""
+    cache = PagedKVCache(BlockPool(loaded.config, loaded.dtype, "cpu"), 256)
+    cache.reserve(64, 80)
+    assert len(cache.table) == 5 and len(set(cache.table)) == 5
