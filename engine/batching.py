@@ -86,16 +86,16 @@ class Lanes:
     def running(self) -> int:
         return sum(not lane.free for lane in self.lanes)
 
-    def can_admit(self, ticket=None) -> bool:
+    def can_admit(self, ticket) -> bool:
         """Whether `ticket`'s request can start now. Over a KV pool: while the pool has room for the blocks it may
-        need beside those the running requests may need (pool_room), else it waits (counted in pool_waits). A
+        need beside those the running requests may need (_pool_room), else it waits (counted in pool_waits). A
         lane's cache of its own (a sliding-window model): a lane free, or room for another — a new lane's working
         cache within LANE_SHARE of the memory free now: past it the request waits for a lane to free (counted in
         memory_waits), never a cache the machine cannot hold."""
         if self.running >= self.parallel:
             return False
         main = self.session()
-        if getattr(main, "pool", None) is not None and ticket is not None:
+        if getattr(main, "pool", None) is not None:
             return self._pool_room(main, ticket)
         if not self.lanes or any(lane.free for lane in self.lanes):
             self._short = False
