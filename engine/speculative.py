@@ -24,6 +24,7 @@ from .errors import EngineError
 from .events import WAITING
 from .generation import Decoder, Reply, StepWanted
 from .kv_cache import make_cache
+from .prefix_store import common_prefix
 from .sampling import sampling_logits
 
 KINDS = ("int4", "lookup")  # besides a path to a draft model with the target's tokenizer
@@ -106,8 +107,9 @@ class ModelDrafter:
     """A draft model's greedy (or, under sampling, drawn) continuation of the context, k tokens, decoded on a cache
     of its own that follows the target's accepted tokens (what it drafted and the target rejected is rolled back)."""
 
-    def __init__(self, loaded, name: str, label: str, capacity: int):
+    def __init__(self, loaded, name: str, label: str, capacity: int, vocab: int):
         self.loaded, self.name, self.label = loaded, name, label
+        self.vocab = vocab  # the target's logits' width: a draft's padded embedding rows are never proposed
         self.cache = make_cache(loaded.config, capacity, loaded.dtype, loaded.device)
         self.ids: list[int] = []  # what its cache holds
 
@@ -143,6 +145,7 @@ class ModelDrafter:
         out, probs = [], []
         device, model = self.loaded.device, self.loaded.model
         for i in range(k):
+            row = _width(row, self.vocab)  # [V] of the target: q and the target's p weigh the same tokens
             drawn = sampling_logits(row, params)  # the draft samples as the target does (no penalty: cheaper)
             if params.greedy:
                 token, p = int(torch.argmax(drawn)), None
@@ -158,11 +161,7 @@ class ModelDrafter:
 
     def accepted(self, context: list[int]) -> None:
         """The target kept `context`: drafts past it are rolled back at the next proposal (its cache follows)."""
-        keep = 0
-        for a, b in zip(self.ids, context):
-            if a != b:
-                break
-            keep += 1
+        keep = common_prefix(self.ids, context)
         if keep < len(self.ids):
             self.cache.truncate(keep)
             del self.ids[keep:]
@@ -180,17 +179,27 @@ def open_drafter(kind: str, target, capacity: int, load: Callable) -> LookupDraf
     check_kind(kind)
     if kind == "lookup":
         return LookupDrafter()
+    vocab = target.config.vocab_size
     if kind == "int4":
         held = target.quantization
         if held != "none" and not held.startswith("int8"):
             raise EngineError(f"an int4 draft is the model's float (or int8) weights in int4; this one holds {held}: "
                               "draft with lookup, or with a smaller model of the same tokenizer")  # fmt: skip
-        return ModelDrafter(load(target.path, "int4"), "int4", "the model itself in int4", capacity)
+        return ModelDrafter(load(target.path, "int4"), "int4", "the model itself in int4", capacity, vocab)
     draft = load(Path(kind).expanduser(), "none")
     why = same_tokenizer(target, draft)
     if why is not None:
         raise EngineError(f"{Path(kind).name} cannot draft for {target.name}: {why}")
-    return ModelDrafter(draft, Path(kind).name, draft.name, capacity)
+    return ModelDrafter(draft, Path(kind).name, draft.name, capacity, vocab)
+
+
+def _width(row: torch.Tensor, n: int) -> torch.Tensor:
+    """Logits [V'] over the first n tokens: cut, or padded with -inf (tokens the draft cannot propose)."""
+    if row.shape[-1] == n:
+        return row
+    if row.shape[-1] > n:
+        return row[:n]
+    return torch.cat([row, row.new_full((n - row.shape[-1],), float("-inf"))])
 
 
 def accept_or_correct(p: torch.Tensor, q: torch.Tensor | None, token: int, generator) -> tuple[int, bool]:

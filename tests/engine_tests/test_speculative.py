@@ -208,3 +208,19 @@ def test_engine_serve_drafts_every_reply_and_counts_them_under_vllms_and_llama_c
     refused = subprocess.run([sys.executable, "-m", "engine", "serve", "--model", str(llama_dir), "--weights", "int4",
                               "--speculative", "int4"], capture_output=True, text=True, timeout=120)  # fmt: skip
     assert refused.returncode == 2 and "--speculative int4" in refused.stderr and "lookup" in refused.stderr
+
+
+def test_a_draft_model_with_padded_embedding_rows_drafts_only_the_models_tokens(llama_dir, tmp_path):
+    """A draft model of the same tokenizer whose embedding has 64 padding rows more (as checkpoints pad theirs): its
+    proposals and its probabilities are over the model's tokens only, and the reply is the model's own, greedy and
+    sampled alike (the rule weighs p and q over the same tokens)."""
+    from engine.sampling import SamplingParams
+
+    model = load_model(llama_dir, device="cpu", dtype="float32")
+    padded = make_checkpoint(tmp_path / "padded", "llama", vocab_size=model.config.vocab_size + 64)
+    plain = reply(Session(model), REPEAT, n=24)[-1]
+    drafted = reply(Session(model), REPEAT, n=24, speculative=str(padded))[-1]
+    assert drafted.token_ids == plain.token_ids and drafted.trace["speculative"]["drafted"] > 0
+    sampled = reply(Session(model), REPEAT, n=24, sampling=SamplingParams(temperature=1.0, seed=1),
+                    speculative=str(padded))[-1]  # fmt: skip
+    assert max(sampled.token_ids) < model.config.vocab_size
