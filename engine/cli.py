@@ -31,6 +31,8 @@ TRACE_FIELDS = (
     "ttft_tokenize_ms",
     "ttft_prefill_ms",
     "ttft_first_token_ms",
+    "draft_load_ms",
+    "speculative",
 )
 
 

@@ -339,3 +339,17 @@ def test_overflow_policies_on_the_command_line(tmp_path):
 def test_a_size_too_big_to_be_a_disk_is_a_usage_error_not_a_traceback(llama_dir):
     r = run("generate", "--model", llama_dir, "--prompt", "Hi", "--disk-budget", "9" * 400, check=False)
     assert r.returncode == 2 and "not a size this machine can hold" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_generate_with_drafts_says_them_and_reports_them_in_the_json(llama_dir):
+    """`generate --speculative lookup`: the JSON's trace holds the drafting's counts, and the plain run prints the
+    drafts' line after the reply; the tokens are the model's own."""
+    args = ["generate", "--model", llama_dir, "--prompt", "the cache the cache the cache the cache", "--raw",
+            "--max-new-tokens", 24]  # fmt: skip
+    plain = json.loads(run(*args, "--json").stdout)
+    drafted = json.loads(run(*args, "--json", "--speculative", "lookup", "--draft-tokens", 3).stdout)
+    spec = drafted["trace"]["speculative"]
+    assert drafted["token_ids"] == plain["token_ids"] and plain["trace"]["speculative"] is None
+    assert spec["draft"] == "lookup" and spec["k"] == 3 and spec["drafted"] >= spec["accepted"] >= 0
+    said = run(*args, "--speculative", "lookup").stderr
+    assert "drafts (n-gram lookup in the conversation): " in said
