@@ -12,6 +12,7 @@ distribution. Rejected positions are rolled back in both caches before anything 
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -286,7 +287,7 @@ class SpecStats:
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     draft_prefill_ms: float = 0.0  # the draft model's own prefill of the prompt, before token 1
-    target_step_ms: float | None = None  # one plain decode step of the target, measured in this reply
+    plain_ms: list[float] = dataclasses.field(default_factory=list)  # the target's plain decode steps in this reply
     rolled_back: int = 0  # drafted positions written and then thrown away
 
     def add(self, drafted: int, accepted: int) -> None:
@@ -303,7 +304,8 @@ class SpecStats:
     def to_dict(self, tokens: int, seconds: float | None) -> dict:
         rate = self.accepted / self.drafted if self.drafted else None
         per_token = seconds / tokens * 1000 if seconds and tokens else None
-        speedup = self.target_step_ms / per_token if self.target_step_ms and per_token else None
+        step = round(statistics.median(self.plain_ms), 3) if self.plain_ms else None  # robust to a slow first one
+        speedup = step / per_token if step and per_token else None
         return {
             "draft": self.draft,
             "label": self.label,
@@ -317,7 +319,8 @@ class SpecStats:
             "draft_prefill_ms": self.draft_prefill_ms,
             "verify_ms": round(self.verify_ms, 3),
             "rolled_back": self.rolled_back,
-            "target_step_ms": self.target_step_ms,
+            "target_step_ms": step,
+            "plain_steps": len(self.plain_ms),
             "ms_per_token": per_token,
             "speedup": speedup,
         }
@@ -367,10 +370,9 @@ def speculate(req, logits: torch.Tensor, decoder: Decoder, ids: list[int], tok, 
             ids.append(token)
             row = reply.row(logits[0, -1])
             token, drawn = reply.choose(row, ids)
-            plan.plain(_ms_since(t0))
-            if plain:
-                stats.target_step_ms, plain = round(_ms_since(t0), 3), False
-            kind, rejected = "target", 0
+            stats.plain_ms.append(_ms_since(t0))
+            plan.plain(stats.plain_ms[-1])
+            plain, kind, rejected = False, "target", 0
             continue
         t0 = time.perf_counter()
         rows = passes.span(model, [token, *draft.tokens], cache)  # [j + 1, V]

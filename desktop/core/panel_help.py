@@ -35,8 +35,8 @@ ROW_HELP = {
     "draftCostValue": "The time this reply spent drafting (the draft's own steps, or the lookup) and verifying "
     "(the model's passes over the drafted positions).",
     "speedupValue": "A token's time with drafts (from token 1 to the last, over the tokens after the first) "
-    "against one plain decode step of the model, both measured in this reply on this machine: above 1× the "
-    "drafts paid.",
+    "against a plain decode step of the model (the median of this reply's steps where nothing was drafted), both "
+    "measured in this reply on this machine: above 1× the drafts paid.",
     # Confidence
     "meanLogprobValue": "The mean, over this reply's tokens, of each chosen token's log-probability under the "
     "model's own distribution (softmax of its logits at temperature 1, before any sampling setting). 0 is "
