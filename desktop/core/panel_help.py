@@ -50,7 +50,8 @@ ROW_HELP = {
     "prompt, the chat template's own tokens included.",
     "kvPayloadValue": "Bytes the cached positions' K and V take: 2 · L · T · H_kv · d · b (the row below fills "
     "in this model's numbers).",
-    "kvAllocatedValue": "Bytes the cache buffers really take: the whole preallocated capacity.",
+    "kvAllocatedValue": "Bytes the cache really takes: the blocks of 16 positions it holds in the KV pool (its last "
+    "block's unused positions included); a sliding-window model's cache, its preallocated buffers.",
     "kvPerPositionValue": "Bytes one cached position takes, K and V over every layer.",
     "kvFormulaValue": "2 (K and V) · L layers · T cached positions · H_kv KV heads · d head width · b bytes per "
     "value, with this model's numbers.",
@@ -58,7 +59,7 @@ ROW_HELP = {
     "(the last token of a reply is selected, not yet consumed).",
     # Reuse
     "reuseSourceValue": "Where the reused positions came from: the working cache the model attends over, the "
-    "prefix store (copied back), or nothing.",
+    "prefix store (its blocks taken by reference, or copied back), or nothing.",
     "firstInvalidatedValue": "The first prompt position whose token differs from the cache's: from here on the "
     "cache is recomputed. Positions count the chat template's tokens too.",
     "tokenChangeValue": "The cached token and the new one at the first invalidated position (their vocabulary ids, "
