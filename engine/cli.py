@@ -12,6 +12,7 @@ from .backends.kernel_build import variants as kernel_variants
 from .devices import default_threads
 from .errors import EngineError
 from .events import Failed, Finished, PrefillStarted, Token
+from .grammar import Grammar, grammar_line
 from .logprobs import reply_confidence
 from .sampling import SamplingParams
 from .session import OVERFLOW_POLICIES, Request
@@ -33,6 +34,7 @@ TRACE_FIELDS = (
     "ttft_first_token_ms",
     "draft_load_ms",
     "speculative",
+    "grammar",
 )
 
 
@@ -44,7 +46,29 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
+    shaped = p.add_mutually_exclusive_group()
+    shaped.add_argument("--json-schema", dest="grammar", type=_grammar_file("json_schema"), default=None,
+                        metavar="FILE", help="structured output: the reply is JSON that FILE, a JSON schema, "
+                                             "validates")  # fmt: skip
+    shaped.add_argument("--grammar", dest="grammar", type=_grammar_file(None), default=None, metavar="FILE",
+                        help="structured output: the reply parses as FILE, a Lark (.lark) or GBNF (.gbnf) grammar "
+                             "(or a JSON schema, .json)")  # fmt: skip
     _draft_args(p)
+
+
+def _grammar_file(kind: str | None):
+    """argparse's reader of a grammar file of `kind` (None: by its name): read and compiled before any model
+    loads, a usage error otherwise."""
+
+    def read(path: str) -> Grammar:
+        try:
+            grammar = Grammar.from_file(path, kind)
+            grammar.check()
+        except EngineError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return grammar
+
+    return read
 
 
 def _draft_args(p: argparse.ArgumentParser) -> None:
@@ -56,8 +80,8 @@ def _draft_args(p: argparse.ArgumentParser) -> None:
 
 
 def _drafting(ns) -> dict:
-    """A request's speculative settings from the command line."""
-    return {"speculative": ns.speculative, "draft_tokens": ns.draft_tokens}
+    """A request's speculative settings (and its grammar) from the command line."""
+    return {"speculative": ns.speculative, "draft_tokens": ns.draft_tokens, "grammar": getattr(ns, "grammar", None)}
 
 
 def _at_least_one(text: str) -> int:
@@ -203,6 +227,8 @@ def cmd_generate(ns) -> int:
         )
         if t.get("speculative"):
             print(draft_line(t["speculative"]), file=sys.stderr)
+        if t.get("grammar"):
+            print(grammar_line(t["grammar"]), file=sys.stderr)
         if "confidence" in result:
             c = result["confidence"]
             mean = "—" if c["mean_logprob"] is None else f"{c['mean_logprob']:.3f}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from .grammar import MaskStep
 from .logprobs import StepLogprobs
 
 
@@ -92,6 +93,7 @@ class Token:
     draft: str = ""  # speculative decoding: "accepted" (drafted, and the target agreed), "corrected" (the target's
     # own where it rejected a draft), "target" (its own, nothing drafted there); "" without drafts
     rejected: int = 0  # drafted positions its round wrote and threw away: cache_positions.. onwards, rolled back
+    grammar: MaskStep | None = None  # what the request's grammar allowed at this step (engine.grammar); None: none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,4 +136,5 @@ STOP_REASONS = {
     "max_new_tokens": StopReason("length", "token limit", "length"),
     "capacity": StopReason("length", "cache full", "length"),
     "cancelled": StopReason("stopped", "stopped", None),
+    "grammar": StopReason("complete", "the grammar's end", "stop"),  # nothing may follow what it has parsed
 }  # every reason a Finished event may carry

@@ -156,8 +156,10 @@ class Reply:
     string, its token limit, Stop, the cache's capacity (`reason` says which). The decode loop and the speculative
     one both choose their tokens through it."""
 
-    def __init__(self, req, tok, stream, trace, cache, cancel: threading.Event):
+    def __init__(self, req, tok, stream, trace, cache, cancel: threading.Event, guide=None):
         self.req, self.tok, self.stream, self.trace, self.cache, self.cancel = req, tok, stream, trace, cache, cancel
+        self.guide = guide  # the request's grammar (engine.grammar.Guide): each token drawn among those it allows
+        self.masks: list = []  # each token's MaskStep, with a grammar
         self.generator = None
         if not req.sampling.greedy:
             self.generator = torch.Generator(device="cpu")
@@ -177,8 +179,13 @@ class Reply:
         return torch.tensor(ids, dtype=torch.long, device=row.device) if self.penalty else None
 
     def choose(self, row: torch.Tensor, ids: list[int]) -> tuple[int, torch.Tensor]:
-        """The next token from a step's logits `row` [V] after `ids`, and the logits it was drawn from."""
-        return draw(row, self.req.sampling, self.generator, self.seen(ids, row))
+        """The next token from a step's logits `row` [V] after `ids`, and the logits it was drawn from (with a
+        grammar: those it forbids at -inf; what it did kept for the token's event)."""
+        if self.guide is None:
+            return draw(row, self.req.sampling, self.generator, self.seen(ids, row))
+        allowed = self.guide.allowed(row.device)  # bool [V], ids [n]
+        self._mask = self.guide.weigh(row, allowed)
+        return draw(self.guide.restrict(row, allowed), self.req.sampling, self.generator, self.seen(ids, row))
 
     def emit(self, token: int, row: torch.Tensor, drawn: torch.Tensor, positions: int, draft: str = "",
              rejected: int = 0) -> Token | None:  # fmt: skip
@@ -186,9 +193,14 @@ class Reply:
         chosen; `draft` and `rejected` as Token has them), or None where it is a stop token: the reply ends there
         (reason eos)."""
         req = self.req
-        if token in self.tok.stop_ids and not req.ignore_eos:
+        if token in self.tok.stop_ids and (not req.ignore_eos or self.guide is not None):
             self.reason = "eos"
             return None
+        mask = None
+        if self.guide is not None:
+            self.guide.consume(token)
+            mask = self._mask
+            self.masks.append(mask)
         weighed = None
         if req.logprobs:
             greedy = req.sampling.greedy
@@ -200,7 +212,7 @@ class Reply:
         self.trace.token_times.append(t)
         self.out.append(token)
         self.drafts.append(draft)
-        return Token(len(self.out), token, self.stream.push(token), t, positions, weighed, draft, rejected)
+        return Token(len(self.out), token, self.stream.push(token), t, positions, weighed, draft, rejected, mask)
 
     def done(self, positions: int) -> bool:
         """Whether the reply stops after its last token (`reason` says why), `positions` consumed then."""
@@ -213,17 +225,20 @@ class Reply:
             self.reason = "cancelled"
         elif positions >= self.cache.capacity:
             self.reason = "capacity"
+        elif self.guide is not None and self.guide.done:
+            self.reason = "grammar"
         else:
             return False
         return True
 
 
-def decode(req, logits: torch.Tensor, decoder: Decoder, ids: list[int], tok, stream, trace, cancel: threading.Event):
-    """The decode loop: token k selected from `logits` ([1, 1, V]), streamed as a Token event, then consumed
-    for k+1 (a StepWanted) unless the request stops there. Returns the Reply (its stop reason, tokens, their
-    StepLogprobs)."""
+def decode(req, logits: torch.Tensor, decoder: Decoder, ids: list[int], tok, stream, trace, cancel: threading.Event,
+           guide=None):  # fmt: skip
+    """The decode loop: token k selected from `logits` ([1, 1, V]) — among those the grammar allows, with a `guide`
+    — streamed as a Token event, then consumed for k+1 (a StepWanted) unless the request stops there. Returns the
+    Reply (its stop reason, tokens, their StepLogprobs)."""
     cache = decoder.cache
-    reply = Reply(req, tok, stream, trace, cache, cancel)
+    reply = Reply(req, tok, stream, trace, cache, cancel, guide)
     for _ in range(req.max_new_tokens):
         row = reply.row(logits[0, -1])  # [V]
         token, drawn = reply.choose(row, ids)

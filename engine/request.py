@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from .errors import CapacityError, EngineError
+from .grammar import Grammar
 from .sampling import SamplingParams
 from .tokenizer import ChatPrompt
 
@@ -41,6 +42,7 @@ class Request:
     speculative: str | None = None  # drafts: "int4" (the model itself in int4), "lookup" (n-grams of the context),
     # or a model file or folder with the model's tokenizer (engine.speculative); None: none
     draft_tokens: int = 4  # tokens drafted a round at most (fewer while drafts are rejected)
+    grammar: Grammar | None = None  # what the reply must parse as: a JSON schema, any JSON object, Lark, GBNF
 
 
 def choice_requests(req: Request, n: int) -> list[Request]:

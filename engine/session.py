@@ -18,6 +18,7 @@ from .disk_store import DiskStore
 from .errors import CapacityError, EngineError
 from .events import Failed, Finished, PrefillDone, PrefillProgress, PrefillStarted, ReuseReport
 from .generation import PREFILL_CHUNK, Decoder, alone, decode, prefill, prefill_chunk_for, warm_up
+from .grammar import Guide
 from .kv_cache import DEFAULT_CAPACITY, KVCache
 from .kv_pool import BlockPool
 from .kv_tiers import FINGERPRINT_NAMES, KVTiers, fingerprint_change
@@ -259,8 +260,12 @@ class Session:
             raise EngineError("the prompt is empty")
         self.check_capacity(len(prompt), req)
         check_top_logprobs(req.top_logprobs)
+        guide = None
+        if req.grammar is not None:  # compiled before anything is computed: a grammar that does not says why
+            guide = Guide(req.grammar, loaded.tokenizer, loaded.config.vocab_size,
+                          overlap=torch.device(loaded.device).type != "cpu")  # fmt: skip
         drafter = None
-        if req.speculative:  # refused before anything is computed: a draft that cannot draft says why
+        if req.speculative and guide is None:  # refused before anything is computed: a draft that cannot draft says why
             check_tokens(req.draft_tokens)
             t0 = tracing.now()
             drafter = self.drafter(req.speculative)
@@ -291,7 +296,9 @@ class Session:
         if drafter is not None:
             reply = yield from speculate(*args, drafter, req.draft_tokens)
         else:
-            reply = yield from decode(*args)
+            reply = yield from decode(*args, guide)
+        if guide is not None:
+            trace.grammar = guide.summary(reply.masks)
         yield from self._finish(trace, reply.reason, reply.out, stream, reuse, req.stop_strings, reply.steps,
                                 reply.drafts if drafter is not None else ())  # fmt: skip
 

@@ -65,6 +65,7 @@ class RequestTrace:
     lane: int | None = None  # which of the engine's lanes ran it (engine.batching)
     policy: str | None = None  # the scheduler's policy it ran under (engine.batching.POLICY)
     speculative: object = None  # its drafting's counts (engine.speculative.SpecStats), with drafts
+    grammar: dict | None = None  # what its grammar did (engine.grammar.Guide.summary), with one
     draft_load_ms: float | None = None  # the draft model's load, inside its TTFT (its first speculative request)
     pool_wait_ms: float | None = None  # of its queue wait, the time it waited for the KV pool's room
     kv_blocks_promised: int | None = None  # the pool's blocks it was admitted with (prompt and reply at most)
@@ -156,6 +157,7 @@ class RequestTrace:
             "pool_wait_ms": self.pool_wait_ms,
             "kv_blocks_promised": self.kv_blocks_promised,
             "draft_load_ms": self.draft_load_ms,
+            "grammar": self.grammar,
             "speculative": None if self.speculative is None else self.speculative.to_dict(*self._decode_span()),
         }
 

@@ -10,7 +10,9 @@ import json
 import math
 
 from .. import trace as tracing
+from ..errors import EngineError
 from ..events import STOP_REASONS, Failed, Finished, ReuseReport
+from ..grammar import Grammar
 from ..logprobs import MAX_TOP_LOGPROBS, Alternative, StepLogprobs
 from ..request import OVERFLOW_POLICIES, Request
 from ..sampling import SamplingParams
@@ -55,6 +57,7 @@ FIELDS = {
     "logprobs": bool,
     "top_logprobs": INTEGER,
     "overflow": str,  # kvchat's: a prompt longer than the cache allows (engine.request.OVERFLOW_POLICIES)
+    "response_format": dict,  # text, json_object, json_schema: structured output (engine.grammar)
 }
 # Fields kvchat does not implement: accepted only at the value that means "off".
 UNSUPPORTED = {
@@ -65,7 +68,6 @@ UNSUPPORTED = {
     "functions": [],
     "function_call": "none",
     "logit_bias": {},
-    "response_format": {"type": "text"},
 }
 ROLES = ("system", "developer", "user", "assistant")
 MAX_CHOICES = 16  # `n`: choices of one prompt a request may ask for (they share one prefill: engine/http/answers.py)
@@ -132,6 +134,31 @@ def _or(body: dict, name: str, default):
     return default if value is None else value
 
 
+def response_grammar(fmt: dict | None) -> Grammar | None:
+    """OpenAI's `response_format` as a grammar: text (none), json_object (any JSON object) or json_schema (its
+    `json_schema.schema`); anything else a 400 that names what is wrong."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Grammar.json_object()
+    if kind != "json_schema":
+        raise ApiError(400, "'response_format.type' must be text, json_object or json_schema", param="response_format")
+    spec = fmt.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, (dict, bool)):
+        raise ApiError(400, "'response_format.json_schema.schema' must be a JSON schema (an object)",
+                       param="response_format")  # fmt: skip
+    try:
+        grammar = Grammar.json_schema(schema)
+        grammar.check()
+    except EngineError as e:
+        raise ApiError(400, str(e), param="response_format") from None
+    return grammar
+
+
 def parse_chat(body, max_new_default: int, overflow_default: str = "stop") -> tuple[Request, dict]:
     """A chat-completions body → the engine's Request and the response options (stream, usage)."""
     if not isinstance(body, dict):
@@ -177,6 +204,7 @@ def parse_chat(body, max_new_default: int, overflow_default: str = "stop") -> tu
     overflow = _or(body, "overflow", overflow_default)
     if overflow not in OVERFLOW_POLICIES:
         raise ApiError(400, f"'overflow' must be one of {', '.join(OVERFLOW_POLICIES)}", param="overflow")
+    grammar = response_grammar(body.get("response_format"))
     cont = bool(body.get("continue_final_message"))
     req = Request(
         messages=messages,
@@ -191,6 +219,7 @@ def parse_chat(body, max_new_default: int, overflow_default: str = "stop") -> tu
         logprobs=logprobs,
         top_logprobs=top or 0,
         overflow=overflow,
+        grammar=grammar,
     )
     n = _or(body, "n", 1)
     if not 1 <= n <= MAX_CHOICES:

@@ -100,7 +100,13 @@ def add_arguments(p) -> None:
         "code rewrite (engine.tools.spec_bench), llama.cpp's prompt lookup beside lookup where it is installed",
     )
     p.add_argument("--draft-tokens", type=int, default=4, help="with --speculative: tokens drafted a round")
-    p.add_argument("--rounds", type=int, default=3, help="with --speculative: runs of each, alternating")
+    p.add_argument(
+        "--structured",
+        action="store_true",
+        help="structured output instead: decode with JSON schemas against without (engine.tools.grammar_bench), "
+        "llama.cpp's GBNF from the same schemas beside it where it is installed",
+    )
+    p.add_argument("--rounds", type=int, default=3, help="with --speculative or --structured: runs of each")
     p.add_argument(
         "--plot",
         default=None,
@@ -147,6 +153,10 @@ def run(ns) -> int:
         from ..spec_bench import run as speculative
 
         return speculative(ns)
+    if ns.structured:
+        from ..grammar_bench import run as structured
+
+        return structured(ns)
     if ns.plot and importlib.util.find_spec("matplotlib") is None:
         print("error: --plot needs matplotlib (pip install -e '.[bench]')", file=sys.stderr)
         return 2
