@@ -24,7 +24,11 @@ from .cache_map_view import CacheMapView
 from .core.panel_help import PICTURE_HELP, ROW_HELP
 from .core.panel_words import (
     DASH,
+    DRAFT_ROWS,
+    GRAMMAR_ROWS,
+    MODEL_ROWS,
     NOT_REPORTED,
+    SESSION_ROWS,
     cached_words,
     disk_words,
     draft_rows,
@@ -34,6 +38,7 @@ from .core.panel_words import (
     fmt_ms,
     fmt_rate,
     fmt_size,
+    grammar_rows,
     kv_formula,
     percentile,
     reuse_source,
@@ -47,8 +52,6 @@ PANEL_WORD = 16  # characters: a value's word longer than this gets places to wr
 
 SAME_CACHE = ("name", "backend", "server", "capacity", "dtype", "kv_cache")  # facts that, equal, mean one cache
 NOT_REPORTED_LOGPROBS = "not reported by this server"  # a remote server that sends no logprobs
-DRAFT_ROWS = [("draftValue", "Draft"), ("acceptedValue", "Accepted"), ("byPositionValue", "By draft position"),
-              ("draftCostValue", "Drafting · verifying"), ("speedupValue", "Against the model alone")]  # fmt: skip
 REUSE_ROWS = (
     "firstInvalidatedValue",
     "tokenChangeValue",
@@ -192,35 +195,11 @@ class StatsPanel(QScrollArea):
         lay.addWidget(gaps_box)
         self.draftsBox = self._group(lay, "Speculative decoding", DRAFT_ROWS)
         self.draftsBox.setObjectName("draftsBox")
+        self.grammarBox = self._group(lay, "Structured output", GRAMMAR_ROWS)
+        self.grammarBox.setObjectName("grammarBox")
 
-        self._group(
-            lay,
-            "Model in use",
-            [
-                ("modelNameValue", "Model"),
-                ("architectureValue", "Architecture"),
-                ("parametersValue", "Parameters"),
-                ("dtypeValue", "dtype"),
-                ("precisionValue", "Weights · KV cache"),
-                ("weightBytesValue", "Weight bytes"),
-                ("fileTensorsValue", "From the file"),
-                ("deviceValue", "Device"),
-                ("kernelsValue", "Decode kernels"),
-                ("layersValue", "Layers"),
-                ("kvHeadsValue", "KV heads · query heads"),
-                ("headDimValue", "Head width"),
-            ],
-        )
-        self._group(
-            lay,
-            "Session",
-            [
-                ("requestsValue", "Requests"),
-                ("failedValue", "Failed · cancelled"),
-                ("medianTtftValue", "Median TTFT"),
-                ("medianTpotValue", "Median TPOT"),
-            ],
-        )
+        self._group(lay, "Model in use", MODEL_ROWS)
+        self._group(lay, "Session", SESSION_ROWS)
         self.exportButton = QPushButton("Export this reply's trace…")
         self.exportButton.setObjectName("exportTraceButton")
         self.exportButton.clicked.connect(self.exportRequested)
@@ -228,6 +207,7 @@ class StatsPanel(QScrollArea):
         lay.addStretch(1)
         self.facts: dict = {}
         self.drafting = ""  # the draft the settings name now (Settings.speculative), for a reply made without one
+        self.reply_format = ""  # the conversation's reply format now, in words, for a reply made without one
 
     def _row(self, form, name, label):
         v = plain(QLabel(DASH))
@@ -391,6 +371,8 @@ class StatsPanel(QScrollArea):
         self.set("tokensValue", s.tokens_words)
         self.show_confidence(s)
         for name, text in draft_rows((s.trace or {}).get("speculative"), s.steps, self.drafting).items():
+            self.set(name, text)
+        for name, text in grammar_rows((s.trace or {}).get("grammar"), s.steps, self.reply_format).items():
             self.set(name, text)
         if remote:
             self.set("serverTimingValue", server_timing(s.trace) if s.trace is not None else "after the reply")

@@ -39,6 +39,7 @@ from engine.speculative import MAX_TOKENS
 
 from .core.settings import DEFAULT_OVERFLOW, SYSTEM_PRESETS, Settings
 from .outside_text import plain, plain_tooltip, rich
+from .reply_format_page import ReplyFormatPage
 
 OVERFLOW_HELP = (
     "What Send does when the conversation, with the reply's max new tokens, no longer fits the KV cache. "
@@ -252,6 +253,8 @@ class SettingsDialog(QDialog):
         where.setWordWrap(True)
         engine_form.addRow("Data", where)
         self.tabs.addTab(chat_page, "This conversation")
+        self.replyFormat = ReplyFormatPage(settings)
+        self.tabs.addTab(self.replyFormat, "Reply format")  # this conversation's too
         self.tabs.addTab(engine_page, "Engine (all conversations)")
         self.tabs.addTab(drafts_page, "Drafts (all conversations)")
         self._local_rows = (self.modelDir, browse, browse_file, self.device, self.dtype, self.capacity, self.weights)
@@ -464,4 +467,14 @@ class SettingsDialog(QDialog):
             user_presets=json.dumps(self._own_presets, ensure_ascii=False) if self._own_presets else "",
             speculative=self._drafting(),
             draft_tokens=self.draftTokens.value(),
+            reply_format=self.replyFormat.kind(),
+            reply_grammar=self.replyFormat.text(),
         )
+
+    def accept(self) -> None:
+        """OK: kept unless the reply format's schema or grammar does not compile (its tab shown, saying why)."""
+        if self.replyFormat.problem():
+            self.tabs.setCurrentWidget(self.replyFormat)
+            self.replyFormat.show_check()
+            return
+        super().accept()

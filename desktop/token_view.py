@@ -65,6 +65,17 @@ def _pct(lp) -> str:
     return "—" if not isinstance(lp, (int, float)) else f"{100 * math.exp(lp):.1f}%"
 
 
+def grammar_words(g) -> list[str]:
+    """What the reply's grammar did at a step, in lines ([] without one; a stored record's figures checked)."""
+    if not isinstance(g, dict) or not all(isinstance(g.get(k), (int, float)) for k in ("allowed", "vocab", "removed")):
+        return []
+    lines = [f"Grammar: {g['allowed']:,} of {g['vocab']:,} tokens allowed · {100 * g['removed']:.1f}% of the "
+             "model's probability removed"]  # fmt: skip
+    if isinstance(g.get("preferred_text"), str):
+        lines.append(f"  the model preferred {g['preferred_text']!r}: the grammar forbade it")
+    return lines
+
+
 def token_words(step: dict, index: int) -> list[str]:
     """What the model weighed at one step, in lines a person reads (the tooltip, the accessible description)."""
     lines = [f"Token {index + 1}: {step.get('text', '')!r}"]
@@ -73,6 +84,7 @@ def token_words(step: dict, index: int) -> list[str]:
     lines.append(head + (f" · {_pct(sampled)} as sampled" if sampled is not None else " · sampled: not reported"))
     if step.get("draft") in DRAFT_WORDS:
         lines.append(DRAFT_WORDS[step["draft"]])
+    lines += grammar_words(step.get("grammar"))
     if isinstance(step.get("entropy"), (int, float)):
         rank = step.get("rank")
         lines.append(

@@ -140,6 +140,8 @@ class ModelSide:
         """The conversation's own system prompt and sampling, above its messages; and what Regenerate does
         under them (greedy sampling repeats the reply: its tooltip, and the hint after a click, say so)."""
         own = self.chat.settings_for()
+        grammar = own.grammar_or_none()
+        self.statsPanel.reply_format = grammar.describe() if grammar is not None else ""
         greedy = own.temperature == 0
         self.regenerateButton.setToolTip(
             GREEDY_HINT if greedy else "Run the last reply again: a new version ‹n/n› beside the others"

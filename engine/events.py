@@ -107,6 +107,7 @@ class Finished:
     tail: str = ""  # text the streamed deltas had not yet shown (a character cut at the end)
     logprobs: tuple[StepLogprobs, ...] = ()  # each output token's, when the request asked for them
     drafts: tuple[str, ...] = ()  # each output token's part in speculative decoding (Token.draft); () without
+    grammar: tuple[MaskStep, ...] = ()  # each output token's MaskStep (Token.grammar); () without a grammar
 
 
 @dataclasses.dataclass(frozen=True)

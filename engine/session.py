@@ -300,7 +300,7 @@ class Session:
         if guide is not None:
             trace.grammar = guide.summary(reply.masks)
         yield from self._finish(trace, reply.reason, reply.out, stream, reuse, req.stop_strings, reply.steps,
-                                reply.drafts if drafter is not None else ())  # fmt: skip
+                                reply.drafts if drafter is not None else (), reply.masks)  # fmt: skip
 
     def drafter(self, kind: str):
         """The drafter for speculative requests of `kind` (engine.speculative.open_drafter), made once and kept while
@@ -328,7 +328,7 @@ class Session:
             self._drafter[2].release()
             self._drafter = None
 
-    def _finish(self, trace, reason, out, stream, reuse, stop_strings=(), steps=(), drafts=()):
+    def _finish(self, trace, reason, out, stream, reuse, stop_strings=(), steps=(), drafts=(), masks=()):
         tail = stream.finish()
         text = stream.new_text
         if reason == "stop_string":  # the reply ends before the stop string
@@ -337,4 +337,5 @@ class Session:
         trace.status = "cancelled" if reason == "cancelled" else "finished"
         summary = trace.summary()
         self.tiers.save(summary.get("prefill_tok_s"), trace.computed)
-        yield Finished(reason, text, tuple(out), summary, self.cache_stats(), reuse, tail, tuple(steps), tuple(drafts))
+        yield Finished(reason, text, tuple(out), summary, self.cache_stats(), reuse, tail, tuple(steps), tuple(drafts),
+                       tuple(masks))  # fmt: skip

@@ -7,6 +7,9 @@ import json
 import math
 import sqlite3
 
+from engine.errors import EngineError
+from engine.grammar import KINDS as GRAMMAR_KINDS
+
 from .records import clean_record
 from .replies import reply_footer
 from .settings import CONVERSATION_FIELDS, Settings
@@ -92,6 +95,14 @@ def conversation_settings(own) -> dict | None:
         return None
     kinds = {k: type(getattr(Settings(), k)) for k in CONVERSATION_FIELDS}
     kept = {k: kinds[k](v) for k, v in own.items() if k in kinds and _of_kind(v, kinds[k])}
+    fmt = kept.get("reply_format", "")
+    try:  # a reply format is kept only whole: a kind kvchat has, with a schema or grammar that is one (sizes checked)
+        if fmt and fmt not in GRAMMAR_KINDS:
+            raise EngineError(f"no reply format {fmt!r}")
+        Settings(reply_format=fmt, reply_grammar=kept.get("reply_grammar", "")).grammar()
+    except EngineError:
+        kept.pop("reply_format", None)
+        kept.pop("reply_grammar", None)
     return kept or None
 
 

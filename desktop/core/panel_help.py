@@ -37,6 +37,17 @@ ROW_HELP = {
     "speedupValue": "A token's time with drafts (from token 1 to the last, over the tokens after the first) "
     "against a plain decode step of the model (the median of this reply's steps where nothing was drafted), both "
     "measured in this reply on this machine: above 1× the drafts paid.",
+    # Structured output
+    "grammarValue": "What this reply had to parse as: a JSON schema, any JSON object, a Lark or GBNF grammar "
+    "(Settings → Reply format); at each step the grammar said which tokens could come next and the model drew "
+    "only among them.",
+    "removedValue": "The probability the model had put on tokens the grammar forbade, at each step (under its own "
+    "distribution: the softmax of its logits at temperature 1), averaged over the reply: how hard the grammar "
+    "pushed against what the model would have written.",
+    "overriddenValue": "Steps where the model's first choice was forbidden, so the token shown is not the one it "
+    "preferred (its tooltip names the one it preferred).",
+    "maskTimeValue": "The grammar's time per token: computing which tokens are allowed (llguidance), and how much "
+    "of it the step waited for — on a GPU the mask is computed while the model runs its step.",
     # Confidence
     "meanLogprobValue": "The mean, over this reply's tokens, of each chosen token's log-probability under the "
     "model's own distribution (softmax of its logits at temperature 1, before any sampling setting). 0 is "

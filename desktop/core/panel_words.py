@@ -190,6 +190,43 @@ def draft_rows(spec: dict | None, steps: list[dict], asked: str = "") -> dict[st
     return out
 
 
+MODEL_ROWS = [("modelNameValue", "Model"), ("architectureValue", "Architecture"), ("parametersValue", "Parameters"),
+              ("dtypeValue", "dtype"), ("precisionValue", "Weights · KV cache"), ("weightBytesValue", "Weight bytes"),
+              ("fileTensorsValue", "From the file"), ("deviceValue", "Device"), ("kernelsValue", "Decode kernels"),
+              ("layersValue", "Layers"), ("kvHeadsValue", "KV heads · query heads"),
+              ("headDimValue", "Head width")]  # fmt: skip
+SESSION_ROWS = [("requestsValue", "Requests"), ("failedValue", "Failed · cancelled"),
+                ("medianTtftValue", "Median TTFT"), ("medianTpotValue", "Median TPOT")]  # fmt: skip
+DRAFT_ROWS = [("draftValue", "Draft"), ("acceptedValue", "Accepted"), ("byPositionValue", "By draft position"),
+              ("draftCostValue", "Drafting · verifying"), ("speedupValue", "Against the model alone")]  # fmt: skip
+GRAMMAR_ROWS = [("grammarValue", "Grammar"), ("removedValue", "Probability removed"),
+                ("overriddenValue", "Model overridden"), ("maskTimeValue", "Mask time")]  # fmt: skip
+
+
+def grammar_rows(g: dict | None, steps: list[dict], asked: str = "") -> dict[str, str]:
+    """The Structured output rows of one reply: its finished trace's summary (`g`: engine.grammar's), or, while it
+    streams, what its tokens' figures say so far; `asked`: the format the conversation has now (for a reply made
+    without one)."""
+    marks = [s["grammar"] for s in steps if isinstance(s, dict) and isinstance(s.get("grammar"), dict)]
+    if not g and not marks:
+        none = f"none for this reply (the conversation's now: {asked})" if asked else "none (Settings → Reply format)"
+        return {"grammarValue": none, **dict.fromkeys(("removedValue", "overriddenValue", "maskTimeValue"), DASH)}
+    if not g:  # streaming: the tokens so far
+        removed = [m["removed"] for m in marks if isinstance(m.get("removed"), (int, float))]
+        forced = sum(isinstance(m.get("preferred"), int) for m in marks)
+        mean = f"{sum(removed) / len(removed):.0%} a step so far" if removed else DASH
+        return {"grammarValue": "constraining…", "removedValue": mean,
+                "overriddenValue": f"{forced:,} of {len(marks):,} steps so far", "maskTimeValue": DASH}  # fmt: skip
+    n, mean, forced = g.get("steps") or 0, g.get("mean_removed"), g.get("overridden") or 0
+    mask, wait = g.get("mask_us"), g.get("wait_us")
+    return {
+        "grammarValue": str(g.get("grammar") or g.get("kind") or "?"),
+        "removedValue": DASH if mean is None else f"{mean:.1%} of the model's probability a step (mean)",
+        "overriddenValue": f"{forced:,} of {n:,} steps: the model's first choice forbidden",
+        "maskTimeValue": NOT_REPORTED if mask is None else f"{mask:,.0f} µs a token · {wait or 0:,.0f} µs waited for",
+    }
+
+
 def kv_formula(f: dict, held: list[tuple[int, int]], kinds: list[dict] | None, positions: int, payload: int) -> str:
     """The payload's formula with the reply's figures: 2 · L · T · H_kv · d · b for each kind of layer (`held`: its
     layers and the positions they hold, a sliding layer's min(T, W)), codes plus their scales for a quantized

@@ -31,7 +31,8 @@ class Prompts:
         top = max(0, min(MAX_TOP_LOGPROBS, s.token_alternatives))
         drafts = {"speculative": s.speculative or None, "draft_tokens": s.draft_tokens} if s.speculative else {}
         return Request(messages=messages, sampling=s.sampling(), max_new_tokens=s.max_new_tokens, arrival=arrival,
-                       logprobs=True, top_logprobs=top, overflow=s.policy, **drafts, **kw)  # fmt: skip
+                       logprobs=True, top_logprobs=top, overflow=s.policy, grammar=s.grammar_or_none(), **drafts,
+                       **kw)  # fmt: skip
 
     def label(self, cid: int, upto: list[Message]) -> str:
         """A name for a prompt in the prefix store's picture: the conversation's title, and the branch

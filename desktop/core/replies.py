@@ -211,7 +211,7 @@ class ReplyStats:
             self.token_times.append(ev.time)
             self.cache_positions = ev.cache_positions
             if ev.logprobs is not None:
-                self.steps.append(token_record(ev.text, ev.token_id, ev.logprobs, ev.draft))
+                self.steps.append(token_record(ev.text, ev.token_id, ev.logprobs, ev.draft, ev.grammar))
             return ev.text
         elif isinstance(ev, Finished):
             self.trace, self.reuse, self.reason = ev.trace, ev.reuse.to_dict(), ev.reason
@@ -284,11 +284,15 @@ def left_out(messages, upto: list[Message], reuse: dict | None) -> list[int]:
     return [upto[i - first].id for i in dropped if 0 <= i - first < len(upto)]
 
 
-def token_record(shown: str, token_id: int, step, draft: str = "") -> dict:
+def token_record(shown: str, token_id: int, step, draft: str = "", grammar=None) -> dict:
     """One token of a reply as it is kept with the reply: the text it added on screen (`shown`; a token inside
     a character shows nothing, the next shows the character), its id (-1: a server that does not say), what
-    the model weighed at its step (engine.logprobs.StepLogprobs) and, with drafts, its part in them (Token.draft)."""
-    return {"shown": shown, "token_id": token_id, **step.to_dict(), **({"draft": draft} if draft else {})}
+    the model weighed at its step (engine.logprobs.StepLogprobs), with drafts its part in them (Token.draft), with
+    a grammar what the grammar did there (engine.grammar.MaskStep)."""
+    record = {"shown": shown, "token_id": token_id, **step.to_dict(), **({"draft": draft} if draft else {})}
+    if grammar is not None:
+        record["grammar"] = grammar.to_dict()
+    return record
 
 
 def title_from(text: str) -> str:

@@ -8,6 +8,9 @@ import json
 import os
 from pathlib import Path
 
+from engine.errors import EngineError
+from engine.grammar import KINDS as GRAMMAR_KINDS
+from engine.grammar import Grammar
 from engine.http.remote import RemoteSpec
 from engine.sampling import SamplingParams
 from engine.session import OVERFLOW_POLICIES
@@ -43,6 +46,8 @@ CONVERSATION_FIELDS = (
     "max_new_tokens",
     "seed",
     "overflow",
+    "reply_format",
+    "reply_grammar",
 )
 RECENT_MODELS = 6  # the quick switcher's models
 DEFAULT_OVERFLOW = "truncate-middle"  # the app's: the system prompt, the first turn and the latest turns stay
@@ -77,6 +82,8 @@ class Settings:
     speculative: str = ""  # drafts for a local model's replies: "" none | int4 | lookup | a draft model's path
     draft_tokens: int = 4  # tokens drafted a round at most (engine.speculative)
     overflow: str = DEFAULT_OVERFLOW  # a conversation longer than the cache: engine.session.OVERFLOW_POLICIES
+    reply_format: str = ""  # structured output: "" text | json_object | json_schema | lark | gbnf (engine.grammar)
+    reply_grammar: str = ""  # the JSON schema or grammar of json_schema, lark and gbnf (its text, kept whole)
     recent_models: str = ""  # the local models used lately, newest first: a JSON list of paths ("": the demo)
 
     def own_presets(self) -> dict[str, str]:
@@ -116,8 +123,28 @@ class Settings:
             if value != default:
                 parts.append(f"{name} {value:g}")
         parts.append(f"up to {self.max_new_tokens:,} new tokens")
+        grammar = self.grammar_or_none()
+        if grammar is not None:
+            parts.append(f"replies: {grammar.describe()}")
         parts.append(f"when the cache is full: {OVERFLOW_POLICIES.get(self.policy, self.policy)}")
         return " · ".join(parts)
+
+    def grammar(self) -> Grammar | None:
+        """The conversation's reply format as the engine takes it (None: plain text); EngineError where the stored
+        schema or grammar is not one (the reply fails, saying why)."""
+        if self.reply_format not in GRAMMAR_KINDS:
+            return None
+        if self.reply_format == "json_object":
+            return Grammar.json_object()
+        if self.reply_format == "json_schema":
+            return Grammar.json_schema(self.reply_grammar)
+        return Grammar(self.reply_format, self.reply_grammar)
+
+    def grammar_or_none(self) -> Grammar | None:
+        try:
+            return self.grammar()
+        except EngineError:
+            return None
 
     @property
     def policy(self) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 import tempfile
@@ -29,6 +30,9 @@ REWRITE = (
     "def total(prices, tax):\n    result = 0\n    for p in prices:\n        result = result + p * (1 + tax)\n"
     "    return result"
 )
+TRIP = {"title": "trip", "type": "object", "additionalProperties": False, "required": ["city", "nights"],
+        "properties": {"city": {"type": "string", "maxLength": 24},
+                       "nights": {"type": "integer", "minimum": 1, "maximum": 14}}}  # fmt: skip
 REQUESTS = (
     "Plan three nights in Chengdu on 600 yuan.",
     "Explain a KV cache to a child.",
@@ -54,6 +58,8 @@ def take(out: Path, model: str | None, new_tokens: int, only: str = "all") -> li
     extra = {"temperature": 0.8, "seed": 7} if only == "alternatives" else {}  # alternatives draw, not argmax
     if only == "drafts":
         extra = {"speculative": "lookup", "token_colours": "drafts"}
+    if only == "grammar":
+        extra = {"reply_format": "json_schema", "reply_grammar": json.dumps(TRIP), "token_colours": "probability"}
     Settings(model=LoadSpec(path=model), max_new_tokens=new_tokens, **extra).save(open_settings(data))
     app = QApplication.instance() or QApplication(["kvchat"])
     apply_style(app)
@@ -90,6 +96,8 @@ def take(out: Path, model: str | None, new_tokens: int, only: str = "all") -> li
             return await alternatives(w)
         if only == "drafts":
             return await drafted(w)
+        if only == "grammar":
+            return await constrained(w)
         for text in MESSAGES:
             done: list = []
             w.replyFinished.connect(done.append)
@@ -174,6 +182,38 @@ def take(out: Path, model: str | None, new_tokens: int, only: str = "all") -> li
         save("tokens-drafts", w)
         w.close()
 
+    async def constrained(w) -> None:
+        """A reply a JSON schema shaped: a token the grammar forced, its tooltip (the whole screen, where the
+        tooltip is a window of its own), and the Settings tab that set it."""
+        w.resize(1400, 900)
+        done: list = []
+        w.replyFinished.connect(done.append)
+        w.composer.setPlainText("Plan a short trip: which city, and how many nights?")
+        w.send()
+        await wait(lambda: done, 300)
+        w.select_message(w.chat.last_message().id)
+        w.pacer.draw_now()
+        w.statsPanel.ensureWidgetVisible(w.statsPanel.grammarBox)
+        await asyncio.sleep(0.3)
+        view = w.transcript.views[-1].tokenView
+        steps = view.steps
+        forced = next((i for i, t in enumerate(steps) if (t.get("grammar") or {}).get("preferred_text")), 0)
+        view.setFocus()
+        view.move_to(forced)
+        await asyncio.sleep(0.5)
+        screen = app.primaryScreen().grabWindow(0)  # the tooltip with the window under it
+        path = out / "tokens-grammar.png"
+        if not screen.copy(w.frameGeometry()).save(str(path)):
+            raise RuntimeError(f"could not write {path}")
+        written.append(path)
+        settings = SettingsDialog(w.chat.settings_for(), w.db_path, w)
+        settings.tabs.setCurrentWidget(settings.replyFormat)
+        settings.show()
+        await asyncio.sleep(0.5)
+        save("settings-reply-format", settings)
+        settings.close()
+        w.close()
+
     with loop:
         loop.run_until_complete(run())
     return written
@@ -187,9 +227,10 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument(
         "--only",
-        choices=("all", "requests", "alternatives", "drafts"),
+        choices=("all", "requests", "alternatives", "drafts", "grammar"),
         default="all",
-        help="requests, alternatives: the Requests tab alone; drafts: a reply coloured by its drafts",
+        help="requests, alternatives: the Requests tab alone; drafts: a reply coloured by its drafts; grammar: a "
+        "reply a JSON schema shaped, a token's tooltip",
     )
     ns = ap.parse_args(argv)
     for path in take(ns.out, ns.model, ns.new_tokens, ns.only):

@@ -146,7 +146,8 @@ async def _choice(job: Job, first: PrefillStarted, meta: dict, index: int, inclu
                     break
                 text, n = text + nxt.text, n + 1
                 made.append(nxt)
-            weighed = reply_logprobs(job.request, [t.logprobs for t in made], [t.token_id for t in made])
+            weighed = reply_logprobs(job.request, [t.logprobs for t in made], [t.token_id for t in made],
+                                     [t.grammar for t in made] if job.request.grammar is not None else ())  # fmt: skip
             if text or n > 1 or weighed:
                 extra = {wire.EXTENSION: {wire.TOKENS: n}} if n > 1 else {}
                 yield delta({"content": text}, logprobs=weighed, **extra)

@@ -58,6 +58,7 @@ FIELDS = {
     "top_logprobs": INTEGER,
     "overflow": str,  # kvchat's: a prompt longer than the cache allows (engine.request.OVERFLOW_POLICIES)
     "response_format": dict,  # text, json_object, json_schema: structured output (engine.grammar)
+    "grammar": str,  # llama-server's: a GBNF grammar the reply must parse as
 }
 # Fields kvchat does not implement: accepted only at the value that means "off".
 UNSUPPORTED = {
@@ -151,11 +152,16 @@ def response_grammar(fmt: dict | None) -> Grammar | None:
     if not isinstance(schema, (dict, bool)):
         raise ApiError(400, "'response_format.json_schema.schema' must be a JSON schema (an object)",
                        param="response_format")  # fmt: skip
+    return checked(lambda: Grammar.json_schema(schema), "response_format")
+
+
+def checked(make, param: str) -> Grammar:
+    """The grammar `make()` makes, where it compiles; else a 400 in the library's words naming `param`."""
     try:
-        grammar = Grammar.json_schema(schema)
+        grammar = make()
         grammar.check()
     except EngineError as e:
-        raise ApiError(400, str(e), param="response_format") from None
+        raise ApiError(400, str(e), param=param) from None
     return grammar
 
 
@@ -205,6 +211,8 @@ def parse_chat(body, max_new_default: int, overflow_default: str = "stop") -> tu
     if overflow not in OVERFLOW_POLICIES:
         raise ApiError(400, f"'overflow' must be one of {', '.join(OVERFLOW_POLICIES)}", param="overflow")
     grammar = response_grammar(body.get("response_format"))
+    if grammar is None and body.get("grammar"):
+        grammar = checked(lambda: Grammar("gbnf", body["grammar"]), "grammar")
     cont = bool(body.get("continue_final_message"))
     req = Request(
         messages=messages,
@@ -260,7 +268,22 @@ def chat_body(req: Request, model_id: str, kvchat_server: bool) -> dict:
         body.update(continue_final_message=True, add_generation_prompt=False)
     if req.overflow != "stop" and kvchat_server:
         body["overflow"] = req.overflow  # kvchat's own: another server keeps its own rule for a long prompt
+    body.update(grammar_fields(req.grammar))
     return body
+
+
+def grammar_fields(grammar: Grammar | None) -> dict:
+    """A grammar as a server takes it: `response_format` for JSON (OpenAI's, and vLLM's, SGLang's, llama-server's,
+    Ollama's /v1, kvchat's), `grammar` for GBNF (llama-server's name; kvchat takes it too); a Lark grammar is the
+    local engine's alone (refused before this)."""
+    if grammar is None:
+        return {}
+    if grammar.kind == "json_object":
+        return {"response_format": {"type": "json_object"}}
+    if grammar.kind == "json_schema":
+        schema = json.loads(grammar.source)
+        return {"response_format": {"type": "json_schema", "json_schema": {"name": "reply", "schema": schema}}}
+    return {"grammar": grammar.source}
 
 
 # --- a reply -> the response's words (the server) ---------------------------------------------------------
@@ -268,12 +291,13 @@ def _token_entry(text: str, logprob: float) -> dict:
     return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
-def logprobs_content(steps, token_ids) -> list[dict]:
+def logprobs_content(steps, token_ids, masks=()) -> list[dict]:
     """Steps (StepLogprobs) of the tokens `token_ids` in OpenAI's shape, `logprobs.content`: each token's raw
     log-probability and its top alternatives; kvchat's own figures (the sampled distribution's, the entropy,
-    the rank, the ids) beside them."""
+    the rank, the ids and, with a grammar, what it did at the step: `masks`, MaskStep) beside them."""
     out = []
-    for s, token_id in zip(steps, token_ids):
+    masks = list(masks) or [None] * len(steps)
+    for s, token_id, mask in zip(steps, token_ids, masks):
         entry = _token_entry(s.text, s.logprob)
         entry["top_logprobs"] = [_token_entry(a.text, a.logprob) for a in s.top]
         entry[EXTENSION] = {
@@ -284,15 +308,17 @@ def logprobs_content(steps, token_ids) -> list[dict]:
             "token_id": token_id,
             "top": [{"token_id": a.token_id, "sampled_logprob": a.sampled_logprob} for a in s.top],
         }
+        if mask is not None:
+            entry[EXTENSION]["grammar"] = mask.to_dict()
         out.append(entry)
     return out
 
 
-def reply_logprobs(request: Request, steps, token_ids) -> dict | None:
+def reply_logprobs(request: Request, steps, token_ids, masks=()) -> dict | None:
     """A choice's `logprobs`: None unless the request asked for them."""
     if not request.logprobs:
         return None
-    return {"content": logprobs_content(steps, token_ids), "refusal": None}
+    return {"content": logprobs_content(steps, token_ids, masks), "refusal": None}
 
 
 def report(ev: Finished | Failed, prompt_tokens: int) -> tuple[dict, dict]:
@@ -321,7 +347,7 @@ def choice_of(index: int, request: Request, last: Finished) -> dict:
     return {
         "index": index,
         "message": {"role": "assistant", "content": last.text},
-        "logprobs": reply_logprobs(request, last.logprobs, last.token_ids),
+        "logprobs": reply_logprobs(request, last.logprobs, last.token_ids, last.grammar),
         "finish_reason": FINISH_REASONS.get(last.reason, "stop"),
     }
 

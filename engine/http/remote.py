@@ -133,6 +133,8 @@ class RemoteSession:
     def body(self, req) -> dict:
         if req.messages is None:
             raise RemoteError("a remote engine takes chat messages, not raw prompts or token ids")
+        if req.grammar is not None and req.grammar.kind == "lark":
+            raise RemoteError("a Lark grammar needs the local engine: servers take a JSON schema or GBNF")
         return wire.chat_body(req, self.model_id, (self._facts or {}).get("server_kind") == "kvchat")
 
     async def _post(self, body: dict, out: queue.Queue) -> None:

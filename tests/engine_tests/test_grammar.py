@@ -88,8 +88,57 @@ def test_ten_schemas_through_the_official_client_every_reply_validates(llama_dir
                 assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 200
                 assert text.startswith("{")
         print("json_object replies that closed:", stopped)
+        _per_token_stream_gbnf_and_remote(api, server, llama_dir.name)
     finally:
         server.stop()
+
+
+def _per_token_stream_gbnf_and_remote(api, server, name):
+    """With logprobs each token's `kvchat` entry says what the grammar did, streamed and not, the same figures;
+    llama-server's `grammar` field (GBNF) is taken; a wrong one is a 400 naming it; and the app's remote engine
+    sends a conversation's format through (response_format, grammar) and refuses Lark before sending."""
+    from engine.http.remote import RemoteSession, RemoteSpec
+
+    schema = SCHEMAS[3]
+    fmt = {"type": "json_schema", "json_schema": {"name": "m", "schema": schema}}
+    ask = dict(model=name, messages=[{"role": "user", "content": "how?"}], max_tokens=64, logprobs=True,
+               response_format=fmt)  # fmt: skip
+    whole = api.chat.completions.create(**ask)
+    entries = [e.model_extra["kvchat"]["grammar"] for e in whole.choices[0].logprobs.content]
+    assert len(entries) == whole.usage.completion_tokens and entries[0]["allowed"] < 5
+    streamed, usage = [], None
+    for part in api.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}):
+        usage = part.usage or usage
+        if part.choices and part.choices[0].logprobs:
+            streamed += [e.model_extra["kvchat"]["grammar"] for e in part.choices[0].logprobs.content]
+    assert len(streamed) == usage.completion_tokens
+    # greedy: the same figures (to float rounding: the second run reuses the prompt's cached positions), up to
+    # where a near tie of a random model's logits might go the other way
+    for a, b in list(zip(streamed, entries))[:8]:
+        assert (a["allowed"], a["preferred"]) == (b["allowed"], b["preferred"])
+        assert a["removed"] == pytest.approx(b["removed"], abs=1e-6)
+    r = api.chat.completions.create(model=name, messages=[{"role": "user", "content": "?"}], max_tokens=8,
+                                    extra_body={"grammar": 'root ::= "on" | "off"'})  # fmt: skip
+    assert r.choices[0].message.content in ("on", "off")
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="does not compile") as e:
+        api.chat.completions.create(model=name, messages=[{"role": "user", "content": "?"}], max_tokens=8,
+                                    extra_body={"grammar": "root ::= (("})  # fmt: skip
+    assert e.value.body["param"] == "grammar"
+    remote = RemoteSession(RemoteSpec(server.url))
+    remote.connect()
+    try:
+        msgs = [{"role": "user", "content": "go"}]
+        for grammar, check in ((Grammar.json_schema(schema), lambda t: jsonschema.validate(json.loads(t), schema)),
+                               (Grammar("gbnf", 'root ::= "a" | "b"'), lambda t: t in ("a", "b"))):  # fmt: skip
+            last = list(remote.generate(Request(messages=msgs, max_new_tokens=64, grammar=grammar)))[-1]
+            assert isinstance(last, Finished), last
+            assert check(last.text) is not False and last.trace["server"]["grammar"]["kind"] == grammar.kind
+        last = list(remote.generate(Request(messages=msgs, max_new_tokens=8, grammar=Grammar("lark", 'start: "a"'))))
+        assert last[-1].error == "a Lark grammar needs the local engine: servers take a JSON schema or GBNF"
+    finally:
+        remote.close()
 
 
 def test_each_token_says_what_the_grammar_allowed_removed_and_overrode(model):
