@@ -108,6 +108,7 @@ class Finished:
     logprobs: tuple[StepLogprobs, ...] = ()  # each output token's, when the request asked for them
     drafts: tuple[str, ...] = ()  # each output token's part in speculative decoding (Token.draft); () without
     grammar: tuple[MaskStep, ...] = ()  # each output token's MaskStep (Token.grammar); () without a grammar
+    tool_calls: tuple = ()  # the calls the reply made (engine.tool_calls.ToolCall); `text` is then what came before
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,6 +43,9 @@ class Request:
     # or a model file or folder with the model's tokenizer (engine.speculative); None: none
     draft_tokens: int = 4  # tokens drafted a round at most (fewer while drafts are rejected)
     grammar: Grammar | None = None  # what the reply must parse as: a JSON schema, any JSON object, Lark, GBNF
+    tools: tuple = ()  # the functions the model may call (engine.tool_calls.Tool), shown through its template
+    tool_choice: str = "none"  # none | auto | required | a function's name (engine.tool_calls.read_choice)
+    parallel_tool_calls: bool = True  # with a call required: one call, or one or more
 
 
 def choice_requests(req: Request, n: int) -> list[Request]:
@@ -110,10 +113,12 @@ def render(tok, req: Request) -> ChatPrompt:
     if req.prompt_ids is not None:
         return ChatPrompt(list(req.prompt_ids), ())
     if req.messages is not None:
+        offered = [t.to_dict() for t in req.tools] if req.tools and req.tool_choice != "none" else None
         return tok.chat_prompt(
             list(req.messages),
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
+            **({"tools": offered} if offered else {}),
         )
     if req.prompt is not None:
         return ChatPrompt(tok.encode(req.prompt, add_special_tokens=True), ())

@@ -27,6 +27,7 @@ from .prefix_store import PrefixStore, default_budget
 from .quant import PRECISIONS
 from .request import OVERFLOW_POLICIES, Fitted, Request, check_capacity, fit, positions_needed, render, turns
 from .speculative import check_tokens, open_drafter, speculate
+from .tool_calls import call_grammar, marker_token, parse_calls, template_format
 from .weights.loading import LoadedModel, load_model
 
 __all__ = [
@@ -260,9 +261,14 @@ class Session:
             raise EngineError("the prompt is empty")
         self.check_capacity(len(prompt), req)
         check_top_logprobs(req.top_logprobs)
+        calling = self.tool_format(req)  # the family's format of calls, where the request offers tools
+        grammar = req.grammar
+        if calling is not None and req.tool_choice not in ("none", "auto"):  # a call must come: in its schema
+            grammar = call_grammar(calling, req.tools, req.tool_choice, req.parallel_tool_calls,
+                                   marker_token(loaded.tokenizer, calling))  # fmt: skip
         guide = None
-        if req.grammar is not None:  # compiled before anything is computed: a grammar that does not says why
-            guide = Guide(req.grammar, loaded.tokenizer, loaded.config.vocab_size,
+        if grammar is not None:  # compiled before anything is computed: a grammar that does not says why
+            guide = Guide(grammar, loaded.tokenizer, loaded.config.vocab_size,
                           overlap=torch.device(loaded.device).type != "cpu")  # fmt: skip
         drafter = None
         if req.speculative and guide is None:  # refused before anything is computed: a draft that cannot draft says why
@@ -299,8 +305,21 @@ class Session:
             reply = yield from decode(*args, guide)
         if guide is not None:
             trace.grammar = guide.summary(reply.masks)
+        calls = None
+        if calling is not None:  # the calls read back out of the reply, in its own format (control tokens kept)
+            calls = parse_calls(calling, loaded.tokenizer.decode(reply.out, skip_special_tokens=False))
         yield from self._finish(trace, reply.reason, reply.out, stream, reuse, req.stop_strings, reply.steps,
-                                reply.drafts if drafter is not None else (), reply.masks)  # fmt: skip
+                                reply.drafts if drafter is not None else (), reply.masks, calls)  # fmt: skip
+
+    def tool_format(self, req: Request):
+        """The format the model writes calls in (engine.tool_calls), where `req` offers tools; EngineError where
+        its chat template takes none."""
+        if not req.tools or req.tool_choice == "none":
+            return None
+        fmt = template_format(self.loaded.tokenizer.chat_template_source)
+        if fmt is None:
+            raise EngineError(f"{self.loaded.name}'s chat template takes no tools: it cannot be offered any")
+        return fmt
 
     def drafter(self, kind: str):
         """The drafter for speculative requests of `kind` (engine.speculative.open_drafter), made once and kept while
@@ -328,14 +347,17 @@ class Session:
             self._drafter[2].release()
             self._drafter = None
 
-    def _finish(self, trace, reason, out, stream, reuse, stop_strings=(), steps=(), drafts=(), masks=()):
+    def _finish(self, trace, reason, out, stream, reuse, stop_strings=(), steps=(), drafts=(), masks=(), calls=None):
         tail = stream.finish()
         text = stream.new_text
-        if reason == "stop_string":  # the reply ends before the stop string
+        tool_calls = ()
+        if calls is not None:  # a request that offered tools: its content is the text before any calls, trimmed
+            text, tool_calls = calls[0].strip(), tuple(calls[1])
+        if reason == "stop_string" and any(s in text for s in stop_strings):  # the reply ends before the stop string
             text = text[: min(text.find(s) for s in stop_strings if s in text)]
         trace.end = tracing.now()
         trace.status = "cancelled" if reason == "cancelled" else "finished"
         summary = trace.summary()
         self.tiers.save(summary.get("prefill_tok_s"), trace.computed)
         yield Finished(reason, text, tuple(out), summary, self.cache_stats(), reuse, tail, tuple(steps), tuple(drafts),
-                       tuple(masks))  # fmt: skip
+                       tuple(masks), tool_calls)  # fmt: skip

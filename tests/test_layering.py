@@ -209,7 +209,7 @@ FLOORS = [
             "engine.config", "engine.devices", "engine.kv_cache", "engine.kv_pool", "engine.passes", "engine.tokenizer",
             "engine.prefix_store",
             "engine.user_cache", "engine.logprobs", "engine.disk_store", "engine.disk_files", "engine.request",
-            "engine.kv_tiers", "engine.grammar",
+            "engine.kv_tiers", "engine.grammar", "engine.tool_calls",
         ),
     ),
     ("backends", ("engine.backends",)),

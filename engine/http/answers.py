@@ -15,8 +15,10 @@ from starlette.responses import JSONResponse
 
 from ..events import Failed, Finished, PrefillStarted, Token
 from ..request import Request
+from ..tool_calls import CallFilter
 from . import openai_chat as wire
-from .openai_chat import ApiError, choice_of, chunk, failure, reply_logprobs, report, sse
+from .openai_chat import ApiError, choice_of, chunk, failure, finish_reason, reply_logprobs, report, sse
+from .openai_tools import call_deltas
 from .service import Busy, EngineService, Job
 
 MAX_TOKENS_PER_CHUNK = 32  # tokens already made that one streamed chunk may carry
@@ -123,7 +125,8 @@ def summed(usages: list[dict]) -> dict:
             "prompt_tokens_details": usages[0]["prompt_tokens_details"]}  # fmt: skip
 
 
-async def _choice(job: Job, first: PrefillStarted, meta: dict, index: int, include_usage: bool, out: dict):
+async def _choice(job: Job, first: PrefillStarted, meta: dict, index: int, include_usage: bool, out: dict,
+                  calls=None):  # fmt: skip
     """One choice's chunks: its role, its text, its finish (with its kvchat report unless the usage chunk carries
     them); `out` gains its usage and report. The first chunk carries the reuse report."""
 
@@ -132,6 +135,8 @@ async def _choice(job: Job, first: PrefillStarted, meta: dict, index: int, inclu
 
     started = {wire.PROMPT_TOKENS: first.prompt_tokens, wire.REUSE: first.reuse.to_dict()}
     yield delta({"role": "assistant", "content": ""}, kvchat=started)
+    calls = CallFilter(*calls) if calls else None  # (format, marker token): a call's text is held back, not content
+    sent = ""  # the content sent so far
     held = None  # an event taken while gathering tokens, to handle next
     while (ev := held or await job.events.get()) is not None:
         held = None
@@ -146,6 +151,9 @@ async def _choice(job: Job, first: PrefillStarted, meta: dict, index: int, inclu
                     break
                 text, n = text + nxt.text, n + 1
                 made.append(nxt)
+            if calls is not None:
+                text = "".join(calls.feed(t.token_id, t.text) for t in made)
+            sent += text
             weighed = reply_logprobs(job.request, [t.logprobs for t in made], [t.token_id for t in made],
                                      [t.grammar for t in made] if job.request.grammar is not None else ())  # fmt: skip
             if text or n > 1 or weighed:
@@ -156,9 +164,14 @@ async def _choice(job: Job, first: PrefillStarted, meta: dict, index: int, inclu
                 return
         elif isinstance(ev, Finished):
             out["usage"], out["report"] = report(ev, first.prompt_tokens)
-            if ev.tail:
-                yield delta({"content": ev.tail})
-            finish = wire.FINISH_REASONS.get(ev.reason, "stop")
+            rest = ev.tail
+            if calls is not None:  # the content the filter held back, then the calls
+                rest = ev.text[len(sent) :] if ev.text.startswith(sent) else ""
+            if rest:
+                yield delta({"content": rest})
+            if ev.tool_calls:
+                yield delta({"tool_calls": call_deltas(ev.tool_calls)})
+            finish = finish_reason(ev)
             yield delta({}, finish) if include_usage else delta({}, finish, kvchat=out["report"])
         elif isinstance(ev, Failed):
             error = failure(ev)
@@ -167,11 +180,12 @@ async def _choice(job: Job, first: PrefillStarted, meta: dict, index: int, inclu
 
 
 async def stream(jobs: list[Job], firsts: list[PrefillStarted], meta: dict, include_usage: bool,
-                 watcher: asyncio.Task) -> AsyncIterator[str]:  # fmt: skip
+                 watcher: asyncio.Task, calls=None) -> AsyncIterator[str]:  # fmt: skip
     """Server-sent events in OpenAI's chunk format, each chunk naming its choice; the last report(s) on the
-    usage chunk when it is asked for; `[DONE]` ends it. A client gone cancels every job."""
+    usage chunk when it is asked for; `[DONE]` ends it. A client gone cancels every job. `calls`: the format
+    of the model's tool calls and its marker token, where the request offers tools."""
     outs = [{} for _ in jobs]
-    parts = [_choice(job, first, meta, i, include_usage, out) for i, (job, first, out) in
+    parts = [_choice(job, first, meta, i, include_usage, out, calls) for i, (job, first, out) in
              enumerate(zip(jobs, firsts, outs))]  # fmt: skip
     try:
         if len(parts) == 1:

@@ -16,6 +16,7 @@ from ..grammar import Grammar
 from ..logprobs import MAX_TOP_LOGPROBS, Alternative, StepLogprobs
 from ..request import OVERFLOW_POLICIES, Request
 from ..sampling import SamplingParams
+from .openai_tools import FieldError, call_list, message_calls, tool_fields, tool_message
 
 # The engine's stop reason -> OpenAI's finish_reason (what the server sends).
 FINISH_REASONS = {k: r.finish for k, r in STOP_REASONS.items() if r.finish}
@@ -59,18 +60,19 @@ FIELDS = {
     "overflow": str,  # kvchat's: a prompt longer than the cache allows (engine.request.OVERFLOW_POLICIES)
     "response_format": dict,  # text, json_object, json_schema: structured output (engine.grammar)
     "grammar": str,  # llama-server's: a GBNF grammar the reply must parse as
+    "tools": list,  # functions the model may call (engine/http/openai_tools.py)
+    "tool_choice": (str, dict),
+    "parallel_tool_calls": bool,
 }
 # Fields kvchat does not implement: accepted only at the value that means "off".
 UNSUPPORTED = {
     "presence_penalty": 0,
     "frequency_penalty": 0,
-    "tools": [],
-    "tool_choice": "none",
     "functions": [],
     "function_call": "none",
     "logit_bias": {},
 }
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_CHOICES = 16  # `n`: choices of one prompt a request may ask for (they share one prefill: engine/http/answers.py)
 
 
@@ -130,6 +132,22 @@ def _text(content, i: int) -> str:
     raise ApiError(400, f"messages[{i}].content must be a string or an array of text parts", param="messages")
 
 
+def _message(m, i: int) -> dict:
+    """One of `messages`, as the chat template renders it: its role (developer is system), its text, and an
+    assistant's calls or a tool's result where it holds them."""
+    if not isinstance(m, dict) or m.get("role") not in ROLES:
+        raise ApiError(400, f"messages[{i}] needs a role among {', '.join(ROLES)}", param="messages")
+    role = "system" if m["role"] == "developer" else m["role"]
+    content = _text(m.get("content"), i)
+    if role == "tool":
+        return tool_message(m, content)
+    out = {"role": role, "content": content}
+    calls = message_calls(m, i) if role == "assistant" else None
+    if calls:
+        out["tool_calls"] = calls
+    return out
+
+
 def _or(body: dict, name: str, default):
     value = body.get(name)
     return default if value is None else value
@@ -178,12 +196,11 @@ def parse_chat(body, max_new_default: int, overflow_default: str = "stop") -> tu
     msgs = body.get("messages")
     if not msgs:
         raise ApiError(400, "'messages' must be a non-empty array", param="messages")
-    messages = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise ApiError(400, f"messages[{i}] needs a role among {', '.join(ROLES)}", param="messages")
-        role = "system" if m["role"] == "developer" else m["role"]
-        messages.append({"role": role, "content": _text(m.get("content"), i)})
+    try:
+        messages = [_message(m, i) for i, m in enumerate(msgs)]
+        tools = tool_fields(body)
+    except FieldError as e:
+        raise ApiError(400, str(e), param=e.param) from None
     stop = body.get("stop") or ()
     stop = (stop,) if isinstance(stop, str) else tuple(stop)
     if not all(isinstance(s, str) and s for s in stop):
@@ -228,6 +245,7 @@ def parse_chat(body, max_new_default: int, overflow_default: str = "stop") -> tu
         top_logprobs=top or 0,
         overflow=overflow,
         grammar=grammar,
+        **tools,
     )
     n = _or(body, "n", 1)
     if not 1 <= n <= MAX_CHOICES:
@@ -343,13 +361,22 @@ def report(ev: Finished | Failed, prompt_tokens: int) -> tuple[dict, dict]:
 
 
 def choice_of(index: int, request: Request, last: Finished) -> dict:
-    """One choice of a whole (not streamed) reply: its message, log-probabilities and why it stopped."""
+    """One choice of a whole (not streamed) reply: its message (its calls, where it made any), log-probabilities
+    and why it stopped."""
+    message = {"role": "assistant", "content": last.text}
+    if last.tool_calls:
+        message.update(content=last.text or None, tool_calls=call_list(last.tool_calls))
     return {
         "index": index,
-        "message": {"role": "assistant", "content": last.text},
+        "message": message,
         "logprobs": reply_logprobs(request, last.logprobs, last.token_ids, last.grammar),
-        "finish_reason": FINISH_REASONS.get(last.reason, "stop"),
+        "finish_reason": finish_reason(last),
     }
+
+
+def finish_reason(last: Finished) -> str:
+    """OpenAI's finish_reason of a reply: tool_calls where it made calls, else its stop reason's."""
+    return "tool_calls" if last.tool_calls else FINISH_REASONS.get(last.reason, "stop")
 
 
 def chunk(meta: dict, delta: dict, finish=None, logprobs=None, index: int = 0, **extra) -> dict:

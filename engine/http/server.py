@@ -30,6 +30,7 @@ from ..errors import EngineError
 from ..events import PrefillStarted
 from ..request import Request, choice_requests
 from ..session import Session
+from ..tool_calls import marker_token, template_format
 from ..weights.loading import LoadedModel
 from . import answers
 from .metrics import CONTENT_TYPE as METRICS_TYPE
@@ -130,6 +131,7 @@ def build_app(
                     code="model_not_found",
                     param="model",
                 )
+            calls = _call_format(service, req)
             choices = choice_requests(req, opts["n"])
             if len(choices) > 1 and service.pending + len(choices) > service.engine.parallel + service.queue_size:
                 raise Busy(max(1, len(choices)))
@@ -163,7 +165,7 @@ def build_app(
         meta = {"id": rid, "created": int(time.time()), "model": service.model_id}
         if opts["stream"]:
             return StreamingResponse(
-                answers.stream(jobs, firsts, meta, opts["usage"], watcher),
+                answers.stream(jobs, firsts, meta, opts["usage"], watcher, calls),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
@@ -342,3 +344,15 @@ def _head_timed_protocol():
             super().connection_lost(exc)
 
     return HeadTimed
+
+
+def _call_format(service, req: Request):
+    """(the format the model writes calls in, its marker's control token) where the request offers tools; a 400
+    where the model's chat template takes none."""
+    if not req.tools or req.tool_choice == "none":
+        return None
+    tok = service.loaded.tokenizer
+    fmt = template_format(tok.chat_template_source)
+    if fmt is None:
+        raise ApiError(400, f"{service.model_id}'s chat template takes no tools", param="tools")
+    return fmt, marker_token(tok, fmt)
