@@ -40,6 +40,7 @@ from engine.speculative import MAX_TOKENS
 from .core.settings import DEFAULT_OVERFLOW, SYSTEM_PRESETS, Settings
 from .outside_text import plain, plain_tooltip, rich
 from .reply_format_page import ReplyFormatPage
+from .tools_page import ToolsPage
 
 OVERFLOW_HELP = (
     "What Send does when the conversation, with the reply's max new tokens, no longer fits the KV cache. "
@@ -255,6 +256,8 @@ class SettingsDialog(QDialog):
         self.tabs.addTab(chat_page, "This conversation")
         self.replyFormat = ReplyFormatPage(settings)
         self.tabs.addTab(self.replyFormat, "Reply format")  # this conversation's too
+        self.toolsPage = ToolsPage(settings)
+        self.tabs.addTab(self.toolsPage, "Tools")  # the servers every conversation's; the tools on, this one's
         self.tabs.addTab(engine_page, "Engine (all conversations)")
         self.tabs.addTab(drafts_page, "Drafts (all conversations)")
         self._local_rows = (self.modelDir, browse, browse_file, self.device, self.dtype, self.capacity, self.weights)
@@ -469,6 +472,9 @@ class SettingsDialog(QDialog):
             draft_tokens=self.draftTokens.value(),
             reply_format=self.replyFormat.kind(),
             reply_grammar=self.replyFormat.text(),
+            mcp_servers=self.toolsPage.servers_text(),
+            tools=json.dumps(self.toolsPage.tool_keys()) if self.toolsPage.tool_keys() else "",
+            tool_choice=self.toolsPage.tool_choice(),
         )
 
     def accept(self) -> None:
@@ -477,4 +483,11 @@ class SettingsDialog(QDialog):
             self.tabs.setCurrentWidget(self.replyFormat)
             self.replyFormat.show_check()
             return
+        if self.toolsPage.problem():  # the servers' text does not read: its tab shown, saying why
+            self.tabs.setCurrentWidget(self.toolsPage)
+            return
         super().accept()
+
+    def done(self, result: int) -> None:
+        self.toolsPage.close_host()  # servers started to list their tools stop with the dialog
+        super().done(result)

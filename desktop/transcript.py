@@ -23,13 +23,14 @@ from .core.replies import reply_footer
 from .outside_text import plain, rich
 from .reply_widgets import ElidedLabel, ReplyBody, StreamView, WrapLabel
 from .token_view import TOKEN_PAGE, ForkRow, TokenView
+from .tool_blocks import tool_block
 
 DEMO_HINT = (
     "Ask the demo model to plan a trip, for example:<br><i>I am planning a trip to Chengdu "
     "for 3 nights. My budget is 600 yuan.</i><br><br>Then edit 600 to 750 and watch the "
     "panel: where the cache is cut, what is kept, what is recomputed."
 )
-ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System"}
+ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System", "tool": "Tool result"}
 STATUS_NOTES = {
     "stopped": "stopped",
     "incomplete": "incomplete (the app closed mid-reply)",
@@ -102,6 +103,7 @@ class MessageView(QFrame):
         self.editButton = QPushButton("Edit")
         self.editButton.setObjectName("editButton")
         self.editButton.clicked.connect(self.begin_edit)
+        self.editButton.setVisible(message.role != "tool")  # a result is the tool's: a person's edit is not one
         head.addWidget(self.editButton)
         who = ROLE_NAMES.get(message.role, message.role).lower()
         for b, name in (
@@ -150,6 +152,7 @@ class MessageView(QFrame):
         self.editor: QPlainTextEdit | None = None  # made when an edit begins: a long transcript builds fast
         self.editRow: QWidget | None = None
         self.highlight: tuple[int, int] | None = None
+        self.toolBlock = None  # a reply's calls, or a tool's result (tool_blocks), once the record has them
         self.set_content(message.content, message.status, message.token_count)
 
     def set_model(self, name: str | None, changed: str) -> None:
@@ -212,7 +215,11 @@ class MessageView(QFrame):
             if not steps:
                 self.forkRow.setVisible(False)
             self._token_page(self.tokenView.drawn, len(self.tokenView.steps))
-        self.reply.setVisible(self.highlight is None and not self.editing and not steps)
+        if self.toolBlock is None and status != "streaming":
+            self.toolBlock = tool_block(self.message)
+            if self.toolBlock is not None:
+                self.layout().insertWidget(self.layout().indexOf(self.footerLabel), self.toolBlock)
+        self.reply.setVisible(self.highlight is None and not self.editing and not steps and self.message.role != "tool")
         self.body.setVisible(self.highlight is not None and not self.editing and not steps)
         self.statusLabel.setText(STATUS_NOTES.get(status, ""))
         self.tokensLabel.setText("" if tokens is None else f"{tokens} tokens")

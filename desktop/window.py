@@ -73,6 +73,8 @@ class MainWindow(ModelSide, WindowLayout, Keyboard, QMainWindow):
         self.apply_theme()
         self.show_models()
         self.chat = ChatController(self._open_store(), self.client, self.settings, self, now)
+        self.approval = None  # the tool call's question shown last (tool_approval)
+        self.set_tool_servers(self.settings)
         self._show_first_conversation()
         self.composer.setFocus()  # where a person types first, after a restart too
         self._update_buttons()
@@ -476,6 +478,8 @@ class MainWindow(ModelSide, WindowLayout, Keyboard, QMainWindow):
         self.pacer.stop()
         self.chat.save_partial()
         self.worker_left_running = not self.client.close()
+        if self.chat.tool_host is not None:
+            self.chat.tool_host.close()  # the MCP servers it started stop with the app
         for task in list(self._tasks):
             task.cancel()
         self.heldBanner.timer.stop()

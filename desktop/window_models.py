@@ -16,12 +16,14 @@ from PySide6.QtWidgets import QApplication, QDialog, QFileDialog, QMessageBox
 from engine.weights.catalog import is_bundled
 
 from .core.settings import Settings
+from .core.tool_host import ToolHost
 from .export_import import export_conversation, import_conversation
 from .models_dialog import ModelsDialog
 from .panel_parts import set_bar
 from .reply_widgets import CodeBlock
 from .settings_dialog import SettingsDialog
 from .style import apply_style
+from .tool_approval import ToolApproval
 
 GREEDY_HINT = (
     "Greedy sampling (temperature 0): Regenerate gives the same reply again. Raise the temperature "
@@ -128,6 +130,7 @@ class ModelSide:
             self.chat.guard(self.store.set_settings, cid, new.conversation_part())
         reload = new.engine() != self.settings.engine()
         self.settings = self.chat.settings = new
+        self.set_tool_servers(new)
         self.statsPanel.drafting = new.speculative
         new.save(self.qsettings)
         self.show_conversation_settings()
@@ -135,6 +138,27 @@ class ModelSide:
         self.probe_conversation()  # and the overflow policy: what Send would leave out
         if reload:
             self.load_model()
+
+    def set_tool_servers(self, settings: Settings) -> None:
+        """The MCP servers' host for the configured servers (none started until a conversation needs its tools);
+        a changed configuration stops the servers running and forgets their tools."""
+        old = self.chat.tool_host
+        servers = settings.tool_servers()
+        if old is not None and old.servers == servers:
+            return
+        if old is not None:
+            old.close()
+        self.chat.tool_host = ToolHost(servers) if servers else None
+        self.chat.tool_listing.clear()
+
+    def approve_call(self, cid: int, call, tool):
+        """The person's answer to a tool call (a Future: once, conversation, deny), asked in its own window."""
+        question = ToolApproval(self.store.conversation(cid).title, call, tool, self)
+        question.answer.add_done_callback(lambda _: question.settle())  # answered by Stop: the question goes
+        self.approval = question
+        question.show()
+        question.raise_()
+        return question.answer
 
     def show_conversation_settings(self) -> None:
         """The conversation's own system prompt and sampling, above its messages; and what Regenerate does

@@ -51,6 +51,18 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
+def template_arguments(arguments):
+    """A call's arguments as chat templates take them: the JSON object its text holds (as vLLM and transformers
+    give templates), or the text itself where it is not one."""
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except (ValueError, RecursionError):
+            return arguments
+        return parsed if isinstance(parsed, dict) else arguments
+    return arguments
+
+
 def read_tools(tools) -> tuple[Tool, ...]:
     """OpenAI's `tools` array, checked: at most MAX_TOOLS functions, each a name of OpenAI's characters, a string
     description, a JSON schema object for its parameters; the whole within a grammar's size."""
@@ -184,7 +196,7 @@ def call_grammar(fmt: Format, tools: tuple[Tool, ...], choice: str, parallel: bo
     family's format, the arguments in their schema; `parallel`: one call or more; `marker_id`: the marker's
     control token, where it is one (written as that token, not as its characters)."""
     chosen = [t for t in tools if choice == "required" or t.name == choice]
-    one = {"anyOf": [{"type": "object", "properties": {"name": {"const": t.name}, fmt.arguments: t.parameters},
+    one = {"anyOf": [{"type": "object", "properties": {"name": {"const": t.name}, fmt.arguments: strict(t.parameters)},
                       "required": ["name", fmt.arguments], "additionalProperties": False} for t in chosen]}  # fmt: skip
     marker = f"<[{marker_id}]>" if marker_id is not None else json.dumps(fmt.marker)
     if fmt.gap:
@@ -199,6 +211,19 @@ def call_grammar(fmt: Format, tools: tuple[Tool, ...], choice: str, parallel: bo
         more = ('"\\n"' if fmt.close else '"; "') + " call"
         lark = f"start: call ({more})*\ncall: {call}" if parallel else f"start: {call}"
     return Grammar("lark", lark)
+
+
+def strict(schema, depth: int = 0):
+    """A schema whose objects hold only the properties they name where they say nothing of others (OpenAI's strict
+    mode): a tool without parameters takes `{}`, not keys a model invokes without end."""
+    if depth > 32 or not isinstance(schema, (dict, list)):
+        return schema
+    if isinstance(schema, list):
+        return [strict(s, depth + 1) for s in schema]
+    out = {k: strict(v, depth + 1) for k, v in schema.items()}
+    if out.get("type") == "object" and not {"additionalProperties", "patternProperties"} & set(out):
+        out["additionalProperties"] = False
+    return out
 
 
 def marker_token(tokenizer, fmt: Format) -> int | None:

@@ -37,6 +37,7 @@ from .settings import Settings
 from .store import Message, Store
 from .store_file import StoreError
 from .streams import LaneMaps, Stream
+from .tool_turns import ToolTurns
 
 SAVE_EVERY_S = 0.25  # partial replies reach the database this often while streaming
 
@@ -61,7 +62,7 @@ class Listener(Protocol):
     def show_error(self, text: str) -> None: ...
 
 
-class ChatController(Prompts):
+class ChatController(Prompts, ToolTurns):
     """One conversation shown at a time over the store; replies streaming in any of them."""
 
     def __init__(self, store: Store, client: Client, settings: Settings, listener: Listener, clock):
@@ -78,6 +79,7 @@ class ChatController(Prompts):
         self._edit: tuple[int, int] | None = None  # (new message id, first changed character) of an edit
         self._lead: dict[int, int] = {}  # conversation id → the first alternative's message, while they start
         self.lane_maps = LaneMaps()  # each engine lane's cache now: what each position holds, where it came from
+        self._tools_init()
 
     # --- what streams ----------------------------------------------------------------------------
     @property
@@ -258,6 +260,7 @@ class ChatController(Prompts):
         """Stop the replies streaming in the conversation shown (those in others go on)."""
         for st in self.streams_in(self.current_cid):
             self.client.stop(st.request)
+        self.stop_tools(self.current_cid)
 
     def start(self, parent_id: int, arrival: float, continue_mid: int | None = None, fork: Fork | None = None,
               alternatives: int = 1):  # fmt: skip
@@ -268,6 +271,7 @@ class ChatController(Prompts):
         if self.generating:
             return None
         cid = self.current_cid
+        self.tools_halted.discard(cid)
         self.runs[cid] = self.runs.get(cid, 0) + max(1, alternatives)  # each reply gives its claim back as it ends
         upto = self.messages_until(parent_id)
         if alternatives > 1:
@@ -290,6 +294,7 @@ class ChatController(Prompts):
         """`n` replies to one prompt in one batch: the first's prefill goes to the prefix store
         (Request.share_prompt), and the others start once it is done, copying that prompt from there; each samples
         with its own seed (choice_requests). The branch shown is the first's."""
+        await self.list_tools(cid)
         base = self.request(self.messages(upto, cid), arrival, cid, label=self.label(cid, upto))
         requests = choice_requests(base, n)
         prefilled = asyncio.Event()
@@ -314,13 +319,23 @@ class ChatController(Prompts):
                      req: Request | None = None, alternative=None, prefilled: asyncio.Event | None = None):  # fmt: skip
         stream = None
         try:
+            if req is None:
+                await self.list_tools(cid)
             stream = await self._start_reply(cid, upto, parent_id, arrival, continue_mid, fork, req, alternative,
                                              prefilled)  # fmt: skip
         finally:
-            if stream is not None:
-                self.streams.pop(stream.mid, None)
-            if stream is None or not stream.released:  # it ended some other way (cancelled, a bug): claim back
-                self._release(cid)
+            self._ended(cid, stream)
+        rounds = 1
+        while stream is not None and stream.calls:  # the reply called tools: run them, then the next reply
+            stream = await self.tool_round(cid, stream.mid, stream.calls, rounds)
+            rounds += 1
+
+    def _ended(self, cid: int, stream: Stream | None) -> None:
+        """A reply's run ended: its stream gone, and its claim given back where it did not end as replies do."""
+        if stream is not None:
+            self.streams.pop(stream.mid, None)
+        if stream is None or not stream.released:  # it ended some other way (cancelled, a bug): claim back
+            self._release(cid)
 
     async def _start_reply(self, cid, upto, parent_id, arrival, continue_mid, fork, req, alternative, prefilled):
         carried: list[dict] = []  # a fork's tokens before it (and the token it forks with)
@@ -419,6 +434,12 @@ class ChatController(Prompts):
             "carried_tokens": old_tokens,
             "left_out": left_out(req.messages or (), upto, stats.reuse),
         }
+        calls = getattr(final, "tool_calls", ())
+        if calls:
+            record["tool_calls"] = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in calls]
+            stream.calls = self.calls_to_run(cid, calls, stream.alternative)
+            if stream.calls:
+                self.runs[cid] = self.runs.get(cid, 0) + 1  # the loop's claim: no Send while its calls run
         self.guard(
             self.store.update_message,
             assistant.id,

@@ -5,10 +5,32 @@ from __future__ import annotations
 
 from engine.logprobs import MAX_TOP_LOGPROBS
 from engine.session import Request
+from engine.tool_calls import template_arguments
 
 from .replies import Fork, branch_mark
 from .settings import Settings
 from .store import Message
+
+
+def chat_message(m: Message) -> dict:
+    """A stored message as the chat template reads it: a reply's tool calls (their arguments as objects), a tool's
+    result with the call it answers."""
+    record = m.trace if isinstance(m.trace, dict) else {}
+    if m.role == "tool":
+        call = record.get("tool_call") or {}
+        return {"role": "tool", "content": m.content, "tool_call_id": call.get("id", ""), "name": call.get("name", "")}
+    calls = record.get("tool_calls") if m.role == "assistant" else None
+    if calls:
+        made = [
+            {
+                "id": c["id"],
+                "type": "function",
+                "function": {"name": c["name"], "arguments": template_arguments(c["arguments"])},
+            }
+            for c in calls
+        ]
+        return {"role": "assistant", "content": m.content, "tool_calls": made}
+    return {"role": m.role, "content": m.content}
 
 
 class Prompts:
@@ -24,10 +46,11 @@ class Prompts:
         """What the model sees: the conversation's system prompt, then the messages of the branch up to here."""
         prompt = self.settings_for(cid).system_prompt
         system = [{"role": "system", "content": prompt}] if prompt else []
-        return system + [{"role": m.role, "content": m.content} for m in upto]
+        return system + [chat_message(m) for m in upto]
 
     def request(self, messages: list[dict], arrival: float, cid: int | None = None, **kw) -> Request:
         s = self.settings_for(cid)
+        kw = {**self.tool_fields(cid, messages), **kw}
         top = max(0, min(MAX_TOP_LOGPROBS, s.token_alternatives))
         drafts = {"speculative": s.speculative or None, "draft_tokens": s.draft_tokens} if s.speculative else {}
         return Request(messages=messages, sampling=s.sampling(), max_new_tokens=s.max_new_tokens, arrival=arrival,

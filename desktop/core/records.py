@@ -178,6 +178,17 @@ def _figures(t: dict) -> list[str]:
     return bad
 
 
+ARGUMENT_CHARS = 64 * 1024  # a tool call's arguments, as the record keeps them
+MAX_CALLS = 64  # calls in one reply's record (engine.tool_calls.MAX_CALLS)
+
+
+def _call(c) -> dict | None:
+    """A tool call as a record keeps it: {id, name, arguments (JSON text)}; None where it is not one."""
+    if not isinstance(c, dict) or not all(isinstance(c.get(k), str) for k in ("id", "name", "arguments")):
+        return None
+    return {"id": cut(c["id"], 200), "name": cut(c["name"], 200), "arguments": c["arguments"][:ARGUMENT_CHARS]}
+
+
 def clean_record(record) -> dict | None:
     """A reply's record as the app may read it; `unreadable` names the fields left out because they were not
     what kvchat writes (the panel says so)."""
@@ -214,6 +225,13 @@ def clean_record(record) -> dict | None:
             out["tokens"] = steps
     if out.get("tokens_reported") is not None and not isinstance(out["tokens_reported"], bool):
         out["tokens_reported"] = None
+    for key, many in (("tool_calls", True), ("tool_call", False)):  # a reply's calls; a result's call
+        if record.get(key) is not None:
+            value = record[key]
+            calls = [_call(c) for c in value[:MAX_CALLS]] if many and isinstance(value, list) else [_call(value)]
+            ok = not many or isinstance(value, list)
+            out[key] = (calls if many else calls[0]) if ok and None not in calls else None
+            bad += [] if out[key] is not None else [key]
     if "left_out" in out:
         left = out["left_out"]
         out["left_out"] = [i for i in left if _count(i)] if isinstance(left, list) else []

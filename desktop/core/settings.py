@@ -16,6 +16,8 @@ from engine.sampling import SamplingParams
 from engine.session import OVERFLOW_POLICIES
 from engine.spec import LoadSpec
 
+from .tool_servers import ConfigError, ToolServer, read_servers
+
 
 def data_dir() -> Path:
     """KVCHAT_DATA_DIR when set (tests, portable installs), else the platform's user data directory."""
@@ -48,6 +50,8 @@ CONVERSATION_FIELDS = (
     "overflow",
     "reply_format",
     "reply_grammar",
+    "tools",
+    "tool_choice",
 )
 RECENT_MODELS = 6  # the quick switcher's models
 DEFAULT_OVERFLOW = "truncate-middle"  # the app's: the system prompt, the first turn and the latest turns stay
@@ -85,6 +89,9 @@ class Settings:
     reply_format: str = ""  # structured output: "" text | json_object | json_schema | lark | gbnf (engine.grammar)
     reply_grammar: str = ""  # the JSON schema or grammar of json_schema, lark and gbnf (its text, kept whole)
     recent_models: str = ""  # the local models used lately, newest first: a JSON list of paths ("": the demo)
+    mcp_servers: str = ""  # the MCP servers, {"mcpServers": {…}} as other apps write it (tool_servers.read_servers)
+    tools: str = ""  # the tools a conversation offers the model: a JSON list of "server/tool" (tool_servers.tool_key)
+    tool_choice: str = "auto"  # auto: the model decides | required: the first reply to a message calls one
 
     def own_presets(self) -> dict[str, str]:
         """The person's saved system-prompt presets (a damaged value reads as none)."""
@@ -126,6 +133,10 @@ class Settings:
         grammar = self.grammar_or_none()
         if grammar is not None:
             parts.append(f"replies: {grammar.describe()}")
+        keys = self.tool_keys()
+        if keys:
+            must = ", a call required" if self.tool_choice == "required" else ""
+            parts.append(f"{len(keys)} tool{'s' * (len(keys) != 1)}{must}")
         parts.append(f"when the cache is full: {OVERFLOW_POLICIES.get(self.policy, self.policy)}")
         return " · ".join(parts)
 
@@ -145,6 +156,21 @@ class Settings:
             return self.grammar()
         except EngineError:
             return None
+
+    def tool_keys(self) -> list[str]:
+        """The tools this conversation offers ("server/tool"), a damaged value reading as none."""
+        try:
+            value = json.loads(self.tools or "[]")
+        except ValueError:
+            return []
+        return [k for k in value if isinstance(k, str) and "/" in k] if isinstance(value, list) else []
+
+    def tool_servers(self) -> dict[str, ToolServer]:
+        """The configured MCP servers (a configuration that does not read: none; the Tools page says why)."""
+        try:
+            return read_servers(self.mcp_servers)
+        except ConfigError:
+            return {}
 
     @property
     def policy(self) -> str:

@@ -28,6 +28,7 @@ class Stream:
     prefill_at: float | None = None  # when its prefill started (trace.now), for the Requests view's timeline
     alternative: tuple[int, int] | None = None  # (i, n): the i-th of n alternatives of one prompt
     released: bool = False  # its conversation's claim given back (it ended)
+    calls: tuple = ()  # the tool calls it made that the tool loop runs (tool_turns), once it ended
 
 
 class LaneMaps:

@@ -4,10 +4,8 @@ calls written back — whole (`message.tool_calls`) or streamed (`delta.tool_cal
 
 from __future__ import annotations
 
-import json
-
 from ..errors import EngineError
-from ..tool_calls import MAX_CALLS, read_choice, read_tools
+from ..tool_calls import MAX_CALLS, read_choice, read_tools, template_arguments
 
 
 class FieldError(EngineError):
@@ -45,14 +43,7 @@ def message_calls(m: dict, i: int) -> list[dict] | None:
         fn = c.get("function") if isinstance(c, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise FieldError(f"messages[{i}].tool_calls: each call needs function.name", "messages")
-        args = fn.get("arguments", "{}")
-        if isinstance(args, str):
-            try:
-                parsed = json.loads(args)
-                args = parsed if isinstance(parsed, dict) else args
-            except (ValueError, RecursionError):
-                pass
-        call = {"name": fn["name"], "arguments": args}
+        call = {"name": fn["name"], "arguments": template_arguments(fn.get("arguments", "{}"))}
         out.append({"id": str(c.get("id", "")), "type": "function", "function": call})
     return out
 
