@@ -33,6 +33,8 @@ ROLE_COLOURS = {
     "assistant": "#8cc152",
     "reply": "#e86a9a",
     "template": "#8a93a6",
+    "call": "#f0a030",
+    "tool": "#2fc4a0",
 }
 MARK = "#e0484a"  # the first invalidated position, and what was thrown away
 QUIET = {"dark": "#4a5263", "light": "#b3bac6"}  # free cells' outline
@@ -214,7 +216,7 @@ FILL_WORDS = (
     ("generated", "decoded now"),
 )
 BAND_WORDS = (("system", "system"), ("user", "you"), ("assistant", "earlier replies"), ("reply", "this reply"),
-              ("template", "template"))  # fmt: skip
+              ("template", "template"), ("call", "tool calls"), ("tool", "tool results"))  # fmt: skip
 
 
 def legend_html() -> str:

@@ -74,8 +74,9 @@ class EngineClient(QObject):
         """A LoadSpec or a RemoteSpec: modelLoading, then modelLoaded or modelFailed."""
         self.worker.load(spec)
 
-    def probe(self, cid: int, messages: list, draft: str, max_new_tokens: int, overflow: str, asked=None) -> None:
-        self.worker.probe(cid, messages, draft, max_new_tokens, overflow, asked)
+    def probe(self, cid: int, messages: list, draft: str, max_new_tokens: int, overflow: str, asked=None,
+              tools: tuple = ()) -> None:  # fmt: skip
+        self.worker.probe(cid, messages, draft, max_new_tokens, overflow, asked, tools)
 
     def compare(self, rid: int, messages: list, max_new_tokens: int) -> None:
         self.worker.compare(rid, messages, max_new_tokens)

@@ -38,9 +38,9 @@ from engine.spec import LoadSpec
 from engine.speculative import MAX_TOKENS
 
 from .core.settings import DEFAULT_OVERFLOW, SYSTEM_PRESETS, Settings
+from .mcp_page import ToolsPage
 from .outside_text import plain, plain_tooltip, rich
 from .reply_format_page import ReplyFormatPage
-from .tools_page import ToolsPage
 
 OVERFLOW_HELP = (
     "What Send does when the conversation, with the reply's max new tokens, no longer fits the KV cache. "

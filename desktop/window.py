@@ -180,9 +180,11 @@ class MainWindow(ModelSide, WindowLayout, Keyboard, QMainWindow):
             return
         s = self.chat.settings_for(cid)
         self._asked += 1
+        messages = self.chat.messages(path, cid)
+        tools = self.chat.tool_fields(cid, messages).get("tools", ())
         self.client.probe(
-            -1 if cid is None else cid, self.chat.messages(path, cid), self.composer.toPlainText().strip(),
-            s.max_new_tokens, s.policy, self._asked,
+            -1 if cid is None else cid, messages, self.composer.toPlainText().strip(),
+            s.max_new_tokens, s.policy, self._asked, tools,
         )  # as Send sends it  # fmt: skip
 
     def _on_probed(self, cid: int, seen: dict) -> None:

@@ -80,13 +80,20 @@ class EngineWorker(QObject):
         self._queue(self._compare, rid, messages, max_new_tokens, on_error=on_error)
 
     def probe(
-        self, cid: int, messages: list, draft: str = "", max_new_tokens: int = 256, overflow: str = "stop", asked=None
+        self,
+        cid: int,
+        messages: list,
+        draft: str = "",
+        max_new_tokens: int = 256,
+        overflow: str = "stop",
+        asked=None,
+        tools: tuple = (),
     ) -> None:
         """Ask how many positions of a conversation are cached, before anything is sent, and how many the
         next Send of `draft` would prompt with (only the latest question is answered: switching through
         long conversations does not queue their tokenizing ahead of a reply). The answer carries `asked`
-        back as its "asked" (which question it answers)."""
-        job = (cid, messages, draft, max_new_tokens, overflow, asked)
+        back as its "asked" (which question it answers); `tools`: those the conversation offers (in its prompt)."""
+        job = (cid, messages, draft, max_new_tokens, overflow, asked, tools)
         self._latest_probe = job
         on_error = lambda e: self.probed.emit(cid, {"error": e, "asked": asked})
         self._queue(self._probe, job, on_error=on_error, barrier=False)  # it only reads: between streams' turns
@@ -249,18 +256,19 @@ class EngineWorker(QObject):
     def _probe(self, job: tuple) -> None:
         from engine.session import Request
 
-        cid, messages, draft, max_new_tokens, overflow, asked = job
+        cid, messages, draft, max_new_tokens, overflow, asked, tools = job
+        offered = {"tools": tools, "tool_choice": "auto"} if tools else {}
         session = self.engine.session
         if session is None or job is not self._latest_probe:
             return
         ask = self.engine.lanes.cached_positions  # the lane that would run it (the engine's session's, or another's)
         try:
             last = self._conversation_seen
-            if last is not None and last[0] == messages:  # only the draft changed (typing): asked already
+            if last is not None and last[0] == (messages, tools):  # only the draft changed (typing): asked already
                 seen = last[1]
             elif messages:  # the conversation as stored (a remote server is asked with the generation prompt)
-                seen = ask(Request(messages=messages, add_generation_prompt=self.remote))
-                self._conversation_seen = None if "error" in seen else (messages, seen)  # an error is asked again
+                seen = ask(Request(messages=messages, add_generation_prompt=self.remote, **offered))
+                self._conversation_seen = None if "error" in seen else ((messages, tools), seen)  # an error: again
             else:
                 seen = {"positions": 0, "cached": 0, "source": "none"}
             if "error" not in seen:  # what Send would prompt with: the conversation, the draft, the prompt for a reply
@@ -269,6 +277,7 @@ class EngineWorker(QObject):
                         messages=[*messages, {"role": "user", "content": draft}],
                         max_new_tokens=max_new_tokens,
                         overflow=overflow,
+                        **offered,
                     )
                 )
                 seen = {**seen, "next_positions": sent.get("positions"), "next_overflow": overflow}

@@ -32,9 +32,11 @@ ROLES = {
     "assistant": "an earlier reply",
     "reply": "this reply",
     "template": "the template's own tokens",
+    "call": "a tool call (as the template writes it)",
+    "tool": "a tool's result",
 }  # whose text a position holds
 REMOTE = "a remote server's cache is its own: not reported by this server"
-ROLE_OF = {"system": "system", "user": "user", "assistant": "assistant"}  # a message's role as the map names it
+ROLE_OF = {"system": "system", "user": "user", "assistant": "assistant", "tool": "tool"}  # a message's role, mapped
 
 
 @dataclasses.dataclass
@@ -67,7 +69,8 @@ class CacheMap:
     # --- filled by the chat controller ---------------------------------------------------------------
     def start(self, messages: list[dict], forced: int, caption: str) -> None:
         """A request is about to run over `messages`; its reply starts with `forced` tokens (a fork)."""
-        self.messages = tuple((ROLE_OF.get(m.get("role"), "template"), str(m.get("content", ""))) for m in messages)
+        self.messages = tuple(("call" if m.get("tool_calls") else ROLE_OF.get(m.get("role"), "template"),
+                               str(m.get("content") or "")) for m in messages)  # fmt: skip
         self.forced, self.next_caption = forced, caption
         self.version += 1
 
@@ -162,13 +165,13 @@ class CacheMap:
 
     def roles(self) -> list[tuple[int, int, str]]:
         """Runs [start, end) of one role over the positions the cache holds (or the request is filling)."""
-        out, pos = [], 0
+        out, pos, before = [], 0, None
         for (a, b), (role, _) in zip(self.spans, self.messages):
-            if a > pos:
-                out.append((pos, a, "template"))
+            if a > pos:  # the template's tokens; after a reply's text, its calls as the template writes them
+                out.append((pos, a, "call" if before == "call" else "template"))
             if b > a:
                 out.append((a, b, role))
-            pos = max(pos, b)
+            pos, before = max(pos, b), role
         top = self.filled
         if self.reply_from > pos:
             out.append((pos, self.reply_from, "template"))  # the generation prompt (or a raw prompt's text)

@@ -16,9 +16,9 @@ from .settings import CONVERSATION_FIELDS, Settings
 from .store import Conversation, Store
 
 FORMAT, VERSION = "kvchat-conversation", 1
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 STATUSES = ("complete", "incomplete", "stopped", "failed", "length")
-NAMES = {"user": "You", "assistant": "Assistant", "system": "System"}
+NAMES = {"user": "You", "assistant": "Assistant", "system": "System", "tool": "Tool result"}
 PROGRESS_EVERY = 500  # messages an import writes between two reports of its progress
 
 
@@ -55,11 +55,20 @@ def to_markdown(store: Store, cid: int) -> str:
         parts.append(f"*The branch shown: {some} other versions, on other branches (the JSON export holds them all).*")
     for m in branch:
         note = "" if m.status == "complete" else f" ({m.status})"
-        parts.append(f"**{NAMES.get(m.role, m.role)}**{note}\n\n{_quoted(m.content)}")
+        parts.append(f"**{NAMES.get(m.role, m.role)}**{note}{_tool_note(m)}\n\n{_quoted(m.content)}")
+        for c in (m.trace or {}).get("tool_calls") or () if m.role == "assistant" else ():
+            parts.append(_quoted(f"Calls {c['name']} with {c['arguments']}"))
         figures = reply_footer(m.trace) if m.role == "assistant" else ""
         if figures:  # a reply's figures on one line of their own, after its quote
             parts.append("Figures: " + " ".join(figures.split()))
     return "\n\n".join(parts) + "\n"
+
+
+def _tool_note(m) -> str:
+    """Which call a tool's result answers, for its heading."""
+    record = m.trace if m.role == "tool" and isinstance(m.trace, dict) else {}
+    call = record.get("tool_call") or {}
+    return f" of `{call['name']}` ({record.get('server') or 'no server'})" if call.get("name") else ""
 
 
 def to_json(store: Store, cid: int) -> dict:
@@ -94,7 +103,8 @@ def conversation_settings(own) -> dict | None:
     if not isinstance(own, dict):
         return None
     kinds = {k: type(getattr(Settings(), k)) for k in CONVERSATION_FIELDS}
-    kept = {k: kinds[k](v) for k, v in own.items() if k in kinds and _of_kind(v, kinds[k])}
+    kept = {k: kinds[k](v) for k, v in own.items() if k in kinds and _of_kind(v, kinds[k]) and k != "tools"}
+    # (the tools a conversation offers are not taken from a file: the person turns them on, here)
     fmt = kept.get("reply_format", "")
     try:  # a reply format is kept only whole: a kind kvchat has, with a schema or grammar that is one (sizes checked)
         if fmt and fmt not in GRAMMAR_KINDS:

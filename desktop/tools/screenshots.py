@@ -5,7 +5,9 @@ default size and its Hub tab offline; with `--only requests`, the Requests tab w
 (requests-three-in-flight.png: a model slow enough to catch them, e.g. the SmolLM2 GGUF); with `--only
 alternatives`, the same tab while three alternatives of one reply stream on the prompt's blocks, held once
 (requests-alternatives-shared.png); with `--only drafts`, a code rewrite drafted by lookup in the conversation,
-its tokens coloured by their part in the drafts and the panel's Speculative decoding rows (tokens-drafts.png).
+its tokens coloured by their part in the drafts and the panel's Speculative decoding rows (tokens-drafts.png);
+with `--only tools`, a tool call asked (tool-call-question.png) and, allowed, its result opened and the reply
+from it (tool-call-approved.png), from an MCP server written here — give it a model whose template takes tools.
 Run it under a display (Xvfb: what a person sees) into resources/screenshots; offscreen works too (Qt's own
 raster).
 """
@@ -33,6 +35,14 @@ REWRITE = (
 TRIP = {"title": "trip", "type": "object", "additionalProperties": False, "required": ["city", "nights"],
         "properties": {"city": {"type": "string", "maxLength": 24},
                        "nights": {"type": "integer", "minimum": 1, "maximum": 14}}}  # fmt: skip
+WEATHER_SERVER = """from mcp.server.mcpserver import MCPServer
+app = MCPServer("weather")
+@app.tool()
+def get_weather(city: str) -> str:
+    \"\"\"The weather in a city now: temperature, sky and wind.\"\"\"
+    return f'{"{"}"city": "{city}", "temperature_c": 21, "sky": "clear", "wind_kmh": 8{"}"}'
+app.run("stdio")
+"""
 REQUESTS = (
     "Plan three nights in Chengdu on 600 yuan.",
     "Explain a KV cache to a child.",
@@ -60,6 +70,11 @@ def take(out: Path, model: str | None, new_tokens: int, only: str = "all") -> li
         extra = {"speculative": "lookup", "token_colours": "drafts"}
     if only == "grammar":
         extra = {"reply_format": "json_schema", "reply_grammar": json.dumps(TRIP), "token_colours": "probability"}
+    if only == "tools":
+        (data / "weather.py").write_text(WEATHER_SERVER)
+        servers = {"mcpServers": {"weather": {"command": sys.executable, "args": [str(data / "weather.py")]}}}
+        extra = {"mcp_servers": json.dumps(servers), "tools": json.dumps(["weather/get_weather"]),
+                 "tool_choice": "required"}  # fmt: skip
     Settings(model=LoadSpec(path=model), max_new_tokens=new_tokens, **extra).save(open_settings(data))
     app = QApplication.instance() or QApplication(["kvchat"])
     apply_style(app)
@@ -98,6 +113,8 @@ def take(out: Path, model: str | None, new_tokens: int, only: str = "all") -> li
             return await drafted(w)
         if only == "grammar":
             return await constrained(w)
+        if only == "tools":
+            return await tool_call(w)
         for text in MESSAGES:
             done: list = []
             w.replyFinished.connect(done.append)
@@ -214,6 +231,25 @@ def take(out: Path, model: str | None, new_tokens: int, only: str = "all") -> li
         settings.close()
         w.close()
 
+    async def tool_call(w) -> None:
+        """A call asked, then allowed: its result opened in the transcript and the reply made from it."""
+        w.resize(1400, 900)
+        done: list = []
+        w.replyFinished.connect(done.append)
+        w.composer.setPlainText("What is the weather in Paris right now?")
+        w.send()
+        await wait(lambda: w.approval is not None and w.approval.isVisible(), 300)
+        await asyncio.sleep(0.3)
+        save("tool-call-question", w.approval)
+        w.approval.allowOnce.click()
+        await wait(lambda: len(done) >= 2, 300)
+        w.pacer.draw_now()
+        result = next(v for v in w.transcript.views if v.message.role == "tool")
+        result.toolBlock.toggle.click()
+        await asyncio.sleep(0.5)
+        save("tool-call-approved", w)
+        w.close()
+
     with loop:
         loop.run_until_complete(run())
     return written
@@ -227,10 +263,10 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument(
         "--only",
-        choices=("all", "requests", "alternatives", "drafts", "grammar"),
+        choices=("all", "requests", "alternatives", "drafts", "grammar", "tools"),
         default="all",
         help="requests, alternatives: the Requests tab alone; drafts: a reply coloured by its drafts; grammar: a "
-        "reply a JSON schema shaped, a token's tooltip",
+        "reply a JSON schema shaped, a token's tooltip; tools: a tool call asked, allowed, its result",
     )
     ns = ap.parse_args(argv)
     for path in take(ns.out, ns.model, ns.new_tokens, ns.only):

@@ -78,6 +78,8 @@ def test_an_allowed_call_runs_and_the_next_reply_goes_on_from_its_result(qtbot, 
     assert reused >= before - 1, (reused, before)  # all but the reply's end token, which the template rewrites
     assert panel(w, "reusedValue") == f"{reused:,}"
     assert int(panel(w, "recomputedValue").replace(",", "")) == second.trace["prompt_tokens"] - reused
+    bands = {role for _, _, role in w.chat.lane_maps.shown.roles()}
+    assert {"call", "tool", "user", "reply"} <= bands, bands  # the map gives the call and the result bands of their own
     print(f"tool loop: reused {reused} of {before} positions; computed {second.trace['prompt_tokens'] - reused}")
 
 
