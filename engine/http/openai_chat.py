@@ -16,7 +16,15 @@ from ..grammar import Grammar
 from ..logprobs import MAX_TOP_LOGPROBS, Alternative, StepLogprobs
 from ..request import OVERFLOW_POLICIES, Request
 from ..sampling import SamplingParams
-from .openai_tools import FieldError, call_list, message_calls, tool_fields, tool_message
+from .openai_tools import (
+    FieldError,
+    call_list,
+    message_calls,
+    offered_tools,
+    tool_fields,
+    tool_message,
+    wire_messages,
+)
 
 # The engine's stop reason -> OpenAI's finish_reason (what the server sends).
 FINISH_REASONS = {k: r.finish for k, r in STOP_REASONS.items() if r.finish}
@@ -261,7 +269,7 @@ def chat_body(req: Request, model_id: str, kvchat_server: bool) -> dict:
     s = req.sampling
     body = {
         "model": model_id,
-        "messages": list(req.messages),
+        "messages": wire_messages(req.messages),
         "stream": True,
         "stream_options": {"include_usage": True},
         "max_tokens": req.max_new_tokens,
@@ -287,6 +295,7 @@ def chat_body(req: Request, model_id: str, kvchat_server: bool) -> dict:
     if req.overflow != "stop" and kvchat_server:
         body["overflow"] = req.overflow  # kvchat's own: another server keeps its own rule for a long prompt
     body.update(grammar_fields(req.grammar))
+    body.update(offered_tools(req))
     return body
 
 

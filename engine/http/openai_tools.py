@@ -4,8 +4,12 @@ calls written back — whole (`message.tool_calls`) or streamed (`delta.tool_cal
 
 from __future__ import annotations
 
+import json
+
 from ..errors import EngineError
-from ..tool_calls import MAX_CALLS, read_choice, read_tools, template_arguments
+from ..tool_calls import MAX_CALLS, ToolCall, read_choice, read_tools, template_arguments
+
+MAX_ARGUMENTS = 1024 * 1024  # characters of one call's arguments read from a remote server's stream
 
 
 class FieldError(EngineError):
@@ -65,3 +69,62 @@ def call_list(calls) -> list[dict]:
 def call_deltas(calls) -> list[dict]:
     """A reply's calls as streamed `delta.tool_calls`: each call whole in one delta, with its index."""
     return [{"index": i, **c.to_dict()} for i, c in enumerate(calls)]
+
+
+# --- to a remote server, and its calls back -------------------------------------------------------------------
+def offered_tools(req) -> dict:
+    """A request's tools as a server takes them (OpenAI's fields: vLLM, SGLang, llama-server, Ollama, kvchat)."""
+    if not req.tools or req.tool_choice == "none":
+        return {}
+    choice = req.tool_choice
+    if choice not in ("auto", "required"):
+        choice = {"type": "function", "function": {"name": choice}}
+    return {"tools": [t.to_dict() for t in req.tools], "tool_choice": choice,
+            "parallel_tool_calls": req.parallel_tool_calls}  # fmt: skip
+
+
+def wire_messages(messages) -> list[dict]:
+    """Messages as OpenAI's API takes them: a call's arguments as JSON text (a template reads them as objects)."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        if calls:
+            calls = [{**c, "function": {**c["function"], "arguments": _text(c["function"].get("arguments"))}}
+                     for c in calls]  # fmt: skip
+            m = {**m, "tool_calls": calls}
+        out.append(m)
+    return out
+
+
+def _text(arguments) -> str:
+    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+
+
+class StreamedCalls:
+    """A server's streamed `delta.tool_calls`, put back together by index: each call's id and name once, its
+    arguments in pieces; bounded (MAX_CALLS calls, MAX_ARGUMENTS characters each)."""
+
+    def __init__(self):
+        self.calls: dict[int, dict] = {}
+
+    def add(self, deltas) -> None:
+        for d in deltas if isinstance(deltas, list) else ():
+            if not isinstance(d, dict):
+                continue
+            i = d.get("index", len(self.calls))
+            if type(i) is not int or (i not in self.calls and len(self.calls) >= MAX_CALLS):
+                continue
+            call = self.calls.setdefault(i, {"id": "", "name": "", "arguments": ""})
+            fn = d.get("function") if isinstance(d.get("function"), dict) else {}
+            for key, value in (("id", d.get("id")), ("name", fn.get("name"))):
+                if isinstance(value, str) and value and not call[key]:
+                    call[key] = value[:200]
+            args = fn.get("arguments")
+            if isinstance(args, dict):  # a server that sends the object itself (Ollama's native shape)
+                args = json.dumps(args, ensure_ascii=False)
+            if isinstance(args, str) and len(call["arguments"]) + len(args) <= MAX_ARGUMENTS:
+                call["arguments"] += args
+
+    def result(self) -> tuple[ToolCall, ...]:
+        return tuple(ToolCall(c["name"], c["arguments"] or "{}", *([c["id"]] if c["id"] else []))
+                     for _, c in sorted(self.calls.items()) if c["name"])  # fmt: skip

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from .. import trace as tracing
 from ..events import WAITING, Failed, Finished, PrefillDone, PrefillStarted, ReuseReport, Token
 from . import openai_chat as wire
+from .openai_tools import StreamedCalls
 from .remote_server import (
     CONNECT_TIMEOUT_S,
     LINE_BYTES,
@@ -256,6 +257,7 @@ class _Reply:
         self.chunks = 0
         self.over = False  # the server sent text past the request's max_new_tokens
         self.steps: list = []  # each token's StepLogprobs, where the server reports them
+        self.calls = StreamedCalls()  # the tool calls it streams
 
     def chunk(self, data: str, t: float) -> Iterator:
         if data.strip() == "[DONE]":
@@ -286,6 +288,8 @@ class _Reply:
                 continue
             delta = choice.get("delta") or choice.get("message") or {}
             content = delta.get("content") if isinstance(delta, dict) else None
+            if isinstance(delta, dict) and delta.get("tool_calls"):
+                self.calls.add(delta["tool_calls"])
             if isinstance(choice.get("finish_reason"), str):
                 self.reason = choice["finish_reason"]
             weighed = choice.get("logprobs") if isinstance(choice.get("logprobs"), dict) else {}
@@ -337,7 +341,8 @@ class _Reply:
         reuse = self._reuse(prompt, usage)
         trace.reused, trace.computed = reuse.reused, reuse.computed
         steps = tuple(self.steps[: self.req.max_new_tokens])
-        return Finished(reason, self.text, (), self._summary(usage), self._cache(prompt, usage), reuse, "", steps)
+        return Finished(reason, self.text, (), self._summary(usage), self._cache(prompt, usage), reuse, "", steps,
+                        tool_calls=self.calls.result())  # fmt: skip
 
     def _usage_from_timings(self) -> dict:
         """llama-server sends `timings` instead of usage in a stream: cache_n cached + prompt_n computed

@@ -190,3 +190,36 @@ def test_tools_are_refused_where_the_template_takes_none_and_when_malformed(llam
         assert e.value.body["param"] == "tool_choice"
     finally:
         server.stop()
+
+
+def test_the_remote_engine_passes_tools_through_and_reads_the_calls_back(served):
+    """The app's remote engine against a server that takes tools (here kvchat's): `tools` and `tool_choice` sent,
+    the streamed `delta.tool_calls` put back together into the reply's calls; the call turn sent back with its
+    arguments as JSON text, as OpenAI's API takes it."""
+    from engine.events import Finished
+    from engine.http.remote import RemoteSession, RemoteSpec
+    from engine.request import Request
+    from engine.sampling import SamplingParams
+    from engine.tool_calls import read_tools
+
+    _, _, server = served
+    remote = RemoteSession(RemoteSpec(server.url))
+    remote.connect()
+    try:
+        msgs = [{"role": "user", "content": "weather?"}]
+        req = Request(messages=msgs, max_new_tokens=200, tools=read_tools([WEATHER, BOOK]), tool_choice="book_train",
+                      parallel_tool_calls=False, sampling=SamplingParams(temperature=1.0, seed=3))  # fmt: skip
+        last = list(remote.generate(req))[-1]
+        assert isinstance(last, Finished) and len(last.tool_calls) == 1, last
+        call = last.tool_calls[0]
+        assert call.name == "book_train" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.arguments), SCHEMAS["book_train"])
+        turn = [*msgs, {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": call.id, "type": "function",
+                     "function": {"name": call.name, "arguments": json.loads(call.arguments)}}]},
+                {"role": "tool", "tool_call_id": call.id, "content": "booked"}]  # fmt: skip
+        after = list(remote.generate(Request(messages=turn, max_new_tokens=4, tools=req.tools, tool_choice="auto")))
+        assert isinstance(after[-1], Finished), after[-1]
+        assert after[-1].reuse.reused > 0  # the server kept the positions of the prompt and the call
+    finally:
+        remote.close()
