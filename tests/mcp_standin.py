@@ -1,6 +1,7 @@
 """An MCP server written with the official SDK (MCPServer, stdio), for the tool tests: a tool that answers, one
 that marks a file when it runs (so a test can see a denied call never ran), one that hangs, one whose result is
-50 MB, and one that makes the server exit mid-call. Run as `python mcp_standin.py MARK_FILE`."""
+50 MB, and one that makes the server exit mid-call. Run as `python mcp_standin.py MARK_FILE` (stdio) or
+`python mcp_standin.py --http PORT`."""
 
 import os
 import sys
@@ -11,7 +12,7 @@ from typing import Annotated
 from mcp.server.mcpserver import MCPServer
 from pydantic import Field
 
-MARK = Path(sys.argv[1]) if len(sys.argv) > 1 else None
+MARK = Path(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1] != "--http" else None
 app = MCPServer("standin")
 
 
@@ -44,4 +45,7 @@ def crash() -> str:
 
 
 if __name__ == "__main__":
-    app.run("stdio")
+    if sys.argv[1:2] == ["--http"]:  # `--http PORT`: streamable HTTP on 127.0.0.1:PORT/mcp
+        app.run("streamable-http", host="127.0.0.1", port=int(sys.argv[2]))
+    else:
+        app.run("stdio")

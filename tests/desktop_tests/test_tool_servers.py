@@ -1,11 +1,18 @@
 """The MCP servers' configuration, read as untrusted text, and the bounded stdio transport's framing, without Qt."""
 
+import asyncio
 import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import anyio
 import pytest
 
 from desktop.core.mcp_stdio import CUT_CODE, CUT_KEY, MAX_MESSAGE, PREVIEW, _messages, _parse, _text_start
+from desktop.core.tool_host import ToolHost
 from desktop.core.tool_servers import ConfigError, read_file, read_servers
 
 
@@ -92,3 +99,40 @@ def test_a_cut_message_answers_its_call_with_its_start_and_size():
 
 def test_a_bad_line_is_an_error_the_session_sees():
     assert isinstance(_parse(b"not json", set()), ValueError)
+
+
+def test_the_host_lists_and_calls_over_stdio_and_streamable_http(tmp_path, free_tcp_port):
+    """One server started as a command, one reached at a URL: both listed and called through the SDK's Client."""
+
+    standin = Path(__file__).parent.parent / "mcp_standin.py"
+    http = subprocess.Popen([sys.executable, str(standin), "--http", str(free_tcp_port)], stderr=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL)  # fmt: skip
+    try:
+        end = time.monotonic() + 30
+        while time.monotonic() < end:  # until it listens
+            try:
+                socket.create_connection(("127.0.0.1", free_tcp_port), 0.2).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        config = {"mcpServers": {"local": {"command": sys.executable, "args": [str(standin), str(tmp_path / "m")]},
+                                 "remote": {"url": f"http://127.0.0.1:{free_tcp_port}/mcp"}}}  # fmt: skip
+        host = ToolHost(read_servers(json.dumps(config)))
+
+        async def go():
+            for server in ("local", "remote"):
+                tools = {t.tool.name: t for t in await host.tools(server)}
+                assert {"get_weather", "hang", "big", "crash"} <= set(tools)
+                assert tools["get_weather"].tool.parameters["properties"]["city"]["maxLength"] == 12
+                r = await host.call(server, "get_weather", '{"city": "Oslo"}')
+                assert (r.text, r.error, r.cut) == ("Oslo: 21 C, clear sky", False, False)
+            bad = await host.call("local", "get_weather", "[1, 2]")
+            assert bad.error and "not a JSON object" in bad.text
+            missing = await host.call("nowhere", "x", "{}")
+            assert missing.error and "no server named 'nowhere'" in missing.text
+
+        asyncio.run(go())
+        host.close()
+    finally:
+        http.kill()
+        http.wait()

@@ -119,3 +119,41 @@ def test_a_50_mb_result_is_cut(qtbot, make_window, spin_loop, tool_model, tmp_pa
     result = _result_view(w)
     assert len(result.message.content) < 33_000 and result.message.content.startswith("xxxx")
     assert "cut" in result.toolBlock.toggle.text() and "MB" in result.toolBlock.toggle.text()
+
+
+def test_the_tools_tab_checks_the_servers_as_typed_and_lists_their_tools(qtbot, tmp_path, loop, spin_loop):
+    """Settings → Tools: a configuration that does not read keeps OK from closing, saying why; one imported from a
+    file other apps write is taken; List their tools starts the servers and lists each tool with its description;
+    the ticked ones and the call rule are the conversation's."""
+    from desktop.core.settings import Settings
+    from desktop.settings_dialog import SettingsDialog
+
+    dlg = SettingsDialog(Settings(), tmp_path / "kvchat.db")
+    qtbot.addWidget(dlg)
+    page = dlg.toolsPage
+    assert dlg.tabs.tabText(dlg.tabs.indexOf(page)) == "Tools"
+    qtbot.keyClicks(page.servers, '{"mcpServers": {"a": {"url": "file:///etc"}}}')
+    assert "http:// or https://" in page.status.text()
+    dlg.accept()
+    assert dlg.result() != dlg.DialogCode.Accepted
+    assert dlg.tabs.currentWidget() is page  # OK refused: the tab shown, saying why
+    config = tmp_path / "claude_desktop_config.json"
+    config.write_text(_servers(tmp_path / "ran.txt"))
+    from PySide6.QtWidgets import QFileDialog
+
+    original = QFileDialog.getOpenFileName
+    QFileDialog.getOpenFileName = staticmethod(lambda *a, **k: (str(config), "JSON (*.json)"))
+    try:
+        qtbot.mouseClick(page.importButton, Qt.LeftButton)
+    finally:
+        QFileDialog.getOpenFileName = original
+    assert page.problem() == "" and "standin:" in page.status.text()
+    qtbot.mouseClick(page.listButton, Qt.LeftButton)
+    spin_loop(lambda: page.listButton.isEnabled() and page.tools.count() >= 4, 60)
+    items = {page.tools.item(i).data(Qt.UserRole): page.tools.item(i) for i in range(page.tools.count())}
+    assert "The weather in a city now." in items["standin/get_weather"].text()
+    items["standin/get_weather"].setCheckState(Qt.Checked)
+    page.choice.setCurrentIndex(page.choice.findData("required"))
+    got = dlg.result_settings()
+    assert json.loads(got.tools) == ["standin/get_weather"] and got.tool_choice == "required"
+    assert set(got.tool_servers()) == {"standin"} and "1 tool, a call required" in got.conversation_summary()
