@@ -239,6 +239,17 @@ class CodeBlock(QFrame):
             self.view.setPlainText(piece.text)
 
 
+def fold_toggle(name: str) -> QToolButton:
+    """The arrow and line a folded block opens by (thinking, a tool's result)."""
+    toggle = QToolButton()
+    toggle.setObjectName(name)
+    toggle.setCheckable(True)
+    toggle.setArrowType(Qt.RightArrow)
+    toggle.setToolButtonStyle(Qt.ToolButtonTextBesideIcon)
+    toggle.toggled.connect(lambda on: toggle.setArrowType(Qt.DownArrow if on else Qt.RightArrow))
+    return toggle
+
+
 class ThinkBlock(QFrame):
     """What a reasoning model thought (`<think>…</think>`), folded under "Thinking" with its token count."""
 
@@ -248,11 +259,7 @@ class ThinkBlock(QFrame):
         self.count = count  # text -> tokens, when the model's tokenizer is at hand
         lay = QVBoxLayout(self)
         lay.setContentsMargins(8, 4, 8, 4)
-        self.toggle = QToolButton()
-        self.toggle.setObjectName("thinkingToggle")
-        self.toggle.setCheckable(True)
-        self.toggle.setArrowType(Qt.RightArrow)
-        self.toggle.setToolButtonStyle(Qt.ToolButtonTextBesideIcon)
+        self.toggle = fold_toggle("thinkingToggle")
         self.toggle.toggled.connect(self._toggled)
         lay.addWidget(self.toggle)
         self.body = WrapLabel()
@@ -265,7 +272,6 @@ class ThinkBlock(QFrame):
         self.set_piece(piece)
 
     def _toggled(self, shown: bool) -> None:
-        self.toggle.setArrowType(Qt.DownArrow if shown else Qt.RightArrow)
         self.body.setVisible(shown)
 
     def set_piece(self, piece: Piece) -> None:

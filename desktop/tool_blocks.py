@@ -4,11 +4,11 @@ result's text. A result is outside text: shown as plain text, never as Markdown 
 
 from __future__ import annotations
 
-from PySide6.QtCore import Qt
 from PySide6.QtGui import QFontDatabase
-from PySide6.QtWidgets import QFrame, QLabel, QPlainTextEdit, QToolButton, QVBoxLayout
+from PySide6.QtWidgets import QFrame, QLabel, QPlainTextEdit, QVBoxLayout
 
 from .outside_text import plain
+from .reply_widgets import fold_toggle
 from .tool_approval import pretty_arguments
 
 SHOWN = 32_000  # characters of a result or a call's arguments in the transcript (the stored result is no longer)
@@ -77,11 +77,7 @@ class ResultBlock(QFrame):
         self.setObjectName("toolResult")
         lay = QVBoxLayout(self)
         lay.setContentsMargins(0, 2, 0, 0)
-        self.toggle = QToolButton()
-        self.toggle.setObjectName("toolResultToggle")
-        self.toggle.setCheckable(True)
-        self.toggle.setToolButtonStyle(Qt.ToolButtonTextBesideIcon)
-        self.toggle.setArrowType(Qt.RightArrow)
+        self.toggle = fold_toggle("toolResultToggle")
         self.toggle.setAutoRaise(True)
         self.toggle.setText(result_line(record))
         self.toggle.setAccessibleName(f"Show the result: {result_line(record)}")
@@ -90,11 +86,7 @@ class ResultBlock(QFrame):
         self.body = _mono(shown, "toolResultText")
         self.body.setVisible(False)
         lay.addWidget(self.body)
-        self.toggle.toggled.connect(self._toggled)
-
-    def _toggled(self, on: bool) -> None:
-        self.toggle.setArrowType(Qt.DownArrow if on else Qt.RightArrow)
-        self.body.setVisible(on)
+        self.toggle.toggled.connect(self.body.setVisible)
 
 
 def tool_block(message) -> QFrame | None:
