@@ -157,3 +157,20 @@ def test_the_tools_tab_checks_the_servers_as_typed_and_lists_their_tools(qtbot, 
     got = dlg.result_settings()
     assert json.loads(got.tools) == ["standin/get_weather"] and got.tool_choice == "required"
     assert set(got.tool_servers()) == {"standin"} and "1 tool, a call required" in got.conversation_summary()
+
+
+def test_stop_while_a_call_waits_runs_nothing_and_ends_the_loop(qtbot, make_window, spin_loop, tool_model, tmp_path):
+    w = _open(make_window, tool_model, tmp_path, ["standin/get_weather"])
+    got = []
+    w.replyFinished.connect(got.append)
+    qtbot.keyClicks(w.composer, "Weather in Lima?")
+    qtbot.mouseClick(w.sendButton, Qt.LeftButton)
+    spin_loop(lambda: w.approval is not None and w.approval.isVisible(), 120)
+    assert w.chat.generating and w.stopButton.isVisible()  # the loop holds the conversation while it asks
+    qtbot.mouseClick(w.stopButton, Qt.LeftButton)
+    spin_loop(lambda: not w.chat.generating, 30)
+    assert not w.approval.isVisible() and len(got) == 1  # the question gone, no reply after it
+    assert not (tmp_path / "ran.txt").exists()
+    result = _result_view(w)
+    assert result.message.content == "The person stopped the reply before this call ran."
+    assert "not run: stopped" in result.toolBlock.toggle.text() and w.sendButton.isEnabled()
