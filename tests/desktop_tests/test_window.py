@@ -901,12 +901,12 @@ def test_the_settings_dialog_fits_a_laptop_screen_and_parts_this_conversation_fr
     dlg = SettingsDialog(Settings(), tmp_path / "kvchat.db")
     qtbot.addWidget(dlg)
     tabs = dlg.tabs
-    assert [tabs.tabText(i) for i in range(tabs.count())] == ["This conversation", "Reply format",
+    assert [tabs.tabText(i) for i in range(tabs.count())] == ["This conversation", "Reply format", "Tools",
                                                                "Engine (all conversations)",
                                                                "Drafts (all conversations)"]  # fmt: skip
     assert tabs.widget(0).isAncestorOf(dlg.temperature) and tabs.widget(0).isAncestorOf(dlg.system)
-    assert tabs.widget(2).isAncestorOf(dlg.capacity) and tabs.widget(2).isAncestorOf(dlg.backend)
-    assert tabs.widget(3).isAncestorOf(dlg.speculative) and tabs.widget(3).isAncestorOf(dlg.draftTokens)
+    assert tabs.widget(3).isAncestorOf(dlg.capacity) and tabs.widget(3).isAncestorOf(dlg.backend)
+    assert tabs.widget(4).isAncestorOf(dlg.speculative) and tabs.widget(4).isAncestorOf(dlg.draftTokens)
     # the Drafts tab: off by default; lookup; a draft model's path, typed where "A draft model…" is chosen
     assert dlg.result_settings().speculative == "" and not dlg.draftPath.isEnabled()
     dlg.speculative.setCurrentIndex(dlg.speculative.findData("lookup"))
