@@ -97,8 +97,8 @@ def read_choice(choice, tools: tuple[Tool, ...]) -> str:
     if choice is None:
         return "auto" if tools else "none"
     if choice in ("none", "auto", "required"):
-        if choice == "required" and not tools:
-            raise EngineError("'tool_choice' is required but 'tools' is empty")
+        if choice != "none" and not tools:  # as OpenAI answers: a choice among no tools is a mistake, said
+            raise EngineError(f"'tool_choice' is {choice} but 'tools' is empty: it is only allowed with tools")
         return choice
     fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
     name = fn.get("name") if isinstance(fn, dict) else None
