@@ -74,6 +74,7 @@ class ModelSide:
         self.statsPanel.show_cache_map(self.chat.cache_map, self.client.token_text)
         self.transcript.show_start(facts)
         self.statsPanel.show_store(facts["cache"].get("store"))
+        self.show_conversation_settings()  # its tools may be off under this model
         self.probe_conversation()
         if facts.get("backend") == "remote":
             note = f"Connected: {facts['name']} at {facts['server']} ({facts.get('server_kind')} server)."
@@ -176,7 +177,10 @@ class ModelSide:
         if self.chat.current_cid is None:
             self.conversationSettingsLabel.setVisible(False)
             return
-        self.conversationSettingsLabel.setText(own.conversation_summary())
+        summary = own.conversation_summary()
+        if own.tool_keys() and not self.chat.model_takes_tools():
+            summary += " (off: this model's chat template takes no tools)"
+        self.conversationSettingsLabel.setText(summary)
         self.conversationSettingsLabel.setVisible(True)
 
     def show_about(self) -> None:

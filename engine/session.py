@@ -190,6 +190,8 @@ class Session:
             "fingerprint": dict(self.loaded.fingerprint),
             "cache_dropped": self.pending_drop_reason,
             "warm_up_ms": self.warm_up_ms,
+            # the format its chat template teaches tool calls in (engine.tool_calls); None: it takes no tools
+            "tool_format": getattr(template_format(self.loaded.tokenizer.chat_template_source), "name", None),
         }
 
     # --- the request against this cache -------------------------------------------------

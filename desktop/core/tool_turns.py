@@ -31,16 +31,23 @@ class ToolTurns:
 
     # --- what a reply offers --------------------------------------------------------------------------------------
     def offered(self, cid: int | None) -> list[ServerTool]:
-        """The tools conversation `cid` has on, of those its servers listed."""
+        """The tools conversation `cid` has on, of those its servers listed (none where the local model's chat
+        template takes none: the summary line says so)."""
         keys = set(self.settings_for(cid).tool_keys())
-        if not keys or self.tool_host is None:
+        if not keys or self.tool_host is None or not self.model_takes_tools():
             return []
         return [t for tools in self.tool_listing.values() for t in tools if t.key in keys]
+
+    def model_takes_tools(self) -> bool:
+        """Whether the model in use can be offered tools: a local one's template teaches a format of calls (a
+        remote server's is its own to say)."""
+        facts = self.engine_facts or {}
+        return facts.get("backend") == "remote" or "tool_format" not in facts or facts["tool_format"] is not None
 
     async def list_tools(self, cid: int) -> None:
         """Ask each server a conversation has a tool of for its tools, once while the app runs (a server that
         cannot be started is said, and its tools are not offered)."""
-        if self.tool_host is None:
+        if self.tool_host is None or not self.model_takes_tools():
             return
         servers = {k.split("/", 1)[0] for k in self.settings_for(cid).tool_keys()}
         for server in sorted(servers - set(self.tool_listing)):

@@ -174,3 +174,17 @@ def test_stop_while_a_call_waits_runs_nothing_and_ends_the_loop(qtbot, make_wind
     result = _result_view(w)
     assert result.message.content == "The person stopped the reply before this call ran."
     assert "not run: stopped" in result.toolBlock.toggle.text() and w.sendButton.isEnabled()
+
+
+def test_tools_are_not_offered_to_a_model_whose_template_takes_none(qtbot, make_window, spin_loop, tmp_path):
+    """The demo model's template has no tools: its replies run without them (never failing for it), the summary
+    line says the tools are off and why, and no server is started."""
+    from gui import send
+
+    w = make_window(None, mcp_servers=_servers(tmp_path / "ran.txt"), tools=json.dumps(["standin/get_weather"]),
+                    tool_choice="required", max_new_tokens=8)  # fmt: skip
+    assert w.facts["tool_format"] is None and not w.chat.model_takes_tools()
+    last = send(qtbot, w, spin_loop, "Weather?")
+    assert type(last).__name__ == "Finished" and not last.tool_calls
+    assert "off: this model's chat template takes no tools" in w.conversationSettingsLabel.text()
+    assert w.chat.tool_listing == {} and w.chat.tool_host._live == {}  # nothing started
