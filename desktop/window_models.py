@@ -17,6 +17,7 @@ from engine.weights.catalog import is_bundled
 
 from .core.settings import Settings
 from .core.tool_host import ToolHost
+from .core.tool_turns import ALLOWED_KEY
 from .export_import import export_conversation, import_conversation
 from .models_dialog import ModelsDialog
 from .panel_parts import set_bar
@@ -127,8 +128,9 @@ class ModelSide:
         """New settings for the app; with `conversation`, the system prompt and sampling are also the
         conversation's own (the Settings dialog edits those of the conversation shown)."""
         cid = self.chat.current_cid
-        if conversation and cid is not None:
-            self.chat.guard(self.store.set_settings, cid, new.conversation_part())
+        if conversation and cid is not None:  # what it allowed without asking stays (tool_turns.allow_tool)
+            kept = {k: v for k, v in (self.store.conversation(cid).settings or {}).items() if k == ALLOWED_KEY}
+            self.chat.guard(self.store.set_settings, cid, {**new.conversation_part(), **kept})
         reload = new.engine() != self.settings.engine()
         self.settings = self.chat.settings = new
         self.set_tool_servers(new)

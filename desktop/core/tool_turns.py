@@ -16,6 +16,7 @@ MAX_ROUNDS = 8  # replies with calls in a row, for one message of the person's; 
 DENIED = "The person did not allow this call."
 STOPPED = "The person stopped the reply before this call ran."
 DECISIONS = ("once", "conversation", "deny", "stop")  # what the person answers a call
+ALLOWED_KEY = "tools_allowed"  # in a conversation's own settings: the tools allowed in it without asking
 
 
 class ToolTurns:
@@ -25,7 +26,7 @@ class ToolTurns:
 
     def _tools_init(self) -> None:
         self.tool_listing: dict[str, list[ServerTool]] = {}  # server → its tools, as it listed them
-        self.tools_allowed: dict[int, set[str]] = {}  # conversation → tools allowed without asking, while the app runs
+        self.tools_allowed: dict[int, set[str]] = {}  # conversation → tools allowed without asking (also stored)
         self.approvals: dict[int, asyncio.Future] = {}  # conversation → the call waiting for the person
         self.tools_halted: set[int] = set()  # conversations whose loop the person stopped
 
@@ -115,14 +116,14 @@ class ToolTurns:
             result = ToolResult(f"No tool named {call.name!r} is offered in this conversation.", 0, error=True)
         elif cid in self.tools_halted:
             result, decision = ToolResult(STOPPED, 0, error=True), "stop"
-        elif tool.key in self.tools_allowed.get(cid, set()):
+        elif tool.key in self.allowed_tools(cid):
             decision = "conversation"
             result = await self.tool_host.call(tool.server, call.name, call.arguments)
         else:
             decision = await self._ask(cid, call, tool)
             if decision in ("once", "conversation"):
                 if decision == "conversation":
-                    self.tools_allowed.setdefault(cid, set()).add(tool.key)
+                    self.allow_tool(cid, tool.key)
                 result = await self.tool_host.call(tool.server, call.name, call.arguments)
             else:
                 result = ToolResult(STOPPED if decision == "stop" else DENIED, 0, error=True)
@@ -136,6 +137,20 @@ class ToolTurns:
             raise asyncio.CancelledError  # the store refused: the loop ends (the person has been told)
         self.guard(self.store.update_message, m.id, trace=record)
         return m.id
+
+    def allowed_tools(self, cid: int) -> set[str]:
+        """The tools conversation `cid` runs without asking: allowed "in this conversation", kept with it (never
+        taken from an imported file: an export does not carry them)."""
+        own = self.store.conversation(cid).settings or {}
+        kept = own.get(ALLOWED_KEY)
+        stored = {k for k in kept if isinstance(k, str)} if isinstance(kept, list) else set()
+        return stored | self.tools_allowed.get(cid, set())
+
+    def allow_tool(self, cid: int, key: str) -> None:
+        self.tools_allowed.setdefault(cid, set()).add(key)
+        own = dict(self.store.conversation(cid).settings or {})
+        own[ALLOWED_KEY] = sorted(self.allowed_tools(cid) | {key})
+        self.guard(self.store.set_settings, cid, own)
 
     async def _ask(self, cid: int, call: ToolCall, tool: ServerTool) -> str:
         """The person's answer to a call (DECISIONS), from the window's approval."""

@@ -111,6 +111,14 @@ def test_a_server_that_hangs_times_out_one_that_exits_is_an_error_and_the_chat_g
     assert result.message.content.startswith("standin exited with status 3"), result.message.content
     assert "exiting on purpose" in result.message.content
     assert not w.chat.generating and w.sendButton.isEnabled()
+    # allowed in this conversation: kept with it (a restart asks no more), not carried by its export
+    assert w.store.conversation(conv.id).settings["tools_allowed"] == ["standin/crash"]
+    w.chat.tools_allowed.clear()
+    _ask(qtbot, w, spin_loop, "Again.", answer=None)  # no question: the server, started again, exits again
+    assert _result_view(w).message.content.startswith("standin exited with status 3")
+    from desktop.core.exchange import to_json
+
+    assert "tools_allowed" not in (to_json(w.store, conv.id)["settings"] or {})
 
 
 def test_a_50_mb_result_is_cut(qtbot, make_window, spin_loop, tool_model, tmp_path):
