@@ -174,12 +174,14 @@ _scratch = threading.local()
 
 def weight_scratch(shape, dtype=torch.float32) -> torch.Tensor:
     """A reusable CPU buffer for a weight-sized temporary of prefill (a dequantized or widened weight),
-    one per thread: fresh memory for every call costs a page fault per 4 KiB of the matrix."""
+    one per thread and dtype: fresh memory for every call costs a page fault per 4 KiB of the matrix."""
     n = math.prod(shape)
-    buf = getattr(_scratch, "buf", None)
-    if buf is None or buf.numel() < n or buf.dtype != dtype:
+    name = f"buf_{str(dtype).removeprefix('torch.')}"
+    buf = getattr(_scratch, name, None)
+    if buf is None or buf.numel() < n:
         with torch.inference_mode(False):  # a normal tensor: writable inside and outside inference mode
-            buf = _scratch.buf = torch.empty(n, dtype=dtype)
+            buf = torch.empty(n, dtype=dtype)
+            setattr(_scratch, name, buf)
     return buf[:n].view(shape)
 
 
