@@ -25,7 +25,7 @@ class LoadSpec:
     weights: str = "none"  # weight precision: none (the dtype) | int8 | int4
     kv: str = "none"  # KV cache precision: none (the dtype) | int8 | int4
     group_size: int = DEFAULT_GROUP_SIZE  # values per quantization scale; 0: one per output channel
-    activations: str = "float32"  # what quantized weights' decode products multiply by: float32 (exact) | int8
+    activations: str = "float32"  # what quantized weights multiply: float32 (exact) | int8 (decode; prefill in bf16)
     cache_budget: int | None = None  # the prefix store's bytes; None: a share of free memory; 0: no store
     disk_cache: str | None = None  # the prefix store's disk tier, a folder; None: no disk tier
     disk_budget: int | None = None  # its bytes; None: DEFAULT_DISK_BUDGET or a tenth of the free disk; 0: off
@@ -79,8 +79,9 @@ class LoadSpec:
             "--activations",
             default="float32",
             choices=ACTIVATIONS,
-            help="what quantized weights multiply in decode: float32 (exact) or int8 (per 32 inputs, integer "
-            "dot products: faster, an approximation; measure it with `python -m engine quality`)",
+            help="what quantized weights multiply: float32 (exact) or int8 (decode: per 32 inputs, integer dot "
+            "products; prefill: bfloat16 where the CPU has it — faster, an approximation; measure it with "
+            "`python -m engine quality`)",
         )
         if cache:
             p.add_argument(

@@ -54,6 +54,20 @@ def perplexity(loaded, kv: str, text, max_tokens: int = 1024) -> float:
     return round(math.exp(float(nll)), 4)
 
 
+def prompt_agreement(full, quant, text, max_tokens: int = 512) -> dict:
+    """The held-out text through one prefill of each model (prefill's many-row products: under int8 activations,
+    bfloat16 ones where the CPU has them): top-1 agreement and mean KL(full || quantized) at every position."""
+    ids = (text if isinstance(text, list) else full.tokenizer.encode(text, add_special_tokens=True))[:max_tokens]
+    x = torch.tensor([ids], device=full.device)
+    with torch.inference_mode():
+        a = full.model(x).float()[0].log_softmax(-1)  # [T, V]
+        b = quant.model(x).float()[0].log_softmax(-1)
+    kl = (a.exp() * (a - b)).sum(-1).mean()
+    agree = (a.argmax(-1) == b.argmax(-1)).float().mean()
+    return {"prompt_positions": len(ids), "prompt_top1_agreement": round(float(agree), 4),
+            "prompt_mean_kl": round(float(kl), 6)}  # fmt: skip
+
+
 def run(
     model=None,
     weights="none",
@@ -93,6 +107,7 @@ def run(
         kv_bytes_per_position_full=full.kv_bytes_per_position("none"),
         kv_bytes_per_position_quant=quant.kv_bytes_per_position(kv),
         calibration="none (scales from each group's max |x|)",
+        **prompt_agreement(full, quant, text),
     )
     return result
 
@@ -106,7 +121,8 @@ def add_arguments(p) -> None:
         "--activations",
         default="float32",
         choices=ACTIVATIONS,
-        help="what the quantized weights multiply in decode (int8: integer products; measured against the exact path)",
+        help="what the quantized weights multiply (int8: integer products in decode, bfloat16 ones in prefill where "
+        "the CPU has them; measured against the exact path)",
     )
     p.add_argument(
         "--group-size", type=int, default=DEFAULT_GROUP_SIZE, help="values per scale (0: one per output channel)"
@@ -169,6 +185,10 @@ def main(ns) -> int:
         print(f"{name:28s} {a!s:>14s} {b!s:>14s}")
     print(f"top-1 agreement over {r['positions']} teacher-forced positions: {100 * r['top1_agreement']:.1f}%")
     print(f"mean KL(full || quantized): {r['mean_kl']:.5f} nats")
+    print(
+        f"a prompt's {r['prompt_positions']} positions through prefill: top-1 agreement "
+        f"{100 * r['prompt_top1_agreement']:.1f}%, mean KL {r['prompt_mean_kl']:.5f} nats"
+    )
     print(f"near-tie flips (top-2 margin < {r['near_tie_threshold']}): {r['near_tie_flips']}")
     print(
         f"greedy replies that diverge: {r['prompts_diverged']} of {len(r['per_prompt'])}; first divergence at "

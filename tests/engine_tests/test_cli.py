@@ -238,6 +238,8 @@ def test_quality_compares_quantized_with_full_precision(llama_dir):
     assert out["perplexity_full"] > 1 and out["perplexity_quant"] > 1
     same = json.loads(run("quality", "--model", llama_dir, "--new-tokens", 8, "--json").stdout)
     assert same["top1_agreement"] == 1.0 and same["mean_kl"] == 0 and same["prompts_diverged"] == 0
+    assert same["prompt_top1_agreement"] == 1.0 and same["prompt_mean_kl"] == 0  # the prompt's positions too
+    assert 0 < out["prompt_top1_agreement"] <= 1 and out["prompt_mean_kl"] > 0 and out["prompt_positions"] > 1
 
 
 def test_generate_with_quantized_weights_and_cache(llama_dir):

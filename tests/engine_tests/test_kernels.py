@@ -298,14 +298,21 @@ def test_int4_tiles_hold_the_same_weight_as_rows(offsets):
         want = integer_product(codes, scales, x.reshape(-1), mins).float()
         close(tiles(x).reshape(-1), want, 1e-5)
         assert not torch.allclose(want, want_w @ x.reshape(-1), rtol=1e-6, atol=1e-6)  # not the float product
-        torch.testing.assert_close(tiles(many), rows(many))  # prefill: float activations still
+        if devices.bf16_hardware():  # prefill: bfloat16 products under the option, where the CPU has them
+            assert tiles.halves_prefill() and not torch.equal(tiles(many), rows(many))
+            close(tiles(many), rows(many), 2e-2)
+        else:
+            torch.testing.assert_close(tiles(many), rows(many))  # float products
     else:
         assert switched == 0 and tiles.activations == "float32"
         with pytest.raises(ValueError, match="float32 activations"):
             K.qmatvec("int4", tiles.codes, tiles.scales, x.reshape(-1), group, tiles.mins, "int8", tiled=True)
     quantized.SCRATCH_VALUES, kept = 20 * k, quantized.SCRATCH_VALUES  # 20 rows a chunk: rounded up to 32
     try:
-        torch.testing.assert_close(tiles(many), rows(many))
+        if tiles.halves_prefill():
+            close(tiles(many), rows(many), 2e-2)
+        else:
+            torch.testing.assert_close(tiles(many), rows(many))
     finally:
         quantized.SCRATCH_VALUES = kept
 
