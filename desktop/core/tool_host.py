@@ -13,7 +13,6 @@ import threading
 
 from engine.tool_calls import NAME, Tool
 
-from .mcp_stdio import CUT_CODE, CUT_KEY, ServerProcess, stdio_transport
 from .tool_servers import ToolServer, tool_key
 
 CONNECT_S = 20.0  # to start a server and agree on the protocol
@@ -137,6 +136,8 @@ class ToolHost:
         except ToolError as e:
             return _failed(str(e), loop.time() - t0)
         except Exception as e:  # the server's own error, or its end: said, and the chat goes on
+            from .mcp_stdio import CUT_CODE, CUT_KEY
+
             data = getattr(e, "data", None)
             if getattr(e, "code", None) == CUT_CODE and isinstance(data, dict):  # a result over the size read
                 return _cut(str(data.get("text", "")), int(data.get(CUT_KEY, 0)), loop.time() - t0)
@@ -160,6 +161,8 @@ class _Live:
     each other on it (one that hangs holds up no other)."""
 
     def __init__(self, config: ToolServer):
+        from .mcp_stdio import ServerProcess  # the SDK (0.7 s to import) only once a server is needed
+
         self.config, self.process = config, ServerProcess()
         self.ready: asyncio.Future = asyncio.get_running_loop().create_future()
         self.done = asyncio.Event()
@@ -194,6 +197,8 @@ class _Live:
 
             http = httpx2.AsyncClient(headers=dict(self.config.headers), timeout=httpx2.Timeout(30, read=CALL_S))
             return streamable_http_client(self.config.url, http_client=http)
+        from .mcp_stdio import stdio_transport
+
         return stdio_transport(self.config, self.process)
 
     async def ask(self, fn):
