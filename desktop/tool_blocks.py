@@ -13,7 +13,7 @@ from .tool_approval import pretty_arguments
 
 SHOWN = 32_000  # characters of a result or a call's arguments in the transcript (the stored result is no longer)
 DECISION_WORDS = {"once": "allowed once", "conversation": "allowed in this conversation", "deny": "denied",
-                  "stop": "not run: stopped"}  # fmt: skip
+                  "stop": "not run: stopped", "missing": "not run: no such tool"}  # fmt: skip
 
 
 def size_words(n: int) -> str:

@@ -18,6 +18,7 @@ from .tool_servers import ToolServer, tool_key
 CONNECT_S = 20.0  # to start a server and agree on the protocol
 CALL_S = 60.0  # a call's answer
 LIST_S = 20.0
+CLOSE_S = 6.0  # for the sessions to end as asked when the host closes, before they are cancelled
 ENDED_S = 2.0  # after a call's connection closed, the wait for the server's end (its status and last words)
 MAX_RESULT = 32_000  # characters of a result the model reads (and the transcript keeps)
 MAX_TOOLS_PER_SERVER = 128
@@ -107,7 +108,7 @@ class ToolHost:
         try:
             await asyncio.wait_for(asyncio.shield(live.ready), self.connect_s)
         except asyncio.TimeoutError:
-            live.stop()
+            live.task.cancel()  # its handshake may never end: the transport stops the process on the way out
             raise ToolError(f"{server} did not start within {self.connect_s:g} s") from None
         return live
 
@@ -151,9 +152,13 @@ class ToolHost:
         return _result(result, loop.time() - t0)
 
     async def _close(self) -> None:
-        for live in list(self._live.values()):
+        tasks = [live.task for live in self._live.values() if live.task is not None]
+        for live in self._live.values():
             live.stop()
-        await asyncio.gather(*(live.task for live in self._live.values() if live.task), return_exceptions=True)
+        _, left = await asyncio.wait(tasks, timeout=CLOSE_S) if tasks else (None, ())
+        for task in left:  # a session still in its handshake, or a server that will not stop: cancelled
+            task.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
 
 
 class _Live:

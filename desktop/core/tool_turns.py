@@ -15,7 +15,7 @@ from .tool_host import ServerTool, ToolResult
 MAX_ROUNDS = 8  # replies with calls in a row, for one message of the person's; the ninth's calls are not run
 DENIED = "The person did not allow this call."
 STOPPED = "The person stopped the reply before this call ran."
-DECISIONS = ("once", "conversation", "deny", "stop")  # what the person answers a call
+DECISIONS = ("once", "conversation", "deny", "stop")  # what the person answers a call ("missing": no such tool)
 ALLOWED_KEY = "tools_allowed"  # in a conversation's own settings: the tools allowed in it without asking
 
 
@@ -89,12 +89,15 @@ class ToolTurns:
             parent = reply_mid
             for call in calls:
                 parent = await self._run_call(cid, parent, call)
+                if parent is None:  # the store refused the result: the loop ends (the person has been told)
+                    return None
                 self.listener.transcript_changed()
             if cid in self.tools_halted:
                 return None
             if rounds >= MAX_ROUNDS:
                 self.listener.show_error(f"Tool calls stopped after {MAX_ROUNDS} replies in a row made them")
                 return None
+            self.guard(self.store.set_leaf, cid, parent)  # the branch the results are on, whatever is shown now
             upto = self.store.branch(cid)
             started, stream = True, None
             try:
@@ -108,10 +111,11 @@ class ToolTurns:
                 self._release(cid)
                 self.listener.transcript_changed()
 
-    async def _run_call(self, cid: int, parent: int, call: ToolCall) -> int:
-        """One call: asked, run (or not) and its result stored after message `parent`; the result's id."""
+    async def _run_call(self, cid: int, parent: int, call: ToolCall) -> int | None:
+        """One call: asked, run (or not) and its result stored after message `parent`; the result's id (None: the
+        store refused it)."""
         tool = self.owner(cid, call.name)
-        decision = "deny"
+        decision = "missing"
         if tool is None:
             result = ToolResult(f"No tool named {call.name!r} is offered in this conversation.", 0, error=True)
         elif cid in self.tools_halted:
@@ -133,10 +137,9 @@ class ToolTurns:
                   "server": tool.server if tool else None, "decision": decision, "size": result.size,
                   "cut": result.cut, "failed": result.error, "seconds": round(result.seconds, 3)}  # fmt: skip
         m: Message | None = self.guard(self.store.add_message, cid, parent, "tool", result.text)
-        if m is None:
-            raise asyncio.CancelledError  # the store refused: the loop ends (the person has been told)
-        self.guard(self.store.update_message, m.id, trace=record)
-        return m.id
+        if m is not None:
+            self.guard(self.store.update_message, m.id, trace=record)
+        return None if m is None else m.id
 
     def allowed_tools(self, cid: int) -> set[str]:
         """The tools conversation `cid` runs without asking: allowed "in this conversation", kept with it (never
