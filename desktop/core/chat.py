@@ -434,12 +434,7 @@ class ChatController(Prompts, ToolTurns):
             "carried_tokens": old_tokens,
             "left_out": left_out(req.messages or (), upto, stats.reuse),
         }
-        calls = getattr(final, "tool_calls", ())
-        if calls:
-            record["tool_calls"] = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in calls]
-            stream.calls = self.calls_to_run(cid, calls, stream.alternative)
-            if stream.calls:
-                self.runs[cid] = self.runs.get(cid, 0) + 1  # the loop's claim: no Send while its calls run
+        self.take_calls(record, stream, getattr(final, "tool_calls", ()))
         self.guard(
             self.store.update_message,
             assistant.id,

@@ -76,9 +76,15 @@ class ToolTurns:
         return next((t for t in self.offered(cid) if t.tool.name == name), None)
 
     # --- the loop -------------------------------------------------------------------------------------------------
-    def calls_to_run(self, cid: int, calls, alternative) -> tuple[ToolCall, ...]:
-        """The calls of a reply that the loop runs: a single reply's, in a conversation with tools on."""
-        return tuple(calls) if calls and alternative is None and self.offered(cid) else ()
+    def take_calls(self, record: dict, stream, calls) -> None:
+        """A reply that ended with `calls`: they go into its `record`, and those the loop runs (a single reply's, in
+        a conversation with tools on) onto its `stream`, the conversation claimed for the loop meanwhile."""
+        if not calls:
+            return
+        record["tool_calls"] = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in calls]
+        if stream.alternative is None and self.offered(stream.cid):
+            stream.calls = tuple(calls)
+            self.runs[stream.cid] = self.runs.get(stream.cid, 0) + 1  # no Send while its calls run
 
     async def tool_round(self, cid: int, reply_mid: int, calls: tuple[ToolCall, ...], rounds: int):
         """Run the calls of reply `reply_mid` (each asked of the person first) and start the next reply from their
