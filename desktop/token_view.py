@@ -19,7 +19,7 @@ from .outside_text import plain, rich
 from .reply_widgets import FitTextEdit
 
 MODES = {"off": "Tokens: plain", "probability": "Tokens by probability", "entropy": "Tokens by entropy",
-         "drafts": "Tokens by drafts"}  # fmt: skip
+         "drafts": "Tokens by drafts", "grammar": "Tokens by grammar"}  # fmt: skip
 # (lower bound, colour or None, words), most confident first: probability of the chosen token (raw), and the
 # entropy of the step's distribution in nats
 BINS = {
@@ -29,11 +29,15 @@ BINS = {
                 (3.0, "#9a5cd6", "≥ 3 nats")),
     "drafts": (("accepted", "#4fb36a", "drafted, accepted"), ("corrected", "#e0524a", "corrected by the model"),
                ("target", None, "the model's own")),  # each token's part in speculative decoding (Token.draft)
+    "grammar": (("forced", "#6fa8e6", "the only one allowed"),  # what a grammar did at a token (its MaskStep)
+                ("overridden", "#e0524a", "the model's choice forbidden"),
+                ("shaped", "#e3c12f", "≥ 10% of the probability removed"), ("free", None, "the model's own")),
 }  # fmt: skip
+SHAPED = 0.1  # the probability a grammar removed from a step that makes the token "shaped"
 DRAFT_WORDS = {"accepted": "drafted, and the model agreed: accepted", "corrected": "the model's own where it "
                "rejected a draft: corrected", "target": "the model's own: nothing drafted here"}  # fmt: skip
 LEGEND_HEADS = {"probability": "chosen token's probability (raw):", "entropy": "entropy at the step:",
-                "drafts": "speculative decoding:"}  # fmt: skip
+                "drafts": "speculative decoding:", "grammar": "what the grammar did:"}  # fmt: skip
 ALPHA = 120  # of 255: translucent over the theme's background
 TOKEN_PAGE = 5_000  # tokens drawn at a time (a reply of 65,536 is drawn a page at a time: show_more)
 FORK_COLUMNS = 3  # fork buttons a row
@@ -52,6 +56,9 @@ def bin_of(step: dict, mode: str) -> int | None:
     """The index in BINS[mode] a token falls in (None: its figure is not known)."""
     if mode == "drafts":
         return next((i for i, (kind, _, _) in enumerate(BINS[mode]) if kind == step.get("draft")), None)
+    if mode == "grammar":
+        kind = grammar_kind(step.get("grammar"))
+        return None if kind is None else next(i for i, (k, _, _) in enumerate(BINS[mode]) if k == kind)
     value = step_value(step, mode)
     if value is None:
         return None
@@ -63,6 +70,19 @@ def bin_of(step: dict, mode: str) -> int | None:
 
 def _pct(lp) -> str:
     return "—" if not isinstance(lp, (int, float)) else f"{100 * math.exp(lp):.1f}%"
+
+
+def grammar_kind(g) -> str | None:
+    """What the grammar did at a step: forced (one token allowed: the grammar alone chose), overridden (the model's
+    first choice forbidden among several allowed), shaped (SHAPED or more of the probability removed) or free; None
+    without a grammar's figures."""
+    if not isinstance(g, dict) or not all(isinstance(g.get(k), (int, float)) for k in ("allowed", "removed")):
+        return None
+    if g["allowed"] == 1:
+        return "forced"
+    if isinstance(g.get("preferred_text"), str):
+        return "overridden"
+    return "shaped" if g["removed"] >= SHAPED else "free"
 
 
 def grammar_words(g) -> list[str]:

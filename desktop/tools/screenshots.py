@@ -53,7 +53,7 @@ REQUESTS = (
 def take(out: Path, model: str | None, new_tokens: int, only: str = "all") -> list[Path]:
     """Every picture (`only`: "requests", that one alone), into `out`; the paths written."""
     import qasync
-    from PySide6.QtWidgets import QApplication
+    from PySide6.QtWidgets import QApplication, QToolTip
 
     from engine.spec import LoadSpec
 
@@ -223,6 +223,10 @@ def take(out: Path, model: str | None, new_tokens: int, only: str = "all") -> li
         if not screen.copy(w.frameGeometry()).save(str(path)):
             raise RuntimeError(f"could not write {path}")
         written.append(path)
+        QToolTip.hideText()
+        w.tokenColours.setCurrentIndex(w.tokenColours.findData("grammar"))  # what the grammar did, token by token
+        await asyncio.sleep(0.5)
+        save("tokens-by-grammar", w)
         settings = SettingsDialog(w.chat.settings_for(), w.db_path, w)
         settings.tabs.setCurrentWidget(settings.replyFormat)
         settings.show()

@@ -13,6 +13,7 @@ from PySide6.QtWidgets import QDialog
 
 from desktop.reply_format_page import CHECK_DELAY_MS
 from desktop.settings_dialog import SettingsDialog
+from desktop.token_view import BINS, bin_of, grammar_kind
 
 SCHEMA = {"title": "trip", "type": "object", "additionalProperties": False, "required": ["city", "nights"],
           "properties": {"city": {"type": "string", "maxLength": 16},
@@ -64,6 +65,19 @@ def test_a_schema_set_for_a_conversation_shapes_its_replies_and_the_panel_says_h
     if forced is not None:
         assert f"the model preferred {kept[forced]['grammar']['preferred_text']!r}: the grammar forbade it" in (
             html.unescape(view.details(forced)))  # fmt: skip
+
+    w.tokenColours.setCurrentIndex(w.tokenColours.findData("grammar"))  # Tokens by grammar: what it did at each
+    assert "the only one allowed" in w.tokenLegend.accessibleDescription()
+    kinds = [grammar_kind(t["grammar"]) for t in kept]
+    assert "forced" in kinds  # a JSON schema's punctuation and keys: the one token allowed
+    view = reply.tokenView
+    for k, i in enumerate(view.at):
+        cursor = view.textCursor()
+        cursor.setPosition(view.starts[k] + 1)
+        brush = cursor.charFormat().background()
+        want = BINS["grammar"][bin_of(kept[i], "grammar")][1]
+        assert (brush.color().name() if brush.style() != Qt.NoBrush else None) == want, (i, kept[i]["grammar"])
+    print("tokens by grammar:", {kind: kinds.count(kind) for kind in set(kinds)})
 
     w.select_conversation(plain_cid)  # the other conversation: plain text, as before
     assert w.chat.settings_for().grammar() is None and "replies:" not in w.conversationSettingsLabel.text()
