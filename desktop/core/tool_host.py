@@ -137,6 +137,8 @@ class ToolHost:
         except ToolError as e:
             return _failed(str(e), loop.time() - t0)
         except Exception as e:  # the server's own error, or its end: said, and the chat goes on
+            from mcp_types import CONNECTION_CLOSED
+
             from .mcp_stdio import CUT_CODE, CUT_KEY
 
             data = getattr(e, "data", None)
@@ -144,7 +146,7 @@ class ToolHost:
                 return _cut(str(data.get("text", "")), int(data.get(CUT_KEY, 0)), loop.time() - t0)
             why = f"{server}: {_words(e) or type(e).__name__}"
             last = self._live.get(server)
-            if last is not None:  # a connection that closed: the server's end, and its last words, say more
+            if last is not None and getattr(e, "code", None) == CONNECTION_CLOSED:  # its end and last words say more
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(last.done.wait(), ENDED_S)
                 why = last.ended() if last.done.is_set() else why
