@@ -94,19 +94,21 @@ class ToolsPage(QWidget):
     def servers_text(self) -> str:
         return self.servers.toPlainText().strip()
 
-    def problem(self) -> str:
+    def _read(self) -> tuple[dict, str]:
+        """(the servers the text holds, why it does not read: "" where it does)."""
         try:
-            read_servers(self.servers_text())
+            return read_servers(self.servers_text()), ""
         except ConfigError as e:
-            return str(e)
-        return ""
+            return {}, str(e)
+
+    def problem(self) -> str:
+        return self._read()[1]
 
     def _check(self) -> None:
-        why = self.problem()
+        servers, why = self._read()
         if why:
             self.status.setText(f"Not read: {why}")
             return
-        servers = read_servers(self.servers_text())
         if not servers:
             self.status.setText("No servers: the model is offered no tools.")
             return
@@ -144,10 +146,10 @@ class ToolsPage(QWidget):
 
     def list_tools(self) -> None:
         """Start the servers typed here and list their tools (each server's failure said in the status line)."""
-        if self.problem():
+        servers, why = self._read()
+        if why:
             return
         self.close_host()
-        servers = read_servers(self.servers_text())
         self._host = ToolHost(servers)
         self._pending = [(name, self._host.submit_tools(name)) for name in servers]
         self.listButton.setEnabled(False)

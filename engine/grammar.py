@@ -126,11 +126,6 @@ def _lltokenizer(tokenizer, vocab: int):
         return _tokenizers[key]
 
 
-def check(grammar: Grammar, tokenizer, vocab: int) -> None:
-    """Refuse a grammar that does not compile, or cannot for this tokenizer, with llguidance's reason."""
-    Guide(grammar, tokenizer, vocab)
-
-
 @dataclasses.dataclass(frozen=True)
 class MaskStep:
     """What the grammar did at one step: the tokens it allowed (of the vocabulary), the probability the model had

@@ -27,7 +27,7 @@ from .prefix_store import PrefixStore, default_budget
 from .quant import PRECISIONS
 from .request import OVERFLOW_POLICIES, Fitted, Request, check_capacity, fit, positions_needed, render, turns
 from .speculative import check_tokens, open_drafter, speculate
-from .tool_calls import call_grammar, marker_token, parse_calls, template_format
+from .tool_calls import call_grammar, marker_token, offered_format, parse_calls, template_format
 from .weights.loading import LoadedModel, load_model
 
 __all__ = [
@@ -263,7 +263,7 @@ class Session:
             raise EngineError("the prompt is empty")
         self.check_capacity(len(prompt), req)
         check_top_logprobs(req.top_logprobs)
-        calling = self.tool_format(req)  # the family's format of calls, where the request offers tools
+        calling = offered_format(loaded.tokenizer, req, loaded.name)  # the family's format, where tools are offered
         grammar = req.grammar
         if calling is not None and req.tool_choice not in ("none", "auto"):  # a call must come: in its schema
             grammar = call_grammar(calling, req.tools, req.tool_choice, req.parallel_tool_calls,
@@ -312,16 +312,6 @@ class Session:
             calls = parse_calls(calling, loaded.tokenizer.decode(reply.out, skip_special_tokens=False))
         yield from self._finish(trace, reply.reason, reply.out, stream, reuse, req.stop_strings, reply.steps,
                                 reply.drafts if drafter is not None else (), reply.masks, calls)  # fmt: skip
-
-    def tool_format(self, req: Request):
-        """The format the model writes calls in (engine.tool_calls), where `req` offers tools; EngineError where
-        its chat template takes none."""
-        if not req.tools or req.tool_choice == "none":
-            return None
-        fmt = template_format(self.loaded.tokenizer.chat_template_source)
-        if fmt is None:
-            raise EngineError(f"{self.loaded.name}'s chat template takes no tools: it cannot be offered any")
-        return fmt
 
     def drafter(self, kind: str):
         """The drafter for speculative requests of `kind` (engine.speculative.open_drafter), made once and kept while

@@ -63,6 +63,11 @@ def template_arguments(arguments):
     return arguments
 
 
+def template_call(call_id: str, name: str, arguments) -> dict:
+    """One call of an assistant turn as its chat template renders it (OpenAI's shape, the arguments as an object)."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": template_arguments(arguments)}}
+
+
 def read_tools(tools) -> tuple[Tool, ...]:
     """OpenAI's `tools` array, checked: at most MAX_TOOLS functions, each a name of OpenAI's characters, a string
     description, a JSON schema object for its parameters; the whole within a grammar's size."""
@@ -143,6 +148,17 @@ def template_format(template: str | None) -> Format | None:
         if key in template:
             return FORMATS[name]
     return FORMATS["hermes"]  # a template that shows tools without a format of its own: the most common one
+
+
+def offered_format(tokenizer, req, model: str) -> Format | None:
+    """The format `model` writes calls in, where request `req` offers tools (None where it offers none);
+    EngineError where its chat template takes none (it is never shown the tools some other way)."""
+    if not req.tools or req.tool_choice == "none":
+        return None
+    fmt = template_format(tokenizer.chat_template_source)
+    if fmt is None:
+        raise EngineError(f"{model}'s chat template takes no tools: it cannot be offered any")
+    return fmt
 
 
 def parse_calls(fmt: Format, text: str) -> tuple[str, list[ToolCall]]:

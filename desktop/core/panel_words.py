@@ -213,16 +213,16 @@ def grammar_rows(g: dict | None, steps: list[dict], asked: str = "") -> dict[str
         return {"grammarValue": none, **dict.fromkeys(("removedValue", "overriddenValue", "maskTimeValue"), DASH)}
     if not g:  # streaming: the tokens so far
         removed = [m["removed"] for m in marks if isinstance(m.get("removed"), (int, float))]
-        forced = sum(isinstance(m.get("preferred"), int) for m in marks)
+        overridden = sum(isinstance(m.get("preferred"), int) for m in marks)
         mean = f"{sum(removed) / len(removed):.0%} a step so far" if removed else DASH
         return {"grammarValue": "constraining…", "removedValue": mean,
-                "overriddenValue": f"{forced:,} of {len(marks):,} steps so far", "maskTimeValue": DASH}  # fmt: skip
-    n, mean, forced = g.get("steps") or 0, g.get("mean_removed"), g.get("overridden") or 0
+                "overriddenValue": f"{overridden:,} of {len(marks):,} steps so far", "maskTimeValue": DASH}  # fmt: skip
+    n, mean, overridden = g.get("steps") or 0, g.get("mean_removed"), g.get("overridden") or 0
     mask, wait = g.get("mask_us"), g.get("wait_us")
     return {
         "grammarValue": str(g.get("grammar") or g.get("kind") or "?"),
         "removedValue": DASH if mean is None else f"{mean:.1%} of the model's probability a step (mean)",
-        "overriddenValue": f"{forced:,} of {n:,} steps: the model's first choice forbidden",
+        "overriddenValue": f"{overridden:,} of {n:,} steps: the model's first choice forbidden",
         "maskTimeValue": NOT_REPORTED if mask is None else f"{mask:,.0f} µs a token · {wait or 0:,.0f} µs waited for",
     }
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from engine.logprobs import MAX_TOP_LOGPROBS
 from engine.session import Request
-from engine.tool_calls import template_arguments
+from engine.tool_calls import template_call
 
 from .replies import Fork, branch_mark
 from .settings import Settings
@@ -21,14 +21,7 @@ def chat_message(m: Message) -> dict:
         return {"role": "tool", "content": m.content, "tool_call_id": call.get("id", ""), "name": call.get("name", "")}
     calls = record.get("tool_calls") if m.role == "assistant" else None
     if calls:
-        made = [
-            {
-                "id": c["id"],
-                "type": "function",
-                "function": {"name": c["name"], "arguments": template_arguments(c["arguments"])},
-            }
-            for c in calls
-        ]
+        made = [template_call(c["id"], c["name"], c["arguments"]) for c in calls]
         return {"role": "assistant", "content": m.content, "tool_calls": made}
     return {"role": m.role, "content": m.content}
 

@@ -9,6 +9,7 @@ import math
 import threading
 
 from engine.errors import cut
+from engine.tool_calls import MAX_CALLS  # calls in one reply's record
 
 STRING_CHARS = 2000  # an error, a reason, a model's name
 TOKEN_CHARS = 200  # one token's text
@@ -179,7 +180,6 @@ def _figures(t: dict) -> list[str]:
 
 
 ARGUMENT_CHARS = 64 * 1024  # a tool call's arguments, as the record keeps them
-MAX_CALLS = 64  # calls in one reply's record (engine.tool_calls.MAX_CALLS)
 
 
 def _call(c) -> dict | None:

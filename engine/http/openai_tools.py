@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from ..errors import EngineError
-from ..tool_calls import MAX_CALLS, ToolCall, read_choice, read_tools, template_arguments
+from ..tool_calls import MAX_CALLS, ToolCall, read_choice, read_tools, template_call
 
 MAX_ARGUMENTS = 1024 * 1024  # characters of one call's arguments read from a remote server's stream
 
@@ -47,8 +47,7 @@ def message_calls(m: dict, i: int) -> list[dict] | None:
         fn = c.get("function") if isinstance(c, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise FieldError(f"messages[{i}].tool_calls: each call needs function.name", "messages")
-        call = {"name": fn["name"], "arguments": template_arguments(fn.get("arguments", "{}"))}
-        out.append({"id": str(c.get("id", "")), "type": "function", "function": call})
+        out.append(template_call(str(c.get("id", "")), fn["name"], fn.get("arguments", "{}")))
     return out
 
 

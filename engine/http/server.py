@@ -30,7 +30,7 @@ from ..errors import EngineError
 from ..events import PrefillStarted
 from ..request import Request, choice_requests
 from ..session import Session
-from ..tool_calls import marker_token, template_format
+from ..tool_calls import marker_token, offered_format
 from ..weights.loading import LoadedModel
 from . import answers
 from .metrics import CONTENT_TYPE as METRICS_TYPE
@@ -349,10 +349,9 @@ def _head_timed_protocol():
 def _call_format(service, req: Request):
     """(the format the model writes calls in, its marker's control token) where the request offers tools; a 400
     where the model's chat template takes none."""
-    if not req.tools or req.tool_choice == "none":
-        return None
     tok = service.loaded.tokenizer
-    fmt = template_format(tok.chat_template_source)
-    if fmt is None:
-        raise ApiError(400, f"{service.model_id}'s chat template takes no tools", param="tools")
-    return fmt, marker_token(tok, fmt)
+    try:
+        fmt = offered_format(tok, req, service.model_id)
+    except EngineError as e:
+        raise ApiError(400, str(e), param="tools") from None
+    return None if fmt is None else (fmt, marker_token(tok, fmt))
