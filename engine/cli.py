@@ -12,10 +12,10 @@ from .backends.kernel_build import variants as kernel_variants
 from .devices import default_threads
 from .errors import EngineError
 from .events import Failed, Finished, PrefillStarted, Token
-from .grammar import Grammar, grammar_line
+from .grammar import grammar_line
 from .logprobs import reply_confidence
-from .sampling import SamplingParams
-from .session import OVERFLOW_POLICIES, Request
+from .request_options import at_least_one, draft_args, overflow_arg, request_fields, sampling, sampling_args
+from .session import Request
 from .spec import LoadSpec
 from .speculative import draft_line
 
@@ -36,86 +36,6 @@ TRACE_FIELDS = (
     "speculative",
     "grammar",
 )
-
-
-def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    shaped = p.add_mutually_exclusive_group()
-    shaped.add_argument("--json-schema", dest="grammar", type=_grammar_file("json_schema"), default=None,
-                        metavar="FILE", help="structured output: the reply is JSON that FILE, a JSON schema, "
-                                             "validates")  # fmt: skip
-    shaped.add_argument("--grammar", dest="grammar", type=_grammar_file(None), default=None, metavar="FILE",
-                        help="structured output: the reply parses as FILE, a Lark (.lark) or GBNF (.gbnf) grammar "
-                             "(or a JSON schema, .json)")  # fmt: skip
-    _draft_args(p)
-
-
-def _grammar_file(kind: str | None):
-    """argparse's reader of a grammar file of `kind` (None: by its name): read and compiled before any model
-    loads, a usage error otherwise."""
-
-    def read(path: str) -> Grammar:
-        try:
-            grammar = Grammar.from_file(path, kind)
-            grammar.check()
-        except EngineError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-        return grammar
-
-    return read
-
-
-def _draft_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--speculative", default=None, metavar="int4|lookup|PATH",
-                   help="speculative decoding: drafts from the model itself in int4, from n-grams of the conversation "
-                        "(lookup), or from a smaller model with the same tokenizer (PATH)")  # fmt: skip
-    p.add_argument("--draft-tokens", type=_at_least_one, default=4, metavar="K",
-                   help="tokens drafted a round at most (default 4; fewer while drafts are rejected)")  # fmt: skip
-
-
-def _drafting(ns) -> dict:
-    """A request's speculative settings (and its grammar) from the command line."""
-    return {"speculative": ns.speculative, "draft_tokens": ns.draft_tokens, "grammar": getattr(ns, "grammar", None)}
-
-
-def _at_least_one(text: str) -> int:
-    """A count of 1 or more, as argparse reads one (a usage error otherwise)."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if not 1 <= n <= 256:
-        raise argparse.ArgumentTypeError(f"{n} is out of range (1 to 256)")
-    return n
-
-
-def _overflow_arg(p: argparse.ArgumentParser, what: str = "") -> None:
-    p.add_argument(
-        "--overflow",
-        default="stop",
-        choices=list(OVERFLOW_POLICIES),
-        help="a prompt longer than the cache allows: refuse it (stop, the default), or leave out whole turns, the "
-        "oldest (drop-oldest) or those after the first (truncate-middle); never the system prompt nor the last "
-        "turn" + what,
-    )
-
-
-def _sampling(ns, overrides: dict | None = None) -> SamplingParams:
-    o = overrides or {}
-    return SamplingParams(
-        temperature=o.get("temperature", ns.temperature),
-        top_k=o.get("top_k", ns.top_k),
-        top_p=o.get("top_p", ns.top_p),
-        min_p=o.get("min_p", ns.min_p),
-        repetition_penalty=o.get("repetition_penalty", ns.repetition_penalty),
-        seed=o.get("seed", ns.seed),
-    )
 
 
 class LoadProgress:
@@ -208,12 +128,12 @@ def cmd_info(ns) -> int:
 def cmd_generate(ns) -> int:
     loaded, session = _open(ns)
     weighed = dict(logprobs=ns.logprobs is not None, top_logprobs=ns.logprobs or 0, overflow=ns.overflow,
-                   **_drafting(ns))  # fmt: skip
+                   **request_fields(ns))  # fmt: skip
     if ns.raw:
-        req = Request(prompt=ns.prompt, sampling=_sampling(ns), max_new_tokens=ns.max_new_tokens, **weighed)
+        req = Request(prompt=ns.prompt, sampling=sampling(ns), max_new_tokens=ns.max_new_tokens, **weighed)
     else:
         messages = _messages(ns.system, ns.prompt)
-        req = Request(messages=messages, sampling=_sampling(ns), max_new_tokens=ns.max_new_tokens, **weighed)
+        req = Request(messages=messages, sampling=sampling(ns), max_new_tokens=ns.max_new_tokens, **weighed)
     result = run_request(session, req, stream_to=None if ns.json else sys.stdout)
     if ns.json:
         print(json.dumps(result, ensure_ascii=False))
@@ -259,10 +179,10 @@ def cmd_replay(ns) -> int:
             k: step[k] for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed") if k in step
         }
         common = dict(
-            sampling=_sampling(ns, overrides),
+            sampling=sampling(ns, overrides),
             max_new_tokens=step.get("max_new_tokens", ns.max_new_tokens),
             overflow=step.get("overflow", ns.overflow),
-            **_drafting(ns),
+            **request_fields(ns),
         )
         if "messages" in step:
             req = Request(messages=step["messages"], **common)
@@ -359,8 +279,8 @@ def cmd_chat(ns) -> int:
 
     def reply():
         nonlocal last
-        req = Request(messages=list(msgs), sampling=_sampling(ns), max_new_tokens=ns.max_new_tokens,
-                      overflow=ns.overflow, **_drafting(ns))  # fmt: skip
+        req = Request(messages=list(msgs), sampling=sampling(ns), max_new_tokens=ns.max_new_tokens,
+                      overflow=ns.overflow, **request_fields(ns))  # fmt: skip
         print("assistant> ", end="", flush=True)
         last = run_request(session, req, stream_to=sys.stdout)
         if "error" in last:
@@ -428,7 +348,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("generate", help="generate one reply")
     LoadSpec.add_arguments(p)
-    _sampling_args(p)
+    sampling_args(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--raw", action="store_true", help="skip the chat template")
     p.add_argument(
@@ -441,13 +361,13 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--system", default=None)
     p.add_argument("--json", action="store_true")
-    _overflow_arg(p)
+    overflow_arg(p)
     p = sub.add_parser("replay", help="run a JSON list of steps in one session (one cache)")
     LoadSpec.add_arguments(p)
-    _sampling_args(p)
+    sampling_args(p)
     p.add_argument("--script", required=True)
     p.add_argument("--json", action="store_true")
-    _overflow_arg(p, ' (a step\'s own "overflow" wins)')
+    overflow_arg(p, ' (a step\'s own "overflow" wins)')
     p = sub.add_parser("models", help="the models on this machine: Hugging Face cache, LM Studio, Ollama, folders")
     p.add_argument("--folder", action="append", default=[], help="also look in this folder (repeatable)")
     p.add_argument("--no-cache", action="store_true", help="read every file's header again")
@@ -459,14 +379,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on every request")
     p.add_argument("--served-model-name", default=None, help="the model's id in the API (default: its name)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="a reply's limit when a request sets none")
-    p.add_argument("--parallel", type=_at_least_one, default=4, help="requests that run at once (default 4)")
-    p.add_argument("--kv-pool", type=_at_least_one, default=None, metavar="POSITIONS",
+    p.add_argument("--parallel", type=at_least_one, default=4, help="requests that run at once (default 4)")
+    p.add_argument("--kv-pool", type=at_least_one, default=None, metavar="POSITIONS",
                    help="the KV pool's size in positions, shared by every request (default: parallel × capacity); "
                         "a request waits while its blocks would not fit beside the running ones'")  # fmt: skip
     p.add_argument("--queue-size", type=int, default=8, help="requests that may wait behind them before 429")
-    _draft_args(p)
+    draft_args(p)
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
-    _overflow_arg(p, ' (for a request that names none; a request\'s own "overflow" field wins)')
+    overflow_arg(p, ' (for a request that names none; a request\'s own "overflow" field wins)')
     p = sub.add_parser("search", help="text-generation models on the Hugging Face Hub (HF_ENDPOINT)")
     p.add_argument("query")
     p.add_argument("--limit", type=int, default=30)
@@ -476,9 +396,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("chat", help="interactive terminal chat")
     LoadSpec.add_arguments(p)
-    _sampling_args(p)
+    sampling_args(p)
     p.add_argument("--system", default=None)
-    _overflow_arg(p)
+    overflow_arg(p)
     return ap
 
 
