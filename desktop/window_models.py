@@ -179,10 +179,8 @@ class ModelSide:
         if self.chat.current_cid is None:
             self.conversationSettingsLabel.setVisible(False)
             return
-        summary = own.conversation_summary()
-        if own.tool_keys() and not self.chat.model_takes_tools():
-            summary += " (off: this model's chat template takes no tools)"
-        self.conversationSettingsLabel.setText(summary)
+        off = "" if self.chat.model_takes_tools() else "this model's chat template takes no tools"
+        self.conversationSettingsLabel.setText(own.conversation_summary(off))
         self.conversationSettingsLabel.setVisible(True)
 
     def show_about(self) -> None:

@@ -119,8 +119,9 @@ class Settings:
         kept = [p for p in self.recent() if p != path]
         self.recent_models = json.dumps([path or "", *("" if p is None else p for p in kept)][:RECENT_MODELS])
 
-    def conversation_summary(self) -> str:
-        """The conversation's own system prompt and sampling in a line (shown above its messages)."""
+    def conversation_summary(self, tools_off: str = "") -> str:
+        """The conversation's own system prompt and sampling in a line (shown above its messages); `tools_off`: why
+        its tools are not offered now, said beside them."""
         short = self.system_prompt[:80] + ("…" if len(self.system_prompt) > 80 else "")
         parts = [f"System prompt: “{short}”" if self.system_prompt else "No system prompt"]
         parts.append("greedy" if self.temperature == 0 else f"temperature {self.temperature:g}")
@@ -136,7 +137,8 @@ class Settings:
         keys = self.tool_keys()
         if keys:
             must = ", a call required" if self.tool_choice == "required" else ""
-            parts.append(f"{len(keys)} tool{'s' * (len(keys) != 1)}{must}")
+            off = f" (off: {tools_off})" if tools_off else ""
+            parts.append(f"{len(keys)} tool{'s' * (len(keys) != 1)}{must}{off}")
         parts.append(f"when the cache is full: {OVERFLOW_POLICIES.get(self.policy, self.policy)}")
         return " · ".join(parts)
 

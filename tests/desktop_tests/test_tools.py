@@ -194,5 +194,6 @@ def test_tools_are_not_offered_to_a_model_whose_template_takes_none(qtbot, make_
     assert w.facts["tool_format"] is None and not w.chat.model_takes_tools()
     last = send(qtbot, w, spin_loop, "Weather?")
     assert type(last).__name__ == "Finished" and not last.tool_calls
-    assert "off: this model's chat template takes no tools" in w.conversationSettingsLabel.text()
+    assert "1 tool, a call required (off: this model's chat template takes no tools)" in (
+        w.conversationSettingsLabel.text())  # said beside the tools  # fmt: skip
     assert w.chat.tool_listing == {} and w.chat.tool_host._live == {}  # nothing started
