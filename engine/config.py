@@ -22,7 +22,9 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
-    "Gemma3ForConditionalGeneration": "gemma3",  # 4B and larger: its text model (the vision tower is not run)
+    "Gemma3ForConditionalGeneration": "gemma3",  # 4B and larger: its text model, beside its vision tower
+    "Idefics3ForConditionalGeneration": "llama",  # SmolVLM: a Llama text model beside a SigLIP tower
+    "SmolVLMForConditionalGeneration": "llama",
     "Phi3ForCausalLM": "phi3",
     "SmolLM3ForCausalLM": "smollm3",
     "GraniteForCausalLM": "granite",
@@ -336,6 +338,12 @@ def config_from_dict(raw: dict, path: Path | None = None) -> ModelConfig:
             raise ModelLoadError("config.json lacks the text model's text_config", path)
         ids = {k: raw[k] for k in ("bos_token_id", "eos_token_id") if k in raw}
         raw = {**GEMMA3_TEXT, **ids, **text, "architectures": [arch]}
+    elif arch in ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration"):
+        text = raw.get("text_config")
+        if not isinstance(text, dict):
+            raise ModelLoadError("config.json lacks the text model's text_config", path)
+        outer = {k: raw[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings") if k in raw}
+        raw = {**outer, **text, "architectures": [arch]}
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}", path

@@ -62,8 +62,10 @@ OWN_TEMPORARY = re.compile(rf"(?:{BLOCK_NAME.pattern}|{re.escape(RATES)})\.tmp\d
 
 
 def _packed(ids) -> bytes:
-    """Token ids as the hash reads them: 4-byte little-endian signed integers, packed in one call."""
-    return np.asarray(ids, dtype="<i4").tobytes()
+    """Token ids as the hash reads them: 4-byte little-endian signed integers, packed in one call; 8-byte ones for
+    a block that holds an image's positions (their ids are negative and wide: engine.images)."""
+    packed = np.asarray(ids, dtype="<i8")
+    return (packed if len(packed) and packed.min() < 0 else packed.astype("<i4")).tobytes()
 
 
 def next_hash(h: bytes | None, piece) -> bytes:

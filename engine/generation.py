@@ -29,14 +29,22 @@ def prefill_chunk_for(dtype: torch.dtype) -> int:
     return PREFILL_CHUNK * 4 // dtype.itemsize
 
 
-def prefill(model, cache, ids: list[int], tokens: list[int], chunk, device) -> Iterator[tuple[int, torch.Tensor]]:
+def prefill(
+    model, cache, ids: list[int], tokens: list[int], chunk, device, images=None
+) -> Iterator[tuple[int, torch.Tensor]]:
     """Consume `tokens` after the cache's positions, `chunk` of them a forward (a count, or a function asked
     before each forward: the scheduler's budget for the turn): after each, (how many are consumed, the logits of
-    the last [1, 1, V]); `ids` gains each chunk as the cache does."""
+    the last [1, 1, V]); `ids` gains each chunk as the cache does. `images`: the prompt's images
+    (engine.image_prompt.PromptImages), whose positions take the encoder's rows."""
     done = 0
     while done < len(tokens):
-        piece = tokens[done : done + max(1, chunk() if callable(chunk) else chunk)]
-        logits = model(torch.tensor([piece], device=device), cache, last_only=True)  # [1, T, V] -> [1, 1, V]
+        n = max(1, chunk() if callable(chunk) else chunk)
+        if images is not None:
+            n = images.piece(tokens, done, n, getattr(cache, "max_chunk", None))
+        piece = tokens[done : done + n]
+        rows = images.rows(piece) if images is not None else None
+        x = torch.tensor([[max(t, 0) for t in piece] if rows is not None else piece], device=device)  # [1, T]
+        logits = model(x, cache, last_only=True, images=rows)  # [1, T, V] -> [1, 1, V]
         ids.extend(piece)
         done += len(piece)
         yield done, logits

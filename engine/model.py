@@ -91,6 +91,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor | None, sin_signed: torch.Te
 
 
 # --- masks ----------------------------------------------------------------------------------------
+BLOCKS = "blocks"  # a masks dict's mark: some of its positions see later ones (Transformer.masks' `blocks`)
+
+
 def attention_mask(start: int, t: int, window: int | None, device) -> torch.Tensor | None:
     """[T, S] bool, True where query start+i may attend key j: causal, within the sliding window.
 
@@ -189,11 +192,12 @@ class Attention(nn.Module):
             k = apply_rotary(self.k_norm(qkv[:, :, h : h + h_kv]), cos, sin)
         return q, k, qkv[:, :, h + h_kv :]
 
-    def forward(self, x, cos, sin, mask, cache, layer: int, start):
+    def forward(self, x, cos, sin, mask, cache, layer: int, start, causal: bool = True):
         """x [B, T, D] at positions start.. (an int, or a device tensor [1] for a static-shape step); cos/sin the
         rotary rows of those positions (None: this layer does not rotate); mask the additive [T, S] mask of this
         layer's window; the new K/V go into `cache` (any object with write/write_at) -> [B, T, D]. B sequences'
-        next positions (T = 1) each over a cache of its own: `cache` and `start` lists, `mask` a list (rows)."""
+        next positions (T = 1) each over a cache of its own: `cache` and `start` lists, `mask` a list (rows). `causal`:
+        False where the mask lets some positions see later ones (an image's, Gemma 3)."""
         B = x.shape[0]
         q, k, v = (t.transpose(1, 2) for t in self.project(x, cos, sin))  # [B, heads, T, d]
         if isinstance(cache, list):  # one row a sequence, each attending over its own positions
@@ -204,9 +208,9 @@ class Attention(nn.Module):
             k, v = cache.write_at(layer, start, k, v)  # [B, H_kv, C, d], masked beyond the position
         elif cache is not None:
             k, v = cache.write(layer, start, k, v)  # [B, H_kv, S, d]
-        return self.o(self.attend(q, k, v, mask, start))
+        return self.o(self.attend(q, k, v, mask, start, causal))
 
-    def attend(self, q, k, v, mask, start):
+    def attend(self, q, k, v, mask, start, causal: bool = True):
         """q [B, H, T, d] at positions start.. over k, v [B, H_kv, S, d] (mask the additive [T, S], or None) ->
         [B, T, H d] in q's dtype."""
         B, h, T, _ = q.shape
@@ -218,7 +222,7 @@ class Attention(nn.Module):
             y = self.attend_capped(q, k, v, mask)  # [B, H, T, d]
             return y.to(dtype).transpose(1, 2).reshape(B, T, h * self.d)
         if T > 1:  # many positions: SDPA's native GQA (its flash kernels), causal without a mask on a fresh prompt
-            causal = isinstance(start, int) and start == 0 and self.causal_only
+            causal = causal and isinstance(start, int) and start == 0 and self.causal_only
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=None if causal else mask, is_causal=causal, enable_gqa=self.g > 1, scale=self.scale
             )  # [B, H, T, d]
@@ -269,11 +273,12 @@ class Block(nn.Module):
         """ropes: the model's rotary rows [(cos, sin) per kind]; masks: additive masks by window."""
         a = self.attn
         cos, sin = (None, None) if a.rope_kind is None else ropes[a.rope_kind]
-        mask = masks[a.window]
+        mask, causal = masks[a.window], BLOCKS not in masks
         if self.plain:
-            x = x + a(self.attn_norm(x), cos, sin, mask, cache, layer, start)
+            x = x + a(self.attn_norm(x), cos, sin, mask, cache, layer, start, causal)
             return x + self.mlp(self.mlp_norm(x))
-        x = x + self.branch(a(self.norm(self.attn_norm, x), cos, sin, mask, cache, layer, start), self.attn_post_norm)
+        x = x + self.branch(a(self.norm(self.attn_norm, x), cos, sin, mask, cache, layer, start, causal),
+                            self.attn_post_norm)  # fmt: skip
         return x + self.branch(self.mlp(self.norm(self.mlp_norm, x)), self.mlp_post_norm)
 
     @staticmethod
@@ -363,25 +368,36 @@ class Transformer(nn.Module):
             out = torch.tanh(out / cap) * cap
         return out
 
-    def masks(self, start: int, t: int, dtype, device, cache=None) -> dict:
+    def masks(self, start: int, t: int, dtype, device, cache=None, blocks=()) -> dict:
         """The additive mask of each window among the layers (None: full attention) for T new positions; a sliding
-        layer's over its cache's ring of slots where the cache keeps one (WindowedKVCache)."""
+        layer's over its cache's ring of slots where the cache keeps one (WindowedKVCache). `blocks`: runs [a, b)
+        of the new positions that see each other whole (an image's, in Gemma 3), not only what came before."""
         ringed = cache is not None and cache.windowed
         windows = set(self.cfg.windows) - ({cache.window} if ringed else set())  # the ring's mask is its own
         out = {w: additive(attention_mask(start, t, w, device), dtype) for w in windows}
         if ringed:
             out[cache.window] = additive(cache.ring_mask(start, t, device), dtype)
+        for w, m in out.items():
+            for a, b in blocks if m is not None else ():
+                keys = torch.arange(start + a, start + b, device=device)  # a ring keeps position p in slot p mod S
+                m[a:b].index_fill_(1, keys % cache.slots if ringed and w == cache.window else keys, 0.0)
+        if blocks:
+            out[BLOCKS] = True  # not causal alone: no layer may take SDPA's causal shortcut for these positions
         return out
 
-    def forward(self, ids: torch.Tensor, cache=None, last_only: bool = False) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, cache=None, last_only: bool = False, images=None) -> torch.Tensor:
         """ids [B, T] -> logits [B, T, V] ([B, 1, V] with last_only). With a cache, the T new positions
-        start at cache.length and are appended to it; without one, they start at 0 (a full recompute)."""
+        start at cache.length and are appended to it; without one, they start at 0 (a full recompute).
+        `images`: the rows of image positions among them (engine.image_prompt.ImageRows), their embedding rows replaced
+        by the vision encoder's."""
         B, T = ids.shape
         start = cache.length if cache is not None else 0
         if cache is not None and start + T > cache.capacity:
             raise ValueError(f"{start + T} positions exceed the cache capacity of {cache.capacity}")
         step = getattr(cache, "max_chunk", T)  # a sliding layer's ring takes at most this many positions a step
         if T > step:
+            if images is not None:  # PromptImages.piece (engine.image_prompt) keeps a step within the ring's reach
+                raise ValueError(f"{T} positions with an image's in one step: a sliding ring takes {step} at most")
             parts = [self.forward(ids[:, a : a + step], cache, last_only) for a in range(0, T, step)]
             return parts[-1] if last_only else torch.cat(parts, dim=1)
         if cache is not None:
@@ -390,13 +406,16 @@ class Transformer(nn.Module):
             (cos[start : start + T, None], sin[start : start + T, None]) for cos, sin in self.rope_tables(start + T)
         ]
         x = self.embed_ids(ids)  # [B, T, D]
+        if images is not None:
+            x[0, images.rows] = images.values.to(x.dtype)  # [n, D]: the image positions' rows
         if B * T == 1 and self.decode_step is not None and self.decode_step.usable(cache):
             x = x.reshape(-1)  # [D], a fresh row: the blocks update it in place
             cos, sin = ropes[0]
             self.decode_step.run(x, cache, start, cos.reshape(-1), sin.reshape(-1))
             cache.length = start + 1
             return self.logits(x.view(B, T, -1))
-        masks = self.masks(start, T, attention_dtype(x.dtype, x.device, self.widen_bf16), ids.device, cache)
+        blocks = images.blocks if images is not None else ()
+        masks = self.masks(start, T, attention_dtype(x.dtype, x.device, self.widen_bf16), ids.device, cache, blocks)
         for i, layer in enumerate(self.layers):
             x = layer(x, ropes, masks, cache, i, start)
         if cache is not None:

@@ -19,6 +19,7 @@ from .errors import CapacityError, EngineError
 from .events import Failed, Finished, PrefillDone, PrefillProgress, PrefillStarted, ReuseReport
 from .generation import PREFILL_CHUNK, Decoder, alone, decode, prefill, prefill_chunk_for, warm_up
 from .grammar import Guide
+from .image_prompt import PromptImages
 from .kv_cache import DEFAULT_CAPACITY, KVCache
 from .kv_pool import BlockPool
 from .kv_tiers import FINGERPRINT_NAMES, KVTiers, fingerprint_change
@@ -272,8 +273,12 @@ class Session:
         if grammar is not None:  # compiled before anything is computed: a grammar that does not says why
             guide = Guide(grammar, loaded.tokenizer, loaded.config.vocab_size,
                           overlap=torch.device(loaded.device).type != "cpu")  # fmt: skip
+        pictures = None
+        if fitted.chat.images:  # the images' encoder runs as the prefill meets their first uncached position
+            pictures = PromptImages(loaded.vision, loaded.tokenizer.images, fitted.chat.images)
         drafter = None
-        if req.speculative and guide is None:  # refused before anything is computed: a draft that cannot draft says why
+        # drafts are refused before anything is computed (a draft that cannot draft says why); none with images
+        if req.speculative and guide is None and pictures is None:
             check_tokens(req.draft_tokens)
             t0 = tracing.now()
             drafter = self.drafter(req.speculative)
@@ -288,7 +293,8 @@ class Session:
         budget = self.turn_budget
         chunk = (lambda: min(full, budget() or full)) if budget is not None else full
         logits = None  # [1, 1, V]: the prompt's last position's, which select token 1
-        for done, last in prefill(loaded.model, tiers.cache, tiers.ids, prompt[reuse.reused :], chunk, loaded.device):
+        todo = prompt[reuse.reused :]
+        for done, last in prefill(loaded.model, tiers.cache, tiers.ids, todo, chunk, loaded.device, pictures):
             logits = last
             trace.prefill_chunks += 1
             if done < reuse.computed:
@@ -296,6 +302,10 @@ class Session:
                 if cancel.is_set():
                     return (yield from self._finish(trace, "cancelled", [], stream, reuse))
         trace.prefill_end = tracing.now()
+        if pictures is not None:
+            trace.vision_ms = round(pictures.seconds * 1000, 3)
+            trace.images = {"images": len(fitted.chat.images), "positions": sum(t < 0 for t in prompt),
+                            "encoded": pictures.encoded, "encoder_ms": trace.vision_ms}  # fmt: skip
         if req.share_prompt:  # the n choices of one request: the others copy this prefill from the store
             self.store.insert(tiers.ids, tiers.cache, req.label)
         yield PrefillDone(reuse.reused, reuse.computed, trace.prefill_end - trace.prefill_start, tiers.cache.length)

@@ -31,6 +31,7 @@ from tokenizers.decoders import DecodeStream
 
 from .config import read_json
 from .errors import EngineError, ModelLoadError, TemplateError
+from .images import IMAGE_TEXT, ImageError
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 TEMPLATE_SECONDS = 2.0  # a render may take this long (a real template takes well under a millisecond)
@@ -254,6 +255,7 @@ class ChatPrompt:
 
     ids: list[int]
     spans: tuple[tuple[int, int], ...]
+    images: tuple = ()  # the engine.images.Image each run of image positions among `ids` stands for, in order
 
 
 def _content_chars(text: str, messages: list[dict]) -> list[tuple[int, int]]:
@@ -302,6 +304,7 @@ class Tokenizer:
         controls = {i: t.content for i, t in tok.get_added_tokens_decoder().items() if t.special}
         self.control_ids, self._control_strings = frozenset(controls), tuple(set(controls.values()))
         self._as_text: HFTokenizer | None = None  # a copy that reads special-token strings as plain text
+        self.images = None  # a model that sees images: its family's engine.image_prompt.ImageFormat (the loader's)
 
     @classmethod
     def from_dir(cls, model_dir: Path, extra_stop_ids=()) -> Tokenizer:
@@ -366,10 +369,13 @@ class Tokenizer:
             raise
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        """Text of `ids`; an image's positions (negative ids, engine.images) are not text and say nothing."""
+        return self.tok.decode([i for i in ids if i >= 0], skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
-        """One token as a person reads it (decoded, special tokens kept)."""
+        """One token as a person reads it (decoded, special tokens kept); an image's position as IMAGE_TEXT."""
+        if token_id < 0:
+            return IMAGE_TEXT
         return self.tok.decode([token_id], skip_special_tokens=False)
 
     def render(
@@ -425,19 +431,32 @@ class Tokenizer:
         """The prompt's ids and where each message's own text lies among them. Control tokens count only where
         the template wrote them: one that falls inside a message's own text is encoded as that text (the rest
         of the ids are exactly the rendered text's)."""
-        text = self.render(messages, add_generation_prompt, continue_final_message, **kwargs)
+        pictures = [p for m in messages for p in (m.get("images") or ())]
+        if pictures and self.images is None:
+            raise ImageError("this model does not see images: it has no vision encoder; remove the images or open a "
+                             "model that sees them (Gemma 3 4B and up, SmolVLM)")  # fmt: skip
+        shown = [self.images.template_message(m) for m in messages] if pictures else messages
+        text = self.render(shown, add_generation_prompt, continue_final_message, **kwargs)
         chars = _content_chars(text, messages)
+        if pictures:
+            text = self.images.expand(text, chars, pictures)
+            chars = _content_chars(text, messages)
         enc = self._encoding(text)
         offsets = enc.offsets
         typed = [c for c in chars if c[1] > c[0]]
         if not any(s in text[a:b] for a, b in typed for s in self._control_strings):  # the usual case: nothing typed
-            return ChatPrompt(enc.ids, _token_spans(chars, offsets, range(len(offsets) + 1)))
-        out, at = [], []  # the ids, and where each of the text's tokens starts among them
-        for i, (a, b) in zip(enc.ids, offsets):
-            at.append(len(out))
-            forged = i in self.control_ids and any(s <= a and b <= e for s, e in typed)
-            out += self.encode_text(text[a:b]) if forged else [i]
-        return ChatPrompt(out, _token_spans(chars, offsets, [*at, len(out)]))
+            out, spans = enc.ids, _token_spans(chars, offsets, range(len(offsets) + 1))
+        else:
+            out, at = [], []  # the ids, and where each of the text's tokens starts among them
+            for i, (a, b) in zip(enc.ids, offsets):
+                at.append(len(out))
+                forged = i in self.control_ids and any(s <= a and b <= e for s, e in typed)
+                out += self.encode_text(text[a:b]) if forged else [i]
+            spans = _token_spans(chars, offsets, [*at, len(out)])
+        if not pictures:
+            return ChatPrompt(out, spans)
+        image_id = self.tok.token_to_id(self.images.image_token)
+        return ChatPrompt(self.images.mark(out, pictures, image_id), spans, tuple(pictures))
 
     def stream(self, start=()) -> TextStream:
         """A stream of text deltas; `start`: ids already written (a reply's forced start), decoded first."""

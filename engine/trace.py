@@ -69,6 +69,8 @@ class RequestTrace:
     draft_load_ms: float | None = None  # the draft model's load, inside its TTFT (its first speculative request)
     pool_wait_ms: float | None = None  # of its queue wait, the time it waited for the KV pool's room
     kv_blocks_promised: int | None = None  # the pool's blocks it was admitted with (prompt and reply at most)
+    images: dict | None = None  # its prompt's images: how many, their positions, how many encoded, the encoder's ms
+    vision_ms: float | None = None  # the vision encoder's time inside its prefill (a part of TTFT of its own)
 
     @classmethod
     def of(cls, request) -> RequestTrace:
@@ -86,16 +88,19 @@ class RequestTrace:
 
     @property
     def ttft_parts_ms(self) -> dict[str, float | None]:
-        """queue + template/tokenize + prefill + first token = TTFT."""
+        """queue + template/tokenize (+ the images' encoder) + prefill + first token = TTFT."""
 
         def gap(a, b):
             return _ms(b - a) if a is not None and b is not None else None
 
         t1 = self.token_times[0] if self.token_times else None
+        prefill = gap(self.tokenized, self.prefill_end)
+        vision = self.vision_ms
         return {
             "ttft_queue_ms": gap(self.arrival, self.started),
             "ttft_tokenize_ms": gap(self.started, self.tokenized),
-            "ttft_prefill_ms": gap(self.tokenized, self.prefill_end),
+            **({"ttft_vision_ms": vision} if vision is not None else {}),  # the images' encoder, with images
+            "ttft_prefill_ms": prefill if prefill is None or vision is None else round(prefill - vision, 6),
             "ttft_first_token_ms": gap(self.prefill_end, t1),
         }
 
@@ -158,6 +163,7 @@ class RequestTrace:
             "kv_blocks_promised": self.kv_blocks_promised,
             "draft_load_ms": self.draft_load_ms,
             "grammar": self.grammar,
+            "images": self.images,
             "speculative": None if self.speculative is None else self.speculative.to_dict(*self._decode_span()),
         }
 

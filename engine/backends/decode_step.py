@@ -35,7 +35,7 @@ class KernelAttention(Attention):
 
     kernels = None
 
-    def forward(self, x, cos, sin, mask, cache, layer: int, start):
+    def forward(self, x, cos, sin, mask, cache, layer: int, start, causal: bool = True):
         B, T, _ = x.shape
         if B * T == 1 and isinstance(start, int) and cache is not None and cache.readable_by_kernels(x.dtype):
             qkv = self.qkv(x)  # [1, 1, (H + 2H_kv)d]
@@ -55,7 +55,7 @@ class KernelAttention(Attention):
                 cache.kernel_table(),
             )  # [H d]
             return self.o(y.view(B, T, self.h * self.d))
-        return super().forward(x, cos, sin, mask, cache, layer, start)
+        return super().forward(x, cos, sin, mask, cache, layer, start, causal)
 
 
 def kernel_attends(attn: Attention, cfg) -> bool:

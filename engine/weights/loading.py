@@ -10,14 +10,16 @@ import torch
 
 from ..backends import kernels as kernel_library
 from ..backends.quantized import QuantLinear, weight_bytes
-from ..config import ModelConfig, config_from_dict, load_config
+from ..config import ModelConfig, config_from_dict, load_config, read_json
 from ..devices import dtype_name, resolve_device, resolve_dtype
 from ..errors import ModelLoadError
 from ..feedforward import MoE
+from ..image_prompt import ImageFormat
 from ..kv_cache import bytes_per_position
 from ..model import Transformer
 from ..quant import DEFAULT_GROUP_SIZE, check_activations, check_mode, describe
 from ..tokenizer import Tokenizer
+from ..vision import VisionModel, load_vision, preprocessor, vision_config
 from .build import ReturnFreedMemory, build_model
 from .bundled import DEMO_MODEL
 from .gguf_file import NORM_PLUS_ONE, GGUFModel
@@ -40,6 +42,7 @@ class LoadedModel:
     fingerprint: dict[str, str]
     kernels: kernel_library.Kernels | None = None  # kvchat's CPU kernels, when decode runs on them
     file_tensors: dict | None = None  # a GGUF's tensors by file type: how many, bytes in the file, held as, bytes held
+    vision: VisionModel | None = None  # the encoder and projector of a model that sees images (engine.vision)
     title: str | None = None  # a name where the file's own says nothing (an Ollama blob: the model's general.name)
 
     @property
@@ -174,9 +177,10 @@ def load_model(
     if not model_dir.is_dir():
         raise ModelLoadError("model folder or file not found", model_dir)
     cfg = load_config(model_dir)
+    seeing = vision_config(read_json(model_dir / "config.json"), cfg.hidden_size, model_dir / "config.json")
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    files = weight_files(model_dir)
+    files = all_files = weight_files(model_dir)
     stored = text_model_names(files)  # a multimodal checkpoint: its text model's tensors, by their usual names
     if stored:
         files = {mine: files[theirs] for mine, theirs in stored.items()} | (
@@ -206,7 +210,12 @@ def load_model(
             identity=f"{digest}:{weights}:{group_size}",
         )
     fingerprint = _fingerprint(digest, cfg, dt, dev, quantization, tokenizer, model)
-    return LoadedModel(model_dir, cfg, model, tokenizer, dev, dt, fingerprint, kern)
+    vision = None
+    if seeing is not None:  # a model that sees images: its encoder, and its family's image processor
+        tokenizer.images = ImageFormat(seeing, preprocessor(model_dir), tokenizer.tok.id_to_token,
+                                       read_json(model_dir / "config.json"))  # fmt: skip
+        vision = load_vision(seeing, all_files, dt, dev)
+    return LoadedModel(model_dir, cfg, model, tokenizer, dev, dt, fingerprint, kern, vision=vision)
 
 
 def _weight_mode(weights: str | None, group_size: int) -> tuple[str, str]:

@@ -71,7 +71,26 @@ def read_names(path: Path) -> list[str]:
         return list(f.keys())
 
 
-TEXT_PREFIXES = ("language_model.model.", "model.language_model.")  # a multimodal checkpoint's text model
+def read_tensors(files: dict[str, Path], shapes: dict[str, tuple[int, ...]]):
+    """(name, tensor) for each name in `shapes`, read file by file, whole (a vision tower's few hundred MB); each
+    tensor's shape in the header checked against the one given before it is read."""
+    by_file: dict[Path, list[str]] = {}
+    for n in shapes:
+        by_file.setdefault(files[n], []).append(n)
+    for path, group in by_file.items():
+        with _opened(path) as f:
+            for n in group:
+                stored = tuple(f.get_slice(n).get_shape())
+                if stored != tuple(shapes[n]):
+                    raise ModelLoadError(f"{n} is {list(stored)}, but config.json makes it {list(shapes[n])}", path)
+                try:
+                    yield n, f.get_tensor(n)
+                except Exception as e:  # SafetensorError: a tensor the header names but the file cuts short
+                    raise ModelLoadError(f"tensor {n!r} cannot be read: {e}", path) from None
+
+
+# a multimodal checkpoint's text model (Gemma 3's, then SmolVLM's)
+TEXT_PREFIXES = ("language_model.model.", "model.language_model.", "model.text_model.")
 
 
 def text_model_names(files: dict[str, Path]) -> dict[str, str]:

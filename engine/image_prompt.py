@@ -1,0 +1,302 @@
+"""What an image becomes in a family's prompt: the text its processor writes in place of the template's image
+placeholder (Gemma 3: 256 soft tokens between its image markers; Idefics3 / SmolVLM: a grid of tiles, each its
+row and column marker and its positions, then the whole image), and the pixels its encoder takes (resized with
+Pillow as the family's own image processor resizes, rescaled and normalised).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import numpy as np
+import torch
+
+from .errors import ModelLoadError
+from .images import Image, ImageError, image_ids, image_position, image_runs
+from .vision import VisionConfig, token_ids
+
+MAX_TILES = 64  # an Idefics3 image split into more tiles than this is refused (a 4096-pixel side at 512: 64)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One image as the encoder and the prompt take it: rows × cols tiles (0 × 0: the whole image only)."""
+
+    rows: int
+    cols: int
+
+    @property
+    def tiles(self) -> int:
+        return self.rows * self.cols + 1 if self.rows else 1
+
+
+class ImageFormat:
+    """A family's image processor: the placeholder its chat template writes for an image part, the text that
+    replaces it, and the pixels. Built from config.json's vision side and preprocessor_config.json."""
+
+    def __init__(self, cfg: VisionConfig, pre: dict, token_text, raw: dict):
+        """`token_text(id)`: the vocabulary's string of an id (None where there is none); `raw`: config.json."""
+        self.cfg = cfg
+        self.family = cfg.family
+        self.image_token = _token(token_text, cfg.image_token_id, "image_token_id")
+        mean, std = pre.get("image_mean", [0.5] * 3), pre.get("image_std", [0.5] * 3)
+        if not (_floats(mean) and _floats(std) and all(s > 0 for s in std)):
+            raise ModelLoadError("preprocessor_config.json's image_mean / image_std are not three numbers each")
+        self.mean, self.std = np.array(mean, np.float32), np.array(std, np.float32)
+        self.rescale = float(pre.get("rescale_factor", 1 / 255))
+        resample = pre.get("resample", 2 if cfg.family == "gemma3" else 1)
+        if resample not in (0, 1, 2, 3, 4, 5):
+            raise ModelLoadError(f"preprocessor_config.json's resample {resample!r} is not one of Pillow's filters")
+        self.resample = int(resample)
+        if cfg.family == "gemma3":
+            ids = token_ids(raw)
+            self.placeholder = _token(token_text, ids.get("boi_token_id", 255999), "boi_token_id")
+            self.end = _token(token_text, ids.get("eoi_token_id", 256000), "eoi_token_id")
+            self.longest = self.tile = cfg.image_size
+            self.split = False
+        else:
+            self.placeholder = self.image_token
+            self.tile = _side(pre.get("max_image_size", {}), cfg.image_size)
+            self.longest = _side(pre.get("size", {}), 4 * self.tile)
+            self.split = bool(pre.get("do_image_splitting", True))
+            if self.tile != cfg.image_size:
+                raise ModelLoadError(f"max_image_size {self.tile} is not the encoder's image_size {cfg.image_size}")
+
+    # --- the prompt ---------------------------------------------------------------------------------
+    def layout(self, image: Image) -> Layout:
+        """The tile grid an image is split into (from its size alone: nothing is decoded)."""
+        if not self.split:
+            return Layout(0, 0)
+        h, w = self._sizes(image.height, image.width)[1]
+        if h <= self.tile and w <= self.tile:
+            return Layout(0, 0)
+        return Layout(math.ceil(h / self.tile), math.ceil(w / self.tile))
+
+    def positions(self, image: Image) -> int:
+        """The prompt positions an image's rows take (its markers not counted)."""
+        return self.layout(image).tiles * self.cfg.tokens_per_image
+
+    def sequence(self, image: Image) -> str:
+        """The text the family's processor writes in place of the template's placeholder for this image."""
+        n = self.cfg.tokens_per_image
+        rows = self.image_token * n
+        if self.family == "gemma3":
+            return f"\n\n{self.placeholder}{rows}{self.end}\n\n"
+        fake = "<fake_token_around_image>"
+        whole = f"{fake}<global-img>{rows}{fake}"
+        grid = self.layout(image)
+        if not grid.rows:
+            return whole
+        lines = "".join(
+            "".join(f"{fake}<row_{r + 1}_col_{c + 1}>{rows}" for c in range(grid.cols)) + "\n" for r in range(grid.rows)
+        )
+        return f"{lines}\n{whole}"
+
+    def template_message(self, message: dict) -> dict:
+        """A message with images as the chat templates of these families take it: content parts, the images
+        first, then the text."""
+        images = message.get("images") or ()
+        if not images:
+            return message
+        parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": message.get("content") or ""}]
+        return {k: v for k, v in message.items() if k != "images"} | {"content": parts}
+
+    def expand(self, text: str, typed: list[tuple[int, int]], images: list[Image]) -> str:
+        """The rendered template with each placeholder it wrote (never one typed inside a message's text: `typed`,
+        the messages' own characters) replaced by its image's sequence, in order."""
+        out, at, k = [], 0, 0
+        while True:
+            i = text.find(self.placeholder, at)
+            if i < 0:
+                break
+            if any(a <= i < b for a, b in typed):
+                out.append(text[at : i + len(self.placeholder)])
+            else:
+                if k >= len(images):
+                    raise ImageError("the chat template wrote more image places than the conversation has images")
+                out.append(text[at:i] + self.sequence(images[k]))
+                k += 1
+            at = i + len(self.placeholder)
+        if k != len(images):
+            raise ImageError(
+                f"the chat template placed {k} of the conversation's {len(images)} images; "
+                "this model's template does not show images"
+            )
+        return "".join(out) + text[at:]
+
+    def mark(self, ids: list[int], images: list[Image], image_token_id: int) -> list[int]:
+        """The ids with each image's positions (the image token, in order) replaced by the image's own ids."""
+        out, k, left = list(ids), -1, 0
+        own: list[int] = []
+        for i, t in enumerate(out):
+            if t != image_token_id:
+                continue
+            if not left:
+                k += 1
+                if k >= len(images):
+                    raise ImageError("the prompt holds more image positions than its images take")
+                own, left = image_ids(images[k], self.positions(images[k])), self.positions(images[k])
+            out[i] = own[len(own) - left]
+            left -= 1
+        if left or k != len(images) - 1:
+            raise ImageError("the prompt's image positions do not match its images")
+        return out
+
+    # --- the pixels ---------------------------------------------------------------------------------
+    def pixels(self, image: Image) -> torch.Tensor:
+        """[tiles, 3, S, S] float32: the image resized, split where the family splits, rescaled and normalised."""
+        picture = image.rgb()
+        if self.family == "gemma3":
+            frames = [picture.resize((self.tile, self.tile), resample=self.resample)]
+        else:
+            (h1, w1), (h2, w2) = self._sizes(picture.height, picture.width)
+            picture = picture.resize((w1, h1), resample=self.resample)
+            if not self.split:
+                frames = [picture.resize((self.tile, self.tile), resample=self.resample)]
+            else:
+                picture = picture.resize((w2, h2), resample=self.resample)
+                frames = []
+                if h2 > self.tile or w2 > self.tile:
+                    t = self.tile
+                    frames = [
+                        picture.crop((c * t, r * t, (c + 1) * t, (r + 1) * t))
+                        for r in range((h2 - t) // t + 1)
+                        for c in range((w2 - t) // t + 1)
+                    ]
+                    picture = picture.resize((t, t), resample=self.resample)
+                frames.append(picture)
+        arrays = [self._normalised(np.asarray(f, dtype=np.uint8)) for f in frames]
+        return torch.from_numpy(np.stack(arrays))  # [tiles, 3, S, S]
+
+    def _normalised(self, hwc: np.ndarray) -> np.ndarray:
+        """[H, W, 3] uint8 -> [3, H, W] float32, as the families' processors compute it."""
+        x = (hwc.astype(np.float64) * self.rescale).astype(np.float32)
+        x = (x - self.mean) / self.std
+        return np.ascontiguousarray(x.transpose(2, 0, 1))
+
+    def _sizes(self, height: int, width: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """Idefics3's two resizes: the longest edge to `longest` (even), then each side up to a whole number of
+        tiles: ((h1, w1), (h2, w2))."""
+        h, w = height, width
+        aspect = w / h
+        if w >= h:
+            w = self.longest
+            h = int(w / aspect)
+            h += h % 2
+        else:
+            h = self.longest
+            w = int(h * aspect)
+            w += w % 2
+        h, w = max(h, 1), max(w, 1)
+        if max(h, w) > 4096:  # the processor's upper bound
+            if w >= h:
+                w, h = 4096, max(int(4096 / aspect), 1)
+            else:
+                h, w = 4096, max(int(4096 * aspect), 1)
+        first, aspect = (h, w), w / h  # the second resize keeps the first one's aspect
+        t = self.tile
+        if w >= h:
+            w = math.ceil(w / t) * t
+            h = math.ceil(int(w / aspect) / t) * t
+        else:
+            h = math.ceil(h / t) * t
+            w = math.ceil(int(h * aspect) / t) * t
+        if (h // t) * (w // t) + 1 > MAX_TILES + 1:
+            raise ImageError(f"the image would be split into {(h // t) * (w // t)} tiles; at most {MAX_TILES} are")
+        return first, (h, w)
+
+
+def _token(token_text, token_id, what: str) -> str:
+    text = token_text(token_id) if isinstance(token_id, int) and not isinstance(token_id, bool) else None
+    if text is None:
+        raise ModelLoadError(f"config.json's {what} {token_id!r} is not in the tokenizer's vocabulary")
+    return text
+
+
+def _floats(values) -> bool:
+    return isinstance(values, list) and len(values) == 3 and all(isinstance(v, (int, float)) for v in values)
+
+
+def _side(size, default: int) -> int:
+    side = size.get("longest_edge", default) if isinstance(size, dict) else default
+    if not isinstance(side, int) or isinstance(side, bool) or not 1 <= side <= 8192:
+        raise ModelLoadError(f"preprocessor_config.json's size {size!r} is out of range")
+    return side
+
+
+# --- a request's images in its prefill -----------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ImageRows:
+    """The image positions among one prefill step's: which rows, the encoder's values for them, and the runs of
+    them that see each other whole (an image's, in Gemma 3)."""
+
+    rows: torch.Tensor  # [n] indices among the step's T positions
+    values: torch.Tensor  # [n, D]
+    blocks: tuple[tuple[int, int], ...]
+
+
+ENCODED_KEPT = 8  # images whose encoder output a model keeps for the next request (a few MB each)
+
+
+class PromptImages:
+    """A request's images as its prefill meets their positions: each encoded once, when its first uncached
+    position comes (the encoder's time counted apart: a named part of the time to the first token); none
+    encoded whose positions all come from the cache."""
+
+    def __init__(self, vision, fmt: ImageFormat, images):
+        self.vision, self.fmt = vision, fmt
+        self.by_key = {im.key: im for im in images}
+        self.whole = fmt.family == "gemma3"  # an image's positions attend to each other both ways
+        self.seconds = 0.0  # the encoder's time in this request
+        self.encoded = 0  # images this request encoded (not kept from an earlier one)
+
+    def piece(self, tokens: list[int], done: int, n: int, most: int | None = None) -> int:
+        """How many of tokens[done:] the next step takes, given `n` asked: where the positions of an image seeing
+        itself whole would be cut, the step ends before the image, or (the image starting the step) takes it all,
+        up to `most` (a sliding ring's reach)."""
+        end = min(done + n, len(tokens))
+        if not self.whole or end >= len(tokens) or tokens[end - 1] >= 0 or tokens[end] >= 0:
+            return end - done
+        key = image_position(tokens[end])[0]
+        if image_position(tokens[end - 1])[0] != key:
+            return end - done
+        first = end - 1
+        while first > done and tokens[first - 1] < 0 and image_position(tokens[first - 1])[0] == key:
+            first -= 1
+        if first > done:  # the image starts inside the step: the step stops before it
+            return first - done
+        last = end
+        while last < len(tokens) and tokens[last] < 0 and image_position(tokens[last])[0] == key:
+            last += 1
+        return min(last, done + most) - done if most else last - done
+
+    def rows(self, piece: list[int]) -> ImageRows | None:
+        """The image rows of a step's positions, None where it holds none."""
+        at = [i for i, t in enumerate(piece) if t < 0]
+        if not at:
+            return None
+        values = []
+        for i in at:
+            key, j = image_position(piece[i])
+            values.append(self._encoded(key)[j])
+        blocks = tuple((a, b) for a, b, _ in image_runs(piece)) if self.whole else ()
+        device = values[0].device
+        return ImageRows(torch.tensor(at, device=device), torch.stack(values), blocks)
+
+    def _encoded(self, key: int) -> torch.Tensor:
+        """[positions, D]: the image's rows, every tile's in order; encoded now unless the model kept them."""
+        kept = self.vision.kept
+        if key not in kept:
+            image = self.by_key.get(key)
+            if image is None:
+                raise ImageError("an image position of the prompt has no image beside it")
+            t0 = time.perf_counter()
+            out = self.vision(self.fmt.pixels(image))  # [tiles, n, D]
+            kept[key] = out.reshape(-1, out.shape[-1])
+            self.seconds += time.perf_counter() - t0
+            self.encoded += 1
+            while len(kept) > ENCODED_KEPT:
+                kept.pop(next(iter(kept)))
+        return kept[key]

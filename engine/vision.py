@@ -1,0 +1,285 @@
+"""The vision side of a model that sees images: its SigLIP encoder and the projector that turns the encoder's
+patches into the text model's embedding rows, for Gemma 3 (4B and up) and SmolVLM / Idefics3; read from a Hugging
+Face folder beside the text model.
+
+Plain PyTorch, as engine.model: the architecture as the checkpoints define it. Shapes: N images (tiles), C channels
+(3), S side in pixels, p patch side, P = (S/p)² patches, E encoder width, D the text model's width, n positions an
+image (tile) takes in the prompt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import read_json
+from .errors import ModelLoadError
+from .model import RMSNorm
+
+VISION_ARCHITECTURES = {  # config.json's architecture -> the vision family
+    "Gemma3ForConditionalGeneration": "gemma3",
+    "Idefics3ForConditionalGeneration": "idefics3",
+    "SmolVLMForConditionalGeneration": "idefics3",
+}
+TOWER_PREFIXES = {  # where the encoder's tensors are stored (transformers 5's names, then the original checkpoints')
+    "gemma3": (
+        "model.vision_tower.vision_model.",
+        "vision_tower.vision_model.",
+        "model.vision_tower.",
+        "vision_tower.",
+    ),
+    "idefics3": ("model.vision_model.", "vision_model."),
+}
+PROJECTOR_PREFIXES = {
+    "gemma3": ("model.multi_modal_projector.", "multi_modal_projector."),
+    "idefics3": ("model.connector.", "connector."),
+}
+MAX_ENCODER_SIZE = 8192  # width, MLP width, layers and heads are checked against it (a hostile config.json)
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    """The encoder's shape, the projector's, and what an image becomes in the prompt."""
+
+    family: str  # gemma3 | idefics3
+    hidden_size: int  # E
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    image_size: int  # S, the side the encoder takes (a tile's, for Idefics3)
+    patch_size: int  # p
+    layer_norm_eps: float
+    text_hidden: int  # D
+    image_token_id: int  # the id the template's expansion writes for each image position
+    tokens_per_image: int  # n: positions one image (Gemma 3) or one tile (Idefics3) takes
+    scale_factor: int = 1  # Idefics3's pixel shuffle: s² patches folded into one position
+
+    @property
+    def patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+
+def _whole(raw: dict, key: str, default=None, high: int = MAX_ENCODER_SIZE) -> int:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
+        raise ModelLoadError(f"config.json's vision {key} is {value!r}: out of range (1 to {high:,})")
+    return value
+
+
+def token_ids(raw: dict) -> dict:
+    """config.json with its image token ids under one name each: image_token_id, boi_token_id, eoi_token_id
+    (Gemma 3's files name them ..._index)."""
+    out = dict(raw)
+    for what in ("image", "boi", "eoi"):
+        if f"{what}_token_id" not in out and f"{what}_token_index" in out:
+            out[f"{what}_token_id"] = out[f"{what}_token_index"]
+    return out
+
+
+def vision_config(raw: dict, text_hidden: int, path: Path | None = None) -> VisionConfig | None:
+    """The vision side a config.json describes, None for a text-only architecture."""
+    arch = (raw.get("architectures") or [None])[0]
+    family = VISION_ARCHITECTURES.get(arch)
+    if family is None:
+        return None
+    v = raw.get("vision_config")
+    if not isinstance(v, dict):
+        raise ModelLoadError("config.json lacks the vision tower's vision_config", path)
+    defaults = {"gemma3": (1152, 4304, 27, 16, 896, 14), "idefics3": (1152, 3072, 12, 16, 224, 32)}[family]
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "image_size", "patch_size")
+    sizes = {k: _whole(v, k, d) for k, d in zip(keys, defaults)}
+    if sizes["hidden_size"] % sizes["num_attention_heads"] or sizes["image_size"] % sizes["patch_size"]:
+        raise ModelLoadError("config.json's vision sizes do not divide (width by heads, image by patch)", path)
+    side = sizes["image_size"] // sizes["patch_size"]
+    if family == "gemma3":
+        per_image = _whole(raw, "mm_tokens_per_image", 256, side * side)
+        per_side = int(round(per_image**0.5))
+        if per_side * per_side != per_image or side % per_side:
+            raise ModelLoadError(f"mm_tokens_per_image={per_image} is not a square that divides {side}×{side}", path)
+        token, scale = _whole(token_ids(raw), "image_token_id", 262144, 1 << 30), 1
+    else:
+        scale = _whole(raw, "scale_factor", 2, side)
+        if side % scale:
+            raise ModelLoadError(f"scale_factor={scale} does not divide the {side}×{side} patches", path)
+        per_image, token = (side // scale) ** 2, _whole(token_ids(raw), "image_token_id", 128257, 1 << 30)
+    eps = v.get("layer_norm_eps", 1e-6)
+    if not isinstance(eps, (int, float)) or not 0 < eps < 1:
+        raise ModelLoadError(f"config.json's vision layer_norm_eps is {eps!r}: out of range", path)
+    act = v.get("hidden_act", "gelu_pytorch_tanh")
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ModelLoadError(f"the vision tower's hidden_act {act!r} is not supported (gelu_pytorch_tanh)", path)
+    return VisionConfig(
+        family,
+        sizes["hidden_size"],
+        sizes["intermediate_size"],
+        sizes["num_hidden_layers"],
+        sizes["num_attention_heads"],
+        sizes["image_size"],
+        sizes["patch_size"],
+        float(eps),
+        text_hidden,
+        token,
+        per_image,
+        scale,
+    )
+
+
+# --- the encoder ----------------------------------------------------------------------------------
+class EncoderAttention(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        e = cfg.hidden_size
+        self.heads = cfg.num_heads
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(e, e) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, p, e = x.shape  # [N, P, E]
+        q, k, v = (f(x).view(n, p, self.heads, -1).transpose(1, 2) for f in (self.q_proj, self.k_proj, self.v_proj))
+        out = F.scaled_dot_product_attention(q, k, v)  # [N, heads, P, E/heads]: every patch sees every patch
+        return self.out_proj(out.transpose(1, 2).reshape(n, p, e))
+
+
+class EncoderMLP(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.layer_norm1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.self_attn = EncoderAttention(cfg)
+        self.layer_norm2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.mlp = EncoderMLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.layer_norm1(x))
+        return x + self.mlp(self.layer_norm2(x))
+
+
+class Embeddings(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.patch_embedding = nn.Conv2d(3, cfg.hidden_size, cfg.patch_size, stride=cfg.patch_size)
+        self.position_embedding = nn.Embedding(cfg.patches, cfg.hidden_size)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        x = self.patch_embedding(pixels).flatten(2).transpose(1, 2)  # [N, C, S, S] -> [N, P, E]
+        return x + self.position_embedding.weight  # a full tile: patch i at position i (Idefics3's buckets agree)
+
+
+class Encoder(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.num_layers))
+
+
+class SigLIP(nn.Module):
+    """The SigLIP vision transformer both families use: patches in, one row per patch out."""
+
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.embeddings = Embeddings(cfg)
+        self.encoder = Encoder(cfg)
+        self.post_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        x = self.embeddings(pixels)  # [N, P, E]
+        for layer in self.encoder.layers:
+            x = layer(x)
+        return self.post_layernorm(x)
+
+
+# --- the projectors -------------------------------------------------------------------------------
+class Gemma3Projector(nn.Module):
+    """Patches averaged to n per image (a k×k pool), normed, then multiplied into the text model's width."""
+
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.side = cfg.image_size // cfg.patch_size
+        self.pool = self.side // int(round(cfg.tokens_per_image**0.5))
+        self.mm_soft_emb_norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_eps, offset=1.0)
+        self.mm_input_projection_weight = nn.Parameter(torch.zeros(cfg.hidden_size, cfg.text_hidden))  # [E, D]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, _, e = x.shape  # [N, P, E]
+        grid = x.transpose(1, 2).reshape(n, e, self.side, self.side)
+        pooled = F.avg_pool2d(grid, self.pool, self.pool).flatten(2).transpose(1, 2)  # [N, n, E]
+        return self.mm_soft_emb_norm(pooled) @ self.mm_input_projection_weight  # [N, n, D]
+
+
+class ModalityProjection(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.proj = nn.Linear(cfg.hidden_size * cfg.scale_factor**2, cfg.text_hidden, bias=False)
+
+
+class Idefics3Connector(nn.Module):
+    """s×s neighbouring patches folded into one position (the pixel shuffle), then a linear into the text width."""
+
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.scale = cfg.scale_factor
+        self.modality_projection = ModalityProjection(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, p, e = x.shape  # [N, P, E]
+        side, s = int(round(p**0.5)), self.scale
+        x = x.view(n, side, side // s, e * s).permute(0, 2, 1, 3)  # [N, side/s, side, E·s]
+        x = x.reshape(n, side // s, side // s, e * s * s).permute(0, 2, 1, 3)  # [N, side/s, side/s, E·s²]
+        return self.modality_projection.proj(x.reshape(n, p // (s * s), e * s * s))  # [N, n, D]
+
+
+class VisionModel(nn.Module):
+    """Encoder and projector: pixels [N, C, S, S] -> the text model's rows [N, n, D]."""
+
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tower = SigLIP(cfg)
+        self.projector = Gemma3Projector(cfg) if cfg.family == "gemma3" else Idefics3Connector(cfg)
+        self.kept: dict[int, torch.Tensor] = {}  # an image's key -> its rows [positions, D], the newest last
+
+    @torch.inference_mode()
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        w = self.tower.post_layernorm.weight
+        return self.projector(self.tower(pixels.to(device=w.device, dtype=w.dtype)))
+
+    def parameter_count(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def load_vision(cfg: VisionConfig, files: dict[str, Path], dtype: torch.dtype, device) -> VisionModel:
+    """The encoder and projector from the checkpoint's safetensors files (`files`: each tensor's file), each
+    tensor's shape checked against the model's."""
+    from .weights.safetensors import read_tensors
+
+    model = VisionModel(cfg)
+    wanted: dict[str, str] = {}  # the file's name -> ours
+    for part, prefixes in (("tower.", TOWER_PREFIXES[cfg.family]), ("projector.", PROJECTOR_PREFIXES[cfg.family])):
+        prefix = next((p for p in prefixes if any(n.startswith(p) for n in files)), None)
+        if prefix is None:
+            raise ModelLoadError(f"the checkpoint holds no vision tensors under {' or '.join(prefixes)}")
+        wanted |= {n: part + n[len(prefix) :] for n in files if n.startswith(prefix)}
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    missing = sorted(set(shapes) - set(wanted.values()))
+    if missing:
+        raise ModelLoadError(f"the vision tower's tensor {missing[0]!r} is missing from the checkpoint")
+    wanted = {theirs: mine for theirs, mine in wanted.items() if mine in shapes}
+    state = {wanted[n]: t.to(dtype) for n, t in read_tensors(files, {n: shapes[m] for n, m in wanted.items()})}
+    model.load_state_dict(state)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def preprocessor(model_dir: Path) -> dict:
+    """preprocessor_config.json ({} where there is none: the family's defaults)."""
+    return read_json(Path(model_dir) / "preprocessor_config.json", default={})
