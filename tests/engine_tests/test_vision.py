@@ -1,0 +1,192 @@
+"""Images in the engine: each family that sees them (Gemma 3, Idefics3 / SmolVLM) equal to transformers with its
+own image processor, for a prompt with one and with two images; a second question about the same image reusing
+its positions; an edit of the text after an image keeping them; the bad inputs, each a clear error."""
+
+import dataclasses
+import io
+import os
+
+import pytest
+import torch
+
+from engine.events import Failed, Finished, PrefillStarted
+from engine.image_prompt import PromptImages
+from engine.images import ImageError, image_file, image_runs, read_image
+from engine.session import Request, Session
+from engine.weights.loading import load_model
+from vision_checkpoints import make_vision_checkpoint, picture
+
+transformers = pytest.importorskip("transformers")
+PIL = pytest.importorskip("PIL.Image")
+
+
+@pytest.fixture(scope="module", params=["gemma3", "idefics3"])
+def seeing(request, tmp_path_factory):
+    family = request.param
+    path = make_vision_checkpoint(tmp_path_factory.mktemp(family), family)
+    return family, path, load_model(path, device="cpu", dtype="float32")
+
+
+IMAGES = [read_image(picture(40, 30, 0), "a.png"), read_image(picture(30, 50, 1, "JPEG"), "b.jpg")]
+
+
+def ask(n: int, text: str = "Describe the picture.") -> list[dict]:
+    return [{"role": "user", "content": text, "images": tuple(IMAGES[:n])}]
+
+
+def reference_inputs(family, path, loaded, ids, images):
+    """transformers' inputs for our prompt: the image token at each image position, the family's own image
+    processor's pixels (its PIL form: the torchvision one needs a CUDA-matched build)."""
+    token = loaded.tokenizer.tok.token_to_id(loaded.tokenizer.images.image_token)
+    ref_ids = torch.tensor([[token if t < 0 else t for t in ids]])
+    pictures = [PIL.open(io.BytesIO(im.data)) for im in images]
+    if family == "gemma3":
+        from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+        pixels = Gemma3ImageProcessorPil.from_pretrained(path)(pictures, return_tensors="pt")["pixel_values"]
+        return ref_ids, dict(pixel_values=pixels, token_type_ids=(ref_ids == token).long())
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    out = Idefics3ImageProcessorPil.from_pretrained(path)([pictures], return_tensors="pt")
+    return ref_ids, dict(pixel_values=out["pixel_values"], pixel_attention_mask=out["pixel_attention_mask"])
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_logits_equal_transformers_with_one_and_two_images(seeing, n):
+    family, path, loaded = seeing
+    chat = loaded.tokenizer.chat_prompt(ask(n))
+    ids = chat.ids
+    runs = image_runs(ids)
+    per_image = loaded.tokenizer.images.positions
+    assert [b - a for a, b, _ in runs] == (
+        [per_image(im) for im in IMAGES[:n]]
+        if family == "gemma3"
+        else [4] * sum(loaded.tokenizer.images.layout(im).tiles for im in IMAGES[:n])
+    )  # Idefics3: a run per tile, between its row and column markers
+    rows = PromptImages(loaded.vision, loaded.tokenizer.images, chat.images).rows(ids)
+    with torch.inference_mode():
+        got = loaded.model(torch.tensor([[max(t, 0) for t in ids]]), None, images=rows)[0]  # [T, V]
+    ref_ids, extra = reference_inputs(family, path, loaded, ids, IMAGES[:n])
+    ref = transformers.AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = ref(input_ids=ref_ids, **extra).logits[0]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    if family == "gemma3":  # the image's positions see each other whole: causal alone gives other logits
+        causal = dataclasses.replace(rows, blocks=())
+        with torch.inference_mode():
+            other = loaded.model(torch.tensor([[max(t, 0) for t in ids]]), None, images=causal)[0]
+        assert (other - want).abs().max() > 1e-3
+
+
+def generate(session, messages, **kw):
+    events = list(session.generate(Request(messages=messages, max_new_tokens=8, ignore_eos=True, **kw)))
+    assert isinstance(events[-1], Finished), events[-1]
+    return events[-1], next(e for e in events if isinstance(e, PrefillStarted))
+
+
+def reference_greedy(ref, ref_ids, extra, n: int) -> list[int]:
+    """transformers' greedy tokens, decoded on its own cache: the prompt with its images, then each token as text."""
+    out = []
+    with torch.no_grad():
+        step = ref(input_ids=ref_ids, **extra, use_cache=True)
+        for _ in range(n):
+            out.append(int(step.logits[0, -1].argmax()))
+            step = ref(input_ids=torch.tensor([[out[-1]]]), cache=step.cache, use_cache=True)
+    return out
+
+
+def test_a_chunked_prefill_replies_as_transformers(seeing):
+    """Prefill steps of 5 positions (an image that sees itself whole never cut between two), then cached decode
+    steps: the greedy reply equals transformers' on its own cache."""
+    family, path, loaded = seeing
+    session = Session(loaded, capacity=512)
+    session.prefill_chunk = 5
+    done, start = generate(session, ask(2), logprobs=True)
+    ids = list(start.prompt_token_ids)
+    ref_ids, extra = reference_inputs(family, path, loaded, ids, IMAGES[:2])
+    ref = transformers.AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    assert list(done.token_ids) == reference_greedy(ref, ref_ids, extra, 8)
+    with torch.no_grad():  # the prompt's last position, after steps of 5: its entropy and top five as transformers'
+        last = ref(input_ids=ref_ids, **extra).logits[0, -1].log_softmax(-1)
+    first = done.logprobs[0]
+    assert first.entropy == pytest.approx(float(-(last.exp() * last).sum()), abs=1e-4)
+    assert [a.logprob for a in first.top] == pytest.approx(last.topk(5).values.tolist(), abs=1e-4)
+    images = done.trace["images"]
+    assert images["images"] == 2
+    assert images["positions"] == sum(b - a for a, b, _ in image_runs(ids))
+    assert done.trace["ttft_vision_ms"] is not None
+
+
+def test_a_second_question_about_the_image_reuses_its_positions(seeing):
+    _, _, loaded = seeing
+    loaded.vision.kept.clear()
+    session = Session(loaded, capacity=512)
+    first, start = generate(session, ask(1))
+    assert first.trace["images"]["encoded"] == 1
+    image_end = image_runs(start.prompt_token_ids)[-1][1]
+    follow = ask(1) + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And its colours?"}]
+    again, start2 = generate(session, follow)
+    assert start2.reuse.reused >= image_end  # the image's positions came from the cache
+    assert again.trace["images"]["encoded"] == 0  # and the encoder did not run
+    fresh_model = load_model(loaded.path, device="cpu", dtype="float32")
+    fresh, _ = generate(Session(fresh_model, capacity=512), follow)
+    assert again.token_ids == fresh.token_ids
+
+
+def test_an_edit_after_the_image_keeps_its_positions_and_another_image_does_not(seeing):
+    _, _, loaded = seeing
+    session = Session(loaded, capacity=512)
+    _, start = generate(session, ask(1, "What is in the picture?"))
+    image_end = image_runs(start.prompt_token_ids)[-1][1]
+    edited, start2 = generate(session, ask(1, "What colour is the block?"))
+    assert start2.reuse.reused >= image_end  # the text after the image changed: the image stays
+    assert edited.token_ids == generate(Session(loaded, capacity=512), ask(1, "What colour is the block?"))[0].token_ids
+    other = [{"role": "user", "content": "What colour is the block?", "images": (IMAGES[1],)}]
+    _, start3 = generate(session, other)
+    assert start3.reuse.reused <= image_runs(start3.prompt_token_ids)[0][0]  # another image: recomputed from its start
+
+
+# --- bad input ----------------------------------------------------------------------------------
+def test_what_is_not_an_image_is_refused_clearly(tmp_path):
+    with pytest.raises(ImageError, match="not an image"):
+        read_image(b"GIF89a but not really" * 10, "fake.gif")
+    with pytest.raises(ImageError, match="empty"):
+        read_image(b"", "empty.png")
+    png = picture(8, 8)
+    with pytest.raises(ImageError, match="cannot be decoded"):
+        read_image(png[: len(png) // 2], "cut.png")
+
+
+def test_a_pixel_bomb_is_refused_from_its_header(tmp_path):
+    import struct
+    import zlib
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    # 60,000 × 60,000 pixels claimed by a file of a few hundred bytes: refused before anything is decoded
+    head = chunk(b"IHDR", struct.pack(">IIBBBBB", 60_000, 60_000, 8, 2, 0, 0, 0))
+    bomb = b"\x89PNG\r\n\x1a\n" + head + chunk(b"IDAT", zlib.compress(b"\0" * 1000)) + chunk(b"IEND", b"")
+    with pytest.raises(ImageError, match="pixels"):
+        read_image(bomb, "bomb.png")
+
+
+def test_a_one_gigabyte_file_is_refused_unread(tmp_path):
+    big = tmp_path / "huge.png"
+    with open(big, "wb") as f:
+        f.truncate(2**30)  # sparse: a gigabyte that takes no disk
+    with pytest.raises(ImageError, match="limited to"):
+        image_file(big)
+    assert os.path.getsize(big) == 2**30
+
+
+def test_a_model_without_a_vision_tower_says_so_and_keeps_its_cache(tmp_path):
+    from checkpoints import make_checkpoint
+
+    loaded = load_model(make_checkpoint(tmp_path / "text"), device="cpu", dtype="float32")
+    session = Session(loaded, capacity=256)
+    ok, _ = generate(session, [{"role": "user", "content": "Hello there"}])
+    held = list(session.ids)
+    events = list(session.generate(Request(messages=ask(1), max_new_tokens=4)))
+    assert isinstance(events[-1], Failed) and "does not see images" in events[-1].error
+    assert session.ids == held  # nothing computed, nothing lost
