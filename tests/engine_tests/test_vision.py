@@ -8,13 +8,13 @@ import os
 
 import pytest
 import torch
+from vision_checkpoints import make_vision_checkpoint, picture
 
 from engine.events import Failed, Finished, PrefillStarted
 from engine.image_prompt import PromptImages
 from engine.images import ImageError, image_file, image_runs, read_image
 from engine.session import Request, Session
 from engine.weights.loading import load_model
-from vision_checkpoints import make_vision_checkpoint, picture
 
 transformers = pytest.importorskip("transformers")
 PIL = pytest.importorskip("PIL.Image")
