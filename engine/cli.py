@@ -13,6 +13,7 @@ from .devices import default_threads
 from .errors import EngineError
 from .events import Failed, Finished, PrefillStarted, Token
 from .grammar import grammar_line
+from .images import ImageError, image_file
 from .logprobs import reply_confidence
 from .request_options import at_least_one, draft_args, overflow_arg, request_fields, sampling, sampling_args
 from .session import Request
@@ -35,6 +36,7 @@ TRACE_FIELDS = (
     "draft_load_ms",
     "speculative",
     "grammar",
+    "images",
 )
 
 
@@ -84,7 +86,8 @@ def run_request(session, req, stream_to=None) -> dict:
                 text=ev.text,
                 token_ids=list(ev.token_ids),
                 stop_reason=ev.reason,
-                trace={k: ev.trace[k] for k in TRACE_FIELDS},
+                trace={k: ev.trace[k] for k in TRACE_FIELDS}
+                | ({"ttft_vision_ms": ev.trace["ttft_vision_ms"]} if "ttft_vision_ms" in ev.trace else {}),
                 reuse=ev.reuse.to_dict(),
                 cache=ev.cache,
             )
@@ -105,9 +108,18 @@ def _dropped_words(r: dict) -> str:
     return f" · left out to fit the cache ({r.get('overflow')}): {what}, {r['dropped_positions']} positions"
 
 
-def _messages(system, user_text):
+def _messages(system, user_text, images=()):
     msgs = [{"role": "system", "content": system}] if system else []
-    return msgs + [{"role": "user", "content": user_text}]
+    return msgs + [{"role": "user", "content": user_text} | ({"images": tuple(images)} if images else {})]
+
+
+def _images(paths) -> tuple | None:
+    """--image FILE... read and checked before the model is opened (None: one is refused, its reason on stderr)."""
+    try:
+        return tuple(image_file(p) for p in paths or ())
+    except ImageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
 
 
 def cmd_info(ns) -> int:
@@ -126,13 +138,19 @@ def cmd_info(ns) -> int:
 
 
 def cmd_generate(ns) -> int:
+    images = _images(ns.image)
+    if images is None:
+        return 2
+    if images and ns.raw:
+        print("error: --image needs the chat template (not --raw): it places the images", file=sys.stderr)
+        return 2
     loaded, session = _open(ns)
     weighed = dict(logprobs=ns.logprobs is not None, top_logprobs=ns.logprobs or 0, overflow=ns.overflow,
                    **request_fields(ns))  # fmt: skip
     if ns.raw:
         req = Request(prompt=ns.prompt, sampling=sampling(ns), max_new_tokens=ns.max_new_tokens, **weighed)
     else:
-        messages = _messages(ns.system, ns.prompt)
+        messages = _messages(ns.system, ns.prompt, images)
         req = Request(messages=messages, sampling=sampling(ns), max_new_tokens=ns.max_new_tokens, **weighed)
     result = run_request(session, req, stream_to=None if ns.json else sys.stdout)
     if ns.json:
@@ -149,6 +167,8 @@ def cmd_generate(ns) -> int:
             print(draft_line(t["speculative"]), file=sys.stderr)
         if t.get("grammar"):
             print(grammar_line(t["grammar"]), file=sys.stderr)
+        if t.get("images"):
+            print(image_line(t["images"]), file=sys.stderr)
         if "confidence" in result:
             c = result["confidence"]
             mean = "—" if c["mean_logprob"] is None else f"{c['mean_logprob']:.3f}"
@@ -268,10 +288,21 @@ def cmd_pull(ns) -> int:
     return 0
 
 
-CHAT_HELP = "/edit N text · /regen · /stats · /reset · /quit"
+CHAT_HELP = "/image FILE · /edit N text · /regen · /stats · /reset · /quit"
+
+
+def image_line(images: dict) -> str:
+    """A request's images in a line: how many, their positions, what the encoder did."""
+    done = (
+        f"encoder {images['encoder_ms']:.0f} ms, {images['encoded']} encoded" if images["encoded"] else "none encoded"
+    )
+    return f"images {images['images']} · {done} · {images['positions']} positions"
 
 
 def cmd_chat(ns) -> int:
+    attached = _images(ns.image)  # the next message's images: --image for the first, /image FILE after
+    if attached is None:
+        return 2
     loaded, session = _open(ns)
     msgs = [{"role": "system", "content": ns.system}] if ns.system else []
     print(f"kvchat · {loaded.name} on {loaded.device} ({CHAT_HELP})")
@@ -320,20 +351,33 @@ def cmd_chat(ns) -> int:
                 if msgs and msgs[-1]["role"] == "assistant":
                     msgs.pop()
                     reply()
+            elif cmd == "/image" and rest:
+                more = _images([line.split(maxsplit=1)[1]])
+                if more:
+                    attached += more
+                    print(f"({more[0].describe()} goes with your next message)")
             elif cmd == "/edit" and len(rest) == 2 and rest[0].isdigit():
                 users = [i for i, m in enumerate(msgs) if m["role"] == "user"]
                 n = int(rest[0])
                 if not 1 <= n <= len(users):
                     print(f"(there are {len(users)} user messages)")
                     continue
+                kept = msgs[users[n - 1]].get("images")  # an edit of the text keeps the message's images
                 del msgs[users[n - 1] :]
-                msgs.append({"role": "user", "content": rest[1]})
+                msgs.append({"role": "user", "content": rest[1]} | ({"images": kept} if kept else {}))
                 reply()
             else:
                 print(CHAT_HELP)
             continue
-        msgs.append({"role": "user", "content": line})
+        msgs.append({"role": "user", "content": line} | ({"images": attached} if attached else {}))
+        attached = ()
         reply()
+
+
+def image_arg(p) -> None:
+    p.add_argument("--image", action="append", default=[], metavar="FILE",
+                   help="an image for the model to see, before the prompt's text (repeatable; a model that sees "
+                   "images: Gemma 3 4B and up, SmolVLM)")  # fmt: skip
 
 
 def parser() -> argparse.ArgumentParser:
@@ -361,6 +405,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--system", default=None)
     p.add_argument("--json", action="store_true")
+    image_arg(p)
     overflow_arg(p)
     p = sub.add_parser("replay", help="run a JSON list of steps in one session (one cache)")
     LoadSpec.add_arguments(p)
@@ -398,6 +443,7 @@ def parser() -> argparse.ArgumentParser:
     LoadSpec.add_arguments(p)
     sampling_args(p)
     p.add_argument("--system", default=None)
+    image_arg(p)
     overflow_arg(p)
     return ap
 

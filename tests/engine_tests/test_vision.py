@@ -63,6 +63,7 @@ def test_logits_equal_transformers_with_one_and_two_images(seeing, n):
         if family == "gemma3"
         else [4] * sum(loaded.tokenizer.images.layout(im).tiles for im in IMAGES[:n])
     )  # Idefics3: a run per tile, between its row and column markers
+    assert runs[-1][1] <= chat.spans[-1][0] < chat.spans[-1][1]  # the images come before the message's text
     rows = PromptImages(loaded.vision, loaded.tokenizer.images, chat.images).rows(ids)
     with torch.inference_mode():
         got = loaded.model(torch.tensor([[max(t, 0) for t in ids]]), None, images=rows)[0]  # [T, V]
@@ -190,3 +191,52 @@ def test_a_model_without_a_vision_tower_says_so_and_keeps_its_cache(tmp_path):
     events = list(session.generate(Request(messages=ask(1), max_new_tokens=4)))
     assert isinstance(events[-1], Failed) and "does not see images" in events[-1].error
     assert session.ids == held  # nothing computed, nothing lost
+
+
+# --- the command line ---------------------------------------------------------------------------
+def cli(*args, stdin=None):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "engine", *map(str, args)], input=stdin, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+
+
+def test_generate_with_images_on_the_command_line(seeing, tmp_path):
+    import json
+
+    family, path, _ = seeing
+    a, b = tmp_path / "a.png", tmp_path / "b.jpg"
+    a.write_bytes(IMAGES[0].data)
+    b.write_bytes(IMAGES[1].data)
+    r = cli("generate", "--model", path, "--dtype", "float32", "--image", a, "--image", b, "--prompt", "Describe it.",
+            "--max-new-tokens", 4, "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["trace"]["images"]["images"] == 2 and out["trace"]["images"]["encoded"] == 2
+    assert len(image_runs(out["prompt_token_ids"])) >= 2
+    r = cli("generate", "--model", path, "--image", a, "--prompt", "Hi", "--max-new-tokens", 2)
+    assert r.returncode == 0 and "images 1 · encoder" in r.stderr  # the line after the reply
+    fake = tmp_path / "fake.png"
+    fake.write_bytes(b"not a picture")
+    r = cli("generate", "--model", path, "--image", fake, "--prompt", "Hi")
+    assert r.returncode == 2 and "fake.png is not an image" in r.stderr and "loading" not in r.stderr
+
+
+def test_chat_takes_an_image_and_an_edit_keeps_it(seeing, tmp_path):
+    _, path, _ = seeing
+    a = tmp_path / "a.png"
+    a.write_bytes(IMAGES[0].data)
+    r = cli("chat", "--model", path, "--max-new-tokens", "3", "--image", a,
+            stdin="What is this?\n/edit 1 What colour is it?\n/quit\n")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    reuse = [line for line in r.stdout.splitlines() if "· reused" in line]
+    assert len(reuse) == 2
+    kept = int(reuse[1].split("reused ")[1].split()[0])
+    assert kept > loaded_positions(path, a)  # the edit kept the image's positions
+
+
+def loaded_positions(path, image_path) -> int:
+    loaded = load_model(path, device="cpu", dtype="float32")
+    ids = loaded.tokenizer.chat_prompt([{"role": "user", "content": "x", "images": (image_file(image_path),)}]).ids
+    return image_runs(ids)[-1][1] - 1
