@@ -425,6 +425,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="the model's id in the API (default: its name)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="a reply's limit when a request sets none")
     p.add_argument("--parallel", type=at_least_one, default=4, help="requests that run at once (default 4)")
+    p.add_argument(
+        "--allow-image-urls",
+        action="store_true",
+        help="fetch http(s) image URLs in requests (bounded in size and time); data: URLs are always taken",
+    )
     p.add_argument("--kv-pool", type=at_least_one, default=None, metavar="POSITIONS",
                    help="the KV pool's size in positions, shared by every request (default: parallel × capacity); "
                         "a request waits while its blocks would not fit beside the running ones'")  # fmt: skip

@@ -13,6 +13,7 @@ from .. import trace as tracing
 from ..errors import EngineError
 from ..events import STOP_REASONS, Failed, Finished, ReuseReport
 from ..grammar import Grammar
+from ..images import ImageError, data_url_image
 from ..logprobs import MAX_TOP_LOGPROBS, Alternative, StepLogprobs
 from ..request import OVERFLOW_POLICIES, Request
 from ..sampling import SamplingParams
@@ -42,7 +43,7 @@ PROMPT_TOKENS = "prompt_tokens"  # positions in the prompt as the engine tokeniz
 TOKENS = "tokens"  # tokens a content chunk carries, when more than one (made while the last chunk was sent)
 ERROR = "error"  # a failed request's message, in the final report
 
-STATUS_BY_KIND = {"CapacityError": 413, "TemplateError": 400, "EngineError": 400, "ValueError": 400}
+STATUS_BY_KIND = {"CapacityError": 413, "TemplateError": 400, "EngineError": 400, "ValueError": 400, "ImageError": 400}
 NUMBER, INTEGER = "number", "integer"
 # The request fields kvchat reads and the JSON type each must have (None allowed for all); others are ignored.
 FIELDS = {
@@ -126,30 +127,51 @@ def _type_name(want) -> str:
     return names.get(want, "an integer")
 
 
-def _text(content, i: int) -> str:
-    """A message's content as text: a string, or OpenAI's list of text parts."""
+def _content(content, i: int, fetch=None) -> tuple[str, tuple]:
+    """A message's content as (text, images): a string, or OpenAI's list of parts, text and image_url (a data: URL;
+    an http(s) one only where the server fetches them: `fetch`, else refused)."""
     if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ApiError(400, f"messages[{i}].content: only text parts are supported", param="messages")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise ApiError(400, f"messages[{i}].content must be a string or an array of text parts", param="messages")
+        return content or "", ()
+    if not isinstance(content, list):
+        raise ApiError(400, f"messages[{i}].content must be a string or an array of parts", param="messages")
+    texts, images = [], []
+    for k, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind == "image_url":
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, str):
+                raise ApiError(400, f"messages[{i}].content[{k}].image_url needs a url", param="messages")
+            try:
+                if url.startswith(("http://", "https://")) and fetch is not None:
+                    images.append(fetch(url))
+                elif url.startswith("data:"):
+                    images.append(data_url_image(url, f"image {len(images) + 1} of messages[{i}]"))
+                else:
+                    raise ImageError("image URLs are fetched only where the server allows it (engine serve "
+                                     "--allow-image-urls); send the image as a data: URL")  # fmt: skip
+            except ImageError as e:
+                raise ApiError(400, f"messages[{i}].content[{k}]: {e}", param="messages") from None
+        else:
+            raise ApiError(400, f"messages[{i}].content[{k}]: only text and image_url parts are supported",
+                           param="messages")  # fmt: skip
+    return "".join(texts), tuple(images)
 
 
-def _message(m, i: int) -> dict:
-    """One of `messages`, as the chat template renders it: its role (developer is system), its text, and an
-    assistant's calls or a tool's result where it holds them."""
+def _message(m, i: int, fetch=None) -> dict:
+    """One of `messages`, as the chat template renders it: its role (developer is system), its text and images,
+    and an assistant's calls or a tool's result where it holds them."""
     if not isinstance(m, dict) or m.get("role") not in ROLES:
         raise ApiError(400, f"messages[{i}] needs a role among {', '.join(ROLES)}", param="messages")
     role = "system" if m["role"] == "developer" else m["role"]
-    content = _text(m.get("content"), i)
+    content, images = _content(m.get("content"), i, fetch)
+    if images and role != "user":
+        raise ApiError(400, f"messages[{i}]: images go in user messages", param="messages")
     if role == "tool":
         return tool_message(m, content)
-    out = {"role": role, "content": content}
+    out = {"role": role, "content": content} | ({"images": images} if images else {})
     calls = message_calls(m, i) if role == "assistant" else None
     if calls:
         out["tool_calls"] = calls
@@ -191,8 +213,9 @@ def checked(make, param: str) -> Grammar:
     return grammar
 
 
-def parse_chat(body, max_new_default: int, overflow_default: str = "stop") -> tuple[Request, dict]:
-    """A chat-completions body → the engine's Request and the response options (stream, usage)."""
+def parse_chat(body, max_new_default: int, overflow_default: str = "stop", fetch=None) -> tuple[Request, dict]:
+    """A chat-completions body → the engine's Request and the response options (stream, usage). `fetch(url)`: an
+    http(s) image URL's Image, where the server fetches them (None: refused)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     for name, want in FIELDS.items():
@@ -205,7 +228,7 @@ def parse_chat(body, max_new_default: int, overflow_default: str = "stop") -> tu
     if not msgs:
         raise ApiError(400, "'messages' must be a non-empty array", param="messages")
     try:
-        messages = [_message(m, i) for i, m in enumerate(msgs)]
+        messages = [_message(m, i, fetch) for i, m in enumerate(msgs)]
         tools = tool_fields(body)
     except FieldError as e:
         raise ApiError(400, str(e), param=e.param) from None

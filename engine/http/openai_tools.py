@@ -83,7 +83,8 @@ def offered_tools(req) -> dict:
 
 
 def wire_messages(messages) -> list[dict]:
-    """Messages as OpenAI's API takes them: a call's arguments as JSON text (a template reads them as objects)."""
+    """Messages as OpenAI's API takes them: a call's arguments as JSON text (a template reads them as objects), a
+    message's images (engine.images.Image) as image_url parts with data: URLs before its text."""
     out = []
     for m in messages:
         calls = m.get("tool_calls") if isinstance(m, dict) else None
@@ -91,6 +92,12 @@ def wire_messages(messages) -> list[dict]:
             calls = [{**c, "function": {**c["function"], "arguments": _text(c["function"].get("arguments"))}}
                      for c in calls]  # fmt: skip
             m = {**m, "tool_calls": calls}
+        images = m.get("images") if isinstance(m, dict) else None
+        if images is not None:
+            parts = [{"type": "image_url", "image_url": {"url": im.data_url()}} for im in images]
+            m = {k: v for k, v in m.items() if k != "images"}
+            if parts:
+                m["content"] = parts + [{"type": "text", "text": m.get("content") or ""}]
         out.append(m)
     return out
 

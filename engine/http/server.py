@@ -33,6 +33,7 @@ from ..session import Session
 from ..tool_calls import marker_token, offered_format
 from ..weights.loading import LoadedModel
 from . import answers
+from .image_urls import fetch_image
 from .metrics import CONTENT_TYPE as METRICS_TYPE
 from .openai_chat import ApiError, parse_chat
 from .service import Busy, EngineService
@@ -73,11 +74,14 @@ def build_app(
     loopback: bool = True,
     overflow: str = "stop",
     drafting: dict | None = None,
+    image_urls: bool = False,
 ) -> Starlette:
     """The ASGI application over one EngineService. `loopback`: served on this machine only, so a request
     must name this machine as its Host and come from no other web page's Origin (a page in a browser, or
     a DNS name rebound to 127.0.0.1, cannot reach it). `overflow`: the policy of a request that names none.
-    `drafting`: every request's speculative decoding (Request.speculative, draft_tokens), None: none."""
+    `drafting`: every request's speculative decoding (Request.speculative, draft_tokens), None: none. `image_urls`:
+    http(s) image URLs in a request are fetched (engine.http.image_urls), else refused (data: URLs always taken)."""
+    fetch = fetch_image if image_urls else None
     names = {service.model_id, str(service.loaded.path), service.loaded.name}
     default_new = max_new_tokens or service.session.cache.capacity
 
@@ -96,7 +100,8 @@ def build_app(
             raise ApiError(400, f"the request body is not valid JSON: {e}") from None
         except RecursionError:
             raise ApiError(400, "the request body is nested too deeply") from None
-        req, opts = parse_chat(body, default_new, overflow)
+        # in a thread: its images are decoded (and with image_urls fetched) without holding up the event loop
+        req, opts = await asyncio.to_thread(parse_chat, body, default_new, overflow, fetch)
         if drafting and drafting.get("speculative"):
             req = dataclasses.replace(req, **drafting)
         return body, req, opts
@@ -299,6 +304,7 @@ def serve(ns, load: Callable[[], tuple[LoadedModel, Session]]) -> int:
         loopback=loopback,
         overflow=ns.overflow,
         drafting=drafting,
+        image_urls=ns.allow_image_urls,
     )
     print(
         f"kvchat serving {model_id!r} ({loaded.device}, capacity {session.cache.capacity}, "

@@ -240,3 +240,101 @@ def loaded_positions(path, image_path) -> int:
     loaded = load_model(path, device="cpu", dtype="float32")
     ids = loaded.tokenizer.chat_prompt([{"role": "user", "content": "x", "images": (image_file(image_path),)}]).ids
     return image_runs(ids)[-1][1] - 1
+
+
+# --- the server and a remote engine ---------------------------------------------------------------
+def test_the_server_takes_image_url_parts_and_refuses_bad_ones(seeing, serve):
+    import httpx
+    from servers import serve_in_thread, stop_thread_server
+
+    family, path, loaded = seeing
+    server = serve("--model", str(path), "--dtype", "float32", "--allow-image-urls")
+    url = f"{server.url}/chat/completions"
+
+    def content(*images, text="Describe the picture."):
+        return [{"type": "image_url", "image_url": {"url": u}} for u in images] + [{"type": "text", "text": text}]
+
+    def ask_server(parts, **kw):
+        body = {"model": path.name, "messages": [{"role": "user", "content": parts}], "max_tokens": 6,
+                "temperature": 0}  # fmt: skip
+        return httpx.post(url, json=body | kw, timeout=120)
+
+    r = ask_server(content(IMAGES[0].data_url(), IMAGES[1].data_url()))
+    assert r.status_code == 200, r.text
+    got = r.json()
+    session = Session(loaded, capacity=4096)
+    fin = list(session.generate(Request(messages=ask(2), max_new_tokens=6)))[-1]
+    assert got["choices"][0]["message"]["content"] == fin.text
+    assert got["kvchat"]["trace"]["images"]["images"] == 2
+    again = ask_server(content(IMAGES[0].data_url(), IMAGES[1].data_url(), text="And the colours?")).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= image_runs(fin_prompt(loaded))[-1][1]
+
+    bad = ask_server(content("data:image/png;base64," + "QUJD" * 10))  # base64 of "ABC…": not an image
+    assert bad.status_code == 400 and "not an image" in bad.json()["error"]["message"]
+    bad = ask_server(content("file:///etc/passwd"))
+    assert bad.status_code == 400 and "data: URL" in bad.json()["error"]["message"]
+
+    from starlette.applications import Starlette
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    def picture_route(request):
+        kind = request.path_params["kind"]
+        if kind == "png":
+            return Response(IMAGES[0].data, media_type="image/png")
+        return Response(b"<html>no</html>", media_type="text/html")
+
+    port, web, thread = serve_in_thread(Starlette(routes=[Route("/{kind}", picture_route)]), "a picture server")
+    try:
+        fetched = ask_server(content(f"http://127.0.0.1:{port}/png"))
+        assert fetched.status_code == 200, fetched.text
+        assert fetched.json()["kvchat"]["trace"]["images"]["images"] == 1
+        html = ask_server(content(f"http://127.0.0.1:{port}/html"))
+        assert html.status_code == 400 and "not an image" in html.json()["error"]["message"]
+    finally:
+        stop_thread_server(web, thread)
+    assert ask_server(content(IMAGES[0].data_url())).status_code == 200  # still serving
+
+
+def fin_prompt(loaded) -> list[int]:
+    return loaded.tokenizer.chat_prompt(ask(2)).ids
+
+
+def test_a_server_without_the_flag_refuses_image_urls_and_a_text_model_refuses_images(serve):
+    import httpx
+
+    server = serve()  # the demo model: text only
+    body = {
+        "model": "kvchat-demo",
+        "max_tokens": 4,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}},
+                    {"type": "text", "text": "Hi"},
+                ],
+            }
+        ],
+    }
+    r = httpx.post(f"{server.url}/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and "--allow-image-urls" in r.json()["error"]["message"]
+    body["messages"][0]["content"][0]["image_url"]["url"] = IMAGES[0].data_url()
+    r = httpx.post(f"{server.url}/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and "does not see images" in r.json()["error"]["message"]
+
+
+def test_a_remote_engine_is_sent_the_images(seeing, serve):
+    from engine.http.remote import RemoteSession, RemoteSpec
+
+    _, path, loaded = seeing
+    server = serve("--model", str(path), "--dtype", "float32")
+    remote = RemoteSession(RemoteSpec(server.root))
+    try:
+        remote.connect()
+        fin = list(remote.generate(Request(messages=ask(1), max_new_tokens=5)))[-1]
+    finally:
+        remote.close()
+    local = list(Session(loaded, capacity=4096).generate(Request(messages=ask(1), max_new_tokens=5)))[-1]
+    assert isinstance(fin, Finished), fin
+    assert fin.text == local.text
