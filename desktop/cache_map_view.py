@@ -35,6 +35,7 @@ ROLE_COLOURS = {
     "template": "#8a93a6",
     "call": "#f0a030",
     "tool": "#2fc4a0",
+    "image": "#f4d03f",
 }
 MARK = "#e0484a"  # the first invalidated position, and what was thrown away
 QUIET = {"dark": "#4a5263", "light": "#b3bac6"}  # free cells' outline
@@ -216,7 +217,8 @@ FILL_WORDS = (
     ("generated", "decoded now"),
 )
 BAND_WORDS = (("system", "system"), ("user", "you"), ("assistant", "earlier replies"), ("reply", "this reply"),
-              ("template", "template"), ("call", "tool calls"), ("tool", "tool results"))  # fmt: skip
+              ("template", "template"), ("call", "tool calls"), ("tool", "tool results"),
+              ("image", "images"))  # fmt: skip
 
 
 def legend_html() -> str:

@@ -75,8 +75,8 @@ class EngineClient(QObject):
         self.worker.load(spec)
 
     def probe(self, cid: int, messages: list, draft: str, max_new_tokens: int, overflow: str, asked=None,
-              tools: tuple = ()) -> None:  # fmt: skip
-        self.worker.probe(cid, messages, draft, max_new_tokens, overflow, asked, tools)
+              tools: tuple = (), draft_images: tuple = ()) -> None:  # fmt: skip
+        self.worker.probe(cid, messages, draft, max_new_tokens, overflow, asked, tools, draft_images)
 
     def compare(self, rid: int, messages: list, max_new_tokens: int) -> None:
         self.worker.compare(rid, messages, max_new_tokens)

@@ -4,8 +4,10 @@ or JSON (every branch) file, and a JSON export back as a new conversation (excha
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 from pathlib import Path
+from urllib.parse import quote
 
 from PySide6.QtCore import QObject, Qt, Signal
 from PySide6.QtWidgets import QFileDialog, QProgressDialog
@@ -53,12 +55,30 @@ def export_conversation(window, path: str | None = None) -> None:
         if path.lower().endswith(".json"):
             text = json.dumps(to_json(window.store, cid), ensure_ascii=False, indent=2)
         else:
-            text = to_markdown(window.store, cid)
+            text = to_markdown(window.store, cid, images_beside(window.store, Path(path)))
         Path(path).write_text(text, encoding="utf-8")
     except OSError as e:
         window.show_error(f"The conversation could not be written to {path}: {e.strerror or e}.")
         return
     window.statusBar().showMessage(f"Exported to {path}.", 5000)
+
+
+def images_beside(store, document: Path):
+    """A Markdown export's image links: each image copied into a folder beside the document (NAME-images/), the
+    link its relative path; an image gone from kvchat's folder is named, not linked."""
+    folder = document.with_name(document.stem + "-images")
+
+    def link(ref: dict) -> str | None:
+        source = store.images.path(ref)
+        if not source.is_file():
+            return None
+        folder.mkdir(exist_ok=True)
+        target = folder / source.name
+        if not target.exists():
+            shutil.copyfile(source, target)
+        return f"{quote(folder.name)}/{source.name}"
+
+    return link
 
 
 def _retype(dialog: QFileDialog, extension: str) -> None:

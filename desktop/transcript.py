@@ -19,6 +19,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from .attachments import MessageImages
 from .core.replies import reply_footer
 from .outside_text import plain, rich
 from .reply_widgets import ElidedLabel, ReplyBody, StreamView, WrapLabel
@@ -153,7 +154,16 @@ class MessageView(QFrame):
         self.editRow: QWidget | None = None
         self.highlight: tuple[int, int] | None = None
         self.toolBlock = None  # a reply's calls, or a tool's result (tool_blocks), once the record has them
+        self.imagesRow: MessageImages | None = None  # a person's message's images (show_images)
         self.set_content(message.content, message.status, message.token_count)
+
+    def show_images(self, files) -> None:
+        """A person's message's images, as thumbnails under its role row (`files`: kvchat's image folder)."""
+        record = self.message.trace if isinstance(self.message.trace, dict) else {}
+        refs = record.get("images") if self.message.role == "user" else None
+        if refs and self.imagesRow is None:
+            self.imagesRow = MessageImages(refs, files)
+            self.layout().insertWidget(3, self.imagesRow)
 
     def set_model(self, name: str | None, changed: str) -> None:
         """A reply's model beside its role ("Assistant · SmolLM2…"), and the line where the model changed."""

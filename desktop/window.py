@@ -33,13 +33,14 @@ from .outside_text import warn
 from .settings_dialog import open_settings
 from .token_view import MODES as TOKEN_MODES
 from .transcript import MessageView
+from .window_images import WindowImages
 from .window_layout import WindowLayout
 from .window_models import ModelSide
 
 PANEL_EVERY_S = 0.5  # the panel's figures twice a second while a reply streams (and once at its end)
 
 
-class MainWindow(ModelSide, WindowLayout, Keyboard, QMainWindow):
+class MainWindow(ModelSide, WindowImages, WindowLayout, Keyboard, QMainWindow):
     replyFinished = Signal(object)  # the last event of each reply, Finished or Failed (tests and tools wait on it)
     modelReady = Signal(dict)
     conversationProbed = Signal(dict)  # how much of the conversation on screen is cached (tests wait on it)
@@ -184,7 +185,7 @@ class MainWindow(ModelSide, WindowLayout, Keyboard, QMainWindow):
         tools = self.chat.tool_fields(cid, messages).get("tools", ())
         self.client.probe(
             -1 if cid is None else cid, messages, self.composer.toPlainText().strip(),
-            s.max_new_tokens, s.policy, self._asked, tools,
+            s.max_new_tokens, s.policy, self._asked, tools, self.draft_images,
         )  # as Send sends it  # fmt: skip
 
     def _on_probed(self, cid: int, seen: dict) -> None:
@@ -283,6 +284,7 @@ class MainWindow(ModelSide, WindowLayout, Keyboard, QMainWindow):
 
     def _message_view(self, m, idx: int, count: int) -> MessageView:
         view = MessageView(m, idx, count, self.count_tokens)
+        view.show_images(self.chat.store.images)
         view.set_token_mode(self.settings.token_colours if self.settings.token_colours in TOKEN_MODES else "off")
         view.editSubmitted.connect(self.edit_message)
         view.branchRequested.connect(self.switch_branch)
@@ -366,7 +368,7 @@ class MainWindow(ModelSide, WindowLayout, Keyboard, QMainWindow):
         """Send the draft, once the meter's reading is of this draft: one that cannot fit is refused before
         anything is stored (the draft stays in the box), under the policy that stops at the limit, or when
         leaving turns out cannot make it fit."""
-        if self.facts is None or self.generating or not self.composer.toPlainText().strip():
+        if self.facts is None or self.generating or not (self.composer.toPlainText().strip() or self.draft_images):
             return
         if not self._reading_is_current():
             self._send_when_probed = arrival  # asked now; sent when the answer comes (_on_probed)
@@ -377,10 +379,11 @@ class MainWindow(ModelSide, WindowLayout, Keyboard, QMainWindow):
         if why:
             self.show_error(why)
             return
-        user = self.chat.send(self.composer.toPlainText(), arrival)
+        user = self.chat.send(self.composer.toPlainText(), arrival, self.draft_images)
         if user is None:
             return
         self.composer.clear()
+        self.attachments.clear()
         self.regenerateHint.setVisible(False)
         self._fill_conversations()  # a new conversation, or a new title
         self.show_conversation_settings()

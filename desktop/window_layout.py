@@ -17,6 +17,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from .attachments import AttachmentStrip
 from .branch_view import BranchView
 from .composer import Composer
 from .context_meter import ContextMeter
@@ -139,6 +140,9 @@ class WindowLayout:
         actions.addStretch(1)
         cl.addLayout(actions)
         cl.addWidget(self.regenerateHint)  # its own line, the transcript's width: never a column beside the buttons
+        self.attachments = AttachmentStrip()  # the draft's images, over the message box
+        self.attachments.changed.connect(self.probe_conversation)  # the meter counts their positions
+        cl.addWidget(self.attachments)
         comp = QHBoxLayout()
         self.composer = Composer()
         self.composer.setObjectName("composer")
@@ -148,7 +152,11 @@ class WindowLayout:
         self.composer.setAccessibleName("Message to the model")
         self.composer.submitted.connect(self.send)
         self.composer.stopRequested.connect(self.stop)
+        self.composer.imagesGiven.connect(self.attach_images)
+        self.composer.imagesRefused.connect(lambda why: self.show_error("Not attached: " + "; ".join(why)))
         comp.addWidget(self.composer, 1)
+        self.attachButton = button("Image…", "attachButton", self.choose_images, comp)
+        self.attachButton.setToolTip("Attach images for the model to see (or paste one, or drop image files here)")
         self.sendButton = button("Send", "sendButton", self.send, comp)
         self.stopButton = button("Stop", "stopButton", self.stop, comp)
         self.stopButton.setVisible(False)

@@ -18,6 +18,7 @@ from engine.errors import EngineError
 from engine.events import Failed, Finished, Token
 from engine.http.remote import RemoteSession, RemoteSpec
 from engine.http.server_load import LoadWatch, server_load
+from engine.images import ImageError
 from engine.scheduler import END, EngineThread
 from engine.spec import LoadSpec
 from engine.trace import summarize
@@ -88,12 +89,14 @@ class EngineWorker(QObject):
         overflow: str = "stop",
         asked=None,
         tools: tuple = (),
+        draft_images: tuple = (),
     ) -> None:
         """Ask how many positions of a conversation are cached, before anything is sent, and how many the
         next Send of `draft` would prompt with (only the latest question is answered: switching through
         long conversations does not queue their tokenizing ahead of a reply). The answer carries `asked`
-        back as its "asked" (which question it answers); `tools`: those the conversation offers (in its prompt)."""
-        job = (cid, messages, draft, max_new_tokens, overflow, asked, tools)
+        back as its "asked" (which question it answers); `tools`: those the conversation offers (in its prompt);
+        `draft_images`: the draft's images (engine.images.Image), counted with it."""
+        job = (cid, messages, draft, max_new_tokens, overflow, asked, tools, draft_images)
         self._latest_probe = job
         on_error = lambda e: self.probed.emit(cid, {"error": e, "asked": asked})
         self._queue(self._probe, job, on_error=on_error, barrier=False)  # it only reads: between streams' turns
@@ -256,7 +259,8 @@ class EngineWorker(QObject):
     def _probe(self, job: tuple) -> None:
         from engine.session import Request
 
-        cid, messages, draft, max_new_tokens, overflow, asked, tools = job
+        cid, messages, draft, max_new_tokens, overflow, asked, tools, draft_images = job
+        draft_message = {"role": "user", "content": draft} | ({"images": draft_images} if draft_images else {})
         offered = {"tools": tools, "tool_choice": "auto"} if tools else {}
         session = self.engine.session
         if session is None or job is not self._latest_probe:
@@ -272,14 +276,11 @@ class EngineWorker(QObject):
             else:
                 seen = {"positions": 0, "cached": 0, "source": "none"}
             if "error" not in seen:  # what Send would prompt with: the conversation, the draft, the prompt for a reply
-                sent = ask(
-                    Request(
-                        messages=[*messages, {"role": "user", "content": draft}],
-                        max_new_tokens=max_new_tokens,
-                        overflow=overflow,
-                        **offered,
-                    )
-                )
+                try:
+                    sent = ask(Request(messages=[*messages, draft_message], max_new_tokens=max_new_tokens,
+                                       overflow=overflow, **offered))  # fmt: skip
+                except ImageError as e:  # images this model cannot take: Send refuses them, the draft kept
+                    sent = {"error": str(e), "refused": True}
                 seen = {**seen, "next_positions": sent.get("positions"), "next_overflow": overflow}
                 if sent.get("dropped_messages"):
                     seen.update(

@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from engine.events import Failed, Finished, PrefillDone, PrefillProgress, PrefillStarted, Token
+from engine.images import image_runs
 
 ORIGINS = {
     "kept": "kept from the working cache",
@@ -34,6 +35,7 @@ ROLES = {
     "template": "the template's own tokens",
     "call": "a tool call (as the template writes it)",
     "tool": "a tool's result",
+    "image": "an image (the vision encoder's rows)",
 }  # whose text a position holds
 REMOTE = "a remote server's cache is its own: not reported by this server"
 ROLE_OF = {"system": "system", "user": "user", "assistant": "assistant", "tool": "tool"}  # a message's role, mapped
@@ -63,6 +65,7 @@ class CacheMap:
     forced: int = 0  # the running request's reply starts with this many given tokens (a fork)
     rejected: int = 0  # [length, length + rejected): drafted positions the last round wrote and threw away
     next_caption: str = ""  # the caption once the running request's prefill starts
+    images: dict = dataclasses.field(default_factory=dict)  # an image's key -> (its number, its words)
     reported: bool = True  # False: a remote server, whose cache is its own
     version: int = 0  # bumped on every change: the view redraws only then
 
@@ -72,6 +75,10 @@ class CacheMap:
         self.messages = tuple(("call" if m.get("tool_calls") else ROLE_OF.get(m.get("role"), "template"),
                                str(m.get("content") or "")) for m in messages)  # fmt: skip
         self.forced, self.next_caption = forced, caption
+        pictures = [im for m in messages for im in (m.get("images") or ())]
+        self.images = {im.key: (n + 1, im.describe()) for n, im in enumerate(pictures)} | {
+            k: v for k, v in self.images.items() if k not in {im.key for im in pictures}
+        }  # the images the cache may still hold from before are named too
         self.version += 1
 
     def apply(self, ev) -> None:
@@ -178,7 +185,23 @@ class CacheMap:
         pos = max(pos, self.reply_from)
         if top > pos:
             out.append((pos, top, "reply"))
+        out = _overlaid(out, [(a, b, "image") for a, b, _ in image_runs(self.ids[:top])])
         return [(a, min(b, top), r) for a, b, r in out if min(b, top) > a]
+
+    def image_at(self, start: int, end: int) -> str | None:
+        """The images whose positions lie in [start, end), in words: which, how many of their positions, how big."""
+        held = [(a, b, key) for a, b, key in image_runs(self.ids[: self.filled]) if a < end and b > start]
+        if not held:
+            return None
+        counts: Counter = Counter()
+        for a, b, key in held:
+            counts[key] += min(b, end) - max(a, start)
+        words = []
+        for key, k in counts.items():
+            n, what = self.images.get(key, (None, "an image"))
+            total = sum(b - a for a, b, other in image_runs(self.ids[: self.filled]) if other == key)
+            words.append(f"{'Image ' + str(n) if n else 'An image'}: {what}, {k:,} of its {total:,} positions here")
+        return "\n".join(words)
 
     def cells(self, per: int) -> list[tuple[str, str | None]]:
         """(origin, role) of each cell of `per` positions: the most positions' (ties: the earlier run's)."""
@@ -207,6 +230,9 @@ class CacheMap:
             lines[0] += f": “{text}”" + ("  (what it held)" if thrown else "")
         m = self.message_at(start)
         roles = _counts(self.roles(), start, end)
+        pictures = self.image_at(start, end)
+        if pictures:
+            lines.append(pictures)
         if m is not None and m < len(self.messages):
             role, content = self.messages[m]
             excerpt = " ".join(content.split())[:48]
@@ -221,6 +247,25 @@ class CacheMap:
             change = f": {self.changed[0]!r} → {self.changed[1]!r}" if self.changed else ""
             lines.append(f"The first invalidated position ({fi:,}): the cache was cut here{change}")
         return "\n".join(lines)
+
+
+def _overlaid(runs: list, over: list) -> list:
+    """Runs [a, b, v] in order with the runs of `over` laid on top (an image's positions inside a message)."""
+    if not over:
+        return runs
+    out = []
+    for a, b, v in runs:
+        pos = a
+        for c, d, w in over:
+            if d <= pos or c >= b:
+                continue
+            if c > pos:
+                out.append((pos, c, v))
+            out.append((max(c, pos), min(d, b), w))
+            pos = min(d, b)
+        if b > pos:
+            out.append((pos, b, v))
+    return out
 
 
 def _majority(runs, per: int, n: int) -> list[str | None]:

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from engine.events import Failed, Finished, PrefillDone, PrefillStarted, Token
+from engine.images import ImageError
 from engine.request import choice_requests
 from engine.session import Request
 
@@ -211,22 +212,31 @@ class ChatController(Prompts, ToolTurns):
         return changed
 
     # --- what a person does --------------------------------------------------------------------
-    def send(self, text: str, arrival: float) -> int | None:
-        """A new user message on the current branch (a new conversation if none); returns its id, whose
-        reply the caller then runs (`reply`)."""
+    def send(self, text: str, arrival: float, images=()) -> int | None:
+        """A new user message on the current branch (a new conversation if none), with `images` (engine.images.Image,
+        kept in the store's image folder first: nothing is stored half); returns its id, whose reply the caller then
+        runs (`reply`)."""
         text = text.strip()
-        if not text or self.generating:
+        if not (text or images) or self.generating:
+            return None
+        try:
+            refs = [self.store.images.keep(im) for im in images]
+        except OSError as e:
+            self.listener.show_error(f"The images could not be kept in kvchat's folder: {e.strerror or e}")
             return None
         if self.current_cid is None:
-            conv = self.guard(self.store.new_conversation, title_from(text), self.settings.conversation_part())
+            named = text or images[0].name or "An image"
+            conv = self.guard(self.store.new_conversation, title_from(named), self.settings.conversation_part())
             if conv is None:
                 return None
             self.current_cid = conv.id
         else:
             conv = self.store.conversation(self.current_cid)
             if conv.title == "New chat":
-                self.guard(self.store.rename, conv.id, title_from(text))
+                self.guard(self.store.rename, conv.id, title_from(text or images[0].name or "An image"))
         user = self.guard(self.store.add_message, self.current_cid, conv.leaf_id, "user", text)
+        if user is not None and refs:
+            self.guard(self.store.update_message, user.id, trace={"images": refs})
         return None if user is None else user.id
 
     def edit(self, mid: int, text: str) -> int | None:
@@ -238,6 +248,9 @@ class ChatController(Prompts, ToolTurns):
         new = self.guard(self.store.add_message, self.current_cid, old.parent_id, old.role, text)
         if new is None:
             return None
+        images = (old.trace or {}).get("images") if old.role == "user" else None
+        if images:  # an edit of the text keeps the message's images
+            self.guard(self.store.update_message, new.id, trace={"images": images})
         self._edit = (new.id, first_difference(old.content, text))
         return new.id if old.role == "user" else None
 
@@ -323,6 +336,8 @@ class ChatController(Prompts, ToolTurns):
                 await self.list_tools(cid)
             stream = await self._start_reply(cid, upto, parent_id, arrival, continue_mid, fork, req, alternative,
                                              prefilled)  # fmt: skip
+        except ImageError as e:  # a message's image gone from the folder or changed: said, nothing started
+            self.listener.show_error(f"The reply could not start: {e}")
         finally:
             self._ended(cid, stream)
         rounds = 1

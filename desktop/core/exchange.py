@@ -3,13 +3,16 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import sqlite3
 
 from engine.errors import EngineError
 from engine.grammar import KINDS as GRAMMAR_KINDS
+from engine.images import ImageError, data_url_image
 
+from .image_files import DIGEST
 from .records import clean_record
 from .replies import reply_footer
 from .settings import CONVERSATION_FIELDS, Settings
@@ -42,9 +45,10 @@ def heading(conv: Conversation, branch: list) -> str:
     return title
 
 
-def to_markdown(store: Store, cid: int) -> str:
+def to_markdown(store: Store, cid: int, link=None) -> str:
     """The branch on screen as a readable Markdown document: a heading per turn, its text quoted; where
-    other branches exist, a line says so (the JSON export holds them all)."""
+    other branches exist, a line says so (the JSON export holds them all). `link(ref)`: where a message's image
+    is written beside the document (a relative path), None: images named only."""
     conv = store.conversation(cid)
     branch = store.branch(cid)
     parts = [f"# {heading(conv, branch)}"]
@@ -56,6 +60,10 @@ def to_markdown(store: Store, cid: int) -> str:
     for m in branch:
         note = "" if m.status == "complete" else f" ({m.status})"
         parts.append(f"**{NAMES.get(m.role, m.role)}**{note}{_tool_note(m)}\n\n{_quoted(m.content)}")
+        for ref in (m.trace or {}).get("images") or () if m.role == "user" else ():
+            alt = ref["name"].replace("[", "(").replace("]", ")")
+            where = link(ref) if link is not None else None
+            parts.append(f"![{alt}]({where})" if where else f"*An image: {alt} ({ref['width']}×{ref['height']})*")
         for c in (m.trace or {}).get("tool_calls") or () if m.role == "assistant" else ():
             parts.append(_quoted(f"Calls {c['name']} with {c['arguments']}"))
         figures = reply_footer(m.trace) if m.role == "assistant" else ""
@@ -94,7 +102,51 @@ def to_json(store: Store, cid: int) -> dict:
             }
             for m in store.all_messages(cid)
         ],
+        "images": embedded_images(store, store.all_messages(cid)),
     }
+
+
+def embedded_images(store: Store, messages) -> dict:
+    """The messages' images for a JSON export, by hash: each one's bytes (base64), format and name; one whose file
+    is gone from kvchat's folder is left out (its message keeps the reference, an import then drops it)."""
+    out = {}
+    for m in messages:
+        for ref in (m.trace or {}).get("images") or () if m.role == "user" else ():
+            if ref["digest"] in out:
+                continue
+            try:
+                image = store.images.image(ref)
+            except ImageError:
+                continue
+            out[ref["digest"]] = {"name": ref["name"], "format": image.format,
+                                  "data": base64.b64encode(image.data).decode()}  # fmt: skip
+    return out
+
+
+MAX_IMPORTED_IMAGES = 1000
+
+
+def keep_imported_images(store: Store, images) -> set[str]:
+    """An import's images checked (each decoded under the engine's limits, its hash its key) and kept in kvchat's
+    folder before anything else is written; the hashes kept. A bad one refuses the file."""
+    if images is None:
+        return set()
+    if not isinstance(images, dict) or len(images) > MAX_IMPORTED_IMAGES:
+        raise ExchangeError(f'its "images" must be an object of at most {MAX_IMPORTED_IMAGES} images')
+    kept = set()
+    for digest, item in images.items():
+        ok = isinstance(item, dict) and isinstance(item.get("data"), str) and isinstance(item.get("name"), str)
+        if not ok or not DIGEST.fullmatch(str(digest)):
+            raise ExchangeError(f"image {str(digest)[:16]!r} is not one kvchat exports (a hash, a name and data)")
+        try:
+            image = data_url_image(f"data:image/png;base64,{item['data']}", item["name"][:200])
+        except ImageError as e:
+            raise ExchangeError(f"image {item['name'][:80]!r}: {e}") from None
+        if image.digest != digest:
+            raise ExchangeError(f"image {item['name'][:80]!r} is not the image its hash names")
+        store.images.keep(image)
+        kept.add(digest)
+    return kept
 
 
 def conversation_settings(own) -> dict | None:
@@ -152,6 +204,10 @@ def from_json(store: Store, data, progress=None) -> Conversation:
     leaf = data.get("leaf_id")
     if leaf is not None and (not _integer(leaf) or leaf not in seen):
         raise ExchangeError(f"the branch shown ends at message {leaf!r}, which it does not hold")
+    try:
+        keep_imported_images(store, data.get("images"))
+    except OSError as e:
+        raise ExchangeError(f"its images could not be kept in kvchat's folder: {e.strerror or e}") from None
     title = data.get("title") if _text(data.get("title")) else "Imported"
     if any(c.title == title for c in store.conversations()):  # told apart from the original in the list
         title += " (imported)"
@@ -174,7 +230,10 @@ def _write_tree(store: Store, title: str, settings: dict | None, msgs: list, lea
             parent = new_ids.get(m.get("parent_id"))
             added = store.add_message(conv.id, parent, m["role"], m["content"], status, tokens)
             if isinstance(m.get("trace"), dict):  # checked and cut to size before it is kept (core/records.py)
-                store.update_message(added.id, trace=clean_record(m["trace"]))
+                record = clean_record(m["trace"])
+                if record.get("images"):  # only images the folder now holds (the file's, or kept before)
+                    record["images"] = [r for r in record["images"] if store.images.path(r).is_file()] or None
+                store.update_message(added.id, trace=record)
             new_ids[m["id"]] = added.id
         store.set_leaf(conv.id, new_ids.get(leaf, added.id))
     return conv

@@ -12,10 +12,13 @@ from .settings import Settings
 from .store import Message
 
 
-def chat_message(m: Message) -> dict:
+def chat_message(m: Message, image=None) -> dict:
     """A stored message as the chat template reads it: a reply's tool calls (their arguments as objects), a tool's
-    result with the call it answers."""
+    result with the call it answers, a user's images (`image(ref)`: the image a record's reference names)."""
     record = m.trace if isinstance(m.trace, dict) else {}
+    refs = record.get("images") if m.role == "user" else None
+    if refs and image is not None:
+        return {"role": "user", "content": m.content, "images": tuple(image(r) for r in refs)}
     if m.role == "tool":
         call = record.get("tool_call") or {}
         return {"role": "tool", "content": m.content, "tool_call_id": call.get("id", ""), "name": call.get("name", "")}
@@ -39,7 +42,7 @@ class Prompts:
         """What the model sees: the conversation's system prompt, then the messages of the branch up to here."""
         prompt = self.settings_for(cid).system_prompt
         system = [{"role": "system", "content": prompt}] if prompt else []
-        return system + [chat_message(m) for m in upto]
+        return system + [chat_message(m, self.store.images.image) for m in upto]
 
     def request(self, messages: list[dict], arrival: float, cid: int | None = None, **kw) -> Request:
         s = self.settings_for(cid)

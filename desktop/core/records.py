@@ -11,6 +11,8 @@ import threading
 from engine.errors import cut
 from engine.tool_calls import MAX_CALLS  # calls in one reply's record
 
+from .image_files import checked_references
+
 STRING_CHARS = 2000  # an error, a reason, a model's name
 TOKEN_CHARS = 200  # one token's text
 LIST_ITEMS = 100_000  # a trace's lists (token times, gaps)
@@ -232,6 +234,9 @@ def clean_record(record) -> dict | None:
             ok = not many or isinstance(value, list)
             out[key] = (calls if many else calls[0]) if ok and None not in calls else None
             bad += [] if out[key] is not None else [key]
+    if record.get("images") is not None:  # a user message's images (desktop.core.image_files)
+        out["images"] = checked_references(record["images"])
+        bad += [] if out["images"] is not None else ["images"]
     if "left_out" in out:
         left = out["left_out"]
         out["left_out"] = [i for i in left if _count(i)] if isinstance(left, list) else []

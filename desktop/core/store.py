@@ -11,12 +11,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import sqlite3
+import tempfile
 import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
 from types import MappingProxyType
 
+from .image_files import ImageFiles
 from .records import CheckedRecords
 from .store_file import StoreFile
 
@@ -141,6 +143,9 @@ class Store(StoreFile):
         self._message_writes = 0  # add_message and update_message calls (a branch read before one is stale)
         self._records = CheckedRecords()  # the records read last, checked once
         super().__init__(path, connect_only)
+        beside = self.path.name != ":memory:" and not self.temporary and not self.read_only
+        # the messages' images: beside the database, or (a database in memory) in a folder of this run's
+        self.images = ImageFiles(self.path.parent / "images" if beside else Path(tempfile.mkdtemp(prefix="kvchat-")))
 
     def for_thread(self) -> Store | None:
         """This database on a connection of its own, for another thread to write (an import); None where

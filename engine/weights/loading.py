@@ -43,6 +43,7 @@ class LoadedModel:
     kernels: kernel_library.Kernels | None = None  # kvchat's CPU kernels, when decode runs on them
     file_tensors: dict | None = None  # a GGUF's tensors by file type: how many, bytes in the file, held as, bytes held
     vision: VisionModel | None = None  # the encoder and projector of a model that sees images (engine.vision)
+    vision_note: str | None = None  # why a checkpoint with a vision tower was opened for text only
     title: str | None = None  # a name where the file's own says nothing (an Ollama blob: the model's general.name)
 
     @property
@@ -61,6 +62,16 @@ class LoadedModel:
     def activations(self) -> str:
         """What the quantized layers' decode products multiply their codes by: float32, or int8 (integer products)."""
         return self.model.activations
+
+    @property
+    def sees_images(self) -> str | None:
+        """The vision side in words: its encoder and what an image takes; why not, where it was left out."""
+        if self.vision is None:
+            return self.vision_note
+        v = self.vision.cfg
+        return (f"{v.family}: SigLIP {v.num_layers} layers of {v.hidden_size}, {v.image_size}-pixel "
+                f"{'tiles' if v.family == 'idefics3' else 'images'} of {v.tokens_per_image} positions, "
+                f"{self.vision.parameter_count() / 1e6:,.1f} M parameters")  # fmt: skip
 
     @property
     def weight_bytes(self) -> int:
@@ -130,6 +141,7 @@ class LoadedModel:
             "attention_kinds": c.describe_attention() or None,
             "decode_kernels": self.decode_kernels,
             "activations": self.activations,
+            "images": self.sees_images,
             "kv_cache": kv,
             "kv_bytes_per_position": self.kv_bytes_per_position(kv),
             "format": "gguf" if self.file_tensors is not None else "safetensors",
@@ -210,12 +222,16 @@ def load_model(
             identity=f"{digest}:{weights}:{group_size}",
         )
     fingerprint = _fingerprint(digest, cfg, dt, dev, quantization, tokenizer, model)
-    vision = None
+    vision, note = None, None
     if seeing is not None:  # a model that sees images: its encoder, and its family's image processor
-        tokenizer.images = ImageFormat(seeing, preprocessor(model_dir), tokenizer.tok.id_to_token,
-                                       read_json(model_dir / "config.json"))  # fmt: skip
-        vision = load_vision(seeing, all_files, dt, dev)
-    return LoadedModel(model_dir, cfg, model, tokenizer, dev, dt, fingerprint, kern, vision=vision)
+        try:
+            images = ImageFormat(seeing, preprocessor(model_dir), tokenizer.tok.id_to_token,
+                                 read_json(model_dir / "config.json"))  # fmt: skip
+            vision = load_vision(seeing, all_files, dt, dev)
+            tokenizer.images = images
+        except ModelLoadError as e:  # its text model still runs: opened without images, and says why
+            note = f"opened for text only: {e.message}"
+    return LoadedModel(model_dir, cfg, model, tokenizer, dev, dt, fingerprint, kern, vision=vision, vision_note=note)
 
 
 def _weight_mode(weights: str | None, group_size: int) -> tuple[str, str]:

@@ -151,7 +151,8 @@ def test_the_server_serves_the_family_as_the_engine_runs_it(name, serve, tmp_pat
 def test_a_gemma_3_checkpoint_with_a_vision_tower_opens_its_text_model(tmp_path):
     """Gemma 3 4B and larger ship as Gemma3ForConditionalGeneration: the text model under language_model.model.*,
     its config under text_config (only what departs from Gemma3TextConfig's defaults). Its text-only logits equal
-    transformers' on the whole checkpoint; the vision tower is not read."""
+    transformers' on the whole checkpoint; with a tokenizer that lacks the image token it opens for text only and
+    says why (engine_tests/test_vision.py runs the images)."""
     import json
 
     from checkpoints import CHATML, tokenizer_json
@@ -178,6 +179,7 @@ def test_a_gemma_3_checkpoint_with_a_vision_tower_opens_its_text_model(tmp_path)
         assert "language_model.model.embed_tokens.weight" in f.keys() and any("vision_tower" in k for k in f.keys())
     loaded = load_model(tmp_path, device="cpu", dtype="float32")
     assert loaded.config.architecture == "Gemma3ForConditionalGeneration" and loaded.config.windows == (6, 6, None)
+    assert loaded.vision is None and "not in the tokenizer's vocabulary" in loaded.facts()["images"]
     ids = torch.arange(5, 40).view(1, -1)
     with torch.no_grad():
         torch.testing.assert_close(loaded.model(ids), ref(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
