@@ -35,7 +35,7 @@ ROLE_COLOURS = {
     "template": "#8a93a6",
     "call": "#f0a030",
     "tool": "#2fc4a0",
-    "image": "#f4d03f",
+    "image": "#ff4fd8",
 }
 MARK = "#e0484a"  # the first invalidated position, and what was thrown away
 QUIET = {"dark": "#4a5263", "light": "#b3bac6"}  # free cells' outline

@@ -39,6 +39,7 @@ from .core.panel_words import (
     fmt_rate,
     fmt_size,
     grammar_rows,
+    image_words,
     kv_formula,
     percentile,
     reuse_source,
@@ -130,6 +131,7 @@ class StatsPanel(QScrollArea):
             ("kvPayloadValue", "Payload"),
             ("kvAllocatedValue", "Allocated"),
             ("kvPerPositionValue", "Per position"),
+            ("imagesValue", "Images"),
             ("kvFormulaValue", "2·L·T·H_kv·d·b"),
             ("cachePointValue", "Measured"),
         ]:
@@ -348,8 +350,10 @@ class StatsPanel(QScrollArea):
         seam = "" if ttft is None or shown is None or shown < ttft else f" · seam {shown - ttft:,.1f} ms"
         self.set("onScreenValue", DASH if shown is None else fmt_ms(shown) + seam)  # a seam is never negative
         if s.trace is not None:
-            keys = ("ttft_queue_ms", "ttft_tokenize_ms", "ttft_prefill_ms", "ttft_first_token_ms")
-            parts = dict(zip(("queue", "template", "prefill", "1st token"), (s.trace.get(k) for k in keys)))
+            keys = ("ttft_queue_ms", "ttft_tokenize_ms", "ttft_vision_ms", "ttft_prefill_ms", "ttft_first_token_ms")
+            parts = dict(zip(("queue", "template", "images", "prefill", "1st token"), (s.trace.get(k) for k in keys)))
+            if s.trace.get("ttft_vision_ms") is None:  # no images: no encoder
+                del parts["images"]
             if remote:  # here: waiting to send · the server's own TTFT · the rest (network, parsing)
                 server = (s.trace.get("server") or {}).get("ttft_ms")
                 queue, ttft = s.trace.get("ttft_queue_ms") or 0.0, s.trace.get("ttft_ms")
@@ -357,6 +361,7 @@ class StatsPanel(QScrollArea):
                 parts = {"send": queue, "server": server, "network": rest}
             self.set("ttftPartsValue", ttft_parts(parts, s.status in ("failed", "cancelled")))
             self.set("meanInclWaitValue", fmt_ms(s.trace.get("mean_ms_per_token_incl_wait")))
+            self.set("imagesValue", image_words(s.trace.get("images"), made.get("kv_bytes_per_position")))
             self.set("prefillRateValue", fmt_rate(s.trace.get("prefill_tok_s"), "pos/s"))
         else:
             self.set("ttftPartsValue", DASH)

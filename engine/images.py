@@ -162,6 +162,20 @@ def image_position(token: int) -> tuple[int, int]:
     return raw >> INDEX_BITS, raw & ((1 << INDEX_BITS) - 1)
 
 
+def text_with_images(ids: list[int], decode) -> str:
+    """`decode(ids)` of the text between images, each run of an image's positions read as IMAGE_TEXT once."""
+    if all(i >= 0 for i in ids):
+        return decode(ids)
+    out, run = [], []
+    for i, t in enumerate(ids):
+        if t >= 0:
+            run.append(t)
+        elif i == 0 or ids[i - 1] >= 0:  # the first position of an image's run
+            out += [decode(run), IMAGE_TEXT]
+            run = []
+    return "".join(out) + decode(run)
+
+
 def image_runs(ids) -> list[tuple[int, int, int]]:
     """The runs of one image's positions among `ids`: (first, end, key), in order."""
     out: list[tuple[int, int, int]] = []

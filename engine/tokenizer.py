@@ -31,7 +31,7 @@ from tokenizers.decoders import DecodeStream
 
 from .config import read_json
 from .errors import EngineError, ModelLoadError, TemplateError
-from .images import IMAGE_TEXT, ImageError
+from .images import IMAGE_TEXT, ImageError, text_with_images
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 TEMPLATE_SECONDS = 2.0  # a render may take this long (a real template takes well under a millisecond)
@@ -369,8 +369,8 @@ class Tokenizer:
             raise
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        """Text of `ids`; an image's positions (negative ids, engine.images) are not text and say nothing."""
-        return self.tok.decode([i for i in ids if i >= 0], skip_special_tokens=skip_special_tokens)
+        """Text of `ids`; a run of an image's positions (negative ids, engine.images) reads as IMAGE_TEXT once."""
+        return text_with_images(list(ids), lambda run: self.tok.decode(run, skip_special_tokens=skip_special_tokens))
 
     def token_text(self, token_id: int) -> str:
         """One token as a person reads it (decoded, special tokens kept); an image's position as IMAGE_TEXT."""

@@ -25,19 +25,6 @@ VISION_ARCHITECTURES = {  # config.json's architecture -> the vision family
     "Idefics3ForConditionalGeneration": "idefics3",
     "SmolVLMForConditionalGeneration": "idefics3",
 }
-TOWER_PREFIXES = {  # where the encoder's tensors are stored (transformers 5's names, then the original checkpoints')
-    "gemma3": (
-        "model.vision_tower.vision_model.",
-        "vision_tower.vision_model.",
-        "model.vision_tower.",
-        "vision_tower.",
-    ),
-    "idefics3": ("model.vision_model.", "vision_model."),
-}
-PROJECTOR_PREFIXES = {
-    "gemma3": ("model.multi_modal_projector.", "multi_modal_projector."),
-    "idefics3": ("model.connector.", "connector."),
-}
 MAX_ENCODER_SIZE = 8192  # width, MLP width, layers and heads are checked against it (a hostile config.json)
 
 
@@ -256,28 +243,6 @@ class VisionModel(nn.Module):
 
     def parameter_count(self) -> int:
         return sum(p.numel() for p in self.parameters())
-
-
-def load_vision(cfg: VisionConfig, files: dict[str, Path], dtype: torch.dtype, device) -> VisionModel:
-    """The encoder and projector from the checkpoint's safetensors files (`files`: each tensor's file), each
-    tensor's shape checked against the model's."""
-    from .weights.safetensors import read_tensors
-
-    model = VisionModel(cfg)
-    wanted: dict[str, str] = {}  # the file's name -> ours
-    for part, prefixes in (("tower.", TOWER_PREFIXES[cfg.family]), ("projector.", PROJECTOR_PREFIXES[cfg.family])):
-        prefix = next((p for p in prefixes if any(n.startswith(p) for n in files)), None)
-        if prefix is None:
-            raise ModelLoadError(f"the checkpoint holds no vision tensors under {' or '.join(prefixes)}")
-        wanted |= {n: part + n[len(prefix) :] for n in files if n.startswith(prefix)}
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    missing = sorted(set(shapes) - set(wanted.values()))
-    if missing:
-        raise ModelLoadError(f"the vision tower's tensor {missing[0]!r} is missing from the checkpoint")
-    wanted = {theirs: mine for theirs, mine in wanted.items() if mine in shapes}
-    state = {wanted[n]: t.to(dtype) for n, t in read_tensors(files, {n: shapes[m] for n, m in wanted.items()})}
-    model.load_state_dict(state)
-    return model.to(device=device, dtype=dtype).eval()
 
 
 def preprocessor(model_dir: Path) -> dict:

@@ -66,6 +66,10 @@ ROW_HELP = {
     "kvPerPositionValue": "Bytes one cached position takes, K and V over every layer.",
     "kvFormulaValue": "2 (K and V) · L layers · T cached positions · H_kv KV heads · d head width · b bytes per "
     "value, with this model's numbers.",
+    "imagesValue": "The prompt's images: how many, the positions they take (each image's rows from the vision "
+    "encoder, kept by content: a second question about the same image reuses them), their K/V bytes at this model's "
+    "bytes per position, and the encoder's time (a part of TTFT of its own; none where their positions came from "
+    "the cache).",
     "cachePointValue": "Which moment the cache figures describe: after prefill, or after consuming token k of n "
     "(the last token of a reply is selected, not yet consumed).",
     # Reuse

@@ -24,6 +24,22 @@ def fmt_figure(v: float, digits: int = 3) -> str:
     return text.lstrip("-") if float(text) == 0 else text
 
 
+def image_words(images, per_position) -> str:
+    """A request's images in a line: "2 images · 512 positions (6.0 MiB of K/V) · encoder 830.1 ms for 2"."""
+
+    def count(key):  # a record is data from outside: a count that is not one reads as 0
+        v = images.get(key)
+        return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
+
+    if not isinstance(images, dict) or not count("images"):
+        return "none"
+    n, positions, encoded = count("images"), count("positions"), count("encoded")
+    kv = f" ({fmt_size(positions * per_position)} of K/V)" if isinstance(per_position, int) else ""
+    ms = images.get("encoder_ms")
+    work = f"encoder {ms:,.1f} ms for {encoded}" if encoded and isinstance(ms, (int, float)) else "none encoded"
+    return f"{n} image{'s' if n != 1 else ''} · {positions:,} positions{kv} · {work}"
+
+
 def ttft_parts(parts: dict, stopped_early: bool) -> str:
     """TTFT's parts, each named ("queue 21.8 · template 0.4 · prefill 31.4 · 1st token 0.8 ms"); for a request
     that failed or was stopped first, the parts it never reached are said so, not shown as dashes."""

@@ -115,6 +115,8 @@ def take(out: Path, model: str | None, new_tokens: int, only: str = "all") -> li
             return await constrained(w)
         if only == "tools":
             return await tool_call(w)
+        if only == "images":
+            return await pictured(w)
         for text in MESSAGES:
             done: list = []
             w.replyFinished.connect(done.append)
@@ -254,9 +256,61 @@ def take(out: Path, model: str | None, new_tokens: int, only: str = "all") -> li
         save("tool-call-approved", w)
         w.close()
 
+    async def pictured(w) -> None:
+        """A question about two attached pictures: their thumbnails, and the map's image band under the pointer."""
+        from engine.images import image_runs, read_image
+
+        w.resize(1400, 900)
+        w.attach_images([read_image(scene(i), f"{name}.png") for i, name in enumerate(("garden", "harbour"))])
+        done: list = []
+        w.replyFinished.connect(done.append)
+        w.composer.setPlainText("What is in these two pictures?")
+        save("image-attached", w)
+        w.send()
+        await wait(lambda: done, 600)
+        w.pacer.draw_now()
+        runs = image_runs(w.chat.cache_map.ids)
+        view = w.statsPanel.cacheMap.grid
+        w.statsPanel.ensureWidgetVisible(w.statsPanel.imagesValue, 0, 40)  # the panel scrolled to the map and rows
+        if runs:  # the keyboard on a cell of the first image: its words shown as a tooltip under the map
+            view.focus_cell(runs[0][0] // max(1, view.per))
+        await asyncio.sleep(0.5)
+        screen = app.primaryScreen().grabWindow(0)  # the whole screen: the tooltip is a window of its own
+        if os.environ.get("QT_QPA_PLATFORM") == "xcb" and not screen.isNull():
+            shot = screen.copy(w.frameGeometry())
+            shot.save(str(out / "image-reply-map.png"))
+            written.append(out / "image-reply-map.png")
+        else:
+            save("image-reply-map", w)
+        w.close()
+
     with loop:
         loop.run_until_complete(run())
     return written
+
+
+def scene(seed: int) -> bytes:
+    """A picture to ask about: a sky, a sun, ground and a house (a garden), or water and a boat (a harbour)."""
+    import io
+
+    from PIL import Image, ImageDraw
+
+    picture = Image.new("RGB", (640, 420), (120, 180, 235))
+    d = ImageDraw.Draw(picture)
+    d.ellipse((500, 40, 580, 120), fill=(250, 210, 60))
+    if seed == 0:
+        d.rectangle((0, 280, 640, 420), fill=(80, 160, 70))
+        d.rectangle((200, 170, 380, 300), fill=(200, 80, 60))
+        d.polygon([(180, 170), (290, 90), (400, 170)], fill=(120, 60, 40))
+        d.rectangle((270, 230, 310, 300), fill=(90, 50, 30))
+    else:
+        d.rectangle((0, 250, 640, 420), fill=(30, 90, 160))
+        d.polygon([(220, 300), (420, 300), (390, 340), (250, 340)], fill=(240, 240, 240))
+        d.rectangle((315, 200, 320, 300), fill=(80, 60, 40))
+        d.polygon([(320, 205), (380, 290), (320, 290)], fill=(250, 250, 250))
+    buf = io.BytesIO()
+    picture.save(buf, format="PNG")
+    return buf.getvalue()
 
 
 def main(argv=None) -> int:
@@ -267,10 +321,11 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument(
         "--only",
-        choices=("all", "requests", "alternatives", "drafts", "grammar", "tools"),
+        choices=("all", "requests", "alternatives", "drafts", "grammar", "tools", "images"),
         default="all",
         help="requests, alternatives: the Requests tab alone; drafts: a reply coloured by its drafts; grammar: a "
-        "reply a JSON schema shaped, a token's tooltip; tools: a tool call asked, allowed, its result",
+        "reply a JSON schema shaped, a token's tooltip; tools: a tool call asked, allowed, its result; images: a "
+        "question about two pictures, the map's image band",
     )
     ns = ap.parse_args(argv)
     for path in take(ns.out, ns.model, ns.new_tokens, ns.only):

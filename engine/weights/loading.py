@@ -19,7 +19,7 @@ from ..kv_cache import bytes_per_position
 from ..model import Transformer
 from ..quant import DEFAULT_GROUP_SIZE, check_activations, check_mode, describe
 from ..tokenizer import Tokenizer
-from ..vision import VisionModel, load_vision, preprocessor, vision_config
+from ..vision import VisionModel, preprocessor, vision_config
 from .build import ReturnFreedMemory, build_model
 from .bundled import DEMO_MODEL
 from .gguf_file import NORM_PLUS_ONE, GGUFModel
@@ -27,6 +27,7 @@ from .gguf_header import is_gguf
 from .gguf_reader import GGUFReader
 from .hf_names import expected
 from .safetensors import Reader, check_against_headers, header_digest, text_model_names, weight_files
+from .vision_weights import load_vision
 
 
 @dataclasses.dataclass
