@@ -49,7 +49,7 @@ def write_gguf(model_dir, out: Path, matrices: str = "F32", tokenizer: bool = Fa
     without, opaque tokens."""
     import gguf
 
-    from ..weights.safetensors import weight_files
+    from ..weights.safetensors import text_model_names, weight_files
 
     model_dir = Path(model_dir)
     cfg = load_config(model_dir)
@@ -87,6 +87,11 @@ def write_gguf(model_dir, out: Path, matrices: str = "F32", tokenizer: bool = Fa
     from safetensors import safe_open
 
     files = weight_files(model_dir)
+    stored = text_model_names(files)  # a model that sees images: its text model's tensors, by their usual names
+    if stored:
+        files = {mine: files[theirs] for mine, theirs in stored.items()} | (
+            {"lm_head.weight": files["lm_head.weight"]} if "lm_head.weight" in files else {}
+        )
     experts: dict[str, dict[int, torch.Tensor]] = {}  # a stacked experts' GGUF name -> its experts' matrices
     tensors: list[tuple[str, torch.Tensor]] = []
     for name in sorted(files, key=_order):
@@ -94,7 +99,7 @@ def write_gguf(model_dir, out: Path, matrices: str = "F32", tokenizer: bool = Fa
         if gname is None or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
         with safe_open(str(files[name]), framework="pt", device="cpu") as f:
-            t = f.get_tensor(name).float()
+            t = f.get_tensor(stored.get(name, name)).float()
         if arch in PERMUTED and gname.endswith(("attn_q.weight", "attn_q.bias")):
             t = _permute(t, cfg.num_heads)
         elif arch in PERMUTED and gname.endswith(("attn_k.weight", "attn_k.bias")):
@@ -122,6 +127,78 @@ def write_gguf(model_dir, out: Path, matrices: str = "F32", tokenizer: bool = Fa
         else:
             qtype = gguf.GGMLQuantizationType[kind]
             w.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def write_mmproj(model_dir, out: Path, matrices: str = "F16") -> Path:
+    """A model folder's vision tower and projector as llama.cpp's projector file (mmproj): its clip.* metadata
+    and tensor names as its converter writes them (names from gguf-py's own map; Gemma 3's soft-embedding norm
+    stored as 1 + w), the 2-D matrices in `matrices` (F16, F32, Q8_0)."""
+    import json
+
+    import gguf
+
+    from ..weights.safetensors import weight_files
+
+    model_dir = Path(model_dir)
+    raw = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    pre = json.loads((model_dir / "preprocessor_config.json").read_text(encoding="utf-8"))
+    arch = (raw.get("architectures") or [""])[0]
+    kind = {"Gemma3ForConditionalGeneration": "gemma3", "Idefics3ForConditionalGeneration": "idefics3",
+            "SmolVLMForConditionalGeneration": "idefics3"}.get(arch)  # fmt: skip
+    if kind is None:
+        raise EngineError(f"no projector file for {arch!r}")
+    v, text = raw["vision_config"], raw["text_config"]
+    w = gguf.GGUFWriter(str(out), "clip")
+    w.add_name(model_dir.name)
+    w.add_bool(gguf.Keys.Clip.HAS_VISION_ENCODER, True)
+    w.add_string(gguf.Keys.ClipVision.PROJECTOR_TYPE, kind)
+    for key, value in ((gguf.Keys.ClipVision.IMAGE_SIZE, v["image_size"]), (gguf.Keys.ClipVision.PATCH_SIZE,
+                       v["patch_size"]), (gguf.Keys.ClipVision.EMBEDDING_LENGTH, v["hidden_size"]),
+                       (gguf.Keys.ClipVision.FEED_FORWARD_LENGTH, v["intermediate_size"]),
+                       (gguf.Keys.ClipVision.PROJECTION_DIM, text["hidden_size"]),
+                       (gguf.Keys.ClipVision.BLOCK_COUNT, v["num_hidden_layers"]),
+                       (gguf.Keys.ClipVision.Attention.HEAD_COUNT, v["num_attention_heads"])):  # fmt: skip
+        w.add_uint32(key, value)
+    w.add_float32(gguf.Keys.ClipVision.Attention.LAYERNORM_EPS, v.get("layer_norm_eps", 1e-6))
+    w.add_array(gguf.Keys.ClipVision.IMAGE_MEAN, pre.get("image_mean", [0.5] * 3))
+    w.add_array(gguf.Keys.ClipVision.IMAGE_STD, pre.get("image_std", [0.5] * 3))
+    w.add_bool(gguf.Keys.ClipVision.USE_GELU, True)
+    side = v["image_size"] // v["patch_size"]
+    if kind == "gemma3":
+        scale = side // int(round(raw.get("mm_tokens_per_image", 256) ** 0.5))
+    else:
+        scale = raw.get("scale_factor", 2)
+        w.add_uint32(gguf.Keys.ClipVision.PREPROC_IMAGE_SIZE, (pre.get("size") or {}).get("longest_edge", 4 * side))
+    w.add_uint32(gguf.Keys.ClipVision.Projector.SCALE_FACTOR, scale)
+    names = gguf.TensorNameMap(gguf.MODEL_ARCH.MMPROJ, v["num_hidden_layers"])
+    from safetensors import safe_open
+
+    files = weight_files(model_dir)
+    for name in sorted(files):
+        hf = name.replace("mm_input_projection_weight", "mm_input_projection.weight")
+        if hf.startswith("vision_tower.") and not hf.startswith("vision_tower.vision_model."):  # transformers 5's
+            hf = "vision_tower.vision_model." + hf[len("vision_tower.") :]
+        if not hf.startswith(("vision_tower.", "multi_modal_projector.", "model.vision_", "model.multi_modal",
+                              "model.connector.", "model.vision_tower.")):  # fmt: skip
+            continue
+        gname = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+        if gname is None:
+            raise EngineError(f"no projector-file name for {name}")
+        with safe_open(str(files[name]), framework="pt", device="cpu") as f:
+            t = f.get_tensor(name).float()
+        if gname.endswith("soft_emb_norm.weight"):
+            t = t + 1  # llama.cpp's converter: Gemma's (1 + w)
+        data = np.ascontiguousarray(t.numpy())
+        if data.ndim >= 2 and matrices != "F32" and "patch_embd" not in gname and "position_embd" not in gname:
+            qtype = gguf.GGMLQuantizationType[matrices]
+            w.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gname, data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -26,6 +26,7 @@ from .gguf_file import NORM_PLUS_ONE, GGUFModel
 from .gguf_header import is_gguf
 from .gguf_reader import GGUFReader
 from .hf_names import expected
+from .mmproj import projector_beside, read_projector
 from .safetensors import Reader, check_against_headers, header_digest, text_model_names, weight_files
 from .vision_weights import load_vision
 
@@ -69,10 +70,11 @@ class LoadedModel:
         """The vision side in words: its encoder and what an image takes; why not, where it was left out."""
         if self.vision is None:
             return self.vision_note
-        v = self.vision.cfg
+        v, n = self.vision.cfg, self.vision.parameter_count()
+        size = f"{n / 1e6:,.1f} M" if n >= 100_000 else f"{n:,}"
         return (f"{v.family}: SigLIP {v.num_layers} layers of {v.hidden_size}, {v.image_size}-pixel "
                 f"{'tiles' if v.family == 'idefics3' else 'images'} of {v.tokens_per_image} positions, "
-                f"{self.vision.parameter_count() / 1e6:,.1f} M parameters")  # fmt: skip
+                f"{size} parameters")  # fmt: skip
 
     @property
     def weight_bytes(self) -> int:
@@ -176,7 +178,8 @@ def load_model(
         model_dir = DEMO_MODEL
     model_dir = Path(model_dir).expanduser()
     if model_dir.is_dir() and not (model_dir / "config.json").exists():
-        ggufs = sorted(p for p in model_dir.glob("*.gguf") if is_gguf(p))
+        # a projector file (mmproj-*.gguf) beside the model is the model's vision side, not another model
+        ggufs = sorted(p for p in model_dir.glob("*.gguf") if is_gguf(p) and not p.name.startswith("mmproj"))
         if len(ggufs) == 1:  # a folder holding one GGUF file (LM Studio keeps them so)
             model_dir = ggufs[0]
         elif ggufs:
@@ -308,6 +311,16 @@ def _load_gguf(path: Path, device, dtype, weights, group_size, progress=None, ac
         )  # fmt: skip
     file_quant = f"gguf {gm.quantization()}"
     quantization = file_quant if quantization == "none" else f"{file_quant}, rest {quantization}"
-    fingerprint = _fingerprint(gm.digest(), cfg, dt, dev, quantization, tokenizer, model)
+    vision, note, digest = None, None, gm.digest()
+    projector = projector_beside(path)
+    if projector is not None:  # llama.cpp's projector file beside it: the model sees images
+        try:
+            vision, ids, pre = read_projector(projector, cfg.hidden_size, tokenizer.tok.token_to_id, dt, dev)
+            tokenizer.images = ImageFormat(vision.cfg, pre, tokenizer.tok.id_to_token, ids)
+            digest += f"+{GGUFModel(projector, check_architecture=False).digest()}"  # its images' K/V depend on it
+        except ModelLoadError as e:
+            vision, tokenizer.images, note = None, None, f"opened for text only: {e}"
+    fingerprint = _fingerprint(digest, cfg, dt, dev, quantization, tokenizer, model)
     title = (gm.meta("general.name") or "an Ollama model") if path.name.startswith("sha256-") else None
-    return LoadedModel(path, cfg, model, tokenizer, dev, dt, fingerprint, kern, gm.summary(), title)
+    return LoadedModel(path, cfg, model, tokenizer, dev, dt, fingerprint, kern, gm.summary(), title=title,
+                       vision=vision, vision_note=note)  # fmt: skip

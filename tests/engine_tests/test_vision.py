@@ -338,3 +338,47 @@ def test_a_remote_engine_is_sent_the_images(seeing, serve):
     local = list(Session(loaded, capacity=4096).generate(Request(messages=ask(1), max_new_tokens=5)))[-1]
     assert isinstance(fin, Finished), fin
     assert fin.text == local.text
+
+
+# --- GGUF with llama.cpp's projector file ----------------------------------------------------------
+@pytest.mark.parametrize("matrices", ["F32", "F16"])
+def test_the_gguf_and_projector_file_equal_the_folder(seeing, tmp_path, matrices):
+    """The text model as GGUF and the vision side as llama.cpp's mmproj file (its names from gguf-py's map, its
+    metadata as its converter writes it), beside it in one folder: the same logits as the folder (F32 exactly;
+    F16 matrices within their rounding)."""
+    pytest.importorskip("gguf")
+    from engine.tools.gguf_export import write_gguf, write_mmproj
+
+    family, path, loaded = seeing
+    write_gguf(path, tmp_path / "model.gguf", tokenizer=True)
+    write_mmproj(path, tmp_path / f"mmproj-{family}-{matrices.lower()}.gguf", matrices)
+    gguf_form = load_model(tmp_path, device="cpu", dtype="float32")  # the folder: the model and its projector
+    assert gguf_form.path.name == "model.gguf" and gguf_form.vision is not None, gguf_form.vision_note
+    assert gguf_form.facts()["images"].startswith(family)
+    outs = []
+    for m in (loaded, gguf_form):
+        chat = m.tokenizer.chat_prompt(ask(2))
+        rows = PromptImages(m.vision, m.tokenizer.images, chat.images).rows(chat.ids)
+        with torch.inference_mode():
+            outs.append(m.model(torch.tensor([[max(t, 0) for t in chat.ids]]), None, images=rows)[0])
+    assert outs[0].shape == outs[1].shape
+    torch.testing.assert_close(outs[1], outs[0], atol=0 if matrices == "F32" else 0.05, rtol=0)
+    alone = tmp_path / "alone"  # the same model file without its projector: another fingerprint (its images' K/V)
+    alone.mkdir()
+    (alone / "model.gguf").write_bytes((tmp_path / "model.gguf").read_bytes())
+    assert load_model(alone, device="cpu", dtype="float32").fingerprint["weights"] != gguf_form.fingerprint["weights"]
+
+
+def test_a_projector_file_for_another_model_leaves_the_text_model_running(seeing, tmp_path):
+    pytest.importorskip("gguf")
+    from engine.tools.gguf_export import write_gguf, write_mmproj
+
+    family, path, _ = seeing
+    other = "idefics3" if family == "gemma3" else "gemma3"
+    write_gguf(path, tmp_path / "model.gguf", tokenizer=True)
+    write_mmproj(make_vision_checkpoint(tmp_path / "other", other), tmp_path / "mmproj-other.gguf")
+    m = load_model(tmp_path / "model.gguf", device="cpu", dtype="float32")
+    assert m.vision is None and m.facts()["images"].startswith("opened for text only")
+    assert "vocabulary lacks" in m.vision_note
+    events = list(Session(m, capacity=256).generate(Request(messages=ask(1), max_new_tokens=2)))
+    assert isinstance(events[-1], Failed) and "does not see images" in events[-1].error

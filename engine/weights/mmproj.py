@@ -1,0 +1,119 @@
+"""llama.cpp's projector files (`mmproj-*.gguf`, beside a GGUF model that sees images): the SigLIP encoder and the
+Gemma 3 or Idefics3 projector read into engine.vision's model, its config from the `clip.vision.*` metadata, each
+tensor's shape checked against it before it is read (the file is untrusted: GGUFModel checks every extent)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import ModelLoadError
+from ..vision import VisionConfig, VisionModel
+from .gguf_file import GGUFModel
+from .gguf_header import is_gguf
+
+PROJECTORS = {"gemma3": "gemma3", "idefics3": "idefics3"}  # clip's projector type -> engine.vision's family
+IMAGE_TOKENS = {  # the strings each family's prompt writes, looked up in the text model's vocabulary
+    "gemma3": {
+        "image_token_id": "<image_soft_token>",
+        "boi_token_id": "<start_of_image>",
+        "eoi_token_id": "<end_of_image>",
+    },  # fmt: skip
+    "idefics3": {"image_token_id": "<image>"},
+}
+BLOCK = {  # a block's tensors: llama.cpp's name -> ours (engine.vision), under v.blk.{i}. and encoder.layers.{i}.
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_out": "self_attn.out_proj", "ln1": "layer_norm1", "ln2": "layer_norm2", "ffn_up": "mlp.fc1",
+    "ffn_down": "mlp.fc2",
+}  # fmt: skip
+GLOBAL = {
+    "v.patch_embd": "tower.embeddings.patch_embedding",
+    "v.position_embd": "tower.embeddings.position_embedding",
+    "v.post_ln": "tower.post_layernorm",
+    "mm.input_projection": "projector.mm_input_projection_weight",
+    "mm.soft_emb_norm": "projector.mm_soft_emb_norm",
+    "mm.model.fc": "projector.modality_projection.proj",
+}
+
+
+def projector_beside(model: Path) -> Path | None:
+    """The projector file in a GGUF model's folder: the one `mmproj*.gguf` there (several: the one whose name
+    shares the model's stem, else None and the model opens for text only)."""
+    found = sorted(p for p in model.parent.glob("mmproj*.gguf") if p != model and is_gguf(p))
+    if len(found) == 1:
+        return found[0]
+    named = [p for p in found if model.stem.split(".")[0].lower() in p.stem.lower()]
+    return named[0] if len(named) == 1 else None
+
+
+def _our_name(gname: str) -> str | None:
+    stem, _, kind = gname.rpartition(".")
+    if stem.startswith("v.blk."):
+        i, _, part = stem[len("v.blk.") :].partition(".")
+        return f"tower.encoder.layers.{i}.{BLOCK[part]}.{kind}" if part in BLOCK and i.isdigit() else None
+    if stem in GLOBAL:
+        ours = GLOBAL[stem]
+        return ours if ours.endswith("_weight") else f"{ours}.{kind}"
+    return None
+
+
+def read_projector(path: Path, text_hidden: int, token_id, dtype, device) -> tuple[VisionModel, dict, dict]:
+    """(the vision model, a config.json's image token ids, a preprocessor_config.json's settings) from a projector
+    file; `token_id(text)`: the text model's id of a token's string (None where it has none)."""
+    f = GGUFModel(path, check_architecture=False)
+
+    def number(key: str, default=None, high: int = 1 << 16) -> int:
+        v = f.meta(f"clip.vision.{key}", default)
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 1 <= int(v) <= high:
+            raise ModelLoadError(f"the projector file's clip.vision.{key} is {v!r}: out of range", path)
+        return int(v)
+
+    kind = f.meta("clip.vision.projector_type") or f.meta("clip.projector_type")
+    if kind not in PROJECTORS:
+        raise ModelLoadError(f"projector type {kind!r} is not one kvchat runs ({', '.join(PROJECTORS)})", path)
+    family = PROJECTORS[kind]
+    size, patch = number("image_size"), number("patch_size")
+    if size % patch:
+        raise ModelLoadError("the projector file's image size is not a whole number of patches", path)
+    side, scale = size // patch, number("projector.scale_factor", 4 if family == "gemma3" else 2, size)
+    if side % scale:
+        raise ModelLoadError(f"its scale factor {scale} does not divide the {side}×{side} patches", path)
+    tokens = {k: token_id(text) for k, text in IMAGE_TOKENS[family].items()}
+    missing = [IMAGE_TOKENS[family][k] for k, v in tokens.items() if v is None]
+    if missing:
+        raise ModelLoadError(f"the model's vocabulary lacks {', '.join(missing)}, which its images need", path)
+    if number("projection_dim") != text_hidden:
+        raise ModelLoadError(f"the projector file is for a text model of width {number('projection_dim')}, "
+                             f"not {text_hidden}", path)  # fmt: skip
+    eps = float(f"{float(f.meta('clip.vision.attention.layer_norm_epsilon', 1e-6)):.7g}")  # float32 in the file
+    width, inner = number("embedding_length"), number("feed_forward_length")
+    layers, heads = number("block_count", high=256), number("attention.head_count", high=1024)
+    cfg = VisionConfig(family, width, inner, layers, heads, size, patch, eps, text_hidden, tokens["image_token_id"],
+                       (side // scale) ** 2, 1 if family == "gemma3" else scale)  # fmt: skip
+    if cfg.hidden_size % cfg.num_heads or not 0 < cfg.layer_norm_eps < 1:
+        raise ModelLoadError("the projector file's width does not divide into its heads, or its epsilon is wrong", path)
+    model = VisionModel(cfg)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    state = {}
+    for gname, t in f.tensors.items():
+        ours = _our_name(gname)
+        if ours is None or ours not in shapes:
+            continue
+        if tuple(t.shape) != shapes[ours]:
+            raise ModelLoadError(f"{gname} is {list(t.shape)}, but its metadata makes it {list(shapes[ours])}", path)
+        values = torch.from_numpy(f._float_rows(t).reshape(shapes[ours]).copy())
+        if gname.startswith("mm.soft_emb_norm"):
+            values = values - 1  # llama.cpp's converter stores Gemma's (1 + w)
+        state[ours] = values.to(dtype)
+    missing = sorted(set(shapes) - set(state))
+    if missing:
+        raise ModelLoadError(f"the projector file lacks the tensor for {missing[0]}", path)
+    model.load_state_dict(state)
+    mean, std = (f.meta(f"clip.vision.image_{k}", [0.5] * 3) for k in ("mean", "std"))
+    pre = {"image_mean": [float(x) for x in mean], "image_std": [float(x) for x in std],
+           "max_image_size": {"longest_edge": size}}  # fmt: skip
+    if family == "idefics3":
+        pre["size"] = {"longest_edge": number("preproc_image_size", 4 * size, 8192)}
+    return model.to(device=device, dtype=dtype).eval(), tokens, pre
