@@ -154,9 +154,10 @@ class WindowLayout:
         self.composer.stopRequested.connect(self.stop)
         self.composer.imagesGiven.connect(self.attach_images)
         self.composer.imagesRefused.connect(lambda why: self.show_error("Not attached: " + "; ".join(why)))
-        comp.addWidget(self.composer, 1)
-        self.attachButton = button("Image…", "attachButton", self.choose_images, comp)
+        self.attachButton = button("Image…", "attachButton", self.choose_images, comp)  # left of the box, as usual
+        comp.setAlignment(self.attachButton, Qt.AlignTop)  # level with the box's first line: Tab reaches it first
         self.attachButton.setToolTip("Attach images for the model to see (or paste one, or drop image files here)")
+        comp.addWidget(self.composer, 1)
         self.sendButton = button("Send", "sendButton", self.send, comp)
         self.stopButton = button("Stop", "stopButton", self.stop, comp)
         self.stopButton.setVisible(False)
