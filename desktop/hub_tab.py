@@ -28,7 +28,7 @@ from PySide6.QtWidgets import (
 )
 
 from engine.errors import one_line
-from engine.hub import HubError, choose, discard_partial, fits, offline, repo_facts, repo_files, search
+from engine.hub import HubError, choose, discard_partial, fits, is_projector, offline, repo_facts, repo_files, search
 
 from .core.panel_words import fmt_size
 from .outside_text import plain
@@ -198,7 +198,7 @@ class HubTab(QWidget):
         self.searched.emit()
 
     def _show_files(self, repo: str, files: list, facts) -> None:
-        shown = [f for f in files if f.kind in ("gguf", "safetensors")]
+        shown = [f for f in files if f.kind in ("gguf", "safetensors") and not is_projector(f)]  # (comes with one)
         try:
             folder = choose(repo, files, None) if any(f.kind == "safetensors" for f in shown) else None
         except HubError:
@@ -215,6 +215,8 @@ class HubTab(QWidget):
         self.files.setRowCount(0)
         kv = facts.kv_bytes_per_position
         ok = f"no: {facts.reason}" if facts.reason else "yes" if facts.architecture else "not known before download"
+        if facts.images and not facts.reason:
+            ok += f" · {facts.images}"
         for path, quant, size in rows:
             r = self.files.rowCount()
             self.files.insertRow(r)

@@ -177,7 +177,7 @@ class ModelsDialog(QDialog):
             else "",
             "Source": found.source,
             "Format": found.format,
-            "Architecture": found.architecture or "?",
+            "Architecture": (found.architecture or "?") + (" · images" if found.images else ""),
             "Parameters": fmt_params(found.parameters),
             "Quantization": found.quantization or "?",
             "Size": fmt_size(found.size_bytes),
@@ -188,7 +188,8 @@ class ModelsDialog(QDialog):
             item = QTableWidgetItem(text)
             kv = f"\nKV cache: {found.kv_layers}" if found.kv_layers else ""
             held = f"\nWeights once loaded: {fmt_size(found.held_bytes)}" if found.held_bytes else ""
-            item.setToolTip(plain_tooltip(f"{found.path}\n{status}{kv}{held}"))
+            seen = f"\nIt {found.images}" if found.images else ""
+            item.setToolTip(plain_tooltip(f"{found.path}\n{status}{kv}{held}{seen}"))
             if not found.openable:
                 item.setForeground(QBrush(QColor("#8a93a6")))
             if status == "in use":  # the model loaded now, in bold

@@ -27,7 +27,8 @@ from .errors import one_line
 from .hub_transfer import REPO, HubError, check_commit, check_etag, get_json, inside, is_file_name, transfer
 
 FOLDER_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                "special_tokens_map.json", "chat_template.jinja", "model.safetensors.index.json")  # fmt: skip
+                "special_tokens_map.json", "chat_template.jinja", "model.safetensors.index.json",
+                "preprocessor_config.json")  # fmt: skip
 QUANT = re.compile(r"(?i)(?:^|[-_.])((?:I?Q\d(?:_[A-Z0-9]+)*)|F16|BF16|F32)(?=[-_.]|$)")
 MAX_FILES = 20_000  # a repository's files listed; the rest are left out, and said
 CONFIG_BYTES = 1 << 20  # a config.json read before a download
@@ -207,6 +208,7 @@ class RepoFacts:
     kv_allocated_bytes: int | None = None  # the cache a session allocates by default (sliding layers: their ring)
     kv_layers: str | None = None  # a sliding-window cache's layers in words
     kv_layers_short: str | None = None  # the same for a table's cell
+    images: str | None = None  # it sees images: how (its vision side, or the projector file that comes with it)
 
 
 def repo_facts(repo: str, commit: str | None = None, files: list[HubFile] = ()) -> RepoFacts:
@@ -216,6 +218,7 @@ def repo_facts(repo: str, commit: str | None = None, files: list[HubFile] = ()) 
     from huggingface_hub import hf_hub_url
 
     from .config import SUPPORTED_ARCHITECTURES, config_from_dict
+    from .vision import VISION_ARCHITECTURES
     from .weights.catalog import kv_facts
     from .weights.gguf_file import ARCHITECTURES
 
@@ -226,7 +229,10 @@ def repo_facts(repo: str, commit: str | None = None, files: list[HubFile] = ()) 
         arch = one_line(gguf["architecture"], 80)
         reason = None if arch in ARCHITECTURES else f"GGUF architecture {arch!r} is not supported yet"
         context = gguf.get("context_length")
-        return RepoFacts(arch, reason, None, context if isinstance(context, int) and context > 0 else None)
+        projector = best_projector(files)
+        images = f"sees images (with {one_line(projector.path, 80)})" if projector else None
+        return RepoFacts(arch, reason, None, context if isinstance(context, int) and context > 0 else None,
+                         images=images)  # fmt: skip
     config = info.get("config") if isinstance(info.get("config"), dict) else {}
     archs = config.get("architectures") if isinstance(config.get("architectures"), list) else [None]
     arch = archs[0] if archs and isinstance(archs[0], str) else None
@@ -243,23 +249,43 @@ def repo_facts(repo: str, commit: str | None = None, files: list[HubFile] = ()) 
         cfg = config_from_dict(raw, Path("config.json"))
     except Exception as e:  # a config kvchat cannot read: it would not open either
         return RepoFacts(arch, one_line(f"its config.json does not read: {e}"), None, None)
-    return RepoFacts(arch, None, context=cfg.max_position_embeddings, **kv_facts(cfg))
+    images = "sees images" if arch in VISION_ARCHITECTURES else None
+    return RepoFacts(arch, None, context=cfg.max_position_embeddings, images=images, **kv_facts(cfg))
+
+
+def is_projector(f: HubFile) -> bool:
+    """llama.cpp's projector file (mmproj-*.gguf): a model's vision side, not a model."""
+    return f.kind == "gguf" and Path(f.path).name.lower().startswith("mmproj")
+
+
+def best_projector(files: list[HubFile]) -> HubFile | None:
+    """The projector file a GGUF model of this repository comes with: its F16 one, else BF16, else the smallest."""
+    found = [f for f in files if is_projector(f) and "/" not in f.path]
+    for kind in ("f16", "bf16"):  # a word of its name: mmproj-model-f16.gguf, mmproj-BF16.gguf
+        named = [f for f in found if kind in re.split(r"[-_.]", Path(f.path).stem.lower())]
+        if named:
+            return named[0]
+    return min(found, key=lambda f: f.size) if found else None
 
 
 def choose(repo: str, files: list[HubFile], filename: str | None) -> list[HubFile]:
-    """The files a pull of `repo[:filename]` downloads: that GGUF file, or a safetensors folder's weights with
-    its config and tokenizer. A repository of several GGUF files needs one named."""
+    """The files a pull of `repo[:filename]` downloads: that GGUF file (with the repository's projector file first,
+    where it has one: the model then sees images), or a safetensors folder's weights with its config and
+    tokenizer. A repository of several GGUF files needs one named."""
     by_path = {f.path: f for f in files}
+    projector = best_projector(files)
     if filename:
         if filename not in by_path:
             raise HubError(f"{repo} has no file {filename}")
-        return [by_path[filename]]
+        chosen = by_path[filename]
+        with_projector = projector is not None and not is_projector(chosen) and "/" not in chosen.path
+        return ([projector] if with_projector else []) + [chosen]
     weights = [f for f in files if f.kind == "safetensors" and "/" not in f.path]
     if weights and "config.json" in by_path:
         return [by_path[n] for n in FOLDER_FILES if n in by_path] + weights
-    ggufs = [f for f in files if f.kind == "gguf"]
+    ggufs = [f for f in files if f.kind == "gguf" and not is_projector(f)]
     if len(ggufs) == 1:
-        return ggufs
+        return ([projector] if projector is not None and "/" not in ggufs[0].path else []) + ggufs
     if ggufs:
         names = ", ".join(f"{one_line(f.path, 80)} ({f.size / 2**30:,.2f} GiB)" for f in ggufs[:8])
         names += f" and {len(ggufs) - 8:,} more" if len(ggufs) > 8 else ""
@@ -332,7 +358,7 @@ def pull(spec: str, report: Callable[[int, int, str], None] | None = None) -> Pa
         done += f.size
     if report:
         report(total, total, "done")
-    return last if filename or (len(wanted) == 1 and wanted[0].kind == "gguf") else last.parent
+    return last if filename or wanted[-1].kind == "gguf" else last.parent
 
 
 def _download(repo: str, f: HubFile, commit: str, progress: Progress) -> Path:

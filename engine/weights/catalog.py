@@ -20,14 +20,16 @@ from ..config import config_from_dict, read_json
 from ..devices import resolve_device, resolve_dtype
 from ..errors import ModelLoadError
 from ..kv_cache import cache_plan
+from ..vision import vision_config
 from .gguf_file import ARCHITECTURES, GGUFModel
 from .gguf_header import is_gguf
 from .gguf_reader import check_gguf_shapes
 from .hf_names import check_shapes
+from .mmproj import projector_beside
 from .safetensors import text_model_names
 
 SOURCES = ("hf-cache", "lm-studio", "ollama", "folder")
-CACHE_VERSION = 5
+CACHE_VERSION = 6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +49,7 @@ class FoundModel:
     kv_layers: str | None = None  # a sliding-window cache's layers in words ("22 of 26 layers sliding: ≤ 1,536 …")
     kv_layers_short: str | None = None  # the same for a table's cell ("22/26 sliding ≤ 1,536")
     held_bytes: int | None = None  # the weights once loaded, where it differs from the file's size (a GGUF's)
+    images: str | None = None  # it sees images: how (its vision family, or the projector file beside a GGUF)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -129,6 +132,10 @@ def _folder_row(folder: Path, name: str, source: str) -> FoundModel:
         check_shapes(cfg, usual, lambda name: stored.get(name, name))
         if not (folder / "tokenizer.json").is_file():
             raise ModelLoadError("no tokenizer.json")
+        seeing = vision_config(raw, cfg.hidden_size, folder / "config.json")
+        if seeing is not None:
+            unit = "a tile" if seeing.family == "idefics3" else "an image"
+            kv["images"] = f"sees images ({seeing.family}: {seeing.tokens_per_image} positions {unit})"
     except (ModelLoadError, OSError, ValueError, KeyError, TypeError) as e:
         reason = e.message if isinstance(e, ModelLoadError) else f"{type(e).__name__}: {e}"
     return FoundModel(name, str(folder), source, "safetensors", arch, params, quant, size, reason is None, reason, **kv)
@@ -181,9 +188,10 @@ def _gguf_row(path: Path, name: str, source: str) -> FoundModel:
         except ModelLoadError as e:
             reason = e.message
     quant = gm.quantization()
-    return FoundModel(
-        name, str(path), source, "gguf", gm.arch, params, quant, size, reason is None, reason, **kv, held_bytes=held
-    )
+    projector = projector_beside(path)
+    images = f"sees images with {projector.name}" if projector is not None else None
+    return FoundModel(name, str(path), source, "gguf", gm.arch, params, quant, size, reason is None, reason, **kv,
+                      held_bytes=held, images=images)  # fmt: skip
 
 
 FIELDS = {f.name for f in dataclasses.fields(FoundModel)}
@@ -251,8 +259,8 @@ def _candidates_in(folder: Path, depth: int = 3) -> Iterator[tuple[Path, str]]:
     if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
         yield folder, "safetensors"
     for p in entries:
-        if p.is_file() and p.suffix.lower() == ".gguf" and is_gguf(p):
-            yield p, "gguf"
+        if p.is_file() and p.suffix.lower() == ".gguf" and not p.name.startswith("mmproj") and is_gguf(p):
+            yield p, "gguf"  # (a projector file is its model's vision side, named in the model's row)
         elif p.is_dir() and depth > 0 and not p.name.startswith("."):
             yield from _candidates_in(p, depth - 1)
 

@@ -382,3 +382,61 @@ def test_a_projector_file_for_another_model_leaves_the_text_model_running(seeing
     assert "vocabulary lacks" in m.vision_note
     events = list(Session(m, capacity=256).generate(Request(messages=ask(1), max_new_tokens=2)))
     assert isinstance(events[-1], Failed) and "does not see images" in events[-1].error
+
+
+# --- the Hub and the models on disk ----------------------------------------------------------------
+def test_a_pull_brings_the_projector_file_and_the_models_list_says_the_model_sees_images(tmp_path):
+    """A GGUF repository with two projector files: the pull downloads the model and its F16 projector beside it
+    (the model opens seeing images); the safetensors form comes with its preprocessor_config.json; the list of
+    models on disk says both see images and lists no projector file as a model of its own."""
+    import json
+    import os
+
+    pytest.importorskip("starlette")
+    pytest.importorskip("gguf")
+    from hub_standin import HubStandIn, Repo
+
+    from engine.tools.gguf_export import write_gguf, write_mmproj
+
+    folder = make_vision_checkpoint(tmp_path / "src", "gemma3")
+    model = write_gguf(folder, tmp_path / "model.gguf", tokenizer=True).read_bytes()
+    f16 = write_mmproj(folder, tmp_path / "f16.gguf", "F16").read_bytes()
+    q8 = write_mmproj(folder, tmp_path / "q8.gguf", "Q8_0").read_bytes()
+    files = {n: p.read_bytes() for n, p in ((p.name, p) for p in folder.iterdir()) if p.is_file()}
+    repos = {
+        "kvchat/vision-GGUF": Repo(
+            {"vision-F32.gguf": model, "mmproj-vision-F16.gguf": f16, "mmproj-vision-Q8_0.gguf": q8}
+        ),  # fmt: skip
+        "kvchat/vision": Repo(files, tags=("safetensors",)),
+    }
+    server = HubStandIn(repos)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(HF_ENDPOINT=server.url, HF_HOME=str(tmp_path / "hf"), HF_HUB_CACHE=str(tmp_path / "hub"),
+               HF_HUB_DISABLE_XET="1", HF_HUB_DISABLE_TELEMETRY="1")  # fmt: skip
+    try:
+        import subprocess
+        import sys
+
+        def engine(*args):
+            return subprocess.run([sys.executable, "-m", "engine", *map(str, args)], capture_output=True, text=True,
+                                  env=env, timeout=300)  # fmt: skip
+
+        r = engine("pull", "kvchat/vision-GGUF", "--json")  # one model file: the projector comes with it
+        assert r.returncode == 0, r.stderr
+        path = json.loads(r.stdout)["path"]
+        assert path.endswith("vision-F32.gguf")
+        beside = sorted(os.listdir(os.path.dirname(path)))
+        assert beside == ["mmproj-vision-F16.gguf", "vision-F32.gguf"]  # the F16 projector, not the Q8_0 one
+        info = json.loads(engine("info", "--model", path, "--json").stdout)
+        assert info["images"].startswith("gemma3: SigLIP")
+        r = engine("pull", "kvchat/vision", "--json")
+        assert r.returncode == 0, r.stderr
+        where = json.loads(r.stdout)["path"]
+        assert "preprocessor_config.json" in os.listdir(where)
+        rows = json.loads(engine("models", "--json", "--no-cache").stdout)
+        listed = {row["path"]: row for row in rows}
+        assert listed[path]["images"] == "sees images with mmproj-vision-F16.gguf"
+        assert listed[where]["images"] == "sees images (gemma3: 4 positions an image)"
+        assert not any(os.path.basename(p).startswith("mmproj") for p in listed)
+    finally:
+        server.stop()
