@@ -440,3 +440,22 @@ def test_a_pull_brings_the_projector_file_and_the_models_list_says_the_model_see
         assert not any(os.path.basename(p).startswith("mmproj") for p in listed)
     finally:
         server.stop()
+
+
+def test_an_images_positions_come_back_from_the_disk_tier_and_reply_as_fresh(seeing, tmp_path):
+    """A new session on the same disk tier (as a new process would be): the image's positions read back from
+    disk, not encoded again, and the same reply as a fresh run; blocks holding image ids hash apart from text."""
+    from engine.disk_store import DiskStore, block_keys
+
+    _, _, loaded = seeing
+    first = Session(loaded, capacity=512, disk=DiskStore(tmp_path, 2**30))
+    want, start = generate(first, ask(1))
+    assert first.flush()
+    loaded.vision.kept.clear()  # what a new process would not have
+    again, start2 = generate(Session(loaded, capacity=512, disk=DiskStore(tmp_path, 2**30)), ask(1))
+    assert start2.reuse.source == "disk" and start2.reuse.reused >= image_runs(start.prompt_token_ids)[-1][1]
+    assert again.trace["images"]["encoded"] == 0  # the encoder did not run: its positions were on disk
+    assert again.token_ids == want.token_ids
+    ids = list(start.prompt_token_ids)[:16]
+    text = [max(t, 0) for t in ids]
+    assert block_keys(ids) != block_keys(text)
