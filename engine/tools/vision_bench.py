@@ -1,0 +1,84 @@
+"""The vision encoders at their real shapes (random weights: the time does not depend on their values): the
+encoder's time for one image at each family's default resolution, the prompt positions it becomes, and their K/V
+bytes in the text model that reads them. `python -m engine.tools.vision_bench [--dtype bfloat16] [--json]`;
+the figures go to engine/MODELS.md, "Models that see images"."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from ..devices import default_threads
+from ..image_prompt import ImageFormat
+from ..images import Image
+from ..vision import VisionConfig, VisionModel
+
+# (name, vision config, the text model's KV bytes per position in 16 bits: 2·L·H_kv·d·2, a photo's size)
+SHAPES = {
+    "Gemma 3 4B (SigLIP so400m, 896 px)": (
+        VisionConfig("gemma3", 1152, 4304, 27, 16, 896, 14, 1e-6, 2560, 262144, 256),
+        2 * 34 * 4 * 256 * 2,
+        {},
+    ),
+    "SmolVLM-256M (SigLIP base, 512 px tiles)": (
+        VisionConfig("idefics3", 768, 3072, 12, 12, 512, 16, 1e-6, 576, 49190, 64, 4),
+        2 * 30 * 3 * 64 * 2,
+        {"size": {"longest_edge": 2048}, "max_image_size": {"longest_edge": 512}},
+    ),
+}
+PHOTO = (1024, 768)  # width, height: a phone photo scaled down, what the figures assume
+
+
+def measure(name: str, dtype: torch.dtype, runs: int = 3) -> dict:
+    cfg, kv_per_position, pre = SHAPES[name]
+    torch.manual_seed(0)
+    model = VisionModel(cfg).to(dtype).eval()
+    fmt = ImageFormat(cfg, pre, lambda i: "<image>", {"boi_token_id": 1, "eoi_token_id": 2})
+    photo = Image(b"", "0" * 64, PHOTO[0], PHOTO[1], "PNG")
+    tiles = fmt.layout(photo).tiles
+    pixels = torch.randn(tiles, 3, cfg.image_size, cfg.image_size)
+    model(pixels[:1])  # the first call's one-time costs (allocation, threads) left out
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        model(pixels)
+        times.append((time.perf_counter() - t0) * 1000)
+    positions = fmt.positions(photo)
+    return {
+        "model": name,
+        "dtype": str(dtype).removeprefix("torch."),
+        "encoder_parameters": model.parameter_count(),
+        "image": f"{PHOTO[0]}×{PHOTO[1]}",
+        "tiles": tiles,
+        "positions": positions,
+        "kv_bytes": positions * kv_per_position,
+        "encoder_ms": round(statistics.median(times), 1),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m engine.tools.vision_bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--json", action="store_true")
+    ns = ap.parse_args(argv)
+    torch.set_num_threads(default_threads())
+    rows = [measure(name, getattr(torch, ns.dtype), ns.runs) for name in SHAPES]
+    if ns.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    for r in rows:
+        print(f"{r['model']}: {r['image']} → {r['tiles']} tile(s), {r['positions']:,} positions, "
+              f"{r['kv_bytes'] / 2**20:,.1f} MiB of K/V; encoder {r['encoder_ms']:,.1f} ms ({r['dtype']}, "
+              f"{r['encoder_parameters'] / 1e6:,.0f} M parameters, {r['threads']} threads)")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
