@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .errors import EngineError
 from .kv_cache import make_cache
 from .session import Request, Session
 
@@ -57,6 +58,8 @@ def _prompt_ids(loaded, prompt) -> list[int]:
         return list(prompt)  # already token ids (random-weight shapes have no real tokenizer)
     tok = loaded.tokenizer
     msgs = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    if any(m.get("images") for m in msgs):
+        raise EngineError("Compare runs text prompts only: this conversation holds images")
     if tok.has_chat_template:
         return tok.apply_chat_template(msgs)
     return tok.encode(msgs[-1]["content"], add_special_tokens=True)

@@ -276,6 +276,8 @@ class Session:
         pictures = None
         if fitted.chat.images:  # the images' encoder runs as the prefill meets their first uncached position
             pictures = PromptImages(loaded.vision, loaded.tokenizer.images, fitted.chat.images)
+        elif min(prompt) < 0:  # an image's ids without the image (a prompt given as ids): nothing to compute them from
+            raise EngineError("the prompt holds an image's positions but not the image; send the messages instead")
         drafter = None
         # drafts are refused before anything is computed (a draft that cannot draft says why); none with images
         if req.speculative and guide is None and pictures is None:

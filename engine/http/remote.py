@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from .. import trace as tracing
 from ..events import WAITING, Failed, Finished, PrefillDone, PrefillStarted, ReuseReport, Token
 from . import openai_chat as wire
-from .openai_tools import StreamedCalls
+from .openai_tools import StreamedCalls, wire_messages
 from .remote_server import (
     CONNECT_TIMEOUT_S,
     LINE_BYTES,
@@ -102,7 +102,7 @@ class RemoteSession:
         if (self._facts or {}).get("server_kind") != "kvchat":
             return {"error": "not reported by this server"}
         url = self.spec.url.removesuffix("/v1") + "/kvchat/cached"
-        body = {"model": self.model_id, "messages": list(req.messages or ())}
+        body = {"model": self.model_id, "messages": wire_messages(req.messages or ())}  # images as data: URLs
         if req.overflow != "stop":
             body.update(overflow=req.overflow, max_tokens=req.max_new_tokens)
         try:

@@ -34,7 +34,27 @@ SHAPES = {
 PHOTO = (1024, 768)  # width, height: a phone photo scaled down, what the figures assume
 
 
-def measure(name: str, dtype: torch.dtype, runs: int = 3) -> dict:
+def encoder_flops(cfg: VisionConfig, tiles: int) -> float:
+    """Multiply-adds × 2 of the encoder for `tiles` tiles: per layer the q/k/v/out and MLP products over its P
+    patches, and attention's two P×P products; the projector's are left out (under 1%)."""
+    p, e, f = cfg.patches, cfg.hidden_size, cfg.intermediate_size
+    per_layer = 2 * p * (4 * e * e + 2 * e * f) + 2 * 2 * p * p * e
+    return tiles * cfg.num_layers * per_layer
+
+
+def gemm_rate(dtype: torch.dtype, n: int = 2048, runs: int = 3) -> float:
+    """This machine's rate for one large product in `dtype` (FLOP/s), in the same run: the encoders' roofline."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    a @ b
+    best = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        a @ b
+        best.append(time.perf_counter() - t0)
+    return 2 * n**3 / statistics.median(best)
+
+
+def measure(name: str, dtype: torch.dtype, runs: int = 3, roof: float | None = None) -> dict:
     cfg, kv_per_position, pre = SHAPES[name]
     torch.manual_seed(0)
     model = VisionModel(cfg).to(dtype).eval()
@@ -49,6 +69,8 @@ def measure(name: str, dtype: torch.dtype, runs: int = 3) -> dict:
         model(pixels)
         times.append((time.perf_counter() - t0) * 1000)
     positions = fmt.positions(photo)
+    ms = statistics.median(times)
+    rate = encoder_flops(cfg, tiles) / (ms / 1000)
     return {
         "model": name,
         "dtype": str(dtype).removeprefix("torch."),
@@ -57,7 +79,10 @@ def measure(name: str, dtype: torch.dtype, runs: int = 3) -> dict:
         "tiles": tiles,
         "positions": positions,
         "kv_bytes": positions * kv_per_position,
-        "encoder_ms": round(statistics.median(times), 1),
+        "encoder_ms": round(ms, 1),
+        "encoder_gflop": round(encoder_flops(cfg, tiles) / 1e9, 1),
+        "gflop_s": round(rate / 1e9, 1),
+        "of_gemm_roofline": round(rate / roof, 3) if roof else None,  # a 2,048³ product's rate, the same run
         "threads": torch.get_num_threads(),
     }
 
@@ -69,14 +94,18 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     ns = ap.parse_args(argv)
     torch.set_num_threads(default_threads())
-    rows = [measure(name, getattr(torch, ns.dtype), ns.runs) for name in SHAPES]
+    dtype = getattr(torch, ns.dtype)
+    roof = gemm_rate(dtype)
+    rows = [measure(name, dtype, ns.runs, roof) for name in SHAPES]
     if ns.json:
         print(json.dumps(rows, indent=2))
         return 0
     for r in rows:
         print(f"{r['model']}: {r['image']} → {r['tiles']} tile(s), {r['positions']:,} positions, "
               f"{r['kv_bytes'] / 2**20:,.1f} MiB of K/V; encoder {r['encoder_ms']:,.1f} ms ({r['dtype']}, "
-              f"{r['encoder_parameters'] / 1e6:,.0f} M parameters, {r['threads']} threads)")  # fmt: skip
+              f"{r['encoder_parameters'] / 1e6:,.0f} M parameters, {r['threads']} threads); {r['encoder_gflop']:,.0f} "
+              f"GFLOP at {r['gflop_s']:,.1f} GFLOP/s, {100 * r['of_gemm_roofline']:.0f}% of a 2,048³ product's rate "
+              f"({roof / 1e9:,.1f} GFLOP/s)")  # fmt: skip
     return 0
 
 

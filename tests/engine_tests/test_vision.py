@@ -296,8 +296,8 @@ def test_the_server_takes_image_url_parts_and_refuses_bad_ones(seeing, serve):
     assert ask_server(content(IMAGES[0].data_url())).status_code == 200  # still serving
 
 
-def fin_prompt(loaded) -> list[int]:
-    return loaded.tokenizer.chat_prompt(ask(2)).ids
+def fin_prompt(loaded, n: int = 2) -> list[int]:
+    return loaded.tokenizer.chat_prompt(ask(n)).ids
 
 
 def test_a_server_without_the_flag_refuses_image_urls_and_a_text_model_refuses_images(serve):
@@ -333,8 +333,10 @@ def test_a_remote_engine_is_sent_the_images(seeing, serve):
     try:
         remote.connect()
         fin = list(remote.generate(Request(messages=ask(1), max_new_tokens=5)))[-1]
+        seen = remote.cached_positions(Request(messages=ask(1), add_generation_prompt=False))  # the app's probe
     finally:
         remote.close()
+    assert "error" not in seen and seen["cached"] >= image_runs(fin_prompt(loaded, 1))[-1][1]
     local = list(Session(loaded, capacity=4096).generate(Request(messages=ask(1), max_new_tokens=5)))[-1]
     assert isinstance(fin, Finished), fin
     assert fin.text == local.text
