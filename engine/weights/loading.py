@@ -44,9 +44,9 @@ class LoadedModel:
     fingerprint: dict[str, str]
     kernels: kernel_library.Kernels | None = None  # kvchat's CPU kernels, when decode runs on them
     file_tensors: dict | None = None  # a GGUF's tensors by file type: how many, bytes in the file, held as, bytes held
+    title: str | None = None  # a name where the file's own says nothing (an Ollama blob: the model's general.name)
     vision: VisionModel | None = None  # the encoder and projector of a model that sees images (engine.vision)
     vision_note: str | None = None  # why a checkpoint with a vision tower was opened for text only
-    title: str | None = None  # a name where the file's own says nothing (an Ollama blob: the model's general.name)
 
     @property
     def name(self) -> str:
