@@ -96,12 +96,15 @@ def reference_greedy(ref, ref_ids, extra, n: int) -> list[int]:
     return out
 
 
-def test_a_chunked_prefill_replies_as_transformers(seeing):
+@pytest.mark.parametrize("capacity", [512, 4096])
+def test_a_chunked_prefill_replies_as_transformers(seeing, capacity):
     """Prefill steps of 5 positions (an image that sees itself whole never cut between two), then cached decode
-    steps: the greedy reply equals transformers' on its own cache."""
+    steps: the greedy reply equals transformers' on its own cache; at 4,096 positions Gemma 3's sliding layers keep
+    a ring (the image's mask over the ring's slots)."""
     family, path, loaded = seeing
-    session = Session(loaded, capacity=512)
+    session = Session(loaded, capacity=capacity)
     session.prefill_chunk = 5
+    assert session.cache.windowed == (family == "gemma3" and capacity == 4096)
     done, start = generate(session, ask(2), logprobs=True)
     ids = list(start.prompt_token_ids)
     ref_ids, extra = reference_inputs(family, path, loaded, ids, IMAGES[:2])
