@@ -19,6 +19,8 @@ def reading(seen: dict | None, capacity: int | None, max_new_tokens: int) -> tup
     seen = seen or {}
     prompt = seen.get("next_positions")
     policy = seen.get("next_overflow", "stop")
+    if seen.get("next_error_images"):  # the draft's images, for a model without a vision tower
+        return "Next Send: this model does not see images: Send will be refused", "over", seen["next_error"]
     if seen.get("next_error"):  # a policy that cannot make it fit: only the last turn is already too long
         return "Next Send: over the capacity even with turns left out: Send will be refused", "over", seen["next_error"]
     if not isinstance(prompt, int):
@@ -64,7 +66,8 @@ def refusal(seen: dict | None, capacity: int | None, max_new_tokens: int) -> str
     when the engine will leave turns out to make it fit)."""
     seen = seen or {}
     if seen.get("next_error"):
-        return f"Not sent: {seen['next_error']} Your message is still in the box."
+        said = seen["next_error"].rstrip()
+        return f"Not sent: {said}{'' if said.endswith(('.', '!', '?')) else '.'} Your message is still in the box."
     prompt = seen.get("next_positions")
     if not capacity or not isinstance(prompt, int) or seen.get("next_dropped"):
         return ""

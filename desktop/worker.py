@@ -280,7 +280,7 @@ class EngineWorker(QObject):
                     sent = ask(Request(messages=[*messages, draft_message], max_new_tokens=max_new_tokens,
                                        overflow=overflow, **offered))  # fmt: skip
                 except ImageError as e:  # images this model cannot take: Send refuses them, the draft kept
-                    sent = {"error": str(e), "refused": True}
+                    sent = {"error": str(e), "refused": True, "images": True}
                 seen = {**seen, "next_positions": sent.get("positions"), "next_overflow": overflow}
                 if sent.get("dropped_messages"):
                     seen.update(
@@ -288,6 +288,7 @@ class EngineWorker(QObject):
                     )
                 if sent.get("refused"):  # too long even with turns left out (not: a server that does not say)
                     seen["next_error"] = sent["error"]
+                    seen["next_error_images"] = bool(sent.get("images"))  # or: its images cannot be taken
         except (EngineError, ValueError) as e:
             seen = {"error": str(e)}
         self.probed.emit(cid, {**seen, "asked": asked})
