@@ -25,6 +25,7 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForConditionalGeneration": "gemma3",  # 4B and larger: its text model, beside its vision tower
     "Idefics3ForConditionalGeneration": "llama",  # SmolVLM: a Llama text model beside a SigLIP tower
     "SmolVLMForConditionalGeneration": "llama",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2",  # a Qwen2 text model with multimodal rotary positions (mrope)
     "Phi3ForCausalLM": "phi3",
     "SmolLM3ForCausalLM": "smollm3",
     "GraniteForCausalLM": "granite",
@@ -48,6 +49,7 @@ class RopeConfig:
     long_factor: tuple[float, ...] = ()  # longrope: divisors for a context past the original
     attention_factor: float = 1.0  # longrope: cos and sin scaled by it
     partial: float = 1.0  # the fraction of each head's width that rotates (Phi-4-mini: 0.75)
+    sections: tuple[int, ...] = ()  # mrope (Qwen2.5-VL): the frequencies rotated by a position's t, h and w parts
 
     def describe(self) -> str:
         """The rotary settings in words, exact (the cache's fingerprint compares them, a cache-drop reason
@@ -67,6 +69,8 @@ class RopeConfig:
             )
         if self.partial != 1.0:
             text += f", rotating {_exact(self.partial)} of each head"
+        if self.sections:
+            text += f", multimodal positions (frequencies {' + '.join(map(str, self.sections))} by t, h, w)"
         if self.factors:  # the values themselves are too many to show: their digest tells two sets apart
             digest = hashlib.sha256(repr(self.factors).encode()).hexdigest()[:8]
             text += f", {len(self.factors)} per-frequency factors from the file (digest {digest})"
@@ -214,6 +218,8 @@ def _rope_from(raw: dict, params: dict | None = None) -> RopeConfig:
     params = _rope_params(raw) if params is None else params
     kind = params.get("rope_type", params.get("type", "default")) or "default"
     kind = "longrope" if kind == "su" else kind  # Phi-3's first files name it su
+    sections = params.get("mrope_section")
+    kind = "default" if kind == "mrope" else kind  # Qwen2.5-VL's 4.x files: default frequencies, split by section
     if kind not in ("default", "linear", "llama3", "longrope"):
         raise ModelLoadError(f"rope type {kind!r} is not supported (supported: default, linear, llama3, longrope)")
 
@@ -245,6 +251,12 @@ def _rope_from(raw: dict, params: dict | None = None) -> RopeConfig:
                 raise ModelLoadError(f"config.json's longrope {key} must hold {half} numbers")
             extra[key] = tuple(positive(f"rope_scaling.{key}", v) for v in values)
         extra["attention_factor"] = positive("rope_scaling.attention_factor", attention)
+    if sections is not None:
+        half = int(int(raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]) * partial) // 2
+        ok = isinstance(sections, list) and len(sections) == 3 and all(isinstance(v, int) and v >= 0 for v in sections)
+        if not ok or sum(sections) != half:
+            raise ModelLoadError(f"config.json's mrope_section must be 3 counts summing to {half}, not {sections!r}")
+        extra["sections"] = tuple(sections)
     return RopeConfig(
         theta=positive("rope_theta", params.get("rope_theta", raw.get("rope_theta", 10000.0))),
         type=kind,
@@ -338,6 +350,10 @@ def config_from_dict(raw: dict, path: Path | None = None) -> ModelConfig:
             raise ModelLoadError("config.json lacks the text model's text_config", path)
         ids = {k: raw[k] for k in ("bos_token_id", "eos_token_id") if k in raw}
         raw = {**GEMMA3_TEXT, **ids, **text, "architectures": [arch]}
+    elif arch == "Qwen2_5_VLForConditionalGeneration":  # transformers 5's text_config, or 4.x's fields at the root
+        text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+        raw = {**{k: raw[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings") if k in raw}, **text,
+               "architectures": [arch]}  # fmt: skip
     elif arch in ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration"):
         text = raw.get("text_config")
         if not isinstance(text, dict):

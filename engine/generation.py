@@ -17,6 +17,7 @@ from .backends.cuda_graph import GraphDecoder, graphs_wanted
 from .events import WAITING, Token
 from .kv_cache import make_cache
 from .logprobs import step_logprobs
+from .model import rope_offset
 from .sampling import draw
 
 # Why 256 positions: engine/BENCHMARKS.md, "Decisions, and what was measured for them".
@@ -37,12 +38,13 @@ def prefill(
     the last [1, 1, V]); `ids` gains each chunk as the cache does. `images`: the prompt's images
     (engine.image_prompt.PromptImages), whose positions take the encoder's rows."""
     done = 0
+    cache.rope_offset = images.rope_offset if images is not None else 0  # what later positions' rotations add
     while done < len(tokens):
         n = max(1, chunk() if callable(chunk) else chunk)
         if images is not None:
             n = images.piece(tokens, done, n, getattr(cache, "max_chunk", None))
         piece = tokens[done : done + n]
-        rows = images.rows(piece) if images is not None else None
+        rows = images.rows(piece, len(ids)) if images is not None else None  # len(ids): where the piece starts
         x = torch.tensor([[max(t, 0) for t in piece] if rows is not None else piece], device=device)  # [1, T]
         logits = model(x, cache, last_only=True, images=rows)  # [1, T, V] -> [1, 1, V]
         ids.extend(piece)
@@ -82,6 +84,8 @@ class Decoder:
 
     def step(self, token: int) -> torch.Tensor:
         loaded = self.loaded
+        if rope_offset(self.cache):  # mrope after an image: a captured graph rotates by index, this step must not
+            return loaded.model(torch.tensor([[token]], device=loaded.device), self.cache, last_only=True)
         if self._graph is not None:
             self.cache.reserve(self.cache.length, self.cache.length + 1)  # a pool's block, maybe a growth, first
             if self._graph.moved:  # the KV pool grew: captured again over its new buffers

@@ -41,12 +41,16 @@ class ImageFormat:
         self.cfg = cfg
         self.family = cfg.family
         self.image_token = _token(token_text, cfg.image_token_id, "image_token_id")
-        mean, std = pre.get("image_mean", [0.5] * 3), pre.get("image_std", [0.5] * 3)
+        qwen = cfg.family == "qwen2_5_vl"
+        mean, std = (
+            pre.get("image_mean", CLIP_MEAN if qwen else [0.5] * 3),
+            pre.get("image_std", CLIP_STD if qwen else [0.5] * 3),
+        )
         if not (_floats(mean) and _floats(std) and all(s > 0 for s in std)):
             raise ModelLoadError("preprocessor_config.json's image_mean / image_std are not three numbers each")
         self.mean, self.std = np.array(mean, np.float32), np.array(std, np.float32)
         self.rescale = float(pre.get("rescale_factor", 1 / 255))
-        resample = pre.get("resample", 2 if cfg.family == "gemma3" else 1)
+        resample = pre.get("resample", {"gemma3": 2, "qwen2_5_vl": 3}.get(cfg.family, 1))
         if resample not in (0, 1, 2, 3, 4, 5):
             raise ModelLoadError(f"preprocessor_config.json's resample {resample!r} is not one of Pillow's filters")
         self.resample = int(resample)
@@ -56,6 +60,11 @@ class ImageFormat:
             self.end = _token(token_text, ids.get("eoi_token_id", 256000), "eoi_token_id")
             self.longest = self.tile = cfg.image_size
             self.split = False
+        elif qwen:  # any size, resized to whole 28-pixel cells between a least and a most pixel count
+            self.placeholder, self.split, self.tile = self.image_token, False, cfg.patch_size * cfg.scale_factor
+            size = pre.get("size") if isinstance(pre.get("size"), dict) else {}
+            self.least = _count(pre.get("min_pixels", size.get("shortest_edge", 56 * 56)), "min_pixels")
+            self.most = _count(pre.get("max_pixels", size.get("longest_edge", 28 * 28 * 1280)), "max_pixels")
         else:
             self.placeholder = self.image_token
             self.tile = _side(pre.get("max_image_size", {}), cfg.image_size)
@@ -65,6 +74,11 @@ class ImageFormat:
                 raise ModelLoadError(f"max_image_size {self.tile} is not the encoder's image_size {cfg.image_size}")
 
     # --- the prompt ---------------------------------------------------------------------------------
+    def grid(self, image: Image) -> tuple[int, int]:
+        """Qwen2.5-VL: the patch grid (rows, columns) of the image resized as its processor resizes it."""
+        h, w = smart_resize(image.height, image.width, self.tile, self.least, self.most)
+        return h // self.cfg.patch_size, w // self.cfg.patch_size
+
     def layout(self, image: Image) -> Layout:
         """The tile grid an image is split into (from its size alone: nothing is decoded)."""
         if not self.split:
@@ -76,10 +90,15 @@ class ImageFormat:
 
     def positions(self, image: Image) -> int:
         """The prompt positions an image's rows take (its markers not counted)."""
+        if self.family == "qwen2_5_vl":
+            gh, gw = self.grid(image)
+            return gh * gw // self.cfg.scale_factor**2
         return self.layout(image).tiles * self.cfg.tokens_per_image
 
     def sequence(self, image: Image) -> str:
         """The text the family's processor writes in place of the template's placeholder for this image."""
+        if self.family == "qwen2_5_vl":  # between the template's own <|vision_start|> and <|vision_end|>
+            return self.image_token * self.positions(image)
         n = self.cfg.tokens_per_image
         rows = self.image_token * n
         if self.family == "gemma3":
@@ -148,6 +167,8 @@ class ImageFormat:
     def pixels(self, image: Image) -> torch.Tensor:
         """[tiles, 3, S, S] float32: the image resized, split where the family splits, rescaled and normalised."""
         picture = image.rgb()
+        if self.family == "qwen2_5_vl":
+            return self._qwen_patches(picture, image)
         if self.family == "gemma3":
             frames = [picture.resize((self.tile, self.tile), resample=self.resample)]
         else:
@@ -169,6 +190,37 @@ class ImageFormat:
                 frames.append(picture)
         arrays = [self._normalised(np.asarray(f, dtype=np.uint8)) for f in frames]
         return torch.from_numpy(np.stack(arrays))  # [tiles, 3, S, S]
+
+    def _qwen_patches(self, picture, image: Image) -> tuple[torch.Tensor, tuple[int, int]]:
+        """(patches [N, 3·t·p·p] cell by cell (2×2 patches together), the grid (gh, gw)): Qwen2.5-VL's processor's
+        layout, the image its frame t times over."""
+        gh, gw = self.grid(image)
+        p, m, t = self.cfg.patch_size, self.cfg.scale_factor, self.cfg.temporal_patch
+        x = self._normalised(np.asarray(picture.resize((gw * p, gh * p), resample=self.resample), dtype=np.uint8))
+        x = x.reshape(3, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)  # (cells, m, m, C, p, p)
+        x = np.broadcast_to(x[:, :, :, :, :, None], (*x.shape[:5], t, p, p))  # the frame t times
+        return torch.from_numpy(np.ascontiguousarray(x).reshape(gh * gw, 3 * t * p * p)), (gh, gw)
+
+    def rope_positions(self, ids: list[int], images: dict) -> torch.Tensor:
+        """[3, len(ids)]: Qwen2.5-VL's rotary position of each prompt position (t, h, w): text counts on by one; an
+        image's rows at its start plus their row and column (t the start), after which text goes on at the start
+        plus the larger of its rows and columns of cells (transformers' get_rope_index)."""
+        out = torch.empty(3, len(ids), dtype=torch.long)
+        p = start = 0
+        for i, token in enumerate(ids):
+            if token >= 0:
+                out[:, i] = p
+                p += 1
+                continue
+            key, j = image_position(token)
+            gh, gw = (g // self.cfg.scale_factor for g in self.grid(images[key]))
+            if j == 0:
+                start = p
+            r, c = divmod(j, gw)
+            out[0, i], out[1, i], out[2, i] = start, start + r, start + c
+            if j == gh * gw - 1:
+                p = start + max(gh, gw)
+        return out
 
     def _normalised(self, hwc: np.ndarray) -> np.ndarray:
         """[H, W, 3] uint8 -> [3, H, W] float32, as the families' processors compute it."""
@@ -208,6 +260,34 @@ class ImageFormat:
         return first, (h, w)
 
 
+CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]  # OpenAI CLIP's, Qwen2.5-VL's processor's defaults
+CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+
+
+def smart_resize(height: int, width: int, factor: int, least: int, most: int) -> tuple[int, int]:
+    """Qwen2.5-VL's size for an image: each side a multiple of `factor`, the pixels between `least` and `most`,
+    the aspect kept as near as it can be (its processor's rule, to the pixel)."""
+    if max(height, width) / min(height, width) > 200:
+        raise ImageError(f"an image of {width}×{height} is too narrow for this model (its sides' ratio is over 200)")
+    h, w = round(height / factor) * factor, round(width / factor) * factor
+    if h * w > most:
+        beta = math.sqrt(height * width / most)
+        h, w = (
+            max(factor, math.floor(height / beta / factor) * factor),
+            max(factor, math.floor(width / beta / factor) * factor),
+        )
+    elif h * w < least:
+        beta = math.sqrt(least / (height * width))
+        h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+def _count(v, what: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1 << 28:
+        raise ModelLoadError(f"preprocessor_config.json's {what} is {v!r}: out of range")
+    return v
+
+
 def _token(token_text, token_id, what: str) -> str:
     text = token_text(token_id) if isinstance(token_id, int) and not isinstance(token_id, bool) else None
     if text is None:
@@ -235,6 +315,7 @@ class ImageRows:
     rows: torch.Tensor  # [n] indices among the step's T positions
     values: torch.Tensor  # [n, D]
     blocks: tuple[tuple[int, int], ...]
+    positions: torch.Tensor | None = None  # [3, T]: the step's rotary t, h, w (mrope), else the plain ones
 
 
 ENCODED_KEPT = 8  # images whose encoder output a model keeps for the next request (a few MB each)
@@ -245,12 +326,17 @@ class PromptImages:
     position comes (the encoder's time counted apart: a named part of the time to the first token); none
     encoded whose positions all come from the cache."""
 
-    def __init__(self, vision, fmt: ImageFormat, images):
+    def __init__(self, vision, fmt: ImageFormat, images, prompt: list[int]):
         self.vision, self.fmt = vision, fmt
         self.by_key = {im.key: im for im in images}
         self.whole = fmt.family == "gemma3"  # an image's positions attend to each other both ways
         self.seconds = 0.0  # the encoder's time in this request
         self.encoded = 0  # images this request encoded (not kept from an earlier one)
+        self.positions = None  # [3, len(prompt)]: each position's rotary t, h, w, where the family has them
+        self.rope_offset = 0  # how far the rotary positions after the prompt run ahead of their indices
+        if fmt.family == "qwen2_5_vl":
+            self.positions = fmt.rope_positions(prompt, self.by_key)
+            self.rope_offset = int(self.positions.max()) + 1 - len(prompt)
 
     def piece(self, tokens: list[int], done: int, n: int, most: int | None = None) -> int:
         """How many of tokens[done:] the next step takes, given `n` asked: where the positions of an image seeing
@@ -272,18 +358,21 @@ class PromptImages:
             last += 1
         return min(last, done + most) - done if most else last - done
 
-    def rows(self, piece: list[int]) -> ImageRows | None:
-        """The image rows of a step's positions, None where it holds none."""
+    def rows(self, piece: list[int], first: int) -> ImageRows | None:
+        """The image rows of a step's positions (prompt positions first.. ), None where it holds none and its
+        rotations are the plain ones."""
         at = [i for i, t in enumerate(piece) if t < 0]
+        positions = None if self.positions is None else self.positions[:, first : first + len(piece)]
         if not at:
-            return None
+            empty = torch.empty(0, dtype=torch.long)
+            return None if positions is None else ImageRows(empty, torch.empty(0), (), positions)
         values = []
         for i in at:
             key, j = image_position(piece[i])
             values.append(self._encoded(key)[j])
         blocks = tuple((a, b) for a, b, _ in image_runs(piece)) if self.whole else ()
         device = values[0].device
-        return ImageRows(torch.tensor(at, device=device), torch.stack(values), blocks)
+        return ImageRows(torch.tensor(at, device=device), torch.stack(values), blocks, positions)
 
     def _encoded(self, key: int) -> torch.Tensor:
         """[positions, D]: the image's rows, every tile's in order; encoded now unless the model kept them."""

@@ -90,6 +90,17 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor | None, sin_signed: torch.Te
     return x * cos + swap_halves(x) * sin_signed
 
 
+def rope_offset(cache) -> int:
+    """How far a cache's rotary positions run ahead of its indices (mrope after an image: engine.image_prompt)."""
+    return getattr(cache, "rope_offset", 0) if cache is not None else 0
+
+
+def section_columns(sections: tuple[int, ...], width: int, device) -> torch.Tensor:
+    """[r] long: which of a position's t, h, w parts rotates each column of a head (mrope; both halves alike)."""
+    half = torch.repeat_interleave(torch.arange(len(sections)), torch.tensor(sections))  # [r/2]
+    return torch.cat((half, half))[:width].to(device)
+
+
 # --- masks ----------------------------------------------------------------------------------------
 BLOCKS = "blocks"  # a masks dict's mark: some of its positions see later ones (Transformer.masks' `blocks`)
 
@@ -402,11 +413,13 @@ class Transformer(nn.Module):
             return parts[-1] if last_only else torch.cat(parts, dim=1)
         if cache is not None:
             cache.reserve(start, start + T)  # a pool's blocks for the new positions, none shared (copy on write)
-        ropes = [
-            (cos[start : start + T, None], sin[start : start + T, None]) for cos, sin in self.rope_tables(start + T)
-        ]
+        if images is not None and images.positions is not None:  # mrope: each position's own t, h, w
+            ropes = self.mrope_rows(images.positions)
+        else:
+            p = start + rope_offset(cache)
+            ropes = [(cos[p : p + T, None], sin[p : p + T, None]) for cos, sin in self.rope_tables(p + T)]
         x = self.embed_ids(ids)  # [B, T, D]
-        if images is not None:
+        if images is not None and images.rows.numel():
             x[0, images.rows] = images.values.to(x.dtype)  # [n, D]: the image positions' rows
         if B * T == 1 and self.decode_step is not None and self.decode_step.usable(cache):
             x = x.reshape(-1)  # [D], a fresh row: the blocks update it in place
@@ -424,6 +437,16 @@ class Transformer(nn.Module):
             x = x[:, -1:]
         return self.logits(x)  # [B, T, V]
 
+    def mrope_rows(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """positions [3, T] (t, h, w of each new position) -> [(cos, sin) [T, 1, r]]: each column's rotation taken
+        from the part of the position its section names (Qwen2.5-VL's multimodal rotary; a text position's three
+        parts are equal, so its row is the plain table's)."""
+        cos, sin = self.rope_tables(int(positions.max()) + 1)[0]  # [L, r]
+        which = section_columns(self.cfg.rope.sections, cos.shape[-1], cos.device)  # [r]
+        pick = which.view(1, 1, -1).expand(1, positions.shape[1], -1)  # [1, T, r]
+        rows = [t[positions].gather(0, pick)[0][:, None] for t in (cos, sin)]  # [3, T, r] -> [T, 1, r]
+        return [(rows[0], rows[1])]
+
     def forward_many(self, tokens: list[int], caches: list) -> list[torch.Tensor] | None:
         """B sequences' next positions (a token each, each cache at its own length) in one call of the backend's
         step, every weight read once for all: the logits [1, 1, V] of each, as `forward` computes it alone. None
@@ -436,8 +459,9 @@ class Transformer(nn.Module):
             c.reserve(c.length, c.length + 1)
         x = self.embed_ids(torch.tensor([[t] for t in tokens], device=self.norm.weight.device))  # [B, 1, D]
         x = x.reshape(len(tokens), -1).contiguous()  # [B, D], updated in place
-        cos, sin = self.rope_tables(max(c.length for c in caches) + 1)[0]
-        at = torch.tensor([c.length for c in caches], device=x.device)
+        at = [c.length + rope_offset(c) for c in caches]  # each sequence's rotary position
+        cos, sin = self.rope_tables(max(at) + 1)[0]
+        at = torch.tensor(at, device=x.device)
         step.run_batch(x, caches, cos.index_select(0, at).contiguous(), sin.index_select(0, at).contiguous())
         for c in caches:  # each one position longer
             c.length += 1

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .model import Transformer, attention_dtype
+from .model import Transformer, attention_dtype, rope_offset
 
 
 def span(model: Transformer, tokens: list[int], cache) -> torch.Tensor:
@@ -23,8 +23,9 @@ def span(model: Transformer, tokens: list[int], cache) -> torch.Tensor:
         cache.reserve(start, start + n)
         x = model.embed_ids(torch.tensor([[t] for t in tokens], device=model.norm.weight.device))  # [n, 1, D]
         x = x.reshape(n, -1).contiguous()  # [n, D], updated in place
-        cos, sin = model.rope_tables(start + n)[0]
-        step.run_batch(x, [cache] * n, cos[start : start + n].contiguous(), sin[start : start + n].contiguous(),
+        p = start + rope_offset(cache)  # the rotary position of the first (mrope after an image: ahead of it)
+        cos, sin = model.rope_tables(p + n)[0]
+        step.run_batch(x, [cache] * n, cos[p : p + n].contiguous(), sin[p : p + n].contiguous(),
                        list(range(start, start + n)))  # fmt: skip
         cache.length = start + n
         normed = torch.cat([model.norm(x[b].view(1, -1)) for b in range(n)])  # [n, D], a row as alone
@@ -47,10 +48,11 @@ def rows(model: Transformer, tokens: list[int], caches: list) -> torch.Tensor:
         if s + 1 > c.capacity:
             raise ValueError(f"{s + 1} positions exceed the cache capacity of {c.capacity}")
         c.reserve(s, s + 1)
-    at = torch.tensor(starts, device=device)  # [B]
+    turns = [s + rope_offset(c) for s, c in zip(starts, caches)]  # each row's rotary position
+    at = torch.tensor(turns, device=device)  # [B]
     ropes = [  # each row's own position: [B, 1, 1, r]
         (cos.index_select(0, at)[:, None, None], sin.index_select(0, at)[:, None, None])
-        for cos, sin in model.rope_tables(max(starts) + 1)
+        for cos, sin in model.rope_tables(max(turns) + 1)
     ]
     x = model.embed_ids(torch.tensor([[t] for t in tokens], device=device))  # [B, 1, D]
     dtype = attention_dtype(x.dtype, x.device, model.widen_bf16)

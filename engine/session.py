@@ -275,7 +275,7 @@ class Session:
                           overlap=torch.device(loaded.device).type != "cpu")  # fmt: skip
         pictures = None
         if fitted.chat.images:  # the images' encoder runs as the prefill meets their first uncached position
-            pictures = PromptImages(loaded.vision, loaded.tokenizer.images, fitted.chat.images)
+            pictures = PromptImages(loaded.vision, loaded.tokenizer.images, fitted.chat.images, prompt)
         elif min(prompt) < 0:  # an image's ids without the image (a prompt given as ids): nothing to compute them from
             raise EngineError("the prompt holds an image's positions but not the image; send the messages instead")
         drafter = None

@@ -24,6 +24,7 @@ VISION_ARCHITECTURES = {  # config.json's architecture -> the vision family
     "Gemma3ForConditionalGeneration": "gemma3",
     "Idefics3ForConditionalGeneration": "idefics3",
     "SmolVLMForConditionalGeneration": "idefics3",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
 }
 MAX_ENCODER_SIZE = 8192  # width, MLP width, layers and heads are checked against it (a hostile config.json)
 
@@ -43,7 +44,10 @@ class VisionConfig:
     text_hidden: int  # D
     image_token_id: int  # the id the template's expansion writes for each image position
     tokens_per_image: int  # n: positions one image (Gemma 3) or one tile (Idefics3) takes
-    scale_factor: int = 1  # Idefics3's pixel shuffle: s² patches folded into one position
+    scale_factor: int = 1  # Idefics3's pixel shuffle: s² patches folded into one position (Qwen2.5-VL's merge: s×s)
+    temporal_patch: int = 1  # Qwen2.5-VL: frames a patch spans (an image is its frame twice)
+    window: int = 0  # Qwen2.5-VL: the side in pixels of the windows most layers attend within
+    full_layers: tuple[int, ...] = ()  # Qwen2.5-VL: the layers that attend over the whole image
 
     @property
     def patches(self) -> int:
@@ -73,6 +77,8 @@ def vision_config(raw: dict, text_hidden: int, path: Path | None = None) -> Visi
     family = VISION_ARCHITECTURES.get(arch)
     if family is None:
         return None
+    if family == "qwen2_5_vl":
+        return qwen_vision_config(raw, text_hidden, _whole(token_ids(raw), "image_token_id", 151655, 1 << 30))
     v = raw.get("vision_config")
     if not isinstance(v, dict):
         raise ModelLoadError("config.json lacks the vision tower's vision_config", path)
@@ -113,6 +119,36 @@ def vision_config(raw: dict, text_hidden: int, path: Path | None = None) -> Visi
         per_image,
         scale,
     )
+
+
+def qwen_vision_config(raw: dict, text_hidden: int, image_token_id: int) -> VisionConfig:
+    """The encoder a Qwen2.5-VL config.json describes (transformers 5's and 4.x's names)."""
+    v = raw.get("vision_config")
+    if not isinstance(v, dict):
+        raise ModelLoadError("config.json lacks the vision tower's vision_config")
+
+    def whole(key: str, default, high: int = MAX_ENCODER_SIZE) -> int:
+        value = v.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
+            raise ModelLoadError(f"config.json's vision {key} is {value!r}: out of range (1 to {high:,})")
+        return value
+
+    width, heads = whole("hidden_size", 1280), whole("num_heads", 16)
+    if width % heads or (width // heads) % 4:
+        raise ModelLoadError("config.json's vision width does not split into heads a multiple of 4 wide")
+    full = v.get("fullatt_block_indexes", [7, 15, 23, 31])
+    depth = whole("depth", 32)
+    if not isinstance(full, list) or not all(isinstance(i, int) and 0 <= i < depth for i in full):
+        raise ModelLoadError("config.json's vision fullatt_block_indexes are not layers of the encoder")
+    if v.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"the vision tower's hidden_act {v.get('hidden_act')!r} is not supported (silu)")
+    merge, patch = whole("spatial_merge_size", 2, 8), whole("patch_size", 14, 64)
+    frames, window = whole("temporal_patch_size", 2, 4), whole("window_size", 112, 1 << 14)
+    return VisionConfig(
+        "qwen2_5_vl", width, whole("intermediate_size", 3420), depth, heads, 0, patch, 1e-6,
+        whole("out_hidden_size", text_hidden), image_token_id, 0, merge, temporal_patch=frames, window=window,
+        full_layers=tuple(full),
+    )  # fmt: skip
 
 
 # --- the encoder ----------------------------------------------------------------------------------

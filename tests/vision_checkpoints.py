@@ -16,7 +16,15 @@ IMAGE_TOKENS = {
     "gemma3": ["<start_of_image>", "<image_soft_token>", "<end_of_image>"],
     "idefics3": ["<fake_token_around_image>", "<image>", "<global-img>"]
     + [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)],
+    "qwen2_5_vl": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"],
 }
+QWEN_TEMPLATE = (  # Qwen2.5-VL's, the images' part of it
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 GEMMA3_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
     "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
@@ -66,7 +74,29 @@ def make_vision_checkpoint(out: Path, family: str = "gemma3", seed: int = 0, spl
                 bos_token_id=0, eos_token_id=1, pad_token_id=None)  # fmt: skip
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28,
                   patch_size=7, layer_norm_eps=1e-6)  # fmt: skip
-    if family == "gemma3":
+    if family == "qwen2_5_vl":  # windows of 2×2 cells, the second layer over the whole image; mrope sections 2+3+3
+        text["rope_parameters"] = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
+        cfg = transformers.Qwen2_5_VLConfig(
+            text_config=text,
+            vision_config=dict(
+                depth=2,
+                hidden_size=32,
+                intermediate_size=64,
+                num_heads=2,
+                out_hidden_size=64,
+                fullatt_block_indexes=[1],
+                window_size=56,
+            ),  # fmt: skip
+            image_token_id=tok.token_to_id("<|image_pad|>"),
+            vision_start_token_id=tok.token_to_id("<|vision_start|>"),
+            vision_end_token_id=tok.token_to_id("<|vision_end|>"),
+        )
+        model = transformers.Qwen2_5_VLForConditionalGeneration(cfg)
+        clip = {"image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711]}
+        pre = {"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 56 * 56, "max_pixels": 28 * 28 * 40,
+               "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2, "resample": 3, **clip}  # fmt: skip
+        template = QWEN_TEMPLATE
+    elif family == "gemma3":
         text.update(head_dim=16, query_pre_attn_scalar=16, sliding_window=6, num_hidden_layers=3,
                     layer_types=["sliding_attention", "sliding_attention", "full_attention"])  # fmt: skip
         cfg = transformers.Gemma3Config(
@@ -93,7 +123,7 @@ def make_vision_checkpoint(out: Path, family: str = "gemma3", seed: int = 0, spl
         pre = {"image_processor_type": "Idefics3ImageProcessor", "size": {"longest_edge": 56}, "resample": 1,
                "max_image_size": {"longest_edge": 28}, "do_image_splitting": split}  # fmt: skip
         template = IDEFICS3_TEMPLATE
-    pre |= {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "rescale_factor": 1 / 255}
+    pre = {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "rescale_factor": 1 / 255} | pre
     torch.manual_seed(seed)
     with torch.no_grad():  # larger-than-default weights so logits differ visibly between tokens and images
         for name, p in model.named_parameters():

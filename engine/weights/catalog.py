@@ -135,7 +135,12 @@ def _folder_row(folder: Path, name: str, source: str) -> FoundModel:
         seeing = vision_config(raw, cfg.hidden_size, folder / "config.json")
         if seeing is not None:
             unit = "a tile" if seeing.family == "idefics3" else "an image"
-            kv["images"] = f"sees images ({seeing.family}: {seeing.tokens_per_image} positions {unit})"
+            many = (
+                f"{seeing.tokens_per_image} positions {unit}"
+                if seeing.tokens_per_image
+                else "a position a 28-pixel cell"
+            )
+            kv["images"] = f"sees images ({seeing.family}: {many})"
     except (ModelLoadError, OSError, ValueError, KeyError, TypeError) as e:
         reason = e.message if isinstance(e, ModelLoadError) else f"{type(e).__name__}: {e}"
     return FoundModel(name, str(folder), source, "safetensors", arch, params, quant, size, reason is None, reason, **kv)

@@ -72,6 +72,10 @@ class LoadedModel:
             return self.vision_note
         v, n = self.vision.cfg, self.vision.parameter_count()
         size = f"{n / 1e6:,.1f} M" if n >= 100_000 else f"{n:,}"
+        if v.family == "qwen2_5_vl":
+            cell = v.patch_size * v.scale_factor
+            return (f"{v.family}: ViT {v.num_layers} layers of {v.hidden_size}, any size in {cell}-pixel cells, "
+                    f"a position a cell, {size} parameters")  # fmt: skip
         return (f"{v.family}: SigLIP {v.num_layers} layers of {v.hidden_size}, {v.image_size}-pixel "
                 f"{'tiles' if v.family == 'idefics3' else 'images'} of {v.tokens_per_image} positions, "
                 f"{size} parameters")  # fmt: skip

@@ -10,6 +10,7 @@ import torch
 
 from ..errors import ModelLoadError
 from ..vision import VisionConfig, VisionModel
+from ..vision_qwen import vision_model
 from .safetensors import read_tensors
 
 TOWER_PREFIXES = {  # where the encoder's tensors are stored (transformers 5's names, then the original checkpoints')
@@ -21,6 +22,7 @@ TOWER_PREFIXES = {  # where the encoder's tensors are stored (transformers 5's n
     ),
     "idefics3": ("model.vision_model.", "vision_model."),
 }
+QWEN_PREFIXES = ("model.visual.", "visual.")  # Qwen2.5-VL's encoder and merger, under one name each
 PROJECTOR_PREFIXES = {
     "gemma3": ("model.multi_modal_projector.", "multi_modal_projector."),
     "idefics3": ("model.connector.", "connector."),
@@ -30,9 +32,11 @@ PROJECTOR_PREFIXES = {
 def load_vision(cfg: VisionConfig, files: dict[str, Path], dtype: torch.dtype, device) -> VisionModel:
     """The encoder and projector from the checkpoint's safetensors files (`files`: each tensor's file), each
     tensor's shape checked against the model's."""
-    model = VisionModel(cfg)
+    model = vision_model(cfg)
     wanted: dict[str, str] = {}  # the file's name -> ours
-    for part, prefixes in (("tower.", TOWER_PREFIXES[cfg.family]), ("projector.", PROJECTOR_PREFIXES[cfg.family])):
+    parts = [("", QWEN_PREFIXES)] if cfg.family == "qwen2_5_vl" else [
+        ("tower.", TOWER_PREFIXES[cfg.family]), ("projector.", PROJECTOR_PREFIXES[cfg.family])]  # fmt: skip
+    for part, prefixes in parts:
         prefix = next((p for p in prefixes if any(n.startswith(p) for n in files)), None)
         if prefix is None:
             raise ModelLoadError(f"the checkpoint holds no vision tensors under {' or '.join(prefixes)}")
