@@ -474,3 +474,35 @@ def test_an_images_positions_come_back_from_the_disk_tier_and_reply_as_fresh(see
     ids = list(start.prompt_token_ids)[:16]
     text = [max(t, 0) for t in ids]
     assert block_keys(ids) != block_keys(text)
+
+
+def test_requests_with_images_beside_others_each_equal_their_run_alone(seeing):
+    """Four requests at once through the engine's lanes (two images, one image, text alone, another image): each
+    one's tokens equal its run alone, their decode steps shared (Qwen2.5-VL's positions after an image run ahead
+    of their indices in the batched step too)."""
+    import threading
+
+    from engine.scheduler import END, EngineThread
+
+    _, _, loaded = seeing
+    asks = [ask(2), ask(1, "What colour?"), [{"role": "user", "content": "Just text, no picture."}],
+            [{"role": "user", "content": "And this one?", "images": (IMAGES[1],)}]]  # fmt: skip
+    requests = [Request(messages=m, max_new_tokens=80, ignore_eos=True) for m in asks]  # long enough to overlap
+    alone = [list(Session(loaded, capacity=512).generate(r))[-1] for r in requests]
+    engine = EngineThread(parallel=4)
+    engine.session = engine.call(Session, loaded, 512).result()
+    events, done = [[] for _ in requests], threading.Semaphore(0)
+
+    def sink_for(i):
+        return lambda ev: done.release() if ev is END else events[i].append(ev)
+
+    tickets = [engine.submit(r, sink_for(i)) for i, r in enumerate(requests)]
+    for _ in requests:
+        assert done.acquire(timeout=120)
+    try:
+        for i, evs in enumerate(events):
+            assert isinstance(evs[-1], Finished), evs[-1]
+            assert evs[-1].token_ids == alone[i].token_ids, i
+        assert max(max(t.trace.batch_sizes) for t in tickets) > 1  # they decoded side by side
+    finally:
+        engine.close(10)
