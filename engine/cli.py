@@ -377,7 +377,7 @@ def cmd_chat(ns) -> int:
 def image_arg(p) -> None:
     p.add_argument("--image", action="append", default=[], metavar="FILE",
                    help="an image for the model to see, before the prompt's text (repeatable; a model that sees "
-                   "images: Gemma 3 4B and up, SmolVLM)")  # fmt: skip
+                   "images: Gemma 3 4B and up, SmolVLM, Qwen2.5-VL)")  # fmt: skip
 
 
 def parser() -> argparse.ArgumentParser:

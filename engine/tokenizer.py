@@ -434,7 +434,7 @@ class Tokenizer:
         pictures = [p for m in messages for p in (m.get("images") or ())]
         if pictures and self.images is None:
             raise ImageError("this model does not see images: it has no vision encoder; remove the images or open a "
-                             "model that sees them (Gemma 3 4B and up, SmolVLM)")  # fmt: skip
+                             "model that sees them (Gemma 3 4B and up, SmolVLM, Qwen2.5-VL)")  # fmt: skip
         shown = [self.images.template_message(m) for m in messages] if pictures else messages
         text = self.render(shown, add_generation_prompt, continue_final_message, **kwargs)
         chars = _content_chars(text, messages)

@@ -16,7 +16,8 @@ import torch
 from ..devices import default_threads
 from ..image_prompt import ImageFormat
 from ..images import Image
-from ..vision import VisionConfig, VisionModel
+from ..vision import VisionConfig
+from ..vision_qwen import vision_model
 
 # (name, vision config, the text model's KV bytes per position in 16 bits: 2·L·H_kv·d·2, a photo's size)
 SHAPES = {
@@ -30,16 +31,44 @@ SHAPES = {
         2 * 30 * 3 * 64 * 2,
         {"size": {"longest_edge": 2048}, "max_image_size": {"longest_edge": 512}},
     ),
+    "Qwen2.5-VL 3B (ViT 32 layers, any size)": (
+        VisionConfig(
+            "qwen2_5_vl",
+            1280,
+            3420,
+            32,
+            16,
+            0,
+            14,
+            1e-6,
+            2048,
+            151655,
+            0,
+            2,
+            temporal_patch=2,
+            window=112,
+            full_layers=(7, 15, 23, 31),
+        ),  # fmt: skip
+        2 * 36 * 2 * 128 * 2,
+        {"min_pixels": 3136, "max_pixels": 12845056},
+    ),
 }
 PHOTO = (1024, 768)  # width, height: a phone photo scaled down, what the figures assume
 
 
-def encoder_flops(cfg: VisionConfig, tiles: int) -> float:
-    """Multiply-adds × 2 of the encoder for `tiles` tiles: per layer the q/k/v/out and MLP products over its P
-    patches, and attention's two P×P products; the projector's are left out (under 1%)."""
-    p, e, f = cfg.patches, cfg.hidden_size, cfg.intermediate_size
-    per_layer = 2 * p * (4 * e * e + 2 * e * f) + 2 * 2 * p * p * e
-    return tiles * cfg.num_layers * per_layer
+def encoder_flops(cfg: VisionConfig, tiles: int, patches: int = 0) -> float:
+    """Multiply-adds × 2 of the encoder for `tiles` tiles (Qwen2.5-VL: one image of `patches` patches): per layer
+    the q/k/v/out and MLP products over its patches, and attention's two products over the patches each sees (a
+    window's, or the whole tile or image); the projector's are left out (a few %)."""
+    e, f = cfg.hidden_size, cfg.intermediate_size
+    if cfg.family != "qwen2_5_vl":
+        p = cfg.patches
+        return tiles * cfg.num_layers * (2 * p * (4 * e * e + 2 * e * f) + 2 * 2 * p * p * e)
+    seen = (cfg.window // cfg.patch_size) ** 2  # a window's patches
+    full = len(cfg.full_layers)
+    products = 2 * patches * (4 * e * e + 3 * e * f) * cfg.num_layers  # SwiGLU: three MLP products
+    attention = 2 * 2 * patches * e * (full * patches + (cfg.num_layers - full) * seen)
+    return products + attention
 
 
 def gemm_rate(dtype: torch.dtype, n: int = 2048, runs: int = 3) -> float:
@@ -57,12 +86,18 @@ def gemm_rate(dtype: torch.dtype, n: int = 2048, runs: int = 3) -> float:
 def measure(name: str, dtype: torch.dtype, runs: int = 3, roof: float | None = None) -> dict:
     cfg, kv_per_position, pre = SHAPES[name]
     torch.manual_seed(0)
-    model = VisionModel(cfg).to(dtype).eval()
+    model = vision_model(cfg).to(dtype).eval()
     fmt = ImageFormat(cfg, pre, lambda i: "<image>", {"boi_token_id": 1, "eoi_token_id": 2})
     photo = Image(b"", "0" * 64, PHOTO[0], PHOTO[1], "PNG")
-    tiles = fmt.layout(photo).tiles
-    pixels = torch.randn(tiles, 3, cfg.image_size, cfg.image_size)
-    model(pixels[:1])  # the first call's one-time costs (allocation, threads) left out
+    tiles, patches = fmt.layout(photo).tiles, 0
+    if cfg.family == "qwen2_5_vl":
+        gh, gw = fmt.grid(photo)
+        patches = gh * gw
+        pixels = (torch.randn(patches, 3 * cfg.temporal_patch * cfg.patch_size**2), (gh, gw))
+        model((pixels[0][: 16 * 16], (16, 16)))  # the first call's one-time costs (allocation, threads) left out
+    else:
+        pixels = torch.randn(tiles, 3, cfg.image_size, cfg.image_size)
+        model(pixels[:1])  # the first call's one-time costs (allocation, threads) left out
     times = []
     for _ in range(runs):
         t0 = time.perf_counter()
@@ -70,7 +105,7 @@ def measure(name: str, dtype: torch.dtype, runs: int = 3, roof: float | None = N
         times.append((time.perf_counter() - t0) * 1000)
     positions = fmt.positions(photo)
     ms = statistics.median(times)
-    rate = encoder_flops(cfg, tiles) / (ms / 1000)
+    rate = encoder_flops(cfg, tiles, patches) / (ms / 1000)
     return {
         "model": name,
         "dtype": str(dtype).removeprefix("torch."),
@@ -80,7 +115,7 @@ def measure(name: str, dtype: torch.dtype, runs: int = 3, roof: float | None = N
         "positions": positions,
         "kv_bytes": positions * kv_per_position,
         "encoder_ms": round(ms, 1),
-        "encoder_gflop": round(encoder_flops(cfg, tiles) / 1e9, 1),
+        "encoder_gflop": round(encoder_flops(cfg, tiles, patches) / 1e9, 1),
         "gflop_s": round(rate / 1e9, 1),
         "of_gemm_roofline": round(rate / roof, 3) if roof else None,  # a 2,048³ product's rate, the same run
         "threads": torch.get_num_threads(),

@@ -112,6 +112,6 @@ def test_what_is_not_an_image_and_a_model_that_does_not_see_them_are_refused(qtb
     assert w.contextMeter.text() == "Next Send: this model does not see images: Send will be refused"
     qtbot.mouseClick(w.sendButton, Qt.LeftButton)
     spin_loop(lambda: "does not see images" in w.banner.text(), 30)
-    assert "SmolVLM). Your message is still in the box." in w.banner.text()
+    assert "Qwen2.5-VL). Your message is still in the box." in w.banner.text()
     assert w.composer.toPlainText() == "What is this?" and len(w.attachments.images) == 1  # the draft kept
     assert w.chat.current_cid is None or not w.store.branch(w.chat.current_cid)  # nothing stored
