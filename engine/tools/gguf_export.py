@@ -55,7 +55,7 @@ def write_gguf(model_dir, out: Path, matrices: str = "F32", tokenizer: bool = Fa
     cfg = load_config(model_dir)
     if cfg.family not in ARCHES:
         raise EngineError(f"no GGUF mapping for the {cfg.family!r} family")
-    arch = ARCHES[cfg.family]
+    arch = "qwen2vl" if cfg.rope.sections else ARCHES[cfg.family]  # Qwen2.5-VL's text model: llama.cpp's own arch
     if cfg.rope.type not in ("default", "longrope") and not (cfg.rope.type == "linear" and cfg.family == "gemma3"):
         raise EngineError(f"GGUF export handles default rotary scaling only, not {cfg.rope.type!r}")
     w = gguf.GGUFWriter(str(out), arch)
@@ -70,6 +70,8 @@ def write_gguf(model_dir, out: Path, matrices: str = "F32", tokenizer: bool = Fa
     w.add_value_length(cfg.head_dim)
     w.add_rope_dimension_count(int(cfg.head_dim * cfg.rope.partial))
     w.add_rope_freq_base(cfg.rope.theta)
+    if cfg.rope.sections:
+        w.add_rope_dimension_sections([*cfg.rope.sections, 0])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     _family_metadata(w, cfg)
     w.add_vocab_size(cfg.vocab_size)
@@ -150,6 +152,8 @@ def write_mmproj(model_dir, out: Path, matrices: str = "F16") -> Path:
     arch = (raw.get("architectures") or [""])[0]
     kind = {"Gemma3ForConditionalGeneration": "gemma3", "Idefics3ForConditionalGeneration": "idefics3",
             "SmolVLMForConditionalGeneration": "idefics3"}.get(arch)  # fmt: skip
+    if arch == "Qwen2_5_VLForConditionalGeneration":
+        return _write_qwen_mmproj(model_dir, out, raw, pre, matrices)
     if kind is None:
         raise EngineError(f"no projector file for {arch!r}")
     v, text = raw["vision_config"], raw["text_config"]
@@ -195,6 +199,67 @@ def write_mmproj(model_dir, out: Path, matrices: str = "F16") -> Path:
             t = t + 1  # llama.cpp's converter: Gemma's (1 + w)
         data = np.ascontiguousarray(t.numpy())
         if data.ndim >= 2 and matrices != "F32" and "patch_embd" not in gname and "position_embd" not in gname:
+            qtype = gguf.GGMLQuantizationType[matrices]
+            w.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gname, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def _write_qwen_mmproj(model_dir: Path, out: Path, raw: dict, pre: dict, matrices: str) -> Path:
+    """Qwen2.5-VL's projector file as llama.cpp's converter writes it: q, k and v split, the 3-D patch kernel as
+    two 2-D ones (`v.patch_embd.weight`, `.weight.1`), the window pattern as `n_wa_pattern`."""
+    import gguf
+    from safetensors import safe_open
+
+    from ..weights.safetensors import weight_files
+
+    v = raw["vision_config"]
+    text = raw.get("text_config") or raw
+    full = v["fullatt_block_indexes"]
+    w = gguf.GGUFWriter(str(out), "clip")
+    w.add_name(model_dir.name)
+    w.add_bool(gguf.Keys.Clip.HAS_VISION_ENCODER, True)
+    w.add_string(gguf.Keys.ClipVision.PROJECTOR_TYPE, gguf.VisionProjectorType.QWEN25VL)
+    for key, value in ((gguf.Keys.ClipVision.IMAGE_SIZE, v.get("image_size", 560)),
+                       (gguf.Keys.ClipVision.PATCH_SIZE, v.get("patch_size", 14)),
+                       (gguf.Keys.ClipVision.EMBEDDING_LENGTH, v["hidden_size"]),
+                       (gguf.Keys.ClipVision.FEED_FORWARD_LENGTH, v["intermediate_size"]),
+                       (gguf.Keys.ClipVision.PROJECTION_DIM, v.get("out_hidden_size", text["hidden_size"])),
+                       (gguf.Keys.ClipVision.BLOCK_COUNT, v["depth"]),
+                       (gguf.Keys.ClipVision.Attention.HEAD_COUNT, v["num_heads"]),
+                       (gguf.Keys.ClipVision.N_WA_PATTERN, full[0] + 1),
+                       (gguf.Keys.ClipVision.WINDOW_SIZE, v.get("window_size", 112))):  # fmt: skip
+        w.add_uint32(key, value)
+    w.add_float32(gguf.Keys.ClipVision.Attention.LAYERNORM_EPS, 1e-6)
+    w.add_array(gguf.Keys.ClipVision.IMAGE_MEAN, pre["image_mean"])
+    w.add_array(gguf.Keys.ClipVision.IMAGE_STD, pre["image_std"])
+    w.add_bool(gguf.Keys.ClipVision.USE_SILU, True)
+    names = gguf.TensorNameMap(gguf.MODEL_ARCH.MMPROJ, max(v["depth"], 3))
+    files = weight_files(model_dir)
+    tensors: list[tuple[str, torch.Tensor]] = []
+    for name in sorted(files):
+        hf = "visual." + name[len("model.visual.") :] if name.startswith("model.visual.") else name
+        if not hf.startswith("visual."):
+            continue
+        with safe_open(str(files[name]), framework="pt", device="cpu") as f:
+            t = f.get_tensor(name).float()
+        if ".qkv." in hf:
+            for part, piece in zip("qkv", t.chunk(3)):
+                tensors.append((names.get_name(hf.replace("qkv", part), try_suffixes=(".weight", ".bias")), piece))
+        elif hf.endswith("patch_embed.proj.weight"):  # [E, 3, 2, p, p] -> two [E, 3, p, p]
+            tensors += [("v.patch_embd.weight", t[:, :, 0]), ("v.patch_embd.weight.1", t[:, :, 1])]
+        else:
+            tensors.append((names.get_name(hf, try_suffixes=(".weight", ".bias")), t))
+    for gname, t in tensors:
+        if gname is None:
+            raise EngineError("a Qwen2.5-VL vision tensor has no projector-file name")
+        data = np.ascontiguousarray(t.numpy())
+        if data.ndim == 2 and matrices != "F32":
             qtype = gguf.GGMLQuantizationType[matrices]
             w.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:

@@ -32,6 +32,7 @@ from .hf_names import block_sources, linears
 ARCHITECTURES = {  # a GGUF's general.architecture -> config.json's (a "llama" file with experts is a Mixtral)
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen2vl": "Qwen2_5_VLForConditionalGeneration",  # Qwen2.5-VL's text model: Qwen2 with multimodal rotary positions
     "qwen3": "Qwen3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
@@ -131,7 +132,7 @@ class GGUFModel:
             "rms_norm_eps": self._arch("attention.layer_norm_rms_epsilon", 1e-6),
             "rope_theta": self._arch("rope.freq_base", 10000.0),
             "tie_word_embeddings": "output.weight" not in self.tensors,
-            "attention_bias": "blk.0.attn_q.bias" in self.tensors and self.arch != "qwen2",
+            "attention_bias": "blk.0.attn_q.bias" in self.tensors and self.arch not in ("qwen2", "qwen2vl"),
             "bos_token_id": self.meta("tokenizer.ggml.bos_token_id"),
             "eos_token_id": self.meta("tokenizer.ggml.eos_token_id"),
             "hidden_act": "silu",
@@ -199,6 +200,10 @@ class GGUFModel:
             )
         elif self.arch == "smollm3":
             out["no_rope_layer_interval"] = 4  # llama.cpp's: every 4th layer unrotated
+        elif self.arch == "qwen2vl":  # the frequencies each of a position's t, h, w rotates (a 4th, unused, last)
+            sections = self._arch("rope.dimension_sections")
+            sections = [int(v) for v in sections][:3] if isinstance(sections, np.ndarray) else sections
+            out["rope_scaling"] = {"type": "mrope", "mrope_section": sections, "rope_theta": raw["rope_theta"]}
         if experts:
             out.update(
                 num_experts=experts,

@@ -11,10 +11,11 @@ import torch
 
 from ..errors import ModelLoadError
 from ..vision import VisionConfig, VisionModel
+from ..vision_qwen import vision_model
 from .gguf_file import GGUFModel
 from .gguf_header import is_gguf
 
-PROJECTORS = {"gemma3": "gemma3", "idefics3": "idefics3"}  # clip's projector type -> engine.vision's family
+PROJECTORS = {"gemma3": "gemma3", "idefics3": "idefics3", "qwen2.5vl_merger": "qwen2_5_vl"}  # clip's type -> family
 IMAGE_TOKENS = {  # the strings each family's prompt writes, looked up in the text model's vocabulary
     "gemma3": {
         "image_token_id": "<image_soft_token>",
@@ -22,7 +23,12 @@ IMAGE_TOKENS = {  # the strings each family's prompt writes, looked up in the te
         "eoi_token_id": "<end_of_image>",
     },  # fmt: skip
     "idefics3": {"image_token_id": "<image>"},
+    "qwen2_5_vl": {"image_token_id": "<|image_pad|>"},
 }
+QWEN_BLOCK = {  # Qwen2.5-VL's block: llama.cpp's name -> ours (engine.vision_qwen), q/k/v apart in the file
+    "attn_out": "attn.proj", "ln1": "norm1", "ln2": "norm2", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}  # fmt: skip
 BLOCK = {  # a block's tensors: llama.cpp's name -> ours (engine.vision), under v.blk.{i}. and encoder.layers.{i}.
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_out": "self_attn.out_proj", "ln1": "layer_norm1", "ln2": "layer_norm2", "ffn_up": "mlp.fc1",
@@ -74,6 +80,8 @@ def read_projector(path: Path, text_hidden: int, token_id, dtype, device) -> tup
     if kind not in PROJECTORS:
         raise ModelLoadError(f"projector type {kind!r} is not one kvchat runs ({', '.join(PROJECTORS)})", path)
     family = PROJECTORS[kind]
+    if family == "qwen2_5_vl":
+        return _read_qwen(f, path, number, text_hidden, token_id, dtype, device)
     size, patch = number("image_size"), number("patch_size")
     if size % patch:
         raise ModelLoadError("the projector file's image size is not a whole number of patches", path)
@@ -117,3 +125,67 @@ def read_projector(path: Path, text_hidden: int, token_id, dtype, device) -> tup
     if family == "idefics3":
         pre["size"] = {"longest_edge": number("preproc_image_size", 4 * size, 8192)}
     return model.to(device=device, dtype=dtype).eval(), tokens, pre
+
+
+def _read_qwen(f: GGUFModel, path: Path, number, text_hidden: int, token_id, dtype, device):
+    """Qwen2.5-VL's projector file: the window pattern from `n_wa_pattern` (every n-th layer over the whole image),
+    q/k/v joined back into one product, the two 2-D patch kernels back into the 3-D one."""
+    image = token_id(IMAGE_TOKENS["qwen2_5_vl"]["image_token_id"])
+    if image is None:
+        raise ModelLoadError("the model's vocabulary lacks <|image_pad|>, which its images need", path)
+    if number("projection_dim") != text_hidden:
+        raise ModelLoadError(f"the projector file is for a text model of width {number('projection_dim')}", path)
+    layers, every = number("block_count", high=256), number("n_wa_pattern", high=256)
+    width, heads = number("embedding_length"), number("attention.head_count", high=1024)
+    if width % heads or (width // heads) % 4:
+        raise ModelLoadError("the projector file's width does not split into heads a multiple of 4 wide", path)
+    full = tuple(range(every - 1, layers, every))
+    cfg = VisionConfig(
+        "qwen2_5_vl",
+        width,
+        number("feed_forward_length"),
+        layers,
+        heads,
+        0,
+        number("patch_size"),
+        1e-6,
+        text_hidden,
+        image,
+        0,
+        2,
+        temporal_patch=2,
+        window=number("window_size", 112, 1 << 14),
+        full_layers=full,
+    )  # fmt: skip (llama.cpp's files without a window size: its 112 pixels)
+    model = vision_model(cfg)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+    def read(gname: str) -> torch.Tensor:
+        t = f.tensors.get(gname)
+        if t is None:
+            raise ModelLoadError(f"the projector file lacks {gname}", path)
+        return torch.from_numpy(f._float_rows(t).reshape(t.shape).copy())
+
+    state = {"patch_embed.proj.weight": torch.stack((read("v.patch_embd.weight"), read("v.patch_embd.weight.1")), 2),
+             "merger.ln_q.weight": read("v.post_ln.weight")}  # fmt: skip
+    for i in (0, 2):
+        state |= {f"merger.mlp.{i}.{k}": read(f"mm.{i}.{k}") for k in ("weight", "bias")}
+    for i in range(layers):
+        for k in ("weight", "bias"):
+            state[f"blocks.{i}.attn.qkv.{k}"] = torch.cat([read(f"v.blk.{i}.attn_{p}.{k}") for p in "qkv"])
+            for theirs, ours in QWEN_BLOCK.items():
+                if k == "weight" or not theirs.startswith("ln"):  # the norms are RMS norms: no bias
+                    state[f"blocks.{i}.{ours}.{k}"] = read(f"v.blk.{i}.{theirs}.{k}")
+    for name, t in state.items():
+        if tuple(t.shape) != shapes.get(name):
+            raise ModelLoadError(
+                f"{name} is {list(t.shape)}, but the metadata makes it {list(shapes.get(name, ()))}", path
+            )
+    model.load_state_dict(state)
+    mean, std = (f.meta(f"clip.vision.image_{k}", None) for k in ("mean", "std"))
+    pre = (
+        {}
+        if mean is None or std is None
+        else {"image_mean": [float(x) for x in mean], "image_std": [float(x) for x in std]}
+    )
+    return model.to(device=device, dtype=dtype).eval(), {"image_token_id": image}, pre

@@ -361,8 +361,6 @@ def test_the_gguf_and_projector_file_equal_the_folder(seeing, tmp_path, matrices
     from engine.tools.gguf_export import write_gguf, write_mmproj
 
     family, path, loaded = seeing
-    if family == "qwen2_5_vl":
-        pytest.skip("Qwen2.5-VL's projector files are not read yet (engine/MODELS.md, 'Not yet')")
     write_gguf(path, tmp_path / "model.gguf", tokenizer=True)
     write_mmproj(path, tmp_path / f"mmproj-{family}-{matrices.lower()}.gguf", matrices)
     gguf_form = load_model(tmp_path, device="cpu", dtype="float32")  # the folder: the model and its projector
@@ -387,8 +385,6 @@ def test_a_projector_file_for_another_model_leaves_the_text_model_running(seeing
     from engine.tools.gguf_export import write_gguf, write_mmproj
 
     family, path, _ = seeing
-    if family == "qwen2_5_vl":
-        pytest.skip("Qwen2.5-VL's projector files are not read yet")
     other = "idefics3" if family == "gemma3" else "gemma3"
     write_gguf(path, tmp_path / "model.gguf", tokenizer=True)
     write_mmproj(make_vision_checkpoint(tmp_path / "other", other), tmp_path / "mmproj-other.gguf")
