@@ -17,7 +17,7 @@ from .backends.cuda_graph import GraphDecoder, graphs_wanted
 from .events import WAITING, Token
 from .kv_cache import make_cache
 from .logprobs import step_logprobs
-from .model import rope_offset
+from .rotary import rope_offset
 from .sampling import draw
 
 # Why 256 positions: engine/BENCHMARKS.md, "Decisions, and what was measured for them".

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from .model import Transformer, attention_dtype, rope_offset
+from .model import Transformer, attention_dtype
+from .rotary import rope_offset
 
 
 def span(model: Transformer, tokens: list[int], cache) -> torch.Tensor:

@@ -154,8 +154,9 @@ def test_the_product_never_imports_the_tools():
 
 def test_the_model_and_the_quantization_codes_stand_alone():
     g = graph()
-    assert g["engine.model"] == {"engine.feedforward"}  # the architecture: no other engine module but its MLPs
+    assert g["engine.model"] == {"engine.feedforward", "engine.rotary"}  # the architecture: its MLPs and rotations
     assert g["engine.feedforward"] == set()
+    assert g["engine.rotary"] == set()
     assert g["engine.quant"] == set()  # the codes' definition: nothing from the engine
 
 
@@ -210,7 +211,7 @@ FLOORS = [
             "engine.prefix_store",
             "engine.user_cache", "engine.logprobs", "engine.disk_store", "engine.disk_files", "engine.request",
             "engine.kv_tiers", "engine.grammar", "engine.tool_calls", "engine.images", "engine.vision",
-            "engine.image_prompt", "engine.vision_qwen", "engine.text_configs",
+            "engine.image_prompt", "engine.vision_qwen", "engine.text_configs", "engine.rotary",
         ),
     ),
     ("backends", ("engine.backends",)),

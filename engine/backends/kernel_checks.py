@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kv_pool import BLOCK
-from ..model import RMSNorm, swap_halves
+from ..model import RMSNorm
 from ..quant import (
     ACTIVATION_BLOCK,
     INT5_GROUP,
@@ -20,6 +20,7 @@ from ..quant import (
     quantize,
     tile,
 )
+from ..rotary import swap_halves
 
 
 def silu_agrees(k) -> bool:
