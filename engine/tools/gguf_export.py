@@ -179,6 +179,7 @@ def write_mmproj(model_dir, out: Path, matrices: str = "F16") -> Path:
         scale = raw.get("scale_factor", 2)
         w.add_uint32(gguf.Keys.ClipVision.PREPROC_IMAGE_SIZE, (pre.get("size") or {}).get("longest_edge", 4 * side))
     w.add_uint32(gguf.Keys.ClipVision.Projector.SCALE_FACTOR, scale)
+    tensors: list[tuple[str, torch.Tensor]] = []
     names = gguf.TensorNameMap(gguf.MODEL_ARCH.MMPROJ, v["num_hidden_layers"])
     from safetensors import safe_open
 
@@ -197,8 +198,18 @@ def write_mmproj(model_dir, out: Path, matrices: str = "F16") -> Path:
             t = f.get_tensor(name).float()
         if gname.endswith("soft_emb_norm.weight"):
             t = t + 1  # llama.cpp's converter: Gemma's (1 + w)
+        tensors.append((gname, t))
+    return _written(w, tensors, matrices, out)
+
+
+def _written(w, tensors, matrices: str, out: Path) -> Path:
+    """A projector file's tensors added (its 2-D matrices in `matrices`, the patch and position embeddings as
+    they are, as llama.cpp's converter keeps them) and the file written."""
+    import gguf
+
+    for gname, t in tensors:
         data = np.ascontiguousarray(t.numpy())
-        if data.ndim >= 2 and matrices != "F32" and "patch_embd" not in gname and "position_embd" not in gname:
+        if data.ndim == 2 and matrices != "F32" and "patch_embd" not in gname and "position_embd" not in gname:
             qtype = gguf.GGMLQuantizationType[matrices]
             w.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:
@@ -255,20 +266,9 @@ def _write_qwen_mmproj(model_dir: Path, out: Path, raw: dict, pre: dict, matrice
             tensors += [("v.patch_embd.weight", t[:, :, 0]), ("v.patch_embd.weight.1", t[:, :, 1])]
         else:
             tensors.append((names.get_name(hf, try_suffixes=(".weight", ".bias")), t))
-    for gname, t in tensors:
-        if gname is None:
-            raise EngineError("a Qwen2.5-VL vision tensor has no projector-file name")
-        data = np.ascontiguousarray(t.numpy())
-        if data.ndim == 2 and matrices != "F32":
-            qtype = gguf.GGMLQuantizationType[matrices]
-            w.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(gname, data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
+    if any(gname is None for gname, _ in tensors):
+        raise EngineError("a Qwen2.5-VL vision tensor has no projector-file name")
+    return _written(w, tensors, matrices, out)
 
 
 def _family_metadata(w, cfg) -> None:
