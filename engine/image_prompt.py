@@ -1,7 +1,9 @@
 """What an image becomes in a family's prompt: the text its processor writes in place of the template's image
 placeholder (Gemma 3: 256 soft tokens between its image markers; Idefics3 / SmolVLM: a grid of tiles, each its
-row and column marker and its positions, then the whole image), and the pixels its encoder takes (resized with
-Pillow as the family's own image processor resizes, rescaled and normalised).
+row and column marker and its positions, then the whole image; Qwen2.5-VL: a position per 28-pixel cell of the
+image at its own size), the pixels its encoder takes (resized with Pillow as the family's own image processor
+resizes, rescaled and normalised), Qwen2.5-VL's rotary positions, and a request's images in its prefill
+(PromptImages: each encoded once, the rows and positions of each step).
 """
 
 from __future__ import annotations
@@ -49,7 +51,10 @@ class ImageFormat:
         if not (_floats(mean) and _floats(std) and all(s > 0 for s in std)):
             raise ModelLoadError("preprocessor_config.json's image_mean / image_std are not three numbers each")
         self.mean, self.std = np.array(mean, np.float32), np.array(std, np.float32)
-        self.rescale = float(pre.get("rescale_factor", 1 / 255))
+        rescale = pre.get("rescale_factor", 1 / 255)
+        if isinstance(rescale, bool) or not isinstance(rescale, (int, float)) or not 0 < rescale <= 1:
+            raise ModelLoadError(f"preprocessor_config.json's rescale_factor {rescale!r} is not a number in (0, 1]")
+        self.rescale = float(rescale)
         resample = pre.get("resample", {"gemma3": 2, "qwen2_5_vl": 3}.get(cfg.family, 1))
         if resample not in (0, 1, 2, 3, 4, 5):
             raise ModelLoadError(f"preprocessor_config.json's resample {resample!r} is not one of Pillow's filters")
