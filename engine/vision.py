@@ -280,6 +280,9 @@ class VisionModel(nn.Module):
     def parameter_count(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
+    def reset_buffers(self) -> None:
+        """Computed buffers (none here; Qwen2.5-VL's rotary frequencies), after a build on the meta device."""
+
 
 def preprocessor(model_dir: Path) -> dict:
     """preprocessor_config.json ({} where there is none: the family's defaults)."""

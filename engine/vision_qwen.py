@@ -98,10 +98,16 @@ class QwenVisionModel(VisionModel):
         self.patch_embed = PatchEmbed(cfg)
         self.blocks = nn.ModuleList(QwenBlock(cfg) for _ in range(cfg.num_layers))
         self.merger = Merger(cfg)
-        d = cfg.hidden_size // cfg.num_heads
-        self.register_buffer("inv_freq", 1.0 / 10000.0 ** (torch.arange(0, d // 2, 2, dtype=torch.float) / (d // 2)),
-                             persistent=False)  # fmt: skip
+        self.register_buffer("inv_freq", self._frequencies(), persistent=False)
         self.kept: dict[int, torch.Tensor] = {}
+
+    def _frequencies(self) -> torch.Tensor:
+        """[d/4]: the 2-D rotary frequencies (a quarter of a head rotates by the row, a quarter by the column)."""
+        d = self.cfg.hidden_size // self.cfg.num_heads
+        return 1.0 / 10000.0 ** (torch.arange(0, d // 2, 2, dtype=torch.float) / (d // 2))
+
+    def reset_buffers(self) -> None:
+        self.inv_freq = self._frequencies().to(self.merger.ln_q.weight.device)
 
     @torch.inference_mode()
     def forward(self, pixels) -> torch.Tensor:

@@ -44,6 +44,21 @@ GLOBAL = {
 }
 
 
+def _planned(cfg: VisionConfig, f: GGUFModel, path: Path) -> tuple[VisionModel, dict]:
+    """The model its metadata describes, allocated only where the file holds as many values as it has (metadata
+    naming a huge tower is refused, not allocated), and its parameters' shapes."""
+    with torch.device("meta"):
+        planned = vision_model(cfg)
+    shapes = {k: tuple(v.shape) for k, v in planned.state_dict().items()}
+    held = sum(int(t.n_elements) for t in f.file_tensors)
+    if planned.parameter_count() > held:
+        raise ModelLoadError(f"its metadata names a tower of {planned.parameter_count():,} values, but the file "
+                             f"holds {held:,}", path)  # fmt: skip
+    model = planned.to_empty(device="cpu")
+    model.reset_buffers()
+    return model, shapes
+
+
 def projector_beside(model: Path) -> Path | None:
     """The projector file in a GGUF model's folder: the one `mmproj*.gguf` there (several: the one whose name
     shares the model's stem, else None and the model opens for text only)."""
@@ -102,8 +117,7 @@ def read_projector(path: Path, text_hidden: int, token_id, dtype, device) -> tup
                        (side // scale) ** 2, 1 if family == "gemma3" else scale)  # fmt: skip
     if cfg.hidden_size % cfg.num_heads or not 0 < cfg.layer_norm_eps < 1:
         raise ModelLoadError("the projector file's width does not divide into its heads, or its epsilon is wrong", path)
-    model = VisionModel(cfg)
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    model, shapes = _planned(cfg, f, path)
     state = {}
     for gname, t in f.tensors.items():
         ours = _our_name(gname)
@@ -157,8 +171,7 @@ def _read_qwen(f: GGUFModel, path: Path, number, text_hidden: int, token_id, dty
         window=number("window_size", 112, 1 << 14),
         full_layers=full,
     )  # fmt: skip (llama.cpp's files without a window size: its 112 pixels)
-    model = vision_model(cfg)
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    model, shapes = _planned(cfg, f, path)
 
     def read(gname: str) -> torch.Tensor:
         t = f.tensors.get(gname)

@@ -71,6 +71,19 @@ def read_names(path: Path) -> list[str]:
         return list(f.keys())
 
 
+def check_shapes_in_headers(files: dict[str, Path], shapes: dict[str, tuple[int, ...]]) -> None:
+    """Each named tensor's shape in its file's header against the one given, before anything is allocated."""
+    by_file: dict[Path, list[str]] = {}
+    for n in shapes:
+        by_file.setdefault(files[n], []).append(n)
+    for path, group in by_file.items():
+        with _opened(path) as f:
+            for n in group:
+                stored = tuple(f.get_slice(n).get_shape())
+                if stored != tuple(shapes[n]):
+                    raise ModelLoadError(f"{n} is {list(stored)}, but config.json makes it {list(shapes[n])}", path)
+
+
 def read_tensors(files: dict[str, Path], shapes: dict[str, tuple[int, ...]]):
     """(name, tensor) for each name in `shapes`, read file by file, whole (a vision tower's few hundred MB); each
     tensor's shape in the header checked against the one given before it is read."""

@@ -11,7 +11,7 @@ import torch
 from ..errors import ModelLoadError
 from ..vision import VisionConfig, VisionModel
 from ..vision_qwen import vision_model
-from .safetensors import read_tensors
+from .safetensors import check_shapes_in_headers, read_tensors
 
 TOWER_PREFIXES = {  # where the encoder's tensors are stored (transformers 5's names, then the original checkpoints')
     "gemma3": (
@@ -30,9 +30,11 @@ PROJECTOR_PREFIXES = {
 
 
 def load_vision(cfg: VisionConfig, files: dict[str, Path], dtype: torch.dtype, device) -> VisionModel:
-    """The encoder and projector from the checkpoint's safetensors files (`files`: each tensor's file), each
-    tensor's shape checked against the model's."""
-    model = vision_model(cfg)
+    """The encoder and projector from the checkpoint's safetensors files (`files`: each tensor's file): the model's
+    shapes worked out on the meta device and every tensor's checked against its file's header before anything is
+    allocated (a config.json that names a huge tower is refused, not allocated), then read."""
+    with torch.device("meta"):
+        model = vision_model(cfg)
     wanted: dict[str, str] = {}  # the file's name -> ours
     parts = [("", QWEN_PREFIXES)] if cfg.family == "qwen2_5_vl" else [
         ("tower.", TOWER_PREFIXES[cfg.family]), ("projector.", PROJECTOR_PREFIXES[cfg.family])]  # fmt: skip
@@ -46,6 +48,9 @@ def load_vision(cfg: VisionConfig, files: dict[str, Path], dtype: torch.dtype, d
     if missing:
         raise ModelLoadError(f"the vision tower's tensor {missing[0]!r} is missing from the checkpoint")
     wanted = {theirs: mine for theirs, mine in wanted.items() if mine in shapes}
-    state = {wanted[n]: t.to(dtype) for n, t in read_tensors(files, {n: shapes[m] for n, m in wanted.items()})}
-    model.load_state_dict(state)
+    expected = {n: shapes[m] for n, m in wanted.items()}
+    check_shapes_in_headers(files, expected)
+    model = model.to_empty(device="cpu")  # no random values computed: every parameter is read next
+    model.reset_buffers()
+    model.load_state_dict({wanted[n]: t.to(dtype) for n, t in read_tensors(files, expected)})
     return model.to(device=device, dtype=dtype).eval()

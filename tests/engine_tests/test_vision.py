@@ -502,3 +502,24 @@ def test_requests_with_images_beside_others_each_equal_their_run_alone(seeing):
         assert max(max(t.trace.batch_sizes) for t in tickets) > 1  # they decoded side by side
     finally:
         engine.close(10)
+
+
+def test_a_config_naming_a_huge_tower_is_refused_before_anything_is_allocated(tmp_path):
+    """A config.json whose vision tower has 5,000 layers of 8,192 (3 × 10¹² values): the model's shapes are worked
+    out on the meta device and checked against the file's headers first, so the text model opens, says why it
+    sees no images, and nothing the size of that tower is allocated."""
+    import json
+    import shutil
+    import time
+
+    src = make_vision_checkpoint(tmp_path / "src", "gemma3")
+    bad = tmp_path / "bad"
+    shutil.copytree(src, bad)
+    raw = json.loads((bad / "config.json").read_text())
+    raw["vision_config"].update(num_hidden_layers=5000, hidden_size=8192, intermediate_size=8192,
+                                num_attention_heads=16)  # fmt: skip
+    (bad / "config.json").write_text(json.dumps(raw))
+    t0 = time.perf_counter()
+    m = load_model(bad, device="cpu", dtype="float32")
+    assert time.perf_counter() - t0 < 30  # (an allocation of that tower would not return at all)
+    assert m.vision is None and m.vision_note.startswith("opened for text only") and "is missing" in m.vision_note
