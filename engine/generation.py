@@ -36,7 +36,7 @@ def prefill(
     """Consume `tokens` after the cache's positions, `chunk` of them a forward (a count, or a function asked
     before each forward: the scheduler's budget for the turn): after each, (how many are consumed, the logits of
     the last [1, 1, V]); `ids` gains each chunk as the cache does. `images`: the prompt's images
-    (engine.image_prompt.PromptImages), whose positions take the encoder's rows."""
+    (engine.image_prompt.PromptImages), whose positions take the encoder's rows: its layers each yield (done, None)."""
     done = 0
     cache.rope_offset = images.rope_offset if images is not None else 0  # what later positions' rotations add
     while done < len(tokens):
@@ -44,6 +44,8 @@ def prefill(
         if images is not None:
             n = images.piece(tokens, done, n, getattr(cache, "max_chunk", None))
         piece = tokens[done : done + n]
+        for _ in images.encode(piece) if images is not None else ():  # an image's encoder, a layer a time:
+            yield done, None  # the others' turn (and a Stop) between its layers, no position computed
         rows = images.rows(piece, len(ids)) if images is not None else None  # len(ids): where the piece starts
         x = torch.tensor([[max(t, 0) for t in piece] if rows is not None else piece], device=device)  # [1, T]
         logits = model(x, cache, last_only=True, images=rows)  # [1, T, V] -> [1, 1, V]

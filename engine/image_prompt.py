@@ -323,7 +323,7 @@ class ImageRows:
     positions: torch.Tensor | None = None  # [3, T]: the step's rotary t, h, w (mrope), else the plain ones
 
 
-ENCODED_KEPT = 8  # images whose encoder output a model keeps for the next request (a few MB each)
+ENCODED_KEPT = 16  # images whose encoder output a model keeps (a message's most; a few MB each)
 
 
 class PromptImages:
@@ -379,18 +379,40 @@ class PromptImages:
         device = values[0].device
         return ImageRows(torch.tensor(at, device=device), torch.stack(values), blocks, positions)
 
-    def _encoded(self, key: int) -> torch.Tensor:
-        """[positions, D]: the image's rows, every tile's in order; encoded now unless the model kept them."""
-        kept = self.vision.kept
-        if key not in kept:
+    def encode(self, piece: list[int]):
+        """Encode the images a step's positions need that the model does not keep, a layer at a time: yields
+        between layers (the prefill gives the engine's other requests, and a Stop, their turn there)."""
+        yield from self._encode(dict.fromkeys(image_position(t)[0] for t in piece if t < 0))
+
+    def _encode(self, keys):
+        for key in keys:
+            if key in self.vision.kept:
+                continue
             image = self.by_key.get(key)
             if image is None:
                 raise ImageError("an image position of the prompt has no image beside it")
             t0 = time.perf_counter()
-            out = self.vision(self.fmt.pixels(image))  # [tiles, n, D]
-            kept[key] = out.reshape(-1, out.shape[-1])
+            with torch.inference_mode():
+                steps = self.vision.steps(self.fmt.pixels(image))
+                while True:
+                    try:
+                        next(steps)
+                    except StopIteration as done:
+                        out = done.value  # [tiles, n, D] or [n, D]
+                        break
+                    self.seconds += time.perf_counter() - t0
+                    yield
+                    t0 = time.perf_counter()
+            self.vision.kept[key] = out.reshape(-1, out.shape[-1])
             self.seconds += time.perf_counter() - t0
             self.encoded += 1
-            while len(kept) > ENCODED_KEPT:
-                kept.pop(next(iter(kept)))
-        return kept[key]
+            while len(self.vision.kept) > ENCODED_KEPT:
+                self.vision.kept.pop(next(iter(self.vision.kept)))
+
+    def _encoded(self, key: int) -> torch.Tensor:
+        """[positions, D]: the image's rows, every tile's in order (encoded now unless the model kept them)."""
+        for _ in self._encode([key]):
+            pass
+        if key not in self.vision.kept:
+            raise ImageError("an image position of the prompt has no image beside it")
+        return self.vision.kept[key]

@@ -297,8 +297,9 @@ class Session:
         logits = None  # [1, 1, V]: the prompt's last position's, which select token 1
         todo = prompt[reuse.reused :]
         for done, last in prefill(loaded.model, tiers.cache, tiers.ids, todo, chunk, loaded.device, pictures):
-            logits = last
-            trace.prefill_chunks += 1
+            if last is not None:  # (None: an encoder layer of an image ran, no position yet)
+                logits = last
+                trace.prefill_chunks += 1
             if done < reuse.computed:
                 yield PrefillProgress(done, reuse.computed, tiers.cache.length)
                 if cancel.is_set():

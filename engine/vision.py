@@ -273,15 +273,33 @@ class VisionModel(nn.Module):
         self.kept: dict[int, torch.Tensor] = {}  # an image's key -> its rows [positions, D], the newest last
 
     @torch.inference_mode()
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+    def forward(self, pixels) -> torch.Tensor:
+        return drained(self.steps(pixels))
+
+    def steps(self, pixels: torch.Tensor):
+        """The encoder a layer at a time: yields after each (the engine's other requests, and a Stop, go on
+        between them), returns the rows [N, n, D]."""
         w = self.tower.post_layernorm.weight
-        return self.projector(self.tower(pixels.to(device=w.device, dtype=w.dtype)))
+        x = self.tower.embeddings(pixels.to(device=w.device, dtype=w.dtype))  # [N, P, E]
+        for layer in self.tower.encoder.layers:
+            x = layer(x)
+            yield
+        return self.projector(self.tower.post_layernorm(x))
 
     def parameter_count(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
     def reset_buffers(self) -> None:
         """Computed buffers (none here; Qwen2.5-VL's rotary frequencies), after a build on the meta device."""
+
+
+def drained(steps):
+    """What a generator of steps returns, its steps run through."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 def preprocessor(model_dir: Path) -> dict:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .model import RMSNorm
-from .vision import VisionConfig, VisionModel
+from .vision import VisionConfig, VisionModel, drained
 
 
 class QwenAttention(nn.Module):
@@ -111,6 +111,10 @@ class QwenVisionModel(VisionModel):
 
     @torch.inference_mode()
     def forward(self, pixels) -> torch.Tensor:
+        return drained(self.steps(pixels))
+
+    def steps(self, pixels):
+        """The encoder a layer at a time (as VisionModel.steps); returns the rows [n, D]."""
         patches, (gh, gw) = pixels
         w = self.merger.ln_q.weight
         m = self.cfg.scale_factor
@@ -123,6 +127,7 @@ class QwenVisionModel(VisionModel):
         whole = [0, x.shape[0]]
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, whole if i in self.cfg.full_layers else windows)
+            yield
         return self.merger(x)[torch.argsort(order)]  # [n, D], back in the prompt's order
 
     def _rotations(self, gh: int, gw: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:

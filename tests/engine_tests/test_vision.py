@@ -5,6 +5,7 @@ its positions; an edit of the text after an image keeping them; the bad inputs, 
 import dataclasses
 import io
 import os
+import time
 
 import pytest
 import torch
@@ -523,3 +524,44 @@ def test_a_config_naming_a_huge_tower_is_refused_before_anything_is_allocated(tm
     m = load_model(bad, device="cpu", dtype="float32")
     assert time.perf_counter() - t0 < 30  # (an allocation of that tower would not return at all)
     assert m.vision is None and m.vision_note.startswith("opened for text only") and "is missing" in m.vision_note
+
+
+def test_the_encoder_runs_a_layer_a_turn_so_a_stop_and_other_streams_go_on(seeing):
+    """A Stop at the first progress of a request with an image ends it after one encoder layer (the image not
+    encoded, nothing kept); through the lanes, a text stream's tokens come between the image's encoder layers."""
+    import threading
+
+    from engine.scheduler import END, EngineThread
+
+    _, _, loaded = seeing
+    loaded.vision.kept.clear()
+    cancel = threading.Event()
+    events = []
+    for ev in Session(loaded, capacity=512).generate(Request(messages=ask(1), max_new_tokens=4), cancel):
+        events.append(ev)
+        if type(ev).__name__ == "PrefillProgress":
+            cancel.set()
+    assert isinstance(events[-1], Finished) and events[-1].reason == "cancelled"
+    assert not loaded.vision.kept  # stopped inside the encoder: the image was never finished
+    order, done = [], threading.Semaphore(0)
+    engine = EngineThread(parallel=2)
+    engine.session = engine.call(Session, loaded, 512).result()
+    text = Request(messages=[{"role": "user", "content": "Tell me a story."}], max_new_tokens=60, ignore_eos=True)
+    image = Request(messages=ask(1), max_new_tokens=4, ignore_eos=True)
+
+    def sink(i):
+        return lambda ev: done.release() if ev is END else order.append((i, type(ev).__name__))
+
+    try:
+        engine.submit(text, sink(0))
+        while not any(name == "Token" for _, name in order):  # the text stream runs first
+            time.sleep(0.005)
+        engine.submit(image, sink(1))
+        for _ in range(2):
+            assert done.acquire(timeout=120)
+    finally:
+        engine.close(10)
+    layers = [k for k, (i, name) in enumerate(order) if i == 1 and name == "PrefillProgress"]
+    assert len(layers) >= loaded.vision.cfg.num_layers  # a progress after each encoder layer
+    between = [name for i, name in order[layers[0] : layers[-1]] if i == 0]
+    assert "Token" in between  # the text stream went on while the image was being encoded
