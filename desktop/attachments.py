@@ -42,29 +42,35 @@ def pasted_image(picture: QImage) -> Image:
     return read_image(bytes(buf.data()), "pasted image.png")
 
 
-def images_in(source) -> tuple[list[Image], list[str]]:
-    """The images in a paste or a drop (its picture, or its local image files), and why each refused one was."""
+def image_files(paths) -> tuple[list[Image], list[str]]:
+    """Image files read and checked (engine.images.image_file), and why each refused one was."""
     found, refused = [], []
-    if source.hasImage():
+    for p in paths:
         try:
-            found.append(pasted_image(QImage(source.imageData())))
+            found.append(image_file(p))
         except ImageError as e:
             refused.append(str(e))
-    elif source.hasUrls():
-        for url in source.urls():
-            if not url.isLocalFile() or not url.toLocalFile().lower().endswith(SUFFIXES):
-                continue
-            try:
-                found.append(image_file(url.toLocalFile()))
-            except ImageError as e:
-                refused.append(str(e))
     return found, refused
 
 
+def _image_paths(source) -> list[str]:
+    """A paste's or a drop's local files named as images."""
+    paths = [u.toLocalFile() for u in source.urls() if u.isLocalFile()] if source.hasUrls() else []
+    return [p for p in paths if p.lower().endswith(SUFFIXES)]
+
+
+def images_in(source) -> tuple[list[Image], list[str]]:
+    """The images in a paste or a drop (its picture, or its local image files), and why each refused one was."""
+    if not source.hasImage():
+        return image_files(_image_paths(source))
+    try:
+        return [pasted_image(QImage(source.imageData()))], []
+    except ImageError as e:
+        return [], [str(e)]
+
+
 def holds_images(source) -> bool:
-    return source.hasImage() or (
-        source.hasUrls() and any(u.isLocalFile() and u.toLocalFile().lower().endswith(SUFFIXES) for u in source.urls())
-    )
+    return source.hasImage() or bool(_image_paths(source))
 
 
 class ImageChip(QFrame):

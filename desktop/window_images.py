@@ -5,9 +5,7 @@ from __future__ import annotations
 
 from PySide6.QtWidgets import QFileDialog
 
-from engine.images import ImageError, image_file
-
-from .attachments import IMAGE_FILTER
+from .attachments import IMAGE_FILTER, image_files
 from .core.image_files import MAX_IMAGES
 
 
@@ -28,12 +26,7 @@ class WindowImages:
     def choose_images(self) -> None:
         """The Image… button: image files chosen in a file dialog, each read and checked before it is attached."""
         paths, _ = QFileDialog.getOpenFileNames(self, "Attach images", "", IMAGE_FILTER)
-        found, refused = [], []
-        for p in paths:
-            try:
-                found.append(image_file(p))
-            except ImageError as e:
-                refused.append(str(e))
+        found, refused = image_files(paths)
         if found:
             self.attach_images(found)
         if refused:

@@ -161,7 +161,8 @@ class ImageFormat:
                 k += 1
                 if k >= len(images):
                     raise ImageError("the prompt holds more image positions than its images take")
-                own, left = image_ids(images[k], self.positions(images[k])), self.positions(images[k])
+                left = self.positions(images[k])
+                own = image_ids(images[k], left)
             out[i] = own[len(own) - left]
             left -= 1
         if left or k != len(images) - 1:
@@ -211,6 +212,7 @@ class ImageFormat:
         image's rows at its start plus their row and column (t the start), after which text goes on at the start
         plus the larger of its rows and columns of cells (transformers' get_rope_index)."""
         out = torch.empty(3, len(ids), dtype=torch.long)
+        cells = {key: tuple(g // self.cfg.scale_factor for g in self.grid(im)) for key, im in images.items()}
         p = start = 0
         for i, token in enumerate(ids):
             if token >= 0:
@@ -218,7 +220,7 @@ class ImageFormat:
                 p += 1
                 continue
             key, j = image_position(token)
-            gh, gw = (g // self.cfg.scale_factor for g in self.grid(images[key]))
+            gh, gw = cells[key]
             if j == 0:
                 start = p
             r, c = divmod(j, gw)

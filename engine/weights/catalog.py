@@ -25,7 +25,7 @@ from .gguf_file import ARCHITECTURES, GGUFModel
 from .gguf_header import is_gguf
 from .gguf_reader import check_gguf_shapes
 from .hf_names import check_shapes
-from .mmproj import projector_beside
+from .mmproj import is_projector_file, projector_beside
 from .safetensors import text_model_names
 
 SOURCES = ("hf-cache", "lm-studio", "ollama", "folder")
@@ -264,7 +264,7 @@ def _candidates_in(folder: Path, depth: int = 3) -> Iterator[tuple[Path, str]]:
     if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
         yield folder, "safetensors"
     for p in entries:
-        if p.is_file() and p.suffix.lower() == ".gguf" and not p.name.startswith("mmproj") and is_gguf(p):
+        if p.is_file() and p.suffix.lower() == ".gguf" and not is_projector_file(p) and is_gguf(p):
             yield p, "gguf"  # (a projector file is its model's vision side, named in the model's row)
         elif p.is_dir() and depth > 0 and not p.name.startswith("."):
             yield from _candidates_in(p, depth - 1)

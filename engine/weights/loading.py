@@ -26,7 +26,7 @@ from .gguf_file import NORM_PLUS_ONE, GGUFModel
 from .gguf_header import is_gguf
 from .gguf_reader import GGUFReader
 from .hf_names import expected
-from .mmproj import projector_beside, read_projector
+from .mmproj import is_projector_file, projector_beside, read_projector
 from .safetensors import Reader, check_against_headers, header_digest, text_model_names, weight_files
 from .vision_weights import load_vision
 
@@ -183,7 +183,7 @@ def load_model(
     model_dir = Path(model_dir).expanduser()
     if model_dir.is_dir() and not (model_dir / "config.json").exists():
         # a projector file (mmproj-*.gguf) beside the model is the model's vision side, not another model
-        ggufs = sorted(p for p in model_dir.glob("*.gguf") if is_gguf(p) and not p.name.startswith("mmproj"))
+        ggufs = sorted(p for p in model_dir.glob("*.gguf") if is_gguf(p) and not is_projector_file(p))
         if len(ggufs) == 1:  # a folder holding one GGUF file (LM Studio keeps them so)
             model_dir = ggufs[0]
         elif ggufs:

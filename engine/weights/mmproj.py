@@ -59,6 +59,11 @@ def _planned(cfg: VisionConfig, f: GGUFModel, path: Path) -> tuple[VisionModel, 
     return model, shapes
 
 
+def is_projector_file(path: Path) -> bool:
+    """A projector file's name (llama.cpp's mmproj-*.gguf): its model's vision side, never a model of its own."""
+    return path.name.startswith("mmproj")
+
+
 def projector_beside(model: Path) -> Path | None:
     """The projector file in a GGUF model's folder: the one `mmproj*.gguf` there (several: the one whose name
     shares the model's stem, else None and the model opens for text only)."""

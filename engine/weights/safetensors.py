@@ -71,12 +71,17 @@ def read_names(path: Path) -> list[str]:
         return list(f.keys())
 
 
+def _by_file(files: dict[str, Path], names) -> dict[Path, list[str]]:
+    """The names grouped by the file holding each, so each file is opened once."""
+    out: dict[Path, list[str]] = {}
+    for n in names:
+        out.setdefault(files[n], []).append(n)
+    return out
+
+
 def check_shapes_in_headers(files: dict[str, Path], shapes: dict[str, tuple[int, ...]]) -> None:
     """Each named tensor's shape in its file's header against the one given, before anything is allocated."""
-    by_file: dict[Path, list[str]] = {}
-    for n in shapes:
-        by_file.setdefault(files[n], []).append(n)
-    for path, group in by_file.items():
+    for path, group in _by_file(files, shapes).items():
         with _opened(path) as f:
             for n in group:
                 stored = tuple(f.get_slice(n).get_shape())
@@ -84,18 +89,12 @@ def check_shapes_in_headers(files: dict[str, Path], shapes: dict[str, tuple[int,
                     raise ModelLoadError(f"{n} is {list(stored)}, but config.json makes it {list(shapes[n])}", path)
 
 
-def read_tensors(files: dict[str, Path], shapes: dict[str, tuple[int, ...]]):
-    """(name, tensor) for each name in `shapes`, read file by file, whole (a vision tower's few hundred MB); each
-    tensor's shape in the header checked against the one given before it is read."""
-    by_file: dict[Path, list[str]] = {}
-    for n in shapes:
-        by_file.setdefault(files[n], []).append(n)
-    for path, group in by_file.items():
+def read_tensors(files: dict[str, Path], names):
+    """(name, tensor) for each of `names`, read file by file, whole (a vision tower's few hundred MB); their
+    shapes are check_shapes_in_headers' to check first, before the model they go into is allocated."""
+    for path, group in _by_file(files, names).items():
         with _opened(path) as f:
             for n in group:
-                stored = tuple(f.get_slice(n).get_shape())
-                if stored != tuple(shapes[n]):
-                    raise ModelLoadError(f"{n} is {list(stored)}, but config.json makes it {list(shapes[n])}", path)
                 try:
                     yield n, f.get_tensor(n)
                 except Exception as e:  # SafetensorError: a tensor the header names but the file cuts short

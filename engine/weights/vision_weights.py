@@ -52,5 +52,5 @@ def load_vision(cfg: VisionConfig, files: dict[str, Path], dtype: torch.dtype, d
     check_shapes_in_headers(files, expected)
     model = model.to_empty(device="cpu")  # no random values computed: every parameter is read next
     model.reset_buffers()
-    model.load_state_dict({wanted[n]: t.to(dtype) for n, t in read_tensors(files, expected)})
+    model.load_state_dict({wanted[n]: t.to(dtype) for n, t in read_tensors(files, expected)})  # shapes checked above
     return model.to(device=device, dtype=dtype).eval()
