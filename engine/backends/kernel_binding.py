@@ -81,6 +81,8 @@ class Kernels:
         self._f32_rows = self._declare("kv_matvec_f32_rows", [p, p, i64, p, i64, i64, i64, i64, i32])
         self._q8_rows = self._declare("kv_matvec_q8_rows", [p, p, p, p, p, i64, i64, i64, i64, i32])
         self._q4t_rows = self._declare("kv_matvec_q4t_rows", [p, p, p, p, p, i64, i64, i64, i64, i32])
+        self._q8x_rows = self._declare("kv_matvec_q8x_rows", [p, p, p, p, p, i64, i64, i64, i64, i32])
+        self._q4tx_rows = self._declare("kv_matvec_q4tx_rows", [p, p, p, p, p, i64, i64, i64, i64, i32])
         self.batch_rows = False  # whether the products of several rows give each row's one-row product (checked)
         self._linear_rows = {
             dtype: self._declare("kv_linear_rows_" + SUFFIX[dtype], [p, i64, p, p, p, p, i32]) for dtype in self._float
@@ -204,10 +206,11 @@ class Kernels:
         group: int = 0,
         mins=None,
         tiled: bool = False,
+        activations: str = "float32",
     ) -> torch.Tensor:
         """Several rows' products at once, x [B, in] float32 -> y [B, out] float32: float32 weights [out, in]
-        (`mode` "float32"), int8 codes, or int4 codes in tiles (`tiled`), each row as matvec / qmatvec (float32
-        activations) gives it."""
+        (`mode` "float32"), int8 codes, or int4 codes in tiles (`tiled`), each row as matvec / qmatvec (with the
+        same `activations`) gives it."""
         B, n = x.shape
         x = x.contiguous()
         if mode == "float32":
@@ -219,7 +222,8 @@ class Kernels:
             raise ValueError("several rows at once: float32 weights, int8 codes or int4 tiles")
         out = scales.numel() * group // n
         y = torch.empty(B, out, dtype=torch.float32)
-        fn = self._q8_rows if mode == "int8" else self._q4t_rows
+        integer = activations != "float32"
+        fn = {"int8": (self._q8_rows, self._q8x_rows), "int4": (self._q4t_rows, self._q4tx_rows)}[mode][integer]
         fn(*self.memory(weight, scales, mins, x, y), out, n, group, B, torch.get_num_threads())
         return y
 

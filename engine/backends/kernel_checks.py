@@ -170,9 +170,12 @@ def codes_agree(k, mode, stored, codes, scales, x, group, mins, activations="flo
 def rows_agree(k) -> bool:
     """The products of several rows at once (engine.batching's decode steps) against each row's one-row product,
     bit for bit (a request's tokens must not depend on its batch-mates): float32 weights, int8 codes (groups of
-    32, longer groups, offsets) and int4 tiles, on awkward sizes and 1 to 7 rows."""
+    32, longer groups, offsets) and int4 tiles, with float32 activations and with int8 ones where the library's
+    integer products serve them, on awkward sizes and 1 to 9 rows (past a pass of 8)."""
     g = torch.Generator().manual_seed(2)
-    for B in (1, 2, 3, 4, 5, 7):
+    activations = ("float32", "int8") if "int8" in k.integer_modes else ("float32",)
+    tile_activations = ("float32", "int8") if k.int4_integer_tiles else ("float32",)
+    for B in (1, 2, 3, 4, 5, 7, 9):
         for out, n in ((7, 64), (33, 131), (96, 576)):
             w, x = torch.randn(out, n, generator=g), torch.randn(B, n, generator=g)
             if not torch.equal(k.rows("float32", w, x), torch.stack([k.matvec(w, r) for r in x])):
@@ -181,9 +184,10 @@ def rows_agree(k) -> bool:
             w, x = torch.randn(out, n, generator=g), torch.randn(B, n, generator=g)
             codes, scales = quantize(w, "int8", group)
             for m in (None, torch.randn(scales.shape, generator=g)):
-                want = torch.stack([k._product("int8", codes, scales, r, group, m, "float32", False) for r in x])
-                if not torch.equal(k.rows("int8", codes, x, scales, group, m), want):
-                    return False
+                for act in activations:
+                    want = torch.stack([k._product("int8", codes, scales, r, group, m, act, False) for r in x])
+                    if not torch.equal(k.rows("int8", codes, x, scales, group, m, activations=act), want):
+                        return False
         rows = k.int4_tile_rows
         for out, n, group in ((rows, 64, 32), (3 * rows, 576, 64), (2 * rows, 96, 8)) if rows else ():
             w, x = torch.randn(out, n, generator=g), torch.randn(B, n, generator=g)
@@ -191,9 +195,10 @@ def rows_agree(k) -> bool:
             stored = tile(pack_int4(codes), rows, 4)
             for m in (None, torch.randn(scales.shape, generator=g)):
                 sc, mn = tile(scales, rows, 1), None if m is None else tile(m, rows, 1)
-                want = torch.stack([k._product("int4", stored, sc, r, group, mn, "float32", True) for r in x])
-                if not torch.equal(k.rows("int4", stored, x, sc, group, mn, tiled=True), want):
-                    return False
+                for act in tile_activations:
+                    want = torch.stack([k._product("int4", stored, sc, r, group, mn, act, True) for r in x])
+                    if not torch.equal(k.rows("int4", stored, x, sc, group, mn, tiled=True, activations=act), want):
+                        return False
     return True
 
 

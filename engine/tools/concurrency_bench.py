@@ -194,7 +194,7 @@ def run_concurrency(ns) -> int:
         # loaded on the engine's own thread, the only one whose OpenMP team runs the kernels (a second team
         # makes both slow: engine/SERVING.md, "What `engine serve` costs on loopback"); one engine for every row
         engine = EngineThread(parallel=max(levels))
-        loaded = engine.call(lambda: load_model(path, weights=ns.weights)).result()
+        loaded = engine.call(lambda: load_model(path, weights=ns.weights, activations=ns.activations)).result()
         vocab = loaded.config.vocab_size
         capacity = ns.capacity or max(ns.prompt_tokens, 512) + ns.new_tokens + 8
 
@@ -241,7 +241,8 @@ def run_concurrency(ns) -> int:
         print(json.dumps(report, indent=2))
         return 0
     cpu = report["cpu"] or {}
-    print(f"{report['model']} (weights {ns.weights}) on {report['device']} · {cpu.get('model', '')} · "
+    print(f"{report['model']} (weights {ns.weights}, activations {ns.activations}) on {report['device']} · "
+          f"{cpu.get('model', '')} · "
           f"{report['threads']} threads · {ns.prompt_tokens} prompt tokens, {ns.new_tokens} new, "
           f"{ns.rounds} rounds")  # fmt: skip
     print(

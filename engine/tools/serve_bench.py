@@ -28,6 +28,12 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default=None, help="a model folder or GGUF file instead of a random-weight shape")
     p.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
     p.add_argument("--weights", default="none", choices=("none", "int8", "int4"))
+    p.add_argument(
+        "--activations",
+        default="float32",
+        choices=("float32", "int8"),
+        help="what quantized weights' decode products multiply by (int8: the named approximation, VNNI's products)",
+    )
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=5, help="requests per side (after one warm-up each)")
@@ -99,10 +105,11 @@ def run(ns) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         path = str(ns.model or write_random_checkpoint(Path(tmp) / ns.shape, ns.shape))
-        loaded = load_model(path, weights=ns.weights)
+        loaded = load_model(path, weights=ns.weights, activations=ns.activations)
         local = Session(loaded)
         port = free_port()
         cmd = [sys.executable, "-m", "engine", "serve", "--model", path, "--weights", ns.weights, "--port", str(port)]
+        cmd += ["--activations", ns.activations]
         log = Path(tmp) / "serve.log"
         try:
             with open(log, "wb") as out:

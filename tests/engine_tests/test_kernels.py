@@ -236,20 +236,25 @@ def test_quantized_layers_decode_through_the_kernels(llama_dir, weights, group, 
 
 @needs_kernels
 @pytest.mark.parametrize(
-    "weights,group,dtype",
-    [("none", 0, "float32"), ("int8", 32, "float32"), ("int4", 32, "float32"), ("int4", 64, "bfloat16"),
-     ("int8", 0, "bfloat16")],
+    "weights,group,dtype,activations",
+    [("none", 0, "float32", "float32"), ("int8", 32, "float32", "float32"), ("int4", 32, "float32", "float32"),
+     ("int4", 64, "bfloat16", "float32"), ("int8", 0, "bfloat16", "float32"), ("int8", 32, "float32", "int8"),
+     ("int8", 64, "bfloat16", "int8"), ("int4", 32, "float32", "int8"), ("int4", 64, "bfloat16", "int8")],
 )  # fmt: skip
-def test_several_sequences_decode_in_one_call_each_as_it_would_alone(llama_dir, weights, group, dtype, kernel_variant):
+def test_several_sequences_decode_in_one_call_each_as_it_would_alone(
+    llama_dir, weights, group, dtype, activations, kernel_variant
+):
     """Continuous batching's step (Transformer.forward_many: every block of B sequences' steps in one C call,
     the head once for all): each sequence's logits equal its own one-call step's bit for bit, whatever its
-    batch-mates, their lengths and their number, on every instruction-set variant this CPU runs."""
-    loaded = load_model(llama_dir, weights=weights, group_size=group, dtype=dtype)
+    batch-mates, their lengths and their number (past the integer products' pass of 8), with float32 or int8
+    activations, on every instruction-set variant this CPU runs."""
+    loaded = load_model(llama_dir, weights=weights, group_size=group, dtype=dtype, activations=activations)
     cfg, model = loaded.config, loaded.model
     assert model.decode_step is not None and model.decode_step.batches and kernel_variant.batch_rows
+    assert loaded.activations == activations
 
     def caches():
-        made = [KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 48, loaded.dtype, "cpu") for _ in range(5)]
+        made = [KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 48, loaded.dtype, "cpu") for _ in range(10)]
         for i, c in enumerate(made):
             model(torch.arange(3, 8 + 3 * i)[None] % cfg.vocab_size, c)
         return made
@@ -257,7 +262,7 @@ def test_several_sequences_decode_in_one_call_each_as_it_would_alone(llama_dir, 
     with torch.inference_mode():
         alone, together = caches(), caches()
         for step in range(3):
-            for n in (5, 2, 3):  # batch sizes change from step to step, as requests come and go
+            for n in (5, 2, 3, 10):  # batch sizes change from step to step, as requests come and go
                 tokens = [(11 * i + step + n) % cfg.vocab_size for i in range(n)]
                 want = [model(torch.tensor([[t]]), c, last_only=True) for t, c in zip(tokens, alone[:n])]
                 got = model.forward_many(tokens, together[:n])

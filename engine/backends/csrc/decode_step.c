@@ -161,17 +161,25 @@ static int float_rows_f16(const kv_linear *l, int64_t B, const _Float16 *x, int6
 }
 #endif
 
+/* The products of several rows that share each weight's load among them: [int8 activations][int4 tiles] */
+typedef void (*kv_rows_product)(const void *, const float *, const float *, const float *, float *, int64_t, int64_t,
+                                int64_t, int64_t, int);
+#define ROWS_Q8 ((kv_rows_product)kv_matvec_q8_rows)
+#define ROWS_Q4T ((kv_rows_product)kv_matvec_q4t_rows)
+#define ROWS_Q8X ((kv_rows_product)kv_matvec_q8x_rows)
+#define ROWS_Q4TX ((kv_rows_product)kv_matvec_q4tx_rows)
+
 #define DECODE_BATCH(SUF, T, TO_F32, FROM_F32)                                                                  \
     /* y [B, out] (rows ys apart) = W x for x [B, in] (rows xs apart), a chunk of W's rows for all B at a time */ \
     static void rows_##SUF(const kv_linear *l, int64_t B, const T *x, int64_t xs, T *y, int64_t ys, float *fx,    \
                            float *fy, int nt) {                                                                   \
         if (B > 1 && l->mode == KV_FLOAT && float_rows_##SUF(l, B, x, xs, y, ys, nt)) return;                     \
         const int tiled = l->mode == KV_INT4 && l->tiles, q8 = l->mode == KV_INT8;                               \
-        if (B > 1 && !l->act && (tiled || q8)) { /* products that take the B rows at once */                    \
+        if (B > 1 && (tiled || q8)) { /* products that take the B rows at once */                               \
             for (int64_t b = 0; b < B; b++)                                                                       \
                 for (int64_t i = 0; i < l->in; i++) fx[b * l->in + i] = TO_F32(x[b * xs + i]);                   \
-            if (tiled) kv_matvec_q4t_rows(l->w, l->scales, l->mins, fx, fy, l->out, l->in, l->group, B, nt);     \
-            else kv_matvec_q8_rows(l->w, l->scales, l->mins, fx, fy, l->out, l->in, l->group, B, nt);            \
+            (l->act ? (tiled ? ROWS_Q4TX : ROWS_Q8X) : (tiled ? ROWS_Q4T : ROWS_Q8))(                              \
+                l->w, l->scales, l->mins, fx, fy, l->out, l->in, l->group, B, nt);                                \
             for (int64_t b = 0; b < B; b++) { /* rounded, and the bias added, as linear_ does for one row */     \
                 T *yb = y + b * ys;                                                                               \
                 for (int64_t i = 0; i < l->out; i++) yb[i] = FROM_F32(fy[b * l->out + i]);                        \

@@ -167,6 +167,7 @@ def served_facts(ns, loaded) -> dict:
     return {
         "model": str(ns.model or ns.shape),
         "weights": ns.weights,
+        "activations": getattr(ns, "activations", "float32"),
         "device": str(loaded.device),
         "cpu": cpu_info() if loaded.device.type == "cpu" else None,
         "threads": torch.get_num_threads(),
