@@ -73,6 +73,7 @@ class Lanes:
         self.on_turn: Callable[[int], None] | None = None  # told the positions each turn computed (the metrics)
         self.step_seconds: float | None = None  # a decode turn's time, recently
         self.turn_positions = MIN_TURN_POSITIONS  # a prefill forward's positions while others decode (budget)
+        self.too_slow: int | None = None  # the fewest positions a forward took too long with, while others decode
         self.memory_waits = 0  # times a request waited for a lane because a new one's cache would not fit
         self.pool_waits = 0  # times a request waited for the KV pool's room (its blocks beside the running ones')
         self.pool_positions: int | None = None  # the KV pool's size in positions (None: parallel × capacity)
@@ -191,19 +192,23 @@ class Lanes:
         else the turn's budget, kept at about one decode turn's time (_adjust), so a running stream's token gap
         at most doubles while a prompt arrives."""
         if not any(lane.waiting is not None for lane in self.lanes):
+            self.too_slow = None  # the next streams' steps may cost otherwise: measured again
             return None
         return self.turn_positions
 
     def _adjust(self, positions: int, seconds: float) -> None:
         """After a prefill forward of the budget's size beside decoding lanes: twice the positions when it took
         well under a decode turn, half when it took more (what a forward of k positions costs is not k times
-        one position's: it is measured, not modelled)."""
+        one position's: it is measured, not modelled — a few positions' forward reads the weights as decode does,
+        a longer one as prefill does). A size found too slow is not tried again while the same streams decode, so
+        the budget settles below it instead of stretching every other gap."""
         if self.step_seconds is None or positions < self.turn_positions:
             return
-        if seconds < 0.7 * self.step_seconds:
-            self.turn_positions = min(self.turn_positions * 2, 4096)
-        elif seconds > self.step_seconds:
+        if seconds > self.step_seconds:
+            self.too_slow = positions if self.too_slow is None else min(self.too_slow, positions)
             self.turn_positions = max(MIN_TURN_POSITIONS, self.turn_positions // 2)
+        elif seconds < 0.7 * self.step_seconds and (self.too_slow is None or 2 * self.turn_positions < self.too_slow):
+            self.turn_positions = min(self.turn_positions * 2, 4096)
 
     @staticmethod
     def _recent(old: float | None, new: float) -> float:

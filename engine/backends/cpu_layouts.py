@@ -83,6 +83,8 @@ class PackedLinear(nn.Module):
 
 
 FEW_ROWS = 4  # rows a product takes through the kernels' several-rows products (their pass), not torch's GEMM
+FEW_INTEGER_ROWS = 8  # the same under int8 activations (the integer products' pass; prefill's other path
+# dequantizes every weight into bfloat16, whatever the rows)
 
 
 class KernelLinear(nn.Linear):

@@ -32,7 +32,7 @@ from ..quant import (
     untile,
 )
 from . import kernels as kernel_library
-from .cpu_layouts import FEW_ROWS, EmbeddingT, LinearT, many_rows_linear, weight_scratch
+from .cpu_layouts import FEW_INTEGER_ROWS, FEW_ROWS, EmbeddingT, LinearT, many_rows_linear, weight_scratch
 
 SCRATCH_VALUES = 4 * 2**20  # weight values a many-row product dequantizes at once (16 MiB in float32)
 HEAD_MODE = "int8"  # the output head and embedding under either weight mode (see quantize_head)
@@ -257,7 +257,8 @@ class QuantLinear(nn.Module):
             y = y.view(*x.shape[:-1], self.out_features).to(x.dtype)
             return y if self.bias is None else y + self.bias
         rows = x.numel() // self.in_features
-        if 1 < rows <= FEW_ROWS and self._rows_at_once():  # a few positions (a prefill forward between decode
+        few = FEW_INTEGER_ROWS if self.activations == "int8" else FEW_ROWS
+        if 1 < rows <= few and self._rows_at_once():  # a few positions (a prefill forward between decode
             y = (
                 self.decoder.rows(  # turns): each row as decode computes it, the codes read once for all
                     self.mode,
@@ -267,6 +268,7 @@ class QuantLinear(nn.Module):
                     self.group_size,
                     self.mins,
                     tiled=bool(self.tiles),
+                    activations=self.activations,
                 )
                 .view(*x.shape[:-1], self.out_features)
                 .to(x.dtype)
@@ -312,10 +314,12 @@ class QuantLinear(nn.Module):
         return self.activations == "int8" and self.decoder is not None and bf16_hardware()
 
     def _rows_at_once(self) -> bool:
-        """Whether the kernels' products of several rows serve this layer (float32 activations, int8 codes in
-        rows or int4 in tiles, checked to give each row's one-row product)."""
+        """Whether the kernels' products of several rows serve this layer (int8 codes in rows or int4 in tiles,
+        with float32 activations or the int8 ones its decode takes; checked to give each row's one-row product)."""
         d = self.decoder
-        if d is None or not d.batch_rows or self.activations != "float32":
+        if d is None or not d.batch_rows:
+            return False
+        if self.activations != "float32" and self.mode not in d.integer_modes:
             return False
         return (self.mode == "int8" and not self.tiles) or (self.mode == "int4" and bool(self.tiles))
 

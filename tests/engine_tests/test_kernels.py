@@ -831,3 +831,26 @@ def test_the_read_stream_sums_every_value_once():
     assert abs(K.read_stream(x) - float(x.double().sum())) < 1e-4 * float(x.sum())
     with pytest.raises(ValueError):
         K.read_stream(x.double())
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode,tiled", [("int8", False), ("int4", True)])
+def test_a_few_prompt_positions_under_int8_activations_are_each_rows_decode_product(mode, tiled, kernel_variant):
+    """A prefill forward of a few positions (a newcomer's between decode turns) under int8 activations takes the
+    kernels' several-rows integer products: each position's output is its one-row decode product bit for bit, and
+    not the bfloat16 prefill products (which dequantize every weight for a handful of rows)."""
+    g = torch.Generator().manual_seed(5)
+    n, k, group = 48, 128, 32
+    w = torch.randn(n, k, generator=g)
+    codes, scales = quantize(w, mode, group)
+    layer = QuantLinear.from_codes(PreQuantized(codes, scales, mode, group, torch.float32, None))
+    if tiled:
+        if not kernel_variant.int4_tile_rows:
+            pytest.skip("no int4 tiles in this variant")
+        layer.use_tiles()
+    if quantized.use_integer_activations(layer) == 0:
+        pytest.skip(f"this variant has no integer {mode} products here")
+    assert layer.activations == "int8" and layer._rows_at_once()
+    x = torch.randn(1, 3, k, generator=g)
+    want = torch.stack([layer(x[:, i : i + 1]).reshape(-1) for i in range(3)])  # one row each: decode's product
+    assert torch.equal(layer(x).reshape(3, -1), want)
