@@ -71,6 +71,7 @@ void kv_matvec_q5x(const uint8_t *q, const float *s, const float *m, const float
                    int64_t in, int64_t g, int nt);
 void kv_matvec_q4tx(const uint8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
                     int64_t in, int64_t g, int nt);
+/* integer_rows.c: the same for several rows of x at once, each row as its one-row product */
 void kv_matvec_q8x_rows(const int8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
                         int64_t in, int64_t g, int64_t B, int nt); /* x [B, in] -> y [B, out], each row as q8x */
 void kv_matvec_q4tx_rows(const uint8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
