@@ -21,16 +21,19 @@ from collections.abc import Callable
 from . import trace as tracing
 from .devices import free_on
 from .events import WAITING, Failed, PrefillDone, PrefillProgress
-from .generation import StepWanted, step_all
+from .generation import RowsWanted, StepWanted, step_all
 from .kv_pool import BLOCK, blocks_for
+from .model import FEW_POSITIONS
 from .prefix_store import common_prefix
 from .request import Request
 
 POLICY = (
-    "first come first served, decode first, a prefill forward a turn of at most one decode step's time; "
+    "first come first served, decode first; a prompt beside streams decoding rides as rows of their decode step "
+    "(as many as keep it within about 1.5 of its time), else a prefill forward a turn of at most one step's time; "
     "admitted while the KV pool has room for its blocks, else it waits (no preemption)"
 )
 MIN_TURN_POSITIONS = 1  # the least a turn's prefill forward takes while others decode
+RIDE_FIRST = 2  # prompt positions a newcomer's first rows in the decode step carry (then measured: Lanes.rows)
 LANE_SHARE = 0.5  # a new lane's cache may take at most this share of the memory free now; past it, requests wait
 
 
@@ -42,7 +45,7 @@ class Lane:
         self.ticket = None  # the scheduler's Ticket running here (None: free)
         self.steps = None  # its generator (Session.steps)
         self.answer = None  # what to send it next (a StepWanted's logits)
-        self.waiting: StepWanted | None = None  # the decode step it waits on
+        self.waiting: StepWanted | RowsWanted | None = None  # the decode step (or prompt rows) it waits on
         self.admitted = 0  # turn order: the lower, the older
         self.prefilled = 0  # prompt positions its prefill has computed so far
         self.blocks = 0  # the KV pool's blocks its request was admitted with (what it may hold at most)
@@ -74,6 +77,7 @@ class Lanes:
         self.step_seconds: float | None = None  # a decode turn's time, recently
         self.turn_positions = MIN_TURN_POSITIONS  # a prefill forward's positions while others decode (budget)
         self.too_slow: int | None = None  # the fewest positions a forward took too long with, while others decode
+        self.ride = RIDE_FIRST  # prompt positions riding as rows of the decode step (prefill beside decode)
         self.memory_waits = 0  # times a request waited for a lane because a new one's cache would not fit
         self.pool_waits = 0  # times a request waited for the KV pool's room (its blocks beside the running ones')
         self.pool_positions: int | None = None  # the KV pool's size in positions (None: parallel × capacity)
@@ -183,6 +187,7 @@ class Lanes:
         more = {"fitted": fitted} if fitted is not None else {}  # the prompt fitted at admission, not again
         gen = lane.session.steps(ticket.request, ticket.cancel_event, trace, **more)  # what raises fails it alone
         lane.session.turn_budget = self.budget
+        lane.session.turn_rows = self.rows
         self._admitted += 1
         lane.ticket, lane.steps, lane.answer, lane.waiting, lane.admitted = ticket, gen, None, None, self._admitted
         lane.prefilled, lane.blocks = 0, ticket.blocks or 0
@@ -191,10 +196,29 @@ class Lanes:
         """Prompt positions for the next prefill forward: None (the whole chunk) while no other lane decodes,
         else the turn's budget, kept at about one decode turn's time (_adjust), so a running stream's token gap
         at most doubles while a prompt arrives."""
-        if not any(lane.waiting is not None for lane in self.lanes):
+        if not self._decoding():
             self.too_slow = None  # the next streams' steps may cost otherwise: measured again
             return None
         return self.turn_positions
+
+    def rows(self) -> int | None:
+        """Prompt positions to ride as rows of the next decode step (a prefill beside streams decoding, where the
+        backend's batched step takes them): None while no other lane decodes; else as many as keep that step
+        within about 1.5 of its time without them (_adjust_rows)."""
+        return self.ride if self._decoding() else None
+
+    def _decoding(self) -> bool:
+        return any(isinstance(lane.waiting, StepWanted) for lane in self.lanes)
+
+    def _adjust_rows(self, seconds: float) -> None:
+        """After a decode step that carried prompt rows: twice the rows while it took under 1.4 of a step without
+        them, half past 1.8 (at least one), at most the few a forward runs as rows."""
+        if self.step_seconds is None:
+            return
+        if seconds < 1.4 * self.step_seconds:
+            self.ride = min(self.ride * 2, FEW_POSITIONS)
+        elif seconds > 1.8 * self.step_seconds:
+            self.ride = max(1, self.ride // 2)
 
     def _adjust(self, positions: int, seconds: float) -> None:
         """After a prefill forward of the budget's size beside decoding lanes: twice the positions when it took
@@ -244,26 +268,34 @@ class Lanes:
     def turn(self) -> None:
         """One decode step for every lane waiting on one, then one prefill chunk of the oldest lane prefilling
         (lanes just admitted start here)."""
-        decoding = [lane for lane in self.lanes if lane.waiting is not None]
+        riding = [lane for lane in self.lanes if isinstance(lane.waiting, RowsWanted)]
+        decoding = [lane for lane in self.lanes if isinstance(lane.waiting, StepWanted)]
         computed = len(decoding)
-        if decoding:
+        if decoding or riding:
             began = time.perf_counter()
             try:
-                logits = step_all([lane.waiting for lane in decoding])
-                self.step_seconds = self._recent(self.step_seconds, time.perf_counter() - began)
+                logits = step_all([lane.waiting for lane in decoding + riding])
+                took = time.perf_counter() - began
+                if riding:
+                    self._adjust_rows(took)
+                else:
+                    self.step_seconds = self._recent(self.step_seconds, took)
             except BaseException as e:  # the step fails for all of them: each hears why
-                for lane in decoding:
+                for lane in decoding + riding:
                     self._fail(lane, e)
-                decoding, computed = [], 0
-            for lane, out in zip(decoding, logits if decoding else ()):
-                lane.ticket.trace.batch_sizes.append(len(decoding))
+                decoding, riding, computed = [], [], 0
+            for lane, out in zip(decoding, logits[: len(decoding)] if decoding else ()):
+                lane.ticket.trace.batch_sizes.append(len(decoding))  # its decode batch (riding rows apart)
                 lane.answer, lane.waiting = out, None
                 self._advance(lane)
+            for lane, out in zip(riding, logits[len(decoding) :] if riding else ()):
+                lane.answer, lane.waiting = out, None
+                computed += self._advance(lane)  # its progress told; its next rows asked for the next step
         for lane in [lane for lane in self.lanes if not lane.free and lane.io and lane.waiting is None]:
             self._advance(lane)  # to its server's next chunk, or through its next speculative round
         prefilling = [lane for lane in self.lanes if not lane.free and lane.waiting is None and not lane.io]
         if prefilling:
-            beside = any(lane.waiting is not None for lane in self.lanes)  # its forward took the turn's budget
+            beside = self._decoding()  # its forward took the turn's budget
             began = time.perf_counter()
             positions = self._advance(min(prefilling, key=lambda lane: lane.admitted))
             if beside and positions > 0:
@@ -370,7 +402,7 @@ class Lanes:
             lane.answer = None
             if item is WAITING:  # its server has sent nothing new: the other lanes' turn
                 return 0
-            if isinstance(item, StepWanted):
+            if isinstance(item, (StepWanted, RowsWanted)):  # computed in the next turn's batched step
                 lane.waiting = item
                 return lane.prefilled - before
             if isinstance(item, (PrefillProgress, PrefillDone)):

@@ -17,6 +17,7 @@ from .backends.cuda_graph import GraphDecoder, graphs_wanted
 from .events import WAITING, Token
 from .kv_cache import make_cache
 from .logprobs import step_logprobs
+from .model import FEW_POSITIONS
 from .rotary import rope_offset
 from .sampling import draw
 
@@ -30,16 +31,42 @@ def prefill_chunk_for(dtype: torch.dtype) -> int:
     return PREFILL_CHUNK * 4 // dtype.itemsize
 
 
+class RowsWanted:
+    """What `prefill` yields, while other sequences decode, to have a few prompt positions computed as rows of the
+    scheduler's next batched step beside their decode rows (Transformer.forward_spans: the weights read once for
+    all); it is sent the logits after the last ([1, 1, V])."""
+
+    __slots__ = ("model", "cache", "tokens")
+
+    def __init__(self, model, cache, tokens: list[int]):
+        self.model, self.cache, self.tokens = model, cache, tokens
+
+    def alone(self) -> torch.Tensor:
+        """The positions in a forward of their own (no batched step took them)."""
+        ids = torch.tensor([self.tokens], device=self.model.norm.weight.device)  # [1, T]
+        return self.model(ids, self.cache, last_only=True)  # [1, 1, V]
+
+
 def prefill(
-    model, cache, ids: list[int], tokens: list[int], chunk, device, images=None
-) -> Iterator[tuple[int, torch.Tensor]]:
+    model, cache, ids: list[int], tokens: list[int], chunk, device, images=None, rows=None
+) -> Iterator[tuple[int, torch.Tensor] | RowsWanted]:
     """Consume `tokens` after the cache's positions, `chunk` of them a forward (a count, or a function asked
     before each forward: the scheduler's budget for the turn): after each, (how many are consumed, the logits of
     the last [1, 1, V]); `ids` gains each chunk as the cache does. `images`: the prompt's images
-    (engine.image_prompt.PromptImages), whose positions take the encoder's rows: its layers each yield (done, None)."""
+    (engine.image_prompt.PromptImages), whose positions take the encoder's rows: its layers each yield (done, None).
+    `rows`: asked before each forward while other sequences decode (the scheduler's), how many positions to ride
+    as rows of their batched step instead (a RowsWanted yielded, sent the logits); None, or 0: a forward here."""
     done = 0
     cache.rope_offset = images.rope_offset if images is not None else 0  # what later positions' rotations add
     while done < len(tokens):
+        k = rows() if rows is not None and images is None else None
+        if k and model.few_rows(cache):
+            piece = tokens[done : done + min(k, FEW_POSITIONS)]
+            logits = yield RowsWanted(model, cache, piece)
+            ids.extend(piece)
+            done += len(piece)
+            yield done, logits
+            continue
         n = max(1, chunk() if callable(chunk) else chunk)
         if images is not None:
             n = images.piece(tokens, done, n, getattr(cache, "max_chunk", None))
@@ -119,12 +146,25 @@ class StepWanted:
 
 
 @torch.inference_mode()  # called by the scheduler's turn, outside the generators' own inference mode
-def step_all(wanted: list[StepWanted]) -> list[torch.Tensor]:
-    """The decode steps of several sequences, one turn of the engine: the logits ([1, 1, V]) for each, in order.
-    Sequences of one model whose backend takes them together run in one call (Transformer.forward_many, kvchat's
-    kernels: the weights read once for all, each row bit for bit its step alone); where there are no kernels (a
-    GPU, a CPU that cannot build them) torch's products take the rows together (engine.passes.rows, each
-    row its step alone up to the products' order of summation); the others one by one."""
+def step_all(wanted: list[StepWanted | RowsWanted]) -> list[torch.Tensor]:
+    """The decode steps of several sequences, one turn of the engine (and a prefilling sequence's few positions
+    riding beside them, RowsWanted): the logits ([1, 1, V]) for each, in order. Sequences of one model whose
+    backend takes them together run in one call (Transformer.forward_spans, kvchat's kernels: the weights read
+    once for all, each row bit for bit its step alone); where there are no kernels (a GPU, a CPU that cannot
+    build them) torch's products take the decode rows together (engine.passes.rows, each row its step alone up
+    to the products' order of summation); the others one by one."""
+    rides = [w for w in wanted if isinstance(w, RowsWanted)]
+    if rides:
+        model = rides[0].model
+        steps = [w for w in wanted if isinstance(w, StepWanted)]
+        if all(w.model is model for w in rides) and all(
+            w.decoder.loaded.model is model and w.decoder.path == "eager" for w in steps
+        ):
+            spans = [(w.tokens, w.cache) if isinstance(w, RowsWanted) else ([w.token], w.decoder.cache) for w in wanted]
+            out = model.forward_spans(spans)
+            if out is not None:
+                return out
+        return [w.alone() if isinstance(w, RowsWanted) else w.decoder.step(w.token) for w in wanted]
     if len(wanted) > 1:
         loaded = wanted[0].decoder.loaded
         tokens, caches = [w.token for w in wanted], [w.decoder.cache for w in wanted]
@@ -155,6 +195,8 @@ def alone(steps: Iterator) -> Iterator:
                 return
             if isinstance(item, StepWanted):
                 answer = item.decoder.step(item.token)
+            elif isinstance(item, RowsWanted):  # asked of a scheduler only; alone, a forward of their own
+                answer = item.alone()
             elif item is WAITING:  # a speculative round's end: nothing else runs beside it here
                 answer = None
             else:

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 # --- masks ----------------------------------------------------------------------------------------
 BLOCKS = "blocks"  # a masks dict's mark: some of its positions see later ones (Transformer.masks' `blocks`)
+FEW_POSITIONS = 8  # new positions of one sequence a forward runs as rows of the batched decode step, at most
 
 
 def attention_mask(start: int, t: int, window: int | None, device) -> torch.Tensor | None:
@@ -354,6 +355,15 @@ class Transformer(nn.Module):
             self.decode_step.run(x, cache, start, cos.reshape(-1), sin.reshape(-1))
             cache.length = start + 1
             return self.logits(x.view(B, T, -1))
+        if B == 1 and 1 < T <= FEW_POSITIONS and images is None and self.few_rows(cache):
+            # a few positions (a newcomer's prefill between other requests' decode turns, a short new message): the
+            # rows of one batched step, each its decode step, the weights read once for all of them
+            x = x.reshape(T, -1).contiguous()  # [T, D], updated in place
+            cos, sin = ropes[0]
+            self.decode_step.run_batch(x, [cache] * T, cos.reshape(T, -1).contiguous(), sin.reshape(T, -1).contiguous(),
+                                       list(range(start, start + T)))  # fmt: skip
+            cache.length = start + T
+            return self.logits(x[-1:].view(1, 1, -1) if last_only else x.view(1, T, -1))
         blocks = images.blocks if images is not None else ()
         masks = self.masks(start, T, attention_dtype(x.dtype, x.device, self.widen_bf16), ids.device, cache, blocks)
         for i, layer in enumerate(self.layers):
@@ -363,6 +373,17 @@ class Transformer(nn.Module):
         if last_only:
             x = x[:, -1:]
         return self.logits(x)  # [B, T, V]
+
+    def few_rows(self, cache) -> bool:
+        """Whether a few new positions of one sequence may run as the rows of the backend's batched step."""
+        step = self.decode_step
+        return (
+            step is not None
+            and getattr(step, "batches", False)
+            and self.cfg.rope.type != "longrope"
+            and not self.cfg.rope.sections
+            and step.usable(cache)
+        )
 
     def mrope_rows(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """positions [3, T] (t, h, w of each new position) -> [(cos, sin) [T, 1, r]]: each column's rotation taken
@@ -378,25 +399,39 @@ class Transformer(nn.Module):
         """B sequences' next positions (a token each, each cache at its own length) in one call of the backend's
         step, every weight read once for all: the logits [1, 1, V] of each, as `forward` computes it alone. None
         where that step cannot take them (a cache it cannot read; longrope, whose tables depend on the length)."""
+        return self.forward_spans([([t], c) for t, c in zip(tokens, caches)])
+
+    def forward_spans(self, spans: list[tuple[list[int], object]]) -> list[torch.Tensor] | None:
+        """Several sequences' next positions in one call of the backend's batched step: each span's tokens at its
+        cache's length on (a decode step's one token, or a few prompt positions riding beside other sequences'
+        steps), every weight read once for all rows, each row its own decode step (a span's rows see the rows
+        before them: they wrote their K/V first). The logits [1, 1, V] after each span's last token; None where
+        the step cannot take them (a cache it cannot read; longrope, whose tables depend on the length)."""
         step = self.decode_step
+        caches = [c for _, c in spans]
         ready = step is not None and getattr(step, "batches", False) and self.cfg.rope.type != "longrope"
-        if not ready or not step.takes(caches):
+        if not ready or not step.takes(caches) or any(c.length + len(t) > c.capacity for t, c in spans):
             return None
-        for c in caches:
-            c.reserve(c.length, c.length + 1)
-        x = self.embed_ids(torch.tensor([[t] for t in tokens], device=self.norm.weight.device))  # [B, 1, D]
-        x = x.reshape(len(tokens), -1).contiguous()  # [B, D], updated in place
-        at = [c.length + rope_offset(c) for c in caches]  # each sequence's rotary position
-        cos, sin = self.rope_tables(max(at) + 1)[0]
-        at = torch.tensor(at, device=x.device)
-        step.run_batch(x, caches, cos.index_select(0, at).contiguous(), sin.index_select(0, at).contiguous())
-        for c in caches:  # each one position longer
-            c.length += 1
-        normed = torch.cat([self.norm(x[b].view(1, -1)) for b in range(len(tokens))])  # [B, D], a row as alone
+        rows, positions, ids, turns, last = [], [], [], [], []
+        for tokens, c in spans:
+            c.reserve(c.length, c.length + len(tokens))
+            offset = rope_offset(c)  # mrope after an image: the rotation runs ahead of the index
+            for j, t in enumerate(tokens):
+                rows.append(c), positions.append(c.length + j), ids.append(t), turns.append(c.length + j + offset)
+            last.append(len(ids) - 1)
+        device = self.norm.weight.device
+        x = self.embed_ids(torch.tensor([[t] for t in ids], device=device))  # [R, 1, D]
+        x = x.reshape(len(ids), -1).contiguous()  # [R, D], updated in place
+        cos, sin = self.rope_tables(max(turns) + 1)[0]
+        at = torch.tensor(turns, device=device)
+        step.run_batch(x, rows, cos.index_select(0, at).contiguous(), sin.index_select(0, at).contiguous(), positions)
+        for tokens, c in spans:  # each len(tokens) positions longer
+            c.length += len(tokens)
+        normed = torch.cat([self.norm(x[r].view(1, -1)) for r in last])  # [S, D], a row as alone
         head = step.head_rows(normed) if hasattr(step, "head_rows") else None
         if head is None:
-            return [self.logits(x[b].view(1, 1, -1)) for b in range(len(tokens))]
-        return [self.scaled(head[b].view(1, 1, -1)) for b in range(len(tokens))]
+            return [self.logits(x[r].view(1, 1, -1)) for r in last]
+        return [self.scaled(head[b].view(1, 1, -1)) for b in range(len(last))]
 
     def forward_static(self, ids: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:
         """One decode step with static shapes, for CUDA graphs: ids [B, 1], pos [1] (a device tensor, the

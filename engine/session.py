@@ -17,7 +17,7 @@ from .devices import dtype_name
 from .disk_store import DiskStore
 from .errors import CapacityError, EngineError
 from .events import Failed, Finished, PrefillDone, PrefillProgress, PrefillStarted, ReuseReport
-from .generation import PREFILL_CHUNK, Decoder, alone, decode, prefill, prefill_chunk_for, warm_up
+from .generation import PREFILL_CHUNK, Decoder, RowsWanted, alone, decode, prefill, prefill_chunk_for, warm_up
 from .grammar import Guide
 from .image_prompt import PromptImages
 from .kv_cache import DEFAULT_CAPACITY, KVCache
@@ -66,6 +66,7 @@ class Session:
         self.capacity_setting = capacity
         self.traces: list[tracing.RequestTrace] = [] if traces is None else traces
         self.turn_budget = None  # the scheduler's prompt positions for a prefill forward now (None: the chunk)
+        self.turn_rows = None  # the scheduler's prompt positions to ride as rows of its batched step (None: none)
         self._drafter = None  # (kind, the model it drafts for, the drafter) of speculative requests
         self.draft_models = {} if draft_models is None else draft_models  # (path, weights) -> (for, draft model)
         self.loaded: LoadedModel | None = None
@@ -296,7 +297,18 @@ class Session:
         chunk = (lambda: min(full, budget() or full)) if budget is not None else full
         logits = None  # [1, 1, V]: the prompt's last position's, which select token 1
         todo = prompt[reuse.reused :]
-        for done, last in prefill(loaded.model, tiers.cache, tiers.ids, todo, chunk, loaded.device, pictures):
+        pieces = prefill(loaded.model, tiers.cache, tiers.ids, todo, chunk, loaded.device, pictures, self.turn_rows)
+        answer = None
+        while True:
+            try:
+                item = pieces.send(answer)
+            except StopIteration:
+                break
+            answer = None
+            if isinstance(item, RowsWanted):  # the positions ride in the scheduler's next batched step
+                answer = yield item
+                continue
+            done, last = item
             if last is not None:  # (None: an encoder layer of an image ran, no position yet)
                 logits = last
                 trace.prefill_chunks += 1

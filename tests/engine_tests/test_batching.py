@@ -145,6 +145,47 @@ def test_a_long_prompt_is_prefilled_between_the_steps_of_streams_already_running
     engine.close(10)
 
 
+def test_a_newcomers_prompt_rides_as_rows_of_the_running_streams_decode_steps(loaded, monkeypatch):
+    """Where the kernels' batched step runs, a prompt arriving while two streams decode is computed a few positions
+    at a time as rows of their decode steps (one call, the weights read once for all): every step that carries them
+    also carries both streams' tokens, the rows grow while the step stays within its time, and every request's
+    tokens equal its run alone."""
+    from engine.model import FEW_POSITIONS, Transformer
+
+    if loaded.model.decode_step is None or not loaded.model.decode_step.batches:
+        pytest.skip("no batched kernel step here")
+    spans, real = [], Transformer.forward_spans
+
+    def recorded(self, given):
+        spans.append([len(tokens) for tokens, _ in given])
+        return real(self, given)
+
+    monkeypatch.setattr(Transformer, "forward_spans", recorded)
+    requests = [_request(0, n=60), _request(1, n=60), _request(2, n=4)]
+    alone = _alone(loaded, requests)
+    engine = EngineThread(parallel=3)
+    engine.session = engine.call(Session, loaded).result()
+    events = [[] for _ in requests]
+    done = threading.Semaphore(0)
+
+    def sink_for(i):
+        return lambda ev: done.release() if ev is END else events[i].append(ev)
+
+    for i in (0, 1):
+        engine.submit(requests[i], sink_for(i))
+    while min(sum(isinstance(e, Token) for e in events[i]) for i in (0, 1)) < 3:  # both decoding before it comes
+        time.sleep(0.005)
+    spans.clear()
+    engine.submit(requests[2], sink_for(2))
+    for _ in requests:
+        assert done.acquire(timeout=120)
+    engine.close(10)
+    riding = [s for s in spans if any(n > 1 for n in s)]
+    assert riding and all(len(s) == 3 for s in riding)  # each with both streams' decode rows
+    assert max(n for s in riding for n in s) > 2 and max(n for s in riding for n in s) <= FEW_POSITIONS
+    assert [e[-1].token_ids for e in events] == [a.token_ids for a in alone]
+
+
 def test_a_cancelled_request_frees_its_lane_and_the_others_go_on(loaded):
     requests = [_request(i, n=40) for i in range(3)]
     alone = _alone(loaded, requests)
