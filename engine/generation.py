@@ -41,6 +41,12 @@ class RowsWanted:
     def __init__(self, model, cache, tokens: list[int]):
         self.model, self.cache, self.tokens = model, cache, tokens
 
+    eager = True  # no captured graph: any batched step of its model may take it
+
+    @property
+    def span(self) -> tuple[list[int], object]:
+        return self.tokens, self.cache
+
     def alone(self) -> torch.Tensor:
         """The positions in a forward of their own (no batched step took them)."""
         ids = torch.tensor([self.tokens], device=self.model.norm.weight.device)  # [1, T]
@@ -60,7 +66,7 @@ def prefill(
     cache.rope_offset = images.rope_offset if images is not None else 0  # what later positions' rotations add
     while done < len(tokens):
         k = rows() if rows is not None and images is None else None
-        if k and model.few_rows(cache):
+        if k and model.rows_ready(cache):
             piece = tokens[done : done + min(k, FEW_POSITIONS)]
             logits = yield RowsWanted(model, cache, piece)
             ids.extend(piece)
@@ -144,6 +150,21 @@ class StepWanted:
     def __init__(self, decoder: Decoder, token: int):
         self.decoder, self.token = decoder, token
 
+    @property
+    def model(self):
+        return self.decoder.loaded.model
+
+    @property
+    def eager(self) -> bool:  # a captured graph runs its own step: no batched step takes it
+        return self.decoder.path == "eager"
+
+    @property
+    def span(self) -> tuple[list[int], object]:
+        return [self.token], self.decoder.cache
+
+    def alone(self) -> torch.Tensor:
+        return self.decoder.step(self.token)
+
 
 @torch.inference_mode()  # called by the scheduler's turn, outside the generators' own inference mode
 def step_all(wanted: list[StepWanted | RowsWanted]) -> list[torch.Tensor]:
@@ -153,29 +174,19 @@ def step_all(wanted: list[StepWanted | RowsWanted]) -> list[torch.Tensor]:
     once for all, each row bit for bit its step alone); where there are no kernels (a GPU, a CPU that cannot
     build them) torch's products take the decode rows together (engine.passes.rows, each row its step alone up
     to the products' order of summation); the others one by one."""
-    rides = [w for w in wanted if isinstance(w, RowsWanted)]
-    if rides:
-        model = rides[0].model
-        steps = [w for w in wanted if isinstance(w, StepWanted)]
-        if all(w.model is model for w in rides) and all(
-            w.decoder.loaded.model is model and w.decoder.path == "eager" for w in steps
-        ):
-            spans = [(w.tokens, w.cache) if isinstance(w, RowsWanted) else ([w.token], w.decoder.cache) for w in wanted]
-            out = model.forward_spans(spans)
+    rides = any(isinstance(w, RowsWanted) for w in wanted)
+    if len(wanted) > 1 or rides:
+        model = wanted[0].model
+        if all(w.model is model and w.eager for w in wanted):
+            out = model.forward_spans([w.span for w in wanted])
             if out is not None:
                 return out
-        return [w.alone() if isinstance(w, RowsWanted) else w.decoder.step(w.token) for w in wanted]
-    if len(wanted) > 1:
-        loaded = wanted[0].decoder.loaded
-        tokens, caches = [w.token for w in wanted], [w.decoder.cache for w in wanted]
-        if all(w.decoder.loaded is loaded and w.decoder.path == "eager" for w in wanted):
-            out = loaded.model.forward_many(tokens, caches)
-            if out is not None:
-                return out
-        if all(w.decoder.loaded is loaded for w in wanted) and rows_together(loaded):
+        loaded = wanted[0].decoder.loaded if not rides else None  # torch's rows take decode steps only
+        if loaded is not None and all(w.decoder.loaded is loaded for w in wanted) and rows_together(loaded):
+            tokens, caches = [w.token for w in wanted], [w.decoder.cache for w in wanted]
             logits = passes.rows(loaded.model, tokens, caches)  # [B, 1, V]
             return [logits[b : b + 1] for b in range(len(wanted))]
-    return [w.decoder.step(w.token) for w in wanted]
+    return [w.alone() for w in wanted]
 
 
 def rows_together(loaded) -> bool:
@@ -193,9 +204,7 @@ def alone(steps: Iterator) -> Iterator:
                 item = steps.send(answer)
             except StopIteration:
                 return
-            if isinstance(item, StepWanted):
-                answer = item.decoder.step(item.token)
-            elif isinstance(item, RowsWanted):  # asked of a scheduler only; alone, a forward of their own
+            if isinstance(item, (StepWanted, RowsWanted)):  # (rows are asked of a scheduler only: here, alone)
                 answer = item.alone()
             elif item is WAITING:  # a speculative round's end: nothing else runs beside it here
                 answer = None

@@ -339,6 +339,12 @@ class Transformer(nn.Module):
                 raise ValueError(f"{T} positions with an image's in one step: a sliding ring takes {step} at most")
             parts = [self.forward(ids[:, a : a + step], cache, last_only) for a in range(0, T, step)]
             return parts[-1] if last_only else torch.cat(parts, dim=1)
+        if B == 1 and 1 < T <= FEW_POSITIONS and images is None and self.rows_ready(cache):
+            # a few positions (a short new message, a forward no scheduler took as rows): the rows of one batched
+            # step, each its decode step, the weights read once for all of them
+            out = self.forward_spans([(ids[0].tolist(), cache)], every=not last_only)
+            if out is not None:
+                return out[0]
         if cache is not None:
             cache.reserve(start, start + T)  # a pool's blocks for the new positions, none shared (copy on write)
         if images is not None and images.positions is not None:  # mrope: each position's own t, h, w
@@ -355,15 +361,6 @@ class Transformer(nn.Module):
             self.decode_step.run(x, cache, start, cos.reshape(-1), sin.reshape(-1))
             cache.length = start + 1
             return self.logits(x.view(B, T, -1))
-        if B == 1 and 1 < T <= FEW_POSITIONS and images is None and self.few_rows(cache):
-            # a few positions (a newcomer's prefill between other requests' decode turns, a short new message): the
-            # rows of one batched step, each its decode step, the weights read once for all of them
-            x = x.reshape(T, -1).contiguous()  # [T, D], updated in place
-            cos, sin = ropes[0]
-            self.decode_step.run_batch(x, [cache] * T, cos.reshape(T, -1).contiguous(), sin.reshape(T, -1).contiguous(),
-                                       list(range(start, start + T)))  # fmt: skip
-            cache.length = start + T
-            return self.logits(x[-1:].view(1, 1, -1) if last_only else x.view(1, T, -1))
         blocks = images.blocks if images is not None else ()
         masks = self.masks(start, T, attention_dtype(x.dtype, x.device, self.widen_bf16), ids.device, cache, blocks)
         for i, layer in enumerate(self.layers):
@@ -374,16 +371,12 @@ class Transformer(nn.Module):
             x = x[:, -1:]
         return self.logits(x)  # [B, T, V]
 
-    def few_rows(self, cache) -> bool:
-        """Whether a few new positions of one sequence may run as the rows of the backend's batched step."""
+    def rows_ready(self, cache) -> bool:
+        """Whether new positions on `cache` may run as rows of the backend's batched step (kvchat's kernels, a cache
+        they read; not longrope, whose tables depend on the length)."""
         step = self.decode_step
-        return (
-            step is not None
-            and getattr(step, "batches", False)
-            and self.cfg.rope.type != "longrope"
-            and not self.cfg.rope.sections
-            and step.usable(cache)
-        )
+        ready = step is not None and getattr(step, "batches", False) and self.cfg.rope.type != "longrope"
+        return ready and cache is not None and step.usable(cache)
 
     def mrope_rows(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """positions [3, T] (t, h, w of each new position) -> [(cos, sin) [T, 1, r]]: each column's rotation taken
@@ -401,24 +394,26 @@ class Transformer(nn.Module):
         where that step cannot take them (a cache it cannot read; longrope, whose tables depend on the length)."""
         return self.forward_spans([([t], c) for t, c in zip(tokens, caches)])
 
-    def forward_spans(self, spans: list[tuple[list[int], object]]) -> list[torch.Tensor] | None:
+    def forward_spans(self, spans: list[tuple[list[int], object]], every: bool = False) -> list[torch.Tensor] | None:
         """Several sequences' next positions in one call of the backend's batched step: each span's tokens at its
-        cache's length on (a decode step's one token, or a few prompt positions riding beside other sequences'
-        steps), every weight read once for all rows, each row its own decode step (a span's rows see the rows
-        before them: they wrote their K/V first). The logits [1, 1, V] after each span's last token; None where
-        the step cannot take them (a cache it cannot read; longrope, whose tables depend on the length)."""
+        cache's length on (a decode step's one token, a few prompt positions riding beside other sequences' steps,
+        a speculative verify), every weight read once for all rows, each row its own decode step (a span's rows see
+        the rows before them: they wrote their K/V first). Each span's logits after its last token [1, 1, V] (after
+        each of its tokens [1, n, V] with `every`); None where the step cannot take them (rows_ready)."""
         step = self.decode_step
         caches = [c for _, c in spans]
-        ready = step is not None and getattr(step, "batches", False) and self.cfg.rope.type != "longrope"
-        if not ready or not step.takes(caches) or any(c.length + len(t) > c.capacity for t, c in spans):
+        if not self.rows_ready(caches[0]) or not step.takes(caches):
             return None
-        rows, positions, ids, turns, last = [], [], [], [], []
+        if any(c.length + len(t) > c.capacity for t, c in spans):
+            return None
+        rows, positions, ids, turns, wanted = [], [], [], [], []
         for tokens, c in spans:
             c.reserve(c.length, c.length + len(tokens))
             offset = rope_offset(c)  # mrope after an image: the rotation runs ahead of the index
+            first = len(ids)
             for j, t in enumerate(tokens):
                 rows.append(c), positions.append(c.length + j), ids.append(t), turns.append(c.length + j + offset)
-            last.append(len(ids) - 1)
+            wanted.append(range(first if every else len(ids) - 1, len(ids)))  # the rows whose logits it gives
         device = self.norm.weight.device
         x = self.embed_ids(torch.tensor([[t] for t in ids], device=device))  # [R, 1, D]
         x = x.reshape(len(ids), -1).contiguous()  # [R, D], updated in place
@@ -427,11 +422,14 @@ class Transformer(nn.Module):
         step.run_batch(x, rows, cos.index_select(0, at).contiguous(), sin.index_select(0, at).contiguous(), positions)
         for tokens, c in spans:  # each len(tokens) positions longer
             c.length += len(tokens)
-        normed = torch.cat([self.norm(x[r].view(1, -1)) for r in last])  # [S, D], a row as alone
+        picked = [r for span in wanted for r in span]
+        normed = torch.cat([self.norm(x[r].view(1, -1)) for r in picked])  # [P, D], a row as alone
         head = step.head_rows(normed) if hasattr(step, "head_rows") else None
-        if head is None:
-            return [self.logits(x[r].view(1, 1, -1)) for r in last]
-        return [self.scaled(head[b].view(1, 1, -1)) for b in range(len(last))]
+        if head is not None:
+            out = self.scaled(head)  # [P, V]
+        else:
+            out = torch.cat([self.logits(x[r].view(1, 1, -1))[0] for r in picked])
+        return [part[None] for part in out.split([len(span) for span in wanted])]  # each span's [1, n, V]
 
     def forward_static(self, ids: torch.Tensor, pos: torch.Tensor, cache) -> torch.Tensor:
         """One decode step with static shapes, for CUDA graphs: ids [B, 1], pos [1] (a device tensor, the

@@ -17,23 +17,10 @@ def span(model: Transformer, tokens: list[int], cache) -> torch.Tensor:
     step — the weights read once for all, each row bit for bit the decode step there alone (a row's attention sees
     the rows before it: they wrote their K/V first); elsewhere a forward of the n positions, as prefill computes
     them."""
-    start, n = cache.length, len(tokens)
-    step = model.decode_step
-    ready = step is not None and getattr(step, "batches", False) and model.cfg.rope.type != "longrope"
-    if n > 1 and ready and step.usable(cache) and start + n <= cache.capacity:
-        cache.reserve(start, start + n)
-        x = model.embed_ids(torch.tensor([[t] for t in tokens], device=model.norm.weight.device))  # [n, 1, D]
-        x = x.reshape(n, -1).contiguous()  # [n, D], updated in place
-        p = start + rope_offset(cache)  # the rotary position of the first (mrope after an image: ahead of it)
-        cos, sin = model.rope_tables(p + n)[0]
-        step.run_batch(x, [cache] * n, cos[p : p + n].contiguous(), sin[p : p + n].contiguous(),
-                       list(range(start, start + n)))  # fmt: skip
-        cache.length = start + n
-        normed = torch.cat([model.norm(x[b].view(1, -1)) for b in range(n)])  # [n, D], a row as alone
-        head = step.head_rows(normed) if hasattr(step, "head_rows") else None
-        if head is not None:
-            return model.scaled(head)  # [n, V]
-        return torch.cat([model.logits(x[b].view(1, 1, -1))[0] for b in range(n)])
+    if len(tokens) > 1:
+        out = model.forward_spans([(tokens, cache)], every=True)
+        if out is not None:
+            return out[0][0]  # [1, n, V] -> [n, V]
     ids = torch.tensor([tokens], device=model.norm.weight.device)  # [1, n]
     return model(ids, cache)[0]  # [1, n, V] -> [n, V]
 
