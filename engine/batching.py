@@ -74,7 +74,7 @@ class Lanes:
         self.lanes: list[Lane] = []
         self._admitted = 0
         self.on_turn: Callable[[int], None] | None = None  # told the positions each turn computed (the metrics)
-        self.step_seconds: float | None = None  # a decode turn's time, recently
+        self.step_times: dict[int, float] = {}  # a decode turn's time recently, by how many lanes it decoded
         self.turn_positions = MIN_TURN_POSITIONS  # a prefill forward's positions while others decode (budget)
         self.too_slow: int | None = None  # the fewest positions a forward took too long with, while others decode
         self.ride = RIDE_FIRST  # prompt positions riding as rows of the decode step (prefill beside decode)
@@ -210,6 +210,13 @@ class Lanes:
     def _decoding(self) -> bool:
         return any(isinstance(lane.waiting, StepWanted) for lane in self.lanes)
 
+    @property
+    def step_seconds(self) -> float | None:
+        """A decode turn's recent time at the number of lanes decoding now (None before one was measured): the
+        reference the prefill budget and the riding rows keep to. By batch size, since a step of 8 lanes costs
+        more than one of 2: a newcomer's rows held to the 2-lane step's time beside 8 lanes would shrink to one."""
+        return self.step_times.get(sum(isinstance(lane.waiting, StepWanted) for lane in self.lanes))
+
     def _adjust_rows(self, seconds: float) -> None:
         """After a decode step that carried prompt rows: twice the rows while it took under 1.4 of a step without
         them, half past 1.8 (at least one), at most the few a forward runs as rows."""
@@ -278,8 +285,8 @@ class Lanes:
                 took = time.perf_counter() - began
                 if riding:
                     self._adjust_rows(took)
-                else:
-                    self.step_seconds = self._recent(self.step_seconds, took)
+                elif decoding:
+                    self.step_times[len(decoding)] = self._recent(self.step_times.get(len(decoding)), took)
             except BaseException as e:  # the step fails for all of them: each hears why
                 for lane in decoding + riding:
                     self._fail(lane, e)

@@ -186,6 +186,32 @@ def test_a_newcomers_prompt_rides_as_rows_of_the_running_streams_decode_steps(lo
     assert [e[-1].token_ids for e in events] == [a.token_ids for a in alone]
 
 
+def test_riding_rows_keep_to_the_step_time_of_the_batch_they_ride_in():
+    """The rows' reference is the decode step's recent time at the number of lanes decoding now: a step of eight
+    lanes with rows, under 1.4 of the eight-lane step, doubles the rows though it took far longer than a two-lane
+    step did (one reference for all sizes would halve them to one as the batch grew); past 1.8 of it, halves."""
+    from engine.batching import Lane, Lanes
+    from engine.generation import StepWanted
+
+    lanes = Lanes(lambda: None, 8, lambda ticket: None)
+    lanes.lanes = [Lane(i, None) for i in range(8)]
+    for lane in lanes.lanes[:2]:
+        lane.waiting = StepWanted(None, 0)
+    lanes.step_times = {2: 0.010, 8: 0.030}
+    assert lanes.step_seconds == 0.010
+    for lane in lanes.lanes:
+        lane.waiting = StepWanted(None, 0)
+    assert lanes.step_seconds == 0.030
+    ride = lanes.ride
+    lanes._adjust_rows(0.040)  # 1.33 of the eight-lane step (4 of the two-lane one)
+    assert lanes.ride == 2 * ride
+    lanes._adjust_rows(0.060)  # 2.0 of it
+    assert lanes.ride == ride
+    lanes.step_times = {}
+    lanes._adjust_rows(0.5)  # nothing measured at this size yet: left as it is
+    assert lanes.ride == ride
+
+
 def test_a_cancelled_request_frees_its_lane_and_the_others_go_on(loaded):
     requests = [_request(i, n=40) for i in range(3)]
     alone = _alone(loaded, requests)
