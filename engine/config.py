@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 
 from .errors import ModelLoadError
+from .family_fields import family_fields
 from .text_configs import text_config_of
 
 # Architecture name in config.json -> family. The families differ only in the fields below.
@@ -33,6 +34,7 @@ SUPPORTED_ARCHITECTURES = {
     "Olmo2ForCausalLM": "olmo2",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "GptOssForCausalLM": "gpt_oss",
 }
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}  # config name -> ours
 
@@ -40,7 +42,7 @@ ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "g
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
-    type: str = "default"  # default | linear | llama3 | longrope
+    type: str = "default"  # default | linear | llama3 | longrope | yarn
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -51,6 +53,9 @@ class RopeConfig:
     attention_factor: float = 1.0  # longrope: cos and sin scaled by it
     partial: float = 1.0  # the fraction of each head's width that rotates (Phi-4-mini: 0.75)
     sections: tuple[int, ...] = ()  # mrope (Qwen2.5-VL): the frequencies rotated by a position's t, h and w parts
+    beta_fast: float = 32.0  # yarn: the ramp between kept and interpolated frequencies starts at this many turns
+    beta_slow: float = 1.0  # yarn: and ends at this many
+    truncate: bool = True  # yarn: the ramp's ends rounded to whole dimensions (gpt-oss: not)
 
     def describe(self) -> str:
         """The rotary settings in words, exact (the cache's fingerprint compares them, a cache-drop reason
@@ -62,6 +67,11 @@ class RopeConfig:
             text += (
                 f", {self.type} scaling ×{_exact(self.factor)} (frequency factors {_exact(self.low_freq_factor)}–"
                 f"{_exact(self.high_freq_factor)}, original context {self.original_max_position_embeddings:,})"
+            )
+        if self.type == "yarn":
+            text += (
+                f", yarn ramp {_exact(self.beta_slow)}–{_exact(self.beta_fast)} turns"
+                f"{'' if self.truncate else ' (untruncated)'}, attention factor {_exact(self.attention_factor)}"
             )
         if self.type == "longrope":
             text += (
@@ -124,6 +134,13 @@ class ModelConfig:
     moe_intermediate_size: int = 0  # F of one expert
     norm_topk_prob: bool = True  # the k routing weights renormalised to sum to 1
     moe_layers: tuple[bool, ...] = ()  # per layer, whether its MLP is the mixture; () every layer when E > 0
+    # --- gpt-oss ---
+    sinks: bool = False  # a learned logit per query head joins each softmax's denominator (attention sinks)
+    router_bias: bool = False  # the router's linear has a bias
+    router_topk_first: bool = False  # the k highest router logits, then a softmax over those k
+    expert_bias: bool = False  # each expert's gate/up and down have biases
+    swiglu_limit: float | None = None  # the clamped SwiGLU: (clamp(up, ±l) + 1) · g·σ(α·g), g = min(gate, l)
+    swiglu_alpha: float = 1.702  # α of that SwiGLU
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -177,6 +194,9 @@ class ModelConfig:
             and all(self.rope_layers or (True,))
             and self.rope.partial == 1.0
             and self.rope.attention_factor == 1.0
+            and not self.sinks
+            and self.swiglu_limit is None
+            and not (self.router_bias or self.expert_bias or self.router_topk_first)
         )
 
     def describe_attention(self) -> str:
@@ -196,6 +216,8 @@ class ModelConfig:
             parts.append(f"scores ×{_exact(self.attention_scale)}")
         if self.attn_softcap is not None:
             parts.append(f"scores capped at {_exact(self.attn_softcap)}")
+        if self.sinks:
+            parts.append("attention sinks")
         if self.rope_layers and not all(self.rope_layers):
             parts.append(f"{self.rope_layers.count(False)} layers unrotated")
         if self.rope_local is not None:
@@ -221,8 +243,10 @@ def _rope_from(raw: dict, params: dict | None = None) -> RopeConfig:
     kind = "longrope" if kind == "su" else kind  # Phi-3's first files name it su
     sections = params.get("mrope_section")
     kind = "default" if kind == "mrope" else kind  # Qwen2.5-VL's 4.x files: default frequencies, split by section
-    if kind not in ("default", "linear", "llama3", "longrope"):
-        raise ModelLoadError(f"rope type {kind!r} is not supported (supported: default, linear, llama3, longrope)")
+    if kind not in ("default", "linear", "llama3", "longrope", "yarn"):
+        raise ModelLoadError(
+            f"rope type {kind!r} is not supported (supported: default, linear, llama3, longrope, yarn)"
+        )
 
     def positive(key: str, value) -> float:
         """A rotary parameter: a finite number above 0 (0, negative or NaN make every position's angle garbage)."""
@@ -252,6 +276,22 @@ def _rope_from(raw: dict, params: dict | None = None) -> RopeConfig:
                 raise ModelLoadError(f"config.json's longrope {key} must hold {half} numbers")
             extra[key] = tuple(positive(f"rope_scaling.{key}", v) for v in values)
         extra["attention_factor"] = positive("rope_scaling.attention_factor", attention)
+    if kind == "yarn":  # transformers' _compute_yarn_parameters
+        factor = positive(
+            "rope_scaling.factor", params.get("factor") or raw.get("max_position_embeddings", original) / original
+        )
+        attention = params.get("attention_factor")
+        if attention is None:
+            mscale, all_dim = params.get("mscale"), params.get("mscale_all_dim")
+            attention = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, all_dim) if mscale and all_dim else (
+                _yarn_mscale(factor))  # fmt: skip
+        extra.update(
+            factor=factor,
+            attention_factor=positive("rope_scaling.attention_factor", attention),
+            beta_fast=positive("rope_scaling.beta_fast", params.get("beta_fast") or 32),
+            beta_slow=positive("rope_scaling.beta_slow", params.get("beta_slow") or 1),
+            truncate=bool(params.get("truncate", True)),
+        )
     if sections is not None:
         half = int(int(raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]) * partial) // 2
         ok = isinstance(sections, list) and len(sections) == 3 and all(isinstance(v, int) and v >= 0 for v in sections)
@@ -261,13 +301,19 @@ def _rope_from(raw: dict, params: dict | None = None) -> RopeConfig:
     return RopeConfig(
         theta=positive("rope_theta", params.get("rope_theta", raw.get("rope_theta", 10000.0))),
         type=kind,
-        factor=positive("rope_scaling.factor", params.get("factor", 1.0) if kind != "longrope" else 1.0),
+        factor=extra.pop("factor", None)
+        or positive("rope_scaling.factor", params.get("factor", 1.0) if kind != "longrope" else 1.0),
         low_freq_factor=positive("rope_scaling.low_freq_factor", params.get("low_freq_factor", 1.0)),
         high_freq_factor=positive("rope_scaling.high_freq_factor", params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=original,
         partial=partial,
         **extra,
     )
+
+
+def _yarn_mscale(factor: float, mscale: float = 1) -> float:
+    """YaRN's attention factor for a scaling factor (its paper's Eq. 21, as transformers computes it)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _ids(value) -> tuple[int, ...]:
@@ -360,9 +406,11 @@ def config_from_dict(raw: dict, path: Path | None = None) -> ModelConfig:
         window = raw.get("sliding_window")
         if family in ("qwen2", "qwen3", "qwen3_moe", "smollm3"):
             window = window if raw.get("use_sliding_window") else None
-        moe = family in ("qwen3_moe", "mixtral")
+        moe = family in ("qwen3_moe", "mixtral", "gpt_oss")
         _check_counts(raw, moe, window)
-        extra = _family_fields(family, raw, layers, hidden, window)
+        extra = family_fields(family, raw, layers, hidden, window)
+        if "rope_local" in extra:  # the sliding layers' own rotary parameters (Gemma 3)
+            extra["rope_local"] = _rope_from(raw, extra["rope_local"])
         return ModelConfig(
             architecture=arch,
             family=family,
@@ -377,8 +425,8 @@ def config_from_dict(raw: dict, path: Path | None = None) -> ModelConfig:
             rms_norm_eps=eps,
             rope=rope,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", family in ("gemma2", "gemma3"))),
-            qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
-            o_bias=family != "qwen2" and bool(raw.get("attention_bias", False)),
+            qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", family == "gpt_oss")),
+            o_bias=family != "qwen2" and bool(raw.get("attention_bias", family == "gpt_oss")),
             qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "olmo2"),
             sliding_window=int(window) if window else None,
             bos_token_id=raw.get("bos_token_id"),
@@ -396,71 +444,6 @@ def config_from_dict(raw: dict, path: Path | None = None) -> ModelConfig:
         raise ModelLoadError(f"config.json has a malformed field: {e}", path) from None
     except ModelLoadError as e:
         raise ModelLoadError(str(e), path) from None
-
-
-def _layer_types(raw: dict, layers: int, default) -> tuple[str, ...]:
-    """Per layer, "sliding" or "full": config.json's layer_types, else `default(i)` (a family's own pattern)."""
-    given = raw.get("layer_types")
-    if given is None:
-        return tuple("sliding" if default(i) else "full" for i in range(layers))
-    if not isinstance(given, list) or len(given) != layers:
-        raise ModelLoadError(f"config.json's layer_types must name each of the {layers} layers")
-    kinds = {"sliding_attention": "sliding", "full_attention": "full"}
-    if any(t not in kinds for t in given):
-        raise ModelLoadError(f"config.json's layer_types holds a kind kvchat does not run: {sorted(set(given))}")
-    return tuple(kinds[t] for t in given)
-
-
-def _family_fields(family: str, raw: dict, layers: int, hidden: int, window) -> dict:
-    """The ModelConfig fields by which `family` departs from the Llama shape, from its config.json."""
-    out: dict = {}
-    if family in ("gemma2", "gemma3"):
-        out.update(
-            norm_offset=1.0,
-            norm_placement="sandwich",
-            embed_scale=hidden**0.5,
-            attention_scale=float(raw.get("query_pre_attn_scalar") or 256) ** -0.5,
-            attn_softcap=raw.get("attn_logit_softcapping"),
-            final_softcap=raw.get("final_logit_softcapping"),
-        )
-        pattern = int(raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6)
-        slides = (lambda i: (i + 1) % 2) if family == "gemma2" else (lambda i: (i + 1) % pattern)
-        out["layer_types"] = _layer_types(raw, layers, slides) if window else ()
-        if family == "gemma3":
-            params = raw.get("rope_parameters")
-            if isinstance(params, dict) and "sliding_attention" in params:
-                local = params["sliding_attention"]
-            else:  # transformers 4.x: the local layers' own theta, no scaling
-                local = {"rope_theta": raw.get("rope_local_base_freq", 10000.0)}
-            out["rope_local"] = _rope_from(raw, local)
-    elif family == "smollm3":
-        given = raw.get("no_rope_layers")
-        interval = int(raw.get("no_rope_layer_interval") or 4)
-        rotates = [bool(v) for v in given] if given is not None else [(i + 1) % interval != 0 for i in range(layers)]
-        if len(rotates) != layers:
-            raise ModelLoadError(f"config.json's no_rope_layers must name each of the {layers} layers")
-        out["rope_layers"] = tuple(rotates)
-        if window:
-            out["layer_types"] = _layer_types(raw, layers, lambda i: not rotates[i])
-    elif family == "granite":
-        out.update(
-            embed_scale=float(raw.get("embedding_multiplier", 1.0)),
-            residual_scale=float(raw.get("residual_multiplier", 1.0)),
-            attention_scale=float(raw.get("attention_multiplier", 1.0)),
-            logits_scale=float(raw.get("logits_scaling", 1.0)),
-        )
-    elif family == "olmo2":
-        out.update(norm_placement="post", qk_norm_span="all")
-    elif family == "qwen3_moe":
-        step = int(raw.get("decoder_sparse_step") or 1)
-        dense = set(raw.get("mlp_only_layers") or [])
-        out["moe_layers"] = tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
-    elif window and raw.get("layer_types") is not None:
-        out["layer_types"] = _layer_types(raw, layers, lambda i: True)
-    for key in ("attn_softcap", "final_softcap"):
-        if out.get(key) is not None:
-            out[key] = float(out[key])
-    return out
 
 
 def read_json(path: Path, default: dict | None = None) -> dict:

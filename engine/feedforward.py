@@ -20,17 +20,24 @@ ACT = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 class MLP(nn.Module):
-    """The gated MLP: down(act(gate(x)) · up(x)), SwiGLU or Gemma's GeGLU."""
+    """The gated MLP: down(act(gate(x)) · up(x)), SwiGLU or Gemma's GeGLU; an expert of gpt-oss's (`expert`) with
+    biases and its clamped SwiGLU, down((clamp(up, ±l) + 1) · g·σ(α·g)) with g = min(gate, l)."""
 
-    def __init__(self, cfg: ModelConfig, width: int | None = None):
+    def __init__(self, cfg: ModelConfig, width: int | None = None, expert: bool = False):
         super().__init__()
         self.f = width or cfg.intermediate_size
         self.act = ACT[cfg.hidden_act]
-        self.gate_up = nn.Linear(cfg.hidden_size, 2 * self.f, bias=False)  # D -> 2F
-        self.down = nn.Linear(self.f, cfg.hidden_size, bias=False)  # F -> D
+        bias = expert and cfg.expert_bias
+        self.limit, self.alpha = (cfg.swiglu_limit, cfg.swiglu_alpha) if expert else (None, 1.0)
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * self.f, bias=bias)  # D -> 2F
+        self.down = nn.Linear(self.f, cfg.hidden_size, bias=bias)  # F -> D
 
     def forward(self, x):
         gate, up = self.gate_up(x).split(self.f, dim=-1)  # [..., F] each
+        if self.limit is not None:
+            gate = gate.clamp(max=self.limit)
+            glu = gate * torch.sigmoid(gate * self.alpha)
+            return self.down((up.clamp(-self.limit, self.limit) + 1) * glu)
         return self.down(self.act(gate).mul_(up))  # the product into the activation's fresh buffer: one [.., F] less
 
 
@@ -45,9 +52,10 @@ class MoE(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # D -> E
-        self.experts = nn.ModuleList(MLP(cfg, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=cfg.router_bias)  # D -> E
+        self.experts = nn.ModuleList(MLP(cfg, cfg.moe_intermediate_size, expert=True) for _ in range(cfg.num_experts))
         self.k, self.normalize = cfg.experts_per_token, cfg.norm_topk_prob
+        self.topk_first = cfg.router_topk_first  # gpt-oss: the k highest logits, then their softmax
         self.act = ACT[cfg.hidden_act]
         self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None  # ([E, 2F, D], [E, D, F]), views shared
 
@@ -60,6 +68,8 @@ class MoE(nn.Module):
         copy), so a decode step gathers the chosen k on the device. Only where every expert is a plain float
         linear; returns whether it did."""
         linears = [(e.gate_up, e.down) for e in self.experts]
+        if any(e.limit is not None or e.gate_up.bias is not None for e in self.experts):  # gpt-oss's: one by one
+            return False
         if not all(type(g) is nn.Linear and type(d) is nn.Linear for g, d in linears):
             return False
         gate_up = torch.stack([g.weight for g, _ in linears])  # [E, 2F, D]
@@ -72,6 +82,9 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, D] -> (weights [N, k] in x's dtype, experts [N, k])."""
+        if self.topk_first:
+            top, chosen = self.router(x).topk(self.k, dim=-1)  # [N, k] each
+            return torch.softmax(top, dim=-1).to(x.dtype), chosen
         probs = torch.softmax(self.router(x), dim=-1, dtype=torch.float32)  # [N, E]
         weights, chosen = probs.topk(self.k, dim=-1)
         if self.normalize:

@@ -109,6 +109,8 @@ class Attention(nn.Module):
         self.rope_kind = cfg.rope_kind(layer)  # which of the model's rotary tables, None: no rotation
         self.scale = cfg.attention_scale  # None: SDPA's 1/√d
         self.softcap = cfg.attn_softcap
+        # [H] a learned logit per query head that joins every softmax's denominator (gpt-oss's attention sinks)
+        self.sinks = nn.Parameter(torch.zeros(self.h)) if cfg.sinks else None
         self.widen_bf16 = False  # bfloat16 attention in float32 (Transformer.widen_bf16_attention)
 
     def project(self, x, cos, sin):
@@ -157,8 +159,8 @@ class Attention(nn.Module):
         # widened copies are made dense: SDPA's flash kernel needs unit-stride rows
         if attention_dtype(dtype, q.device, self.widen_bf16) != dtype:
             q, k, v = (t.to(torch.float32, memory_format=torch.contiguous_format) for t in (q, k, v))
-        if self.softcap is not None:  # capped scores: no SDPA kernel computes them
-            y = self.attend_capped(q, k, v, mask)  # [B, H, T, d]
+        if self.softcap is not None or self.sinks is not None:  # capped scores, sinks: no SDPA kernel has them
+            y = self.attend_scored(q, k, v, mask)  # [B, H, T, d]
             return y.to(dtype).transpose(1, 2).reshape(B, T, h * self.d)
         if T > 1:  # many positions: SDPA's native GQA (its flash kernels), causal without a mask on a fresh prompt
             causal = causal and isinstance(start, int) and start == 0 and self.causal_only
@@ -173,17 +175,26 @@ class Attention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)  # [B, H_kv, G, d]
         return y.to(dtype).reshape(B, T, h * self.d)
 
-    def attend_capped(self, q, k, v, mask):
-        """q [B, H, T, d], k/v [B, H_kv, S, d] -> [B, H, T, d], the scores soft-capped (c·tanh(s/c), Gemma 2)
-        before the mask and the softmax, as the family was trained."""
+    def attend_scored(self, q, k, v, mask):
+        """q [B, H, T, d], k/v [B, H_kv, S, d] -> [B, H, T, d] with the scores in hand: soft-capped (c·tanh(s/c),
+        Gemma 2) before the mask, and with each head's sink logit beside them in the softmax, its share then
+        dropped (gpt-oss), as the families were trained."""
         B, H, T, d = q.shape
         S = k.shape[2]
         q = q.reshape(B, self.h_kv, self.g * T, d)  # the G heads sharing a KV head as rows: no copy of K/V
         scores = q @ k.transpose(-1, -2) * (self.scale if self.scale is not None else d**-0.5)  # [B, H_kv, GT, S]
-        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
         if mask is not None:
             scores = (scores.view(B, self.h_kv, self.g, T, S) + mask).view(B, self.h_kv, self.g * T, S)
-        y = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v  # [B, H_kv, GT, d]
+        if self.sinks is not None:
+            sink = self.sinks.to(scores.dtype).view(1, self.h_kv, self.g, 1).expand(B, -1, -1, T)  # [B, H_kv, G, T]
+            scores = torch.cat((scores, sink.reshape(B, self.h_kv, self.g * T, 1)), dim=-1)  # [B, H_kv, GT, S+1]
+            scores = scores - scores.amax(dim=-1, keepdim=True)
+            probs = torch.softmax(scores, dim=-1, dtype=scores.dtype)[..., :S]
+        else:
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        y = probs.to(q.dtype) @ v  # [B, H_kv, GT, d]
         return y.view(B, H, T, d)
 
 

@@ -23,6 +23,8 @@ def inv_frequencies(rope: RopeConfig, head_dim: int, length: int = 0) -> torch.T
         long = length > rope.original_max_position_embeddings
         ext = torch.tensor(rope.long_factor if long else rope.short_factor, dtype=torch.float32)
         return 1.0 / (ext * rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if rope.type == "yarn":
+        return _yarn_frequencies(rope, dim)
     inv = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if rope.type == "linear":
         inv = inv / rope.factor
@@ -39,6 +41,27 @@ def inv_frequencies(rope: RopeConfig, head_dim: int, length: int = 0) -> torch.T
     if rope.factors:  # a GGUF's rope_freqs: each frequency divided by its factor (llama.cpp's rule)
         inv = inv / torch.tensor(rope.factors, dtype=torch.float32)
     return inv
+
+
+def _yarn_frequencies(rope: RopeConfig, dim: int) -> torch.Tensor:
+    """YaRN [r/2]: the fast-turning frequencies kept, the slow ones divided by the factor, a linear ramp between
+    (from beta_fast turns over the original context to beta_slow), as transformers computes them."""
+    pos = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    kept, interpolated = 1.0 / pos, 1.0 / (rope.factor * pos)
+    old = rope.original_max_position_embeddings
+
+    def turns_dim(turns: float) -> float:  # the dimension whose frequency turns `turns` times over the context
+        return (dim * math.log(old / (turns * 2 * math.pi))) / (2 * math.log(rope.theta))
+
+    low, high = turns_dim(rope.beta_fast), turns_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp
+    return interpolated * (1 - keep) + kept * keep
 
 
 def cos_sin_table(

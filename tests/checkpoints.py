@@ -66,6 +66,23 @@ FAMILY_CASES = {
         family="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
     ),
     "mixtral": dict(family="mixtral", num_local_experts=4, num_experts_per_tok=2),
+    "gpt_oss": dict(  # sinks, a window on every other layer, yarn, biased experts with the clamped SwiGLU
+        family="gpt_oss",
+        head_dim=16,
+        intermediate_size=32,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=6,
+        rope={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 16,
+            "rope_theta": 150000.0,
+        },  # fmt: skip
+    ),
 }
 
 _TOKENIZER_CACHE: dict[int, str] = {}
@@ -101,6 +118,7 @@ FAMILIES = {
     "olmo2": "Olmo2Config",
     "qwen3_moe": "Qwen3MoeConfig",
     "mixtral": "MixtralConfig",
+    "gpt_oss": "GptOssConfig",
 }
 
 

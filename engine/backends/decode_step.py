@@ -66,6 +66,7 @@ def kernel_attends(attn: Attention, cfg) -> bool:
         and cfg.rope.partial == 1.0
         and attn.scale is None
         and attn.softcap is None
+        and attn.sinks is None
         and not attn.qk_norm_all
         and cfg.norm_offset == 0.0
     )

@@ -120,9 +120,13 @@ def _folder_row(folder: Path, name: str, source: str) -> FoundModel:
         shapes: dict[str, tuple[int, ...]] = {}
         for p in files:
             for key, t in _safetensors_header(p).items():
-                if key != "__metadata__":
-                    counts[t["dtype"]] = counts.get(t["dtype"], 0) + math.prod(t["shape"])
-                    shapes[key] = tuple(t["shape"])
+                if key == "__metadata__":
+                    continue
+                shapes[key] = tuple(t["shape"])
+                kind, n = t["dtype"], math.prod(t["shape"])
+                if key.endswith(("_blocks", "_scales")):  # MXFP4 (gpt-oss's experts): two values a byte, and scales
+                    kind, n = "MXFP4", 2 * n if key.endswith("_blocks") else 0
+                counts[kind] = counts.get(kind, 0) + n
         params = sum(counts.values())
         quant = max(counts, key=counts.get).lower() if counts else None
         stored = text_model_names(dict.fromkeys(shapes))  # a multimodal checkpoint's text model

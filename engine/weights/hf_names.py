@@ -8,6 +8,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ModelLoadError
+from .stacked_experts import expert_shapes, resolve, stacked, stacked_sources, stacked_state
 
 NORMS = {  # placement -> kvchat's norm -> the checkpoint's name
     "pre": {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"},
@@ -41,6 +42,8 @@ def _mlp_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
             "mlp.gate_up.weight": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
             "mlp.down.weight": [p + "mlp.down_proj.weight"],
         }
+    if stacked(cfg):  # gpt-oss: every expert's parts rows of one tensor a layer
+        return stacked_sources(cfg, i)
     mlp, router, gate, up, down = EXPERT_NAMES["mixtral" if cfg.family == "mixtral" else "qwen3_moe"]
     out = {"mlp.router.weight": [f"{p}{mlp}.{router}.weight"]}
     for j in range(cfg.num_experts):
@@ -69,6 +72,8 @@ def block_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
         out["attn.o.bias"] = [a + "o_proj.bias"]
     if cfg.qk_norm:
         out["attn.q_norm.weight"], out["attn.k_norm.weight"] = [a + "q_norm.weight"], [a + "k_norm.weight"]
+    if cfg.sinks:
+        out["attn.sinks"] = [a + "sinks"]
     return out
 
 
@@ -89,6 +94,9 @@ def _shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
     )
     for mine in NORMS[cfg.norm_placement]:
         out[mine + ".weight"] = (D,)
+    out["attn.sinks"] = (cfg.num_heads,)
+    if stacked(cfg):
+        out.update(expert_shapes(cfg, i))
     if cfg.is_moe(i):
         F = cfg.moe_intermediate_size
         out["mlp.router.weight"] = (cfg.num_experts, D)
@@ -123,7 +131,10 @@ def check_shapes(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], stored=la
     file's size as it was read), before anything is sized from the config: an expert count, an intermediate size,
     a head count the file does not bear out is an error when the model is listed, not at its first request.
     `stored` names a tensor as the file does (its GGUF name), for the message."""
+    parts = resolve(cfg, dict.fromkeys(shapes), lambda name: shapes[name])  # stacked experts: their tensors checked
     for name, shape in expected(cfg).items():
+        if name in parts:
+            continue
         got = shapes.get(name)
         if got is None:
             raise ModelLoadError(f"tensor {stored(name)!r} is missing from the weights", where)
@@ -147,9 +158,13 @@ def hf_state_dict(model) -> dict[str, torch.Tensor]:
     out = {"model.embed_tokens.weight": model.embed.weight, "model.norm.weight": model.norm.weight}
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = model.lm_head.weight
+    if stacked(cfg):
+        out.update(stacked_state(model))
     for i, block in enumerate(model.layers):
         mine = dict(block.named_parameters())
         for name, theirs in block_sources(cfg, i).items():
+            if stacked(cfg) and name.startswith("mlp."):
+                continue
             t = mine[name]
             parts = [t] if len(theirs) == 1 else t.split(_split_rows(cfg, name, t.shape[0]))
             out.update(zip(theirs, parts))

@@ -27,7 +27,8 @@ from .gguf_header import is_gguf
 from .gguf_reader import GGUFReader
 from .hf_names import expected
 from .mmproj import is_projector_file, projector_beside, read_projector
-from .safetensors import Reader, check_against_headers, header_digest, text_model_names, weight_files
+from .safetensors import Reader, check_against_headers, header_digest, header_shape, text_model_names, weight_files
+from .stacked_experts import resolve
 from .vision_weights import load_vision
 
 
@@ -207,6 +208,7 @@ def load_model(
             {"lm_head.weight": files["lm_head.weight"]} if "lm_head.weight" in files else {}
         )
     check_against_headers(cfg, files, stored)
+    derived = resolve(cfg, files, lambda name: header_shape(files[name], name))  # gpt-oss's stacked experts
     tokenizer = Tokenizer.from_dir(model_dir, extra_stop_ids=cfg.eos_token_id)
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ModelLoadError(
@@ -218,7 +220,7 @@ def load_model(
     digest = header_digest(files.values())
     with ReturnFreedMemory():
         model = build_model(
-            Reader(files, expected(cfg), stored),
+            Reader(files, expected(cfg), stored, derived),
             cfg,
             dt,
             dev,

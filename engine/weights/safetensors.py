@@ -66,6 +66,12 @@ def _opened(path: Path):
         raise ModelLoadError(f"corrupt or truncated safetensors file: {e}", path) from None
 
 
+def header_shape(path: Path, name: str) -> tuple[int, ...]:
+    """A tensor's shape as its file's header gives it."""
+    with _opened(path) as f:
+        return tuple(f.get_slice(name).get_shape())
+
+
 def read_names(path: Path) -> list[str]:
     with _opened(path) as f:
         return list(f.keys())
@@ -165,11 +171,17 @@ class Reader:
 
     ROWS_PER_CHUNK = 4096
 
-    def __init__(self, files: dict[str, Path], expected: dict[str, tuple[int, ...]], stored: dict | None = None):
-        """`stored`: a name -> the name the file holds it under, where they differ (text_model_names)."""
-        self.files, self.expected, self.stored = files, expected, stored or {}
+    def __init__(
+        self, files: dict[str, Path], expected: dict[str, tuple[int, ...]], stored: dict | None = None,
+        derived: dict | None = None,
+    ):  # fmt: skip
+        """`stored`: a name -> the name the file holds it under, where they differ (text_model_names). `derived`: a
+        name no file holds -> what its rows are read from (engine.weights.stacked_experts.ExpertPart)."""
+        self.files, self.expected, self.stored = dict(files), expected, stored or {}
+        self.derived = derived or {}
+        self.files.update({name: part.paths[0] for name, part in self.derived.items()})
         for name in expected:
-            if name not in files:
+            if name not in self.files:
                 where = next(iter(set(files.values())), None)
                 raise ModelLoadError(f"tensor {name!r} is missing from the checkpoint", where)
 
@@ -206,7 +218,14 @@ class Reader:
             if len(shape) <= 1
             else [(a, min(stop, a + self.ROWS_PER_CHUNK)) for a in range(first, stop, self.ROWS_PER_CHUNK)]
         )
+        part = self.derived.get(name)
         for a, b in spans:
+            if part is not None:  # rows of a stacked tensor, read from the file(s) holding it
+                rows = part.rows(a, b, self._opened)
+                if tuple(rows.shape) != (b - a, *shape[1:]):
+                    raise ModelLoadError(f"{name}: rows {a}..{b} read as {list(rows.shape)}", path)
+                dst[a - first : b - first].copy_(rows)
+                continue
             with contextlib.nullcontext(f) if f is not None else self._opened(path) as g:
                 sl = g.get_slice(self.stored.get(name, name))
                 self._check(path, name, sl.get_shape())

@@ -35,6 +35,9 @@ CASES = {
         },
     ),
     "linear-rope": dict(family="llama", rope={"rope_type": "linear", "factor": 2.0}),
+    "yarn-rope": dict(
+        family="llama", rope={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    ),
     "llama-attention-bias": dict(family="llama", attention_bias=True),
     "mistral": dict(family="mistral", sliding_window=None),
     "mistral-sliding-window": dict(family="mistral", sliding_window=8),

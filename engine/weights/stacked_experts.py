@@ -1,0 +1,157 @@
+"""Experts a checkpoint stores stacked, one tensor a layer for all of them (gpt-oss): each expert's gate, up and down
+read under names of its own, as rows of the stacked tensors, so the loader fuses, casts and quantizes them as it
+does any family's experts.
+
+gpt-oss keeps `mlp.experts.gate_up_proj` [E, D, 2F] (inputs first, gate and up interleaved column by column) and
+`down_proj` [E, F, D] with their biases [E, 2F] and [E, D]; or, as released, MXFP4: `*_blocks` [E, out, in/32, 16]
+(two 4-bit e2m1 codes a byte, the low nibble first) with `*_scales` [E, out, in/32] (e8m0: 2^(s − 127) per 32
+values). Shapes: E experts, D hidden, F an expert's width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import ModelLoadError
+
+PARTS = ("gate", "up", "down")
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # e2m1
+MXFP4_BLOCK = 32  # values sharing one e8m0 scale
+
+
+def expert_name(i: int, j: int, part: str, what: str = "weight") -> str:
+    """The name layer i's expert j's `part` (gate, up or down) is read under: a name no file holds."""
+    return f"model.layers.{i}.mlp.experts.{j}.{part}_proj.{what}"
+
+
+def stacked(cfg: ModelConfig) -> bool:
+    """Whether this family's checkpoints stack their experts."""
+    return cfg.family == "gpt_oss"
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertPart:
+    """One expert's part, as rows of a layer's stacked tensor: `base` the stacked tensor's name (without _blocks),
+    `mxfp4` whether the file holds its codes, `path` the file(s) holding it."""
+
+    base: str
+    expert: int
+    part: str  # gate | up | down
+    what: str  # weight | bias
+    mxfp4: bool
+    paths: tuple[Path, ...]  # the weights' (blocks, scales) or the one tensor's file
+
+    def rows(self, a: int, b: int, opened) -> torch.Tensor:
+        """Rows a..b-1 of this part ([b-a, in] for a weight, [b-a] for a bias), as stored (float), `opened(path)`
+        a context giving the file's safe_open handle."""
+        j, interleaved = self.expert, self.part in ("gate", "up")
+        first = 1 if self.part == "up" else 0
+        if self.what == "bias":  # [E, 2F] interleaved, or [E, D]
+            with opened(self.paths[0]) as f:
+                row = f.get_slice(self.base + "_bias")[j : j + 1]  # [1, 2F] or [1, D]
+            return (row[0, first::2] if interleaved else row[0])[a:b]
+        if self.mxfp4:  # [E, out, in/32, 16]: the out rows are the part's rows (interleaved for gate/up)
+            lo, hi = (2 * a + first, 2 * b) if interleaved else (a, b)
+            with opened(self.paths[0]) as f:
+                blocks = f.get_slice(self.base + "_blocks")[j : j + 1, lo:hi][0]  # [n, in/32, 16]
+            with opened(self.paths[1]) as f:
+                scales = f.get_slice(self.base + "_scales")[j : j + 1, lo:hi][0]  # [n, in/32]
+            step = 2 if interleaved else 1
+            return dequantize_mxfp4(blocks[::step], scales[::step])
+        with opened(self.paths[0]) as f:  # [E, in, out]: the part's rows are columns
+            sl = f.get_slice(self.base)
+            if interleaved:
+                cols = sl[j : j + 1, :, 2 * a : 2 * b][0]  # [in, 2(b-a)]
+                return cols[:, first::2].t()
+            return sl[j : j + 1, :, a:b][0].t()  # [b-a, in]
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """blocks [n, in/32, 16] uint8, scales [n, in/32] uint8 -> [n, in] float32: each byte's low nibble then its
+    high one, e2m1 values times 2^(scale − 127)."""
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    b = blocks.to(torch.uint8)
+    vals = torch.stack((lut[(b & 15).long()], lut[(b >> 4).long()]), dim=-1)  # [n, in/32, 16, 2]
+    vals = vals.reshape(*b.shape[:-1], 2 * b.shape[-1])  # [n, in/32, 32]
+    out = torch.ldexp(vals, scales.to(torch.int32)[..., None] - 127)
+    return out.reshape(b.shape[0], -1)
+
+
+def stacked_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
+    """Layer i's router and experts under kvchat's names -> the names they are read under."""
+    p = f"model.layers.{i}.mlp."
+    out = {"mlp.router.weight": [p + "router.weight"], "mlp.router.bias": [p + "router.bias"]}
+    for j in range(cfg.num_experts):
+        out[f"mlp.experts.{j}.gate_up.weight"] = [expert_name(i, j, "gate"), expert_name(i, j, "up")]
+        out[f"mlp.experts.{j}.down.weight"] = [expert_name(i, j, "down")]
+        out[f"mlp.experts.{j}.gate_up.bias"] = [expert_name(i, j, "gate", "bias"), expert_name(i, j, "up", "bias")]
+        out[f"mlp.experts.{j}.down.bias"] = [expert_name(i, j, "down", "bias")]
+    return out
+
+
+def resolve(cfg: ModelConfig, files: dict[str, Path], shapes) -> dict[str, ExpertPart]:
+    """Each expert part's name -> where its rows come from, the stacked tensors' shapes (`shapes(name)`: a header's)
+    checked against the config first: a file that does not bear out the expert count or widths is refused here."""
+    if not stacked(cfg):
+        return {}
+    E, D, F = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    out = {}
+    for i in range(cfg.num_layers):
+        for base, (rows, cols) in (("gate_up_proj", (2 * F, D)), ("down_proj", (D, F))):
+            name = f"model.layers.{i}.mlp.experts.{base}"
+            mxfp4 = name + "_blocks" in files
+            if mxfp4:
+                if cols % MXFP4_BLOCK:
+                    raise ModelLoadError(f"{name}: MXFP4 needs whole blocks of 32 inputs, not {cols}")
+                want = {name + "_blocks": (E, rows, cols // MXFP4_BLOCK, 16), name + "_scales": (E, rows, cols // 32)}
+                paths = (files[name + "_blocks"], files.get(name + "_scales"))
+            else:
+                want = {name: (E, cols, rows)}
+                paths = (files.get(name),)
+            want[name + "_bias"] = (E, rows)
+            for tensor, shape in want.items():
+                if tensor not in files:
+                    raise ModelLoadError(f"tensor {tensor!r} is missing from the checkpoint", next(iter(paths)))
+                got = tuple(shapes(tensor))
+                if got != shape:
+                    raise ModelLoadError(f"tensor {tensor!r} has shape {list(got)}, the config implies {list(shape)}")
+            bias_path = (files[name + "_bias"],)
+            for j in range(E):
+                for part in ("gate", "up") if base == "gate_up_proj" else ("down",):
+                    out[expert_name(i, j, part)] = ExpertPart(name, j, part, "weight", mxfp4, paths)
+                    out[expert_name(i, j, part, "bias")] = ExpertPart(name, j, part, "bias", False, bias_path)
+    return out
+
+
+def expert_shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
+    """Layer i's router bias and experts' biases under kvchat's names -> their shapes."""
+    F, D = cfg.moe_intermediate_size, cfg.hidden_size
+    out: dict[str, tuple[int, ...]] = {"mlp.router.bias": (cfg.num_experts,)}
+    for j in range(cfg.num_experts):
+        out[f"mlp.experts.{j}.gate_up.bias"], out[f"mlp.experts.{j}.down.bias"] = (2 * F,), (D,)
+    return out
+
+
+def stacked_state(model) -> dict[str, torch.Tensor]:
+    """The experts of a stacking family's model as its checkpoint holds them (float: gate_up_proj [E, D, 2F] with
+    gate and up interleaved, down_proj [E, F, D], and their biases): the way back, for writing checkpoints."""
+    out = {}
+    for i, block in enumerate(model.layers):
+        p = f"model.layers.{i}.mlp."
+        out[p + "router.weight"], out[p + "router.bias"] = block.mlp.router.weight, block.mlp.router.bias
+        gate_up, down, gu_bias, d_bias = [], [], [], []
+        for e in block.mlp.experts:
+            gate, up = e.gate_up.weight.chunk(2)  # [F, D] each
+            gate_up.append(torch.stack((gate.t(), up.t()), dim=-1).flatten(1))  # [D, 2F] interleaved
+            down.append(e.down.weight.t())  # [F, D]
+            g_b, u_b = e.gate_up.bias.chunk(2)
+            gu_bias.append(torch.stack((g_b, u_b), dim=-1).flatten())
+            d_bias.append(e.down.bias)
+        x = p + "experts."
+        out[x + "gate_up_proj"], out[x + "down_proj"] = torch.stack(gate_up), torch.stack(down)
+        out[x + "gate_up_proj_bias"], out[x + "down_proj_bias"] = torch.stack(gu_bias), torch.stack(d_bias)
+    return out

@@ -1,0 +1,130 @@
+"""gpt-oss: its stacked, biased experts read as kvchat's own (float, and the MXFP4 blocks it is released in), sinks,
+alternating windows and yarn against transformers, and its checkpoints' shapes checked before anything is built.
+(The float form's logits against transformers for the prompt and 20 cached steps: test_parity's gpt_oss cases.)"""
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from checkpoints import FAMILY_CASES, make_checkpoint
+from engine.errors import ModelLoadError
+from engine.kv_cache import KVCache
+from engine.weights.loading import load_model
+from engine.weights.stacked_experts import FP4_VALUES, dequantize_mxfp4
+
+transformers = pytest.importorskip("transformers")
+
+
+def _mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [n, in] -> (blocks [n, in/32, 16] uint8, scales [n, in/32] uint8): each block of 32 scaled by a power of
+    two that brings its largest value within e2m1's ±6, each value its nearest code (low nibble first)."""
+    n, k = w.shape
+    blocks = w.reshape(n, k // 32, 32)
+    top = blocks.abs().amax(-1).clamp_min(1e-30)  # [n, in/32]
+    exp = torch.ceil(torch.log2(top / 6.0)).to(torch.int32)
+    grid = torch.tensor(FP4_VALUES)
+    codes = (blocks / torch.exp2(exp.float())[..., None]).unsqueeze(-1).sub(grid).abs().argmin(-1)
+    codes = codes.to(torch.uint8).reshape(n, k // 32, 16, 2)  # [n, in/32, 16, 2]: even, odd
+    return codes[..., 0] | (codes[..., 1] << 4), (exp + 127).to(torch.uint8)
+
+
+def _as_mxfp4(float_dir, mxfp4_dir) -> None:
+    """The float checkpoint's experts rounded to MXFP4: `mxfp4_dir` holds their blocks and scales, `float_dir` is
+    rewritten with the rounded values (so transformers computes what the codes hold)."""
+    shutil.copytree(float_dir, mxfp4_dir)
+    tensors = load_file(float_dir / "model.safetensors")
+    coded = dict(tensors)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        w = tensors[name]  # [E, in, out]
+        per_out = w.transpose(1, 2).contiguous()  # [E, out, in]
+        blocks, scales = zip(*(_mxfp4(per_out[e]) for e in range(w.shape[0])))
+        blocks, scales = torch.stack(blocks), torch.stack(scales)
+        rounded = torch.stack([dequantize_mxfp4(b, s) for b, s in zip(blocks, scales)])  # [E, out, in]
+        tensors[name] = rounded.transpose(1, 2).contiguous()
+        del coded[name]
+        coded[name + "_blocks"], coded[name + "_scales"] = blocks, scales
+    save_file(tensors, float_dir / "model.safetensors", metadata={"format": "pt"})
+    save_file(coded, mxfp4_dir / "model.safetensors", metadata={"format": "pt"})
+    raw = json.loads((mxfp4_dir / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (mxfp4_dir / "config.json").write_text(json.dumps(raw))
+
+
+def _logits(loaded, prompt: torch.Tensor, steps: int = 20) -> list[torch.Tensor]:
+    """The prompt's logits, then each of `steps` greedy cached decode steps' logits."""
+    cfg = loaded.config
+    cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 64, torch.float32, "cpu")
+    with torch.no_grad():
+        out = [loaded.model(prompt, cache)]
+        for _ in range(steps):
+            out.append(loaded.model(out[-1][:, -1:].argmax(-1), cache))
+    return out
+
+
+def test_the_mxfp4_blocks_read_as_the_values_they_code(tmp_path):
+    """The released form (experts as MXFP4 blocks and e8m0 scales) gives kvchat the same logits as the float form
+    of the values those codes hold, bit for bit, and both equal transformers' within 1e-4 through 20 cached steps;
+    the values themselves were rounded (the codes are not the float weights)."""
+    opts = dict(FAMILY_CASES["gpt_oss"], swiglu_limit=0.4)  # a limit the tiny model's activations reach
+    float_dir = make_checkpoint(tmp_path / "float", opts.pop("family"), **opts)
+    before = load_file(float_dir / "model.safetensors")["model.layers.0.mlp.experts.gate_up_proj"]
+    _as_mxfp4(float_dir, tmp_path / "mxfp4")
+    after = load_file(float_dir / "model.safetensors")["model.layers.0.mlp.experts.gate_up_proj"]
+    assert not torch.equal(before, after) and float((before - after).abs().max()) < 0.1
+    coded, plain = load_model(tmp_path / "mxfp4", dtype="float32"), load_model(float_dir, dtype="float32")
+    prompt = torch.arange(5, 17)[None]
+    mine, theirs = _logits(coded, prompt), _logits(plain, prompt)
+    for a, b in zip(mine, theirs):
+        assert torch.equal(a, b)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32).eval()
+    ids = prompt
+    with torch.no_grad():
+        torch.testing.assert_close(mine[0], ref(ids).logits, rtol=1e-4, atol=1e-4)
+        for k, step in enumerate(mine[1:]):
+            ids = torch.cat([ids, mine[k][:, -1:].argmax(-1).view(1, 1)], dim=1)
+            torch.testing.assert_close(step[:, -1], ref(ids).logits[:, -1], rtol=1e-4, atol=1e-4)
+
+
+def test_its_config_reads_as_the_family_is_built(tmp_path):
+    """Every other layer slides (the first does), sinks and yarn are said in the cache's words, and the one-call C
+    step is not offered the family (its attention has sinks, its experts biases and a clamp)."""
+    opts = dict(FAMILY_CASES["gpt_oss"], num_hidden_layers=4)
+    loaded = load_model(make_checkpoint(tmp_path, opts.pop("family"), **opts), dtype="float32")
+    cfg = loaded.config
+    assert cfg.windows == (6, None, 6, None) and cfg.sinks and cfg.experts_per_token == 2
+    assert "attention sinks" in cfg.describe_attention() and "window 6 on 2 of 4 layers" in cfg.describe_attention()
+    assert cfg.rope.type == "yarn" and "yarn ramp 1–32 turns (untruncated)" in cfg.rope.describe()
+    assert abs(cfg.rope.attention_factor - (0.1 * torch.log(torch.tensor(4.0)).item() + 1)) < 1e-9
+    assert not cfg.plain_blocks and loaded.model.decode_step is None
+
+
+@pytest.mark.parametrize(
+    "tensor,shape,said",
+    [
+        ("model.layers.1.mlp.experts.gate_up_proj", [4, 64, 48], "gate_up_proj' has shape [4, 64, 48]"),
+        ("model.layers.0.mlp.experts.down_proj_bias", [3, 64], "down_proj_bias' has shape [3, 64]"),
+    ],
+)
+def test_a_stacked_tensor_the_config_does_not_bear_out_is_refused_by_name(tmp_path, tensor, shape, said):
+    opts = dict(FAMILY_CASES["gpt_oss"])
+    path = make_checkpoint(tmp_path, opts.pop("family"), **opts)
+    tensors = load_file(path / "model.safetensors")
+    tensors[tensor] = torch.zeros(shape)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=re.escape(said)):
+        load_model(path, dtype="float32")
+
+
+def test_missing_scales_are_refused_by_name(tmp_path):
+    opts = dict(FAMILY_CASES["gpt_oss"])
+    float_dir = make_checkpoint(tmp_path / "float", opts.pop("family"), **opts)
+    _as_mxfp4(float_dir, tmp_path / "mxfp4")
+    tensors = load_file(tmp_path / "mxfp4" / "model.safetensors")
+    del tensors["model.layers.1.mlp.experts.down_proj_scales"]
+    save_file(tensors, tmp_path / "mxfp4" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="down_proj_scales' is missing"):
+        load_model(tmp_path / "mxfp4", dtype="float32")
