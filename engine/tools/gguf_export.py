@@ -32,6 +32,7 @@ ARCHES = {  # kvchat's family -> llama.cpp's architecture (Mistral and Mixtral a
     "olmo2": "olmo2",
     "qwen3_moe": "qwen3moe",
     "mixtral": "llama",
+    "gpt_oss": "gpt-oss",
 }
 FTYPES = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K_M", "Q5_K_M", "Q6_K")  # quantize_gguf's
 
@@ -49,14 +50,17 @@ def write_gguf(model_dir, out: Path, matrices: str = "F32", tokenizer: bool = Fa
     without, opaque tokens."""
     import gguf
 
-    from ..weights.safetensors import text_model_names, weight_files
+    from ..weights.safetensors import header_shape, opened, text_model_names, weight_files
+    from ..weights.stacked_experts import ggml_mxfp4, resolve
 
     model_dir = Path(model_dir)
     cfg = load_config(model_dir)
     if cfg.family not in ARCHES:
         raise EngineError(f"no GGUF mapping for the {cfg.family!r} family")
     arch = "qwen2vl" if cfg.rope.sections else ARCHES[cfg.family]  # Qwen2.5-VL's text model: llama.cpp's own arch
-    if cfg.rope.type not in ("default", "longrope") and not (cfg.rope.type == "linear" and cfg.family == "gemma3"):
+    if cfg.rope.type not in ("default", "longrope") and (cfg.rope.type, cfg.family) not in (
+        ("linear", "gemma3"), ("yarn", "gpt_oss")
+    ):  # fmt: skip
         raise EngineError(f"GGUF export handles default rotary scaling only, not {cfg.rope.type!r}")
     w = gguf.GGUFWriter(str(out), arch)
     w.add_name(model_dir.name)
@@ -94,14 +98,24 @@ def write_gguf(model_dir, out: Path, matrices: str = "F32", tokenizer: bool = Fa
         files = {mine: files[theirs] for mine, theirs in stored.items()} | (
             {"lm_head.weight": files["lm_head.weight"]} if "lm_head.weight" in files else {}
         )
+    parts = resolve(cfg, files, lambda name: header_shape(files[name], name))  # gpt-oss: each expert's own rows
     experts: dict[str, dict[int, torch.Tensor]] = {}  # a stacked experts' GGUF name -> its experts' matrices
+    mxfp4: dict[str, dict[int, torch.Tensor]] = {}  # the same, where the folder holds MXFP4 codes: llama.cpp's rows
     tensors: list[tuple[str, torch.Tensor]] = []
-    for name in sorted(files, key=_order):
+    for name in sorted([*files, *parts], key=_order):
         gname = gguf_name(arch, name)
         if gname is None or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
-        with safe_open(str(files[name]), framework="pt", device="cpu") as f:
-            t = f.get_tensor(stored.get(name, name)).float()
+        if name in parts:
+            part = parts[name]
+            rows = cfg.hidden_size if part.part == "down" else cfg.moe_intermediate_size
+            t = part.rows(0, rows, opened).float()
+            if part.mxfp4 and part.what == "weight":  # the file's own codes, as llama.cpp's converter keeps them
+                stacked, j = gname.split("#")
+                mxfp4.setdefault(stacked, {})[int(j)] = ggml_mxfp4(*part.codes(0, rows, opened))
+        else:
+            with safe_open(str(files[name]), framework="pt", device="cpu") as f:
+                t = f.get_tensor(stored.get(name, name)).float()
         if arch in PERMUTED and gname.endswith(("attn_q.weight", "attn_q.bias")):
             t = _permute(t, cfg.num_heads)
         elif arch in PERMUTED and gname.endswith(("attn_k.weight", "attn_k.bias")):
@@ -118,9 +132,12 @@ def write_gguf(model_dir, out: Path, matrices: str = "F32", tokenizer: bool = Fa
         tensors += [
             (f"rope_factors_{k}.weight", torch.tensor(getattr(cfg.rope, f"{k}_factor"))) for k in ("short", "long")
         ]
+    types = dict(types or {})
+    for g, e in mxfp4.items():
+        types.setdefault(g, ("MXFP4", np.ascontiguousarray(torch.stack([e[j] for j in sorted(e)]).numpy())))
     for gname, t in tensors:
         data = np.ascontiguousarray(t.numpy())
-        kind = (types or {}).get(gname, matrices if data.ndim >= 2 else "F32")
+        kind = types.get(gname, matrices if data.ndim >= 2 else "F32")
         if isinstance(kind, tuple):  # raw blocks of a type gguf cannot quantize (K-quants), made by the caller
             kind, raw = kind
             w.add_tensor(gname, raw, raw_dtype=gguf.GGMLQuantizationType[kind])
@@ -277,7 +294,7 @@ def _family_metadata(w, cfg) -> None:
 
     if cfg.sliding_window and ARCHES[cfg.family] != "llama":  # llama.cpp's "llama" has no window (Mistral's files)
         w.add_sliding_window(cfg.sliding_window)
-        if cfg.layer_types:  # which layers slide, one flag each
+        if cfg.layer_types and cfg.family != "gpt_oss":  # which layers slide, one flag each (gpt-oss: every other)
             w.add_sliding_window_pattern([kind == "sliding" for kind in cfg.layer_types])
     if cfg.attn_softcap is not None:
         w.add_attn_logit_softcapping(cfg.attn_softcap)
@@ -294,9 +311,15 @@ def _family_metadata(w, cfg) -> None:
     if cfg.rope.type == "longrope":
         w.add_rope_scaling_orig_ctx_len(cfg.rope.original_max_position_embeddings)
         w.add_rope_scaling_attn_factors(cfg.rope.attention_factor)
+    if cfg.rope.type == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(cfg.rope.factor)
+        w.add_rope_scaling_orig_ctx_len(cfg.rope.original_max_position_embeddings)
     if cfg.num_experts:
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.experts_per_token)
+        if cfg.family == "gpt_oss":
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
         if cfg.family == "qwen3_moe":
             w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
             w.add_expert_weights_norm(cfg.norm_topk_prob)

@@ -41,6 +41,7 @@ ARCHITECTURES = {  # a GGUF's general.architecture -> config.json's (a "llama" f
     "granite": "GraniteForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
 }
 KINDS = {str: "string", int: "whole number", NUMBER: "number"}  # how an error names what a key should hold
 PERMUTED = ("llama", "granite", "smollm3")  # llama.cpp's converter interleaves q/k rows for these (rotate pairs)
@@ -63,7 +64,9 @@ class GGUFModel:
         self.file_tensors = header.tensors  # as the file stores them (a mixture's experts stacked): for counting
         self.tensors = {t.name: t for t in header.tensors}
         for t in header.tensors:  # a mixture's experts stacked in one tensor: each expert's rows by name too
-            if t.name.endswith("_exps.weight") and len(t.dims) == 3:
+            if (t.name.endswith("_exps.weight") and len(t.dims) == 3) or (
+                t.name.endswith("_exps.bias") and len(t.dims) == 2  # gpt-oss's experts' biases [E, rows]
+            ):
                 self.tensors.update({e.name: e for e in _experts(t)})
         self.arch = self.meta("general.architecture")
         if check_architecture and self.arch not in ARCHITECTURES:
@@ -143,8 +146,19 @@ class GGUFModel:
         scaling = self._arch("rope.scaling.type")
         if scaling == "linear":
             raw["rope_scaling"] = {"type": "linear", "factor": self._arch("rope.scaling.factor", 1.0)}
+        elif scaling == "yarn":  # the ramp's ends as the model was trained: gpt-oss's untruncated
+            raw["rope_scaling"] = {
+                "type": "yarn",
+                "factor": self._arch("rope.scaling.factor", 1.0),
+                "original_max_position_embeddings": self._arch("rope.scaling.original_context_length"),
+                "beta_fast": self._arch("rope.scaling.yarn_beta_fast", 32.0),
+                "beta_slow": self._arch("rope.scaling.yarn_beta_slow", 1.0),
+                "truncate": self.arch != "gpt-oss",
+            }
         elif scaling not in (None, "none"):
-            raise ModelLoadError(f"rope scaling {scaling!r} is not supported (supported: none, linear)", self.path)
+            raise ModelLoadError(
+                f"rope scaling {scaling!r} is not supported (supported: none, linear, yarn)", self.path
+            )
         rope_dims = self._arch("rope.dimension_count")
         if rope_dims is not None and rope_dims != head_dim:
             if self.arch != "phi3":
@@ -444,14 +458,15 @@ def _product_form(types: list[str]) -> tuple[str, int]:
 
 
 def _experts(t: Tensor) -> list[Tensor]:
-    """A stacked experts' tensor [E, rows, cols] as E tensors [rows, cols], each a view of its own rows."""
-    count = t.dims[2]
+    """A stacked experts' tensor [E, rows, cols] (or their biases [E, rows]) as E tensors [rows, cols] ([rows]),
+    each a view of its own rows."""
+    count = t.dims[-1]
     each = t.n_bytes // count
     return [
         dataclasses.replace(
             t,
             name=f"{t.name}#{j}",
-            dims=t.dims[:2],
+            dims=t.dims[:-1],
             data_offset=t.data_offset + j * each,
             n_bytes=each,
             n_elements=t.n_elements // count,

@@ -37,6 +37,13 @@ BLOCK_NAMES = {
     "block_sparse_moe.experts.{j}.w1.weight": "ffn_gate_exps.weight#{j}",
     "block_sparse_moe.experts.{j}.w3.weight": "ffn_up_exps.weight#{j}",
     "block_sparse_moe.experts.{j}.w2.weight": "ffn_down_exps.weight#{j}",
+    # gpt-oss: the router's bias, the experts' biases (rows of [E, rows] tensors), the sinks
+    "mlp.router.weight": "ffn_gate_inp.weight",
+    "mlp.router.bias": "ffn_gate_inp.bias",
+    "mlp.experts.{j}.gate_proj.bias": "ffn_gate_exps.bias#{j}",
+    "mlp.experts.{j}.up_proj.bias": "ffn_up_exps.bias#{j}",
+    "mlp.experts.{j}.down_proj.bias": "ffn_down_exps.bias#{j}",
+    "self_attn.sinks": "attn_sinks.weight",
 }
 ARCH_BLOCK_NAMES = {  # where an architecture's names depart from BLOCK_NAMES
     "gemma2": {
@@ -48,6 +55,7 @@ ARCH_BLOCK_NAMES = {  # where an architecture's names depart from BLOCK_NAMES
         "post_attention_layernorm.weight": "post_attention_norm.weight",
         "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
     },
+    "gpt-oss": {"post_attention_layernorm.weight": "post_attention_norm.weight"},
     "phi3": {"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"},
 }
 ARCH_BLOCK_NAMES["gemma3"] = ARCH_BLOCK_NAMES["gemma2"]

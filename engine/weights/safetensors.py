@@ -55,7 +55,7 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
 
 
 @contextlib.contextmanager
-def _opened(path: Path):
+def opened(path: Path):
     """A safetensors file's handle; any failure inside becomes a ModelLoadError naming the file."""
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -68,12 +68,12 @@ def _opened(path: Path):
 
 def header_shape(path: Path, name: str) -> tuple[int, ...]:
     """A tensor's shape as its file's header gives it."""
-    with _opened(path) as f:
+    with opened(path) as f:
         return tuple(f.get_slice(name).get_shape())
 
 
 def read_names(path: Path) -> list[str]:
-    with _opened(path) as f:
+    with opened(path) as f:
         return list(f.keys())
 
 
@@ -88,7 +88,7 @@ def _by_file(files: dict[str, Path], names) -> dict[Path, list[str]]:
 def check_shapes_in_headers(files: dict[str, Path], shapes: dict[str, tuple[int, ...]]) -> None:
     """Each named tensor's shape in its file's header against the one given, before anything is allocated."""
     for path, group in _by_file(files, shapes).items():
-        with _opened(path) as f:
+        with opened(path) as f:
             for n in group:
                 stored = tuple(f.get_slice(n).get_shape())
                 if stored != tuple(shapes[n]):
@@ -99,7 +99,7 @@ def read_tensors(files: dict[str, Path], names):
     """(name, tensor) for each of `names`, read file by file, whole (a vision tower's few hundred MB); their
     shapes are check_shapes_in_headers' to check first, before the model they go into is allocated."""
     for path, group in _by_file(files, names).items():
-        with _opened(path) as f:
+        with opened(path) as f:
             for n in group:
                 try:
                     yield n, f.get_tensor(n)
@@ -129,7 +129,7 @@ def check_against_headers(cfg: ModelConfig, files: dict[str, Path], stored: dict
     usual = {theirs: mine for mine, theirs in (stored or {}).items()}
     shapes = {}
     for path in set(files.values()):
-        with _opened(path) as f:
+        with opened(path) as f:
             for n in f.keys():
                 mine = usual.get(n, n)
                 if files.get(mine) == path:
@@ -185,7 +185,7 @@ class Reader:
                 where = next(iter(set(files.values())), None)
                 raise ModelLoadError(f"tensor {name!r} is missing from the checkpoint", where)
 
-    _opened = staticmethod(_opened)
+    _opened = staticmethod(opened)
 
     def _by_file(self, names: list[str]) -> dict[Path, list[str]]:
         by_file: dict[Path, list[str]] = {}

@@ -54,20 +54,26 @@ class ExpertPart:
             with opened(self.paths[0]) as f:
                 row = f.get_slice(self.base + "_bias")[j : j + 1]  # [1, 2F] or [1, D]
             return (row[0, first::2] if interleaved else row[0])[a:b]
-        if self.mxfp4:  # [E, out, in/32, 16]: the out rows are the part's rows (interleaved for gate/up)
-            lo, hi = (2 * a + first, 2 * b) if interleaved else (a, b)
-            with opened(self.paths[0]) as f:
-                blocks = f.get_slice(self.base + "_blocks")[j : j + 1, lo:hi][0]  # [n, in/32, 16]
-            with opened(self.paths[1]) as f:
-                scales = f.get_slice(self.base + "_scales")[j : j + 1, lo:hi][0]  # [n, in/32]
-            step = 2 if interleaved else 1
-            return dequantize_mxfp4(blocks[::step], scales[::step])
+        if self.mxfp4:
+            return dequantize_mxfp4(*self.codes(a, b, opened))
         with opened(self.paths[0]) as f:  # [E, in, out]: the part's rows are columns
             sl = f.get_slice(self.base)
             if interleaved:
                 cols = sl[j : j + 1, :, 2 * a : 2 * b][0]  # [in, 2(b-a)]
                 return cols[:, first::2].t()
             return sl[j : j + 1, :, a:b][0].t()  # [b-a, in]
+
+    def codes(self, a: int, b: int, opened) -> tuple[torch.Tensor, torch.Tensor]:
+        """An MXFP4 weight's rows a..b-1 as the file holds them: (blocks [b-a, in/32, 16], scales [b-a, in/32]);
+        the stacked tensors' rows are the outputs (gate's and up's interleaved)."""
+        j, interleaved = self.expert, self.part in ("gate", "up")
+        lo, hi = (2 * a + (self.part == "up"), 2 * b) if interleaved else (a, b)
+        with opened(self.paths[0]) as f:
+            blocks = f.get_slice(self.base + "_blocks")[j : j + 1, lo:hi][0]  # [n, in/32, 16]
+        with opened(self.paths[1]) as f:
+            scales = f.get_slice(self.base + "_scales")[j : j + 1, lo:hi][0]  # [n, in/32]
+        step = 2 if interleaved else 1
+        return blocks[::step], scales[::step]
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -79,6 +85,16 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     vals = vals.reshape(*b.shape[:-1], 2 * b.shape[-1])  # [n, in/32, 32]
     out = torch.ldexp(vals, scales.to(torch.int32)[..., None] - 127)
     return out.reshape(b.shape[0], -1)
+
+
+def ggml_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 as a checkpoint holds it (blocks [n, in/32, 16], value 2k in byte k's low nibble, 2k+1 in its high one;
+    scales [n, in/32]) -> llama.cpp's MXFP4 rows [n, in/32 · 17] uint8: each block its e8m0 byte, then 16 bytes
+    holding value k in the low nibble and value k + 16 in the high one."""
+    b = blocks.to(torch.uint8)
+    codes = torch.stack((b & 15, b >> 4), dim=-1).flatten(-2)  # [n, in/32, 32] in order
+    packed = codes[..., :16] | (codes[..., 16:] << 4)  # [n, in/32, 16]
+    return torch.cat((scales.to(torch.uint8)[..., None], packed), dim=-1).flatten(1)
 
 
 def stacked_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
@@ -96,8 +112,9 @@ def stacked_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
 def resolve(cfg: ModelConfig, files: dict[str, Path], shapes) -> dict[str, ExpertPart]:
     """Each expert part's name -> where its rows come from, the stacked tensors' shapes (`shapes(name)`: a header's)
     checked against the config first: a file that does not bear out the expert count or widths is refused here."""
-    if not stacked(cfg):
-        return {}
+    ends = (".experts.gate_up_proj", ".experts.gate_up_proj_blocks")
+    if not stacked(cfg) or not any(n.endswith(ends) for n in files):
+        return {}  # (a GGUF's experts come by their own names, views of its stacked tensors)
     E, D, F = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     out = {}
     for i in range(cfg.num_layers):

@@ -128,3 +128,37 @@ def test_missing_scales_are_refused_by_name(tmp_path):
     save_file(tensors, tmp_path / "mxfp4" / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match="down_proj_scales' is missing"):
         load_model(tmp_path / "mxfp4", dtype="float32")
+
+
+def test_the_gguf_form_in_mxfp4_reads_as_the_folder_and_llama_cpp_agrees(tmp_path):
+    """Written as llama.cpp's converter writes the released checkpoint (the experts in llama.cpp's MXFP4 blocks, the
+    rest float): kvchat's logits equal the MXFP4 folder's bit for bit, and llama.cpp's greedy tokens on that file
+    equal kvchat's (where llama-cpp-python is installed)."""
+    from gguf import GGUFReader
+
+    from engine.session import Request, Session
+    from engine.tools.gguf_export import write_gguf
+
+    opts = dict(FAMILY_CASES["gpt_oss"])
+    float_dir = make_checkpoint(tmp_path / "float", opts.pop("family"), **opts)
+    _as_mxfp4(float_dir, tmp_path / "mxfp4")
+    path = write_gguf(tmp_path / "mxfp4", tmp_path / "m.gguf", tokenizer=True)
+    kinds = {t.name: t.tensor_type.name for t in GGUFReader(str(path)).tensors}
+    assert kinds["blk.0.ffn_gate_exps.weight"] == kinds["blk.1.ffn_down_exps.weight"] == "MXFP4"
+    assert kinds["blk.0.attn_sinks.weight"] == kinds["blk.0.ffn_gate_exps.bias"] == "F32"
+    gguf, folder = load_model(path, dtype="float32"), load_model(tmp_path / "mxfp4", dtype="float32")
+    assert gguf.config.windows == folder.config.windows and gguf.config.rope == folder.config.rope
+    prompt = torch.arange(5, 17)[None]
+    for a, b in zip(_logits(gguf, prompt), _logits(folder, prompt)):
+        assert torch.equal(a, b)
+    ids = list(range(5, 45))  # longer than the window
+    done = list(
+        Session(gguf, capacity=128).generate(Request(prompt_ids=tuple(ids), max_new_tokens=16, ignore_eos=True))
+    )
+    pytest.importorskip("llama_cpp")
+    from engine.tools.llamacpp import LlamaCpp
+
+    lc = LlamaCpp(path, n_ctx=128, threads=1)
+    theirs, _, _ = lc.generate(ids, 16)
+    lc.close()
+    assert theirs == list(done[-1].token_ids)
