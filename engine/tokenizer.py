@@ -31,6 +31,7 @@ from tokenizers.decoders import DecodeStream
 
 from .config import read_json
 from .errors import EngineError, ModelLoadError, TemplateError
+from .harmony import HarmonyStream, harmony_ids, thinking_apart
 from .images import IMAGE_TEXT, ImageError, text_with_images
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -303,6 +304,7 @@ class Tokenizer:
         self.digest = digest  # sha256 of the tokenizer files' contents, for the fingerprint (the text is not kept)
         controls = {i: t.content for i, t in tok.get_added_tokens_decoder().items() if t.special}
         self.control_ids, self._control_strings = frozenset(controls), tuple(set(controls.values()))
+        self.harmony = harmony_ids({text: i for i, text in controls.items()})  # gpt-oss's channels (engine.harmony)
         self._as_text: HFTokenizer | None = None  # a copy that reads special-token strings as plain text
         self.images = None  # a model that sees images: its family's engine.image_prompt.ImageFormat (the loader's)
 
@@ -431,6 +433,8 @@ class Tokenizer:
         """The prompt's ids and where each message's own text lies among them. Control tokens count only where
         the template wrote them: one that falls inside a message's own text is encoded as that text (the rest
         of the ids are exactly the rendered text's)."""
+        if self.harmony is not None:  # a stored reply's thinking as the template's own field
+            messages = thinking_apart(messages)
         pictures = [p for m in messages for p in (m.get("images") or ())]
         if pictures and self.images is None:
             raise ImageError("this model does not see images: it has no vision encoder; remove the images or open a "
@@ -458,8 +462,11 @@ class Tokenizer:
         image_id = self.tok.token_to_id(self.images.image_token)
         return ChatPrompt(self.images.mark(out, pictures, image_id), spans, tuple(pictures))
 
-    def stream(self, start=()) -> TextStream:
-        """A stream of text deltas; `start`: ids already written (a reply's forced start), decoded first."""
+    def stream(self, start=()) -> TextStream | HarmonyStream:
+        """A stream of text deltas; `start`: ids already written (a reply's forced start), decoded first. A harmony
+        reply's channels as a thinking block and the answer (engine.harmony)."""
+        if self.harmony is not None:
+            return HarmonyStream(self, self.harmony, start)
         return TextStream(self, start)
 
 
