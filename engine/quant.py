@@ -16,8 +16,12 @@ import math
 import torch
 
 QMAX = {"int8": 127, "int4": 7}
-BITS = {"int8": 8, "int5": 5, "int4": 4}
-FILE_MODES = ("int5",)  # codes only a model file brings (a GGUF's Q5_0/Q5_1 blocks), never quantized to here
+BITS = {"int8": 8, "int5": 5, "int4": 4, "mxfp4": 4}
+FILE_MODES = ("int5", "mxfp4")  # codes only a model file brings (a GGUF's Q5_0/Q5_1 blocks, MXFP4), never made here
+# MXFP4 (gpt-oss's experts): a 4-bit e2m1 code per value, two a byte as int4's; as int8 codes, the e2m1 values
+# doubled (whole numbers), with the block's scale 2^(e − 127) halved: s · q is then the value, exactly
+MXFP4_GROUP = 32
+MXFP4_CODES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 INT5_GROUP, INT5_BYTES = 32, 20  # int5 codes: 32 values in 20 bytes (4 of fifth bits, 16 of nibbles)
 SCALE_DTYPE = torch.float32  # one float32 scale per group: 4 bytes
 PRECISIONS = ("none", *QMAX)  # "none": the model dtype, unquantized
@@ -101,6 +105,14 @@ def unpack_int5(packed: torch.Tensor) -> torch.Tensor:
     fifth = (qh.unsqueeze(-1) >> torch.arange(INT5_GROUP, device=packed.device)) & 1  # [..., G, 32]
     nibbles = torch.cat([b[..., 4:] & 0x0F, b[..., 4:] >> 4], dim=-1)  # [..., G, 32]
     return ((nibbles | (fifth << 4)) - 16).to(torch.int8).reshape(*packed.shape[:-1], -1)
+
+
+def unpack_mxfp4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., K/2] MXFP4 codes, two a byte (value 2k in byte k's low nibble) -> int8 [..., K], each the e2m1
+    value doubled (MXFP4_CODES), as the scales halved make exact."""
+    table = torch.tensor(MXFP4_CODES, dtype=torch.int8, device=packed.device)
+    b = packed.to(torch.int64)
+    return torch.stack((table[b & 15], table[b >> 4]), dim=-1).flatten(-2)
 
 
 def pack_int5(codes: torch.Tensor) -> torch.Tensor:

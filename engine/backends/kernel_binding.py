@@ -13,8 +13,8 @@ from ..kv_pool import BLOCK  # KV_BLOCK in csrc/kernels.h: positions a block of 
 from ..quant import QMAX, check_activations, storage_bytes
 from .kernel_checks import check_all, take, verdict_of
 
-QUANT_FUNCS = {"int8": "kv_matvec_q8", "int4": "kv_matvec_q4", "int5": "kv_matvec_q5"}
-INTEGER_FUNCS = {mode: name + "x" for mode, name in QUANT_FUNCS.items()}  # int8 activations
+QUANT_FUNCS = {"int8": "kv_matvec_q8", "int4": "kv_matvec_q4", "int5": "kv_matvec_q5", "mxfp4": "kv_matvec_mx4"}
+INTEGER_FUNCS = {mode: name + "x" for mode, name in QUANT_FUNCS.items() if mode != "mxfp4"}  # int8 activations
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
 

@@ -12,6 +12,7 @@ from ..model import RMSNorm
 from ..quant import (
     ACTIVATION_BLOCK,
     INT5_GROUP,
+    MXFP4_GROUP,
     QMAX,
     dequantize,
     integer_product,
@@ -19,6 +20,7 @@ from ..quant import (
     pack_int5,
     quantize,
     tile,
+    unpack_mxfp4,
 )
 from ..rotary import swap_halves
 
@@ -94,8 +96,12 @@ def quant_agrees(k, mode: str, activations: str = "float32") -> bool:
     """The products of `mode`'s codes (and their quantization and dequantization) against the definition,
     at the given activations, on awkward shapes (vector tails, groups that are not whole 32s)."""
     g = torch.Generator().manual_seed(0)
+    if activations != "float32" and mode not in k._integer:  # no integer product for these codes
+        return False
     if mode == "int5":  # a file's codes only: random ones in its layout
         return int5_agrees(k, g, activations)
+    if mode == "mxfp4":
+        return mxfp4_agrees(k, g)
     for out, n, group in (
         (5, 64, 64),
         (19, 192, 32),
@@ -145,6 +151,22 @@ def int5_agrees(k, g: torch.Generator, activations: str) -> bool:
         for m in (None, mins):
             if not codes_agree(k, "int5", stored, codes, scales, x, INT5_GROUP, m, activations):
                 return False
+    return True
+
+
+def mxfp4_agrees(k, g: torch.Generator) -> bool:
+    """The MXFP4 product and dequantization against the definition: random codes (every one in a block) and scales
+    2^(e − 128) from far below 1 to far above."""
+    for out, n in ((5, 64), (19, 576), (8, 2880), (3, 96)):
+        idx = torch.randint(0, 16, (out, n), generator=g, dtype=torch.uint8)
+        idx[0, :16] = torch.arange(16, dtype=torch.uint8)  # every code once
+        stored = (idx[:, 0::2] | (idx[:, 1::2] << 4)).contiguous()
+        codes = unpack_mxfp4(stored)
+        scales = torch.ldexp(
+            torch.ones(out, n // MXFP4_GROUP), torch.randint(-20, 10, (out, n // MXFP4_GROUP), generator=g)
+        )
+        if not codes_agree(k, "mxfp4", stored, codes, scales, torch.randn(n, generator=g), MXFP4_GROUP, None):
+            return False
     return True
 
 

@@ -10,6 +10,8 @@ serve the layouts they support, and a file's codes no torch kernel reads are deq
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,6 +31,7 @@ from ..quant import (
     tile,
     unpack_int4,
     unpack_int5,
+    unpack_mxfp4,
     untile,
 )
 from . import kernels as kernel_library
@@ -69,6 +72,8 @@ class QuantLinear(nn.Module):
         (an embedding or output head: its float copy never exists whole); or the codes a file holds
         (PreQuantized: a GGUF's blocks as int8/int4/int5 codes, scales and offsets), kept as they are."""
         super().__init__()
+        if mode == "mxfp4" and (weight.codes.device.type != "cpu" or kernel_library.for_mode(mode) is None):
+            weight, mode = mxfp4_as_int8(weight), "int8"  # no kernel reads MXFP4 here: its exact int8 codes
         if not (isinstance(weight, PreQuantized) and mode in FILE_MODES):
             check_mode(mode)
         self.mode, self.out_features, self.in_features = mode, weight.shape[0], weight.shape[1]
@@ -158,7 +163,7 @@ class QuantLinear(nn.Module):
 
     def kernel_operands(self, kernels):
         """(codes, scales, mins, bias, group, bits, tiles) as the one-call decode step reads them, when it can."""
-        if kernels is not self.decoder:
+        if kernels is not self.decoder or self.mode == "mxfp4":  # (the one-call step reads no MXFP4)
             return None
         return self.codes, self.scales, self.mins, self.bias, self.group_size, BITS[self.mode], self.tiles
 
@@ -223,6 +228,8 @@ class QuantLinear(nn.Module):
         """Stored codes (int4 two a byte, int5 in its blocks, int8 as they are) as int8 values."""
         if self.mode == "int4":
             return unpack_int4(stored)
+        if self.mode == "mxfp4":
+            return unpack_mxfp4(stored)
         return unpack_int5(stored) if self.mode == "int5" else stored
 
     def _kernel_weight(self, into: torch.Tensor | None = None, a: int = 0, b: int | None = None) -> torch.Tensor:
@@ -416,6 +423,12 @@ def quantize_head(model: nn.Module, group_size: int, embed=None, lm_head=None) -
 
 
 FLOAT_SHARE = 0.5  # the share of the memory free at load that weights dequantized for torch may take
+
+
+def mxfp4_as_int8(pre: PreQuantized) -> PreQuantized:
+    """MXFP4 codes as int8 ones, exactly (engine.quant.MXFP4_CODES): where no kernel reads MXFP4 (a GPU, a CPU
+    without kvchat's kernels), at a byte a value."""
+    return dataclasses.replace(pre, codes=unpack_mxfp4(pre.codes), mode="int8", packed=False)
 
 
 def dequantize_for_torch(model: nn.Module, free: int | None = -1) -> int:

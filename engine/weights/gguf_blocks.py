@@ -9,7 +9,7 @@ import torch
 
 from ..backends import kernel_verdicts
 from ..backends import kernels as kernel_library
-from ..quant import pack_int4, pack_int5, storage_bytes, tile, untile
+from ..quant import pack_int4, pack_int5, storage_bytes, tile, unpack_mxfp4, untile
 from .gguf_header import GGUF_ROWS
 
 
@@ -254,10 +254,28 @@ def _q4_k_packed(raw):
     return codes, scales, _recentred(scales, mins, 8)
 
 
+def _mxfp4_packed(raw):
+    """llama.cpp's MXFP4 blocks (17 bytes: an e8m0 scale, then 16 bytes holding value j in the low nibble and value
+    j + 16 in the high one) -> (codes two a byte in order, as int4's [N, K/2], scales 2^(e − 128) float32 [N, K/32],
+    None): engine.quant.MXFP4_CODES, the doubled e2m1 values, by the halved scale."""
+    b = raw.reshape(raw.shape[0], -1, 17)
+    qs = b[..., 1:]
+    codes = np.concatenate((qs & 15, qs >> 4), axis=-1)  # [N, nb, 32] in order
+    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8).reshape(len(raw), -1)
+    return packed, np.ldexp(np.float32(1), b[..., 0].astype(np.int32) - 128).astype(np.float32), None
+
+
+def _mxfp4(raw):
+    """_mxfp4_packed with a code a byte: int8 [N, K], the doubled e2m1 values."""
+    packed, scales, _ = _mxfp4_packed(raw)
+    return unpack_mxfp4(torch.from_numpy(packed)).numpy(), scales, None
+
+
 # The int4 types straight into kvchat's packed rows (two codes a byte, engine.quant.pack_int4's layout): what a
 # product of these alone holds, with no int8 code per value on the way (engine/BENCHMARKS.md, "Opening a model
 # file"). type -> rows -> (packed codes [N, K/2] uint8, scales, offsets or None).
 INT4_PACKED = {"Q4_0": _q4_0_packed, "Q4_1": _q4_1_packed, "Q4_K": _q4_k_packed}
+MXFP4 = {"MXFP4": _mxfp4_packed}  # gpt-oss's experts: their own codes, two a byte
 # Held as int5 codes (their own five bits) when a product is of these alone: type -> rows -> (codes in the
 # int5 layout, scales, offsets or None).
 INT5 = {"Q5_0": lambda raw: _q5_blocks(raw, 22), "Q5_1": lambda raw: _q5_blocks(raw, 24), "Q5_K": _q5_k_int5}
@@ -272,4 +290,5 @@ NATIVE = {
     "Q4_K": ("int4", 32, _q4_k),
     "Q5_K": ("int8", 32, _q5_k),
     "Q6_K": ("int8", 16, _q6_k),
+    "MXFP4": ("int8", 32, _mxfp4),  # as int8 codes; a product of MXFP4 alone holds its own (MXFP4)
 }

@@ -23,7 +23,7 @@ import torch
 from ..errors import ModelLoadError
 from ..quant import PreQuantized, storage_bytes
 from . import gguf_vocab
-from .gguf_blocks import INT4_PACKED, INT5, NATIVE, OFFSETS, fast_rows
+from .gguf_blocks import INT4_PACKED, INT5, MXFP4, NATIVE, OFFSETS, fast_rows
 from .gguf_header import GGUF_ROWS, StringArray, Tensor, read_header
 from .gguf_names import gguf_name
 from .gguf_vocab import NUMBER
@@ -314,14 +314,16 @@ class GGUFModel:
         if any has them (0 for the others): each value is the file's, only the storage widens. `tiles`: int4
         codes may come in the kernels' tiles of that many rows (PreQuantized.tiles says whether they do)."""
         types = [self.file_type(self.gguf_name(h)) for h in hfs]
-        if not all(t in NATIVE for t in types):
-            return None
+        if not all(t in NATIVE for t in types) or (len(set(types)) > 1 and "MXFP4" in types):
+            return None  # (MXFP4 stacks with MXFP4 only)
         fast = fast_rows() if device.type == "cpu" else None
         if fast is not None and all(t in GGUF_ROWS for t in types):
             return self._rows_in_c(fast, hfs, types, cfg, dtype, tiles)
         mode, group = _product_form(types)
         if mode == "int5":  # their own five bits
             decode = INT5
+        elif mode == "mxfp4":
+            decode = MXFP4
         else:
             decode = INT4_PACKED if mode == "int4" else {t: NATIVE[t][2] for t in types}  # int4: two a byte
         parts = []
@@ -348,7 +350,7 @@ class GGUFModel:
         codes = stacked([c for c, _, _ in parts], np.int8 if mode == "int8" else np.uint8)
         scales = stacked([s for _, s, _ in parts], np.float32)
         mins = stacked([np.zeros_like(s) if m is None else m for _, s, m in parts], np.float32) if offsets else None
-        return PreQuantized(codes, scales, mode, group, dtype, mins, packed=mode == "int4")
+        return PreQuantized(codes, scales, mode, group, dtype, mins, packed=mode in ("int4", "mxfp4"))
 
     def _rows_in_c(self, k, hfs: list[str], types: list[str], cfg, dtype, tiles: int) -> PreQuantized:
         """read_codes for tensors of the kinds the kernels convert (GGUF_ROWS: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, Q5_K), in
@@ -454,6 +456,8 @@ def _product_form(types: list[str]) -> tuple[str, int]:
     (their own five bits), else int8 if any is held as int8, else int4; the smallest group among them."""
     if all(t in INT5 for t in types):
         return "int5", 32
+    if all(t in MXFP4 for t in types):
+        return "mxfp4", 32
     return ("int8" if any(NATIVE[t][0] == "int8" for t in types) else "int4"), min(NATIVE[t][1] for t in types)
 
 

@@ -216,6 +216,10 @@ def load_model(
             model_dir / "tokenizer.json",
         )
     weights, quantization = _weight_mode(weights, group_size)
+    if any(part.mxfp4 for part in derived.values()):  # gpt-oss as released: its experts' own codes, kept
+        held = "mxfp4" if kernel_library.for_mode("mxfp4") is not None and dev.type == "cpu" else "int8 (exact)"
+        experts = f"experts the file's MXFP4, held as {held}"
+        quantization = experts if quantization == "none" else f"{experts}, rest {quantization}"
     kern = kernel_library.for_dtype(dt) if dev.type == "cpu" else None  # decode kernels for this dtype
     digest = header_digest(files.values())
     with ReturnFreedMemory():

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..errors import ModelLoadError
-from ..quant import PreQuantized
+from ..quant import MXFP4_GROUP, PreQuantized
 
 
 def weight_files(model_dir: Path) -> dict[str, Path]:
@@ -250,8 +250,16 @@ class Reader:
         return nn.Parameter(self.read([name], dtype, device)[name], requires_grad=False)
 
     def native(self, names: list[str], dtype: torch.dtype, device: torch.device, tiles: int = 0) -> PreQuantized | None:
-        """The tensors' own codes, where the file holds codes kvchat computes with (safetensors: never)."""
-        return None
+        """The tensors' own codes, where the file holds codes kvchat computes with: MXFP4 experts (gpt-oss), packed
+        two a byte as int4's, each block's e8m0 scale as the float32 2^(e − 128) (engine.quant.MXFP4_CODES)."""
+        parts = [self.derived.get(n) for n in names]
+        if not parts or not all(p is not None and p.mxfp4 and p.what == "weight" for p in parts):
+            return None
+        got = [p.codes(0, self.expected[n][0], self._opened) for p, n in zip(parts, names)]
+        packed = torch.cat([b.reshape(b.shape[0], -1) for b, _ in got]).contiguous()  # [R, in/2]
+        exps = torch.cat([s for _, s in got]).to(torch.int32) - 128  # [R, in/32]
+        scales = torch.ldexp(torch.ones(exps.shape), exps)
+        return PreQuantized(packed.to(device), scales.to(device), "mxfp4", MXFP4_GROUP, dtype, packed=True)
 
     def read_cat(self, names: list[str], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Tensors stacked along rows (fused q/k/v, gate/up), each copied once into its slice."""

@@ -96,6 +96,10 @@ static void code_products(void) {
             RUN("q4x", kv_matvec_q4x(q4, s, mm, x, y, OUT, IN, g, 1), y, OUT);
             RUN("dequant_q4", kv_dequant_q4(q4, s, mm, w, OUT, IN, g, 1), w, 3 * IN);
             RUN("dequant_q8", kv_dequant_q8(q8, s, mm, w, OUT, IN, g, 1), w, 3 * IN);
+            if (g == 32 && !off) { /* MXFP4: blocks of 32, no offsets; scales here any floats */
+                RUN("mx4", kv_matvec_mx4(q4, s, NULL, x, y, OUT, IN, g, 1), y, OUT);
+                RUN("dequant_mx4", kv_dequant_mx4(q4, s, NULL, w, OUT, IN, g, 1), w, 3 * IN);
+            }
             if (g == 32) { /* int5: a GGUF's Q5 blocks, groups of 32 only */
                 RUN("q5", kv_matvec_q5(q5, s, mm, x, y, OUT, IN, g, 1), y, OUT);
                 RUN("q5x", kv_matvec_q5x(q5, s, mm, x, y, OUT, IN, g, 1), y, OUT);

@@ -183,7 +183,7 @@ def test_k_quants_as_people_download_them_compute_from_their_own_codes(tmp_path,
 def test_native_codes_equal_llamacpp_dequantization_for_every_type(tmp_path):
     """Each type kvchat computes natively, decoded into codes, scales and offsets: s · q + m equals
     gguf.quants.dequantize (llama.cpp's definition) on the same blocks, and so does the layer's weight."""
-    from engine.weights.gguf_blocks import INT5, NATIVE
+    from engine.weights.gguf_blocks import INT5, MXFP4, NATIVE
 
     rnd = np.random.default_rng(5)
     for name, (mode, group, decode) in NATIVE.items():
@@ -203,12 +203,15 @@ def test_native_codes_equal_llamacpp_dequantization_for_every_type(tmp_path):
                            None if mins is None else torch.from_numpy(mins))  # fmt: skip
         layer = QuantLinear.from_codes(pre)
         np.testing.assert_allclose(layer.dequantized_weight().numpy(), want, rtol=1e-6, atol=1e-7 * np.abs(want).max())
-        if name in INT5:  # held in their own five bits: the int5 layout, its kernel and its dequantization
-            packed, d, offsets = INT5[name](raw)
-            pre = PreQuantized(torch.from_numpy(packed), torch.from_numpy(d), "int5", 32, torch.float32,
-                               None if offsets is None else torch.from_numpy(offsets))  # fmt: skip
+        if name in INT5 or name in MXFP4:  # held in their own bits: the layout, its kernel and its dequantization
+            packed, d, offsets = (INT5 | MXFP4)[name](raw)
+            own = "int5" if name in INT5 else "mxfp4"
+            offsets_ = None if offsets is None else torch.from_numpy(offsets)
+            pre = PreQuantized(torch.from_numpy(packed), torch.from_numpy(d), own, 32, torch.float32, offsets_,
+                               packed=own == "mxfp4")  # fmt: skip
             layer = QuantLinear.from_codes(pre)
-            assert layer.in_features == 512 and layer.storage_bytes == 6 * 512 * 5 // 8 + 6 * 16 * 4 * (
+            bits = 5 if own == "int5" else 4
+            assert layer.in_features == 512 and layer.storage_bytes == 6 * 512 * bits // 8 + 6 * 16 * 4 * (
                 1 + (offsets is not None)
             )
             w = layer.dequantized_weight().numpy()

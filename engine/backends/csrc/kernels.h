@@ -45,6 +45,12 @@ void kv_dequant_q5(const uint8_t *q, const float *s, const float *m, float *w, i
                    int nt);
 void kv_quantize(const float *w, int8_t *codes, uint8_t *packed, float *s, int64_t out, int64_t in, int64_t g,
                  int qmax, int nt);
+/* mxfp4_products.c: MXFP4 codes two a byte [out, in/2], a scale per 32 (m and g unused: the same arguments as the
+ * other codes' products) */
+void kv_matvec_mx4(const uint8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
+                   int64_t in, int64_t g, int nt);
+void kv_dequant_mx4(const uint8_t *q, const float *s, const float *m, float *w, int64_t out, int64_t in, int64_t g,
+                    int nt);
 /* gguf_rows.c: a GGUF tensor's rows into a product's buffers. The kinds' numbers are engine.weights.gguf_header's
  * GGUF_ROWS (a test holds the two, and the block sizes, equal) */
 enum { KV_GGUF_Q4_0, KV_GGUF_Q4_1, KV_GGUF_Q8_0, KV_GGUF_Q4_K, KV_GGUF_Q6_K, KV_GGUF_Q5_K }; /* kv_gguf_rows' kinds */
