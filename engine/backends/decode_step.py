@@ -34,6 +34,7 @@ class KernelAttention(Attention):
     the cache and attended in one kernel call."""
 
     kernels = None
+    sinks_f32: torch.Tensor | None = None  # the sinks as the kernel reads them (float32), or None
 
     def forward(self, x, cos, sin, mask, cache, layer: int, start, causal: bool = True):
         B, T, _ = x.shape
@@ -53,6 +54,7 @@ class KernelAttention(Attention):
                 self.window,
                 self.h,
                 cache.kernel_table(),
+                self.sinks_f32,
             )  # [H d]
             return self.o(y.view(B, T, self.h * self.d))
         return super().forward(x, cos, sin, mask, cache, layer, start, causal)
@@ -60,13 +62,12 @@ class KernelAttention(Attention):
 
 def kernel_attends(attn: Attention, cfg) -> bool:
     """Whether the attention kernel computes this layer's decode: rotated over the whole head, scores at 1/√d
-    and uncapped, QK norms (if any) per head without an offset."""
+    and uncapped (sinks allowed), QK norms (if any) per head without an offset."""
     return (
         attn.rope_kind is not None
         and cfg.rope.partial == 1.0
         and attn.scale is None
         and attn.softcap is None
-        and attn.sinks is None
         and not attn.qk_norm_all
         and cfg.norm_offset == 0.0
     )
@@ -88,6 +89,7 @@ def use_kernels(model, kernels, identity: str | None = None) -> None:
             _swap(m, KernelRMSNorm, kernels)
         elif isinstance(m, Attention) and kernel_attends(m, model.cfg):
             _swap(m, KernelAttention, kernels)
+            m.sinks_f32 = None if m.sinks is None else m.sinks.detach().float().contiguous()
     kernel_head(model, kernels)
     try:
         model.decode_step = DecodeLayers(kernels, model)

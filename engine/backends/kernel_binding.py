@@ -14,7 +14,7 @@ from ..quant import QMAX, check_activations, storage_bytes
 from .kernel_checks import check_all, take, verdict_of
 
 QUANT_FUNCS = {"int8": "kv_matvec_q8", "int4": "kv_matvec_q4", "int5": "kv_matvec_q5", "mxfp4": "kv_matvec_mx4"}
-INTEGER_FUNCS = {mode: name + "x" for mode, name in QUANT_FUNCS.items() if mode != "mxfp4"}  # int8 activations
+INTEGER_FUNCS = {mode: name + "x" for mode, name in QUANT_FUNCS.items()}  # int8 activations
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
 
@@ -62,7 +62,7 @@ class Kernels:
             self._float[dtype] = self._declare("kv_matvec_" + suffix, [p, p, p, i64, i64, i32])
             self._norm[dtype] = self._declare("kv_rmsnorm_" + suffix, [p, p, p, i64, f32])
             self._attend[dtype] = self._declare(
-                "kv_attend_" + suffix, [p] * 5 + [f32, p, p] + [i64] * 3 + [p] + [i64] * 3 + [f32, p, i32]
+                "kv_attend_" + suffix, [p] * 5 + [f32, p, p] + [i64] * 3 + [p] + [i64] * 3 + [f32, p, p, i32]
             )
         self._decode = {
             dtype: self._declare(
@@ -329,20 +329,27 @@ class Kernels:
         window: int | None,
         heads: int,
         table: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of one new position, batch 1: qkv [(H + 2 H_kv) d] packed q|k|v; cos, sin [d] (the
         signed-sin table's row for `pos`); q_norm/k_norm [d] weights or None; k_cache, v_cache
         [H_kv, C, d] (contiguous), into which the rotated k and v are written at `pos` -> y [H d]. `table`: the
         block pool's table of this sequence (int32 [≥ pos/16 + 1], position j in slot table[j/16]·16 + j%16),
-        None for a cache of its own (position j in slot j)."""
+        None for a cache of its own (position j in slot j). `sinks`: float32 [H], each head's logit in its
+        softmax's denominator (gpt-oss), or None."""
         h_kv, cap, d = k_cache.shape
         lo = 0 if window is None else max(0, pos - window + 1)
         check_slots(pos, cap, table)
         y = torch.empty(heads * d, dtype=qkv.dtype)
-        qkv, cos, sin, qn, kn, kc, vc, out, tb = self.memory(qkv, cos, sin, q_norm, k_norm, k_cache, v_cache, y, table)
-        self._attend[y.dtype](
-            qkv, cos, sin, qn, kn, eps, kc, vc, cap, pos, lo, tb, heads, h_kv, d, d**-0.5, out, torch.get_num_threads()
+        if sinks is not None and (sinks.dtype != torch.float32 or sinks.numel() != heads):
+            raise ValueError("sinks are float32, one a query head")
+        qkv, cos, sin, qn, kn, kc, vc, out, tb, sk = self.memory(
+            qkv, cos, sin, q_norm, k_norm, k_cache, v_cache, y, table, sinks
         )
+        self._attend[y.dtype](
+            qkv, cos, sin, qn, kn, eps, kc, vc, cap, pos, lo, tb, heads, h_kv, d, d**-0.5, sk, out,
+            torch.get_num_threads(),
+        )  # fmt: skip
         return y
 
     def silu(self, x: torch.Tensor) -> torch.Tensor:

@@ -77,6 +77,12 @@ def agrees(k, dtype: torch.dtype) -> bool:
             return False
         if not torch.equal(paged_attend(k, qkv, cos, sin, qn, kn, kc, vc, pos, window, heads), got):
             return False
+        sinks = torch.randn(heads, generator=g) * 2  # gpt-oss's: a logit a head beside the scores, its value 0
+        got = k.attend(qkv, cos, sin, qn, kn, 1e-6, kc, vc, pos, window, heads, None, sinks)
+        scores = (q.float()[:, None] @ keys.transpose(1, 2))[:, 0] * d**-0.5  # [H, S]
+        probs = torch.softmax(torch.cat((scores, sinks[:, None]), dim=1), dim=1)[:, :-1]
+        if not close(got, (probs[:, None] @ values).reshape(-1), tol):
+            return False
     return True
 
 
@@ -101,7 +107,7 @@ def quant_agrees(k, mode: str, activations: str = "float32") -> bool:
     if mode == "int5":  # a file's codes only: random ones in its layout
         return int5_agrees(k, g, activations)
     if mode == "mxfp4":
-        return mxfp4_agrees(k, g)
+        return mxfp4_agrees(k, g, activations)
     for out, n, group in (
         (5, 64, 64),
         (19, 192, 32),
@@ -154,7 +160,7 @@ def int5_agrees(k, g: torch.Generator, activations: str) -> bool:
     return True
 
 
-def mxfp4_agrees(k, g: torch.Generator) -> bool:
+def mxfp4_agrees(k, g: torch.Generator, activations: str = "float32") -> bool:
     """The MXFP4 product and dequantization against the definition: random codes (every one in a block) and scales
     2^(e − 128) from far below 1 to far above."""
     for out, n in ((5, 64), (19, 576), (8, 2880), (3, 96)):
@@ -165,7 +171,8 @@ def mxfp4_agrees(k, g: torch.Generator) -> bool:
         scales = torch.ldexp(
             torch.ones(out, n // MXFP4_GROUP), torch.randint(-20, 10, (out, n // MXFP4_GROUP), generator=g)
         )
-        if not codes_agree(k, "mxfp4", stored, codes, scales, torch.randn(n, generator=g), MXFP4_GROUP, None):
+        x = torch.randn(n, generator=g)
+        if not codes_agree(k, "mxfp4", stored, codes, scales, x, MXFP4_GROUP, None, activations):
             return False
     return True
 

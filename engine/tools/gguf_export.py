@@ -109,10 +109,11 @@ def write_gguf(model_dir, out: Path, matrices: str = "F32", tokenizer: bool = Fa
         if name in parts:
             part = parts[name]
             rows = cfg.hidden_size if part.part == "down" else cfg.moe_intermediate_size
-            t = part.rows(0, rows, opened).float()
             if part.mxfp4 and part.what == "weight":  # the file's own codes, as llama.cpp's converter keeps them
                 stacked, j = gname.split("#")
                 mxfp4.setdefault(stacked, {})[int(j)] = ggml_mxfp4(*part.codes(0, rows, opened))
+                continue
+            t = part.rows(0, rows, opened).float()
         else:
             with safe_open(str(files[name]), framework="pt", device="cpu") as f:
                 t = f.get_tensor(stored.get(name, name)).float()
@@ -135,13 +136,16 @@ def write_gguf(model_dir, out: Path, matrices: str = "F32", tokenizer: bool = Fa
     types = dict(types or {})
     for g, e in mxfp4.items():
         types.setdefault(g, ("MXFP4", np.ascontiguousarray(torch.stack([e[j] for j in sorted(e)]).numpy())))
+        tensors.append((g, None))
     for gname, t in tensors:
-        data = np.ascontiguousarray(t.numpy())
-        kind = types.get(gname, matrices if data.ndim >= 2 else "F32")
-        if isinstance(kind, tuple):  # raw blocks of a type gguf cannot quantize (K-quants), made by the caller
+        kind = types.get(gname)
+        if isinstance(kind, tuple):  # raw blocks made by the caller (K-quants) or kept from the folder (MXFP4)
             kind, raw = kind
             w.add_tensor(gname, raw, raw_dtype=gguf.GGMLQuantizationType[kind])
-        elif kind == "F32":
+            continue
+        data = np.ascontiguousarray(t.numpy())
+        kind = kind or (matrices if data.ndim >= 2 and not gname.endswith(".bias") else "F32")  # biases as they are
+        if kind == "F32":
             w.add_tensor(gname, data)
         else:
             qtype = gguf.GGMLQuantizationType[kind]

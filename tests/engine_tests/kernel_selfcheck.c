@@ -124,7 +124,7 @@ static void attention_and_step(void) {
     for (int lo = 0; lo <= 7; lo += 7) { /* the whole context, and a window from position 7 */
         char name[32];
         snprintf(name, sizeof name, "attend_f32_lo%d", lo);
-        kv_attend_f32(qkv, cs, sn, NULL, NULL, 1e-6f, kc, vc, cap, 20, lo, NULL, H, Hkv, d, 0.125f, y, 1);
+        kv_attend_f32(qkv, cs, sn, NULL, NULL, 1e-6f, kc, vc, cap, 20, lo, NULL, H, Hkv, d, 0.125f, NULL, y, 1);
         show(name, y, H * d);
     }
     { /* the same position through a block pool: positions 0..47 in blocks 2, 0, 3 of 4 (a table), bit for bit */
@@ -138,8 +138,8 @@ static void attention_and_step(void) {
                     pk[(h * 64 + slot) * d + i] = kc[(h * cap + j) * d + i];
                     pv[(h * 64 + slot) * d + i] = vc[(h * cap + j) * d + i];
                 }
-        kv_attend_f32(qkv, cs, sn, NULL, NULL, 1e-6f, kc, vc, cap, 20, 0, NULL, H, Hkv, d, 0.125f, y, 1);
-        kv_attend_f32(qkv, cs, sn, NULL, NULL, 1e-6f, pk, pv, 64, 20, 0, table, H, Hkv, d, 0.125f, py, 1);
+        kv_attend_f32(qkv, cs, sn, NULL, NULL, 1e-6f, kc, vc, cap, 20, 0, NULL, H, Hkv, d, 0.125f, NULL, y, 1);
+        kv_attend_f32(qkv, cs, sn, NULL, NULL, 1e-6f, pk, pv, 64, 20, 0, table, H, Hkv, d, 0.125f, NULL, py, 1);
         float differ = 0;
         for (int i = 0; i < H * d; i++) differ += py[i] != y[i];
         show("attend_f32_paged_differs", &differ, 1);

@@ -39,12 +39,13 @@
 
 /* Attention of the new position `pos`: q, k, v come packed in one row qkv [(H + 2 Hkv) d]; k (rotated)
  * and v are stored into the layer's cache kc, vc [Hkv, cap, d]; each query head attends to keys lo..pos
- * of its group's KV head with a one-pass (online) softmax; y [H d]. Position j lies in slot KV_SLOT(tb, j):
+ * of its group's KV head with a one-pass (online) softmax (with `sinks` [H], each head's logit joins the
+ * denominator as a key whose value is 0: gpt-oss's sinks; NULL: none); y [H d]. Position j lies in slot KV_SLOT(tb, j):
  * j itself in a cache of its own (tb NULL), else in block tb[j / KV_BLOCK] of a pool shared by many. */
 #define ATTEND(NAME, ROT, DOT, AXPY, T, TO_F32, FROM_F32, ROUND)                                              \
     void NAME(const T *qkv, const T *cs, const T *sn, const T *qn, const T *kn, float eps, T *kc, T *vc, \
               int64_t cap, int64_t pos, int64_t lo, const int32_t *tb, int64_t H, int64_t Hkv, int64_t d,  \
-              float scale, T *y, int nt) {                                                                \
+              float scale, const float *sinks, T *y, int nt) {                                            \
         for (int64_t h = 0; h < Hkv; h++) {                                                         \
             float k[d];                                                                             \
             ROT(qkv + (H + h) * d, kn, eps, cs, sn, k, d);                                          \
@@ -58,7 +59,7 @@
             float q[d], acc[d], s[ATTEND_CHUNK];                                                    \
             ROT(qkv + h * d, qn, eps, cs, sn, q, d);                                                \
             const T *K = kc + (h / G) * cap * d, *V = vc + (h / G) * cap * d;                       \
-            float m = -INFINITY, l = 0;                                                             \
+            float m = sinks ? sinks[h] : -INFINITY, l = sinks ? 1.0f : 0.0f; /* a sink: a key of value 0 */ \
             for (int64_t i = 0; i < d; i++) acc[i] = 0;                                             \
             for (int64_t j0 = lo; j0 <= pos; j0 += ATTEND_CHUNK) {                                  \
                 int64_t n = pos + 1 - j0 < ATTEND_CHUNK ? pos + 1 - j0 : ATTEND_CHUNK;              \

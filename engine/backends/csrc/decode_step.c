@@ -87,7 +87,7 @@ static void quant_matvec(const kv_linear *l, const float *x, float *y, int nt) {
             kv_rmsnorm_##SUF(x, L->attn_norm, h, D, eps);                                                   \
             linear_##SUF(&L->qkv, h, qkv, fx, fy, nt);                                                      \
             kv_attend_##SUF(qkv, cs, sn, L->q_norm, L->k_norm, qk_eps, L->k_cache, L->v_cache, cap, pos, lo, \
-                            tb, H, Hkv, d, 1.0f / sqrtf((float)d), att, nt);                                \
+                            tb, H, Hkv, d, 1.0f / sqrtf((float)d), NULL, att, nt);                          \
             linear_##SUF(&L->o, att, t, fx, fy, nt);                                                        \
             for (int64_t i = 0; i < D; i++) x[i] = FROM_F32(TO_F32(x[i]) + TO_F32(t[i]));                   \
             kv_rmsnorm_##SUF(x, L->mlp_norm, h, D, eps);                                                    \
@@ -211,7 +211,7 @@ typedef void (*kv_rows_product)(const void *, const float *, const float *, cons
             for (int64_t b = 0; b < B; b++)                                                                     \
                 kv_attend_##SUF(qkv + b * W, cs + b * d, sn + b * d, L->q_norm, L->k_norm, qk_eps,              \
                                 kc[b * n_layers + n], vc[b * n_layers + n], cap, pos[b], lo[b], tb[b], H, Hkv, d, \
-                                1.0f / sqrtf((float)d), att + b * A, nt);                                       \
+                                1.0f / sqrtf((float)d), NULL, att + b * A, nt);                                 \
             rows_##SUF(&L->o, B, att, A, t, ts, fx, fy, nt);                                                    \
             for (int64_t b = 0; b < B; b++)                                                                     \
                 for (int64_t i = 0; i < D; i++) x[b * D + i] = FROM_F32(TO_F32(x[b * D + i]) + TO_F32(t[b * ts + i])); \

@@ -15,6 +15,10 @@
  * are added from the float x's group sums, as in the float products. A row needs in % 32 == 0 and groups of whole
  * blocks (g % 32 == 0); other shapes run the float products. */
 #define XQ_BLOCK 32
+/* MXFP4's codes as the integer products take them: each nibble's e2m1 value doubled (a whole number, -12..12), and
+ * that + 16 for the unsigned side of the multiply-adds (bias 16, as int5's) */
+static const int8_t MX_CODES_S[16] __attribute__((unused)) = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+static const uint8_t MX_CODES_U[16] __attribute__((unused)) = {16, 17, 18, 19, 20, 22, 24, 28, 16, 15, 14, 13, 12, 10, 8, 4};
 #define XQ_PAD 64 /* buffers padded (codes 0, lanes 0) to whole 64-input steps */
 
 static inline int int_products_fit(int64_t in, int64_t g) { return in % XQ_BLOCK == 0 && g % XQ_BLOCK == 0 && g > 0; }
@@ -90,6 +94,13 @@ static inline vu u_q4(const uint8_t *r, int64_t i, int64_t in) { /* 32 bytes: lo
     __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(b), _mm256_srli_epi16(b, 4), 1);
     return LOW_NIBBLES_XOR(z, 8); /* 4-bit two's complement q -> q + 8 */
 }
+static inline vu u_mx4(const uint8_t *r, int64_t i, int64_t in) { /* MXFP4: u_q4's nibbles, each its doubled e2m1 value + 16 */
+    PREFETCH(r + i / 2);
+    __m256i b = in - i >= 64 ? _mm256_loadu_si256((const __m256i *)(r + i / 2)) : _mm256_maskz_loadu_epi8(0xFFFF, r + i / 2);
+    __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(b), _mm256_srli_epi16(b, 4), 1);
+    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)MX_CODES_U)),
+                               _mm512_and_si512(z, _mm512_set1_epi8(15)));
+}
 static inline vu u_q5(const uint8_t *r, int64_t i, int64_t in) { /* two blocks: both low halves, both high ones */
     const uint8_t *a = r + i / 32 * 20, *b = a + 20;
     int two = in - i >= 64;
@@ -154,6 +165,14 @@ static inline vu u_q4(const uint8_t *r, int64_t i, int64_t in) {
     __m128i lo = _mm_and_si128(b, f), hi = _mm_and_si128(_mm_srli_epi16(b, 4), f);
     __m256i u = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
     return _mm256_xor_si256(u, _mm256_set1_epi8(8));
+}
+static inline vu u_mx4(const uint8_t *r, int64_t i, int64_t in) { /* MXFP4: the nibbles as u_q4 has them, looked up */
+    (void)in;
+    PREFETCH(r + i / 2);
+    __m128i b = _mm_loadu_si128((const __m128i *)(r + i / 2)), f = _mm_set1_epi8(15);
+    __m128i lo = _mm_and_si128(b, f), hi = _mm_and_si128(_mm_srli_epi16(b, 4), f);
+    __m128i lut = _mm_loadu_si128((const __m128i *)MX_CODES_U);
+    return _mm256_set_m128i(_mm_shuffle_epi8(lut, _mm_unpackhi_epi8(lo, hi)), _mm_shuffle_epi8(lut, _mm_unpacklo_epi8(lo, hi)));
 }
 static inline vu u_q5(const uint8_t *r, int64_t i, int64_t in) {
     (void)in;

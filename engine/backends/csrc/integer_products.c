@@ -52,6 +52,9 @@ static inline void block_q8(const int8_t *r, int64_t b, int q[32]) {
 static inline void block_q4(const uint8_t *r, int64_t b, int q[32]) {
     for (int i = 0; i < 16; i++) q[2 * i] = int4_value(r[b * 16 + i]), q[2 * i + 1] = int4_value(r[b * 16 + i] >> 4);
 }
+static inline void block_mx4(const uint8_t *r, int64_t b, int q[32]) {
+    for (int i = 0; i < 16; i++) q[2 * i] = MX_CODES_S[r[b * 16 + i] & 15], q[2 * i + 1] = MX_CODES_S[r[b * 16 + i] >> 4];
+}
 static inline void block_q5(const uint8_t *r, int64_t b, int q[32]) {
     q5_group(r + b * Q5_BYTES, q);
     for (int i = 0; i < 32; i++) q[i] -= 16;
@@ -81,6 +84,13 @@ static inline int32_t block_dot_q4(const uint8_t *r, int64_t b, const int8_t *c)
     PREFETCH(r + b * 16);
     uint8x16_t v = vld1q_u8(r + b * 16);
     int8x16x2_t q = vzipq_s8(sext4(vandq_u8(v, vdupq_n_u8(15))), sext4(vshrq_n_u8(v, 4))); /* inputs 2k, 2k+1 */
+    return dot32_s8(q.val[0], q.val[1], c);
+}
+static inline int32_t block_dot_mx4(const uint8_t *r, int64_t b, const int8_t *c) {
+    PREFETCH(r + b * 16);
+    uint8x16_t v = vld1q_u8(r + b * 16);
+    int8x16_t lut = vld1q_s8(MX_CODES_S);
+    int8x16x2_t q = vzipq_s8(vqtbl1q_s8(lut, vandq_u8(v, vdupq_n_u8(15))), vqtbl1q_s8(lut, vshrq_n_u8(v, 4)));
     return dot32_s8(q.val[0], q.val[1], c);
 }
 static inline int32_t block_dot_q5(const uint8_t *r, int64_t b, const int8_t *c) {
@@ -123,11 +133,13 @@ static inline int32_t block_dot_q5(const uint8_t *r, int64_t b, const int8_t *c)
 #define u_q8 q8
 #define u_q4 q4
 #define u_q5 q5
+#define u_mx4 mx4
 #endif
 
 INT_ROW(int_row_q8, int8_t, u_q8, BIAS8 == 0, ORDER_PLAIN)
 INT_ROW(int_row_q4, uint8_t, u_q4, 0, ORDER_Q4)
 INT_ROW(int_row_q5, uint8_t, u_q5, 0, ORDER_Q5)
+INT_ROW(int_row_mx4, uint8_t, u_mx4, 0, ORDER_Q4)
 
 /* y [out] = W x with x quantized as above: codes and scales as the float products take them (mode 8, 4 or 5). */
 #define INT_MATVEC(NAME, T, ROW, BIAS, ORDER, BYTES_PER_ROW)                                                         \
@@ -148,6 +160,7 @@ INT_ROW(int_row_q5, uint8_t, u_q5, 0, ORDER_Q5)
 INT_MATVEC(int_matvec_q8, int8_t, int_row_q8, BIAS8, ORDER_PLAIN, in)
 INT_MATVEC(int_matvec_q4, uint8_t, int_row_q4, 8, ORDER_Q4, in / 2)
 INT_MATVEC(int_matvec_q5, uint8_t, int_row_q5, 16, ORDER_Q5, in / 32 * 20)
+INT_MATVEC(int_matvec_mx4, uint8_t, int_row_mx4, 16, ORDER_Q4, in / 2)
 
 /* The exported products: integer where the shape fits, the float products otherwise. */
 void kv_matvec_q8x(const int8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
@@ -164,6 +177,11 @@ void kv_matvec_q5x(const uint8_t *q, const float *s, const float *m, const float
                    int64_t in, int64_t g, int nt) {
     (void)g;
     int_matvec_q5(q, s, m, x, y, out, in, Q5_GROUP, nt);
+}
+void kv_matvec_mx4x(const uint8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
+                    int64_t in, int64_t g, int nt) {
+    (void)g, (void)m; /* blocks of 32, no offsets */
+    int_matvec_mx4(q, s, NULL, x, y, out, in, 32, nt);
 }
 const char *kv_int_isa(void) { return XQ_ISA; }
 

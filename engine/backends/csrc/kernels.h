@@ -51,6 +51,8 @@ void kv_matvec_mx4(const uint8_t *q, const float *s, const float *m, const float
                    int64_t in, int64_t g, int nt);
 void kv_dequant_mx4(const uint8_t *q, const float *s, const float *m, float *w, int64_t out, int64_t in, int64_t g,
                     int nt);
+void kv_matvec_mx4x(const uint8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
+                    int64_t in, int64_t g, int nt); /* (integer_products.c) int8 activations */
 /* gguf_rows.c: a GGUF tensor's rows into a product's buffers. The kinds' numbers are engine.weights.gguf_header's
  * GGUF_ROWS (a test holds the two, and the block sizes, equal) */
 enum { KV_GGUF_Q4_0, KV_GGUF_Q4_1, KV_GGUF_Q8_0, KV_GGUF_Q4_K, KV_GGUF_Q6_K, KV_GGUF_Q5_K }; /* kv_gguf_rows' kinds */
@@ -95,10 +97,11 @@ void kv_rmsnorm_f32(const float *x, const float *w, float *y, int64_t n, float e
 void kv_rmsnorm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t n, float eps);
 void kv_attend_f32(const float *qkv, const float *cs, const float *sn, const float *qn, const float *kn, float eps,
                    float *kc, float *vc, int64_t cap, int64_t pos, int64_t lo, const int32_t *tb, int64_t H,
-                   int64_t Hkv, int64_t d, float scale, float *y, int nt);
+                   int64_t Hkv, int64_t d, float scale, const float *sinks, float *y, int nt);
 void kv_attend_bf16(const uint16_t *qkv, const uint16_t *cs, const uint16_t *sn, const uint16_t *qn,
                     const uint16_t *kn, float eps, uint16_t *kc, uint16_t *vc, int64_t cap, int64_t pos, int64_t lo,
-                    const int32_t *tb, int64_t H, int64_t Hkv, int64_t d, float scale, uint16_t *y, int nt);
+                    const int32_t *tb, int64_t H, int64_t Hkv, int64_t d, float scale, const float *sinks,
+                    uint16_t *y, int nt);
 
 /* decode_step.c: silu over float32 values (the MLP's gate); a decode step's layers in one call. A linear layer, and a block's weights and cache. */
 typedef struct {
@@ -165,7 +168,8 @@ void kv_matvec_f16(const _Float16 *w, const _Float16 *x, _Float16 *y, int64_t ou
 void kv_rmsnorm_f16(const _Float16 *x, const _Float16 *w, _Float16 *y, int64_t n, float eps);
 void kv_attend_f16(const _Float16 *qkv, const _Float16 *cs, const _Float16 *sn, const _Float16 *qn,
                    const _Float16 *kn, float eps, _Float16 *kc, _Float16 *vc, int64_t cap, int64_t pos, int64_t lo,
-                   const int32_t *tb, int64_t H, int64_t Hkv, int64_t d, float scale, _Float16 *y, int nt);
+                   const int32_t *tb, int64_t H, int64_t Hkv, int64_t d, float scale, const float *sinks,
+                   _Float16 *y, int nt);
 void kv_decode_layers_f16(const kv_layer *layers, int64_t n_layers, _Float16 *x, const _Float16 *cs,
                           const _Float16 *sn, float eps, float qk_eps, int64_t cap, int64_t pos, int64_t lo,
                           const int32_t *tb, int64_t H, int64_t Hkv, int64_t d, int64_t D, int64_t F, _Float16 *h,
