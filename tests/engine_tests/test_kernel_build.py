@@ -46,7 +46,7 @@ exec gcc "$@\"""",
     monkeypatch.setenv("CC", cc)
     monkeypatch.setenv("KVCHAT_CACHE_DIR", str(tmp_path / "cache"))
     k = kernels._load()  # every function there, checked against torch
-    assert k.dtypes and k.modes == {"int8", "int4", "int5"}
+    assert k.dtypes and k.modes == {"int8", "int4", "int5", "mxfp4"}
     assert hasattr(k.lib, "kv_decode_batch_f32") and hasattr(k.lib, "kv_decode_layers_f32")  # decode_step.c's
     monkeypatch.setattr(kernels, "_loaded", k)
     monkeypatch.setattr(kernels, "_reason", "")
@@ -132,7 +132,7 @@ def test_clang_builds_the_kernels_and_its_openmp_never_runs_beside_torchs(tmp_pa
     assert r.returncode == 0, r.stderr[-2000:]
     status, modes, runtimes = r.stdout.strip().splitlines()[-3:]
     assert status.startswith("kvchat kernels (") and "built by clang (" in status, status
-    assert modes == "['int4', 'int5', 'int8']"
+    assert modes == "['int4', 'int5', 'int8', 'mxfp4']"
     if "libomp" in runtimes and "libgomp" in runtimes:  # both mapped: ours must not run its pool
         assert "one thread: clang's OpenMP runtime (libomp" in status and "is not torch's (libgomp" in status
     print(status, file=sys.stderr)

@@ -45,7 +45,7 @@ def close(got, want, tol):
 
 @needs_kernels
 def test_kernels_build_and_serve_every_type():
-    assert K.dtypes == {torch.float32, torch.bfloat16, torch.float16} and K.modes == {"int8", "int4", "int5"}
+    assert K.dtypes == {torch.float32, torch.bfloat16, torch.float16} and K.modes == {"int8", "int4", "int5", "mxfp4"}
     assert K.integer_modes == K.modes and f"int8 activations: {K.int_isa}" in kernels.status()
     assert kernels.status().startswith("kvchat kernels (")
     assert K.int4_tile_rows == (16 if K.isa in ("avx512", "avx2") else 0)  # AVX-512's and AVX2's tiles pass their check
@@ -481,7 +481,7 @@ def test_each_instruction_set_variant_agrees_with_torch(tmp_path, variant, isa):
         isa = "generic"
     if isa is not None:
         assert k.isa == isa
-    assert k.dtypes == {torch.float32, torch.bfloat16, torch.float16} and k.modes == {"int8", "int4", "int5"}
+    assert k.dtypes == {torch.float32, torch.bfloat16, torch.float16} and k.modes == {"int8", "int4", "int5", "mxfp4"}
     assert k.integer_modes == k.modes
     assert k.int4_tile_rows == (16 if k.isa in ("avx512", "avx2") else 0)
     assert kernel_checks.tiles_agree(
