@@ -107,6 +107,12 @@ def unpack_int5(packed: torch.Tensor) -> torch.Tensor:
     return ((nibbles | (fifth << 4)) - 16).to(torch.int8).reshape(*packed.shape[:-1], -1)
 
 
+def mxfp4_scales(e: torch.Tensor) -> torch.Tensor:
+    """e8m0 scale bytes (uint8, as an MXFP4 file holds them: 2^(e − 127)) -> the float32 scales of MXFP4_CODES, halved:
+    2^(e − 128)."""
+    return torch.ldexp(torch.ones(e.shape, device=e.device), e.to(torch.int32) - 128)
+
+
 def unpack_mxfp4(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [..., K/2] MXFP4 codes, two a byte (value 2k in byte k's low nibble) -> int8 [..., K], each the e2m1
     value doubled (MXFP4_CODES), as the scales halved make exact."""

@@ -16,6 +16,7 @@ from ..quant import (
     QMAX,
     dequantize,
     integer_product,
+    mxfp4_scales,
     pack_int4,
     pack_int5,
     quantize,
@@ -161,18 +162,22 @@ def int5_agrees(k, g: torch.Generator, activations: str) -> bool:
 
 
 def mxfp4_agrees(k, g: torch.Generator, activations: str = "float32") -> bool:
-    """The MXFP4 product and dequantization against the definition: random codes (every one in a block) and scales
-    2^(e − 128) from far below 1 to far above."""
+    """The MXFP4 product and dequantization against the definition: random codes (every one in a block) and e8m0
+    scale bytes from 2^-28 to 2^11 and the subnormal ones."""
     for out, n in ((5, 64), (19, 576), (8, 2880), (3, 96)):
         idx = torch.randint(0, 16, (out, n), generator=g, dtype=torch.uint8)
         idx[0, :16] = torch.arange(16, dtype=torch.uint8)  # every code once
         stored = (idx[:, 0::2] | (idx[:, 1::2] << 4)).contiguous()
         codes = unpack_mxfp4(stored)
-        scales = torch.ldexp(
-            torch.ones(out, n // MXFP4_GROUP), torch.randint(-20, 10, (out, n // MXFP4_GROUP), generator=g)
-        )
+        e = torch.randint(100, 140, (out, n // MXFP4_GROUP), generator=g, dtype=torch.uint8)
+        e.view(-1)[:3] = torch.tensor([0, 1, 2], dtype=torch.uint8)  # the subnormal scales too
+        want_w = dequantize(codes, mxfp4_scales(e))
         x = torch.randn(n, generator=g)
-        if not codes_agree(k, "mxfp4", stored, codes, scales, x, MXFP4_GROUP, None, activations):
+        want = want_w @ x if activations == "float32" else integer_product(codes, mxfp4_scales(e), x).float()
+        got = k._product("mxfp4", stored, e, x, MXFP4_GROUP, None, activations, False)
+        if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
+            return False
+        if activations == "float32" and not torch.equal(k.dequantize("mxfp4", stored, e, n, MXFP4_GROUP), want_w):
             return False
     return True
 

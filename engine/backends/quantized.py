@@ -25,6 +25,7 @@ from ..quant import (
     check_mode,
     dequantize,
     group_for,
+    mxfp4_scales,
     pack_int4,
     quantize,
     storage_bytes,
@@ -83,7 +84,8 @@ class QuantLinear(nn.Module):
         self.decoder = kernel_library.for_mode(mode) if weight.device.type == "cpu" else None  # one-row products
         mins = None  # offsets [N, K/g] float32 of a file's format with a minimum per group: weights s · q + m
         if isinstance(weight, PreQuantized):
-            codes, scales = weight.codes, weight.scales.float().contiguous()
+            codes, scales = weight.codes, weight.scales.contiguous()
+            scales = scales if mode == "mxfp4" else scales.float()  # MXFP4: its e8m0 bytes, as the kernels read them
             mins = None if weight.mins is None else weight.mins.float().contiguous()
             if weight.tiles and self.decoder is not None and self.decoder.int4_tile_rows == weight.tiles:
                 self.tiles = weight.tiles  # written in the kernels' tiles as the file was read
@@ -196,6 +198,8 @@ class QuantLinear(nn.Module):
         """[N, K/g] float32, the scales the layer computes with."""
         if self.kernel == "int4pack":
             return self.scales_and_zeros[..., 0].t().float()
+        if self.mode == "mxfp4":
+            return mxfp4_scales(self.scales)
         return self._in_rows(self.scales, 1)
 
     @property
@@ -207,7 +211,8 @@ class QuantLinear(nn.Module):
     def storage_bytes(self) -> int:
         groups = self.out_features * self.in_features // self.group_size
         offsets = 0 if self.mins is None else self.mins.numel() * self.mins.element_size()  # tiled or not
-        return storage_bytes(self.out_features * self.in_features, self.mode, groups) + offsets
+        scale_bytes = self.scales.element_size() if self.kernel is None else 4  # (MXFP4's e8m0: a byte)
+        return storage_bytes(self.out_features * self.in_features, self.mode, groups, scale_bytes) + offsets
 
     def weight_codes(self) -> torch.Tensor:
         """[N, K] int8 codes."""
@@ -428,7 +433,8 @@ FLOAT_SHARE = 0.5  # the share of the memory free at load that weights dequantiz
 def mxfp4_as_int8(pre: PreQuantized) -> PreQuantized:
     """MXFP4 codes as int8 ones, exactly (engine.quant.MXFP4_CODES): where no kernel reads MXFP4 (a GPU, a CPU
     without kvchat's kernels), at a byte a value."""
-    return dataclasses.replace(pre, codes=unpack_mxfp4(pre.codes), mode="int8", packed=False)
+    return dataclasses.replace(pre, codes=unpack_mxfp4(pre.codes), scales=mxfp4_scales(pre.scales), mode="int8",
+                               packed=False)  # fmt: skip
 
 
 def dequantize_for_torch(model: nn.Module, free: int | None = -1) -> int:

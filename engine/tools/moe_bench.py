@@ -84,16 +84,16 @@ def write_folder(out: Path, layers: int, vocab: int, seed: int = 0) -> Path:
     return out
 
 
-def kvchat_row(folder: str, prompt: list[int], new: int, threads: int) -> dict:
-    """kvchat's decode on the folder (bfloat16, its experts' own MXFP4 codes): tok/s after the first token, and the
-    bytes a token reads."""
+def kvchat_row(folder: str, prompt: list[int], new: int, threads: int, activations: str = "float32") -> dict:
+    """kvchat's decode on the folder (bfloat16, its experts' own MXFP4 codes, multiplied by `activations`): tok/s
+    after the first token, and the bytes a token reads."""
     import torch
 
     from ..session import Request, Session
     from ..weights.loading import load_model
 
     torch.set_num_threads(threads)
-    loaded = load_model(folder, dtype="bfloat16")
+    loaded = load_model(folder, dtype="bfloat16", activations=activations)
     session = Session(loaded, capacity=len(prompt) + new + 8)
     req = Request(prompt_ids=tuple(prompt), max_new_tokens=new, ignore_eos=True)
     list(session.generate(Request(prompt_ids=tuple(prompt[:8]), max_new_tokens=4, ignore_eos=True)))  # warm
@@ -137,6 +137,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3, help="each engine's runs, alternating (medians reported)")
+    p.add_argument("--activations", default="float32,int8", help="kvchat's rows: what its products multiply")
     p.add_argument("--json", action="store_true")
     ns = p.parse_args(argv)
     import torch
@@ -149,14 +150,16 @@ def main(argv=None) -> int:
 
     threads = default_threads()
     torch.set_num_threads(threads)
-    rows: dict[str, list[dict]] = {"kvchat": [], "llama.cpp": []}
+    kinds = [a.strip() for a in ns.activations.split(",") if a.strip()]
+    rows: dict[str, list[dict]] = {**{f"kvchat {a}": [] for a in kinds}, "llama.cpp": []}
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_folder(Path(tmp) / "gpt-oss-small", ns.layers, ns.vocab)
         gguf = write_gguf(folder, Path(tmp) / "gpt-oss-small.gguf", matrices="BF16", tokenizer=False)
         prompt = random_prompt(ns.prompt_tokens, ns.vocab)
         bandwidth = measure_read_bandwidth()
         for _ in range(ns.rounds):
-            rows["kvchat"].append(run_isolated(kvchat_row, (str(folder), prompt, ns.new_tokens, threads)))
+            for a in kinds:
+                rows[f"kvchat {a}"].append(run_isolated(kvchat_row, (str(folder), prompt, ns.new_tokens, threads, a)))
             rows["llama.cpp"].append(run_isolated(llama_row, (str(gguf), prompt, ns.new_tokens, threads)))
     report = {"shape": {**SHAPE, "num_hidden_layers": ns.layers, "vocab_size": ns.vocab}, "threads": threads,
               "read_bandwidth_gb_s": bandwidth / 1e9, "rows": {}}  # fmt: skip
@@ -170,11 +173,12 @@ def main(argv=None) -> int:
         report["rows"][name] = {"decode_tok_s": round(rate, 2), "bytes_per_token": per,
                                 "roofline_share": round(rate * per / bandwidth, 3), "runs": [r["tok_s"] for r in ok],
                                 **({"held": ok[0]["held"]} if "held" in ok[0] else {})}  # fmt: skip
-    k, lc = report["rows"]["kvchat"], report["rows"]["llama.cpp"]
-    if "decode_tok_s" in k and "decode_tok_s" in lc:
-        report["kvchat_over_llama_cpp"] = round(k["decode_tok_s"] / lc["decode_tok_s"], 3)
-        ours, theirs = rows["kvchat"][0].get("tokens"), rows["llama.cpp"][0].get("tokens")
-        report["same_greedy_tokens"] = ours == theirs
+    lc = report["rows"]["llama.cpp"]
+    for a in kinds:
+        k = report["rows"][f"kvchat {a}"]
+        if "decode_tok_s" in k and "decode_tok_s" in lc:
+            k["over_llama_cpp"] = round(k["decode_tok_s"] / lc["decode_tok_s"], 3)
+            k["same_greedy_tokens"] = rows[f"kvchat {a}"][0].get("tokens") == rows["llama.cpp"][0].get("tokens")
     if ns.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -185,11 +189,9 @@ def main(argv=None) -> int:
             print(f"  {name:10s} error: {r['error']}")
         else:
             runs = ", ".join(f"{x:.2f}" for x in r["runs"])
-            print(f"  {name:10s} {r['decode_tok_s']:7.2f} tok/s  {r['bytes_per_token'] / 2**20:7.1f} MiB a token  "
-                  f"{100 * r['roofline_share']:5.1f}% of the read roofline  (runs {runs})")  # fmt: skip
-    if "kvchat_over_llama_cpp" in report:
-        print(f"  kvchat / llama.cpp: {report['kvchat_over_llama_cpp']:.2f}×; same greedy tokens: "
-              f"{report['same_greedy_tokens']}")  # fmt: skip
+            ratio = f"  {r['over_llama_cpp']:.2f}× llama.cpp" if "over_llama_cpp" in r else ""
+            print(f"  {name:15s} {r['decode_tok_s']:7.2f} tok/s  {r['bytes_per_token'] / 2**20:7.1f} MiB a token  "
+                  f"{100 * r['roofline_share']:5.1f}% of the read roofline{ratio}  (runs {runs})")  # fmt: skip
     return 0
 
 

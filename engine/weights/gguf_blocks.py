@@ -9,7 +9,7 @@ import torch
 
 from ..backends import kernel_verdicts
 from ..backends import kernels as kernel_library
-from ..quant import pack_int4, pack_int5, storage_bytes, tile, unpack_mxfp4, untile
+from ..quant import mxfp4_scales, pack_int4, pack_int5, storage_bytes, tile, unpack_mxfp4, untile
 from .gguf_header import GGUF_ROWS
 
 
@@ -256,19 +256,19 @@ def _q4_k_packed(raw):
 
 def _mxfp4_packed(raw):
     """llama.cpp's MXFP4 blocks (17 bytes: an e8m0 scale, then 16 bytes holding value j in the low nibble and value
-    j + 16 in the high one) -> (codes two a byte in order, as int4's [N, K/2], scales 2^(e − 128) float32 [N, K/32],
-    None): engine.quant.MXFP4_CODES, the doubled e2m1 values, by the halved scale."""
+    j + 16 in the high one) -> (codes two a byte in order, as int4's [N, K/2], the e8m0 bytes [N, K/32], None):
+    engine.quant.MXFP4_CODES, the doubled e2m1 values, by mxfp4_scales' halved scale."""
     b = raw.reshape(raw.shape[0], -1, 17)
     qs = b[..., 1:]
     codes = np.concatenate((qs & 15, qs >> 4), axis=-1)  # [N, nb, 32] in order
     packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8).reshape(len(raw), -1)
-    return packed, np.ldexp(np.float32(1), b[..., 0].astype(np.int32) - 128).astype(np.float32), None
+    return packed, np.ascontiguousarray(b[..., 0]), None
 
 
 def _mxfp4(raw):
     """_mxfp4_packed with a code a byte: int8 [N, K], the doubled e2m1 values."""
-    packed, scales, _ = _mxfp4_packed(raw)
-    return unpack_mxfp4(torch.from_numpy(packed)).numpy(), scales, None
+    packed, e, _ = _mxfp4_packed(raw)
+    return unpack_mxfp4(torch.from_numpy(packed)).numpy(), mxfp4_scales(torch.from_numpy(e)).numpy(), None
 
 
 # The int4 types straight into kvchat's packed rows (two codes a byte, engine.quant.pack_int4's layout): what a

@@ -338,7 +338,7 @@ class GGUFModel:
             parts.append((c, s.repeat(widen, -1), None if m is None else m.repeat(widen, -1)))
         offsets = any(m is not None for _, _, m in parts)
         for hf, ftype, (c, s, _) in zip(hfs, types, parts):
-            held = c.size + s.size * 4 * (2 if offsets else 1)  # codes: a byte each, or packed (int4, int5)
+            held = c.size + s.size * s.itemsize * (2 if offsets else 1)  # codes: a byte each, or packed (int4, int5)
             form = f"{mode}/g{group}" + ("+min" if offsets else "")
             gname = self.gguf_name(hf)
             self.held[gname] = (ftype, form, int(self.tensors[gname].n_bytes), int(held))
@@ -348,7 +348,7 @@ class GGUFModel:
             return torch.from_numpy(np.ascontiguousarray(whole, dtype=kind)).to(device)
 
         codes = stacked([c for c, _, _ in parts], np.int8 if mode == "int8" else np.uint8)
-        scales = stacked([s for _, s, _ in parts], np.float32)
+        scales = stacked([s for _, s, _ in parts], np.uint8 if mode == "mxfp4" else np.float32)  # MXFP4: e8m0
         mins = stacked([np.zeros_like(s) if m is None else m for _, s, m in parts], np.float32) if offsets else None
         return PreQuantized(codes, scales, mode, group, dtype, mins, packed=mode in ("int4", "mxfp4"))
 

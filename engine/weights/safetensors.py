@@ -251,14 +251,13 @@ class Reader:
 
     def native(self, names: list[str], dtype: torch.dtype, device: torch.device, tiles: int = 0) -> PreQuantized | None:
         """The tensors' own codes, where the file holds codes kvchat computes with: MXFP4 experts (gpt-oss), packed
-        two a byte as int4's, each block's e8m0 scale as the float32 2^(e − 128) (engine.quant.MXFP4_CODES)."""
+        two a byte as int4's, each block's e8m0 scale byte kept (engine.quant.MXFP4_CODES, mxfp4_scales)."""
         parts = [self.derived.get(n) for n in names]
         if not parts or not all(p is not None and p.mxfp4 and p.what == "weight" for p in parts):
             return None
         got = [p.codes(0, self.expected[n][0], self._opened) for p, n in zip(parts, names)]
         packed = torch.cat([b.reshape(b.shape[0], -1) for b, _ in got]).contiguous()  # [R, in/2]
-        exps = torch.cat([s for _, s in got]).to(torch.int32) - 128  # [R, in/32]
-        scales = torch.ldexp(torch.ones(exps.shape), exps)
+        scales = torch.cat([s for _, s in got]).to(torch.uint8).contiguous()  # [R, in/32] e8m0, as the kernels read
         return PreQuantized(packed.to(device), scales.to(device), "mxfp4", MXFP4_GROUP, dtype, packed=True)
 
     def read_cat(self, names: list[str], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -210,8 +210,8 @@ def test_native_codes_equal_llamacpp_dequantization_for_every_type(tmp_path):
             pre = PreQuantized(torch.from_numpy(packed), torch.from_numpy(d), own, 32, torch.float32, offsets_,
                                packed=own == "mxfp4")  # fmt: skip
             layer = QuantLinear.from_codes(pre)
-            bits = 5 if own == "int5" else 4
-            assert layer.in_features == 512 and layer.storage_bytes == 6 * 512 * bits // 8 + 6 * 16 * 4 * (
+            bits, scale = (5, 4) if own == "int5" else (4, 1)  # (MXFP4's scales: its e8m0 bytes)
+            assert layer.in_features == 512 and layer.storage_bytes == 6 * 512 * bits // 8 + 6 * 16 * scale * (
                 1 + (offsets is not None)
             )
             w = layer.dequantized_weight().numpy()

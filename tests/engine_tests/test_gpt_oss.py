@@ -81,7 +81,7 @@ def test_the_mxfp4_blocks_compute_as_the_values_they_code(tmp_path, kernel_varia
     expert = coded.model.layers[0].mlp.experts[1].down
     if coded.kernels is not None and "mxfp4" in coded.kernels.modes:
         assert expert.mode == "mxfp4" and expert.codes.dtype == torch.uint8
-        assert expert.storage_bytes == 64 * 32 // 2 + 64 * 4  # half a byte a value, a float32 scale a block
+        assert expert.storage_bytes == 64 * 32 // 2 + 64  # half a byte a value, an e8m0 byte a block
         assert "experts the file's MXFP4, held as mxfp4" in coded.quantization
     else:  # no kernel reads MXFP4 here: the same values as int8 codes
         assert expert.mode == "int8"

@@ -160,7 +160,21 @@ INT_ROW(int_row_mx4, uint8_t, u_mx4, 0, ORDER_Q4)
 INT_MATVEC(int_matvec_q8, int8_t, int_row_q8, BIAS8, ORDER_PLAIN, in)
 INT_MATVEC(int_matvec_q4, uint8_t, int_row_q4, 8, ORDER_Q4, in / 2)
 INT_MATVEC(int_matvec_q5, uint8_t, int_row_q5, 16, ORDER_Q5, in / 32 * 20)
-INT_MATVEC(int_matvec_mx4, uint8_t, int_row_mx4, 16, ORDER_Q4, in / 2)
+/* MXFP4: each row's e8m0 scales made float32 as it is reached (kv_mx4_scales), never a float copy of them all */
+static void int_matvec_mx4(const uint8_t *q, const uint8_t *e, const float *x, float *y, int64_t out, int64_t in,
+                           int nt) {
+    int64_t np = (in + XQ_PAD - 1) / XQ_PAD * XQ_PAD, groups = in / 32;
+    int8_t c[np];
+    int32_t neg[np / 4];
+    float d[np / 4];
+    quantize_x(x, in, 16, ORDER_Q4, c, neg, d);
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t o = 0; o < out; o++) {
+        float so[groups];
+        kv_mx4_scales(e + o * groups, so, groups);
+        y[o] = int_row_mx4(q + o * (in / 2), so, in, 32, c, neg, d);
+    }
+}
 
 /* The exported products: integer where the shape fits, the float products otherwise. */
 void kv_matvec_q8x(const int8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
@@ -178,10 +192,10 @@ void kv_matvec_q5x(const uint8_t *q, const float *s, const float *m, const float
     (void)g;
     int_matvec_q5(q, s, m, x, y, out, in, Q5_GROUP, nt);
 }
-void kv_matvec_mx4x(const uint8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
+void kv_matvec_mx4x(const uint8_t *q, const uint8_t *e, const float *m, const float *x, float *y, int64_t out,
                     int64_t in, int64_t g, int nt) {
     (void)g, (void)m; /* blocks of 32, no offsets */
-    int_matvec_mx4(q, s, NULL, x, y, out, in, 32, nt);
+    int_matvec_mx4(q, e, x, y, out, in, nt);
 }
 const char *kv_int_isa(void) { return XQ_ISA; }
 

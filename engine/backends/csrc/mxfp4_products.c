@@ -1,12 +1,23 @@
 /* One-row products and dequantization of MXFP4 codes (gpt-oss's experts; the OCP microscaling format): blocks of
  * 32 values, each a 4-bit e2m1 code, two a byte [out, in/2] (value 2k in byte k's low nibble, 2k + 1 in its high
- * one: int4's packing), and a scale per block s [out, in/32] float32: the file's e8m0 2^(e − 127), halved, since
- * MX_VALUES holds the e2m1 values doubled (whole numbers, so a code's value and its product by a power of two are
- * exact in float32). A code n stands for s · MX_VALUES[n]. */
+ * one: int4's packing), and a scale per block as the file holds it, e8m0 e [out, in/32] (2^(e − 127)); since
+ * MX_VALUES holds the e2m1 values doubled (whole numbers), a block's scale is taken halved, 2^(e − 128)
+ * (mx_scale), and a code n stands for 2^(e − 128) · MX_VALUES[n], exact in float32. */
 #include "simd.h"
 #include "kernels.h"
 
 #define MX_GROUP 32
+/* 2^(e − 128) as float32 from its bits (e 0 and 1: the subnormals 2^-128, 2^-127), as llama.cpp's
+ * ggml_e8m0_to_fp32_half */
+static inline float mx_scale(uint8_t e) {
+    uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+void kv_mx4_scales(const uint8_t *e, float *s, int64_t n) {
+    for (int64_t i = 0; i < n; i++) s[i] = mx_scale(e[i]);
+}
 static const float MX_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 #if KV_LANES == 8 || KV_LANES == 4
 static const int8_t MX_CODES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
@@ -39,7 +50,7 @@ static inline void mx_values8(const uint8_t *r, int64_t i, vf *lo, vf *hi) { /* 
 }
 #endif
 
-void kv_matvec_mx4(const uint8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
+void kv_matvec_mx4(const uint8_t *q, const uint8_t *e, const float *m, const float *x, float *y, int64_t out,
                    int64_t in, int64_t g, int nt) {
     (void)m, (void)g; /* no offsets; blocks of 32 */
     const int64_t groups = in / MX_GROUP, half = in / 2, hg = MX_GROUP / 2;
@@ -54,7 +65,8 @@ void kv_matvec_mx4(const uint8_t *q, const float *s, const float *m, const float
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t o = 0; o < out; o++) {
         const uint8_t *r = q + o * half;
-        const float *so = s + o * groups;
+        float so[groups];
+        kv_mx4_scales(e + o * groups, so, groups);
 #if KV_LANES == 16
         vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero(); /* two blocks a turn: four FMA chains */
         int64_t j = 0;
@@ -88,14 +100,14 @@ void kv_matvec_mx4(const uint8_t *q, const float *s, const float *m, const float
     }
 }
 
-void kv_dequant_mx4(const uint8_t *q, const float *s, const float *m, float *w, int64_t out, int64_t in, int64_t g,
+void kv_dequant_mx4(const uint8_t *q, const uint8_t *e, const float *m, float *w, int64_t out, int64_t in, int64_t g,
                     int nt) {
     (void)m, (void)g;
     const int64_t groups = in / MX_GROUP, half = in / 2;
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t o = 0; o < out; o++)
         for (int64_t j = 0; j < groups; j++) {
-            const float sc = s[o * groups + j];
+            const float sc = mx_scale(e[o * groups + j]);
             const uint8_t *r = q + o * half + j * MX_GROUP / 2;
             float *d = w + o * in + j * MX_GROUP;
             for (int64_t i = 0; i < MX_GROUP / 2; i++) {
