@@ -96,9 +96,13 @@ static void code_products(void) {
             RUN("q4x", kv_matvec_q4x(q4, s, mm, x, y, OUT, IN, g, 1), y, OUT);
             RUN("dequant_q4", kv_dequant_q4(q4, s, mm, w, OUT, IN, g, 1), w, 3 * IN);
             RUN("dequant_q8", kv_dequant_q8(q8, s, mm, w, OUT, IN, g, 1), w, 3 * IN);
-            if (g == 32 && !off) { /* MXFP4: blocks of 32, no offsets; scales here any floats */
-                RUN("mx4", kv_matvec_mx4(q4, s, NULL, x, y, OUT, IN, g, 1), y, OUT);
-                RUN("dequant_mx4", kv_dequant_mx4(q4, s, NULL, w, OUT, IN, g, 1), w, 3 * IN);
+            if (g == 32 && !off) { /* MXFP4: blocks of 32, no offsets; e8m0 scale bytes 2^-18 .. 2^2 and a subnormal */
+                static uint8_t e8[OUT * IN / 32];
+                for (int i = 0; i < OUT * IN / 32; i++) e8[i] = (uint8_t)(110 + rnd_byte() % 20);
+                e8[0] = 1;
+                RUN("mx4", kv_matvec_mx4(q4, e8, NULL, x, y, OUT, IN, g, 1), y, OUT);
+                RUN("mx4x", kv_matvec_mx4x(q4, e8, NULL, x, y, OUT, IN, g, 1), y, OUT);
+                RUN("dequant_mx4", kv_dequant_mx4(q4, e8, NULL, w, OUT, IN, g, 1), w, 3 * IN);
             }
             if (g == 32) { /* int5: a GGUF's Q5 blocks, groups of 32 only */
                 RUN("q5", kv_matvec_q5(q5, s, mm, x, y, OUT, IN, g, 1), y, OUT);

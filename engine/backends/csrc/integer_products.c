@@ -160,7 +160,7 @@ INT_ROW(int_row_mx4, uint8_t, u_mx4, 0, ORDER_Q4)
 INT_MATVEC(int_matvec_q8, int8_t, int_row_q8, BIAS8, ORDER_PLAIN, in)
 INT_MATVEC(int_matvec_q4, uint8_t, int_row_q4, 8, ORDER_Q4, in / 2)
 INT_MATVEC(int_matvec_q5, uint8_t, int_row_q5, 16, ORDER_Q5, in / 32 * 20)
-/* MXFP4: each row's e8m0 scales made float32 as it is reached (kv_mx4_scales), never a float copy of them all */
+/* MXFP4: each row's e8m0 scales made float32 as it is reached (mx4_scales), never a float copy of them all */
 static void int_matvec_mx4(const uint8_t *q, const uint8_t *e, const float *x, float *y, int64_t out, int64_t in,
                            int nt) {
     int64_t np = (in + XQ_PAD - 1) / XQ_PAD * XQ_PAD, groups = in / 32;
@@ -171,7 +171,7 @@ static void int_matvec_mx4(const uint8_t *q, const uint8_t *e, const float *x, f
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t o = 0; o < out; o++) {
         float so[groups];
-        kv_mx4_scales(e + o * groups, so, groups);
+        mx4_scales(e + o * groups, so, groups);
         y[o] = int_row_mx4(q + o * (in / 2), so, in, 32, c, neg, d);
     }
 }

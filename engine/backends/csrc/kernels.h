@@ -46,12 +46,11 @@ void kv_dequant_q5(const uint8_t *q, const float *s, const float *m, float *w, i
 void kv_quantize(const float *w, int8_t *codes, uint8_t *packed, float *s, int64_t out, int64_t in, int64_t g,
                  int qmax, int nt);
 /* mxfp4_products.c: MXFP4 codes two a byte [out, in/2], an e8m0 scale byte per 32 [out, in/32] (m and g unused:
- * the same arguments as the other codes' products); kv_mx4_scales: n e8m0 bytes as the float32 scales they halve to */
+ * the same arguments as the other codes' products) */
 void kv_matvec_mx4(const uint8_t *q, const uint8_t *e, const float *m, const float *x, float *y, int64_t out,
                    int64_t in, int64_t g, int nt);
 void kv_dequant_mx4(const uint8_t *q, const uint8_t *e, const float *m, float *w, int64_t out, int64_t in, int64_t g,
                     int nt);
-void kv_mx4_scales(const uint8_t *e, float *s, int64_t n);
 void kv_matvec_mx4x(const uint8_t *q, const uint8_t *e, const float *m, const float *x, float *y, int64_t out,
                     int64_t in, int64_t g, int nt); /* (integer_products.c) int8 activations */
 /* gguf_rows.c: a GGUF tensor's rows into a product's buffers. The kinds' numbers are engine.weights.gguf_header's

@@ -2,22 +2,11 @@
  * 32 values, each a 4-bit e2m1 code, two a byte [out, in/2] (value 2k in byte k's low nibble, 2k + 1 in its high
  * one: int4's packing), and a scale per block as the file holds it, e8m0 e [out, in/32] (2^(e − 127)); since
  * MX_VALUES holds the e2m1 values doubled (whole numbers), a block's scale is taken halved, 2^(e − 128)
- * (mx_scale), and a code n stands for 2^(e − 128) · MX_VALUES[n], exact in float32. */
+ * (mx4_scale, simd.h), and a code n stands for 2^(e − 128) · MX_VALUES[n], exact in float32. */
 #include "simd.h"
 #include "kernels.h"
 
 #define MX_GROUP 32
-/* 2^(e − 128) as float32 from its bits (e 0 and 1: the subnormals 2^-128, 2^-127), as llama.cpp's
- * ggml_e8m0_to_fp32_half */
-static inline float mx_scale(uint8_t e) {
-    uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-void kv_mx4_scales(const uint8_t *e, float *s, int64_t n) {
-    for (int64_t i = 0; i < n; i++) s[i] = mx_scale(e[i]);
-}
 static const float MX_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 #if KV_LANES == 8 || KV_LANES == 4
 static const int8_t MX_CODES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
@@ -66,7 +55,7 @@ void kv_matvec_mx4(const uint8_t *q, const uint8_t *e, const float *m, const flo
     for (int64_t o = 0; o < out; o++) {
         const uint8_t *r = q + o * half;
         float so[groups];
-        kv_mx4_scales(e + o * groups, so, groups);
+        mx4_scales(e + o * groups, so, groups);
 #if KV_LANES == 16
         vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero(); /* two blocks a turn: four FMA chains */
         int64_t j = 0;
@@ -107,7 +96,7 @@ void kv_dequant_mx4(const uint8_t *q, const uint8_t *e, const float *m, float *w
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t o = 0; o < out; o++)
         for (int64_t j = 0; j < groups; j++) {
-            const float sc = mx_scale(e[o * groups + j]);
+            const float sc = mx4_scale(e[o * groups + j]);
             const uint8_t *r = q + o * half + j * MX_GROUP / 2;
             float *d = w + o * in + j * MX_GROUP;
             for (int64_t i = 0; i < MX_GROUP / 2; i++) {

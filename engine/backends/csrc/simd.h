@@ -259,6 +259,18 @@ static inline int int4_value(unsigned n) { return (int)((n & 15) ^ 8) - 8; }
 static inline vf int4_values(void) { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1); }
 #endif
 
+/* MXFP4's e8m0 scale bytes as the float32 scales the doubled e2m1 values take, 2^(e − 128), from their bits (e 0
+ * and 1: the subnormals 2^-128, 2^-127), as llama.cpp's ggml_e8m0_to_fp32_half */
+static inline float mx4_scale(uint8_t e) {
+    uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+static inline void mx4_scales(const uint8_t *e, float *s, int64_t n) {
+    for (int64_t i = 0; i < n; i++) s[i] = mx4_scale(e[i]);
+}
+
 /* int5 codes as a GGUF's Q5_0/Q5_1 blocks hold them, without their float16 scale: for each group of 32 inputs,
  * 4 bytes of fifth bits (bit i: input i) then 16 bytes whose low nibbles are inputs 0-15 and high nibbles
  * 16-31; a code q (0..31) stands for q - 16, so a weight is s·(q - 16) (+ m). 20 bytes a group: g = 32. */
