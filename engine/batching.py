@@ -204,8 +204,11 @@ class Lanes:
     def rows(self) -> int | None:
         """Prompt positions to ride as rows of the next decode step (a prefill beside streams decoding, where the
         backend's batched step takes them): None while no other lane decodes; else as many as keep that step
-        within about 1.5 of its time without them (_adjust_rows)."""
-        return self.ride if self._decoding() else None
+        within about 1.5 of its time without them (_adjust_rows) — all the step takes (FEW_POSITIONS) while that
+        time is not known at this many lanes (requests that came together: nothing to hold the prompt back for)."""
+        if not self._decoding():
+            return None
+        return self.ride if self.step_seconds is not None else FEW_POSITIONS
 
     def _decoding(self) -> bool:
         return any(isinstance(lane.waiting, StepWanted) for lane in self.lanes)

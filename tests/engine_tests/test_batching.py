@@ -189,9 +189,11 @@ def test_a_newcomers_prompt_rides_as_rows_of_the_running_streams_decode_steps(lo
 def test_riding_rows_keep_to_the_step_time_of_the_batch_they_ride_in():
     """The rows' reference is the decode step's recent time at the number of lanes decoding now: a step of eight
     lanes with rows, under 1.4 of the eight-lane step, doubles the rows though it took far longer than a two-lane
-    step did (one reference for all sizes would halve them to one as the batch grew); past 1.8 of it, halves."""
+    step did (one reference for all sizes would halve them to one as the batch grew); past 1.8 of it, halves. With
+    no time at this many lanes yet (requests that came together), a prompt rides with all the rows a step takes."""
     from engine.batching import Lane, Lanes
     from engine.generation import StepWanted
+    from engine.model import FEW_POSITIONS
 
     lanes = Lanes(lambda: None, 8, lambda ticket: None)
     lanes.lanes = [Lane(i, None) for i in range(8)]
@@ -207,9 +209,10 @@ def test_riding_rows_keep_to_the_step_time_of_the_batch_they_ride_in():
     assert lanes.ride == 2 * ride
     lanes._adjust_rows(0.060)  # 2.0 of it
     assert lanes.ride == ride
+    assert lanes.rows() == ride
     lanes.step_times = {}
     lanes._adjust_rows(0.5)  # nothing measured at this size yet: left as it is
-    assert lanes.ride == ride
+    assert lanes.ride == ride and lanes.rows() == FEW_POSITIONS  # and no reason to hold a prompt back
 
 
 def test_a_cancelled_request_frees_its_lane_and_the_others_go_on(loaded):
