@@ -168,7 +168,10 @@ def test_a_drafting_request_runs_beside_others_on_the_lanes(llama_dir):
         assert done.acquire(timeout=120)
     assert [e[-1].token_ids for e in events] == alone
     assert events[1][-1].trace["speculative"]["accepted"] > 0
-    assert max(max(t.trace.batch_sizes or [1]) for t in (tickets[0], tickets[2])) == 2
+    # the others' steps batched together, and with the drafting one's plain steps (where it drafted nothing) when
+    # those fall beside them
+    assert 2 <= max(max(t.trace.batch_sizes or [1]) for t in (tickets[0], tickets[2])) <= 3
+    assert tickets[1].trace.speculative.rounds > 0  # its verify passes ran on the lanes beside them
     engine.close(10)
 
 
