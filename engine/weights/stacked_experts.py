@@ -17,10 +17,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ModelLoadError
-
-PARTS = ("gate", "up", "down")
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # e2m1
-MXFP4_BLOCK = 32  # values sharing one e8m0 scale
+from ..quant import MXFP4_GROUP, dequantize, mxfp4_scales, unpack_mxfp4
 
 
 def expert_name(i: int, j: int, part: str, what: str = "weight") -> str:
@@ -36,7 +33,7 @@ def stacked(cfg: ModelConfig) -> bool:
 @dataclasses.dataclass(frozen=True)
 class ExpertPart:
     """One expert's part, as rows of a layer's stacked tensor: `base` the stacked tensor's name (without _blocks),
-    `mxfp4` whether the file holds its codes, `path` the file(s) holding it."""
+    `mxfp4` whether the file holds its codes, `paths` the file(s) holding it."""
 
     base: str
     expert: int
@@ -77,14 +74,9 @@ class ExpertPart:
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """blocks [n, in/32, 16] uint8, scales [n, in/32] uint8 -> [n, in] float32: each byte's low nibble then its
-    high one, e2m1 values times 2^(scale − 127)."""
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
-    b = blocks.to(torch.uint8)
-    vals = torch.stack((lut[(b & 15).long()], lut[(b >> 4).long()]), dim=-1)  # [n, in/32, 16, 2]
-    vals = vals.reshape(*b.shape[:-1], 2 * b.shape[-1])  # [n, in/32, 32]
-    out = torch.ldexp(vals, scales.to(torch.int32)[..., None] - 127)
-    return out.reshape(b.shape[0], -1)
+    """blocks [n, in/32, 16] uint8, scales [n, in/32] uint8 (e8m0) -> [n, in] float32: each byte's low nibble then
+    its high one, the e2m1 values times 2^(scale − 127) (engine.quant's doubled codes by their halved scales)."""
+    return dequantize(unpack_mxfp4(blocks.reshape(blocks.shape[0], -1)), mxfp4_scales(scales))
 
 
 def ggml_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -122,9 +114,10 @@ def resolve(cfg: ModelConfig, files: dict[str, Path], shapes) -> dict[str, Exper
             name = f"model.layers.{i}.mlp.experts.{base}"
             mxfp4 = name + "_blocks" in files
             if mxfp4:
-                if cols % MXFP4_BLOCK:
-                    raise ModelLoadError(f"{name}: MXFP4 needs whole blocks of 32 inputs, not {cols}")
-                want = {name + "_blocks": (E, rows, cols // MXFP4_BLOCK, 16), name + "_scales": (E, rows, cols // 32)}
+                if cols % MXFP4_GROUP:
+                    raise ModelLoadError(f"{name}: MXFP4 needs whole blocks of {MXFP4_GROUP} inputs, not {cols}")
+                blocks = cols // MXFP4_GROUP
+                want = {name + "_blocks": (E, rows, blocks, MXFP4_GROUP // 2), name + "_scales": (E, rows, blocks)}
                 paths = (files[name + "_blocks"], files.get(name + "_scales"))
             else:
                 want = {name: (E, cols, rows)}

@@ -13,8 +13,9 @@ from safetensors.torch import load_file, save_file
 from checkpoints import FAMILY_CASES, make_checkpoint
 from engine.errors import ModelLoadError
 from engine.kv_cache import KVCache
+from engine.quant import MXFP4_CODES
 from engine.weights.loading import load_model
-from engine.weights.stacked_experts import FP4_VALUES, dequantize_mxfp4
+from engine.weights.stacked_experts import dequantize_mxfp4
 
 transformers = pytest.importorskip("transformers")
 
@@ -26,7 +27,7 @@ def _mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = w.reshape(n, k // 32, 32)
     top = blocks.abs().amax(-1).clamp_min(1e-30)  # [n, in/32]
     exp = torch.ceil(torch.log2(top / 6.0)).to(torch.int32)
-    grid = torch.tensor(FP4_VALUES)
+    grid = torch.tensor(MXFP4_CODES) / 2  # the e2m1 values
     codes = (blocks / torch.exp2(exp.float())[..., None]).unsqueeze(-1).sub(grid).abs().argmin(-1)
     codes = codes.to(torch.uint8).reshape(n, k // 32, 16, 2)  # [n, in/32, 16, 2]: even, odd
     return codes[..., 0] | (codes[..., 1] << 4), (exp + 127).to(torch.uint8)
