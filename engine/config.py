@@ -264,11 +264,14 @@ def _rope_from(raw: dict, params: dict | None = None) -> RopeConfig:
     original = params.get("original_max_position_embeddings", raw.get("original_max_position_embeddings", 8192))
     original = int(positive("rope_scaling.original_max_position_embeddings", original))
     extra = {}
+    implied = params.get("factor") or raw.get("max_position_embeddings", original) / original  # longrope's, yarn's
+    factor = positive(  # longrope's factor lives in its two lists: the scaling itself is 1
+        "rope_scaling.factor", 1.0 if kind == "longrope" else implied if kind == "yarn" else params.get("factor", 1.0)
+    )
     if kind == "longrope":
-        factor = params.get("factor") or raw.get("max_position_embeddings", original) / original
         attention = params.get("attention_factor")
         if attention is None:
-            attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+            attention = math.sqrt(1 + math.log(implied) / math.log(original)) if implied > 1 else 1.0
         half = int(int(raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]) * partial) // 2
         for key in ("short_factor", "long_factor"):
             values = params.get(key)
@@ -277,16 +280,12 @@ def _rope_from(raw: dict, params: dict | None = None) -> RopeConfig:
             extra[key] = tuple(positive(f"rope_scaling.{key}", v) for v in values)
         extra["attention_factor"] = positive("rope_scaling.attention_factor", attention)
     if kind == "yarn":  # transformers' _compute_yarn_parameters
-        factor = positive(
-            "rope_scaling.factor", params.get("factor") or raw.get("max_position_embeddings", original) / original
-        )
         attention = params.get("attention_factor")
         if attention is None:
             mscale, all_dim = params.get("mscale"), params.get("mscale_all_dim")
             attention = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, all_dim) if mscale and all_dim else (
                 _yarn_mscale(factor))  # fmt: skip
         extra.update(
-            factor=factor,
             attention_factor=positive("rope_scaling.attention_factor", attention),
             beta_fast=positive("rope_scaling.beta_fast", params.get("beta_fast") or 32),
             beta_slow=positive("rope_scaling.beta_slow", params.get("beta_slow") or 1),
@@ -301,8 +300,7 @@ def _rope_from(raw: dict, params: dict | None = None) -> RopeConfig:
     return RopeConfig(
         theta=positive("rope_theta", params.get("rope_theta", raw.get("rope_theta", 10000.0))),
         type=kind,
-        factor=extra.pop("factor", None)
-        or positive("rope_scaling.factor", params.get("factor", 1.0) if kind != "longrope" else 1.0),
+        factor=factor,
         low_freq_factor=positive("rope_scaling.low_freq_factor", params.get("low_freq_factor", 1.0)),
         high_freq_factor=positive("rope_scaling.high_freq_factor", params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=original,

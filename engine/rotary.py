@@ -19,13 +19,14 @@ def inv_frequencies(rope: RopeConfig, head_dim: int, length: int = 0) -> torch.T
     """[r/2] float32, the same arithmetic as transformers so logits match bit for bit in float32. `length`: the
     context the tables serve (longrope takes its long factors past the original context)."""
     dim = int(head_dim * rope.partial)
+    base = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)  # [r/2] each pair's wavelength
     if rope.type == "longrope":
         long = length > rope.original_max_position_embeddings
         ext = torch.tensor(rope.long_factor if long else rope.short_factor, dtype=torch.float32)
-        return 1.0 / (ext * rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        return 1.0 / (ext * base)
     if rope.type == "yarn":
-        return _yarn_frequencies(rope, dim)
-    inv = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        return _yarn_frequencies(rope, dim, base)
+    inv = 1.0 / base
     if rope.type == "linear":
         inv = inv / rope.factor
     elif rope.type == "llama3":
@@ -43,11 +44,10 @@ def inv_frequencies(rope: RopeConfig, head_dim: int, length: int = 0) -> torch.T
     return inv
 
 
-def _yarn_frequencies(rope: RopeConfig, dim: int) -> torch.Tensor:
-    """YaRN [r/2]: the fast-turning frequencies kept, the slow ones divided by the factor, a linear ramp between
-    (from beta_fast turns over the original context to beta_slow), as transformers computes them."""
-    pos = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
-    kept, interpolated = 1.0 / pos, 1.0 / (rope.factor * pos)
+def _yarn_frequencies(rope: RopeConfig, dim: int, base: torch.Tensor) -> torch.Tensor:
+    """YaRN [r/2] from `base` (θ^(2i/r)): the fast-turning frequencies kept, the slow ones divided by the factor, a
+    linear ramp between (from beta_fast turns over the original context to beta_slow), as transformers computes them."""
+    kept, interpolated = 1.0 / base, 1.0 / (rope.factor * base)
     old = rope.original_max_position_embeddings
 
     def turns_dim(turns: float) -> float:  # the dimension whose frequency turns `turns` times over the context
