@@ -50,7 +50,7 @@ def write_gguf(model_dir, out: Path, matrices: str = "F32", tokenizer: bool = Fa
     without, opaque tokens."""
     import gguf
 
-    from ..weights.safetensors import header_shape, opened, text_model_names, weight_files
+    from ..weights.safetensors import check_against_headers, opened, text_model_names, weight_files
     from ..weights.stacked_experts import ggml_mxfp4, resolve
 
     model_dir = Path(model_dir)
@@ -98,7 +98,7 @@ def write_gguf(model_dir, out: Path, matrices: str = "F32", tokenizer: bool = Fa
         files = {mine: files[theirs] for mine, theirs in stored.items()} | (
             {"lm_head.weight": files["lm_head.weight"]} if "lm_head.weight" in files else {}
         )
-    parts = resolve(cfg, files, lambda name: header_shape(files[name], name))  # gpt-oss: each expert's own rows
+    parts = resolve(cfg, files, check_against_headers(cfg, files, stored).__getitem__)  # gpt-oss: each expert's rows
     experts: dict[str, dict[int, torch.Tensor]] = {}  # a stacked experts' GGUF name -> its experts' matrices
     mxfp4: dict[str, dict[int, torch.Tensor]] = {}  # the same, where the folder holds MXFP4 codes: llama.cpp's rows
     tensors: list[tuple[str, torch.Tensor]] = []

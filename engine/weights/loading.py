@@ -27,7 +27,7 @@ from .gguf_header import is_gguf
 from .gguf_reader import GGUFReader
 from .hf_names import expected
 from .mmproj import is_projector_file, projector_beside, read_projector
-from .safetensors import Reader, check_against_headers, header_digest, header_shape, text_model_names, weight_files
+from .safetensors import Reader, check_against_headers, header_digest, text_model_names, weight_files
 from .stacked_experts import resolve
 from .vision_weights import load_vision
 
@@ -207,8 +207,8 @@ def load_model(
         files = {mine: files[theirs] for mine, theirs in stored.items()} | (
             {"lm_head.weight": files["lm_head.weight"]} if "lm_head.weight" in files else {}
         )
-    check_against_headers(cfg, files, stored)
-    derived = resolve(cfg, files, lambda name: header_shape(files[name], name))  # gpt-oss's stacked experts
+    shapes = check_against_headers(cfg, files, stored)
+    derived = resolve(cfg, files, shapes.__getitem__)  # gpt-oss's stacked experts
     tokenizer = Tokenizer.from_dir(model_dir, extra_stop_ids=cfg.eos_token_id)
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ModelLoadError(
@@ -216,10 +216,6 @@ def load_model(
             model_dir / "tokenizer.json",
         )
     weights, quantization = _weight_mode(weights, group_size)
-    if any(part.mxfp4 for part in derived.values()):  # gpt-oss as released: its experts' own codes, kept
-        held = "mxfp4" if kernel_library.for_mode("mxfp4") is not None and dev.type == "cpu" else "int8 (exact)"
-        experts = f"experts the file's MXFP4, held as {held}"
-        quantization = experts if quantization == "none" else f"{experts}, rest {quantization}"
     kern = kernel_library.for_dtype(dt) if dev.type == "cpu" else None  # decode kernels for this dtype
     digest = header_digest(files.values())
     with ReturnFreedMemory():
@@ -235,6 +231,10 @@ def load_model(
             activations,
             identity=f"{digest}:{weights}:{group_size}",
         )
+    if any(part.mxfp4 for part in derived.values()):  # gpt-oss as released: its experts' own codes, kept
+        held = "mxfp4" if any(getattr(m, "mode", None) == "mxfp4" for m in model.modules()) else "int8 (exact)"
+        experts = f"experts the file's MXFP4, held as {held}"  # (as QuantLinear chose: engine.backends.quantized)
+        quantization = experts if quantization == "none" else f"{experts}, rest {quantization}"
     fingerprint = _fingerprint(digest, cfg, dt, dev, quantization, tokenizer, model)
     vision, note = None, None
     if seeing is not None:  # a model that sees images: its encoder, and its family's image processor

@@ -66,12 +66,6 @@ def opened(path: Path):
         raise ModelLoadError(f"corrupt or truncated safetensors file: {e}", path) from None
 
 
-def header_shape(path: Path, name: str) -> tuple[int, ...]:
-    """A tensor's shape as its file's header gives it."""
-    with opened(path) as f:
-        return tuple(f.get_slice(name).get_shape())
-
-
 def read_names(path: Path) -> list[str]:
     with opened(path) as f:
         return list(f.keys())
@@ -122,10 +116,13 @@ def text_model_names(files: dict[str, Path]) -> dict[str, str]:
     return {}
 
 
-def check_against_headers(cfg: ModelConfig, files: dict[str, Path], stored: dict | None = None) -> None:
+def check_against_headers(
+    cfg: ModelConfig, files: dict[str, Path], stored: dict | None = None
+) -> dict[str, tuple[int, ...]]:
     """The config's sizes against the weights' own headers, before anything is allocated: the layer count
     and the embedding's shape (every other tensor is checked against the config as it is read). `files` by the
-    usual names, `stored` the names the files use where they differ."""
+    usual names, `stored` the names the files use where they differ. Returns every tensor's shape as the headers
+    give it, by the usual names."""
     usual = {theirs: mine for mine, theirs in (stored or {}).items()}
     shapes = {}
     for path in set(files.values()):
@@ -148,6 +145,7 @@ def check_against_headers(cfg: ModelConfig, files: dict[str, Path], stored: dict
             f"config.json says vocab_size={cfg.vocab_size:,}, hidden_size={cfg.hidden_size:,} but "
             f"model.embed_tokens.weight is {list(embed)}"
         )
+    return shapes
 
 
 def header_digest(paths) -> str:
