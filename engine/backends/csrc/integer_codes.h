@@ -15,9 +15,7 @@
  * are added from the float x's group sums, as in the float products. A row needs in % 32 == 0 and groups of whole
  * blocks (g % 32 == 0); other shapes run the float products. */
 #define XQ_BLOCK 32
-/* MXFP4's codes as the integer products take them: each nibble's e2m1 value doubled (a whole number, -12..12), and
- * that + 16 for the unsigned side of the multiply-adds (bias 16, as int5's) */
-static const int8_t MX_CODES_S[16] __attribute__((unused)) = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+/* MXFP4's codes as the unsigned side of the multiply-adds takes them: simd.h's MX4_CODES + 16 (bias 16, as int5's) */
 static const uint8_t MX_CODES_U[16] __attribute__((unused)) = {16, 17, 18, 19, 20, 22, 24, 28, 16, 15, 14, 13, 12, 10, 8, 4};
 #define XQ_PAD 64 /* buffers padded (codes 0, lanes 0) to whole 64-input steps */
 

@@ -53,7 +53,7 @@ static inline void block_q4(const uint8_t *r, int64_t b, int q[32]) {
     for (int i = 0; i < 16; i++) q[2 * i] = int4_value(r[b * 16 + i]), q[2 * i + 1] = int4_value(r[b * 16 + i] >> 4);
 }
 static inline void block_mx4(const uint8_t *r, int64_t b, int q[32]) {
-    for (int i = 0; i < 16; i++) q[2 * i] = MX_CODES_S[r[b * 16 + i] & 15], q[2 * i + 1] = MX_CODES_S[r[b * 16 + i] >> 4];
+    for (int i = 0; i < 16; i++) q[2 * i] = MX4_CODES[r[b * 16 + i] & 15], q[2 * i + 1] = MX4_CODES[r[b * 16 + i] >> 4];
 }
 static inline void block_q5(const uint8_t *r, int64_t b, int q[32]) {
     q5_group(r + b * Q5_BYTES, q);
@@ -89,7 +89,7 @@ static inline int32_t block_dot_q4(const uint8_t *r, int64_t b, const int8_t *c)
 static inline int32_t block_dot_mx4(const uint8_t *r, int64_t b, const int8_t *c) {
     PREFETCH(r + b * 16);
     uint8x16_t v = vld1q_u8(r + b * 16);
-    int8x16_t lut = vld1q_s8(MX_CODES_S);
+    int8x16_t lut = vld1q_s8(MX4_CODES);
     int8x16x2_t q = vzipq_s8(vqtbl1q_s8(lut, vandq_u8(v, vdupq_n_u8(15))), vqtbl1q_s8(lut, vshrq_n_u8(v, 4)));
     return dot32_s8(q.val[0], q.val[1], c);
 }

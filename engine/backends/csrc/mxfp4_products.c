@@ -1,16 +1,12 @@
 /* One-row products and dequantization of MXFP4 codes (gpt-oss's experts; the OCP microscaling format): blocks of
  * 32 values, each a 4-bit e2m1 code, two a byte [out, in/2] (value 2k in byte k's low nibble, 2k + 1 in its high
  * one: int4's packing), and a scale per block as the file holds it, e8m0 e [out, in/32] (2^(e − 127)); since
- * MX_VALUES holds the e2m1 values doubled (whole numbers), a block's scale is taken halved, 2^(e − 128)
- * (mx4_scale, simd.h), and a code n stands for 2^(e − 128) · MX_VALUES[n], exact in float32. */
+ * MX4_CODES holds the e2m1 values doubled (whole numbers), a block's scale is taken halved, 2^(e − 128)
+ * (mx4_scale; both in simd.h), and a code n stands for 2^(e − 128) · MX4_CODES[n], exact in float32. */
 #include "simd.h"
 #include "kernels.h"
 
 #define MX_GROUP 32
-static const float MX_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
-#if KV_LANES == 8 || KV_LANES == 4
-static const int8_t MX_CODES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
-#endif
 
 #if KV_LANES == 16
 /* inputs i..i+15 of the evens and odds: each nibble's s · value looked up in `table` (vpermps), then an FMA each */
@@ -24,14 +20,14 @@ static inline void mx_step(const uint8_t *r, const float *xe, const float *xo, i
 /* the values of bytes i..i+7's low and high nibbles, as float (a byte shuffle looks the nibbles up) */
 static inline void mx_values8(const uint8_t *r, int64_t i, vf *lo, vf *hi) {
     PREFETCH(r + i);
-    const __m128i lut = _mm_loadu_si128((const __m128i *)MX_CODES), low = _mm_set1_epi8(15);
+    const __m128i lut = _mm_loadu_si128((const __m128i *)MX4_CODES), low = _mm_set1_epi8(15);
     __m128i b = _mm_loadl_epi64((const __m128i *)(r + i));
     *lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_shuffle_epi8(lut, _mm_and_si128(b, low))));
     *hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(b, 4), low))));
 }
 #elif KV_LANES == 4
 static inline void mx_values8(const uint8_t *r, int64_t i, vf *lo, vf *hi) { /* bytes i..i+3 (NEON's table) */
-    const int8x16_t lut = vld1q_s8(MX_CODES);
+    const int8x16_t lut = vld1q_s8(MX4_CODES);
     uint8x8_t b = vreinterpret_u8_s8(kv_load4_s8(r + i));
     int8x8_t l = vqtbl1_s8(lut, vand_u8(b, vdup_n_u8(15))), h = vqtbl1_s8(lut, vshr_n_u8(b, 4));
     *lo = vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(l))));
@@ -49,7 +45,7 @@ void kv_matvec_mx4(const uint8_t *q, const uint8_t *e, const float *m, const flo
         xo[i] = x[2 * i + 1];
     }
 #if KV_LANES == 16
-    const vf values = _mm512_loadu_ps(MX_VALUES);
+    const vf values = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)MX4_CODES)));
 #endif
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t o = 0; o < out; o++) {
@@ -81,7 +77,8 @@ void kv_matvec_mx4(const uint8_t *q, const uint8_t *e, const float *m, const flo
         float a = 0;
         for (int64_t j = 0; j < groups; j++) {
             float p = 0;
-            for (int64_t i = j * hg; i < (j + 1) * hg; i++) p += MX_VALUES[r[i] & 15] * xe[i] + MX_VALUES[r[i] >> 4] * xo[i];
+            for (int64_t i = j * hg; i < (j + 1) * hg; i++)
+                p += (float)MX4_CODES[r[i] & 15] * xe[i] + (float)MX4_CODES[r[i] >> 4] * xo[i];
             a += so[j] * p;
         }
         y[o] = a;
@@ -100,8 +97,8 @@ void kv_dequant_mx4(const uint8_t *q, const uint8_t *e, const float *m, float *w
             const uint8_t *r = q + o * half + j * MX_GROUP / 2;
             float *d = w + o * in + j * MX_GROUP;
             for (int64_t i = 0; i < MX_GROUP / 2; i++) {
-                d[2 * i] = sc * MX_VALUES[r[i] & 15];
-                d[2 * i + 1] = sc * MX_VALUES[r[i] >> 4];
+                d[2 * i] = sc * (float)MX4_CODES[r[i] & 15];
+                d[2 * i + 1] = sc * (float)MX4_CODES[r[i] >> 4];
             }
         }
 }

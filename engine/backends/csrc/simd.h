@@ -259,8 +259,10 @@ static inline int int4_value(unsigned n) { return (int)((n & 15) ^ 8) - 8; }
 static inline vf int4_values(void) { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1); }
 #endif
 
-/* MXFP4's e8m0 scale bytes as the float32 scales the doubled e2m1 values take, 2^(e − 128), from their bits (e 0
- * and 1: the subnormals 2^-128, 2^-127), as llama.cpp's ggml_e8m0_to_fp32_half */
+/* MXFP4: each 4-bit code's e2m1 value doubled (whole numbers, engine.quant.MXFP4_CODES), and its e8m0 scale bytes
+ * as the float32 scales those doubled values take, 2^(e − 128), from their bits (e 0 and 1: the subnormals 2^-128,
+ * 2^-127), as llama.cpp's ggml_e8m0_to_fp32_half */
+static const int8_t MX4_CODES[16] __attribute__((unused)) = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 static inline float mx4_scale(uint8_t e) {
     uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
     float f;
