@@ -23,7 +23,7 @@ def harmony_ids(control: dict[str, int]) -> dict[str, int] | None:
 class HarmonyStream:
     """Token ids of a harmony reply -> text deltas: a channel's header (its name, a recipient, a role after
     `<|start|>`) read and not shown; the analysis channel's message between THINK_OPEN and THINK_CLOSE; every other
-    channel's message as text. The same interface as engine.tokenizer.TextStream."""
+    channel's message as text. The same interface as engine.text_stream.TextStream."""
 
     def __init__(self, tok, markers: dict[str, int], start=()):
         self.tok, self.ids, self.text = tok, [], ""

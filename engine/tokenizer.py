@@ -27,12 +27,12 @@ from jinja2 import nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers.decoders import DecodeStream
 
 from .config import read_json
 from .errors import EngineError, ModelLoadError, TemplateError
 from .harmony import HarmonyStream, harmony_ids, thinking_apart
 from .images import IMAGE_TEXT, ImageError, text_with_images
+from .text_stream import TextStream
 
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 TEMPLATE_SECONDS = 2.0  # a render may take this long (a real template takes well under a millisecond)
@@ -468,40 +468,3 @@ class Tokenizer:
         if self.harmony is not None:
             return HarmonyStream(self, self.harmony, start)
         return TextStream(self, start)
-
-
-class TextStream:
-    """Turns token ids into text deltas that never split a UTF-8 character.
-
-    The deltas concatenate to exactly `decode(all ids)`: `finish()` returns whatever the
-    incremental decoder still holds (e.g. the bytes of a character the reply stopped inside).
-    """
-
-    def __init__(self, tokenizer: Tokenizer, start=()):
-        self.tokenizer = tokenizer
-        self._stream = DecodeStream(skip_special_tokens=True)
-        self.ids: list[int] = []
-        self.text = ""
-        for i in start:
-            self.push(i)
-        self.text = tokenizer.decode(self.ids) if start else ""
-        self.started = len(self.text)  # the text of `start`: new_text is what comes after it
-
-    @property
-    def new_text(self) -> str:
-        return self.text[self.started :]
-
-    def push(self, token_id: int) -> str:
-        self.ids.append(token_id)
-        piece = self._stream.step(self.tokenizer.tok, token_id) or ""
-        self.text += piece
-        return piece
-
-    def finish(self) -> str:
-        full = self.tokenizer.decode(self.ids)
-        if full.startswith(self.text):
-            rest = full[len(self.text) :]
-        else:  # a decoder whose streamed pieces differ from the whole: trust the whole
-            rest = ""
-        self.text += rest
-        return rest

@@ -212,7 +212,7 @@ FLOORS = [
             "engine.user_cache", "engine.logprobs", "engine.disk_store", "engine.disk_files", "engine.request",
             "engine.kv_tiers", "engine.grammar", "engine.tool_calls", "engine.images", "engine.vision",
             "engine.image_prompt", "engine.vision_qwen", "engine.text_configs", "engine.rotary", "engine.family_fields",
-            "engine.harmony",
+            "engine.harmony", "engine.text_stream",
         ),
     ),
     ("backends", ("engine.backends",)),
