@@ -13,7 +13,8 @@ import math
 from pathlib import Path
 
 from .errors import ModelLoadError
-from .family_fields import family_fields
+from .family_fields import family_fields, whole
+from .rotary import yarn_mscale
 from .text_configs import text_config_of
 
 # Architecture name in config.json -> family. The families differ only in the fields below.
@@ -35,7 +36,11 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "GptOssForCausalLM": "gpt_oss",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
+MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention (engine.latent_attention)
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", *MLA_FAMILIES)
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}  # config name -> ours
 
 
@@ -141,6 +146,39 @@ class ModelConfig:
     expert_bias: bool = False  # each expert's gate/up and down have biases
     swiglu_limit: float | None = None  # the clamped SwiGLU: (clamp(up, ±l) + 1) · g·σ(α·g), g = min(gate, l)
     swiglu_alpha: float = 1.702  # α of that SwiGLU
+    # --- DeepSeek: multi-head latent attention (MLA; head_dim is then the rotary width d_r) and its router ---
+    kv_lora_rank: int = 0  # d_c, the latent a position caches (0: not MLA)
+    q_lora_rank: int = 0  # the queries' own low-rank step (0: one projection D -> H·(d_n + d_r))
+    qk_nope_head_dim: int = 0  # d_n, each head's unrotated part of q and k
+    v_head_dim: int = 0  # d_v, each head's value width
+    rope_interleave: bool = False  # rotary pairs adjacent (x0, x1), (x2, x3) as DeepSeek lays them out
+    shared_experts: int = 0  # experts every position goes through beside its k routed ones (one MLP k times wide)
+    router_scoring: str = "softmax"  # softmax | sigmoid (DeepSeek-V3): each expert's score from its logit
+    router_groups: int = 0  # n_group: the experts in groups, a position's k chosen from its best topk_group groups
+    router_topk_groups: int = 0
+    router_choice_bias: bool = False  # a bias on the scores the choice reads, not the weights (V3's correction)
+    routed_scaling: float = 1.0  # the routed experts' weights multiplied by it
+
+    @property
+    def mla(self) -> bool:
+        """Whether attention is multi-head latent attention: a position caches a latent, not K and V."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def cache_heads(self) -> int:
+        """The heads a cache keeps a position's K and V for (H_kv; one for MLA)."""
+        return 1 if self.mla else self.num_kv_heads
+
+    @property
+    def cache_width(self) -> int:
+        """The values a cache keeps per (position, head) in each of K and V: d, or for MLA half the latent and the
+        rotary key together, (d_c + d_r) / 2 (the one vector held as the cache's K and V halves)."""
+        return (self.kv_lora_rank + self.head_dim) // 2 if self.mla else self.head_dim
+
+    @property
+    def plain_attention_width(self) -> int:
+        """What a position's K and V take per head with plain attention (d_k + d_v): MLA's figure for comparison."""
+        return self.qk_nope_head_dim + self.head_dim + self.v_head_dim if self.mla else 2 * self.head_dim
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -197,6 +235,11 @@ class ModelConfig:
             and not self.sinks
             and self.swiglu_limit is None
             and not (self.router_bias or self.expert_bias or self.router_topk_first)
+            and not self.mla
+            and not self.shared_experts
+            and self.router_scoring == "softmax"
+            and not self.router_groups
+            and self.routed_scaling == 1.0
         )
 
     def describe_attention(self) -> str:
@@ -218,6 +261,11 @@ class ModelConfig:
             parts.append(f"scores capped at {_exact(self.attn_softcap)}")
         if self.sinks:
             parts.append("attention sinks")
+        if self.mla:
+            parts.append(
+                f"latent attention (d_c {self.kv_lora_rank}, d_r {self.head_dim}, d_n {self.qk_nope_head_dim}, "
+                f"d_v {self.v_head_dim}{', pairs interleaved' if self.rope_interleave else ''})"
+            )
         if self.rope_layers and not all(self.rope_layers):
             parts.append(f"{self.rope_layers.count(False)} layers unrotated")
         if self.rope_local is not None:
@@ -283,8 +331,8 @@ def _rope_from(raw: dict, params: dict | None = None) -> RopeConfig:
         attention = params.get("attention_factor")
         if attention is None:
             mscale, all_dim = params.get("mscale"), params.get("mscale_all_dim")
-            attention = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, all_dim) if mscale and all_dim else (
-                _yarn_mscale(factor))  # fmt: skip
+            attention = yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dim) if mscale and all_dim else (
+                yarn_mscale(factor))  # fmt: skip
         extra.update(
             attention_factor=positive("rope_scaling.attention_factor", attention),
             beta_fast=positive("rope_scaling.beta_fast", params.get("beta_fast") or 32),
@@ -307,11 +355,6 @@ def _rope_from(raw: dict, params: dict | None = None) -> RopeConfig:
         partial=partial,
         **extra,
     )
-
-
-def _yarn_mscale(factor: float, mscale: float = 1) -> float:
-    """YaRN's attention factor for a scaling factor (its paper's Eq. 21, as transformers computes it)."""
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _ids(value) -> tuple[int, ...]:
@@ -339,17 +382,10 @@ def _check_size(raw: dict, key: str) -> None:
 MAX_EXPERTS = 1024  # routed experts per layer: real mixtures have 8 to 512
 
 
-def _whole(value, low: int, high: int) -> bool:
-    """A whole number from low to high (a float only when it is whole: never NaN or inf)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    return (not isinstance(value, float) or value.is_integer()) and low <= value <= high
-
-
 def _check_counts(raw: dict, moe: bool, window) -> None:
     """Counts something is sized from, checked before anything is: a mixture's experts and experts per token,
     a sliding window, the soft caps (a value out of range is a clear error when the model is listed)."""
-    if window and not _whole(window, 1, MAX_SIZE):
+    if window and not whole(window, 1, MAX_SIZE):
         raise ModelLoadError(f"config.json's sliding_window is {window!r}: out of range (1 to {MAX_SIZE:,})")
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         v = raw.get(key)
@@ -357,14 +393,14 @@ def _check_counts(raw: dict, moe: bool, window) -> None:
             raise ModelLoadError(f"config.json's {key} is {v!r}: a soft cap is a positive number")
     if not moe:
         return
-    experts = raw.get("num_experts") or raw.get("num_local_experts") or 0
-    if not _whole(experts, 1, MAX_EXPERTS):
+    experts = raw.get("num_experts") or raw.get("num_local_experts") or raw.get("n_routed_experts") or 0
+    if not whole(experts, 1, MAX_EXPERTS):
         raise ModelLoadError(f"the model's expert count is {experts!r}: out of range (1 to {MAX_EXPERTS:,})")
     per = raw.get("num_experts_per_tok") or 0
-    if not _whole(per, 1, int(experts)):
+    if not whole(per, 1, int(experts)):
         raise ModelLoadError(f"the model routes each token to {per!r} experts: out of range (1 to {int(experts)})")
     inner = raw.get("moe_intermediate_size")
-    if inner is not None and not _whole(inner, 1, MAX_SIZE):
+    if inner is not None and not whole(inner, 1, MAX_SIZE):
         raise ModelLoadError(f"config.json's moe_intermediate_size is {inner!r}: out of range (1 to {MAX_SIZE:,})")
 
 
@@ -388,13 +424,14 @@ def config_from_dict(raw: dict, path: Path | None = None) -> ModelConfig:
                 _check_size(raw, key)
         hidden = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
-        kv_heads = int(raw.get("num_key_value_heads") or heads)
+        mla = family in MLA_FAMILIES
+        kv_heads = heads if mla else int(raw.get("num_key_value_heads") or heads)  # MLA: no K/V heads of its own
         layers = int(raw["num_hidden_layers"])
         if heads % kv_heads:
             raise ModelLoadError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-        if not raw.get("head_dim") and hidden % heads:
+        if not raw.get("head_dim") and hidden % heads and not mla:
             raise ModelLoadError(f"hidden_size={hidden} is not a multiple of num_attention_heads={heads}")
-        head_dim = int(raw.get("head_dim") or hidden // heads)
+        head_dim = int(raw["qk_rope_head_dim"]) if mla else int(raw.get("head_dim") or hidden // heads)
         eps = float(raw.get("rms_norm_eps", 1e-6))
         if not 0 < eps < 1:
             raise ModelLoadError(f"rms_norm_eps={eps} is out of range")
@@ -404,9 +441,10 @@ def config_from_dict(raw: dict, path: Path | None = None) -> ModelConfig:
         window = raw.get("sliding_window")
         if family in ("qwen2", "qwen3", "qwen3_moe", "smollm3"):
             window = window if raw.get("use_sliding_window") else None
-        moe = family in ("qwen3_moe", "mixtral", "gpt_oss")
+        moe = family in MOE_FAMILIES
         _check_counts(raw, moe, window)
         extra = family_fields(family, raw, layers, hidden, window)
+        experts = int(raw.get("num_experts") or raw.get("num_local_experts") or raw.get("n_routed_experts") or 0)
         if "rope_local" in extra:  # the sliding layers' own rotary parameters (Gemma 3)
             extra["rope_local"] = _rope_from(raw, extra["rope_local"])
         return ModelConfig(
@@ -430,10 +468,12 @@ def config_from_dict(raw: dict, path: Path | None = None) -> ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=_ids(raw.get("eos_token_id")),
             hidden_act=ACTIVATIONS[act],
-            num_experts=int(raw.get("num_experts") or raw.get("num_local_experts") or 0) if moe else 0,
+            num_experts=experts if moe else 0,
             experts_per_token=int(raw.get("num_experts_per_tok") or 0) if moe else 0,
             moe_intermediate_size=int(raw.get("moe_intermediate_size") or raw["intermediate_size"]) if moe else 0,
-            norm_topk_prob=bool(raw.get("norm_topk_prob", True)) if family == "qwen3_moe" else True,
+            norm_topk_prob=bool(raw.get("norm_topk_prob", family != "deepseek_v2"))
+            if family in ("qwen3_moe", *MLA_FAMILIES)
+            else True,
             **extra,
         )
     except KeyError as e:

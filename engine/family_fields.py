@@ -1,10 +1,12 @@
 """How each family departs from the Llama shape in its config.json: the ModelConfig fields of Gemma's sandwich and
-windows, SmolLM3's unrotated layers, Granite's scales, OLMo 2's post-norms, the mixtures' dense layers, and gpt-oss's
-sinks, alternating windows and clamped, biased experts (engine/MODELS.md, "Model families")."""
+windows, SmolLM3's unrotated layers, Granite's scales, OLMo 2's post-norms, the mixtures' dense layers, gpt-oss's
+sinks, alternating windows and clamped, biased experts, and DeepSeek's latent attention and routers
+(engine/MODELS.md, "Model families")."""
 
 from __future__ import annotations
 
 from .errors import ModelLoadError
+from .rotary import yarn_mscale
 
 
 def layer_types(raw: dict, layers: int, default) -> tuple[str, ...]:
@@ -74,6 +76,8 @@ def family_fields(family: str, raw: dict, layers: int, hidden: int, window) -> d
             swiglu_limit=_positive(raw, "swiglu_limit", 7.0),
             swiglu_alpha=_positive(raw, "swiglu_alpha", 1.702),
         )
+    elif family in ("deepseek_v2", "deepseek_v3"):
+        out.update(_deepseek(family, raw, layers))
     elif window and raw.get("layer_types") is not None:
         out["layer_types"] = layer_types(raw, layers, lambda i: True)
     for key in ("attn_softcap", "final_softcap"):
@@ -89,3 +93,61 @@ def _positive(raw: dict, key: str, default: float) -> float:
     if not ok:
         raise ModelLoadError(f"config.json's {key} is {value!r}: it must be a finite number above 0")
     return float(value)
+
+
+def _deepseek(family: str, raw: dict, layers: int) -> dict:
+    """DeepSeek-V2/V3's fields: the latent attention's widths (each checked: a cache is sized from them), its score
+    scale (1/√(d_n + d_r), times YaRN's mscale² where the rotary scales), the dense first layers, the shared experts
+    and the router (V2: softmax, greedy or best groups first; V3: sigmoid, a correction bias on the choice, groups)."""
+    widths = {}
+    for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        value = raw.get(key)
+        if not whole(value, 1, 1 << 16):
+            raise ModelLoadError(f"config.json's {key} is {value!r}: a width from 1 to 65,536")
+        widths[key] = int(value)
+    if (widths["kv_lora_rank"] + widths["qk_rope_head_dim"]) % 2 or widths["qk_rope_head_dim"] % 2:
+        raise ModelLoadError("the latent and rotary widths must be even (kv_lora_rank + qk_rope_head_dim, and pairs)")
+    if widths["kv_lora_rank"] < widths["qk_rope_head_dim"]:  # the cache's V half holds the latent's end, then k_r
+        raise ModelLoadError("kv_lora_rank must be at least qk_rope_head_dim")
+    q_rank = raw.get("q_lora_rank")
+    if q_rank is not None and not whole(q_rank, 1, 1 << 16):
+        raise ModelLoadError(f"config.json's q_lora_rank is {q_rank!r}: a width from 1 to 65,536, or null")
+    scale = (widths["qk_nope_head_dim"] + widths["qk_rope_head_dim"]) ** -0.5
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if params.get("rope_type", params.get("type", "default")) not in ("default", None) and params.get("mscale_all_dim"):
+        scale *= yarn_mscale(float(params.get("factor") or 1.0), float(params["mscale_all_dim"])) ** 2
+    dense = raw.get("first_k_dense_replace") or 0
+    if not whole(dense, 0, layers):
+        raise ModelLoadError(f"config.json's first_k_dense_replace is {dense!r}: out of range (0 to {layers})")
+    experts = int(raw.get("n_routed_experts") or 0)
+    method = raw.get("topk_method") or ("noaux_tc" if family == "deepseek_v3" else "greedy")
+    if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+        raise ModelLoadError(f"config.json's topk_method {method!r} is not one kvchat routes by")
+    groups, best = (raw.get("n_group") or 1, raw.get("topk_group") or 1) if method != "greedy" else (0, 0)
+    if groups and (not whole(groups, 1, experts) or experts % groups or not whole(best, 1, groups)):
+        raise ModelLoadError(f"config.json's n_group {groups!r}, topk_group {best!r}: not groups of {experts} experts")
+    shared = raw.get("n_shared_experts") or 0
+    if not whole(shared, 0, 64):
+        raise ModelLoadError(f"config.json's n_shared_experts is {shared!r}: out of range (0 to 64)")
+    return {
+        "kv_lora_rank": widths["kv_lora_rank"],
+        "q_lora_rank": int(q_rank or 0),
+        "qk_nope_head_dim": widths["qk_nope_head_dim"],
+        "v_head_dim": widths["v_head_dim"],
+        "rope_interleave": bool(raw.get("rope_interleave", True)),  # V2's complex rotation: always interleaved
+        "attention_scale": scale,
+        "moe_layers": tuple(i >= int(dense) for i in range(layers)),
+        "shared_experts": int(shared),
+        "router_scoring": "sigmoid" if family == "deepseek_v3" else "softmax",
+        "router_groups": int(groups),
+        "router_topk_groups": int(best),
+        "router_choice_bias": family == "deepseek_v3",
+        "routed_scaling": _positive(raw, "routed_scaling_factor", 1.0),
+    }
+
+
+def whole(value, low: int, high: int) -> bool:
+    """A whole number from low to high (a float only when it is whole: never NaN or inf)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return (not isinstance(value, float) or value.is_integer()) and low <= value <= high

@@ -56,8 +56,18 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(MLP(cfg, cfg.moe_intermediate_size, expert=True) for _ in range(cfg.num_experts))
         self.k, self.normalize = cfg.experts_per_token, cfg.norm_topk_prob
         self.topk_first = cfg.router_topk_first  # gpt-oss: the k highest logits, then their softmax
+        self.scoring, self.scaling = cfg.router_scoring, cfg.routed_scaling  # DeepSeek: sigmoid (V3), a scale
+        self.groups, self.best_groups = cfg.router_groups, cfg.router_topk_groups  # the k from the best groups
+        # [E] added to the scores the choice reads, never to the weights (DeepSeek-V3's load-balancing correction)
+        self.choice_bias = nn.Parameter(torch.zeros(cfg.num_experts)) if cfg.router_choice_bias else None
+        # every position's expert beside its k routed ones (DeepSeek's shared experts, as one MLP that many times wide)
+        self.shared = MLP(cfg, cfg.moe_intermediate_size * cfg.shared_experts) if cfg.shared_experts else None
         self.act = ACT[cfg.hidden_act]
         self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None  # ([E, 2F, D], [E, D, F]), views shared
+
+    def mlps(self) -> list[MLP]:
+        """Every MLP in the mixture: the routed experts, then the shared one (if any)."""
+        return [*self.experts, *([self.shared] if self.shared is not None else [])]
 
     def unread(self, measure) -> int:
         """What one position leaves unread of the experts, by `measure` (values, bytes): all but the k largest."""
@@ -85,13 +95,41 @@ class MoE(nn.Module):
         if self.topk_first:
             top, chosen = self.router(x).topk(self.k, dim=-1)  # [N, k] each
             return torch.softmax(top, dim=-1).to(x.dtype), chosen
-        probs = torch.softmax(self.router(x), dim=-1, dtype=torch.float32)  # [N, E]
-        weights, chosen = probs.topk(self.k, dim=-1)
+        if self.scoring == "sigmoid":
+            scores = torch.sigmoid(self.router(x).float())  # [N, E]
+        else:
+            scores = torch.softmax(self.router(x), dim=-1, dtype=torch.float32)  # [N, E]
+        if self.groups or self.choice_bias is not None:
+            chosen = self.choose(scores)
+            weights = scores.gather(1, chosen)  # [N, k]
+        else:
+            weights, chosen = scores.topk(self.k, dim=-1)
         if self.normalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if self.scoring == "sigmoid" else 0.0))
+        if self.scaling != 1.0:
+            weights = weights * self.scaling
         return weights.to(x.dtype), chosen
 
+    def choose(self, scores: torch.Tensor) -> torch.Tensor:
+        """scores [N, E] -> the k experts [N, k] DeepSeek routes to: by the scores plus the correction bias (V3), only
+        from the best `best_groups` groups of experts (a group's worth: its best score (V2), its best two summed
+        (V3))."""
+        choice = scores if self.choice_bias is None else scores + self.choice_bias.float()
+        if self.groups:
+            n = choice.shape[0]
+            grouped = choice.view(n, self.groups, -1)  # [N, G, E/G]
+            worth = grouped.amax(-1) if self.choice_bias is None else grouped.topk(2, dim=-1).values.sum(-1)  # [N, G]
+            best = worth.topk(self.best_groups, dim=-1).indices  # [N, g]
+            keep = torch.zeros_like(worth, dtype=torch.bool).scatter_(1, best, True)  # [N, G]
+            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(n, -1)
+        return choice.topk(self.k, dim=-1).indices
+
     def forward(self, x):
+        routed = self.routed(x)
+        return routed if self.shared is None else routed + self.shared(x)
+
+    def routed(self, x):
+        """x [..., D] through each position's k routed experts, weighted."""
         flat = x.reshape(-1, x.shape[-1])  # [N, D]
         weights, chosen = self.route(flat)
         if flat.shape[0] == 1:

@@ -237,16 +237,16 @@ def bytes_per_position(config, dtype: torch.dtype, kv: str = "none") -> int:
     """What one cached position takes for a model config, in the model dtype ("none") or int8/int4 codes."""
     if kv == "none":
         size = torch.empty((), dtype=dtype).element_size()
-        return payload_bytes(config.num_layers, 1, config.num_kv_heads, config.head_dim, size)
+        return payload_bytes(config.num_layers, 1, config.cache_heads, config.cache_width, size)
     check_mode(kv)
-    return quantized_bytes_per_position(config.num_layers, config.num_kv_heads, config.head_dim, kv)
+    return quantized_bytes_per_position(config.num_layers, config.cache_heads, config.cache_width, kv)
 
 
 def _layers_cache(layers: int, config, capacity: int, dtype, device, kv: str) -> KVCache:
     """A cache of `layers` layers of the config's heads at a precision: the model dtype ("none") or codes + scales."""
     if kv == "none":
-        return KVCache(layers, config.num_kv_heads, config.head_dim, capacity, dtype, device)
-    return QuantKVCache(layers, config.num_kv_heads, config.head_dim, capacity, dtype, device, kv)
+        return KVCache(layers, config.cache_heads, config.cache_width, capacity, dtype, device)
+    return QuantKVCache(layers, config.cache_heads, config.cache_width, capacity, dtype, device, kv)
 
 
 DEFAULT_CAPACITY = 4096  # KV positions when neither the person nor the model's context says fewer
@@ -301,7 +301,7 @@ class WindowedKVCache:
         )
         self.ring = _layers_cache(len(self.ring_layers), config, slots, dtype, device, kv)
         self.quantized = self.ring.quantized
-        self.num_layers, self.num_kv_heads, self.head_dim = config.num_layers, config.num_kv_heads, config.head_dim
+        self.num_layers, self.num_kv_heads, self.head_dim = config.num_layers, config.cache_heads, config.cache_width
         self.capacity = capacity
         self.max_chunk = slots - self.window + 1  # positions one forward may write (the ring must not eat its window)
         self._length = 0

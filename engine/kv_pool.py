@@ -102,7 +102,7 @@ class BlockPool:
         """K or V [1, H_kv, T, d] as the pool stores it: itself, or its codes (packed for int4) and scales."""
         if not self.quantized:
             return (x,)
-        codes, scales = quantize(x, self.kv, self.config.head_dim)  # [1, H_kv, T, d], [1, H_kv, T, 1]
+        codes, scales = quantize(x, self.kv, self.config.cache_width)  # [1, H_kv, T, d], [1, H_kv, T, 1]
         return (pack_int4(codes) if self.kv == "int4" else codes, scales)
 
     def decode(self, parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -232,7 +232,7 @@ class PagedKVCache:
     def __init__(self, pool: BlockPool, capacity: int):
         self.pool, self.capacity, self.length = pool, capacity, 0
         cfg = pool.config
-        self.num_layers, self.num_kv_heads, self.head_dim = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+        self.num_layers, self.num_kv_heads, self.head_dim = cfg.num_layers, cfg.cache_heads, cfg.cache_width
         self.table: list[int] = []
         self._table_tensor: torch.Tensor | None = None  # int32 [blocks] (CPU), for the kernels
         self._slots: torch.Tensor | None = None  # long [blocks · BLOCK] on the device: each position's slot

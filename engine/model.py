@@ -21,7 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .devices import attention_dtype
 from .feedforward import MLP, MoE
+from .latent_attention import LatentAttention
+from .norm import RMSNorm
 from .rotary import apply_rotary, cos_sin_table, rope_offset, section_columns
 
 if TYPE_CHECKING:
@@ -44,15 +47,6 @@ def attention_mask(start: int, t: int, window: int | None, device) -> torch.Tens
     return visible(torch.arange(start, s, device=device), s, window)
 
 
-def attention_dtype(dtype: torch.dtype, device: torch.device, widen_bf16: bool = False) -> torch.dtype:
-    """The dtype attention computes in: the activations', float32 for float16 on the CPU (its fp16 kernel is slow)
-    and, with `widen_bf16` (the loader's, on a CPU without bf16 instructions, where SDPA falls back to its slow
-    reference path), for bfloat16 there too."""
-    if device.type == "cpu" and (dtype == torch.float16 or (dtype == torch.bfloat16 and widen_bf16)):
-        return torch.float32
-    return dtype
-
-
 def additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     """A boolean [T, S] mask as SDPA adds it, 0 where visible and -inf elsewhere: converted once per
     forward, where SDPA would convert a boolean one in every layer's call."""
@@ -73,26 +67,6 @@ def visible(q_pos: torch.Tensor, keys: int, window: int | None) -> torch.Tensor:
 
 
 # --- blocks ---------------------------------------------------------------------------------------
-class RMSNorm(nn.Module):
-    """x / rms(x) · w, or · (1 + w) with `offset` (Gemma, which also scales in float32 before the cast)."""
-
-    def __init__(self, dim: int, eps: float, offset: float = 0.0):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-        self.offset = offset
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.offset:
-            return (F.rms_norm(x.float(), self.weight.shape, None, self.eps) * (self.weight.float() + self.offset)).to(
-                x.dtype
-            )
-        # Normalise in float32, scale in the model dtype (as transformers does, so bf16 matches).
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused kernel
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
@@ -112,6 +86,10 @@ class Attention(nn.Module):
         # [H] a learned logit per query head that joins every softmax's denominator (gpt-oss's attention sinks)
         self.sinks = nn.Parameter(torch.zeros(self.h)) if cfg.sinks else None
         self.widen_bf16 = False  # bfloat16 attention in float32 (Transformer.widen_bf16_attention)
+
+    def linears(self) -> list[str]:
+        """The projections a backend may swap (quantize, lay out)."""
+        return ["qkv", "o"]
 
     def project(self, x, cos, sin):
         """x [B, T, D] -> q [B, T, H, d], k and v [B, T, H_kv, d], q and k normalised (if the family does) and
@@ -211,7 +189,7 @@ class Block(nn.Module):
         pre = "pre" if cfg.norm_placement in ("pre", "sandwich") else ""
         post = "post" if cfg.norm_placement in ("sandwich", "post") else ""
         self.attn_norm = norm(pre)
-        self.attn = Attention(cfg, layer)
+        self.attn = LatentAttention(cfg, layer) if cfg.mla else Attention(cfg, layer)
         self.attn_post_norm = norm(post)
         self.mlp_norm = norm(pre)
         self.mlp = MoE(cfg) if cfg.is_moe(layer) else MLP(cfg)
@@ -245,9 +223,9 @@ def block_linears(blocks):
     """(parent, name, module) for every linear inside the given blocks, each expert's own: what a module swap
     replaces (a router stays in the model dtype)."""
     for block in blocks:
-        yield block.attn, "qkv", block.attn.qkv
-        yield block.attn, "o", block.attn.o
-        for mlp in block.mlp.experts if isinstance(block.mlp, MoE) else (block.mlp,):
+        for name in block.attn.linears():
+            yield block.attn, name, getattr(block.attn, name)
+        for mlp in block.mlp.mlps() if isinstance(block.mlp, MoE) else (block.mlp,):
             yield mlp, "gate_up", mlp.gate_up
             yield mlp, "down", mlp.down
 

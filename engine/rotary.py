@@ -64,6 +64,11 @@ def _yarn_frequencies(rope: RopeConfig, dim: int, base: torch.Tensor) -> torch.T
     return interpolated * (1 - keep) + kept * keep
 
 
+def yarn_mscale(factor: float, mscale: float = 1) -> float:
+    """YaRN's attention factor for a scaling factor (its paper's Eq. 21, as transformers computes it)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 def cos_sin_table(
     rope: RopeConfig, head_dim: int, length: int, dtype, device, context: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,6 +91,12 @@ def cos_sin_table(
 def swap_halves(x: torch.Tensor) -> torch.Tensor:
     """[..., d] -> [x2 | x1]: one kernel."""
     return x.unflatten(-1, (2, x.shape[-1] // 2)).flip(-2).flatten(-2)
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """[..., r] with rotary pairs adjacent ((x0, x1), (x2, x3): DeepSeek's layout) -> [x0, x2, … | x1, x3, …], the
+    half-split layout apply_rotary turns: q and k both so, so their products are the interleaved rotation's."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor | None, sin_signed: torch.Tensor | None) -> torch.Tensor:

@@ -83,6 +83,48 @@ FAMILY_CASES = {
             "rope_theta": 150000.0,
         },  # fmt: skip
     ),
+    "deepseek_v2": dict(  # DeepSeek-V2-Lite's shape in small: latent attention, one dense layer, shared experts
+        family="deepseek_v2",
+        num_hidden_layers=3,
+        num_key_value_heads=4,  # MLA's heads are all the query's (transformers repeats K/V by H / H_kv)
+        q_lora_rank=None,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=4,
+        n_shared_experts=2,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+    ),
+    "deepseek_v3": dict(  # V3's in small: the queries' low rank, sigmoid routing by groups with its correction bias
+        family="deepseek_v3",
+        num_hidden_layers=3,
+        num_key_value_heads=4,
+        q_lora_rank=24,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+        rope={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 16,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+        },  # fmt: skip
+    ),
 }
 
 _TOKENIZER_CACHE: dict[int, str] = {}
@@ -119,6 +161,8 @@ FAMILIES = {
     "qwen3_moe": "Qwen3MoeConfig",
     "mixtral": "MixtralConfig",
     "gpt_oss": "GptOssConfig",
+    "deepseek_v2": "DeepseekV2Config",
+    "deepseek_v3": "DeepseekV3Config",
 }
 
 
@@ -178,6 +222,9 @@ def make_checkpoint(
                 p.normal_(0, 0.08)
             elif p.dim() == 1:
                 p.uniform_(0.5, 1.5) if p.shape[0] in (kw["hidden_size"], kw.get("head_dim", 16)) else p.normal_(0, 0.1)
+        for name, b in model.named_buffers():  # DeepSeek-V3's router correction: a bias the choice must follow
+            if name.endswith("e_score_correction_bias"):
+                b.uniform_(-0.3, 0.3)
     model.save_pretrained(out, safe_serialization=True, max_shard_size="40KB" if shards else "5GB")
     raw = json.loads((out / "config.json").read_text())
     if config_style == "v4":

@@ -243,10 +243,33 @@ def grammar_rows(g: dict | None, steps: list[dict], asked: str = "") -> dict[str
     }
 
 
+def latent_formula(f: dict, positions: int, payload: int) -> str:
+    """Multi-head latent attention's cache formula with the reply's figures: one latent (d_c) and one rotated key
+    (d_r) a position per layer, codes plus a float32 scale for each of the cache's two halves when quantized; then
+    the bytes plain attention over the same heads would hold, 2 · L · T · H · (d_k + d_v) / 2."""
+    m, kv = f["latent"], f.get("kv_cache", "none")
+    dc, dr, layers = m["kv_lora_rank"], m["rope_dim"], f["layers"]
+    if kv == "none":
+        width = f"({dc} + {dr}) · {f['bytes_per_value']}"
+    else:
+        width = f"(({dc} + {dr})·{8 if kv == 'int8' else 4}/8 + 2·4)"
+    plain = m["plain_bytes_per_position"] * positions
+    dk, b = m["nope_dim"] + dr, f["bytes_per_value"]
+    ratio = f", {plain / payload:.1f}× the latent's" if payload else ""
+    codes = "" if kv == "none" else f" ({kv} + scales)"
+    return (
+        f"{layers} · {positions} · {width} = {payload:,} B{codes} · plain attention would hold "
+        f"{layers} · {positions} · {f['heads']} · ({dk} + {m['value_dim']}) · {b} = {plain:,} B{ratio}"
+    )
+
+
 def kv_formula(f: dict, held: list[tuple[int, int]], kinds: list[dict] | None, positions: int, payload: int) -> str:
     """The payload's formula with the reply's figures: 2 · L · T · H_kv · d · b for each kind of layer (`held`: its
     layers and the positions they hold, a sliding layer's min(T, W)), codes plus their scales for a quantized
-    cache, `f` the facts of the model that made it."""
+    cache, `f` the facts of the model that made it. Latent attention's: L · T · (d_c + d_r) · b, beside what plain
+    attention over the same heads would take."""
+    if f.get("latent"):
+        return latent_formula(f, positions, payload)
     width = (  # bytes per (position, head): values, or codes plus one float32 scale (int8/int4 K/V)
         f"{f['head_dim']} · {f['bytes_per_value']}"
         if f.get("kv_cache", "none") == "none"

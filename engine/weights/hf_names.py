@@ -50,6 +50,32 @@ def _mlp_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
         e = f"{p}{mlp}.experts.{j}."
         out[f"mlp.experts.{j}.gate_up.weight"] = [e + gate + ".weight", e + up + ".weight"]
         out[f"mlp.experts.{j}.down.weight"] = [e + down + ".weight"]
+    if cfg.shared_experts:  # DeepSeek: the experts every position goes through, one MLP
+        e = f"{p}mlp.shared_experts."
+        out["mlp.shared.gate_up.weight"] = [e + "gate_proj.weight", e + "up_proj.weight"]
+        out["mlp.shared.down.weight"] = [e + "down_proj.weight"]
+    if cfg.router_choice_bias:
+        out["mlp.choice_bias"] = [f"{p}mlp.gate.e_score_correction_bias"]
+    return out
+
+
+def _latent_sources(cfg: ModelConfig, a: str) -> dict[str, list[str]]:
+    """Multi-head latent attention's tensors (DeepSeek) under kvchat's names -> the checkpoint's, `a` its prefix."""
+    if cfg.q_lora_rank:
+        out = {
+            "attn.q_a.weight": [a + "q_a_proj.weight"],
+            "attn.q_a_norm.weight": [a + "q_a_layernorm.weight"],
+            "attn.q_b.weight": [a + "q_b_proj.weight"],
+        }
+    else:
+        out = {"attn.q.weight": [a + "q_proj.weight"]}
+    out["attn.kv_a.weight"] = [a + "kv_a_proj_with_mqa.weight"]
+    out["attn.kv_a_norm.weight"] = [a + "kv_a_layernorm.weight"]
+    out["attn.kv_b.weight"] = [a + "kv_b_proj.weight"]
+    if cfg.qkv_bias:
+        out["attn.kv_a.bias"] = [a + "kv_a_proj_with_mqa.bias"]
+        if cfg.q_lora_rank:
+            out["attn.q_a.bias"] = [a + "q_a_proj.bias"]
     return out
 
 
@@ -58,7 +84,9 @@ def block_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
     (several: stacked along rows, as q/k/v and gate/up are fused)."""
     p = f"model.layers.{i}."
     a = p + "self_attn."
-    if cfg.family == "phi3":
+    if cfg.mla:
+        out = _latent_sources(cfg, a)
+    elif cfg.family == "phi3":
         out = {"attn.qkv.weight": [a + "qkv_proj.weight"]}
     else:
         out = {"attn.qkv.weight": [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]}
@@ -66,7 +94,7 @@ def block_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
     out.update(_mlp_sources(cfg, i))
     for mine, theirs in NORMS[cfg.norm_placement].items():
         out[mine + ".weight"] = [p + theirs + ".weight"]
-    if cfg.qkv_bias:
+    if cfg.qkv_bias and not cfg.mla:
         out["attn.qkv.bias"] = [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]
     if cfg.o_bias:
         out["attn.o.bias"] = [a + "o_proj.bias"]
@@ -80,7 +108,13 @@ def block_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
 def linears(cfg: ModelConfig, i: int) -> list[str]:
     """Block i's linears by module path (each expert's own): what quantization and a file's codes replace."""
     mlps = [f"mlp.experts.{j}" for j in range(cfg.num_experts)] if cfg.is_moe(i) else ["mlp"]
-    return ["attn.qkv", "attn.o"] + [f"{m}.{name}" for m in mlps for name in ("gate_up", "down")]
+    if cfg.is_moe(i) and cfg.shared_experts:
+        mlps.append("mlp.shared")
+    if cfg.mla:  # kv_b stays a float weight: decode reads it as the absorbed maps (engine.latent_attention)
+        attn = (["attn.q_a", "attn.q_b"] if cfg.q_lora_rank else ["attn.q"]) + ["attn.kv_a", "attn.o"]
+    else:
+        attn = ["attn.qkv", "attn.o"]
+    return attn + [f"{m}.{name}" for m in mlps for name in ("gate_up", "down")]
 
 
 def _shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
@@ -95,6 +129,8 @@ def _shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
     for mine in NORMS[cfg.norm_placement]:
         out[mine + ".weight"] = (D,)
     out["attn.sinks"] = (cfg.num_heads,)
+    if cfg.mla:
+        out.update(_latent_shapes(cfg))
     if stacked(cfg):
         out.update(expert_shapes(cfg, i))
     if cfg.is_moe(i):
@@ -102,10 +138,31 @@ def _shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
         out["mlp.router.weight"] = (cfg.num_experts, D)
         for j in range(cfg.num_experts):
             out[f"mlp.experts.{j}.gate_up.weight"], out[f"mlp.experts.{j}.down.weight"] = (2 * F, D), (D, F)
+        shared = F * cfg.shared_experts
+        out["mlp.shared.gate_up.weight"], out["mlp.shared.down.weight"] = (2 * shared, D), (D, shared)
+        out["mlp.choice_bias"] = (cfg.num_experts,)
     else:
         F = cfg.intermediate_size
         out["mlp.gate_up.weight"], out["mlp.down.weight"] = (2 * F, D), (D, F)
     return out
+
+
+def _latent_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Latent attention's tensors under kvchat's names -> their shapes."""
+    D, H, dc, r = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank, cfg.q_lora_rank
+    qd = H * (cfg.qk_nope_head_dim + cfg.head_dim)
+    return {
+        "attn.q.weight": (qd, D),
+        "attn.q_a.weight": (r, D),
+        "attn.q_a.bias": (r,),
+        "attn.q_a_norm.weight": (r,),
+        "attn.q_b.weight": (qd, r),
+        "attn.kv_a.weight": (dc + cfg.head_dim, D),
+        "attn.kv_a.bias": (dc + cfg.head_dim,),
+        "attn.kv_a_norm.weight": (dc,),
+        "attn.kv_b.weight": (H * (cfg.qk_nope_head_dim + cfg.v_head_dim), dc),
+        "attn.o.weight": (D, H * cfg.v_head_dim),
+    }
 
 
 def expected(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -91,6 +91,22 @@ class LoadedModel:
         experts in each layer (the largest k: an upper bound where the experts are held differently)."""
         return self.weight_bytes - sum(b.mlp.unread(weight_bytes) for b in self.model.layers if isinstance(b.mlp, MoE))
 
+    def latent_facts(self) -> dict | None:
+        """Multi-head latent attention's widths (the panel's formula for its cache), and what a position would take
+        with plain attention over the same heads, K (d_n + d_r) and V (d_v) per head in the model dtype; None for
+        a model without it."""
+        c = self.config
+        if not c.mla:
+            return None
+        size = torch.empty((), dtype=self.dtype).element_size()
+        return {
+            "kv_lora_rank": c.kv_lora_rank,
+            "rope_dim": c.head_dim,
+            "nope_dim": c.qk_nope_head_dim,
+            "value_dim": c.v_head_dim,
+            "plain_bytes_per_position": c.num_layers * c.num_heads * c.plain_attention_width * size,
+        }
+
     def kv_bytes_per_position(self, kv: str = "none") -> int:
         """Bytes one cached position takes at KV precision `kv` (none: the model dtype)."""
         return bytes_per_position(self.config, self.dtype, kv)
@@ -136,6 +152,7 @@ class LoadedModel:
             "heads": c.num_heads,
             "kv_heads": c.num_kv_heads,
             "head_dim": c.head_dim,
+            "latent": self.latent_facts(),
             "hidden_size": c.hidden_size,
             "vocab_size": c.vocab_size,
             "max_position_embeddings": c.max_position_embeddings,

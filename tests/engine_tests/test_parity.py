@@ -83,7 +83,7 @@ def test_prefill_and_20_decode_steps_match_transformers(tmp_path, name, kernel_v
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(5, ours.config.vocab_size, (1, 12), generator=g)
     cfg = ours.config
-    cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 64, torch.float32, "cpu")
+    cache = KVCache(cfg.num_layers, cfg.cache_heads, cfg.cache_width, 64, torch.float32, "cpu")
     with torch.no_grad():
         ids = prompt
         mine = ours.model(prompt, cache)  # [1, 12, V]
