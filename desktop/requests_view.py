@@ -95,6 +95,10 @@ def sum_formula(facts: dict, positions: list[int], shared: int = 0) -> str:
         return ""
     total = sum(positions) - shared
     terms = " + ".join(f"{t:,}" for t in positions) + (f" − {shared:,} shared" if shared else "")
+    latent = facts.get("latent")
+    if latent:  # latent attention: L · (T₁ + T₂ + …) · (d_c + d_r) · b
+        dc, dr, b = latent["kv_lora_rank"], latent["rope_dim"], facts["bytes_per_value"]
+        return f"{facts['layers']} · ({terms}) · ({dc} + {dr}) · {b} = {facts['layers'] * (dc + dr) * b * total:,} B"
     per = 2 * facts["layers"] * facts["kv_heads"] * facts["head_dim"] * facts["bytes_per_value"]
     return (f"2 · {facts['layers']} · ({terms}) · {facts['kv_heads']} · {facts['head_dim']} · "
             f"{facts['bytes_per_value']} = {per * total:,} B")  # fmt: skip

@@ -259,7 +259,7 @@ def latent_formula(f: dict, positions: int, payload: int) -> str:
     codes = "" if kv == "none" else f" ({kv} + scales)"
     return (
         f"{layers} · {positions} · {width} = {payload:,} B{codes} · plain attention would hold "
-        f"{layers} · {positions} · {f['heads']} · ({dk} + {m['value_dim']}) · {b} = {plain:,} B{ratio}"
+        f"{layers} · {positions} · {m['heads']} · ({dk} + {m['value_dim']}) · {b} = {plain:,} B{ratio}"
     )
 
 

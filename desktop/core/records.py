@@ -94,7 +94,7 @@ def _made_by(m) -> dict | None:
         return None
     out = {}
     for k, v in m.items():
-        if not isinstance(k, str) or k == "kv_layer_kinds":
+        if not isinstance(k, str) or k in ("kv_layer_kinds", "latent"):
             continue
         if k in MADE_COUNTS:
             out[k] = v if _count(v) and (v > 0 or k != "layers") else None
@@ -113,7 +113,14 @@ def _made_by(m) -> dict | None:
             and all(d.get(x) is None or _count(d.get(x)) for x in ("window", "slots"))
         ]
         out["kv_layer_kinds"] = rows if len(rows) == len(kinds) else None
+    latent = m.get("latent")  # latent attention's widths (the panel's formula): counts, every one of them
+    if isinstance(latent, dict) and latent:
+        ok = set(latent) == set(LATENT_COUNTS) and all(_count(latent[x]) for x in LATENT_COUNTS)
+        out["latent"] = {x: latent[x] for x in LATENT_COUNTS} if ok else None
     return out
+
+
+LATENT_COUNTS = ("heads", "kv_lora_rank", "rope_dim", "nope_dim", "value_dim", "plain_bytes_per_position")
 
 
 def _logprob(v) -> bool:

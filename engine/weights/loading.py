@@ -100,6 +100,7 @@ class LoadedModel:
             return None
         size = torch.empty((), dtype=self.dtype).element_size()
         return {
+            "heads": c.num_heads,
             "kv_lora_rank": c.kv_lora_rank,
             "rope_dim": c.head_dim,
             "nope_dim": c.qk_nope_head_dim,

@@ -65,3 +65,22 @@ def test_a_gemma_3_checkpoint_chats_and_the_panel_names_its_sliding_layers(qtbot
     assert panel(w, "kvFormulaValue") == (
         f"2 · 1 · {n} · 2 · 16 · 4 + 2 · 2 · min({n}, {window}) · 2 · 16 · 4 = {cache['payload_bytes']:,} B"
     )
+
+
+def test_a_deepseek_checkpoint_chats_and_the_panel_writes_its_latent_cache(qtbot, make_window, spin_loop, tmp_path):
+    """Latent attention in the real window: the architecture line names it, and after a reply the formula is the
+    latent's, L · T · (d_c + d_r) · b, with what plain attention over the same heads would hold beside it."""
+    from checkpoints import FAMILY_CASES
+
+    opts = dict(FAMILY_CASES["deepseek_v3"], max_position_embeddings=2048)
+    w = make_window(make_checkpoint(tmp_path / "deepseek", opts.pop("family"), **opts))
+    assert "latent attention (d_c 32, d_r 8, d_n 16, d_v 16, pairs interleaved)" in panel(w, "architectureValue")
+    final = send(qtbot, w, spin_loop, BUDGET)
+    assert isinstance(final, Finished) and final.token_ids
+    n, payload = final.cache["positions"], final.cache["payload_bytes"]
+    assert payload == n * 3 * (32 + 8) * 4 and panel(w, "kvPayloadValue") == fmt_bytes(payload)
+    plain = n * 3 * 4 * (24 + 16) * 4
+    assert panel(w, "kvFormulaValue") == (
+        f"3 · {n} · (32 + 8) · 4 = {payload:,} B · plain attention would hold 3 · {n} · 4 · (24 + 16) · 4 = "
+        f"{plain:,} B, 4.0× the latent's"
+    )

@@ -10,6 +10,7 @@ from conversations import BUDGET_CHAT, edit_the_first_message
 
 from checkpoints import FAMILY_CASES as FAMILIES
 from checkpoints import make_checkpoint
+from engine.config import load_config
 from engine.events import Finished, PrefillStarted
 from engine.session import Request, Session
 from engine.weights.loading import load_model
@@ -83,12 +84,18 @@ def test_quantized_families_decode_as_they_prefill(family_dir, weights):
         want = load_model(family_dir, device="cpu", dtype="float32").model(ids)[0, -1]
         assert float((whole - want).abs().max() / want.abs().max()) < 0.08
     if quant.config.num_experts:
-        mlp = quant.model.layers[0].mlp
-        assert all(type(e.gate_up).__name__ == "QuantLinear" for e in mlp.experts)
+        mlp = next(b.mlp for b in quant.model.layers if hasattr(b.mlp, "experts"))  # DeepSeek's first layer is dense
+        assert all(type(e.gate_up).__name__ == "QuantLinear" for e in mlp.mlps())  # the shared experts too
         assert type(mlp.router).__name__ == "Linear"
         # the one-call C step routes the experts itself (a plain mixture's), and agreed with the module path at load
         assert (quant.model.decode_step is not None) == quant.config.plain_blocks
         assert quant.model.decode_step_refused is None
+
+
+def without_gguf_form(family_dir) -> None:
+    """Skip a family kvchat writes no GGUF form of (DeepSeek's latent attention: engine/MODELS.md, "GGUF files")."""
+    if load_config(family_dir).mla:
+        pytest.skip("no GGUF form of latent attention (deepseek2) is written or read yet")
 
 
 def test_the_gguf_form_equals_the_folder(family_dir, tmp_path):
@@ -96,6 +103,7 @@ def test_the_gguf_form_equals_the_folder(family_dir, tmp_path):
     factors, a mixture's experts stacked in one tensor each): the same logits and the same greedy reply."""
     from engine.tools.gguf_export import write_gguf
 
+    without_gguf_form(family_dir)
     folder = load_model(family_dir, device="cpu", dtype="float32")
     gguf = load_model(write_gguf(family_dir, tmp_path / "m.gguf", tokenizer=True), device="cpu", dtype="float32")
     assert gguf.config.windows == folder.config.windows and gguf.config.family == folder.config.family
@@ -112,6 +120,7 @@ def test_llama_cpp_greedy_tokens_on_the_same_gguf(family_dir, tmp_path):
     from engine.tools.gguf_export import write_gguf
     from engine.tools.llamacpp import LlamaCpp
 
+    without_gguf_form(family_dir)
     path = write_gguf(family_dir, tmp_path / "m.gguf", tokenizer=True)
     loaded = load_model(path, device="cpu", dtype="float32")
     prompt = list(range(5, 45))  # longer than the windows
