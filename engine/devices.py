@@ -92,12 +92,3 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def attention_dtype(dtype: torch.dtype, device: torch.device, widen_bf16: bool = False) -> torch.dtype:
-    """The dtype attention computes in: the activations', float32 for float16 on the CPU (its fp16 kernel is slow)
-    and, with `widen_bf16` (the loader's, on a CPU without bf16 instructions, where SDPA falls back to its slow
-    reference path), for bfloat16 there too."""
-    if device.type == "cpu" and (dtype == torch.float16 or (dtype == torch.bfloat16 and widen_bf16)):
-        return torch.float32
-    return dtype

@@ -22,8 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .devices import attention_dtype
-from .norm import RMSNorm
+from .block_parts import RMSNorm, attention_dtype
 from .rotary import apply_rotary, deinterleave
 
 if TYPE_CHECKING:

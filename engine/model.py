@@ -1,8 +1,9 @@
-"""The decoder: Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, SmolLM3, Granite, OLMo 2 and the mixtures of experts
-(Qwen3-MoE, Mixtral) in one module, written for KV-cached inference.
+"""The decoder: Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, SmolLM3, Granite, OLMo 2, the mixtures of experts
+(Qwen3-MoE, Mixtral, gpt-oss) and DeepSeek-V2/V3 (their latent attention: engine.latent_attention) in one module,
+written for KV-cached inference.
 
-Plain PyTorch and nothing else from the engine but its feed-forward halves (engine.feedforward): the
-architecture as the checkpoints define it.
+Plain PyTorch and nothing else from the engine but its feed-forward halves (engine.feedforward), its rotations,
+the latent attention and the parts the attention kinds share: the architecture as the checkpoints define it.
 How its weights are stored and multiplied on a given device (CPU layouts, quantized codes, the
 one-call decode step) is engine.backends' business, which swaps modules in after loading.
 
@@ -21,10 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .devices import attention_dtype
+from .block_parts import RMSNorm, attention_dtype
 from .feedforward import MLP, MoE
 from .latent_attention import LatentAttention
-from .norm import RMSNorm
 from .rotary import apply_rotary, cos_sin_table, rope_offset, section_columns
 
 if TYPE_CHECKING:

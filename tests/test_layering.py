@@ -154,7 +154,10 @@ def test_the_product_never_imports_the_tools():
 
 def test_the_model_and_the_quantization_codes_stand_alone():
     g = graph()
-    assert g["engine.model"] == {"engine.feedforward", "engine.rotary"}  # the architecture: its MLPs and rotations
+    # the architecture: its MLPs, rotations, latent attention and the parts the attention kinds share
+    assert g["engine.model"] == {"engine.feedforward", "engine.rotary", "engine.latent_attention", "engine.block_parts"}
+    assert g["engine.latent_attention"] == {"engine.block_parts", "engine.rotary"}
+    assert g["engine.block_parts"] == set()
     assert g["engine.feedforward"] == set()
     assert g["engine.rotary"] == set()
     assert g["engine.quant"] == set()  # the codes' definition: nothing from the engine
@@ -212,7 +215,7 @@ FLOORS = [
             "engine.user_cache", "engine.logprobs", "engine.disk_store", "engine.disk_files", "engine.request",
             "engine.kv_tiers", "engine.grammar", "engine.tool_calls", "engine.images", "engine.vision",
             "engine.image_prompt", "engine.vision_qwen", "engine.text_configs", "engine.rotary", "engine.family_fields",
-            "engine.harmony", "engine.text_stream",
+            "engine.harmony", "engine.text_stream", "engine.latent_attention", "engine.block_parts",
         ),
     ),
     ("backends", ("engine.backends",)),

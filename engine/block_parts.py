@@ -1,5 +1,6 @@
-"""The RMS norm every family's blocks use (Gemma's with its 1 + w), apart from engine.model so the attention kinds
-beside it (engine.latent_attention) build on it without importing the decoder."""
+"""What the attention kinds and the decoder's blocks share: the RMS norm (Gemma's with its 1 + w) and the dtype
+attention computes in. Apart from engine.model so the attention beside it (engine.latent_attention) builds on them
+without importing the decoder."""
 
 from __future__ import annotations
 
@@ -26,3 +27,12 @@ class RMSNorm(nn.Module):
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused kernel
         return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+
+
+def attention_dtype(dtype: torch.dtype, device: torch.device, widen_bf16: bool = False) -> torch.dtype:
+    """The dtype attention computes in: the activations', float32 for float16 on the CPU (its fp16 kernel is slow)
+    and, with `widen_bf16` (the loader's, on a CPU without bf16 instructions, where SDPA falls back to its slow
+    reference path), for bfloat16 there too."""
+    if device.type == "cpu" and (dtype == torch.float16 or (dtype == torch.bfloat16 and widen_bf16)):
+        return torch.float32
+    return dtype
