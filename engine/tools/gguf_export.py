@@ -9,6 +9,7 @@ The vocabulary is written as opaque tokens: the benchmark feeds token ids, never
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +34,8 @@ ARCHES = {  # kvchat's family -> llama.cpp's architecture (Mistral and Mixtral a
     "qwen3_moe": "qwen3moe",
     "mixtral": "llama",
     "gpt_oss": "gpt-oss",
+    "deepseek_v2": "deepseek2",
+    "deepseek_v3": "deepseek2",
 }
 FTYPES = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K_M", "Q5_K_M", "Q6_K")  # quantize_gguf's
 
@@ -59,7 +62,7 @@ def write_gguf(model_dir, out: Path, matrices: str = "F32", tokenizer: bool = Fa
         raise EngineError(f"no GGUF mapping for the {cfg.family!r} family")
     arch = "qwen2vl" if cfg.rope.sections else ARCHES[cfg.family]  # Qwen2.5-VL's text model: llama.cpp's own arch
     if cfg.rope.type not in ("default", "longrope") and (cfg.rope.type, cfg.family) not in (
-        ("linear", "gemma3"), ("yarn", "gpt_oss")
+        ("linear", "gemma3"), ("yarn", "gpt_oss"), ("yarn", "deepseek_v2"), ("yarn", "deepseek_v3")
     ):  # fmt: skip
         raise EngineError(f"GGUF export handles default rotary scaling only, not {cfg.rope.type!r}")
     w = gguf.GGUFWriter(str(out), arch)
@@ -69,9 +72,10 @@ def write_gguf(model_dir, out: Path, matrices: str = "F32", tokenizer: bool = Fa
     w.add_block_count(cfg.num_layers)
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_heads)
-    w.add_head_count_kv(cfg.num_kv_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
+    # latent attention as llama.cpp's converter writes it: one K/V head, the key the latent and the rotary key
+    w.add_head_count_kv(1 if cfg.mla else cfg.num_kv_heads)
+    w.add_key_length(cfg.kv_lora_rank + cfg.head_dim if cfg.mla else cfg.head_dim)
+    w.add_value_length(cfg.kv_lora_rank if cfg.mla else cfg.head_dim)
     w.add_rope_dimension_count(int(cfg.head_dim * cfg.rope.partial))
     w.add_rope_freq_base(cfg.rope.theta)
     if cfg.rope.sections:
@@ -117,6 +121,11 @@ def write_gguf(model_dir, out: Path, matrices: str = "F32", tokenizer: bool = Fa
         else:
             with safe_open(str(files[name]), framework="pt", device="cpu") as f:
                 t = f.get_tensor(stored.get(name, name)).float()
+        if cfg.mla and name.endswith("kv_b_proj.weight"):  # as llama.cpp's converter: k_b transposed, v_b
+            heads = t.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+            k_b, v_b = heads.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)
+            tensors += [(gname, k_b.transpose(1, 2).contiguous()), (gname.replace("attn_k_b", "attn_v_b"), v_b)]
+            continue
         if arch in PERMUTED and gname.endswith(("attn_q.weight", "attn_q.bias")):
             t = _permute(t, cfg.num_heads)
         elif arch in PERMUTED and gname.endswith(("attn_k.weight", "attn_k.bias")):
@@ -327,6 +336,32 @@ def _family_metadata(w, cfg) -> None:
         if cfg.family == "qwen3_moe":
             w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
             w.add_expert_weights_norm(cfg.norm_topk_prob)
+    if cfg.mla:
+        _deepseek_metadata(w, cfg)
+
+
+def _deepseek_metadata(w, cfg) -> None:
+    """DeepSeek's latent attention and router under llama.cpp's deepseek2 keys."""
+    import gguf
+
+    if cfg.q_lora_rank:
+        w.add_q_lora_rank(cfg.q_lora_rank)
+    w.add_kv_lora_rank(cfg.kv_lora_rank)
+    w.add_key_length_mla(cfg.qk_nope_head_dim + cfg.head_dim)
+    w.add_value_length_mla(cfg.v_head_dim)
+    w.add_leading_dense_block_count(cfg.moe_layers.index(True) if True in cfg.moe_layers else cfg.num_layers)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_shared_count(cfg.shared_experts)
+    w.add_expert_weights_scale(cfg.routed_scaling)
+    w.add_expert_weights_norm(cfg.norm_topk_prob)
+    sigmoid = cfg.router_scoring == "sigmoid"
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if sigmoid else gguf.ExpertGatingFuncType.SOFTMAX)
+    if cfg.router_groups:
+        w.add_expert_group_count(cfg.router_groups)
+        w.add_expert_group_used_count(cfg.router_topk_groups)
+    if cfg.rope.type == "yarn":  # llama.cpp's 0.1 · mscale_all_dim: what the scores' scale grew by, undone
+        mscale = (cfg.attention_scale * (cfg.qk_nope_head_dim + cfg.head_dim) ** 0.5) ** 0.5
+        w.add_rope_scaling_yarn_log_mul((mscale - 1) / math.log(cfg.rope.factor) if cfg.rope.factor > 1 else 0.0)
 
 
 def _write_tokenizer(w, model_dir: Path, vocab_size: int) -> None:

@@ -41,6 +41,7 @@ ARCHITECTURES = {  # a GGUF's general.architecture -> config.json's (a "llama" f
     "granite": "GraniteForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "deepseek2": "DeepseekV2ForCausalLM",  # V3 where its router is a sigmoid (config_dict)
     "gpt-oss": "GptOssForCausalLM",
 }
 KINDS = {str: "string", int: "whole number", NUMBER: "number"}  # how an error names what a key should hold
@@ -160,7 +161,7 @@ class GGUFModel:
                 f"rope scaling {scaling!r} is not supported (supported: none, linear, yarn)", self.path
             )
         rope_dims = self._arch("rope.dimension_count")
-        if rope_dims is not None and rope_dims != head_dim:
+        if rope_dims is not None and rope_dims != head_dim and self.arch != "deepseek2":
             if self.arch != "phi3":
                 raise ModelLoadError(
                     f"partial rotary embeddings ({rope_dims} of {head_dim}) are not supported", self.path
@@ -214,6 +215,8 @@ class GGUFModel:
             )
         elif self.arch == "smollm3":
             out["no_rope_layer_interval"] = 4  # llama.cpp's: every 4th layer unrotated
+        elif self.arch == "deepseek2":
+            out.update(self._deepseek_dict(raw, experts))
         elif self.arch == "qwen2vl":  # the frequencies each of a position's t, h, w rotates (a 4th, unused, last)
             sections = self._arch("rope.dimension_sections")
             sections = [int(v) for v in sections][:3] if isinstance(sections, np.ndarray) else sections
@@ -227,6 +230,58 @@ class GGUFModel:
                 norm_topk_prob=bool(self._arch("expert_weights_norm", True)),
             )
         return out
+
+    def _deepseek_dict(self, raw: dict, experts: int) -> dict:
+        """DeepSeek-V2/V3's latent attention and router from llama.cpp's deepseek2 keys: the key length is the
+        latent's and the rotary key's (d_c + d_r), key_length_mla a head's (d_n + d_r); a sigmoid router is V3's.
+        YaRN's mscale comes as 0.1 · mscale_all_dim (taken for both mscales: their ratio, the cos/sin factor, 1)."""
+        rope = self._arch("rope.dimension_count")
+        sigmoid = self._arch("expert_gating_func") == 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+        groups = self._arch("expert_group_count")
+        out = {
+            "architectures": ["DeepseekV3ForCausalLM" if sigmoid else "DeepseekV2ForCausalLM"],
+            "kv_lora_rank": self._arch("attention.kv_lora_rank"),
+            "q_lora_rank": self._arch("attention.q_lora_rank"),
+            "qk_rope_head_dim": rope,
+            "qk_nope_head_dim": (self._arch("attention.key_length_mla") or 0) - (rope or 0),
+            "v_head_dim": self._arch("attention.value_length_mla"),
+            "n_routed_experts": experts,
+            "n_shared_experts": self._arch("expert_shared_count", 0),
+            "first_k_dense_replace": self._arch("leading_dense_block_count", 0),
+            "routed_scaling_factor": self._arch("expert_weights_scale", 1.0),
+            "norm_topk_prob": bool(self._arch("expert_weights_norm", False)),
+            "rope_interleave": True,  # llama.cpp rotates its pairs adjacent (LLAMA_ROPE_TYPE_NORM)
+        }
+        if groups:
+            out.update(n_group=groups, topk_group=self._arch("expert_group_used_count", groups))
+            out["topk_method"] = "noaux_tc" if sigmoid else "group_limited_greedy"
+        scaling = raw.get("rope_scaling")
+        log_mul = self._arch("rope.scaling.yarn_log_multiplier")
+        if isinstance(scaling, dict) and log_mul:
+            scaling.update(mscale=log_mul / 0.1, mscale_all_dim=log_mul / 0.1)
+        return out
+
+    def kv_b(self, hf: str) -> tuple | None:
+        """Latent attention's kv_b (d_c -> H·(d_n + d_v)) as llama.cpp's converter splits it, k_b [H, d_c, d_n] and
+        v_b [H, d_v, d_c], read as one [H·(d_n + d_v), d_c]: the two tensors, or None for any other name."""
+        if self.arch != "deepseek2" or not hf.endswith("self_attn.kv_b_proj.weight"):
+            return None
+        k_name = self.gguf_name(hf)
+        k_b, v_b = self.tensors.get(k_name), self.tensors.get(k_name.replace("attn_k_b", "attn_v_b"))
+        if k_b is None or v_b is None:
+            return None
+        if len(k_b.shape) != 3 or len(v_b.shape) != 3 or k_b.shape[0] != v_b.shape[0] or k_b.shape[1] != v_b.shape[2]:
+            said = f"{k_name} {list(k_b.shape)} and attn_v_b {list(v_b.shape)} are not one kv_b"
+            raise ModelLoadError(said, self.path)
+        return k_b, v_b
+
+    def hf_shape(self, hf: str, gname: str) -> tuple[int, ...]:
+        """A tensor's shape under its Hugging Face name (kv_b's joined from its two parts)."""
+        parts = self.kv_b(hf)
+        if parts is None:
+            return self.shape(self.tensors[gname])
+        (heads, latent, nope), values = parts[0].shape, parts[1].shape[1]
+        return (heads * (nope + values), latent)
 
     def rope_factors(self) -> tuple[float, ...]:
         """Per-frequency divisors from `rope_freqs.weight` (how Llama 3.1+ files carry their rope scaling)."""
@@ -293,6 +348,12 @@ class GGUFModel:
     def read_float(self, hf: str, cfg, dtype, device, a: int = 0, b: int | None = None) -> torch.Tensor:
         """A tensor (rows a:b of it) in `dtype` on `device`, dequantized where the file holds codes."""
         gname = self.gguf_name(hf)
+        parts = self.kv_b(hf)
+        if parts is not None:  # [H, d_c, d_n] transposed beside [H, d_v, d_c], each head's rows together
+            k_b, v_b = (self._float_rows(t) for t in parts)
+            joined = np.concatenate((k_b.transpose(0, 2, 1), v_b), axis=1).reshape(-1, k_b.shape[1])
+            self._note(gname, dtype)
+            return torch.from_numpy(np.ascontiguousarray(joined[a:b])).to(device=device, dtype=dtype)
         t = self.tensors[gname]
         order = self.permutation(hf, cfg)
         if order is not None:  # small (q and k): whole, then reordered

@@ -57,6 +57,18 @@ ARCH_BLOCK_NAMES = {  # where an architecture's names depart from BLOCK_NAMES
     },
     "gpt-oss": {"post_attention_layernorm.weight": "post_attention_norm.weight"},
     "phi3": {"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"},
+    "deepseek2": {  # latent attention; kv_b as two tensors (k_b transposed, v_b), read joined: GGUFModel.kv_b
+        "self_attn.q_a_proj.weight": "attn_q_a.weight",
+        "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+        "self_attn.q_b_proj.weight": "attn_q_b.weight",
+        "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+        "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
+        "self_attn.kv_b_proj.weight": "attn_k_b.weight",
+        "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+        "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+        "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+        "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+    },
 }
 ARCH_BLOCK_NAMES["gemma3"] = ARCH_BLOCK_NAMES["gemma2"]
 EXPERT = re.compile(r"^(mlp|block_sparse_moe)\.experts\.(\d+)\.(.+)$")
