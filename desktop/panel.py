@@ -65,6 +65,9 @@ REUSE_ROWS = (
 )
 
 
+FORMULA_TITLES = {False: "2·L·T·H_kv·d·b", True: "L·T·(d_c+d_r)·b"}  # the KV formula's row: latent attention's or not
+
+
 class StatsPanel(QScrollArea):
     exportRequested = Signal()
 
@@ -132,10 +135,11 @@ class StatsPanel(QScrollArea):
             ("kvAllocatedValue", "Allocated"),
             ("kvPerPositionValue", "Per position"),
             ("imagesValue", "Images"),
-            ("kvFormulaValue", "2·L·T·H_kv·d·b"),
+            ("kvFormulaValue", FORMULA_TITLES[False]),
             ("cachePointValue", "Measured"),
         ]:
             self._row(form, name, label)
+        self.kvFormulaTitle = form.labelForField(self.kvFormulaValue)  # latent attention's formula has its own
         lay.addWidget(cache_box)
 
         self._group(
@@ -336,6 +340,10 @@ class StatsPanel(QScrollArea):
         self.set("kvAllocatedValue", NOT_REPORTED if allocated is None else fmt_bytes(allocated))
         known = per is not None and f.get("layers") is not None
         self.set("kvFormulaValue", kv_formula(f, held, kinds, positions, payload) if known else NOT_REPORTED)
+        title = FORMULA_TITLES[bool(f.get("latent"))]
+        if self.kvFormulaTitle.text() != title:
+            self.kvFormulaTitle.setText(title)
+            self.kvFormulaValue.setAccessibleName(title)
         self.set("cachePointValue", point)
 
     def show_reply(self, s, title: str = "") -> None:

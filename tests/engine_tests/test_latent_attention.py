@@ -132,3 +132,20 @@ def test_a_config_that_cannot_size_the_cache_is_refused_by_name(change, said):
     config_from_dict(raw)  # as it is: read
     with pytest.raises(ModelLoadError, match=said):
         config_from_dict({**raw, **change})
+
+
+def test_drafted_replies_are_the_models_alone(latent_dir):
+    """The speculative path on latent attention: lookup drafts and the int4 copy's drafts, verified as a few
+    positions at once (absorbed) and rolled back where rejected, give the tokens of no drafts at all."""
+    loaded = load_model(latent_dir, dtype="float32")
+    prompt = tuple(range(40, 72)) + tuple(range(40, 49))  # holds its own continuation: lookup finds drafts
+    want = None
+    for kind in (None, "lookup", "int4"):
+        events = list(Session(loaded, capacity=256).generate(
+            Request(prompt_ids=prompt, max_new_tokens=24, ignore_eos=True, speculative=kind)))  # fmt: skip
+        final = events[-1]
+        assert isinstance(final, Finished), final
+        want = want or final.token_ids
+        assert final.token_ids == want, kind
+        if kind is not None:
+            assert final.trace["speculative"]["drafted"] > 0, kind
