@@ -214,8 +214,22 @@ class ModelConfig:
 
     @property
     def plain_blocks(self) -> bool:
-        """The blocks the one-call C decode step computes: the Llama shape, a layer's MLP possibly a mixture of
-        experts (Qwen3-MoE, Mixtral)."""
+        """The Llama shape's blocks, a layer's MLP possibly a mixture of experts (Qwen3-MoE, Mixtral): one window for
+        every layer, no sinks, no biases or clamps in the mixture."""
+        return (
+            self.step_blocks
+            and len(set(self.windows)) <= 1
+            and self.rope.attention_factor == 1.0
+            and not self.sinks
+            and self.swiglu_limit is None
+            and not (self.router_bias or self.expert_bias or self.router_topk_first)
+        )
+
+    @property
+    def step_blocks(self) -> bool:
+        """The blocks the one-call C decode step computes: the plain ones, and gpt-oss's (attention sinks, a window on
+        some layers, the router's bias and its top k's softmax, biased experts with the clamped SwiGLU; yarn's
+        attention factor is in the rotary tables the step is given)."""
         return (
             self.hidden_act == "silu"
             and self.norm_offset == 0.0
@@ -228,13 +242,9 @@ class ModelConfig:
             and self.final_softcap is None
             and self.logits_scale == 1.0
             and self.rope_local is None
-            and len(set(self.windows)) <= 1
             and all(self.rope_layers or (True,))
             and self.rope.partial == 1.0
-            and self.rope.attention_factor == 1.0
-            and not self.sinks
-            and self.swiglu_limit is None
-            and not (self.router_bias or self.expert_bias or self.router_topk_first)
+            and self.rope.type != "longrope"
             and not self.mla
             and not self.shared_experts
             and self.router_scoring == "softmax"

@@ -196,6 +196,11 @@ class _Layer(ctypes.Structure):  # kv_layer in csrc/kernels.h
         ("top_k", ctypes.c_int64),
         ("norm_topk", ctypes.c_int64),
         ("expert_f", ctypes.c_int64),
+        ("sinks", ctypes.c_void_p),
+        ("window", ctypes.c_int64),
+        ("topk_first", ctypes.c_int64),
+        ("swiglu_limit", ctypes.c_float),
+        ("swiglu_alpha", ctypes.c_float),
     ]
 
 
@@ -209,8 +214,8 @@ class DecodeLayers:
 
     def __init__(self, kernels, model):
         cfg = model.cfg
-        if not cfg.plain_blocks:  # the C step computes the Llama shape (its MLP possibly a mixture) only
-            raise ValueError(f"the {cfg.family} family's blocks are not the Llama shape the one-call step computes")
+        if not cfg.step_blocks:  # the C step computes the Llama shape (its MLP possibly a mixture) and gpt-oss's
+            raise ValueError(f"the {cfg.family} family's blocks are not the shape the one-call step computes")
         if cfg.num_experts > MAX_EXPERTS or cfg.experts_per_token > MAX_TOP_K:
             raise ValueError(f"{cfg.num_experts} experts, {cfg.experts_per_token} a token: past what the step routes")
         self.dtype = model.norm.weight.dtype
@@ -238,9 +243,13 @@ class DecodeLayers:
             )
 
         self.expert_tables = []  # each mixture layer's kv_linear array, kept alive while the step points at it
-        for layer, block in zip(self.layers, model.layers):
+        for i, (layer, block) in enumerate(zip(self.layers, model.layers)):
             a = block.attn
             layer.attn_norm, layer.mlp_norm = addr(block.attn_norm.weight), addr(block.mlp_norm.weight)
+            layer.window = cfg.window(i) or 0  # each layer's own (gpt-oss: every other one slides)
+            if a.sinks is not None:  # gpt-oss's sinks, as the kernels' attention reads them
+                sinks = getattr(a, "sinks_f32", None)
+                layer.sinks = addr(sinks if sinks is not None else a.sinks.detach().float().contiguous())
             layer.q_norm = addr(None if a.q_norm is None else a.q_norm.weight)
             layer.k_norm = addr(None if a.k_norm is None else a.k_norm.weight)
             layer.qkv, layer.o = linear(a.qkv), linear(a.o)
@@ -249,18 +258,21 @@ class DecodeLayers:
                 router = moe.router.weight
                 if router.dtype != self.dtype:
                     raise ValueError("the router's weights are not of the model's dtype")
-                layer.router = _Linear(addr(router), None, None, None, router.shape[0], router.shape[1], 0, 0, 0, 0)
+                bias = addr(moe.router.bias)  # gpt-oss's router has one
+                layer.router = _Linear(addr(router), None, None, bias, router.shape[0], router.shape[1], 0, 0, 0, 0)
                 table = (_Linear * (2 * len(moe.experts)))(
                     *[lin for e in moe.experts for lin in (linear(e.gate_up), linear(e.down))]
                 )
                 self.expert_tables.append(table)
                 layer.experts = ctypes.addressof(table)
                 layer.n_experts, layer.top_k, layer.norm_topk = len(moe.experts), moe.k, int(moe.normalize)
-                layer.expert_f = moe.experts[0].f
+                layer.expert_f, layer.topk_first = moe.experts[0].f, int(moe.topk_first)
+                limit = moe.experts[0].limit  # gpt-oss's clamped SwiGLU
+                layer.swiglu_limit, layer.swiglu_alpha = (limit, moe.experts[0].alpha) if limit is not None else (0, 1)
             else:
                 layer.gate_up, layer.down = linear(block.mlp.gate_up), linear(block.mlp.down)
         self.qk_eps = cfg.rms_norm_eps if cfg.qk_norm else 0.0
-        self.eps, self.window = cfg.rms_norm_eps, cfg.sliding_window
+        self.eps = cfg.rms_norm_eps  # (each layer's window is its own: kv_layer.window)
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.hidden, self.mlp = cfg.hidden_size, cfg.intermediate_size
         width = (self.heads + 2 * self.kv_heads) * self.head_dim
@@ -325,7 +337,7 @@ class DecodeLayers:
             rows += [torch.empty(B * t.numel(), dtype=torch.float32) for t in self.scratch[6:]]  # fx, fy
             self._batch_scratch = (B, rows)
         rows = self._batch_scratch[1]
-        lo = [0 if self.window is None else max(0, p - self.window + 1) for p in pos]
+        lo = [0] * B  # (each layer starts at its own window: kv_layer.window)
         n, slots = len(self.layers), caches[0].k.shape[3]
         tables = [c.kernel_table() for c in caches]
         for p, t in zip(pos, tables):
@@ -367,7 +379,7 @@ class DecodeLayers:
             for i, layer in enumerate(self.layers):
                 layer.k_cache, layer.v_cache = cache.k[i, 0].data_ptr(), cache.v[i, 0].data_ptr()
             self.cache_at = at
-        lo = 0 if self.window is None else max(0, pos - self.window + 1)
+        lo = 0  # (each layer starts at its own window: kv_layer.window)
         x_, cos_, sin_ = self.kernels.memory(x, cos, sin)
         self.fn(
             self.layers,

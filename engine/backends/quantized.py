@@ -165,9 +165,10 @@ class QuantLinear(nn.Module):
 
     def kernel_operands(self, kernels):
         """(codes, scales, mins, bias, group, bits, tiles) as the one-call decode step reads them, when it can."""
-        if kernels is not self.decoder or self.mode == "mxfp4":  # (the one-call step reads no MXFP4)
+        if kernels is not self.decoder:
             return None
-        return self.codes, self.scales, self.mins, self.bias, self.group_size, BITS[self.mode], self.tiles
+        mode = KV_MXFP4 if self.mode == "mxfp4" else BITS[self.mode]  # (the mode numbers of csrc/kernels.h)
+        return self.codes, self.scales, self.mins, self.bias, self.group_size, mode, self.tiles
 
     def tiles_fit(self) -> bool:
         """Whether the kernels have a tiled layout for this layer: int4 codes with float32 activations (or int8
@@ -428,6 +429,9 @@ def quantize_head(model: nn.Module, group_size: int, embed=None, lm_head=None) -
 
 
 FLOAT_SHARE = 0.5  # the share of the memory free at load that weights dequantized for torch may take
+
+
+KV_MXFP4 = 3  # csrc/kernels.h's mode for MXFP4 codes (the others' modes are their bits)
 
 
 def mxfp4_as_int8(pre: PreQuantized) -> PreQuantized:

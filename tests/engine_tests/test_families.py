@@ -88,7 +88,7 @@ def test_quantized_families_decode_as_they_prefill(family_dir, weights):
         assert all(type(e.gate_up).__name__ == "QuantLinear" for e in mlp.mlps())  # the shared experts too
         assert type(mlp.router).__name__ == "Linear"
         # the one-call C step routes the experts itself (a plain mixture's), and agreed with the module path at load
-        assert (quant.model.decode_step is not None) == quant.config.plain_blocks
+        assert (quant.model.decode_step is not None) == quant.config.step_blocks
         assert quant.model.decode_step_refused is None
 
 

@@ -100,7 +100,8 @@ def test_the_mxfp4_blocks_compute_as_the_values_they_code(tmp_path, kernel_varia
 
 def test_its_config_reads_as_the_family_is_built(tmp_path):
     """Every other layer slides (the first does), sinks and yarn are said in the cache's words, and the one-call C
-    step is not offered the family (its attention has sinks, its experts biases and a clamp)."""
+    step computes the family (sinks, a window per layer, the router's bias and top k, the experts' biases and clamp)
+    and agreed with the module path at load."""
     opts = dict(FAMILY_CASES["gpt_oss"], num_hidden_layers=4)
     loaded = load_model(make_checkpoint(tmp_path, opts.pop("family"), **opts), dtype="float32")
     cfg = loaded.config
@@ -108,7 +109,8 @@ def test_its_config_reads_as_the_family_is_built(tmp_path):
     assert "attention sinks" in cfg.describe_attention() and "window 6 on 2 of 4 layers" in cfg.describe_attention()
     assert cfg.rope.type == "yarn" and "yarn ramp 1–32 turns (untruncated)" in cfg.rope.describe()
     assert abs(cfg.rope.attention_factor - (0.1 * torch.log(torch.tensor(4.0)).item() + 1)) < 1e-9
-    assert not cfg.plain_blocks and loaded.model.decode_step is None
+    assert not cfg.plain_blocks and cfg.step_blocks
+    assert loaded.model.decode_step is not None and loaded.model.decode_step_refused is None
 
 
 @pytest.mark.parametrize(

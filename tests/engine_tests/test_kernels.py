@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from checkpoints import make_checkpoint
+from checkpoints import FAMILY_CASES, make_checkpoint
 from engine import devices
 from engine.backends import kernel_build, kernel_checks, kernel_verdicts, kernels, quantized
 from engine.backends.cpu_layouts import KernelHead, KernelLinear, PackedLinear
@@ -148,8 +148,10 @@ def test_attention_step_equals_the_torch_step(tmp_path, dtype, family, extra):
 @needs_kernels
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize(
-    "family,extra", [("llama", {}), ("qwen2", {"tie": True}), ("qwen3", {}), ("mistral", {"sliding_window": 8})]
-)
+    "family,extra",
+    [("llama", {}), ("qwen2", {"tie": True}), ("qwen3", {}), ("mistral", {"sliding_window": 8}),
+     ("gpt_oss", {k: v for k, v in FAMILY_CASES["gpt_oss"].items() if k != "family"})],
+)  # fmt: skip
 def test_decoding_through_the_kernels_matches_torchs_kernels(
     tmp_path, monkeypatch, dtype, family, extra, kernel_variant
 ):

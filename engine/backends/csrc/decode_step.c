@@ -13,6 +13,7 @@ void kv_silu_f32(const float *g, float *y, int64_t n) { silu_f32(g, y, n); }
 typedef void (*kv_product)(const void *, const float *, const float *, const float *, float *, int64_t, int64_t,
                            int64_t, int);
 static const kv_product PRODUCTS[KV_INT8 + 1][2][2] = {
+    [KV_MXFP4] = {{(kv_product)kv_matvec_mx4, NULL}, {(kv_product)kv_matvec_mx4x, NULL}},
     [KV_INT8] = {{(kv_product)kv_matvec_q8, NULL}, {(kv_product)kv_matvec_q8x, NULL}},
     [KV_INT5] = {{(kv_product)kv_matvec_q5, NULL}, {(kv_product)kv_matvec_q5x, NULL}},
     [KV_INT4] = {{(kv_product)kv_matvec_q4, (kv_product)kv_matvec_q4t},
@@ -21,6 +22,12 @@ static const kv_product PRODUCTS[KV_INT8 + 1][2][2] = {
 
 static void quant_matvec(const kv_linear *l, const float *x, float *y, int nt) {
     PRODUCTS[l->mode][l->act != 0][l->tiles != 0](l->w, l->scales, l->mins, x, y, l->out, l->in, l->group, nt);
+}
+
+/* The first position layer L attends to at `pos`: the step's `lo`, or later within the layer's own window. */
+static int64_t layer_lo(const kv_layer *L, int64_t pos, int64_t lo) {
+    int64_t w = L->window ? pos - L->window + 1 : 0;
+    return w > lo ? w : lo;
 }
 
 #define DECODE(SUF, T, TO_F32, FROM_F32)                                                                   \
@@ -37,14 +44,24 @@ static void quant_matvec(const kv_linear *l, const float *x, float *y, int nt) {
             for (int64_t i = 0; i < l->out; i++) y[i] = FROM_F32(TO_F32(y[i]) + TO_F32(b[i]));              \
         }                                                                                                   \
     }                                                                                                       \
-    /* gate_up -> silu(gate) * up -> down over F, h [D] -> t [D] (gu [2F] scratch): a dense MLP, or one expert */ \
-    static void mlp_##SUF(const kv_linear *gate_up, const kv_linear *down, int64_t F, const T *h, T *gu, T *t,   \
-                          float *fx, float *fy, int nt) {                                                        \
+    /* gate_up -> silu(gate) * up -> down over F, h [D] -> t [D] (gu [2F] scratch): a dense MLP, or one expert; \
+     * with a limit (gpt-oss's experts) the clamped SwiGLU (clamp(up, ±l) + 1) · g·σ(α g), g = min(gate, l) */    \
+    static void mlp_##SUF(const kv_linear *gate_up, const kv_linear *down, int64_t F, float limit, float alpha,  \
+                          const T *h, T *gu, T *t, float *fx, float *fy, int nt) {                               \
         linear_##SUF(gate_up, h, gu, fx, fy, nt);                                                               \
-        for (int64_t i = 0; i < F; i++) fx[i] = TO_F32(gu[i]);                                                  \
-        silu_f32(fx, fx, F);                                                                                    \
-        for (int64_t i = 0; i < F; i++) /* silu(gate) * up, each rounded as torch rounds */                     \
-            gu[i] = FROM_F32(TO_F32(FROM_F32(fx[i])) * TO_F32(gu[F + i]));                                      \
+        if (limit > 0.0f) {                                                                                     \
+            for (int64_t i = 0; i < F; i++) { /* each op rounded as engine/feedforward.py's torch ops round */   \
+                float g = fminf(TO_F32(gu[i]), limit), u = fmaxf(fminf(TO_F32(gu[F + i]), limit), -limit);      \
+                float sg = TO_F32(FROM_F32(1.0f / (1.0f + expf(-TO_F32(FROM_F32(g * alpha))))));               \
+                float glu = TO_F32(FROM_F32(g * sg));                                                           \
+                gu[i] = FROM_F32(TO_F32(FROM_F32(u + 1.0f)) * glu);                                             \
+            }                                                                                                   \
+        } else {                                                                                                \
+            for (int64_t i = 0; i < F; i++) fx[i] = TO_F32(gu[i]);                                              \
+            silu_f32(fx, fx, F);                                                                                \
+            for (int64_t i = 0; i < F; i++) /* silu(gate) * up, each rounded as torch rounds */                 \
+                gu[i] = FROM_F32(TO_F32(FROM_F32(fx[i])) * TO_F32(gu[F + i]));                                  \
+        }                                                                                                       \
         linear_##SUF(down, gu, t, fx, fy, nt);                                                                  \
     }                                                                                                           \
     /* A mixture's MLP on h [D], added into x: the router's softmax (float32), its top k (highest first, the   \
@@ -56,21 +73,30 @@ static void quant_matvec(const kv_linear *l, const float *x, float *y, int nt) {
         float p[KV_MAX_EXPERTS], w[KV_MAX_TOP_K], top = -INFINITY, sum = 0.0f;                                  \
         int64_t chosen[KV_MAX_TOP_K];                                                                            \
         linear_##SUF(&L->router, h, t, fx, fy, nt); /* logits [E], rounded to T as the router's output is */    \
-        for (int64_t e = 0; e < E; e++) top = fmaxf(top, TO_F32(t[e]));                                         \
-        for (int64_t e = 0; e < E; e++) sum += (p[e] = expf(TO_F32(t[e]) - top));                              \
-        for (int64_t e = 0; e < E; e++) p[e] /= sum;                                                            \
+        if (L->topk_first) /* gpt-oss: the logits themselves chosen from, their softmax over the k after */     \
+            for (int64_t e = 0; e < E; e++) p[e] = TO_F32(t[e]);                                                \
+        else {                                                                                                  \
+            for (int64_t e = 0; e < E; e++) top = fmaxf(top, TO_F32(t[e]));                                     \
+            for (int64_t e = 0; e < E; e++) sum += (p[e] = expf(TO_F32(t[e]) - top));                          \
+            for (int64_t e = 0; e < E; e++) p[e] /= sum;                                                        \
+        }                                                                                                       \
         float kept = 0.0f;                                                                                      \
-        for (int64_t j = 0; j < K; j++) {                                                                       \
+        for (int64_t j = 0; j < K; j++) { /* taken ones marked NaN: never above another again */             \
             int64_t best = -1;                                                                                  \
             for (int64_t e = 0; e < E; e++)                                                                     \
-                if (p[e] >= 0.0f && (best < 0 || p[e] > p[best])) best = e;                                     \
+                if (p[e] == p[e] && (best < 0 || p[e] > p[best])) best = e;                                     \
             if (best < 0) best = 0; /* NaN scores: any expert (the load-time check refuses such a step) */   \
-            chosen[j] = best, w[j] = p[best], kept += p[best], p[best] = -1.0f;                                 \
+            chosen[j] = best, w[j] = p[best], kept += p[best], p[best] = NAN;                                   \
         }                                                                                                       \
-        for (int64_t j = 0; j < K; j++) w[j] = TO_F32(FROM_F32(L->norm_topk ? w[j] / kept : w[j]));             \
+        if (L->topk_first) { /* the k logits' softmax, rounded to T as torch's softmax in T rounds it */        \
+            float m = w[0], z = 0.0f;                                                                           \
+            for (int64_t j = 0; j < K; j++) z += (w[j] = expf(w[j] - m));                                       \
+            for (int64_t j = 0; j < K; j++) w[j] = TO_F32(FROM_F32(w[j] / z));                                  \
+        } else                                                                                                  \
+            for (int64_t j = 0; j < K; j++) w[j] = TO_F32(FROM_F32(L->norm_topk ? w[j] / kept : w[j]));         \
         for (int64_t j = 0; j < K; j++) {                                                                       \
             const kv_linear *ex = L->experts + 2 * chosen[j];                                                   \
-            mlp_##SUF(ex, ex + 1, L->expert_f, h, gu, t, fx, fy, nt);                                           \
+            mlp_##SUF(ex, ex + 1, L->expert_f, L->swiglu_limit, L->swiglu_alpha, h, gu, t, fx, fy, nt);         \
             for (int64_t i = 0; i < D; i++) {                                                                   \
                 T y = FROM_F32(TO_F32(t[i]) * w[j]);                                                            \
                 acc[i] = j == 0 ? y : FROM_F32(TO_F32(acc[i]) + TO_F32(y));                                     \
@@ -86,8 +112,8 @@ static void quant_matvec(const kv_linear *l, const float *x, float *y, int nt) {
             const kv_layer *L = layers + n;                                                                 \
             kv_rmsnorm_##SUF(x, L->attn_norm, h, D, eps);                                                   \
             linear_##SUF(&L->qkv, h, qkv, fx, fy, nt);                                                      \
-            kv_attend_##SUF(qkv, cs, sn, L->q_norm, L->k_norm, qk_eps, L->k_cache, L->v_cache, cap, pos, lo, \
-                            tb, H, Hkv, d, 1.0f / sqrtf((float)d), NULL, att, nt);                          \
+            kv_attend_##SUF(qkv, cs, sn, L->q_norm, L->k_norm, qk_eps, L->k_cache, L->v_cache, cap, pos,    \
+                            layer_lo(L, pos, lo), tb, H, Hkv, d, 1.0f / sqrtf((float)d), L->sinks, att, nt); \
             linear_##SUF(&L->o, att, t, fx, fy, nt);                                                        \
             for (int64_t i = 0; i < D; i++) x[i] = FROM_F32(TO_F32(x[i]) + TO_F32(t[i]));                   \
             kv_rmsnorm_##SUF(x, L->mlp_norm, h, D, eps);                                                    \
@@ -95,7 +121,7 @@ static void quant_matvec(const kv_linear *l, const float *x, float *y, int nt) {
                 moe_##SUF(L, h, x, gu, t, acc, fx, fy, D, nt);                                              \
                 continue;                                                                                   \
             }                                                                                               \
-            mlp_##SUF(&L->gate_up, &L->down, F, h, gu, t, fx, fy, nt);                                      \
+            mlp_##SUF(&L->gate_up, &L->down, F, 0.0f, 1.0f, h, gu, t, fx, fy, nt);                          \
             for (int64_t i = 0; i < D; i++) x[i] = FROM_F32(TO_F32(x[i]) + TO_F32(t[i]));                   \
         }                                                                                                   \
     }
@@ -106,14 +132,18 @@ static void quant_matvec(const kv_linear *l, const float *x, float *y, int nt) {
  * other rows, so a request's tokens never depend on what runs beside it. */
 /* A row of codes' bytes and its scales' count (a linear layer of codes: not KV_FLOAT). */
 static int64_t code_bytes(const kv_linear *l) {
-    return l->mode == KV_INT8 ? l->in : l->mode == KV_INT4 ? l->in / 2 : l->in / Q5_GROUP * Q5_BYTES;
+    if (l->mode == KV_INT8) return l->in;
+    return l->mode == KV_INT4 || l->mode == KV_MXFP4 ? l->in / 2 : l->in / Q5_GROUP * Q5_BYTES;
 }
-static int64_t row_groups(const kv_linear *l) { return l->in / (l->mode == KV_INT5 ? Q5_GROUP : l->group); }
+static int64_t row_groups(const kv_linear *l) {
+    return l->in / (l->mode == KV_INT5 ? Q5_GROUP : l->mode == KV_MXFP4 ? MX_GROUP : l->group);
+}
+static int64_t scale_bytes(const kv_linear *l) { return l->mode == KV_MXFP4 ? 1 : 4; } /* e8m0 bytes, or float32 */
 
 /* The bytes of one weight row with its scales (and offsets). */
 static int64_t row_bytes(const kv_linear *l, int64_t elem) {
     if (l->mode == KV_FLOAT) return l->in * elem;
-    return code_bytes(l) + row_groups(l) * 4 * (l->mins ? 2 : 1);
+    return code_bytes(l) + row_groups(l) * scale_bytes(l) * (l->mins ? 2 : 1);
 }
 
 /* Rows per chunk: what nt threads' shares of KV_CHUNK_BYTES hold, whole tiles (16 rows where not tiled). */
@@ -132,7 +162,7 @@ static kv_linear rows_of(const kv_linear *l, int64_t o0, int64_t n, int64_t elem
         s.w = (const char *)l->w + o0 * l->in * elem;
     } else {
         s.w = (const uint8_t *)l->w + o0 * code_bytes(l);
-        s.scales = l->scales + o0 * row_groups(l);
+        s.scales = (const float *)((const uint8_t *)l->scales + o0 * row_groups(l) * scale_bytes(l));
         s.mins = l->mins ? l->mins + o0 * row_groups(l) : NULL;
     }
     s.bias = l->bias ? (const void *)((const char *)l->bias + o0 * elem) : NULL;
@@ -210,8 +240,8 @@ typedef void (*kv_rows_product)(const void *, const float *, const float *, cons
             rows_##SUF(&L->qkv, B, h, D, qkv, W, fx, fy, nt);                                                   \
             for (int64_t b = 0; b < B; b++)                                                                     \
                 kv_attend_##SUF(qkv + b * W, cs + b * d, sn + b * d, L->q_norm, L->k_norm, qk_eps,              \
-                                kc[b * n_layers + n], vc[b * n_layers + n], cap, pos[b], lo[b], tb[b], H, Hkv, d, \
-                                1.0f / sqrtf((float)d), NULL, att + b * A, nt);                                 \
+                                kc[b * n_layers + n], vc[b * n_layers + n], cap, pos[b], layer_lo(L, pos[b], lo[b]), \
+                                tb[b], H, Hkv, d, 1.0f / sqrtf((float)d), L->sinks, att + b * A, nt);           \
             rows_##SUF(&L->o, B, att, A, t, ts, fx, fy, nt);                                                    \
             for (int64_t b = 0; b < B; b++)                                                                     \
                 for (int64_t i = 0; i < D; i++) x[b * D + i] = FROM_F32(TO_F32(x[b * D + i]) + TO_F32(t[b * ts + i])); \

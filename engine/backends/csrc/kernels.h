@@ -110,11 +110,11 @@ typedef struct {
     const float *mins;   /* [out, in/group] offsets (weights s·q + m), or NULL */
     const void *bias;    /* [out] of the model's type, or NULL */
     int64_t out, in, group;
-    int64_t mode;  /* KV_FLOAT, KV_INT8, KV_INT5 (a GGUF's Q5 blocks), KV_INT4 */
+    int64_t mode;  /* KV_FLOAT, KV_INT8, KV_INT5 (a GGUF's Q5 blocks), KV_INT4, KV_MXFP4 (scales: e8m0 bytes) */
     int64_t act;   /* codes' products: 0 with float32 activations, 8 with int8 ones (kv_matvec_q8x, ...) */
     int64_t tiles; /* int4 codes in tiles of this many rows (kv_matvec_q4t), 0 in rows */
 } kv_linear;
-enum { KV_FLOAT = 0, KV_INT4 = 4, KV_INT5 = 5, KV_INT8 = 8 };
+enum { KV_FLOAT = 0, KV_MXFP4 = 3, KV_INT4 = 4, KV_INT5 = 5, KV_INT8 = 8 };
 
 typedef struct {
     const void *attn_norm, *mlp_norm, *q_norm, *k_norm; /* q_norm, k_norm NULL without (Qwen3 has them) */
@@ -126,6 +126,11 @@ typedef struct {
     kv_linear router;
     const kv_linear *experts;
     int64_t n_experts, top_k, norm_topk, expert_f;
+    /* gpt-oss: each head's sink logit [H] (float32, or NULL), this layer's window (0: every position), the
+     * router's k highest logits then their softmax (topk_first), the experts' clamped SwiGLU (limit 0: silu) */
+    const float *sinks;
+    int64_t window, topk_first;
+    float swiglu_limit, swiglu_alpha;
 } kv_layer;
 enum { KV_MAX_EXPERTS = 512, KV_MAX_TOP_K = 64 }; /* what the one-call step routes (more: the module path) */
 

@@ -6,7 +6,6 @@
 #include "simd.h"
 #include "kernels.h"
 
-#define MX_GROUP 32
 
 #if KV_LANES == 16
 /* inputs i..i+15 of the evens and odds: each nibble's s · value looked up in `table` (vpermps), then an FMA each */

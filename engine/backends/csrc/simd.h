@@ -269,6 +269,7 @@ static inline float mx4_scale(uint8_t e) {
     memcpy(&f, &bits, 4);
     return f;
 }
+#define MX_GROUP 32 /* values an e8m0 scale covers */
 static inline void mx4_scales(const uint8_t *e, float *s, int64_t n) {
     for (int64_t i = 0; i < n; i++) s[i] = mx4_scale(e[i]);
 }
