@@ -173,3 +173,47 @@ def test_the_gguf_form_in_mxfp4_reads_as_the_folder_and_llama_cpp_agrees(tmp_pat
     theirs, _, _ = lc.generate(ids, 16)
     lc.close()
     assert theirs == list(done[-1].token_ids)
+
+
+@pytest.mark.parametrize("form", ["float", "mxfp4", "mxfp4-int8-activations"])
+def test_the_one_call_step_decodes_as_the_modules_and_batches_each_as_alone(tmp_path, form, kernel_variant):
+    """gpt-oss on the one-call C step (its sinks, a window on every other layer, the router's bias and top k, the
+    experts' biases and clamp, MXFP4 experts on their own products): each decode step within rounding of the
+    module path's, past the window; and several sequences' steps in one call (the scheduler's batched step) each
+    equal to its own step bit for bit, at different lengths, on every variant this CPU runs."""
+    opts = dict(FAMILY_CASES["gpt_oss"], num_hidden_layers=4)
+    path = make_checkpoint(tmp_path / "float", opts.pop("family"), **opts)
+    if form != "float":
+        _as_mxfp4(path, tmp_path / "mxfp4")
+        path = tmp_path / "mxfp4"
+    loaded = load_model(path, dtype="float32", activations="int8" if form.endswith("activations") else "float32")
+    cfg, model = loaded.config, loaded.model
+    assert model.decode_step is not None and model.decode_step_refused is None
+    if form != "float":
+        assert model.layers[0].mlp.experts[0].gate_up.mode == "mxfp4"
+
+    def caches(n):
+        made = [KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 48, torch.float32, "cpu") for _ in range(n)]
+        for i, c in enumerate(made):
+            model(torch.arange(3, 8 + 3 * i)[None] % cfg.vocab_size, c)  # 5.. positions: some past the window of 6
+        return made
+
+    with torch.inference_mode():
+        fast, slow = caches(1)[0], caches(1)[0]
+        kept = model.decode_step
+        for t in range(12):
+            token = torch.tensor([[7 + t]])
+            got = model(token, fast, last_only=True)
+            model.decode_step = None
+            want = model(token, slow, last_only=True)
+            model.decode_step = kept
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        if not model.decode_step.batches:
+            return
+        alone, together = caches(5), caches(5)
+        for step in range(3):
+            for n in (5, 2, 3):
+                tokens = [(11 * i + step + n) % cfg.vocab_size for i in range(n)]
+                want = [model(torch.tensor([[t]]), c, last_only=True) for t, c in zip(tokens, alone[:n])]
+                got = model.forward_many(tokens, together[:n])
+                assert all(torch.equal(a, b) for a, b in zip(got, want)), (step, n)
