@@ -1,11 +1,14 @@
 """The harmony format (gpt-oss): a reply is messages on channels — `<|channel|>analysis<|message|>…<|end|>` the
 model's reasoning, `<|start|>assistant<|channel|>final<|message|>…` its answer. Its text as kvchat shows every
 reasoning model's: the analysis channel as a `<think>` block (the app folds it under "Thinking" and counts its tokens
-apart), the final channel as the reply, the markers and headers dropped; and the way back, a stored reply's `<think>`
-block handed to the chat template as the message's `thinking`, as gpt-oss's template reads it.
+apart), the final channel as the reply, the markers and headers dropped, a message to a function (`to=functions.NAME`)
+read as a tool call; and the way back, a stored reply's `<think>` block handed to the chat template as the message's
+`thinking`, as gpt-oss's template reads it.
 """
 
 from __future__ import annotations
+
+import re
 
 from tokenizers.decoders import DecodeStream
 
@@ -20,17 +23,71 @@ def harmony_ids(control: dict[str, int]) -> dict[str, int] | None:
     return {m: control[m] for m in MARKERS if m in control}
 
 
+class Channels:
+    """The harmony reply's state, fed its pieces in order (a marker, or text): what each piece shows — a header's text
+    (a role and recipient after `<|start|>`, a channel's name, a `<|constrain|>` type) nothing, the analysis channel's
+    message between THINK_OPEN and THINK_CLOSE, a message to a function (`to=functions.NAME` in its header) nothing:
+    it is a call, kept in `calls` as (name, arguments); every other message its text."""
+
+    def __init__(self):
+        self.header: list[str] | None = None  # a header's text while one is read (None: in a message's body)
+        self.thinking = False  # inside the analysis channel's message
+        self.call: tuple[str, list[str]] | None = None  # a call's name and its body so far, while one is read
+        self.calls: list[tuple[str, str]] = []
+
+    def marker(self, marker: str) -> str:
+        if marker == "<|start|>" or (marker == "<|channel|>" and self.header is None):
+            self.header = []  # (a channel after `<|start|>assistant to=…` goes on with the same header)
+            return self._close()
+        if marker == "<|message|>":  # the header's end: it says what the message is
+            header = "".join(self.header or ())
+            self.header = None
+            called = CALL.search(header)
+            if called:
+                self.call = (called[1], [])
+                return ""
+            if header.split(" to=")[0].strip().endswith("analysis") and not self.thinking:
+                self.thinking = True
+                return THINK_OPEN
+            return ""
+        if marker in ("<|channel|>", "<|constrain|>"):  # within a header: its parts apart
+            if self.header is not None:
+                self.header.append(" ")
+            return ""
+        return self._close()  # <|end|>, <|call|>, <|return|>: a message ends
+
+    def text(self, piece: str) -> str:
+        if self.header is not None:
+            self.header.append(piece)
+            return ""
+        if self.call is not None:
+            self.call[1].append(piece)
+            return ""
+        return piece
+
+    def _close(self) -> str:
+        if self.call is not None:
+            self.calls.append((self.call[0], "".join(self.call[1]).strip()))
+            self.call = None
+        if self.thinking:
+            self.thinking = False
+            return THINK_CLOSE
+        return ""
+
+
+CALL = re.compile(r"\bto=functions\.([A-Za-z0-9_-]{1,64})")  # a message's recipient: one of the request's functions
+SPLIT = re.compile("(" + "|".join(re.escape(m) for m in MARKERS) + ")")
+
+
 class HarmonyStream:
-    """Token ids of a harmony reply -> text deltas: a channel's header (its name, a recipient, a role after
-    `<|start|>`) read and not shown; the analysis channel's message between THINK_OPEN and THINK_CLOSE; every other
-    channel's message as text. The same interface as engine.text_stream.TextStream."""
+    """Token ids of a harmony reply -> text deltas, as Channels shows them (headers and calls not shown, the analysis
+    channel as a thinking block). The same interface as engine.text_stream.TextStream."""
 
     def __init__(self, tok, markers: dict[str, int], start=()):
         self.tok, self.ids, self.text = tok, [], ""
         self.marker = {i: m for m, i in markers.items()}  # id -> marker
-        self._body = DecodeStream(skip_special_tokens=True)  # the messages' own tokens
-        self._header: list[int] | None = None  # a header's ids while one is read (None: in a message's body)
-        self._thinking = False  # inside the analysis channel's message
+        self._body = DecodeStream(skip_special_tokens=True)  # the tokens between markers, as text
+        self.channels = Channels()
         for i in start:
             self.push(i)
         self.started = len(self.text)
@@ -41,37 +98,26 @@ class HarmonyStream:
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        piece = self._step(token_id)
+        marker = self.marker.get(token_id)
+        if marker is not None:
+            piece = self.channels.marker(marker)
+        else:
+            piece = self.channels.text(self._body.step(self.tok.tok, token_id) or "")
         self.text += piece
         return piece
 
-    def _step(self, token_id: int) -> str:
-        marker = self.marker.get(token_id)
-        if marker in ("<|start|>", "<|channel|>"):  # a header: a role (not shown), then the channel's name
-            self._header = []
-            return self._close()
-        if marker == "<|message|>":  # the header's end: its channel says what the message is
-            channel = self.tok.decode(self._header or [], skip_special_tokens=True).strip()
-            self._header = None
-            if channel.startswith("analysis") and not self._thinking:
-                self._thinking = True
-                return THINK_OPEN
-            return ""
-        if marker is not None:  # <|end|>, <|constrain|>, a stop: a message ends (or a header goes on)
-            return self._close() if marker != "<|constrain|>" else ""
-        if self._header is not None:
-            self._header.append(token_id)
-            return ""
-        return self._body.step(self.tok.tok, token_id) or ""
-
-    def _close(self) -> str:
-        if self._thinking:
-            self._thinking = False
-            return THINK_CLOSE
-        return ""
-
     def finish(self) -> str:
         return ""  # every delta was final when pushed (a reply stopped mid-thought leaves its block open)
+
+
+def read_reply(text: str) -> tuple[str, list[tuple[str, str]]]:
+    """A harmony reply's text (its markers kept) -> what it shows and the calls it made [(name, arguments)], as
+    HarmonyStream reads the same reply token by token (a call its message ended, or the reply did)."""
+    channels, shown = Channels(), []
+    for i, piece in enumerate(SPLIT.split(text)):
+        shown.append(channels.marker(piece) if i % 2 else channels.text(piece))
+    shown.append(channels._close() if channels.call is not None else "")
+    return "".join(shown), channels.calls
 
 
 def thinking_apart(messages: list[dict]) -> list[dict]:

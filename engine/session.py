@@ -269,7 +269,7 @@ class Session:
         grammar = req.grammar
         if calling is not None and req.tool_choice not in ("none", "auto"):  # a call must come: in its schema
             grammar = call_grammar(calling, req.tools, req.tool_choice, req.parallel_tool_calls,
-                                   marker_token(loaded.tokenizer, calling))  # fmt: skip
+                                   marker_token(loaded.tokenizer, calling), loaded.tokenizer.harmony)  # fmt: skip
         guide = None
         if grammar is not None:  # compiled before anything is computed: a grammar that does not says why
             guide = Guide(grammar, loaded.tokenizer, loaded.config.vocab_size,

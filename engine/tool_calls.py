@@ -1,6 +1,7 @@
 """Tool calls in OpenAI's shape over each model family's own format: the tools a request offers (checked and
 bounded: they come from outside), the format its chat template teaches the model (Hermes/Qwen/SmolLM3
-`<tool_call>`, Llama 3.x JSON, Mistral `[TOOL_CALLS]`, Granite `<|tool_call|>`, Phi-4-mini `functools[…]`), the
+`<tool_call>`, Llama 3.x JSON, Mistral `[TOOL_CALLS]`, Granite `<|tool_call|>`, Phi-4-mini `functools[…]`, gpt-oss's
+harmony messages `to=functions.NAME`), the
 calls parsed out of a reply, and the grammar that makes a required or named call parse against its tool's schema.
 
 The model reads the tools through its own template (`tools` in its context) and writes calls as it was trained
@@ -18,6 +19,7 @@ import secrets
 
 from .errors import EngineError
 from .grammar import MAX_SOURCE, Grammar
+from .harmony import read_reply
 
 MAX_TOOLS = 128  # tools one request may offer
 MAX_CALLS = 64  # calls read out of one reply
@@ -136,6 +138,7 @@ FORMATS = {
     "mistral": Format("mistral", "[TOOL_CALLS]", array=True, gap=" "),
     "granite": Format("granite", "<|tool_call|>", array=True),
     "phi4": Format("phi4", "functools", array=True),  # Phi-4-mini: functools[{…}]
+    "harmony": Format("harmony", "to=functions."),  # gpt-oss: a message to a function (engine.harmony)
 }
 
 
@@ -143,7 +146,8 @@ def template_format(template: str | None) -> Format | None:
     """The format a chat template teaches (None: the template takes no tools)."""
     if not template or "tools" not in template:
         return None
-    for key, name in (("<tool_call>", "hermes"), ("[TOOL_CALLS]", "mistral"), ("functools", "phi4"),
+    for key, name in (("<|channel|>commentary", "harmony"), ("<tool_call>", "hermes"), ("[TOOL_CALLS]", "mistral"),
+                      ("functools", "phi4"),
                       ("<|tool_call|>", "granite"), ("<|python_tag|>", "llama3"), ("ipython", "llama3")):  # fmt: skip
         if key in template:
             return FORMATS[name]
@@ -163,7 +167,11 @@ def offered_format(tokenizer, req, model: str) -> Format | None:
 
 def parse_calls(fmt: Format, text: str) -> tuple[str, list[ToolCall]]:
     """The reply's content and the calls it made (`text`: decoded with control tokens kept). A call that is not
-    JSON of the format's shape leaves the whole reply as content: the model wrote text, not a call."""
+    JSON of the format's shape leaves the whole reply as content: the model wrote text, not a call. A harmony reply's
+    content is what its stream shows (its thinking block, its final channel), each message to a function a call."""
+    if fmt.name == "harmony":
+        shown, made = read_reply(text)
+        return shown, [ToolCall(name, arguments) for name, arguments in made[:MAX_CALLS]]
     at = text.find(fmt.marker)
     if fmt.name == "llama3" and at < 0 and text.lstrip().startswith("{"):
         at = len(text) - len(text.lstrip())  # Llama 3.x writes a call as bare JSON too
@@ -207,11 +215,24 @@ def _calls(fmt: Format, body: str) -> list[ToolCall]:
     return out
 
 
-def call_grammar(fmt: Format, tools: tuple[Tool, ...], choice: str, parallel: bool, marker_id: int | None) -> Grammar:
+def call_grammar(fmt: Format, tools: tuple[Tool, ...], choice: str, parallel: bool, marker_id: int | None,
+                 controls: dict[str, int] | None = None) -> Grammar:  # fmt: skip
     """The grammar of a reply that must call a tool (`choice` "required": any of `tools`; a name: that one), in the
     family's format, the arguments in their schema; `parallel`: one call or more; `marker_id`: the marker's
-    control token, where it is one (written as that token, not as its characters)."""
+    control token, where it is one (written as that token, not as its characters); `controls`: harmony's markers'
+    ids (gpt-oss: one call, a message to the function, ending the reply)."""
     chosen = [t for t in tools if choice == "required" or t.name == choice]
+    if fmt.name == "harmony":
+        if not controls or not {"<|channel|>", "<|constrain|>", "<|message|>", "<|call|>"} <= set(controls):
+            raise EngineError("this tokenizer lacks harmony's markers: a call cannot be required of it")
+        ch, constrain, message, call = (f"<[{controls[m]}]>" for m in ("<|channel|>", "<|constrain|>", "<|message|>",
+                                                                       "<|call|>"))  # fmt: skip
+        calls = []
+        for t in chosen:  # `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{…}<|call|>`
+            schema = json.dumps({"x-guidance": TEMPLATE_LAYOUT, **strict(t.parameters)})
+            head = json.dumps(f"commentary to=functions.{t.name} ")
+            calls.append(f'{ch} {head} {constrain} "json" {message} %json{schema} {call}')
+        return Grammar("lark", "start: " + " | ".join(calls))
     one = {"anyOf": [{"type": "object", "properties": {"name": {"const": t.name}, fmt.arguments: strict(t.parameters)},
                       "required": ["name", fmt.arguments], "additionalProperties": False} for t in chosen]}  # fmt: skip
     marker = f"<[{marker_id}]>" if marker_id is not None else json.dumps(fmt.marker)

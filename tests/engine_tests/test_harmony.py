@@ -80,3 +80,91 @@ def test_a_stored_replys_thinking_goes_back_to_the_template_as_its_field(tok):
     assert "<|channel|>analysis<|message|>The user said 600.<|end|>" in prompt
     assert "<|channel|>final<|message|>Noted: 600 yuan.<|end|>" in prompt and "<think>" not in prompt
     assert prompt.endswith("<|start|>assistant")
+
+
+HARMONY_TOOLS = (  # gpt-oss's template's tool parts: the tools shown, a call as a message to the function, a result
+    "{%- if tools -%}<|start|>developer<|message|># Tools{%- for t in tools %} {{ t.function.name }}{%- endfor -%}"
+    "<|end|>{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' -%}"
+    "{%- if m.thinking -%}<|start|>assistant<|channel|>analysis<|message|>{{ m.thinking }}<|end|>{%- endif -%}"
+    "{%- if m.tool_calls -%}{%- for c in m.tool_calls -%}<|start|>assistant to=functions.{{ c.function.name }}"
+    "<|channel|>commentary json<|message|>{{ c.function.arguments|tojson }}<|call|>{%- endfor -%}"
+    "{%- else -%}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>{%- endif -%}"
+    "{%- elif m.role == 'tool' -%}<|start|>functions.{{ m.name }} to=assistant<|channel|>commentary<|message|>"
+    "{{ m.content }}<|end|>"
+    "{%- else -%}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}"
+)
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                          "required": ["city"]}}}  # fmt: skip
+
+
+def test_a_message_to_a_function_is_a_call_not_text_streamed_or_read_whole(tok):
+    """The analysis channel, then a message to `functions.get_weather` (the recipient in the channel's header, as
+    the model writes it, or in the role's, as the template renders it): the stream shows the thinking only, and
+    the reply read whole gives the same content and the call with its arguments."""
+    from engine.tool_calls import parse_calls, template_format
+
+    fmt = template_format(HARMONY_TOOLS)
+    assert fmt is not None and fmt.name == "harmony"
+    for header in ("<|channel|>commentary to=functions.get_weather <|constrain|>json",
+                   "<|start|>assistant to=functions.get_weather<|channel|>commentary json"):  # fmt: skip
+        reply = (
+            "<|channel|>analysis<|message|>The user asks about Chengdu.<|end|>"
+            f"<|start|>assistant{header}<|message|>" + '{"city": "Chengdu"}<|call|>'
+        ).replace("<|start|>assistant<|start|>assistant", "<|start|>assistant")
+        _, streamed, _ = _streamed(tok, reply)
+        assert streamed == THINK_OPEN + "The user asks about Chengdu." + THINK_CLOSE
+        content, calls = parse_calls(fmt, tok.decode(tok.encode(reply), skip_special_tokens=False))
+        assert content == streamed
+        assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Chengdu"}')]
+    content, calls = parse_calls(fmt, "<|channel|>final<|message|>No call here.<|return|>")
+    assert (content, calls) == ("No call here.", [])
+
+
+def test_a_required_call_is_written_in_harmony_and_its_result_goes_back_through_the_template(tmp_path):
+    """A tiny gpt-oss with a harmony tokenizer, `tool_choice` required: the reply is a message to the function with
+    arguments in its schema (the grammar writes harmony's markers as their tokens), read back as the call; the next
+    turn's prompt renders the call and its result as gpt-oss's template does."""
+    import torch
+
+    from checkpoints import FAMILY_CASES, make_checkpoint
+    from engine.events import Finished
+    from engine.session import Request, Session
+    from engine.tool_calls import read_tools
+    from engine.weights.loading import load_model
+
+    folder = tmp_path / "oss"
+    opts = dict(FAMILY_CASES["gpt_oss"], vocab_size=512)
+    make_checkpoint(folder, opts.pop("family"), **opts)
+    raw = HFTokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=["<|endoftext|>", *MARKERS], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    raw.train_from_iterator(TEXT, trainer)
+    (folder / "tokenizer.json").write_text(raw.to_str())
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": HARMONY_TOOLS, "eos_token": "<|return|>"}))  # fmt: skip
+    loaded = load_model(folder, dtype="float32")
+    assert loaded.tokenizer.harmony is not None
+    torch.manual_seed(0)
+    messages = [{"role": "user", "content": "What is the weather in Chengdu?"}]
+    req = Request(messages=messages, max_new_tokens=120, tools=read_tools([WEATHER]), tool_choice="required")
+    final = list(Session(loaded, capacity=256).generate(req))[-1]
+    assert isinstance(final, Finished), final
+    assert final.reason in ("eos", "grammar"), final.reason  # the call (its <|call|>) ends the reply
+    assert len(final.tool_calls) == 1 and final.tool_calls[0].name == "get_weather"
+    args = json.loads(final.tool_calls[0].arguments)
+    assert set(args) == {"city"} and isinstance(args["city"], str) and len(args["city"]) <= 12
+    call = final.tool_calls[0]
+    turn = messages + [
+        {"role": "assistant", "content": final.text, "tool_calls": [call.to_dict()]},
+        {"role": "tool", "name": "get_weather", "tool_call_id": call.id, "content": "Sunny, 24 °C"},
+    ]
+    prompt = loaded.tokenizer.decode(loaded.tokenizer.chat_prompt(turn).ids, skip_special_tokens=False)
+    assert "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>" in prompt
+    assert "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>Sunny, 24 °C<|end|>" in prompt
