@@ -139,7 +139,7 @@ class StatsPanel(QScrollArea):
             ("cachePointValue", "Measured"),
         ]:
             self._row(form, name, label)
-        self.kvFormulaTitle = form.labelForField(self.kvFormulaValue)  # latent attention's formula has its own
+        self.cacheForm = form  # (the formula row's title: latent attention's formula has its own)
         lay.addWidget(cache_box)
 
         self._group(
@@ -340,11 +340,15 @@ class StatsPanel(QScrollArea):
         self.set("kvAllocatedValue", NOT_REPORTED if allocated is None else fmt_bytes(allocated))
         known = per is not None and f.get("layers") is not None
         self.set("kvFormulaValue", kv_formula(f, held, kinds, positions, payload) if known else NOT_REPORTED)
-        title = FORMULA_TITLES[bool(f.get("latent"))]
-        if self.kvFormulaTitle.text() != title:
-            self.kvFormulaTitle.setText(title)
+        title, label = FORMULA_TITLES[bool(f.get("latent"))], self.formula_title()
+        if label is not None and label.text() != title:
+            label.setText(title)
             self.kvFormulaValue.setAccessibleName(title)
         self.set("cachePointValue", point)
+
+    def formula_title(self):
+        """The KV formula row's title label (the form's own, looked up now: the form may have made it anew)."""
+        return self.cacheForm.labelForField(self.kvFormulaValue)
 
     def show_reply(self, s, title: str = "") -> None:
         """One reply's figures (a chat.ReplyStats), read against the engine and model that made it."""

@@ -84,4 +84,4 @@ def test_a_deepseek_checkpoint_chats_and_the_panel_writes_its_latent_cache(qtbot
         f"3 · {n} · (32 + 8) · 4 = {payload:,} B · plain attention would hold 3 · {n} · 4 · (24 + 16) · 4 = "
         f"{plain:,} B, 4.0× the latent's"
     )
-    assert w.statsPanel.kvFormulaTitle.text() == "L·T·(d_c+d_r)·b"
+    assert w.statsPanel.formula_title().text() == "L·T·(d_c+d_r)·b"
