@@ -44,6 +44,7 @@ from .core.panel_words import (
     percentile,
     reuse_source,
     server_timing,
+    state_words,
     ttft_parts,
 )
 from .outside_text import breakable, plain, plain_tooltip
@@ -135,6 +136,7 @@ class StatsPanel(QScrollArea):
             ("kvAllocatedValue", "Allocated"),
             ("kvPerPositionValue", "Per position"),
             ("imagesValue", "Images"),
+            ("stateValue", "State"),
             ("kvFormulaValue", FORMULA_TITLES[False]),
             ("cachePointValue", "Measured"),
         ]:
@@ -330,8 +332,11 @@ class StatsPanel(QScrollArea):
             if kinds
             else [(f.get("layers"), positions)]
         )
-        per_layer = None if per is None or not f.get("layers") else per // f["layers"]
-        payload = None if per_layer is None else sum(n * t for n, t in held) * per_layer
+        layers = sum(k["layers"] for k in kinds) if kinds else f.get("layers")  # those that keep K/V
+        per_layer = None if per is None or not layers else per // layers
+        state = f.get("state")  # a hybrid's convolution layers: a state the same at any length
+        payload = None if per_layer is None else sum(n * t for n, t in held) * per_layer + (state or {}).get("bytes", 0)
+        self.set("stateValue", state_words(state, positions))
         of = f"{positions:,} / {cap:,}" if cap else f"{positions:,} (capacity {NOT_REPORTED})"
         shown = f"{of} positions" if cap else f"{positions:,} positions"
         set_bar(self.cacheBar, cap or max(positions, 1), positions, f"{whose}: {shown}")

@@ -38,7 +38,9 @@ SUPPORTED_ARCHITECTURES = {
     "GptOssForCausalLM": "gpt_oss",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Lfm2ForCausalLM": "lfm2",
 }
+TIED = ("gemma2", "gemma3", "lfm2")  # families whose head is the embedding unless config.json says otherwise
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention (engine.latent_attention)
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", *MLA_FAMILIES)
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}  # config name -> ours
@@ -158,6 +160,10 @@ class ModelConfig:
     router_topk_groups: int = 0
     router_choice_bias: bool = False  # a bias on the scores the choice reads, not the weights (V3's correction)
     routed_scaling: float = 1.0  # the routed experts' weights multiplied by it
+    # --- hybrids: layers that keep a state in place of K/V (engine.state_cache) ---
+    conv_layers: tuple[bool, ...] = ()  # per layer, whether it is a short convolution (LFM2) in place of attention
+    conv_kernel: int = 0  # K, the convolution's width (LFM2's conv_L_cache)
+    conv_bias: bool = False
 
     @property
     def mla(self) -> bool:
@@ -246,6 +252,7 @@ class ModelConfig:
             and self.rope.partial == 1.0
             and self.rope.type != "longrope"
             and not self.mla
+            and not any(self.conv_layers)
             and not self.shared_experts
             and self.router_scoring == "softmax"
             and not self.router_groups
@@ -271,6 +278,9 @@ class ModelConfig:
             parts.append(f"scores capped at {_exact(self.attn_softcap)}")
         if self.sinks:
             parts.append("attention sinks")
+        if any(self.conv_layers):
+            convs = sum(self.conv_layers)
+            parts.append(f"{convs} of {self.num_layers} layers short convolutions (width {self.conv_kernel})")
         if self.mla:
             parts.append(
                 f"latent attention (d_c {self.kv_lora_rank}, d_r {self.head_dim}, d_n {self.qk_nope_head_dim}, "
@@ -373,6 +383,20 @@ def _ids(value) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, list) else (int(value),)
 
 
+def lfm2_width(raw: dict) -> int:
+    """LFM2's MLP width: its intermediate_size (block_ff_dim) taken 2/3, times block_ffn_dim_multiplier, rounded up
+    to block_multiple_of, where block_auto_adjust_ff_dim says (as transformers' Lfm2MLP sizes it)."""
+    width = int(raw.get("block_ff_dim") or raw["intermediate_size"])
+    if raw.get("block_auto_adjust_ff_dim", True):
+        width = int(2 * width / 3)
+        multiplier = raw.get("block_ffn_dim_multiplier", 1.0)
+        if multiplier is not None:
+            step = int(raw.get("block_multiple_of") or 256)
+            width = int(float(multiplier) * width)
+            width = step * ((width + step - 1) // step)
+    return width
+
+
 REQUIRED_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 SIZES = (*REQUIRED_SIZES, "num_key_value_heads", "head_dim", "max_position_embeddings")
 MAX_SIZE = 1 << 24  # no field of a real model comes near (checked again against the weights' headers)
@@ -442,7 +466,7 @@ def config_from_dict(raw: dict, path: Path | None = None) -> ModelConfig:
         if not raw.get("head_dim") and hidden % heads and not mla:
             raise ModelLoadError(f"hidden_size={hidden} is not a multiple of num_attention_heads={heads}")
         head_dim = int(raw["qk_rope_head_dim"]) if mla else int(raw.get("head_dim") or hidden // heads)
-        eps = float(raw.get("rms_norm_eps", 1e-6))
+        eps = float(raw.get("rms_norm_eps", raw.get("norm_eps", 1e-6)))
         if not 0 < eps < 1:
             raise ModelLoadError(f"rms_norm_eps={eps} is out of range")
         rope = _rope_from(raw)
@@ -462,7 +486,7 @@ def config_from_dict(raw: dict, path: Path | None = None) -> ModelConfig:
             family=family,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(raw["intermediate_size"]),
+            intermediate_size=lfm2_width(raw) if family == "lfm2" else int(raw["intermediate_size"]),
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
@@ -470,10 +494,10 @@ def config_from_dict(raw: dict, path: Path | None = None) -> ModelConfig:
             max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
             rms_norm_eps=eps,
             rope=rope,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", family in ("gemma2", "gemma3"))),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", raw.get("tie_embedding", family in TIED))),
             qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", family == "gpt_oss")),
             o_bias=family != "qwen2" and bool(raw.get("attention_bias", family == "gpt_oss")),
-            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "olmo2"),
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "lfm2"),
             sliding_window=int(window) if window else None,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=_ids(raw.get("eos_token_id")),

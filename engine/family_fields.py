@@ -78,6 +78,8 @@ def family_fields(family: str, raw: dict, layers: int, hidden: int, window) -> d
         )
     elif family in ("deepseek_v2", "deepseek_v3"):
         out.update(_deepseek(family, raw, layers))
+    elif family == "lfm2":
+        out.update(_lfm2(raw, layers))
     elif window and raw.get("layer_types") is not None:
         out["layer_types"] = layer_types(raw, layers, lambda i: True)
     for key in ("attn_softcap", "final_softcap"):
@@ -144,6 +146,23 @@ def _deepseek(family: str, raw: dict, layers: int) -> dict:
         "router_choice_bias": family == "deepseek_v3",
         "routed_scaling": _positive(raw, "routed_scaling_factor", 1.0),
     }
+
+
+def _lfm2(raw: dict, layers: int) -> dict:
+    """LFM2's hybrid: which layers are short convolutions (`layer_types` "conv", or every one not in
+    full_attn_idxs), the convolution's width and bias."""
+    kinds = raw.get("layer_types")
+    if kinds is None:
+        full = raw.get("full_attn_idxs")
+        full = set(range(layers)) if full is None else set(full)
+        kinds = ["full_attention" if i in full else "conv" for i in range(layers)]
+    if not isinstance(kinds, list) or len(kinds) != layers or any(k not in ("conv", "full_attention") for k in kinds):
+        raise ModelLoadError(f"config.json's layer_types must name each of the {layers} layers conv or full_attention")
+    width = raw.get("conv_L_cache", 3)
+    if not whole(width, 2, 64):
+        raise ModelLoadError(f"config.json's conv_L_cache is {width!r}: a convolution's width from 2 to 64")
+    return {"conv_layers": tuple(k == "conv" for k in kinds), "conv_kernel": int(width),
+            "conv_bias": bool(raw.get("conv_bias", False))}  # fmt: skip
 
 
 def whole(value, low: int, high: int) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from .quant import BITS, check_mode, dequantize, pack_int4, quantize, unpack_int4
+from .state_cache import HybridCache
 
 
 def payload_bytes(num_layers: int, positions: int, num_kv_heads: int, head_dim: int, bytes_per_value: int) -> int:
@@ -234,12 +235,14 @@ def quantized_bytes_per_position(num_layers: int, num_kv_heads: int, head_dim: i
 
 
 def bytes_per_position(config, dtype: torch.dtype, kv: str = "none") -> int:
-    """What one cached position takes for a model config, in the model dtype ("none") or int8/int4 codes."""
+    """What one cached position takes for a model config, in the model dtype ("none") or int8/int4 codes: in its
+    attention layers (a hybrid's others keep a state that does not grow)."""
+    layers = config.conv_layers.count(False) if config.conv_layers else config.num_layers
     if kv == "none":
         size = torch.empty((), dtype=dtype).element_size()
-        return payload_bytes(config.num_layers, 1, config.cache_heads, config.cache_width, size)
+        return payload_bytes(layers, 1, config.cache_heads, config.cache_width, size)
     check_mode(kv)
-    return quantized_bytes_per_position(config.num_layers, config.cache_heads, config.cache_width, kv)
+    return quantized_bytes_per_position(layers, config.cache_heads, config.cache_width, kv)
 
 
 def _layers_cache(layers: int, config, capacity: int, dtype, device, kv: str) -> KVCache:
@@ -269,6 +272,9 @@ def make_cache(config, capacity: int, dtype: torch.dtype, device, kv: str = "non
     slots = ring_slots(config, capacity, chunk)
     if slots is not None:
         return WindowedKVCache(config, capacity, dtype, device, kv, slots)
+    if any(config.conv_layers):  # a hybrid: K/V for its attention layers, a state for the others
+        kv_layers = _layers_cache(config.conv_layers.count(False), config, capacity, dtype, device, kv)
+        return HybridCache(config, capacity, dtype, device, kv_layers)
     return _layers_cache(config.num_layers, config, capacity, dtype, device, kv)
 
 

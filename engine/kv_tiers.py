@@ -93,7 +93,8 @@ class KVTiers:
             self.cache = None  # free the old buffers before allocating the new
             if not self._pool_serves(loaded, kv) or fingerprint_change(self._fingerprint, fingerprint):
                 self.pool = None
-            if ring_slots(loaded.config, capacity, chunk) is not None:  # a sliding layer's ring: a cache of its own
+            if ring_slots(loaded.config, capacity, chunk) is not None or any(loaded.config.conv_layers):
+                # a sliding layer's ring, a hybrid's states: a cache of its own
                 self.cache = make_cache(loaded.config, capacity, loaded.dtype, loaded.device, kv, chunk)
             else:
                 if self.pool is None:
@@ -260,12 +261,13 @@ class KVTiers:
         (`source` "disk"; the disk is keyed by the fingerprint, so it serves after a change of model too)."""
         report = self._plan_working(prompt)
         match = self.store.match(prompt, touch=False) if self._dropped is None else None
-        held = min(match.length, len(prompt) - 1) if match else 0
+        held = self._resumable(min(match.length, len(prompt) - 1)) if match else 0
         if held > report.reused and not self.store.whole(
             match, max(report.reused, self.cache.restore_needs(held)), held
         ):
             held = 0  # a sliding layer's window before `held` is not in the store (taken after it slid out)
         on_disk = min(self.disk.held(prompt, self.disk_fingerprint), len(prompt) - 1) if self.disk else 0
+        on_disk = self._resumable(on_disk)
         source, more = "store", held
         if on_disk > max(held, report.reused):
             source, more = "disk", on_disk
@@ -315,7 +317,13 @@ class KVTiers:
             reason = f"prompt differs from the cache at position {cut}"
         else:
             reason = f"position {cut} is the prompt's last: recomputed for the logits of token 1"
-        if reused < cut:
+        if reused < cut and getattr(self.cache, "resume_every", 1) > 1:
+            reason += (
+                f"; positions {reused}–{cut - 1} recomputed too: the {len(self.cache.conv)} convolution layers keep "
+                f"their state, and a snapshot of it every {self.cache.resume_every} positions; the last before {cut} "
+                f"is at {reused}"
+            )
+        elif reused < cut:
             c = self.cache
             reason += (
                 f"; positions 0–{cut - 1} recomputed too: the {len(c.ring_layers)} sliding layers keep the last "
@@ -330,15 +338,19 @@ class KVTiers:
             {"id": cached[cut], "text": tok.token_text(cached[cut])},
             {"id": prompt[cut], "text": tok.token_text(prompt[cut])},
             reason,
-            slid_out=cut - reused,
+            slid_out=cut - reused if self.cache.windowed else 0,
         )
 
     def keep(self, prompt: list[int], lcp: int | None = None) -> int:
         """What the working cache keeps of this prompt: the common prefix (`lcp`, when the caller has it), capped at
         len(prompt) − 1, or 0 where a sliding layer's ring no longer holds the window before that point
         (WindowedKVCache.resumable)."""
-        keep = min(common_prefix(self.ids, prompt) if lcp is None else lcp, len(prompt) - 1)
+        keep = self._resumable(min(common_prefix(self.ids, prompt) if lcp is None else lcp, len(prompt) - 1))
         return keep if self.cache.resumable(keep) else 0
+
+    def _resumable(self, n: int) -> int:
+        """n, or the position before it the cache can go on from (a hybrid's last snapshot: HybridCache)."""
+        return n - n % getattr(self.cache, "resume_every", 1)
 
     def _stash(self, prompt: list[int], keep: int) -> int:
         """Before the working cache loses a block or more of positions to this prompt (it keeps `keep`),

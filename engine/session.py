@@ -44,6 +44,16 @@ __all__ = [
 ]
 
 
+def state_facts(cache) -> dict | None:
+    """A hybrid's convolution layers' state, for the panel: their count, D and K − 1, the bytes (the same at any
+    length), and their snapshots' spacing and bytes a position; None for a cache of K/V alone."""
+    if not hasattr(cache, "state_bytes"):
+        return None
+    hidden, width = cache.state_shape
+    return {"layers": len(cache.conv), "hidden": hidden, "width": width, "bytes": cache.state_bytes,
+            "every": cache.resume_every, "snapshot_bytes_per_position": cache.snapshot_bytes_per_position}  # fmt: skip
+
+
 class Session:
     def __init__(
         self,
@@ -184,10 +194,14 @@ class Session:
             "kv_bytes_per_position": c.bytes_per_position,
             "kv_allocated_bytes": c.full_bytes,  # at its capacity (a pool's sequence: its blocks then)
             "kv_pool": None if self.pool is None else self.pool.stats(),
-            # a sliding-window cache: the layers of each kind and the positions each keeps at most (None: one kind)
-            "kv_layer_kinds": [{k: d[k] for k in ("kind", "layers", "window", "slots")} for d in kinds]
+            # a sliding-window cache: the layers of each kind and the positions each keeps at most (None: one kind);
+            # a hybrid's: its attention layers (its others keep a state: `state`)
+            "kv_layer_kinds": [
+                {k: d[k] for k in ("kind", "layers", "window", "slots")} for d in kinds if "state_bytes" not in d
+            ]  # fmt: skip
             if kinds is not None
             else None,
+            "state": state_facts(c),
             "cache": self.cache_stats(),
             "fingerprint": dict(self.loaded.fingerprint),
             "cache_dropped": self.pending_drop_reason,

@@ -83,6 +83,14 @@ FAMILY_CASES = {
             "rope_theta": 150000.0,
         },  # fmt: skip
     ),
+    "lfm2": dict(  # a hybrid: short convolutions on most layers, attention on some (LFM2's shape in small)
+        family="lfm2",
+        tie=True,
+        num_hidden_layers=4,
+        layer_types=["conv", "full_attention", "conv", "full_attention"],
+        norm_eps=1e-6,
+        conv_L_cache=3,
+    ),
     "deepseek_v2": dict(  # DeepSeek-V2-Lite's shape in small: latent attention, one dense layer, shared experts
         family="deepseek_v2",
         num_hidden_layers=3,
@@ -163,6 +171,7 @@ FAMILIES = {
     "gpt_oss": "GptOssConfig",
     "deepseek_v2": "DeepseekV2Config",
     "deepseek_v3": "DeepseekV3Config",
+    "lfm2": "Lfm2Config",
 }
 
 

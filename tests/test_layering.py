@@ -155,9 +155,16 @@ def test_the_product_never_imports_the_tools():
 def test_the_model_and_the_quantization_codes_stand_alone():
     g = graph()
     # the architecture: its MLPs, rotations, latent attention and the parts the attention kinds share
-    assert g["engine.model"] == {"engine.feedforward", "engine.rotary", "engine.latent_attention", "engine.block_parts"}
+    assert g["engine.model"] == {
+        "engine.feedforward",
+        "engine.rotary",
+        "engine.latent_attention",
+        "engine.block_parts",
+        "engine.short_conv",
+    }
     assert g["engine.latent_attention"] == {"engine.block_parts", "engine.rotary"}
     assert g["engine.block_parts"] == set()
+    assert g["engine.short_conv"] == set()
     assert g["engine.feedforward"] == set()
     assert g["engine.rotary"] == set()
     assert g["engine.quant"] == set()  # the codes' definition: nothing from the engine
@@ -216,6 +223,7 @@ FLOORS = [
             "engine.kv_tiers", "engine.grammar", "engine.tool_calls", "engine.images", "engine.vision",
             "engine.image_prompt", "engine.vision_qwen", "engine.text_configs", "engine.rotary", "engine.family_fields",
             "engine.harmony", "engine.text_stream", "engine.latent_attention", "engine.block_parts",
+            "engine.short_conv", "engine.state_cache",
         ),
     ),
     ("backends", ("engine.backends",)),

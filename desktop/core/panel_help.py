@@ -66,6 +66,9 @@ ROW_HELP = {
     "kvPerPositionValue": "Bytes one cached position takes, K and V over every layer.",
     "kvFormulaValue": "2 (K and V) · L layers · T cached positions · H_kv KV heads · d head width · b bytes per "
     "value, with this model's numbers.",
+    "stateValue": "A hybrid model's layers that keep a state instead of K/V (LFM2's short convolutions): the state's "
+    "bytes, which do not grow with the positions, and the snapshots of it kept every 16 positions so that an edit "
+    "can go back to the last one before it (the rest is recomputed).",
     "imagesValue": "The prompt's images: how many, the positions they take (each image's rows from the vision "
     "encoder, kept by content: a second question about the same image reuses them), their K/V bytes at this model's "
     "bytes per position, and the encoder's time (a part of TTFT of its own; none where their positions came from "

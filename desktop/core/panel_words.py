@@ -280,5 +280,19 @@ def kv_formula(f: dict, held: list[tuple[int, int]], kinds: list[dict] | None, p
         slid = kind is not None and kind["kind"] == "sliding"
         t_text = f"min({positions}, {kind['window']:,})" if slid else str(t)
         terms.append(f"2 · {layers} · {t_text} · {f['kv_heads']} · {width}")
+    state = f.get("state")
+    if state:  # a hybrid's convolution layers: L_conv · D · (K − 1) · b, whatever T
+        terms.append(f"{state['layers']} · {state['hidden']} · {state['width']} · {f['bytes_per_value']} (state)")
     codes = "" if f.get("kv_cache", "none") == "none" else f" ({f['kv_cache']} + scales)"
     return " + ".join(terms) + f" = {payload:,} B{codes}"
+
+
+def state_words(state: dict | None, positions: int) -> str:
+    """A hybrid's state row: its convolution layers' state (the same at any length) and the snapshots kept of it so
+    far; a dash for a model whose every layer keeps K/V."""
+    if not state:
+        return DASH
+    kept = positions // state["every"]
+    snaps = kept * state["every"] * state["snapshot_bytes_per_position"]
+    return (f"{state['layers']} convolution layers: {fmt_bytes(state['bytes'])}, the same at any length · "
+            f"{kept:,} snapshots (one every {state['every']} positions): {fmt_bytes(snaps)}")  # fmt: skip

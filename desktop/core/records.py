@@ -94,7 +94,7 @@ def _made_by(m) -> dict | None:
         return None
     out = {}
     for k, v in m.items():
-        if not isinstance(k, str) or k in ("kv_layer_kinds", "latent"):
+        if not isinstance(k, str) or k in ("kv_layer_kinds", "latent", "state"):
             continue
         if k in MADE_COUNTS:
             out[k] = v if _count(v) and (v > 0 or k != "layers") else None
@@ -117,7 +117,14 @@ def _made_by(m) -> dict | None:
     if isinstance(latent, dict) and latent:
         ok = set(latent) == set(LATENT_COUNTS) and all(_count(latent[x]) for x in LATENT_COUNTS)
         out["latent"] = {x: latent[x] for x in LATENT_COUNTS} if ok else None
+    state = m.get("state")  # a hybrid's state: counts too
+    if isinstance(state, dict) and state:
+        ok = set(state) == set(STATE_COUNTS) and all(_count(state[x]) for x in STATE_COUNTS)
+        out["state"] = {x: state[x] for x in STATE_COUNTS} if ok else None
     return out
+
+
+STATE_COUNTS = ("layers", "hidden", "width", "bytes", "every", "snapshot_bytes_per_position")
 
 
 LATENT_COUNTS = ("heads", "kv_lora_rank", "rope_dim", "nope_dim", "value_dim", "plain_bytes_per_position")

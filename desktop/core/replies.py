@@ -19,7 +19,7 @@ STOP_NAMES = {k: r.words for k, r in STOP_REASONS.items()}  # the stop reasons a
 MADE_BY = (
     "name", "backend", "server", "server_kind", "dtype", "weights", "head_weights", "activations", "kv_cache",
     "device", "capacity", "kv_bytes_per_position", "kv_source", "layers", "kv_heads", "head_dim", "bytes_per_value",
-    "kv_layer_kinds", "latent",
+    "kv_layer_kinds", "latent", "state",
 )  # fmt: skip  # the facts a reply is stamped with: who made it, and what its cache figures are read against
 
 

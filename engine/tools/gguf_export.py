@@ -34,6 +34,7 @@ ARCHES = {  # kvchat's family -> llama.cpp's architecture (Mistral and Mixtral a
     "qwen3_moe": "qwen3moe",
     "mixtral": "llama",
     "gpt_oss": "gpt-oss",
+    "lfm2": "lfm2",
     "deepseek_v2": "deepseek2",
     "deepseek_v3": "deepseek2",
 }
@@ -73,7 +74,11 @@ def write_gguf(model_dir, out: Path, matrices: str = "F32", tokenizer: bool = Fa
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_heads)
     # latent attention as llama.cpp's converter writes it: one K/V head, the key the latent and the rotary key
-    w.add_head_count_kv(1 if cfg.mla else cfg.num_kv_heads)
+    if cfg.conv_layers:  # a hybrid: K/V heads per layer, none on its convolution layers (llama.cpp's converter)
+        w.add_head_count_kv([0 if conv else cfg.num_kv_heads for conv in cfg.conv_layers])
+        w.add_shortconv_l_cache(cfg.conv_kernel)
+    else:
+        w.add_head_count_kv(1 if cfg.mla else cfg.num_kv_heads)
     w.add_key_length(cfg.kv_lora_rank + cfg.head_dim if cfg.mla else cfg.head_dim)
     w.add_value_length(cfg.kv_lora_rank if cfg.mla else cfg.head_dim)
     w.add_rope_dimension_count(int(cfg.head_dim * cfg.rope.partial))
@@ -121,6 +126,8 @@ def write_gguf(model_dir, out: Path, matrices: str = "F32", tokenizer: bool = Fa
         else:
             with safe_open(str(files[name]), framework="pt", device="cpu") as f:
                 t = f.get_tensor(stored.get(name, name)).float()
+        if name.endswith("conv.conv.weight"):  # LFM2's kernel [D, 1, K] as [D, K], as llama.cpp's converter
+            t = t.squeeze(1)
         if cfg.mla and name.endswith("kv_b_proj.weight"):  # as llama.cpp's converter: k_b transposed, v_b
             heads = t.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
             k_b, v_b = heads.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)

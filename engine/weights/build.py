@@ -22,7 +22,7 @@ from ..devices import bf16_hardware
 from ..feedforward import MoE
 from ..model import Transformer
 from ..quant import group_for
-from .hf_names import block_sources, linears
+from .hf_names import block_sources, final_norm, linears
 from .safetensors import Reader
 
 
@@ -133,7 +133,7 @@ def build_model(
             model.lm_head = LinearT(reader.read_transposed("lm_head.weight", dtype, device))
         else:
             model.lm_head.weight = reader.read_one("lm_head.weight", dtype, device)
-    model.norm.weight = reader.read_one("model.norm.weight", dtype, device)
+    model.norm.weight = reader.read_one(final_norm(cfg), dtype, device)
     steps = cfg.num_layers + 1
     progress(1 / steps)
     # a file's int4 codes go straight into the tiles use_int4_tiles would lay them in (float32 activations, or

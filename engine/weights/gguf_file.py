@@ -42,6 +42,7 @@ ARCHITECTURES = {  # a GGUF's general.architecture -> config.json's (a "llama" f
     "olmo2": "Olmo2ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "deepseek2": "DeepseekV2ForCausalLM",  # V3 where its router is a sigmoid (config_dict)
+    "lfm2": "Lfm2ForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
 }
 KINDS = {str: "string", int: "whole number", NUMBER: "number"}  # how an error names what a key should hold
@@ -130,7 +131,7 @@ class GGUFModel:
             "intermediate_size": self._arch("feed_forward_length"),
             "num_hidden_layers": self._arch("block_count"),
             "num_attention_heads": heads,
-            "num_key_value_heads": self._arch("attention.head_count_kv", heads),
+            "num_key_value_heads": self._kv_heads(heads),
             "head_dim": head_dim,
             "max_position_embeddings": self._arch("context_length", 4096),
             "rms_norm_eps": self._arch("attention.layer_norm_rms_epsilon", 1e-6),
@@ -217,6 +218,11 @@ class GGUFModel:
             out["no_rope_layer_interval"] = 4  # llama.cpp's: every 4th layer unrotated
         elif self.arch == "deepseek2":
             out.update(self._deepseek_dict(raw, experts))
+        elif self.arch == "lfm2":  # a layer of no K/V heads is a short convolution
+            per = self._arch("attention.head_count_kv")
+            per = [int(v) for v in per] if isinstance(per, np.ndarray) else [per] * raw["num_hidden_layers"]
+            out.update(layer_types=["conv" if not v else "full_attention" for v in per],
+                       conv_L_cache=self._arch("shortconv.l_cache", 3), block_auto_adjust_ff_dim=False)  # fmt: skip
         elif self.arch == "qwen2vl":  # the frequencies each of a position's t, h, w rotates (a 4th, unused, last)
             sections = self._arch("rope.dimension_sections")
             sections = [int(v) for v in sections][:3] if isinstance(sections, np.ndarray) else sections
@@ -261,6 +267,11 @@ class GGUFModel:
             scaling.update(mscale=log_mul / 0.1, mscale_all_dim=log_mul / 0.1)
         return out
 
+    def _kv_heads(self, heads):
+        """The K/V heads: one count, or the most of a count per layer (LFM2: 0 on its convolution layers)."""
+        per = self._arch("attention.head_count_kv", heads)
+        return int(per.max()) if isinstance(per, np.ndarray) and per.size else per
+
     def kv_b(self, hf: str) -> tuple | None:
         """Latent attention's kv_b (d_c -> H·(d_n + d_v)) as llama.cpp's converter splits it, k_b [H, d_c, d_n] and
         v_b [H, d_v, d_c], read as one [H·(d_n + d_v), d_c]: the two tensors, or None for any other name."""
@@ -276,10 +287,12 @@ class GGUFModel:
         return k_b, v_b
 
     def hf_shape(self, hf: str, gname: str) -> tuple[int, ...]:
-        """A tensor's shape under its Hugging Face name (kv_b's joined from its two parts)."""
+        """A tensor's shape under its Hugging Face name (kv_b's joined from its two parts, a convolution's kernel
+        [D, 1, K] where the file holds [D, K])."""
         parts = self.kv_b(hf)
         if parts is None:
-            return self.shape(self.tensors[gname])
+            shape = self.shape(self.tensors[gname])
+            return (shape[0], 1, *shape[1:]) if hf.endswith("conv.conv.weight") and len(shape) == 2 else shape
         (heads, latent, nope), values = parts[0].shape, parts[1].shape[1]
         return (heads * (nope + values), latent)
 
@@ -366,7 +379,8 @@ class GGUFModel:
         rows = np.ascontiguousarray(rows)
         if not rows.flags.writeable:  # a view of the mapped file (F32): copied, never kept
             rows = rows.copy()
-        return torch.from_numpy(rows).to(device=device, dtype=dtype)
+        out = torch.from_numpy(rows).to(device=device, dtype=dtype)
+        return out.unsqueeze(1) if hf.endswith("conv.conv.weight") and out.dim() == 2 else out  # LFM2's [D, K]
 
     def read_codes(self, hfs: list[str], cfg, dtype, device, tiles: int = 0) -> PreQuantized | None:
         """Tensors stacked along rows as their own codes, when every one is of a type the kernels compute

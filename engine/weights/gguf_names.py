@@ -10,6 +10,7 @@ import re
 GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
+    "model.embedding_norm.weight": "token_embd_norm.weight",  # LFM2's norm before the head
     "lm_head.weight": "output.weight",
 }
 BLOCK_NAMES = {
@@ -57,6 +58,19 @@ ARCH_BLOCK_NAMES = {  # where an architecture's names depart from BLOCK_NAMES
     },
     "gpt-oss": {"post_attention_layernorm.weight": "post_attention_norm.weight"},
     "phi3": {"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"},
+    "lfm2": {  # its block's names, and the short convolution's (its kernel [D, K] in the file, [D, 1, K] here)
+        "operator_norm.weight": "attn_norm.weight",
+        "ffn_norm.weight": "ffn_norm.weight",
+        "feed_forward.w1.weight": "ffn_gate.weight",
+        "feed_forward.w3.weight": "ffn_up.weight",
+        "feed_forward.w2.weight": "ffn_down.weight",
+        "self_attn.q_layernorm.weight": "attn_q_norm.weight",
+        "self_attn.k_layernorm.weight": "attn_k_norm.weight",
+        "self_attn.out_proj.weight": "attn_output.weight",
+        "conv.conv.weight": "shortconv.conv.weight",
+        "conv.in_proj.weight": "shortconv.in_proj.weight",
+        "conv.out_proj.weight": "shortconv.out_proj.weight",
+    },
     "deepseek2": {  # latent attention; kv_b as two tensors (k_b transposed, v_b), read joined: GGUFModel.kv_b
         "self_attn.q_a_proj.weight": "attn_q_a.weight",
         "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",

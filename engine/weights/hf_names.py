@@ -29,9 +29,20 @@ EXPERT_NAMES = {
 }
 
 
+LFM2_NORMS = {"attn_norm": "operator_norm", "mlp_norm": "ffn_norm"}
+
+
+def final_norm(cfg: ModelConfig) -> str:
+    """The checkpoint's name for the norm before the head (LFM2 calls it the embedding norm)."""
+    return "model.embedding_norm.weight" if cfg.family == "lfm2" else "model.norm.weight"
+
+
 def _mlp_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
     """Layer i's MLP tensors under kvchat's names -> the checkpoint's: one gated MLP, or a router and E experts."""
     p = f"model.layers.{i}."
+    if cfg.family == "lfm2":  # w1 the gate, w3 the up projection, w2 down
+        f = p + "feed_forward."
+        return {"mlp.gate_up.weight": [f + "w1.weight", f + "w3.weight"], "mlp.down.weight": [f + "w2.weight"]}
     if not cfg.is_moe(i):
         if cfg.family == "phi3":  # gate and up already fused in the file
             return {
@@ -56,6 +67,14 @@ def _mlp_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
         out["mlp.shared.down.weight"] = [e + "down_proj.weight"]
     if cfg.router_choice_bias:
         out["mlp.choice_bias"] = [f"{p}mlp.gate.e_score_correction_bias"]
+    return out
+
+
+def _conv_sources(cfg: ModelConfig, c: str) -> dict[str, list[str]]:
+    """A short convolution's tensors (LFM2) under kvchat's names -> the checkpoint's, `c` its prefix."""
+    out = {f"attn.{m}.weight": [f"{c}{m}.weight"] for m in ("in_proj", "conv", "out_proj")}
+    if cfg.conv_bias:
+        out.update({f"attn.{m}.bias": [f"{c}{m}.bias"] for m in ("in_proj", "conv", "out_proj")})
     return out
 
 
@@ -84,21 +103,28 @@ def block_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
     (several: stacked along rows, as q/k/v and gate/up are fused)."""
     p = f"model.layers.{i}."
     a = p + "self_attn."
-    if cfg.mla:
+    if cfg.conv_layers and cfg.conv_layers[i]:  # LFM2's short convolution in attention's place
+        out = _conv_sources(cfg, p + "conv.")
+    elif cfg.family == "lfm2":
+        out = {"attn.qkv.weight": [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
+               "attn.o.weight": [a + "out_proj.weight"], "attn.q_norm.weight": [a + "q_layernorm.weight"],
+               "attn.k_norm.weight": [a + "k_layernorm.weight"]}  # fmt: skip
+    elif cfg.mla:
         out = _latent_sources(cfg, a)
     elif cfg.family == "phi3":
         out = {"attn.qkv.weight": [a + "qkv_proj.weight"]}
     else:
         out = {"attn.qkv.weight": [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]}
-    out["attn.o.weight"] = [a + "o_proj.weight"]
+    if cfg.family != "lfm2":
+        out["attn.o.weight"] = [a + "o_proj.weight"]
     out.update(_mlp_sources(cfg, i))
-    for mine, theirs in NORMS[cfg.norm_placement].items():
+    for mine, theirs in (LFM2_NORMS if cfg.family == "lfm2" else NORMS[cfg.norm_placement]).items():
         out[mine + ".weight"] = [p + theirs + ".weight"]
     if cfg.qkv_bias and not cfg.mla:
         out["attn.qkv.bias"] = [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]
     if cfg.o_bias:
         out["attn.o.bias"] = [a + "o_proj.bias"]
-    if cfg.qk_norm:
+    if cfg.qk_norm and cfg.family != "lfm2":
         out["attn.q_norm.weight"], out["attn.k_norm.weight"] = [a + "q_norm.weight"], [a + "k_norm.weight"]
     if cfg.sinks:
         out["attn.sinks"] = [a + "sinks"]
@@ -110,7 +136,9 @@ def linears(cfg: ModelConfig, i: int) -> list[str]:
     mlps = [f"mlp.experts.{j}" for j in range(cfg.num_experts)] if cfg.is_moe(i) else ["mlp"]
     if cfg.is_moe(i) and cfg.shared_experts:
         mlps.append("mlp.shared")
-    if cfg.mla:  # kv_b stays a float weight: decode reads it as the absorbed maps (engine.latent_attention)
+    if cfg.conv_layers and cfg.conv_layers[i]:  # the convolution's own weights stay float
+        attn = ["attn.in_proj", "attn.out_proj"]
+    elif cfg.mla:  # kv_b stays a float weight: decode reads it as the absorbed maps (engine.latent_attention)
         attn = (["attn.q_a", "attn.q_b"] if cfg.q_lora_rank else ["attn.q"]) + ["attn.kv_a", "attn.o"]
     else:
         attn = ["attn.qkv", "attn.o"]
@@ -126,11 +154,15 @@ def _shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
     out["attn.q_norm.weight"], out["attn.k_norm.weight"] = (
         ((qd,), (kvd,)) if cfg.qk_norm_span == "all" else ((d,), (d,))
     )
-    for mine in NORMS[cfg.norm_placement]:
+    for mine in LFM2_NORMS if cfg.family == "lfm2" else NORMS[cfg.norm_placement]:
         out[mine + ".weight"] = (D,)
     out["attn.sinks"] = (cfg.num_heads,)
     if cfg.mla:
         out.update(_latent_shapes(cfg))
+    if cfg.conv_layers:
+        K = cfg.conv_kernel
+        out.update({"attn.in_proj.weight": (3 * D, D), "attn.in_proj.bias": (3 * D,), "attn.conv.weight": (D, 1, K),
+                    "attn.conv.bias": (D,), "attn.out_proj.weight": (D, D), "attn.out_proj.bias": (D,)})  # fmt: skip
     if stacked(cfg):
         out.update(expert_shapes(cfg, i))
     if cfg.is_moe(i):
@@ -168,7 +200,7 @@ def _latent_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def expected(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the checkpoint must hold, with its shape, under Hugging Face names."""
     D = cfg.hidden_size
-    out = {"model.embed_tokens.weight": (cfg.vocab_size, D), "model.norm.weight": (D,)}
+    out = {"model.embed_tokens.weight": (cfg.vocab_size, D), final_norm(cfg): (D,)}
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = (cfg.vocab_size, D)
     for i in range(cfg.num_layers):
@@ -212,7 +244,7 @@ def hf_state_dict(model) -> dict[str, torch.Tensor]:
     """A model's weights under the Hugging Face names, fused tensors split apart again (the demo model's and the
     bench shapes' checkpoints are written so)."""
     cfg = model.cfg
-    out = {"model.embed_tokens.weight": model.embed.weight, "model.norm.weight": model.norm.weight}
+    out = {"model.embed_tokens.weight": model.embed.weight, final_norm(cfg): model.norm.weight}
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = model.lm_head.weight
     if stacked(cfg):

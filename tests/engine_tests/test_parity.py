@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from checkpoints import FAMILY_CASES, make_checkpoint
-from engine.kv_cache import KVCache
+from engine.kv_cache import make_cache
 from engine.weights.loading import load_model
 
 transformers = pytest.importorskip("transformers")
@@ -83,7 +83,7 @@ def test_prefill_and_20_decode_steps_match_transformers(tmp_path, name, kernel_v
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(5, ours.config.vocab_size, (1, 12), generator=g)
     cfg = ours.config
-    cache = KVCache(cfg.num_layers, cfg.cache_heads, cfg.cache_width, 64, torch.float32, "cpu")
+    cache = make_cache(cfg, 64, torch.float32, "cpu")
     with torch.no_grad():
         ids = prompt
         mine = ours.model(prompt, cache)  # [1, 12, V]
@@ -105,7 +105,7 @@ def test_16_bit_close_to_transformers(tmp_path, dtype):
     ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
     ids = torch.arange(3, 19).view(1, -1)
     cfg = ours.config
-    cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 32, getattr(torch, dtype), "cpu")
+    cache = make_cache(cfg, 32, getattr(torch, dtype), "cpu")
     with torch.no_grad():
         a, b = ours.model(ids[:, :-1], cache).float(), ref(ids).logits.float()  # prefill: many rows
         last = ours.model(ids[:, -1:], cache).float()  # decode: one row (another kernel)
