@@ -66,7 +66,7 @@ REUSE_ROWS = (
 )
 
 
-FORMULA_TITLES = {False: "2·L·T·H_kv·d·b", True: "L·T·(d_c+d_r)·b"}  # the KV formula's row: latent attention's or not
+FORMULA_TITLES = {"kv": "2·L·T·H_kv·d·b", "latent": "L·T·(d_c+d_r)·b", "state": "2·L·T·H_kv·d·b + state"}  # the row's
 
 
 class StatsPanel(QScrollArea):
@@ -137,7 +137,7 @@ class StatsPanel(QScrollArea):
             ("kvPerPositionValue", "Per position"),
             ("imagesValue", "Images"),
             ("stateValue", "State"),
-            ("kvFormulaValue", FORMULA_TITLES[False]),
+            ("kvFormulaValue", FORMULA_TITLES["kv"]),
             ("cachePointValue", "Measured"),
         ]:
             self._row(form, name, label)
@@ -345,7 +345,8 @@ class StatsPanel(QScrollArea):
         self.set("kvAllocatedValue", NOT_REPORTED if allocated is None else fmt_bytes(allocated))
         known = per is not None and f.get("layers") is not None
         self.set("kvFormulaValue", kv_formula(f, held, kinds, positions, payload) if known else NOT_REPORTED)
-        title, label = FORMULA_TITLES[bool(f.get("latent"))], self.formula_title()
+        kind = "latent" if f.get("latent") else "state" if state else "kv"  # latent attention's, a hybrid's
+        title, label = FORMULA_TITLES[kind], self.formula_title()
         if label is not None and label.text() != title:
             label.setText(title)
             self.kvFormulaValue.setAccessibleName(title)

@@ -1,7 +1,7 @@
 """What a cache of T positions takes for the families kvchat runs, from their published configs (no weights): the
-table in engine/MODELS.md, "What a position costs, family by family". A sliding-window model's rings and a latent
-attention's compressed rows are counted as kvchat allocates them; beside MLA, what plain attention over the same
-heads would take.
+table in engine/MODELS.md, "What a position costs, family by family". A sliding-window model's rings, a latent
+attention's compressed rows and a hybrid's states with their snapshots are counted as kvchat allocates them; beside
+MLA and a hybrid, what plain attention (over the same heads, on every layer) would take.
 
     python -m engine.tools.cache_table [--positions 4096 32768]
 """
@@ -74,6 +74,11 @@ CONFIGS = {
         max_position_embeddings=131072,
         rope_scaling=_yarn(32.0, 4096, 150000.0, truncate=False),
     ),  # fmt: skip
+    "LFM2-1.2B (hybrid)": dict(
+        architectures=["Lfm2ForCausalLM"], hidden_size=2048, intermediate_size=12288, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=65536, max_position_embeddings=128000,
+        layer_types=["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)], conv_L_cache=3,
+    ),  # fmt: skip
     "DeepSeek-V2-Lite": dict(
         architectures=["DeepseekV2ForCausalLM"],
         hidden_size=2048,
@@ -132,7 +137,12 @@ def rows(positions: list[int], dtype: torch.dtype = torch.bfloat16) -> list[dict
         row = {"model": name, "per_position": make_cache(cfg, 16, dtype, "meta").bytes_per_position, "at": {}}
         for t in positions:
             kept = make_cache(cfg, t, dtype, "meta").allocated_bytes
-            plain = cfg.num_layers * t * cfg.num_heads * cfg.plain_attention_width * size if cfg.mla else kept
+            if cfg.mla:  # plain attention over the same heads
+                plain = cfg.num_layers * t * cfg.num_heads * cfg.plain_attention_width * size
+            elif any(cfg.conv_layers):  # attention (its K/V heads) on every layer
+                plain = cfg.num_layers * t * 2 * cfg.num_kv_heads * cfg.head_dim * size
+            else:
+                plain = kept
             row["at"][t] = (kept, plain)
         out.append(row)
     return out

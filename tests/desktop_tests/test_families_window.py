@@ -85,3 +85,24 @@ def test_a_deepseek_checkpoint_chats_and_the_panel_writes_its_latent_cache(qtbot
         f"{plain:,} B, 4.0× the latent's"
     )
     assert w.statsPanel.formula_title().text() == "L·T·(d_c+d_r)·b"
+
+
+def test_a_hybrid_chats_and_the_panel_shows_its_state_beside_its_kv(qtbot, make_window, spin_loop, tmp_path):
+    """LFM2 in the real window: the State row gives the convolution layers' state (the same at any length) and the
+    snapshots kept so far; the payload and the formula count the attention layers' K/V and that state."""
+    from checkpoints import FAMILY_CASES
+
+    opts = dict(FAMILY_CASES["lfm2"], max_position_embeddings=2048)
+    w = make_window(make_checkpoint(tmp_path / "lfm2", opts.pop("family"), **opts))
+    assert "2 of 4 layers short convolutions (width 3)" in panel(w, "architectureValue")
+    final = send(qtbot, w, spin_loop, BUDGET)
+    assert isinstance(final, Finished) and final.token_ids
+    n, payload = final.cache["positions"], final.cache["payload_bytes"]
+    state = 2 * 64 * 2 * 4  # 2 layers · D · (K − 1) · 4 bytes
+    assert payload == 2 * 2 * n * 2 * 16 * 4 + state and panel(w, "kvPayloadValue") == fmt_bytes(payload)
+    assert panel(w, "stateValue") == (
+        f"2 convolution layers: {fmt_bytes(state)}, the same at any length · {n // 16:,} snapshots (one every 16 "
+        f"positions): {fmt_bytes(n // 16 * 16 * 2 * 8 * 4)}"
+    )
+    assert panel(w, "kvFormulaValue") == f"2 · 2 · {n} · 2 · 16 · 4 + 2 · 64 · 2 · 4 (state) = {payload:,} B"
+    assert w.statsPanel.formula_title().text() == "2·L·T·H_kv·d·b + state"

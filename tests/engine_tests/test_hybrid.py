@@ -127,3 +127,13 @@ def test_a_config_that_cannot_size_the_state_is_refused_by_name(change, said):
     assert config_from_dict(raw).conv_layers == (True, False, True, False)
     with pytest.raises(ModelLoadError, match=said):
         config_from_dict({**raw, **change})
+
+
+def test_the_cache_table_counts_lfm2s_state_and_snapshots():
+    """engine/MODELS.md's table: LFM2-1.2B keeps K/V on 6 of its 16 layers (12,288 bytes a position in bfloat16), its
+    10 convolution layers' state (80 KiB) and their snapshots (5,120 bytes a position); plain attention on all 16."""
+    from engine.tools.cache_table import rows
+
+    lfm2 = next(r for r in rows([4096]) if r["model"].startswith("LFM2"))
+    assert lfm2["per_position"] == 6 * 2 * 8 * 64 * 2
+    assert lfm2["at"][4096] == (4096 * (12288 + 5120) + 10 * 2048 * 2 * 2, 16 * 4096 * 2 * 8 * 64 * 2)
