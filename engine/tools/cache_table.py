@@ -75,9 +75,16 @@ CONFIGS = {
         rope_scaling=_yarn(32.0, 4096, 150000.0, truncate=False),
     ),  # fmt: skip
     "LFM2-1.2B (hybrid)": dict(
-        architectures=["Lfm2ForCausalLM"], hidden_size=2048, intermediate_size=12288, num_hidden_layers=16,
-        num_attention_heads=32, num_key_value_heads=8, vocab_size=65536, max_position_embeddings=128000,
-        layer_types=["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)], conv_L_cache=3,
+        architectures=["Lfm2ForCausalLM"],
+        hidden_size=2048,
+        intermediate_size=12288,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=65536,
+        max_position_embeddings=128000,
+        layer_types=["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)],
+        conv_L_cache=3,
     ),  # fmt: skip
     "DeepSeek-V2-Lite": dict(
         architectures=["DeepseekV2ForCausalLM"],
