@@ -473,18 +473,27 @@ class WindowedKVCache:
 def cache_plan(config, dtype: torch.dtype, capacity: int | None = None) -> dict:
     """What a session's cache for `config` takes, before any weight is read (the Models dialog's figures): the
     capacity (default: min(context, DEFAULT_CAPACITY)), bytes per position while every layer holds it, the bytes
-    allocated, and, for a sliding-window cache, its layers in words."""
+    allocated, and, for a sliding-window cache or a hybrid's, its layers in words."""
     capacity = capacity or min(config.max_position_embeddings, DEFAULT_CAPACITY)
     cache = make_cache(config, capacity, dtype, "meta")  # shapes only: nothing is allocated
     sliding = next((k for k in cache.kinds() or () if k["kind"] == "sliding"), None)
+    layers = short = None
+    if sliding is not None:
+        layers = f"{sliding['layers']} of {config.num_layers} layers sliding: ≤ {sliding['slots']:,} positions each"
+        short = f"{sliding['layers']}/{config.num_layers} sliding ≤ {sliding['slots']:,}"
+    elif hasattr(cache, "state_bytes"):  # a hybrid: the convolution layers' state, the same at any length
+        conv, state = len(cache.conv), _kib(cache.state_bytes)
+        layers = (f"{conv} of {config.num_layers} layers short convolutions: a state of {state} at any length, "
+                  f"a snapshot of it every {cache.resume_every} positions")  # fmt: skip
+        short = f"{conv}/{config.num_layers} conv, state {state}"
     return {
         "capacity": capacity,
         "bytes_per_position": cache.bytes_per_position,
         "allocated_bytes": cache.allocated_bytes,
-        "layers": None
-        if sliding is None
-        else f"{sliding['layers']} of {config.num_layers} layers sliding: ≤ {sliding['slots']:,} positions each",
-        "layers_short": None
-        if sliding is None
-        else f"{sliding['layers']}/{config.num_layers} sliding ≤ {sliding['slots']:,}",
+        "layers": layers,
+        "layers_short": short,
     }
+
+
+def _kib(n: int) -> str:
+    return f"{n / 1024:,.0f} KiB" if n >= 1024 else f"{n:,} B"

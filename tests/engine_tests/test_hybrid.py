@@ -137,3 +137,17 @@ def test_the_cache_table_counts_lfm2s_state_and_snapshots():
     lfm2 = next(r for r in rows([4096]) if r["model"].startswith("LFM2"))
     assert lfm2["per_position"] == 6 * 2 * 8 * 64 * 2
     assert lfm2["at"][4096] == (4096 * (12288 + 5120) + 10 * 2048 * 2 * 2, 16 * 4096 * 2 * 8 * 64 * 2)
+
+
+def test_the_models_dialog_gives_the_state_beside_the_kv_bytes(lfm2):
+    """The catalog's figures for a hybrid folder, before any weight is read: K/V bytes a position (its attention
+    layers'), the state in words, the allocation at the capacity counting the state and its snapshots."""
+    from engine.weights.catalog import _folder_row
+
+    found = _folder_row(lfm2.path, "lfm2", "folder")
+    assert found.kv_bytes_per_position == 2 * 2 * 2 * 16 * 4
+    assert (
+        found.kv_layers == "2 of 4 layers short convolutions: a state of 1 KiB at any length, a snapshot of it "
+        "every 16 positions"
+    )
+    assert found.kv_layers_short == "2/4 conv, state 1 KiB"
