@@ -23,17 +23,23 @@ HARMONY = (  # the shape of gpt-oss's template: each message a header and a body
 )
 
 
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory) -> Tokenizer:
+def harmony_tokenizer(folder, template: str, vocab_size: int = 400) -> None:
+    """A byte-level BPE tokenizer with harmony's markers as special tokens and `template`, written into `folder`."""
     raw = HFTokenizer(models.BPE())
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", *MARKERS], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", *MARKERS],
+                                  show_progress=False, initial_alphabet=alphabet)  # fmt: skip
     raw.train_from_iterator(TEXT, trainer)
-    folder = tmp_path_factory.mktemp("harmony")
     (folder / "tokenizer.json").write_text(raw.to_str())
-    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": HARMONY, "eos_token": "<|return|>"}))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "eos_token": "<|return|>"}))
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory) -> Tokenizer:
+    folder = tmp_path_factory.mktemp("harmony")
+    harmony_tokenizer(folder, HARMONY)
     return Tokenizer.from_dir(folder)
 
 
@@ -140,15 +146,7 @@ def test_a_required_call_is_written_in_harmony_and_its_result_goes_back_through_
     folder = tmp_path / "oss"
     opts = dict(FAMILY_CASES["gpt_oss"], vocab_size=512)
     make_checkpoint(folder, opts.pop("family"), **opts)
-    raw = HFTokenizer(models.BPE())
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=["<|endoftext|>", *MARKERS], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
-    raw.train_from_iterator(TEXT, trainer)
-    (folder / "tokenizer.json").write_text(raw.to_str())
-    (folder / "tokenizer_config.json").write_text(
-        json.dumps({"chat_template": HARMONY_TOOLS, "eos_token": "<|return|>"}))  # fmt: skip
+    harmony_tokenizer(folder, HARMONY_TOOLS, vocab_size=500)  # (the model's 512 rows hold its 500 ids)
     loaded = load_model(folder, dtype="float32")
     assert loaded.tokenizer.harmony is not None
     torch.manual_seed(0)
