@@ -67,6 +67,7 @@ class CacheMap:
     next_caption: str = ""  # the caption once the running request's prefill starts
     images: dict = dataclasses.field(default_factory=dict)  # an image's key -> (its number, its words)
     reported: bool = True  # False: a remote server, whose cache is its own
+    snapshot_every: int = 0  # a hybrid's: its convolution layers' state kept every this many positions (0: no state)
     version: int = 0  # bumped on every change: the view redraws only then
 
     # --- filled by the chat controller ---------------------------------------------------------------
@@ -125,6 +126,7 @@ class CacheMap:
         shows what it held as thrown away, with the reason."""
         self.version += 1
         self.capacity = facts.get("capacity") or 0
+        self.snapshot_every = (facts.get("state") or {}).get("every") or 0
         if facts.get("backend") == "remote":
             self.reported, self.caption = False, REMOTE
             return
@@ -132,7 +134,8 @@ class CacheMap:
         if self.reported and positions == self.length and positions <= self.capacity:
             return  # the same cache (the weights and its settings kept)
         gone = self.length if self.reported else 0
-        fresh = CacheMap(capacity=self.capacity, version=self.version, old_ids=self.ids[:gone], held_before=gone)
+        fresh = CacheMap(capacity=self.capacity, version=self.version, old_ids=self.ids[:gone], held_before=gone,
+                         snapshot_every=self.snapshot_every)  # fmt: skip
         fresh.first_invalidated = 0 if gone else None
         dropped = facts.get("cache_dropped")
         fresh.caption = f"for the next request: {dropped}" if dropped else "empty: nothing cached yet"
@@ -242,6 +245,12 @@ class CacheMap:
         if roles.get("template"):
             lines.append(f"{roles['template']:,} of the template's own tokens (turn markers, generation prompt)")
         lines.append(" · ".join(f"{ORIGINS[o]}: {k:,}" if end - start > 1 else ORIGINS[o] for o, k in origins.items()))
+        every = self.snapshot_every
+        snaps = [p for p in range(start - start % every + every, end + 1, every) if p <= self.filled] if every else []
+        if snaps:  # a hybrid's state after these positions kept: an edit after them goes back no further
+            at = ", ".join(f"{p - 1:,}" for p in snaps[:4]) + (", …" if len(snaps) > 4 else "")
+            lines.append(f"The convolution layers' state is kept after position {at} (each snapshot covers every "
+                         f"position before it; an edit goes back to the last one before it)")  # fmt: skip
         fi = self.first_invalidated
         if fi is not None and start <= fi < end:
             change = f": {self.changed[0]!r} → {self.changed[1]!r}" if self.changed else ""

@@ -106,3 +106,6 @@ def test_a_hybrid_chats_and_the_panel_shows_its_state_beside_its_kv(qtbot, make_
     )
     assert panel(w, "kvFormulaValue") == f"2 · 2 · {n} · 2 · 16 · 4 + 2 · 64 · 2 · 4 (state) = {payload:,} B"
     assert w.statsPanel.formula_title().text() == "2·L·T·H_kv·d·b + state"
+    said = w.chat.cache_map.describe(0, 40)  # the map's words for positions 0–39: the snapshots among them
+    assert "The convolution layers' state is kept after position 15, 31 (each snapshot covers every" in said
+    assert "state is kept" not in w.chat.cache_map.describe(16, 31)
