@@ -129,11 +129,11 @@ def test_llama_cpp_greedy_tokens_on_the_same_gguf(family_dir, tmp_path):
     assert ids == list(done[-1].token_ids)
 
 
-@pytest.mark.parametrize("name", ["gemma3", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["gemma3", "qwen3_moe", "deepseek_v3", "lfm2"])
 def test_the_server_serves_the_family_as_the_engine_runs_it(name, serve, tmp_path):
     """`python -m engine serve` on a Gemma 3 folder (a sliding-window cache: the capacity past W + spare), on a
-    mixture and on DeepSeek's latent attention, through the official client: the engine's reply, and a second turn's
-    cached tokens."""
+    mixture, on DeepSeek's latent attention and on LFM2's hybrid, through the official client: the engine's reply, and a
+    second turn's cached tokens."""
     openai = pytest.importorskip("openai")
     pytest.importorskip("uvicorn")
     opts = dict(FAMILIES[name], max_position_embeddings=4096)
@@ -155,6 +155,9 @@ def test_the_server_serves_the_family_as_the_engine_runs_it(name, serve, tmp_pat
         assert kinds["sliding"]["slots"] == 6 + 1024 and report["cache"]["allocated_bytes"] < 2048 * 2 * 3 * 2 * 16 * 4
     if name == "deepseek_v3":  # the latent and the rotary key a position: 3 layers · (32 + 8) · 4 bytes
         assert report["cache"]["payload_bytes"] == report["cache"]["positions"] * 3 * 40 * 4
+    if name == "lfm2":  # 2 attention layers' K/V a position, and 2 convolution layers' state
+        kinds = {k["kind"]: k for k in report["cache"]["layer_kinds"]}
+        assert kinds["conv"]["state_bytes"] == 2 * 64 * 2 * 4 and kinds["full"]["layers"] == 2
 
 
 def test_a_gemma_3_checkpoint_with_a_vision_tower_opens_its_text_model(tmp_path):
