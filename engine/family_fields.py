@@ -165,6 +165,20 @@ def _lfm2(raw: dict, layers: int) -> dict:
             "conv_bias": bool(raw.get("conv_bias", False))}  # fmt: skip
 
 
+def lfm2_width(raw: dict) -> int:
+    """LFM2's MLP width: its intermediate_size (block_ff_dim) taken 2/3, times block_ffn_dim_multiplier, rounded up
+    to block_multiple_of, where block_auto_adjust_ff_dim says (as transformers' Lfm2MLP sizes it)."""
+    width = int(raw.get("block_ff_dim") or raw["intermediate_size"])
+    if raw.get("block_auto_adjust_ff_dim", True):
+        width = int(2 * width / 3)
+        multiplier = raw.get("block_ffn_dim_multiplier", 1.0)
+        if multiplier is not None:
+            step = int(raw.get("block_multiple_of") or 256)
+            width = int(float(multiplier) * width)
+            width = step * ((width + step - 1) // step)
+    return width
+
+
 def whole(value, low: int, high: int) -> bool:
     """A whole number from low to high (a float only when it is whole: never NaN or inf)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from .config import RopeConfig
+    from .rope_config import RopeConfig
 
 
 def inv_frequencies(rope: RopeConfig, head_dim: int, length: int = 0) -> torch.Tensor:

@@ -223,7 +223,7 @@ FLOORS = [
             "engine.kv_tiers", "engine.grammar", "engine.tool_calls", "engine.images", "engine.vision",
             "engine.image_prompt", "engine.vision_qwen", "engine.text_configs", "engine.rotary", "engine.family_fields",
             "engine.harmony", "engine.text_stream", "engine.latent_attention", "engine.block_parts",
-            "engine.short_conv", "engine.state_cache",
+            "engine.short_conv", "engine.state_cache", "engine.rope_config",
         ),
     ),
     ("backends", ("engine.backends",)),

@@ -24,27 +24,12 @@ from ..errors import ModelLoadError
 from ..quant import PreQuantized, storage_bytes
 from . import gguf_vocab
 from .gguf_blocks import INT4_PACKED, INT5, MXFP4, NATIVE, OFFSETS, fast_rows
+from .gguf_config import ARCHITECTURES, config_dict
 from .gguf_header import GGUF_ROWS, StringArray, Tensor, read_header
 from .gguf_names import gguf_name
 from .gguf_vocab import NUMBER
 from .hf_names import block_sources, linears
 
-ARCHITECTURES = {  # a GGUF's general.architecture -> config.json's (a "llama" file with experts is a Mixtral)
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen2vl": "Qwen2_5_VLForConditionalGeneration",  # Qwen2.5-VL's text model: Qwen2 with multimodal rotary positions
-    "qwen3": "Qwen3ForCausalLM",
-    "gemma2": "Gemma2ForCausalLM",
-    "gemma3": "Gemma3ForCausalLM",
-    "phi3": "Phi3ForCausalLM",
-    "smollm3": "SmolLM3ForCausalLM",
-    "granite": "GraniteForCausalLM",
-    "olmo2": "Olmo2ForCausalLM",
-    "qwen3moe": "Qwen3MoeForCausalLM",
-    "deepseek2": "DeepseekV2ForCausalLM",  # V3 where its router is a sigmoid (config_dict)
-    "lfm2": "Lfm2ForCausalLM",
-    "gpt-oss": "GptOssForCausalLM",
-}
 KINDS = {str: "string", int: "whole number", NUMBER: "number"}  # how an error names what a key should hold
 PERMUTED = ("llama", "granite", "smollm3")  # llama.cpp's converter interleaves q/k rows for these (rotate pairs)
 NORM_PLUS_ONE = ("gemma2", "gemma3")  # llama.cpp's converter stores Gemma's (1 + w) norms with the 1 added
@@ -115,162 +100,8 @@ class GGUFModel:
         return self.meta(f"{self.arch}.{key}", default)
 
     def config_dict(self) -> dict:
-        """The model's config in config.json's terms, from the metadata (sizes checked by engine.config)."""
-        heads = self._arch("attention.head_count")
-        hidden = self._arch("embedding_length")
-        tokens = self.meta("tokenizer.ggml.tokens")
-        vocab = self._arch("vocab_size") or (len(tokens) if tokens is not None else None)
-        head_dim = self._arch("attention.key_length") or (hidden // heads if hidden and heads else None)
-        experts = self._arch("expert_count", 0)
-        arch = "MixtralForCausalLM" if self.arch == "llama" and experts else ARCHITECTURES[self.arch]
-        raw = {
-            "architectures": [arch],
-            "model_type": self.arch,
-            "vocab_size": vocab,
-            "hidden_size": hidden,
-            "intermediate_size": self._arch("feed_forward_length"),
-            "num_hidden_layers": self._arch("block_count"),
-            "num_attention_heads": heads,
-            "num_key_value_heads": self._kv_heads(heads),
-            "head_dim": head_dim,
-            "max_position_embeddings": self._arch("context_length", 4096),
-            "rms_norm_eps": self._arch("attention.layer_norm_rms_epsilon", 1e-6),
-            "rope_theta": self._arch("rope.freq_base", 10000.0),
-            "tie_word_embeddings": "output.weight" not in self.tensors,
-            "attention_bias": "blk.0.attn_q.bias" in self.tensors and self.arch not in ("qwen2", "qwen2vl"),
-            "bos_token_id": self.meta("tokenizer.ggml.bos_token_id"),
-            "eos_token_id": self.meta("tokenizer.ggml.eos_token_id"),
-            "hidden_act": "silu",
-        }
-        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-            if raw[key] is None:
-                raise ModelLoadError(f"the GGUF metadata lacks {key} ({self.arch}.*)", self.path)
-        scaling = self._arch("rope.scaling.type")
-        if scaling == "linear":
-            raw["rope_scaling"] = {"type": "linear", "factor": self._arch("rope.scaling.factor", 1.0)}
-        elif scaling == "yarn":  # the ramp's ends as the model was trained: gpt-oss's untruncated
-            raw["rope_scaling"] = {
-                "type": "yarn",
-                "factor": self._arch("rope.scaling.factor", 1.0),
-                "original_max_position_embeddings": self._arch("rope.scaling.original_context_length"),
-                "beta_fast": self._arch("rope.scaling.yarn_beta_fast", 32.0),
-                "beta_slow": self._arch("rope.scaling.yarn_beta_slow", 1.0),
-                "truncate": self.arch != "gpt-oss",
-            }
-        elif scaling not in (None, "none"):
-            raise ModelLoadError(
-                f"rope scaling {scaling!r} is not supported (supported: none, linear, yarn)", self.path
-            )
-        rope_dims = self._arch("rope.dimension_count")
-        if rope_dims is not None and rope_dims != head_dim and self.arch != "deepseek2":
-            if self.arch != "phi3":
-                raise ModelLoadError(
-                    f"partial rotary embeddings ({rope_dims} of {head_dim}) are not supported", self.path
-                )
-            raw["partial_rotary_factor"] = rope_dims / head_dim
-        raw.update(self._family_dict(raw, experts))
-        return raw
-
-    def _family_dict(self, raw: dict, experts: int) -> dict:
-        """config.json's family fields, from the metadata llama.cpp's converter writes for each architecture (and
-        llama.cpp's own rules where it writes none: Gemma's query scaling and window pattern, SmolLM3's unrotated
-        layers)."""
-        out: dict = {}
-        layers = raw["num_hidden_layers"]
-        window = self._arch("attention.sliding_window")
-        if window:
-            out["sliding_window"] = window
-            out["use_sliding_window"] = True
-        if self.arch in ("gemma2", "gemma3"):
-            big = layers == (46 if self.arch == "gemma2" else 62)  # the 27B: scaled by the hidden size per head
-            out.update(
-                hidden_activation="gelu_pytorch_tanh",
-                query_pre_attn_scalar=raw["hidden_size"] // raw["num_attention_heads"] if big else raw["head_dim"],
-                attn_logit_softcapping=self._arch("attn_logit_softcapping"),
-                final_logit_softcapping=self._arch("final_logit_softcapping"),
-            )
-            pattern = self._arch("attention.sliding_window_pattern")
-            if isinstance(pattern, np.ndarray):  # one flag per layer
-                out["layer_types"] = ["sliding_attention" if v else "full_attention" for v in pattern.tolist()]
-            else:
-                out["sliding_window_pattern"] = int(pattern or (2 if self.arch == "gemma2" else 6))
-            if self.arch == "gemma3":
-                out["rope_local_base_freq"] = 10000.0  # llama.cpp's, for the sliding layers
-        elif self.arch == "phi3":
-            short, long = self.tensors.get("rope_factors_short.weight"), self.tensors.get("rope_factors_long.weight")
-            original = self._arch("rope.scaling.original_context_length")
-            if short is not None and long is not None:
-                out["rope_scaling"] = {
-                    "type": "longrope",
-                    "short_factor": self._float_rows(short).reshape(-1).tolist(),
-                    "long_factor": self._float_rows(long).reshape(-1).tolist(),
-                    "original_max_position_embeddings": original or raw["max_position_embeddings"],
-                    "attention_factor": self._arch("rope.scaling.attn_factor"),
-                }
-        elif self.arch == "granite":
-            out.update(
-                embedding_multiplier=self._arch("embedding_scale", 1.0),
-                residual_multiplier=self._arch("residual_scale", 1.0),
-                attention_multiplier=self._arch("attention.scale", 1.0),
-                logits_scaling=self._arch("logit_scale", 1.0),
-            )
-        elif self.arch == "smollm3":
-            out["no_rope_layer_interval"] = 4  # llama.cpp's: every 4th layer unrotated
-        elif self.arch == "deepseek2":
-            out.update(self._deepseek_dict(raw, experts))
-        elif self.arch == "lfm2":  # a layer of no K/V heads is a short convolution
-            per = self._arch("attention.head_count_kv")
-            per = [int(v) for v in per] if isinstance(per, np.ndarray) else [per] * raw["num_hidden_layers"]
-            out.update(layer_types=["conv" if not v else "full_attention" for v in per],
-                       conv_L_cache=self._arch("shortconv.l_cache", 3), block_auto_adjust_ff_dim=False)  # fmt: skip
-        elif self.arch == "qwen2vl":  # the frequencies each of a position's t, h, w rotates (a 4th, unused, last)
-            sections = self._arch("rope.dimension_sections")
-            sections = [int(v) for v in sections][:3] if isinstance(sections, np.ndarray) else sections
-            out["rope_scaling"] = {"type": "mrope", "mrope_section": sections, "rope_theta": raw["rope_theta"]}
-        if experts:
-            out.update(
-                num_experts=experts,
-                num_local_experts=experts,
-                num_experts_per_tok=self._arch("expert_used_count"),
-                moe_intermediate_size=self._arch("expert_feed_forward_length") or raw["intermediate_size"],
-                norm_topk_prob=bool(self._arch("expert_weights_norm", True)),
-            )
-        return out
-
-    def _deepseek_dict(self, raw: dict, experts: int) -> dict:
-        """DeepSeek-V2/V3's latent attention and router from llama.cpp's deepseek2 keys: the key length is the
-        latent's and the rotary key's (d_c + d_r), key_length_mla a head's (d_n + d_r); a sigmoid router is V3's.
-        YaRN's mscale comes as 0.1 · mscale_all_dim (taken for both mscales: their ratio, the cos/sin factor, 1)."""
-        rope = self._arch("rope.dimension_count")
-        sigmoid = self._arch("expert_gating_func") == 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
-        groups = self._arch("expert_group_count")
-        out = {
-            "architectures": ["DeepseekV3ForCausalLM" if sigmoid else "DeepseekV2ForCausalLM"],
-            "kv_lora_rank": self._arch("attention.kv_lora_rank"),
-            "q_lora_rank": self._arch("attention.q_lora_rank"),
-            "qk_rope_head_dim": rope,
-            "qk_nope_head_dim": (self._arch("attention.key_length_mla") or 0) - (rope or 0),
-            "v_head_dim": self._arch("attention.value_length_mla"),
-            "n_routed_experts": experts,
-            "n_shared_experts": self._arch("expert_shared_count", 0),
-            "first_k_dense_replace": self._arch("leading_dense_block_count", 0),
-            "routed_scaling_factor": self._arch("expert_weights_scale", 1.0),
-            "norm_topk_prob": bool(self._arch("expert_weights_norm", False)),
-            "rope_interleave": True,  # llama.cpp rotates its pairs adjacent (LLAMA_ROPE_TYPE_NORM)
-        }
-        if groups:
-            out.update(n_group=groups, topk_group=self._arch("expert_group_used_count", groups))
-            out["topk_method"] = "noaux_tc" if sigmoid else "group_limited_greedy"
-        scaling = raw.get("rope_scaling")
-        log_mul = self._arch("rope.scaling.yarn_log_multiplier")
-        if isinstance(scaling, dict) and log_mul:
-            scaling.update(mscale=log_mul / 0.1, mscale_all_dim=log_mul / 0.1)
-        return out
-
-    def _kv_heads(self, heads):
-        """The K/V heads: one count, or the most of a count per layer (LFM2: 0 on its convolution layers)."""
-        per = self._arch("attention.head_count_kv", heads)
-        return int(per.max()) if isinstance(per, np.ndarray) and per.size else per
+        """The model's config in config.json's terms, from the metadata (engine.weights.gguf_config)."""
+        return config_dict(self)
 
     def kv_b(self, hf: str) -> tuple | None:
         """Latent attention's kv_b (d_c -> H·(d_n + d_v)) as llama.cpp's converter splits it, k_b [H, d_c, d_n] and
