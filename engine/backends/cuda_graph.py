@@ -29,6 +29,8 @@ class GraphDecoder:
             raise ValueError("a mixture's experts are not stacked (quantized): its step picks them on the host")
         if cache.windowed:
             raise ValueError("a sliding layer's ring is not captured: its step runs eagerly")
+        if hasattr(cache, "state_bytes"):
+            raise ValueError("a hybrid's states are not captured: its step runs eagerly")
         dev = cache.k.device
         self.model, self.cache = model, cache
         self.at = self._addresses()  # the buffers the graph reads and writes (a pool's growth moves them)
