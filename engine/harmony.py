@@ -65,6 +65,10 @@ class Channels:
             return ""
         return piece
 
+    def end_call(self) -> str:
+        """A call the reply ended inside (no `<|call|>`): kept as the call it was."""
+        return self._close() if self.call is not None else ""
+
     def _close(self) -> str:
         if self.call is not None:
             self.calls.append((self.call[0], "".join(self.call[1]).strip()))
@@ -116,7 +120,7 @@ def read_reply(text: str) -> tuple[str, list[tuple[str, str]]]:
     channels, shown = Channels(), []
     for i, piece in enumerate(SPLIT.split(text)):
         shown.append(channels.marker(piece) if i % 2 else channels.text(piece))
-    shown.append(channels._close() if channels.call is not None else "")
+    shown.append(channels.end_call())
     return "".join(shown), channels.calls
 
 
