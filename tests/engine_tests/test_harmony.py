@@ -129,6 +129,8 @@ def test_a_message_to_a_function_is_a_call_not_text_streamed_or_read_whole(tok):
         assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Chengdu"}')]
     content, calls = parse_calls(fmt, "<|channel|>final<|message|>No call here.<|return|>")
     assert (content, calls) == ("No call here.", [])
+    _, calls = parse_calls(fmt, '<|channel|>commentary to=functions.get_weather<|message|>{"city": "Lhasa"}')
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Lhasa"}')]  # its <|call|> a stop
 
 
 def test_a_required_call_is_written_in_harmony_and_its_result_goes_back_through_the_template(tmp_path):
