@@ -38,6 +38,7 @@ from .core.panel_words import (
     fmt_ms,
     fmt_rate,
     fmt_size,
+    formula_title,
     grammar_rows,
     image_words,
     kv_formula,
@@ -64,9 +65,6 @@ REUSE_ROWS = (
     "reuseReasonValue",
     "droppedValue",
 )
-
-
-FORMULA_TITLES = {"kv": "2·L·T·H_kv·d·b", "latent": "L·T·(d_c+d_r)·b", "state": "2·L·T·H_kv·d·b + state"}  # the row's
 
 
 class StatsPanel(QScrollArea):
@@ -137,7 +135,7 @@ class StatsPanel(QScrollArea):
             ("kvPerPositionValue", "Per position"),
             ("imagesValue", "Images"),
             ("stateValue", "State"),
-            ("kvFormulaValue", FORMULA_TITLES["kv"]),
+            ("kvFormulaValue", formula_title({})),
             ("cachePointValue", "Measured"),
         ]:
             self._row(form, name, label)
@@ -345,14 +343,13 @@ class StatsPanel(QScrollArea):
         self.set("kvAllocatedValue", NOT_REPORTED if allocated is None else fmt_bytes(allocated))
         known = per is not None and f.get("layers") is not None
         self.set("kvFormulaValue", kv_formula(f, held, kinds, positions, payload) if known else NOT_REPORTED)
-        kind = "latent" if f.get("latent") else "state" if state else "kv"  # latent attention's, a hybrid's
-        title, label = FORMULA_TITLES[kind], self.formula_title()
+        title, label = formula_title(f), self.formula_label()
         if label is not None and label.text() != title:
             label.setText(title)
             self.kvFormulaValue.setAccessibleName(title)
         self.set("cachePointValue", point)
 
-    def formula_title(self):
+    def formula_label(self):
         """The KV formula row's title label (the form's own, looked up now: the form may have made it anew)."""
         return self.cacheForm.labelForField(self.kvFormulaValue)
 

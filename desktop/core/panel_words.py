@@ -287,6 +287,13 @@ def kv_formula(f: dict, held: list[tuple[int, int]], kinds: list[dict] | None, p
     return " + ".join(terms) + f" = {payload:,} B{codes}"
 
 
+def formula_title(f: dict) -> str:
+    """The KV formula row's title for a model's facts: plain attention's, latent attention's or a hybrid's."""
+    if f.get("latent"):
+        return "L·T·(d_c+d_r)·b"
+    return "2·L·T·H_kv·d·b + state" if f.get("state") else "2·L·T·H_kv·d·b"
+
+
 def state_words(state: dict | None, positions: int) -> str:
     """A hybrid's state row: its convolution layers' state (the same at any length) and the snapshots kept of it so
     far; a dash for a model whose every layer keeps K/V."""

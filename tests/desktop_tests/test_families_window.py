@@ -84,7 +84,7 @@ def test_a_deepseek_checkpoint_chats_and_the_panel_writes_its_latent_cache(qtbot
         f"3 · {n} · (32 + 8) · 4 = {payload:,} B · plain attention would hold 3 · {n} · 4 · (24 + 16) · 4 = "
         f"{plain:,} B, 4.0× the latent's"
     )
-    assert w.statsPanel.formula_title().text() == "L·T·(d_c+d_r)·b"
+    assert w.statsPanel.formula_label().text() == "L·T·(d_c+d_r)·b"
 
 
 def test_a_hybrid_chats_and_the_panel_shows_its_state_beside_its_kv(qtbot, make_window, spin_loop, tmp_path):
@@ -105,7 +105,7 @@ def test_a_hybrid_chats_and_the_panel_shows_its_state_beside_its_kv(qtbot, make_
         f"positions): {fmt_bytes(n // 16 * 16 * 2 * 8 * 4)}"
     )
     assert panel(w, "kvFormulaValue") == f"2 · 2 · {n} · 2 · 16 · 4 + 2 · 64 · 2 · 4 (state) = {payload:,} B"
-    assert w.statsPanel.formula_title().text() == "2·L·T·H_kv·d·b + state"
+    assert w.statsPanel.formula_label().text() == "2·L·T·H_kv·d·b + state"
     said = w.chat.cache_map.describe(0, 40)  # the map's words for positions 0–39: the snapshots among them
     assert "The convolution layers' state is kept after position 15, 31 (each snapshot covers every" in said
     assert "state is kept" not in w.chat.cache_map.describe(16, 31)
