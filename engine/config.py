@@ -130,6 +130,16 @@ class ModelConfig:
         """What a position's K and V take per head with plain attention (d_k + d_v): MLA's figure for comparison."""
         return self.qk_nope_head_dim + self.head_dim + self.v_head_dim if self.mla else 2 * self.head_dim
 
+    def plain_attention_bytes(self, positions: int, bytes_per_value: int) -> int:
+        """What `positions` would take with plain attention on every layer over the K/V heads (MLA's: all its heads),
+        L · T · H_kv · (d_k + d_v) · b: the figure MLA's and a hybrid's caches are compared with."""
+        return self.num_layers * positions * self.num_kv_heads * self.plain_attention_width * bytes_per_value
+
+    @property
+    def kv_layers(self) -> int:
+        """The layers that keep K/V for every position: all of them, or a hybrid's attention layers."""
+        return self.conv_layers.count(False) if self.conv_layers else self.num_layers
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -262,6 +272,11 @@ def _check_size(raw: dict, key: str) -> None:
 MAX_EXPERTS = 1024  # routed experts per layer: real mixtures have 8 to 512
 
 
+def expert_count(raw: dict):
+    """The routed experts config.json names, under each family's key (0 where none), as given: checked by the caller."""
+    return raw.get("num_experts") or raw.get("num_local_experts") or raw.get("n_routed_experts") or 0
+
+
 def _check_counts(raw: dict, moe: bool, window) -> None:
     """Counts something is sized from, checked before anything is: a mixture's experts and experts per token,
     a sliding window, the soft caps (a value out of range is a clear error when the model is listed)."""
@@ -273,7 +288,7 @@ def _check_counts(raw: dict, moe: bool, window) -> None:
             raise ModelLoadError(f"config.json's {key} is {v!r}: a soft cap is a positive number")
     if not moe:
         return
-    experts = raw.get("num_experts") or raw.get("num_local_experts") or raw.get("n_routed_experts") or 0
+    experts = expert_count(raw)
     if not whole(experts, 1, MAX_EXPERTS):
         raise ModelLoadError(f"the model's expert count is {experts!r}: out of range (1 to {MAX_EXPERTS:,})")
     per = raw.get("num_experts_per_tok") or 0
@@ -324,7 +339,7 @@ def config_from_dict(raw: dict, path: Path | None = None) -> ModelConfig:
         moe = family in MOE_FAMILIES
         _check_counts(raw, moe, window)
         extra = family_fields(family, raw, layers, hidden, window)
-        experts = int(raw.get("num_experts") or raw.get("num_local_experts") or raw.get("n_routed_experts") or 0)
+        experts = int(expert_count(raw))
         if "rope_local" in extra:  # the sliding layers' own rotary parameters (Gemma 3)
             extra["rope_local"] = rope_from(raw, extra["rope_local"])
         return ModelConfig(

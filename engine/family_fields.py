@@ -6,6 +6,7 @@ sinks, alternating windows and clamped, biased experts, and DeepSeek's latent at
 from __future__ import annotations
 
 from .errors import ModelLoadError
+from .rope_config import rope_params
 from .rotary import yarn_mscale
 
 
@@ -115,7 +116,7 @@ def _deepseek(family: str, raw: dict, layers: int) -> dict:
     if q_rank is not None and not whole(q_rank, 1, 1 << 16):
         raise ModelLoadError(f"config.json's q_lora_rank is {q_rank!r}: a width from 1 to 65,536, or null")
     scale = (widths["qk_nope_head_dim"] + widths["qk_rope_head_dim"]) ** -0.5
-    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    params = rope_params(raw)
     if params.get("rope_type", params.get("type", "default")) not in ("default", None) and params.get("mscale_all_dim"):
         scale *= yarn_mscale(float(params.get("factor") or 1.0), float(params["mscale_all_dim"])) ** 2
     dense = raw.get("first_k_dense_replace") or 0

@@ -237,12 +237,11 @@ def quantized_bytes_per_position(num_layers: int, num_kv_heads: int, head_dim: i
 def bytes_per_position(config, dtype: torch.dtype, kv: str = "none") -> int:
     """What one cached position takes for a model config, in the model dtype ("none") or int8/int4 codes: in its
     attention layers (a hybrid's others keep a state that does not grow)."""
-    layers = config.conv_layers.count(False) if config.conv_layers else config.num_layers
     if kv == "none":
         size = torch.empty((), dtype=dtype).element_size()
-        return payload_bytes(layers, 1, config.cache_heads, config.cache_width, size)
+        return payload_bytes(config.kv_layers, 1, config.cache_heads, config.cache_width, size)
     check_mode(kv)
-    return quantized_bytes_per_position(layers, config.cache_heads, config.cache_width, kv)
+    return quantized_bytes_per_position(config.kv_layers, config.cache_heads, config.cache_width, kv)
 
 
 def _layers_cache(layers: int, config, capacity: int, dtype, device, kv: str) -> KVCache:
@@ -273,7 +272,7 @@ def make_cache(config, capacity: int, dtype: torch.dtype, device, kv: str = "non
     if slots is not None:
         return WindowedKVCache(config, capacity, dtype, device, kv, slots)
     if any(config.conv_layers):  # a hybrid: K/V for its attention layers, a state for the others
-        kv_layers = _layers_cache(config.conv_layers.count(False), config, capacity, dtype, device, kv)
+        kv_layers = _layers_cache(config.kv_layers, config, capacity, dtype, device, kv)
         return HybridCache(config, capacity, dtype, device, kv_layers)
     return _layers_cache(config.num_layers, config, capacity, dtype, device, kv)
 
@@ -481,7 +480,7 @@ def cache_plan(config, dtype: torch.dtype, capacity: int | None = None) -> dict:
     if sliding is not None:
         layers = f"{sliding['layers']} of {config.num_layers} layers sliding: ≤ {sliding['slots']:,} positions each"
         short = f"{sliding['layers']}/{config.num_layers} sliding ≤ {sliding['slots']:,}"
-    elif hasattr(cache, "state_bytes"):  # a hybrid: the convolution layers' state, the same at any length
+    elif isinstance(cache, HybridCache):  # a hybrid: the convolution layers' state, the same at any length
         conv, state = len(cache.conv), _kib(cache.state_bytes)
         layers = (f"{conv} of {config.num_layers} layers short convolutions: a state of {state} at any length, "
                   f"a snapshot of it every {cache.resume_every} positions")  # fmt: skip

@@ -28,6 +28,7 @@ from .prefix_store import PrefixStore, default_budget
 from .quant import PRECISIONS
 from .request import OVERFLOW_POLICIES, Fitted, Request, check_capacity, fit, positions_needed, render, turns
 from .speculative import check_tokens, open_drafter, speculate
+from .state_cache import HybridCache
 from .tool_calls import call_grammar, marker_token, offered_format, parse_calls, template_format
 from .weights.loading import LoadedModel, load_model
 
@@ -47,7 +48,7 @@ __all__ = [
 def state_facts(cache) -> dict | None:
     """A hybrid's convolution layers' state, for the panel: their count, D and K − 1, the bytes (the same at any
     length), and their snapshots' spacing and bytes a position; None for a cache of K/V alone."""
-    if not hasattr(cache, "state_bytes"):
+    if not isinstance(cache, HybridCache):
         return None
     hidden, width = cache.state_shape
     return {"layers": len(cache.conv), "hidden": hidden, "width": width, "bytes": cache.state_bytes,

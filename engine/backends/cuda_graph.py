@@ -16,6 +16,7 @@ import weakref
 import torch
 
 from ..feedforward import MoE
+from ..state_cache import HybridCache
 
 
 def graphs_wanted(device: torch.device, cache) -> bool:
@@ -29,7 +30,7 @@ class GraphDecoder:
             raise ValueError("a mixture's experts are not stacked (quantized): its step picks them on the host")
         if cache.windowed:
             raise ValueError("a sliding layer's ring is not captured: its step runs eagerly")
-        if hasattr(cache, "state_bytes"):
+        if isinstance(cache, HybridCache):
             raise ValueError("a hybrid's states are not captured: its step runs eagerly")
         dev = cache.k.device
         self.model, self.cache = model, cache

@@ -144,12 +144,7 @@ def rows(positions: list[int], dtype: torch.dtype = torch.bfloat16) -> list[dict
         row = {"model": name, "per_position": make_cache(cfg, 16, dtype, "meta").bytes_per_position, "at": {}}
         for t in positions:
             kept = make_cache(cfg, t, dtype, "meta").allocated_bytes
-            if cfg.mla:  # plain attention over the same heads
-                plain = cfg.num_layers * t * cfg.num_heads * cfg.plain_attention_width * size
-            elif any(cfg.conv_layers):  # attention (its K/V heads) on every layer
-                plain = cfg.num_layers * t * 2 * cfg.num_kv_heads * cfg.head_dim * size
-            else:
-                plain = kept
+            plain = cfg.plain_attention_bytes(t, size) if cfg.mla or any(cfg.conv_layers) else kept
             row["at"][t] = (kept, plain)
         out.append(row)
     return out

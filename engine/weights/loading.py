@@ -105,7 +105,7 @@ class LoadedModel:
             "rope_dim": c.head_dim,
             "nope_dim": c.qk_nope_head_dim,
             "value_dim": c.v_head_dim,
-            "plain_bytes_per_position": c.num_layers * c.num_heads * c.plain_attention_width * size,
+            "plain_bytes_per_position": c.plain_attention_bytes(1, size),
         }
 
     def kv_bytes_per_position(self, kv: str = "none") -> int:
