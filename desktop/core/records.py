@@ -113,14 +113,11 @@ def _made_by(m) -> dict | None:
             and all(d.get(x) is None or _count(d.get(x)) for x in ("window", "slots"))
         ]
         out["kv_layer_kinds"] = rows if len(rows) == len(kinds) else None
-    latent = m.get("latent")  # latent attention's widths (the panel's formula): counts, every one of them
-    if isinstance(latent, dict) and latent:
-        ok = set(latent) == set(LATENT_COUNTS) and all(_count(latent[x]) for x in LATENT_COUNTS)
-        out["latent"] = {x: latent[x] for x in LATENT_COUNTS} if ok else None
-    state = m.get("state")  # a hybrid's state: counts too
-    if isinstance(state, dict) and state:
-        ok = set(state) == set(STATE_COUNTS) and all(_count(state[x]) for x in STATE_COUNTS)
-        out["state"] = {x: state[x] for x in STATE_COUNTS} if ok else None
+    for key, keys in (("latent", LATENT_COUNTS), ("state", STATE_COUNTS)):  # the panel's formula: counts, each
+        given = m.get(key)
+        if isinstance(given, dict) and given:
+            ok = set(given) == set(keys) and all(_count(given[x]) for x in keys)
+            out[key] = {x: given[x] for x in keys} if ok else None
     return out
 
 
