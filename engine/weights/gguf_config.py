@@ -29,26 +29,26 @@ ARCHITECTURES = {  # a GGUF's general.architecture -> config.json's (a "llama" f
 
 def config_dict(model) -> dict:
     """The model's config in config.json's terms, from the metadata (sizes checked by engine.config)."""
-    heads = model._arch("attention.head_count")
-    hidden = model._arch("embedding_length")
+    heads = model.arch_value("attention.head_count")
+    hidden = model.arch_value("embedding_length")
     tokens = model.meta("tokenizer.ggml.tokens")
-    vocab = model._arch("vocab_size") or (len(tokens) if tokens is not None else None)
-    head_dim = model._arch("attention.key_length") or (hidden // heads if hidden and heads else None)
-    experts = model._arch("expert_count", 0)
+    vocab = model.arch_value("vocab_size") or (len(tokens) if tokens is not None else None)
+    head_dim = model.arch_value("attention.key_length") or (hidden // heads if hidden and heads else None)
+    experts = model.arch_value("expert_count", 0)
     arch = "MixtralForCausalLM" if model.arch == "llama" and experts else ARCHITECTURES[model.arch]
     raw = {
         "architectures": [arch],
         "model_type": model.arch,
         "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": model._arch("feed_forward_length"),
-        "num_hidden_layers": model._arch("block_count"),
+        "intermediate_size": model.arch_value("feed_forward_length"),
+        "num_hidden_layers": model.arch_value("block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": _kv_heads(model, heads),
         "head_dim": head_dim,
-        "max_position_embeddings": model._arch("context_length", 4096),
-        "rms_norm_eps": model._arch("attention.layer_norm_rms_epsilon", 1e-6),
-        "rope_theta": model._arch("rope.freq_base", 10000.0),
+        "max_position_embeddings": model.arch_value("context_length", 4096),
+        "rms_norm_eps": model.arch_value("attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": model.arch_value("rope.freq_base", 10000.0),
         "tie_word_embeddings": "output.weight" not in model.tensors,
         "attention_bias": "blk.0.attn_q.bias" in model.tensors and model.arch not in ("qwen2", "qwen2vl"),
         "bos_token_id": model.meta("tokenizer.ggml.bos_token_id"),
@@ -58,21 +58,21 @@ def config_dict(model) -> dict:
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         if raw[key] is None:
             raise ModelLoadError(f"the GGUF metadata lacks {key} ({model.arch}.*)", model.path)
-    scaling = model._arch("rope.scaling.type")
+    scaling = model.arch_value("rope.scaling.type")
     if scaling == "linear":
-        raw["rope_scaling"] = {"type": "linear", "factor": model._arch("rope.scaling.factor", 1.0)}
+        raw["rope_scaling"] = {"type": "linear", "factor": model.arch_value("rope.scaling.factor", 1.0)}
     elif scaling == "yarn":  # the ramp's ends as the model was trained: gpt-oss's untruncated
         raw["rope_scaling"] = {
             "type": "yarn",
-            "factor": model._arch("rope.scaling.factor", 1.0),
-            "original_max_position_embeddings": model._arch("rope.scaling.original_context_length"),
-            "beta_fast": model._arch("rope.scaling.yarn_beta_fast", 32.0),
-            "beta_slow": model._arch("rope.scaling.yarn_beta_slow", 1.0),
+            "factor": model.arch_value("rope.scaling.factor", 1.0),
+            "original_max_position_embeddings": model.arch_value("rope.scaling.original_context_length"),
+            "beta_fast": model.arch_value("rope.scaling.yarn_beta_fast", 32.0),
+            "beta_slow": model.arch_value("rope.scaling.yarn_beta_slow", 1.0),
             "truncate": model.arch != "gpt-oss",
         }
     elif scaling not in (None, "none"):
         raise ModelLoadError(f"rope scaling {scaling!r} is not supported (supported: none, linear, yarn)", model.path)
-    rope_dims = model._arch("rope.dimension_count")
+    rope_dims = model.arch_value("rope.dimension_count")
     if rope_dims is not None and rope_dims != head_dim and model.arch != "deepseek2":
         if model.arch != "phi3":
             raise ModelLoadError(f"partial rotary embeddings ({rope_dims} of {head_dim}) are not supported", model.path)
@@ -87,7 +87,7 @@ def _family_dict(model, raw: dict, experts: int) -> dict:
     layers)."""
     out: dict = {}
     layers = raw["num_hidden_layers"]
-    window = model._arch("attention.sliding_window")
+    window = model.arch_value("attention.sliding_window")
     if window:
         out["sliding_window"] = window
         out["use_sliding_window"] = True
@@ -96,10 +96,10 @@ def _family_dict(model, raw: dict, experts: int) -> dict:
         out.update(
             hidden_activation="gelu_pytorch_tanh",
             query_pre_attn_scalar=raw["hidden_size"] // raw["num_attention_heads"] if big else raw["head_dim"],
-            attn_logit_softcapping=model._arch("attn_logit_softcapping"),
-            final_logit_softcapping=model._arch("final_logit_softcapping"),
+            attn_logit_softcapping=model.arch_value("attn_logit_softcapping"),
+            final_logit_softcapping=model.arch_value("final_logit_softcapping"),
         )
-        pattern = model._arch("attention.sliding_window_pattern")
+        pattern = model.arch_value("attention.sliding_window_pattern")
         if isinstance(pattern, np.ndarray):  # one flag per layer
             out["layer_types"] = ["sliding_attention" if v else "full_attention" for v in pattern.tolist()]
         else:
@@ -108,42 +108,42 @@ def _family_dict(model, raw: dict, experts: int) -> dict:
             out["rope_local_base_freq"] = 10000.0  # llama.cpp's, for the sliding layers
     elif model.arch == "phi3":
         short, long = model.tensors.get("rope_factors_short.weight"), model.tensors.get("rope_factors_long.weight")
-        original = model._arch("rope.scaling.original_context_length")
+        original = model.arch_value("rope.scaling.original_context_length")
         if short is not None and long is not None:
             out["rope_scaling"] = {
                 "type": "longrope",
-                "short_factor": model._float_rows(short).reshape(-1).tolist(),
-                "long_factor": model._float_rows(long).reshape(-1).tolist(),
+                "short_factor": model.float_rows(short).reshape(-1).tolist(),
+                "long_factor": model.float_rows(long).reshape(-1).tolist(),
                 "original_max_position_embeddings": original or raw["max_position_embeddings"],
-                "attention_factor": model._arch("rope.scaling.attn_factor"),
+                "attention_factor": model.arch_value("rope.scaling.attn_factor"),
             }
     elif model.arch == "granite":
         out.update(
-            embedding_multiplier=model._arch("embedding_scale", 1.0),
-            residual_multiplier=model._arch("residual_scale", 1.0),
-            attention_multiplier=model._arch("attention.scale", 1.0),
-            logits_scaling=model._arch("logit_scale", 1.0),
+            embedding_multiplier=model.arch_value("embedding_scale", 1.0),
+            residual_multiplier=model.arch_value("residual_scale", 1.0),
+            attention_multiplier=model.arch_value("attention.scale", 1.0),
+            logits_scaling=model.arch_value("logit_scale", 1.0),
         )
     elif model.arch == "smollm3":
         out["no_rope_layer_interval"] = 4  # llama.cpp's: every 4th layer unrotated
     elif model.arch == "deepseek2":
         out.update(_deepseek_dict(model, raw, experts))
     elif model.arch == "lfm2":  # a layer of no K/V heads is a short convolution
-        per = model._arch("attention.head_count_kv")
+        per = model.arch_value("attention.head_count_kv")
         per = [int(v) for v in per] if isinstance(per, np.ndarray) else [per] * raw["num_hidden_layers"]
         out.update(layer_types=["conv" if not v else "full_attention" for v in per],
-                   conv_L_cache=model._arch("shortconv.l_cache", 3), block_auto_adjust_ff_dim=False)  # fmt: skip
+                   conv_L_cache=model.arch_value("shortconv.l_cache", 3), block_auto_adjust_ff_dim=False)  # fmt: skip
     elif model.arch == "qwen2vl":  # the frequencies each of a position's t, h, w rotates (a 4th, unused, last)
-        sections = model._arch("rope.dimension_sections")
+        sections = model.arch_value("rope.dimension_sections")
         sections = [int(v) for v in sections][:3] if isinstance(sections, np.ndarray) else sections
         out["rope_scaling"] = {"type": "mrope", "mrope_section": sections, "rope_theta": raw["rope_theta"]}
     if experts:
         out.update(
             num_experts=experts,
             num_local_experts=experts,
-            num_experts_per_tok=model._arch("expert_used_count"),
-            moe_intermediate_size=model._arch("expert_feed_forward_length") or raw["intermediate_size"],
-            norm_topk_prob=bool(model._arch("expert_weights_norm", True)),
+            num_experts_per_tok=model.arch_value("expert_used_count"),
+            moe_intermediate_size=model.arch_value("expert_feed_forward_length") or raw["intermediate_size"],
+            norm_topk_prob=bool(model.arch_value("expert_weights_norm", True)),
         )
     return out
 
@@ -152,28 +152,28 @@ def _deepseek_dict(model, raw: dict, experts: int) -> dict:
     """DeepSeek-V2/V3's latent attention and router from llama.cpp's deepseek2 keys: the key length is the
     latent's and the rotary key's (d_c + d_r), key_length_mla a head's (d_n + d_r); a sigmoid router is V3's.
     YaRN's mscale comes as 0.1 · mscale_all_dim (taken for both mscales: their ratio, the cos/sin factor, 1)."""
-    rope = model._arch("rope.dimension_count")
-    sigmoid = model._arch("expert_gating_func") == 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
-    groups = model._arch("expert_group_count")
+    rope = model.arch_value("rope.dimension_count")
+    sigmoid = model.arch_value("expert_gating_func") == 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+    groups = model.arch_value("expert_group_count")
     out = {
         "architectures": ["DeepseekV3ForCausalLM" if sigmoid else "DeepseekV2ForCausalLM"],
-        "kv_lora_rank": model._arch("attention.kv_lora_rank"),
-        "q_lora_rank": model._arch("attention.q_lora_rank"),
+        "kv_lora_rank": model.arch_value("attention.kv_lora_rank"),
+        "q_lora_rank": model.arch_value("attention.q_lora_rank"),
         "qk_rope_head_dim": rope,
-        "qk_nope_head_dim": (model._arch("attention.key_length_mla") or 0) - (rope or 0),
-        "v_head_dim": model._arch("attention.value_length_mla"),
+        "qk_nope_head_dim": (model.arch_value("attention.key_length_mla") or 0) - (rope or 0),
+        "v_head_dim": model.arch_value("attention.value_length_mla"),
         "n_routed_experts": experts,
-        "n_shared_experts": model._arch("expert_shared_count", 0),
-        "first_k_dense_replace": model._arch("leading_dense_block_count", 0),
-        "routed_scaling_factor": model._arch("expert_weights_scale", 1.0),
-        "norm_topk_prob": bool(model._arch("expert_weights_norm", False)),
+        "n_shared_experts": model.arch_value("expert_shared_count", 0),
+        "first_k_dense_replace": model.arch_value("leading_dense_block_count", 0),
+        "routed_scaling_factor": model.arch_value("expert_weights_scale", 1.0),
+        "norm_topk_prob": bool(model.arch_value("expert_weights_norm", False)),
         "rope_interleave": True,  # llama.cpp rotates its pairs adjacent (LLAMA_ROPE_TYPE_NORM)
     }
     if groups:
-        out.update(n_group=groups, topk_group=model._arch("expert_group_used_count", groups))
+        out.update(n_group=groups, topk_group=model.arch_value("expert_group_used_count", groups))
         out["topk_method"] = "noaux_tc" if sigmoid else "group_limited_greedy"
     scaling = raw.get("rope_scaling")
-    log_mul = model._arch("rope.scaling.yarn_log_multiplier")
+    log_mul = model.arch_value("rope.scaling.yarn_log_multiplier")
     if isinstance(scaling, dict) and log_mul:
         scaling.update(mscale=log_mul / 0.1, mscale_all_dim=log_mul / 0.1)
     return out
@@ -181,5 +181,5 @@ def _deepseek_dict(model, raw: dict, experts: int) -> dict:
 
 def _kv_heads(model, heads):
     """The K/V heads: one count, or the most of a count per layer (LFM2: 0 on its convolution layers)."""
-    per = model._arch("attention.head_count_kv", heads)
+    per = model.arch_value("attention.head_count_kv", heads)
     return int(per.max()) if isinstance(per, np.ndarray) and per.size else per

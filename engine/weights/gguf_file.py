@@ -96,7 +96,8 @@ class GGUFModel:
         """The header up to the tensor table: every metadata key and value as the file holds them."""
         return self.mm[: self.metadata_end]
 
-    def _arch(self, key: str, default=None):
+    def arch_value(self, key: str, default=None):
+        """A metadata value under the file's architecture ("{arch}.{key}")."""
         return self.meta(f"{self.arch}.{key}", default)
 
     def config_dict(self) -> dict:
@@ -132,7 +133,7 @@ class GGUFModel:
         t = self.tensors.get("rope_freqs.weight")
         if t is None:
             return ()
-        return tuple(float(v) for v in self._float_rows(t).reshape(-1))
+        return tuple(float(v) for v in self.float_rows(t).reshape(-1))
 
     def tokenizer(self, stop_extra=()):
         """The file's Tokenizer (engine.weights.gguf_vocab)."""
@@ -159,7 +160,7 @@ class GGUFModel:
     def file_type(self, gname: str) -> str:
         return self.tensors[gname].tensor_type.name
 
-    def _float_rows(self, t, a: int = 0, b: int | None = None) -> np.ndarray:
+    def float_rows(self, t, a: int = 0, b: int | None = None) -> np.ndarray:
         """Rows a:b of a tensor as float32 values (1-D tensors whole), through llama.cpp's definitions."""
         data = t.data if t.data.ndim == 1 else t.data[a:b]
         if t.tensor_type.name == "F32":
@@ -194,16 +195,16 @@ class GGUFModel:
         gname = self.gguf_name(hf)
         parts = self.kv_b(hf)
         if parts is not None:  # [H, d_c, d_n] transposed beside [H, d_v, d_c], each head's rows together
-            k_b, v_b = (self._float_rows(t) for t in parts)
+            k_b, v_b = (self.float_rows(t) for t in parts)
             joined = np.concatenate((k_b.transpose(0, 2, 1), v_b), axis=1).reshape(-1, k_b.shape[1])
             self._note(gname, dtype)
             return torch.from_numpy(np.ascontiguousarray(joined[a:b])).to(device=device, dtype=dtype)
         t = self.tensors[gname]
         order = self.permutation(hf, cfg)
         if order is not None:  # small (q and k): whole, then reordered
-            rows = self._float_rows(t)[order][a:b]
+            rows = self.float_rows(t)[order][a:b]
         else:
-            rows = self._float_rows(t, a, b)
+            rows = self.float_rows(t, a, b)
         self._note(gname, dtype)
         if b is None or b >= t.data.shape[0]:
             self._release(t)

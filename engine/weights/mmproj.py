@@ -130,7 +130,7 @@ def read_projector(path: Path, text_hidden: int, token_id, dtype, device) -> tup
             continue
         if tuple(t.shape) != shapes[ours]:
             raise ModelLoadError(f"{gname} is {list(t.shape)}, but its metadata makes it {list(shapes[ours])}", path)
-        values = torch.from_numpy(f._float_rows(t).reshape(shapes[ours]).copy())
+        values = torch.from_numpy(f.float_rows(t).reshape(shapes[ours]).copy())
         if gname.startswith("mm.soft_emb_norm"):
             values = values - 1  # llama.cpp's converter stores Gemma's (1 + w)
         state[ours] = values.to(dtype)
@@ -182,7 +182,7 @@ def _read_qwen(f: GGUFModel, path: Path, number, text_hidden: int, token_id, dty
         t = f.tensors.get(gname)
         if t is None:
             raise ModelLoadError(f"the projector file lacks {gname}", path)
-        return torch.from_numpy(f._float_rows(t).reshape(t.shape).copy())
+        return torch.from_numpy(f.float_rows(t).reshape(t.shape).copy())
 
     state = {"patch_embed.proj.weight": torch.stack((read("v.patch_embd.weight"), read("v.patch_embd.weight.1")), 2),
              "merger.ln_q.weight": read("v.post_ln.weight")}  # fmt: skip
