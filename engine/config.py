@@ -1,7 +1,7 @@
 """Model configuration, read from a checkpoint's config.json (transformers 4.x and 5.x styles).
 
 One dataclass covers every family kvchat runs: the Llama shape, and the fields by which Gemma, Phi-3, SmolLM3,
-Granite, OLMo 2, the mixtures of experts, gpt-oss, DeepSeek and LFM2 depart from it (engine/MODELS.md, "Model
+Granite, OLMo 2, the mixtures of experts, gpt-oss, DeepSeek and the hybrids (LFM2, Granite 4.0-H) depart from it (engine/MODELS.md, "Model
 families"); each family's rules are engine.family_fields', the rotary settings engine.rope_config's.
 """
 
@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from .errors import ModelLoadError
-from .family_fields import family_fields, lfm2_width, whole
+from .family_fields import expert_count, family_fields, lfm2_width, whole
 from .rope_config import RopeConfig, exact, rope_from
 from .text_configs import text_config_of
 
@@ -38,6 +38,7 @@ SUPPORTED_ARCHITECTURES = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Lfm2ForCausalLM": "lfm2",
+    "GraniteMoeHybridForCausalLM": "granitemoehybrid",
 }
 TIED = ("gemma2", "gemma3", "lfm2")  # families whose head is the embedding unless config.json says otherwise
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention (engine.latent_attention)
@@ -104,10 +105,41 @@ class ModelConfig:
     router_topk_groups: int = 0
     router_choice_bias: bool = False  # a bias on the scores the choice reads, not the weights (V3's correction)
     routed_scaling: float = 1.0  # the routed experts' weights multiplied by it
+    shared_mlp: int = 0  # the width of an MLP every position goes through beside its experts (Granite 4.0-H)
     # --- hybrids: layers that keep a state in place of K/V (engine.state_cache) ---
     conv_layers: tuple[bool, ...] = ()  # per layer, whether it is a short convolution (LFM2) in place of attention
     conv_kernel: int = 0  # K, the convolution's width (LFM2's conv_L_cache)
     conv_bias: bool = False
+    mamba_layers: tuple[bool, ...] = ()  # per layer, whether it is a Mamba-2 mixer (Granite 4.0-H) in its place
+    mamba_heads: int = 0  # H_m, the scan's heads
+    mamba_head_dim: int = 0  # P, each head's channels (H_m · P = the mixer's inner width I)
+    mamba_state: int = 0  # N, the state's width per channel (d_state)
+    mamba_groups: int = 1  # G_m, the groups B and C are shared by (heads H_m / G_m each)
+    mamba_kernel: int = 0  # K_m, the convolution's width before the scan
+    mamba_conv_bias: bool = True
+    mamba_proj_bias: bool = False
+    dt_limit: tuple[float, float] = (0.0, float("inf"))  # the step Δ clamped to it (time_step_limit)
+
+    @property
+    def state_layers(self) -> tuple[bool, ...]:
+        """Per layer, whether it keeps a state in place of K/V (a short convolution, a Mamba-2 mixer); () none do."""
+        return self.conv_layers or self.mamba_layers
+
+    @property
+    def mamba_inner(self) -> int:
+        """I = H_m · P, the width the Mamba-2 mixer scans."""
+        return self.mamba_heads * self.mamba_head_dim
+
+    @property
+    def mamba_conv_width(self) -> int:
+        """The channels the mixer's convolution runs over: x, then B and C, I + 2 · G_m · N."""
+        return self.mamba_inner + 2 * self.mamba_groups * self.mamba_state
+
+    @property
+    def shared_width(self) -> int:
+        """The width of the MLP beside a mixture's routed experts (0: none): DeepSeek's shared experts as one MLP
+        that many times wide, or Granite 4.0-H's shared MLP."""
+        return self.moe_intermediate_size * self.shared_experts or self.shared_mlp
 
     @property
     def mla(self) -> bool:
@@ -138,7 +170,7 @@ class ModelConfig:
     @property
     def kv_layers(self) -> int:
         """The layers that keep K/V for every position: all of them, or a hybrid's attention layers."""
-        return self.conv_layers.count(False) if self.conv_layers else self.num_layers
+        return self.state_layers.count(False) if self.state_layers else self.num_layers
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -206,7 +238,7 @@ class ModelConfig:
             and self.rope.partial == 1.0
             and self.rope.type != "longrope"
             and not self.mla
-            and not any(self.conv_layers)
+            and not any(self.state_layers)
             and not self.shared_experts
             and self.router_scoring == "softmax"
             and not self.router_groups
@@ -235,6 +267,12 @@ class ModelConfig:
         if any(self.conv_layers):
             convs = sum(self.conv_layers)
             parts.append(f"{convs} of {self.num_layers} layers short convolutions (width {self.conv_kernel})")
+        if any(self.mamba_layers):
+            parts.append(
+                f"{sum(self.mamba_layers)} of {self.num_layers} layers Mamba-2 (heads {self.mamba_heads} × "
+                f"{self.mamba_head_dim}, state {self.mamba_state}, groups {self.mamba_groups}, width "
+                f"{self.mamba_kernel})"
+            )
         if self.mla:
             parts.append(
                 f"latent attention (d_c {self.kv_lora_rank}, d_r {self.head_dim}, d_n {self.qk_nope_head_dim}, "
@@ -270,11 +308,6 @@ def _check_size(raw: dict, key: str) -> None:
 
 
 MAX_EXPERTS = 1024  # routed experts per layer: real mixtures have 8 to 512
-
-
-def expert_count(raw: dict):
-    """The routed experts config.json names, under each family's key (0 where none), as given: checked by the caller."""
-    return raw.get("num_experts") or raw.get("num_local_experts") or raw.get("n_routed_experts") or 0
 
 
 def _check_counts(raw: dict, moe: bool, window) -> None:
@@ -336,7 +369,7 @@ def config_from_dict(raw: dict, path: Path | None = None) -> ModelConfig:
         window = raw.get("sliding_window")
         if family in ("qwen2", "qwen3", "qwen3_moe", "smollm3"):
             window = window if raw.get("use_sliding_window") else None
-        moe = family in MOE_FAMILIES
+        moe = family in MOE_FAMILIES or (family == "granitemoehybrid" and bool(expert_count(raw)))
         _check_counts(raw, moe, window)
         extra = family_fields(family, raw, layers, hidden, window)
         experts = int(expert_count(raw))
@@ -347,7 +380,7 @@ def config_from_dict(raw: dict, path: Path | None = None) -> ModelConfig:
             family=family,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=lfm2_width(raw) if family == "lfm2" else int(raw["intermediate_size"]),
+            intermediate_size=_mlp_width(family, raw, moe),
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
@@ -377,6 +410,16 @@ def config_from_dict(raw: dict, path: Path | None = None) -> ModelConfig:
         raise ModelLoadError(f"config.json has a malformed field: {e}", path) from None
     except ModelLoadError as e:
         raise ModelLoadError(str(e), path) from None
+
+
+def _mlp_width(family: str, raw: dict, moe: bool) -> int:
+    """F, a dense layer's MLP width: LFM2's worked out from its multipliers; Granite 4.0-H's shared MLP where it has
+    no experts (intermediate_size is then an expert's width)."""
+    if family == "lfm2":
+        return lfm2_width(raw)
+    if family == "granitemoehybrid" and not moe:
+        return int(raw.get("shared_intermediate_size") or raw["intermediate_size"])
+    return int(raw["intermediate_size"])
 
 
 def read_json(path: Path, default: dict | None = None) -> dict:

@@ -81,6 +81,8 @@ def family_fields(family: str, raw: dict, layers: int, hidden: int, window) -> d
         out.update(_deepseek(family, raw, layers))
     elif family == "lfm2":
         out.update(_lfm2(raw, layers))
+    elif family == "granitemoehybrid":
+        out.update(_granite_hybrid(raw, layers, hidden))
     elif window and raw.get("layer_types") is not None:
         out["layer_types"] = layer_types(raw, layers, lambda i: True)
     for key in ("attn_softcap", "final_softcap"):
@@ -164,6 +166,80 @@ def _lfm2(raw: dict, layers: int) -> dict:
         raise ModelLoadError(f"config.json's conv_L_cache is {width!r}: a convolution's width from 2 to 64")
     return {"conv_layers": tuple(k == "conv" for k in kinds), "conv_kernel": int(width),
             "conv_bias": bool(raw.get("conv_bias", False))}  # fmt: skip
+
+
+MAMBA_KINDS = {"mamba": True, "linear_attention": True, "attention": False, "full_attention": False}
+
+
+def _granite_hybrid(raw: dict, layers: int, hidden: int) -> dict:
+    """Granite 4.0-H: Granite's scales, Mamba-2 mixers on the layers `layer_types` names mamba (attention on the
+    others, unrotated unless position_embedding_type is rope), the mixer's widths (each checked: a state is sized
+    from them), and the shared MLP beside the experts."""
+    kinds = raw.get("layer_types") or raw.get("layers_block_type") or ["mamba"] * layers
+    if not isinstance(kinds, list) or len(kinds) != layers or any(k not in MAMBA_KINDS for k in kinds):
+        raise ModelLoadError(f"config.json's layer_types must name each of the {layers} layers mamba or attention")
+    sizes = {}
+    for key, default, high in (("mamba_n_heads", 128, 1 << 12), ("mamba_d_state", 256, 1 << 12),
+                               ("mamba_n_groups", 1, 1 << 12), ("mamba_d_conv", 4, 64), ("mamba_expand", 2, 64)):  # fmt: skip
+        value = raw.get(key, default)
+        if not whole(value, 2 if key == "mamba_d_conv" else 1, high):
+            raise ModelLoadError(f"config.json's {key} is {value!r}: out of range (1 to {high:,})")
+        sizes[key] = int(value)
+    inner = sizes["mamba_expand"] * hidden
+    head = raw.get("mamba_d_head", "auto")
+    head = inner // sizes["mamba_n_heads"] if head in ("auto", None) else head
+    if not whole(head, 1, 1 << 16) or int(head) * sizes["mamba_n_heads"] != inner:
+        raise ModelLoadError(f"the Mamba heads ({sizes['mamba_n_heads']} × {head!r}) do not make its width {inner}")
+    if sizes["mamba_n_heads"] % sizes["mamba_n_groups"]:
+        raise ModelLoadError("mamba_n_heads must be a multiple of mamba_n_groups")
+    low, high = _limit(raw.get("time_step_limit"))
+    shared = raw.get("shared_intermediate_size") or 0
+    if not whole(shared, 0, 1 << 24):
+        raise ModelLoadError(f"config.json's shared_intermediate_size is {shared!r}: out of range")
+    rotates = raw.get("position_embedding_type") == "rope"
+    return {
+        "embed_scale": float(raw.get("embedding_multiplier", 1.0)),
+        "residual_scale": float(raw.get("residual_multiplier", 1.0)),
+        "attention_scale": float(raw.get("attention_multiplier", 1.0)),
+        "logits_scale": float(raw.get("logits_scaling", 1.0)),
+        "rope_layers": () if rotates else (False,) * layers,
+        "router_topk_first": True,  # the k highest logits, then their softmax
+        "shared_mlp": int(shared) if expert_count(raw) else 0,
+        "mamba_layers": tuple(MAMBA_KINDS[k] for k in kinds),
+        "mamba_heads": sizes["mamba_n_heads"],
+        "mamba_head_dim": int(head),
+        "mamba_state": sizes["mamba_d_state"],
+        "mamba_groups": sizes["mamba_n_groups"],
+        "mamba_kernel": sizes["mamba_d_conv"],
+        "mamba_conv_bias": bool(raw.get("mamba_conv_bias", True)),
+        "mamba_proj_bias": bool(raw.get("mamba_proj_bias", False)),
+        "dt_limit": (low, high),
+    }
+
+
+def expert_count(raw: dict):
+    """The routed experts config.json names, under each family's key (0 where none), as given: checked by the caller."""
+    return raw.get("num_experts") or raw.get("num_local_experts") or raw.get("n_routed_experts") or 0
+
+
+def _limit(value) -> tuple[float, float]:
+    """time_step_limit: [low, high] (high may be written Infinity, or as transformers 5 writes it), or null."""
+    if value is None:
+        return 0.0, float("inf")
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise ModelLoadError(f"config.json's time_step_limit is {value!r}: a pair [low, high]")
+    out = []
+    for v in value:
+        if isinstance(v, dict) and v.get("__float__") in ("Infinity", "inf"):
+            v = float("inf")
+        if isinstance(v, str) and v in ("Infinity", "inf"):
+            v = float("inf")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < 0:
+            raise ModelLoadError(f"config.json's time_step_limit is {value!r}: two numbers from 0 up")
+        out.append(float(v))
+    if out[0] > out[1]:
+        raise ModelLoadError(f"config.json's time_step_limit is {value!r}: its low end above its high end")
+    return out[0], out[1]
 
 
 def lfm2_width(raw: dict) -> int:

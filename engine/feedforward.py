@@ -60,8 +60,9 @@ class MoE(nn.Module):
         self.groups, self.best_groups = cfg.router_groups, cfg.router_topk_groups  # the k from the best groups
         # [E] added to the scores the choice reads, never to the weights (DeepSeek-V3's load-balancing correction)
         self.choice_bias = nn.Parameter(torch.zeros(cfg.num_experts)) if cfg.router_choice_bias else None
-        # every position's expert beside its k routed ones (DeepSeek's shared experts, as one MLP that many times wide)
-        self.shared = MLP(cfg, cfg.moe_intermediate_size * cfg.shared_experts) if cfg.shared_experts else None
+        # every position's MLP beside its k routed experts (DeepSeek's shared experts as one MLP that many times wide,
+        # Granite 4.0-H's shared MLP)
+        self.shared = MLP(cfg, cfg.shared_width) if cfg.shared_width else None
         self.act = ACT[cfg.hidden_act]
         self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None  # ([E, 2F, D], [E, D, F]), views shared
 

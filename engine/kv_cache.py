@@ -271,7 +271,7 @@ def make_cache(config, capacity: int, dtype: torch.dtype, device, kv: str = "non
     slots = ring_slots(config, capacity, chunk)
     if slots is not None:
         return WindowedKVCache(config, capacity, dtype, device, kv, slots)
-    if any(config.conv_layers):  # a hybrid: K/V for its attention layers, a state for the others
+    if any(config.state_layers):  # a hybrid: K/V for its attention layers, a state for the others
         kv_layers = _layers_cache(config.kv_layers, config, capacity, dtype, device, kv)
         return HybridCache(config, capacity, dtype, device, kv_layers)
     return _layers_cache(config.num_layers, config, capacity, dtype, device, kv)

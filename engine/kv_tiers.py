@@ -93,7 +93,7 @@ class KVTiers:
             self.cache = None  # free the old buffers before allocating the new
             if not self._pool_serves(loaded, kv) or fingerprint_change(self._fingerprint, fingerprint):
                 self.pool = None
-            if ring_slots(loaded.config, capacity, chunk) is not None or any(loaded.config.conv_layers):
+            if ring_slots(loaded.config, capacity, chunk) is not None or any(loaded.config.state_layers):
                 # a sliding layer's ring, a hybrid's states: a cache of its own
                 self.cache = make_cache(loaded.config, capacity, loaded.dtype, loaded.device, kv, chunk)
             else:

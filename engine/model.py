@@ -1,9 +1,9 @@
 """The decoder: Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, SmolLM3, Granite, OLMo 2, the mixtures of experts
-(Qwen3-MoE, Mixtral, gpt-oss), DeepSeek-V2/V3 (their latent attention: engine.latent_attention) and LFM2 (its short
-convolutions: engine.short_conv) in one module, written for KV-cached inference.
+(Qwen3-MoE, Mixtral, gpt-oss), DeepSeek-V2/V3 (their latent attention: engine.latent_attention) and the hybrids, LFM2
+(its short convolutions: engine.short_conv) and Granite 4.0-H (its Mamba-2 mixers: engine.mamba_mixer), in one module, written for KV-cached inference.
 
 Plain PyTorch and nothing else from the engine but its feed-forward halves (engine.feedforward), its rotations,
-the latent attention, the short convolution and the parts they share: the architecture as the checkpoints define it.
+the latent attention, the short convolution, the Mamba-2 mixer and the parts they share: the architecture as the checkpoints define it.
 How its weights are stored and multiplied on a given device (CPU layouts, quantized codes, the
 one-call decode step) is engine.backends' business, which swaps modules in after loading.
 
@@ -25,6 +25,7 @@ from torch import nn
 from .block_parts import RMSNorm, attention_dtype
 from .feedforward import MLP, MoE
 from .latent_attention import LatentAttention
+from .mamba_mixer import MambaMixer
 from .rotary import apply_rotary, cos_sin_table, rope_offset, section_columns
 from .short_conv import ShortConv
 
@@ -192,6 +193,8 @@ class Block(nn.Module):
         self.attn_norm = norm(pre)
         if cfg.conv_layers and cfg.conv_layers[layer]:  # a hybrid's short convolution in attention's place (LFM2)
             self.attn = ShortConv(cfg, layer)
+        elif cfg.mamba_layers and cfg.mamba_layers[layer]:  # Granite 4.0-H's Mamba-2 mixer in attention's place
+            self.attn = MambaMixer(cfg, layer)
         else:
             self.attn = LatentAttention(cfg, layer) if cfg.mla else Attention(cfg, layer)
         self.attn_post_norm = norm(post)

@@ -1,14 +1,22 @@
-"""The cache of a hybrid model (LFM2): its attention layers keep K/V for every position, its short-convolution layers a
-state of fixed size (the last K − 1 gated inputs of each channel), whatever the length. A state only goes forward, so
-the cache also keeps a snapshot of every convolution layer's state each SNAPSHOT positions: an edit goes back to the
-last snapshot before it and recomputes from there (`resume_point`), and the prefix store and the disk tier keep
+"""The cache of a hybrid model (LFM2, Granite 4.0-H): its attention layers keep K/V for every position, its state
+layers a state of fixed size whatever the length — a short convolution's last K − 1 gated inputs (LFM2), or a
+Mamba-2 mixer's convolution inputs and its scan's state [H_m, P, N] (Granite 4.0-H). A state only goes forward, so
+the cache also keeps a snapshot of every state layer's state each `every` positions: an edit goes back to the last
+snapshot before it and recomputes from there (`resume_every`), and the prefix store and the disk tier keep the
 snapshots with the blocks they hold.
 
-A snapshot is spread over the positions of its block — block k's (the state after position 16k + 15) as 16 rows of
-its slots 16k..16k + 15 in a buffer laid out as K/V are, [L_conv, 1, 1, C, w] — so every tier copies it as it copies
-K/V, a block's positions at a time, and a block copied whole brings its snapshot whole.
+The snapshot at position p (a multiple of `every`) lives in the block of 16 positions that ends at p, spread over
+its 16 rows in a buffer laid out as K/V are, [L_state, 1, 1, rows, w] — so every tier copies it as it copies K/V,
+a block's positions at a time, and a block copied whole brings its snapshot whole; the other blocks carry none (a
+tier's copy holds None there). `every` is 16 where a snapshot costs little (LFM2's), more where a state is large
+(a Mamba-2 layer's): the smallest 16 · 2^k at which the snapshots take at most SNAPSHOT_SHARE times the K/V beside
+them a position (engine/MODELS.md, "Hybrid caches").
 
-Shapes: L_conv convolution layers, D hidden, K the kernel's width, C the capacity, w = ⌈D·(K − 1) / SNAPSHOT⌉.
+The last positions stay within reach without a snapshot (a speculative verify's rejected drafts taken back): a
+convolution's state is its last inputs, kept for RECENT positions; a Mamba-2 layer keeps its state at two bases at
+most RECENT positions apart and its inputs since, and its mixer runs them again from the base (MambaMixer).
+
+Shapes: L_state state layers, D hidden, K the kernel's width, C the capacity, w = ⌈state values / 16⌉.
 """
 
 from __future__ import annotations
@@ -17,13 +25,26 @@ import math
 
 import torch
 
-SNAPSHOT = 16  # positions between snapshots: the prefix store's and the KV pool's block
-RECENT = 64  # the last positions whose inputs are kept: a state at any of them (a speculative rollback)
+BLOCK = 16  # the prefix store's and the KV pool's block: a snapshot is spread over one
+SNAPSHOT = BLOCK  # the spacing where snapshots are cheap (LFM2's)
+SNAPSHOT_SHARE = 4  # the snapshots take at most this many times the K/V bytes of a position
+RECENT = 64  # the last positions a state can be set back to without a snapshot (a speculative rollback)
+
+
+def snapshot_spacing(state_values: int, value_bytes: int, kv_bytes_per_position: int) -> int:
+    """The positions between snapshots: the smallest 16 · 2^k at which one snapshot (state_values of value_bytes)
+    spread over them takes at most SNAPSHOT_SHARE times a position's K/V bytes."""
+    every = SNAPSHOT
+    budget = max(1, SNAPSHOT_SHARE * kv_bytes_per_position)
+    while state_values * value_bytes / every > budget and every < 1 << 20:
+        every *= 2
+    return every
 
 
 class HybridCache:
     """K/V for the attention layers (`kv`, a KVCache or QuantKVCache of those layers alone, at the cache's precision)
-    and, for each convolution layer, its live state [1, D, K − 1] with its snapshots (in the model dtype)."""
+    and each state layer's live state with its snapshots: a convolution's [1, D, K − 1] in the model dtype, a Mamba-2
+    mixer's convolution inputs [1, C_m, K_m − 1] and scan state [1, H_m, P, N] in float32."""
 
     quantized = False
     windowed = False
@@ -31,23 +52,44 @@ class HybridCache:
     shared_positions = 0
 
     def __init__(self, config, capacity: int, dtype, device, kv):
-        kinds = config.conv_layers
-        self.conv = [i for i, c in enumerate(kinds) if c]
+        kinds = config.state_layers
+        self.kind = "mamba" if any(config.mamba_layers) else "conv"
+        self.conv = [i for i, c in enumerate(kinds) if c]  # the state layers, by model layer
         self.attn = [i for i, c in enumerate(kinds) if not c]
         self.where = {i: j for j, i in enumerate(self.attn)} | {i: j for j, i in enumerate(self.conv)}
         self.kv = kv  # [L_attn, 1, H_kv, C, d] each
         self.quantized = kv.quantized
-        D, k = config.hidden_size, config.conv_kernel
-        self.state_shape = (D, k - 1)
-        self.width = math.ceil(D * (k - 1) / SNAPSHOT)  # w
-        self.state = torch.zeros(len(self.conv), 1, D, k - 1, dtype=dtype, device=device)  # [L_conv, 1, D, K − 1]
-        self.snap = torch.zeros(len(self.conv), 1, 1, capacity, self.width, dtype=dtype, device=device)
-        self.at = [0] * len(self.conv)  # the position each layer's live state is at
-        self.recent: list[tuple[int, torch.Tensor] | None] = [None] * len(self.conv)  # each layer's last positions:
-        # (the first, the inputs [1, D, K − 1 + n] from the state before it): the state at any of them
+        L = len(self.conv)
+        if self.kind == "mamba":
+            C, k = config.mamba_conv_width, config.mamba_kernel
+            self.state_shape = (C, k - 1)
+            self.ssm_shape = (config.mamba_heads, config.mamba_head_dim, config.mamba_state)
+            state_dtype = torch.float32  # the scan's state: in float32 whatever the weights
+            self.state = torch.zeros(L, 1, C, k - 1, dtype=state_dtype, device=device)  # [L, 1, C_m, K_m − 1]
+            self.ssm = torch.zeros(L, 1, *self.ssm_shape, dtype=state_dtype, device=device)  # [L, 1, H_m, P, N]
+        else:
+            D, k = config.hidden_size, config.conv_kernel
+            self.state_shape = (D, k - 1)
+            self.ssm_shape = None
+            state_dtype = dtype
+            self.state = torch.zeros(L, 1, D, k - 1, dtype=state_dtype, device=device)  # [L_conv, 1, D, K − 1]
+            self.ssm = None
+        self.values = math.prod(self.state_shape) + (math.prod(self.ssm_shape) if self.ssm_shape else 0)
+        self.every = snapshot_spacing(self.values * L, self.state.element_size(), kv.bytes_per_position)
+        self.width = math.ceil(self.values / BLOCK)  # w
+        self.snap = torch.zeros(L, 1, 1, capacity // self.every * BLOCK, self.width, dtype=state_dtype, device=device)
+        self.has_snap = [False] * (capacity // self.every + 1)  # snapshot k (at k · every) written for these positions
+        self.at = [0] * L  # the position each layer's live state is at
+        # a convolution's last positions: (the first, its inputs [1, D, K − 1 + n] from the state before it)
+        self.recent: list[tuple[int, torch.Tensor] | None] = [None] * L
+        # a Mamba-2 layer's bases [(position, conv inputs, scan state)] and its inputs since the first (raw xBC
+        # [1, C_m, n], raw Δ [1, n, H_m])
+        self.bases: list[list[tuple]] = [[] for _ in range(L)]
+        self.inputs: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * L
         self.num_layers, self.num_kv_heads, self.head_dim = config.num_layers, config.cache_heads, config.cache_width
         self.capacity = capacity
         self._length = 0
+        self._reset_bases()
 
     # --- length, and going back ----------------------------------------------------------------------------------
     @property
@@ -57,23 +99,38 @@ class HybridCache:
     @length.setter
     def length(self, n: int) -> None:
         """n positions held: where a layer's state is elsewhere (a cut, positions brought in from a tier), it is set
-        from the snapshot at n, which must be one."""
+        from the snapshot at n, which must be one (a Mamba-2 layer's when its mixer next asks for it)."""
         self._length = n
         self.kv.length = n
         for j, at in enumerate(self.at):
-            if at != n:
+            if at != n and self.kind == "conv":
                 self._restore(j, n)
+        if self.kind == "mamba" and any(at != n for at in self.at) and not self._reachable(n):
+            raise ValueError(f"position {n} has no snapshot of the state layers' state (every {self.every})")
 
     @property
     def positions(self) -> int:
         return self._length
 
-    resume_every = SNAPSHOT  # the positions it can go on from: multiples of this (engine.kv_tiers rounds down)
+    @property
+    def resume_every(self) -> int:
+        """The positions it can go on from: multiples of this (engine.kv_tiers rounds down)."""
+        return self.every
 
     def resumable(self, n: int) -> bool:
-        """At 0, at a snapshot, or within the last RECENT positions (a verify's rejected drafts taken back)."""
-        within = all(r is not None and r[0] <= n <= r[0] + r[1].shape[-1] - self.state_shape[1] for r in self.recent)
-        return n == 0 or (n <= self._length and (n % SNAPSHOT == 0 or within))
+        """At 0, at a snapshot, or within the last positions (a verify's rejected drafts taken back)."""
+        return n == 0 or (n <= self._length and self._reachable(n))
+
+    def _reachable(self, n: int) -> bool:
+        if n == 0 or self._snapshot_held(n):
+            return True
+        if self.kind == "mamba":
+            return all(bases and bases[0][0] <= n <= self._inputs_end(j) for j, bases in enumerate(self.bases))
+        k1 = self.state_shape[1]
+        return all(r is not None and r[0] <= n <= r[0] + r[1].shape[-1] - k1 for r in self.recent)
+
+    def _snapshot_held(self, n: int) -> bool:
+        return n % self.every == 0 and n // self.every < len(self.has_snap) and self.has_snap[n // self.every]
 
     def restore_needs(self, n: int) -> int:
         return n
@@ -82,15 +139,37 @@ class HybridCache:
         if not 0 <= length <= self._length:
             raise ValueError(f"cannot truncate a cache of {self._length} positions to {length}")
         if not self.resumable(length) and length != self._length:
-            raise ValueError(f"position {length} has no snapshot of the convolution layers' state (every {SNAPSHOT})")
-        self.recent = [r if r is not None and r[0] <= length else None for r in self.recent]
+            raise ValueError(f"position {length} has no snapshot of the state layers' state (every {self.every})")
+        for k in range(length // self.every + 1, len(self.has_snap)):  # the snapshots past the cut: of other positions
+            self.has_snap[k] = False
+        k1 = self.state_shape[1]  # the inputs past the cut are of other positions too
+        self.recent = [None if r is None or r[0] > length else (r[0], r[1][:, :, : length - r[0] + k1])
+                       for r in self.recent]  # fmt: skip
+        for j, bases in enumerate(self.bases):
+            self.bases[j] = [b for b in bases if b[0] <= length]
+            if self.inputs[j] is not None and bases:
+                xbc, dt = self.inputs[j]
+                keep = max(0, length - self.bases[j][0][0]) if self.bases[j] else 0
+                self.inputs[j] = (xbc[:, :, :keep], dt[:, :keep])
+        if length == 0:
+            self._reset_bases()
         self.length = length
 
     def release(self) -> None:
-        self.length = 0
+        self.truncate(0)
 
     def reserve(self, start: int, end: int) -> None:
         """Positions start..end-1 are writable: always, within the capacity (the model checks it)."""
+
+    def _reset_bases(self) -> None:
+        if self.kind == "mamba":
+            for j in range(len(self.conv)):
+                self.bases[j] = [(0, torch.zeros_like(self.state[j]), torch.zeros_like(self.ssm[j]))]
+                self.inputs[j] = None
+
+    def _inputs_end(self, j: int) -> int:
+        bases, held = self.bases[j], self.inputs[j]
+        return bases[0][0] + (held[1].shape[1] if held is not None else 0)
 
     # --- the layers' reads and writes ----------------------------------------------------------------------------
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,14 +185,11 @@ class HybridCache:
 
     def keep_conv_state(self, layer: int, start: int, full: torch.Tensor) -> None:
         """full [1, D, K − 1 + T]: the state before `start` then the T new gated inputs. The state after them kept,
-        and a snapshot at each multiple of SNAPSHOT the T positions reach."""
+        and a snapshot at each multiple of `every` the T positions reach."""
         j, k1 = self.where[layer], self.state_shape[1]
         T = full.shape[-1] - k1
-        for b in range((start // SNAPSHOT + 1) * SNAPSHOT, start + T + 1, SNAPSHOT):  # the states after b - 1
-            state = full[0, :, b - start : b - start + k1]  # [D, K − 1]
-            flat = torch.zeros(SNAPSHOT * self.width, dtype=self.snap.dtype, device=self.snap.device)
-            flat[: state.numel()] = state.reshape(-1)
-            self.snap[j, 0, 0, b - SNAPSHOT : b] = flat.view(SNAPSHOT, self.width)
+        for b in self._snapshot_points(start, start + T):  # the states after b - 1
+            self._write_snapshot(j, b, full[0, :, b - start : b - start + k1])
         self.state[j].copy_(full[:, :, T:])
         self.at[j] = start + T
         r = self.recent[j]  # the last RECENT positions' inputs, this forward's after those before it
@@ -124,37 +200,154 @@ class HybridCache:
         extra = inputs.shape[-1] - k1 - RECENT
         self.recent[j] = (s0 + extra, inputs[:, :, extra:].clone()) if extra > 0 else (s0, inputs)
 
+    def mamba_state(self, layer: int, start: int):
+        """A Mamba-2 layer's state before position `start`, as (base, conv inputs [1, C_m, K_m − 1], scan state
+        [1, H_m, P, N], the raw inputs of positions base..start-1 (xBC [1, C_m, n], Δ [1, n, H_m]) or None): the
+        live state (base = start), a snapshot's, or a base's with the inputs since, which the mixer runs again."""
+        j = self.where[layer]
+        bases = self.bases[j]
+        if self.at[j] == start:
+            if not bases:  # every base was past a cut: this live state is the first
+                bases.append((start, self.state[j].clone(), self.ssm[j].clone()))
+                self.inputs[j] = None
+            elif start - bases[-1][0] >= RECENT:  # a new base: the oldest positions drop out of reach
+                bases[:] = [bases[-1], (start, self.state[j].clone(), self.ssm[j].clone())]
+                self._trim_inputs(j)
+            return start, self.state[j], self.ssm[j], None
+        if self._snapshot_held(start):
+            conv, ssm = self._read_snapshot(j, start)
+            self.state[j].copy_(conv)
+            self.ssm[j].copy_(ssm)
+            self.at[j] = start
+            self.bases[j] = [(start, conv.clone(), ssm.clone())]
+            self.inputs[j] = None
+            return start, self.state[j], self.ssm[j], None
+        base = next((b for b in reversed(bases) if b[0] <= start), None)
+        if base is None or start > self._inputs_end(j):
+            raise ValueError(f"position {start} has no snapshot of the state layers' state (every {self.every})")
+        xbc, dt = self.inputs[j]
+        a, b = base[0] - bases[0][0], start - bases[0][0]
+        return base[0], base[1], base[2], (xbc[:, :, a:b], dt[:, a:b])
+
+    def keep_mamba_state(self, layer: int, base: int, full: torch.Tensor, dt: torch.Tensor, states: dict) -> None:
+        """After the mixer ran positions base..base+t-1: full [1, C_m, K_m − 1 + t] the conv inputs before base then
+        the t raw xBC, dt [1, t, H_m] the raw steps, states {position: scan state [1, H_m, P, N]} at the points
+        `state_points` named. Snapshots written, the live state and the inputs since the first base kept."""
+        j, k1 = self.where[layer], self.state_shape[1]
+        t = dt.shape[1]
+        end = base + t
+        for p in self._snapshot_points(base, end):
+            self._write_snapshot(j, p, torch.cat((full[0, :, p - base : p - base + k1].reshape(-1).float(),
+                                                  states[p].reshape(-1))))  # fmt: skip
+        self.state[j].copy_(full[:, :, t:])
+        self.ssm[j].copy_(states[end])
+        self.at[j] = end
+        first = self.bases[j][0][0]
+        if self.inputs[j] is not None and base > first:
+            xbc, old = self.inputs[j]
+            keep = base - first
+            self.inputs[j] = (torch.cat((xbc[:, :, :keep], full[:, :, k1:]), dim=-1), torch.cat((old[:, :keep], dt), 1))
+        elif base == first:
+            self.inputs[j] = (full[:, :, k1:].clone(), dt.clone())
+        else:  # no inputs from the first base to this run's: the live state starts the reach again
+            self.bases[j] = [(end, self.state[j].clone(), self.ssm[j].clone())]
+            self.inputs[j] = None
+        q = end - RECENT  # a long run: its state RECENT positions before the end, the first base now
+        if q in states and q - self.bases[j][0][0] > RECENT:
+            self.bases[j] = [(q, full[:, :, q - base : q - base + k1].clone(), states[q].clone())]
+        self._trim_inputs(j)
+
+    def state_points(self, base: int, end: int) -> list[int]:
+        """The positions in (base, end] whose scan state a Mamba-2 layer's run must give: its snapshots', RECENT
+        before the end (a base, so the inputs kept stay few after a long prompt) and the end (the live state)."""
+        return sorted({*self._snapshot_points(base, end - 1), *([end - RECENT] if end - RECENT > base else []), end})
+
+    def _trim_inputs(self, j: int) -> None:
+        """The inputs before the first base dropped (it moved on)."""
+        held = self.inputs[j]
+        if held is None:
+            return
+        drop = held[1].shape[1] - (self.at[j] - self.bases[j][0][0])  # they end at the live state
+        if drop > 0:
+            self.inputs[j] = (held[0][:, :, drop:], held[1][:, drop:])
+
+    def _snapshot_points(self, start: int, end: int) -> range:
+        """The snapshot positions p with start < p ≤ end (the state after p − 1 among those computed)."""
+        return range((start // self.every + 1) * self.every, min(end, self.capacity) + 1, self.every)
+
+    def _write_snapshot(self, j: int, p: int, state: torch.Tensor) -> None:
+        k = p // self.every
+        flat = torch.zeros(BLOCK * self.width, dtype=self.snap.dtype, device=self.snap.device)
+        flat[: state.numel()] = state.reshape(-1)
+        self.snap[j, 0, 0, (k - 1) * BLOCK : k * BLOCK] = flat.view(BLOCK, self.width)
+        self.has_snap[k] = True
+
+    def _read_snapshot(self, j: int, p: int):
+        k = p // self.every
+        flat = self.snap[j, 0, 0, (k - 1) * BLOCK : k * BLOCK].reshape(-1)
+        n = math.prod(self.state_shape)
+        conv = flat[:n].view(1, *self.state_shape).to(self.state.dtype)
+        if self.ssm_shape is None:
+            return conv, None
+        return conv, flat[n : n + math.prod(self.ssm_shape)].view(1, *self.ssm_shape)
+
     def _restore(self, j: int, n: int) -> None:
-        """Layer j's state set to the one after position n − 1: zeros at 0, from the last positions' inputs where n
-        is among them, else its snapshot (n a multiple of SNAPSHOT, the block before it computed or brought in
-        whole)."""
+        """A convolution layer's state set to the one after position n − 1: zeros at 0, from the last positions'
+        inputs where n is among them, else its snapshot."""
         recent = self.recent[j]
         if n == 0:
             self.state[j].zero_()
         elif recent is not None and recent[0] <= n <= recent[0] + recent[1].shape[-1] - self.state_shape[1]:
             self.state[j].copy_(recent[1][:, :, n - recent[0] : n - recent[0] + self.state_shape[1]])
-        elif n % SNAPSHOT == 0:
-            flat = self.snap[j, 0, 0, n - SNAPSHOT : n].reshape(-1)[: self.state_shape[0] * self.state_shape[1]]
-            self.state[j, 0].copy_(flat.view(self.state_shape))
+        elif self._snapshot_held(n):
+            self.state[j].copy_(self._read_snapshot(j, n)[0])
         else:
-            raise ValueError(f"position {n} has no snapshot of the convolution layers' state (every {SNAPSHOT})")
+            raise ValueError(f"position {n} has no snapshot of the state layers' state (every {self.every})")
         self.at[j] = n
 
     # --- what the tiers copy --------------------------------------------------------------------------------------
     def buffers(self) -> tuple[torch.Tensor, ...]:
-        """The attention layers' K/V buffers, then the snapshots' (positions on dimension 3 in each)."""
+        """The attention layers' K/V buffers, then the snapshots' (positions on dimension 3 in each; the snapshots'
+        rows are their blocks' only)."""
         return (*self.kv.buffers(), self.snap)
 
-    def take(self, a: int, b: int) -> tuple[torch.Tensor, ...]:
-        return tuple(buf[:, :, :, a:b].clone() for buf in self.buffers())
+    @property
+    def optional_buffers(self) -> tuple[int, ...]:
+        """The buffers a block may lack: the snapshots' (a block that ends at no snapshot, or before its state was
+        computed, carries none)."""
+        return (len(self.kv.buffers()),)
+
+    def _snapshot_rows(self, a: int, b: int) -> slice | None:
+        """Where positions a..b-1 sit in the snapshots' buffer: every one in blocks that end at a snapshot, else
+        None."""
+        if self.every == BLOCK:
+            return slice(a, b)
+        last = (b - 1) // BLOCK * BLOCK  # the block of b − 1: the range must lie in it, and it must end at a snapshot
+        if a < last or (last + BLOCK) % self.every:
+            return None
+        k = (last + BLOCK) // self.every
+        return slice((k - 1) * BLOCK + a - last, (k - 1) * BLOCK + b - last)
+
+    def take(self, a: int, b: int) -> tuple[torch.Tensor | None, ...]:
+        rows = self._snapshot_rows(a, b)
+        held = rows is not None and self._snapshot_held((b - 1) // BLOCK * BLOCK + BLOCK)
+        snap = self.snap[:, :, :, rows].clone() if held else None
+        return (*(buf[:, :, :, a:b].clone() for buf in self.kv.buffers()), snap)
 
     def held_from(self, a: int, b: int) -> int:
         return a
 
     def give(self, a: int, b: int, tensors) -> None:
-        for buf, t in zip(self.buffers(), tensors):
+        *kv, snap = tensors
+        for buf, t in zip(self.kv.buffers(), kv):
             if t is not None:
                 buf[:, :, :, a:b].copy_(t)
+        rows = self._snapshot_rows(a, b)
+        end = (b - 1) // BLOCK * BLOCK + BLOCK
+        if snap is not None and rows is not None and b - a == rows.stop - rows.start:
+            self.snap[:, :, :, rows].copy_(snap)
+            if a <= end - BLOCK and b == end and end % self.every == 0:  # the whole block: the snapshot whole
+                self.has_snap[end // self.every] = True
 
     def readable_by_kernels(self, dtype) -> bool:
         return False  # the kernels read a cache whose layer i is the model's layer i
@@ -165,12 +358,18 @@ class HybridCache:
     # --- what it takes ------------------------------------------------------------------------------------------
     @property
     def state_bytes(self) -> int:
-        """The convolution layers' live state: L_conv · D · (K − 1) · b, the same at any length."""
-        return self.state.numel() * self.state.element_size()
+        """The state layers' live state, the same at any length: L_conv · D · (K − 1) · b, or per Mamba-2 layer its
+        convolution inputs and scan state, (C_m · (K_m − 1) + H_m · P · N) · 4."""
+        return len(self.conv) * self.values * self.state.element_size()
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """One snapshot of every state layer."""
+        return len(self.conv) * BLOCK * self.width * self.snap.element_size()
 
     @property
     def snapshot_bytes_per_position(self) -> int:
-        return len(self.conv) * self.width * self.snap.element_size()
+        return self.snapshot_bytes // self.every
 
     @property
     def bytes_per_position(self) -> int:
@@ -191,15 +390,16 @@ class HybridCache:
         return self.allocated_bytes
 
     def kinds(self) -> list[dict]:
-        """Per layer kind: the attention layers' K/V (growing with the positions) and the convolution layers' state
-        (the same at any length; its snapshots, SNAPSHOT positions apart, in the allocated bytes)."""
+        """Per layer kind: the attention layers' K/V (growing with the positions) and the state layers' state (the
+        same at any length; its snapshots, `every` positions apart, in the allocated bytes)."""
         n = self._length
+        snapshots = n // self.every
         return [
             {"kind": "full", "layers": len(self.attn), "window": None, "slots": self.capacity, "positions": n,
              "payload_bytes": self.kv.payload_bytes, "allocated_bytes": self.kv.allocated_bytes},
-            {"kind": "conv", "layers": len(self.conv), "window": None, "slots": self.capacity // SNAPSHOT,
+            {"kind": self.kind, "layers": len(self.conv), "window": None, "slots": self.capacity // self.every,
              "positions": n, "payload_bytes": self.state_bytes, "state_bytes": self.state_bytes,
-             "snapshots": n // SNAPSHOT, "snapshot_bytes": n // SNAPSHOT * SNAPSHOT * self.snapshot_bytes_per_position,
+             "snapshots": snapshots, "snapshot_bytes": snapshots * self.snapshot_bytes,
              "allocated_bytes": self.state_bytes + self.snap.numel() * self.snap.element_size()},
         ]  # fmt: skip
 

@@ -91,6 +91,23 @@ FAMILY_CASES = {
         norm_eps=1e-6,
         conv_L_cache=3,
     ),
+    "granitemoehybrid": dict(  # Granite 4.0-H-Micro's shape in small: Mamba-2 on most layers, unrotated attention
+        family="granitemoehybrid",
+        num_hidden_layers=4,
+        layer_types=["mamba", "attention", "mamba", "mamba"],
+        num_local_experts=0,
+        shared_intermediate_size=96,
+        mamba_n_heads=4,
+        mamba_d_state=16,
+        mamba_n_groups=2,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        position_embedding_type="nope",
+        embedding_multiplier=6.0,
+        residual_multiplier=0.5,
+        attention_multiplier=0.1,
+        logits_scaling=2.0,
+    ),
     "deepseek_v2": dict(  # DeepSeek-V2-Lite's shape in small: latent attention, one dense layer, shared experts
         family="deepseek_v2",
         num_hidden_layers=3,
@@ -172,6 +189,7 @@ FAMILIES = {
     "deepseek_v2": "DeepseekV2Config",
     "deepseek_v3": "DeepseekV3Config",
     "lfm2": "Lfm2Config",
+    "granitemoehybrid": "GraniteMoeHybridConfig",
 }
 
 

@@ -43,6 +43,9 @@ def _mlp_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
     if cfg.family == "lfm2":  # w1 the gate, w3 the up projection, w2 down
         f = p + "feed_forward."
         return {"mlp.gate_up.weight": [f + "w1.weight", f + "w3.weight"], "mlp.down.weight": [f + "w2.weight"]}
+    if cfg.family == "granitemoehybrid" and not cfg.is_moe(i):  # the shared MLP alone, gate and up fused
+        return {"mlp.gate_up.weight": [p + "shared_mlp.input_linear.weight"],
+                "mlp.down.weight": [p + "shared_mlp.output_linear.weight"]}  # fmt: skip
     if not cfg.is_moe(i):
         if cfg.family == "phi3":  # gate and up already fused in the file
             return {
@@ -78,6 +81,29 @@ def _conv_sources(cfg: ModelConfig, c: str) -> dict[str, list[str]]:
     return out
 
 
+MAMBA_TENSORS = {"in_proj.weight": "in_proj.weight", "conv.weight": "conv1d.weight", "dt_bias": "dt_bias",
+                 "A_log": "A_log", "D": "D", "norm.weight": "norm.weight", "out_proj.weight": "out_proj.weight"}  # fmt: skip
+
+
+def _mamba_sources(cfg: ModelConfig, m: str) -> dict[str, list[str]]:
+    """A Mamba-2 mixer's tensors (Granite 4.0-H) under kvchat's names -> the checkpoint's, `m` its prefix."""
+    out = {f"attn.{mine}": [m + theirs] for mine, theirs in MAMBA_TENSORS.items()}
+    if cfg.mamba_conv_bias:
+        out["attn.conv.bias"] = [m + "conv1d.bias"]
+    if cfg.mamba_proj_bias:
+        out.update({f"attn.{p}.bias": [f"{m}{p}.bias"] for p in ("in_proj", "out_proj")})
+    return out
+
+
+def _mamba_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """A Mamba-2 mixer's tensors under kvchat's names -> their shapes."""
+    D, inner, C, H = cfg.hidden_size, cfg.mamba_inner, cfg.mamba_conv_width, cfg.mamba_heads
+    return {"attn.in_proj.weight": (inner + C + H, D), "attn.in_proj.bias": (inner + C + H,),
+            "attn.conv.weight": (C, 1, cfg.mamba_kernel), "attn.conv.bias": (C,), "attn.dt_bias": (H,),
+            "attn.A_log": (H,), "attn.D": (H,), "attn.norm.weight": (inner,), "attn.out_proj.weight": (D, inner),
+            "attn.out_proj.bias": (D,)}  # fmt: skip
+
+
 def _latent_sources(cfg: ModelConfig, a: str) -> dict[str, list[str]]:
     """Multi-head latent attention's tensors (DeepSeek) under kvchat's names -> the checkpoint's, `a` its prefix."""
     if cfg.q_lora_rank:
@@ -105,6 +131,8 @@ def block_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
     a = p + "self_attn."
     if cfg.conv_layers and cfg.conv_layers[i]:  # LFM2's short convolution in attention's place
         out = _conv_sources(cfg, p + "conv.")
+    elif cfg.mamba_layers and cfg.mamba_layers[i]:  # Granite 4.0-H's Mamba-2 mixer in attention's place
+        out = _mamba_sources(cfg, p + "mamba.")
     elif cfg.family == "lfm2":
         out = {"attn.qkv.weight": [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
                "attn.o.weight": [a + "out_proj.weight"], "attn.q_norm.weight": [a + "q_layernorm.weight"],
@@ -115,7 +143,7 @@ def block_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
         out = {"attn.qkv.weight": [a + "qkv_proj.weight"]}
     else:
         out = {"attn.qkv.weight": [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]}
-    if cfg.family != "lfm2":
+    if cfg.family != "lfm2" and not (cfg.mamba_layers and cfg.mamba_layers[i]):
         out["attn.o.weight"] = [a + "o_proj.weight"]
     out.update(_mlp_sources(cfg, i))
     for mine, theirs in (LFM2_NORMS if cfg.family == "lfm2" else NORMS[cfg.norm_placement]).items():
@@ -136,7 +164,7 @@ def linears(cfg: ModelConfig, i: int) -> list[str]:
     mlps = [f"mlp.experts.{j}" for j in range(cfg.num_experts)] if cfg.is_moe(i) else ["mlp"]
     if cfg.is_moe(i) and cfg.shared_experts:
         mlps.append("mlp.shared")
-    if cfg.conv_layers and cfg.conv_layers[i]:  # the convolution's own weights stay float
+    if cfg.state_layers and cfg.state_layers[i]:  # the convolution's and the scan's own weights stay float
         attn = ["attn.in_proj", "attn.out_proj"]
     elif cfg.mla:  # kv_b stays a float weight: decode reads it as the absorbed maps (engine.latent_attention)
         attn = (["attn.q_a", "attn.q_b"] if cfg.q_lora_rank else ["attn.q"]) + ["attn.kv_a", "attn.o"]
@@ -159,6 +187,8 @@ def _shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
     out["attn.sinks"] = (cfg.num_heads,)
     if cfg.mla:
         out.update(_latent_shapes(cfg))
+    if cfg.mamba_layers:
+        out.update(_mamba_shapes(cfg))
     if cfg.conv_layers:
         K = cfg.conv_kernel
         out.update({"attn.in_proj.weight": (3 * D, D), "attn.in_proj.bias": (3 * D,), "attn.conv.weight": (D, 1, K),
@@ -170,7 +200,7 @@ def _shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
         out["mlp.router.weight"] = (cfg.num_experts, D)
         for j in range(cfg.num_experts):
             out[f"mlp.experts.{j}.gate_up.weight"], out[f"mlp.experts.{j}.down.weight"] = (2 * F, D), (D, F)
-        shared = F * cfg.shared_experts
+        shared = cfg.shared_width
         out["mlp.shared.gate_up.weight"], out["mlp.shared.down.weight"] = (2 * shared, D), (D, shared)
         out["mlp.choice_bias"] = (cfg.num_experts,)
     else:

@@ -1,0 +1,145 @@
+"""Granite 4.0-H's Mamba-2 mixer, the layer that takes attention's place on most of its blocks: a gated, selective
+state-space scan. What it carries from one position to the next is not K/V that grow with T but a state of fixed
+size — its convolution's last K_m − 1 inputs and the scan's state h [H_m, P, N] — which
+engine.state_cache.HybridCache keeps, with snapshots, so an edit can go back.
+
+Per position t and head: Δ = clamp(softplus(dt + dt_bias)), h ← exp(Δ·A) · h + Δ · x ⊗ B, y = h · C + D · x, then
+out(norm(y · silu(z))). Many positions run as the chunked form of the same recurrence (state-space duality: within a
+chunk, y is a masked product like attention's; across chunks, the state carries on); the chunks end where the cache
+wants a state (a snapshot's position, the last), so no position's state is computed twice.
+
+Shapes: B batch, T new positions, D hidden, I = H_m · P the inner width, H_m heads, P a head's channels, N the
+state's width, G_m the groups B and C are shared by, C_m = I + 2 · G_m · N the convolution's channels, K_m its width.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:
+    from .config import ModelConfig
+
+CHUNK = 64  # positions a chunk of the scan takes at most: its [T, T] products stay small
+
+
+class GatedNorm(nn.Module):
+    """RMSNorm of y · silu(z) over each of the G_m groups of the inner width, in float32."""
+
+    def __init__(self, width: int, groups: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))  # [I]
+        self.groups, self.eps = groups, eps
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """y [B, T, I] (float32), z [B, T, I] -> [B, T, I] in z's dtype."""
+        g = (y * F.silu(z.float())).unflatten(-1, (self.groups, -1))  # [B, T, G_m, I / G_m]
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * g.flatten(-2)).to(z.dtype)
+
+
+class MambaMixer(nn.Module):
+    """in_proj splits into the gate z [I], the convolution's input xBC [C_m] and the step dt [H_m]; xBC is convolved
+    (depthwise, causal, width K_m) and passed through silu, then split into x [I], B and C [G_m · N] for the scan.
+    Takes Attention's place in a block (the same call), with no window and no rotation."""
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
+        super().__init__()
+        D = cfg.hidden_size
+        self.h, self.p, self.n, self.g = cfg.mamba_heads, cfg.mamba_head_dim, cfg.mamba_state, cfg.mamba_groups
+        self.i, self.c, self.k = cfg.mamba_inner, cfg.mamba_conv_width, cfg.mamba_kernel
+        self.in_proj = nn.Linear(D, self.i + self.c + self.h, bias=cfg.mamba_proj_bias)  # D -> I + C_m + H_m
+        self.conv = nn.Conv1d(self.c, self.c, self.k, groups=self.c, bias=cfg.mamba_conv_bias)  # weight [C_m, 1, K_m]
+        self.dt_bias = nn.Parameter(torch.zeros(self.h))  # [H_m]
+        self.A_log = nn.Parameter(torch.zeros(self.h))  # [H_m]: A = −exp(A_log)
+        self.D = nn.Parameter(torch.ones(self.h))  # [H_m]: the skip, y += D · x
+        self.norm = GatedNorm(self.i, self.g, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.i, D, bias=cfg.mamba_proj_bias)  # I -> D
+        self.low, self.high = cfg.dt_limit
+        self.window, self.rope_kind, self.causal_only = None, None, True  # as Attention's, for Block and the masks
+        self.sinks = None
+
+    def linears(self) -> list[str]:
+        """The projections a backend may swap (quantize, lay out); the convolution's and the scan's few weights
+        stay."""
+        return ["in_proj", "out_proj"]
+
+    def forward(self, x, cos, sin, mask, cache, layer: int, start, causal: bool = True):
+        """x [B, T, D] at positions start.. -> [B, T, D]; the state before them read from `cache` (zeros from position
+        0, or without a cache), the state after them written back (a list of caches: one a row)."""
+        B = x.shape[0]
+        z, xbc, dt = self.in_proj(x).split([self.i, self.c, self.h], dim=-1)  # [B, T, I], [B, T, C_m], [B, T, H_m]
+        if isinstance(cache, list):  # one row a sequence, each with its own state
+            y = torch.cat([self._mix(xbc[b : b + 1], dt[b : b + 1], cache[b], layer, start[b]) for b in range(B)])
+        else:
+            y = self._mix(xbc, dt, cache, layer, start)
+        return self.out_proj(self.norm(y, z))  # [B, T, D]
+
+    def _mix(self, xbc: torch.Tensor, dt: torch.Tensor, cache, layer: int, start: int) -> torch.Tensor:
+        """xbc [B, T, C_m], dt [B, T, H_m] at positions start.. -> y [B, T, I] (float32), over the state before them
+        (a base's before that, with the inputs since run again: HybridCache.mamba_state)."""
+        B, T, _ = xbc.shape
+        base, conv0, h0, since = start, None, None, None
+        if cache is not None and start > 0:
+            base, conv0, h0, since = cache.mamba_state(layer, start)
+        xbc = xbc.transpose(1, 2)  # [B, C_m, T]
+        if since is not None:  # the positions from the base to start, again
+            xbc, dt = torch.cat((since[0].to(xbc.dtype), xbc), dim=-1), torch.cat((since[1].to(dt.dtype), dt), dim=1)
+        if conv0 is None:
+            conv0 = xbc.new_zeros(B, self.c, self.k - 1)
+        full = torch.cat((conv0.to(xbc.dtype), xbc), dim=-1)  # [B, C_m, K_m − 1 + t]
+        u = F.silu(F.conv1d(full, self.conv.weight, self.conv.bias, groups=self.c)).transpose(1, 2)  # [B, t, C_m]
+        xs, Bm, Cm = u.float().split([self.i, self.g * self.n, self.g * self.n], dim=-1)
+        delta = F.softplus(dt.float() + self.dt_bias.float()).clamp(self.low, self.high)  # [B, t, H_m]
+        t = delta.shape[1]
+        ends = cache.state_points(base, base + t) if cache is not None else [base + t]
+        y, states = self.scan(xs.unflatten(-1, (self.h, self.p)), delta, Bm, Cm, h0, [e - base for e in ends])
+        if cache is not None:
+            cache.keep_mamba_state(layer, base, full, dt, {base + e: s for e, s in states.items()})
+        return y[:, start - base :].flatten(-2)  # [B, T, I]
+
+    def scan(self, x, delta, Bm, Cm, h0, ends: list[int]):
+        """x [B, t, H_m, P], delta [B, t, H_m], Bm and Cm [B, t, G_m · N] (float32), h0 [B, H_m, P, N] or None (zeros)
+        -> (y [B, t, H_m, P] with the skip, {e: the state after e positions} for each e in `ends`), in chunks that
+        end at each of `ends` and at most CHUNK long."""
+        B, t = x.shape[:2]
+        A = -torch.exp(self.A_log.float())  # [H_m]
+        rep = self.h // self.g  # heads per group
+        Bh = Bm.unflatten(-1, (self.g, self.n)).repeat_interleave(rep, dim=2)  # [B, t, H_m, N]
+        Ch = Cm.unflatten(-1, (self.g, self.n)).repeat_interleave(rep, dim=2)
+        h = h0.float() if h0 is not None else x.new_zeros(B, self.h, self.p, self.n)
+        cuts = sorted({*ends, *range(CHUNK, t, CHUNK)} - {0})
+        wanted, states, ys, a = set(ends), {}, [], 0
+        for b in cuts:
+            y, h = _chunk(h, x[:, a:b], delta[:, a:b], A, Bh[:, a:b], Ch[:, a:b])
+            ys.append(y)
+            if b in wanted:
+                states[b] = h.clone() if b != cuts[-1] else h
+            a = b
+        y = torch.cat(ys, dim=1) if len(ys) > 1 else ys[0]
+        return y + x * self.D.float()[:, None], states
+
+
+def _chunk(h, x, dt, A, Bh, Ch):
+    """One chunk of the scan in its dual form: h [B, H_m, P, N] the state before it, x [B, t, H_m, P], dt [B, t, H_m],
+    A [H_m], Bh and Ch [B, t, H_m, N] -> (y [B, t, H_m, P] without the skip, the state after it)."""
+    a = dt * A  # [B, t, H_m]: log of each position's decay
+    cum = a.cumsum(dim=1)  # [B, t, H_m]
+    xdt = x * dt[..., None]  # [B, t, H_m, P]
+    if x.shape[1] == 1:  # one position: the recurrence itself
+        decay = torch.exp(a[:, 0])[..., None, None]  # [B, H_m, 1, 1]
+        h = h * decay + xdt[:, 0, :, :, None] * Bh[:, 0, :, None, :]  # [B, H_m, P, N]
+        return torch.einsum("bhpn,bhn->bhp", h, Ch[:, 0])[:, None], h
+    t = x.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()  # [t(i), t(j)]
+    seg = (cum[:, :, None, :] - cum[:, None, :, :]).masked_fill(~causal[None, :, :, None], float("-inf"))
+    scores = torch.einsum("bihn,bjhn->bijh", Ch, Bh) * torch.exp(seg)  # [B, t, t, H_m]
+    y = torch.einsum("bijh,bjhp->bihp", scores, xdt)  # [B, t, H_m, P]: within the chunk
+    y = y + torch.einsum("bihn,bhpn->bihp", Ch, h) * torch.exp(cum)[..., None]  # the state before it, decayed
+    last = cum[:, -1]  # [B, H_m]
+    carry = torch.exp(last[:, None] - cum)[..., None] * Bh  # [B, t, H_m, N]
+    h = h * torch.exp(last)[..., None, None] + torch.einsum("bjhn,bjhp->bhpn", carry, xdt)
+    return y, h
