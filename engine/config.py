@@ -1,8 +1,8 @@
 """Model configuration, read from a checkpoint's config.json (transformers 4.x and 5.x styles).
 
 One dataclass covers every family kvchat runs: the Llama shape, and the fields by which Gemma, Phi-3, SmolLM3,
-Granite, OLMo 2, the mixtures of experts, gpt-oss, DeepSeek and the hybrids (LFM2, Granite 4.0-H) depart from it (engine/MODELS.md, "Model
-families"); each family's rules are engine.family_fields', the rotary settings engine.rope_config's.
+Granite, OLMo 2, the mixtures of experts, gpt-oss, DeepSeek and the hybrids (LFM2, Granite 4.0-H) depart from it
+(engine/MODELS.md, "Model families"); each family's rules are engine.family_fields', the rotary settings engine.rope_config's.
 """
 
 from __future__ import annotations

@@ -179,8 +179,9 @@ def _granite_hybrid(raw: dict, layers: int, hidden: int) -> dict:
     if not isinstance(kinds, list) or len(kinds) != layers or any(k not in MAMBA_KINDS for k in kinds):
         raise ModelLoadError(f"config.json's layer_types must name each of the {layers} layers mamba or attention")
     sizes = {}
-    for key, default, high in (("mamba_n_heads", 128, 1 << 12), ("mamba_d_state", 256, 1 << 12),
-                               ("mamba_n_groups", 1, 1 << 12), ("mamba_d_conv", 4, 64), ("mamba_expand", 2, 64)):  # fmt: skip
+    limits = (("mamba_n_heads", 128, 1 << 12), ("mamba_d_state", 256, 1 << 12), ("mamba_n_groups", 1, 1 << 12),
+              ("mamba_d_conv", 4, 64), ("mamba_expand", 2, 64))  # fmt: skip
+    for key, default, high in limits:
         value = raw.get(key, default)
         if not whole(value, 2 if key == "mamba_d_conv" else 1, high):
             raise ModelLoadError(f"config.json's {key} is {value!r}: out of range (1 to {high:,})")

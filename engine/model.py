@@ -1,9 +1,11 @@
 """The decoder: Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, SmolLM3, Granite, OLMo 2, the mixtures of experts
 (Qwen3-MoE, Mixtral, gpt-oss), DeepSeek-V2/V3 (their latent attention: engine.latent_attention) and the hybrids, LFM2
-(its short convolutions: engine.short_conv) and Granite 4.0-H (its Mamba-2 mixers: engine.mamba_mixer), in one module, written for KV-cached inference.
+(its short convolutions: engine.short_conv) and Granite 4.0-H (its Mamba-2 mixers: engine.mamba_mixer), in one
+module, written for KV-cached inference.
 
 Plain PyTorch and nothing else from the engine but its feed-forward halves (engine.feedforward), its rotations,
-the latent attention, the short convolution, the Mamba-2 mixer and the parts they share: the architecture as the checkpoints define it.
+the latent attention, the short convolution, the Mamba-2 mixer and the parts they share: the architecture as the
+checkpoints define it.
 How its weights are stored and multiplied on a given device (CPU layouts, quantized codes, the
 one-call decode step) is engine.backends' business, which swaps modules in after loading.
 

@@ -81,8 +81,10 @@ def _conv_sources(cfg: ModelConfig, c: str) -> dict[str, list[str]]:
     return out
 
 
-MAMBA_TENSORS = {"in_proj.weight": "in_proj.weight", "conv.weight": "conv1d.weight", "dt_bias": "dt_bias",
-                 "A_log": "A_log", "D": "D", "norm.weight": "norm.weight", "out_proj.weight": "out_proj.weight"}  # fmt: skip
+MAMBA_TENSORS = {  # a Mamba-2 mixer's tensors: kvchat's name -> the checkpoint's
+    "in_proj.weight": "in_proj.weight", "conv.weight": "conv1d.weight", "dt_bias": "dt_bias", "A_log": "A_log",
+    "D": "D", "norm.weight": "norm.weight", "out_proj.weight": "out_proj.weight",
+}  # fmt: skip
 
 
 def _mamba_sources(cfg: ModelConfig, m: str) -> dict[str, list[str]]:
