@@ -2,7 +2,8 @@
 
 One dataclass covers every family kvchat runs: the Llama shape, and the fields by which Gemma, Phi-3, SmolLM3,
 Granite, OLMo 2, the mixtures of experts, gpt-oss, DeepSeek and the hybrids (LFM2, Granite 4.0-H) depart from it
-(engine/MODELS.md, "Model families"); each family's rules are engine.family_fields', the rotary settings engine.rope_config's.
+(engine/MODELS.md, "Model families"); each family's rules are engine.family_fields', the rotary settings
+engine.rope_config's.
 """
 
 from __future__ import annotations
