@@ -124,9 +124,10 @@ def metadata(data: bytes) -> dict:
     return meta if isinstance(meta, dict) else {}
 
 
-def check_block(data: bytes, ids, start: int, digest: str, bufs) -> tuple[torch.Tensor, ...]:
+def check_block(data: bytes, ids, start: int, digest: str, bufs, optional=()) -> tuple[torch.Tensor | None, ...]:
     """The block's tensors, once the file is whole and says it holds these ids at this position, under this
-    fingerprint, in the working cache's layout."""
+    fingerprint, in the working cache's layout; None for a buffer among `optional` the block does not carry (a
+    hybrid's snapshots, which only some blocks hold)."""
     meta = metadata(data)
     if meta.get("format") != FORMAT:
         raise DiskEntryError(f"not a {FORMAT} file")
@@ -144,12 +145,15 @@ def check_block(data: bytes, ids, start: int, digest: str, bufs) -> tuple[torch.
     out = []
     for i, buf in enumerate(bufs):
         t = tensors.get(f"t{i}")
+        if t is None and i in optional:
+            out.append(None)
+            continue
         want = (*buf.shape[:3], len(ids), buf.shape[4])
         if t is None or tuple(t.shape) != want or t.dtype != buf.dtype:
             raise DiskEntryError(f"tensor {i} is not the cache's layout {want} {buf.dtype}")
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise DiskEntryError(f"tensor {i} holds NaN or infinite values")
         out.append(t)
-    if len(tensors) != len(bufs):
+    if len(tensors) != sum(t is not None for t in out):
         raise DiskEntryError("it holds more tensors than the cache has")
     return tuple(out)

@@ -257,13 +257,14 @@ class DiskStore:
                 break
             try:
                 data = read_regular(entry.path, block_bytes(bufs, self.block) + 8 + HEADER_BYTES)
-                tensors = check_block(data, ids[pos : pos + self.block], pos, digest, bufs)
+                tensors = check_block(data, ids[pos : pos + self.block], pos, digest, bufs,
+                                      getattr(cache, "optional_buffers", ()))  # fmt: skip
             except Exception as e:  # any way a planted or damaged file fails: refused and removed, with the reason
                 why = f"a disk block at position {pos} was refused and removed ({said(e)})"
                 self._forget(digest, keys[k], why)
                 break
             lo, hi = max(start, pos), min(end, pos + self.block)
-            cache.give(lo, hi, tuple(t[:, :, :, lo - pos : hi - pos] for t in tensors))
+            cache.give(lo, hi, tuple(None if t is None else t[:, :, :, lo - pos : hi - pos] for t in tensors))
             read += len(data)
             self._touch(entry)
             pos += self.block
@@ -322,8 +323,8 @@ class DiskStore:
             if key in have or (digest, key) in self._queued:
                 continue
             s = k * self.block
-            tensors = tuple(t.to("cpu").contiguous() for t in cache.take(s, s + self.block))  # copies already
-            n = sum(t.numel() * t.element_size() for t in tensors)
+            tensors = tuple(None if t is None else t.to("cpu").contiguous() for t in cache.take(s, s + self.block))
+            n = sum(t.numel() * t.element_size() for t in tensors if t is not None)  # copies already
             if waiting + queued + n > QUEUE_BYTES or n > self.budget:
                 break
             with self._lock:
@@ -375,7 +376,7 @@ class DiskStore:
     def _write(self, digest, key, start, ids, tensors, fingerprint) -> None:
         meta = {"format": FORMAT, "fingerprint": json.dumps(fingerprint, sort_keys=True), "ids": json.dumps(ids),
                 "start": str(start)}  # fmt: skip
-        data = save_tensors({f"t{i}": t for i, t in enumerate(tensors)}, metadata=meta)
+        data = save_tensors({f"t{i}": t for i, t in enumerate(tensors) if t is not None}, metadata=meta)
         with folder_lock(self.dir / LOCK):  # one writer at a time among the processes sharing the folder
             self._write_locked(digest, key, start, data, fingerprint)
 

@@ -482,9 +482,10 @@ def cache_plan(config, dtype: torch.dtype, capacity: int | None = None) -> dict:
         short = f"{sliding['layers']}/{config.num_layers} sliding ≤ {sliding['slots']:,}"
     elif isinstance(cache, HybridCache):  # a hybrid: the convolution layers' state, the same at any length
         conv, state = len(cache.conv), _kib(cache.state_bytes)
-        layers = (f"{conv} of {config.num_layers} layers short convolutions: a state of {state} at any length, "
+        kind = "Mamba-2" if cache.kind == "mamba" else "short convolutions"
+        layers = (f"{conv} of {config.num_layers} layers {kind}: a state of {state} at any length, "
                   f"a snapshot of it every {cache.resume_every} positions")  # fmt: skip
-        short = f"{conv}/{config.num_layers} conv, state {state}"
+        short = f"{conv}/{config.num_layers} {'mamba' if cache.kind == 'mamba' else 'conv'}, state {state}"
     return {
         "capacity": capacity,
         "bytes_per_position": cache.bytes_per_position,

@@ -262,6 +262,8 @@ class KVTiers:
         report = self._plan_working(prompt)
         match = self.store.match(prompt, touch=False) if self._dropped is None else None
         held = self._resumable(min(match.length, len(prompt) - 1)) if match else 0
+        while held > report.reused and not self._store_resumes(match, held):
+            held -= self.cache.resume_every  # a hybrid's block without its snapshot: the one before
         if held > report.reused and not self.store.whole(
             match, max(report.reused, self.cache.restore_needs(held)), held
         ):
@@ -319,9 +321,9 @@ class KVTiers:
             reason = f"position {cut} is the prompt's last: recomputed for the logits of token 1"
         if reused < cut and getattr(self.cache, "resume_every", 1) > 1:
             reason += (
-                f"; positions {reused}–{cut - 1} recomputed too: the {len(self.cache.conv)} convolution layers keep "
-                f"their state, and a snapshot of it every {self.cache.resume_every} positions; the last before {cut} "
-                f"is at {reused}"
+                f"; positions {reused}–{cut - 1} recomputed too: the {len(self.cache.conv)} {self.cache.layer_words} "
+                f"keep their state, and a snapshot of it every {self.cache.resume_every} positions; the last before "
+                f"{cut} is at {reused}"
             )
         elif reused < cut:
             c = self.cache
@@ -352,6 +354,23 @@ class KVTiers:
         """n, or the position before it the cache can go on from (a hybrid's last snapshot: HybridCache)."""
         return n - n % getattr(self.cache, "resume_every", 1)
 
+    def _store_resumes(self, match, n: int) -> bool:
+        """Whether the stored blocks bring a hybrid's state at n: the block that ends there carries its snapshot
+        (the last of its tensors; a cache of K/V alone needs none)."""
+        if getattr(self.cache, "snapshot_held", None) is None:
+            return True
+        node = next((node for node in match.path if node.end == n), None)
+        return node is not None and bool(node.tensors) and node.tensors[-1] is not None
+
+    def _held_back(self, got: int, keep: int) -> int:
+        """Where positions brought in up to `got` stop short of a point the cache can go on from (a hybrid's
+        snapshot, when a disk block came without its own): the last such point from `keep` on."""
+        held = getattr(self.cache, "snapshot_held", None)
+        got = self._resumable(got)
+        while got > keep and held is not None and not held(got):
+            got -= self.cache.resume_every
+        return max(got, keep)
+
     def _stash(self, prompt: list[int], keep: int) -> int:
         """Before the working cache loses a block or more of positions to this prompt (it keeps `keep`),
         the store takes its whole content (only the blocks it lacks are copied); returns the bytes it added."""
@@ -371,6 +390,7 @@ class KVTiers:
         if reuse.source == "disk":
             t0 = tracing.now()
             got, nbytes, why = self.disk.load(prompt, self.disk_fingerprint, self.cache, keep, reuse.reused)
+            got = self._held_back(got, keep)
             self.cache.length = got
             self.ids.extend(prompt[keep:got])
             if why:  # the plan's words say what was read, not what was planned

@@ -122,14 +122,15 @@ class HybridCache:
         return n == 0 or (n <= self._length and self._reachable(n))
 
     def _reachable(self, n: int) -> bool:
-        if n == 0 or self._snapshot_held(n):
+        if n == 0 or self.snapshot_held(n):
             return True
         if self.kind == "mamba":
             return all(bases and bases[0][0] <= n <= self._inputs_end(j) for j, bases in enumerate(self.bases))
         k1 = self.state_shape[1]
         return all(r is not None and r[0] <= n <= r[0] + r[1].shape[-1] - k1 for r in self.recent)
 
-    def _snapshot_held(self, n: int) -> bool:
+    def snapshot_held(self, n: int) -> bool:
+        """Whether the snapshot at n is held for the positions the cache holds (written, or brought in whole)."""
         return n % self.every == 0 and n // self.every < len(self.has_snap) and self.has_snap[n // self.every]
 
     def restore_needs(self, n: int) -> int:
@@ -214,7 +215,7 @@ class HybridCache:
                 bases[:] = [bases[-1], (start, self.state[j].clone(), self.ssm[j].clone())]
                 self._trim_inputs(j)
             return start, self.state[j], self.ssm[j], None
-        if self._snapshot_held(start):
+        if self.snapshot_held(start):
             conv, ssm = self._read_snapshot(j, start)
             self.state[j].copy_(conv)
             self.ssm[j].copy_(ssm)
@@ -299,7 +300,7 @@ class HybridCache:
             self.state[j].zero_()
         elif recent is not None and recent[0] <= n <= recent[0] + recent[1].shape[-1] - self.state_shape[1]:
             self.state[j].copy_(recent[1][:, :, n - recent[0] : n - recent[0] + self.state_shape[1]])
-        elif self._snapshot_held(n):
+        elif self.snapshot_held(n):
             self.state[j].copy_(self._read_snapshot(j, n)[0])
         else:
             raise ValueError(f"position {n} has no snapshot of the state layers' state (every {self.every})")
@@ -330,7 +331,7 @@ class HybridCache:
 
     def take(self, a: int, b: int) -> tuple[torch.Tensor | None, ...]:
         rows = self._snapshot_rows(a, b)
-        held = rows is not None and self._snapshot_held((b - 1) // BLOCK * BLOCK + BLOCK)
+        held = rows is not None and self.snapshot_held((b - 1) // BLOCK * BLOCK + BLOCK)
         snap = self.snap[:, :, :, rows].clone() if held else None
         return (*(buf[:, :, :, a:b].clone() for buf in self.kv.buffers()), snap)
 
@@ -356,6 +357,11 @@ class HybridCache:
         return None
 
     # --- what it takes ------------------------------------------------------------------------------------------
+    @property
+    def layer_words(self) -> str:
+        """The state layers in words: "convolution layers" (LFM2), "Mamba-2 layers" (Granite 4.0-H)."""
+        return "Mamba-2 layers" if self.kind == "mamba" else "convolution layers"
+
     @property
     def state_bytes(self) -> int:
         """The state layers' live state, the same at any length: L_conv · D · (K − 1) · b, or per Mamba-2 layer its

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from engine.events import Failed, Finished, PrefillDone, PrefillProgress, PrefillStarted, Token
 from engine.images import image_runs
 
+from .panel_words import state_layers
+
 ORIGINS = {
     "kept": "kept from the working cache",
     "copied": "taken from the prefix store",
@@ -67,7 +69,8 @@ class CacheMap:
     next_caption: str = ""  # the caption once the running request's prefill starts
     images: dict = dataclasses.field(default_factory=dict)  # an image's key -> (its number, its words)
     reported: bool = True  # False: a remote server, whose cache is its own
-    snapshot_every: int = 0  # a hybrid's: its convolution layers' state kept every this many positions (0: no state)
+    snapshot_every: int = 0  # a hybrid's: its state layers' state kept every this many positions (0: no state)
+    state_layers: str = "convolution layers"  # a hybrid's state layers in words
     version: int = 0  # bumped on every change: the view redraws only then
 
     # --- filled by the chat controller ---------------------------------------------------------------
@@ -127,6 +130,7 @@ class CacheMap:
         self.version += 1
         self.capacity = facts.get("capacity") or 0
         self.snapshot_every = (facts.get("state") or {}).get("every") or 0
+        self.state_layers = state_layers(facts.get("state") or {})
         if facts.get("backend") == "remote":
             self.reported, self.caption = False, REMOTE
             return
@@ -135,7 +139,7 @@ class CacheMap:
             return  # the same cache (the weights and its settings kept)
         gone = self.length if self.reported else 0
         fresh = CacheMap(capacity=self.capacity, version=self.version, old_ids=self.ids[:gone], held_before=gone,
-                         snapshot_every=self.snapshot_every)  # fmt: skip
+                         snapshot_every=self.snapshot_every, state_layers=self.state_layers)  # fmt: skip
         fresh.first_invalidated = 0 if gone else None
         dropped = facts.get("cache_dropped")
         fresh.caption = f"for the next request: {dropped}" if dropped else "empty: nothing cached yet"
@@ -249,7 +253,7 @@ class CacheMap:
         snaps = [p for p in range(start - start % every + every, end + 1, every) if p <= self.filled] if every else []
         if snaps:  # a hybrid's state after these positions kept: an edit after them goes back no further
             at = ", ".join(f"{p - 1:,}" for p in snaps[:4]) + (", …" if len(snaps) > 4 else "")
-            lines.append(f"The convolution layers' state is kept after position {at} (each snapshot covers every "
+            lines.append(f"The {self.state_layers}' state is kept after position {at} (each snapshot covers every "
                          f"position before it; an edit goes back to the last one before it)")  # fmt: skip
         fi = self.first_invalidated
         if fi is not None and start <= fi < end:

@@ -281,7 +281,10 @@ def kv_formula(f: dict, held: list[tuple[int, int]], kinds: list[dict] | None, p
         t_text = f"min({positions}, {kind['window']:,})" if slid else str(t)
         terms.append(f"2 · {layers} · {t_text} · {f['kv_heads']} · {width}")
     state = f.get("state")
-    if state:  # a hybrid's convolution layers: L_conv · D · (K − 1) · b, whatever T
+    if state and state.get("scan"):  # Mamba-2 layers: L_m · (C_m · (K_m − 1) + H_m · P · N) · 4, whatever T
+        terms.append(f"{state['layers']} · ({state['hidden']} · {state['width']} + {state['scan']}) · "
+                     f"{state.get('value_bytes', 4)} (state)")  # fmt: skip
+    elif state:  # a hybrid's convolution layers: L_conv · D · (K − 1) · b, whatever T
         terms.append(f"{state['layers']} · {state['hidden']} · {state['width']} · {f['bytes_per_value']} (state)")
     codes = "" if f.get("kv_cache", "none") == "none" else f" ({f['kv_cache']} + scales)"
     return " + ".join(terms) + f" = {payload:,} B{codes}"
@@ -294,6 +297,11 @@ def formula_title(f: dict) -> str:
     return "2·L·T·H_kv·d·b + state" if f.get("state") else "2·L·T·H_kv·d·b"
 
 
+def state_layers(state: dict) -> str:
+    """A hybrid's state layers in words: its Mamba-2 layers (Granite 4.0-H) or its convolution layers (LFM2)."""
+    return "Mamba-2 layers" if state.get("kind") == "mamba" else "convolution layers"
+
+
 def state_words(state: dict | None, positions: int) -> str:
     """A hybrid's state row: its convolution layers' state (the same at any length) and the snapshots kept of it so
     far; a dash for a model whose every layer keeps K/V."""
@@ -301,5 +309,5 @@ def state_words(state: dict | None, positions: int) -> str:
         return DASH
     kept = positions // state["every"]
     snaps = kept * state["every"] * state["snapshot_bytes_per_position"]
-    return (f"{state['layers']} convolution layers: {fmt_bytes(state['bytes'])}, the same at any length · "
+    return (f"{state['layers']} {state_layers(state)}: {fmt_bytes(state['bytes'])}, the same at any length · "
             f"{kept:,} snapshots (one every {state['every']} positions): {fmt_bytes(snaps)}")  # fmt: skip

@@ -116,12 +116,16 @@ def _made_by(m) -> dict | None:
     for key, keys in (("latent", LATENT_COUNTS), ("state", STATE_COUNTS)):  # the panel's formula: counts, each
         given = m.get(key)
         if isinstance(given, dict) and given:
-            ok = set(given) == set(keys) and all(_count(given[x]) for x in keys)
-            out[key] = {x: given[x] for x in keys} if ok else None
+            extra = set(given) - set(keys)
+            mamba = key == "state" and extra == set(MAMBA_STATE) and given.get("kind") == "mamba"
+            ok = (not extra or mamba) and all(_count(given.get(x)) for x in keys)
+            ok = ok and (not mamba or all(_count(given[x]) for x in MAMBA_STATE if x != "kind"))
+            out[key] = {x: given[x] for x in (*keys, *(MAMBA_STATE if mamba else ()))} if ok else None
     return out
 
 
 STATE_COUNTS = ("layers", "hidden", "width", "bytes", "every", "snapshot_bytes_per_position")
+MAMBA_STATE = ("kind", "scan", "value_bytes")  # a Mamba-2 layer's besides: its scan's values, their bytes
 
 
 LATENT_COUNTS = ("heads", "kv_lora_rank", "rope_dim", "nope_dim", "value_dim", "plain_bytes_per_position")

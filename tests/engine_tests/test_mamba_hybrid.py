@@ -1,0 +1,180 @@
+"""Granite 4.0-H, a hybrid whose state layers are Mamba-2 mixers: a state far larger than a convolution's, so its
+snapshots come further apart (the block that ends at one carries it); an edit going back to the last snapshot, or
+within the last positions to a base the mixer runs on from; the prefix store and the disk tier bringing snapshots
+back; drafts taken back; the config's refusals. (The prompt and 20 cached steps against transformers on every kernel
+variant: test_parity's granitemoehybrid case.)"""
+
+import pytest
+import torch
+from conversations import BUDGET_CHAT
+
+from checkpoints import FAMILY_CASES, make_checkpoint
+from engine.config import config_from_dict
+from engine.disk_store import SUFFIX, DiskStore
+from engine.errors import ModelLoadError
+from engine.events import Finished, PrefillStarted
+from engine.kv_cache import make_cache
+from engine.session import Request, Session
+from engine.state_cache import RECENT, snapshot_spacing
+from engine.weights.loading import load_model
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def granite(tmp_path_factory):
+    opts = dict(FAMILY_CASES["granitemoehybrid"], max_position_embeddings=1024)
+    path = make_checkpoint(tmp_path_factory.mktemp("granite_h"), opts.pop("family"), **opts)
+    return load_model(path, dtype="float32")
+
+
+def _reply(session, **kw) -> tuple[Finished, PrefillStarted]:
+    kw.setdefault("max_new_tokens", 10)
+    events = list(session.generate(Request(ignore_eos=True, **kw)))
+    assert isinstance(events[-1], Finished), events[-1]
+    return events[-1], next(e for e in events if isinstance(e, PrefillStarted))
+
+
+def test_the_state_is_the_same_size_at_any_length_and_its_snapshots_come_further_apart(granite):
+    """3 Mamba-2 layers: each its convolution's inputs (C_m = 128 + 2 · 2 · 16 = 192 channels, K_m − 1 = 3) and its
+    scan's state (4 heads · 32 · 16) in float32, whatever the length; one attention layer's K/V a position. A
+    snapshot of all three takes 3 · 2,624 · 4 bytes: spread over 16 positions, more than 4 × the K/V's 256, so one
+    every 32."""
+    cache = make_cache(granite.config, 512, torch.float32, "cpu")
+    assert cache.bytes_per_position == 2 * 1 * 2 * 16 * 4 == granite.kv_bytes_per_position()
+    assert cache.state_bytes == 3 * (192 * 3 + 4 * 32 * 16) * 4
+    assert cache.every == snapshot_spacing(3 * (192 * 3 + 4 * 32 * 16), 4, 256) == 32
+    sizes = []
+    for n in (40, 160):
+        cache.truncate(0)
+        with torch.no_grad():
+            granite.model(torch.arange(5, 5 + n)[None], cache)
+        kinds = {k["kind"]: k for k in cache.kinds()}
+        sizes.append((kinds["mamba"]["payload_bytes"], kinds["full"]["payload_bytes"], kinds["mamba"]["snapshots"]))
+    assert sizes[0][0] == sizes[1][0] == cache.state_bytes
+    assert sizes[1][1] == 4 * sizes[0][1]
+    assert (sizes[0][2], sizes[1][2]) == (1, 5)
+
+
+def test_long_prompts_in_chunks_and_cuts_to_a_snapshot_or_a_base_equal_transformers(granite):
+    """200 positions against transformers' own scan: a prompt of 150 (three chunks of the scan), then cuts back to
+    positions among the last ones (a base's state, the inputs since run again) and to snapshots; elsewhere refused."""
+    ref = transformers.AutoModelForCausalLM.from_pretrained(granite.path, dtype=torch.float32).eval()
+    ids = torch.randint(5, granite.config.vocab_size, (1, 200), generator=torch.Generator().manual_seed(1))
+    cache = make_cache(granite.config, 512, torch.float32, "cpu")
+    with torch.no_grad():
+        want = ref(ids).logits
+        torch.testing.assert_close(granite.model(ids[:, :150], cache), want[:, :150], rtol=1e-4, atol=1e-4)
+        for cut in (140, 128, 96, 64):  # among the last positions; then snapshots (every 32)
+            cache.truncate(cut)
+            got = granite.model(ids[:, cut : cut + 5], cache)
+            torch.testing.assert_close(got, want[:, cut : cut + 5], rtol=1e-4, atol=1e-4)
+            cache.truncate(cut)
+        with pytest.raises(ValueError, match="no snapshot"):
+            cache.truncate(40)  # neither a snapshot nor among the last positions
+        torch.testing.assert_close(granite.model(ids[:, 64:200], cache), want[:, 64:], rtol=1e-4, atol=1e-4)
+
+
+def test_the_inputs_kept_for_going_back_stay_few_after_a_long_prompt(granite):
+    cache = make_cache(granite.config, 1024, torch.float32, "cpu")
+    with torch.no_grad():
+        granite.model(torch.arange(5, 805)[None] % 300 + 5, cache)
+        for t in range(3):
+            granite.model(torch.tensor([[7 + t]]), cache)
+    for j in range(len(cache.conv)):
+        first = cache.bases[j][0][0]
+        assert 803 - first <= 2 * RECENT and cache.inputs[j][1].shape[1] == 803 - first
+    assert cache.resumable(803 - RECENT) and not cache.resumable(700)  # 700: no snapshot (every 32) nor a base
+
+
+def test_an_edit_recomputes_from_the_last_snapshot_before_it_and_the_store_brings_it_back(granite):
+    session = Session(granite, capacity=512)
+    first = [{"role": "user", "content": "I am planning a trip to Chengdu for 3 nights, on a budget of 600 yuan, "
+                                         "with two friends who like tea houses and long walks."}]  # fmt: skip
+    _reply(session, messages=first, max_new_tokens=40)
+    edited = [{"role": "user", "content": first[0]["content"].replace("tea houses", "opera nights")}]
+    done, start = _reply(session, messages=edited)
+    r = start.reuse
+    cut, every = r.first_invalidated_position, session.facts()["state"]["every"]
+    assert r.reused == cut // every * every < cut and r.source == "working"
+    assert f"the 3 Mamba-2 layers keep their state, and a snapshot of it every {every} positions" in r.reason
+    assert done.token_ids == _reply(Session(granite, capacity=512), messages=edited)[0].token_ids
+    back, start = _reply(session, messages=first)  # the first branch again: its blocks, the snapshots with them
+    assert start.reuse.source == "store" and start.reuse.reused % every == 0 and start.reuse.reused > cut
+    assert back.token_ids == _reply(Session(granite, capacity=512), messages=first)[0].token_ids
+
+
+def test_the_disk_tier_brings_the_snapshots_back_and_other_blocks_carry_none(granite, tmp_path):
+    first = Session(granite, capacity=512, disk=DiskStore(tmp_path, 2**30))
+    want, _ = _reply(first, messages=BUDGET_CHAT)
+    assert first.flush()
+    sizes = sorted({p.stat().st_size for p in tmp_path.rglob(f"*{SUFFIX}")})
+    assert len(sizes) == 2 and sizes[1] - sizes[0] > 3 * 2624 * 4  # a block with a snapshot, and one without
+    again = Session(granite, capacity=512, disk=DiskStore(tmp_path, 2**30))
+    done, start = _reply(again, messages=BUDGET_CHAT)
+    assert start.reuse.source == "disk" and start.reuse.reused % 32 == 0 and start.reuse.reused > 0
+    assert done.token_ids == want.token_ids == _reply(Session(granite, capacity=512), messages=BUDGET_CHAT)[0].token_ids
+
+
+def test_drafts_are_taken_back_to_a_base_and_replies_are_the_models_alone(granite):
+    prompt = tuple(range(40, 72)) + tuple(range(40, 49))
+    want = None
+    for kind in (None, "lookup", "int4"):
+        done, _ = _reply(Session(granite, capacity=512), prompt_ids=prompt, max_new_tokens=24, speculative=kind)
+        want = want or done.token_ids
+        assert done.token_ids == want, kind
+        if kind is not None:
+            assert done.trace["speculative"]["drafted"] > 0
+
+
+def test_the_facts_and_the_models_dialog_say_what_the_state_takes(granite):
+    from engine.weights.catalog import _folder_row
+
+    facts = Session(granite, capacity=512).facts()
+    assert facts["state"] == {"layers": 3, "hidden": 192, "width": 3, "bytes": 3 * 2624 * 4, "every": 32,
+                              "snapshot_bytes_per_position": 3 * 16 * 164 * 4 // 32, "kind": "mamba",
+                              "scan": 4 * 32 * 16, "value_bytes": 4}  # fmt: skip
+    assert "3 of 4 layers Mamba-2 (heads 4 × 32, state 16, groups 2, width 4)" in facts["fingerprint"]["attention"]
+    found = _folder_row(granite.path, "granitemoehybrid", "folder")
+    assert found.kv_bytes_per_position == 2 * 2 * 16 * 4
+    assert found.kv_layers.startswith("3 of 4 layers Mamba-2: a state of 31 KiB at any length, a snapshot")
+    assert found.kv_layers_short == "3/4 mamba, state 31 KiB"
+
+
+def test_bfloat16_stays_close_to_transformers(granite):
+    ref = transformers.AutoModelForCausalLM.from_pretrained(granite.path, dtype=torch.bfloat16).eval()
+    ours = load_model(granite.path, dtype="bfloat16")
+    ids = torch.arange(3, 90).view(1, -1) % 300 + 3
+    cache = make_cache(ours.config, 128, torch.bfloat16, "cpu")
+    with torch.no_grad():
+        a = torch.cat([ours.model(ids[:, :-1], cache), ours.model(ids[:, -1:], cache)], dim=1).float()
+        b = ref(ids).logits.float()
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
+
+
+RAW = dict(architectures=["GraniteMoeHybridForCausalLM"], hidden_size=64, intermediate_size=32, num_hidden_layers=4,
+           num_attention_heads=4, num_key_value_heads=2, vocab_size=384, num_local_experts=0,
+           shared_intermediate_size=96, layer_types=["mamba", "attention", "mamba", "mamba"], mamba_n_heads=4,
+           mamba_d_state=16, mamba_n_groups=2, mamba_d_conv=4, mamba_expand=2)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "change,said",
+    [
+        ({"layer_types": ["mamba", "attention"]}, "must name each of the 4 layers"),
+        ({"layer_types": ["mamba", "conv", "mamba", "mamba"]}, "must name each of the 4 layers"),
+        ({"mamba_n_heads": 3}, "do not make its width 128"),
+        ({"mamba_d_head": 16}, "do not make its width 128"),
+        ({"mamba_n_groups": 3, "mamba_n_heads": 4}, "multiple of mamba_n_groups"),
+        ({"mamba_d_conv": 1}, "mamba_d_conv is 1"),
+        ({"mamba_d_state": 0}, "mamba_d_state is 0"),
+        ({"time_step_limit": [1.0, 0.5]}, "low end above its high end"),
+        ({"time_step_limit": ["x", 1]}, "two numbers from 0 up"),
+    ],
+)
+def test_a_config_that_cannot_size_the_state_is_refused_by_name(change, said):
+    cfg = config_from_dict(dict(RAW, time_step_limit=[0.0, {"__float__": "Infinity"}]))
+    assert cfg.mamba_layers == (True, False, True, True) and cfg.dt_limit == (0.0, float("inf"))
+    assert cfg.rope_layers == (False,) * 4 and cfg.intermediate_size == 96 and cfg.num_experts == 0
+    with pytest.raises(ModelLoadError, match=said):
+        config_from_dict({**RAW, **change})
