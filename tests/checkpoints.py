@@ -94,7 +94,7 @@ FAMILY_CASES = {
     "granitemoehybrid": dict(  # Granite 4.0-H-Micro's shape in small: Mamba-2 on most layers, unrotated attention
         family="granitemoehybrid",
         num_hidden_layers=4,
-        layer_types=["mamba", "attention", "mamba", "mamba"],
+        layer_types=["mamba", "attention", "mamba", "attention"],
         num_local_experts=0,
         shared_intermediate_size=96,
         mamba_n_heads=4,

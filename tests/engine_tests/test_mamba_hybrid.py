@@ -23,7 +23,10 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def granite(tmp_path_factory):
-    opts = dict(FAMILY_CASES["granitemoehybrid"], max_position_embeddings=1024)
+    # three Mamba-2 layers beside one of attention: snapshots further apart than a block (test_families' case has
+    # two of each, every 16)
+    opts = dict(FAMILY_CASES["granitemoehybrid"], max_position_embeddings=1024,
+                layer_types=["mamba", "attention", "mamba", "mamba"])  # fmt: skip
     path = make_checkpoint(tmp_path_factory.mktemp("granite_h"), opts.pop("family"), **opts)
     return load_model(path, dtype="float32")
 
