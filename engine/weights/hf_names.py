@@ -8,7 +8,15 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ModelLoadError
-from .stacked_experts import expert_shapes, resolve, stacked, stacked_sources, stacked_state
+from .stacked_experts import (
+    expert_shapes,
+    granite_name,
+    granite_state,
+    resolve,
+    stacked,
+    stacked_sources,
+    stacked_state,
+)
 
 NORMS = {  # placement -> kvchat's norm -> the checkpoint's name
     "pre": {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"},
@@ -43,9 +51,8 @@ def _mlp_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
     if cfg.family == "lfm2":  # w1 the gate, w3 the up projection, w2 down
         f = p + "feed_forward."
         return {"mlp.gate_up.weight": [f + "w1.weight", f + "w3.weight"], "mlp.down.weight": [f + "w2.weight"]}
-    if cfg.family == "granitemoehybrid" and not cfg.is_moe(i):  # the shared MLP alone, gate and up fused
-        return {"mlp.gate_up.weight": [p + "shared_mlp.input_linear.weight"],
-                "mlp.down.weight": [p + "shared_mlp.output_linear.weight"]}  # fmt: skip
+    if cfg.family == "granitemoehybrid":  # gate and up rows of fused tensors (engine.weights.stacked_experts)
+        return _granite_sources(cfg, i)
     if not cfg.is_moe(i):
         if cfg.family == "phi3":  # gate and up already fused in the file
             return {
@@ -70,6 +77,21 @@ def _mlp_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
         out["mlp.shared.down.weight"] = [e + "down_proj.weight"]
     if cfg.router_choice_bias:
         out["mlp.choice_bias"] = [f"{p}mlp.gate.e_score_correction_bias"]
+    return out
+
+
+def _granite_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
+    """Granite 4.0-H's MLP: the shared one (alone where there are no experts), the router and the experts."""
+    p = f"model.layers.{i}."
+    shared = {"gate_up.weight": [granite_name(i, "gate"), granite_name(i, "up")],
+              "down.weight": [p + "shared_mlp.output_linear.weight"]}  # fmt: skip
+    if not cfg.is_moe(i):
+        return {f"mlp.{k}": v for k, v in shared.items()}
+    out = {f"mlp.shared.{k}": v for k, v in shared.items()}
+    out["mlp.router.weight"] = [p + "block_sparse_moe.router.layer.weight"]
+    for j in range(cfg.num_experts):
+        out[f"mlp.experts.{j}.gate_up.weight"] = [granite_name(i, "gate", j), granite_name(i, "up", j)]
+        out[f"mlp.experts.{j}.down.weight"] = [granite_name(i, "down", j)]
     return out
 
 
@@ -289,4 +311,6 @@ def hf_state_dict(model) -> dict[str, torch.Tensor]:
             t = mine[name]
             parts = [t] if len(theirs) == 1 else t.split(_split_rows(cfg, name, t.shape[0]))
             out.update(zip(theirs, parts))
+    if cfg.family == "granitemoehybrid":
+        out = granite_state(cfg, out)
     return {k: v.detach().contiguous() for k, v in out.items()}

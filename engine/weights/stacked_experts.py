@@ -26,8 +26,37 @@ def expert_name(i: int, j: int, part: str, what: str = "weight") -> str:
 
 
 def stacked(cfg: ModelConfig) -> bool:
-    """Whether this family's checkpoints stack their experts."""
+    """Whether this family's checkpoints stack their experts as gpt-oss does."""
     return cfg.family == "gpt_oss"
+
+
+def granite_name(i: int, part: str, j: int | None = None) -> str:
+    """The name Granite 4.0-H's layer i's shared MLP's (j None) or expert j's `part` (gate, up, down) is read under:
+    rows of the tensors its checkpoint holds fused (a name no file holds)."""
+    where = "shared_mlp" if j is None else f"block_sparse_moe.experts.{j}"
+    return f"model.layers.{i}.{where}.{part}_proj.weight"
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedRows:
+    """One part as rows offset..offset+count of a tensor the checkpoint holds fused (Granite 4.0-H's
+    `input_linear`: gate rows then up rows; `output_linear`), expert `expert`'s of a stacked [E, rows, in] one."""
+
+    base: str
+    expert: int | None
+    part: str
+    offset: int
+    count: int
+    paths: tuple[Path, ...]
+    what: str = "weight"
+    mxfp4: bool = False
+
+    def rows(self, a: int, b: int, opened) -> torch.Tensor:
+        with opened(self.paths[0]) as f:
+            sl = f.get_slice(self.base)
+            if self.expert is None:
+                return sl[self.offset + a : self.offset + b]
+            return sl[self.expert : self.expert + 1, self.offset + a : self.offset + b][0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,9 +130,11 @@ def stacked_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
     return out
 
 
-def resolve(cfg: ModelConfig, files: dict[str, Path], shapes) -> dict[str, ExpertPart]:
+def resolve(cfg: ModelConfig, files: dict[str, Path], shapes) -> dict:
     """Each expert part's name -> where its rows come from, the stacked tensors' shapes (`shapes(name)`: a header's)
     checked against the config first: a file that does not bear out the expert count or widths is refused here."""
+    if cfg.family == "granitemoehybrid":
+        return _granite_parts(cfg, files, shapes)
     ends = (".experts.gate_up_proj", ".experts.gate_up_proj_blocks")
     if not stacked(cfg) or not any(n.endswith(ends) for n in files):
         return {}  # (a GGUF's experts come by their own names, views of its stacked tensors)
@@ -134,6 +165,52 @@ def resolve(cfg: ModelConfig, files: dict[str, Path], shapes) -> dict[str, Exper
                 for part in ("gate", "up") if base == "gate_up_proj" else ("down",):
                     out[expert_name(i, j, part)] = ExpertPart(name, j, part, "weight", mxfp4, paths)
                     out[expert_name(i, j, part, "bias")] = ExpertPart(name, j, part, "bias", False, bias_path)
+    return out
+
+
+def _granite_parts(cfg: ModelConfig, files: dict[str, Path], shapes) -> dict[str, FusedRows]:
+    """Granite 4.0-H's MLP parts as rows of its fused tensors: the shared MLP's `input_linear` [2F_s, D] (gate, then
+    up), the experts' `input_linear` [E, 2F, D] and `output_linear` [E, D, F]."""
+    if not any(n.endswith("shared_mlp.input_linear.weight") for n in files):
+        return {}  # (a GGUF holds the parts apart, under their own names)
+    E, D, F, Fs = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.shared_width or cfg.intermediate_size
+    out = {}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        want = {p + "shared_mlp.input_linear.weight": (2 * Fs, D)}
+        if E:
+            want.update({p + "block_sparse_moe.input_linear.weight": (E, 2 * F, D),
+                         p + "block_sparse_moe.output_linear.weight": (E, D, F)})  # fmt: skip
+        for tensor, shape in want.items():
+            if tensor not in files:
+                raise ModelLoadError(f"tensor {tensor!r} is missing from the checkpoint", next(iter(files.values())))
+            if tuple(shapes(tensor)) != shape:
+                raise ModelLoadError(
+                    f"tensor {tensor!r} has shape {list(shapes(tensor))}, the config implies {list(shape)}"
+                )
+        shared = p + "shared_mlp.input_linear.weight"
+        for part, offset in (("gate", 0), ("up", Fs)):
+            out[granite_name(i, part)] = FusedRows(shared, None, part, offset, Fs, (files[shared],))
+        for j in range(E):
+            fused, down = p + "block_sparse_moe.input_linear.weight", p + "block_sparse_moe.output_linear.weight"
+            out[granite_name(i, "gate", j)] = FusedRows(fused, j, "gate", 0, F, (files[fused],))
+            out[granite_name(i, "up", j)] = FusedRows(fused, j, "up", F, F, (files[fused],))
+            out[granite_name(i, "down", j)] = FusedRows(down, j, "down", 0, D, (files[down],))
+    return out
+
+
+def granite_state(cfg: ModelConfig, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Granite 4.0-H's parts under their own names joined back as its checkpoint holds them (the way back)."""
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        gate, up = out.pop(granite_name(i, "gate")), out.pop(granite_name(i, "up"))
+        out[p + "shared_mlp.input_linear.weight"] = torch.cat((gate, up))
+        if cfg.num_experts:
+            parts = [
+                [out.pop(granite_name(i, part, j)) for j in range(cfg.num_experts)] for part in ("gate", "up", "down")
+            ]
+            out[p + "block_sparse_moe.input_linear.weight"] = torch.stack([torch.cat(gu) for gu in zip(*parts[:2])])
+            out[p + "block_sparse_moe.output_linear.weight"] = torch.stack(parts[2])
     return out
 
 
