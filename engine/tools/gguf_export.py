@@ -18,7 +18,7 @@ import torch
 from ..config import load_config
 from ..errors import EngineError
 from ..weights.gguf_file import NORM_PLUS_ONE, PERMUTED
-from ..weights.gguf_names import gguf_name
+from ..weights.gguf_names import gguf_name, pick_name
 
 ARCHES = {  # kvchat's family -> llama.cpp's architecture (Mistral and Mixtral are "llama" files)
     "llama": "llama",
@@ -37,6 +37,7 @@ ARCHES = {  # kvchat's family -> llama.cpp's architecture (Mistral and Mixtral a
     "lfm2": "lfm2",
     "deepseek_v2": "deepseek2",
     "deepseek_v3": "deepseek2",
+    "granitemoehybrid": "granitehybrid",
 }
 FTYPES = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K_M", "Q5_K_M", "Q6_K")  # quantize_gguf's
 
@@ -71,12 +72,14 @@ def write_gguf(model_dir, out: Path, matrices: str = "F32", tokenizer: bool = Fa
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(cfg.num_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_feed_forward_length(cfg.moe_intermediate_size if cfg.family == "granitemoehybrid" and cfg.num_experts
+                              else cfg.intermediate_size)  # fmt: skip
     w.add_head_count(cfg.num_heads)
     # latent attention as llama.cpp's converter writes it: one K/V head, the key the latent and the rotary key
-    if cfg.conv_layers:  # a hybrid: K/V heads per layer, none on its convolution layers (llama.cpp's converter)
-        w.add_head_count_kv([0 if conv else cfg.num_kv_heads for conv in cfg.conv_layers])
-        w.add_shortconv_l_cache(cfg.conv_kernel)
+    if cfg.state_layers:  # a hybrid: K/V heads per layer, none on its state layers (llama.cpp's converter)
+        w.add_head_count_kv([0 if state else cfg.num_kv_heads for state in cfg.state_layers])
+        if cfg.conv_layers:
+            w.add_shortconv_l_cache(cfg.conv_kernel)
     else:
         w.add_head_count_kv(1 if cfg.mla else cfg.num_kv_heads)
     w.add_key_length(cfg.kv_lora_rank + cfg.head_dim if cfg.mla else cfg.head_dim)
@@ -115,9 +118,12 @@ def write_gguf(model_dir, out: Path, matrices: str = "F32", tokenizer: bool = Fa
         gname = gguf_name(arch, name)
         if gname is None or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
+        gname = pick_name(gname, bool(cfg.num_experts))
         if name in parts:
             part = parts[name]
-            rows = cfg.hidden_size if part.part == "down" else cfg.moe_intermediate_size
+            rows = getattr(part, "count", None) or (
+                cfg.hidden_size if part.part == "down" else cfg.moe_intermediate_size
+            )
             if part.mxfp4 and part.what == "weight":  # the file's own codes, as llama.cpp's converter keeps them
                 stacked, j = gname.split("#")
                 mxfp4.setdefault(stacked, {})[int(j)] = ggml_mxfp4(*part.codes(0, rows, opened))
@@ -126,8 +132,12 @@ def write_gguf(model_dir, out: Path, matrices: str = "F32", tokenizer: bool = Fa
         else:
             with safe_open(str(files[name]), framework="pt", device="cpu") as f:
                 t = f.get_tensor(stored.get(name, name)).float()
-        if name.endswith("conv.conv.weight"):  # LFM2's kernel [D, 1, K] as [D, K], as llama.cpp's converter
+        if name.endswith(("conv.conv.weight", "mamba.conv1d.weight")):  # a kernel [C, 1, K] as [C, K], as llama.cpp's
             t = t.squeeze(1)
+        if name.endswith(("mamba.A_log", "mamba.D")):  # [H, 1], A as −exp(A_log): llama.cpp's converter
+            t = (-torch.exp(t) if name.endswith("A_log") else t)[:, None]
+        elif name.endswith("mamba.norm.weight"):  # [G, I / G]
+            t = t.view(cfg.mamba_groups, -1)
         if cfg.mla and name.endswith("kv_b_proj.weight"):  # as llama.cpp's converter: k_b transposed, v_b
             heads = t.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
             k_b, v_b = heads.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)
@@ -323,7 +333,9 @@ def _family_metadata(w, cfg) -> None:
     if cfg.family == "gemma3" and cfg.rope.type == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(cfg.rope.factor)
-    if cfg.family == "granite":
+    if cfg.family == "granitemoehybrid":
+        _granite_hybrid_metadata(w, cfg)
+    if cfg.family in ("granite", "granitemoehybrid"):
         w.add_embedding_scale(cfg.embed_scale)
         w.add_residual_scale(cfg.residual_scale)
         w.add_attention_scale(cfg.attention_scale)
@@ -345,6 +357,20 @@ def _family_metadata(w, cfg) -> None:
             w.add_expert_weights_norm(cfg.norm_topk_prob)
     if cfg.mla:
         _deepseek_metadata(w, cfg)
+
+
+def _granite_hybrid_metadata(w, cfg) -> None:
+    """Granite 4.0-H's Mamba-2 widths under llama.cpp's ssm.* keys (the heads as the time-step rank), whether its
+    attention rotates (the converter's flag), the experts' and the shared MLP's widths."""
+    w.add_ssm_conv_kernel(cfg.mamba_kernel)
+    w.add_ssm_state_size(cfg.mamba_state)
+    w.add_ssm_group_count(cfg.mamba_groups)
+    w.add_ssm_inner_size(cfg.mamba_inner)
+    w.add_ssm_time_step_rank(cfg.mamba_heads)
+    w.add_rope_scaling_finetuned(not cfg.rope_layers)
+    if cfg.num_experts:
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        w.add_expert_shared_feed_forward_length(cfg.shared_width)
 
 
 def _deepseek_metadata(w, cfg) -> None:

@@ -23,6 +23,7 @@ ARCHITECTURES = {  # a GGUF's general.architecture -> config.json's (a "llama" f
     "qwen3moe": "Qwen3MoeForCausalLM",
     "deepseek2": "DeepseekV2ForCausalLM",  # V3 where its router is a sigmoid (config_dict)
     "lfm2": "Lfm2ForCausalLM",
+    "granitehybrid": "GraniteMoeHybridForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
 }
 
@@ -117,6 +118,8 @@ def _family_dict(model, raw: dict, experts: int) -> dict:
                 "original_max_position_embeddings": original or raw["max_position_embeddings"],
                 "attention_factor": model.arch_value("rope.scaling.attn_factor"),
             }
+    elif model.arch == "granitehybrid":
+        out.update(_granite_hybrid_dict(model, raw, experts))
     elif model.arch == "granite":
         out.update(
             embedding_multiplier=model.arch_value("embedding_scale", 1.0),
@@ -145,6 +148,37 @@ def _family_dict(model, raw: dict, experts: int) -> dict:
             moe_intermediate_size=model.arch_value("expert_feed_forward_length") or raw["intermediate_size"],
             norm_topk_prob=bool(model.arch_value("expert_weights_norm", True)),
         )
+    return out
+
+
+def _granite_hybrid_dict(model, raw: dict, experts: int) -> dict:
+    """Granite 4.0-H from llama.cpp's granitehybrid keys: a layer of no K/V heads is a Mamba-2 mixer (its widths under
+    ssm.*: the heads are the time-step rank, the inner width I = heads · head width), Granite's scales, the shared
+    MLP's width, rotation only where the file says the model was trained with it."""
+    per = model.arch_value("attention.head_count_kv")
+    per = [int(v) for v in per] if isinstance(per, np.ndarray) else [per] * raw["num_hidden_layers"]
+    heads, inner = model.arch_value("ssm.time_step_rank"), model.arch_value("ssm.inner_size")
+    hidden = raw["hidden_size"]
+    first = next((i for i, v in enumerate(per) if not v), 0)
+    out = {
+        "layer_types": ["attention" if v else "mamba" for v in per],
+        "embedding_multiplier": model.arch_value("embedding_scale", 1.0),
+        "residual_multiplier": model.arch_value("residual_scale", 1.0),
+        "attention_multiplier": model.arch_value("attention.scale", 1.0),
+        "logits_scaling": model.arch_value("logit_scale", 1.0),
+        "position_embedding_type": "rope" if model.arch_value("rope.scaling.finetuned") else "nope",
+        "mamba_n_heads": heads,
+        "mamba_d_head": inner // heads if inner and heads else None,
+        "mamba_expand": inner / hidden if inner and hidden else None,
+        "mamba_d_state": model.arch_value("ssm.state_size"),
+        "mamba_n_groups": model.arch_value("ssm.group_count", 1),
+        "mamba_d_conv": model.arch_value("ssm.conv_kernel"),
+        "mamba_conv_bias": f"blk.{first}.ssm_conv1d.bias" in model.tensors,
+        "shared_intermediate_size": model.arch_value("expert_shared_feed_forward_length") or raw["intermediate_size"],
+        "num_local_experts": experts,
+    }
+    if experts:
+        out["intermediate_size"] = model.arch_value("expert_feed_forward_length") or raw["intermediate_size"]
     return out
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import mmap
 from pathlib import Path
 
@@ -31,7 +32,14 @@ from .gguf_vocab import NUMBER
 from .hf_names import block_sources, linears
 
 KINDS = {str: "string", int: "whole number", NUMBER: "number"}  # how an error names what a key should hold
-PERMUTED = ("llama", "granite", "smollm3")  # llama.cpp's converter interleaves q/k rows for these (rotate pairs)
+PERMUTED = (
+    "llama",
+    "granite",
+    "smollm3",
+    "granitehybrid",
+)  # llama.cpp's converter interleaves q/k rows for these (rotate pairs)
+KERNELS = ("conv.conv.weight", "mamba.conv1d.weight")  # a depthwise convolution's kernel: [C, K] in the file
+MAMBA_FLAT = ("mamba.A_log", "mamba.D", "mamba.norm.weight")  # one row here, [H, 1] or [G, I / G] in the file
 NORM_PLUS_ONE = ("gemma2", "gemma3")  # llama.cpp's converter stores Gemma's (1 + w) norms with the 1 added
 
 
@@ -124,7 +132,9 @@ class GGUFModel:
         parts = self.kv_b(hf)
         if parts is None:
             shape = self.shape(self.tensors[gname])
-            return (shape[0], 1, *shape[1:]) if hf.endswith("conv.conv.weight") and len(shape) == 2 else shape
+            if hf.endswith(MAMBA_FLAT):  # A and D [H, 1], the gated norm [G, I / G]: one row
+                return (math.prod(shape),)
+            return (shape[0], 1, *shape[1:]) if hf.endswith(KERNELS) and len(shape) == 2 else shape
         (heads, latent, nope), values = parts[0].shape, parts[1].shape[1]
         return (heads * (nope + values), latent)
 
@@ -141,7 +151,10 @@ class GGUFModel:
 
     # --- tensors -----------------------------------------------------------------------------------
     def gguf_name(self, hf: str) -> str | None:
-        return gguf_name(self.arch, hf)
+        name = gguf_name(self.arch, hf)
+        if name is not None and "|" in name:  # the form this file holds (Granite 4.0-H's shared MLP)
+            return next((n for n in name.split("|") if n in self.tensors), name.split("|")[0])
+        return name
 
     def names(self, wanted) -> dict[str, str]:
         """Of the Hugging Face names `wanted`, those this file holds -> their GGUF names."""
@@ -211,8 +224,10 @@ class GGUFModel:
         rows = np.ascontiguousarray(rows)
         if not rows.flags.writeable:  # a view of the mapped file (F32): copied, never kept
             rows = rows.copy()
+        if hf.endswith(MAMBA_FLAT):  # one row, A as its logarithm (the file holds A = −exp(A_log))
+            rows = np.log(-rows).reshape(-1) if hf.endswith("A_log") else rows.reshape(-1)
         out = torch.from_numpy(rows).to(device=device, dtype=dtype)
-        return out.unsqueeze(1) if hf.endswith("conv.conv.weight") and out.dim() == 2 else out  # LFM2's [D, K]
+        return out.unsqueeze(1) if hf.endswith(KERNELS) and out.dim() == 2 else out  # LFM2's [D, K], Mamba-2's [C, K]
 
     def read_codes(self, hfs: list[str], cfg, dtype, device, tiles: int = 0) -> PreQuantized | None:
         """Tensors stacked along rows as their own codes, when every one is of a type the kernels compute

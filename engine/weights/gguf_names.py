@@ -83,6 +83,24 @@ ARCH_BLOCK_NAMES = {  # where an architecture's names depart from BLOCK_NAMES
         "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
         "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
     },
+    "granitehybrid": {  # Mamba-2 mixers as llama.cpp's converter names them (A as −exp(A_log), A and D [H, 1], the
+        # norm [G, I/G], the kernel [C, K]); the MLP's parts ("a|b": the shared MLP's with experts, or alone)
+        "mamba.in_proj.weight": "ssm_in.weight",
+        "mamba.conv1d.weight": "ssm_conv1d.weight",
+        "mamba.conv1d.bias": "ssm_conv1d.bias",
+        "mamba.dt_bias": "ssm_dt.bias",
+        "mamba.A_log": "ssm_a",
+        "mamba.D": "ssm_d",
+        "mamba.norm.weight": "ssm_norm.weight",
+        "mamba.out_proj.weight": "ssm_out.weight",
+        "shared_mlp.gate_proj.weight": "ffn_gate_shexp.weight|ffn_gate.weight",
+        "shared_mlp.up_proj.weight": "ffn_up_shexp.weight|ffn_up.weight",
+        "shared_mlp.output_linear.weight": "ffn_down_shexp.weight|ffn_down.weight",
+        "block_sparse_moe.router.layer.weight": "ffn_gate_inp.weight",
+        "block_sparse_moe.experts.{j}.gate_proj.weight": "ffn_gate_exps.weight#{j}",
+        "block_sparse_moe.experts.{j}.up_proj.weight": "ffn_up_exps.weight#{j}",
+        "block_sparse_moe.experts.{j}.down_proj.weight": "ffn_down_exps.weight#{j}",
+    },
 }
 ARCH_BLOCK_NAMES["gemma3"] = ARCH_BLOCK_NAMES["gemma2"]
 EXPERT = re.compile(r"^(mlp|block_sparse_moe)\.experts\.(\d+)\.(.+)$")
@@ -96,7 +114,7 @@ def _block_names(arch: str) -> dict[str, str]:
 
 def gguf_name(arch: str, hf: str) -> str | None:
     """The GGUF name of a Hugging Face tensor name in a file of `arch` (an expert's: its rows of the stacked
-    tensor, "…#j"); None for a name no GGUF file holds."""
+    tensor, "…#j"; "a|b" where it depends on the model: `pick_name`); None for a name no GGUF file holds."""
     if hf in GLOBAL_NAMES:
         return GLOBAL_NAMES[hf]
     if not hf.startswith("model.layers."):
@@ -108,4 +126,9 @@ def gguf_name(arch: str, hf: str) -> str | None:
     names = _block_names(arch)
     if rest not in names:
         return None
-    return f"blk.{i}.{names[rest]}".replace("{j}", expert[2] if expert else "")
+    return "|".join(f"blk.{i}.{n}" for n in names[rest].split("|")).replace("{j}", expert[2] if expert else "")
+
+
+def pick_name(name: str, experts: bool) -> str:
+    """Of a name's "with experts|without" forms, the model's (Granite 4.0-H's shared MLP)."""
+    return name.split("|")[0 if experts else 1] if "|" in name else name
