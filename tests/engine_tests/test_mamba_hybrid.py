@@ -181,3 +181,43 @@ def test_a_config_that_cannot_size_the_state_is_refused_by_name(change, said):
     assert cfg.rope_layers == (False,) * 4 and cfg.intermediate_size == 96 and cfg.num_experts == 0
     with pytest.raises(ModelLoadError, match=said):
         config_from_dict({**RAW, **change})
+
+
+MOE = dict(num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"], num_local_experts=4, num_experts_per_tok=2,
+           intermediate_size=32, shared_intermediate_size=48, mamba_n_heads=4, mamba_d_state=16, mamba_n_groups=1,
+           position_embedding_type="rope", residual_multiplier=0.5)  # fmt: skip
+
+
+def test_the_experts_form_reads_its_fused_tensors_and_its_gguf_runs_in_llama_cpp(tmp_path):
+    """Granite 4.0-H-Tiny's shape in small: the experts' parts read as rows of the stacked input_linear and
+    output_linear, the shared MLP beside them; rotated attention. Its GGUF (the experts stacked as llama.cpp's
+    converter writes them, the shared MLP as *_shexp) gives the folder's logits, and llama.cpp's greedy tokens on it
+    equal kvchat's; int4 weights decode as they prefill."""
+    import importlib.util
+
+    from engine.tools.gguf_export import write_gguf
+
+    path = make_checkpoint(tmp_path / "moe", "granitemoehybrid", **MOE)
+    folder = load_model(path, dtype="float32")
+    assert folder.config.num_experts == 4 and folder.config.shared_width == 48 and not folder.config.rope_layers
+    gguf_path = write_gguf(path, tmp_path / "m.gguf", tokenizer=True)
+    gguf = load_model(gguf_path, dtype="float32")
+    ids = torch.arange(5, 60).view(1, -1)
+    with torch.no_grad():
+        torch.testing.assert_close(gguf.model(ids), folder.model(ids), rtol=1e-5, atol=1e-5)
+    prompt = list(range(5, 45))
+    events = list(Session(gguf, capacity=128).generate(Request(prompt_ids=tuple(prompt), max_new_tokens=16,
+                                                               ignore_eos=True)))  # fmt: skip
+    if importlib.util.find_spec("llama_cpp") is not None:
+        from engine.tools.llamacpp import LlamaCpp
+
+        lc = LlamaCpp(gguf_path, n_ctx=128, threads=1)
+        ids_cpp, _, _ = lc.generate(prompt, 16)
+        lc.close()
+        assert ids_cpp == list(events[-1].token_ids)
+    quant = load_model(path, weights="int4")
+    cache = make_cache(quant.config, 64, quant.dtype, "cpu")
+    with torch.no_grad():
+        quant.model(ids[:, :-1], cache)
+        step, whole = quant.model(ids[:, -1:], cache)[0, -1], quant.model(ids)[0, -1]
+    assert float((step - whole).abs().max() / whole.abs().max()) < 2e-3

@@ -68,6 +68,20 @@ CASES = {
     "qwen3-moe-unnormalised": dict(
         family="qwen3_moe", num_experts=4, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=False
     ),
+    "granite-4.0-h-moe": dict(  # Granite 4.0-H-Tiny's shape in small: experts beside the shared MLP, rotated attention
+        family="granitemoehybrid",
+        num_hidden_layers=3,
+        layer_types=["mamba", "attention", "mamba"],
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        intermediate_size=32,
+        shared_intermediate_size=48,
+        mamba_n_heads=4,
+        mamba_d_state=16,
+        mamba_n_groups=1,
+        position_embedding_type="rope",
+        residual_multiplier=0.5,
+    ),
     "mixtral-sliding-window": dict(family="mixtral", num_local_experts=4, num_experts_per_tok=2, sliding_window=8),
 }
 
