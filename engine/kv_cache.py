@@ -484,7 +484,7 @@ def cache_plan(config, dtype: torch.dtype, capacity: int | None = None) -> dict:
         conv, state = len(cache.conv), _kib(cache.state_bytes)
         kind = "Mamba-2" if cache.kind == "mamba" else "short convolutions"
         layers = (f"{conv} of {config.num_layers} layers {kind}: a state of {state} at any length, "
-                  f"a snapshot of it every {cache.resume_every} positions")  # fmt: skip
+                  f"a snapshot of it every {cache.resume_every:,} positions")  # fmt: skip
         short = f"{conv}/{config.num_layers} {'mamba' if cache.kind == 'mamba' else 'conv'}, state {state}"
     return {
         "capacity": capacity,
@@ -496,4 +496,6 @@ def cache_plan(config, dtype: torch.dtype, capacity: int | None = None) -> dict:
 
 
 def _kib(n: int) -> str:
+    if n >= 1 << 20:  # a Mamba-2 model's state: tens of MiB
+        return f"{n / 2**20:,.1f} MiB"
     return f"{n / 1024:,.0f} KiB" if n >= 1024 else f"{n:,} B"

@@ -86,6 +86,27 @@ CONFIGS = {
         layer_types=["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)],
         conv_L_cache=3,
     ),  # fmt: skip
+    "Granite 4.0-H-Tiny (hybrid)": dict(
+        architectures=["GraniteMoeHybridForCausalLM"],
+        hidden_size=1536,
+        intermediate_size=512,
+        num_hidden_layers=40,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        layer_types=["attention" if i in (5, 15, 25, 35) else "mamba" for i in range(40)],
+        mamba_n_heads=48,
+        mamba_d_head=64,
+        mamba_d_state=128,
+        mamba_n_groups=1,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        num_local_experts=64,
+        num_experts_per_tok=6,
+        shared_intermediate_size=1024,
+        position_embedding_type="nope",
+        vocab_size=100352,
+        max_position_embeddings=131072,
+    ),  # fmt: skip
     "DeepSeek-V2-Lite": dict(
         architectures=["DeepseekV2ForCausalLM"],
         hidden_size=2048,
@@ -144,7 +165,7 @@ def rows(positions: list[int], dtype: torch.dtype = torch.bfloat16) -> list[dict
         row = {"model": name, "per_position": make_cache(cfg, 16, dtype, "meta").bytes_per_position, "at": {}}
         for t in positions:
             kept = make_cache(cfg, t, dtype, "meta").allocated_bytes
-            plain = cfg.plain_attention_bytes(t, size) if cfg.mla or any(cfg.conv_layers) else kept
+            plain = cfg.plain_attention_bytes(t, size) if cfg.mla or any(cfg.state_layers) else kept
             row["at"][t] = (kept, plain)
         out.append(row)
     return out

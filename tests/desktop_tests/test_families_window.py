@@ -109,3 +109,28 @@ def test_a_hybrid_chats_and_the_panel_shows_its_state_beside_its_kv(qtbot, make_
     said = w.chat.cache_map.describe(0, 40)  # the map's words for positions 0–39: the snapshots among them
     assert "The convolution layers' state is kept after position 15, 31 (each snapshot covers every" in said
     assert "state is kept" not in w.chat.cache_map.describe(16, 31)
+
+
+def test_a_mamba_hybrid_chats_and_the_panel_shows_its_state_and_sparser_snapshots(qtbot, make_window, spin_loop,
+                                                                                   tmp_path):  # fmt: skip
+    """Granite 4.0-H in the real window: the State row names the Mamba-2 layers and their snapshots (every 32
+    positions here: its state is large beside one attention layer's K/V); the formula adds each layer's
+    convolution inputs and scan state, in float32; the map's words say where the snapshots are."""
+    from checkpoints import FAMILY_CASES
+
+    opts = dict(FAMILY_CASES["granitemoehybrid"], max_position_embeddings=2048,
+                layer_types=["mamba", "attention", "mamba", "mamba"])  # fmt: skip
+    w = make_window(make_checkpoint(tmp_path / "granite_h", opts.pop("family"), **opts))
+    assert "3 of 4 layers Mamba-2 (heads 4 × 32, state 16, groups 2, width 4)" in panel(w, "architectureValue")
+    final = send(qtbot, w, spin_loop, BUDGET)
+    assert isinstance(final, Finished) and final.token_ids
+    n, payload = final.cache["positions"], final.cache["payload_bytes"]
+    state = 3 * (192 * 3 + 4 * 32 * 16) * 4  # 3 layers · (C_m · (K_m − 1) + H_m · P · N) · 4 bytes
+    assert payload == 2 * 1 * n * 2 * 16 * 4 + state and panel(w, "kvPayloadValue") == fmt_bytes(payload)
+    assert panel(w, "stateValue") == (
+        f"3 Mamba-2 layers: {fmt_bytes(state)}, the same at any length · {n // 32:,} snapshots (one every 32 "
+        f"positions): {fmt_bytes(n // 32 * 3 * 16 * 164 * 4)}"
+    )
+    assert panel(w, "kvFormulaValue") == f"2 · 1 · {n} · 2 · 16 · 4 + 3 · (192 · 3 + 2048) · 4 (state) = {payload:,} B"
+    said = w.chat.cache_map.describe(0, 40)
+    assert "The Mamba-2 layers' state is kept after position 31 (each snapshot covers every" in said
