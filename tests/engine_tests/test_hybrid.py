@@ -93,11 +93,21 @@ def test_the_disk_tier_brings_the_snapshots_back_with_the_blocks(lfm2, tmp_path)
     assert done.token_ids == want.token_ids == _reply(Session(lfm2, capacity=256), messages=BUDGET_CHAT)[0].token_ids
 
 
-def test_drafts_are_taken_back_within_the_last_positions_and_replies_are_the_models_alone(lfm2):
+@pytest.fixture(scope="module", params=["lfm2", "granite-h"])
+def hybrid(request, lfm2, tmp_path_factory):
+    """Each hybrid: LFM2 (a convolution's state, its last inputs) and Granite 4.0-H (a Mamba-2 state, snapshots every
+    32 positions, bases its mixer runs on from)."""
+    if request.param == "lfm2":
+        return lfm2
+    opts = dict(FAMILY_CASES["granitemoehybrid"], layer_types=["mamba", "attention", "mamba", "mamba"])
+    return load_model(make_checkpoint(tmp_path_factory.mktemp("granite_h"), opts.pop("family"), **opts))
+
+
+def test_drafts_are_taken_back_within_the_last_positions_and_replies_are_the_models_alone(hybrid):
     prompt = tuple(range(40, 72)) + tuple(range(40, 49))
     want = None
     for kind in (None, "lookup", "int4"):
-        done, _ = _reply(Session(lfm2, capacity=256), prompt_ids=prompt, max_new_tokens=24, speculative=kind)
+        done, _ = _reply(Session(hybrid, capacity=256), prompt_ids=prompt, max_new_tokens=24, speculative=kind)
         want = want or done.token_ids
         assert done.token_ids == want, kind
         if kind is not None:
