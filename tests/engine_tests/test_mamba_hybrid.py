@@ -1,8 +1,8 @@
 """Granite 4.0-H, a hybrid whose state layers are Mamba-2 mixers: a state far larger than a convolution's, so its
 snapshots come further apart (the block that ends at one carries it); an edit going back to the last snapshot, or
 within the last positions to a base the mixer runs on from; the prefix store and the disk tier bringing snapshots
-back; the config's refusals. (Drafts taken back to a base: test_hybrid's, for both hybrids.) (The prompt and 20 cached steps against transformers on every kernel
-variant: test_parity's granitemoehybrid case.)"""
+back; the config's refusals. (Drafts taken back to a base: test_hybrid's, for both hybrids. The prompt and 20
+cached steps against transformers on every kernel variant: test_parity's granitemoehybrid case.)"""
 
 import pytest
 import torch
