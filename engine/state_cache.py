@@ -82,10 +82,10 @@ class HybridCache:
         self.at = [0] * L  # the position each layer's live state is at
         # a convolution's last positions: (the first, its inputs [1, D, K − 1 + n] from the state before it)
         self.recent: list[tuple[int, torch.Tensor] | None] = [None] * L
-        # a Mamba-2 layer's bases [(position, conv inputs, scan state)] and its inputs since the first (raw xBC
-        # [1, C_m, n], raw Δ [1, n, H_m])
+        # a Mamba-2 layer's bases [(position, conv inputs, scan state)] and its inputs since the first, one piece a
+        # forward (raw xBC [1, C_m, n], raw Δ [1, n, H_m]): appended to, never copied whole on a decode step
         self.bases: list[list[tuple]] = [[] for _ in range(L)]
-        self.inputs: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * L
+        self.inputs: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(L)]
         self.num_layers, self.num_kv_heads, self.head_dim = config.num_layers, config.cache_heads, config.cache_width
         self.capacity = capacity
         self._length = 0
@@ -126,8 +126,11 @@ class HybridCache:
             return True
         if self.kind == "mamba":
             return all(bases and bases[0][0] <= n <= self._inputs_end(j) for j, bases in enumerate(self.bases))
-        k1 = self.state_shape[1]
-        return all(r is not None and r[0] <= n <= r[0] + r[1].shape[-1] - k1 for r in self.recent)
+        return all(self._recent_holds(r, n) for r in self.recent)
+
+    def _recent_holds(self, recent, n: int) -> bool:
+        """Whether a convolution layer's last inputs (first position, inputs) give its state at n."""
+        return recent is not None and recent[0] <= n <= recent[0] + recent[1].shape[-1] - self.state_shape[1]
 
     def snapshot_held(self, n: int) -> bool:
         """Whether the snapshot at n is held for the positions the cache holds (written, or brought in whole)."""
@@ -148,10 +151,7 @@ class HybridCache:
                        for r in self.recent]  # fmt: skip
         for j, bases in enumerate(self.bases):
             self.bases[j] = [b for b in bases if b[0] <= length]
-            if self.inputs[j] is not None and bases:
-                xbc, dt = self.inputs[j]
-                keep = max(0, length - self.bases[j][0][0]) if self.bases[j] else 0
-                self.inputs[j] = (xbc[:, :, :keep], dt[:, :keep])
+            self.inputs[j] = self._pieces(j, bases[0][0], length, bases[0][0]) if self.bases[j] else []
         if length == 0:
             self._reset_bases()
         self.length = length
@@ -166,11 +166,24 @@ class HybridCache:
         if self.kind == "mamba":
             for j in range(len(self.conv)):
                 self.bases[j] = [(0, torch.zeros_like(self.state[j]), torch.zeros_like(self.ssm[j]))]
-                self.inputs[j] = None
+                self.inputs[j] = []
 
     def _inputs_end(self, j: int) -> int:
-        bases, held = self.bases[j], self.inputs[j]
-        return bases[0][0] + (held[1].shape[1] if held is not None else 0)
+        return self.bases[j][0][0] + sum(dt.shape[1] for _, dt in self.inputs[j])
+
+    def _pieces(self, j: int, a: int, b: int, first: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Layer j's kept inputs of positions a..b-1 (they start at `first`): its pieces, one cut where it straddles
+        a or b (copied, so the piece it was cut from can go)."""
+        out, pos = [], first
+        for xbc, dt in self.inputs[j]:
+            n = dt.shape[1]
+            lo, hi = max(a, pos), min(b, pos + n)
+            if lo == pos and hi == pos + n:
+                out.append((xbc, dt))
+            elif lo < hi:
+                out.append((xbc[:, :, lo - pos : hi - pos].clone(), dt[:, lo - pos : hi - pos].clone()))
+            pos += n
+        return out
 
     # --- the layers' reads and writes ----------------------------------------------------------------------------
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,10 +223,11 @@ class HybridCache:
         if self.at[j] == start:
             if not bases:  # every base was past a cut: this live state is the first
                 bases.append((start, self.state[j].clone(), self.ssm[j].clone()))
-                self.inputs[j] = None
+                self.inputs[j] = []
             elif start - bases[-1][0] >= RECENT:  # a new base: the oldest positions drop out of reach
+                first = bases[0][0]
                 bases[:] = [bases[-1], (start, self.state[j].clone(), self.ssm[j].clone())]
-                self._trim_inputs(j)
+                self.inputs[j] = self._pieces(j, bases[0][0], start, first)
             return start, self.state[j], self.ssm[j], None
         if self.snapshot_held(start):
             conv, ssm = self._read_snapshot(j, start)
@@ -221,14 +235,15 @@ class HybridCache:
             self.ssm[j].copy_(ssm)
             self.at[j] = start
             self.bases[j] = [(start, conv.clone(), ssm.clone())]
-            self.inputs[j] = None
+            self.inputs[j] = []
             return start, self.state[j], self.ssm[j], None
         base = next((b for b in reversed(bases) if b[0] <= start), None)
         if base is None or start > self._inputs_end(j):
             raise ValueError(f"position {start} has no snapshot of the state layers' state (every {self.every})")
-        xbc, dt = self.inputs[j]
-        a, b = base[0] - bases[0][0], start - bases[0][0]
-        return base[0], base[1], base[2], (xbc[:, :, a:b], dt[:, a:b])
+        since = self._pieces(j, base[0], start, bases[0][0])
+        if not since:
+            return base[0], base[1], base[2], None
+        return base[0], base[1], base[2], (torch.cat([x for x, _ in since], -1), torch.cat([d for _, d in since], 1))
 
     def keep_mamba_state(self, layer: int, base: int, full: torch.Tensor, dt: torch.Tensor, states: dict) -> None:
         """After the mixer ran positions base..base+t-1: full [1, C_m, K_m − 1 + t] the conv inputs before base then
@@ -244,33 +259,20 @@ class HybridCache:
         self.ssm[j].copy_(states[end])
         self.at[j] = end
         first = self.bases[j][0][0]
-        if self.inputs[j] is not None and base > first:
-            xbc, old = self.inputs[j]
-            keep = base - first
-            self.inputs[j] = (torch.cat((xbc[:, :, :keep], full[:, :, k1:]), dim=-1), torch.cat((old[:, :keep], dt), 1))
-        elif base == first:
-            self.inputs[j] = (full[:, :, k1:].clone(), dt.clone())
-        else:  # no inputs from the first base to this run's: the live state starts the reach again
-            self.bases[j] = [(end, self.state[j].clone(), self.ssm[j].clone())]
-            self.inputs[j] = None
+        if not first <= base <= self._inputs_end(j):  # no inputs from the first base to this run's: the live state
+            self.bases[j] = [(end, self.state[j].clone(), self.ssm[j].clone())]  # starts the reach again
+            self.inputs[j] = []
+            return
+        self.inputs[j] = [*self._pieces(j, first, base, first), (full[:, :, k1:], dt.clone())]  # this run's, appended
         q = end - RECENT  # a long run: its state RECENT positions before the end, the first base now
-        if q in states and q - self.bases[j][0][0] > RECENT:
+        if q in states and q - first > RECENT:
             self.bases[j] = [(q, full[:, :, q - base : q - base + k1].clone(), states[q].clone())]
-        self._trim_inputs(j)
+            self.inputs[j] = self._pieces(j, q, end, first)
 
     def state_points(self, base: int, end: int) -> list[int]:
         """The positions in (base, end] whose scan state a Mamba-2 layer's run must give: its snapshots', RECENT
         before the end (a base, so the inputs kept stay few after a long prompt) and the end (the live state)."""
         return sorted({*self._snapshot_points(base, end - 1), *([end - RECENT] if end - RECENT > base else []), end})
-
-    def _trim_inputs(self, j: int) -> None:
-        """The inputs before the first base dropped (it moved on)."""
-        held = self.inputs[j]
-        if held is None:
-            return
-        drop = held[1].shape[1] - (self.at[j] - self.bases[j][0][0])  # they end at the live state
-        if drop > 0:
-            self.inputs[j] = (held[0][:, :, drop:], held[1][:, drop:])
 
     def _snapshot_points(self, start: int, end: int) -> range:
         """The snapshot positions p with start < p ≤ end (the state after p − 1 among those computed)."""
@@ -298,7 +300,7 @@ class HybridCache:
         recent = self.recent[j]
         if n == 0:
             self.state[j].zero_()
-        elif recent is not None and recent[0] <= n <= recent[0] + recent[1].shape[-1] - self.state_shape[1]:
+        elif self._recent_holds(recent, n):
             self.state[j].copy_(recent[1][:, :, n - recent[0] : n - recent[0] + self.state_shape[1]])
         elif self.snapshot_held(n):
             self.state[j].copy_(self._read_snapshot(j, n)[0])
