@@ -149,6 +149,8 @@ class HybridCache:
         k1 = self.state_shape[1]  # the inputs past the cut are of other positions too
         self.recent = [None if r is None or r[0] > length else (r[0], r[1][:, :, : length - r[0] + k1])
                        for r in self.recent]  # fmt: skip
+        if self.kind == "mamba":  # a live state past the cut is of other positions: set again when next asked for
+            self.at = [at if at == length else -1 for at in self.at]
         for j, bases in enumerate(self.bases):
             self.bases[j] = [b for b in bases if b[0] <= length]
             self.inputs[j] = self._pieces(j, bases[0][0], length, bases[0][0]) if self.bases[j] else []

@@ -210,3 +210,21 @@ def test_the_experts_form_reads_its_fused_tensors_and_its_gguf_runs_in_llama_cpp
         quant.model(ids[:, :-1], cache)
         step, whole = quant.model(ids[:, -1:], cache)[0, -1], quant.model(ids)[0, -1]
     assert float((step - whole).abs().max() / whole.abs().max()) < 2e-3
+
+
+def test_positions_brought_in_after_a_cut_restore_their_snapshot_not_the_state_left_there(granite):
+    """A cut to 64, then positions 64–95 of another branch brought in whole (as the store brings them) up to where the
+    cache stood before the cut: the state comes from their snapshot at 96, not from the old branch's live state that
+    happened to be at 96 too."""
+    a = torch.arange(5, 105)[None] % 300 + 5
+    b = a.clone()
+    b[:, 70:] = (b[:, 70:] + 11) % 300 + 5
+    mine, theirs = (make_cache(granite.config, 256, torch.float32, "cpu") for _ in range(2))
+    with torch.no_grad():
+        granite.model(a[:, :96], mine)
+        granite.model(b[:, :96], theirs)
+        mine.truncate(64)
+        for s in (64, 80):
+            mine.give(s, s + 16, theirs.take(s, s + 16))
+        mine.length = 96
+        torch.testing.assert_close(granite.model(b[:, 96:100], mine), granite.model(b[:, :100])[:, 96:])
