@@ -117,7 +117,7 @@ class MambaMixer(nn.Module):
             y, h = _chunk(h, x[:, a:b], delta[:, a:b], A, Bh[:, a:b], Ch[:, a:b])
             ys.append(y)
             if b in wanted:
-                states[b] = h.clone() if b != cuts[-1] else h
+                states[b] = h  # each chunk makes a new state: nothing writes into this one
             a = b
         y = torch.cat(ys, dim=1) if len(ys) > 1 else ys[0]
         return y + x * self.D.float()[:, None], states
