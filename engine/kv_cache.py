@@ -480,12 +480,8 @@ def cache_plan(config, dtype: torch.dtype, capacity: int | None = None) -> dict:
     if sliding is not None:
         layers = f"{sliding['layers']} of {config.num_layers} layers sliding: ≤ {sliding['slots']:,} positions each"
         short = f"{sliding['layers']}/{config.num_layers} sliding ≤ {sliding['slots']:,}"
-    elif isinstance(cache, HybridCache):  # a hybrid: the convolution layers' state, the same at any length
-        conv, state = len(cache.conv), _kib(cache.state_bytes)
-        kind = "Mamba-2" if cache.kind == "mamba" else "short convolutions"
-        layers = (f"{conv} of {config.num_layers} layers {kind}: a state of {state} at any length, "
-                  f"a snapshot of it every {cache.resume_every:,} positions")  # fmt: skip
-        short = f"{conv}/{config.num_layers} {'mamba' if cache.kind == 'mamba' else 'conv'}, state {state}"
+    elif isinstance(cache, HybridCache):  # a hybrid: the state layers' state, the same at any length
+        layers, short = cache.plan_words(config.num_layers)
     return {
         "capacity": capacity,
         "bytes_per_position": cache.bytes_per_position,
@@ -493,9 +489,3 @@ def cache_plan(config, dtype: torch.dtype, capacity: int | None = None) -> dict:
         "layers": layers,
         "layers_short": short,
     }
-
-
-def _kib(n: int) -> str:
-    if n >= 1 << 20:  # a Mamba-2 model's state: tens of MiB
-        return f"{n / 2**20:,.1f} MiB"
-    return f"{n / 1024:,.0f} KiB" if n >= 1024 else f"{n:,} B"

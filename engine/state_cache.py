@@ -366,6 +366,13 @@ class HybridCache:
         """The state layers in words: "convolution layers" (LFM2), "Mamba-2 layers" (Granite 4.0-H)."""
         return "Mamba-2 layers" if self.kind == "mamba" else "convolution layers"
 
+    def plan_words(self, num_layers: int) -> tuple[str, str]:
+        """The Models dialog's words for the state layers, long and short: how many, the state, the snapshots."""
+        n, state = len(self.conv), _size(self.state_bytes)
+        kind, short = ("Mamba-2", "mamba") if self.kind == "mamba" else ("short convolutions", "conv")
+        return (f"{n} of {num_layers} layers {kind}: a state of {state} at any length, a snapshot of it every "
+                f"{self.every:,} positions", f"{n}/{num_layers} {short}, state {state}")  # fmt: skip
+
     @property
     def state_bytes(self) -> int:
         """The state layers' live state, the same at any length: L_conv · D · (K − 1) · b, or per Mamba-2 layer its
@@ -421,3 +428,10 @@ class HybridCache:
             "allocated_bytes": self.allocated_bytes,
             "layer_kinds": self.kinds(),
         }
+
+
+def _size(n: int) -> str:
+    """Bytes in the Models dialog's words: MiB for a Mamba-2 model's state (tens of them), KiB, or bytes."""
+    if n >= 1 << 20:
+        return f"{n / 2**20:,.1f} MiB"
+    return f"{n / 1024:,.0f} KiB" if n >= 1024 else f"{n:,} B"
