@@ -1,7 +1,8 @@
 """Model configuration, read from a checkpoint's config.json (transformers 4.x and 5.x styles).
 
 One dataclass covers every family kvchat runs: the Llama shape, and the fields by which Gemma, Phi-3, SmolLM3,
-Granite, OLMo 2, the mixtures of experts, gpt-oss, DeepSeek and the hybrids (LFM2, Granite 4.0-H) depart from it
+Granite, OLMo 2, the mixtures of experts, gpt-oss, DeepSeek and the hybrids (LFM2, Granite 4.0-H, Qwen3-Next) depart
+from it
 (engine/MODELS.md, "Model families"); each family's rules are engine.family_fields', the rotary settings
 engine.rope_config's.
 """
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from .errors import ModelLoadError
 from .family_fields import expert_count, family_fields, lfm2_width, whole
-from .rope_config import RopeConfig, exact, rope_from
+from .rope_config import RopeConfig, exact, rope_from, rope_params
 from .text_configs import text_config_of
 
 # Architecture name in config.json -> family. The families differ only in the fields below.
@@ -40,6 +41,7 @@ SUPPORTED_ARCHITECTURES = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Lfm2ForCausalLM": "lfm2",
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
+    "Qwen3NextForCausalLM": "qwen3_next",
 }
 TIED = ("gemma2", "gemma3", "lfm2")  # families whose head is the embedding unless config.json says otherwise
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention (engine.latent_attention)
@@ -120,11 +122,26 @@ class ModelConfig:
     mamba_conv_bias: bool = True
     mamba_proj_bias: bool = False
     dt_limit: tuple[float, float] = (0.0, float("inf"))  # the step Δ clamped to it (time_step_limit)
+    delta_layers: tuple[bool, ...] = ()  # per layer, whether it is a gated DeltaNet (Qwen3-Next) in attention's place
+    delta_k_heads: int = 0  # H_k, the DeltaNet's query and key heads
+    delta_v_heads: int = 0  # H_v, its value heads (a multiple of H_k: each query/key head serves H_v / H_k)
+    delta_k_dim: int = 0  # d_k, a query or key head's width (the state's rows)
+    delta_v_dim: int = 0  # d_v, a value head's width (the state's columns)
+    delta_kernel: int = 0  # K_δ, the convolution's width before the delta rule
+    # --- Qwen3-Next's gates ---
+    attn_output_gate: bool = False  # attention's output × σ(gate), each query head's rows followed by its gate's
+    shared_gate: bool = False  # the shared MLP's output × σ(a linear of its input), one value a position
 
     @property
     def state_layers(self) -> tuple[bool, ...]:
-        """Per layer, whether it keeps a state in place of K/V (a short convolution, a Mamba-2 mixer); () none do."""
-        return self.conv_layers or self.mamba_layers
+        """Per layer, whether it keeps a state in place of K/V (a short convolution, a Mamba-2 mixer, a gated
+        DeltaNet); () none do."""
+        return self.conv_layers or self.mamba_layers or self.delta_layers
+
+    @property
+    def delta_conv_width(self) -> int:
+        """The channels a gated DeltaNet convolves: q and k (H_k · d_k each), then v (H_v · d_v)."""
+        return 2 * self.delta_k_heads * self.delta_k_dim + self.delta_v_heads * self.delta_v_dim
 
     @property
     def mamba_inner(self) -> int:
@@ -241,6 +258,7 @@ class ModelConfig:
             and not self.mla
             and not any(self.state_layers)
             and not self.shared_experts
+            and not self.attn_output_gate
             and self.router_scoring == "softmax"
             and not self.router_groups
             and self.routed_scaling == 1.0
@@ -274,6 +292,14 @@ class ModelConfig:
                 f"{self.mamba_head_dim}, state {self.mamba_state}, groups {self.mamba_groups}, width "
                 f"{self.mamba_kernel})"
             )
+        if any(self.delta_layers):
+            parts.append(
+                f"{sum(self.delta_layers)} of {self.num_layers} layers gated DeltaNet (key heads {self.delta_k_heads} "
+                f"× {self.delta_k_dim}, value heads {self.delta_v_heads} × {self.delta_v_dim}, width "
+                f"{self.delta_kernel})"
+            )
+        if self.attn_output_gate:
+            parts.append("gated attention output")
         if self.mla:
             parts.append(
                 f"latent attention (d_c {self.kv_lora_rank}, d_r {self.head_dim}, d_n {self.qk_nope_head_dim}, "
@@ -364,13 +390,15 @@ def config_from_dict(raw: dict, path: Path | None = None) -> ModelConfig:
         eps = float(raw.get("rms_norm_eps", raw.get("norm_eps", 1e-6)))
         if not 0 < eps < 1:
             raise ModelLoadError(f"rms_norm_eps={eps} is out of range")
+        if family == "qwen3_next" and "partial_rotary_factor" not in {**raw, **rope_params(raw)}:
+            raw = {**raw, "partial_rotary_factor": 0.25}  # Qwen3-Next rotates a quarter of each head unless it says
         rope = rope_from(raw)
         if int(head_dim * rope.partial) % 2 or int(head_dim * rope.partial) < 2:
             raise ModelLoadError("the rotating part of a head must be even (rotary embeddings rotate pairs)")
         window = raw.get("sliding_window")
         if family in ("qwen2", "qwen3", "qwen3_moe", "smollm3"):
             window = window if raw.get("use_sliding_window") else None
-        moe = family in MOE_FAMILIES or (family == "granitemoehybrid" and bool(expert_count(raw)))
+        moe = family in MOE_FAMILIES or (family in ("granitemoehybrid", "qwen3_next") and bool(expert_count(raw)))
         _check_counts(raw, moe, window)
         extra = family_fields(family, raw, layers, hidden, window)
         experts = int(expert_count(raw))
@@ -392,7 +420,7 @@ def config_from_dict(raw: dict, path: Path | None = None) -> ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", raw.get("tie_embedding", family in TIED))),
             qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", family == "gpt_oss")),
             o_bias=family != "qwen2" and bool(raw.get("attention_bias", family == "gpt_oss")),
-            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "lfm2"),
+            qk_norm=family in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "lfm2", "qwen3_next"),
             sliding_window=int(window) if window else None,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=_ids(raw.get("eos_token_id")),
@@ -401,7 +429,7 @@ def config_from_dict(raw: dict, path: Path | None = None) -> ModelConfig:
             experts_per_token=int(raw.get("num_experts_per_tok") or 0) if moe else 0,
             moe_intermediate_size=int(raw.get("moe_intermediate_size") or raw["intermediate_size"]) if moe else 0,
             norm_topk_prob=bool(raw.get("norm_topk_prob", family != "deepseek_v2"))
-            if family in ("qwen3_moe", *MLA_FAMILIES)
+            if family in ("qwen3_moe", "qwen3_next", *MLA_FAMILIES)
             else True,
             **extra,
         )

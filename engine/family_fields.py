@@ -1,7 +1,7 @@
 """How each family departs from the Llama shape in its config.json: the ModelConfig fields of Gemma's sandwich and
 windows, SmolLM3's unrotated layers, Granite's scales, OLMo 2's post-norms, the mixtures' dense layers, gpt-oss's
-sinks, alternating windows and clamped, biased experts, and DeepSeek's latent attention and routers
-(engine/MODELS.md, "Model families")."""
+sinks, alternating windows and clamped, biased experts, DeepSeek's latent attention and routers, and the hybrids'
+state layers (engine/MODELS.md, "Model families")."""
 
 from __future__ import annotations
 
@@ -64,9 +64,7 @@ def family_fields(family: str, raw: dict, layers: int, hidden: int, window) -> d
     elif family == "olmo2":
         out.update(norm_placement="post", qk_norm_span="all")
     elif family == "qwen3_moe":
-        step = int(raw.get("decoder_sparse_step") or 1)
-        dense = set(raw.get("mlp_only_layers") or [])
-        out["moe_layers"] = tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
+        out["moe_layers"] = _sparse_layers(raw, layers)
     elif family == "gpt_oss":
         out.update(
             layer_types=layer_types(raw, layers, lambda i: (i + 1) % 2) if window else (),  # sliding, full, ...
@@ -83,6 +81,8 @@ def family_fields(family: str, raw: dict, layers: int, hidden: int, window) -> d
         out.update(_lfm2(raw, layers))
     elif family == "granitemoehybrid":
         out.update(_granite_hybrid(raw, layers, hidden))
+    elif family == "qwen3_next":
+        out.update(_qwen3_next(raw, layers))
     elif window and raw.get("layer_types") is not None:
         out["layer_types"] = layer_types(raw, layers, lambda i: True)
     for key in ("attn_softcap", "final_softcap"):
@@ -215,6 +215,62 @@ def _granite_hybrid(raw: dict, layers: int, hidden: int) -> dict:
         "mamba_conv_bias": bool(raw.get("mamba_conv_bias", True)),
         "mamba_proj_bias": bool(raw.get("mamba_proj_bias", False)),
         "dt_limit": (low, high),
+    }
+
+
+def _sparse_layers(raw: dict, layers: int) -> tuple[bool, ...]:
+    """Qwen's mixtures: every decoder_sparse_step-th layer a mixture, but those mlp_only_layers names."""
+    step = raw.get("decoder_sparse_step") or 1
+    if not whole(step, 1, max(1, layers)):
+        raise ModelLoadError(f"config.json's decoder_sparse_step is {step!r}: out of range (1 to {layers})")
+    dense = set(raw.get("mlp_only_layers") or [])
+    return tuple(i not in dense and (i + 1) % int(step) == 0 for i in range(layers))
+
+
+DELTA_KINDS = {"linear_attention": True, "full_attention": False}
+
+
+def _qwen3_next(raw: dict, layers: int) -> dict:
+    """Qwen3-Next: gated DeltaNet layers where `layer_types` says linear_attention (else every
+    full_attention_interval-th layer attention), their widths (each checked: a state is sized from them), gated
+    attention, (1 + w) norms, and the shared expert beside the routed ones with its own sigmoid gate."""
+    kinds = raw.get("layer_types")
+    if kinds is None:
+        every = raw.get("full_attention_interval", 4)
+        if not whole(every, 1, max(1, layers)):
+            raise ModelLoadError(f"config.json's full_attention_interval is {every!r}: out of range (1 to {layers})")
+        kinds = ["linear_attention" if (i + 1) % int(every) else "full_attention" for i in range(layers)]
+    if not isinstance(kinds, list) or len(kinds) != layers or any(k not in DELTA_KINDS for k in kinds):
+        raise ModelLoadError(
+            f"config.json's layer_types must name each of the {layers} layers linear_attention or full_attention"
+        )
+    sizes = {}
+    limits = (("linear_num_key_heads", 16, 1 << 10), ("linear_num_value_heads", 32, 1 << 10),
+              ("linear_key_head_dim", 128, 1 << 12), ("linear_value_head_dim", 128, 1 << 12),
+              ("linear_conv_kernel_dim", 4, 64))  # fmt: skip
+    for key, default, high in limits:
+        value = raw.get(key, default)
+        if not whole(value, 2 if key == "linear_conv_kernel_dim" else 1, high):
+            raise ModelLoadError(f"config.json's {key} is {value!r}: out of range (1 to {high:,})")
+        sizes[key] = int(value)
+    if sizes["linear_num_value_heads"] % sizes["linear_num_key_heads"]:
+        raise ModelLoadError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+    shared = raw.get("shared_expert_intermediate_size") or 0
+    if not whole(shared, 0, 1 << 24):
+        raise ModelLoadError(f"config.json's shared_expert_intermediate_size is {shared!r}: out of range")
+    experts = bool(expert_count(raw))
+    return {
+        "norm_offset": 1.0,  # every RMSNorm scales by (1 + w); the DeltaNet's own gated norm by w
+        "attn_output_gate": True,
+        "moe_layers": _sparse_layers(raw, layers) if experts else (),
+        "shared_mlp": int(shared) if experts else 0,
+        "shared_gate": bool(shared) and experts,
+        "delta_layers": tuple(DELTA_KINDS[k] for k in kinds),
+        "delta_k_heads": sizes["linear_num_key_heads"],
+        "delta_v_heads": sizes["linear_num_value_heads"],
+        "delta_k_dim": sizes["linear_key_head_dim"],
+        "delta_v_dim": sizes["linear_value_head_dim"],
+        "delta_kernel": sizes["linear_conv_kernel_dim"],
     }
 
 

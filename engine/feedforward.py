@@ -63,6 +63,8 @@ class MoE(nn.Module):
         # every position's MLP beside its k routed experts (DeepSeek's shared experts as one MLP that many times wide,
         # Granite 4.0-H's shared MLP)
         self.shared = MLP(cfg, cfg.shared_width) if cfg.shared_width else None
+        # D -> 1: the shared MLP's output × σ of it (Qwen3-Next's shared expert gate)
+        self.shared_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if cfg.shared_gate else None
         self.act = ACT[cfg.hidden_act]
         self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None  # ([E, 2F, D], [E, D, F]), views shared
 
@@ -127,7 +129,10 @@ class MoE(nn.Module):
 
     def forward(self, x):
         routed = self.routed(x)
-        return routed if self.shared is None else routed + self.shared(x)
+        if self.shared is None:
+            return routed
+        shared = self.shared(x)
+        return routed + (shared if self.shared_gate is None else shared * torch.sigmoid(self.shared_gate(x)))
 
     def routed(self, x):
         """x [..., D] through each position's k routed experts, weighted."""

@@ -80,11 +80,11 @@ class MambaMixer(nn.Module):
 
     def _mix(self, xbc: torch.Tensor, dt: torch.Tensor, cache, layer: int, start: int) -> torch.Tensor:
         """xbc [B, T, C_m], dt [B, T, H_m] at positions start.. -> y [B, T, I] (float32), over the state before them
-        (a base's before that, with the inputs since run again: HybridCache.mamba_state)."""
+        (a base's before that, with the inputs since run again: HybridCache.scan_state)."""
         B, T, _ = xbc.shape
         base, conv0, h0, since = start, None, None, None
         if cache is not None and start > 0:
-            base, conv0, h0, since = cache.mamba_state(layer, start)
+            base, conv0, h0, since = cache.scan_state(layer, start)
         xbc = xbc.transpose(1, 2)  # [B, C_m, T]
         if since is not None:  # the positions from the base to start, again
             xbc, dt = torch.cat((since[0].to(xbc.dtype), xbc), dim=-1), torch.cat((since[1].to(dt.dtype), dt), dim=1)
@@ -98,7 +98,7 @@ class MambaMixer(nn.Module):
         ends = cache.state_points(base, base + t) if cache is not None else [base + t]
         y, states = self.scan(xs.unflatten(-1, (self.h, self.p)), delta, Bm, Cm, h0, [e - base for e in ends])
         if cache is not None:
-            cache.keep_mamba_state(layer, base, full, dt, {base + e: s for e, s in states.items()})
+            cache.keep_scan_state(layer, base, full, dt, {base + e: s for e, s in states.items()})
         return y[:, start - base :].flatten(-2)  # [B, T, I]
 
     def scan(self, x, delta, Bm, Cm, h0, ends: list[int]):

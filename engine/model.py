@@ -1,11 +1,11 @@
 """The decoder: Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, SmolLM3, Granite, OLMo 2, the mixtures of experts
 (Qwen3-MoE, Mixtral, gpt-oss), DeepSeek-V2/V3 (their latent attention: engine.latent_attention) and the hybrids, LFM2
-(its short convolutions: engine.short_conv) and Granite 4.0-H (its Mamba-2 mixers: engine.mamba_mixer), in one
-module, written for KV-cached inference.
+(its short convolutions: engine.short_conv), Granite 4.0-H (its Mamba-2 mixers: engine.mamba_mixer) and Qwen3-Next
+(its gated DeltaNets: engine.delta_net), in one module, written for KV-cached inference.
 
 Plain PyTorch and nothing else from the engine but its feed-forward halves (engine.feedforward), its rotations,
-the latent attention, the short convolution, the Mamba-2 mixer and the parts they share: the architecture as the
-checkpoints define it.
+the latent attention, the short convolution, the Mamba-2 mixer, the gated DeltaNet and the parts they share: the
+architecture as the checkpoints define it.
 How its weights are stored and multiplied on a given device (CPU layouts, quantized codes, the
 one-call decode step) is engine.backends' business, which swaps modules in after loading.
 
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .block_parts import RMSNorm, attention_dtype
+from .delta_net import GatedDeltaNet
 from .feedforward import MLP, MoE
 from .latent_attention import LatentAttention
 from .mamba_mixer import MambaMixer
@@ -76,7 +77,9 @@ class Attention(nn.Module):
         super().__init__()
         self.h, self.h_kv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.g = self.h // self.h_kv
-        self.qkv = nn.Linear(cfg.hidden_size, (self.h + 2 * self.h_kv) * self.d, bias=cfg.qkv_bias)  # D -> (H+2H_kv)d
+        self.gated = cfg.attn_output_gate  # Qwen3-Next: each query head's rows followed by its output gate's
+        q_rows = (2 if self.gated else 1) * self.h
+        self.qkv = nn.Linear(cfg.hidden_size, (q_rows + 2 * self.h_kv) * self.d, bias=cfg.qkv_bias)  # D -> (H+2H_kv)d
         self.o = nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.o_bias)  # Hd -> D
         self.qk_norm_all = cfg.qk_norm_span == "all"  # OLMo 2 normalises all of q (and of k) at once
         q_span, k_span = (self.h * self.d, self.h_kv * self.d) if self.qk_norm_all else (self.d, self.d)
@@ -97,15 +100,21 @@ class Attention(nn.Module):
 
     def project(self, x, cos, sin):
         """x [B, T, D] -> q [B, T, H, d], k and v [B, T, H_kv, d], q and k normalised (if the family does) and
-        rotated."""
+        rotated, and the output gate's logits [B, T, H d] (None where the family has none)."""
         B, T, _ = x.shape
         h, h_kv, d = self.h, self.h_kv, self.d
-        qkv = self.qkv(x)  # [B, T, (H + 2H_kv)d]
+        qkv = self.qkv(x)  # [B, T, (H + 2H_kv)d], or [B, T, (2H + 2H_kv)d] with each query head's gate after it
+        if self.gated:
+            qg = qkv[..., : 2 * h * d].unflatten(-1, (h, 2, d))  # [B, T, H, 2, d]
+            q, gate = qg[..., 0, :], qg[..., 1, :].flatten(-2)  # [B, T, H, d], [B, T, H d]
+            k = self.k_norm(qkv[..., 2 * h * d : (2 * h + h_kv) * d].unflatten(-1, (h_kv, d)))
+            v = qkv[..., (2 * h + h_kv) * d :].unflatten(-1, (h_kv, d))
+            return apply_rotary(self.q_norm(q), cos, sin), apply_rotary(k, cos, sin), v, gate
         if self.qk_norm_all:
             q = self.q_norm(qkv[..., : h * d]).view(B, T, h, d)
             k = self.k_norm(qkv[..., h * d : (h + h_kv) * d]).view(B, T, h_kv, d)
             v = qkv[..., (h + h_kv) * d :].view(B, T, h_kv, d)
-            return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+            return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, None
         qkv = qkv.view(B, T, h + 2 * h_kv, d)  # [B, T, H + 2H_kv, d]
         if self.q_norm is None:  # rotate q and k together: one pass over H + H_kv heads
             qk = apply_rotary(qkv[:, :, : h + h_kv], cos, sin)
@@ -113,7 +122,7 @@ class Attention(nn.Module):
         else:
             q = apply_rotary(self.q_norm(qkv[:, :, :h]), cos, sin)
             k = apply_rotary(self.k_norm(qkv[:, :, h : h + h_kv]), cos, sin)
-        return q, k, qkv[:, :, h + h_kv :]
+        return q, k, qkv[:, :, h + h_kv :], None
 
     def forward(self, x, cos, sin, mask, cache, layer: int, start, causal: bool = True):
         """x [B, T, D] at positions start.. (an int, or a device tensor [1] for a static-shape step); cos/sin the
@@ -122,16 +131,22 @@ class Attention(nn.Module):
         next positions (T = 1) each over a cache of its own: `cache` and `start` lists, `mask` a list (rows). `causal`:
         False where the mask lets some positions see later ones (an image's, Gemma 3)."""
         B = x.shape[0]
-        q, k, v = (t.transpose(1, 2) for t in self.project(x, cos, sin))  # [B, heads, T, d]
+        *qkv, gate = self.project(x, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in qkv)  # [B, heads, T, d]
         if isinstance(cache, list):  # one row a sequence, each attending over its own positions
             rows = [self.attend(q[b : b + 1], *cache[b].write(layer, start[b], k[b : b + 1], v[b : b + 1]), mask[b],
                                 start[b]) for b in range(B)]  # fmt: skip
-            return self.o(torch.cat(rows))  # [B, 1, H d] -> [B, 1, D]
+            return self.o(self.gate(torch.cat(rows), gate))  # [B, 1, H d] -> [B, 1, D]
         if cache is not None and isinstance(start, torch.Tensor):  # static shapes (CUDA graphs)
             k, v = cache.write_at(layer, start, k, v)  # [B, H_kv, C, d], masked beyond the position
         elif cache is not None:
             k, v = cache.write(layer, start, k, v)  # [B, H_kv, S, d]
-        return self.o(self.attend(q, k, v, mask, start, causal))
+        return self.o(self.gate(self.attend(q, k, v, mask, start, causal), gate))
+
+    @staticmethod
+    def gate(y: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """y [B, T, H d] × σ(gate) where the family gates attention's output (Qwen3-Next)."""
+        return y if gate is None else y * torch.sigmoid(gate)
 
     def attend(self, q, k, v, mask, start, causal: bool = True):
         """q [B, H, T, d] at positions start.. over k, v [B, H_kv, S, d] (mask the additive [T, S], or None) ->
@@ -197,6 +212,8 @@ class Block(nn.Module):
             self.attn = ShortConv(cfg, layer)
         elif cfg.mamba_layers and cfg.mamba_layers[layer]:  # Granite 4.0-H's Mamba-2 mixer in attention's place
             self.attn = MambaMixer(cfg, layer)
+        elif cfg.delta_layers and cfg.delta_layers[layer]:  # Qwen3-Next's gated DeltaNet in attention's place
+            self.attn = GatedDeltaNet(cfg, layer)
         else:
             self.attn = LatentAttention(cfg, layer) if cfg.mla else Attention(cfg, layer)
         self.attn_post_norm = norm(post)

@@ -1,6 +1,7 @@
-"""The cache of a hybrid model (LFM2, Granite 4.0-H): its attention layers keep K/V for every position, its state
-layers a state of fixed size whatever the length — a short convolution's last K − 1 gated inputs (LFM2), or a
-Mamba-2 mixer's convolution inputs and its scan's state [H_m, P, N] (Granite 4.0-H). A state only goes forward, so
+"""The cache of a hybrid model (LFM2, Granite 4.0-H, Qwen3-Next): its attention layers keep K/V for every position,
+its state layers a state of fixed size whatever the length — a short convolution's last K − 1 gated inputs (LFM2),
+a Mamba-2 mixer's convolution inputs and its scan's state [H_m, P, N] (Granite 4.0-H), or a gated DeltaNet's
+convolution inputs and its matrix [H_v, d_k, d_v] (Qwen3-Next). A state only goes forward, so
 the cache also keeps a snapshot of every state layer's state each `every` positions: an edit goes back to the last
 snapshot before it and recomputes from there (`resume_every`), and the prefix store and the disk tier keep the
 snapshots with the blocks they hold.
@@ -9,12 +10,13 @@ The snapshot at position p (a multiple of `every`) lives in the block of 16 posi
 its 16 rows in a buffer laid out as K/V are, [L_state, 1, 1, rows, w] — so every tier copies it as it copies K/V,
 a block's positions at a time, and a block copied whole brings its snapshot whole; the other blocks carry none (a
 tier's copy holds None there). `every` is 16 where a snapshot costs little (LFM2's), more where a state is large
-(a Mamba-2 layer's): the smallest 16 · 2^k at which the snapshots take at most SNAPSHOT_SHARE times the K/V beside
-them a position (engine/MODELS.md, "Hybrid caches").
+(a Mamba-2 layer's, a DeltaNet's): the smallest 16 · 2^k at which the snapshots take at most SNAPSHOT_SHARE times
+the K/V beside them a position (engine/MODELS.md, "Hybrid caches").
 
 The last positions stay within reach without a snapshot (a speculative verify's rejected drafts taken back): a
-convolution's state is its last inputs, kept for RECENT positions; a Mamba-2 layer keeps its state at two bases at
-most RECENT positions apart and its inputs since, and its mixer runs them again from the base (MambaMixer).
+convolution's state is its last inputs, kept for RECENT positions; a scanning layer (Mamba-2, DeltaNet) keeps its
+state at two bases at most RECENT positions apart and its inputs since, and runs them again from the base
+(MambaMixer, GatedDeltaNet).
 
 Shapes: L_state state layers, D hidden, K the kernel's width, C the capacity, w = ⌈state values / 16⌉.
 """
@@ -28,6 +30,9 @@ import torch
 BLOCK = 16  # the prefix store's and the KV pool's block: a snapshot is spread over one
 SNAPSHOT = BLOCK  # the spacing where snapshots are cheap (LFM2's)
 SNAPSHOT_SHARE = 4  # the snapshots take at most this many times the K/V bytes of a position
+# each kind of state layer in words: the panel's, the kind's in a list of layers, its short name
+KIND_WORDS = {"conv": ("convolution", "short convolutions", "conv"), "mamba": ("Mamba-2", "Mamba-2", "mamba"),
+              "delta": ("gated DeltaNet", "gated DeltaNet", "delta")}  # fmt: skip
 RECENT = 64  # the last positions a state can be set back to without a snapshot (a speculative rollback)
 
 
@@ -44,7 +49,8 @@ def snapshot_spacing(state_values: int, value_bytes: int, kv_bytes_per_position:
 class HybridCache:
     """K/V for the attention layers (`kv`, a KVCache or QuantKVCache of those layers alone, at the cache's precision)
     and each state layer's live state with its snapshots: a convolution's [1, D, K − 1] in the model dtype, a Mamba-2
-    mixer's convolution inputs [1, C_m, K_m − 1] and scan state [1, H_m, P, N] in float32."""
+    mixer's convolution inputs [1, C_m, K_m − 1] and scan state [1, H_m, P, N] in float32 (a DeltaNet's likewise:
+    [1, C_δ, K_δ − 1] and [1, H_v, d_k, d_v])."""
 
     quantized = False
     windowed = False
@@ -53,17 +59,21 @@ class HybridCache:
 
     def __init__(self, config, capacity: int, dtype, device, kv):
         kinds = config.state_layers
-        self.kind = "mamba" if any(config.mamba_layers) else "conv"
+        self.kind = "delta" if any(config.delta_layers) else "mamba" if any(config.mamba_layers) else "conv"
         self.conv = [i for i, c in enumerate(kinds) if c]  # the state layers, by model layer
         self.attn = [i for i, c in enumerate(kinds) if not c]
         self.where = {i: j for j, i in enumerate(self.attn)} | {i: j for j, i in enumerate(self.conv)}
         self.kv = kv  # [L_attn, 1, H_kv, C, d] each
         self.quantized = kv.quantized
         L = len(self.conv)
-        if self.kind == "mamba":
-            C, k = config.mamba_conv_width, config.mamba_kernel
+        if self.scans:
+            if self.kind == "mamba":
+                C, k = config.mamba_conv_width, config.mamba_kernel
+                self.ssm_shape = (config.mamba_heads, config.mamba_head_dim, config.mamba_state)
+            else:
+                C, k = config.delta_conv_width, config.delta_kernel
+                self.ssm_shape = (config.delta_v_heads, config.delta_k_dim, config.delta_v_dim)
             self.state_shape = (C, k - 1)
-            self.ssm_shape = (config.mamba_heads, config.mamba_head_dim, config.mamba_state)
             state_dtype = torch.float32  # the scan's state: in float32 whatever the weights
             self.state = torch.zeros(L, 1, C, k - 1, dtype=state_dtype, device=device)  # [L, 1, C_m, K_m − 1]
             self.ssm = torch.zeros(L, 1, *self.ssm_shape, dtype=state_dtype, device=device)  # [L, 1, H_m, P, N]
@@ -82,14 +92,21 @@ class HybridCache:
         self.at = [0] * L  # the position each layer's live state is at
         # a convolution's last positions: (the first, its inputs [1, D, K − 1 + n] from the state before it)
         self.recent: list[tuple[int, torch.Tensor] | None] = [None] * L
-        # a Mamba-2 layer's bases [(position, conv inputs, scan state)] and its inputs since the first, one piece a
-        # forward (raw xBC [1, C_m, n], raw Δ [1, n, H_m]): appended to, never copied whole on a decode step
+        # a scanning layer's bases [(position, conv inputs, scan state)] and its inputs since the first, one piece a
+        # forward (the raw convolution inputs [1, C_m, n] and steps [1, n, ·], Mamba-2's Δ or the DeltaNet's b and a):
+        # appended to, never copied whole on a decode step
         self.bases: list[list[tuple]] = [[] for _ in range(L)]
         self.inputs: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(L)]
         self.num_layers, self.num_kv_heads, self.head_dim = config.num_layers, config.cache_heads, config.cache_width
         self.capacity = capacity
         self._length = 0
         self._reset_bases()
+
+    @property
+    def scans(self) -> bool:
+        """Whether the state layers run a scan (a Mamba-2 mixer, a gated DeltaNet: bases and inputs kept for going
+        back) rather than a short convolution (its last inputs are its state)."""
+        return self.kind != "conv"
 
     # --- length, and going back ----------------------------------------------------------------------------------
     @property
@@ -99,13 +116,13 @@ class HybridCache:
     @length.setter
     def length(self, n: int) -> None:
         """n positions held: where a layer's state is elsewhere (a cut, positions brought in from a tier), it is set
-        from the snapshot at n, which must be one (a Mamba-2 layer's when its mixer next asks for it)."""
+        from the snapshot at n, which must be one (a scanning layer's when it next asks for it)."""
         self._length = n
         self.kv.length = n
         for j, at in enumerate(self.at):
-            if at != n and self.kind == "conv":
+            if at != n and not self.scans:
                 self._restore(j, n)
-        if self.kind == "mamba" and any(at != n for at in self.at) and not self._reachable(n):
+        if self.scans and any(at != n for at in self.at) and not self._reachable(n):
             raise ValueError(f"position {n} has no snapshot of the state layers' state (every {self.every})")
 
     @property
@@ -124,7 +141,7 @@ class HybridCache:
     def _reachable(self, n: int) -> bool:
         if n == 0 or self.snapshot_held(n):
             return True
-        if self.kind == "mamba":
+        if self.scans:
             return all(bases and bases[0][0] <= n <= self._inputs_end(j) for j, bases in enumerate(self.bases))
         return all(self._recent_holds(r, n) for r in self.recent)
 
@@ -149,7 +166,7 @@ class HybridCache:
         k1 = self.state_shape[1]  # the inputs past the cut are of other positions too
         self.recent = [None if r is None or r[0] > length else (r[0], r[1][:, :, : length - r[0] + k1])
                        for r in self.recent]  # fmt: skip
-        if self.kind == "mamba":  # a live state past the cut is of other positions: set again when next asked for
+        if self.scans:  # a live state past the cut is of other positions: set again when next asked for
             self.at = [at if at == length else -1 for at in self.at]
         for j, bases in enumerate(self.bases):
             self.bases[j] = [b for b in bases if b[0] <= length]
@@ -165,7 +182,7 @@ class HybridCache:
         """Positions start..end-1 are writable: always, within the capacity (the model checks it)."""
 
     def _reset_bases(self) -> None:
-        if self.kind == "mamba":
+        if self.scans:
             for j in range(len(self.conv)):
                 self.bases[j] = [(0, torch.zeros_like(self.state[j]), torch.zeros_like(self.ssm[j]))]
                 self.inputs[j] = []
@@ -216,10 +233,11 @@ class HybridCache:
         extra = inputs.shape[-1] - k1 - RECENT
         self.recent[j] = (s0 + extra, inputs[:, :, extra:].clone()) if extra > 0 else (s0, inputs)
 
-    def mamba_state(self, layer: int, start: int):
-        """A Mamba-2 layer's state before position `start`, as (base, conv inputs [1, C_m, K_m − 1], scan state
-        [1, H_m, P, N], the raw inputs of positions base..start-1 (xBC [1, C_m, n], Δ [1, n, H_m]) or None): the
-        live state (base = start), a snapshot's, or a base's with the inputs since, which the mixer runs again."""
+    def scan_state(self, layer: int, start: int):
+        """A scanning layer's (Mamba-2, DeltaNet) state before position `start`, as (base, conv inputs [1, C_m,
+        K_m − 1], scan state [1, H_m, P, N], the raw inputs of positions base..start-1 (xBC [1, C_m, n], the steps
+        [1, n, ·]) or None): the live state (base = start), a snapshot's, or a base's with the inputs since, which the
+        layer runs again."""
         j = self.where[layer]
         bases = self.bases[j]
         if self.at[j] == start:
@@ -247,7 +265,7 @@ class HybridCache:
             return base[0], base[1], base[2], None
         return base[0], base[1], base[2], (torch.cat([x for x, _ in since], -1), torch.cat([d for _, d in since], 1))
 
-    def keep_mamba_state(self, layer: int, base: int, full: torch.Tensor, dt: torch.Tensor, states: dict) -> None:
+    def keep_scan_state(self, layer: int, base: int, full: torch.Tensor, dt: torch.Tensor, states: dict) -> None:
         """After the mixer ran positions base..base+t-1: full [1, C_m, K_m − 1 + t] the conv inputs before base then
         the t raw xBC, dt [1, t, H_m] the raw steps, states {position: scan state [1, H_m, P, N]} at the points
         `state_points` named. Snapshots written, the live state and the inputs since the first base kept."""
@@ -272,7 +290,7 @@ class HybridCache:
             self.inputs[j] = self._pieces(j, q, end, first)
 
     def state_points(self, base: int, end: int) -> list[int]:
-        """The positions in (base, end] whose scan state a Mamba-2 layer's run must give: its snapshots', RECENT
+        """The positions in (base, end] whose scan state a scanning layer's run must give: its snapshots', RECENT
         before the end (a base, so the inputs kept stay few after a long prompt) and the end (the live state)."""
         return sorted({*self._snapshot_points(base, end - 1), *([end - RECENT] if end - RECENT > base else []), end})
 
@@ -363,20 +381,22 @@ class HybridCache:
     # --- what it takes ------------------------------------------------------------------------------------------
     @property
     def layer_words(self) -> str:
-        """The state layers in words: "convolution layers" (LFM2), "Mamba-2 layers" (Granite 4.0-H)."""
-        return "Mamba-2 layers" if self.kind == "mamba" else "convolution layers"
+        """The state layers in words: "convolution layers" (LFM2), "Mamba-2 layers" (Granite 4.0-H), "gated DeltaNet
+        layers" (Qwen3-Next)."""
+        return KIND_WORDS[self.kind][0] + " layers"
 
     def plan_words(self, num_layers: int) -> tuple[str, str]:
         """The Models dialog's words for the state layers, long and short: how many, the state, the snapshots."""
         n, state = len(self.conv), _size(self.state_bytes)
-        kind, short = ("Mamba-2", "mamba") if self.kind == "mamba" else ("short convolutions", "conv")
+        kind, short = KIND_WORDS[self.kind][1:]
         return (f"{n} of {num_layers} layers {kind}: a state of {state} at any length, a snapshot of it every "
                 f"{self.every:,} positions", f"{n}/{num_layers} {short}, state {state}")  # fmt: skip
 
     @property
     def state_bytes(self) -> int:
         """The state layers' live state, the same at any length: L_conv · D · (K − 1) · b, or per Mamba-2 layer its
-        convolution inputs and scan state, (C_m · (K_m − 1) + H_m · P · N) · 4."""
+        convolution inputs and scan state, (C_m · (K_m − 1) + H_m · P · N) · 4 (a DeltaNet's, (C_δ · (K_δ − 1) +
+        H_v · d_k · d_v) · 4)."""
         return len(self.conv) * self.values * self.state.element_size()
 
     @property
@@ -431,7 +451,7 @@ class HybridCache:
 
 
 def _size(n: int) -> str:
-    """Bytes in the Models dialog's words: MiB for a Mamba-2 model's state (tens of them), KiB, or bytes."""
+    """Bytes in the Models dialog's words: MiB for a scanning model's state (tens of them), KiB, or bytes."""
     if n >= 1 << 20:
         return f"{n / 2**20:,.1f} MiB"
     return f"{n / 1024:,.0f} KiB" if n >= 1024 else f"{n:,} B"

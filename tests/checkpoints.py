@@ -108,6 +108,21 @@ FAMILY_CASES = {
         attention_multiplier=0.1,
         logits_scaling=2.0,
     ),
+    "qwen3_next": dict(  # Qwen3-Next's shape in small: DeltaNet on three of four layers, gated attention, experts
+        family="qwen3_next",
+        num_hidden_layers=4,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        mlp_only_layers=[2],
+    ),
     "deepseek_v2": dict(  # DeepSeek-V2-Lite's shape in small: latent attention, one dense layer, shared experts
         family="deepseek_v2",
         num_hidden_layers=3,
@@ -190,6 +205,7 @@ FAMILIES = {
     "deepseek_v3": "DeepseekV3Config",
     "lfm2": "Lfm2Config",
     "granitemoehybrid": "GraniteMoeHybridConfig",
+    "qwen3_next": "Qwen3NextConfig",
 }
 
 

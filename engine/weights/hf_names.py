@@ -8,6 +8,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ModelLoadError
+from .delta_rows import delta_state, part_name
 from .stacked_experts import (
     expert_shapes,
     granite_name,
@@ -71,10 +72,12 @@ def _mlp_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
         e = f"{p}{mlp}.experts.{j}."
         out[f"mlp.experts.{j}.gate_up.weight"] = [e + gate + ".weight", e + up + ".weight"]
         out[f"mlp.experts.{j}.down.weight"] = [e + down + ".weight"]
-    if cfg.shared_experts:  # DeepSeek: the experts every position goes through, one MLP
-        e = f"{p}mlp.shared_experts."
+    if cfg.shared_experts or cfg.shared_gate:  # DeepSeek's experts every position goes through, one MLP; Qwen's
+        e = f"{p}mlp.shared_experts." if cfg.shared_experts else f"{p}mlp.shared_expert."  # shared expert, gated
         out["mlp.shared.gate_up.weight"] = [e + "gate_proj.weight", e + "up_proj.weight"]
         out["mlp.shared.down.weight"] = [e + "down_proj.weight"]
+    if cfg.shared_gate:
+        out["mlp.shared_gate.weight"] = [f"{p}mlp.shared_expert_gate.weight"]
     if cfg.router_choice_bias:
         out["mlp.choice_bias"] = [f"{p}mlp.gate.e_score_correction_bias"]
     return out
@@ -128,6 +131,20 @@ def _mamba_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             "attn.out_proj.bias": (D,)}  # fmt: skip
 
 
+DELTA_TENSORS = {  # a gated DeltaNet's tensors other than its input projection: kvchat's name -> the checkpoint's
+    "conv.weight": "conv1d.weight", "dt_bias": "dt_bias", "A_log": "A_log", "norm.weight": "norm.weight",
+    "out_proj.weight": "out_proj.weight",
+}  # fmt: skip
+
+
+def _delta_sources(i: int, m: str) -> dict[str, list[str]]:
+    """A gated DeltaNet's tensors (Qwen3-Next) under kvchat's names -> the checkpoint's, `m` its prefix: its input
+    projection from its parts (engine.weights.delta_rows), q/k/v, z, b and a stacked along rows."""
+    out = {f"attn.{mine}": [m + theirs] for mine, theirs in DELTA_TENSORS.items()}
+    out["attn.in_proj.weight"] = [part_name(i, p) for p in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")]
+    return out
+
+
 def _latent_sources(cfg: ModelConfig, a: str) -> dict[str, list[str]]:
     """Multi-head latent attention's tensors (DeepSeek) under kvchat's names -> the checkpoint's, `a` its prefix."""
     if cfg.q_lora_rank:
@@ -157,6 +174,8 @@ def block_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
         out = _conv_sources(cfg, p + "conv.")
     elif cfg.mamba_layers and cfg.mamba_layers[i]:  # Granite 4.0-H's Mamba-2 mixer in attention's place
         out = _mamba_sources(cfg, p + "mamba.")
+    elif cfg.delta_layers and cfg.delta_layers[i]:  # Qwen3-Next's gated DeltaNet in attention's place
+        out = _delta_sources(i, p + "linear_attn.")
     elif cfg.family == "lfm2":
         out = {"attn.qkv.weight": [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
                "attn.o.weight": [a + "out_proj.weight"], "attn.q_norm.weight": [a + "q_layernorm.weight"],
@@ -167,7 +186,8 @@ def block_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
         out = {"attn.qkv.weight": [a + "qkv_proj.weight"]}
     else:
         out = {"attn.qkv.weight": [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]}
-    if cfg.family != "lfm2" and not (cfg.mamba_layers and cfg.mamba_layers[i]):
+    state = bool(cfg.state_layers and cfg.state_layers[i])
+    if cfg.family != "lfm2" and not state:
         out["attn.o.weight"] = [a + "o_proj.weight"]
     out.update(_mlp_sources(cfg, i))
     for mine, theirs in (LFM2_NORMS if cfg.family == "lfm2" else NORMS[cfg.norm_placement]).items():
@@ -176,7 +196,7 @@ def block_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
         out["attn.qkv.bias"] = [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]
     if cfg.o_bias:
         out["attn.o.bias"] = [a + "o_proj.bias"]
-    if cfg.qk_norm and cfg.family != "lfm2":
+    if cfg.qk_norm and cfg.family != "lfm2" and not state:
         out["attn.q_norm.weight"], out["attn.k_norm.weight"] = [a + "q_norm.weight"], [a + "k_norm.weight"]
     if cfg.sinks:
         out["attn.sinks"] = [a + "sinks"]
@@ -186,7 +206,7 @@ def block_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
 def linears(cfg: ModelConfig, i: int) -> list[str]:
     """Block i's linears by module path (each expert's own): what quantization and a file's codes replace."""
     mlps = [f"mlp.experts.{j}" for j in range(cfg.num_experts)] if cfg.is_moe(i) else ["mlp"]
-    if cfg.is_moe(i) and cfg.shared_experts:
+    if cfg.is_moe(i) and cfg.shared_width:
         mlps.append("mlp.shared")
     if cfg.state_layers and cfg.state_layers[i]:  # the convolution's and the scan's own weights stay float
         attn = ["attn.in_proj", "attn.out_proj"]
@@ -201,7 +221,8 @@ def _shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
     """Block i's tensors under kvchat's names -> their shapes (fused ones whole)."""
     D, d = cfg.hidden_size, cfg.head_dim
     qd, kvd = cfg.num_heads * d, cfg.num_kv_heads * d
-    out = {"attn.qkv.weight": (qd + 2 * kvd, D), "attn.o.weight": (D, qd), "attn.qkv.bias": (qd + 2 * kvd,)}
+    qg = 2 * qd if cfg.attn_output_gate else qd  # the query rows, each head's gate after it where the family gates
+    out = {"attn.qkv.weight": (qg + 2 * kvd, D), "attn.o.weight": (D, qd), "attn.qkv.bias": (qg + 2 * kvd,)}
     out["attn.o.bias"] = (D,)
     out["attn.q_norm.weight"], out["attn.k_norm.weight"] = (
         ((qd,), (kvd,)) if cfg.qk_norm_span == "all" else ((d,), (d,))
@@ -213,6 +234,8 @@ def _shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
         out.update(_latent_shapes(cfg))
     if cfg.mamba_layers:
         out.update(_mamba_shapes(cfg))
+    if cfg.delta_layers:
+        out.update(_delta_shapes(cfg))
     if cfg.conv_layers:
         K = cfg.conv_kernel
         out.update({"attn.in_proj.weight": (3 * D, D), "attn.in_proj.bias": (3 * D,), "attn.conv.weight": (D, 1, K),
@@ -227,10 +250,19 @@ def _shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
         shared = cfg.shared_width
         out["mlp.shared.gate_up.weight"], out["mlp.shared.down.weight"] = (2 * shared, D), (D, shared)
         out["mlp.choice_bias"] = (cfg.num_experts,)
+        out["mlp.shared_gate.weight"] = (1, D)
     else:
         F = cfg.intermediate_size
         out["mlp.gate_up.weight"], out["mlp.down.weight"] = (2 * F, D), (D, F)
     return out
+
+
+def _delta_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """A gated DeltaNet's tensors under kvchat's names -> their shapes (its input projection's parts stacked)."""
+    D, C, hv, vw = cfg.hidden_size, cfg.delta_conv_width, cfg.delta_v_heads, cfg.delta_v_heads * cfg.delta_v_dim
+    return {"attn.in_proj.weight": (C + vw + 2 * hv, D), "attn.conv.weight": (C, 1, cfg.delta_kernel),
+            "attn.dt_bias": (hv,), "attn.A_log": (hv,), "attn.norm.weight": (cfg.delta_v_dim,),
+            "attn.out_proj.weight": (D, vw)}  # fmt: skip
 
 
 def _latent_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -290,7 +322,10 @@ def _split_rows(cfg: ModelConfig, mine: str, rows: int) -> list[int]:
     """How a fused tensor's rows divide among the checkpoint tensors stacked into it."""
     if mine.startswith("attn.qkv"):
         d = cfg.head_dim
-        return [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d]
+        return [cfg.num_heads * d * (2 if cfg.attn_output_gate else 1), cfg.num_kv_heads * d, cfg.num_kv_heads * d]
+    if mine == "attn.in_proj.weight" and cfg.delta_layers:  # q/k/v, z, b, a
+        hv = cfg.delta_v_heads
+        return [cfg.delta_conv_width, hv * cfg.delta_v_dim, hv, hv]
     return [rows // 2, rows // 2]
 
 
@@ -313,4 +348,6 @@ def hf_state_dict(model) -> dict[str, torch.Tensor]:
             out.update(zip(theirs, parts))
     if cfg.family == "granitemoehybrid":
         out = granite_state(cfg, out)
+    if any(cfg.delta_layers):
+        out = delta_state(cfg, out)
     return {k: v.detach().contiguous() for k, v in out.items()}

@@ -18,6 +18,7 @@ import torch
 from ..config import ModelConfig
 from ..errors import ModelLoadError
 from ..quant import MXFP4_GROUP, dequantize, mxfp4_scales, unpack_mxfp4
+from .delta_rows import delta_parts
 
 
 def expert_name(i: int, j: int, part: str, what: str = "weight") -> str:
@@ -132,9 +133,13 @@ def stacked_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
 
 def resolve(cfg: ModelConfig, files: dict[str, Path], shapes) -> dict:
     """Each expert part's name -> where its rows come from, the stacked tensors' shapes (`shapes(name)`: a header's)
-    checked against the config first: a file that does not bear out the expert count or widths is refused here."""
+    checked against the config first: a file that does not bear out the expert count or widths is refused here.
+    Likewise the parts other checkpoints hold in one tensor: Granite 4.0-H's fused MLPs, Qwen3-Next's DeltaNet
+    projections (engine.weights.delta_rows)."""
     if cfg.family == "granitemoehybrid":
         return _granite_parts(cfg, files, shapes)
+    if any(cfg.delta_layers):  # Qwen3-Next's DeltaNet projections, interleaved per key head
+        return delta_parts(cfg, files, shapes)
     ends = (".experts.gate_up_proj", ".experts.gate_up_proj_blocks")
     if not stacked(cfg) or not any(n.endswith(ends) for n in files):
         return {}  # (a GGUF's experts come by their own names, views of its stacked tensors)
