@@ -112,10 +112,10 @@ FAMILY_CASES = {
         family="qwen3_next",
         num_hidden_layers=4,
         head_dim=16,
-        linear_num_key_heads=2,
+        linear_num_key_heads=2,  # each query/key head serving two value heads
         linear_num_value_heads=4,
         linear_key_head_dim=16,
-        linear_value_head_dim=16,
+        linear_value_head_dim=8,  # a state small enough for a snapshot every 16 positions
         linear_conv_kernel_dim=4,
         num_experts=4,
         num_experts_per_tok=2,
@@ -265,6 +265,16 @@ def make_checkpoint(
                 p.normal_(0, 0.08)
             elif p.dim() == 1:
                 p.uniform_(0.5, 1.5) if p.shape[0] in (kw["hidden_size"], kw.get("head_dim", 16)) else p.normal_(0, 0.1)
+        if family == "qwen3_next":  # its norms scale by 1 + w, w near 0 as trained (its DeltaNet's own by w)
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.uniform_(0.5, 1.5) if "linear_attn" in name else p.uniform_(-0.5, 0.5)
+                elif name.endswith("A_log"):  # as transformers initialises it: A from 1 to 16, the step's bias 1
+                    p.uniform_(1, 16).log_()
+                elif name.endswith("dt_bias"):
+                    p.fill_(1.0)
+                elif name.endswith("conv1d.weight"):  # [C, 1, K]: as large as torch's own init for a width of K
+                    p.normal_(0, 0.5)
         for name, b in model.named_buffers():  # DeepSeek-V3's router correction: a bias the choice must follow
             if name.endswith("e_score_correction_bias"):
                 b.uniform_(-0.3, 0.3)
