@@ -114,14 +114,13 @@ FAMILY_CASES = {
         head_dim=16,
         linear_num_key_heads=2,  # each query/key head serving two value heads
         linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=8,  # a state small enough for a snapshot every 16 positions
+        linear_key_head_dim=12,  # equal, as llama.cpp's qwen3next wants them; a state small enough for a snapshot
+        linear_value_head_dim=12,  # every 16 positions
         linear_conv_kernel_dim=4,
         num_experts=4,
         num_experts_per_tok=2,
         moe_intermediate_size=32,
         shared_expert_intermediate_size=48,
-        mlp_only_layers=[2],
     ),
     "deepseek_v2": dict(  # DeepSeek-V2-Lite's shape in small: latent attention, one dense layer, shared experts
         family="deepseek_v2",

@@ -143,12 +143,12 @@ class Kernels:
         [n, nb · block bytes] uint8 (numpy, a view of the mapped file), into rows r0 .. r0 + n of a product's codes
         in `mode` (int4: two a byte, uint8, in tiles of `tile` rows, 1: rows; int8; int5: the int5 layout, uint8),
         scales and offsets (or None) with one per `group` values (torch, CPU, contiguous), output row r0 + r from
-        source row order[r] (csrc/gguf_rows.c, kv_gguf_rows)."""
+        source row order[r] (csrc/gguf_rows.c, kv_gguf_rows); n the tensor's rows, or as many as `order` picks."""
         import numpy as np
 
         code, block, values, source_group = geometry
         form = {"int4": 0, "int8": 1, "int5": 2}[mode]
-        n, nb = raw.shape[0], raw.shape[1] // block
+        n, nb = raw.shape[0] if order is None else len(order), raw.shape[1] // block
         per = storage_bytes(values, mode, 0)  # code bytes a block
         tile = max(1, tile)
         rows = codes.numel() // (nb * per)  # the product's rows
@@ -176,7 +176,7 @@ class Kernels:
             raise ValueError("gguf_rows: the blocks do not fit the product's buffers")
         if order is not None:
             order = np.ascontiguousarray(order, dtype=np.int64)
-            if order.shape != (n,) or (n and (order.min() < 0 or order.max() >= n)):
+            if order.shape != (n,) or (n and (order.min() < 0 or order.max() >= raw.shape[0])):
                 raise ValueError("gguf_rows: the row order is not an order of the tensor's rows")
         c, s, m = self.memory(codes, scales, mins)
         self._gguf_rows(

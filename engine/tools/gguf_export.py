@@ -17,7 +17,7 @@ import torch
 
 from ..config import load_config
 from ..errors import EngineError
-from ..weights.gguf_file import NORM_PLUS_ONE, PERMUTED
+from ..weights.gguf_file import KERNELS, NORM_PLUS_ONE, PERMUTED
 from ..weights.gguf_names import gguf_name, pick_name
 
 ARCHES = {  # kvchat's family -> llama.cpp's architecture (Mistral and Mixtral are "llama" files)
@@ -38,6 +38,7 @@ ARCHES = {  # kvchat's family -> llama.cpp's architecture (Mistral and Mixtral a
     "deepseek_v2": "deepseek2",
     "deepseek_v3": "deepseek2",
     "granitemoehybrid": "granitehybrid",
+    "qwen3_next": "qwen3next",
 }
 FTYPES = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K_M", "Q5_K_M", "Q6_K")  # quantize_gguf's
 
@@ -76,7 +77,8 @@ def write_gguf(model_dir, out: Path, matrices: str = "F32", tokenizer: bool = Fa
                               else cfg.intermediate_size)  # fmt: skip
     w.add_head_count(cfg.num_heads)
     # latent attention as llama.cpp's converter writes it: one K/V head, the key the latent and the rotary key
-    if cfg.state_layers:  # a hybrid: K/V heads per layer, none on its state layers (llama.cpp's converter)
+    if cfg.state_layers and not cfg.delta_layers:  # a hybrid: K/V heads per layer, none on its state layers (as
+        # llama.cpp's converter writes LFM2 and Granite 4.0-H; Qwen3-Next's layers go by full_attention_interval)
         w.add_head_count_kv([0 if state else cfg.num_kv_heads for state in cfg.state_layers])
         if cfg.conv_layers:
             w.add_shortconv_l_cache(cfg.conv_kernel)
@@ -119,6 +121,8 @@ def write_gguf(model_dir, out: Path, matrices: str = "F32", tokenizer: bool = Fa
         if gname is None or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
         gname = pick_name(gname, bool(cfg.num_experts))
+        if name.endswith(("in_proj_b.weight", "in_proj_a.weight")):
+            continue  # Qwen3-Next's b and a go as the checkpoint's in_proj_ba: llama.cpp's ssm_ba keeps it so
         if name in parts:
             part = parts[name]
             rows = getattr(part, "count", None) or (
@@ -132,10 +136,12 @@ def write_gguf(model_dir, out: Path, matrices: str = "F32", tokenizer: bool = Fa
         else:
             with safe_open(str(files[name]), framework="pt", device="cpu") as f:
                 t = f.get_tensor(stored.get(name, name)).float()
-        if name.endswith(("conv.conv.weight", "mamba.conv1d.weight")):  # a kernel [C, 1, K] as [C, K], as llama.cpp's
+        if name.endswith(KERNELS):  # a kernel [C, 1, K] as [C, K], as llama.cpp's
             t = t.squeeze(1)
         if name.endswith(("mamba.A_log", "mamba.D")):  # [H, 1], A as −exp(A_log): llama.cpp's converter
             t = (-torch.exp(t) if name.endswith("A_log") else t)[:, None]
+        elif name.endswith("linear_attn.A_log"):  # Qwen3-Next's: [H_v] as −exp(A_log)
+            t = -torch.exp(t)
         elif name.endswith("mamba.norm.weight"):  # [G, I / G]
             t = t.view(cfg.mamba_groups, -1)
         if cfg.mla and name.endswith("kv_b_proj.weight"):  # as llama.cpp's converter: k_b transposed, v_b
@@ -147,8 +153,8 @@ def write_gguf(model_dir, out: Path, matrices: str = "F32", tokenizer: bool = Fa
             t = _permute(t, cfg.num_heads)
         elif arch in PERMUTED and gname.endswith(("attn_k.weight", "attn_k.bias")):
             t = _permute(t, cfg.num_kv_heads)
-        if arch in NORM_PLUS_ONE and gname.endswith("norm.weight"):
-            t = t + 1  # llama.cpp's converter stores Gemma's norms as 1 + w
+        if arch in NORM_PLUS_ONE and gname.endswith("norm.weight") and not gname.endswith("ssm_norm.weight"):
+            t = t + 1  # llama.cpp's converter stores Gemma's and Qwen3-Next's norms as 1 + w (not the DeltaNet's)
         if "#" in gname:
             stacked, j = gname.split("#")
             experts.setdefault(stacked, {})[int(j)] = t
@@ -335,6 +341,8 @@ def _family_metadata(w, cfg) -> None:
         w.add_rope_scaling_factor(cfg.rope.factor)
     if cfg.family == "granitemoehybrid":
         _granite_hybrid_metadata(w, cfg)
+    if cfg.family == "qwen3_next":
+        _qwen3_next_metadata(w, cfg)
     if cfg.family in ("granite", "granitemoehybrid"):
         w.add_embedding_scale(cfg.embed_scale)
         w.add_residual_scale(cfg.residual_scale)
@@ -371,6 +379,24 @@ def _granite_hybrid_metadata(w, cfg) -> None:
     if cfg.num_experts:
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
         w.add_expert_shared_feed_forward_length(cfg.shared_width)
+
+
+def _qwen3_next_metadata(w, cfg) -> None:
+    """Qwen3-Next's DeltaNet widths under llama.cpp's ssm.* keys (the key heads as the group count, the value heads
+    as the time-step rank, d_k as the state size), where its attention layers are, the experts' widths."""
+    every = cfg.delta_layers.index(False) + 1 if False in cfg.delta_layers else cfg.num_layers + 1
+    if cfg.delta_layers != tuple((i + 1) % every != 0 for i in range(cfg.num_layers)):
+        raise EngineError("llama.cpp's qwen3next holds attention every full_attention_interval-th layer only")
+    w.add_ssm_conv_kernel(cfg.delta_kernel)
+    w.add_ssm_state_size(cfg.delta_k_dim)
+    w.add_ssm_group_count(cfg.delta_k_heads)
+    w.add_ssm_time_step_rank(cfg.delta_v_heads)
+    w.add_ssm_inner_size(cfg.delta_v_heads * cfg.delta_v_dim)
+    w.add_full_attention_interval(every)
+    if cfg.num_experts:
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        w.add_expert_shared_feed_forward_length(cfg.shared_width)
+        w.add_expert_weights_norm(cfg.norm_topk_prob)
 
 
 def _deepseek_metadata(w, cfg) -> None:

@@ -60,6 +60,10 @@ class SelectedRows:
     mxfp4: bool = False  # (what the reader asks of every derived part: none of these holds MXFP4 codes)
     what: str = "weight"
 
+    @property
+    def count(self) -> int:
+        return len(self.rows_of)
+
     def rows(self, a: int, b: int, opened) -> torch.Tensor:
         sel = np.asarray(self.rows_of[a:b])
         lo = int(sel.min())

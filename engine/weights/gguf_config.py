@@ -1,6 +1,6 @@
 """A GGUF file's metadata in config.json's terms: the sizes, the rotary scaling, and each architecture's own keys
 (Gemma's windows and caps, Phi-3's longrope factors, Granite's scales, the mixtures' experts, DeepSeek's latent
-attention and router, LFM2's convolution layers), as llama.cpp's converter writes them; engine.config then checks
+attention and router, the hybrids' state layers), as llama.cpp's converter writes them; engine.config then checks
 and reads them as it reads a folder's."""
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ ARCHITECTURES = {  # a GGUF's general.architecture -> config.json's (a "llama" f
     "deepseek2": "DeepseekV2ForCausalLM",  # V3 where its router is a sigmoid (config_dict)
     "lfm2": "Lfm2ForCausalLM",
     "granitehybrid": "GraniteMoeHybridForCausalLM",
+    "qwen3next": "Qwen3NextForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
 }
 
@@ -75,7 +76,7 @@ def config_dict(model) -> dict:
         raise ModelLoadError(f"rope scaling {scaling!r} is not supported (supported: none, linear, yarn)", model.path)
     rope_dims = model.arch_value("rope.dimension_count")
     if rope_dims is not None and rope_dims != head_dim and model.arch != "deepseek2":
-        if model.arch != "phi3":
+        if model.arch not in ("phi3", "qwen3next"):
             raise ModelLoadError(f"partial rotary embeddings ({rope_dims} of {head_dim}) are not supported", model.path)
         raw["partial_rotary_factor"] = rope_dims / head_dim
     raw.update(_family_dict(model, raw, experts))
@@ -120,6 +121,8 @@ def _family_dict(model, raw: dict, experts: int) -> dict:
             }
     elif model.arch == "granitehybrid":
         out.update(_granite_hybrid_dict(model, raw, experts))
+    elif model.arch == "qwen3next":
+        out.update(_qwen3_next_dict(model, raw, experts))
     elif model.arch == "granite":
         out.update(
             embedding_multiplier=model.arch_value("embedding_scale", 1.0),
@@ -179,6 +182,28 @@ def _granite_hybrid_dict(model, raw: dict, experts: int) -> dict:
     }
     if experts:
         out["intermediate_size"] = model.arch_value("expert_feed_forward_length") or raw["intermediate_size"]
+    return out
+
+
+def _qwen3_next_dict(model, raw: dict, experts: int) -> dict:
+    """Qwen3-Next from llama.cpp's qwen3next keys: attention every full_attention_interval-th layer, the DeltaNet's
+    widths under ssm.* (the key heads are the group count, the value heads the time-step rank, d_k the state size,
+    the inner width H_v · d_v), the shared expert's width; a layer without a router is a dense MLP."""
+    layers, every = raw["num_hidden_layers"], model.arch_value("full_attention_interval", 4)
+    value_heads, inner = model.arch_value("ssm.time_step_rank"), model.arch_value("ssm.inner_size")
+    out = {
+        "full_attention_interval": every,
+        "linear_num_key_heads": model.arch_value("ssm.group_count"),
+        "linear_num_value_heads": value_heads,
+        "linear_key_head_dim": model.arch_value("ssm.state_size"),
+        "linear_value_head_dim": inner // value_heads if inner and value_heads else None,
+        "linear_conv_kernel_dim": model.arch_value("ssm.conv_kernel"),
+        "shared_expert_intermediate_size": model.arch_value("expert_shared_feed_forward_length", 0),
+        "mlp_only_layers": [i for i in range(layers or 0) if f"blk.{i}.ffn_gate_inp.weight" not in model.tensors],
+    }
+    rope = model.arch_value("rope.dimension_count")
+    if rope and raw["head_dim"]:
+        out["partial_rotary_factor"] = rope / raw["head_dim"]
     return out
 
 

@@ -24,6 +24,7 @@ import torch
 from ..errors import ModelLoadError
 from ..quant import PreQuantized, storage_bytes
 from . import gguf_vocab
+from .delta_rows import selection
 from .gguf_blocks import INT4_PACKED, INT5, MXFP4, NATIVE, OFFSETS, fast_rows
 from .gguf_config import ARCHITECTURES, config_dict
 from .gguf_header import GGUF_ROWS, StringArray, Tensor, read_header
@@ -38,9 +39,12 @@ PERMUTED = (
     "smollm3",
     "granitehybrid",
 )  # llama.cpp's converter interleaves q/k rows for these (rotate pairs)
-KERNELS = ("conv.conv.weight", "mamba.conv1d.weight")  # a depthwise convolution's kernel: [C, K] in the file
-MAMBA_FLAT = ("mamba.A_log", "mamba.D", "mamba.norm.weight")  # one row here, [H, 1] or [G, I / G] in the file
-NORM_PLUS_ONE = ("gemma2", "gemma3")  # llama.cpp's converter stores Gemma's (1 + w) norms with the 1 added
+# a depthwise convolution's kernel: [C, K] in the file
+KERNELS = ("conv.conv.weight", "mamba.conv1d.weight", "linear_attn.conv1d.weight")
+# one row here, [H, 1] or [G, I / G] in the file; A as its logarithm, the file's A = −exp(A_log)
+MAMBA_FLAT = ("mamba.A_log", "mamba.D", "mamba.norm.weight", "linear_attn.A_log")
+NORM_PLUS_ONE = ("gemma2", "gemma3", "qwen3next")  # llama.cpp's converter stores (1 + w) norms with the 1 added
+SELECTED = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight")  # Qwen3-Next's parts
 
 
 class GGUFModel:
@@ -126,12 +130,15 @@ class GGUFModel:
             raise ModelLoadError(said, self.path)
         return k_b, v_b
 
-    def hf_shape(self, hf: str, gname: str) -> tuple[int, ...]:
+    def hf_shape(self, hf: str, gname: str, cfg=None) -> tuple[int, ...]:
         """A tensor's shape under its Hugging Face name (kv_b's joined from its two parts, a convolution's kernel
-        [D, 1, K] where the file holds [D, K])."""
+        [D, 1, K] where the file holds [D, K], a selection's rows)."""
         parts = self.kv_b(hf)
         if parts is None:
             shape = self.shape(self.tensors[gname])
+            chosen = self.permutation(hf, cfg) if cfg is not None else None
+            if chosen is not None:
+                return (len(chosen), *shape[1:])
             if hf.endswith(MAMBA_FLAT):  # A and D [H, 1], the gated norm [G, I / G]: one row
                 return (math.prod(shape),)
             return (shape[0], 1, *shape[1:]) if hf.endswith(KERNELS) and len(shape) == 2 else shape
@@ -154,7 +161,18 @@ class GGUFModel:
         name = gguf_name(self.arch, hf)
         if name is not None and "|" in name:  # the form this file holds (Granite 4.0-H's shared MLP)
             return next((n for n in name.split("|") if n in self.tensors), name.split("|")[0])
+        if name is not None and name.endswith(("attn_qkv.weight", "attn_gate.weight")) and self._legacy(name):
+            return name.rsplit(".", 2)[0] + ".ssm_in.weight"  # an older Qwen3-Next file: q, k, v, z interleaved
         return name
+
+    def _legacy(self, name: str) -> bool:
+        """Whether this Qwen3-Next file holds its DeltaNet's projections as the checkpoint does, in one interleaved
+        `ssm_in` (llama.cpp's converter before it split them), where `name` would be."""
+        return (
+            self.arch == "qwen3next"
+            and name not in self.tensors
+            and name.rsplit(".", 2)[0] + ".ssm_in.weight" in self.tensors
+        )
 
     def names(self, wanted) -> dict[str, str]:
         """Of the Hugging Face names `wanted`, those this file holds -> their GGUF names."""
@@ -190,7 +208,11 @@ class GGUFModel:
             ) from None
 
     def permutation(self, hf: str, cfg) -> np.ndarray | None:
-        """The row order that undoes llama.cpp's q/k interleaving (None when the rows are as Hugging Face has them)."""
+        """The rows to read, in order: the order that undoes llama.cpp's q/k interleaving, or a Qwen3-Next part's
+        selection of the tensor that interleaves it with others (None when the rows are as Hugging Face has them)."""
+        if self.arch == "qwen3next" and hf.endswith(SELECTED):
+            whole = self.gguf_name(hf).endswith(("ssm_in.weight", "ssm_ba.weight"))
+            return selection(cfg, hf.rsplit(".", 2)[1]) if whole else None
         if self.arch not in PERMUTED:
             return None
         if hf.endswith(("q_proj.weight", "q_proj.bias")):
@@ -282,7 +304,8 @@ class GGUFModel:
         mode, group = _product_form(types)
         offsets = any(t in OFFSETS for t in types)
         parts = [self.tensors[self.gguf_name(h)] for h in hfs]
-        n = sum(t.data.shape[0] for t in parts)
+        orders = [self.permutation(h, cfg) for h in hfs]
+        n = sum(t.data.shape[0] if o is None else len(o) for t, o in zip(parts, orders))
         width = parts[0].n_elements // parts[0].data.shape[0]  # values a row
         tile = tiles if mode == "int4" and tiles and n % tiles == 0 else 1
         per = storage_bytes(width, mode, 0)  # code bytes a row
@@ -291,9 +314,9 @@ class GGUFModel:
         mins = torch.empty_like(scales) if offsets else None
         form = f"{mode}/g{group}" + ("+min" if offsets else "")
         r0 = 0
-        for hf, ftype, t in zip(hfs, types, parts):
-            rows = t.data.shape[0]
-            k.gguf_rows(t.data, GGUF_ROWS[ftype], mode, self.permutation(hf, cfg), r0, tile, group, codes, scales, mins)
+        for ftype, t, order in zip(types, parts, orders):
+            rows = t.data.shape[0] if order is None else len(order)
+            k.gguf_rows(t.data, GGUF_ROWS[ftype], mode, order, r0, tile, group, codes, scales, mins)
             self._release(t)
             held = storage_bytes(rows * width, mode, rows * width // group * (2 if offsets else 1))
             self.held[t.name] = (ftype, form, int(t.n_bytes), held)

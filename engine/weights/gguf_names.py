@@ -101,6 +101,25 @@ ARCH_BLOCK_NAMES = {  # where an architecture's names depart from BLOCK_NAMES
         "block_sparse_moe.experts.{j}.up_proj.weight": "ffn_up_exps.weight#{j}",
         "block_sparse_moe.experts.{j}.down_proj.weight": "ffn_down_exps.weight#{j}",
     },
+    "qwen3next": {  # the gated DeltaNet as llama.cpp's converter names it (q/k/v and z apart, b and a in one
+        # tensor per key head: read by rows, engine.weights.gguf_file; A as −exp(A_log), the kernel [C, K]), its
+        # norms but the DeltaNet's as 1 + w, the shared expert and its gate
+        "post_attention_layernorm.weight": "post_attention_norm.weight",
+        "linear_attn.in_proj_qkv.weight": "attn_qkv.weight",
+        "linear_attn.in_proj_z.weight": "attn_gate.weight",
+        "linear_attn.in_proj_b.weight": "ssm_ba.weight",
+        "linear_attn.in_proj_a.weight": "ssm_ba.weight",
+        "linear_attn.in_proj_ba.weight": "ssm_ba.weight",
+        "linear_attn.conv1d.weight": "ssm_conv1d.weight",
+        "linear_attn.dt_bias": "ssm_dt.bias",
+        "linear_attn.A_log": "ssm_a",
+        "linear_attn.norm.weight": "ssm_norm.weight",
+        "linear_attn.out_proj.weight": "ssm_out.weight",
+        "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+        "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+        "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+        "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+    },
 }
 ARCH_BLOCK_NAMES["gemma3"] = ARCH_BLOCK_NAMES["gemma2"]
 EXPERT = re.compile(r"^(mlp|block_sparse_moe)\.experts\.(\d+)\.(.+)$")

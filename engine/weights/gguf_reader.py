@@ -15,7 +15,7 @@ from .safetensors import Reader, Rows
 def check_gguf_shapes(model: GGUFModel, cfg: ModelConfig) -> None:
     """The metadata's sizes against the file's tensor table (hf_names.check_shapes), by GGUF name."""
     have = model.names(expected(cfg))
-    shapes = {hf: model.hf_shape(hf, g) for hf, g in have.items()}
+    shapes = {hf: model.hf_shape(hf, g, cfg) for hf, g in have.items()}
     check_shapes(cfg, shapes, lambda hf: have.get(hf) or model.gguf_name(hf), model.path)
 
 

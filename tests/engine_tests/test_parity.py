@@ -82,6 +82,7 @@ CASES = {
         position_embedding_type="rope",
         residual_multiplier=0.5,
     ),
+    "qwen3-next-dense-layer": dict(FAMILY_CASES["qwen3_next"], mlp_only_layers=[2]),  # an MLP without experts
     "mixtral-sliding-window": dict(family="mixtral", num_local_experts=4, num_experts_per_tok=2, sliding_window=8),
 }
 
