@@ -220,7 +220,8 @@ def _granite_hybrid(raw: dict, layers: int, hidden: int) -> dict:
 
 def _sparse_layers(raw: dict, layers: int) -> tuple[bool, ...]:
     """Qwen's mixtures: every decoder_sparse_step-th layer a mixture, but those mlp_only_layers names."""
-    step = raw.get("decoder_sparse_step") or 1
+    step = raw.get("decoder_sparse_step")
+    step = 1 if step is None else step
     if not whole(step, 1, max(1, layers)):
         raise ModelLoadError(f"config.json's decoder_sparse_step is {step!r}: out of range (1 to {layers})")
     dense = set(raw.get("mlp_only_layers") or [])

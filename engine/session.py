@@ -49,14 +49,15 @@ __all__ = [
 def state_facts(cache) -> dict | None:
     """A hybrid's state layers' state, for the panel: their count, the convolution's channels and K − 1, the bytes
     (the same at any length), and their snapshots' spacing and bytes a position; a Mamba-2 layer's also its scan's
-    state values (H_m · P · N, in float32 as its convolution inputs are); None for a cache of K/V alone."""
+    state values (H_m · P · N, in float32 as its convolution inputs are), a gated DeltaNet's its matrix's (H_v · d_k ·
+    d_v); None for a cache of K/V alone."""
     if not isinstance(cache, HybridCache):
         return None
     hidden, width = cache.state_shape
     out = {"layers": len(cache.conv), "hidden": hidden, "width": width, "bytes": cache.state_bytes,
            "every": cache.resume_every, "snapshot_bytes_per_position": cache.snapshot_bytes_per_position}  # fmt: skip
-    if cache.kind == "mamba":
-        out.update(kind="mamba", scan=math.prod(cache.ssm_shape), value_bytes=cache.state.element_size())
+    if cache.scans:
+        out.update(kind=cache.kind, scan=math.prod(cache.ssm_shape), value_bytes=cache.state.element_size())
     return out
 
 

@@ -281,7 +281,7 @@ def kv_formula(f: dict, held: list[tuple[int, int]], kinds: list[dict] | None, p
         t_text = f"min({positions}, {kind['window']:,})" if slid else str(t)
         terms.append(f"2 · {layers} · {t_text} · {f['kv_heads']} · {width}")
     state = f.get("state")
-    if state and state.get("scan"):  # Mamba-2 layers: L_m · (C_m · (K_m − 1) + H_m · P · N) · 4, whatever T
+    if state and state.get("scan"):  # scanning layers: L_m · (C_m · (K_m − 1) + scan values) · 4, whatever T
         terms.append(f"{state['layers']} · ({state['hidden']} · {state['width']} + {state['scan']}) · "
                      f"{state.get('value_bytes', 4)} (state)")  # fmt: skip
     elif state:  # a hybrid's convolution layers: L_conv · D · (K − 1) · b, whatever T
@@ -297,9 +297,13 @@ def formula_title(f: dict) -> str:
     return "2·L·T·H_kv·d·b + state" if f.get("state") else "2·L·T·H_kv·d·b"
 
 
+STATE_KINDS = {"mamba": "Mamba-2 layers", "delta": "gated DeltaNet layers"}
+
+
 def state_layers(state: dict) -> str:
-    """A hybrid's state layers in words: its Mamba-2 layers (Granite 4.0-H) or its convolution layers (LFM2)."""
-    return "Mamba-2 layers" if state.get("kind") == "mamba" else "convolution layers"
+    """A hybrid's state layers in words: its Mamba-2 layers (Granite 4.0-H), its gated DeltaNet layers (Qwen3-Next)
+    or its convolution layers (LFM2)."""
+    return STATE_KINDS.get(state.get("kind"), "convolution layers")
 
 
 def state_words(state: dict | None, positions: int) -> str:

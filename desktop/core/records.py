@@ -117,7 +117,7 @@ def _made_by(m) -> dict | None:
         given = m.get(key)
         if isinstance(given, dict) and given:
             extra = set(given) - set(keys)
-            mamba = key == "state" and extra == set(MAMBA_STATE) and given.get("kind") == "mamba"
+            mamba = key == "state" and extra == set(MAMBA_STATE) and given.get("kind") in SCAN_KINDS
             ok = (not extra or mamba) and all(_count(given.get(x)) for x in keys)
             ok = ok and (not mamba or all(_count(given[x]) for x in MAMBA_STATE if x != "kind"))
             out[key] = {x: given[x] for x in (*keys, *(MAMBA_STATE if mamba else ()))} if ok else None
@@ -125,7 +125,8 @@ def _made_by(m) -> dict | None:
 
 
 STATE_COUNTS = ("layers", "hidden", "width", "bytes", "every", "snapshot_bytes_per_position")
-MAMBA_STATE = ("kind", "scan", "value_bytes")  # a Mamba-2 layer's besides: its scan's values, their bytes
+MAMBA_STATE = ("kind", "scan", "value_bytes")  # a scanning layer's besides: its scan's values, their bytes
+SCAN_KINDS = ("mamba", "delta")  # the state layers that scan: Mamba-2's (Granite 4.0-H), a gated DeltaNet's
 
 
 LATENT_COUNTS = ("heads", "kv_lora_rank", "rope_dim", "nope_dim", "value_dim", "plain_bytes_per_position")

@@ -176,7 +176,11 @@ def write_gguf(model_dir, out: Path, matrices: str = "F32", tokenizer: bool = Fa
             w.add_tensor(gname, raw, raw_dtype=gguf.GGMLQuantizationType[kind])
             continue
         data = np.ascontiguousarray(t.numpy())
-        kind = kind or (matrices if data.ndim >= 2 and not gname.endswith(".bias") else "F32")  # biases as they are
+        # biases, the convolutions' kernels [C, K], the 1-D tensors and rows no whole number of blocks as they are
+        # (llama.cpp's quantizer keeps them)
+        small = data.ndim < 2 or gname.endswith((".bias", "conv1d.weight", "shortconv.conv.weight"))
+        whole = matrices == "F32" or data.shape[-1] % gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[matrices]][0] == 0
+        kind = kind or ("F32" if small or not whole else matrices)
         if kind == "F32":
             w.add_tensor(gname, data)
         else:
