@@ -162,11 +162,13 @@ def test_the_model_and_the_quantization_codes_stand_alone():
         "engine.block_parts",
         "engine.short_conv",
         "engine.mamba_mixer",
+        "engine.delta_net",
     }
     assert g["engine.latent_attention"] == {"engine.block_parts", "engine.rotary"}
     assert g["engine.block_parts"] == set()
     assert g["engine.short_conv"] == set()
     assert g["engine.mamba_mixer"] == set()
+    assert g["engine.delta_net"] == set()
     assert g["engine.feedforward"] == set()
     assert g["engine.rotary"] == set()
     assert g["engine.quant"] == set()  # the codes' definition: nothing from the engine
@@ -225,7 +227,7 @@ FLOORS = [
             "engine.kv_tiers", "engine.grammar", "engine.tool_calls", "engine.images", "engine.vision",
             "engine.image_prompt", "engine.vision_qwen", "engine.text_configs", "engine.rotary", "engine.family_fields",
             "engine.harmony", "engine.text_stream", "engine.latent_attention", "engine.block_parts",
-            "engine.short_conv", "engine.mamba_mixer", "engine.state_cache", "engine.rope_config",
+            "engine.short_conv", "engine.mamba_mixer", "engine.delta_net", "engine.state_cache", "engine.rope_config",
         ),
     ),
     ("backends", ("engine.backends",)),
