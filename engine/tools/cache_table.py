@@ -107,6 +107,28 @@ CONFIGS = {
         vocab_size=100352,
         max_position_embeddings=131072,
     ),  # fmt: skip
+    "Qwen3-Next-80B-A3B (hybrid)": dict(
+        architectures=["Qwen3NextForCausalLM"],
+        hidden_size=2048,
+        intermediate_size=5120,
+        num_hidden_layers=48,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        full_attention_interval=4,
+        num_experts=512,
+        num_experts_per_tok=10,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        partial_rotary_factor=0.25,
+        vocab_size=151936,
+        max_position_embeddings=262144,
+    ),  # fmt: skip
     "DeepSeek-V2-Lite": dict(
         architectures=["DeepseekV2ForCausalLM"],
         hidden_size=2048,
