@@ -134,3 +134,28 @@ def test_a_mamba_hybrid_chats_and_the_panel_shows_its_state_and_sparser_snapshot
     assert panel(w, "kvFormulaValue") == f"2 · 1 · {n} · 2 · 16 · 4 + 3 · (192 · 3 + 2048) · 4 (state) = {payload:,} B"
     said = w.chat.cache_map.describe(0, 40)
     assert "The Mamba-2 layers' state is kept after position 31 (each snapshot covers every" in said
+
+
+def test_a_deltanet_hybrid_chats_and_the_panel_shows_its_state(qtbot, make_window, spin_loop, tmp_path):
+    """Qwen3-Next in the real window: the State row names the gated DeltaNet layers and their snapshots (every 32
+    positions here); the formula adds each layer's convolution inputs and matrices, in float32; the map's words say
+    where the snapshots are."""
+    from checkpoints import FAMILY_CASES
+
+    opts = dict(FAMILY_CASES["qwen3_next"], max_position_embeddings=2048, linear_key_head_dim=16,
+                linear_value_head_dim=16)  # fmt: skip
+    w = make_window(make_checkpoint(tmp_path / "qwen3_next", opts.pop("family"), **opts))
+    assert "3 of 4 layers gated DeltaNet (key heads 2 × 16, value heads 4 × 16, width 4)" in panel(
+        w, "architectureValue"
+    )
+    final = send(qtbot, w, spin_loop, BUDGET)
+    assert isinstance(final, Finished) and final.token_ids
+    n, payload = final.cache["positions"], final.cache["payload_bytes"]
+    state = 3 * (128 * 3 + 4 * 16 * 16) * 4  # 3 layers · (C_δ · (K_δ − 1) + H_v · d_k · d_v) · 4 bytes
+    assert payload == 2 * 1 * n * 2 * 16 * 4 + state and panel(w, "kvPayloadValue") == fmt_bytes(payload)
+    assert panel(w, "stateValue") == (
+        f"3 gated DeltaNet layers: {fmt_bytes(state)}, the same at any length · {n // 32:,} snapshots (one every 32 "
+        f"positions): {fmt_bytes(n // 32 * 3 * 16 * 88 * 4)}"
+    )
+    assert panel(w, "kvFormulaValue") == f"2 · 1 · {n} · 2 · 16 · 4 + 3 · (128 · 3 + 1024) · 4 (state) = {payload:,} B"
+    assert "The gated DeltaNet layers' state is kept after position 31" in w.chat.cache_map.describe(0, 40)

@@ -568,7 +568,7 @@ def test_three_choices_of_one_prompt_hold_its_blocks_once_and_the_kv_accounting_
                                        ("phi3", "none"), ("qwen3_moe", "none"), ("olmo2", "none"),
                                        ("gpt_oss", "none"), ("deepseek_v2", "none"),
                                        ("deepseek_v3", "int8"), ("lfm2", "none"),
-                                       ("granitemoehybrid", "int8")])  # fmt: skip
+                                       ("granitemoehybrid", "int8"), ("qwen3_next", "none")])  # fmt: skip
 def test_torchs_batched_rows_give_each_sequence_its_step_alone(tmp_path, monkeypatch, family, kv):
     """Where kvchat's kernels do not run decode (a GPU; here a CPU without them), the scheduler's batched step is
     torch's products over B rows at once (engine.passes.rows): three sequences at different lengths (one

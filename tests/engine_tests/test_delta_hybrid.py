@@ -190,8 +190,8 @@ def test_the_gguf_forms_read_the_interleaved_rows_as_the_folder_does(qwen, tmp_p
 
 RAW = dict(architectures=["Qwen3NextForCausalLM"], hidden_size=64, intermediate_size=128, num_hidden_layers=4,
            num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=384, num_experts=4,
-           num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-           linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)  # fmt: skip
+           num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48, linear_num_key_heads=2,
+           linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)  # fmt: skip
 
 
 @pytest.mark.parametrize(

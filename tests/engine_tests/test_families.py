@@ -129,10 +129,10 @@ def test_llama_cpp_greedy_tokens_on_the_same_gguf(family_dir, tmp_path):
     assert ids == list(done[-1].token_ids)
 
 
-@pytest.mark.parametrize("name", ["gemma3", "qwen3_moe", "deepseek_v3", "lfm2", "granitemoehybrid"])
+@pytest.mark.parametrize("name", ["gemma3", "qwen3_moe", "deepseek_v3", "lfm2", "granitemoehybrid", "qwen3_next"])
 def test_the_server_serves_the_family_as_the_engine_runs_it(name, serve, tmp_path):
     """`python -m engine serve` on a Gemma 3 folder (a sliding-window cache: the capacity past W + spare), on a
-    mixture, on DeepSeek's latent attention and on the hybrids (LFM2, Granite 4.0-H), through the official client:
+    mixture, on DeepSeek's latent attention and on the hybrids (LFM2, Granite 4.0-H, Qwen3-Next), through the official client:
     the engine's reply, and a second turn's cached tokens."""
     openai = pytest.importorskip("openai")
     pytest.importorskip("uvicorn")
@@ -161,6 +161,9 @@ def test_the_server_serves_the_family_as_the_engine_runs_it(name, serve, tmp_pat
     if name == "granitemoehybrid":  # 2 attention layers' K/V, and 2 Mamba-2 layers' state in float32
         kinds = {k["kind"]: k for k in report["cache"]["layer_kinds"]}
         assert kinds["mamba"]["state_bytes"] == 2 * (192 * 3 + 4 * 32 * 16) * 4 and kinds["full"]["layers"] == 2
+    if name == "qwen3_next":  # 1 attention layer's K/V, and 3 DeltaNets' state in float32
+        kinds = {k["kind"]: k for k in report["cache"]["layer_kinds"]}
+        assert kinds["delta"]["state_bytes"] == 3 * (96 * 3 + 4 * 12 * 12) * 4 and kinds["full"]["layers"] == 1
 
 
 def test_a_gemma_3_checkpoint_with_a_vision_tower_opens_its_text_model(tmp_path):
