@@ -132,8 +132,8 @@ def test_llama_cpp_greedy_tokens_on_the_same_gguf(family_dir, tmp_path):
 @pytest.mark.parametrize("name", ["gemma3", "qwen3_moe", "deepseek_v3", "lfm2", "granitemoehybrid", "qwen3_next"])
 def test_the_server_serves_the_family_as_the_engine_runs_it(name, serve, tmp_path):
     """`python -m engine serve` on a Gemma 3 folder (a sliding-window cache: the capacity past W + spare), on a
-    mixture, on DeepSeek's latent attention and on the hybrids (LFM2, Granite 4.0-H, Qwen3-Next), through the official client:
-    the engine's reply, and a second turn's cached tokens."""
+    mixture, on DeepSeek's latent attention and on the hybrids (LFM2, Granite 4.0-H, Qwen3-Next), through the official
+    client: the engine's reply, and a second turn's cached tokens."""
     openai = pytest.importorskip("openai")
     pytest.importorskip("uvicorn")
     opts = dict(FAMILIES[name], max_position_embeddings=4096)
