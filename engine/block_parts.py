@@ -1,6 +1,7 @@
-"""What the attention kinds and the decoder's blocks share: the RMS norm (Gemma's with its 1 + w) and the dtype
-attention computes in. Apart from engine.model so the attention beside it (engine.latent_attention) builds on them
-without importing the decoder."""
+"""What the attention kinds and the decoder's blocks share: the RMS norm (Gemma's with its 1 + w), the dtype
+attention computes in, and what the scanning layers in attention's place share (ScanLayer). Apart from engine.model
+so the layers beside it (engine.latent_attention, engine.mamba_mixer, engine.delta_net) build on them without
+importing the decoder."""
 
 from __future__ import annotations
 
@@ -36,3 +37,22 @@ def attention_dtype(dtype: torch.dtype, device: torch.device, widen_bf16: bool =
     if device.type == "cpu" and (dtype == torch.float16 or (dtype == torch.bfloat16 and widen_bf16)):
         return torch.float32
     return dtype
+
+
+class ScanLayer(nn.Module):
+    """What a scanning state layer in attention's place shares (Granite 4.0-H's Mamba-2 mixer, Qwen3-Next's gated
+    DeltaNet): no window, no rotation, no sinks; its two projections the ones a backend may swap (the convolution's
+    and the scan's few weights stay); a batch's rows each run over a state of its own."""
+
+    window, rope_kind, causal_only, sinks = None, None, True, None  # as Attention's, for Block and the masks
+
+    def linears(self) -> list[str]:
+        return ["in_proj", "out_proj"]
+
+    def rows(self, inputs: tuple[torch.Tensor, ...], cache, layer: int, start):
+        """`_mix(*inputs, cache, layer, start)` over the batch: each row over its own cache where `cache` is a list
+        (one a row, `start` likewise), else all rows at once."""
+        if isinstance(cache, list):
+            return torch.cat([self._mix(*(t[r : r + 1] for t in inputs), cache[r], layer, start[r])
+                              for r in range(len(cache))])  # fmt: skip
+        return self._mix(*inputs, cache, layer, start)

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .block_parts import ScanLayer
+
 if TYPE_CHECKING:
     from .config import ModelConfig
 
@@ -43,7 +45,7 @@ class HeadNorm(nn.Module):
         return (n.flatten(-2) * F.silu(z.float())).to(z.dtype)
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(ScanLayer):
     """in_proj gives q, k, v (the convolution's input, C_δ), the gate z [H_v · d_v] and b, a [H_v] each (the rows in
     that order: engine.weights.hf_names reads them out of the checkpoint's per-head interleaving). Takes
     Attention's place in a block (the same call), with no window and no rotation."""
@@ -60,24 +62,12 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.hv))  # [H_v]: the decay's rate −exp(A_log)
         self.norm = HeadNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(self.vw, D, bias=False)  # H_v·d_v -> D
-        self.window, self.rope_kind, self.causal_only = None, None, True  # as Attention's, for Block and the masks
-        self.sinks = None
-
-    def linears(self) -> list[str]:
-        """The projections a backend may swap (quantize, lay out); the convolution's and the rule's few weights
-        stay."""
-        return ["in_proj", "out_proj"]
 
     def forward(self, x, cos, sin, mask, cache, layer: int, start, causal: bool = True):
         """x [B, T, D] at positions start.. -> [B, T, D]; the state before them read from `cache` (zeros from position
         0, or without a cache), the state after them written back (a list of caches: one a row)."""
-        B = x.shape[0]
         qkv, z, steps = self.in_proj(x).split([self.c, self.vw, 2 * self.hv], dim=-1)  # steps: b then a
-        if isinstance(cache, list):  # one row a sequence, each with its own state
-            y = torch.cat([self._mix(qkv[r : r + 1], steps[r : r + 1], cache[r], layer, start[r]) for r in range(B)])
-        else:
-            y = self._mix(qkv, steps, cache, layer, start)
-        return self.out_proj(self.norm(y, z))  # [B, T, D]
+        return self.out_proj(self.norm(self.rows((qkv, steps), cache, layer, start), z))  # [B, T, D]
 
     def _mix(self, qkv: torch.Tensor, steps: torch.Tensor, cache, layer: int, start: int) -> torch.Tensor:
         """qkv [B, T, C_δ], steps [B, T, 2·H_v] (b, a) at positions start.. -> o [B, T, H_v, d_v] (float32), over

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .block_parts import ScanLayer
+
 if TYPE_CHECKING:
     from .config import ModelConfig
 
@@ -41,7 +43,7 @@ class GatedNorm(nn.Module):
         return (self.weight.float() * g.flatten(-2)).to(z.dtype)
 
 
-class MambaMixer(nn.Module):
+class MambaMixer(ScanLayer):
     """in_proj splits into the gate z [I], the convolution's input xBC [C_m] and the step dt [H_m]; xBC is convolved
     (depthwise, causal, width K_m) and passed through silu, then split into x [I], B and C [G_m · N] for the scan.
     Takes Attention's place in a block (the same call), with no window and no rotation."""
@@ -59,24 +61,12 @@ class MambaMixer(nn.Module):
         self.norm = GatedNorm(self.i, self.g, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(self.i, D, bias=cfg.mamba_proj_bias)  # I -> D
         self.low, self.high = cfg.dt_limit
-        self.window, self.rope_kind, self.causal_only = None, None, True  # as Attention's, for Block and the masks
-        self.sinks = None
-
-    def linears(self) -> list[str]:
-        """The projections a backend may swap (quantize, lay out); the convolution's and the scan's few weights
-        stay."""
-        return ["in_proj", "out_proj"]
 
     def forward(self, x, cos, sin, mask, cache, layer: int, start, causal: bool = True):
         """x [B, T, D] at positions start.. -> [B, T, D]; the state before them read from `cache` (zeros from position
         0, or without a cache), the state after them written back (a list of caches: one a row)."""
-        B = x.shape[0]
         z, xbc, dt = self.in_proj(x).split([self.i, self.c, self.h], dim=-1)  # [B, T, I], [B, T, C_m], [B, T, H_m]
-        if isinstance(cache, list):  # one row a sequence, each with its own state
-            y = torch.cat([self._mix(xbc[b : b + 1], dt[b : b + 1], cache[b], layer, start[b]) for b in range(B)])
-        else:
-            y = self._mix(xbc, dt, cache, layer, start)
-        return self.out_proj(self.norm(y, z))  # [B, T, D]
+        return self.out_proj(self.norm(self.rows((xbc, dt), cache, layer, start), z))  # [B, T, D]
 
     def _mix(self, xbc: torch.Tensor, dt: torch.Tensor, cache, layer: int, start: int) -> torch.Tensor:
         """xbc [B, T, C_m], dt [B, T, H_m] at positions start.. -> y [B, T, I] (float32), over the state before them
