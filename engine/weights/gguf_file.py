@@ -284,8 +284,7 @@ class GGUFModel:
         for hf, ftype, (c, s, _) in zip(hfs, types, parts):
             held = c.size + s.size * s.itemsize * (2 if offsets else 1)  # codes: a byte each, or packed (int4, int5)
             form = f"{mode}/g{group}" + ("+min" if offsets else "")
-            gname = self.gguf_name(hf)
-            self.held[gname] = (ftype, form, int(self.tensors[gname].n_bytes), int(held))
+            self._hold(self.gguf_name(hf), ftype, form, int(held), self.permutation(hf, cfg))
 
         def stacked(arrays, kind):  # one tensor of the parts' rows (a single part as it is: no copy)
             whole = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
@@ -319,7 +318,7 @@ class GGUFModel:
             k.gguf_rows(t.data, GGUF_ROWS[ftype], mode, order, r0, tile, group, codes, scales, mins)
             self._release(t)
             held = storage_bytes(rows * width, mode, rows * width // group * (2 if offsets else 1))
-            self.held[t.name] = (ftype, form, int(t.n_bytes), held)
+            self._hold(t.name, ftype, form, held, order)
             r0 += rows
         return PreQuantized(
             codes, scales, mode, group, dtype, mins, packed=mode == "int4", tiles=tile if tile > 1 else 0
@@ -336,6 +335,13 @@ class GGUFModel:
             mm.madvise(mmap.MADV_DONTNEED, start, t.data_offset + int(t.n_bytes) - start)
         except (OSError, ValueError):
             pass  # only memory is at stake
+
+    def _hold(self, gname: str, ftype: str, form: str, held: int, order) -> None:
+        """What a tensor is held as: a part read by rows (Qwen3-Next's b and a of one ssm_ba) adds to the parts
+        before it."""
+        before = self.held.get(gname)
+        parted = order is not None and len(order) < self.tensors[gname].data.shape[0] and before is not None
+        self.held[gname] = (ftype, form, int(self.tensors[gname].n_bytes), held + (before[3] if parted else 0))
 
     def _note(self, gname: str, dtype) -> None:
         t = self.tensors[gname]
