@@ -6,7 +6,7 @@ cached steps against transformers on every kernel variant: test_parity's granite
 
 import pytest
 import torch
-from conversations import BUDGET_CHAT
+from conversations import BUDGET_CHAT, edit_back_to_a_snapshot
 
 from checkpoints import FAMILY_CASES, make_checkpoint
 from engine.config import config_from_dict
@@ -91,20 +91,7 @@ def test_the_inputs_kept_for_going_back_stay_few_after_a_long_prompt(granite):
 
 
 def test_an_edit_recomputes_from_the_last_snapshot_before_it_and_the_store_brings_it_back(granite):
-    session = Session(granite, capacity=512)
-    first = [{"role": "user", "content": "I am planning a trip to Chengdu for 3 nights, on a budget of 600 yuan, "
-                                         "with two friends who like tea houses and long walks."}]  # fmt: skip
-    _reply(session, messages=first, max_new_tokens=40)
-    edited = [{"role": "user", "content": first[0]["content"].replace("tea houses", "opera nights")}]
-    done, start = _reply(session, messages=edited)
-    r = start.reuse
-    cut, every = r.first_invalidated_position, session.facts()["state"]["every"]
-    assert r.reused == cut // every * every < cut and r.source == "working"
-    assert f"the 3 Mamba-2 layers keep their state, and a snapshot of it every {every} positions" in r.reason
-    assert done.token_ids == _reply(Session(granite, capacity=512), messages=edited)[0].token_ids
-    back, start = _reply(session, messages=first)  # the first branch again: its blocks, the snapshots with them
-    assert start.reuse.source == "store" and start.reuse.reused % every == 0 and start.reuse.reused > cut
-    assert back.token_ids == _reply(Session(granite, capacity=512), messages=first)[0].token_ids
+    edit_back_to_a_snapshot(granite, _reply, lambda: Session(granite, capacity=512), "3 Mamba-2 layers")
 
 
 def test_the_disk_tier_brings_the_snapshots_back_and_other_blocks_carry_none(granite, tmp_path):
