@@ -39,15 +39,64 @@ def attention_dtype(dtype: torch.dtype, device: torch.device, widen_bf16: bool =
     return dtype
 
 
+SCAN_CHUNK = 64  # positions a scanning layer's chunk takes at most: its [t, t] products stay small
+
+
 class ScanLayer(nn.Module):
     """What a scanning state layer in attention's place shares (Granite 4.0-H's Mamba-2 mixer, Qwen3-Next's gated
     DeltaNet): no window, no rotation, no sinks; its two projections the ones a backend may swap (the convolution's
-    and the scan's few weights stay); a batch's rows each run over a state of its own."""
+    and the scan's few weights stay); a batch's rows each run over a state of its own; its depthwise causal
+    convolution (`conv`, C channels) + silu over the state the cache holds before the new positions, then the
+    layer's own `scan` in chunks that end where the cache wants a state, so no position's state is computed twice.
+
+    Shapes: C the convolution's channels, K its width, t the positions run (the new ones, and those since the base
+    the cache gave)."""
 
     window, rope_kind, causal_only, sinks = None, None, True, None  # as Attention's, for Block and the masks
 
     def linears(self) -> list[str]:
         return ["in_proj", "out_proj"]
+
+    def _mix(self, xs: torch.Tensor, steps: torch.Tensor, cache, layer: int, start: int) -> torch.Tensor:
+        """xs [B, T, C] the convolution's raw input, steps [B, T, ·] the layer's other per-position inputs, at
+        positions start.. -> the scan's output for those positions, over the state before them (a base's before
+        that, with the inputs since run again: HybridCache.scan_state)."""
+        base, conv0, s0, since = start, None, None, None
+        if cache is not None and start > 0:
+            base, conv0, s0, since = cache.scan_state(layer, start)
+        xs = xs.transpose(1, 2)  # [B, C, T]
+        if since is not None:  # the positions from the base to start, again
+            xs = torch.cat((since[0].to(xs.dtype), xs), dim=-1)
+            steps = torch.cat((since[1].to(steps.dtype), steps), dim=1)
+        if conv0 is None:
+            conv0 = xs.new_zeros(xs.shape[0], xs.shape[1], self.conv.kernel_size[0] - 1)
+        full = torch.cat((conv0.to(xs.dtype), xs), dim=-1)  # [B, C, K − 1 + t]
+        u = F.silu(F.conv1d(full, self.conv.weight, self.conv.bias, groups=xs.shape[1])).transpose(1, 2).float()
+        t = u.shape[1]  # u [B, t, C]
+        ends = cache.state_points(base, base + t) if cache is not None else [base + t]
+        y, states = self.scan(u, steps, s0, [e - base for e in ends])
+        if cache is not None:
+            cache.keep_scan_state(layer, base, full, steps, {base + e: s for e, s in states.items()})
+        return y[:, start - base :]
+
+    def scan(self, u: torch.Tensor, steps: torch.Tensor, s0, ends: list[int]):
+        """u [B, t, C] (the convolution's output, float32), steps [B, t, ·], s0 the state before them or None (zeros)
+        -> (y [B, t, ...], {e: the state after e positions} for each e in `ends`): the layer's own."""
+        raise NotImplementedError
+
+    @staticmethod
+    def chunked(one, s, t: int, ends: list[int]):
+        """`one(s, a, b)` -> (y [B, b − a, ...], the state after b) over chunks of t positions from the state s, each
+        ending at one of `ends` or at most SCAN_CHUNK long -> (y [B, t, ...], {e: the state after e} for `ends`)."""
+        cuts = sorted({*ends, *range(SCAN_CHUNK, t, SCAN_CHUNK)} - {0})
+        wanted, states, ys, a = set(ends), {}, [], 0
+        for b in cuts:
+            y, s = one(s, a, b)
+            ys.append(y)
+            if b in wanted:
+                states[b] = s  # each chunk makes a new state: nothing writes into this one
+            a = b
+        return (torch.cat(ys, dim=1) if len(ys) > 1 else ys[0]), states
 
     def rows(self, inputs: tuple[torch.Tensor, ...], cache, layer: int, start):
         """`_mix(*inputs, cache, layer, start)` over the batch: each row over its own cache where `cache` is a list

@@ -28,8 +28,6 @@ from .block_parts import ScanLayer
 if TYPE_CHECKING:
     from .config import ModelConfig
 
-CHUNK = 64  # positions a chunk takes at most: its [T, T] system stays small
-
 
 class HeadNorm(nn.Module):
     """RMSNorm over each value head's d_v outputs (weight w, not 1 + w), then × silu(z), in float32."""
@@ -69,49 +67,20 @@ class GatedDeltaNet(ScanLayer):
         qkv, z, steps = self.in_proj(x).split([self.c, self.vw, 2 * self.hv], dim=-1)  # steps: b then a
         return self.out_proj(self.norm(self.rows((qkv, steps), cache, layer, start), z))  # [B, T, D]
 
-    def _mix(self, qkv: torch.Tensor, steps: torch.Tensor, cache, layer: int, start: int) -> torch.Tensor:
-        """qkv [B, T, C_δ], steps [B, T, 2·H_v] (b, a) at positions start.. -> o [B, T, H_v, d_v] (float32), over
-        the state before them (a base's before that, with the inputs since run again: HybridCache.scan_state)."""
-        base, conv0, s0, since = start, None, None, None
-        if cache is not None and start > 0:
-            base, conv0, s0, since = cache.scan_state(layer, start)
-        xs = qkv.transpose(1, 2)  # [B, C_δ, T]
-        if since is not None:  # the positions from the base to start, again
-            xs = torch.cat((since[0].to(xs.dtype), xs), dim=-1)
-            steps = torch.cat((since[1].to(steps.dtype), steps), dim=1)
-        if conv0 is None:
-            conv0 = xs.new_zeros(xs.shape[0], self.c, self.k - 1)
-        full = torch.cat((conv0.to(xs.dtype), xs), dim=-1)  # [B, C_δ, K_δ − 1 + t]
-        u = F.silu(F.conv1d(full, self.conv.weight, None, groups=self.c)).transpose(1, 2).float()  # [B, t, C_δ]
+    def scan(self, u, steps, s0, ends: list[int]):
+        """u [B, t, C_δ] (q, k, v after the convolution, float32), steps [B, t, 2·H_v] (b, a), s0 [B, H_v, d_k, d_v]
+        or None (zeros) -> (o [B, t, H_v, d_v], {e: the state after e positions} for each e in `ends`)."""
         q, k, v = u.split([self.hk * self.dk, self.hk * self.dk, self.vw], dim=-1)
         rep = self.hv // self.hk  # value heads a query/key head serves (consecutive ones)
         q = _unit(q.unflatten(-1, (self.hk, self.dk))).repeat_interleave(rep, dim=2) * self.dk**-0.5  # [B, t, H_v, d_k]
         k = _unit(k.unflatten(-1, (self.hk, self.dk))).repeat_interleave(rep, dim=2)
+        v = v.unflatten(-1, (self.hv, self.dv))  # [B, t, H_v, d_v]
         b, a = steps.float().split([self.hv, self.hv], dim=-1)  # [B, t, H_v] each
         g = -torch.exp(self.A_log.float()) * F.softplus(a + self.dt_bias.float())  # log of each position's decay
-        t = g.shape[1]
-        ends = cache.state_points(base, base + t) if cache is not None else [base + t]
-        o, states = self.rule(q, k, v.unflatten(-1, (self.hv, self.dv)), g, torch.sigmoid(b), s0,
-                              [e - base for e in ends])  # fmt: skip
-        if cache is not None:
-            cache.keep_scan_state(layer, base, full, steps, {base + e: s for e, s in states.items()})
-        return o[:, start - base :]  # [B, T, H_v, d_v]
-
-    def rule(self, q, k, v, g, beta, s0, ends: list[int]):
-        """q, k [B, t, H_v, d_k], v [B, t, H_v, d_v], g and beta [B, t, H_v] (float32), s0 [B, H_v, d_k, d_v] or None
-        (zeros) -> (o [B, t, H_v, d_v], {e: the state after e positions} for each e in `ends`), in chunks that end
-        at each of `ends` and at most CHUNK long."""
-        B, t = v.shape[:2]
-        s = s0.float() if s0 is not None else v.new_zeros(B, self.hv, self.dk, self.dv)
-        cuts = sorted({*ends, *range(CHUNK, t, CHUNK)} - {0})
-        wanted, states, outs, a = set(ends), {}, [], 0
-        for b in cuts:
-            o, s = _chunk(s, q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b])
-            outs.append(o)
-            if b in wanted:
-                states[b] = s  # each chunk makes a new state: nothing writes into this one
-            a = b
-        return (torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]), states
+        beta = torch.sigmoid(b)
+        s = s0.float() if s0 is not None else v.new_zeros(v.shape[0], self.hv, self.dk, self.dv)
+        return self.chunked(lambda s, a, b: _chunk(s, q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b]),
+                            s, v.shape[1], ends)  # fmt: skip
 
 
 def _unit(x: torch.Tensor) -> torch.Tensor:

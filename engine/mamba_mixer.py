@@ -25,8 +25,6 @@ from .block_parts import ScanLayer
 if TYPE_CHECKING:
     from .config import ModelConfig
 
-CHUNK = 64  # positions a chunk of the scan takes at most: its [T, T] products stay small
-
 
 class GatedNorm(nn.Module):
     """RMSNorm of y · silu(z) over each of the G_m groups of the inner width, in float32."""
@@ -68,49 +66,20 @@ class MambaMixer(ScanLayer):
         z, xbc, dt = self.in_proj(x).split([self.i, self.c, self.h], dim=-1)  # [B, T, I], [B, T, C_m], [B, T, H_m]
         return self.out_proj(self.norm(self.rows((xbc, dt), cache, layer, start), z))  # [B, T, D]
 
-    def _mix(self, xbc: torch.Tensor, dt: torch.Tensor, cache, layer: int, start: int) -> torch.Tensor:
-        """xbc [B, T, C_m], dt [B, T, H_m] at positions start.. -> y [B, T, I] (float32), over the state before them
-        (a base's before that, with the inputs since run again: HybridCache.scan_state)."""
-        B, T, _ = xbc.shape
-        base, conv0, h0, since = start, None, None, None
-        if cache is not None and start > 0:
-            base, conv0, h0, since = cache.scan_state(layer, start)
-        xbc = xbc.transpose(1, 2)  # [B, C_m, T]
-        if since is not None:  # the positions from the base to start, again
-            xbc, dt = torch.cat((since[0].to(xbc.dtype), xbc), dim=-1), torch.cat((since[1].to(dt.dtype), dt), dim=1)
-        if conv0 is None:
-            conv0 = xbc.new_zeros(B, self.c, self.k - 1)
-        full = torch.cat((conv0.to(xbc.dtype), xbc), dim=-1)  # [B, C_m, K_m − 1 + t]
-        u = F.silu(F.conv1d(full, self.conv.weight, self.conv.bias, groups=self.c)).transpose(1, 2)  # [B, t, C_m]
-        xs, Bm, Cm = u.float().split([self.i, self.g * self.n, self.g * self.n], dim=-1)
+    def scan(self, u, dt, h0, ends: list[int]):
+        """u [B, t, C_m] (x, B, C after the convolution, float32), dt [B, t, H_m] the raw steps, h0 [B, H_m, P, N] or
+        None (zeros) -> (y [B, t, I] with the skip, {e: the state after e positions} for each e in `ends`)."""
+        xs, Bm, Cm = u.split([self.i, self.g * self.n, self.g * self.n], dim=-1)
+        x = xs.unflatten(-1, (self.h, self.p))  # [B, t, H_m, P]
         delta = F.softplus(dt.float() + self.dt_bias.float()).clamp(self.low, self.high)  # [B, t, H_m]
-        t = delta.shape[1]
-        ends = cache.state_points(base, base + t) if cache is not None else [base + t]
-        y, states = self.scan(xs.unflatten(-1, (self.h, self.p)), delta, Bm, Cm, h0, [e - base for e in ends])
-        if cache is not None:
-            cache.keep_scan_state(layer, base, full, dt, {base + e: s for e, s in states.items()})
-        return y[:, start - base :].flatten(-2)  # [B, T, I]
-
-    def scan(self, x, delta, Bm, Cm, h0, ends: list[int]):
-        """x [B, t, H_m, P], delta [B, t, H_m], Bm and Cm [B, t, G_m · N] (float32), h0 [B, H_m, P, N] or None (zeros)
-        -> (y [B, t, H_m, P] with the skip, {e: the state after e positions} for each e in `ends`), in chunks that
-        end at each of `ends` and at most CHUNK long."""
-        B, t = x.shape[:2]
         A = -torch.exp(self.A_log.float())  # [H_m]
         rep = self.h // self.g  # heads per group
         Bh = Bm.unflatten(-1, (self.g, self.n)).repeat_interleave(rep, dim=2)  # [B, t, H_m, N]
         Ch = Cm.unflatten(-1, (self.g, self.n)).repeat_interleave(rep, dim=2)
-        h = h0.float() if h0 is not None else x.new_zeros(B, self.h, self.p, self.n)
-        cuts = sorted({*ends, *range(CHUNK, t, CHUNK)} - {0})
-        wanted, states, ys, a = set(ends), {}, [], 0
-        for b in cuts:
-            y, h = _chunk(h, x[:, a:b], delta[:, a:b], A, Bh[:, a:b], Ch[:, a:b])
-            ys.append(y)
-            if b in wanted:
-                states[b] = h  # each chunk makes a new state: nothing writes into this one
-            a = b
-        y = torch.cat(ys, dim=1) if len(ys) > 1 else ys[0]
-        return y + x * self.D.float()[:, None], states
+        h = h0.float() if h0 is not None else x.new_zeros(x.shape[0], self.h, self.p, self.n)
+        y, states = self.chunked(lambda h, a, b: _chunk(h, x[:, a:b], delta[:, a:b], A, Bh[:, a:b], Ch[:, a:b]),
+                                 h, x.shape[1], ends)  # fmt: skip
+        return (y + x * self.D.float()[:, None]).flatten(-2), states
 
 
 def _chunk(h, x, dt, A, Bh, Ch):
