@@ -34,26 +34,3 @@ def edit_the_first_message(loaded, reply, make_session):
     again, start = reply(session, messages=edited)
     fresh, _ = reply(make_session(), messages=edited)
     return session, follow, (again, start), fresh
-
-
-TRIP = [{"role": "user", "content": "I am planning a trip to Chengdu for 3 nights, on a budget of 600 yuan, with two "
-                                    "friends who like tea houses and long walks."}]  # fmt: skip
-
-
-def edit_back_to_a_snapshot(loaded, reply, make_session, layers: str) -> None:
-    """A scanning hybrid's edit: TRIP answered, then its words changed midway. The edit goes back to the last
-    snapshot before the changed position (the reason names `layers`, e.g. "3 Mamba-2 layers", and the spacing) and
-    replies as a fresh session does; the first branch again comes from the prefix store, up to a snapshot past the
-    edit, and replies as a fresh session does."""
-    session = make_session()
-    reply(session, messages=TRIP, max_new_tokens=40)
-    edited = [{"role": "user", "content": TRIP[0]["content"].replace("tea houses", "opera nights")}]
-    done, start = reply(session, messages=edited)
-    r = start.reuse
-    cut, every = r.first_invalidated_position, session.facts()["state"]["every"]
-    assert r.reused == cut // every * every < cut and r.source == "working"
-    assert f"the {layers} keep their state, and a snapshot of it every {every} positions" in r.reason
-    assert done.token_ids == reply(make_session(), messages=edited)[0].token_ids
-    back, start = reply(session, messages=TRIP)  # the first branch again: its blocks, the snapshots with them
-    assert start.reuse.source == "store" and start.reuse.reused % every == 0 and start.reuse.reused > cut
-    assert back.token_ids == reply(make_session(), messages=TRIP)[0].token_ids

@@ -8,15 +8,18 @@ on every kernel variant: test_parity's qwen3_next cases. llama.cpp's greedy toke
 import numpy as np
 import pytest
 import torch
-from conversations import BUDGET_CHAT, edit_back_to_a_snapshot
+from hybrid_checks import (
+    bfloat16_close_to_transformers,
+    cuts_equal_transformers,
+    disk_tier_brings_snapshots_back,
+    edit_back_to_a_snapshot,
+    state_stays_beside_kv_that_grows,
+)
 
 from checkpoints import FAMILY_CASES, make_checkpoint
 from engine.config import config_from_dict
-from engine.disk_store import DiskStore
 from engine.errors import ModelLoadError
-from engine.events import Finished, PrefillStarted
-from engine.kv_cache import make_cache
-from engine.session import Request, Session
+from engine.session import Session
 from engine.state_cache import snapshot_spacing
 from engine.weights.loading import load_model
 
@@ -35,64 +38,26 @@ def qwen(tmp_path_factory):
     return load_model(path, dtype="float32")
 
 
-def _reply(session, **kw) -> tuple[Finished, PrefillStarted]:
-    kw.setdefault("max_new_tokens", 10)
-    events = list(session.generate(Request(ignore_eos=True, **kw)))
-    assert isinstance(events[-1], Finished), events[-1]
-    return events[-1], next(e for e in events if isinstance(e, PrefillStarted))
-
-
 def test_the_state_is_the_same_size_at_any_length_and_its_snapshots_come_further_apart(qwen):
     """3 DeltaNets: each its convolution's inputs (2 · 2 · 16 + 4 · 16 = 128 channels, K − 1 = 3) and its 4 matrices
     [16, 16] in float32, whatever the length; one attention layer's K/V a position. A snapshot of the three takes
     3 · 1,408 · 4 bytes: spread over 16 positions, more than 4 × the K/V's 256, so one every 32."""
-    cache = make_cache(qwen.config, 512, torch.float32, "cpu")
+    cache = state_stays_beside_kv_that_grows(qwen, "delta")
     assert cache.kind == "delta" and cache.bytes_per_position == 2 * 1 * 2 * 16 * 4 == qwen.kv_bytes_per_position()
     assert cache.state_bytes == 3 * STATE * 4
     assert cache.every == snapshot_spacing(3 * STATE, 4, 256) == 32
-    sizes = []
-    for n in (40, 160):
-        cache.truncate(0)
-        with torch.no_grad():
-            qwen.model(torch.arange(5, 5 + n)[None], cache)
-        kinds = {k["kind"]: k for k in cache.kinds()}
-        sizes.append((kinds["delta"]["payload_bytes"], kinds["full"]["payload_bytes"], kinds["delta"]["snapshots"]))
-    assert sizes[0][0] == sizes[1][0] == cache.state_bytes
-    assert sizes[1][1] == 4 * sizes[0][1]
-    assert (sizes[0][2], sizes[1][2]) == (1, 5)
 
 
 def test_long_prompts_in_chunks_and_cuts_to_a_snapshot_or_a_base_equal_transformers(qwen):
-    """200 positions against transformers' own rule: a prompt of 150 (three chunks), then cuts back to positions among
-    the last ones (a base's state, the inputs since run again) and to snapshots; elsewhere refused."""
-    ref = transformers.AutoModelForCausalLM.from_pretrained(qwen.path, dtype=torch.float32).eval()
-    ids = torch.randint(5, qwen.config.vocab_size, (1, 200), generator=torch.Generator().manual_seed(1))
-    cache = make_cache(qwen.config, 512, torch.float32, "cpu")
-    with torch.no_grad():
-        want = ref(ids).logits
-        torch.testing.assert_close(qwen.model(ids[:, :150], cache), want[:, :150], rtol=1e-4, atol=1e-4)
-        for cut in (140, 128, 96, 64):  # among the last positions; then snapshots (every 32)
-            cache.truncate(cut)
-            got = qwen.model(ids[:, cut : cut + 5], cache)
-            torch.testing.assert_close(got, want[:, cut : cut + 5], rtol=1e-4, atol=1e-4)
-            cache.truncate(cut)
-        with pytest.raises(ValueError, match="no snapshot"):
-            cache.truncate(40)  # neither a snapshot nor among the last positions
-        torch.testing.assert_close(qwen.model(ids[:, 64:200], cache), want[:, 64:], rtol=1e-4, atol=1e-4)
+    cuts_equal_transformers(qwen)
 
 
 def test_an_edit_recomputes_from_the_last_snapshot_before_it_and_the_store_brings_it_back(qwen):
-    edit_back_to_a_snapshot(qwen, _reply, lambda: Session(qwen, capacity=512), "3 gated DeltaNet layers")
+    edit_back_to_a_snapshot(qwen, "3 gated DeltaNet layers")
 
 
 def test_the_disk_tier_brings_the_snapshots_back(qwen, tmp_path):
-    first = Session(qwen, capacity=512, disk=DiskStore(tmp_path, 2**30))
-    want, _ = _reply(first, messages=BUDGET_CHAT)
-    assert first.flush()
-    again = Session(qwen, capacity=512, disk=DiskStore(tmp_path, 2**30))
-    done, start = _reply(again, messages=BUDGET_CHAT)
-    assert start.reuse.source == "disk" and start.reuse.reused % 32 == 0 and start.reuse.reused > 0
-    assert done.token_ids == want.token_ids == _reply(Session(qwen, capacity=512), messages=BUDGET_CHAT)[0].token_ids
+    disk_tier_brings_snapshots_back(qwen, tmp_path, every=32)
 
 
 def test_the_facts_and_the_models_dialog_say_what_the_state_takes(qwen):
@@ -112,14 +77,7 @@ def test_the_facts_and_the_models_dialog_say_what_the_state_takes(qwen):
 
 
 def test_bfloat16_stays_close_to_transformers(qwen):
-    ref = transformers.AutoModelForCausalLM.from_pretrained(qwen.path, dtype=torch.bfloat16).eval()
-    ours = load_model(qwen.path, dtype="bfloat16")
-    ids = torch.arange(3, 90).view(1, -1) % 300 + 3
-    cache = make_cache(ours.config, 128, torch.bfloat16, "cpu")
-    with torch.no_grad():
-        a = torch.cat([ours.model(ids[:, :-1], cache), ours.model(ids[:, -1:], cache)], dim=1).float()
-        b = ref(ids).logits.float()
-    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
+    bfloat16_close_to_transformers(qwen)
 
 
 def _legacy(gguf_path, folder, out):

@@ -6,15 +6,13 @@ the GGUF form and llama.cpp's tokens: test_families'.)"""
 
 import pytest
 import torch
-from conversations import BUDGET_CHAT
+from hybrid_checks import disk_tier_brings_snapshots_back, reply
 
 from checkpoints import FAMILY_CASES, make_checkpoint
 from engine.config import config_from_dict
-from engine.disk_store import DiskStore
 from engine.errors import ModelLoadError
-from engine.events import Finished, PrefillStarted
 from engine.kv_cache import make_cache
-from engine.session import Request, Session
+from engine.session import Session
 from engine.state_cache import SNAPSHOT
 from engine.weights.loading import load_model
 
@@ -25,13 +23,6 @@ pytest.importorskip("transformers")
 def lfm2(tmp_path_factory):
     opts = dict(FAMILY_CASES["lfm2"])
     return load_model(make_checkpoint(tmp_path_factory.mktemp("lfm2"), opts.pop("family"), **opts), dtype="float32")
-
-
-def _reply(session, **kw) -> tuple[Finished, PrefillStarted]:
-    kw.setdefault("max_new_tokens", 10)
-    events = list(session.generate(Request(ignore_eos=True, **kw)))
-    assert isinstance(events[-1], Finished), events[-1]
-    return events[-1], next(e for e in events if isinstance(e, PrefillStarted))
 
 
 def test_the_state_is_the_same_size_at_any_length_beside_kv_that_grows(lfm2):
@@ -70,27 +61,21 @@ def test_a_cut_goes_back_to_a_snapshot_or_within_the_last_positions_and_nowhere_
 def test_an_edit_recomputes_from_the_last_snapshot_before_it_and_the_report_says_so(lfm2):
     session = Session(lfm2, capacity=256)
     first = [{"role": "user", "content": "I am planning a trip to Chengdu for 3 nights, on a budget."}]
-    _reply(session, messages=first)
+    reply(session, messages=first)
     edited = [{"role": "user", "content": "I am planning a trip to Chengdu for 4 nights, on a budget."}]
-    done, start = _reply(session, messages=edited)
+    done, start = reply(session, messages=edited)
     r = start.reuse
     cut = r.first_invalidated_position
     assert r.reused == cut // SNAPSHOT * SNAPSHOT < cut and r.source == "working"
     assert f"snapshot of it every {SNAPSHOT} positions; the last before {cut} is at {r.reused}" in r.reason
-    assert done.token_ids == _reply(Session(lfm2, capacity=256), messages=edited)[0].token_ids
-    back, start = _reply(session, messages=first)  # the first branch again: its blocks, snapshots with them
+    assert done.token_ids == reply(Session(lfm2, capacity=256), messages=edited)[0].token_ids
+    back, start = reply(session, messages=first)  # the first branch again: its blocks, snapshots with them
     assert start.reuse.source == "store" and start.reuse.reused % SNAPSHOT == 0 and start.reuse.reused > cut
-    assert back.token_ids == _reply(Session(lfm2, capacity=256), messages=first)[0].token_ids
+    assert back.token_ids == reply(Session(lfm2, capacity=256), messages=first)[0].token_ids
 
 
 def test_the_disk_tier_brings_the_snapshots_back_with_the_blocks(lfm2, tmp_path):
-    first = Session(lfm2, capacity=256, disk=DiskStore(tmp_path, 2**30))
-    want, _ = _reply(first, messages=BUDGET_CHAT)
-    assert first.flush()
-    again = Session(lfm2, capacity=256, disk=DiskStore(tmp_path, 2**30))
-    done, start = _reply(again, messages=BUDGET_CHAT)
-    assert start.reuse.source == "disk" and start.reuse.reused % SNAPSHOT == 0 and start.reuse.reused > 0
-    assert done.token_ids == want.token_ids == _reply(Session(lfm2, capacity=256), messages=BUDGET_CHAT)[0].token_ids
+    disk_tier_brings_snapshots_back(lfm2, tmp_path, every=SNAPSHOT, capacity=256)
 
 
 @pytest.fixture(scope="module", params=["lfm2", "granite-h", "qwen3-next"])
@@ -110,7 +95,7 @@ def test_drafts_are_taken_back_within_the_last_positions_and_replies_are_the_mod
     prompt = tuple(range(40, 72)) + tuple(range(40, 49))
     want = None
     for kind in (None, "lookup", "int4"):
-        done, _ = _reply(Session(hybrid, capacity=256), prompt_ids=prompt, max_new_tokens=24, speculative=kind)
+        done, _ = reply(Session(hybrid, capacity=256), prompt_ids=prompt, max_new_tokens=24, speculative=kind)
         want = want or done.token_ids
         assert done.token_ids == want, kind
         copies = hybrid.config.family != "qwen3_next"  # (its tiny reply repeats no n-gram: no lookup draft to take)

@@ -6,13 +6,18 @@ cached steps against transformers on every kernel variant: test_parity's granite
 
 import pytest
 import torch
-from conversations import BUDGET_CHAT, edit_back_to_a_snapshot
+from hybrid_checks import (
+    bfloat16_close_to_transformers,
+    cuts_equal_transformers,
+    disk_tier_brings_snapshots_back,
+    edit_back_to_a_snapshot,
+    state_stays_beside_kv_that_grows,
+)
 
 from checkpoints import FAMILY_CASES, make_checkpoint
 from engine.config import config_from_dict
-from engine.disk_store import SUFFIX, DiskStore
+from engine.disk_store import SUFFIX
 from engine.errors import ModelLoadError
-from engine.events import Finished, PrefillStarted
 from engine.kv_cache import make_cache
 from engine.session import Request, Session
 from engine.state_cache import RECENT, snapshot_spacing
@@ -31,51 +36,19 @@ def granite(tmp_path_factory):
     return load_model(path, dtype="float32")
 
 
-def _reply(session, **kw) -> tuple[Finished, PrefillStarted]:
-    kw.setdefault("max_new_tokens", 10)
-    events = list(session.generate(Request(ignore_eos=True, **kw)))
-    assert isinstance(events[-1], Finished), events[-1]
-    return events[-1], next(e for e in events if isinstance(e, PrefillStarted))
-
-
 def test_the_state_is_the_same_size_at_any_length_and_its_snapshots_come_further_apart(granite):
     """3 Mamba-2 layers: each its convolution's inputs (C_m = 128 + 2 · 2 · 16 = 192 channels, K_m − 1 = 3) and its
     scan's state (4 heads · 32 · 16) in float32, whatever the length; one attention layer's K/V a position. A
     snapshot of all three takes 3 · 2,624 · 4 bytes: spread over 16 positions, more than 4 × the K/V's 256, so one
     every 32."""
-    cache = make_cache(granite.config, 512, torch.float32, "cpu")
+    cache = state_stays_beside_kv_that_grows(granite, "mamba")
     assert cache.bytes_per_position == 2 * 1 * 2 * 16 * 4 == granite.kv_bytes_per_position()
     assert cache.state_bytes == 3 * (192 * 3 + 4 * 32 * 16) * 4
     assert cache.every == snapshot_spacing(3 * (192 * 3 + 4 * 32 * 16), 4, 256) == 32
-    sizes = []
-    for n in (40, 160):
-        cache.truncate(0)
-        with torch.no_grad():
-            granite.model(torch.arange(5, 5 + n)[None], cache)
-        kinds = {k["kind"]: k for k in cache.kinds()}
-        sizes.append((kinds["mamba"]["payload_bytes"], kinds["full"]["payload_bytes"], kinds["mamba"]["snapshots"]))
-    assert sizes[0][0] == sizes[1][0] == cache.state_bytes
-    assert sizes[1][1] == 4 * sizes[0][1]
-    assert (sizes[0][2], sizes[1][2]) == (1, 5)
 
 
 def test_long_prompts_in_chunks_and_cuts_to_a_snapshot_or_a_base_equal_transformers(granite):
-    """200 positions against transformers' own scan: a prompt of 150 (three chunks of the scan), then cuts back to
-    positions among the last ones (a base's state, the inputs since run again) and to snapshots; elsewhere refused."""
-    ref = transformers.AutoModelForCausalLM.from_pretrained(granite.path, dtype=torch.float32).eval()
-    ids = torch.randint(5, granite.config.vocab_size, (1, 200), generator=torch.Generator().manual_seed(1))
-    cache = make_cache(granite.config, 512, torch.float32, "cpu")
-    with torch.no_grad():
-        want = ref(ids).logits
-        torch.testing.assert_close(granite.model(ids[:, :150], cache), want[:, :150], rtol=1e-4, atol=1e-4)
-        for cut in (140, 128, 96, 64):  # among the last positions; then snapshots (every 32)
-            cache.truncate(cut)
-            got = granite.model(ids[:, cut : cut + 5], cache)
-            torch.testing.assert_close(got, want[:, cut : cut + 5], rtol=1e-4, atol=1e-4)
-            cache.truncate(cut)
-        with pytest.raises(ValueError, match="no snapshot"):
-            cache.truncate(40)  # neither a snapshot nor among the last positions
-        torch.testing.assert_close(granite.model(ids[:, 64:200], cache), want[:, 64:], rtol=1e-4, atol=1e-4)
+    cuts_equal_transformers(granite)
 
 
 def test_the_inputs_kept_for_going_back_stay_few_after_a_long_prompt(granite):
@@ -91,19 +64,15 @@ def test_the_inputs_kept_for_going_back_stay_few_after_a_long_prompt(granite):
 
 
 def test_an_edit_recomputes_from_the_last_snapshot_before_it_and_the_store_brings_it_back(granite):
-    edit_back_to_a_snapshot(granite, _reply, lambda: Session(granite, capacity=512), "3 Mamba-2 layers")
+    edit_back_to_a_snapshot(granite, "3 Mamba-2 layers")
 
 
 def test_the_disk_tier_brings_the_snapshots_back_and_other_blocks_carry_none(granite, tmp_path):
-    first = Session(granite, capacity=512, disk=DiskStore(tmp_path, 2**30))
-    want, _ = _reply(first, messages=BUDGET_CHAT)
-    assert first.flush()
-    sizes = sorted({p.stat().st_size for p in tmp_path.rglob(f"*{SUFFIX}")})
-    assert len(sizes) == 2 and sizes[1] - sizes[0] > 3 * 2624 * 4  # a block with a snapshot, and one without
-    again = Session(granite, capacity=512, disk=DiskStore(tmp_path, 2**30))
-    done, start = _reply(again, messages=BUDGET_CHAT)
-    assert start.reuse.source == "disk" and start.reuse.reused % 32 == 0 and start.reuse.reused > 0
-    assert done.token_ids == want.token_ids == _reply(Session(granite, capacity=512), messages=BUDGET_CHAT)[0].token_ids
+    def two_sizes(folder):  # a block with a snapshot, and one without
+        sizes = sorted({p.stat().st_size for p in folder.rglob(f"*{SUFFIX}")})
+        assert len(sizes) == 2 and sizes[1] - sizes[0] > 3 * 2624 * 4
+
+    disk_tier_brings_snapshots_back(granite, tmp_path, every=32, flushed=two_sizes)
 
 
 def test_the_facts_and_the_models_dialog_say_what_the_state_takes(granite):
@@ -121,14 +90,7 @@ def test_the_facts_and_the_models_dialog_say_what_the_state_takes(granite):
 
 
 def test_bfloat16_stays_close_to_transformers(granite):
-    ref = transformers.AutoModelForCausalLM.from_pretrained(granite.path, dtype=torch.bfloat16).eval()
-    ours = load_model(granite.path, dtype="bfloat16")
-    ids = torch.arange(3, 90).view(1, -1) % 300 + 3
-    cache = make_cache(ours.config, 128, torch.bfloat16, "cpu")
-    with torch.no_grad():
-        a = torch.cat([ours.model(ids[:, :-1], cache), ours.model(ids[:, -1:], cache)], dim=1).float()
-        b = ref(ids).logits.float()
-    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
+    bfloat16_close_to_transformers(granite)
 
 
 RAW = dict(architectures=["GraniteMoeHybridForCausalLM"], hidden_size=64, intermediate_size=32, num_hidden_layers=4,
