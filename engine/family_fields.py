@@ -178,14 +178,9 @@ def _granite_hybrid(raw: dict, layers: int, hidden: int) -> dict:
     kinds = raw.get("layer_types") or raw.get("layers_block_type") or ["mamba"] * layers
     if not isinstance(kinds, list) or len(kinds) != layers or any(k not in MAMBA_KINDS for k in kinds):
         raise ModelLoadError(f"config.json's layer_types must name each of the {layers} layers mamba or attention")
-    sizes = {}
     limits = (("mamba_n_heads", 128, 1 << 12), ("mamba_d_state", 256, 1 << 12), ("mamba_n_groups", 1, 1 << 12),
               ("mamba_d_conv", 4, 64), ("mamba_expand", 2, 64))  # fmt: skip
-    for key, default, high in limits:
-        value = raw.get(key, default)
-        if not whole(value, 2 if key == "mamba_d_conv" else 1, high):
-            raise ModelLoadError(f"config.json's {key} is {value!r}: out of range (1 to {high:,})")
-        sizes[key] = int(value)
+    sizes = _widths(raw, limits)
     inner = sizes["mamba_expand"] * hidden
     head = raw.get("mamba_d_head", "auto")
     head = inner // sizes["mamba_n_heads"] if head in ("auto", None) else head
@@ -218,6 +213,19 @@ def _granite_hybrid(raw: dict, layers: int, hidden: int) -> dict:
     }
 
 
+def _widths(raw: dict, limits) -> dict[str, int]:
+    """A state layer's widths from config.json, each (key, default, most) a whole number from 1 to its most (a
+    convolution's width — mamba_d_conv, linear_conv_kernel_dim — from 2: it must see a position before): a state
+    is sized from them, so one out of range is refused by name."""
+    sizes = {}
+    for key, default, high in limits:
+        value = raw.get(key, default)
+        if not whole(value, 2 if key.endswith(("_conv", "conv_kernel_dim")) else 1, high):
+            raise ModelLoadError(f"config.json's {key} is {value!r}: out of range (1 to {high:,})")
+        sizes[key] = int(value)
+    return sizes
+
+
 def _sparse_layers(raw: dict, layers: int) -> tuple[bool, ...]:
     """Qwen's mixtures: every decoder_sparse_step-th layer a mixture, but those mlp_only_layers names."""
     step = raw.get("decoder_sparse_step")
@@ -245,15 +253,10 @@ def _qwen3_next(raw: dict, layers: int) -> dict:
         raise ModelLoadError(
             f"config.json's layer_types must name each of the {layers} layers linear_attention or full_attention"
         )
-    sizes = {}
     limits = (("linear_num_key_heads", 16, 1 << 10), ("linear_num_value_heads", 32, 1 << 10),
               ("linear_key_head_dim", 128, 1 << 12), ("linear_value_head_dim", 128, 1 << 12),
               ("linear_conv_kernel_dim", 4, 64))  # fmt: skip
-    for key, default, high in limits:
-        value = raw.get(key, default)
-        if not whole(value, 2 if key == "linear_conv_kernel_dim" else 1, high):
-            raise ModelLoadError(f"config.json's {key} is {value!r}: out of range (1 to {high:,})")
-        sizes[key] = int(value)
+    sizes = _widths(raw, limits)
     if sizes["linear_num_value_heads"] % sizes["linear_num_key_heads"]:
         raise ModelLoadError("linear_num_value_heads must be a multiple of linear_num_key_heads")
     shared = raw.get("shared_expert_intermediate_size") or 0

@@ -75,7 +75,8 @@ def config_dict(model) -> dict:
     elif scaling not in (None, "none"):
         raise ModelLoadError(f"rope scaling {scaling!r} is not supported (supported: none, linear, yarn)", model.path)
     rope_dims = model.arch_value("rope.dimension_count")
-    if rope_dims is not None and rope_dims != head_dim and model.arch != "deepseek2":
+    # (Qwen3-Next's config rotates a quarter unless it says: the file's count is always said)
+    if rope_dims is not None and model.arch != "deepseek2" and (rope_dims != head_dim or model.arch == "qwen3next"):
         if model.arch not in ("phi3", "qwen3next"):
             raise ModelLoadError(f"partial rotary embeddings ({rope_dims} of {head_dim}) are not supported", model.path)
         raw["partial_rotary_factor"] = rope_dims / head_dim
@@ -201,9 +202,6 @@ def _qwen3_next_dict(model, raw: dict, experts: int) -> dict:
         "shared_expert_intermediate_size": model.arch_value("expert_shared_feed_forward_length", 0),
         "mlp_only_layers": [i for i in range(layers or 0) if f"blk.{i}.ffn_gate_inp.weight" not in model.tensors],
     }
-    rope = model.arch_value("rope.dimension_count")
-    if rope and raw["head_dim"]:
-        out["partial_rotary_factor"] = rope / raw["head_dim"]
     return out
 
 
