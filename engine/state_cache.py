@@ -33,6 +33,15 @@ SNAPSHOT_SHARE = 4  # the snapshots take at most this many times the K/V bytes o
 # each kind of state layer in words: the panel's, the kind's in a list of layers, its short name
 KIND_WORDS = {"conv": ("convolution", "short convolutions", "conv"), "mamba": ("Mamba-2", "Mamba-2", "mamba"),
               "delta": ("gated DeltaNet", "gated DeltaNet", "delta")}  # fmt: skip
+SCANNING = tuple(k for k in KIND_WORDS if k != "conv")  # the kinds that scan: bases and inputs kept to go back
+
+
+def kind_layers(kind: str) -> str:
+    """A kind of state layers in words: "convolution layers", "Mamba-2 layers", "gated DeltaNet layers" (an unknown
+    kind: a convolution's)."""
+    return KIND_WORDS.get(kind, KIND_WORDS["conv"])[0] + " layers"
+
+
 RECENT = 64  # the last positions a state can be set back to without a snapshot (a speculative rollback)
 
 
@@ -106,7 +115,7 @@ class HybridCache:
     def scans(self) -> bool:
         """Whether the state layers run a scan (a Mamba-2 mixer, a gated DeltaNet: bases and inputs kept for going
         back) rather than a short convolution (its last inputs are its state)."""
-        return self.kind != "conv"
+        return self.kind in SCANNING
 
     # --- length, and going back ----------------------------------------------------------------------------------
     @property
@@ -383,7 +392,7 @@ class HybridCache:
     def layer_words(self) -> str:
         """The state layers in words: "convolution layers" (LFM2), "Mamba-2 layers" (Granite 4.0-H), "gated DeltaNet
         layers" (Qwen3-Next)."""
-        return KIND_WORDS[self.kind][0] + " layers"
+        return kind_layers(self.kind)
 
     def plan_words(self, num_layers: int) -> tuple[str, str]:
         """The Models dialog's words for the state layers, long and short: how many, the state, the snapshots."""

@@ -4,6 +4,7 @@ positions came from, what an overflow policy left out, the disk tier's state, a 
 from __future__ import annotations
 
 from engine.request import OVERFLOW_POLICIES
+from engine.state_cache import kind_layers
 
 DASH = "—"
 NOT_REPORTED = "not reported by this server"
@@ -297,13 +298,10 @@ def formula_title(f: dict) -> str:
     return "2·L·T·H_kv·d·b + state" if f.get("state") else "2·L·T·H_kv·d·b"
 
 
-STATE_KINDS = {"mamba": "Mamba-2 layers", "delta": "gated DeltaNet layers"}
-
-
 def state_layers(state: dict) -> str:
     """A hybrid's state layers in words: its Mamba-2 layers (Granite 4.0-H), its gated DeltaNet layers (Qwen3-Next)
     or its convolution layers (LFM2)."""
-    return STATE_KINDS.get(state.get("kind"), "convolution layers")
+    return kind_layers(state.get("kind", "conv"))
 
 
 def state_words(state: dict | None, positions: int) -> str:

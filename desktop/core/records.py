@@ -9,6 +9,7 @@ import math
 import threading
 
 from engine.errors import cut
+from engine.state_cache import SCANNING  # the state layers that scan (Mamba-2, a gated DeltaNet)
 from engine.tool_calls import MAX_CALLS  # calls in one reply's record
 
 from .image_files import checked_references
@@ -117,16 +118,15 @@ def _made_by(m) -> dict | None:
         given = m.get(key)
         if isinstance(given, dict) and given:
             extra = set(given) - set(keys)
-            mamba = key == "state" and extra == set(MAMBA_STATE) and given.get("kind") in SCAN_KINDS
-            ok = (not extra or mamba) and all(_count(given.get(x)) for x in keys)
-            ok = ok and (not mamba or all(_count(given[x]) for x in MAMBA_STATE if x != "kind"))
-            out[key] = {x: given[x] for x in (*keys, *(MAMBA_STATE if mamba else ()))} if ok else None
+            scans = key == "state" and extra == set(SCAN_STATE) and given.get("kind") in SCANNING
+            ok = (not extra or scans) and all(_count(given.get(x)) for x in keys)
+            ok = ok and (not scans or all(_count(given[x]) for x in SCAN_STATE if x != "kind"))
+            out[key] = {x: given[x] for x in (*keys, *(SCAN_STATE if scans else ()))} if ok else None
     return out
 
 
 STATE_COUNTS = ("layers", "hidden", "width", "bytes", "every", "snapshot_bytes_per_position")
-MAMBA_STATE = ("kind", "scan", "value_bytes")  # a scanning layer's besides: its scan's values, their bytes
-SCAN_KINDS = ("mamba", "delta")  # the state layers that scan: Mamba-2's (Granite 4.0-H), a gated DeltaNet's
+SCAN_STATE = ("kind", "scan", "value_bytes")  # a scanning layer's besides: its kind, its scan's values, their bytes
 
 
 LATENT_COUNTS = ("heads", "kv_lora_rank", "rope_dim", "nope_dim", "value_dim", "plain_bytes_per_position")
