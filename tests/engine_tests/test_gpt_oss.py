@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from checkpoints import FAMILY_CASES, make_checkpoint
 from engine.errors import ModelLoadError
 from engine.kv_cache import KVCache
-from engine.quant import MXFP4_CODES
+from engine.quant import MXFP4_CODES, mxfp4_scales, unpack_mxfp4
 from engine.weights.loading import load_model
 from engine.weights.stacked_experts import dequantize_mxfp4
 
@@ -64,6 +64,26 @@ def _logits(loaded, prompt: torch.Tensor, steps: int = 20) -> list[torch.Tensor]
         for _ in range(steps):
             out.append(loaded.model(out[-1][:, -1:].argmax(-1), cache))
     return out
+
+
+@pytest.mark.parametrize("n", [2880, 160, 128, 96, 32])
+def test_the_mxfp4_product_is_the_values_it_codes_for_float32_and_bfloat16_activations(n, kernel_variant):
+    """One row's MXFP4 product (gpt-oss's experts in decode) equals the float64 product of the values its codes and
+    e8m0 scales hold, within float32 rounding of the terms: for float32 x, and for x that is bfloat16 (a bfloat16
+    model's activations, which AVX-512 BF16 multiplies as bfloat16 pairs) — whole steps of 4 blocks and the
+    blocks past them, scales from the subnormal 2^-128 up."""
+    if "mxfp4" not in kernel_variant.modes:
+        pytest.skip(f"no MXFP4 products in the {kernel_variant.variant} build")
+    g = torch.Generator().manual_seed(n)
+    out = 37
+    codes = torch.randint(0, 256, (out, n // 2), generator=g, dtype=torch.uint8)
+    e = torch.randint(112, 136, (out, n // 32), generator=g, dtype=torch.uint8)
+    e[0, 0], e[1, -1], e[2, 0] = 0, 1, 2
+    values = unpack_mxfp4(codes).double() * mxfp4_scales(e).double().repeat_interleave(32, dim=1)  # [out, n]
+    for x in (torch.randn(n, generator=g), torch.randn(n, generator=g).bfloat16().float()):
+        got = kernel_variant.qmatvec("mxfp4", codes, e, x, 32).double()
+        want, size = values @ x.double(), values.abs() @ x.double().abs()
+        assert float(((got - want).abs() / size.clamp_min(1e-300)).max()) < 1e-6, kernel_variant.variant
 
 
 def test_the_mxfp4_blocks_compute_as_the_values_they_code(tmp_path, kernel_variant):
