@@ -8,6 +8,7 @@ into Python between layers.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 
 import torch
@@ -142,25 +143,70 @@ def step_disagreement(model) -> str | None:
     kernels' per-function checks against torch pass a wrong step only where layers meet (a fused product of
     mixed types, an offset on a block a file holds): this catches those before a token is written. The
     module path, not a two-position prefill, is the reference: a prefill dequantizes every weight, which took
-    most of the check's time on a 4-bit file (engine/BENCHMARKS.md, "Opening a model file")."""
+    most of the check's time on a 4-bit file (engine/BENCHMARKS.md, "Opening a model file"). A mixture's step
+    takes the experts the module path chose, so the check compares the products, not two roundings' choices."""
     from ..kv_cache import make_cache
 
     cfg, dtype = model.cfg, model.norm.weight.dtype
     ids = torch.tensor([[1, 2]]) % cfg.vocab_size
     step, fresh = make_cache(cfg, 2, dtype, "cpu"), make_cache(cfg, 2, dtype, "cpu")
-    model.forward(ids[:, :1], step)
-    got = model.forward(ids[:, 1:], step)[0, -1].float()  # the step (one position, on the kernels' cache)
     kept, model.decode_step = model.decode_step, None
     try:
-        model.forward(ids[:, :1], fresh)
-        want = model.forward(ids[:, 1:], fresh)[0, -1].float()  # module by module
+        with _routes_taken(model) as routes:
+            model.forward(ids[:, :1], fresh)
+            want = model.forward(ids[:, 1:], fresh)[0, -1].float()  # module by module
     finally:
         model.decode_step = kept
+    with _routes_given(kept, routes[:1]):
+        model.forward(ids[:, :1], step)
+    with _routes_given(kept, routes[1:]):
+        got = model.forward(ids[:, 1:], step)[0, -1].float()  # the step (one position, on the kernels' cache)
     err = float((got - want).abs().max()) / max(float(want.abs().max()), 1e-6)
     limit = INT8_TOLERANCE if model.activations == "int8" else STEP_TOLERANCE[dtype]
     if not torch.isfinite(got).all() or err > limit:
         return f"the one-call decode step disagreed with the module path on this model ({err:.2g} of the logits)"
     return None
+
+
+@contextlib.contextmanager
+def _routes_taken(model):
+    """While open, each mixture layer's choice of experts for one position is appended to the list it yields: one
+    list of [top_k] int32 tensors (one a mixture layer, in order) a forward pass."""
+    mixtures = [b.mlp for b in model.layers if isinstance(b.mlp, MoE)]
+    passes: list[list[torch.Tensor]] = []
+
+    def taking(moe, route):
+        def taken(x):
+            weights, chosen = route(x)
+            if moe is mixtures[0]:
+                passes.append([])
+            passes[-1].append(chosen[0].to(torch.int32).contiguous())
+            return weights, chosen
+
+        return taken
+
+    for moe in mixtures:
+        moe.route = taking(moe, moe.route)
+    try:
+        yield passes
+    finally:
+        for moe in mixtures:
+            del moe.route  # the class's own again
+
+
+@contextlib.contextmanager
+def _routes_given(step, passes: list[list[torch.Tensor]]):
+    """While open, the step's mixture layers take the first pass's choice of experts (none: their own). The
+    check compares what the step computes, not where two roundings of a near-tie route (random weights put
+    experts at near-ties: one ulp anywhere flips a choice, and a flipped choice moves the logits far)."""
+    layers = [layer for layer in step.layers if layer.n_experts]
+    for layer, route in zip(layers, passes[0] if passes else []):
+        layer.route = route.data_ptr()
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.route = None
 
 
 class _Linear(ctypes.Structure):  # kv_linear in csrc/kernels.h
@@ -201,6 +247,7 @@ class _Layer(ctypes.Structure):  # kv_layer in csrc/kernels.h
         ("topk_first", ctypes.c_int64),
         ("swiglu_limit", ctypes.c_float),
         ("swiglu_alpha", ctypes.c_float),
+        ("route", ctypes.c_void_p),  # int32 [top_k] given in place of the router's choice (the check's), or NULL
     ]
 
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from checkpoints import FAMILY_CASES, make_checkpoint
 from engine.errors import ModelLoadError
 from engine.kv_cache import KVCache
-from engine.quant import MXFP4_CODES, mxfp4_scales, unpack_mxfp4
+from engine.quant import MXFP4_CODES, integer_product, mxfp4_scales, unpack_mxfp4
 from engine.weights.loading import load_model
 from engine.weights.stacked_experts import dequantize_mxfp4
 
@@ -71,7 +71,8 @@ def test_the_mxfp4_product_is_the_values_it_codes_for_float32_and_bfloat16_activ
     """One row's MXFP4 product (gpt-oss's experts in decode) equals the float64 product of the values its codes and
     e8m0 scales hold, within float32 rounding of the terms: for float32 x, and for x that is bfloat16 (a bfloat16
     model's activations, which AVX-512 BF16 multiplies as bfloat16 pairs) — whole steps of 4 blocks and the
-    blocks past them, scales from the subnormal 2^-128 up."""
+    blocks past them, scales from the subnormal 2^-128 up; with int8 activations, the integer product's
+    definition."""
     if "mxfp4" not in kernel_variant.modes:
         pytest.skip(f"no MXFP4 products in the {kernel_variant.variant} build")
     g = torch.Generator().manual_seed(n)
@@ -84,6 +85,10 @@ def test_the_mxfp4_product_is_the_values_it_codes_for_float32_and_bfloat16_activ
         got = kernel_variant.qmatvec("mxfp4", codes, e, x, 32).double()
         want, size = values @ x.double(), values.abs() @ x.double().abs()
         assert float(((got - want).abs() / size.clamp_min(1e-300)).max()) < 1e-6, kernel_variant.variant
+        # int8 activations: x quantized per block of 32, the blocks' integer sums (engine.quant.integer_product)
+        got = kernel_variant.qmatvec("mxfp4", codes, e, x, 32, activations="int8").double()
+        want = integer_product(unpack_mxfp4(codes), mxfp4_scales(e), x)
+        assert float(((got - want).abs() / size.clamp_min(1e-300)).max()) < 1e-5, kernel_variant.variant
 
 
 def test_the_mxfp4_blocks_compute_as_the_values_they_code(tmp_path, kernel_variant):
@@ -131,6 +136,36 @@ def test_its_config_reads_as_the_family_is_built(tmp_path):
     assert abs(cfg.rope.attention_factor - (0.1 * torch.log(torch.tensor(4.0)).item() + 1)) < 1e-9
     assert not cfg.plain_blocks and cfg.step_blocks
     assert loaded.model.decode_step is not None and loaded.model.decode_step_refused is None
+
+
+def test_the_step_check_compares_products_under_the_module_paths_choice_of_experts(tmp_path, monkeypatch):
+    """Where the module path routes a position to other experts than the step would (two roundings of a near-tie,
+    played here by a module path that sends each position's last expert to its lowest-scored one), the load-time
+    check gives the step the module path's choice and passes what computes alike; a step that computes otherwise
+    is still refused."""
+    from engine.backends import decode_step
+    from engine.feedforward import MoE
+
+    monkeypatch.setenv("KVCHAT_CACHE_DIR", str(tmp_path / "cache"))  # no kept pass: the check runs
+    opts = dict(FAMILY_CASES["gpt_oss"], num_hidden_layers=2)
+    folder = make_checkpoint(tmp_path / "model", opts.pop("family"), **opts)
+
+    def elsewhere(self, x):  # gpt-oss's routing (the k's softmax over their logits), its last expert the worst
+        logits = self.router(x)  # [N, E]
+        chosen = logits.topk(self.k, dim=-1).indices.clone()
+        chosen[:, -1] = logits.argmin(-1)
+        return torch.softmax(logits.gather(1, chosen), dim=-1).to(x.dtype), chosen
+
+    monkeypatch.setattr(MoE, "route", elsewhere)
+    loaded = load_model(folder, dtype="float32")
+    if loaded.kernels is None:
+        pytest.skip("no kernels here: the module path serves every model")
+    assert loaded.model.decode_step is not None and loaded.model.decode_step_refused is None
+    real = decode_step.DecodeLayers.run
+    monkeypatch.setattr(decode_step.DecodeLayers, "run", lambda self, x, *a: real(self, x, *a) or x.add_(x.roll(1)))
+    monkeypatch.setenv("KVCHAT_CACHE_DIR", str(tmp_path / "other"))  # another build: the pass above is not its
+    wrong = load_model(folder, dtype="float32")
+    assert wrong.model.decode_step is None and "disagreed" in wrong.model.decode_step_refused
 
 
 @pytest.mark.parametrize(

@@ -82,10 +82,10 @@ static int64_t layer_lo(const kv_layer *L, int64_t pos, int64_t lo) {
         }                                                                                                       \
         float kept = 0.0f;                                                                                      \
         for (int64_t j = 0; j < K; j++) { /* taken ones marked NaN: never above another again */             \
-            int64_t best = -1;                                                                                  \
-            for (int64_t e = 0; e < E; e++)                                                                     \
+            int64_t best = L->route ? L->route[j] : -1; /* a choice given (the load-time check's) */            \
+            for (int64_t e = 0; e < E && !L->route; e++)                                                        \
                 if (p[e] == p[e] && (best < 0 || p[e] > p[best])) best = e;                                     \
-            if (best < 0) best = 0; /* NaN scores: any expert (the load-time check refuses such a step) */   \
+            if (best < 0 || best >= E) best = 0; /* NaN scores: any expert (the check refuses such a step) */ \
             chosen[j] = best, w[j] = p[best], kept += p[best], p[best] = NAN;                                   \
         }                                                                                                       \
         if (L->topk_first) { /* the k logits' softmax, rounded to T as torch's softmax in T rounds it */        \

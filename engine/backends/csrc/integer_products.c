@@ -139,7 +139,9 @@ static inline int32_t block_dot_q5(const uint8_t *r, int64_t b, const int8_t *c)
 INT_ROW(int_row_q8, int8_t, u_q8, BIAS8 == 0, ORDER_PLAIN)
 INT_ROW(int_row_q4, uint8_t, u_q4, 0, ORDER_Q4)
 INT_ROW(int_row_q5, uint8_t, u_q5, 0, ORDER_Q5)
+#if XQ_STEP != 64 /* (512-bit VNNI has its own MXFP4 product below) */
 INT_ROW(int_row_mx4, uint8_t, u_mx4, 0, ORDER_Q4)
+#endif
 
 /* y [out] = W x with x quantized as above: codes and scales as the float products take them (mode 8, 4 or 5). */
 #define INT_MATVEC(NAME, T, ROW, BIAS, ORDER, BYTES_PER_ROW)                                                         \
@@ -160,6 +162,66 @@ INT_ROW(int_row_mx4, uint8_t, u_mx4, 0, ORDER_Q4)
 INT_MATVEC(int_matvec_q8, int8_t, int_row_q8, BIAS8, ORDER_PLAIN, in)
 INT_MATVEC(int_matvec_q4, uint8_t, int_row_q4, 8, ORDER_Q4, in / 2)
 INT_MATVEC(int_matvec_q5, uint8_t, int_row_q5, 16, ORDER_Q5, in / 32 * 20)
+#if XQ_STEP == 64
+/* MXFP4 where 512-bit VNNI runs: a 64-byte load holds 4 blocks (128 inputs), its low nibbles looked up as the
+ * values + 16 (vpshufb) meet x's codes of the even inputs, its high ones the odd ones, each 32-bit lane eight
+ * inputs of one block (each 128-bit lane one block) starting from −16 · their codes' sum; each block's scale is
+ * made from its e8m0 byte in its lane (e << 23: 2^(e − 127), the sum halved once at the end) times x's d, with
+ * no pass over a row's scales first. x's codes, sums and scales are laid out so once a call. */
+static void int_matvec_mx4(const uint8_t *q, const uint8_t *e, const float *x, float *y, int64_t out, int64_t in,
+                           int nt) {
+    const int64_t groups = in / 32, steps = (in + 127) / 128, np = steps * 128;
+    int8_t natural[np], c[np]; /* x's codes as quantize_x gives them; c: each step's evens, then its odds */
+    int32_t unused[np / 4], neg[steps * 16];
+    float d4[np / 4], d[steps * 16];
+    const int64_t padded = (in + XQ_PAD - 1) / XQ_PAD * XQ_PAD; /* what quantize_x fills; zeros past it */
+    quantize_x(x, in, 0, ORDER_PLAIN, natural, unused, d4);
+    memset(natural + padded, 0, np - padded);
+    for (int64_t i = padded / 4; i < np / 4; i++) d4[i] = 0;
+    for (int64_t t = 0; t < steps; t++) {
+        int8_t *ct = c + 128 * t;
+        const int8_t *xt = natural + 128 * t;
+        for (int k = 0; k < 64; k++) ct[k] = xt[2 * k], ct[64 + k] = xt[2 * k + 1];
+        for (int l = 0; l < 16; l++) { /* lane l: inputs 8l..8l+7 of the step, block l / 4 */
+            int32_t sum = 0;
+            for (int j = 0; j < 8; j++) sum += xt[8 * l + j];
+            neg[16 * t + l] = -16 * sum;
+            d[16 * t + l] = d4[(128 * t + 8 * l) / 4];
+        }
+    }
+    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)MX_CODES_U));
+    const __m512i low = _mm512_set1_epi8(15), byte = _mm512_set1_epi32(255), least = _mm512_set1_epi32(0x00400000);
+    const __m512i lane_byte = _mm512_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 24, 24, 24, 24);
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t o = 0; o < out; o++) {
+        const uint8_t *r = q + o * (in / 2), *eo = e + o * groups;
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+        for (int64_t t = 0; t < steps; t++) {
+            const int64_t nb = groups - 4 * t < 4 ? groups - 4 * t : 4; /* blocks in this step */
+            uint32_t e4 = 0;
+            __m512i b;
+            PREFETCH(r + 64 * t);
+            if (nb == 4) {
+                b = _mm512_loadu_si512(r + 64 * t);
+                memcpy(&e4, eo + 4 * t, 4);
+            } else {
+                b = _mm512_maskz_loadu_epi8((1ull << (16 * nb)) - 1, r + 64 * t);
+                for (int k = 0; k < nb; k++) e4 |= (uint32_t)eo[4 * t + k] << (8 * k);
+            }
+            __m512i evens = _mm512_shuffle_epi8(table, _mm512_and_si512(b, low));
+            __m512i odds = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(b, 4), low));
+            __m512i p = _mm512_dpbusd_epi32(_mm512_loadu_si512(neg + 16 * t), evens, _mm512_loadu_si512(c + 128 * t));
+            p = _mm512_dpbusd_epi32(p, odds, _mm512_loadu_si512(c + 128 * t + 64));
+            __m512i ev = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)e4), lane_byte), byte);
+            __m512 s = _mm512_castsi512_ps(_mm512_max_epu32(_mm512_slli_epi32(ev, 23), least)); /* 2^(e − 127) */
+            s = _mm512_mul_ps(s, _mm512_loadu_ps(d + 16 * t));
+            if (t & 1) a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), s, a1);
+            else a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), s, a0);
+        }
+        y[o] = 0.5f * _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+    }
+}
+#else
 /* MXFP4: each row's e8m0 scales made float32 as it is reached (mx4_scales), never a float copy of them all */
 static void int_matvec_mx4(const uint8_t *q, const uint8_t *e, const float *x, float *y, int64_t out, int64_t in,
                            int nt) {
@@ -175,6 +237,7 @@ static void int_matvec_mx4(const uint8_t *q, const uint8_t *e, const float *x, f
         y[o] = int_row_mx4(q + o * (in / 2), so, in, 32, c, neg, d);
     }
 }
+#endif
 
 /* The exported products: integer where the shape fits, the float products otherwise. */
 void kv_matvec_q8x(const int8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,

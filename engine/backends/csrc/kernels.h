@@ -131,6 +131,10 @@ typedef struct {
     const float *sinks;
     int64_t window, topk_first;
     float swiglu_limit, swiglu_alpha;
+    /* the top_k experts to take in place of the router's own choice (their weights still the router's), or NULL:
+     * the load-time check gives the module path's choice, so that a near-tie the two round apart is not read as a
+     * wrong step (engine/backends/decode_step.py, step_disagreement) */
+    const int32_t *route;
 } kv_layer;
 enum { KV_MAX_EXPERTS = 512, KV_MAX_TOP_K = 64 }; /* what the one-call step routes (more: the module path) */
 
