@@ -166,8 +166,8 @@ INT_MATVEC(int_matvec_q5, uint8_t, int_row_q5, 16, ORDER_Q5, in / 32 * 20)
 /* MXFP4 where 512-bit VNNI runs: a 64-byte load holds 4 blocks (128 inputs), its low nibbles looked up as the
  * values + 16 (vpshufb) meet x's codes of the even inputs, its high ones the odd ones, each 32-bit lane eight
  * inputs of one block (each 128-bit lane one block) starting from −16 · their codes' sum; each block's scale is
- * made from its e8m0 byte in its lane (e << 23: 2^(e − 127), the sum halved once at the end) times x's d, with
- * no pass over a row's scales first. x's codes, sums and scales are laid out so once a call. */
+ * made in its lane (mx4_lane_scales) times x's d, with no pass over a row's scales first. x's codes, sums and
+ * scales are laid out so once a call. */
 static void int_matvec_mx4(const uint8_t *q, const uint8_t *e, const float *x, float *y, int64_t out, int64_t in,
                            int nt) {
     const int64_t groups = in / 32, steps = (in + 127) / 128, np = steps * 128;
@@ -190,31 +190,20 @@ static void int_matvec_mx4(const uint8_t *q, const uint8_t *e, const float *x, f
         }
     }
     const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)MX_CODES_U));
-    const __m512i low = _mm512_set1_epi8(15), byte = _mm512_set1_epi32(255), least = _mm512_set1_epi32(0x00400000);
-    const __m512i lane_byte = _mm512_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 24, 24, 24, 24);
+    const __m512i low = _mm512_set1_epi8(15);
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t o = 0; o < out; o++) {
         const uint8_t *r = q + o * (in / 2), *eo = e + o * groups;
         __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
         for (int64_t t = 0; t < steps; t++) {
-            const int64_t nb = groups - 4 * t < 4 ? groups - 4 * t : 4; /* blocks in this step */
-            uint32_t e4 = 0;
+            uint32_t e4;
             __m512i b;
-            PREFETCH(r + 64 * t);
-            if (nb == 4) {
-                b = _mm512_loadu_si512(r + 64 * t);
-                memcpy(&e4, eo + 4 * t, 4);
-            } else {
-                b = _mm512_maskz_loadu_epi8((1ull << (16 * nb)) - 1, r + 64 * t);
-                for (int k = 0; k < nb; k++) e4 |= (uint32_t)eo[4 * t + k] << (8 * k);
-            }
+            mx4_step(r, eo, t, groups, &b, &e4);
             __m512i evens = _mm512_shuffle_epi8(table, _mm512_and_si512(b, low));
             __m512i odds = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(b, 4), low));
             __m512i p = _mm512_dpbusd_epi32(_mm512_loadu_si512(neg + 16 * t), evens, _mm512_loadu_si512(c + 128 * t));
             p = _mm512_dpbusd_epi32(p, odds, _mm512_loadu_si512(c + 128 * t + 64));
-            __m512i ev = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)e4), lane_byte), byte);
-            __m512 s = _mm512_castsi512_ps(_mm512_max_epu32(_mm512_slli_epi32(ev, 23), least)); /* 2^(e − 127) */
-            s = _mm512_mul_ps(s, _mm512_loadu_ps(d + 16 * t));
+            const __m512 s = _mm512_mul_ps(mx4_lane_scales(e4), _mm512_loadu_ps(d + 16 * t));
             if (t & 1) a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), s, a1);
             else a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), s, a0);
         }

@@ -39,8 +39,8 @@ static inline void mx_values8(const uint8_t *r, int64_t i, vf *lo, vf *hi) { /* 
  * bfloat16 words and vdpbf16ps multiplies 32 pairs of them with x's words a step, exactly in float32, as the FMAs
  * below do (x's subnormals, below 2^-126, count as 0 there). A 64-byte load holds 4 blocks; its 16-bit words' four
  * nibbles (inputs 4m + k of the 128) are looked up as bfloat16 by vpermw, x's words de-interleaved by 4 to meet
- * them, and each 128-bit lane of the sums is one block's: the block's scale is made from its e8m0 byte in the
- * lane (e << 23: 2^(e − 127), the sum halved once at the end), with no pass over a row's scales first. */
+ * them, and each 128-bit lane of the sums is one block's, scaled in the lane (mx4_lane_scales), with no pass over a
+ * row's scales first. */
 static const uint16_t MX4_BF16[32] = { /* MX4_CODES as bfloat16, twice: vpermw reads an index's low 5 bits */
     0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40C0, 0x4100, 0x4140, 0x8000, 0xBF80, 0xC000, 0xC040, 0xC080, 0xC0C0,
     0xC100, 0xC140, 0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40C0, 0x4100, 0x4140, 0x8000, 0xBF80, 0xC000, 0xC040,
@@ -74,32 +74,21 @@ static void mx4_bf16(const uint8_t *q, const uint8_t *e, const float *x, float *
                 if (i < groups * MX_GROUP) memcpy(&b, x + i, 4);
                 xw[c * 128 + 32 * k + m] = (uint16_t)(b >> 16);
             }
-    const __m512i table = _mm512_loadu_si512(MX4_BF16), ff = _mm512_set1_epi32(255);
-    const __m512i lane_byte = _mm512_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 24, 24, 24, 24);
-    const __m512i least = _mm512_set1_epi32(0x00400000); /* e = 0: 2^-127, halved to 2^-128 as mx4_scale has it */
+    const __m512i table = _mm512_loadu_si512(MX4_BF16);
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t o = 0; o < out; o++) {
         const uint8_t *r = q + o * half, *eo = e + o * groups;
         __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
         for (int64_t c = 0; c < steps; c++) {
-            const int64_t nb = groups - 4 * c < 4 ? groups - 4 * c : 4; /* blocks in this step */
-            uint32_t e4 = 0;
+            uint32_t e4;
             __m512i b;
-            PREFETCH(r + 64 * c);
-            if (nb == 4) {
-                b = _mm512_loadu_si512(r + 64 * c);
-                memcpy(&e4, eo + 4 * c, 4);
-            } else {
-                b = _mm512_maskz_loadu_epi8((1ull << (16 * nb)) - 1, r + 64 * c);
-                for (int k = 0; k < nb; k++) e4 |= (uint32_t)eo[4 * c + k] << (8 * k);
-            }
+            mx4_step(r, eo, c, groups, &b, &e4);
             const uint16_t *xc = xw + 128 * c;
             __m512 p0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), mx4_words(b, 0, table), mx4_x(xc));
             __m512 p1 = _mm512_dpbf16_ps(_mm512_setzero_ps(), mx4_words(b, 4, table), mx4_x(xc + 32));
             p0 = _mm512_dpbf16_ps(p0, mx4_words(b, 8, table), mx4_x(xc + 64));
             p1 = _mm512_dpbf16_ps(p1, mx4_words(b, 12, table), mx4_x(xc + 96));
-            __m512i ev = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)e4), lane_byte), ff);
-            __m512 s = _mm512_castsi512_ps(_mm512_max_epu32(_mm512_slli_epi32(ev, 23), least)); /* 2^(e − 127) */
+            const __m512 s = mx4_lane_scales(e4);
             if (c & 1) a1 = _mm512_fmadd_ps(s, _mm512_add_ps(p0, p1), a1);
             else a0 = _mm512_fmadd_ps(s, _mm512_add_ps(p0, p1), a0);
         }

@@ -273,6 +273,31 @@ static inline float mx4_scale(uint8_t e) {
 static inline void mx4_scales(const uint8_t *e, float *s, int64_t n) {
     for (int64_t i = 0; i < n; i++) s[i] = mx4_scale(e[i]);
 }
+#if KV_LANES == 16 && defined(__AVX512BW__)
+/* 512-bit MXFP4 products take 4 blocks (128 values) a step: step t's 64 code bytes of row r (zeros past the row's
+ * `groups` blocks), its blocks' e8m0 bytes in *e4 (byte k block k's), and the step's block count. */
+static inline int64_t mx4_step(const uint8_t *r, const uint8_t *e, int64_t t, int64_t groups, __m512i *b,
+                               uint32_t *e4) {
+    const int64_t nb = groups - 4 * t < 4 ? groups - 4 * t : 4;
+    PREFETCH(r + 64 * t);
+    *e4 = 0;
+    if (nb == 4) {
+        *b = _mm512_loadu_si512(r + 64 * t);
+        memcpy(e4, e + 4 * t, 4);
+    } else {
+        *b = _mm512_maskz_loadu_epi8((1ull << (16 * nb)) - 1, r + 64 * t);
+        for (int k = 0; k < nb; k++) *e4 |= (uint32_t)e[4 * t + k] << (8 * k);
+    }
+    return nb;
+}
+/* Each block's scale over its 128-bit lane, made from its e8m0 byte there: e << 23 is 2^(e − 127) (e = 0: 2^-127),
+ * twice mx4_scale's, so a row's sum is halved once at its end. */
+static inline __m512 mx4_lane_scales(uint32_t e4) {
+    const __m512i lane_byte = _mm512_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 24, 24, 24, 24);
+    __m512i ev = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)e4), lane_byte), _mm512_set1_epi32(255));
+    return _mm512_castsi512_ps(_mm512_max_epu32(_mm512_slli_epi32(ev, 23), _mm512_set1_epi32(0x00400000)));
+}
+#endif
 
 /* int5 codes as a GGUF's Q5_0/Q5_1 blocks hold them, without their float16 scale: for each group of 32 inputs,
  * 4 bytes of fifth bits (bit i: input i) then 16 bytes whose low nibbles are inputs 0-15 and high nibbles
