@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from PySide6.QtCore import QObject, QTimer, Signal
+from PySide6.QtCore import QObject, Qt, QTimer, Signal
 
 from .transcript import MessageView, Transcript
 
@@ -39,7 +39,8 @@ class BranchView(QObject):
         self.rows: list = []  # the branch as last drawn: (message, version index, versions)
         self.backfill_to = 0  # the branch index down to which views are being added, a chunk a turn
         self.reading = None  # the conversation drawn from its tail while its branch is read on a thread
-        self.branchRead.connect(self._on_branch_read)
+        # queued: a read done before its callback is added calls `done` here, and the tail must be drawn first
+        self.branchRead.connect(self._on_branch_read, Qt.QueuedConnection)
         transcript.earlierRequested.connect(self.show_earlier)
 
     def store(self):

@@ -94,6 +94,30 @@ def test_a_long_conversation_opens_with_its_last_messages_and_shows_earlier_ones
     assert readers == [False]  # the branch kept follows what is written, not read again
 
 
+def test_a_branch_read_that_ends_before_its_callback_is_added_still_draws_the_tail_first(
+    qtbot, make_window, spin_loop, demo_model_dir, tmp_path
+):
+    """A loaded machine can finish the thread's read before the window adds its callback (the callback then runs at
+    once, on the GUI thread): the conversation still opens from its tail, and the rest lands on a later turn."""
+    data = tmp_path / "data"
+    data.mkdir()
+    cid, short, ids = long_conversation(data)
+    w = make_window(demo_model_dir, data=data)
+    read_later = w.store.read_later
+
+    def done_at_once(c):
+        fut = read_later(c)
+        fut.result(timeout=30)  # the read is over before add_done_callback
+        return fut
+
+    w.store.read_later = done_at_once
+    w.select_conversation(cid)
+    tr = w.transcript
+    assert 0 < len(tr.views) < WINDOW and tr.more  # the tail, drawn first
+    qtbot.waitUntil(lambda: len(tr.views) == WINDOW and not tr.more)
+    assert [v.message.id for v in tr.views] == ids[-WINDOW:]
+
+
 def test_what_is_done_while_a_long_branch_is_being_read_lands_in_its_place(
     qtbot, make_window, spin_loop, demo_model_dir, tmp_path
 ):
