@@ -23,9 +23,10 @@ static inline int int_products_fit(int64_t in, int64_t g) { return in % XQ_BLOCK
 
 /* Where a step's k-th code byte comes from within its 64 inputs: the order in which a mode's reader unpacks
  * them (each 4-byte lane stays inside one block of 32). */
-enum { ORDER_PLAIN, ORDER_NIBBLES, ORDER_HALVES, ORDER_TILES };
+enum { ORDER_PLAIN, ORDER_NIBBLES, ORDER_HALVES, ORDER_TILES, ORDER_BLOCK_NIBBLES };
 static inline int order_source(int order, int k) {
     if (order == ORDER_NIBBLES) return k < 32 ? 2 * k : 2 * (k - 32) + 1;       /* low nibbles, then high ones */
+    if (order == ORDER_BLOCK_NIBBLES) return (k & 32) + 2 * (k & 15) + ((k >> 4) & 1); /* the same, a block at a time */
     if (order == ORDER_HALVES) return (k & 15) + 32 * ((k >> 4) & 1) + 16 * (k >> 5); /* two int5 blocks' halves */
     if (order == ORDER_TILES) return (k & ~7) + ((k & 7) < 4 ? 2 * (k & 7) : 2 * (k & 3) + 1); /* each 8: even, odd */
     return k;
@@ -134,7 +135,7 @@ static inline __m512 lane_scales(const float *d, const float *so, int64_t i, int
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 #define XQ_STEP 32
-#define ORDER_Q4 ORDER_PLAIN
+#define ORDER_Q4 ORDER_BLOCK_NIBBLES
 #define ORDER_Q5 ORDER_PLAIN
 typedef __m256i vu;
 #if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
@@ -156,21 +157,22 @@ static inline vu u_q8(const int8_t *r, int64_t i, int64_t in) {
     __m256i w = _mm256_loadu_si256((const __m256i *)(r + i));
     return BIAS8 ? _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80)) : w;
 }
-static inline vu u_q4(const uint8_t *r, int64_t i, int64_t in) {
-    (void)in;
+/* A block's 16 bytes in both 128-bit halves, the high half's shifted down a nibble: its low nibbles (inputs 2k),
+ * then its high ones (2k + 1), as ORDER_BLOCK_NIBBLES lays x's codes; `flip` xored in first (0x88: each q + 8). */
+static inline __m256i block_nibbles(const uint8_t *r, int64_t i, int flip) {
     PREFETCH(r + i / 2);
-    __m128i b = _mm_loadu_si128((const __m128i *)(r + i / 2)), f = _mm_set1_epi8(15);
-    __m128i lo = _mm_and_si128(b, f), hi = _mm_and_si128(_mm_srli_epi16(b, 4), f);
-    __m256i u = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
-    return _mm256_xor_si256(u, _mm256_set1_epi8(8));
+    __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(r + i / 2)));
+    if (flip) b = _mm256_xor_si256(b, _mm256_set1_epi8((char)0x88));
+    return _mm256_and_si256(_mm256_srlv_epi32(b, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(15));
 }
-static inline vu u_mx4(const uint8_t *r, int64_t i, int64_t in) { /* MXFP4: the nibbles as u_q4 has them, looked up */
+static inline vu u_q4(const uint8_t *r, int64_t i, int64_t in) { /* q + 8 */
     (void)in;
-    PREFETCH(r + i / 2);
-    __m128i b = _mm_loadu_si128((const __m128i *)(r + i / 2)), f = _mm_set1_epi8(15);
-    __m128i lo = _mm_and_si128(b, f), hi = _mm_and_si128(_mm_srli_epi16(b, 4), f);
-    __m128i lut = _mm_loadu_si128((const __m128i *)MX_CODES_U);
-    return _mm256_set_m128i(_mm_shuffle_epi8(lut, _mm_unpackhi_epi8(lo, hi)), _mm_shuffle_epi8(lut, _mm_unpacklo_epi8(lo, hi)));
+    return block_nibbles(r, i, 1);
+}
+static inline vu u_mx4(const uint8_t *r, int64_t i, int64_t in) { /* MXFP4: the nibbles looked up */
+    (void)in;
+    __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)MX_CODES_U));
+    return _mm256_shuffle_epi8(lut, block_nibbles(r, i, 0));
 }
 static inline vu u_q5(const uint8_t *r, int64_t i, int64_t in) {
     (void)in;

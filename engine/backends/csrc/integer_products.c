@@ -36,10 +36,11 @@
     static float NAME(const T *r, const float *so, int64_t in, int64_t g, const int8_t *c, const int32_t *neg, \
                       const float *d) {                                                                       \
         __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();                                           \
-        int64_t i = 0;                                                                                        \
+        int64_t i = 0, shift = g == 32 ? 5 : -1; /* a GGUF's blocks: a block's scale without a division */      \
         for (; i + 64 <= in; i += 64) {                                                                       \
-            a0 = dot_step8(U(r, i, in), c, neg, i, SIGNED8, d, so[i / g], a0);                                \
-            a1 = dot_step8(U(r, i + 32, in), c, neg, i + 32, SIGNED8, d, so[(i + 32) / g], a1);               \
+            float s0 = shift > 0 ? so[i >> 5] : so[i / g], s1 = shift > 0 ? so[(i >> 5) + 1] : so[(i + 32) / g]; \
+            a0 = dot_step8(U(r, i, in), c, neg, i, SIGNED8, d, s0, a0);                                       \
+            a1 = dot_step8(U(r, i + 32, in), c, neg, i + 32, SIGNED8, d, s1, a1);                             \
         }                                                                                                     \
         if (i < in) a0 = dot_step8(U(r, i, in), c, neg, i, SIGNED8, d, so[i / g], a0);                        \
         return kv_hsum256(_mm256_add_ps(a0, a1));                                                             \
@@ -126,7 +127,7 @@ static inline int32_t block_dot_q5(const uint8_t *r, int64_t b, const int8_t *c)
         float a = 0;                                                                                          \
         for (int64_t b = 0; b < in / XQ_BLOCK; b++) {                                                         \
             int32_t t = BLOCK_DOT(U, r, b, c + b * XQ_BLOCK);                                                 \
-            a += so[b * XQ_BLOCK / g] * (d[b * 8] * (float)t);                                                \
+            a += so[g == XQ_BLOCK ? b : b * XQ_BLOCK / g] * (d[b * 8] * (float)t); /* (32: no division) */      \
         }                                                                                                     \
         return a;                                                                                             \
     }
