@@ -36,9 +36,10 @@
     static float NAME(const T *r, const float *so, int64_t in, int64_t g, const int8_t *c, const int32_t *neg, \
                       const float *d) {                                                                       \
         __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();                                           \
-        int64_t i = 0, shift = g == 32 ? 5 : -1; /* a GGUF's blocks: a block's scale without a division */      \
+        int64_t i = 0;                                                                                        \
+        const int blocks = g == XQ_BLOCK; /* a GGUF's blocks: a block's scale without a division */           \
         for (; i + 64 <= in; i += 64) {                                                                       \
-            float s0 = shift > 0 ? so[i >> 5] : so[i / g], s1 = shift > 0 ? so[(i >> 5) + 1] : so[(i + 32) / g]; \
+            float s0 = blocks ? so[i >> 5] : so[i / g], s1 = blocks ? so[(i >> 5) + 1] : so[(i + 32) / g];     \
             a0 = dot_step8(U(r, i, in), c, neg, i, SIGNED8, d, s0, a0);                                       \
             a1 = dot_step8(U(r, i + 32, in), c, neg, i + 32, SIGNED8, d, s1, a1);                             \
         }                                                                                                     \

@@ -275,9 +275,8 @@ static inline void mx4_scales(const uint8_t *e, float *s, int64_t n) {
 }
 #if KV_LANES == 16 && defined(__AVX512BW__)
 /* 512-bit MXFP4 products take 4 blocks (128 values) a step: step t's 64 code bytes of row r (zeros past the row's
- * `groups` blocks), its blocks' e8m0 bytes in *e4 (byte k block k's), and the step's block count. */
-static inline int64_t mx4_step(const uint8_t *r, const uint8_t *e, int64_t t, int64_t groups, __m512i *b,
-                               uint32_t *e4) {
+ * `groups` blocks), and its blocks' e8m0 bytes in *e4 (byte k block k's). */
+static inline void mx4_step(const uint8_t *r, const uint8_t *e, int64_t t, int64_t groups, __m512i *b, uint32_t *e4) {
     const int64_t nb = groups - 4 * t < 4 ? groups - 4 * t : 4;
     PREFETCH(r + 64 * t);
     *e4 = 0;
@@ -288,7 +287,6 @@ static inline int64_t mx4_step(const uint8_t *r, const uint8_t *e, int64_t t, in
         *b = _mm512_maskz_loadu_epi8((1ull << (16 * nb)) - 1, r + 64 * t);
         for (int k = 0; k < nb; k++) *e4 |= (uint32_t)e[4 * t + k] << (8 * k);
     }
-    return nb;
 }
 /* Each block's scale over its 128-bit lane, made from its e8m0 byte there: e << 23 is 2^(e − 127) (e = 0: 2^-127),
  * twice mx4_scale's, so a row's sum is halved once at its end. */
