@@ -85,6 +85,12 @@ def sampling_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Te
     return filter_min_p(filter_top_p(filter_top_k(logits, params.top_k), params.top_p), params.min_p)
 
 
+def greedy_pick(logits: torch.Tensor) -> int:
+    """The first maximal index of logits [V] (the lowest wins a tie; a NaN's own index, as argmax): max's indices,
+    a third of argmax's time over a vocabulary on the CPU (engine/BENCHMARKS.md, "The scheduler's own time")."""
+    return int(logits.max(0).indices)
+
+
 def draw(
     logits: torch.Tensor,
     params: SamplingParams,
@@ -94,7 +100,7 @@ def draw(
     """logits [V] -> (one token id, the logits it was drawn from [V]; sampling_logits)."""
     drawn = sampling_logits(logits, params, seen)
     if params.greedy:
-        return int(torch.argmax(drawn)), drawn  # first maximal index: the lowest index wins a tie
+        return greedy_pick(drawn), drawn
     return int(torch.multinomial(drawn.softmax(-1), 1, generator=generator)), drawn
 
 

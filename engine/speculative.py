@@ -26,7 +26,7 @@ from .events import WAITING
 from .generation import Decoder, Reply, StepWanted
 from .kv_cache import make_cache
 from .prefix_store import common_prefix
-from .sampling import sampling_logits
+from .sampling import greedy_pick, sampling_logits
 
 KINDS = ("int4", "lookup")  # besides a path to a draft model with the target's tokenizer
 DEFAULT_TOKENS = 4  # tokens drafted a round
@@ -149,7 +149,7 @@ class ModelDrafter:
             row = _width(row, self.vocab)  # [V] of the target: q and the target's p weigh the same tokens
             drawn = sampling_logits(row, params)  # the draft samples as the target does (no penalty: cheaper)
             if params.greedy:
-                token, p = int(torch.argmax(drawn)), None
+                token, p = greedy_pick(drawn), None
             else:
                 p = drawn.softmax(-1)
                 token = int(torch.multinomial(p, 1, generator=generator))

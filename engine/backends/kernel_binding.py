@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ..kv_pool import BLOCK  # KV_BLOCK in csrc/kernels.h: positions a block of the KV pool holds
-from ..quant import QMAX, check_activations, storage_bytes
+from ..quant import QMAX, check_activations, storage_bytes, untile
 from .kernel_checks import check_all, take, verdict_of
 
 QUANT_FUNCS = {"int8": "kv_matvec_q8", "int4": "kv_matvec_q4", "int5": "kv_matvec_q5", "mxfp4": "kv_matvec_mx4"}
@@ -83,6 +83,7 @@ class Kernels:
         self._q4t_rows = self._declare("kv_matvec_q4t_rows", [p, p, p, p, p, i64, i64, i64, i64, i32])
         self._q8x_rows = self._declare("kv_matvec_q8x_rows", [p, p, p, p, p, i64, i64, i64, i64, i32])
         self._q4tx_rows = self._declare("kv_matvec_q4tx_rows", [p, p, p, p, p, i64, i64, i64, i64, i32])
+        self._q8tx_rows = self._declare("kv_matvec_q8tx_rows", [p, p, p, p, p, i64, i64, i64, i64, i32])
         self.batch_rows = False  # whether the products of several rows give each row's one-row product (checked)
         self._linear_rows = {
             dtype: self._declare("kv_linear_rows_" + SUFFIX[dtype], [p, i64, p, p, p, p, i32]) for dtype in self._float
@@ -100,12 +101,14 @@ class Kernels:
         }
         self._tiled = self._declare("kv_matvec_q4t", [p, p, p, p, p, i64, i64, i64, i32])
         self._tiled_integer = self._declare("kv_matvec_q4tx", [p, p, p, p, p, i64, i64, i64, i32])
+        self._tiled_q8x = self._declare("kv_matvec_q8tx", [p, p, p, p, p, i64, i64, i64, i32])
         self._tiled_dequant = self._declare("kv_dequant_q4t", [p, p, p, p, i64, i64, i64, i32])
         self._silu = self._declare("kv_silu_f32", [p, p, i64])
         self._gguf_rows = self._declare("kv_gguf_rows", [p, i64, i64, i64, p, i64, i64, i64, i64, p, p, p, i32])
         self._read_stream = self._declare("kv_read_stream", [p, i64, i32])
         self._read_stream.restype = ctypes.c_float
         self.lib.kv_int4_tile_rows.restype = self.lib.kv_int4_integer_tiles.restype = ctypes.c_int
+        self.lib.kv_int8_integer_tiles.restype = ctypes.c_int
         if verdict is not None:
             take(self, verdict)
         else:
@@ -209,8 +212,8 @@ class Kernels:
         activations: str = "float32",
     ) -> torch.Tensor:
         """Several rows' products at once, x [B, in] float32 -> y [B, out] float32: float32 weights [out, in]
-        (`mode` "float32"), int8 codes, or int4 codes in tiles (`tiled`), each row as matvec / qmatvec (with the
-        same `activations`) gives it."""
+        (`mode` "float32"), int8 codes (in rows, or in tiles with int8 activations), or int4 codes in tiles
+        (`tiled`), each row as matvec / qmatvec (with the same `activations`) gives it."""
         B, n = x.shape
         x = x.contiguous()
         if mode == "float32":
@@ -218,12 +221,14 @@ class Kernels:
             y = torch.empty(B, out, dtype=torch.float32)
             self._f32_rows(*self.memory(weight, x), n, y.data_ptr(), out, out, n, B, torch.get_num_threads())
             return y
-        if (mode, tiled) not in (("int8", False), ("int4", True)):
+        integer = activations != "float32"
+        if (mode, tiled) not in (("int8", False), ("int4", True)) and not (mode == "int8" and integer):
             raise ValueError("several rows at once: float32 weights, int8 codes or int4 tiles")
+        self._check_tiles(mode, tiled, activations)
         out = scales.numel() * group // n
         y = torch.empty(B, out, dtype=torch.float32)
-        integer = activations != "float32"
         fn = {"int8": (self._q8_rows, self._q8x_rows), "int4": (self._q4t_rows, self._q4tx_rows)}[mode][integer]
+        fn = self._q8tx_rows if mode == "int8" and tiled else fn
         fn(*self.memory(weight, scales, mins, x, y), out, n, group, B, torch.get_num_threads())
         return y
 
@@ -242,18 +247,30 @@ class Kernels:
         offsets `mins` [out, in/g] float32: weights s · q + m), x [in] float32 -> y [out] float32.
         `activations="int8"`: x quantized per block of 32 and integer dot products (engine.quant.integer_product)
         where in and g are whole blocks; the float32 product otherwise. `tiled`: int4 codes, scales and
-        offsets in tiles of `int4_tile_rows` rows (engine.quant.tile); int8 activations where `int4_integer_tiles`."""
+        offsets in tiles of `int4_tile_rows` rows (engine.quant.tile); int8 activations where `int4_integer_tiles`;
+        int8 codes in those tiles with int8 activations where `int8_integer_tiles`."""
         check_activations(activations)
-        if tiled and (mode != "int4" or not (activations == "float32" or self.int4_integer_tiles)):
-            raise ValueError("these kernels' tiles hold int4 codes multiplied by float32 activations")
+        self._check_tiles(mode, tiled, activations)
         return self._product(mode, codes, scales, x, group, mins, activations, tiled)
+
+    def _check_tiles(self, mode: str, tiled: bool, activations: str) -> None:
+        """What the tiles of this library hold: int4 codes (by float32 activations, or int8 ones where
+        `int4_integer_tiles`), int8 codes by int8 activations where `int8_integer_tiles`."""
+        if not tiled:
+            return
+        if mode == "int8" and activations == "int8" and self.int8_integer_tiles:
+            return
+        if mode != "int4" or not (activations == "float32" or self.int4_integer_tiles):
+            raise ValueError("these kernels' tiles hold int4 codes, or int8 codes by int8 activations where they run")
 
     def _product(self, mode, codes, scales, x, group, mins, activations, tiled) -> torch.Tensor:
         """qmatvec past its checks: the self-checks call it on the paths they are deciding."""
         n = x.numel()
         out = scales.numel() * group // n
         y = torch.empty(out, dtype=torch.float32)
-        if tiled:
+        if tiled and mode == "int8":
+            fn = self._tiled_q8x
+        elif tiled:
             fn = self._tiled if activations == "float32" else self._tiled_integer
         else:
             fn = self._quant[mode] if activations == "float32" else self._integer[mode]
@@ -301,9 +318,15 @@ class Kernels:
         tiled: bool = False,
     ) -> torch.Tensor:
         """The float32 weight [out, in] = s · q (+ m) of int8 codes or int4 codes two a byte, in one pass
-        (into `into` when given: a float32 [out, in] buffer); `tiled`: int4 in tiles of rows, as qmatvec."""
+        (into `into` when given: a float32 [out, in] buffer); `tiled`: in tiles of rows, as qmatvec (int8 codes'
+        tiles read back into rows first)."""
         out = scales.numel() * group // in_features
         w = torch.empty(out, in_features, dtype=torch.float32) if into is None else into
+        if tiled and mode == "int8":
+            rows = self.int4_tile_rows  # the kernels' one tile height (csrc/simd.h, TILE_ROWS)
+            codes, scales, mins = (None if t is None else untile(t, rows, u).contiguous() for t, u in
+                                   ((codes, 4), (scales, 1), (mins, 1)))  # fmt: skip
+            tiled = False
         fn = self._tiled_dequant if tiled else self._dequant[mode]
         fn(*self.memory(codes, scales, mins, w), out, in_features, group, torch.get_num_threads())
         return w

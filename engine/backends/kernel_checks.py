@@ -182,6 +182,24 @@ def mxfp4_agrees(k, g: torch.Generator, activations: str = "float32") -> bool:
     return True
 
 
+def int8_tiles_agree(k, rows: int) -> bool:
+    """int8 codes in tiles by int8 activations against engine.quant.integer_product, and their dequantization
+    (read back into rows) against the definition."""
+    g = torch.Generator().manual_seed(3)
+    for out, n, group in ((rows, 64, 32), (3 * rows, 576, 64), (2 * rows, 96, 32), (rows, 160, 160)):
+        w, x = torch.randn(out, n, generator=g), torch.randn(n, generator=g)
+        codes, scales = quantize(w, "int8", group)
+        stored = tile(codes, rows, 4)
+        for m in (None, torch.randn(scales.shape, generator=g)):
+            if not codes_agree(k, "int8", stored, codes, scales, x, group, m, "int8", rows):
+                return False
+            mn = None if m is None else tile(m, rows, 1)
+            mine = k.dequantize("int8", stored, tile(scales, rows, 1), n, group, None, mn, True)
+            if not torch.allclose(mine, dequantize(codes, scales, mins=m), rtol=2**-22, atol=2**-22):
+                return False
+    return True
+
+
 def codes_agree(k, mode, stored, codes, scales, x, group, mins, activations="float32", tiles=0) -> bool:
     """The one-row product and the dequantization of `stored` codes against the definition, s · q (+ m):
     s · q is exact in float32 (equal), s · q + m is one rounding in C (FMA) against torch's two. Under int8
@@ -204,8 +222,8 @@ def codes_agree(k, mode, stored, codes, scales, x, group, mins, activations="flo
 def rows_agree(k) -> bool:
     """The products of several rows at once (engine.batching's decode steps) against each row's one-row product,
     bit for bit (a request's tokens must not depend on its batch-mates): float32 weights, int8 codes (groups of
-    32, longer groups, offsets) and int4 tiles, with float32 activations and with int8 ones where the library's
-    integer products serve them, on awkward sizes and 1 to 9 rows (past a pass of 8)."""
+    32, longer groups, offsets), int4 tiles, and int8 tiles where they run, with float32 activations and with int8
+    ones where the library's integer products serve them, on awkward sizes and 1 to 9 rows (past a pass of 8)."""
     g = torch.Generator().manual_seed(2)
     activations = ("float32", "int8") if "int8" in k.integer_modes else ("float32",)
     tile_activations = ("float32", "int8") if k.int4_integer_tiles else ("float32",)
@@ -233,6 +251,16 @@ def rows_agree(k) -> bool:
                     want = torch.stack([k._product("int4", stored, sc, r, group, mn, act, True) for r in x])
                     if not torch.equal(k.rows("int4", stored, x, sc, group, mn, tiled=True, activations=act), want):
                         return False
+        shapes = ((rows, 64, 32), (3 * rows, 576, 64), (2 * rows, 160, 160))
+        for out, n, group in shapes if k.int8_integer_tiles else ():
+            w, x = torch.randn(out, n, generator=g), torch.randn(B, n, generator=g)
+            codes, scales = quantize(w, "int8", group)
+            stored = tile(codes, rows, 4)
+            for m in (None, torch.randn(scales.shape, generator=g)):
+                sc, mn = tile(scales, rows, 1), None if m is None else tile(m, rows, 1)
+                want = torch.stack([k._product("int8", stored, sc, r, group, mn, "int8", True) for r in x])
+                if not torch.equal(k.rows("int8", stored, x, sc, group, mn, tiled=True, activations="int8"), want):
+                    return False
     return True
 
 
@@ -250,6 +278,12 @@ def check_all(k) -> None:
             and k.lib.kv_int4_integer_tiles()
             and "int4" in k.integer_modes
             and tiles_agree(k, rows, "int8")
+        )
+        k.int8_integer_tiles = bool(  # int8 codes in the same tiles by int8 activations (512-bit VNNI)
+            k.int4_tile_rows
+            and k.lib.kv_int8_integer_tiles()
+            and "int8" in k.integer_modes
+            and int8_tiles_agree(k, rows)
         )
         k.batch_rows = batches_rows(k)
 
@@ -270,6 +304,7 @@ def verdict_of(k) -> dict:
         "integer_modes": sorted(k.integer_modes),
         "int4_tile_rows": k.int4_tile_rows,
         "int4_integer_tiles": k.int4_integer_tiles,
+        "int8_integer_tiles": k.int8_integer_tiles,
         "gguf_rows_agree": k.gguf_rows_agree,
         "batch_rows": k.batch_rows,
     }
@@ -282,6 +317,7 @@ def take(k, v: dict) -> None:
     k.integer_modes = frozenset(m for m in k.modes if m in v["integer_modes"])
     k.int4_tile_rows = int(v["int4_tile_rows"]) if "int4" in k.modes else 0
     k.int4_integer_tiles = bool(v["int4_integer_tiles"]) and bool(k.int4_tile_rows)
+    k.int8_integer_tiles = bool(v.get("int8_integer_tiles")) and bool(k.int4_tile_rows) and "int8" in k.integer_modes
     k.gguf_rows_agree = None if v.get("gguf_rows_agree") is None else bool(v["gguf_rows_agree"])
     if "batch_rows" in v:
         k.batch_rows = bool(v["batch_rows"])

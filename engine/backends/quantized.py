@@ -19,6 +19,7 @@ from torch import nn
 from ..devices import bf16_hardware, free_memory
 from ..model import block_linears
 from ..quant import (
+    ACTIVATION_BLOCK,
     BITS,
     FILE_MODES,
     PreQuantized,
@@ -171,25 +172,37 @@ class QuantLinear(nn.Module):
         return self.codes, self.scales, self.mins, self.bias, self.group_size, mode, self.tiles
 
     def tiles_fit(self) -> bool:
-        """Whether the kernels have a tiled layout for this layer: int4 codes with float32 activations (or int8
-        ones where the kernels have the tiles' integer products), whole tiles of rows, groups of whole 8-input steps."""
+        """Whether the kernels have a tiled layout for this layer, whole tiles of rows: int4 codes with float32
+        activations (or int8 ones where the kernels have the tiles' integer products), groups of whole 8-input
+        steps; int8 codes with int8 activations where the kernels have their tiles, rows and groups of whole blocks."""
         rows = 0 if self.decoder is None else self.decoder.int4_tile_rows
+        if not rows or self.tiles or self.out_features % rows:
+            return False
+        if self.mode == "int8":
+            fits = self.in_features % ACTIVATION_BLOCK == 0 and self.group_size % ACTIVATION_BLOCK == 0
+            return self.activations == "int8" and getattr(self.decoder, "int8_integer_tiles", False) and fits
         return (
-            bool(rows)
-            and not self.tiles
-            and self.mode == "int4"
+            self.mode == "int4"
             and (self.activations == "float32" or self.decoder.int4_integer_tiles)
-            and self.out_features % rows == 0
             and self.group_size % 8 == 0
         )
 
     def use_tiles(self) -> None:
         """Hold codes, scales and offsets in the kernels' tiles of rows (engine.quant.tile): a one-row product
-        then multiplies a row per vector lane. Everything that reads them back sees rows (_in_rows)."""
+        then multiplies a row per vector lane. Everything that reads them back sees rows (_in_rows, _row_of)."""
         rows = self.decoder.int4_tile_rows
-        self.codes = tile(self.codes, rows, 4)  # [N/16, 16·K/2]: 4 bytes (8 inputs) of each row in turn
+        self.codes = tile(self.codes, rows, 4)  # [N/16, 16·K/2] int4 (8 inputs a row in turn), [N/16, 16·K] int8 (4)
         self.scales, self.mins = tile(self.scales, rows, 1), tile(self.mins, rows, 1)  # [N/16, 16·K/g]
         self.tiles = rows
+
+    def _row_of(self, t: torch.Tensor, rows: torch.Tensor, unit: int) -> torch.Tensor:
+        """Rows `rows` [...] of a stored tensor [N or N/16, ...] as [..., C]: gathered from the tiles without
+        reading the others back (an embedding's lookup in an int8 head's tiles)."""
+        if not self.tiles:
+            return t[rows]
+        n = self.tiles
+        per = t.view(t.shape[0], -1, n, unit)  # [N/16, C/unit, 16, unit]
+        return per[rows // n, :, rows % n].reshape(*rows.shape, -1)
 
     def _in_rows(self, t: torch.Tensor | None, unit: int) -> torch.Tensor | None:
         """A stored tensor in rows, [N, ...] (untiled when tiles hold it)."""
@@ -226,9 +239,16 @@ class QuantLinear(nn.Module):
 
     def row_codes(self, rows: torch.Tensor) -> torch.Tensor:
         """[..., K] int8 codes of the rows `rows` [...] (an embedding's lookup: only those rows unpacked)."""
-        if self.kernel == "int4pack" or self.tiles:
+        if self.kernel == "int4pack" or (self.tiles and self.mode != "int8"):
             return self.weight_codes()[rows]
-        return self._unpacked(self.codes[rows])
+        return self._unpacked(self._row_of(self.codes, rows, 4))
+
+    def row_scales(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[..., K/g] float32 scales and offsets (None without) of the rows `rows` [...]."""
+        if self.kernel == "int4pack" or self.mode == "mxfp4":
+            return self.scale_values()[rows], None if self.mins is None else self._in_rows(self.mins, 1)[rows]
+        mins = None if self.mins is None else self._row_of(self.mins, rows, 1)
+        return self._row_of(self.scales, rows, 1), mins
 
     def _unpacked(self, stored: torch.Tensor) -> torch.Tensor:
         """Stored codes (int4 two a byte, int5 in its blocks, int8 as they are) as int8 values."""
@@ -334,7 +354,7 @@ class QuantLinear(nn.Module):
             return False
         if self.activations != "float32" and self.mode not in d.integer_modes:
             return False
-        return (self.mode == "int8" and not self.tiles) or (self.mode == "int4" and bool(self.tiles))
+        return self.mode == "int8" or (self.mode == "int4" and bool(self.tiles))  # (int8 tiles: int8 activations)
 
     def _float_rows(self, a: int, b: int, dtype) -> torch.Tensor:
         """Weight rows a:b as s · q in dtype, [b - a, K]: with the kernels, dequantized in one pass into
@@ -363,18 +383,18 @@ class QuantEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [...] -> [..., D] = s · q of the gathered rows, in the model's dtype."""
         t = self.table
-        codes, scales = t.row_codes(ids), t.scale_values()[ids]  # [..., D] int8, [..., D/g]
+        codes, (scales, mins) = t.row_codes(ids), t.row_scales(ids)  # [..., D] int8, [..., D/g] each
         rows = codes.view(*ids.shape, scales.shape[-1], -1).float() * scales.unsqueeze(-1)  # [..., D/g, g]
-        if t.mins is not None:
-            rows = rows + t.mins[ids].unsqueeze(-1)
+        if mins is not None:
+            rows = rows + mins.unsqueeze(-1)
         return rows.view(*ids.shape, t.in_features).to(t.compute_dtype)
 
 
 def use_integer_activations(model: nn.Module) -> int:
     """Switch every quantized layer whose kernels can to int8 activations in its one-row products (decode);
     returns how many did. Products of many rows (prefill's) are unchanged: dequantized weights by float activations.
-    Layers already in int4 tiles (use_int4_tiles, which the loader calls after this) switch where the kernels
-    have the tiles' integer products (int4_integer_tiles), and keep float32 ones otherwise."""
+    Layers already in int4 tiles (a file's, written so as it was read; use_tiles runs after this) switch where the
+    kernels have the tiles' integer products (int4_integer_tiles), and keep float32 ones otherwise."""
     switched = 0
     for m in model.modules():
         if (
@@ -388,11 +408,11 @@ def use_integer_activations(model: nn.Module) -> int:
     return switched
 
 
-def use_int4_tiles(model: nn.Module) -> int:
-    """Lay every int4 layer out in the kernels' tiles where they have them for its activations
-    (QuantLinear.tiles_fit); embedding tables stay in rows, which their lookups gather.
-    Returns how many layers were tiled."""
-    tables = {id(m.table) for m in model.modules() if isinstance(m, QuantEmbedding)}
+def use_tiles(model: nn.Module) -> int:
+    """Lay every int4 layer, and every int8 one under int8 activations, out in the kernels' tiles where they have
+    them (QuantLinear.tiles_fit); int4 embedding tables stay in rows, which their lookups gather (an int8 table's
+    lookups gather its tiles: the head of an int4 model, read by every decode step). Returns how many were tiled."""
+    tables = {id(m.table) for m in model.modules() if isinstance(m, QuantEmbedding) and m.table.mode != "int8"}
     tiled = 0
     for m in model.modules():
         if isinstance(m, QuantLinear) and id(m) not in tables and m.tiles_fit():

@@ -14,8 +14,8 @@ from ..backends.quantized import (
     QuantLinear,
     dequantize_for_torch,
     quantize_head,
-    use_int4_tiles,
     use_integer_activations,
+    use_tiles,
 )
 from ..config import ModelConfig
 from ..devices import bf16_hardware
@@ -136,7 +136,7 @@ def build_model(
     model.norm.weight = reader.read_one(final_norm(cfg), dtype, device)
     steps = cfg.num_layers + 1
     progress(1 / steps)
-    # a file's int4 codes go straight into the tiles use_int4_tiles would lay them in (float32 activations, or
+    # a file's int4 codes go straight into the tiles use_tiles would lay them in (float32 activations, or
     # int8 ones where the kernels have the tiles' integer products)
     tiles = kern.int4_tile_rows if kern is not None and (activations == "float32" or kern.int4_integer_tiles) else 0
     for i, block in enumerate(model.layers):
@@ -148,7 +148,7 @@ def build_model(
         progress((i + 2) / steps)
     if activations == "int8" and use_integer_activations(model):
         model.activations = "int8"
-    use_int4_tiles(model)
+    use_tiles(model)
     if device.type == "cpu" and dtype == torch.bfloat16 and not bf16_hardware():
         model.widen_bf16_attention()
     if kern is not None:

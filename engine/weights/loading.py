@@ -116,8 +116,8 @@ class LoadedModel:
     def decode_kernels(self) -> str:
         """What runs the one-row products of decode: kvchat's CPU kernels, or torch (and why)."""
         if self.kernels is not None:
-            tiles = max((m.tiles for m in self.model.modules() if isinstance(m, QuantLinear)), default=0)
-            notes = f"; int4 in {tiles}-row tiles" if tiles else ""
+            tiled = {(m.mode, m.tiles) for m in self.model.modules() if isinstance(m, QuantLinear) and m.tiles}
+            notes = "".join(f"; {mode} in {rows}-row tiles" for mode, rows in sorted(tiled, reverse=True))
             if self.model.decode_step_refused:  # the one-call step failed its load-time check
                 notes += f"; layer by layer: {self.model.decode_step_refused}"
             notes += f"; {kernel_library.built(self.kernels)}"

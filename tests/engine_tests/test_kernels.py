@@ -50,6 +50,7 @@ def test_kernels_build_and_serve_every_type():
     assert kernels.status().startswith("kvchat kernels (")
     assert K.int4_tile_rows == (16 if K.isa in ("avx512", "avx2") else 0)  # AVX-512's and AVX2's tiles pass their check
     assert K.int4_integer_tiles == (K.isa == "avx512" and K.int_isa == "avx512-vnni")
+    assert K.int8_integer_tiles == K.int4_integer_tiles  # int8 codes in the same tiles, by the same VNNI
     assert len(kernel_build.openmp_runtimes()) == 1  # torch's OpenMP pool, shared
 
 
@@ -219,13 +220,12 @@ def test_quantized_layers_decode_through_the_kernels(llama_dir, weights, group, 
     else:
         want = F.linear(x.float(), ql.dequantized_weight(torch.float32))
     close(ql(x).reshape(-1), want.reshape(-1), 1e-5 if dtype == "float32" else 1e-2)
-    tiled = (
-        weights == "int4"
-        and kernel_variant.int4_tile_rows
-        and (activations == "float32" or kernel_variant.int4_integer_tiles)
+    tiled = kernel_variant.int4_tile_rows and (
+        (weights == "int4" and (activations == "float32" or kernel_variant.int4_integer_tiles))
+        or (weights == "int8" and activations == "int8" and kernel_variant.int8_integer_tiles)
     )
     assert ql.tiles == (kernel_variant.int4_tile_rows if tiled else 0)
-    assert ("int4 in 16-row tiles" in loaded.decode_kernels) == bool(tiled)  # what the panel's row says
+    assert (f"{weights} in 16-row tiles" in loaded.decode_kernels) == bool(tiled)  # what the panel's row says
     cfg, model = loaded.config, loaded.model
     prompt = torch.arange(5, 17)[None]
     caches = [KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 40, loaded.dtype, "cpu") for _ in range(2)]
@@ -322,6 +322,71 @@ def test_int4_tiles_hold_the_same_weight_as_rows(offsets):
             torch.testing.assert_close(tiles(many), rows(many))
     finally:
         quantized.SCRATCH_VALUES = kept
+
+
+@needs_kernels
+@pytest.mark.parametrize("offsets", [False, True])
+def test_int8_tiles_hold_the_same_weight_and_give_each_row_its_one_row_product(offsets, kernel_variant):
+    """int8 codes under int8 activations laid out in the kernels' tiles (where 512-bit VNNI runs them): the same
+    codes, scales and weight read back, an embedding's lookup gathered from the tiles equal to the rows', the one-row
+    product the integer product's definition, and B rows at once (a batched decode step, the head of an int4 model)
+    bit for bit each row's one-row product; elsewhere the layer stays in rows."""
+    from engine.backends.quantized import QuantEmbedding
+
+    g = torch.Generator().manual_seed(5)
+    n, k, group = 48, 192, 64
+    codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scales = torch.rand(n, k // group, generator=g) + 0.1
+    mins = torch.randn(n, k // group, generator=g) if offsets else None
+    pre = PreQuantized(codes, scales, "int8", group, torch.float32, mins)
+    rows, tiles = QuantLinear.from_codes(pre), QuantLinear.from_codes(pre)
+    assert tiles.decoder is kernel_variant and not tiles.tiles_fit()  # float32 activations: rows
+    assert quantized.use_integer_activations(tiles) == 1 and quantized.use_integer_activations(rows) == 1
+    if not kernel_variant.int8_integer_tiles:
+        assert not tiles.tiles_fit() and quantized.use_tiles(tiles) == 0 and tiles.tiles == 0
+        return
+    assert tiles.tiles_fit() and quantized.use_tiles(tiles) == 1 and not tiles.tiles_fit()
+    assert tiles.tiles == 16 and tuple(tiles.codes.shape) == (n // 16, 16 * k)
+    assert not torch.equal(tiles.codes.view(-1), rows.codes.view(-1))  # the bytes did move
+    assert torch.equal(tiles.weight_codes(), codes) and torch.equal(tiles.scale_values(), scales)
+    assert tiles.storage_bytes == rows.storage_bytes
+    want_w = dequantize(codes, scales, mins=mins)
+    torch.testing.assert_close(tiles.dequantized_weight(torch.float32), want_w, rtol=2**-22, atol=2**-22)
+    ids = torch.tensor([[0, 17, 47, 16], [15, 31, 32, 1]])
+    torch.testing.assert_close(QuantEmbedding(tiles)(ids), QuantEmbedding(rows)(ids), rtol=0, atol=0)
+    x = torch.randn(9, k, generator=g)
+    one = torch.stack([tiles(r[None, None]).reshape(-1) for r in x])
+    for r, y in zip(x, one):
+        close(y, integer_product(codes, scales, r, mins).float(), 1e-5)
+    for b in (2, 5, 8, 9):  # a pass of 8 rows, and past it
+        assert torch.equal(kernel_variant.rows("int8", tiles.codes, x[:b], tiles.scales, group, tiles.mins,
+                                               tiled=True, activations="int8"), one[:b])  # fmt: skip
+    with pytest.raises(ValueError, match="tiles hold"):
+        kernel_variant.qmatvec("int8", tiles.codes, tiles.scales, x[0], group, tiles.mins, "float32", tiled=True)
+
+
+@needs_kernels
+def test_an_int4_models_int8_head_is_tiled_and_its_embedding_reads_the_tiles(llama_dir, kernel_variant):
+    """Under int8 activations an int4 model's int8 head — its embedding table too, where tied — lies in tiles
+    where the kernels have int8 tiles: the lookups read the tiles, and the one-call step decodes as the modules."""
+    from engine.backends.quantized import QuantEmbedding
+
+    loaded = load_model(llama_dir, weights="int4", activations="int8")
+    head, embed = loaded.model.lm_head, loaded.model.embed
+    assert isinstance(head, QuantLinear) and head.mode == "int8"
+    assert head.tiles == (16 if kernel_variant.int8_integer_tiles else 0)
+    assert ("int8 in 16-row tiles" in loaded.decode_kernels) == bool(kernel_variant.int8_integer_tiles)
+    assert isinstance(embed, QuantEmbedding) and embed.table.tiles == head.tiles
+    ids = torch.arange(0, loaded.config.vocab_size, 7)[None]
+    table = embed.table
+    want = dequantize(table.weight_codes(), table.scale_values(), loaded.dtype)[ids]
+    torch.testing.assert_close(embed(ids), want, rtol=0, atol=0)
+    cfg, model = loaded.config, loaded.model
+    prompt = torch.arange(5, 17)[None]
+    caches = [KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 40, loaded.dtype, "cpu") for _ in range(2)]
+    fast = _decode(model, caches[0], prompt, 12)
+    model.decode_step = None
+    close(fast, _decode(model, caches[1], prompt, 12), 1e-5)
 
 
 @needs_kernels
@@ -489,6 +554,7 @@ def test_each_instruction_set_variant_agrees_with_torch(tmp_path, variant, isa):
     assert kernel_checks.tiles_agree(
         k, 16
     )  # the tiled product's AVX-512, AVX2 and plain-C bodies (plain C: never chosen)
+    assert k.int8_integer_tiles == k.int4_integer_tiles
     assert k.int4_integer_tiles == (k.isa == "avx512" and k.int_isa == "avx512-vnni")
     if "-mno-avxvnni" in flags or isa == "generic":
         assert k.int_isa == isa

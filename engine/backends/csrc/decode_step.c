@@ -9,12 +9,12 @@
 /* silu(g) = g / (1 + e^-g) over n float32 values, in place allowed: the gate of every decode step's MLP. */
 void kv_silu_f32(const float *g, float *y, int64_t n) { silu_f32(g, y, n); }
 
-/* The product for a linear layer's codes: [mode][int8 activations][int4 tiles]. */
+/* The product for a linear layer's codes: [mode][int8 activations][tiles] (int4's; int8's with int8 activations). */
 typedef void (*kv_product)(const void *, const float *, const float *, const float *, float *, int64_t, int64_t,
                            int64_t, int);
 static const kv_product PRODUCTS[KV_INT8 + 1][2][2] = {
     [KV_MXFP4] = {{(kv_product)kv_matvec_mx4, NULL}, {(kv_product)kv_matvec_mx4x, NULL}},
-    [KV_INT8] = {{(kv_product)kv_matvec_q8, NULL}, {(kv_product)kv_matvec_q8x, NULL}},
+    [KV_INT8] = {{(kv_product)kv_matvec_q8, NULL}, {(kv_product)kv_matvec_q8x, (kv_product)kv_matvec_q8tx}},
     [KV_INT5] = {{(kv_product)kv_matvec_q5, NULL}, {(kv_product)kv_matvec_q5x, NULL}},
     [KV_INT4] = {{(kv_product)kv_matvec_q4, (kv_product)kv_matvec_q4t},
                  {(kv_product)kv_matvec_q4x, (kv_product)kv_matvec_q4tx}},
@@ -191,13 +191,14 @@ static int float_rows_f16(const kv_linear *l, int64_t B, const _Float16 *x, int6
 }
 #endif
 
-/* The products of several rows that share each weight's load among them: [int8 activations][int4 tiles] */
+/* The products of several rows that share each weight's load among them */
 typedef void (*kv_rows_product)(const void *, const float *, const float *, const float *, float *, int64_t, int64_t,
                                 int64_t, int64_t, int);
 #define ROWS_Q8 ((kv_rows_product)kv_matvec_q8_rows)
 #define ROWS_Q4T ((kv_rows_product)kv_matvec_q4t_rows)
 #define ROWS_Q8X ((kv_rows_product)kv_matvec_q8x_rows)
 #define ROWS_Q4TX ((kv_rows_product)kv_matvec_q4tx_rows)
+#define ROWS_Q8TX ((kv_rows_product)kv_matvec_q8tx_rows)
 
 #define DECODE_BATCH(SUF, T, TO_F32, FROM_F32)                                                                  \
     /* y [B, out] (rows ys apart) = W x for x [B, in] (rows xs apart), a chunk of W's rows for all B at a time */ \
@@ -208,7 +209,7 @@ typedef void (*kv_rows_product)(const void *, const float *, const float *, cons
         if (B > 1 && (tiled || q8)) { /* products that take the B rows at once */                               \
             for (int64_t b = 0; b < B; b++)                                                                       \
                 for (int64_t i = 0; i < l->in; i++) fx[b * l->in + i] = TO_F32(x[b * xs + i]);                   \
-            (l->act ? (tiled ? ROWS_Q4TX : ROWS_Q8X) : (tiled ? ROWS_Q4T : ROWS_Q8))(                              \
+            (l->act ? (tiled ? ROWS_Q4TX : l->tiles ? ROWS_Q8TX : ROWS_Q8X) : (tiled ? ROWS_Q4T : ROWS_Q8))(       \
                 l->w, l->scales, l->mins, fx, fy, l->out, l->in, l->group, B, nt);                                \
             for (int64_t b = 0; b < B; b++) { /* rounded, and the bias added, as linear_ does for one row */     \
                 T *yb = y + b * ys;                                                                               \

@@ -19,6 +19,7 @@ const char *kv_isa(void);
 const char *kv_int_isa(void);
 int kv_int4_tile_rows(void);     /* rows in an int4 tile where tiles pay (16-lane vectors), else 0 */
 int kv_int4_integer_tiles(void); /* 1 where the tiles' integer products run (512-bit VNNI) */
+int kv_int8_integer_tiles(void); /* 1 where int8 codes in tiles run with int8 activations (integer_tiles.c) */
 
 /* float_products.c: y [out] = W [out, in] x [in], x and y in W's type */
 void kv_matvec_f32(const float *w, const float *x, float *y, int64_t out, int64_t in, int nt);
@@ -83,6 +84,10 @@ void kv_matvec_q4tx(const uint8_t *q, const float *s, const float *m, const floa
 void kv_matvec_q8x_rows(const int8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
                         int64_t in, int64_t g, int64_t B, int nt); /* x [B, in] -> y [B, out], each row as q8x */
 void kv_matvec_q4tx_rows(const uint8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
+                         int64_t in, int64_t g, int64_t B, int nt);
+void kv_matvec_q8tx(const int8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
+                    int64_t in, int64_t g, int nt);
+void kv_matvec_q8tx_rows(const int8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
                          int64_t in, int64_t g, int64_t B, int nt); /* x [B, in] -> y [B, out], each row as q4tx */
 
 /* A cache's positions in slots: a sequence's own cache holds position j in slot j (table NULL); the block pool

@@ -1,0 +1,103 @@
+#include "integer_codes.h"
+#include <stdlib.h>
+/* ---- int8 codes in tiles of 16 rows against int8 activations (512-bit VNNI): one row of x, and several ----
+ * The int4 tiles' layout (engine.quant.tile, unit 4 bytes) with a byte a code: a 64-byte step holds 4 inputs of 16
+ * rows, a row's 4 bytes to a 32-bit lane, so one vpdpbusd against x's 4 codes of those inputs broadcast adds them
+ * to 16 rows at once, and each block of 32 inputs (8 steps) starts its lanes from -128 · (x's codes' sum) and ends
+ * in one FMA with d · s for the 16 rows. In rows each step took a multiply-add, a conversion and an FMA for one
+ * row: several rows of x (a batched decode step, the output head of an int4 model) were bound by them. The one-row
+ * product and the several-rows one run each row of x through the same instructions in the same order (tile_q8x),
+ * so a row's result is bit for bit the same whatever rows run beside it. */
+#define ROWS_A_PASS 8
+#define TILE8_STEP(i) ((i) / 4 * TILE_ROWS * 4) /* bytes of a tile before the 4-input step holding input i */
+
+#if INT_TILES
+/* One tile against NR rows of x: c [NR][np/4] their codes 4 a lane, per row and block its -128 · (codes' sum) and
+ * scale d, per row its group sums xs (offsets); row k's 16 outputs at yk + k · ys. */
+static inline __attribute__((always_inline)) void tile_q8x(const int8_t *r, const float *st, const float *mt,
+                                                           int64_t in, int64_t g, int64_t groups, int NR,
+                                                           const int32_t *c, int64_t cs, const int32_t *bneg,
+                                                           const float *bd, int64_t bs, const float *xs, float *yk,
+                                                           int64_t ys) {
+    const int64_t blocks = in / XQ_BLOCK;
+    vf acc[ROWS_A_PASS];
+    for (int k = 0; k < NR; k++) acc[k] = vzero();
+    for (int64_t b = 0; b < blocks; b++) {
+        __m512i p[ROWS_A_PASS];
+        for (int k = 0; k < NR; k++) p[k] = _mm512_set1_epi32(bneg[k * bs + b]);
+        for (int64_t i = b * XQ_BLOCK; i < (b + 1) * XQ_BLOCK; i += 4) {
+            const int8_t *rb = r + TILE8_STEP(i);
+            PREFETCH(rb);
+            __m512i u = _mm512_xor_si512(_mm512_loadu_si512(rb), _mm512_set1_epi8((char)0x80)); /* q + 128 */
+            for (int k = 0; k < NR; k++) p[k] = _mm512_dpbusd_epi32(p[k], u, _mm512_set1_epi32(c[k * cs + i / 4]));
+        }
+        vf sv = vload(st + b * XQ_BLOCK / g * TILE_ROWS);
+        for (int k = 0; k < NR; k++) acc[k] = vfma(_mm512_cvtepi32_ps(p[k]), vmul(sv, vset1(bd[k * bs + b])), acc[k]);
+    }
+    if (mt)
+        for (int k = 0; k < NR; k++)
+            for (int64_t j = 0; j < groups; j++) acc[k] = vfma(vload(mt + j * TILE_ROWS), vset1(xs[k * groups + j]), acc[k]);
+    for (int k = 0; k < NR; k++) _mm_storeu_acc(yk + k * ys, acc[k]);
+}
+
+/* B rows of x (rows `in` apart) against the tiles: y [B, out]. 0 where its buffers could not be had. */
+static int int_matvec_q8t(const int8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
+                          int64_t in, int64_t g, int64_t B, int nt) {
+    const int64_t np = (in + XQ_PAD - 1) / XQ_PAD * XQ_PAD, groups = in / g, blocks = in / XQ_BLOCK;
+    const int64_t tiles = out / TILE_ROWS, cs = np / 4;
+    int32_t *c = malloc(sizeof(int32_t) * (size_t)(B * (2 * cs + blocks)));
+    float *f = malloc(sizeof(float) * (size_t)(B * (cs + blocks + groups)));
+    if (!c || !f) {
+        free(c), free(f);
+        return 0;
+    }
+    int32_t *neg = c + B * cs, *bneg = neg + B * cs;
+    float *d = f, *bd = d + B * cs, *xs = bd + B * blocks;
+    for (int64_t k = 0; k < B; k++) {
+        quantize_x(x + k * in, in, 128, ORDER_PLAIN, (int8_t *)(c + k * cs), neg + k * cs, d + k * cs);
+        for (int64_t b = 0; b < blocks; b++) {
+            int32_t t = 0;
+            for (int l = 0; l < XQ_BLOCK / 4; l++) t += neg[k * cs + b * XQ_BLOCK / 4 + l];
+            bneg[k * blocks + b] = t;
+            bd[k * blocks + b] = d[k * cs + b * XQ_BLOCK / 4];
+        }
+        if (m) group_sums(x + k * in, xs + k * groups, groups, g);
+    }
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int8_t *r = q + t * TILE_ROWS * in;
+        const float *st = s + t * TILE_ROWS * groups, *mt = m ? m + t * TILE_ROWS * groups : NULL;
+        for (int64_t k0 = 0; k0 < B; k0 += ROWS_A_PASS) {
+            const int32_t *ck = c + k0 * cs, *nk = bneg + k0 * blocks;
+            const float *dk = bd + k0 * blocks, *xk = xs + k0 * groups;
+            float *yk = y + k0 * out + t * TILE_ROWS;
+            switch (B - k0 < ROWS_A_PASS ? B - k0 : ROWS_A_PASS) { /* a constant NR each: the loops unrolled */
+#define Q8TX_CASE(N) \
+    case N: tile_q8x(r, st, mt, in, g, groups, N, ck, cs, nk, dk, blocks, xk, yk, out); break;
+                Q8TX_CASE(1) Q8TX_CASE(2) Q8TX_CASE(3) Q8TX_CASE(4) Q8TX_CASE(5) Q8TX_CASE(6) Q8TX_CASE(7)
+                default: tile_q8x(r, st, mt, in, g, groups, ROWS_A_PASS, ck, cs, nk, dk, blocks, xk, yk, out);
+#undef Q8TX_CASE
+            }
+        }
+    }
+    free(c), free(f);
+    return 1;
+}
+#endif
+
+int kv_int8_integer_tiles(void) { return INT_TILES && kv_int4_tile_rows(); }
+
+/* The exported products of int8 tiles: one row (the decode step's), and B rows, each row the one-row product. Only
+ * where they run (kv_int8_integer_tiles) and the shape fits: the loader lays int8 codes in tiles only then. */
+void kv_matvec_q8tx(const int8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
+                    int64_t in, int64_t g, int nt) {
+    kv_matvec_q8tx_rows(q, s, m, x, y, out, in, g, 1, nt);
+}
+void kv_matvec_q8tx_rows(const int8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
+                         int64_t in, int64_t g, int64_t B, int nt) {
+#if INT_TILES
+    if (int_products_fit(in, g) && out % TILE_ROWS == 0 && int_matvec_q8t(q, s, m, x, y, out, in, g, B, nt)) return;
+#endif
+    (void)q, (void)s, (void)m, (void)x, (void)g, (void)nt;
+    for (int64_t i = 0; i < B * out; i++) y[i] = NAN; /* never laid out here: a NaN the checks see, not memory read */
+}
