@@ -82,8 +82,8 @@ def tile(rows: torch.Tensor | None, tile_rows: int, unit: int) -> torch.Tensor |
     kernels' layout for one-row products of int4 codes, where a vector lane is a row."""
     if rows is None:
         return None
-    if rows.dtype == torch.uint8 and unit == 4 and rows.is_contiguous():  # 4 bytes moved as one int32: 3x faster
-        return tile(rows.view(torch.int32), tile_rows, 1).view(torch.uint8)
+    if rows.dtype in (torch.uint8, torch.int8) and unit == 4 and rows.is_contiguous():  # 4 bytes as one int32
+        return tile(rows.view(torch.int32), tile_rows, 1).view(rows.dtype)  # 3x faster than byte by byte
     n, c = rows.shape
     return rows.view(n // tile_rows, tile_rows, c // unit, unit).transpose(1, 2).reshape(n // tile_rows, -1)
 

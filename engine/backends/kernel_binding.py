@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ..kv_pool import BLOCK  # KV_BLOCK in csrc/kernels.h: positions a block of the KV pool holds
-from ..quant import QMAX, check_activations, storage_bytes, untile
+from ..quant import QMAX, check_activations, storage_bytes
 from .kernel_checks import check_all, take, verdict_of
 
 QUANT_FUNCS = {"int8": "kv_matvec_q8", "int4": "kv_matvec_q4", "int5": "kv_matvec_q5", "mxfp4": "kv_matvec_mx4"}
@@ -103,6 +103,7 @@ class Kernels:
         self._tiled_integer = self._declare("kv_matvec_q4tx", [p, p, p, p, p, i64, i64, i64, i32])
         self._tiled_q8x = self._declare("kv_matvec_q8tx", [p, p, p, p, p, i64, i64, i64, i32])
         self._tiled_dequant = self._declare("kv_dequant_q4t", [p, p, p, p, i64, i64, i64, i32])
+        self._tiled_q8_dequant = self._declare("kv_dequant_q8t", [p, p, p, p, i64, i64, i64, i32])
         self._silu = self._declare("kv_silu_f32", [p, p, i64])
         self._gguf_rows = self._declare("kv_gguf_rows", [p, i64, i64, i64, p, i64, i64, i64, i64, p, p, p, i32])
         self._read_stream = self._declare("kv_read_stream", [p, i64, i32])
@@ -318,16 +319,10 @@ class Kernels:
         tiled: bool = False,
     ) -> torch.Tensor:
         """The float32 weight [out, in] = s · q (+ m) of int8 codes or int4 codes two a byte, in one pass
-        (into `into` when given: a float32 [out, in] buffer); `tiled`: in tiles of rows, as qmatvec (int8 codes'
-        tiles read back into rows first)."""
+        (into `into` when given: a float32 [out, in] buffer); `tiled`: in tiles of rows, as qmatvec."""
         out = scales.numel() * group // in_features
         w = torch.empty(out, in_features, dtype=torch.float32) if into is None else into
-        if tiled and mode == "int8":
-            rows = self.int4_tile_rows  # the kernels' one tile height (csrc/simd.h, TILE_ROWS)
-            codes, scales, mins = (None if t is None else untile(t, rows, u).contiguous() for t, u in
-                                   ((codes, 4), (scales, 1), (mins, 1)))  # fmt: skip
-            tiled = False
-        fn = self._tiled_dequant if tiled else self._dequant[mode]
+        fn = (self._tiled_q8_dequant if mode == "int8" else self._tiled_dequant) if tiled else self._dequant[mode]
         fn(*self.memory(codes, scales, mins, w), out, in_features, group, torch.get_num_threads())
         return w
 

@@ -87,6 +87,56 @@ static int int_matvec_q8t(const int8_t *q, const float *s, const float *m, const
 
 int kv_int8_integer_tiles(void) { return INT_TILES && kv_int4_tile_rows(); }
 
+/* The tiles read back as float32 rows for prefill's products: w [out, in] = s · q (+ m), as kv_dequant_q8 gives a
+ * row. With 16-lane vectors a tile at a time: each 64-byte step's 16 rows × 4 codes widened in four quarters of 4 rows,
+ * each row's 4 values stored in its row; else a row at a time, its bytes in the thread's cache for the tile's others. */
+void kv_dequant_q8t(const int8_t *q, const float *s, const float *m, float *w, int64_t out, int64_t in, int64_t g,
+                    int nt) {
+    int64_t groups = in / g;
+#if KV_LANES == 16
+    const __m512i quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t t = 0; t < out / TILE_ROWS; t++) {
+        const int8_t *r = q + t * TILE_ROWS * in;
+        float *d = w + t * TILE_ROWS * in;
+        for (int64_t j = 0; j < groups; j++) {
+            __m512 sv = _mm512_loadu_ps(s + (t * groups + j) * TILE_ROWS);
+            __m512 mv = m ? _mm512_loadu_ps(m + (t * groups + j) * TILE_ROWS) : _mm512_setzero_ps();
+            __m512 sc[4], mn[4]; /* quarter k: rows 4k..4k+3, each's scale on its 4 lanes */
+            for (int k = 0; k < 4; k++) {
+                __m512i at = _mm512_add_epi32(quad, _mm512_set1_epi32(4 * k));
+                sc[k] = _mm512_permutexvar_ps(at, sv), mn[k] = _mm512_permutexvar_ps(at, mv);
+            }
+            for (int64_t i = j * g; i < (j + 1) * g; i += 4) {
+                __m512i v = _mm512_loadu_si512(r + TILE8_STEP(i));
+                for (int k = 0; k < 4; k++) {
+                    __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(v, k)));
+                    f = _mm512_fmadd_ps(f, sc[k], mn[k]);
+                    _mm_storeu_ps(d + (4 * k + 0) * in + i, _mm512_extractf32x4_ps(f, 0));
+                    _mm_storeu_ps(d + (4 * k + 1) * in + i, _mm512_extractf32x4_ps(f, 1));
+                    _mm_storeu_ps(d + (4 * k + 2) * in + i, _mm512_extractf32x4_ps(f, 2));
+                    _mm_storeu_ps(d + (4 * k + 3) * in + i, _mm512_extractf32x4_ps(f, 3));
+                }
+            }
+        }
+    }
+#else
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t o = 0; o < out; o++) {
+        int64_t t = o / TILE_ROWS, l = o % TILE_ROWS, at = t * TILE_ROWS * groups + l;
+        const int8_t *r = q + t * TILE_ROWS * in + 4 * l;
+        float *d = w + o * in;
+        for (int64_t j = 0; j < groups; j++) {
+            float sc = s[at + j * TILE_ROWS], mn = m ? m[at + j * TILE_ROWS] : 0.0f;
+            for (int64_t i = j * g; i < (j + 1) * g; i += 4) {
+                const int8_t *b = r + TILE8_STEP(i);
+                for (int k = 0; k < 4; k++) d[i + k] = sc * (float)b[k] + mn;
+            }
+        }
+    }
+#endif
+}
+
 /* The exported products of int8 tiles: one row (the decode step's), and B rows, each row the one-row product. Only
  * where they run (kv_int8_integer_tiles) and the shape fits: the loader lays int8 codes in tiles only then. */
 void kv_matvec_q8tx(const int8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,

@@ -88,7 +88,9 @@ void kv_matvec_q4tx_rows(const uint8_t *q, const float *s, const float *m, const
 void kv_matvec_q8tx(const int8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
                     int64_t in, int64_t g, int nt);
 void kv_matvec_q8tx_rows(const int8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
-                         int64_t in, int64_t g, int64_t B, int nt); /* x [B, in] -> y [B, out], each row as q4tx */
+                         int64_t in, int64_t g, int64_t B, int nt);
+void kv_dequant_q8t(const int8_t *q, const float *s, const float *m, float *w, int64_t out, int64_t in, int64_t g,
+                    int nt); /* x [B, in] -> y [B, out], each row as q4tx */
 
 /* A cache's positions in slots: a sequence's own cache holds position j in slot j (table NULL); the block pool
  * (engine/kv_pool.py) holds it in block table[j / KV_BLOCK], KV_BLOCK slots a block, shared by every sequence. */
