@@ -4,7 +4,6 @@
  * Each row of x is quantized as the one-row product quantizes it, and each weight step's codes are loaded and
  * unpacked once for up to ROWS_A_PASS rows, each row's lanes then taking exactly the one-row product's
  * instructions in its order: a row's result is its one-row product's, bit for bit, whatever rows run beside it. */
-#define ROWS_A_PASS 8
 #if INT_TILES
 /* Tiles of 16 rows against NR rows of x: the quantized codes c [NR][np/4] (4 a lane), and per row and block of 32
  * its -8 · (codes' sum) and scale; per row its group sums xs (with offsets). y's row k at yk + k · ys. */
@@ -38,48 +37,8 @@ static inline __attribute__((always_inline)) void q4tx_tile(const uint8_t *r, co
     for (int k = 0; k < NR; k++) _mm_storeu_acc(yk + k * ys, acc[k]);
 }
 
-static int int_matvec_q4t_rows(const uint8_t *q, const float *s, const float *m, const float *x, float *y,
-                               int64_t out, int64_t in, int64_t g, int64_t B, int nt) {
-    const int64_t np = (in + XQ_PAD - 1) / XQ_PAD * XQ_PAD, groups = in / g, blocks = in / XQ_BLOCK;
-    const int64_t tiles = out / TILE_ROWS, cs = np / 4;
-    int32_t *c = malloc(sizeof(int32_t) * (size_t)(B * (2 * cs + blocks)));
-    float *f = malloc(sizeof(float) * (size_t)(B * (cs + blocks + groups)));
-    if (!c || !f) {
-        free(c), free(f);
-        return 0;
-    }
-    int32_t *neg = c + B * cs, *bneg = neg + B * cs;
-    float *d = f, *bd = d + B * cs, *xs = bd + B * blocks;
-    for (int64_t k = 0; k < B; k++) { /* each row as int_matvec_q4t prepares its x */
-        quantize_x(x + k * in, in, 8, ORDER_TILES, (int8_t *)(c + k * cs), neg + k * cs, d + k * cs);
-        for (int64_t b = 0; b < blocks; b++) {
-            int32_t t = 0;
-            for (int l = 0; l < XQ_BLOCK / 4; l++) t += neg[k * cs + b * XQ_BLOCK / 4 + l];
-            bneg[k * blocks + b] = t;
-            bd[k * blocks + b] = d[k * cs + b * XQ_BLOCK / 4];
-        }
-        if (m) group_sums(x + k * in, xs + k * groups, groups, g);
-    }
-#pragma omp parallel for num_threads(nt) schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        const uint8_t *r = q + t * TILE_ROWS * in / 2;
-        const float *st = s + t * TILE_ROWS * groups, *mt = m ? m + t * TILE_ROWS * groups : NULL;
-        for (int64_t k0 = 0; k0 < B; k0 += ROWS_A_PASS) {
-            const int32_t *ck = c + k0 * cs, *nk = bneg + k0 * blocks;
-            const float *dk = bd + k0 * blocks, *xk = xs + k0 * groups;
-            float *yk = y + k0 * out + t * TILE_ROWS;
-            switch (B - k0 < ROWS_A_PASS ? B - k0 : ROWS_A_PASS) { /* a constant NR each: the loops unrolled */
-#define Q4TX_CASE(N) \
-    case N: q4tx_tile(r, st, mt, in, g, groups, N, ck, cs, nk, dk, blocks, xk, yk, out); break;
-                Q4TX_CASE(1) Q4TX_CASE(2) Q4TX_CASE(3) Q4TX_CASE(4) Q4TX_CASE(5) Q4TX_CASE(6) Q4TX_CASE(7)
-                default: q4tx_tile(r, st, mt, in, g, groups, ROWS_A_PASS, ck, cs, nk, dk, blocks, xk, yk, out);
-#undef Q4TX_CASE
-            }
-        }
-    }
-    free(c), free(f);
-    return 1;
-}
+#define TILE4_BYTES(in) (TILE_ROWS * (in) / 2) /* a tile of int4 codes, two a byte */
+TILES_BY_ROWS(int_matvec_q4t_rows, uint8_t, TILE4_BYTES, q4tx_tile, 8, ORDER_TILES)
 #endif
 
 #if XQ_STEP == 64

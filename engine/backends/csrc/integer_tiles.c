@@ -8,7 +8,6 @@
  * row: several rows of x (a batched decode step, the output head of an int4 model) were bound by them. The one-row
  * product and the several-rows one run each row of x through the same instructions in the same order (tile_q8x),
  * so a row's result is bit for bit the same whatever rows run beside it. */
-#define ROWS_A_PASS 8
 #define TILE8_STEP(i) ((i) / 4 * TILE_ROWS * 4) /* bytes of a tile before the 4-input step holding input i */
 
 #if INT_TILES
@@ -40,49 +39,8 @@ static inline __attribute__((always_inline)) void tile_q8x(const int8_t *r, cons
     for (int k = 0; k < NR; k++) _mm_storeu_acc(yk + k * ys, acc[k]);
 }
 
-/* B rows of x (rows `in` apart) against the tiles: y [B, out]. 0 where its buffers could not be had. */
-static int int_matvec_q8t(const int8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
-                          int64_t in, int64_t g, int64_t B, int nt) {
-    const int64_t np = (in + XQ_PAD - 1) / XQ_PAD * XQ_PAD, groups = in / g, blocks = in / XQ_BLOCK;
-    const int64_t tiles = out / TILE_ROWS, cs = np / 4;
-    int32_t *c = malloc(sizeof(int32_t) * (size_t)(B * (2 * cs + blocks)));
-    float *f = malloc(sizeof(float) * (size_t)(B * (cs + blocks + groups)));
-    if (!c || !f) {
-        free(c), free(f);
-        return 0;
-    }
-    int32_t *neg = c + B * cs, *bneg = neg + B * cs;
-    float *d = f, *bd = d + B * cs, *xs = bd + B * blocks;
-    for (int64_t k = 0; k < B; k++) {
-        quantize_x(x + k * in, in, 128, ORDER_PLAIN, (int8_t *)(c + k * cs), neg + k * cs, d + k * cs);
-        for (int64_t b = 0; b < blocks; b++) {
-            int32_t t = 0;
-            for (int l = 0; l < XQ_BLOCK / 4; l++) t += neg[k * cs + b * XQ_BLOCK / 4 + l];
-            bneg[k * blocks + b] = t;
-            bd[k * blocks + b] = d[k * cs + b * XQ_BLOCK / 4];
-        }
-        if (m) group_sums(x + k * in, xs + k * groups, groups, g);
-    }
-#pragma omp parallel for num_threads(nt) schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        const int8_t *r = q + t * TILE_ROWS * in;
-        const float *st = s + t * TILE_ROWS * groups, *mt = m ? m + t * TILE_ROWS * groups : NULL;
-        for (int64_t k0 = 0; k0 < B; k0 += ROWS_A_PASS) {
-            const int32_t *ck = c + k0 * cs, *nk = bneg + k0 * blocks;
-            const float *dk = bd + k0 * blocks, *xk = xs + k0 * groups;
-            float *yk = y + k0 * out + t * TILE_ROWS;
-            switch (B - k0 < ROWS_A_PASS ? B - k0 : ROWS_A_PASS) { /* a constant NR each: the loops unrolled */
-#define Q8TX_CASE(N) \
-    case N: tile_q8x(r, st, mt, in, g, groups, N, ck, cs, nk, dk, blocks, xk, yk, out); break;
-                Q8TX_CASE(1) Q8TX_CASE(2) Q8TX_CASE(3) Q8TX_CASE(4) Q8TX_CASE(5) Q8TX_CASE(6) Q8TX_CASE(7)
-                default: tile_q8x(r, st, mt, in, g, groups, ROWS_A_PASS, ck, cs, nk, dk, blocks, xk, yk, out);
-#undef Q8TX_CASE
-            }
-        }
-    }
-    free(c), free(f);
-    return 1;
-}
+#define TILE8_BYTES(in) (TILE_ROWS * (in)) /* a tile of int8 codes */
+TILES_BY_ROWS(int_matvec_q8t, int8_t, TILE8_BYTES, tile_q8x, 128, ORDER_PLAIN)
 #endif
 
 int kv_int8_integer_tiles(void) { return INT_TILES && kv_int4_tile_rows(); }
@@ -109,14 +67,20 @@ void kv_dequant_q8t(const int8_t *q, const float *s, const float *m, float *w, i
             }
             for (int64_t i = j * g; i < (j + 1) * g; i += 4) {
                 __m512i v = _mm512_loadu_si512(r + TILE8_STEP(i));
-                for (int k = 0; k < 4; k++) {
-                    __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(v, k)));
-                    f = _mm512_fmadd_ps(f, sc[k], mn[k]);
-                    _mm_storeu_ps(d + (4 * k + 0) * in + i, _mm512_extractf32x4_ps(f, 0));
-                    _mm_storeu_ps(d + (4 * k + 1) * in + i, _mm512_extractf32x4_ps(f, 1));
-                    _mm_storeu_ps(d + (4 * k + 2) * in + i, _mm512_extractf32x4_ps(f, 2));
-                    _mm_storeu_ps(d + (4 * k + 3) * in + i, _mm512_extractf32x4_ps(f, 3));
-                }
+#define QUARTER(K) /* (extracts take constant lanes) */                                                     \
+    do {                                                                                                    \
+        __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(v, K)));               \
+        f = _mm512_fmadd_ps(f, sc[K], mn[K]);                                                               \
+        _mm_storeu_ps(d + (4 * K + 0) * in + i, _mm512_extractf32x4_ps(f, 0));                              \
+        _mm_storeu_ps(d + (4 * K + 1) * in + i, _mm512_extractf32x4_ps(f, 1));                              \
+        _mm_storeu_ps(d + (4 * K + 2) * in + i, _mm512_extractf32x4_ps(f, 2));                              \
+        _mm_storeu_ps(d + (4 * K + 3) * in + i, _mm512_extractf32x4_ps(f, 3));                              \
+    } while (0)
+                QUARTER(0);
+                QUARTER(1);
+                QUARTER(2);
+                QUARTER(3);
+#undef QUARTER
             }
         }
     }
