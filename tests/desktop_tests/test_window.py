@@ -478,7 +478,8 @@ def test_int8_activations_are_chosen_in_the_settings_dialog_and_shown_in_the_pan
     w.apply_settings(dialog.result_settings())
     spin_loop(lambda: ready, 120)
     assert panel(w, "precisionValue") == "int8/g32, head int8/g32, int8 activations · none"
-    assert panel(w, "kernelsValue") == f"kvchat ({k.isa}; int8 activations: {k.int_isa}; {kernels.built(k)})"
+    tiles = "; int8 in 16-row tiles" if k.int8_integer_tiles else ""  # int8 codes by int8 activations: tiled
+    assert panel(w, "kernelsValue") == f"kvchat ({k.isa}; int8 activations: {k.int_isa}{tiles}; {kernels.built(k)})"
     final = send(qtbot, w, spin_loop, BUDGET)
     assert final.token_ids and w.transcript.views[-1].message.status == "complete"
     dialog = SettingsDialog(w.settings, w.db_path, w)

@@ -38,7 +38,7 @@ def test_the_gpu_path_runs_on_fake_tensors(device):
     names = [c["name"] for c in report["checks"]]
     assert {n.split()[0] for n in names} >= set(FAMILIES)  # every family's check ran
     greedy = next(c for c in report["checks"] if c["name"].startswith("llama") and "KV none" in c["name"])
-    assert greedy["syncs_per_step"] == {"engine/sampling.py:97 in draw": 1}  # the sampled token, and nothing else
+    assert greedy["syncs_per_step"] == {"engine/sampling.py:91 in greedy_pick": 1}  # the sampled token, nothing else
     mixture = next(c for c in report["checks"] if c["name"].startswith("qwen3_moe") and "weights none" in c["name"])
     assert sum(mixture["syncs_per_step"].values()) == 1  # stacked experts: chosen on the device
     if device == "cuda":
