@@ -223,7 +223,7 @@ class Kernels:
             self._f32_rows(*self.memory(weight, x), n, y.data_ptr(), out, out, n, B, torch.get_num_threads())
             return y
         integer = activations != "float32"
-        if (mode, tiled) not in (("int8", False), ("int4", True)) and not (mode == "int8" and integer):
+        if not (mode == "int8" or (mode == "int4" and tiled)):
             raise ValueError("several rows at once: float32 weights, int8 codes or int4 tiles")
         self._check_tiles(mode, tiled, activations)
         out = scales.numel() * group // n

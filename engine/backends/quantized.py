@@ -180,7 +180,7 @@ class QuantLinear(nn.Module):
             return False
         if self.mode == "int8":
             fits = self.in_features % ACTIVATION_BLOCK == 0 and self.group_size % ACTIVATION_BLOCK == 0
-            return self.activations == "int8" and getattr(self.decoder, "int8_integer_tiles", False) and fits
+            return self.activations == "int8" and self.decoder.int8_integer_tiles and fits
         return (
             self.mode == "int4"
             and (self.activations == "float32" or self.decoder.int4_integer_tiles)

@@ -275,6 +275,16 @@ def test_several_sequences_decode_in_one_call_each_as_it_would_alone(
 
 
 @needs_kernels
+def _two_layers(mode: str, n: int, k: int, group: int, offsets: bool, g: torch.Generator):
+    """Random codes of `mode` (n rows of k), their scales and offsets (or None), and two layers holding them."""
+    top = 8 if mode == "int4" else 128
+    codes = torch.randint(1 - top if mode == "int8" else -top, top, (n, k), generator=g, dtype=torch.int8)
+    scales = torch.rand(n, k // group, generator=g) + 0.1
+    mins = torch.randn(n, k // group, generator=g) if offsets else None
+    pre = PreQuantized(codes, scales, mode, group, torch.float32, mins)
+    return codes, scales, mins, QuantLinear.from_codes(pre), QuantLinear.from_codes(pre)
+
+
 @pytest.mark.skipif(not (K and K.int4_tile_rows), reason="int4 tiles need the AVX-512 or AVX2 kernels")
 @pytest.mark.parametrize("offsets", [False, True])
 def test_int4_tiles_hold_the_same_weight_as_rows(offsets):
@@ -282,11 +292,7 @@ def test_int4_tiles_hold_the_same_weight_as_rows(offsets):
     to the same weight for prefill (in chunks of whole tiles) and multiplies one row as the row layout does."""
     g = torch.Generator().manual_seed(3)
     n, k, group = 48, 160, 32
-    codes = torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8)
-    scales = torch.rand(n, k // group, generator=g) + 0.1
-    mins = torch.randn(n, k // group, generator=g) if offsets else None
-    pre = PreQuantized(codes, scales, "int4", group, torch.float32, mins)
-    rows, tiles = QuantLinear.from_codes(pre), QuantLinear.from_codes(pre)
+    codes, scales, mins, rows, tiles = _two_layers("int4", n, k, group, offsets, g)
     assert rows.tiles_fit()
     tiles.use_tiles()
     assert tiles.tiles == 16 and not tiles.tiles_fit() and tuple(tiles.codes.shape) == (n // 16, 16 * k // 2)
@@ -335,11 +341,7 @@ def test_int8_tiles_hold_the_same_weight_and_give_each_row_its_one_row_product(o
 
     g = torch.Generator().manual_seed(5)
     n, k, group = 48, 192, 64
-    codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
-    scales = torch.rand(n, k // group, generator=g) + 0.1
-    mins = torch.randn(n, k // group, generator=g) if offsets else None
-    pre = PreQuantized(codes, scales, "int8", group, torch.float32, mins)
-    rows, tiles = QuantLinear.from_codes(pre), QuantLinear.from_codes(pre)
+    codes, scales, mins, rows, tiles = _two_layers("int8", n, k, group, offsets, g)
     assert tiles.decoder is kernel_variant and not tiles.tiles_fit()  # float32 activations: rows
     assert quantized.use_integer_activations(tiles) == 1 and quantized.use_integer_activations(rows) == 1
     if not kernel_variant.int8_integer_tiles:

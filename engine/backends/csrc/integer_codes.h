@@ -5,7 +5,6 @@
 
 #include "simd.h"
 #include "kernels.h"
-#include <stdlib.h>
 /* ---- Integer products: activations quantized to int8 (the load option activations="int8") ----
  * x is cut into blocks of 32 inputs, each with its scale d = max|x| / 127 (1 for an all-zero block) and codes
  * c = round_half_even(x / d) in -127..127, so a row's product is sum_b d_b · s · (q . c over block b): integer
@@ -72,65 +71,6 @@ static inline void quantize_x(const float *x, int64_t in, int bias, int order, i
         d[l] = db[(l / 16 * XQ_PAD + order_source(order, (int)(4 * l % XQ_PAD))) / XQ_BLOCK];
     }
 }
-
-/* B rows of x (rows `in` apart) for the tiles' products with B rows: each row's codes c (4 a lane, np/4 lanes a
- * row) and its lanes' -bias · sums and scales (quantize_x), then per block of 32 their sum (bneg) and scale (bd), and
- * with offsets (m) the rows' group sums xs. */
-static inline void tile_rows_x(const float *x, int64_t B, int64_t in, int64_t g, const float *m, int bias, int order,
-                               int32_t *c, int32_t *neg, float *d, int32_t *bneg, float *bd, float *xs) {
-    const int64_t cs = (in + XQ_PAD - 1) / XQ_PAD * XQ_PAD / 4, blocks = in / XQ_BLOCK, groups = in / g;
-    for (int64_t k = 0; k < B; k++) {
-        quantize_x(x + k * in, in, bias, order, (int8_t *)(c + k * cs), neg + k * cs, d + k * cs);
-        for (int64_t b = 0; b < blocks; b++) {
-            int32_t t = 0;
-            for (int l = 0; l < XQ_BLOCK / 4; l++) t += neg[k * cs + b * XQ_BLOCK / 4 + l];
-            bneg[k * blocks + b] = t;
-            bd[k * blocks + b] = d[k * cs + b * XQ_BLOCK / 4];
-        }
-        if (m) group_sums(x + k * in, xs + k * groups, groups, g);
-    }
-}
-
-/* The tiles' products of B rows of x (a batched decode step): x prepared once (tile_rows_x: BIAS, ORDER as the
- * tile's codes want them), then each tile against the rows, ROWS_A_PASS of them a pass with a constant count each
- * (TILE_FN's loops unrolled); a tile is TILE_BYTES(in) bytes. 0 where its buffers could not be had. */
-#define ROWS_A_PASS 8
-#define TILES_BY_ROWS(NAME, CODE_T, TILE_BYTES, TILE_FN, BIAS, ORDER)                                             \
-    static int NAME(const CODE_T *q, const float *s, const float *m, const float *x, float *y, int64_t out,       \
-                    int64_t in, int64_t g, int64_t B, int nt) {                                                   \
-        const int64_t np = (in + XQ_PAD - 1) / XQ_PAD * XQ_PAD, groups = in / g, blocks = in / XQ_BLOCK;         \
-        const int64_t tiles = out / TILE_ROWS, cs = np / 4;                                                       \
-        int32_t *c = malloc(sizeof(int32_t) * (size_t)(B * (2 * cs + blocks)));                                  \
-        float *f = malloc(sizeof(float) * (size_t)(B * (cs + blocks + groups)));                                 \
-        if (!c || !f) {                                                                                           \
-            free(c), free(f);                                                                                     \
-            return 0;                                                                                             \
-        }                                                                                                         \
-        int32_t *neg = c + B * cs, *bneg = neg + B * cs;                                                          \
-        float *d = f, *bd = d + B * cs, *xs = bd + B * blocks;                                                    \
-        tile_rows_x(x, B, in, g, m, BIAS, ORDER, c, neg, d, bneg, bd, xs);                                        \
-        _Pragma("omp parallel for num_threads(nt) schedule(static)") for (int64_t t = 0; t < tiles; t++) {       \
-            const CODE_T *r = q + t * TILE_BYTES(in);                                                             \
-            const float *st = s + t * TILE_ROWS * groups, *mt = m ? m + t * TILE_ROWS * groups : NULL;            \
-            for (int64_t k0 = 0; k0 < B; k0 += ROWS_A_PASS) {                                                     \
-                const int32_t *ck = c + k0 * cs, *nk = bneg + k0 * blocks;                                        \
-                const float *dk = bd + k0 * blocks, *xk = xs + k0 * groups;                                       \
-                float *yk = y + k0 * out + t * TILE_ROWS;                                                         \
-                switch (B - k0 < ROWS_A_PASS ? B - k0 : ROWS_A_PASS) {                                            \
-                case 1: TILE_FN(r, st, mt, in, g, groups, 1, ck, cs, nk, dk, blocks, xk, yk, out); break;         \
-                case 2: TILE_FN(r, st, mt, in, g, groups, 2, ck, cs, nk, dk, blocks, xk, yk, out); break;         \
-                case 3: TILE_FN(r, st, mt, in, g, groups, 3, ck, cs, nk, dk, blocks, xk, yk, out); break;         \
-                case 4: TILE_FN(r, st, mt, in, g, groups, 4, ck, cs, nk, dk, blocks, xk, yk, out); break;         \
-                case 5: TILE_FN(r, st, mt, in, g, groups, 5, ck, cs, nk, dk, blocks, xk, yk, out); break;         \
-                case 6: TILE_FN(r, st, mt, in, g, groups, 6, ck, cs, nk, dk, blocks, xk, yk, out); break;         \
-                case 7: TILE_FN(r, st, mt, in, g, groups, 7, ck, cs, nk, dk, blocks, xk, yk, out); break;         \
-                default: TILE_FN(r, st, mt, in, g, groups, ROWS_A_PASS, ck, cs, nk, dk, blocks, xk, yk, out);     \
-                }                                                                                                 \
-            }                                                                                                     \
-        }                                                                                                         \
-        free(c), free(f);                                                                                         \
-        return 1;                                                                                                 \
-    }
 
 /* The unsigned codes (q + bias) of inputs i..i+STEP-1 of a row, per mode. */
 #if KV_LANES == 16 && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)

@@ -1,6 +1,6 @@
 #include "integer_codes.h"
 
-/* ---- One row's integer products (int8 activations), and the int4 tiles' where 512-bit VNNI runs them ---- */
+/* ---- One row's integer products (int8 activations); codes in tiles: integer_tiles.c ---- */
 
 /* One row's integer product, for the mode's code reader U and its bias. */
 #if XQ_STEP == 64
@@ -252,56 +252,3 @@ void kv_matvec_mx4x(const uint8_t *q, const uint8_t *e, const float *m, const fl
     int_matvec_mx4(q, e, x, y, out, in, nt);
 }
 const char *kv_int_isa(void) { return XQ_ISA; }
-
-/* int4 tiles (kv_matvec_q4t's layout) against int8 activations, where 512-bit VNNI runs them: a lane is a row, a
- * 64-byte load holds 8 inputs of 16 rows, and its low nibbles (the even inputs) and high ones (the odd) enter
- * vpdpbusd as q + 8 against x's codes of those inputs broadcast, four to a lane; each block of 32 inputs starts
- * its lanes from -8 · (its codes' sum) and ends in one FMA with d · s for 16 rows. */
-#if INT_TILES
-static void int_matvec_q4t(const uint8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
-                           int64_t in, int64_t g, int nt) {
-    int64_t np = (in + XQ_PAD - 1) / XQ_PAD * XQ_PAD, groups = in / g, blocks = in / XQ_BLOCK, tiles = out / TILE_ROWS;
-    int32_t c[np / 4], neg[np / 4], block_neg[blocks]; /* c: each 8 inputs' even codes, then odd ones, 4 a lane */
-    float d[np / 4], block_d[blocks], xs[groups];
-    quantize_x(x, in, 8, ORDER_TILES, (int8_t *)c, neg, d);
-    for (int64_t b = 0; b < blocks; b++) {
-        block_neg[b] = 0;
-        for (int l = 0; l < XQ_BLOCK / 4; l++) block_neg[b] += neg[b * XQ_BLOCK / 4 + l];
-        block_d[b] = d[b * XQ_BLOCK / 4];
-    }
-    if (m) group_sums(x, xs, groups, g);
-#pragma omp parallel for num_threads(nt) schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        const uint8_t *r = q + t * TILE_ROWS * in / 2;
-        const float *st = s + t * TILE_ROWS * groups;
-        vf acc = vzero();
-        for (int64_t b = 0; b < blocks; b++) {
-            __m512i p = _mm512_set1_epi32(block_neg[b]);
-            for (int64_t i = b * XQ_BLOCK; i < (b + 1) * XQ_BLOCK; i += 8) {
-                const uint8_t *rb = r + TILE_STEP(i);
-                PREFETCH(rb);
-                __m512i v = _mm512_loadu_si512(rb);
-                p = _mm512_dpbusd_epi32(p, LOW_NIBBLES_XOR(v, 8), _mm512_set1_epi32(c[i / 4]));
-                p = _mm512_dpbusd_epi32(p, LOW_NIBBLES_XOR(_mm512_srli_epi32(v, 4), 8), _mm512_set1_epi32(c[i / 4 + 1]));
-            }
-            acc = vfma(_mm512_cvtepi32_ps(p), vmul(vload(st + b * XQ_BLOCK / g * TILE_ROWS), vset1(block_d[b])), acc);
-        }
-        if (m)
-            for (int64_t j = 0; j < groups; j++) acc = vfma(vload(m + (t * groups + j) * TILE_ROWS), vset1(xs[j]), acc);
-        _mm_storeu_acc(y + t * TILE_ROWS, acc);
-    }
-}
-#endif
-int kv_int4_integer_tiles(void) { return INT_TILES && kv_int4_tile_rows(); }
-
-/* The exported tiled product with int8 activations: integer where it runs and the shape fits, the float one otherwise. */
-void kv_matvec_q4tx(const uint8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
-                    int64_t in, int64_t g, int nt) {
-#if INT_TILES
-    if (int_products_fit(in, g)) {
-        int_matvec_q4t(q, s, m, x, y, out, in, g, nt);
-        return;
-    }
-#endif
-    kv_matvec_q4t(q, s, m, x, y, out, in, g, nt);
-}

@@ -1,46 +1,10 @@
 #include "integer_codes.h"
 #include <stdlib.h>
-/* ---- Several rows of x at once with int8 activations (continuous batching's decode steps) ----
- * Each row of x is quantized as the one-row product quantizes it, and each weight step's codes are loaded and
- * unpacked once for up to ROWS_A_PASS rows, each row's lanes then taking exactly the one-row product's
- * instructions in its order: a row's result is its one-row product's, bit for bit, whatever rows run beside it. */
-#if INT_TILES
-/* Tiles of 16 rows against NR rows of x: the quantized codes c [NR][np/4] (4 a lane), and per row and block of 32
- * its -8 · (codes' sum) and scale; per row its group sums xs (with offsets). y's row k at yk + k · ys. */
-static inline __attribute__((always_inline)) void q4tx_tile(const uint8_t *r, const float *st, const float *mt,
-                                                            int64_t in, int64_t g, int64_t groups, int NR,
-                                                            const int32_t *c, int64_t cs, const int32_t *bneg,
-                                                            const float *bd, int64_t bs, const float *xs,
-                                                            float *yk, int64_t ys) {
-    const int64_t blocks = in / XQ_BLOCK;
-    vf acc[ROWS_A_PASS];
-    for (int k = 0; k < NR; k++) acc[k] = vzero();
-    for (int64_t b = 0; b < blocks; b++) {
-        __m512i p[ROWS_A_PASS];
-        for (int k = 0; k < NR; k++) p[k] = _mm512_set1_epi32(bneg[k * bs + b]);
-        for (int64_t i = b * XQ_BLOCK; i < (b + 1) * XQ_BLOCK; i += 8) {
-            const uint8_t *rb = r + TILE_STEP(i);
-            PREFETCH(rb);
-            __m512i v = _mm512_loadu_si512(rb);
-            __m512i lo = LOW_NIBBLES_XOR(v, 8), hi = LOW_NIBBLES_XOR(_mm512_srli_epi32(v, 4), 8);
-            for (int k = 0; k < NR; k++) {
-                p[k] = _mm512_dpbusd_epi32(p[k], lo, _mm512_set1_epi32(c[k * cs + i / 4]));
-                p[k] = _mm512_dpbusd_epi32(p[k], hi, _mm512_set1_epi32(c[k * cs + i / 4 + 1]));
-            }
-        }
-        vf sv = vload(st + b * XQ_BLOCK / g * TILE_ROWS);
-        for (int k = 0; k < NR; k++) acc[k] = vfma(_mm512_cvtepi32_ps(p[k]), vmul(sv, vset1(bd[k * bs + b])), acc[k]);
-    }
-    if (mt)
-        for (int k = 0; k < NR; k++)
-            for (int64_t j = 0; j < groups; j++) acc[k] = vfma(vload(mt + j * TILE_ROWS), vset1(xs[k * groups + j]), acc[k]);
-    for (int k = 0; k < NR; k++) _mm_storeu_acc(yk + k * ys, acc[k]);
-}
-
-#define TILE4_BYTES(in) (TILE_ROWS * (in) / 2) /* a tile of int4 codes, two a byte */
-TILES_BY_ROWS(int_matvec_q4t_rows, uint8_t, TILE4_BYTES, q4tx_tile, 8, ORDER_TILES)
-#endif
-
+/* ---- Several rows of x at once against int8 codes in rows, with int8 activations (continuous batching) ----
+ * Each row of x is quantized as the one-row product quantizes it, and each weight step's codes are loaded once for
+ * up to 4 rows of x and 2 weight rows, each row's lanes then taking exactly the one-row product's instructions in
+ * its order: a row's result is its one-row product's, bit for bit, whatever rows run beside it. Codes in tiles (an
+ * int4 model's layers, int8 ones under int8 activations): integer_tiles.c. */
 #if XQ_STEP == 64
 /* int8 codes, NW weight rows (r, so: NW rows apart by in and groups) against NR rows of x: each x row's codes,
  * starts and scales loaded once a step for the NW weight rows, and each (weight row, x row) lane sum taking exactly
@@ -152,14 +116,7 @@ static int int_matvec_q8_rows(const int8_t *q, const float *s, const float *m, c
 }
 #endif
 
-/* The exported products of B rows with int8 activations: each row its kv_matvec_q4tx / kv_matvec_q8x product. */
-void kv_matvec_q4tx_rows(const uint8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
-                         int64_t in, int64_t g, int64_t B, int nt) {
-#if INT_TILES
-    if (int_products_fit(in, g) && int_matvec_q4t_rows(q, s, m, x, y, out, in, g, B, nt)) return;
-#endif
-    for (int64_t k = 0; k < B; k++) kv_matvec_q4tx(q, s, m, x + k * in, y + k * out, out, in, g, nt);
-}
+/* The exported product of B rows of int8 codes with int8 activations: each row its kv_matvec_q8x product. */
 void kv_matvec_q8x_rows(const int8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
                         int64_t in, int64_t g, int64_t B, int nt) {
 #if XQ_STEP == 64

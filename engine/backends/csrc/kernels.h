@@ -19,7 +19,7 @@ const char *kv_isa(void);
 const char *kv_int_isa(void);
 int kv_int4_tile_rows(void);     /* rows in an int4 tile where tiles pay (16-lane vectors), else 0 */
 int kv_int4_integer_tiles(void); /* 1 where the tiles' integer products run (512-bit VNNI) */
-int kv_int8_integer_tiles(void); /* 1 where int8 codes in tiles run with int8 activations (integer_tiles.c) */
+int kv_int8_integer_tiles(void); /* 1 where int8 codes in tiles run with int8 activations (512-bit VNNI) */
 
 /* float_products.c: y [out] = W [out, in] x [in], x and y in W's type */
 void kv_matvec_f32(const float *w, const float *x, float *y, int64_t out, int64_t in, int nt);
@@ -78,11 +78,14 @@ void kv_matvec_q4x(const uint8_t *q, const float *s, const float *m, const float
                    int64_t in, int64_t g, int nt);
 void kv_matvec_q5x(const uint8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
                    int64_t in, int64_t g, int nt);
-void kv_matvec_q4tx(const uint8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
-                    int64_t in, int64_t g, int nt);
-/* integer_rows.c: the same for several rows of x at once, each row as its one-row product */
+/* integer_rows.c: int8 codes in rows for several rows of x at once, each row as its one-row product */
 void kv_matvec_q8x_rows(const int8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
                         int64_t in, int64_t g, int64_t B, int nt); /* x [B, in] -> y [B, out], each row as q8x */
+/* integer_tiles.c: int4 tiles (kv_matvec_q4t's layout; the float product where the integer ones do not run) and int8
+ * codes in the same tiles (only where kv_int8_integer_tiles) by int8 activations, one row and B rows (each row as
+ * its one-row product); the int8 tiles read back as float32 rows */
+void kv_matvec_q4tx(const uint8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
+                    int64_t in, int64_t g, int nt);
 void kv_matvec_q4tx_rows(const uint8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
                          int64_t in, int64_t g, int64_t B, int nt);
 void kv_matvec_q8tx(const int8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
@@ -90,7 +93,7 @@ void kv_matvec_q8tx(const int8_t *q, const float *s, const float *m, const float
 void kv_matvec_q8tx_rows(const int8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
                          int64_t in, int64_t g, int64_t B, int nt);
 void kv_dequant_q8t(const int8_t *q, const float *s, const float *m, float *w, int64_t out, int64_t in, int64_t g,
-                    int nt); /* x [B, in] -> y [B, out], each row as q4tx */
+                    int nt);
 
 /* A cache's positions in slots: a sequence's own cache holds position j in slot j (table NULL); the block pool
  * (engine/kv_pool.py) holds it in block table[j / KV_BLOCK], KV_BLOCK slots a block, shared by every sequence. */
