@@ -85,7 +85,7 @@ class Session:
         self.turn_budget = None  # the scheduler's prompt positions for a prefill forward now (None: the chunk)
         self.turn_rows = None  # the scheduler's prompt positions to ride as rows of its batched step (None: none)
         self._drafter = None  # (kind, the model it drafts for, the drafter) of speculative requests
-        self.draft_models = {} if draft_models is None else draft_models  # (path, weights) -> (for, draft model)
+        self.draft_models = {} if draft_models is None else draft_models  # (path, weights, options) -> (for, draft model)
         self.loaded: LoadedModel | None = None
         self._decoder: Decoder | None = None
         self.set_model(loaded, capacity)
@@ -368,11 +368,11 @@ class Session:
         self.release_drafter()
         loaded = self.loaded
 
-        def load(path, weights):  # one draft model for every lane of this model (each drafts on a cache of its own)
-            key = (str(path), weights)
+        def load(path, weights, **options):  # one draft model for every lane of this model (each its own cache)
+            key = (str(path), weights, tuple(sorted(options.items())))
             held = self.draft_models.get(key)
             if held is None or held[0] is not loaded:
-                held = (loaded, load_model(path, str(loaded.device), dtype_name(loaded.dtype), weights))
+                held = (loaded, load_model(path, str(loaded.device), dtype_name(loaded.dtype), weights, **options))
                 self.draft_models[key] = held
             return held[1]
 

@@ -15,7 +15,7 @@ from engine.disk_store import DiskStore
 from engine.events import Failed, Finished, PrefillStarted, Token
 from engine.scheduler import END, EngineThread
 from engine.session import Request, Session
-from engine.speculative import LookupDrafter, accept_or_correct, same_tokenizer
+from engine.speculative import Adaptive, LookupDrafter, accept_or_correct, same_tokenizer
 from engine.weights.loading import load_model
 
 REPEAT = list(range(40, 72))  # a prompt that holds its own continuation: lookup finds drafts there
@@ -71,6 +71,21 @@ def test_an_int4_draft_is_refused_for_a_model_already_4_bit(llama_dir):
     events = list(Session(model).generate(Request(prompt_ids=(5, 6, 7), max_new_tokens=4, speculative="int4")))
     assert isinstance(events[-1], Failed) and "int4" in events[-1].error and "lookup" in events[-1].error
     assert not any(isinstance(e, PrefillStarted) for e in events)  # refused before anything was computed
+
+
+def test_the_int4_draft_takes_a_scale_per_32_weights_and_int8_activations_where_the_kernels_have_them(llama_dir):
+    """The int4 copy is the draft's own precision — 32 weights a scale (more of the target's next tokens agree than
+    at the default 64) and integer products on int8 activations where this CPU's kernels have them (a cheaper
+    step) — loaded once for the model and kept; the target's weights and activations stay what they were."""
+    target = load_model(llama_dir, device="cpu", dtype="float32")
+    session = Session(target, capacity=256)
+    reply(session, REPEAT, n=12, speculative="int4")
+    reply(session, REPEAT[:20], n=12, speculative="int4")
+    (held,) = session.draft_models.values()
+    draft = held[1]
+    integer = draft.kernels is not None and "int4" in draft.kernels.integer_modes
+    assert draft.quantization.startswith("int4/g32") and draft.activations == ("int8" if integer else "float32")
+    assert target.quantization == "none" and target.activations == "float32"
 
 
 def test_a_draft_model_with_another_tokenizer_is_refused_with_the_reason(llama_dir, demo_model_dir):
@@ -140,6 +155,27 @@ def test_sampled_replies_with_drafts_are_the_same_for_the_same_seed(llama_dir, s
     s = a.trace["speculative"]
     assert a.token_ids == b.token_ids and len(a.token_ids) == 30 and s["drafted"] > 0
     assert s["acceptance"] > 0.9  # p = q: the rule takes (nearly) all (float rounding between the two passes aside)
+
+
+def test_the_draft_length_halves_through_every_length_where_drafting_does_not_pay():
+    """Rounds that cost as much a token as a plain step halve k — 8, 4, 2, 1 — and 3 (grown back from 2) goes to 2,
+    not to 1; then nothing is drafted for a while; rounds well under a plain step grow k back by one."""
+    plan = Adaptive(8)
+    plan.plain(10.0)
+    seen = []
+    for _ in range(12):
+        seen.append(plan.now())
+        plan.round(seen[-1], 1, 10.0)  # a token a round at a plain step's time: no saving
+    assert seen[:12] == [8, 8, 8, 4, 4, 4, 2, 2, 2, 1, 1, 1] and plan.now() == 0
+    plan = Adaptive(8)
+    plan.plain(10.0)
+    plan.k = 3
+    for _ in range(3):
+        plan.round(3, 1, 10.0)
+    assert plan.k == 2
+    for _ in range(3):
+        plan.round(2, 3, 10.0)  # three tokens a round at a step's time
+    assert plan.k == 3
 
 
 def test_lookup_copies_what_followed_the_last_match_of_the_context():
