@@ -228,8 +228,12 @@ def accept_or_correct(p: torch.Tensor, q: torch.Tensor | None, token: int, gener
 
 
 class Adaptive:
-    """How many tokens to draft, from what drafting has cost: a drafting round's time per token it gave (its drafts,
-    its verify) against a plain step of the model. Unless drafting saves a tenth, k halves; at one and still
+    """How many tokens to draft. Each round drafts one past what the last round's target took (one after a rejected
+    first draft), twice as many after a round taken whole, up to k: drafts come right or wrong in runs (a passage
+    copied, then a changed word), and a verify's rows cost more with each where the products are arithmetic-bound
+    (a 4-bit model: engine/BENCHMARKS.md, "Speculative decoding"), so a round after a miss is short. k itself
+    follows what drafting has cost: a drafting round's time per token it gave (its drafts, its verify) against a
+    plain step of the model. Unless drafting saves a tenth, k halves; at one and still
     no cheaper, nothing is drafted for a while (plain steps: PROBE_EVERY rounds, twice as long after each probe that
     fails, up to MAX_IDLE), then k tries again from two; well cheaper, k grows back to what was asked. So text where
     drafts fail costs about what the model alone costs. A sampled reply with a seed keeps k (`fixed`): its random
@@ -238,6 +242,7 @@ class Adaptive:
 
     def __init__(self, k: int, fixed: bool = False):
         self.k = self.asked = k
+        self.reach = k  # this round's length from the last round's: twice it where all were taken, else one past the taken
         self.fixed = fixed  # a seeded sampled reply: the same draws in the same order, whatever the timings
         self.target_ms: float | None = None  # a plain step's time, recently
         self.recent: list[tuple[float, int]] = []  # (ms, tokens) of recent drafting rounds
@@ -249,7 +254,7 @@ class Adaptive:
         if self.idle:
             self.idle -= 1
             return 0
-        return self.k
+        return min(self.k, self.reach)
 
     def plain(self, ms: float) -> None:
         self.target_ms = ms if self.target_ms is None else 0.8 * self.target_ms + 0.2 * ms
@@ -258,6 +263,7 @@ class Adaptive:
         """A drafting round of `drafted` tokens gave `tokens` (the accepted and the target's own) in `ms`."""
         if not drafted or self.fixed:
             return
+        self.reach = 2 * drafted if tokens > drafted else tokens  # all taken (and the target's own): longer
         self.recent = [*self.recent[-(ADAPT_WINDOW - 1) :], (ms, tokens)]
         if self.target_ms is None or len(self.recent) < 3:
             return

@@ -157,21 +157,29 @@ def test_sampled_replies_with_drafts_are_the_same_for_the_same_seed(llama_dir, s
     assert s["acceptance"] > 0.9  # p = q: the rule takes (nearly) all (float rounding between the two passes aside)
 
 
-def test_the_draft_length_halves_through_every_length_where_drafting_does_not_pay():
-    """Rounds that cost as much a token as a plain step halve k — 8, 4, 2, 1 — and 3 (grown back from 2) goes to 2,
-    not to 1; then nothing is drafted for a while; rounds well under a plain step grow k back by one."""
+def test_the_draft_length_follows_what_the_last_round_took_and_halves_where_drafting_does_not_pay():
+    """A round drafts one past what the last one took (a rejected first token: one), twice as many after a round
+    taken whole, up to k; k itself halves — 8, 4, 2, 1, and 3 (grown back) to 2 — while rounds cost a plain
+    step's time a token, then nothing is drafted for a while; rounds well under a plain step grow k back by one."""
+    plan = Adaptive(8)
+    plan.plain(10.0)
+    seen = []
+    for taken in (0, 1, 1, 3, 4):
+        seen.append(plan.now())
+        plan.round(seen[-1], min(taken, seen[-1]) + 1, 1.0)  # cheap rounds: k stays 8
+    assert seen == [8, 1, 2, 2, 4] and plan.now() == 8  # 0 of 8 taken, 1 of 1, 1 of 2, 2 of 2, 4 of 4
     plan = Adaptive(8)
     plan.plain(10.0)
     seen = []
     for _ in range(12):
         seen.append(plan.now())
-        plan.round(seen[-1], 1, 10.0)  # a token a round at a plain step's time: no saving
-    assert seen[:12] == [8, 8, 8, 4, 4, 4, 2, 2, 2, 1, 1, 1] and plan.now() == 0
+        plan.round(seen[-1], seen[-1] + 1, 10.0 * (seen[-1] + 1))  # every draft taken, at a plain step a token
+    assert seen == [8, 8, 8, 4, 4, 4, 2, 2, 2, 1, 1, 1] and plan.now() == 0
     plan = Adaptive(8)
     plan.plain(10.0)
     plan.k = 3
     for _ in range(3):
-        plan.round(3, 1, 10.0)
+        plan.round(3, 4, 40.0)
     assert plan.k == 2
     for _ in range(3):
         plan.round(2, 3, 10.0)  # three tokens a round at a step's time
