@@ -85,7 +85,7 @@ class Session:
         self.turn_budget = None  # the scheduler's prompt positions for a prefill forward now (None: the chunk)
         self.turn_rows = None  # the scheduler's prompt positions to ride as rows of its batched step (None: none)
         self._drafter = None  # (kind, the model it drafts for, the drafter) of speculative requests
-        self.draft_models = {} if draft_models is None else draft_models  # (path, weights, options) -> (for, draft model)
+        self.draft_models = {} if draft_models is None else draft_models  # (path, weights, options) -> (for, draft)
         self.loaded: LoadedModel | None = None
         self._decoder: Decoder | None = None
         self.set_model(loaded, capacity)

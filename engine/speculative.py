@@ -177,8 +177,8 @@ class ModelDrafter:
 
 
 def open_drafter(kind: str, target, capacity: int, load: Callable) -> LookupDrafter | ModelDrafter:
-    """The drafter `kind` names for the target model (`load(path, weights, **options)`: the engine's loader, on the engine's
-    thread): int4 — the target's own weights quantized to int4 (its float or int8 weights: a file's own 4- or
+    """The drafter `kind` names for the target model (`load(path, weights, **options)`: the engine's loader, on the
+    engine's thread): int4 — the target's own weights quantized to int4 (its float or int8 weights: a file's own 4- or
     5-bit codes are refused, with the reason); lookup; or a model with the target's tokenizer (refused with the
     reason otherwise)."""
     check_kind(kind)
@@ -190,7 +190,8 @@ def open_drafter(kind: str, target, capacity: int, load: Callable) -> LookupDraf
         if held != "none" and not held.startswith("int8"):
             raise EngineError(f"an int4 draft is the model's float (or int8) weights in int4; this one holds {held}: "
                               "draft with lookup, or with a smaller model of the same tokenizer")  # fmt: skip
-        return ModelDrafter(load(target.path, "int4", **INT4_DRAFT), "int4", "the model itself in int4", capacity, vocab)
+        draft = load(target.path, "int4", **INT4_DRAFT)
+        return ModelDrafter(draft, "int4", "the model itself in int4", capacity, vocab)
     draft = load(Path(kind).expanduser(), "none")
     why = same_tokenizer(target, draft)
     if why is not None:
@@ -242,7 +243,7 @@ class Adaptive:
 
     def __init__(self, k: int, fixed: bool = False):
         self.k = self.asked = k
-        self.reach = k  # this round's length from the last round's: twice it where all were taken, else one past the taken
+        self.reach = k  # from the last round: twice its length where all were taken, else one past the taken
         self.fixed = fixed  # a seeded sampled reply: the same draws in the same order, whatever the timings
         self.target_ms: float | None = None  # a plain step's time, recently
         self.recent: list[tuple[float, int]] = []  # (ms, tokens) of recent drafting rounds
