@@ -18,6 +18,7 @@
 /* MXFP4's codes as the unsigned side of the multiply-adds takes them: simd.h's MX4_CODES + 16 (bias 16, as int5's) */
 static const uint8_t MX_CODES_U[16] __attribute__((unused)) = {16, 17, 18, 19, 20, 22, 24, 28, 16, 15, 14, 13, 12, 10, 8, 4};
 #define XQ_PAD 64 /* buffers padded (codes 0, lanes 0) to whole 64-input steps */
+#define XQ_NP(in) (((in) + XQ_PAD - 1) / XQ_PAD * XQ_PAD) /* a row's codes, padded */
 
 static inline int int_products_fit(int64_t in, int64_t g) { return in % XQ_BLOCK == 0 && g % XQ_BLOCK == 0 && g > 0; }
 
@@ -135,7 +136,8 @@ static inline __m512 lane_scales(const float *d, const float *so, int64_t i, int
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 #define XQ_STEP 32
-#define ORDER_Q4 ORDER_BLOCK_NIBBLES
+#define ORDER_Q4 ORDER_NIBBLES /* int4: two blocks a step (integer_products.c, int_row_q4) */
+#define ORDER_MX4 ORDER_BLOCK_NIBBLES
 #define ORDER_Q5 ORDER_PLAIN
 typedef __m256i vu;
 #if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
@@ -158,21 +160,16 @@ static inline vu u_q8(const int8_t *r, int64_t i, int64_t in) {
     return BIAS8 ? _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80)) : w;
 }
 /* A block's 16 bytes in both 128-bit halves, the high half's shifted down a nibble: its low nibbles (inputs 2k),
- * then its high ones (2k + 1), as ORDER_BLOCK_NIBBLES lays x's codes; `flip` xored in first (0x88: each q + 8). */
-static inline __m256i block_nibbles(const uint8_t *r, int64_t i, int flip) {
+ * then its high ones (2k + 1), as ORDER_BLOCK_NIBBLES lays x's codes (MXFP4's reader). */
+static inline __m256i block_nibbles(const uint8_t *r, int64_t i) {
     PREFETCH(r + i / 2);
     __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(r + i / 2)));
-    if (flip) b = _mm256_xor_si256(b, _mm256_set1_epi8((char)0x88));
     return _mm256_and_si256(_mm256_srlv_epi32(b, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(15));
-}
-static inline vu u_q4(const uint8_t *r, int64_t i, int64_t in) { /* q + 8 */
-    (void)in;
-    return block_nibbles(r, i, 1);
 }
 static inline vu u_mx4(const uint8_t *r, int64_t i, int64_t in) { /* MXFP4: the nibbles looked up */
     (void)in;
     __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)MX_CODES_U));
-    return _mm256_shuffle_epi8(lut, block_nibbles(r, i, 0));
+    return _mm256_shuffle_epi8(lut, block_nibbles(r, i));
 }
 static inline vu u_q5(const uint8_t *r, int64_t i, int64_t in) {
     (void)in;
@@ -188,16 +185,19 @@ static inline vu u_q5(const uint8_t *r, int64_t i, int64_t in) {
     v = _mm256_cmpeq_epi8(_mm256_or_si256(v, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)), _mm256_set1_epi64x(-1));
     return _mm256_or_si256(u, _mm256_and_si256(v, _mm256_set1_epi8(16)));
 }
-/* acc + (the step's int32 lane sums, as float) · d · s (one block a step: one weight scale) */
-static inline __m256 dot_step8(vu u, const int8_t *c, const int32_t *neg, int64_t i, int signed_int8, const float *d,
+/* acc + (the step's int32 lane sums, as float) · d · s (one block a step: one weight scale, one x scale). `ca`: for
+ * signed int8 codes (BIAS8 == 0), x's codes' magnitudes |c| (INT_MATVEC lays them after c), which meet q with c's
+ * sign (q in -127..127: negated exactly) — one vpsignb a block where |q| and c's sign moved to it took two; no
+ * -bias · sums to add. */
+static inline __m256 dot_step8(vu u, const int8_t *c, const int8_t *ca, const int32_t *neg, int64_t i, const float *d,
                                float s, __m256 acc) {
-    __m256i cv = _mm256_loadu_si256((const __m256i *)(c + i));
-    if (signed_int8) { /* BIAS8 == 0: |q| unsigned, c takes q's sign */
-        cv = _mm256_sign_epi8(cv, u);
-        u = _mm256_abs_epi8(u);
-    }
-    __m256 dot = _mm256_cvtepi32_ps(DPBUSD(_mm256_loadu_si256((const __m256i *)(neg + i / 4)), u, cv));
-    return _mm256_fmadd_ps(dot, _mm256_mul_ps(_mm256_loadu_ps(d + i / 4), _mm256_set1_ps(s)), acc);
+    __m256i cv = _mm256_loadu_si256((const __m256i *)(c + i)), p;
+    if (ca)
+        p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(ca + i)), _mm256_sign_epi8(u, cv)),
+                              _mm256_set1_epi16(1));
+    else
+        p = DPBUSD(_mm256_loadu_si256((const __m256i *)(neg + i / 4)), u, cv);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d[i / 4] * s), acc);
 }
 #else
 #define XQ_STEP 0
@@ -211,6 +211,9 @@ static inline __m256 dot_step8(vu u, const int8_t *c, const int32_t *neg, int64_
 #define ORDER_Q4 ORDER_PLAIN
 #define ORDER_Q5 ORDER_PLAIN
 #define BIAS8 128
+#endif
+#ifndef ORDER_MX4
+#define ORDER_MX4 ORDER_Q4
 #endif
 
 /* The int4 tiles' integer products (kv_matvec_q4tx) run where 512-bit VNNI does. */

@@ -36,14 +36,16 @@
     static float NAME(const T *r, const float *so, int64_t in, int64_t g, const int8_t *c, const int32_t *neg, \
                       const float *d) {                                                                       \
         __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();                                           \
-        int64_t i = 0;                                                                                        \
-        const int blocks = g == XQ_BLOCK; /* a GGUF's blocks: a block's scale without a division */           \
+        int64_t i = 0, j = 0, end = g; /* input i's group j ends at `end`: a block's scale with no division */   \
+        const int8_t *ca = SIGNED8 ? c + XQ_NP(in) : NULL; /* |c|, after c (INT_MATVEC) */                     \
+        const int blocks = g == XQ_BLOCK; /* a GGUF's blocks: two a step */                                   \
         for (; i + 64 <= in; i += 64) {                                                                       \
-            float s0 = blocks ? so[i >> 5] : so[i / g], s1 = blocks ? so[(i >> 5) + 1] : so[(i + 32) / g];     \
-            a0 = dot_step8(U(r, i, in), c, neg, i, SIGNED8, d, s0, a0);                                       \
-            a1 = dot_step8(U(r, i + 32, in), c, neg, i + 32, SIGNED8, d, s1, a1);                             \
+            while (!blocks && i >= end) j++, end += g;                                                        \
+            float s0 = blocks ? so[i >> 5] : so[j], s1 = blocks ? so[(i >> 5) + 1] : so[j + (i + 32 >= end)];  \
+            a0 = dot_step8(U(r, i, in), c, ca, neg, i, d, s0, a0);                                            \
+            a1 = dot_step8(U(r, i + 32, in), c, ca, neg, i + 32, d, s1, a1);                                  \
         }                                                                                                     \
-        if (i < in) a0 = dot_step8(U(r, i, in), c, neg, i, SIGNED8, d, so[i / g], a0);                        \
+        if (i < in) a0 = dot_step8(U(r, i, in), c, ca, neg, i, d, so[i / g], a0);                             \
         return kv_hsum256(_mm256_add_ps(a0, a1));                                                             \
     }
 #else /* plain C: the same integer sums, a block at a time */
@@ -126,9 +128,11 @@ static inline int32_t block_dot_q5(const uint8_t *r, int64_t b, const int8_t *c)
                       const float *d) {                                                                       \
         (void)neg;                                                                                            \
         float a = 0;                                                                                          \
-        for (int64_t b = 0; b < in / XQ_BLOCK; b++) {                                                         \
+        int64_t j = 0, per = g / XQ_BLOCK, left = per; /* block b's group j, and its blocks left: no division */ \
+        for (int64_t b = 0; b < in / XQ_BLOCK; b++, left--) {                                                 \
+            if (!left) j++, left = per;                                                                       \
             int32_t t = BLOCK_DOT(U, r, b, c + b * XQ_BLOCK);                                                 \
-            a += so[g == XQ_BLOCK ? b : b * XQ_BLOCK / g] * (d[b * 8] * (float)t); /* (32: no division) */      \
+            a += so[j] * (d[b * 8] * (float)t);                                                               \
         }                                                                                                     \
         return a;                                                                                             \
     }
@@ -139,10 +143,51 @@ static inline int32_t block_dot_q5(const uint8_t *r, int64_t b, const int8_t *c)
 #endif
 
 INT_ROW(int_row_q8, int8_t, u_q8, BIAS8 == 0, ORDER_PLAIN)
+#if XQ_STEP == 32
+/* int4 on AVX2: a step of 64 inputs (two blocks) from one 32-byte load, its low nibbles (the step's even inputs) and
+ * high ones (its odd inputs) against x's codes in ORDER_NIBBLES. Without VNNI each half's multiply-add pairs are
+ * summed in 16 bits (at most 2 · 2 · 15 · 127: exact) before one vpmaddwd, so a step of 64 weights costs about 14
+ * vector operations where a block at a time cost about 22 (with AVX-VNNI, two vpdpbusd); each 128-bit lane is one
+ * block (lanes 0-3 block one, 4-7 block two) and takes its scale.
+ * A row of in % 64 == 32 ends on one block: its 16 bytes alone, the second block's codes 0 and scales 0. */
+static float int_row_q4(const uint8_t *r, const float *so, int64_t in, int64_t g, const int8_t *c, const int32_t *neg,
+                        const float *d) {
+    const __m256i low = _mm256_set1_epi8(15), flip = _mm256_set1_epi8((char)0x88);
+#if !BIAS8
+    const __m256i ones = _mm256_set1_epi16(1);
+#endif
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    int64_t j = 0, end = g; /* input i's group j ends at `end`: a block's scale with no division */
+    for (int64_t i = 0; i < in; i += 64) {
+        const int two = in - i >= 64;
+        PREFETCH(r + i / 2);
+        __m256i b = two ? _mm256_loadu_si256((const __m256i *)(r + i / 2))
+                        : _mm256_inserti128_si256(_mm256_setzero_si256(), _mm_loadu_si128((const __m128i *)(r + i / 2)), 0);
+        b = _mm256_xor_si256(b, flip); /* 4-bit two's complement q -> q + 8, both nibbles */
+        __m256i lo = _mm256_and_si256(b, low), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+        const __m256i ce = _mm256_loadu_si256((const __m256i *)(c + i)), co = _mm256_loadu_si256((const __m256i *)(c + i + 32));
+        const __m256i start = _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)(neg + i / 4)),
+                                               _mm256_loadu_si256((const __m256i *)(neg + i / 4 + 8)));
+#if BIAS8 /* AVX-VNNI: four codes a lane a multiply-add */
+        __m256i p = DPBUSD(DPBUSD(start, lo, ce), hi, co);
+#else
+        __m256i p = _mm256_add_epi32(
+            _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, ce), _mm256_maddubs_epi16(hi, co)), ones), start);
+#endif
+        while (i >= end) j++, end += g;
+        const float s0 = so[j], s1 = two ? so[j + (i + 32 >= end)] : 0.0f;
+        const __m256 f = _mm256_mul_ps(_mm256_loadu_ps(d + i / 4), _mm256_blend_ps(_mm256_set1_ps(s0), _mm256_set1_ps(s1), 0xF0));
+        if (i & 64) a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), f, a1);
+        else a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), f, a0);
+    }
+    return kv_hsum256(_mm256_add_ps(a0, a1));
+}
+#else
 INT_ROW(int_row_q4, uint8_t, u_q4, 0, ORDER_Q4)
+#endif
 INT_ROW(int_row_q5, uint8_t, u_q5, 0, ORDER_Q5)
 #if XQ_STEP != 64 /* (512-bit VNNI has its own MXFP4 product below) */
-INT_ROW(int_row_mx4, uint8_t, u_mx4, 0, ORDER_Q4)
+INT_ROW(int_row_mx4, uint8_t, u_mx4, 0, ORDER_MX4)
 #endif
 
 /* y [out] = W x with x quantized as above: codes and scales as the float products take them (mode 8, 4 or 5). */
@@ -150,10 +195,12 @@ INT_ROW(int_row_mx4, uint8_t, u_mx4, 0, ORDER_Q4)
     static void NAME(const T *q, const float *s, const float *m, const float *x, float *y, int64_t out, int64_t in, \
               int64_t g, int nt) {                                                                            \
         int64_t np = (in + XQ_PAD - 1) / XQ_PAD * XQ_PAD, groups = in / g;                                    \
-        int8_t c[np];                                                                                         \
+        int8_t c[2 * np]; /* x's codes, then (signed int8 codes on AVX2: dot_step8) their magnitudes */       \
         int32_t neg[np / 4];                                                                                  \
         float d[np / 4], xs[groups];                                                                          \
         quantize_x(x, in, BIAS, ORDER, c, neg, d);                                                                \
+        if (XQ_STEP == 32 && (BIAS) == 0)                                                                     \
+            for (int64_t k = 0; k < np; k++) c[np + k] = (int8_t)(c[k] < 0 ? -c[k] : c[k]);                   \
         if (m) group_sums(x, xs, groups, g);                                                                  \
         _Pragma("omp parallel for num_threads(nt) schedule(static)")                                          \
         for (int64_t o = 0; o < out; o++) {                                                                   \
@@ -220,7 +267,7 @@ static void int_matvec_mx4(const uint8_t *q, const uint8_t *e, const float *x, f
     int8_t c[np];
     int32_t neg[np / 4];
     float d[np / 4];
-    quantize_x(x, in, 16, ORDER_Q4, c, neg, d);
+    quantize_x(x, in, 16, ORDER_MX4, c, neg, d);
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t o = 0; o < out; o++) {
         float so[groups];
