@@ -37,8 +37,8 @@ PROBE_EVERY = 16  # plain rounds after drafting stopped paying, before it tries 
 MAX_IDLE = 256
 CATCH_UP = 8  # tokens a draft model consumes one decode step at a time (more: a prefill, as a prompt is)
 # The int4 draft's own precision (the target's never changes): a scale per 32 weights, top-1 agreement with the full
-# weights 72% against 66% at the default 64, and int8 activations where the kernels have them (the same agreement,
-# a step 0.8x the time); engine/BENCHMARKS.md, "Speculative decoding"
+# weights 72% against 66% at the default 64, and int8 activations where the kernels have them (the same agreement; at
+# 32 a scale the step then costs what 64 on float32 activations did); engine/BENCHMARKS.md, "Speculative decoding"
 INT4_DRAFT = {"group_size": 32, "activations": "int8"}
 
 

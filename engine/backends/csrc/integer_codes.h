@@ -187,7 +187,7 @@ static inline vu u_q5(const uint8_t *r, int64_t i, int64_t in) {
 }
 /* acc + (the step's int32 lane sums, as float) · d · s (one block a step: one weight scale, one x scale). `ca`: for
  * signed int8 codes (BIAS8 == 0), x's codes' magnitudes |c| (INT_MATVEC lays them after c), which meet q with c's
- * sign (q in -127..127: negated exactly) — one vpsignb a block where |q| and c's sign moved to it took two; no
+ * sign (q in -127..127: negated exactly): one vpsignb a block, where |q| against c with q's sign took two; no
  * -bias · sums to add. */
 static inline __m256 dot_step8(vu u, const int8_t *c, const int8_t *ca, const int32_t *neg, int64_t i, const float *d,
                                float s, __m256 acc) {
