@@ -274,7 +274,6 @@ def test_several_sequences_decode_in_one_call_each_as_it_would_alone(
             assert torch.equal(a.k[:, :, :, : a.length], b.k[:, :, :, : b.length])
 
 
-@needs_kernels
 def _two_layers(mode: str, n: int, k: int, group: int, offsets: bool, g: torch.Generator):
     """Random codes of `mode` (n rows of k), their scales and offsets (or None), and two layers holding them."""
     top = 8 if mode == "int4" else 128
@@ -285,6 +284,7 @@ def _two_layers(mode: str, n: int, k: int, group: int, offsets: bool, g: torch.G
     return codes, scales, mins, QuantLinear.from_codes(pre), QuantLinear.from_codes(pre)
 
 
+@needs_kernels
 @pytest.mark.skipif(not (K and K.int4_tile_rows), reason="int4 tiles need the AVX-512 or AVX2 kernels")
 @pytest.mark.parametrize("offsets", [False, True])
 def test_int4_tiles_hold_the_same_weight_as_rows(offsets):

@@ -22,6 +22,13 @@ static const uint8_t MX_CODES_U[16] __attribute__((unused)) = {16, 17, 18, 19, 2
 
 static inline int int_products_fit(int64_t in, int64_t g) { return in % XQ_BLOCK == 0 && g % XQ_BLOCK == 0 && g > 0; }
 
+/* The group of input i, for a row's inputs read in order (i never decreasing): *j and the end of its group *end
+ * (start them at 0 and g) walk on past each group i has left, so a block's scale costs no division. */
+static inline int64_t group_of(int64_t i, int64_t g, int64_t *j, int64_t *end) {
+    while (i >= *end) ++*j, *end += g;
+    return *j;
+}
+
 /* Where a step's k-th code byte comes from within its 64 inputs: the order in which a mode's reader unpacks
  * them (each 4-byte lane stays inside one block of 32). */
 enum { ORDER_PLAIN, ORDER_NIBBLES, ORDER_HALVES, ORDER_TILES, ORDER_BLOCK_NIBBLES };
@@ -34,7 +41,7 @@ static inline int order_source(int order, int k) {
 }
 
 static inline void quantize_x(const float *x, int64_t in, int bias, int order, int8_t *c, int32_t *neg, float *d) {
-    int64_t np = (in + XQ_PAD - 1) / XQ_PAD * XQ_PAD;
+    int64_t np = XQ_NP(in);
     int8_t natural[np];
     float db[np / XQ_BLOCK];
     for (int64_t b = 0; b < np / XQ_BLOCK; b++) {

@@ -36,16 +36,16 @@
     static float NAME(const T *r, const float *so, int64_t in, int64_t g, const int8_t *c, const int32_t *neg, \
                       const float *d) {                                                                       \
         __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();                                           \
-        int64_t i = 0, j = 0, end = g; /* input i's group j ends at `end`: a block's scale with no division */   \
+        int64_t i = 0, j = 0, end = g; /* group_of's walk */                                                   \
         const int8_t *ca = SIGNED8 ? c + XQ_NP(in) : NULL; /* |c|, after c (INT_MATVEC) */                     \
         const int blocks = g == XQ_BLOCK; /* a GGUF's blocks: two a step */                                   \
         for (; i + 64 <= in; i += 64) {                                                                       \
-            while (!blocks && i >= end) j++, end += g;                                                        \
-            float s0 = blocks ? so[i >> 5] : so[j], s1 = blocks ? so[(i >> 5) + 1] : so[j + (i + 32 >= end)];  \
+            float s0 = blocks ? so[i >> 5] : so[group_of(i, g, &j, &end)];                                    \
+            float s1 = blocks ? so[(i >> 5) + 1] : so[group_of(i + 32, g, &j, &end)];                         \
             a0 = dot_step8(U(r, i, in), c, ca, neg, i, d, s0, a0);                                            \
             a1 = dot_step8(U(r, i + 32, in), c, ca, neg, i + 32, d, s1, a1);                                  \
         }                                                                                                     \
-        if (i < in) a0 = dot_step8(U(r, i, in), c, ca, neg, i, d, so[i / g], a0);                             \
+        if (i < in) a0 = dot_step8(U(r, i, in), c, ca, neg, i, d, so[group_of(i, g, &j, &end)], a0);          \
         return kv_hsum256(_mm256_add_ps(a0, a1));                                                             \
     }
 #else /* plain C: the same integer sums, a block at a time */
@@ -128,11 +128,10 @@ static inline int32_t block_dot_q5(const uint8_t *r, int64_t b, const int8_t *c)
                       const float *d) {                                                                       \
         (void)neg;                                                                                            \
         float a = 0;                                                                                          \
-        int64_t j = 0, per = g / XQ_BLOCK, left = per; /* block b's group j, and its blocks left: no division */ \
-        for (int64_t b = 0; b < in / XQ_BLOCK; b++, left--) {                                                 \
-            if (!left) j++, left = per;                                                                       \
+        int64_t j = 0, end = g; /* group_of's walk */                                                         \
+        for (int64_t b = 0; b < in / XQ_BLOCK; b++) {                                                         \
             int32_t t = BLOCK_DOT(U, r, b, c + b * XQ_BLOCK);                                                 \
-            a += so[j] * (d[b * 8] * (float)t);                                                               \
+            a += so[group_of(b * XQ_BLOCK, g, &j, &end)] * (d[b * 8] * (float)t);                             \
         }                                                                                                     \
         return a;                                                                                             \
     }
@@ -157,7 +156,7 @@ static float int_row_q4(const uint8_t *r, const float *so, int64_t in, int64_t g
     const __m256i ones = _mm256_set1_epi16(1);
 #endif
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    int64_t j = 0, end = g; /* input i's group j ends at `end`: a block's scale with no division */
+    int64_t j = 0, end = g; /* group_of's walk */
     for (int64_t i = 0; i < in; i += 64) {
         const int two = in - i >= 64;
         PREFETCH(r + i / 2);
@@ -174,8 +173,7 @@ static float int_row_q4(const uint8_t *r, const float *so, int64_t in, int64_t g
         __m256i p = _mm256_add_epi32(
             _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, ce), _mm256_maddubs_epi16(hi, co)), ones), start);
 #endif
-        while (i >= end) j++, end += g;
-        const float s0 = so[j], s1 = two ? so[j + (i + 32 >= end)] : 0.0f;
+        const float s0 = so[group_of(i, g, &j, &end)], s1 = two ? so[group_of(i + 32, g, &j, &end)] : 0.0f;
         const __m256 f = _mm256_mul_ps(_mm256_loadu_ps(d + i / 4), _mm256_blend_ps(_mm256_set1_ps(s0), _mm256_set1_ps(s1), 0xF0));
         if (i & 64) a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), f, a1);
         else a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), f, a0);
@@ -194,7 +192,7 @@ INT_ROW(int_row_mx4, uint8_t, u_mx4, 0, ORDER_MX4)
 #define INT_MATVEC(NAME, T, ROW, BIAS, ORDER, BYTES_PER_ROW)                                                         \
     static void NAME(const T *q, const float *s, const float *m, const float *x, float *y, int64_t out, int64_t in, \
               int64_t g, int nt) {                                                                            \
-        int64_t np = (in + XQ_PAD - 1) / XQ_PAD * XQ_PAD, groups = in / g;                                    \
+        int64_t np = XQ_NP(in), groups = in / g;                                                              \
         int8_t c[2 * np]; /* x's codes, then (signed int8 codes on AVX2: dot_step8) their magnitudes */       \
         int32_t neg[np / 4];                                                                                  \
         float d[np / 4], xs[groups];                                                                          \
@@ -223,7 +221,7 @@ static void int_matvec_mx4(const uint8_t *q, const uint8_t *e, const float *x, f
     int8_t natural[np], c[np]; /* x's codes as quantize_x gives them; c: each step's evens, then its odds */
     int32_t unused[np / 4], neg[steps * 16];
     float d4[np / 4], d[steps * 16];
-    const int64_t padded = (in + XQ_PAD - 1) / XQ_PAD * XQ_PAD; /* what quantize_x fills; zeros past it */
+    const int64_t padded = XQ_NP(in); /* what quantize_x fills; zeros past it */
     quantize_x(x, in, 0, ORDER_PLAIN, natural, unused, d4);
     memset(natural + padded, 0, np - padded);
     for (int64_t i = padded / 4; i < np / 4; i++) d4[i] = 0;
@@ -263,7 +261,7 @@ static void int_matvec_mx4(const uint8_t *q, const uint8_t *e, const float *x, f
 /* MXFP4: each row's e8m0 scales made float32 as it is reached (mx4_scales), never a float copy of them all */
 static void int_matvec_mx4(const uint8_t *q, const uint8_t *e, const float *x, float *y, int64_t out, int64_t in,
                            int nt) {
-    int64_t np = (in + XQ_PAD - 1) / XQ_PAD * XQ_PAD, groups = in / 32;
+    int64_t np = XQ_NP(in), groups = in / 32;
     int8_t c[np];
     int32_t neg[np / 4];
     float d[np / 4];

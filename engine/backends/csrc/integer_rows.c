@@ -70,7 +70,7 @@ static inline __attribute__((always_inline)) void q8x_rows(const int8_t *r, cons
 
 static int int_matvec_q8_rows(const int8_t *q, const float *s, const float *m, const float *x, float *y,
                               int64_t out, int64_t in, int64_t g, int64_t B, int nt) {
-    const int64_t np = (in + XQ_PAD - 1) / XQ_PAD * XQ_PAD, groups = in / g, cs = np / 4;
+    const int64_t np = XQ_NP(in), groups = in / g, cs = np / 4;
     int8_t *c = malloc((size_t)(B * np));
     int32_t *neg = malloc(sizeof(int32_t) * (size_t)(B * cs));
     float *f = malloc(sizeof(float) * (size_t)(B * (cs + groups)));

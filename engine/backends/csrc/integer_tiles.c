@@ -57,7 +57,7 @@ static inline __attribute__((always_inline)) void tile_dot(const uint8_t *r, con
  * with offsets (m) the rows' group sums xs. */
 static inline void tile_rows_x(const float *x, int64_t B, int64_t in, int64_t g, const float *m, int bias, int order,
                                int32_t *c, int32_t *neg, float *d, int32_t *bneg, float *bd, float *xs) {
-    const int64_t cs = (in + XQ_PAD - 1) / XQ_PAD * XQ_PAD / 4, blocks = in / XQ_BLOCK, groups = in / g;
+    const int64_t cs = XQ_NP(in) / 4, blocks = in / XQ_BLOCK, groups = in / g;
     for (int64_t k = 0; k < B; k++) {
         quantize_x(x + k * in, in, bias, order, (int8_t *)(c + k * cs), neg + k * cs, d + k * cs);
         for (int64_t b = 0; b < blocks; b++) {
@@ -75,7 +75,7 @@ static inline void tile_rows_x(const float *x, int64_t B, int64_t in, int64_t g,
 static inline __attribute__((always_inline)) int tiles_by_rows(const uint8_t *q, const float *s, const float *m,
                                                                const float *x, float *y, int64_t out, int64_t in,
                                                                int64_t g, int64_t B, int nt, int BITS) {
-    const int64_t np = (in + XQ_PAD - 1) / XQ_PAD * XQ_PAD, groups = in / g, blocks = in / XQ_BLOCK;
+    const int64_t np = XQ_NP(in), groups = in / g, blocks = in / XQ_BLOCK;
     const int64_t tiles = out / TILE_ROWS, cs = np / 4;
     int32_t *c = malloc(sizeof(int32_t) * (size_t)(B * (2 * cs + blocks)));
     float *f = malloc(sizeof(float) * (size_t)(B * (cs + blocks + groups)));
