@@ -35,7 +35,7 @@ LOOKUP_NGRAM = (3, 2)  # the n-gram lengths prompt lookup tries, longest first (
 ADAPT_WINDOW = 8  # drafting rounds the adaptive k weighs
 PROBE_EVERY = 16  # plain rounds after drafting stopped paying, before it tries again (doubling, to MAX_IDLE)
 MAX_IDLE = 256
-CATCH_UP = 8  # tokens a draft model consumes one decode step at a time (more: a prefill, as a prompt is)
+CHUNK = 256  # positions a draft model consumes in one pass (its prefill's, a prompt's chunks)
 # The int4 draft's own precision (the target's never changes): a scale per 32 weights, top-1 agreement with the full
 # weights 72% against 66% at the default 64, and int8 activations where the kernels have them (the same agreement; at
 # 32 a scale the step then costs what 64 on float32 activations did); engine/BENCHMARKS.md, "Speculative decoding"
@@ -125,21 +125,21 @@ class ModelDrafter:
         self._consume(ids[len(self.ids) :])
 
     def _consume(self, tokens: list[int]) -> torch.Tensor | None:
-        """`tokens` into its cache — a round's few through the one-row step, a prompt in chunks; the logits after
-        the last ([V]), None for none."""
+        """`tokens` into its cache in one pass (a prompt in chunks of CHUNK): a round's catch-up — the token the target
+        chose after the last accepted draft, the last draft where all were taken, what plain steps chose — reads the
+        draft's weights once, not once a token; the logits after the last ([V]), None for none."""
         device, model = self.loaded.device, self.loaded.model
         logits = None
-        step = 1 if len(tokens) <= CATCH_UP else 256
-        for a in range(0, len(tokens), step):
-            piece = tokens[a : a + step]
+        for a in range(0, len(tokens), CHUNK):
+            piece = tokens[a : a + CHUNK]
             logits = model(torch.tensor([piece], device=device), self.cache, last_only=True)  # [1, 1, V]
             self.ids.extend(piece)
         return None if logits is None else logits[0, -1]
 
     def _sync(self, context: list[int]) -> torch.Tensor:
-        """Its cache holds context[:-1] and the logits after context[-1] come back ([V])."""
-        self.prepare(context[:-1])
-        return self._consume(context[-1:])
+        """Its cache holds context[:-1] and the logits after context[-1] come back ([V]): what it lacks, in one pass."""
+        self.accepted(context[:-1])
+        return self._consume(context[len(self.ids) :])
 
     def propose(self, context: list[int], k: int, params, generator) -> Draft:
         room = self.cache.capacity - len(context) - 1
@@ -234,7 +234,7 @@ class Adaptive:
     copied, then a changed word), and a verify's rows cost more with each where the products are arithmetic-bound
     (a 4-bit model: engine/BENCHMARKS.md, "Speculative decoding"), so a round after a miss is short. k itself
     follows what drafting has cost: a drafting round's time per token it gave (its drafts, its verify) against a
-    plain step of the model. Unless drafting saves a tenth, k halves; at one and still
+    plain step of the model (the least of the recent ones). Unless drafting saves a tenth, k halves; at one and still
     no cheaper, nothing is drafted for a while (plain steps: PROBE_EVERY rounds, twice as long after each probe that
     fails, up to MAX_IDLE), then k tries again from two; well cheaper, k grows back to what was asked. So text where
     drafts fail costs about what the model alone costs. A sampled reply with a seed keeps k (`fixed`): its random
@@ -245,20 +245,29 @@ class Adaptive:
         self.k = self.asked = k
         self.reach = k  # from the last round: twice its length where all were taken, else one past the taken
         self.fixed = fixed  # a seeded sampled reply: the same draws in the same order, whatever the timings
-        self.target_ms: float | None = None  # a plain step's time, recently
+        self.steps: list[float] = []  # the recent plain steps' times (ms)
         self.recent: list[tuple[float, int]] = []  # (ms, tokens) of recent drafting rounds
         self.idle = 0  # plain rounds left before drafting again
         self.backoff = PROBE_EVERY
 
     def now(self) -> int:
-        """Tokens to draft this round (0: a plain step)."""
+        """Tokens to draft this round (0: a plain step). The first round is plain: what drafting is weighed
+        against."""
+        if not self.steps:
+            return 0
         if self.idle:
             self.idle -= 1
             return 0
         return min(self.k, self.reach)
 
+    @property
+    def target_ms(self) -> float | None:
+        """A plain step's time: the least of the recent ones (a step's own cost: noise only ever adds, and the first
+        after a prompt, on cold caches, can run a third slower)."""
+        return min(self.steps) if self.steps else None
+
     def plain(self, ms: float) -> None:
-        self.target_ms = ms if self.target_ms is None else 0.8 * self.target_ms + 0.2 * ms
+        self.steps = [*self.steps[-(ADAPT_WINDOW - 1) :], ms]
 
     def round(self, drafted: int, tokens: int, ms: float) -> None:
         """A drafting round of `drafted` tokens gave `tokens` (the accepted and the target's own) in `ms`."""
@@ -361,7 +370,6 @@ def speculate(req, logits: torch.Tensor, decoder: Decoder, ids: list[int], tok, 
     stats.draft_prefill_ms = round(_ms_since(t0), 3)
     row = reply.row(logits[0, -1])  # [V]
     token, drawn = reply.choose(row, ids)
-    plain = True  # the first step after token 1 is a plain one, timed
     while True:
         event = reply.emit(token, row, drawn, cache.length, kind, rejected)
         if event is None:
@@ -372,7 +380,7 @@ def speculate(req, logits: torch.Tensor, decoder: Decoder, ids: list[int], tok, 
         room = min(plan.now(), cache.capacity - cache.length - 1, req.max_new_tokens - len(reply.out) - 1)
         draft = Draft([], [])
         began = time.perf_counter()
-        if room > 0 and not plain:
+        if room > 0:
             draft = drafter.propose(ids + [token], room, params, reply.generator)
             stats.draft_ms += _ms_since(began)
         if not draft.tokens:
@@ -383,7 +391,7 @@ def speculate(req, logits: torch.Tensor, decoder: Decoder, ids: list[int], tok, 
             token, drawn = reply.choose(row, ids)
             stats.plain_ms.append(_ms_since(t0))
             plan.plain(stats.plain_ms[-1])
-            plain, kind, rejected = False, "target", 0
+            kind, rejected = "target", 0
             continue
         t0 = time.perf_counter()
         rows = passes.span(model, [token, *draft.tokens], cache)  # [j + 1, V]

@@ -5,6 +5,7 @@ drafts leave nothing in the working cache, the store or the disk tier; a draft w
 with the reason; and a drafting request runs beside others on the engine's lanes."""
 
 import collections
+import dataclasses
 import threading
 
 import pytest
@@ -158,25 +159,28 @@ def test_sampled_replies_with_drafts_are_the_same_for_the_same_seed(llama_dir, s
 
 
 def test_the_draft_length_follows_what_the_last_round_took_and_halves_where_drafting_does_not_pay():
-    """A round drafts one past what the last one took (a rejected first token: one), twice as many after a round
+    """A plain step first, timed (the least of the recent ones is a step's cost). Then a round drafts one past what the last one took (a rejected first token: one), twice as many after a round
     taken whole, up to k; k itself halves — 8, 4, 2, 1, and 3 (grown back) to 2 — while rounds cost a plain
     step's time a token, then nothing is drafted for a while; rounds well under a plain step grow k back by one."""
     plan = Adaptive(8)
+    assert plan.now() == 0  # the first round is a plain step, timed: what drafting is weighed against
+    plan.plain(14.0)  # the first after a prompt, slow
     plan.plain(10.0)
+    assert plan.target_ms == 10.0  # a step's own cost: the least of the recent ones
     seen = []
     for taken in (0, 1, 1, 3, 4):
         seen.append(plan.now())
         plan.round(seen[-1], min(taken, seen[-1]) + 1, 1.0)  # cheap rounds: k stays 8
     assert seen == [8, 1, 2, 2, 4] and plan.now() == 8  # 0 of 8 taken, 1 of 1, 1 of 2, 2 of 2, 4 of 4
     plan = Adaptive(8)
-    plan.plain(10.0)
+    plan.plain(10.0), plan.plain(10.0)
     seen = []
     for _ in range(12):
         seen.append(plan.now())
         plan.round(seen[-1], seen[-1] + 1, 10.0 * (seen[-1] + 1))  # every draft taken, at a plain step a token
     assert seen == [8, 8, 8, 4, 4, 4, 2, 2, 2, 1, 1, 1] and plan.now() == 0
     plan = Adaptive(8)
-    plan.plain(10.0)
+    plan.plain(10.0), plan.plain(10.0)
     plan.k = 3
     for _ in range(3):
         plan.round(3, 4, 40.0)
@@ -271,3 +275,38 @@ def test_a_draft_model_with_padded_embedding_rows_drafts_only_the_models_tokens(
     sampled = reply(Session(model), REPEAT, n=24, sampling=SamplingParams(temperature=1.0, seed=1),
                     speculative=str(padded))[-1]  # fmt: skip
     assert max(sampled.token_ids) < model.config.vocab_size
+
+
+def test_a_draft_model_catches_up_in_one_pass(llama_dir):
+    """What a draft model lacks at a round's start — the last draft where all were taken and the token the target
+    chose after it, or the tokens of plain steps — goes through it in one pass (its weights read once), and the
+    drafts that follow are those of a draft model fed a token at a time."""
+    from engine.speculative import ModelDrafter
+
+    loaded = load_model(llama_dir, device="cpu", dtype="float32")
+    passes = []
+
+    class Counting(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, ids, cache, **kw):
+            passes.append(ids.shape[-1])
+            return self.inner(ids, cache, **kw)
+
+    greedy = Request(prompt_ids=(1,)).sampling
+    drafter = ModelDrafter(loaded, "m", "m", 128, loaded.config.vocab_size)
+    one_by_one = ModelDrafter(loaded, "m", "m", 128, loaded.config.vocab_size)
+    drafter.loaded = dataclasses.replace(loaded, model=Counting(loaded.model))
+    drafter.prepare(REPEAT)
+    first = drafter.propose(REPEAT + [5], 3, greedy, None).tokens
+    assert passes == [len(REPEAT), 1, 1, 1]  # the prompt, then the token before the drafts, then a pass a draft
+    taken = REPEAT + [5, *first, 9]  # all three taken, and the target's own after them
+    passes.clear()
+    again = drafter.propose(taken + [11, 12], 2, greedy, None).tokens  # and two plain steps' tokens
+    assert passes == [4, 1]  # the last draft, 9, 11 and 12 in one pass; then one for the second draft
+    one_by_one.prepare(REPEAT)
+    for t in [5, *first, 9, 11]:
+        one_by_one._consume([t])
+    assert one_by_one.propose(taken + [11, 12], 2, greedy, None).tokens == again
