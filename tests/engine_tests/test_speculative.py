@@ -159,9 +159,10 @@ def test_sampled_replies_with_drafts_are_the_same_for_the_same_seed(llama_dir, s
 
 
 def test_the_draft_length_follows_what_the_last_round_took_and_halves_where_drafting_does_not_pay():
-    """A plain step first, timed (the least of the recent ones is a step's cost). Then a round drafts one past what the last one took (a rejected first token: one), twice as many after a round
-    taken whole, up to k; k itself halves — 8, 4, 2, 1, and 3 (grown back) to 2 — while rounds cost a plain
-    step's time a token, then nothing is drafted for a while; rounds well under a plain step grow k back by one."""
+    """A plain step first, timed (the least of the recent ones is a step's cost). Then a round drafts one past what
+    the last one took (a rejected first token: one), twice as many after a round taken whole, up to k; k itself
+    halves — 8, 4, 2, 1, and 3 (grown back) to 2 — while rounds cost a plain step's time a token, then nothing is
+    drafted for a while; rounds well under a plain step grow k back by one."""
     plan = Adaptive(8)
     assert plan.now() == 0  # the first round is a plain step, timed: what drafting is weighed against
     plan.plain(14.0)  # the first after a prompt, slow
