@@ -196,15 +196,22 @@ static inline vu u_q5(const uint8_t *r, int64_t i, int64_t in) {
  * signed int8 codes (BIAS8 == 0), x's codes' magnitudes |c| (INT_MATVEC lays them after c), which meet q with c's
  * sign (q in -127..127: negated exactly): one vpsignb a block, where |q| against c with q's sign took two; no
  * -bias · sums to add. */
+static inline __m256i step_sums8(vu u, const int8_t *c, const int8_t *ca, const int32_t *neg, int64_t i) {
+    __m256i cv = _mm256_loadu_si256((const __m256i *)(c + i));
+    if (ca)
+        return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(ca + i)), _mm256_sign_epi8(u, cv)),
+                                 _mm256_set1_epi16(1));
+    return DPBUSD(_mm256_loadu_si256((const __m256i *)(neg + i / 4)), u, cv);
+}
 static inline __m256 dot_step8(vu u, const int8_t *c, const int8_t *ca, const int32_t *neg, int64_t i, const float *d,
                                float s, __m256 acc) {
-    __m256i cv = _mm256_loadu_si256((const __m256i *)(c + i)), p;
-    if (ca)
-        p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i *)(ca + i)), _mm256_sign_epi8(u, cv)),
-                              _mm256_set1_epi16(1));
-    else
-        p = DPBUSD(_mm256_loadu_si256((const __m256i *)(neg + i / 4)), u, cv);
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d[i / 4] * s), acc);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(step_sums8(u, c, ca, neg, i)), _mm256_set1_ps(d[i / 4] * s), acc);
+}
+/* acc + the step's lane sums · x's scale of each lane (its block's, `d` a lane): the weight scale left to the group's
+ * end, so a step of a group of whole steps costs no scalar work. */
+static inline __m256 dot_lanes8(vu u, const int8_t *c, const int8_t *ca, const int32_t *neg, int64_t i, const float *d,
+                                __m256 acc) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(step_sums8(u, c, ca, neg, i)), _mm256_loadu_ps(d + i / 4), acc);
 }
 #else
 #define XQ_STEP 0

@@ -39,6 +39,17 @@
         int64_t i = 0, j = 0, end = g; /* group_of's walk */                                                   \
         const int8_t *ca = SIGNED8 ? c + XQ_NP(in) : NULL; /* |c|, after c (INT_MATVEC) */                     \
         const int blocks = g == XQ_BLOCK; /* a GGUF's blocks: two a step */                                   \
+        if (g % 64 == 0) { /* whole steps a group (one scale a row included): x's scales a lane, s once a group */ \
+            for (int64_t k = 0; k < in / g; k++) {                                                            \
+                __m256 p0 = _mm256_setzero_ps(), p1 = _mm256_setzero_ps();                                    \
+                for (const int64_t e = i + g; i < e; i += 64) {                                               \
+                    p0 = dot_lanes8(U(r, i, in), c, ca, neg, i, d, p0);                                       \
+                    p1 = dot_lanes8(U(r, i + 32, in), c, ca, neg, i + 32, d, p1);                             \
+                }                                                                                             \
+                a0 = _mm256_fmadd_ps(_mm256_set1_ps(so[k]), _mm256_add_ps(p0, p1), a0);                       \
+            }                                                                                                 \
+            return kv_hsum256(a0);                                                                            \
+        }                                                                                                     \
         for (; i + 64 <= in; i += 64) {                                                                       \
             float s0 = blocks ? so[i >> 5] : so[group_of(i, g, &j, &end)];                                    \
             float s1 = blocks ? so[(i >> 5) + 1] : so[group_of(i + 32, g, &j, &end)];                         \
