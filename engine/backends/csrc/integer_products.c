@@ -160,36 +160,75 @@ INT_ROW(int_row_q8, int8_t, u_q8, BIAS8 == 0, ORDER_PLAIN)
  * vector operations where a block at a time cost about 22 (with AVX-VNNI, two vpdpbusd); each 128-bit lane is one
  * block (lanes 0-3 block one, 4-7 block two) and takes its scale.
  * A row of in % 64 == 32 ends on one block: its 16 bytes alone, the second block's codes 0 and scales 0. */
+/* Step i's lane sums for a row r of int4 codes against x's codes ce (even inputs) and co (odd ones) from `start`
+ * (the lanes' -8 · code sums): exact in int32. `two`: the step holds two blocks, else its second is the row's end. */
+static inline __attribute__((always_inline)) __m256i q4_step_sums(const uint8_t *r, int64_t i, int two, __m256i ce,
+                                                                 __m256i co, __m256i start) {
+    const __m256i low = _mm256_set1_epi8(15), flip = _mm256_set1_epi8((char)0x88);
+    PREFETCH(r + i / 2);
+    __m256i b = two ? _mm256_loadu_si256((const __m256i *)(r + i / 2))
+                    : _mm256_inserti128_si256(_mm256_setzero_si256(), _mm_loadu_si128((const __m128i *)(r + i / 2)), 0);
+    b = _mm256_xor_si256(b, flip); /* 4-bit two's complement q -> q + 8, both nibbles */
+    __m256i lo = _mm256_and_si256(b, low), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+#if BIAS8 /* AVX-VNNI: four codes a lane a multiply-add */
+    return DPBUSD(DPBUSD(start, lo, ce), hi, co);
+#else
+    return _mm256_add_epi32(
+        _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, ce), _mm256_maddubs_epi16(hi, co)), _mm256_set1_epi16(1)),
+        start);
+#endif
+}
+/* A step's lane sums into one of a row's two chains, by its block scales s0, s1 (each 128-bit lane one block) and
+ * x's: what every row of the product takes, in this order, whatever rows run beside it. */
+#define Q4_ACC(p, i, s0, s1, dv, a0, a1)                                                                             \
+    do {                                                                                                             \
+        const __m256 f_ = _mm256_mul_ps(dv, _mm256_blend_ps(_mm256_set1_ps(s0), _mm256_set1_ps(s1), 0xF0));           \
+        if ((i) & 64) a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), f_, a1);                                          \
+        else a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), f_, a0);                                                  \
+    } while (0)
+#define Q4_SHARED(i)                                                                                                 \
+    const int two = in - (i) >= 64;                                                                                  \
+    const __m256i ce = _mm256_loadu_si256((const __m256i *)(c + (i))), co = _mm256_loadu_si256((const __m256i *)(c + (i) + 32)); \
+    const __m256i start = _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)(neg + (i) / 4)),                    \
+                                           _mm256_loadu_si256((const __m256i *)(neg + (i) / 4 + 8)));               \
+    const __m256 dv = _mm256_loadu_ps(d + (i) / 4)
+
+/* int4 on AVX2: a step of 64 inputs (two blocks) from one 32-byte load, its low nibbles (the step's even inputs) and
+ * high ones (its odd inputs) against x's codes in ORDER_NIBBLES. Without VNNI each half's multiply-add pairs are
+ * summed in 16 bits (at most 2 · 2 · 15 · 127: exact) before one vpmaddwd, so a step of 64 weights costs about 14
+ * vector operations where a block at a time cost about 22 (with AVX-VNNI, two vpdpbusd); each 128-bit lane is one
+ * block (lanes 0-3 block one, 4-7 block two) and takes its scale.
+ * A row of in % 64 == 32 ends on one block: its 16 bytes alone, the second block's codes 0 and scales 0. */
 static float int_row_q4(const uint8_t *r, const float *so, int64_t in, int64_t g, const int8_t *c, const int32_t *neg,
                         const float *d) {
-    const __m256i low = _mm256_set1_epi8(15), flip = _mm256_set1_epi8((char)0x88);
-#if !BIAS8
-    const __m256i ones = _mm256_set1_epi16(1);
-#endif
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     int64_t j = 0, end = g; /* group_of's walk */
     for (int64_t i = 0; i < in; i += 64) {
-        const int two = in - i >= 64;
-        PREFETCH(r + i / 2);
-        __m256i b = two ? _mm256_loadu_si256((const __m256i *)(r + i / 2))
-                        : _mm256_inserti128_si256(_mm256_setzero_si256(), _mm_loadu_si128((const __m128i *)(r + i / 2)), 0);
-        b = _mm256_xor_si256(b, flip); /* 4-bit two's complement q -> q + 8, both nibbles */
-        __m256i lo = _mm256_and_si256(b, low), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
-        const __m256i ce = _mm256_loadu_si256((const __m256i *)(c + i)), co = _mm256_loadu_si256((const __m256i *)(c + i + 32));
-        const __m256i start = _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)(neg + i / 4)),
-                                               _mm256_loadu_si256((const __m256i *)(neg + i / 4 + 8)));
-#if BIAS8 /* AVX-VNNI: four codes a lane a multiply-add */
-        __m256i p = DPBUSD(DPBUSD(start, lo, ce), hi, co);
-#else
-        __m256i p = _mm256_add_epi32(
-            _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, ce), _mm256_maddubs_epi16(hi, co)), ones), start);
-#endif
+        Q4_SHARED(i);
+        const __m256i p = q4_step_sums(r, i, two, ce, co, start);
         const float s0 = so[group_of(i, g, &j, &end)], s1 = two ? so[group_of(i + 32, g, &j, &end)] : 0.0f;
-        const __m256 f = _mm256_mul_ps(_mm256_loadu_ps(d + i / 4), _mm256_blend_ps(_mm256_set1_ps(s0), _mm256_set1_ps(s1), 0xF0));
-        if (i & 64) a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), f, a1);
-        else a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), f, a0);
+        Q4_ACC(p, i, s0, s1, dv, a0, a1);
     }
     return kv_hsum256(_mm256_add_ps(a0, a1));
+}
+/* Two rows (r and r + in/2, scales so and so + groups) at once: x's codes, sums and scales loaded once a step for
+ * both, and a row's (short: a 896-input row is 14 steps) fixed costs shared; each row's chains take exactly
+ * int_row_q4's operations in its order, so its result is int_row_q4's bit for bit. */
+static void int_rows2_q4(const uint8_t *r, const float *so, int64_t in, int64_t g, int64_t groups, const int8_t *c,
+                         const int32_t *neg, const float *d, float *y) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+    const uint8_t *r2 = r + in / 2;
+    const float *so2 = so + groups;
+    int64_t j = 0, end = g;
+    for (int64_t i = 0; i < in; i += 64) {
+        Q4_SHARED(i);
+        const __m256i p = q4_step_sums(r, i, two, ce, co, start), q = q4_step_sums(r2, i, two, ce, co, start);
+        const int64_t k0 = group_of(i, g, &j, &end), k1 = two ? group_of(i + 32, g, &j, &end) : 0;
+        Q4_ACC(p, i, so[k0], two ? so[k1] : 0.0f, dv, a0, a1);
+        Q4_ACC(q, i, so2[k0], two ? so2[k1] : 0.0f, dv, b0, b1);
+    }
+    y[0] = kv_hsum256(_mm256_add_ps(a0, a1));
+    y[1] = kv_hsum256(_mm256_add_ps(b0, b1));
 }
 #else
 INT_ROW(int_row_q4, uint8_t, u_q4, 0, ORDER_Q4)
@@ -218,7 +257,26 @@ INT_ROW(int_row_mx4, uint8_t, u_mx4, 0, ORDER_MX4)
         }                                                                                                     \
     }
 INT_MATVEC(int_matvec_q8, int8_t, int_row_q8, BIAS8, ORDER_PLAIN, in)
+#if XQ_STEP == 32 /* AVX2: two rows a pass (int_rows2_q4), the last of an odd count alone */
+static void int_matvec_q4(const uint8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
+                          int64_t in, int64_t g, int nt) {
+    int64_t np = XQ_NP(in), groups = in / g;
+    int8_t c[np];
+    int32_t neg[np / 4];
+    float d[np / 4], xs[groups];
+    quantize_x(x, in, 8, ORDER_Q4, c, neg, d);
+    if (m) group_sums(x, xs, groups, g);
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t o = 0; o < out; o += 2) {
+        if (o + 1 < out) int_rows2_q4(q + o * (in / 2), s + o * groups, in, g, groups, c, neg, d, y + o);
+        else y[o] = int_row_q4(q + o * (in / 2), s + o * groups, in, g, c, neg, d);
+        for (int64_t w = o; w < out && w < o + 2; w++)
+            if (m) y[w] += dot_f32(m + w * groups, xs, groups);
+    }
+}
+#else
 INT_MATVEC(int_matvec_q4, uint8_t, int_row_q4, 8, ORDER_Q4, in / 2)
+#endif
 INT_MATVEC(int_matvec_q5, uint8_t, int_row_q5, 16, ORDER_Q5, in / 32 * 20)
 #if XQ_STEP == 64
 /* MXFP4 where 512-bit VNNI runs: a 64-byte load holds 4 blocks (128 inputs), its low nibbles looked up as the
