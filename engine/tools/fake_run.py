@@ -339,7 +339,7 @@ class _Nothing:
 def memory_plan(watch: Watch, shape: str, device: str, dtype: str, weights: str = "none", capacity: int = 8192):
     """Weights, cache (at `capacity` positions) and a prefill chunk's peak activations of `shape` on the fake device,
     against each named GPU's memory."""
-    from ..backends.quantized import weight_bytes
+    from ..backends.quantized_model import weight_bytes
     from ..config import config_from_dict
     from ..devices import DTYPES
     from ..kv_cache import make_cache

@@ -8,10 +8,9 @@ from torch import nn
 
 from ..backends.cpu_layouts import LinearT, fast_cpu_linears, transposed_embedding
 from ..backends.decode_step import use_kernels
-from ..backends.quantized import (
+from ..backends.quantized import QuantEmbedding, QuantLinear
+from ..backends.quantized_model import (
     HEAD_MODE,
-    QuantEmbedding,
-    QuantLinear,
     dequantize_for_torch,
     quantize_head,
     use_integer_activations,

@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 
 from ..backends import kernels as kernel_library
-from ..backends.quantized import QuantLinear, weight_bytes
+from ..backends.quantized import QuantLinear
+from ..backends.quantized_model import weight_bytes
 from ..config import ModelConfig, config_from_dict, load_config, read_json
 from ..devices import dtype_name, resolve_device, resolve_dtype
 from ..errors import ModelLoadError
@@ -188,7 +189,7 @@ def load_model(
     is told how far reading the weights is (what: the file's or folder's name). `weights` = none | int8 | int4
     quantizes the block linears (quantize, then swap the module) with one scale per `group_size`
     inputs (0: one per output channel), and the embedding and output head in int8 with the same
-    grouping (engine.backends.quantized.quantize_head). `activations` = float32 | int8: what the quantized
+    grouping (engine.backends.quantized_model.quantize_head). `activations` = float32 | int8: what the quantized
     layers' decode products multiply their codes by (int8: quantized per 32 inputs, integer dot products; an
     approximation the exact float32 path does not make, measured by `python -m engine quality`)."""
     try:

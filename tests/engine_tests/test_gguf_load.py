@@ -487,7 +487,7 @@ def test_without_kernels_a_files_codes_are_dequantized_once_and_compute_what_tra
     what transformers computes from the file. Where they would not fit in memory, they stay as codes."""
     from engine.backends import kernels
     from engine.backends.cpu_layouts import LinearT
-    from engine.backends.quantized import dequantize_for_torch
+    from engine.backends.quantized_model import dequantize_for_torch
 
     monkeypatch.setattr(kernels, "load", lambda: None)
     path = write_gguf(folders["llama"], tmp_path / f"nk-{matrices}.gguf", matrices=matrices, tokenizer=True)
@@ -503,7 +503,7 @@ def test_without_kernels_a_files_codes_are_dequantized_once_and_compute_what_tra
             loaded.model(torch.tensor([ids]))[0], ref(torch.tensor([ids])).logits[0], rtol=1e-4, atol=1e-4
         )
     assert greedy(loaded, ids) == hf_greedy(ref, ids, eos=loaded.tokenizer.stop_ids)
-    monkeypatch.setattr("engine.backends.quantized.free_memory", lambda: 1 << 16)  # 64 KiB free: no room
+    monkeypatch.setattr("engine.backends.quantized_model.free_memory", lambda: 1 << 16)  # 64 KiB free: no room
     tight = load_model(path)
     assert tight.model.dequantized_bytes == 0 and isinstance(tight.model.layers[0].mlp.down, QuantLinear)
     assert dequantize_for_torch(tight.model, free=0) == 0

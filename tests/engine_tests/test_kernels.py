@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from checkpoints import FAMILY_CASES, make_checkpoint
 from engine import devices
-from engine.backends import kernel_build, kernel_checks, kernel_verdicts, kernels, quantized
+from engine.backends import kernel_build, kernel_checks, kernel_verdicts, kernels, quantized, quantized_model
 from engine.backends.cpu_layouts import KernelHead, KernelLinear, PackedLinear
 from engine.backends.decode_step import KernelAttention, KernelRMSNorm
 from engine.backends.quantized import QuantLinear
@@ -329,7 +329,7 @@ def test_int4_tiles_hold_the_same_weight_as_rows(offsets):
     close(tiles(x).reshape(-1), (want_w @ x.reshape(-1)), 1e-5)
     many = torch.randn(1, 7, k, generator=g)
     torch.testing.assert_close(tiles(many), rows(many))  # prefill: dequantized rows, then one product
-    switched = quantized.use_integer_activations(tiles)  # int8 activations: the tiles' integer products, or none
+    switched = quantized_model.use_integer_activations(tiles)  # int8 activations: the tiles' integer products, or none
     if K.int4_integer_tiles:
         assert switched == 1 and tiles.activations == "int8"
         want = integer_product(codes, scales, x.reshape(-1), mins).float()
@@ -367,11 +367,11 @@ def test_int8_tiles_hold_the_same_weight_and_give_each_row_its_one_row_product(o
     n, k, group = 48, 192, 64
     codes, scales, mins, rows, tiles = _two_layers("int8", n, k, group, offsets, g)
     assert tiles.decoder is kernel_variant and not tiles.tiles_fit()  # float32 activations: rows
-    assert quantized.use_integer_activations(tiles) == 1 and quantized.use_integer_activations(rows) == 1
+    assert quantized_model.use_integer_activations(tiles) == 1 and quantized_model.use_integer_activations(rows) == 1
     if not kernel_variant.int8_integer_tiles:
-        assert not tiles.tiles_fit() and quantized.use_tiles(tiles) == 0 and tiles.tiles == 0
+        assert not tiles.tiles_fit() and quantized_model.use_tiles(tiles) == 0 and tiles.tiles == 0
         return
-    assert tiles.tiles_fit() and quantized.use_tiles(tiles) == 1 and not tiles.tiles_fit()
+    assert tiles.tiles_fit() and quantized_model.use_tiles(tiles) == 1 and not tiles.tiles_fit()
     assert tiles.tiles == 16 and tuple(tiles.codes.shape) == (n // 16, 16 * k)
     assert not torch.equal(tiles.codes.view(-1), rows.codes.view(-1))  # the bytes did move
     assert torch.equal(tiles.weight_codes(), codes) and torch.equal(tiles.scale_values(), scales)
@@ -942,7 +942,7 @@ def test_a_few_prompt_positions_under_int8_activations_are_each_rows_decode_prod
         if not kernel_variant.int4_tile_rows:
             pytest.skip("no int4 tiles in this variant")
         layer.use_tiles()
-    if quantized.use_integer_activations(layer) == 0:
+    if quantized_model.use_integer_activations(layer) == 0:
         pytest.skip(f"this variant has no integer {mode} products here")
     assert layer.activations == "int8" and layer._rows_at_once()
     x = torch.randn(1, 3, k, generator=g)

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from engine.backends import kernels
-from engine.backends.quantized import QuantLinear, weight_bytes
+from engine.backends.quantized import QuantLinear
+from engine.backends.quantized_model import weight_bytes
 from engine.kv_cache import KVCache, QuantKVCache
 from engine.quant import dequantize, pack_int4, quantize, quantize_with_scale, storage_bytes, unpack_int4
 from engine.sampling import SamplingParams, choose

@@ -91,7 +91,7 @@ def _measure(engine: str, precision: str, a: dict) -> dict:
         row["load_s"] = round(now() - t0, 3)
         vocab = loaded.config.vocab_size
         prompt = random_prompt(a["prompt_tokens"], vocab)
-        from ...backends.quantized import weight_bytes
+        from ...backends.quantized_model import weight_bytes
 
         row.update(
             weight_bytes=loaded.weight_bytes,
