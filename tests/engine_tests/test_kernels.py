@@ -105,21 +105,23 @@ def test_integer_products_are_their_definition_not_the_float_product(mode, n, gr
 
 
 @needs_kernels
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "int5"])
 @pytest.mark.parametrize("n,group", [(576, 32), (896, 0), (160, 32)])
 def test_an_integer_products_row_is_the_same_bits_whatever_rows_run_beside_it(mode, n, group, kernel_variant):
-    """A row's result under int8 activations does not depend on the rows computed with it (AVX2 takes int4 rows two
-    at a time, a last odd row alone): the rows of a 7-row product equal, bit for bit, those of the product of its
-    last 6 rows, of its rows one at a time, with and without offsets."""
+    """A row's result under int8 activations does not depend on the rows computed with it (AVX2 takes rows two at
+    a time, a last odd row alone): the rows of a 7-row product equal, bit for bit, those of the product of its last
+    6 rows, of its rows one at a time, with and without offsets."""
     g = torch.Generator().manual_seed(n + group + len(mode))
-    group = group or n
-    codes, scales = quantize(torch.randn(7, n, generator=g), mode, group)
+    group = 32 if mode == "int5" else group or n
+    if mode == "int5":
+        codes, scales = torch.randint(-16, 16, (7, n), generator=g, dtype=torch.int8), torch.rand(7, n // 32) / 100
+    else:
+        codes, scales = quantize(torch.randn(7, n, generator=g), mode, group)
     x = torch.randn(n, generator=g) * torch.linspace(0.01, 3, n)
+    pack = {"int4": pack_int4, "int5": pack_int5}.get(mode, torch.Tensor.contiguous)
 
     def product(rows, mins):
-        c = codes[rows]
-        return kernel_variant.qmatvec(mode, pack_int4(c) if mode == "int4" else c.contiguous(),
-                                      scales[rows].contiguous(), x, group,
+        return kernel_variant.qmatvec(mode, pack(codes[rows]), scales[rows].contiguous(), x, group,
                                       None if mins is None else mins[rows].contiguous(), "int8")  # fmt: skip
 
     for mins in (None, torch.randn(scales.shape, generator=g) / 10):

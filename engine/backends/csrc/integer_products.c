@@ -59,6 +59,49 @@
         if (i < in) a0 = dot_step8(U(r, i, in), c, ca, neg, i, d, so[group_of(i, g, &j, &end)], a0);          \
         return kv_hsum256(_mm256_add_ps(a0, a1));                                                             \
     }
+/* Two rows at once (r and r + rb, scales so and so + groups): x's codes, magnitudes and scales loaded once a step
+ * for both, a short row's fixed costs shared; each row's chains take exactly INT_ROW's operations in its order, so
+ * its result is INT_ROW's bit for bit. */
+#define INT_ROWS2(NAME, T, U, SIGNED8, ROW)                                                                          \
+    static void NAME(const T *r, int64_t rb, const float *so, int64_t groups, int64_t in, int64_t g,            \
+                     const int8_t *c, const int32_t *neg, const float *d, float *y) {                           \
+        const T *r2 = r + rb;                                                                                 \
+        const float *so2 = so + groups;                                                                       \
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(); \
+        int64_t i = 0, j = 0, end = g;                                                                        \
+        const int8_t *ca = SIGNED8 ? c + XQ_NP(in) : NULL;                                                    \
+        const int blocks = g == XQ_BLOCK;                                                                     \
+        if (g % 64 == 0) {                                                                                    \
+            for (int64_t k = 0; k < in / g; k++) {                                                            \
+                __m256 p0 = _mm256_setzero_ps(), p1 = _mm256_setzero_ps();                                    \
+                __m256 q0 = _mm256_setzero_ps(), q1 = _mm256_setzero_ps();                                    \
+                for (const int64_t e = i + g; i < e; i += 64) {                                               \
+                    p0 = dot_lanes8(U(r, i, in), c, ca, neg, i, d, p0);                                       \
+                    q0 = dot_lanes8(U(r2, i, in), c, ca, neg, i, d, q0);                                      \
+                    p1 = dot_lanes8(U(r, i + 32, in), c, ca, neg, i + 32, d, p1);                             \
+                    q1 = dot_lanes8(U(r2, i + 32, in), c, ca, neg, i + 32, d, q1);                            \
+                }                                                                                             \
+                a0 = _mm256_fmadd_ps(_mm256_set1_ps(so[k]), _mm256_add_ps(p0, p1), a0);                       \
+                b0 = _mm256_fmadd_ps(_mm256_set1_ps(so2[k]), _mm256_add_ps(q0, q1), b0);                      \
+            }                                                                                                 \
+            y[0] = kv_hsum256(a0), y[1] = kv_hsum256(b0);                                                     \
+            return;                                                                                           \
+        }                                                                                                     \
+        for (; i + 64 <= in; i += 64) {                                                                       \
+            const int64_t k0 = blocks ? i >> 5 : group_of(i, g, &j, &end);                                    \
+            const int64_t k1 = blocks ? (i >> 5) + 1 : group_of(i + 32, g, &j, &end);                         \
+            a0 = dot_step8(U(r, i, in), c, ca, neg, i, d, so[k0], a0);                                        \
+            b0 = dot_step8(U(r2, i, in), c, ca, neg, i, d, so2[k0], b0);                                      \
+            a1 = dot_step8(U(r, i + 32, in), c, ca, neg, i + 32, d, so[k1], a1);                              \
+            b1 = dot_step8(U(r2, i + 32, in), c, ca, neg, i + 32, d, so2[k1], b1);                            \
+        }                                                                                                     \
+        if (i < in) {                                                                                         \
+            const int64_t k = group_of(i, g, &j, &end);                                                       \
+            a0 = dot_step8(U(r, i, in), c, ca, neg, i, d, so[k], a0);                                         \
+            b0 = dot_step8(U(r2, i, in), c, ca, neg, i, d, so2[k], b0);                                       \
+        }                                                                                                     \
+        y[0] = kv_hsum256(_mm256_add_ps(a0, a1)), y[1] = kv_hsum256(_mm256_add_ps(b0, b1));                   \
+    }
 #else /* plain C: the same integer sums, a block at a time */
 #if KV_LANES != 4 /* block b's 32 codes (values, not q + bias) */
 static inline void block_q8(const int8_t *r, int64_t b, int q[32]) {
@@ -152,7 +195,15 @@ static inline int32_t block_dot_q5(const uint8_t *r, int64_t b, const int8_t *c)
 #define u_mx4 mx4
 #endif
 
+#if XQ_STEP != 32 /* a pair of rows is two rows (the two-row products are AVX2's) */
+#define INT_ROWS2(NAME, T, U, SIGNED8, ROW)                                                                          \
+    static void NAME(const T *r, int64_t rb, const float *so, int64_t groups, int64_t in, int64_t g,            \
+                     const int8_t *c, const int32_t *neg, const float *d, float *y) {                           \
+        y[0] = ROW(r, so, in, g, c, neg, d), y[1] = ROW(r + rb, so + groups, in, g, c, neg, d);                 \
+    }
+#endif
 INT_ROW(int_row_q8, int8_t, u_q8, BIAS8 == 0, ORDER_PLAIN)
+INT_ROWS2(int_rows2_q8, int8_t, u_q8, BIAS8 == 0, int_row_q8)
 #if XQ_STEP == 32
 /* int4 on AVX2: a step of 64 inputs (two blocks) from one 32-byte load, its low nibbles (the step's even inputs) and
  * high ones (its odd inputs) against x's codes in ORDER_NIBBLES. Without VNNI each half's multiply-add pairs are
@@ -214,10 +265,10 @@ static float int_row_q4(const uint8_t *r, const float *so, int64_t in, int64_t g
 /* Two rows (r and r + in/2, scales so and so + groups) at once: x's codes, sums and scales loaded once a step for
  * both, and a row's (short: a 896-input row is 14 steps) fixed costs shared; each row's chains take exactly
  * int_row_q4's operations in its order, so its result is int_row_q4's bit for bit. */
-static void int_rows2_q4(const uint8_t *r, const float *so, int64_t in, int64_t g, int64_t groups, const int8_t *c,
-                         const int32_t *neg, const float *d, float *y) {
+static void int_rows2_q4(const uint8_t *r, int64_t rb, const float *so, int64_t groups, int64_t in, int64_t g,
+                         const int8_t *c, const int32_t *neg, const float *d, float *y) {
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
-    const uint8_t *r2 = r + in / 2;
+    const uint8_t *r2 = r + rb;
     const float *so2 = so + groups;
     int64_t j = 0, end = g;
     for (int64_t i = 0; i < in; i += 64) {
@@ -232,17 +283,20 @@ static void int_rows2_q4(const uint8_t *r, const float *so, int64_t in, int64_t 
 }
 #else
 INT_ROW(int_row_q4, uint8_t, u_q4, 0, ORDER_Q4)
+INT_ROWS2(int_rows2_q4, uint8_t, u_q4, 0, int_row_q4)
 #endif
 INT_ROW(int_row_q5, uint8_t, u_q5, 0, ORDER_Q5)
+INT_ROWS2(int_rows2_q5, uint8_t, u_q5, 0, int_row_q5)
 #if XQ_STEP != 64 /* (512-bit VNNI has its own MXFP4 product below) */
 INT_ROW(int_row_mx4, uint8_t, u_mx4, 0, ORDER_MX4)
 #endif
 
-/* y [out] = W x with x quantized as above: codes and scales as the float products take them (mode 8, 4 or 5). */
-#define INT_MATVEC(NAME, T, ROW, BIAS, ORDER, BYTES_PER_ROW)                                                         \
+/* y [out] = W x with x quantized as above: codes and scales as the float products take them (mode 8, 4 or 5); rows
+ * two a pass (ROWS2), the last of an odd count alone (ROW): the same bits either way. */
+#define INT_MATVEC(NAME, T, ROW, ROWS2, BIAS, ORDER, BYTES_PER_ROW)                                                  \
     static void NAME(const T *q, const float *s, const float *m, const float *x, float *y, int64_t out, int64_t in, \
               int64_t g, int nt) {                                                                            \
-        int64_t np = XQ_NP(in), groups = in / g;                                                              \
+        int64_t np = XQ_NP(in), groups = in / g, rb = BYTES_PER_ROW;                                          \
         int8_t c[2 * np]; /* x's codes, then (signed int8 codes on AVX2: dot_step8) their magnitudes */       \
         int32_t neg[np / 4];                                                                                  \
         float d[np / 4], xs[groups];                                                                          \
@@ -251,33 +305,15 @@ INT_ROW(int_row_mx4, uint8_t, u_mx4, 0, ORDER_MX4)
             for (int64_t k = 0; k < np; k++) c[np + k] = (int8_t)(c[k] < 0 ? -c[k] : c[k]);                   \
         if (m) group_sums(x, xs, groups, g);                                                                  \
         _Pragma("omp parallel for num_threads(nt) schedule(static)")                                          \
-        for (int64_t o = 0; o < out; o++) {                                                                   \
-            float a = ROW(q + o * (BYTES_PER_ROW), s + o * groups, in, g, c, neg, d);                         \
-            y[o] = m ? a + dot_f32(m + o * groups, xs, groups) : a;                                           \
+        for (int64_t o = 0; o < out; o += 2) {                                                                \
+            if (o + 1 < out) ROWS2(q + o * rb, rb, s + o * groups, groups, in, g, c, neg, d, y + o);          \
+            else y[o] = ROW(q + o * rb, s + o * groups, in, g, c, neg, d);                                    \
+            for (int64_t w = o; m && w < out && w < o + 2; w++) y[w] += dot_f32(m + w * groups, xs, groups);  \
         }                                                                                                     \
     }
-INT_MATVEC(int_matvec_q8, int8_t, int_row_q8, BIAS8, ORDER_PLAIN, in)
-#if XQ_STEP == 32 /* AVX2: two rows a pass (int_rows2_q4), the last of an odd count alone */
-static void int_matvec_q4(const uint8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
-                          int64_t in, int64_t g, int nt) {
-    int64_t np = XQ_NP(in), groups = in / g;
-    int8_t c[np];
-    int32_t neg[np / 4];
-    float d[np / 4], xs[groups];
-    quantize_x(x, in, 8, ORDER_Q4, c, neg, d);
-    if (m) group_sums(x, xs, groups, g);
-#pragma omp parallel for num_threads(nt) schedule(static)
-    for (int64_t o = 0; o < out; o += 2) {
-        if (o + 1 < out) int_rows2_q4(q + o * (in / 2), s + o * groups, in, g, groups, c, neg, d, y + o);
-        else y[o] = int_row_q4(q + o * (in / 2), s + o * groups, in, g, c, neg, d);
-        for (int64_t w = o; w < out && w < o + 2; w++)
-            if (m) y[w] += dot_f32(m + w * groups, xs, groups);
-    }
-}
-#else
-INT_MATVEC(int_matvec_q4, uint8_t, int_row_q4, 8, ORDER_Q4, in / 2)
-#endif
-INT_MATVEC(int_matvec_q5, uint8_t, int_row_q5, 16, ORDER_Q5, in / 32 * 20)
+INT_MATVEC(int_matvec_q8, int8_t, int_row_q8, int_rows2_q8, BIAS8, ORDER_PLAIN, in)
+INT_MATVEC(int_matvec_q4, uint8_t, int_row_q4, int_rows2_q4, 8, ORDER_Q4, in / 2)
+INT_MATVEC(int_matvec_q5, uint8_t, int_row_q5, int_rows2_q5, 16, ORDER_Q5, in / 32 * 20)
 #if XQ_STEP == 64
 /* MXFP4 where 512-bit VNNI runs: a 64-byte load holds 4 blocks (128 inputs), its low nibbles looked up as the
  * values + 16 (vpshufb) meet x's codes of the even inputs, its high ones the odd ones, each 32-bit lane eight
