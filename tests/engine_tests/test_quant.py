@@ -100,7 +100,7 @@ def test_quant_linear(mode, group):
     assert rel < (0.01 if mode == "int8" else 0.15)
 
 
-def test_quantize_model_swaps_block_linears_and_the_head_and_counts_bytes(llama_dir):
+def test_a_quantized_load_swaps_block_linears_and_the_head_and_counts_bytes(llama_dir):
     loaded = load_model(llama_dir, weights="int4", group_size=16)
     m, cfg = loaded.model, loaded.config
     blocks = [q for q in m.layers.modules() if isinstance(q, QuantLinear)]
