@@ -32,75 +32,61 @@
         return _mm512_reduce_add_ps(acc);                                                                     \
     }
 #elif XQ_STEP == 32
-#define INT_ROW(NAME, T, U, SIGNED8, ORDER)                                                                          \
-    static float NAME(const T *r, const float *so, int64_t in, int64_t g, const int8_t *c, const int32_t *neg, \
-                      const float *d) {                                                                       \
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();                                           \
+/* NR rows (1 or 2: r, r + rb; their scales so, so + groups) against x's codes: x's codes, magnitudes and scales
+ * loaded once a step for all of them, a short row's fixed costs shared, and each row's chains taking the same
+ * operations in the same order whatever NR is, so a row's result is the same bits alone or beside another. */
+#define INT_ROWS_N(NAME, T, U, SIGNED8)                                                                              \
+    static inline __attribute__((always_inline)) void NAME(const T *r, int64_t rb, const float *so, int64_t groups, \
+                                                           int64_t in, int64_t g, const int8_t *c, const int32_t *neg, \
+                                                           const float *d, float *y, const int NR) {             \
+        __m256 a0[2], a1[2];                                                                                  \
+        for (int w = 0; w < NR; w++) a0[w] = a1[w] = _mm256_setzero_ps();                                     \
         int64_t i = 0, j = 0, end = g; /* group_of's walk */                                                   \
         const int8_t *ca = SIGNED8 ? c + XQ_NP(in) : NULL; /* |c|, after c (INT_MATVEC) */                     \
         const int blocks = g == XQ_BLOCK; /* a GGUF's blocks: two a step */                                   \
         if (g % 64 == 0) { /* whole steps a group (one scale a row included): x's scales a lane, s once a group */ \
             for (int64_t k = 0; k < in / g; k++) {                                                            \
-                __m256 p0 = _mm256_setzero_ps(), p1 = _mm256_setzero_ps();                                    \
+                __m256 p0[2], p1[2];                                                                          \
+                for (int w = 0; w < NR; w++) p0[w] = p1[w] = _mm256_setzero_ps();                             \
                 for (const int64_t e = i + g; i < e; i += 64) {                                               \
-                    p0 = dot_lanes8(U(r, i, in), c, ca, neg, i, d, p0);                                       \
-                    p1 = dot_lanes8(U(r, i + 32, in), c, ca, neg, i + 32, d, p1);                             \
+                    for (int w = 0; w < NR; w++) p0[w] = dot_lanes8(U(r + w * rb, i, in), c, ca, neg, i, d, p0[w]); \
+                    for (int w = 0; w < NR; w++)                                                              \
+                        p1[w] = dot_lanes8(U(r + w * rb, i + 32, in), c, ca, neg, i + 32, d, p1[w]);          \
                 }                                                                                             \
-                a0 = _mm256_fmadd_ps(_mm256_set1_ps(so[k]), _mm256_add_ps(p0, p1), a0);                       \
+                for (int w = 0; w < NR; w++)                                                                  \
+                    a0[w] = _mm256_fmadd_ps(_mm256_set1_ps(so[w * groups + k]), _mm256_add_ps(p0[w], p1[w]), a0[w]); \
             }                                                                                                 \
-            return kv_hsum256(a0);                                                                            \
-        }                                                                                                     \
-        for (; i + 64 <= in; i += 64) {                                                                       \
-            float s0 = blocks ? so[i >> 5] : so[group_of(i, g, &j, &end)];                                    \
-            float s1 = blocks ? so[(i >> 5) + 1] : so[group_of(i + 32, g, &j, &end)];                         \
-            a0 = dot_step8(U(r, i, in), c, ca, neg, i, d, s0, a0);                                            \
-            a1 = dot_step8(U(r, i + 32, in), c, ca, neg, i + 32, d, s1, a1);                                  \
-        }                                                                                                     \
-        if (i < in) a0 = dot_step8(U(r, i, in), c, ca, neg, i, d, so[group_of(i, g, &j, &end)], a0);          \
-        return kv_hsum256(_mm256_add_ps(a0, a1));                                                             \
-    }
-/* Two rows at once (r and r + rb, scales so and so + groups): x's codes, magnitudes and scales loaded once a step
- * for both, a short row's fixed costs shared; each row's chains take exactly INT_ROW's operations in its order, so
- * its result is INT_ROW's bit for bit. */
-#define INT_ROWS2(NAME, T, U, SIGNED8, ROW)                                                                          \
-    static void NAME(const T *r, int64_t rb, const float *so, int64_t groups, int64_t in, int64_t g,            \
-                     const int8_t *c, const int32_t *neg, const float *d, float *y) {                           \
-        const T *r2 = r + rb;                                                                                 \
-        const float *so2 = so + groups;                                                                       \
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(); \
-        int64_t i = 0, j = 0, end = g;                                                                        \
-        const int8_t *ca = SIGNED8 ? c + XQ_NP(in) : NULL;                                                    \
-        const int blocks = g == XQ_BLOCK;                                                                     \
-        if (g % 64 == 0) {                                                                                    \
-            for (int64_t k = 0; k < in / g; k++) {                                                            \
-                __m256 p0 = _mm256_setzero_ps(), p1 = _mm256_setzero_ps();                                    \
-                __m256 q0 = _mm256_setzero_ps(), q1 = _mm256_setzero_ps();                                    \
-                for (const int64_t e = i + g; i < e; i += 64) {                                               \
-                    p0 = dot_lanes8(U(r, i, in), c, ca, neg, i, d, p0);                                       \
-                    q0 = dot_lanes8(U(r2, i, in), c, ca, neg, i, d, q0);                                      \
-                    p1 = dot_lanes8(U(r, i + 32, in), c, ca, neg, i + 32, d, p1);                             \
-                    q1 = dot_lanes8(U(r2, i + 32, in), c, ca, neg, i + 32, d, q1);                            \
-                }                                                                                             \
-                a0 = _mm256_fmadd_ps(_mm256_set1_ps(so[k]), _mm256_add_ps(p0, p1), a0);                       \
-                b0 = _mm256_fmadd_ps(_mm256_set1_ps(so2[k]), _mm256_add_ps(q0, q1), b0);                      \
-            }                                                                                                 \
-            y[0] = kv_hsum256(a0), y[1] = kv_hsum256(b0);                                                     \
+            for (int w = 0; w < NR; w++) y[w] = kv_hsum256(a0[w]);                                            \
             return;                                                                                           \
         }                                                                                                     \
         for (; i + 64 <= in; i += 64) {                                                                       \
             const int64_t k0 = blocks ? i >> 5 : group_of(i, g, &j, &end);                                    \
             const int64_t k1 = blocks ? (i >> 5) + 1 : group_of(i + 32, g, &j, &end);                         \
-            a0 = dot_step8(U(r, i, in), c, ca, neg, i, d, so[k0], a0);                                        \
-            b0 = dot_step8(U(r2, i, in), c, ca, neg, i, d, so2[k0], b0);                                      \
-            a1 = dot_step8(U(r, i + 32, in), c, ca, neg, i + 32, d, so[k1], a1);                              \
-            b1 = dot_step8(U(r2, i + 32, in), c, ca, neg, i + 32, d, so2[k1], b1);                            \
+            for (int w = 0; w < NR; w++)                                                                      \
+                a0[w] = dot_step8(U(r + w * rb, i, in), c, ca, neg, i, d, so[w * groups + k0], a0[w]);        \
+            for (int w = 0; w < NR; w++)                                                                      \
+                a1[w] = dot_step8(U(r + w * rb, i + 32, in), c, ca, neg, i + 32, d, so[w * groups + k1], a1[w]); \
         }                                                                                                     \
         if (i < in) {                                                                                         \
             const int64_t k = group_of(i, g, &j, &end);                                                       \
-            a0 = dot_step8(U(r, i, in), c, ca, neg, i, d, so[k], a0);                                         \
-            b0 = dot_step8(U(r2, i, in), c, ca, neg, i, d, so2[k], b0);                                       \
+            for (int w = 0; w < NR; w++)                                                                      \
+                a0[w] = dot_step8(U(r + w * rb, i, in), c, ca, neg, i, d, so[w * groups + k], a0[w]);         \
         }                                                                                                     \
-        y[0] = kv_hsum256(_mm256_add_ps(a0, a1)), y[1] = kv_hsum256(_mm256_add_ps(b0, b1));                   \
+        for (int w = 0; w < NR; w++) y[w] = kv_hsum256(_mm256_add_ps(a0[w], a1[w]));                          \
+    }
+/* A row alone (NAME) and two at once (INT_ROWS2's), both through NAME##_n. */
+#define INT_ROW(NAME, T, U, SIGNED8, ORDER)                                                                          \
+    INT_ROWS_N(NAME##_n, T, U, SIGNED8)                                                                       \
+    static float NAME(const T *r, const float *so, int64_t in, int64_t g, const int8_t *c, const int32_t *neg, \
+                      const float *d) {                                                                       \
+        float y;                                                                                              \
+        NAME##_n(r, 0, so, 0, in, g, c, neg, d, &y, 1);                                                       \
+        return y;                                                                                             \
+    }
+#define INT_ROWS2(NAME, T, U, SIGNED8, ROW)                                                                          \
+    static void NAME(const T *r, int64_t rb, const float *so, int64_t groups, int64_t in, int64_t g,            \
+                     const int8_t *c, const int32_t *neg, const float *d, float *y) {                           \
+        ROW##_n(r, rb, so, groups, in, g, c, neg, d, y, 2);                                                   \
     }
 #else /* plain C: the same integer sums, a block at a time */
 #if KV_LANES != 4 /* block b's 32 codes (values, not q + bias) */
@@ -205,12 +191,6 @@ static inline int32_t block_dot_q5(const uint8_t *r, int64_t b, const int8_t *c)
 INT_ROW(int_row_q8, int8_t, u_q8, BIAS8 == 0, ORDER_PLAIN)
 INT_ROWS2(int_rows2_q8, int8_t, u_q8, BIAS8 == 0, int_row_q8)
 #if XQ_STEP == 32
-/* int4 on AVX2: a step of 64 inputs (two blocks) from one 32-byte load, its low nibbles (the step's even inputs) and
- * high ones (its odd inputs) against x's codes in ORDER_NIBBLES. Without VNNI each half's multiply-add pairs are
- * summed in 16 bits (at most 2 · 2 · 15 · 127: exact) before one vpmaddwd, so a step of 64 weights costs about 14
- * vector operations where a block at a time cost about 22 (with AVX-VNNI, two vpdpbusd); each 128-bit lane is one
- * block (lanes 0-3 block one, 4-7 block two) and takes its scale.
- * A row of in % 64 == 32 ends on one block: its 16 bytes alone, the second block's codes 0 and scales 0. */
 /* Step i's lane sums for a row r of int4 codes against x's codes ce (even inputs) and co (odd ones) from `start`
  * (the lanes' -8 · code sums): exact in int32. `two`: the step holds two blocks, else its second is the row's end. */
 static inline __attribute__((always_inline)) __m256i q4_step_sums(const uint8_t *r, int64_t i, int two, __m256i ce,
@@ -229,57 +209,46 @@ static inline __attribute__((always_inline)) __m256i q4_step_sums(const uint8_t 
         start);
 #endif
 }
-/* A step's lane sums into one of a row's two chains, by its block scales s0, s1 (each 128-bit lane one block) and
- * x's: what every row of the product takes, in this order, whatever rows run beside it. */
-#define Q4_ACC(p, i, s0, s1, dv, a0, a1)                                                                             \
-    do {                                                                                                             \
-        const __m256 f_ = _mm256_mul_ps(dv, _mm256_blend_ps(_mm256_set1_ps(s0), _mm256_set1_ps(s1), 0xF0));           \
-        if ((i) & 64) a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), f_, a1);                                          \
-        else a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), f_, a0);                                                  \
-    } while (0)
-#define Q4_SHARED(i)                                                                                                 \
-    const int two = in - (i) >= 64;                                                                                  \
-    const __m256i ce = _mm256_loadu_si256((const __m256i *)(c + (i))), co = _mm256_loadu_si256((const __m256i *)(c + (i) + 32)); \
-    const __m256i start = _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)(neg + (i) / 4)),                    \
-                                           _mm256_loadu_si256((const __m256i *)(neg + (i) / 4 + 8)));               \
-    const __m256 dv = _mm256_loadu_ps(d + (i) / 4)
-
 /* int4 on AVX2: a step of 64 inputs (two blocks) from one 32-byte load, its low nibbles (the step's even inputs) and
  * high ones (its odd inputs) against x's codes in ORDER_NIBBLES. Without VNNI each half's multiply-add pairs are
  * summed in 16 bits (at most 2 · 2 · 15 · 127: exact) before one vpmaddwd, so a step of 64 weights costs about 14
  * vector operations where a block at a time cost about 22 (with AVX-VNNI, two vpdpbusd); each 128-bit lane is one
  * block (lanes 0-3 block one, 4-7 block two) and takes its scale.
- * A row of in % 64 == 32 ends on one block: its 16 bytes alone, the second block's codes 0 and scales 0. */
-static float int_row_q4(const uint8_t *r, const float *so, int64_t in, int64_t g, const int8_t *c, const int32_t *neg,
-                        const float *d) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+ * A row of in % 64 == 32 ends on one block: its 16 bytes alone, the second block's codes 0 and scales 0.
+ * NR rows (1 or 2) a pass, as INT_ROWS_N: a row of int4 codes is short in bytes (896 inputs: 14 steps), so x's
+ * codes, sums and scales are loaded once a step for both, each row's chains the same operations in the same order. */
+static inline __attribute__((always_inline)) void q4_rows(const uint8_t *r, int64_t rb, const float *so,
+                                                          int64_t groups, int64_t in, int64_t g, const int8_t *c,
+                                                          const int32_t *neg, const float *d, float *y, const int NR) {
+    __m256 a0[2], a1[2];
+    for (int w = 0; w < NR; w++) a0[w] = a1[w] = _mm256_setzero_ps();
     int64_t j = 0, end = g; /* group_of's walk */
     for (int64_t i = 0; i < in; i += 64) {
-        Q4_SHARED(i);
-        const __m256i p = q4_step_sums(r, i, two, ce, co, start);
-        const float s0 = so[group_of(i, g, &j, &end)], s1 = two ? so[group_of(i + 32, g, &j, &end)] : 0.0f;
-        Q4_ACC(p, i, s0, s1, dv, a0, a1);
+        const int two = in - i >= 64;
+        const __m256i ce = _mm256_loadu_si256((const __m256i *)(c + i)), co = _mm256_loadu_si256((const __m256i *)(c + i + 32));
+        const __m256i start = _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)(neg + i / 4)),
+                                               _mm256_loadu_si256((const __m256i *)(neg + i / 4 + 8)));
+        const __m256 dv = _mm256_loadu_ps(d + i / 4);
+        const int64_t k0 = group_of(i, g, &j, &end), k1 = two ? group_of(i + 32, g, &j, &end) : 0;
+        for (int w = 0; w < NR; w++) {
+            const __m256i p = q4_step_sums(r + w * rb, i, two, ce, co, start);
+            const float s0 = so[w * groups + k0], s1 = two ? so[w * groups + k1] : 0.0f;
+            const __m256 f = _mm256_mul_ps(dv, _mm256_blend_ps(_mm256_set1_ps(s0), _mm256_set1_ps(s1), 0xF0));
+            if (i & 64) a1[w] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), f, a1[w]);
+            else a0[w] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), f, a0[w]);
+        }
     }
-    return kv_hsum256(_mm256_add_ps(a0, a1));
+    for (int w = 0; w < NR; w++) y[w] = kv_hsum256(_mm256_add_ps(a0[w], a1[w]));
 }
-/* Two rows (r and r + in/2, scales so and so + groups) at once: x's codes, sums and scales loaded once a step for
- * both, and a row's (short: a 896-input row is 14 steps) fixed costs shared; each row's chains take exactly
- * int_row_q4's operations in its order, so its result is int_row_q4's bit for bit. */
+static float int_row_q4(const uint8_t *r, const float *so, int64_t in, int64_t g, const int8_t *c, const int32_t *neg,
+                        const float *d) {
+    float y;
+    q4_rows(r, 0, so, 0, in, g, c, neg, d, &y, 1);
+    return y;
+}
 static void int_rows2_q4(const uint8_t *r, int64_t rb, const float *so, int64_t groups, int64_t in, int64_t g,
                          const int8_t *c, const int32_t *neg, const float *d, float *y) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
-    const uint8_t *r2 = r + rb;
-    const float *so2 = so + groups;
-    int64_t j = 0, end = g;
-    for (int64_t i = 0; i < in; i += 64) {
-        Q4_SHARED(i);
-        const __m256i p = q4_step_sums(r, i, two, ce, co, start), q = q4_step_sums(r2, i, two, ce, co, start);
-        const int64_t k0 = group_of(i, g, &j, &end), k1 = two ? group_of(i + 32, g, &j, &end) : 0;
-        Q4_ACC(p, i, so[k0], two ? so[k1] : 0.0f, dv, a0, a1);
-        Q4_ACC(q, i, so2[k0], two ? so2[k1] : 0.0f, dv, b0, b1);
-    }
-    y[0] = kv_hsum256(_mm256_add_ps(a0, a1));
-    y[1] = kv_hsum256(_mm256_add_ps(b0, b1));
+    q4_rows(r, rb, so, groups, in, g, c, neg, d, y, 2);
 }
 #else
 INT_ROW(int_row_q4, uint8_t, u_q4, 0, ORDER_Q4)
