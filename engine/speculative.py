@@ -440,11 +440,25 @@ def _keep(cache, n: int, stats: SpecStats) -> None:
         cache.truncate(n)
 
 
+def nothing_drafted(spec: dict) -> str:
+    """Why a finished reply drafted nothing, from its counts: it ended before a drafting round (the step after
+    token 1 is the model's own, what drafting is weighed against), lookup found nothing to copy, or there was no
+    room; a server's report says only that it drafted none."""
+    plain = spec.get("plain_steps")
+    if plain is None:
+        return "the server drafted none for this reply"
+    if plain <= 1:
+        return "the reply ended before its first drafting round (its first steps are the model's own)"
+    if spec.get("draft") == "lookup":
+        return "the reply's last tokens never occurred earlier in the conversation (the model ran alone)"
+    return "no room to draft (the reply's token limit or the cache's end)"
+
+
 def draft_line(s: dict) -> str:
     """A reply's drafting in one line (the CLI's): what drafted, how much the target took, by position, the
     costs, and the speed against the target's own step measured in the reply."""
     if not s.get("drafted"):
-        return f"drafts ({s['label']}): none this reply"
+        return f"drafts ({s['label']}): none this reply — {nothing_drafted(s)}"
     by = " ".join("—" if r is None else f"{r:.0%}" for r in s["acceptance_by_position"])
     speed = f" · {s['speedup']:.2f}× the model alone ({s['target_step_ms']:.1f} ms a step)" if s.get("speedup") else ""
     return (f"drafts ({s['label']}): {s['accepted']:,} of {s['drafted']:,} accepted ({s['acceptance']:.0%}; by "

@@ -4,6 +4,7 @@ positions came from, what an overflow policy left out, the disk tier's state, a 
 from __future__ import annotations
 
 from engine.request import OVERFLOW_POLICIES
+from engine.speculative import nothing_drafted
 from engine.state_cache import kind_layers
 
 DASH = "—"
@@ -180,14 +181,14 @@ def draft_rows(spec: dict | None, steps: list[dict], asked: str = "") -> dict[st
     k = spec.get("k")
     out = {"draftValue": label + (f" · up to {k} a round" if isinstance(k, int) else "")}
     n, ok, rate = spec.get("drafted"), spec.get("accepted"), spec.get("acceptance")
-    if not n:
-        out["acceptedValue"] = "nothing drafted (the drafts did not pay on this text: the model ran alone)"
-    else:
-        rounds = spec.get("rounds")
-        accepted = f"{ok:,} of {n:,} drafted ({rate:.0%})" + (f" in {rounds:,} rounds" if rounds else "")
-        if spec.get("draft") == "int4":
-            accepted += f": {INT4_MEANING}"
-        out["acceptedValue"] = accepted
+    if not n:  # no round drafted (drafting stops for a while only after rounds that did not pay)
+        return {**out, "acceptedValue": f"nothing drafted: {nothing_drafted(spec)}", "byPositionValue": DASH,
+                "draftCostValue": DASH, "speedupValue": f"{DASH} (the model ran alone)"}  # fmt: skip
+    rounds = spec.get("rounds")
+    accepted = f"{ok:,} of {n:,} drafted ({rate:.0%})" + (f" in {rounds:,} rounds" if rounds else "")
+    if spec.get("draft") == "int4":
+        accepted += f": {INT4_MEANING}"
+    out["acceptedValue"] = accepted
     by = spec.get("acceptance_by_position") or []
     out["byPositionValue"] = (
         " · ".join(

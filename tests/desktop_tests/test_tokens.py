@@ -146,6 +146,30 @@ def test_a_server_that_sends_no_logprobs_is_said_so_and_one_that_does_is_read(qt
     assert p.values["perplexityValue"].text() == "4.00"
 
 
+def test_a_reply_too_short_to_draft_says_so_in_the_panel(qtbot, make_window, spin_loop, llama_dir):
+    """A reply of two tokens with lookup drafts ends before its first drafting round (token 1 from the prompt, the
+    next the model's own step that drafting is weighed against): the panel says that, not that drafts did not pay,
+    and shows no by-position rates or speed ratio for it."""
+    from desktop.core.panel_words import draft_rows
+
+    w = make_window(llama_dir, max_new_tokens=2, speculative="lookup", draft_tokens=4)
+    final = send(qtbot, w, spin_loop, "the cache the cache the cache")
+    spec = final.trace["speculative"]
+    assert spec["drafted"] == 0 and spec["plain_steps"] == 1
+    assert panel(w, "draftValue") == "n-gram lookup in the conversation · up to 4 a round"
+    assert panel(w, "acceptedValue") == (
+        "nothing drafted: the reply ended before its first drafting round (its first steps are the model's own)"
+    )
+    assert panel(w, "byPositionValue") == "—" and panel(w, "draftCostValue") == "—"
+    assert panel(w, "speedupValue") == "— (the model ran alone)"
+    # the other reasons, from the counts alone: lookup that never matched, no room, a server's report
+    longer = {**spec, "plain_steps": 40}
+    assert "never occurred earlier in the conversation" in draft_rows(longer, [])["acceptedValue"]
+    assert "no room to draft" in draft_rows({**longer, "draft": "int4"}, [])["acceptedValue"]
+    server = {"draft": "the server's", "label": "the server's own draft", "drafted": 0, "accepted": 0}
+    assert draft_rows(server, [])["acceptedValue"] == "nothing drafted: the server drafted none for this reply"
+
+
 def test_a_reply_with_drafts_shows_them_token_by_token_and_in_the_panel(qtbot, make_window, spin_loop, llama_dir):
     """Drafts from the model itself in int4 (Settings' Drafts tab): the reply is the model's own token for token
     (Regenerate without drafts gives the same), its footer names the draft, the panel's Speculative decoding rows
