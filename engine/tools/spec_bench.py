@@ -7,6 +7,8 @@ median decode tok/s, its ratio to the model alone's median in the same run, the 
 position, and whether the tokens equal the model's alone (they must: greedy). llama.cpp's prompt-lookup decoding
 (llama-cpp-python's LlamaPromptLookupDecoding) runs the same tasks on the same GGUF file, in a child process, where
 it is installed; a draft that cannot draft here (an int4 copy of a file already 4-bit) is a row with its reason.
+--precisions picks the target's: a GGUF file as written (file) or on int8 activations (file/a8: llama.cpp's own
+arithmetic: its verify rows cost about 60% of float32's), a checkpoint in float32, bfloat16 or kvchat's rows.
 """
 
 from __future__ import annotations
@@ -81,6 +83,76 @@ def _llama_lookup(gguf: str, prompts: dict, new_tokens: int, threads: int, round
     return out
 
 
+def _targets(ns, path: str) -> list[str]:
+    """The target's precisions (--precisions): a GGUF file as it is (file) or on int8 activations (file/a8, as
+    llama.cpp multiplies); a checkpoint in float32, bfloat16 or kvchat's int8/int4 rows. Default: file, float32."""
+    from .bench.rows import FILE_ACTIVATIONS, QUANT
+
+    gguf = path.endswith(".gguf")
+    known = list(FILE_ACTIVATIONS) if gguf else ["float32", "bfloat16", *QUANT]
+    asked = [p.strip() for p in ns.precisions.split(",") if p.strip()] if ns.precisions else [known[0]]
+    bad = [p for p in asked if p not in known]
+    if bad:
+        raise SystemExit(
+            f"error: --precisions {', '.join(bad)}: with --speculative this model runs as {', '.join(known)}"
+        )
+    return asked
+
+
+def _precision(precision: str) -> tuple[str, int, str, str]:
+    """(weight mode, group size, activations, dtype) for a target precision of _targets."""
+    from .bench.rows import FILE_ACTIVATIONS, QUANT
+
+    if precision in FILE_ACTIVATIONS:
+        return "none", 0, FILE_ACTIVATIONS[precision], "float32"
+    if precision in QUANT:
+        return (*QUANT[precision], "float32")
+    return "none", 0, "float32", precision
+
+
+def _tasks(session, kinds: list[str], new: int, k: int, rounds: int) -> list[dict]:
+    """Each task's rows for one target: the model alone, then each kind of draft, run alternately `rounds` times."""
+    rows = []
+    for task, prompt in TASKS.items():
+        alone_rates, alone_ids = [], None
+        spec = {kind: {"rates": [], "last": None, "error": None} for kind in kinds}
+        for _ in range(rounds):
+            try:
+                fin = _reply(session, prompt, new, None, k)
+            except RuntimeError as e:  # the model cannot run the task (its prompt past the context): rows say why
+                rows += [{"task": task, "draft": d, "error": f"{e}"} for d in ("none", *kinds)]
+                break
+            alone_rates.append(fin.trace["decode_tok_s"])
+            alone_ids = fin.token_ids
+            for kind in kinds:
+                if spec[kind]["error"]:
+                    continue
+                try:
+                    got = _reply(session, prompt, new, kind, k)
+                except Exception as e:  # a draft that cannot draft here: its row says why
+                    spec[kind]["error"] = f"{type(e).__name__}: {e}"
+                    continue
+                spec[kind]["rates"].append(got.trace["decode_tok_s"])
+                spec[kind]["last"] = got
+        if not alone_rates:
+            continue
+        base = statistics.median(r for r in alone_rates if r)
+        rows.append({"task": task, "draft": "none", "decode_tok_s": round(base, 2), "ratio": 1.0,
+                     "tokens": len(alone_ids)})  # fmt: skip
+        for kind, got in spec.items():
+            if got["error"]:
+                rows.append({"task": task, "draft": kind, "error": got["error"]})
+                continue
+            rate = statistics.median(r for r in got["rates"] if r)
+            s = got["last"].trace["speculative"]
+            rows.append({
+                "task": task, "draft": kind, "decode_tok_s": round(rate, 2), "ratio": round(rate / base, 3),
+                "acceptance": s["acceptance"], "by_position": s["acceptance_by_position"],
+                "same_tokens": got["last"].token_ids == alone_ids, "tokens": len(got["last"].token_ids),
+            })  # fmt: skip
+    return rows
+
+
 def run(ns) -> int:
     from ..devices import default_threads
     from ..session import Session
@@ -97,40 +169,13 @@ def run(ns) -> int:
     k, new, rounds = ns.draft_tokens, ns.new_tokens, ns.rounds
     with tempfile.TemporaryDirectory() as tmp:
         path = ns.model or str(write_random_checkpoint(Path(tmp) / ns.shape, ns.shape))
-        target = load_model(path)
-        session = Session(target, cache_budget=0)
         rows = []
-        for task, prompt in TASKS.items():
-            alone_rates, alone_ids = [], None
-            spec = {kind: {"rates": [], "last": None, "error": None} for kind in kinds}
-            for _ in range(rounds):
-                fin = _reply(session, prompt, new, None, k)
-                alone_rates.append(fin.trace["decode_tok_s"])
-                alone_ids = fin.token_ids
-                for kind in kinds:
-                    if spec[kind]["error"]:
-                        continue
-                    try:
-                        got = _reply(session, prompt, new, kind, k)
-                    except Exception as e:  # a draft that cannot draft here: its row says why
-                        spec[kind]["error"] = f"{type(e).__name__}: {e}"
-                        continue
-                    spec[kind]["rates"].append(got.trace["decode_tok_s"])
-                    spec[kind]["last"] = got
-            base = statistics.median(r for r in alone_rates if r)
-            rows.append({"task": task, "draft": "none", "decode_tok_s": round(base, 2), "ratio": 1.0,
-                         "tokens": len(alone_ids)})  # fmt: skip
-            for kind, got in spec.items():
-                if got["error"]:
-                    rows.append({"task": task, "draft": kind, "error": got["error"]})
-                    continue
-                rate = statistics.median(r for r in got["rates"] if r)
-                s = got["last"].trace["speculative"]
-                rows.append({
-                    "task": task, "draft": kind, "decode_tok_s": round(rate, 2), "ratio": round(rate / base, 3),
-                    "acceptance": s["acceptance"], "by_position": s["acceptance_by_position"],
-                    "same_tokens": got["last"].token_ids == alone_ids, "tokens": len(got["last"].token_ids),
-                })  # fmt: skip
+        for precision in _targets(ns, str(path)):
+            mode, group, activations, dtype = _precision(precision)
+            target = load_model(path, dtype=dtype, weights=mode, group_size=group, activations=activations)
+            session = Session(target, cache_budget=0)
+            rows += [dict(r, target=precision) for r in _tasks(session, kinds, new, k, rounds)]
+            del session, target  # one target's weights at a time
         reference = {"error": "not run: the model is not a GGUF file (llama.cpp reads GGUF)"}
         if str(path).endswith(".gguf"):
             try:
@@ -152,17 +197,18 @@ def run(ns) -> int:
     cpu = report["cpu"] or {}
     print(f"{report['model']} · {cpu.get('model', '')} · {threads} threads · {new} new tokens, {k} drafted a round, "
           f"{rounds} rounds")  # fmt: skip
-    print("task     draft     decode tok/s  × alone  accepted  by position              same  vs llama.cpp lookup")
+    print("target   task     draft     decode tok/s  × alone  accepted  by position              same  vs llama.cpp "
+          "lookup")  # fmt: skip
     for r in rows:
         if "error" in r:
-            print(f"{r['task']:8s} {r['draft']:8s}  {r['error']}")
+            print(f"{r['target']:8s} {r['task']:8s} {r['draft']:8s}  {r['error']}")
             continue
         by = " ".join("—" if x is None else f"{x:.0%}" for x in r.get("by_position") or [])
         acc = "" if r.get("acceptance") is None else f"{r['acceptance']:.0%}"
         same = "" if "same_tokens" not in r else ("yes" if r["same_tokens"] else "NO")
         vs = f"{r['vs_llama_cpp_lookup']:.2f}×" if r.get("vs_llama_cpp_lookup") else ""
-        print(f"{r['task']:8s} {r['draft']:8s}  {r['decode_tok_s']:12.1f}  {r['ratio']:6.2f}×  {acc:>8s}  {by:23s}  "
-              f"{same:4s}  {vs}")  # fmt: skip
+        print(f"{r['target']:8s} {r['task']:8s} {r['draft']:8s}  {r['decode_tok_s']:12.1f}  {r['ratio']:6.2f}×  "
+              f"{acc:>8s}  {by:23s}  {same:4s}  {vs}")  # fmt: skip
     if isinstance(reference, dict) and reference.get("error"):
         print(f"llama.cpp: {reference['error']}")
     return 0

@@ -204,6 +204,28 @@ def test_bench_json(llama_dir):
     assert out["cpu"]["model"] and out["cpu"]["kernels"] == kernels.status()  # what this process's kernels are
 
 
+def test_the_speculative_bench_runs_each_target_precision_asked(demo_model_dir, llama_dir):
+    """`bench --speculative lookup --precisions float32,int8/a8`: each task's rows for each target, the model alone
+    and lookup, the drafted tokens the model's own; a precision the model cannot run as is refused with those it
+    can."""
+    args = ("bench", "--speculative", "lookup", "--model", demo_model_dir, "--new-tokens", 8, "--rounds", 1)
+    out = json.loads(run(*args, "--precisions", "float32,int8/a8", "--json").stdout)
+    got = {(r["target"], r["task"], r["draft"]): r for r in out["rows"]}
+    assert set(got) == {(t, task, d) for t in ("float32", "int8/a8") for task in ("text", "edit", "rewrite")
+                        for d in ("none", "lookup")}  # fmt: skip
+    for (_, _, draft), r in got.items():
+        assert "error" not in r and r["decode_tok_s"] > 0, r
+        assert draft == "none" or r["same_tokens"]
+    refused = subprocess.run([sys.executable, "-m", "engine", *map(str, args), "--precisions", "file/a8"],
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert refused.returncode != 0 and "--precisions file/a8" in refused.stderr and "int4/a8" in refused.stderr
+    small = json.loads(run(*args[:4], llama_dir, *args[5:], "--json").stdout)  # 256 positions: the text task fits
+    rows = {(r["task"], r["draft"]): r for r in small["rows"]}
+    assert len(rows) == 6 and rows["text", "lookup"]["decode_tok_s"] > 0
+    for task, draft in (("edit", "none"), ("edit", "lookup"), ("rewrite", "none"), ("rewrite", "lookup")):
+        assert "KV cache holds only 256 positions" in rows[task, draft]["error"]
+
+
 def test_bench_roofline_arithmetic():
     from engine.tools.bench.roofline import bytes_per_token, roofline_tok_s
 
