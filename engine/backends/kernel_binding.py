@@ -103,6 +103,9 @@ class Kernels:
         self._tiled_integer = self._declare("kv_matvec_q4tx", [p, p, p, p, p, i64, i64, i64, i32])
         self._tiled_q8x = self._declare("kv_matvec_q8tx", [p, p, p, p, p, i64, i64, i64, i32])
         self._tiled_dequant = self._declare("kv_dequant_q4t", [p, p, p, p, i64, i64, i64, i32])
+        self._tile_gemm = self._declare("kv_gemm_q4t", [p, p, p, p, p, i64, i64, i64, i64, i32])
+        self._tile_gemm.restype = ctypes.c_int
+        self.tile_gemm = False  # whether prefill's products read int4 tiles directly (gemm_tiles; checked)
         self._tiled_q8_dequant = self._declare("kv_dequant_q8t", [p, p, p, p, i64, i64, i64, i32])
         self._silu = self._declare("kv_silu_f32", [p, p, i64])
         self._gguf_rows = self._declare("kv_gguf_rows", [p, i64, i64, i64, p, i64, i64, i64, i64, p, p, p, i32])
@@ -232,6 +235,20 @@ class Kernels:
         fn = self._q8tx_rows if mode == "int8" and tiled else fn
         fn(*self.memory(weight, scales, mins, x, y), out, n, group, B, torch.get_num_threads())
         return y
+
+    def gemm_tiles(self, codes: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, group: int,
+                   mins: torch.Tensor | None = None) -> torch.Tensor | None:  # fmt: skip
+        """Prefill's product of many rows with int4 codes in tiles: x [M, in] float32 -> y [M, out] float32, each
+        output the float32 sum of x times the dequantized weights (s · q + m) in order of the inputs; None where
+        the library does not run it (no 16-lane vectors, a group that splits an 8-input step, no memory)."""
+        M, n = x.shape
+        x = x.contiguous()
+        out = scales.numel() * group // n
+        if codes.numel() * 2 != out * n or (mins is not None and mins.numel() != scales.numel()):
+            raise ValueError(f"int4 tiles of {codes.numel():,} bytes do not hold a [{out}, {n}] weight")
+        y = torch.empty(M, out, dtype=torch.float32)
+        done = self._tile_gemm(*self.memory(codes, scales, mins, x, y), out, n, group, M, torch.get_num_threads())
+        return y if done else None
 
     def qmatvec(
         self,

@@ -148,6 +148,27 @@ def tiles_agree(k, rows: int, activations: str = "float32") -> bool:
     return True
 
 
+def tile_gemm_agrees(k, rows: int) -> bool:
+    """Prefill's product of many rows from int4 tiles (gemm_tiles) against x times the definition's weights, on
+    an odd number of tiles, rows of x past a pass's 12 and groups that are not 32s; False where it does not run
+    here (gemm_tiles' None: torch's GEMM of the dequantized weights then)."""
+    g = torch.Generator().manual_seed(4)
+    for out, n, group, m_rows in ((2 * rows, 64, 32, 13), (3 * rows, 576, 64, 30), (rows, 160, 160, 1),
+                                  (2 * rows, 96, 8, 25)):  # fmt: skip
+        w = torch.randn(out, n, generator=g)
+        x = torch.randn(m_rows, n, generator=g)
+        codes, scales = quantize(w, "int4", group)
+        stored = tile(pack_int4(codes), rows, 4)
+        for m in (None, torch.randn(scales.shape, generator=g)):
+            got = k.gemm_tiles(stored, tile(scales, rows, 1), x, group, None if m is None else tile(m, rows, 1))
+            if got is None:
+                return False
+            want = x @ dequantize(codes, scales, mins=m).t()  # [M, out]
+            if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
+                return False
+    return True
+
+
 def int5_agrees(k, g: torch.Generator, activations: str) -> bool:
     """The int5 products and dequantization against the definition, with and without offsets."""
     for out, n in ((5, 64), (19, 576), (8, 896), (3, 96)):
@@ -286,6 +307,7 @@ def check_all(k) -> None:
             and int8_tiles_agree(k, rows)
         )
         k.batch_rows = batches_rows(k)
+        k.tile_gemm = bool(k.int4_tile_rows) and tile_gemm_agrees(k, k.int4_tile_rows)
 
 
 def batches_rows(k) -> bool:
@@ -307,6 +329,7 @@ def verdict_of(k) -> dict:
         "int8_integer_tiles": k.int8_integer_tiles,
         "gguf_rows_agree": k.gguf_rows_agree,
         "batch_rows": k.batch_rows,
+        "tile_gemm": k.tile_gemm,
     }
 
 
@@ -319,8 +342,8 @@ def take(k, v: dict) -> None:
     k.int4_integer_tiles = bool(v["int4_integer_tiles"]) and bool(k.int4_tile_rows)
     k.int8_integer_tiles = bool(v.get("int8_integer_tiles")) and bool(k.int4_tile_rows) and "int8" in k.integer_modes
     k.gguf_rows_agree = None if v.get("gguf_rows_agree") is None else bool(v["gguf_rows_agree"])
-    if "batch_rows" in v:
-        k.batch_rows = bool(v["batch_rows"])
-    else:  # kept by a kvchat before the check existed: checked now
-        with torch.inference_mode():
-            k.batch_rows = batches_rows(k)
+    with torch.inference_mode():  # kept by a kvchat before a check existed: that check now
+        k.batch_rows = bool(v["batch_rows"]) if "batch_rows" in v else batches_rows(k)
+        k.tile_gemm = bool(k.int4_tile_rows) and (
+            bool(v["tile_gemm"]) if "tile_gemm" in v else tile_gemm_agrees(k, k.int4_tile_rows)
+        )

@@ -314,6 +314,11 @@ class QuantLinear(nn.Module):
                 y = _int4pack_mm(xk, self.codes, self.group_size, self.scales_and_zeros)
             y = y.reshape(*shape[:-1], self.out_features).to(x.dtype)
             return y if self.bias is None else y + self.bias
+        if self._gemm_tiles(x):  # int4 tiles by float32 rows: dequantized in the kernel's own blocks
+            y = self.decoder.gemm_tiles(self.codes, self.scales, x.reshape(rows, -1), self.group_size, self.mins)
+            if y is not None:
+                y = y.view(*x.shape[:-1], self.out_features)
+                return y if self.bias is None else y + self.bias
         t = self.tiles or 1
         rows = -(-max(1, SCRATCH_VALUES // self.in_features) // t) * t  # weight rows dequantized at a time
         if self.halves_prefill():  # approximate activations: bfloat16 products (see halves_prefill)
@@ -343,6 +348,20 @@ class QuantLinear(nn.Module):
         named approximation decode already makes) on a CPU that multiplies bfloat16 in hardware, where they run
         at about twice float32's speed — as llama.cpp multiplies its quantized types' prefill in int8."""
         return self.activations == "int8" and self.decoder is not None and bf16_hardware()
+
+    def _gemm_tiles(self, x: torch.Tensor) -> bool:
+        """Whether prefill's product takes the kernels' GEMM of int4 tiles (engine/BENCHMARKS.md, "Prefill's
+        products from int4 tiles"): float32 rows by int4 tiles where the library runs it (checked), not the
+        bfloat16 products of int8 activations."""
+        d = self.decoder
+        return (
+            d is not None
+            and d.tile_gemm
+            and self.mode == "int4"
+            and bool(self.tiles)
+            and x.dtype == torch.float32
+            and not self.halves_prefill()
+        )
 
     def _rows_at_once(self) -> bool:
         """Whether the kernels' products of several rows serve this layer (int8 codes in rows or int4 in tiles,

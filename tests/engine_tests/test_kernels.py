@@ -310,6 +310,34 @@ def _two_layers(mode: str, n: int, k: int, group: int, offsets: bool, g: torch.G
     return codes, scales, mins, QuantLinear.from_codes(pre), QuantLinear.from_codes(pre)
 
 
+@pytest.mark.parametrize("offsets", [False, True])
+def test_a_prompts_products_read_int4_tiles_without_a_float32_copy(offsets, kernel_variant, monkeypatch):
+    """Prefill's many rows by a layer in int4 tiles: on the 16-lane builds the kernels' own GEMM (each tile
+    dequantized in blocks in the thread's cache, no float32 copy of the layer), on an odd number of tiles, inputs
+    past a block of 128, rows past a pass of 12 and past what one pass over the weights takes; each output within
+    float32 rounding of x times the dequantized weights. The other builds do not run it (None), and the layer
+    takes torch's GEMM of the dequantized weights."""
+    if not kernel_variant.int4_tile_rows:
+        pytest.skip(f"no int4 tiles in the {kernel_variant.variant} build")
+    g = torch.Generator().manual_seed(5)
+    sixteen = kernel_variant.isa.startswith("avx512")
+    assert kernel_variant.tile_gemm == sixteen
+    calls = []
+    gemm = kernel_variant.gemm_tiles
+    monkeypatch.setattr(kernel_variant, "gemm_tiles", lambda *a: calls.append(a) or gemm(*a))
+    for n, k, group, m in ((80, 288, 32, 38), (32, 8192, 64, 40)):  # 1 MiB of x holds 32 rows of 8,192
+        codes, scales, mins, _, tiles = _two_layers("int4", n, k, group, offsets, g)
+        tiles.use_tiles()
+        assert tiles.decoder is kernel_variant
+        x = torch.randn(2, m // 2, k, generator=g)
+        want = x @ dequantize(codes, scales, mins=mins).t()  # [2, m/2, n]
+        calls.clear()
+        close(tiles(x), want, 1e-5)
+        assert len(calls) == sixteen
+        if not sixteen:
+            assert gemm(tiles.codes, tiles.scales, x.reshape(m, k), group, tiles.mins) is None
+
+
 @needs_kernels
 @pytest.mark.skipif(not (K and K.int4_tile_rows), reason="int4 tiles need the AVX-512 or AVX2 kernels")
 @pytest.mark.parametrize("offsets", [False, True])

@@ -69,6 +69,9 @@ void kv_dequant_q4t(const uint8_t *q, const float *s, const float *m, float *w, 
                     int nt);
 void kv_matvec_q4t_rows(const uint8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out,
                         int64_t in, int64_t g, int64_t B, int nt); /* x [B, in] -> y [B, out], each row as q4t */
+/* tile_prefill.c: y [M, out] = x [M, in] · Wᵀ of int4 tiles for prefill's many rows (1: done; 0: not run here) */
+int kv_gemm_q4t(const uint8_t *q, const float *s, const float *m, const float *x, float *y, int64_t out, int64_t in,
+                int64_t g, int64_t M, int nt);
 
 /* integer_products.c: the same products with x quantized to int8 per 32 inputs (engine.quant.integer_product),
  * where the shape is whole blocks; the float32 products otherwise */
