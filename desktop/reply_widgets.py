@@ -305,6 +305,23 @@ class MarkdownLabel(WrapLabel):
         self.setFocusPolicy(Qt.StrongFocus if "<a " in text else Qt.ClickFocus)
 
 
+class TypedText(WrapLabel):
+    """A paragraph of a person's message as typed: its line breaks and indentation kept, nothing read as Markdown
+    (a pasted function stays a function; `*` stays `*`), as chat apps show what a person sent."""
+
+    def __init__(self, piece: Piece):
+        super().__init__()
+        self.setObjectName("replyText")
+        self.setTextFormat(Qt.PlainText)
+        self.setTextInteractionFlags(Qt.TextSelectableByMouse | Qt.TextSelectableByKeyboard)
+        self.setFocusPolicy(Qt.ClickFocus)  # the message around it is the tab stop (Copy copies it)
+        self.set_piece(piece)
+
+    def set_piece(self, piece: Piece) -> None:
+        self.piece = piece
+        self.setText(piece.text)
+
+
 PLAIN_LINES = 2_000  # a piece shown as plain text shows this many lines at a time
 PLAIN_CHARS = 100_000  # or this many characters, where its lines are long (a 10 MB line is drawn in pages too)
 PLAIN_WHOLE = 2_000_000  # a message longer is one plain block, never parsed into pieces (0.7 s for 10 MB)
@@ -378,15 +395,17 @@ class ReplyBody(QWidget):
     """An assistant's reply as pieces (markdown.py): Markdown paragraphs, code blocks, thinking. While it
     streams only the last piece changes: closed pieces are rendered once, the open paragraph is plain
     text appended (a StreamView), an open code block is appended too. `firstPainted` (trace.now) is
-    when the first text reached the screen."""
+    when the first text reached the screen. `typed`: a person's message, its paragraphs as typed (TypedText)
+    and its fenced code as code blocks."""
 
     firstPainted = Signal(float)
 
-    def __init__(self, count=None, thinking: bool = True):
+    def __init__(self, count=None, thinking: bool = True, typed: bool = False):
         super().__init__()
         self.setObjectName("replyBody")
         self.count = count
         self.thinking = thinking  # whether <think> blocks are folded (a reply's; a person's message is text)
+        self.typed = typed
         self.lay = QVBoxLayout(self)
         self.lay.setContentsMargins(0, 0, 0, 0)
         self.lay.setSpacing(6)
@@ -446,15 +465,14 @@ class ReplyBody(QWidget):
             w.deleteLater()
         del self.widgets[len(shown) :]
 
-    @staticmethod
-    def _form(piece: Piece) -> tuple[type, str | None]:
+    def _form(self, piece: Piece) -> tuple[type, str | None]:
         """The widget a piece is drawn with, and why, when it is plain text past the Markdown limits."""
         if piece.kind != "text":
             return (CodeBlock if piece.kind == "code" else ThinkBlock), None
         if not piece.closed:
             return StreamView, None
         why = too_big_for_markdown(piece.text)
-        return (PlainBlock, why) if why else (MarkdownLabel, None)
+        return (PlainBlock, why) if why else (TypedText if self.typed else MarkdownLabel, None)
 
     def _make(self, piece: Piece, kind: type, why: str | None) -> QWidget:
         if kind is CodeBlock:
@@ -463,8 +481,8 @@ class ReplyBody(QWidget):
             w = ThinkBlock(piece, self.count)
         elif kind is PlainBlock:
             w = PlainBlock(piece, why)
-        elif kind is MarkdownLabel:
-            w = MarkdownLabel(piece)
+        elif kind in (MarkdownLabel, TypedText):
+            w = kind(piece)
         else:
             w = StreamView()
             w.setObjectName("messageStream")

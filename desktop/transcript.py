@@ -129,7 +129,7 @@ class MessageView(QFrame):
         self.body.setTextFormat(Qt.RichText)  # the highlight of an invalidated token: escaped text in a span
         lay.addWidget(self.body)
         # the message as pieces: Markdown, code blocks, thinking (a reply's), plain text past the limits
-        self.reply = ReplyBody(count, thinking=message.role == "assistant")
+        self.reply = ReplyBody(count, thinking=message.role == "assistant", typed=message.role == "user")
         self.reply.firstPainted.connect(self.firstTextPainted)
         lay.addWidget(self.reply)
         self.body.setVisible(False)

@@ -70,3 +70,33 @@ def test_a_wrapped_label_answers_heights_from_its_layout_and_forgets_them_when_i
     label.setText(WORDS * 4)
     assert label.heightForWidth(200) > 3 * one  # not the remembered height of the shorter text
     assert label.minimumSizeHint().height() == label.fontMetrics().lineSpacing()
+
+
+def test_a_persons_message_shows_as_typed_its_lines_and_indentation_kept(qtbot, make_window, demo_model_dir,
+                                                                        spin_loop):  # fmt: skip
+    """A message typed with Shift+Enter line breaks and indented code (no fence) is shown as it was typed: its
+    lines apart, its indentation kept, `*` as `*` (Markdown would join the lines into one paragraph and drop the
+    spaces); a fenced block in it is a code block; the reply beside it is still Markdown."""
+    from PySide6.QtCore import Qt
+
+    from desktop.reply_widgets import CodeBlock, TypedText
+
+    w = make_window(demo_model_dir, max_new_tokens=4)
+    lines = ["Rename prices to amounts:", "", "def total(prices, tax):", "    result = 0", "    return *result*",
+             "", "```", "x = 1", "```"]  # fmt: skip
+    got = []
+    w.replyFinished.connect(got.append)
+    for i, line in enumerate(lines):
+        qtbot.keyClicks(w.composer, line)
+        if i < len(lines) - 1:
+            qtbot.keyClick(w.composer, Qt.Key_Return, Qt.ShiftModifier)
+    qtbot.mouseClick(w.sendButton, Qt.LeftButton)
+    spin_loop(lambda: got, 120)
+    person, reply = w.transcript.views[0], w.transcript.views[1]
+    kinds = [type(x) for x in person.reply.widgets]
+    assert kinds == [TypedText, TypedText, CodeBlock], kinds
+    code = person.reply.widgets[1]
+    assert code.text() == "def total(prices, tax):\n    result = 0\n    return *result*"
+    assert code.textFormat() == Qt.PlainText and person.reply.widgets[2].piece.text == "x = 1"
+    assert code.height() > 2.5 * code.fontMetrics().lineSpacing()  # three lines drawn, not one
+    assert not reply.findChildren(TypedText)  # the model's reply: Markdown
