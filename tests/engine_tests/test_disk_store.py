@@ -5,6 +5,7 @@ budget is never exceeded."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -66,10 +67,13 @@ def test_a_new_process_reads_the_cache_back_from_disk_and_replies_as_a_fresh_run
 def test_entries_made_under_other_settings_are_not_used_and_the_report_says_why(tmp_path):
     msgs = long_conversation(3)
     loaded, want = written(tmp_path, msgs)
-    again = Session(loaded, disk=DiskStore(tmp_path, 2**30))
-    assert reply(again, msgs).reuse.source == "disk"
-    for kv in ("int8", "int4"):
-        other = Session(loaded, kv=kv, disk=DiskStore(tmp_path, 2**30))
+    store = DiskStore(tmp_path, 2**30)
+    assert reply(Session(loaded, disk=store), msgs).reuse.source == "disk"
+    assert store.flush()
+    for kv in ("int8", "int4"):  # each on a copy of these entries: what one writes is never the other's "other"
+        home = shutil.copytree(tmp_path, tmp_path.with_name(f"{tmp_path.name}-{kv}"),
+                               ignore=shutil.ignore_patterns(".kvchat-lock"))  # fmt: skip
+        other = Session(loaded, kv=kv, disk=DiskStore(home, 2**30))
         final = reply(other, msgs)
         assert final.reuse.source == "none" and final.reuse.reused == 0
         assert f"on disk for other settings, not used: KV cache precision changed (none → {kv})" in final.reuse.reason
