@@ -97,9 +97,9 @@ int kv_gemm_q4t(const uint8_t *q, const float *s, const float *m, const float *x
                 for (int64_t k = 0; k < in; k++)
                     for (int r = 0; r < TILE_MR; r++)
                         xp[a * in + k * TILE_MR + r] = a + r < mn ? x[(m0 + a + r) * in + k] : 0.0f;
-            if (!wt) continue; /* each thread through the same barriers; the call reports the failure */
 #pragma omp for schedule(static)
             for (int64_t p = 0; p < pairs; p++) {
+                if (!wt) continue; /* every thread meets every loop and barrier; the call reports the failure */
                 const int64_t t = 2 * p;
                 const int NT = t + 1 < tiles ? 2 : 1;
                 for (int64_t kb = 0; kb < in; kb += TILE_KB) {
