@@ -160,7 +160,8 @@ def test_sampled_replies_with_drafts_are_the_same_for_the_same_seed(llama_dir, s
 
 def test_the_draft_length_follows_what_the_last_round_took_and_halves_where_drafting_does_not_pay():
     """A plain step first, timed (the least of the recent ones is a step's cost). Then a round drafts one past what
-    the last one took (a rejected first token: one), twice as many after a round taken whole, up to k; k itself
+    the last one took (a rejected first token: one; the first round 2), twice as many after a round taken whole, up
+    to k (a seeded sampled reply: k from the first round); k itself
     halves — 8, 4, 2, 1, and 3 (grown back) to 2 — while rounds cost a plain step's time a token, then nothing is
     drafted for a while; rounds well under a plain step grow k back by one."""
     plan = Adaptive(8)
@@ -172,14 +173,17 @@ def test_the_draft_length_follows_what_the_last_round_took_and_halves_where_draf
     for taken in (0, 1, 1, 3, 4):
         seen.append(plan.now())
         plan.round(seen[-1], min(taken, seen[-1]) + 1, 1.0)  # cheap rounds: k stays 8
-    assert seen == [8, 1, 2, 2, 4] and plan.now() == 8  # 0 of 8 taken, 1 of 1, 1 of 2, 2 of 2, 4 of 4
+    assert seen == [2, 1, 2, 2, 4] and plan.now() == 8  # the first round 2: 0 taken; 1 of 1, 1 of 2, 2 of 2, 4 of 4
     plan = Adaptive(8)
     plan.plain(10.0), plan.plain(10.0)
     seen = []
     for _ in range(12):
         seen.append(plan.now())
         plan.round(seen[-1], seen[-1] + 1, 10.0 * (seen[-1] + 1))  # every draft taken, at a plain step a token
-    assert seen == [8, 8, 8, 4, 4, 4, 2, 2, 2, 1, 1, 1] and plan.now() == 0
+    assert seen == [2, 4, 8, 4, 4, 4, 2, 2, 2, 1, 1, 1] and plan.now() == 0
+    seeded = Adaptive(8, fixed=True)  # a seeded sampled reply: k from its first round, whatever happens
+    seeded.plain(10.0)
+    assert seeded.now() == 8
     plan = Adaptive(8)
     plan.plain(10.0), plan.plain(10.0)
     plan.k = 3
@@ -282,6 +286,7 @@ def test_a_draft_model_catches_up_in_one_pass(llama_dir):
     """What a draft model lacks at a round's start — the last draft where all were taken and the token the target
     chose after it, or the tokens of plain steps — goes through it in one pass (its weights read once), and the
     drafts that follow are those of a draft model fed a token at a time."""
+    from engine.backends import kernels
     from engine.speculative import ModelDrafter
 
     loaded = load_model(llama_dir, device="cpu", dtype="float32")
@@ -296,13 +301,22 @@ def test_a_draft_model_catches_up_in_one_pass(llama_dir):
             passes.append(ids.shape[-1])
             return self.inner(ids, cache, **kw)
 
+        def forward_spans(self, spans, every=False):
+            out = self.inner.forward_spans(spans, every)
+            if out is not None:  # rows of the batched decode step (None: the forward takes them)
+                passes.append(("rows", sum(len(t) for t, _ in spans)))
+            return out
+
     greedy = Request(prompt_ids=(1,)).sampling
     drafter = ModelDrafter(loaded, "m", "m", 128, loaded.config.vocab_size)
     one_by_one = ModelDrafter(loaded, "m", "m", 128, loaded.config.vocab_size)
     drafter.loaded = dataclasses.replace(loaded, model=Counting(loaded.model))
     drafter.prepare(REPEAT)
     first = drafter.propose(REPEAT + [5], 3, greedy, None).tokens
-    assert passes == [len(REPEAT), 1, 1, 1]  # the prompt, then the token before the drafts, then a pass a draft
+    # the prompt (32 positions: rows of the batched decode step where the kernels have it, not a forward that would
+    # dequantize every weight of a quantized draft), then the token before the drafts, then a pass a draft
+    rows = kernels.load() is not None  # the batched decode step is kvchat's kernels'
+    assert passes == [("rows", len(REPEAT)) if rows else len(REPEAT), 1, 1, 1]
     taken = REPEAT + [5, *first, 9]  # all three taken, and the target's own after them
     passes.clear()
     again = drafter.propose(taken + [11, 12], 2, greedy, None).tokens  # and two plain steps' tokens
