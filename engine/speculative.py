@@ -129,13 +129,17 @@ class ModelDrafter:
     def _consume(self, tokens: list[int]) -> torch.Tensor | None:
         """`tokens` into its cache in one pass (a prompt in chunks of CHUNK): a round's catch-up — the token the target
         chose after the last accepted draft, the last draft where all were taken, what plain steps chose — reads the
-        draft's weights once, not once a token; the logits after the last ([V]), None for none."""
+        draft's weights once, not once a token; the logits after the last ([V]), None for none. A gap of SPAN
+        positions (plain steps' tokens after a pause in drafting) goes as rows of the batched decode step: a forward
+        of more than a few positions first dequantizes every weight for prefill's products, several times the
+        cost (engine/BENCHMARKS.md, "The Intel Xeon, 2026-12-07: the 4-bit file's verify rows, and the file on
+        int8 activations")."""
         device, model = self.loaded.device, self.loaded.model
-        if SPAN[0] <= len(tokens) <= SPAN[1]:  # the gap after plain steps: rows of the batched decode step, each
-            out = model.forward_spans([(tokens, self.cache)])  # weight read once for all, where a forward of 9 or
-            if out is not None:  # more dequantizes every weight for prefill's products first (int4 on int8
-                self.ids.extend(tokens)  # activations: 12 positions 80 ms against 16, 34 positions 94 against 36;
-                return out[0][0, -1]  # up to 8 the forward's own rows cost the same) [1, 1, V] -> [V]
+        if SPAN[0] <= len(tokens) <= SPAN[1]:  # the gap after plain steps: rows of the batched decode step
+            out = model.forward_spans([(tokens, self.cache)])  # [1, 1, V], or None where the step cannot take them
+            if out is not None:
+                self.ids.extend(tokens)
+                return out[0][0, -1]
         logits = None
         for a in range(0, len(tokens), CHUNK):
             piece = tokens[a : a + CHUNK]
@@ -245,9 +249,9 @@ class Adaptive:
     no cheaper, nothing is drafted for a while (plain steps: PROBE_EVERY rounds, twice as long after each probe that
     fails, up to MAX_IDLE), then k tries again from two; well cheaper, k grows back to what was asked. So text where
     drafts fail costs about what the model alone costs. The first round drafts FIRST_REACH at most: where a
-    verify's rows are dear (a bfloat16 target's, each row its own products) a first round of 8 drafts cost 6 plain
-    steps for 2 tokens. A sampled reply with a seed keeps k (`fixed`): its random draws, drafts' and accept
-    tests', then come in one order whatever the machine's timings, and the seed gives the same reply."""
+    verify's rows are dear (a bfloat16 target's, each row its own products; a 4-bit file's) a long first round
+    that misses costs several plain steps. A sampled reply with a seed keeps k (`fixed`): its random draws, drafts'
+    and accept tests', then come in one order whatever the machine's timings, and the seed gives the same reply."""
 
     def __init__(self, k: int, fixed: bool = False):
         self.k = self.asked = k

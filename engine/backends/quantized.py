@@ -3,7 +3,8 @@
 "Quantize, then swap the module": QuantLinear replaces a Linear and QuantEmbedding an embedding.
 On the CPU, one-row products (decode) run kvchat's kernels straight on the codes and float32
 scales with float32 activations, the quantization's own definition; prefill dequantizes into a
-reused buffer and multiplies in float32. Where the kernels are missing, torch's packed kernels
+reused buffer and multiplies in float32 (int4 tiles on the 16-lane builds: the kernels' own GEMM reads
+them, csrc/tile_prefill.c). Where the kernels are missing, torch's packed kernels
 serve the layouts they support, and a file's codes no torch kernel reads are dequantized once
 (engine.backends.quantized_model.dequantize_for_torch; on the fly only where they would not fit in memory).
 Passes over a whole model's quantized layers live in engine.backends.quantized_model.
