@@ -16,7 +16,7 @@ from PySide6.QtWidgets import QGridLayout, QLabel, QPushButton, QTextEdit, QTool
 
 from .core.panel_words import fmt_figure
 from .outside_text import plain, rich
-from .reply_widgets import FitTextEdit
+from .text_views import FitTextEdit
 
 MODES = {"off": "Tokens: plain", "probability": "Tokens by probability", "entropy": "Tokens by entropy",
          "drafts": "Tokens by drafts", "grammar": "Tokens by grammar"}  # fmt: skip

@@ -22,7 +22,8 @@ from PySide6.QtWidgets import (
 from .attachments import MessageImages
 from .core.replies import reply_footer
 from .outside_text import plain, rich
-from .reply_widgets import ElidedLabel, ReplyBody, StreamView, WrapLabel
+from .reply_widgets import ReplyBody
+from .text_views import ElidedLabel, StreamView, WrapLabel
 from .token_view import TOKEN_PAGE, ForkRow, TokenView
 from .tool_blocks import tool_block
 

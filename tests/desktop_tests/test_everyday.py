@@ -153,7 +153,7 @@ def test_the_window_fits_1000_by_700_with_tokens_coloured_and_a_long_model_name(
     assert label.fontMetrics().horizontalAdvance(label.text()) > label.contentsRect().width()
     assert label.shown() in ("", label.shown()[:-1] + "…") and label.shown() != label.text()
     assert "SmolLM2-135M-Instruct.Q4_1.gguf" in label.toolTip()
-    from desktop.reply_widgets import ElidedLabel
+    from desktop.text_views import ElidedLabel
 
     alone = ElidedLabel("· SmolLM2-135M-Instruct.Q4_1.gguf")
     qtbot.addWidget(alone)

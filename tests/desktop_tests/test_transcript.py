@@ -3,7 +3,8 @@
 import math
 
 from desktop.core.store import Message
-from desktop.reply_widgets import MarkdownLabel, WrapLabel
+from desktop.reply_widgets import MarkdownLabel
+from desktop.text_views import WrapLabel
 from desktop.transcript import MessageView
 
 WORDS = "the cache keeps every position it has seen and drops none of them until the prompt changes "
