@@ -99,17 +99,6 @@ def _targets(ns, path: str) -> list[str]:
     return asked
 
 
-def _precision(precision: str) -> tuple[str, int, str, str]:
-    """(weight mode, group size, activations, dtype) for a target precision of _targets."""
-    from .bench.rows import FILE_ACTIVATIONS, QUANT
-
-    if precision in FILE_ACTIVATIONS:
-        return "none", 0, FILE_ACTIVATIONS[precision], "float32"
-    if precision in QUANT:
-        return (*QUANT[precision], "float32")
-    return "none", 0, "float32", precision
-
-
 def _tasks(session, kinds: list[str], new: int, k: int, rounds: int) -> list[dict]:
     """Each task's rows for one target: the model alone, then each kind of draft, run alternately `rounds` times."""
     rows = []
@@ -160,6 +149,7 @@ def run(ns) -> int:
     from ..weights.loading import load_model
     from .bench.isolation import run_isolated
     from .bench.machine import cpu_info
+    from .bench.rows import load_options
     from .bench.shapes import write_random_checkpoint
 
     kinds = [k.strip() for k in ns.speculative.split(",") if k.strip()]
@@ -171,7 +161,7 @@ def run(ns) -> int:
         path = ns.model or str(write_random_checkpoint(Path(tmp) / ns.shape, ns.shape))
         rows = []
         for precision in _targets(ns, str(path)):
-            mode, group, activations, dtype = _precision(precision)
+            mode, group, activations, dtype = load_options(precision)
             target = load_model(path, dtype=dtype, weights=mode, group_size=group, activations=activations)
             session = Session(target, cache_budget=0)
             rows += [dict(r, target=precision) for r in _tasks(session, kinds, new, k, rounds)]

@@ -23,6 +23,14 @@ QUANT = {
 FILE_ACTIVATIONS = {"file": "float32", "file/a8": "int8"}  # --model FILE.gguf: kvchat's rows
 
 
+def load_options(precision: str) -> tuple[str, int, str, str]:
+    """(weight mode, group size, activations, dtype) kvchat loads a precision's row with: kvchat's quantized rows
+    (QUANT) and a file's (FILE_ACTIVATIONS) in float32, a float precision as itself."""
+    mode, group, activations = QUANT.get(precision, ("none", 0, FILE_ACTIVATIONS.get(precision, "float32")))
+    dtype = "float32" if precision in QUANT or precision in FILE_ACTIVATIONS else precision
+    return mode, group, activations, dtype
+
+
 def _timing(prompt_len: int, start: float, times: list[float]) -> dict:
     ttft = times[0] - start
     decode = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else None
@@ -82,8 +90,7 @@ def _measure(engine: str, precision: str, a: dict) -> dict:
     n_new = a["new_tokens"]
     contexts = a["plot_contexts"]
     if engine.startswith("kvchat"):
-        mode, group, activations = QUANT.get(precision, ("none", 0, FILE_ACTIVATIONS.get(precision, "float32")))
-        dtype = "float32" if precision in QUANT or precision in FILE_ACTIVATIONS else precision
+        mode, group, activations, dtype = load_options(precision)
         t0 = now()
         loaded = load_model(
             a["model"], device=str(device), dtype=dtype, weights=mode, group_size=group, activations=activations
