@@ -358,7 +358,7 @@ def test_int4_tiles_hold_the_same_weight_as_rows(offsets):
     x = torch.randn(1, 1, k, generator=g)
     close(tiles(x).reshape(-1), (want_w @ x.reshape(-1)), 1e-5)
     many = torch.randn(1, 7, k, generator=g)
-    torch.testing.assert_close(tiles(many), rows(many))  # prefill: dequantized rows, then one product
+    torch.testing.assert_close(tiles(many), rows(many))  # prefill: the tiles' own GEMM or dequantized rows, one product
     switched = quantized_model.use_integer_activations(tiles)  # int8 activations: the tiles' integer products, or none
     if K.int4_integer_tiles:
         assert switched == 1 and tiles.activations == "int8"
