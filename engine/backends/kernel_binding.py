@@ -79,6 +79,9 @@ class Kernels:
             for dtype in self._float
         }
         self._f32_rows = self._declare("kv_matvec_f32_rows", [p, p, i64, p, i64, i64, i64, i64, i32])
+        self._half_rows = {torch.bfloat16: self._declare("kv_matvec_bf16_rows", [p, p, i64, p, p, i64, i64, i64, i32])}
+        if torch.float16 in self._float:
+            self._half_rows[torch.float16] = self._declare("kv_matvec_f16_rows", [p, p, p, i64, i64, i64, i32])
         self._q8_rows = self._declare("kv_matvec_q8_rows", [p, p, p, p, p, i64, i64, i64, i64, i32])
         self._q4t_rows = self._declare("kv_matvec_q4t_rows", [p, p, p, p, p, i64, i64, i64, i64, i32])
         self._q8x_rows = self._declare("kv_matvec_q8x_rows", [p, p, p, p, p, i64, i64, i64, i64, i32])
@@ -217,7 +220,8 @@ class Kernels:
     ) -> torch.Tensor:
         """Several rows' products at once, x [B, in] float32 -> y [B, out] float32: float32 weights [out, in]
         (`mode` "float32"), int8 codes (in rows, or in tiles with int8 activations), or int4 codes in tiles
-        (`tiled`), each row as matvec / qmatvec (with the same `activations`) gives it."""
+        (`tiled`), each row as matvec / qmatvec (with the same `activations`) gives it; bfloat16 or float16
+        weights (`mode` their dtype's name) take x and give y in their dtype, each row as matvec rounds it."""
         B, n = x.shape
         x = x.contiguous()
         if mode == "float32":
@@ -225,6 +229,15 @@ class Kernels:
             y = torch.empty(B, out, dtype=torch.float32)
             self._f32_rows(*self.memory(weight, x), n, y.data_ptr(), out, out, n, B, torch.get_num_threads())
             return y
+        if mode in ("bfloat16", "float16"):
+            out, wide = weight.shape[0], x.float()  # [B, in] widened, as the one-row product widens its x
+            y = torch.empty(B, out, dtype=torch.float32)
+            rows, nt = self._half_rows[weight.dtype], torch.get_num_threads()
+            if weight.dtype == torch.bfloat16:
+                rows(*self.memory(weight, x), n, *self.memory(wide, y), out, n, B, nt)
+            else:
+                rows(*self.memory(weight, wide, y), out, n, B, nt)
+            return y.to(weight.dtype)  # rounded to nearest even, as the kernels' one-row product rounds
         integer = activations != "float32"
         if not (mode == "int8" or (mode == "int4" and tiled)):
             raise ValueError("several rows at once: float32 weights, int8 codes or int4 tiles")

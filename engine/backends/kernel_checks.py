@@ -242,7 +242,7 @@ def codes_agree(k, mode, stored, codes, scales, x, group, mins, activations="flo
 
 def rows_agree(k) -> bool:
     """The products of several rows at once (engine.batching's decode steps) against each row's one-row product,
-    bit for bit (a request's tokens must not depend on its batch-mates): float32 weights, int8 codes (groups of
+    bit for bit (a request's tokens must not depend on its batch-mates): float weights (32- and 16-bit), int8 codes (groups of
     32, longer groups, offsets), int4 tiles, and int8 tiles where they run, with float32 activations and with int8
     ones where the library's integer products serve them, on awkward sizes and 1 to 9 rows (past a pass of 8)."""
     g = torch.Generator().manual_seed(2)
@@ -253,6 +253,12 @@ def rows_agree(k) -> bool:
             w, x = torch.randn(out, n, generator=g), torch.randn(B, n, generator=g)
             if not torch.equal(k.rows("float32", w, x), torch.stack([k.matvec(w, r) for r in x])):
                 return False
+            for dtype in k.dtypes & {torch.bfloat16, torch.float16}:  # 16-bit weights, rows in their own type
+                wh, xh = w.to(dtype), x.to(dtype)
+                if not torch.equal(
+                    k.rows(str(dtype).removeprefix("torch."), wh, xh), torch.stack([k.matvec(wh, r) for r in xh])
+                ):
+                    return False
         for out, n, group in ((19, 192, 32), (40, 576, 64), (6, 128, 16), (7, 160, 160)):
             w, x = torch.randn(out, n, generator=g), torch.randn(B, n, generator=g)
             codes, scales = quantize(w, "int8", group)

@@ -265,7 +265,8 @@ def test_quantized_layers_decode_through_the_kernels(llama_dir, weights, group, 
 @needs_kernels
 @pytest.mark.parametrize(
     "weights,group,dtype,activations",
-    [("none", 0, "float32", "float32"), ("int8", 32, "float32", "float32"), ("int4", 32, "float32", "float32"),
+    [("none", 0, "float32", "float32"), ("none", 0, "bfloat16", "float32"), ("none", 0, "float16", "float32"),
+     ("int8", 32, "float32", "float32"), ("int4", 32, "float32", "float32"),
      ("int4", 64, "bfloat16", "float32"), ("int8", 0, "bfloat16", "float32"), ("int8", 32, "float32", "int8"),
      ("int8", 64, "bfloat16", "int8"), ("int4", 32, "float32", "int8"), ("int4", 64, "bfloat16", "int8")],
 )  # fmt: skip
@@ -275,7 +276,8 @@ def test_several_sequences_decode_in_one_call_each_as_it_would_alone(
     """Continuous batching's step (Transformer.forward_many: every block of B sequences' steps in one C call,
     the head once for all): each sequence's logits equal its own one-call step's bit for bit, whatever its
     batch-mates, their lengths and their number (past the integer products' pass of 8), with float32 or int8
-    activations, on every instruction-set variant this CPU runs."""
+    activations, float weights of 32 or 16 bits (their rows sharing each weight's load), on every instruction-set
+    variant this CPU runs."""
     loaded = load_model(llama_dir, weights=weights, group_size=group, dtype=dtype, activations=activations)
     cfg, model = loaded.config, loaded.model
     assert model.decode_step is not None and model.decode_step.batches and kernel_variant.batch_rows

@@ -169,26 +169,35 @@ static kv_linear rows_of(const kv_linear *l, int64_t o0, int64_t n, int64_t elem
     return s;
 }
 
-/* float weights' products of B rows at once, where a kernel shares each weight's load among them (float32):
- * 1 when done (the bias added as linear_ adds it), 0 to take the rows one by one */
-static int float_rows_f32(const kv_linear *l, int64_t B, const float *x, int64_t xs, float *y, int64_t ys, int nt) {
+/* float weights' products of B rows at once, each weight's load shared among them: every row's outputs its one-row
+ * product's (linear_), rounded and the bias added as linear_ adds it, bit for bit; 1 when done (fx, fy: B rows) */
+static int float_rows_f32(const kv_linear *l, int64_t B, const float *x, int64_t xs, float *y, int64_t ys, float *fx,
+                          float *fy, int nt) {
+    (void)fx, (void)fy;
     kv_matvec_f32_rows((const float *)l->w, x, xs, y, ys, l->out, l->in, B, nt);
     if (l->bias)
         for (int64_t b = 0; b < B; b++)
             for (int64_t i = 0; i < l->out; i++) y[b * ys + i] = y[b * ys + i] + ((const float *)l->bias)[i];
     return 1;
 }
-static int float_rows_bf16(const kv_linear *l, int64_t B, const uint16_t *x, int64_t xs, uint16_t *y, int64_t ys,
-                           int nt) {
-    (void)l, (void)B, (void)x, (void)xs, (void)y, (void)ys, (void)nt;
-    return 0;
-}
+#define FLOAT_ROWS_HALF(SUF, T, TO_F32, FROM_F32, PRODUCT)                                                        \
+    static int float_rows_##SUF(const kv_linear *l, int64_t B, const T *x, int64_t xs, T *y, int64_t ys,          \
+                                float *fx, float *fy, int nt) {                                                   \
+        for (int64_t b = 0; b < B; b++)                                                                           \
+            for (int64_t i = 0; i < l->in; i++) fx[b * l->in + i] = TO_F32(x[b * xs + i]);                       \
+        PRODUCT;                                                                                                  \
+        for (int64_t b = 0; b < B; b++) {                                                                         \
+            T *yb = y + b * ys;                                                                                   \
+            for (int64_t i = 0; i < l->out; i++) yb[i] = FROM_F32(fy[b * l->out + i]);                            \
+            if (l->bias)                                                                                          \
+                for (int64_t i = 0; i < l->out; i++) yb[i] = FROM_F32(TO_F32(yb[i]) + TO_F32(((const T *)l->bias)[i])); \
+        }                                                                                                         \
+        return 1;                                                                                                 \
+    }
+FLOAT_ROWS_HALF(bf16, uint16_t, bf16_to_f32, BF16_TO,
+                kv_matvec_bf16_rows((const uint16_t *)l->w, x, xs, fx, fy, l->out, l->in, B, nt))
 #ifdef __FLT16_MAX__
-static int float_rows_f16(const kv_linear *l, int64_t B, const _Float16 *x, int64_t xs, _Float16 *y, int64_t ys,
-                          int nt) {
-    (void)l, (void)B, (void)x, (void)xs, (void)y, (void)ys, (void)nt;
-    return 0;
-}
+FLOAT_ROWS_HALF(f16, _Float16, f16_to_f32, F16_TO, kv_matvec_f16_rows((const _Float16 *)l->w, fx, fy, l->out, l->in, B, nt))
 #endif
 
 /* The products of several rows that share each weight's load among them */
@@ -204,7 +213,7 @@ typedef void (*kv_rows_product)(const void *, const float *, const float *, cons
     /* y [B, out] (rows ys apart) = W x for x [B, in] (rows xs apart), a chunk of W's rows for all B at a time */ \
     static void rows_##SUF(const kv_linear *l, int64_t B, const T *x, int64_t xs, T *y, int64_t ys, float *fx,    \
                            float *fy, int nt) {                                                                   \
-        if (B > 1 && l->mode == KV_FLOAT && float_rows_##SUF(l, B, x, xs, y, ys, nt)) return;                     \
+        if (B > 1 && l->mode == KV_FLOAT && float_rows_##SUF(l, B, x, xs, y, ys, fx, fy, nt)) return;                     \
         const int tiled = l->mode == KV_INT4 && l->tiles, q8 = l->mode == KV_INT8;                               \
         if (B > 1 && (tiled || q8)) { /* products that take the B rows at once */                               \
             for (int64_t b = 0; b < B; b++)                                                                       \

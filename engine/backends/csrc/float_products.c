@@ -11,26 +11,26 @@ void kv_matvec_f32(const float *w, const float *x, float *y, int64_t out, int64_
     for (int64_t o = 0; o < out; o++) y[o] = dot_f32(w + o * in, x, in);
 }
 
-/* float32 weights for several rows of x at once (B sequences' decode steps): x [B, in] rows xs apart, y [B, out]
- * rows ys apart. Each weight vector is loaded once for up to four rows of x, each row's two chains and scalar
- * tail as dot_f32 keeps them, so every row's outputs are its one-row product's bit for bit while the weights
- * are read from memory once. */
-#define F32_ROWS(NB)                                                                                              \
-    static void f32_rows##NB(const float *restrict r, const float *restrict x, int64_t xs, float *a, int64_t in) { \
+/* Float weights for several rows of x at once (B sequences' decode steps, a verify's positions): x [B, in] float32
+ * rows xs apart. Each weight vector is loaded (and widened, for bfloat16 and float16) once for up to four rows
+ * of x, each row's two chains and scalar tail as the one-row dot product (ROW_DOT) keeps them, so every row's
+ * outputs are its one-row product's bit for bit while the weights are read from memory once. */
+#define FLOAT_ROWS(NAME, WT, LOADW, SCALARW, NB)                                                                  \
+    static void NAME##NB(const WT *restrict r, const float *restrict x, int64_t xs, float *a, int64_t in) {      \
         int64_t i = 0;                                                                                           \
         for (int b = 0; b < NB; b++) a[b] = 0;                                                                   \
-        F32_ROWS_SIMD(NB)                                                                                        \
+        FLOAT_ROWS_SIMD(LOADW, NB)                                                                               \
         for (; i < in; i++)                                                                                      \
-            for (int b = 0; b < NB; b++) a[b] += r[i] * x[b * xs + i];                                           \
+            for (int b = 0; b < NB; b++) a[b] += SCALARW(r[i]) * x[b * xs + i];                                  \
     }
 #if KV_LANES
-#define F32_ROWS_SIMD(NB)                                                                                        \
+#define FLOAT_ROWS_SIMD(LOADW, NB)                                                                               \
     vf a0[NB], a1[NB];                                                                                           \
     for (int b = 0; b < NB; b++) a0[b] = a1[b] = vzero();                                                       \
     for (; i + 2 * KV_LANES <= in; i += 2 * KV_LANES) {                                                          \
         PREFETCH(r + i);                                                                                         \
         if (sizeof(*r) * 2 * KV_LANES > 64) PREFETCH((const char *)(r + i) + 64);                                \
-        vf w0 = vload(r + i), w1 = vload(r + i + KV_LANES);                                                      \
+        vf w0 = LOADW(r + i), w1 = LOADW(r + i + KV_LANES);                                                      \
         for (int b = 0; b < NB; b++) {                                                                           \
             a0[b] = vfma(w0, vload(x + b * xs + i), a0[b]);                                                      \
             a1[b] = vfma(w1, vload(x + b * xs + i + KV_LANES), a1[b]);                                           \
@@ -38,31 +38,37 @@ void kv_matvec_f32(const float *w, const float *x, float *y, int64_t out, int64_
     }                                                                                                            \
     for (int b = 0; b < NB; b++) a[b] = vsum(vadd(a0[b], a1[b]));
 #else
-#define F32_ROWS_SIMD(NB)
+#define FLOAT_ROWS_SIMD(LOADW, NB)
 #endif
-F32_ROWS(1)
-F32_ROWS(2)
-F32_ROWS(3)
-F32_ROWS(4)
+#define FLOAT_ROWS_1_TO_4(NAME, WT, LOADW, SCALARW)                                                              \
+    FLOAT_ROWS(NAME, WT, LOADW, SCALARW, 1)                                                                      \
+    FLOAT_ROWS(NAME, WT, LOADW, SCALARW, 2)                                                                      \
+    FLOAT_ROWS(NAME, WT, LOADW, SCALARW, 3)                                                                      \
+    FLOAT_ROWS(NAME, WT, LOADW, SCALARW, 4)                                                                      \
+    /* y [B, out] rows ys apart: row o of W for every row of x, four at a time */                              \
+    static void NAME(const WT *w, const float *x, int64_t xs, float *y, int64_t ys, int64_t out, int64_t in,     \
+                     int64_t B, int nt) {                                                                        \
+        _Pragma("omp parallel for num_threads(nt) schedule(static)") for (int64_t o = 0; o < out; o++) {         \
+            const WT *r = w + o * in;                                                                            \
+            for (int64_t b0 = 0; b0 < B; b0 += 4) {                                                              \
+                float a[4];                                                                                      \
+                int64_t nb = B - b0 < 4 ? B - b0 : 4;                                                            \
+                const float *xb = x + b0 * xs;                                                                   \
+                switch (nb) {                                                                                    \
+                case 1: NAME##1(r, xb, xs, a, in); break;                                                        \
+                case 2: NAME##2(r, xb, xs, a, in); break;                                                        \
+                case 3: NAME##3(r, xb, xs, a, in); break;                                                        \
+                default: NAME##4(r, xb, xs, a, in);                                                              \
+                }                                                                                                \
+                for (int64_t b = 0; b < nb; b++) y[(b0 + b) * ys + o] = a[b];                                    \
+            }                                                                                                    \
+        }                                                                                                        \
+    }
+FLOAT_ROWS_1_TO_4(f32_rows, float, vload, AS_FLOAT)
 
 void kv_matvec_f32_rows(const float *w, const float *x, int64_t xs, float *y, int64_t ys, int64_t out, int64_t in,
                         int64_t B, int nt) {
-#pragma omp parallel for num_threads(nt) schedule(static)
-    for (int64_t o = 0; o < out; o++) {
-        const float *r = w + o * in;
-        for (int64_t b0 = 0; b0 < B; b0 += 4) {
-            float a[4];
-            int64_t nb = B - b0 < 4 ? B - b0 : 4;
-            const float *xb = x + b0 * xs;
-            switch (nb) {
-            case 1: f32_rows1(r, xb, xs, a, in); break;
-            case 2: f32_rows2(r, xb, xs, a, in); break;
-            case 3: f32_rows3(r, xb, xs, a, in); break;
-            default: f32_rows4(r, xb, xs, a, in);
-            }
-            for (int64_t b = 0; b < nb; b++) y[(b0 + b) * ys + o] = a[b];
-        }
-    }
+    f32_rows(w, x, xs, y, ys, out, in, B, nt);
 }
 
 #if KV_LANES == 16 && defined(__AVX512BF16__)
@@ -93,12 +99,78 @@ void kv_matvec_bf16(const uint16_t *w, const uint16_t *xh, uint16_t *y, int64_t 
 #endif
 }
 
+/* bfloat16 weights for B rows of x: xh [B, in] bfloat16 rows xhs apart and the same rows widened, x [B, in];
+ * y [B, out] float32, unrounded. Each row's sums are kv_matvec_bf16's for that row alone, bit for bit (the same
+ * chains, reduction and tail), while each weight vector is loaded once for up to four rows. */
+#if KV_LANES == 16 && defined(__AVX512BF16__)
+#define BF16_PAIRS(NB)                                                                                            \
+    static void bf16_pairs##NB(const uint16_t *restrict r, const uint16_t *restrict xh, int64_t xhs,             \
+                               const float *restrict x, int64_t xs, float *a, int64_t in) {                      \
+        __m512 a0[NB], a1[NB];                                                                                   \
+        for (int b = 0; b < NB; b++) a0[b] = a1[b] = _mm512_setzero_ps();                                       \
+        int64_t i = 0;                                                                                           \
+        for (; i + 64 <= in; i += 64) {                                                                          \
+            PREFETCH(r + i);                                                                                     \
+            PREFETCH(r + i + 32);                                                                                \
+            __m512bh w0 = (__m512bh)_mm512_loadu_si512(r + i), w1 = (__m512bh)_mm512_loadu_si512(r + i + 32);    \
+            for (int b = 0; b < NB; b++) {                                                                       \
+                a0[b] = _mm512_dpbf16_ps(a0[b], w0, (__m512bh)_mm512_loadu_si512(xh + b * xhs + i));            \
+                a1[b] = _mm512_dpbf16_ps(a1[b], w1, (__m512bh)_mm512_loadu_si512(xh + b * xhs + i + 32));       \
+            }                                                                                                    \
+        }                                                                                                        \
+        for (int b = 0; b < NB; b++)                                                                             \
+            a[b] = _mm512_reduce_add_ps(_mm512_add_ps(a0[b], a1[b])) + dot_bf16(r + i, x + b * xs + i, in - i);  \
+    }
+BF16_PAIRS(1)
+BF16_PAIRS(2)
+BF16_PAIRS(3)
+BF16_PAIRS(4)
+#else
+FLOAT_ROWS_1_TO_4(bf16_rows, uint16_t, vload_bf16, bf16_to_f32)
+#endif
+
+void kv_matvec_bf16_rows(const uint16_t *w, const uint16_t *xh, int64_t xhs, const float *x, float *y, int64_t out,
+                         int64_t in, int64_t B, int nt) {
+#if KV_LANES == 16 && defined(__AVX512BF16__)
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t o = 0; o < out; o++) {
+        const uint16_t *r = w + o * in;
+        for (int64_t b0 = 0; b0 < B; b0 += 4) {
+            float a[4];
+            int64_t nb = B - b0 < 4 ? B - b0 : 4;
+            const uint16_t *hb = xh + b0 * xhs;
+            const float *xb = x + b0 * in;
+            switch (nb) {
+            case 1: bf16_pairs1(r, hb, xhs, xb, in, a, in); break;
+            case 2: bf16_pairs2(r, hb, xhs, xb, in, a, in); break;
+            case 3: bf16_pairs3(r, hb, xhs, xb, in, a, in); break;
+            default: bf16_pairs4(r, hb, xhs, xb, in, a, in);
+            }
+            for (int64_t b = 0; b < nb; b++) y[(b0 + b) * out + o] = a[b];
+        }
+    }
+#else
+    (void)xh, (void)xhs;
+    bf16_rows(w, x, in, y, out, out, in, B, nt);
+#endif
+}
+
 #ifdef __FLT16_MAX__
 void kv_matvec_f16(const _Float16 *w, const _Float16 *xh, _Float16 *y, int64_t out, int64_t in, int nt) {
     float x[in];
     for (int64_t i = 0; i < in; i++) x[i] = (float)xh[i];
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t o = 0; o < out; o++) y[o] = (_Float16)dot_f16(w + o * in, x, in);
+}
+#endif
+
+#ifdef __FLT16_MAX__
+FLOAT_ROWS_1_TO_4(f16_rows, _Float16, vload_f16, AS_FLOAT)
+
+/* float16 weights for B rows of x [B, in] widened to float32; y [B, out] float32, unrounded: each row's sums
+ * kv_matvec_f16's for it alone, bit for bit. */
+void kv_matvec_f16_rows(const _Float16 *w, const float *x, float *y, int64_t out, int64_t in, int64_t B, int nt) {
+    f16_rows(w, x, in, y, out, out, in, B, nt);
 }
 #endif
 

@@ -26,6 +26,9 @@ void kv_matvec_f32(const float *w, const float *x, float *y, int64_t out, int64_
 void kv_matvec_bf16(const uint16_t *w, const uint16_t *x, uint16_t *y, int64_t out, int64_t in, int nt);
 void kv_matvec_f32_rows(const float *w, const float *x, int64_t xs, float *y, int64_t ys, int64_t out, int64_t in,
                         int64_t B, int nt); /* x [B, in] (rows xs apart) -> y [B, out] (ys apart), each as f32 */
+/* x [B, in] float32 (and xh, the bfloat16 rows xhs apart) -> y [B, out] float32 unrounded, each row as one row's */
+void kv_matvec_bf16_rows(const uint16_t *w, const uint16_t *xh, int64_t xhs, const float *x, float *y, int64_t out,
+                         int64_t in, int64_t B, int nt);
 float kv_read_stream(const float *x, int64_t n, int nt); /* the sum of x [n]: the bench's read roofline */
 
 /* quant_products.c: y [out] = W x with float32 activations; W = s·q (+ m) back as float32 rows [out, in];
@@ -187,6 +190,7 @@ void kv_linear_rows_bf16(const kv_linear *l, int64_t B, const uint16_t *x, uint1
 
 #ifdef __FLT16_MAX__ /* float16 where the compiler has _Float16 */
 void kv_matvec_f16(const _Float16 *w, const _Float16 *x, _Float16 *y, int64_t out, int64_t in, int nt);
+void kv_matvec_f16_rows(const _Float16 *w, const float *x, float *y, int64_t out, int64_t in, int64_t B, int nt);
 void kv_rmsnorm_f16(const _Float16 *x, const _Float16 *w, _Float16 *y, int64_t n, float eps);
 void kv_attend_f16(const _Float16 *qkv, const _Float16 *cs, const _Float16 *sn, const _Float16 *qn,
                    const _Float16 *kn, float eps, _Float16 *kc, _Float16 *vc, int64_t cap, int64_t pos, int64_t lo,
