@@ -242,9 +242,10 @@ def codes_agree(k, mode, stored, codes, scales, x, group, mins, activations="flo
 
 def rows_agree(k) -> bool:
     """The products of several rows at once (engine.batching's decode steps) against each row's one-row product,
-    bit for bit (a request's tokens must not depend on its batch-mates): float weights (32- and 16-bit), int8 codes (groups of
-    32, longer groups, offsets), int4 tiles, and int8 tiles where they run, with float32 activations and with int8
-    ones where the library's integer products serve them, on awkward sizes and 1 to 9 rows (past a pass of 8)."""
+    bit for bit (a request's tokens must not depend on its batch-mates): float weights (32- and 16-bit), int8
+    codes (groups of 32, longer groups, offsets), int4 tiles, and int8 tiles where they run, with float32
+    activations and with int8 ones where the library's integer products serve them, on awkward sizes and 1 to 9
+    rows (past a pass of 8)."""
     g = torch.Generator().manual_seed(2)
     activations = ("float32", "int8") if "int8" in k.integer_modes else ("float32",)
     tile_activations = ("float32", "int8") if k.int4_integer_tiles else ("float32",)
