@@ -249,7 +249,7 @@ class Adaptive:
     no cheaper, nothing is drafted for a while (plain steps: PROBE_EVERY rounds, twice as long after each probe that
     fails, up to MAX_IDLE), then k tries again from two; well cheaper, k grows back to what was asked. So text where
     drafts fail costs about what the model alone costs. The first round drafts FIRST_REACH at most: where a
-    verify's rows are dear (a bfloat16 target's, each row its own products; a 4-bit file's) a long first round
+    verify's rows are dear (a 4-bit file's on float32 activations: each row its own FMAs) a long first round
     that misses costs several plain steps. A sampled reply with a seed keeps k (`fixed`): its random draws, drafts'
     and accept tests', then come in one order whatever the machine's timings, and the seed gives the same reply."""
 
