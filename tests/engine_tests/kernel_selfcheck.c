@@ -229,13 +229,35 @@ static void batch_rows(void) {
     fill(w, OUT * IN, 1.0f);
     fill(x, 3 * IN, 1.0f);
     for (int i = 0; i < OUT * IN; i++) q8[i] = (int8_t)rnd_byte();
-    float differ[5] = {0};
+    float differ[7] = {0};
     kv_matvec_f32_rows(w, x, 100, y, OUT, OUT, 100, 3, 1);
     for (int b = 0; b < 3; b++) {
         kv_matvec_f32(w, x + b * 100, one, OUT, 100, 1);
         for (int o = 0; o < OUT; o++) differ[0] += one[o] != y[b * OUT + o];
     }
     show("matvec_f32_rows", y, 3 * OUT);
+    /* 16-bit weights: rows of 100 inputs (a tail past every vector step), each row rounded as the one-row product */
+    static uint16_t wb[OUT * 100], xb[3 * 100], yb[OUT];
+    static float xw[3 * 100];
+    for (int i = 0; i < OUT * 100; i++) wb[i] = to_bf16(w[i]);
+    for (int i = 0; i < 3 * 100; i++) xw[i] = from_bf16(xb[i] = to_bf16(x[i]));
+    kv_matvec_bf16_rows(wb, xb, 100, xw, y, OUT, 100, 3, 1);
+    for (int b = 0; b < 3; b++) {
+        kv_matvec_bf16(wb, xb + b * 100, yb, OUT, 100, 1);
+        for (int o = 0; o < OUT; o++) differ[5] += yb[o] != to_bf16(y[b * OUT + o]);
+    }
+    show("matvec_bf16_rows", y, 3 * OUT);
+#ifdef __FLT16_MAX__
+    static _Float16 wh[OUT * 100], xh[3 * 100], yh[OUT];
+    for (int i = 0; i < OUT * 100; i++) wh[i] = (_Float16)w[i];
+    for (int i = 0; i < 3 * 100; i++) xw[i] = (float)(xh[i] = (_Float16)x[i]);
+    kv_matvec_f16_rows(wh, xw, y, OUT, 100, 3, 1);
+    for (int b = 0; b < 3; b++) {
+        kv_matvec_f16(wh, xh + b * 100, yh, OUT, 100, 1);
+        for (int o = 0; o < OUT; o++) differ[6] += yh[o] != (_Float16)y[b * OUT + o];
+    }
+    show("matvec_f16_rows", y, 3 * OUT);
+#endif
     for (int k = 0; k < 4; k++) { /* groups of 32 and 64, with and without offsets */
         int64_t g = k & 1 ? 64 : 32;
         const float *mm = k & 2 ? m : NULL;
@@ -248,7 +270,7 @@ static void batch_rows(void) {
         }
     }
     show("matvec_q8_rows", y, 3 * OUT);
-    show("rows_differ", differ, 5);
+    show("rows_differ", differ, 7);
 }
 
 int main(void) {
