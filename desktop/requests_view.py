@@ -309,8 +309,10 @@ class RequestsView(QWidget):
         if running:
             held = f" in {allocated // pool['block_bytes']:,} blocks of the pool" if pool and live else " allocated"
             once = f" ({shared:,} positions shared, held once)" if shared else ""
+            # in flight: on a lane of the engine's (the formula's terms) or waiting for one; a reply the engine has
+            # finished while its last tokens are still on their way to the window is neither
             self.summary.setText(
-                f"{len(running)} in flight ({waiting} waiting for a lane) · decode batch {batch or DASH} · "
+                f"{len(live) + waiting} in flight ({waiting} waiting for a lane) · decode batch {batch or DASH} · "
                 f"KV {fmt_size(payload)} payload{once}, {fmt_size(allocated)}{held}"
             )
         else:

@@ -1,9 +1,10 @@
 """The CPU decode step on kvchat's kernels: norms, attention and a whole step's blocks in C.
 
 Swapped in by `use_kernels` once a model is loaded: RMSNorm and Attention become their kernel
-variants for one row (same parameters, another forward), and where every block linear has a
-kernel layout, a decode step's blocks run in one C call (`DecodeLayers`) with nothing crossing
-into Python between layers.
+variants (same parameters, another forward) — the norm for a decode step's row and a prompt's rows, attention
+for one row — and a SwiGLU MLP's prompt rows take silu(gate) · up in one kernel pass; where every block linear
+has a kernel layout, a decode step's blocks run in one C call (`DecodeLayers`) with nothing crossing into Python
+between layers.
 """
 
 from __future__ import annotations
@@ -13,20 +14,40 @@ import ctypes
 
 import torch
 
-from ..feedforward import MoE
+from ..feedforward import ACT, MLP, MoE
 from ..model import Attention, RMSNorm
 from .cpu_layouts import kernel_head
 from .kernel_binding import check_slots
 
 
 class KernelRMSNorm(RMSNorm):
-    """RMSNorm whose one-row case (decode) runs the kernel, rounded as RMSNorm rounds."""
+    """RMSNorm on the kernel, rounded as RMSNorm rounds: a decode step's row, and a prompt's rows (in one pass a
+    row, where torch's norm was six passes over them)."""
+
+    kernels = None
+    folded: torch.Tensor | None = None  # an offset norm's 1 + w in float32 (a GGUF file holds it so), or None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.offset:  # (1 + w) · x / rms(x) in float32, as a GGUF file's folded weight gives it
+            if x.dtype != torch.float32:
+                return super().forward(x)
+            if self.folded is None:
+                self.folded = (self.weight.detach().float() + self.offset).contiguous()
+            return self.kernels.rms_norm(x, self.folded, self.eps)
+        if x.dtype in self.kernels.dtypes and self.weight.dtype == x.dtype:
+            return self.kernels.rms_norm(x, self.weight, self.eps)
+        return super().forward(x)
+
+
+class KernelMLP(MLP):
+    """A SwiGLU MLP whose rows in float32 take silu(gate) · up in one kernel pass a row, as the one-call decode step
+    computes it: a prompt's rows, and a step or a verify on the module path, agree with that step's."""
 
     kernels = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == x.shape[-1]:
-            return self.kernels.rms_norm(x, self.weight, self.eps)
+    def forward(self, x):
+        if self.limit is None and x.dtype == torch.float32:
+            return self.down(self.kernels.silu_mul(self.gate_up(x)))  # [..., 2F] -> [..., F] -> [..., D]
         return super().forward(x)
 
 
@@ -86,8 +107,10 @@ def use_kernels(model, kernels, identity: str | None = None) -> None:
     `identity`: what identifies the weights (their files' names, sizes, times and headers), under which an
     earlier process's passed check is taken (_passed)."""
     for m in list(model.modules()):
-        if isinstance(m, RMSNorm) and not m.offset:
+        if isinstance(m, RMSNorm):
             _swap(m, KernelRMSNorm, kernels)
+        elif type(m) is MLP and m.act is ACT["silu"]:
+            _swap(m, KernelMLP, kernels)
         elif isinstance(m, Attention) and kernel_attends(m, model.cfg):
             _swap(m, KernelAttention, kernels)
             m.sinks_f32 = None if m.sinks is None else m.sinks.detach().float().contiguous()

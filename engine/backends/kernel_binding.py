@@ -55,12 +55,13 @@ class Kernels:
         self.isa = self.lib.kv_isa().decode()
         self.int_isa = self.lib.kv_int_isa().decode()  # what runs the integer products
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-        self._float, self._norm, self._attend = {}, {}, {}
+        self._float, self._norm, self._norm_rows, self._attend = {}, {}, {}, {}
         for dtype, suffix in SUFFIX.items():
             if not hasattr(self.lib, "kv_matvec_" + suffix):  # float16 needs the compiler's _Float16
                 continue
             self._float[dtype] = self._declare("kv_matvec_" + suffix, [p, p, p, i64, i64, i32])
             self._norm[dtype] = self._declare("kv_rmsnorm_" + suffix, [p, p, p, i64, f32])
+            self._norm_rows[dtype] = self._declare("kv_rmsnorm_rows_" + suffix, [p, p, p, i64, i64, f32, i32])
             self._attend[dtype] = self._declare(
                 "kv_attend_" + suffix, [p] * 5 + [f32, p, p] + [i64] * 3 + [p] + [i64] * 3 + [f32, p, p, i32]
             )
@@ -111,6 +112,7 @@ class Kernels:
         self.tile_gemm = False  # whether prefill's products read int4 tiles directly (gemm_tiles; checked)
         self._tiled_q8_dequant = self._declare("kv_dequant_q8t", [p, p, p, p, i64, i64, i64, i32])
         self._silu = self._declare("kv_silu_f32", [p, p, i64])
+        self._silu_mul = self._declare("kv_silu_mul_rows_f32", [p, p, i64, i64, i32])
         self._gguf_rows = self._declare("kv_gguf_rows", [p, i64, i64, i64, p, i64, i64, i64, i64, p, p, p, i32])
         self._read_stream = self._declare("kv_read_stream", [p, i64, i32])
         self._read_stream.restype = ctypes.c_float
@@ -357,10 +359,15 @@ class Kernels:
         return w
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """One row x [..., n] -> RMSNorm(x) · weight, rounded as engine.model.RMSNorm rounds."""
+        """x [..., n] -> RMSNorm(x) · weight, rounded as engine.model.RMSNorm rounds, each row as the decode
+        step's one-row norm gives it (a prompt's rows over the threads)."""
         x = x.contiguous()
         y = torch.empty_like(x)
-        self._norm[x.dtype](*self.memory(x, weight, y), x.numel(), eps)
+        n = x.shape[-1]
+        if x.numel() == n:  # a decode step's row: no parallel region to open
+            self._norm[x.dtype](*self.memory(x, weight, y), n, eps)
+        else:
+            self._norm_rows[x.dtype](*self.memory(x, weight, y), x.numel() // n, n, eps, torch.get_num_threads())
         return y
 
     def attend(
@@ -398,6 +405,14 @@ class Kernels:
             qkv, cos, sin, qn, kn, eps, kc, vc, cap, pos, lo, tb, heads, h_kv, d, d**-0.5, sk, out,
             torch.get_num_threads(),
         )  # fmt: skip
+        return y
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """float32 gate_up [..., 2F] (each row gate | up) -> silu(gate) · up [..., F]: a prompt's SwiGLU."""
+        gate_up = gate_up.contiguous()
+        f = gate_up.shape[-1] // 2
+        y = torch.empty(*gate_up.shape[:-1], f, dtype=torch.float32)
+        self._silu_mul(*self.memory(gate_up, y), gate_up.numel() // (2 * f), f, torch.get_num_threads())
         return y
 
     def silu(self, x: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,7 @@ def _reply(session, prompt: str, new_tokens: int, kind: str | None, k: int):
 
     req = Request(messages=[{"role": "user", "content": prompt}], max_new_tokens=new_tokens, speculative=kind,
                   draft_tokens=k)  # fmt: skip
+    session.reset()  # every reply prefills its prompt alike: the model alone and each draft start from the same logits
     events = list(session.generate(req))
     last = events[-1]
     if isinstance(last, Failed):

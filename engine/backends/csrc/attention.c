@@ -10,9 +10,9 @@
  * round, then scale. */
 #define RMSNORM(NAME, T, TO_F32, FROM_F32, ROUND)                                                  \
     void NAME(const T *x, const T *w, T *y, int64_t n, float eps) {                                 \
-        float ss = 0;                                                                               \
-        for (int64_t i = 0; i < n; i++) ss += TO_F32(x[i]) * TO_F32(x[i]);                          \
-        float r = 1.0f / sqrtf(ss / (float)n + eps);                                                \
+        double ss = 0; /* the squares summed in double: a float32 running sum drifts ~n ulps from torch's */ \
+        for (int64_t i = 0; i < n; i++) ss += (double)TO_F32(x[i]) * TO_F32(x[i]);                  \
+        float r = 1.0f / sqrtf((float)(ss / (double)n) + eps);                                      \
         for (int64_t i = 0; i < n; i++) y[i] = FROM_F32(TO_F32(w[i]) * ROUND(TO_F32(x[i]) * r));    \
     }
 
@@ -85,12 +85,22 @@
     }
 RMSNORM(kv_rmsnorm_f32, float, f32_id, F32_TO, f32_id)
 RMSNORM(kv_rmsnorm_bf16, uint16_t, bf16_to_f32, BF16_TO, round_bf16)
+/* `rows` rows of n (a prompt's positions, contiguous), each as the one-row norm computes it, rows over threads:
+ * a prompt's norms were six of torch's passes over the rows (square, mean, add, rsqrt, two products) */
+#define RMSNORM_ROWS(NAME, ONE, T)                                                                  \
+    void NAME(const T *x, const T *w, T *y, int64_t rows, int64_t n, float eps, int nt) {          \
+        _Pragma("omp parallel for num_threads(nt) schedule(static)") for (int64_t r = 0; r < rows; r++) \
+            ONE(x + r * n, w, y + r * n, n, eps);                                                   \
+    }
+RMSNORM_ROWS(kv_rmsnorm_rows_f32, kv_rmsnorm_f32, float)
+RMSNORM_ROWS(kv_rmsnorm_rows_bf16, kv_rmsnorm_bf16, uint16_t)
 ROTATE(rotate_f32, float, f32_id, F32_TO, f32_id)
 ROTATE(rotate_bf16, uint16_t, bf16_to_f32, BF16_TO, round_bf16)
 ATTEND(kv_attend_f32, rotate_f32, dot_f32, axpy_f32, float, f32_id, F32_TO, f32_id)
 ATTEND(kv_attend_bf16, rotate_bf16, dot_bf16, axpy_bf16, uint16_t, bf16_to_f32, BF16_TO, round_bf16)
 #ifdef __FLT16_MAX__
 RMSNORM(kv_rmsnorm_f16, _Float16, f16_to_f32, F16_TO, round_f16)
+RMSNORM_ROWS(kv_rmsnorm_rows_f16, kv_rmsnorm_f16, _Float16)
 ROTATE(rotate_f16, _Float16, f16_to_f32, F16_TO, round_f16)
 ATTEND(kv_attend_f16, rotate_f16, dot_f16, axpy_f16, _Float16, f16_to_f32, F16_TO, round_f16)
 #endif

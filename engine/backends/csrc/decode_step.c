@@ -9,6 +9,18 @@
 /* silu(g) = g / (1 + e^-g) over n float32 values, in place allowed: the gate of every decode step's MLP. */
 void kv_silu_f32(const float *g, float *y, int64_t n) { silu_f32(g, y, n); }
 
+/* y [rows, F] = silu(gate) · up for gu [rows, 2F] (each row gate | up, the gate_up product's layout): a prompt's
+ * SwiGLU in one pass a row, where torch took a pass for silu over a strided view and another for the product. */
+void kv_silu_mul_rows_f32(const float *gu, float *y, int64_t rows, int64_t F, int nt) {
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gu + r * 2 * F, *u = g + F;
+        float *yr = y + r * F;
+        silu_f32(g, yr, F);
+        for (int64_t i = 0; i < F; i++) yr[i] *= u[i];
+    }
+}
+
 /* The product for a linear layer's codes: [mode][int8 activations][tiles] (int4's; int8's with int8 activations). */
 typedef void (*kv_product)(const void *, const float *, const float *, const float *, float *, int64_t, int64_t,
                            int64_t, int);

@@ -111,6 +111,10 @@ enum { KV_BLOCK = 16 };
  * position j in slot KV_SLOT(tb, j); y [H d] out) */
 void kv_rmsnorm_f32(const float *x, const float *w, float *y, int64_t n, float eps);
 void kv_rmsnorm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t n, float eps);
+/* rows x [rows, n] -> y [rows, n], each row as the one-row norm gives it */
+void kv_rmsnorm_rows_f32(const float *x, const float *w, float *y, int64_t rows, int64_t n, float eps, int nt);
+void kv_rmsnorm_rows_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t rows, int64_t n, float eps,
+                          int nt);
 void kv_attend_f32(const float *qkv, const float *cs, const float *sn, const float *qn, const float *kn, float eps,
                    float *kc, float *vc, int64_t cap, int64_t pos, int64_t lo, const int32_t *tb, int64_t H,
                    int64_t Hkv, int64_t d, float scale, const float *sinks, float *y, int nt);
@@ -155,6 +159,7 @@ typedef struct {
 enum { KV_MAX_EXPERTS = 512, KV_MAX_TOP_K = 64 }; /* what the one-call step routes (more: the module path) */
 
 void kv_silu_f32(const float *g, float *y, int64_t n);
+void kv_silu_mul_rows_f32(const float *gu, float *y, int64_t rows, int64_t F, int nt); /* silu(gate) · up a row */
 
 /* x [D] is the residual stream, updated in place through n_layers blocks at position `pos` (in slot
  * KV_SLOT(tb, pos) of each layer's cache); cs, sn [d] the rotation's row for pos; h, qkv, att, t, gu and fx, fy
@@ -192,6 +197,8 @@ void kv_linear_rows_bf16(const kv_linear *l, int64_t B, const uint16_t *x, uint1
 void kv_matvec_f16(const _Float16 *w, const _Float16 *x, _Float16 *y, int64_t out, int64_t in, int nt);
 void kv_matvec_f16_rows(const _Float16 *w, const float *x, float *y, int64_t out, int64_t in, int64_t B, int nt);
 void kv_rmsnorm_f16(const _Float16 *x, const _Float16 *w, _Float16 *y, int64_t n, float eps);
+void kv_rmsnorm_rows_f16(const _Float16 *x, const _Float16 *w, _Float16 *y, int64_t rows, int64_t n, float eps,
+                         int nt);
 void kv_attend_f16(const _Float16 *qkv, const _Float16 *cs, const _Float16 *sn, const _Float16 *qn,
                    const _Float16 *kn, float eps, _Float16 *kc, _Float16 *vc, int64_t cap, int64_t pos, int64_t lo,
                    const int32_t *tb, int64_t H, int64_t Hkv, int64_t d, float scale, const float *sinks,
