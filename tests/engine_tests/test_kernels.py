@@ -144,6 +144,38 @@ def test_rms_norm_rounds_as_the_module_does(dtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype,offset", [(torch.float32, 0.0), (torch.bfloat16, 0.0), (torch.float32, 1.0)])
+def test_a_prompts_norms_and_swiglu_are_each_rows_decode_arithmetic(dtype, offset):
+    """A prompt's rows through the kernel norm (an offset norm's 1 + w too) and the kernel SwiGLU: each row the same
+    bits as that row alone (a decode step's), and within float rounding of torch's norm, SiLU and MLP."""
+    from engine.backends.decode_step import KernelMLP
+    from engine.config import config_from_dict
+    from engine.feedforward import MLP
+
+    g = torch.Generator().manual_seed(3)
+    norm = RMSNorm(576, 1e-5, offset).to(dtype)
+    norm.weight.data = (torch.rand(576, generator=g) + 0.5 - offset).to(dtype)
+    x = (torch.randn(1, 37, 576, generator=g) * 3).to(dtype)  # 37 positions
+    want = norm(x)
+    norm.__class__, norm.kernels = KernelRMSNorm, K
+    got = norm(x)
+    assert got.dtype == dtype and torch.equal(torch.cat([norm(x[:, t : t + 1]) for t in range(37)], 1), got)
+    close(got, want, 1e-6 if dtype == torch.float32 else 1e-2)
+    sizes = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=1, num_attention_heads=4, vocab_size=32)
+    cfg = config_from_dict(dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", **sizes))
+    mlp = MLP(cfg)
+    h = torch.randn(1, 37, 64, generator=g) * 4
+    with torch.no_grad():
+        want = mlp(h)
+        mlp.__class__, mlp.kernels = KernelMLP, K
+        close(mlp(h), want, 1e-5)
+        gate_up = mlp.gate_up(h)  # [1, 37, 2F]: silu(gate) · up a row, each row's bits alone
+        rows = K.silu_mul(gate_up)
+        assert torch.equal(torch.cat([K.silu_mul(gate_up[:, t : t + 1]) for t in range(37)], 1), rows)
+        close(rows, F.silu(gate_up[..., :160]) * gate_up[..., 160:], 1e-6)
+
+
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family,extra", [("llama", {}), ("qwen3", {}), ("mistral", {"sliding_window": 8})])
 def test_attention_step_equals_the_torch_step(tmp_path, dtype, family, extra):
