@@ -192,24 +192,37 @@ static int float_rows_f32(const kv_linear *l, int64_t B, const float *x, int64_t
             for (int64_t i = 0; i < l->out; i++) y[b * ys + i] = y[b * ys + i] + ((const float *)l->bias)[i];
     return 1;
 }
-#define FLOAT_ROWS_HALF(SUF, T, TO_F32, FROM_F32, PRODUCT)                                                        \
-    static int float_rows_##SUF(const kv_linear *l, int64_t B, const T *x, int64_t xs, T *y, int64_t ys,          \
-                                float *fx, float *fy, int nt) {                                                   \
+/* B rows of x (xs apart) widened to float32 into fx [B, in]; the products' fy [B, out] rounded into y (ys apart) and
+ * the bias added, as linear_ does for one row: what every product of several rows on float32 buffers is wrapped in */
+#define WIDE_ROWS(SUF, T, TO_F32, FROM_F32)                                                                       \
+    static void widen_rows_##SUF(const kv_linear *l, int64_t B, const T *x, int64_t xs, float *fx) {             \
         for (int64_t b = 0; b < B; b++)                                                                           \
             for (int64_t i = 0; i < l->in; i++) fx[b * l->in + i] = TO_F32(x[b * xs + i]);                       \
-        PRODUCT;                                                                                                  \
+    }                                                                                                             \
+    static void narrow_rows_##SUF(const kv_linear *l, int64_t B, const float *fy, T *y, int64_t ys) {            \
         for (int64_t b = 0; b < B; b++) {                                                                         \
             T *yb = y + b * ys;                                                                                   \
             for (int64_t i = 0; i < l->out; i++) yb[i] = FROM_F32(fy[b * l->out + i]);                            \
             if (l->bias)                                                                                          \
                 for (int64_t i = 0; i < l->out; i++) yb[i] = FROM_F32(TO_F32(yb[i]) + TO_F32(((const T *)l->bias)[i])); \
         }                                                                                                         \
+    }
+WIDE_ROWS(f32, float, f32_id, F32_TO)
+WIDE_ROWS(bf16, uint16_t, bf16_to_f32, BF16_TO)
+#ifdef __FLT16_MAX__
+WIDE_ROWS(f16, _Float16, f16_to_f32, F16_TO)
+#endif
+#define FLOAT_ROWS_HALF(SUF, T, PRODUCT)                                                                          \
+    static int float_rows_##SUF(const kv_linear *l, int64_t B, const T *x, int64_t xs, T *y, int64_t ys,          \
+                                float *fx, float *fy, int nt) {                                                   \
+        widen_rows_##SUF(l, B, x, xs, fx);                                                                        \
+        PRODUCT;                                                                                                  \
+        narrow_rows_##SUF(l, B, fy, y, ys);                                                                       \
         return 1;                                                                                                 \
     }
-FLOAT_ROWS_HALF(bf16, uint16_t, bf16_to_f32, BF16_TO,
-                kv_matvec_bf16_rows((const uint16_t *)l->w, x, xs, fx, fy, l->out, l->in, B, nt))
+FLOAT_ROWS_HALF(bf16, uint16_t, kv_matvec_bf16_rows((const uint16_t *)l->w, x, xs, fx, fy, l->out, l->in, B, nt))
 #ifdef __FLT16_MAX__
-FLOAT_ROWS_HALF(f16, _Float16, f16_to_f32, F16_TO, kv_matvec_f16_rows((const _Float16 *)l->w, fx, fy, l->out, l->in, B, nt))
+FLOAT_ROWS_HALF(f16, _Float16, kv_matvec_f16_rows((const _Float16 *)l->w, fx, fy, l->out, l->in, B, nt))
 #endif
 
 /* The products of several rows that share each weight's load among them */
@@ -225,20 +238,13 @@ typedef void (*kv_rows_product)(const void *, const float *, const float *, cons
     /* y [B, out] (rows ys apart) = W x for x [B, in] (rows xs apart), a chunk of W's rows for all B at a time */ \
     static void rows_##SUF(const kv_linear *l, int64_t B, const T *x, int64_t xs, T *y, int64_t ys, float *fx,    \
                            float *fy, int nt) {                                                                   \
-        if (B > 1 && l->mode == KV_FLOAT && float_rows_##SUF(l, B, x, xs, y, ys, fx, fy, nt)) return;                     \
+        if (B > 1 && l->mode == KV_FLOAT && float_rows_##SUF(l, B, x, xs, y, ys, fx, fy, nt)) return;            \
         const int tiled = l->mode == KV_INT4 && l->tiles, q8 = l->mode == KV_INT8;                               \
         if (B > 1 && (tiled || q8)) { /* products that take the B rows at once */                               \
-            for (int64_t b = 0; b < B; b++)                                                                       \
-                for (int64_t i = 0; i < l->in; i++) fx[b * l->in + i] = TO_F32(x[b * xs + i]);                   \
+            widen_rows_##SUF(l, B, x, xs, fx);                                                                    \
             (l->act ? (tiled ? ROWS_Q4TX : l->tiles ? ROWS_Q8TX : ROWS_Q8X) : (tiled ? ROWS_Q4T : ROWS_Q8))(       \
                 l->w, l->scales, l->mins, fx, fy, l->out, l->in, l->group, B, nt);                                \
-            for (int64_t b = 0; b < B; b++) { /* rounded, and the bias added, as linear_ does for one row */     \
-                T *yb = y + b * ys;                                                                               \
-                for (int64_t i = 0; i < l->out; i++) yb[i] = FROM_F32(fy[b * l->out + i]);                        \
-                if (l->bias)                                                                                      \
-                    for (int64_t i = 0; i < l->out; i++)                                                          \
-                        yb[i] = FROM_F32(TO_F32(yb[i]) + TO_F32(((const T *)l->bias)[i]));                        \
-            }                                                                                                     \
+            narrow_rows_##SUF(l, B, fy, y, ys);                                                                   \
             return;                                                                                               \
         }                                                                                                         \
         const int64_t R = chunk_rows(l, (int64_t)sizeof(T), nt);                                                 \

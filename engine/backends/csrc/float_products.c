@@ -40,29 +40,32 @@ void kv_matvec_f32(const float *w, const float *x, float *y, int64_t out, int64_
 #else
 #define FLOAT_ROWS_SIMD(LOADW, NB)
 #endif
+/* y [B, out] (rows ys apart) = row o of W [out, in] for every row of x, rows of W over the threads and four rows of x
+ * a call: FN##nb(args...) fills a[0..nb) for W's row r and x's rows from b0 (the enclosing function's w, y, ys, out,
+ * in, B and nt) */
+#define FOUR_ROWS_A_CALL(WT, FN, ...)                                                                             \
+    _Pragma("omp parallel for num_threads(nt) schedule(static)") for (int64_t o = 0; o < out; o++) {             \
+        const WT *r = w + o * in;                                                                                \
+        for (int64_t b0 = 0; b0 < B; b0 += 4) {                                                                  \
+            float a[4];                                                                                          \
+            int64_t nb = B - b0 < 4 ? B - b0 : 4;                                                                \
+            switch (nb) {                                                                                        \
+            case 1: FN##1(__VA_ARGS__); break;                                                                   \
+            case 2: FN##2(__VA_ARGS__); break;                                                                   \
+            case 3: FN##3(__VA_ARGS__); break;                                                                   \
+            default: FN##4(__VA_ARGS__);                                                                         \
+            }                                                                                                    \
+            for (int64_t b = 0; b < nb; b++) y[(b0 + b) * ys + o] = a[b];                                        \
+        }                                                                                                        \
+    }
 #define FLOAT_ROWS_1_TO_4(NAME, WT, LOADW, SCALARW)                                                              \
     FLOAT_ROWS(NAME, WT, LOADW, SCALARW, 1)                                                                      \
     FLOAT_ROWS(NAME, WT, LOADW, SCALARW, 2)                                                                      \
     FLOAT_ROWS(NAME, WT, LOADW, SCALARW, 3)                                                                      \
     FLOAT_ROWS(NAME, WT, LOADW, SCALARW, 4)                                                                      \
-    /* y [B, out] rows ys apart: row o of W for every row of x, four at a time */                              \
     static void NAME(const WT *w, const float *x, int64_t xs, float *y, int64_t ys, int64_t out, int64_t in,     \
                      int64_t B, int nt) {                                                                        \
-        _Pragma("omp parallel for num_threads(nt) schedule(static)") for (int64_t o = 0; o < out; o++) {         \
-            const WT *r = w + o * in;                                                                            \
-            for (int64_t b0 = 0; b0 < B; b0 += 4) {                                                              \
-                float a[4];                                                                                      \
-                int64_t nb = B - b0 < 4 ? B - b0 : 4;                                                            \
-                const float *xb = x + b0 * xs;                                                                   \
-                switch (nb) {                                                                                    \
-                case 1: NAME##1(r, xb, xs, a, in); break;                                                        \
-                case 2: NAME##2(r, xb, xs, a, in); break;                                                        \
-                case 3: NAME##3(r, xb, xs, a, in); break;                                                        \
-                default: NAME##4(r, xb, xs, a, in);                                                              \
-                }                                                                                                \
-                for (int64_t b = 0; b < nb; b++) y[(b0 + b) * ys + o] = a[b];                                    \
-            }                                                                                                    \
-        }                                                                                                        \
+        FOUR_ROWS_A_CALL(WT, NAME, r, x + b0 * xs, xs, a, in)                                                    \
     }
 FLOAT_ROWS_1_TO_4(f32_rows, float, vload, AS_FLOAT)
 
@@ -132,23 +135,8 @@ FLOAT_ROWS_1_TO_4(bf16_rows, uint16_t, vload_bf16, bf16_to_f32)
 void kv_matvec_bf16_rows(const uint16_t *w, const uint16_t *xh, int64_t xhs, const float *x, float *y, int64_t out,
                          int64_t in, int64_t B, int nt) {
 #if KV_LANES == 16 && defined(__AVX512BF16__)
-#pragma omp parallel for num_threads(nt) schedule(static)
-    for (int64_t o = 0; o < out; o++) {
-        const uint16_t *r = w + o * in;
-        for (int64_t b0 = 0; b0 < B; b0 += 4) {
-            float a[4];
-            int64_t nb = B - b0 < 4 ? B - b0 : 4;
-            const uint16_t *hb = xh + b0 * xhs;
-            const float *xb = x + b0 * in;
-            switch (nb) {
-            case 1: bf16_pairs1(r, hb, xhs, xb, in, a, in); break;
-            case 2: bf16_pairs2(r, hb, xhs, xb, in, a, in); break;
-            case 3: bf16_pairs3(r, hb, xhs, xb, in, a, in); break;
-            default: bf16_pairs4(r, hb, xhs, xb, in, a, in);
-            }
-            for (int64_t b = 0; b < nb; b++) y[(b0 + b) * out + o] = a[b];
-        }
-    }
+    const int64_t ys = out;
+    FOUR_ROWS_A_CALL(uint16_t, bf16_pairs, r, xh + b0 * xhs, xhs, x + b0 * in, in, a, in)
 #else
     (void)xh, (void)xhs;
     bf16_rows(w, x, in, y, out, out, in, B, nt);
