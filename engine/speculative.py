@@ -11,7 +11,9 @@ distribution. Rejected positions are rolled back in both caches before anything 
 
 from __future__ import annotations
 
+import array
 import dataclasses
+import math
 import statistics
 import threading
 import time
@@ -31,12 +33,13 @@ from .sampling import greedy_pick, sampling_logits
 KINDS = ("int4", "lookup")  # besides a path to a draft model with the target's tokenizer
 DEFAULT_TOKENS = 4  # tokens drafted a round
 MAX_TOKENS = 16
-LOOKUP_NGRAM = (3, 2)  # the n-gram lengths prompt lookup tries, longest first (a single token matches too much)
+LOOKUP_MIN, LOOKUP_MAX = 2, 16  # prompt lookup's match: at least two tokens (one matches too much), weighed up to 16
 ADAPT_WINDOW = 8  # drafting rounds the adaptive k weighs
 FIRST_REACH = 2  # tokens the first drafting round drafts at most (then twice as many after each round taken whole)
 SPAN = (9, 64)  # a catch-up of this many positions goes as rows of the batched decode step (see _consume)
 PROBE_EVERY = 16  # plain rounds after drafting stopped paying, before it tries again (doubling, to MAX_IDLE)
 MAX_IDLE = 256
+CHEAPEST_DRAFT = 0.01  # a draft's cost, as a share of a plain step, below which timing noise is all there is
 CHUNK = 256  # positions a draft model consumes in one pass (its prefill's, a prompt's chunks)
 # The int4 draft's own precision (the target's never changes): a scale per 32 weights, top-1 agreement with the full
 # weights 72% against 66% at the default 64, and int8 activations where the kernels have them (the same agreement; at
@@ -81,24 +84,18 @@ class Draft:
 
 
 class LookupDrafter:
-    """Prompt lookup: the tokens that followed the last earlier occurrence of the context's final n-gram (n = 3 or
-    2, the longest that occurs), copied as the draft. Costs nothing where nothing matches."""
+    """Prompt lookup: the tokens that followed the earlier occurrence of the context's end that matches it longest
+    (at least LOOKUP_MIN tokens, weighed up to LOOKUP_MAX; the most recent of equals), copied as the draft. Where a
+    passage occurs twice — a prompt's code and the model's half-rewritten copy of it — the longer match picks the
+    one the reply is following. Costs nothing where nothing matches."""
 
     name = "lookup"
     label = "n-gram lookup in the conversation"
 
     def propose(self, context: list[int], k: int, params, generator) -> Draft:
-        n_ctx = len(context)
-        for n in LOOKUP_NGRAM:
-            if n_ctx <= n:
-                continue
-            tail = context[-n:]
-            for start in range(n_ctx - n - 1, -1, -1):  # the most recent earlier occurrence first
-                if context[start : start + n] == tail:
-                    got = context[start + n : start + n + k]
-                    if got:
-                        return Draft(got, [None] * len(got))
-        return Draft([], [])
+        at = longest_match(context)
+        got = [] if at is None else context[at : at + k]
+        return Draft(got, [None] * len(got))
 
     def prepare(self, ids: list[int]) -> None:
         """Nothing to prepare: the lookup reads the context afresh."""
@@ -210,6 +207,32 @@ def open_drafter(kind: str, target, capacity: int, load: Callable) -> LookupDraf
     return ModelDrafter(draft, Path(kind).name, draft.name, capacity, vocab)
 
 
+def longest_match(context: list[int]) -> int | None:
+    """Where the tokens after the best earlier match of the context's end begin: of the earlier occurrences of its
+    last LOOKUP_MIN tokens (followed by at least one token), the one whose match reaches furthest back (up to
+    LOOKUP_MAX), the most recent of equals; None where its end occurs nowhere earlier."""
+    n = len(context)
+    if n <= LOOKUP_MIN:
+        return None
+    ids = torch.frombuffer(array.array("q", context), dtype=torch.int64)  # [n] (a long context: ~1 ms at 32K)
+    hit = torch.ones(n - LOOKUP_MIN, dtype=torch.bool)  # [n - LOOKUP_MIN]: windows that end before the last token
+    for j in range(LOOKUP_MIN):
+        hit &= ids[j : j + n - LOOKUP_MIN] == context[n - LOOKUP_MIN + j]
+    starts = hit.nonzero().flatten().tolist()
+    best, at = 0, None
+    for start in reversed(starts):  # the most recent first: it keeps a tie
+        m = LOOKUP_MIN
+        while (
+            m < LOOKUP_MAX
+            and start + LOOKUP_MIN - m - 1 >= 0
+            and context[start + LOOKUP_MIN - m - 1] == context[n - m - 1]
+        ):
+            m += 1
+        if m > best:
+            best, at = m, start + LOOKUP_MIN
+    return at
+
+
 def _width(row: torch.Tensor, n: int) -> torch.Tensor:
     """Logits [V'] over the first n tokens: cut, or padded with -inf (tokens the draft cannot propose)."""
     if row.shape[-1] == n:
@@ -250,8 +273,10 @@ class Adaptive:
     fails, up to MAX_IDLE), then k tries again from two; well cheaper, k grows back to what was asked. So text where
     drafts fail costs about what the model alone costs. The first round drafts FIRST_REACH at most: where a
     verify's rows are dear (a 4-bit file's on float32 activations: each row its own FMAs) a long first round
-    that misses costs several plain steps. A sampled reply with a seed keeps k (`fixed`): its random draws, drafts'
-    and accept tests', then come in one order whatever the machine's timings, and the seed gives the same reply."""
+    that misses costs several plain steps. Where they are cheap (lookup's drafts on a float model: a row ~6% of a
+    step) a round drafts on past a miss as far as a draft still pays for itself (`horizon`). A sampled reply with
+    a seed keeps k (`fixed`): its random draws, drafts' and accept tests', then come in one order whatever the
+    machine's timings, and the seed gives the same reply."""
 
     def __init__(self, k: int, fixed: bool = False):
         self.k = self.asked = k
@@ -260,6 +285,7 @@ class Adaptive:
         self.fixed = fixed  # a seeded sampled reply: the same draws in the same order, whatever the timings
         self.steps: list[float] = []  # the recent plain steps' times (ms)
         self.recent: list[tuple[float, int]] = []  # (ms, tokens) of recent drafting rounds
+        self.tried: list[tuple[float, int, int]] = []  # (ms, drafted, accepted) of the last ADAPT_WINDOW of them
         self.idle = 0  # plain rounds left before drafting again
         self.backoff = PROBE_EVERY
 
@@ -271,7 +297,24 @@ class Adaptive:
         if self.idle:
             self.idle -= 1
             return 0
-        return min(self.k, self.reach)
+        return min(self.k, max(self.reach, self.horizon()))
+
+    def horizon(self) -> int:
+        """How many drafts pay whatever the last round did: the last position i at which a^i — the chance that the
+        drafts up to it are all taken, a the recent rounds' share of the drafts tested that were taken — exceeds c,
+        what one more draft costs as a share of a plain step (its draft step and its verify row: the recent rounds'
+        time past a plain step each, over their drafts). 1 until three rounds have run."""
+        if self.target_ms is None or len(self.tried) < 3:
+            return 1
+        drafted = sum(d for _, d, _ in self.tried)
+        taken = sum(t for _, _, t in self.tried)
+        a = taken / (taken + sum(t < d for _, d, t in self.tried))  # a miss ends a round: its drafts after, untested
+        c = max(sum(ms for ms, _, _ in self.tried) / self.target_ms - len(self.tried), 0.0) / drafted
+        if c < CHEAPEST_DRAFT:
+            return self.k if a > 0 else 1
+        if a >= 1 or a <= 0:
+            return self.k if a >= 1 and c < 1 else 1
+        return max(1, math.ceil(math.log(c) / math.log(a)) - 1)
 
     @property
     def target_ms(self) -> float | None:
@@ -287,6 +330,7 @@ class Adaptive:
         if not drafted or self.fixed:
             return
         self.reach = 2 * drafted if tokens > drafted else tokens  # all taken (and the target's own): longer
+        self.tried = [*self.tried[-(ADAPT_WINDOW - 1) :], (ms, drafted, tokens - 1)]
         self.recent = [*self.recent[-(ADAPT_WINDOW - 1) :], (ms, tokens)]
         if self.target_ms is None or len(self.recent) < 3:
             return

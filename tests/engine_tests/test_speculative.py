@@ -159,11 +159,11 @@ def test_sampled_replies_with_drafts_are_the_same_for_the_same_seed(llama_dir, s
 
 
 def test_the_draft_length_follows_what_the_last_round_took_and_halves_where_drafting_does_not_pay():
-    """A plain step first, timed (the least of the recent ones is a step's cost). Then a round drafts one past what
-    the last one took (a rejected first token: one; the first round 2), twice as many after a round taken whole, up
-    to k (a seeded sampled reply: k from the first round); k itself
-    halves — 8, 4, 2, 1, and 3 (grown back) to 2 — while rounds cost a plain step's time a token, then nothing is
-    drafted for a while; rounds well under a plain step grow k back by one."""
+    """A plain step first, timed (the least of the recent ones is a step's cost). Then, where a draft is dear (here
+    0.45 of a step: a 4-bit file's verify row), a round drafts one past what the last one took (a rejected first
+    token: one; the first round 2), twice as many after a round taken whole, up to k (a seeded sampled reply: k from
+    the first round); k itself halves — 8, 4, 2, 1, and 3 (grown back) to 2 — while rounds cost a plain step's time
+    a token, then nothing is drafted for a while; rounds well under a plain step grow k back by one."""
     plan = Adaptive(8)
     assert plan.now() == 0  # the first round is a plain step, timed: what drafting is weighed against
     plan.plain(14.0)  # the first after a prompt, slow
@@ -172,8 +172,10 @@ def test_the_draft_length_follows_what_the_last_round_took_and_halves_where_draf
     seen = []
     for taken in (0, 1, 1, 3, 4):
         seen.append(plan.now())
-        plan.round(seen[-1], min(taken, seen[-1]) + 1, 1.0)  # cheap rounds: k stays 8
-    assert seen == [2, 1, 2, 2, 4] and plan.now() == 8  # the first round 2: 0 taken; 1 of 1, 1 of 2, 2 of 2, 4 of 4
+        plan.round(seen[-1], min(taken, seen[-1]) + 1, 10.0 + 4.5 * seen[-1])
+    # the first round 2: 0 taken; 1 of 1, 1 of 2 (three rounds at 10.5 ms a token: k 8 -> 4), 2 of 2, 4 of 4
+    assert seen == [2, 1, 2, 2, 4] and plan.k == 4 and plan.now() == 4
+    assert plan.horizon() == 3  # 8 of the 10 tested taken: 0.8^3 > 0.45 > 0.8^4
     plan = Adaptive(8)
     plan.plain(10.0), plan.plain(10.0)
     seen = []
@@ -195,11 +197,33 @@ def test_the_draft_length_follows_what_the_last_round_took_and_halves_where_draf
     assert plan.k == 3
 
 
-def test_lookup_copies_what_followed_the_last_match_of_the_context():
+def test_where_a_draft_is_cheap_a_round_drafts_on_past_a_miss_as_far_as_drafts_pay():
+    """Rounds whose drafts cost 0.05 of a step each (lookup's, verified in rows of a float model) and are taken half
+    the time: the i-th draft of a round pays while 0.5^i > 0.05, so after three rounds a round drafts 4 even after
+    a miss; at 0.45 of a step, one past what was taken, as before."""
+    for cost, want in ((0.5, 4), (4.5, 1)):
+        plan = Adaptive(8)
+        plan.plain(10.0)
+        for _ in range(3):
+            assert plan.now() == 2  # one past what the last round took, until three rounds have run
+            plan.round(2, 2, 10.0 + cost * 2)  # the first draft taken, the second missed
+        assert plan.horizon() == want and plan.now() == max(want, 2)
+    plan = Adaptive(8)  # every draft taken, each at a whole step's cost: none pays
+    plan.plain(10.0)
+    for _ in range(3):
+        plan.round(1, 2, 20.0)
+    assert plan.horizon() == 1
+
+
+def test_lookup_copies_what_followed_the_longest_match_of_the_context():
     d = LookupDrafter()
     assert d.propose([1, 2, 3, 4, 5, 1, 2, 3], 3, None, None).tokens == [4, 5, 1]
     assert d.propose([9, 8, 7], 3, None, None).tokens == []
-    assert d.propose([1, 2, 9, 5, 1, 2], 2, None, None).tokens == [9, 5]  # the longest n-gram: [1, 2]
+    assert d.propose([1, 2, 9, 5, 1, 2], 2, None, None).tokens == [9, 5]  # two tokens match
+    assert d.propose([5, 1, 2, 3, 1, 2], 2, None, None).tokens == [3, 1]  # two alike: the most recent
+    # [7, 1, 2] twice, [6, 7, 1, 2] once: the longer match, not the more recent
+    assert d.propose([6, 7, 1, 2, 3, 9, 7, 1, 2, 5, 6, 7, 1, 2], 2, None, None).tokens == [3, 9]
+    assert d.propose([3, 4, 3, 4], 1, None, None).tokens == [3]
 
 
 def test_a_drafting_request_runs_beside_others_on_the_lanes(llama_dir):
