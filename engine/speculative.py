@@ -91,6 +91,7 @@ class LookupDrafter:
 
     name = "lookup"
     label = "n-gram lookup in the conversation"
+    free = True  # drafting costs nothing: a round's drafts cost only their verify rows (Adaptive.horizon)
 
     def propose(self, context: list[int], k: int, params, generator) -> Draft:
         at = longest_match(context)
@@ -110,6 +111,8 @@ class LookupDrafter:
 class ModelDrafter:
     """A draft model's greedy (or, under sampling, drawn) continuation of the context, k tokens, decoded on a cache
     of its own that follows the target's accepted tokens (what it drafted and the target rejected is rolled back)."""
+
+    free = False  # each draft a step of the draft model
 
     def __init__(self, loaded, name: str, label: str, capacity: int, vocab: int):
         self.loaded, self.name, self.label = loaded, name, label
@@ -273,19 +276,24 @@ class Adaptive:
     fails, up to MAX_IDLE), then k tries again from two; well cheaper, k grows back to what was asked. So text where
     drafts fail costs about what the model alone costs. The first round drafts FIRST_REACH at most: where a
     verify's rows are dear (a 4-bit file's on float32 activations: each row its own FMAs) a long first round
-    that misses costs several plain steps. Where they are cheap (lookup's drafts on a float model: a row ~6% of a
-    step) a round drafts on past a miss as far as a draft still pays for itself (`horizon`). A sampled reply with
+    that misses costs several plain steps. Where drafts cost nothing to make and their rows are cheap (lookup's on a
+    float model: a row ~6% of a step) a round drafts on past a miss as far as a draft still pays for itself
+    (`horizon`); a model's drafts keep the rule of runs (measured: engine/BENCHMARKS.md, "The Intel Xeon,
+    2026-12-07 (night): lookup follows its longest match, and drafts on where rows are cheap"). A sampled reply with
     a seed keeps k (`fixed`): its random draws, drafts' and accept tests', then come in one order whatever the
     machine's timings, and the seed gives the same reply."""
 
-    def __init__(self, k: int, fixed: bool = False):
+    def __init__(self, k: int, fixed: bool = False, free: bool = False):
         self.k = self.asked = k
+        self.free = free  # the drafter's drafts cost nothing to make (lookup's): `horizon` weighs their rows
         # from the last round: twice its length where all were taken, else one past the taken
         self.reach = k if fixed else min(k, FIRST_REACH)
         self.fixed = fixed  # a seeded sampled reply: the same draws in the same order, whatever the timings
         self.steps: list[float] = []  # the recent plain steps' times (ms)
         self.recent: list[tuple[float, int]] = []  # (ms, tokens) of recent drafting rounds
-        self.tried: list[tuple[float, int, int]] = []  # (ms, drafted, accepted) of the last ADAPT_WINDOW of them
+        self.tried: list[tuple[float, int]] = []  # (ms, drafted) of the last ADAPT_WINDOW of them
+        self.after_miss: list[tuple[int, int]] = []  # (drafted, accepted) of the last ADAPT_WINDOW after a miss
+        self.missed = False  # the last drafting round had a draft rejected
         self.idle = 0  # plain rounds left before drafting again
         self.backoff = PROBE_EVERY
 
@@ -300,16 +308,17 @@ class Adaptive:
         return min(self.k, max(self.reach, self.horizon()))
 
     def horizon(self) -> int:
-        """How many drafts pay whatever the last round did: the last position i at which a^i — the chance that the
-        drafts up to it are all taken, a the recent rounds' share of the drafts tested that were taken — exceeds c,
-        what one more draft costs as a share of a plain step (its draft step and its verify row: the recent rounds'
-        time past a plain step each, over their drafts). 1 until three rounds have run."""
-        if self.target_ms is None or len(self.tried) < 3:
+        """How many of a free drafter's drafts pay after a miss: the last position i at which a^i — the chance that
+        the drafts up to it are all taken, a the share of the drafts tested that were taken in recent rounds after a
+        miss (lookup resumes copying after a changed word) — exceeds c, what one more draft's verify row costs as a
+        share of a plain step (the recent rounds' time past a plain step each, over their drafts). 1 until three
+        rounds have run, and three after a miss; 1 for a model's drafts, whose runs after a miss fail sooner than a
+        round's average says (drafting 2–5 after a miss, measured, cost the int4 draft's rewrite a tenth)."""
+        if not self.free or self.target_ms is None or len(self.tried) < 3 or len(self.after_miss) < 3:
             return 1
-        drafted = sum(d for _, d, _ in self.tried)
-        taken = sum(t for _, _, t in self.tried)
-        a = taken / (taken + sum(t < d for _, d, t in self.tried))  # a miss ends a round: its drafts after, untested
-        c = max(sum(ms for ms, _, _ in self.tried) / self.target_ms - len(self.tried), 0.0) / drafted
+        c = max(sum(ms for ms, _ in self.tried) / self.target_ms - len(self.tried), 0.0) / sum(d for _, d in self.tried)
+        taken = sum(t for _, t in self.after_miss)
+        a = taken / (taken + sum(t < d for d, t in self.after_miss))  # a miss ends a round: its drafts after, untested
         if c < CHEAPEST_DRAFT:
             return self.k if a > 0 else 1
         if a >= 1 or a <= 0:
@@ -330,7 +339,10 @@ class Adaptive:
         if not drafted or self.fixed:
             return
         self.reach = 2 * drafted if tokens > drafted else tokens  # all taken (and the target's own): longer
-        self.tried = [*self.tried[-(ADAPT_WINDOW - 1) :], (ms, drafted, tokens - 1)]
+        self.tried = [*self.tried[-(ADAPT_WINDOW - 1) :], (ms, drafted)]
+        if self.missed:
+            self.after_miss = [*self.after_miss[-(ADAPT_WINDOW - 1) :], (drafted, tokens - 1)]
+        self.missed = tokens <= drafted
         self.recent = [*self.recent[-(ADAPT_WINDOW - 1) :], (ms, tokens)]
         if self.target_ms is None or len(self.recent) < 3:
             return
@@ -420,7 +432,7 @@ def speculate(req, logits: torch.Tensor, decoder: Decoder, ids: list[int], tok, 
     cache, model, params = decoder.cache, decoder.loaded.model, req.sampling
     reply = Reply(req, tok, stream, trace, cache, cancel)
     stats = trace.speculative = SpecStats(drafter.name, drafter.label, k)
-    plan = Adaptive(k, fixed=not params.greedy and params.seed is not None)
+    plan = Adaptive(k, fixed=not params.greedy and params.seed is not None, free=drafter.free)
     kind, rejected = "target", 0
     t0 = time.perf_counter()
     drafter.prepare(ids)  # a draft model's own prefill of the prompt: inside TTFT, not inside decode

@@ -175,7 +175,7 @@ def test_the_draft_length_follows_what_the_last_round_took_and_halves_where_draf
         plan.round(seen[-1], min(taken, seen[-1]) + 1, 10.0 + 4.5 * seen[-1])
     # the first round 2: 0 taken; 1 of 1, 1 of 2 (three rounds at 10.5 ms a token: k 8 -> 4), 2 of 2, 4 of 4
     assert seen == [2, 1, 2, 2, 4] and plan.k == 4 and plan.now() == 4
-    assert plan.horizon() == 3  # 8 of the 10 tested taken: 0.8^3 > 0.45 > 0.8^4
+    assert plan.horizon() == 1  # two rounds after a miss so far: too few to weigh
     plan = Adaptive(8)
     plan.plain(10.0), plan.plain(10.0)
     seen = []
@@ -198,17 +198,21 @@ def test_the_draft_length_follows_what_the_last_round_took_and_halves_where_draf
 
 
 def test_where_a_draft_is_cheap_a_round_drafts_on_past_a_miss_as_far_as_drafts_pay():
-    """Rounds whose drafts cost 0.05 of a step each (lookup's, verified in rows of a float model) and are taken half
-    the time: the i-th draft of a round pays while 0.5^i > 0.05, so after three rounds a round drafts 4 even after
-    a miss; at 0.45 of a step, one past what was taken, as before."""
-    for cost, want in ((0.5, 4), (4.5, 1)):
-        plan = Adaptive(8)
+    """Rounds whose drafts cost nothing to make and 0.05 of a step each to verify (lookup's, in rows of a float model)
+    and, after a miss, are taken half the time: the i-th draft of a round pays while 0.5^i > 0.05, so once three
+    rounds after a miss have run a round drafts 4 even after a miss; at 0.45 of a step, one past what was taken, as
+    before; where drafts after a miss keep missing, one; and a model's drafts keep the rule of runs."""
+    for cost, tokens, want in ((0.5, 2, 4), (4.5, 2, 1), (0.5, 1, 1)):
+        plan = Adaptive(8, free=True)
         plan.plain(10.0)
+        plan.round(2, tokens, 10.0 + cost * 2)  # a miss: 2 tokens, the first draft taken; 1, none
         for _ in range(3):
-            assert plan.now() == 2  # one past what the last round took, until three rounds have run
-            plan.round(2, 2, 10.0 + cost * 2)  # the first draft taken, the second missed
-        assert plan.horizon() == want and plan.now() == max(want, 2)
-    plan = Adaptive(8)  # every draft taken, each at a whole step's cost: none pays
+            assert plan.now() == tokens  # one past what the last round took, until three rounds after a miss
+            plan.round(tokens, tokens, 10.0 + cost * tokens)
+        assert plan.horizon() == want and plan.now() == max(want, tokens)
+        plan.free = False  # a model's drafts: the rule of runs alone
+        assert plan.horizon() == 1 and plan.now() == tokens
+    plan = Adaptive(8, free=True)  # every draft taken, each at a whole step's cost: none pays
     plan.plain(10.0)
     for _ in range(3):
         plan.round(1, 2, 20.0)
