@@ -291,9 +291,7 @@ class Adaptive:
         self.fixed = fixed  # a seeded sampled reply: the same draws in the same order, whatever the timings
         self.steps: list[float] = []  # the recent plain steps' times (ms)
         self.recent: list[tuple[float, int]] = []  # (ms, tokens) of recent drafting rounds
-        self.tried: list[tuple[float, int]] = []  # (ms, drafted) of the last ADAPT_WINDOW of them
-        self.after_miss: list[tuple[int, int]] = []  # (drafted, accepted) of the last ADAPT_WINDOW after a miss
-        self.missed = False  # the last drafting round had a draft rejected
+        self.tried: list[tuple[float, int, int]] = []  # (ms, drafted, accepted) of the last ADAPT_WINDOW of them
         self.idle = 0  # plain rounds left before drafting again
         self.backoff = PROBE_EVERY
 
@@ -308,17 +306,19 @@ class Adaptive:
         return min(self.k, max(self.reach, self.horizon()))
 
     def horizon(self) -> int:
-        """How many of a free drafter's drafts pay after a miss: the last position i at which a^i — the chance that
-        the drafts up to it are all taken, a the share of the drafts tested that were taken in recent rounds after a
-        miss (lookup resumes copying after a changed word) — exceeds c, what one more draft's verify row costs as a
-        share of a plain step (the recent rounds' time past a plain step each, over their drafts). 1 until three
-        rounds have run, and three after a miss; 1 for a model's drafts, whose runs after a miss fail sooner than a
-        round's average says (drafting 2–5 after a miss, measured, cost the int4 draft's rewrite a tenth)."""
-        if not self.free or self.target_ms is None or len(self.tried) < 3 or len(self.after_miss) < 3:
+        """How many of a free drafter's drafts pay, whatever the last round did: the last position i at which a^i —
+        the chance that the drafts up to it are all taken, a the recent rounds' share of the drafts tested that were
+        taken — exceeds c, what one more draft's verify row costs as a share of a plain step (the recent rounds'
+        time past a plain step each, over their drafts). 1 until three rounds have run; 1 for a model's drafts,
+        whose runs after a miss fail sooner than the rounds' average says (drafting on by it, measured, cost the
+        int4 draft's rewrite a tenth)."""
+        if not self.free or self.target_ms is None or len(self.tried) < 3:
             return 1
-        c = max(sum(ms for ms, _ in self.tried) / self.target_ms - len(self.tried), 0.0) / sum(d for _, d in self.tried)
-        taken = sum(t for _, t in self.after_miss)
-        a = taken / (taken + sum(t < d for d, t in self.after_miss))  # a miss ends a round: its drafts after, untested
+        c = max(sum(ms for ms, _, _ in self.tried) / self.target_ms - len(self.tried), 0.0) / sum(
+            d for _, d, _ in self.tried
+        )
+        taken = sum(t for _, _, t in self.tried)
+        a = taken / (taken + sum(t < d for _, d, t in self.tried))  # a miss ends a round: its drafts after, untested
         if c < CHEAPEST_DRAFT:
             return self.k if a > 0 else 1
         if a >= 1 or a <= 0:
@@ -339,10 +339,7 @@ class Adaptive:
         if not drafted or self.fixed:
             return
         self.reach = 2 * drafted if tokens > drafted else tokens  # all taken (and the target's own): longer
-        self.tried = [*self.tried[-(ADAPT_WINDOW - 1) :], (ms, drafted)]
-        if self.missed:
-            self.after_miss = [*self.after_miss[-(ADAPT_WINDOW - 1) :], (drafted, tokens - 1)]
-        self.missed = tokens <= drafted
+        self.tried = [*self.tried[-(ADAPT_WINDOW - 1) :], (ms, drafted, tokens - 1)]
         self.recent = [*self.recent[-(ADAPT_WINDOW - 1) :], (ms, tokens)]
         if self.target_ms is None or len(self.recent) < 3:
             return

@@ -199,16 +199,15 @@ def test_the_draft_length_follows_what_the_last_round_took_and_halves_where_draf
 
 def test_where_a_draft_is_cheap_a_round_drafts_on_past_a_miss_as_far_as_drafts_pay():
     """Rounds whose drafts cost nothing to make and 0.05 of a step each to verify (lookup's, in rows of a float model)
-    and, after a miss, are taken half the time: the i-th draft of a round pays while 0.5^i > 0.05, so once three
-    rounds after a miss have run a round drafts 4 even after a miss; at 0.45 of a step, one past what was taken, as
-    before; where drafts after a miss keep missing, one; and a model's drafts keep the rule of runs."""
+    and are taken half the time: the i-th draft of a round pays while 0.5^i > 0.05, so once three rounds have run a
+    round drafts 4 even after a miss; at 0.45 of a step, one past what was taken, as before; where drafts keep
+    missing, one; and a model's drafts keep the rule of runs."""
     for cost, tokens, want in ((0.5, 2, 4), (4.5, 2, 1), (0.5, 1, 1)):
         plan = Adaptive(8, free=True)
         plan.plain(10.0)
-        plan.round(2, tokens, 10.0 + cost * 2)  # a miss: 2 tokens, the first draft taken; 1, none
         for _ in range(3):
-            assert plan.now() == tokens  # one past what the last round took, until three rounds after a miss
-            plan.round(tokens, tokens, 10.0 + cost * tokens)
+            assert plan.now() == (tokens if plan.tried else 2)  # the first round 2, then one past what was taken
+            plan.round(2, tokens, 10.0 + cost * 2)  # a miss: 2 tokens, the first draft taken; 1, none
         assert plan.horizon() == want and plan.now() == max(want, tokens)
         plan.free = False  # a model's drafts: the rule of runs alone
         assert plan.horizon() == 1 and plan.now() == tokens
