@@ -28,22 +28,31 @@ class Refit(QObject):
     """The panel's boxes (a QFormLayout each) laid out again once this turn of the event loop ends, after their
     words changed or the panel's width did: a QFormLayout keeps the heights it computed for a width, so a value
     that grew from one line to three, or a box narrowed by the scroll bar appearing, was drawn in the old
-    heights (cut) until the next resize."""
+    heights (cut) until the next resize. After every layout of the panel (its LayoutRequest) the wrapped labels
+    are checked too: a layout that came from elsewhere (a box shown, a model switch's burst of changes) could
+    leave one cut with no word of it changed since."""
 
     TRIES = 4
 
     def __init__(self, body: QWidget):
         super().__init__(body)
         self.body, self.tries = body, 0
-        self.timer = QTimer(self)
-        self.timer.setSingleShot(True)
-        self.timer.setInterval(0)
-        self.timer.timeout.connect(self.refit)
+        self.timer = self._next_turn(self.refit)
+        self.checker = self._next_turn(self.check)  # a burst of layout requests: one check
         body.installEventFilter(self)
+
+    def _next_turn(self, slot) -> QTimer:
+        timer = QTimer(self)
+        timer.setSingleShot(True)
+        timer.setInterval(0)
+        timer.timeout.connect(slot)
+        return timer
 
     def eventFilter(self, obj, e) -> bool:
         if e.type() == QEvent.Resize and e.size().width() != e.oldSize().width():
             self.mark()
+        elif e.type() == QEvent.LayoutRequest:
+            self.checker.start()  # once the layout has run
         return False
 
     def mark(self) -> None:
@@ -52,13 +61,19 @@ class Refit(QObject):
 
     def refit(self) -> None:
         """Lay the boxes out again, and again next turn while a wrapped label is still cut (a relayout can move
-        the scroll bar, and with it every width: at most TRIES times)."""
+        the scroll bar, and with it every width: at most TRIES times in a row)."""
         for form in self.body.findChildren(QFormLayout):
             form.invalidate()
         self.body.layout().invalidate()
         self.tries += 1
-        if self.tries < self.TRIES:
-            QTimer.singleShot(0, lambda: self.cut() and self.refit())
+        self.checker.start()
+
+    def check(self) -> None:
+        """A cut label: lay out again (unless TRIES in a row have not helped); none: the tries start over."""
+        if not self.cut():
+            self.tries = 0
+        elif self.tries < self.TRIES:
+            self.refit()
 
     def cut(self) -> list[QLabel]:
         """The visible word-wrapped labels drawn shorter than their words need."""
