@@ -37,6 +37,7 @@ class Refit(QObject):
     def __init__(self, body: QWidget):
         super().__init__(body)
         self.body, self.tries = body, 0
+        self.heights: dict[QLabel, tuple[tuple, int]] = {}  # label -> ((words, width, font), the height they need)
         self.timer = self._next_turn(self.refit)
         self.checker = self._next_turn(self.check)  # a burst of layout requests: one check
         body.installEventFilter(self)
@@ -76,9 +77,20 @@ class Refit(QObject):
             self.refit()
 
     def cut(self) -> list[QLabel]:
-        """The visible word-wrapped labels drawn shorter than their words need."""
-        labels = self.body.findChildren(QLabel)
-        return [x for x in labels if x.wordWrap() and x.isVisible() and x.height() < x.heightForWidth(x.width())]
+        """The visible word-wrapped labels drawn shorter than their words need. The height a label's words need
+        at its width is kept while its words, width and font stay: each check after a layout would otherwise lay
+        every wrapped label's words out again (kept for the labels of this check only)."""
+        held, self.heights = self.heights, {}
+        out = []
+        for x in self.body.findChildren(QLabel):
+            if not (x.wordWrap() and x.isVisible()):
+                continue
+            key = (x.text(), x.width(), x.font().key())
+            known = held.get(x)
+            self.heights[x] = known if known is not None and known[0] == key else (key, x.heightForWidth(x.width()))
+            if x.height() < self.heights[x][1]:
+                out.append(x)
+        return out
 
 
 CHART_COLOURS = {  # the chart's background, words, bars and its p50 and p95 lines, in each theme
