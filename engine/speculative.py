@@ -290,8 +290,8 @@ class Adaptive:
         self.reach = k if fixed else min(k, FIRST_REACH)
         self.fixed = fixed  # a seeded sampled reply: the same draws in the same order, whatever the timings
         self.steps: list[float] = []  # the recent plain steps' times (ms)
-        self.recent: list[tuple[float, int]] = []  # (ms, tokens) of recent drafting rounds
-        self.tried: list[tuple[float, int, int]] = []  # (ms, drafted, accepted) of the last ADAPT_WINDOW of them
+        self.tried: list[tuple[float, int, int]] = []  # (ms, drafted, accepted): the last ADAPT_WINDOW drafting rounds
+        self.since = 0  # of those, the rounds since k last changed: what k is weighed on
         self.idle = 0  # plain rounds left before drafting again
         self.backoff = PROBE_EVERY
 
@@ -319,10 +319,10 @@ class Adaptive:
         )
         taken = sum(t for _, _, t in self.tried)
         a = taken / (taken + sum(t < d for _, d, t in self.tried))  # a miss ends a round: its drafts after, untested
-        if c < CHEAPEST_DRAFT:
-            return self.k if a > 0 else 1
-        if a >= 1 or a <= 0:
-            return self.k if a >= 1 and c < 1 else 1
+        if a <= 0:
+            return 1
+        if a >= 1 or c < CHEAPEST_DRAFT:
+            return self.k if c < 1 else 1
         return max(1, math.ceil(math.log(c) / math.log(a)) - 1)
 
     @property
@@ -340,12 +340,13 @@ class Adaptive:
             return
         self.reach = 2 * drafted if tokens > drafted else tokens  # all taken (and the target's own): longer
         self.tried = [*self.tried[-(ADAPT_WINDOW - 1) :], (ms, drafted, tokens - 1)]
-        self.recent = [*self.recent[-(ADAPT_WINDOW - 1) :], (ms, tokens)]
-        if self.target_ms is None or len(self.recent) < 3:
+        self.since = min(self.since + 1, ADAPT_WINDOW)
+        if self.target_ms is None or self.since < 3:
             return
-        per_token = sum(m for m, _ in self.recent) / sum(t for _, t in self.recent)
+        recent = self.tried[-self.since :]
+        per_token = sum(m for m, _, _ in recent) / sum(t + 1 for _, _, t in recent)
         if per_token > 0.9 * self.target_ms:
-            self.recent = []
+            self.since = 0
             if self.k > 1:
                 self.k = (self.k + 1) // 2  # 8, 4, 2, 1; 3 (grown back) to 2
             else:
@@ -355,7 +356,7 @@ class Adaptive:
             self.backoff = PROBE_EVERY
             if self.k < self.asked:
                 self.k += 1
-                self.recent = []
+                self.since = 0
 
 
 @dataclasses.dataclass
