@@ -16,6 +16,7 @@ import torch
 from . import trace as tracing
 from .devices import dtype_name
 from .disk_store import DiskStore
+from .drafters import open_drafter
 from .errors import CapacityError, EngineError
 from .events import Failed, Finished, PrefillDone, PrefillProgress, PrefillStarted, ReuseReport
 from .generation import PREFILL_CHUNK, Decoder, RowsWanted, alone, decode, prefill, prefill_chunk_for, warm_up
@@ -28,7 +29,7 @@ from .logprobs import check_top_logprobs
 from .prefix_store import PrefixStore, default_budget
 from .quant import PRECISIONS
 from .request import OVERFLOW_POLICIES, Fitted, Request, check_capacity, fit, positions_needed, render, turns
-from .speculative import check_tokens, open_drafter, speculate
+from .speculative import check_tokens, speculate
 from .state_cache import HybridCache
 from .tool_calls import call_grammar, marker_token, offered_format, parse_calls, template_format
 from .weights.loading import LoadedModel, load_model
@@ -360,7 +361,7 @@ class Session:
                                 reply.drafts if drafter is not None else (), reply.masks, calls)  # fmt: skip
 
     def drafter(self, kind: str):
-        """The drafter for speculative requests of `kind` (engine.speculative.open_drafter), made once and kept while
+        """The drafter for speculative requests of `kind` (engine.drafters.open_drafter), made once and kept while
         the model stays: an int4 copy or a draft model is loaded on its first request, on this (the engine's)
         thread."""
         if self._drafter is not None and self._drafter[0] == kind and self._drafter[1] is self.loaded:

@@ -145,8 +145,8 @@ def _tasks(session, kinds: list[str], new: int, k: int, rounds: int) -> list[dic
 
 def run(ns) -> int:
     from ..devices import default_threads
+    from ..drafters import check_kind
     from ..session import Session
-    from ..speculative import check_kind
     from ..weights.loading import load_model
     from .bench.isolation import run_isolated
     from .bench.machine import cpu_info

@@ -13,10 +13,11 @@ import torch
 
 from checkpoints import make_checkpoint
 from engine.disk_store import DiskStore
+from engine.drafters import LookupDrafter, same_tokenizer
 from engine.events import Failed, Finished, PrefillStarted, Token
 from engine.scheduler import END, EngineThread
 from engine.session import Request, Session
-from engine.speculative import Adaptive, LookupDrafter, accept_or_correct, same_tokenizer
+from engine.speculative import Adaptive, accept_or_correct
 from engine.weights.loading import load_model
 
 REPEAT = list(range(40, 72))  # a prompt that holds its own continuation: lookup finds drafts there
@@ -314,7 +315,7 @@ def test_a_draft_model_catches_up_in_one_pass(llama_dir):
     chose after it, or the tokens of plain steps — goes through it in one pass (its weights read once), and the
     drafts that follow are those of a draft model fed a token at a time."""
     from engine.backends import kernels
-    from engine.speculative import ModelDrafter
+    from engine.drafters import ModelDrafter
 
     loaded = load_model(llama_dir, device="cpu", dtype="float32")
     passes = []
