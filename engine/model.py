@@ -262,6 +262,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.dequantized_bytes = 0  # a file's codes dequantized once for torch (no kernels), what they take
+        self.huge_page_bytes = 0  # the weights moved onto 2 MB pages (engine.huge_pages)
         # [V, D]; its own storage given, so no random init runs (on the meta device that init imports torch._dynamo,
         # which a first load then waits for: engine/BENCHMARKS.md, "Opening a model file")
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))

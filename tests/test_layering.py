@@ -222,7 +222,7 @@ FLOORS = [
             "engine.errors", "engine.events", "engine.quant", "engine.model", "engine.feedforward",
             "engine.sampling", "engine.trace",
             "engine.config", "engine.devices", "engine.kv_cache", "engine.kv_pool", "engine.passes", "engine.tokenizer",
-            "engine.prefix_store",
+            "engine.prefix_store", "engine.huge_pages",
             "engine.user_cache", "engine.logprobs", "engine.disk_store", "engine.disk_files", "engine.request",
             "engine.kv_tiers", "engine.grammar", "engine.tool_calls", "engine.images", "engine.vision",
             "engine.image_prompt", "engine.vision_qwen", "engine.text_configs", "engine.rotary", "engine.family_fields",

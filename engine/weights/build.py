@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import huge_pages
 from ..backends.cpu_layouts import LinearT, fast_cpu_linears, transposed_embedding
 from ..backends.decode_step import use_kernels
 from ..backends.quantized import QuantEmbedding, QuantLinear
@@ -150,10 +151,12 @@ def build_model(
     use_tiles(model)
     if device.type == "cpu" and dtype == torch.bfloat16 and not bf16_hardware():
         model.widen_bf16_attention()
+    if kern is None and device.type == "cpu":  # a file's codes no torch kernel reads: dequantized once, when they fit
+        model.dequantized_bytes = dequantize_for_torch(model)
+    if device.type == "cpu":  # before the kernels take the weights' addresses
+        model.huge_page_bytes = huge_pages.gather(model.requires_grad_(False))
     if kern is not None:
         use_kernels(model, kern, identity)
-    elif device.type == "cpu":  # a file's codes no torch kernel reads: dequantized once, when they fit
-        model.dequantized_bytes = dequantize_for_torch(model)
     return model.eval().requires_grad_(False)
 
 

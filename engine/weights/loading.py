@@ -133,6 +133,15 @@ class LoadedModel:
         return kernel_library.status()
 
     @property
+    def weight_pages(self) -> str | None:
+        """The pages the CPU weights lie on: 2 MB where engine.huge_pages moved them, else the system's (None on
+        a GPU)."""
+        moved = self.model.huge_page_bytes
+        if self.device.type != "cpu":
+            return None
+        return f"2 MB ({moved / 2**20:,.0f} MiB of weights)" if moved else "the system's (none moved to 2 MB)"
+
+    @property
     def head_quantization(self) -> str:
         """How the output head (and embedding) is stored: "none" (the model dtype) or e.g. "int8/g32"."""
         head = self.model.lm_head
@@ -167,6 +176,7 @@ class LoadedModel:
             "experts": f"{c.experts_per_token} of {c.num_experts}" if c.num_experts else None,
             "attention_kinds": c.describe_attention() or None,
             "decode_kernels": self.decode_kernels,
+            "weight_pages": self.weight_pages,
             "activations": self.activations,
             "images": self.sees_images,
             "kv_cache": kv,
