@@ -54,6 +54,8 @@ def pieces(reply: str, streaming: bool = False, thinking: bool = True) -> list[P
                     break
                 body.append(lines[j])
                 j += 1
+            if streaming and not closed and body and _fence_arriving(body[-1], mark):
+                body.pop()  # the closing fence half streamed ("`", "``"): not a line of the code
             out.append(Piece("code", "\n".join(body), lang, closed or not streaming))
             i = j + 1
             continue
@@ -81,6 +83,13 @@ def pieces(reply: str, streaming: bool = False, thinking: bool = True) -> list[P
         text.append(last)
     flush_text(closed=not streaming or reply.endswith("\n\n"))
     return out
+
+
+def _fence_arriving(line: str, mark: str) -> bool:
+    """Whether the line still being written could be the start of the block's closing fence: up to 3 spaces,
+    then fewer of the fence's character than the fence has, and nothing else yet."""
+    body = line.lstrip(" ")
+    return len(line) - len(body) <= 3 and 0 < len(body) < len(mark) and not body.strip(mark[0])
 
 
 def code_blocks(reply: str) -> list[str]:

@@ -41,6 +41,19 @@ def test_while_streaming_only_the_last_piece_is_open():
     assert growing == [Piece("text", "Plan:\n- pandas"), Piece("text", "- hot", closed=False)]
 
 
+def test_a_closing_fence_half_streamed_is_not_shown_as_code():
+    """A reply streamed up to "`" or "``" of its closing fence: the open block holds the code alone (a CI run
+    saw the block show a stray backtick line between two updates); a line that is code stays."""
+    code = 'def greet(name):\n    return f"Hello, {name}!"'
+    for partial in ("`", "``", "  ``"):
+        got = pieces(f"```python\n{code}\n{partial}", streaming=True)
+        assert got == [Piece("code", code, "python", closed=False)], partial
+    for line in ("`x", "    `", "print(1)"):  # code: a backtick then more, four spaces in, or any other line
+        assert pieces(f"```\n{code}\n{line}", streaming=True)[0].text == f"{code}\n{line}"
+    assert pieces(f"````\n{code}\n```", streaming=True)[0].text == code  # three of a four-backtick fence
+    assert pieces(f"```\n{code}\n``")[0].text == f"{code}\n``"  # a finished reply's unclosed block: all of it
+
+
 def test_fences_of_either_kind_and_a_longer_closing_fence():
     got = pieces("~~~\nplain\n~~~\nafter\n````js\nlet x = '```';\n````")
     assert [(p.kind, p.text, p.lang) for p in got] == [
