@@ -64,8 +64,7 @@ def arena(nbytes: int) -> torch.Tensor | None:
 def empty(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """An uninitialised [numel] tensor on huge pages where `available()`, else torch's own (the bench's read
     stream: the roofline read from the same pages the weights are on)."""
-    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-    held = arena(nbytes) if available() else None
+    held = arena(numel * dtype.itemsize) if available() else None
     return torch.empty(numel, dtype=dtype) if held is None else held.view(dtype)
 
 
@@ -94,23 +93,24 @@ def gather(model: torch.nn.Module) -> int:
     where huge pages are not `available()`. Run before anything takes the tensors' addresses (use_kernels)."""
     if not available():
         return 0
-    by_storage: dict[int, list[torch.Tensor]] = {}
+    by_storage: dict[int, list[torch.Tensor]] = {}  # keyed by address: holding a storage would keep it alive
     for t in _tensors(model):
         s = t.untyped_storage()
         if s.nbytes() >= SMALLEST:
             by_storage.setdefault(s.data_ptr(), []).append(t)
-    sizes = {p: ts[0].untyped_storage().nbytes() for p, ts in by_storage.items()}
-    total = sum(-(-n // ALIGN) * ALIGN for n in sizes.values())
+    places, total = [], 0  # (the tensors of one storage, its bytes, where it goes in the arena)
+    for ts in by_storage.values():
+        n = ts[0].untyped_storage().nbytes()
+        places.append((ts, n, total))
+        total += -(-n // ALIGN) * ALIGN
     held = arena(total)
     if held is None:
         return 0
-    storage, base, at = held.untyped_storage(), held.storage_offset(), 0
-    for p, ts in by_storage.items():
-        n = sizes[p]
+    storage, base = held.untyped_storage(), held.storage_offset()
+    for ts, n, at in places:  # each old storage freed once its tensors are set on the arena
         held[at : at + n].copy_(torch.empty(0, dtype=torch.uint8).set_(ts[0].untyped_storage()))
         with torch.no_grad():
             for t in ts:  # the same tensor objects, so every module and view of them follows
                 size = t.element_size()
                 t.set_(storage, (base + at) // size + t.storage_offset(), t.shape, t.stride())
-        at += -(-n // ALIGN) * ALIGN
     return total
