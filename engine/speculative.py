@@ -33,6 +33,7 @@ ADAPT_WINDOW = 8  # drafting rounds the adaptive k weighs
 FIRST_REACH = 2  # tokens the first drafting round drafts at most (then twice as many after each round taken whole)
 PROBE_EVERY = 16  # plain rounds after drafting stopped paying, before it tries again (doubling, to MAX_IDLE)
 MAX_IDLE = 256
+CLEAR_LOSS = 0.8  # a draft taken less often than this share of its cost (in steps) pauses drafting at once
 CHEAPEST_DRAFT = 0.01  # a draft's cost, as a share of a plain step, below which timing noise is all there is
 
 
@@ -67,10 +68,14 @@ class Adaptive:
     copied, then a changed word), and a verify's rows cost more with each where the products are arithmetic-bound
     (a 4-bit model: engine/BENCHMARKS.md, "Speculative decoding"), so a round after a miss is short. k itself
     follows what drafting has cost: a drafting round's time per token it gave (its drafts, its verify) against a
-    plain step of the model (the least of the recent ones). Unless drafting saves a tenth, k halves; at one and still
-    no cheaper, nothing is drafted for a while (plain steps: PROBE_EVERY rounds, twice as long after each probe that
-    fails, up to MAX_IDLE), then k tries again from two; well cheaper, k grows back to what was asked. So text where
-    drafts fail costs about what the model alone costs. The first round drafts FIRST_REACH at most: where a
+    plain step of the model (`target_ms`). Where drafting costs more than the model alone, k halves; at one and still
+    dearer — or, for a draft model, at once where a round of one draft clearly would not pay either, its draft taken
+    less often than it costs as a share of a step (`rates`; a 4-bit draft of a bfloat16 model on free text; lookup's
+    drafts cost nothing to make, and a run of copying may begin at any token) — nothing is drafted
+    for a while (plain steps: PROBE_EVERY rounds, twice as long after each probe that fails, up to MAX_IDLE), then k
+    tries again from two; well cheaper, k grows back to what was asked. So text where drafts fail costs about what
+    the model alone costs (engine/BENCHMARKS.md, "The Intel Xeon, 2026-12-08: drafting weighed against a step it
+    can pay for"). The first round drafts FIRST_REACH at most: where a
     verify's rows are dear (a 4-bit file's on float32 activations: each row its own FMAs) a long first round
     that misses costs several plain steps. Where drafts cost nothing to make and their rows are cheap (lookup's on a
     float model: a row ~6% of a step) a round drafts on past a miss as far as a draft still pays for itself
@@ -86,6 +91,7 @@ class Adaptive:
         self.reach = k if fixed else min(k, FIRST_REACH)
         self.fixed = fixed  # a seeded sampled reply: the same draws in the same order, whatever the timings
         self.steps: list[float] = []  # the recent plain steps' times (ms)
+        self.checks: list[float] = []  # the recent verify passes' times (ms): each at least a plain step's work
         self.tried: list[tuple[float, int, int]] = []  # (ms, drafted, accepted): the last ADAPT_WINDOW drafting rounds
         self.since = 0  # of those, the rounds since k last changed: what k is weighed on
         self.idle = 0  # plain rounds left before drafting again
@@ -110,30 +116,39 @@ class Adaptive:
         int4 draft's rewrite a tenth)."""
         if not self.free or self.target_ms is None or len(self.tried) < 3:
             return 1
-        c = max(sum(ms for ms, _, _ in self.tried) / self.target_ms - len(self.tried), 0.0) / sum(
-            d for _, d, _ in self.tried
-        )
-        taken = sum(t for _, _, t in self.tried)
-        a = taken / (taken + sum(t < d for _, d, t in self.tried))  # a miss ends a round: its drafts after, untested
+        a, c = self.rates(self.tried)
         if a <= 0:
             return 1
         if a >= 1 or c < CHEAPEST_DRAFT:
             return self.k if c < 1 else 1
         return max(1, math.ceil(math.log(c) / math.log(a)) - 1)
 
+    def rates(self, rounds: list[tuple[float, int, int]]) -> tuple[float, float]:
+        """(a, c) over drafting rounds: a the share of the drafts tested that were taken (a miss ends a round: the
+        drafts after it go untested), c what one draft costs as a share of a plain step (the rounds' time past a
+        plain step each, over their drafts: its making, its verify row, a draft model's catch-up)."""
+        c = max(sum(ms for ms, _, _ in rounds) / self.target_ms - len(rounds), 0.0) / sum(d for _, d, _ in rounds)
+        taken = sum(t for _, _, t in rounds)
+        return taken / (taken + sum(t < d for _, d, t in rounds)), c
+
     @property
     def target_ms(self) -> float | None:
-        """A plain step's time: the least of the recent ones (a step's own cost: noise only ever adds, and the first
-        after a prompt, on cold caches, can run a third slower)."""
-        return min(self.steps) if self.steps else None
+        """A plain step's time: the least of the recent plain steps and verify passes (a step's own cost: noise only
+        ever adds). A verify of several positions does a plain step's work and more, so it bounds the step where the
+        only plain step timed ran on cold caches — the first after a prompt runs up to a third slower, and after a
+        draft model's prefill up to two fifths — and drafting that never pauses times no other."""
+        return min(self.steps + self.checks) if self.steps else None
 
     def plain(self, ms: float) -> None:
         self.steps = [*self.steps[-(ADAPT_WINDOW - 1) :], ms]
 
-    def round(self, drafted: int, tokens: int, ms: float) -> None:
-        """A drafting round of `drafted` tokens gave `tokens` (the accepted and the target's own) in `ms`."""
+    def round(self, drafted: int, tokens: int, ms: float, verify_ms: float | None = None) -> None:
+        """A drafting round of `drafted` tokens gave `tokens` (the accepted and the target's own) in `ms`, its verify
+        pass `verify_ms` of them."""
         if not drafted or self.fixed:
             return
+        if verify_ms is not None:
+            self.checks = [*self.checks[-(ADAPT_WINDOW - 1) :], verify_ms]
         self.reach = 2 * drafted if tokens > drafted else tokens  # all taken (and the target's own): longer
         self.tried = [*self.tried[-(ADAPT_WINDOW - 1) :], (ms, drafted, tokens - 1)]
         self.since = min(self.since + 1, ADAPT_WINDOW)
@@ -141,9 +156,10 @@ class Adaptive:
             return
         recent = self.tried[-self.since :]
         per_token = sum(m for m, _, _ in recent) / sum(t + 1 for _, _, t in recent)
-        if per_token > 0.9 * self.target_ms:
+        if per_token > self.target_ms:  # drafting, as it ran, cost more than the model alone
             self.since = 0
-            if self.k > 1:
+            a, c = self.rates(self.tried)  # over every recent round: a steadier measure than since k changed
+            if self.k > 1 and (self.free or a >= CLEAR_LOSS * c):  # a round of one draft: 1 + a tokens, 1 + c steps
                 self.k = (self.k + 1) // 2  # 8, 4, 2, 1; 3 (grown back) to 2
             else:
                 self.idle, self.k = self.backoff, min(2, self.asked)
@@ -274,7 +290,8 @@ def speculate(req, logits: torch.Tensor, decoder: Decoder, ids: list[int], tok, 
                 token, drawn = reply.choose(row, seen)
                 ok = False
             if i == 0:
-                stats.verify_ms += _ms_since(t0)  # the choice of the first reads the logits: the pass has run
+                checked = _ms_since(t0)  # the choice of the first reads the logits: the pass has run
+                stats.verify_ms += checked
             kind = "accepted" if ok else "corrected" if i < j else "target"
             if not ok:
                 break
@@ -292,7 +309,7 @@ def speculate(req, logits: torch.Tensor, decoder: Decoder, ids: list[int], tok, 
         _keep(cache, p + accepted, stats)  # the chosen token and the accepted drafts; the rest rolled back
         ids.extend(draft.tokens[:accepted])
         drafter.accepted(ids)
-        plan.round(j, accepted + 1, _ms_since(began))
+        plan.round(j, accepted + 1, _ms_since(began), checked)
         yield WAITING
 
 

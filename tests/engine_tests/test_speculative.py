@@ -163,8 +163,10 @@ def test_the_draft_length_follows_what_the_last_round_took_and_halves_where_draf
     """A plain step first, timed (the least of the recent ones is a step's cost). Then, where a draft is dear (here
     0.45 of a step: a 4-bit file's verify row), a round drafts one past what the last one took (a rejected first
     token: one; the first round 2), twice as many after a round taken whole, up to k (a seeded sampled reply: k from
-    the first round); k itself halves — 8, 4, 2, 1, and 3 (grown back) to 2 — while rounds cost a plain step's time
-    a token, then nothing is drafted for a while; rounds well under a plain step grow k back by one."""
+    the first round); k itself halves — 8, 4, 2, 1, and 3 (grown back) to 2 — while rounds cost more than a plain
+    step a token, then nothing is drafted for a while — at once where not even a round of one draft would pay (a
+    draft taken less often than its cost as a share of a step); rounds that cost what a plain step costs keep k;
+    rounds well under a plain step grow k back by one."""
     plan = Adaptive(8)
     assert plan.now() == 0  # the first round is a plain step, timed: what drafting is weighed against
     plan.plain(14.0)  # the first after a prompt, slow
@@ -182,8 +184,36 @@ def test_the_draft_length_follows_what_the_last_round_took_and_halves_where_draf
     seen = []
     for _ in range(12):
         seen.append(plan.now())
-        plan.round(seen[-1], seen[-1] + 1, 10.0 * (seen[-1] + 1))  # every draft taken, at a plain step a token
+        plan.round(seen[-1], seen[-1] + 1, 10.5 * (seen[-1] + 1))  # every draft taken, dearer than a plain step
     assert seen == [2, 4, 8, 4, 4, 4, 2, 2, 2, 1, 1, 1] and plan.now() == 0
+    plan = Adaptive(8)
+    plan.plain(10.0)
+    seen = []
+    for _ in range(3):
+        seen.append(plan.now())
+        plan.round(seen[-1], 1, 10.0 + 5.0 * seen[-1])  # every first draft missed: rounds of 2, then 1
+    assert seen == [2, 1, 1] and plan.now() == 0  # no draft taken, each a half step: a pause, not k 8 -> 4
+    plan = Adaptive(8)
+    plan.plain(10.0)
+    for drafted, taken, ms in ((2, 0, 22.0), (1, 1, 17.0), (2, 0, 22.0)):
+        plan.round(drafted, taken + 1, ms)  # a third of the drafts tested taken, each 0.62 of a step
+    assert plan.now() == 0  # not even a round of one draft pays (1.33 tokens for 1.62 steps): a pause, not k 4
+    plan = Adaptive(8)
+    plan.plain(10.0)
+    for drafted, taken, ms in ((2, 2, 16.0), (2, 0, 16.0), (2, 2, 16.0)):
+        plan.round(drafted, taken + 1, ms)  # rounds taken whole or missed at once, as a run of copying goes
+    assert plan.now() == 4 and plan.k == 8  # 7 tokens in 48 ms: as they ran, the drafts paid
+    plan = Adaptive(8)
+    plan.plain(15.0)  # the one plain step, on cold caches after the draft model's prefill
+    for _ in range(3):
+        plan.round(1, 2, 28.0, verify_ms=13.0)  # rounds at 14 ms a token: cheaper than 15, dearer than 13
+    assert plan.target_ms == 13.0 and plan.k == 4  # a verify pass does a step's work and more: it bounds the step
+    plan = Adaptive(8)
+    plan.plain(10.0)
+    plan.k = 1
+    for _ in range(9):
+        plan.round(1, 2, 19.5)  # two tokens at 0.975 of a plain step each: drafting holds on
+    assert plan.k == 1 and plan.now() == 1
     seeded = Adaptive(8, fixed=True)  # a seeded sampled reply: k from its first round, whatever happens
     seeded.plain(10.0)
     assert seeded.now() == 8
@@ -191,7 +221,7 @@ def test_the_draft_length_follows_what_the_last_round_took_and_halves_where_draf
     plan.plain(10.0), plan.plain(10.0)
     plan.k = 3
     for _ in range(3):
-        plan.round(3, 4, 40.0)
+        plan.round(3, 2, 25.0)  # one of three taken: a miss leaves a draft untested, so shorter rounds may pay
     assert plan.k == 2
     for _ in range(3):
         plan.round(2, 3, 10.0)  # three tokens a round at a step's time
@@ -201,9 +231,9 @@ def test_the_draft_length_follows_what_the_last_round_took_and_halves_where_draf
 def test_where_a_draft_is_cheap_a_round_drafts_on_past_a_miss_as_far_as_drafts_pay():
     """Rounds whose drafts cost nothing to make and 0.05 of a step each to verify (lookup's, in rows of a float model)
     and are taken half the time: the i-th draft of a round pays while 0.5^i > 0.05, so once three rounds have run a
-    round drafts 4 even after a miss; at 0.45 of a step, one past what was taken, as before; where drafts keep
-    missing, one; and a model's drafts keep the rule of runs."""
-    for cost, tokens, want in ((0.5, 2, 4), (4.5, 2, 1), (0.5, 1, 1)):
+    round drafts 4 even after a miss; at 0.45 of a step, one past what was taken, as before; a model's drafts keep
+    the rule of runs; and where no draft is taken, k halves (lookup's drafts cost nothing to make)."""
+    for cost, tokens, want in ((0.5, 2, 4), (4.5, 2, 1)):
         plan = Adaptive(8, free=True)
         plan.plain(10.0)
         for _ in range(3):
@@ -212,6 +242,11 @@ def test_where_a_draft_is_cheap_a_round_drafts_on_past_a_miss_as_far_as_drafts_p
         assert plan.horizon() == want and plan.now() == max(want, tokens)
         plan.free = False  # a model's drafts: the rule of runs alone
         assert plan.horizon() == 1 and plan.now() == tokens
+    plan = Adaptive(8, free=True)
+    plan.plain(10.0)
+    for _ in range(3):
+        plan.round(2, 1, 11.0)  # nothing taken: a draft model's rounds would pause here; lookup's halve k
+    assert plan.horizon() == 1 and plan.k == 4 and plan.now() == 1
     plan = Adaptive(8, free=True)  # every draft taken, each at a whole step's cost: none pays
     plan.plain(10.0)
     for _ in range(3):
