@@ -187,6 +187,7 @@ class SpecStats:
     verify_ms: float = 0.0
     draft_prefill_ms: float = 0.0  # the draft model's own prefill of the prompt, before token 1
     plain_ms: list[float] = dataclasses.field(default_factory=list)  # the target's plain decode steps in this reply
+    checks: list[float] = dataclasses.field(default_factory=list)  # its verify passes (each a plain step's work, more)
     rolled_back: int = 0  # drafted positions written and then thrown away
 
     def add(self, drafted: int, accepted: int) -> None:
@@ -203,7 +204,9 @@ class SpecStats:
     def to_dict(self, tokens: int, seconds: float | None) -> dict:
         rate = self.accepted / self.drafted if self.drafted else None
         per_token = seconds / tokens * 1000 if seconds and tokens else None
-        step = round(statistics.median(self.plain_ms), 3) if self.plain_ms else None  # robust to a slow first one
+        step = None
+        if self.plain_ms:  # the median: robust to a slow first one; a verify pass bounds it (Adaptive.target_ms)
+            step = round(min([statistics.median(self.plain_ms), *self.checks]), 3)
         speedup = step / per_token if step and per_token else None
         return {
             "draft": self.draft,
@@ -292,6 +295,7 @@ def speculate(req, logits: torch.Tensor, decoder: Decoder, ids: list[int], tok, 
             if i == 0:
                 checked = _ms_since(t0)  # the choice of the first reads the logits: the pass has run
                 stats.verify_ms += checked
+                stats.checks.append(checked)
             kind = "accepted" if ok else "corrected" if i < j else "target"
             if not ok:
                 break

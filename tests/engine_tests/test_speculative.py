@@ -17,7 +17,7 @@ from engine.drafters import LookupDrafter, same_tokenizer
 from engine.events import Failed, Finished, PrefillStarted, Token
 from engine.scheduler import END, EngineThread
 from engine.session import Request, Session
-from engine.speculative import Adaptive, accept_or_correct
+from engine.speculative import Adaptive, SpecStats, accept_or_correct
 from engine.weights.loading import load_model
 
 REPEAT = list(range(40, 72))  # a prompt that holds its own continuation: lookup finds drafts there
@@ -226,6 +226,23 @@ def test_the_draft_length_follows_what_the_last_round_took_and_halves_where_draf
     for _ in range(3):
         plan.round(2, 3, 10.0)  # three tokens a round at a step's time
     assert plan.k == 3
+
+
+def test_the_step_a_reply_is_weighed_against_is_bounded_by_its_verify_passes():
+    """The panel's speed-up weighs a drafted token against the target's plain step: the median of the reply's plain
+    steps, or its least verify pass where that is less (a verify does a step's work and more; the one plain step of
+    a reply that drafted throughout runs cold after the draft's prefill)."""
+    stats = SpecStats(
+        "int4", "the model itself in int4", 8, drafted=4, accepted=2, plain_ms=[15.0], checks=[14.0, 13.0]
+    )
+    report = stats.to_dict(tokens=10, seconds=0.11)
+    assert report["target_step_ms"] == 13.0 and report["speedup"] == pytest.approx(13.0 / 11.0)
+    stats.checks = [16.0]
+    assert stats.to_dict(tokens=10, seconds=0.11)["target_step_ms"] == 15.0
+    stats.checks = []  # drafting never ran (a reply too short): the plain steps alone
+    assert stats.to_dict(tokens=10, seconds=0.11)["target_step_ms"] == 15.0
+    stats.plain_ms = []
+    assert stats.to_dict(tokens=10, seconds=0.11)["speedup"] is None  # no plain step: nothing to weigh against
 
 
 def test_where_a_draft_is_cheap_a_round_drafts_on_past_a_miss_as_far_as_drafts_pay():
