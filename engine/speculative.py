@@ -65,24 +65,23 @@ def accept_or_correct(p: torch.Tensor, q: torch.Tensor | None, token: int, gener
 class Adaptive:
     """How many tokens to draft. Each round drafts one past what the last round's target took (one after a rejected
     first draft), twice as many after a round taken whole, up to k: drafts come right or wrong in runs (a passage
-    copied, then a changed word), and a verify's rows cost more with each where the products are arithmetic-bound
-    (a 4-bit model: engine/BENCHMARKS.md, "Speculative decoding"), so a round after a miss is short. k itself
-    follows what drafting has cost: a drafting round's time per token it gave (its drafts, its verify) against a
-    plain step of the model (`target_ms`). Where drafting costs more than the model alone, k halves; at one and still
-    dearer — or, for a draft model, at once where a round of one draft clearly would not pay either, its draft taken
-    less often than it costs as a share of a step (`rates`; a 4-bit draft of a bfloat16 model on free text; lookup's
-    drafts cost nothing to make, and a run of copying may begin at any token) — nothing is drafted
-    for a while (plain steps: PROBE_EVERY rounds, twice as long after each probe that fails, up to MAX_IDLE), then k
-    tries again from two; well cheaper, k grows back to what was asked. So text where drafts fail costs about what
-    the model alone costs (engine/BENCHMARKS.md, "The Intel Xeon, 2026-12-08: drafting weighed against a step it
-    can pay for"). The first round drafts FIRST_REACH at most: where a
-    verify's rows are dear (a 4-bit file's on float32 activations: each row its own FMAs) a long first round
-    that misses costs several plain steps. Where drafts cost nothing to make and their rows are cheap (lookup's on a
-    float model: a row ~6% of a step) a round drafts on past a miss as far as a draft still pays for itself
-    (`horizon`); a model's drafts keep the rule of runs (measured: engine/BENCHMARKS.md, "The Intel Xeon,
-    2026-12-07 (night): lookup follows its longest match, and drafts on where rows are cheap"). A sampled reply with
-    a seed keeps k (`fixed`): its random draws, drafts' and accept tests', then come in one order whatever the
-    machine's timings, and the seed gives the same reply."""
+    copied, then a changed word), and a verify's rows cost more with each where the products are arithmetic-bound (a
+    4-bit model: engine/BENCHMARKS.md, "Speculative decoding"), so a round after a miss is short. k itself follows what
+    drafting has cost: a drafting round's time per token it gave (its drafts, its verify) against a plain step of the
+    model (`target_ms`). Where drafting costs more than the model alone, k halves; at one and still dearer — or, for a
+    draft model, at once where a round of one draft clearly would not pay either, its draft taken less often than it
+    costs as a share of a step (`rates`; a 4-bit draft of a bfloat16 model on free text; lookup's drafts cost nothing to
+    make, and a run of copying may begin at any token) — nothing is drafted for a while (plain steps: PROBE_EVERY
+    rounds, twice as long after each probe that fails, up to MAX_IDLE), then k tries again from two; well cheaper, k
+    grows back to what was asked. So text where drafts fail costs about what the model alone costs
+    (engine/BENCHMARKS.md, "The Intel Xeon, 2026-12-08: drafting weighed against a step it can pay for"). The first
+    round drafts FIRST_REACH at most: where a verify's rows are dear (a 4-bit file's on float32 activations: each row
+    its own FMAs) a long first round that misses costs several plain steps. Where drafts cost nothing to make and their
+    rows are cheap (lookup's on a float model: a row ~6% of a step) a round drafts on past a miss as far as a draft
+    still pays for itself (`horizon`); a model's drafts keep the rule of runs (measured: engine/BENCHMARKS.md, "The
+    Intel Xeon, 2026-12-07 (night): lookup follows its longest match, and drafts on where rows are cheap"). A sampled
+    reply with a seed keeps k (`fixed`): its random draws, drafts' and accept tests', then come in one order whatever
+    the machine's timings, and the seed gives the same reply."""
 
     def __init__(self, k: int, fixed: bool = False, free: bool = False):
         self.k = self.asked = k
@@ -184,10 +183,9 @@ class SpecStats:
     by_position: list[int] = dataclasses.field(default_factory=list)  # accepted at draft position i (of rounds)
     offered: list[int] = dataclasses.field(default_factory=list)  # drafted at position i
     draft_ms: float = 0.0
-    verify_ms: float = 0.0
     draft_prefill_ms: float = 0.0  # the draft model's own prefill of the prompt, before token 1
     plain_ms: list[float] = dataclasses.field(default_factory=list)  # the target's plain decode steps in this reply
-    checks: list[float] = dataclasses.field(default_factory=list)  # its verify passes (each a plain step's work, more)
+    checks: list[float] = dataclasses.field(default_factory=list)  # its verify passes' ms (each a step's work, more)
     rolled_back: int = 0  # drafted positions written and then thrown away
 
     def add(self, drafted: int, accepted: int) -> None:
@@ -219,7 +217,7 @@ class SpecStats:
             "acceptance_by_position": [a / o if o else None for a, o in zip(self.by_position, self.offered)],
             "draft_ms": round(self.draft_ms, 3),
             "draft_prefill_ms": self.draft_prefill_ms,
-            "verify_ms": round(self.verify_ms, 3),
+            "verify_ms": round(sum(self.checks), 3),
             "rolled_back": self.rolled_back,
             "target_step_ms": step,
             "plain_steps": len(self.plain_ms),
@@ -294,7 +292,6 @@ def speculate(req, logits: torch.Tensor, decoder: Decoder, ids: list[int], tok, 
                 ok = False
             if i == 0:
                 checked = _ms_since(t0)  # the choice of the first reads the logits: the pass has run
-                stats.verify_ms += checked
                 stats.checks.append(checked)
             kind = "accepted" if ok else "corrected" if i < j else "target"
             if not ok:
